@@ -1,0 +1,3 @@
+"""Client SDK for kvrouterd (gateways and engines)."""
+
+__all__: list[str] = []

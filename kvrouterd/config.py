@@ -1,0 +1,310 @@
+"""Configuration: one YAML schema, overridden by environment variables, then CLI flags.
+
+Precedence (later wins): embedded defaults < ``--config`` file < ``KVROUTERD_*`` environment
+< command-line flags. Every section is a frozen dataclass; unknown keys and bad values fail
+at start-up with a ConfigError naming the field (``workers[1].capacity_blocks: ...``).
+
+Example (every key optional)::
+
+    listen: 0.0.0.0:50051
+    block_size: 16
+    routing: {name: cache_aware, cache_threshold: 0.3}
+    extra_routing: [{name: least_loaded}]     # policies a request may name
+    eviction: {name: lru}
+    workers:
+      - {id: gpu-0, address: 10.0.0.5:8000, capacity_blocks: 20000, mode: events}
+    limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
+    telemetry: {traces: none}
+
+The policy sections are validated through the policy registry, so a typo in a policy
+parameter fails here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError
+from .index.workers import WorkerSpec
+from .protocols import CacheMode
+
+__all__ = [
+    "Config",
+    "WorkerConfig",
+    "LimitsConfig",
+    "TelemetryConfig",
+    "load_config",
+    "parse_config",
+    "ENV_PREFIX",
+]
+
+ENV_PREFIX = "KVROUTERD_"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    id: str
+    address: str
+    capacity_blocks: int = 0
+    mode: Literal["events", "approximate"] = "approximate"
+    kv_events_endpoint: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_spec(self, block_size: int) -> WorkerSpec:
+        return WorkerSpec(
+            id=self.id,
+            address=self.address,
+            capacity_blocks=self.capacity_blocks,
+            block_size=block_size,
+            labels=dict(self.labels),
+            mode=CacheMode.EVENTS if self.mode == "events" else CacheMode.APPROXIMATE,
+            kv_events_endpoint=self.kv_events_endpoint,
+        )
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    #: largest gRPC message accepted or sent, bytes (a 1M-token prompt is ~4 MiB packed)
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_prompt_tokens: int = 1 << 20
+    #: events per PublishEvents batch
+    max_batch_events: int = 65536
+    max_concurrent_streams: int = 1024
+    #: seconds after which a routed request that never completed stops counting as load
+    inflight_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    #: span exporter: none, console or otlp. The OTEL_TRACES_EXPORTER variable, when set,
+    #: wins (standard OpenTelemetry configuration; OTEL_EXPORTER_OTLP_* configure OTLP).
+    traces: Literal["none", "console", "otlp"] = "none"
+    service_name: str = "kvrouterd"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str = "127.0.0.1:50051"
+    block_size: int = 16
+    routing: dict[str, Any] = field(default_factory=lambda: {"name": "cache_aware"})
+    extra_routing: list[dict[str, Any]] = field(default_factory=list)
+    eviction: dict[str, Any] = field(default_factory=lambda: {"name": "lru"})
+    default_ttft_slo_ms: float = 5000.0
+    workers: list[WorkerConfig] = field(default_factory=list)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    #: seconds between periodic maintenance (in-flight expiry, policy ticks)
+    tick_interval_s: float = 0.02
+
+    def validate(self) -> None:
+        from .policies import registry
+
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"block_size: must be in [1, 4096], got {self.block_size}")
+        for name, spec in (("routing", self.routing), ("eviction", self.eviction)):
+            try:
+                registry.build(name, spec)  # type: ignore[arg-type]
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+        for i, spec in enumerate(self.extra_routing):
+            try:
+                registry.build("routing", spec)
+            except ConfigError as exc:
+                raise ConfigError(f"extra_routing[{i}]: {exc}") from None
+        seen: set[str] = set()
+        for i, w in enumerate(self.workers):
+            if not w.id:
+                raise ConfigError(f"workers[{i}].id: must not be empty")
+            if w.id in seen:
+                raise ConfigError(f"workers[{i}].id: duplicate worker id {w.id!r}")
+            seen.add(w.id)
+            if not w.address:
+                raise ConfigError(f"workers[{i}].address: must not be empty")
+            if w.capacity_blocks < 0:
+                raise ConfigError(f"workers[{i}].capacity_blocks: must be >= 0")
+        lim = self.limits
+        for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams"):
+            if getattr(lim, fname) <= 0:
+                raise ConfigError(f"limits.{fname}: must be > 0")
+        if lim.max_message_bytes < 4096:
+            raise ConfigError("limits.max_message_bytes: must be >= 4096")
+        if lim.inflight_timeout_s <= 0:
+            raise ConfigError("limits.inflight_timeout_s: must be > 0")
+        if self.default_ttft_slo_ms <= 0:
+            raise ConfigError("default_ttft_slo_ms: must be > 0")
+        if not 0 < self.tick_interval_s <= 10:
+            raise ConfigError("tick_interval_s: must be in (0, 10]")
+
+    def router_settings(self):  # type: ignore[no-untyped-def]
+        from .router import RouterSettings
+
+        return RouterSettings(
+            block_size=self.block_size,
+            routing=self.routing,
+            extra_routing=tuple(self.extra_routing),
+            eviction=self.eviction,
+            inflight_timeout_s=self.limits.inflight_timeout_s,
+            max_prompt_tokens=self.limits.max_prompt_tokens,
+            default_ttft_slo_ms=self.default_ttft_slo_ms,
+        )
+
+
+# ---- generic loading ----------------------------------------------------------------
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def _convert(t: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(t)
+    if dataclasses.is_dataclass(t):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(t, value, where)
+    if origin is Literal:
+        allowed = typing.get_args(t)
+        if value not in allowed:
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
+    if origin is list:
+        (item_t,) = typing.get_args(t)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_convert(item_t, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        key_t, val_t = typing.get_args(t)
+        return {str(k): (v if val_t is Any else _convert(val_t, v, f"{where}.{k}")) for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{where}: unsupported union type")  # pragma: no cover - schema bug
+    if t is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if t is int:
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if t is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if t is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: Any, data: Mapping[str, Any], where: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{prefix}{key}: unknown setting; known: {', '.join(sorted(fields))}")
+    kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    missing = [
+        name for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: required")
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k not in ("routing", "eviction"):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+#: environment variable -> dotted config path
+ENV_KEYS = {
+    "LISTEN": "listen",
+    "BLOCK_SIZE": "block_size",
+    "ROUTING_POLICY": "routing.name",
+    "EVICTION_POLICY": "eviction.name",
+    "DEFAULT_TTFT_SLO_MS": "default_ttft_slo_ms",
+    "MAX_MESSAGE_BYTES": "limits.max_message_bytes",
+    "MAX_PROMPT_TOKENS": "limits.max_prompt_tokens",
+    "TRACES": "telemetry.traces",
+    "LOG_LEVEL": "telemetry.log_level",
+    "LOG_FORMAT": "telemetry.log_format",
+}
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: cannot override inside a non-mapping")
+    if parents and parents[-1] in ("routing", "eviction") and leaf == "name" and node.get("name") != value:
+        node.clear()  # a different policy: its parameters no longer apply
+    node[leaf] = value
+
+
+def parse_config(data: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """A validated Config from a mapping (as loaded from YAML) and dotted-path overrides."""
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError("the config file must hold a mapping at the top level")
+    merged: dict[str, Any] = _merge({}, data or {})
+    for dotted, value in (overrides or {}).items():
+        _set_path(merged, dotted, value)
+    cfg = _build(Config, merged)
+    cfg.validate()
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults, then the YAML file, then KVROUTERD_* variables, then ``overrides``."""
+    env = os.environ if environ is None else environ
+    data: Any = None
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    merged_overrides: dict[str, Any] = {}
+    for suffix, dotted in ENV_KEYS.items():
+        if (value := env.get(ENV_PREFIX + suffix)) is not None:
+            merged_overrides[dotted] = value
+    merged_overrides.update(overrides or {})
+    return parse_config(data, merged_overrides)

@@ -1,0 +1,212 @@
+"""Workers and the load the router has committed to them.
+
+Load has two sources: what the router itself dispatched (in-flight requests and their
+uncached prefill tokens, committed on Route and released on Complete or after a timeout)
+and what the engine last reported (queue, running requests, KV utilisation). Policies read
+both; only the host mutates them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ..errors import Conflict, InvalidRequest, NotFound
+from ..protocols import CacheMode, WorkerState
+
+__all__ = ["WorkerSpec", "Worker", "InFlight", "WorkerRegistry", "MAX_WORKERS"]
+
+#: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
+#: sanity limit rather than a data-structure one.
+MAX_WORKERS = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSpec:
+    """How a worker is described in config and RegisterWorker."""
+
+    id: str
+    address: str
+    capacity_blocks: int = 0
+    block_size: int = 0  # 0 = the router's block size
+    labels: Mapping[str, str] = field(default_factory=dict)
+    mode: CacheMode = CacheMode.APPROXIMATE
+    kv_events_endpoint: str = ""
+
+    def validate(self, router_block_size: int) -> None:
+        if not self.id:
+            raise InvalidRequest("worker.id must not be empty")
+        if len(self.id) > 253:
+            raise InvalidRequest("worker.id must be at most 253 characters")
+        if not self.address:
+            raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
+        if self.block_size not in (0, router_block_size):
+            raise InvalidRequest(
+                f"worker {self.id!r}: block_size {self.block_size} differs from the router's "
+                f"{router_block_size}; run one router per block size"
+            )
+        if self.capacity_blocks < 0:
+            raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be >= 0")
+
+
+class Worker:
+    """A registered worker: its spec, its index slot, state and load."""
+
+    __slots__ = (
+        "spec", "slot", "state", "inflight_requests", "pending_prefill_tokens",
+        "reported_queue", "reported_running", "kv_utilization", "engine_keys",
+        "last_sequence", "gaps", "registered_at",
+    )
+
+    def __init__(self, spec: WorkerSpec, slot: int, now: float) -> None:
+        self.spec = spec
+        self.slot = slot
+        self.state = WorkerState.READY
+        self.inflight_requests = 0
+        self.pending_prefill_tokens = 0
+        self.reported_queue = 0
+        self.reported_running = 0
+        self.kv_utilization = 0.0
+        #: engine hash -> our key, for engines whose hashes are not our keys
+        self.engine_keys: dict[int, int] = {}
+        #: last applied event-batch sequence number (-1 = none yet)
+        self.last_sequence = -1
+        self.gaps = 0
+        self.registered_at = now
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def mode(self) -> CacheMode:
+        return self.spec.mode
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
+
+    @property
+    def eligible(self) -> bool:
+        """May receive new requests (degraded workers still serve; their cache view is stale)."""
+        return self.state is not WorkerState.DRAINING
+
+    def __repr__(self) -> str:
+        return f"Worker({self.id!r}, slot={self.slot}, {self.state.name})"
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    worker_id: str
+    prefill_tokens: int
+    prompt_tokens: int
+    overlap_blocks: int
+    started_at: float
+    policy: str
+
+
+class WorkerRegistry:
+    """Workers by id, their slots, and the requests routed to them and not yet completed."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._inflight: dict[str, InFlight] = {}
+        self._inflight_order: deque[InFlight] = deque()
+        #: bumps on every membership change so policies can cache per-membership state
+        self.generation = 0
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._workers.values())
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> Worker:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise NotFound(f"unknown worker {worker_id!r}") from None
+
+    def find(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def next_slot(self) -> int:
+        """The slot the next new worker will get (does not reserve it)."""
+        return min(self._free_slots) if self._free_slots else self._next_slot
+
+    def add(self, spec: WorkerSpec, now: float) -> Worker:
+        if spec.id in self._workers:
+            raise Conflict(f"worker {spec.id!r} is already registered")
+        if len(self._workers) >= MAX_WORKERS:
+            raise Conflict(f"at most {MAX_WORKERS} workers may be registered")
+        if self._free_slots:
+            self._free_slots.sort()
+            slot = self._free_slots.pop(0)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        worker = Worker(spec, slot, now)
+        self._workers[spec.id] = worker
+        self.generation += 1
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self.get(worker_id)
+        del self._workers[worker_id]
+        self._free_slots.append(worker.slot)
+        for rid in [r.request_id for r in self._inflight.values() if r.worker_id == worker_id]:
+            del self._inflight[rid]
+        self.generation += 1
+        return worker
+
+    # ---- load ----------------------------------------------------------------------
+    def inflight(self, request_id: str) -> InFlight | None:
+        return self._inflight.get(request_id)
+
+    @property
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    def commit(self, entry: InFlight) -> None:
+        """Charge a routed request to its worker until ``release``."""
+        if entry.request_id in self._inflight:
+            raise Conflict(f"request {entry.request_id!r} is already in flight")
+        worker = self._workers[entry.worker_id]
+        worker.inflight_requests += 1
+        worker.pending_prefill_tokens += entry.prefill_tokens
+        self._inflight[entry.request_id] = entry
+        self._inflight_order.append(entry)
+
+    def release(self, request_id: str) -> InFlight:
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            raise NotFound(f"request {request_id!r} is not in flight (unknown, completed or expired)")
+        worker = self._workers.get(entry.worker_id)
+        if worker is not None:
+            worker.inflight_requests -= 1
+            worker.pending_prefill_tokens -= entry.prefill_tokens
+        return entry
+
+    def expire(self, older_than: float) -> list[InFlight]:
+        """Release requests started before ``older_than`` that never completed."""
+        expired: list[InFlight] = []
+        order = self._inflight_order
+        while order and order[0].started_at < older_than:
+            entry = order.popleft()
+            if self._inflight.get(entry.request_id) is entry:
+                expired.append(self.release(entry.request_id))
+        # completed entries linger in the deque until they reach its head; keep it bounded
+        if len(order) > 4 * len(self._inflight) + 1024:
+            self._inflight_order = deque(e for e in order if self._inflight.get(e.request_id) is e)
+        return expired

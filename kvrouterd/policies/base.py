@@ -1,0 +1,227 @@
+"""The policy protocols: what a routing or eviction policy sees and returns.
+
+Selection is side-effect free: ``RoutingPolicy.select`` reads a ``RoutingContext`` and
+returns a ``Decision``; the host (router) commits load and then calls ``on_dispatch``.
+Hooks default to doing nothing, as in SGLang's LoadBalancingPolicy. Time and randomness come
+in as arguments (``ctx.now``, the ``random.Random`` given at construction) so the simulator
+and tests drive policies deterministically.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+from ..index.radix import Block, MatchResult, RadixIndex
+from ..index.workers import Worker
+from ..protocols import CandidateScore, Completion, Decision, RouteRequest
+
+__all__ = [
+    "RoutingContext",
+    "RoutingPolicy",
+    "RoutingPolicyBase",
+    "EvictionContext",
+    "EvictionPolicy",
+    "EvictionPolicyBase",
+    "AccessInfo",
+]
+
+
+class RoutingContext:
+    """One request and the workers it may go to, with their cache overlap and load."""
+
+    __slots__ = ("request", "candidates", "match", "block_size", "now", "index", "_overlaps")
+
+    def __init__(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Worker],
+        match: MatchResult,
+        block_size: int,
+        now: float,
+        index: RadixIndex,
+    ) -> None:
+        self.request = request
+        #: eligible workers, in registration-slot order (stable across calls)
+        self.candidates = candidates
+        self.match = match
+        self.block_size = block_size
+        self.now = now
+        #: the global index, read-only for policies
+        self.index = index
+        self._overlaps = match.overlaps
+
+    @property
+    def prompt_blocks(self) -> int:
+        return len(self.request.keys)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.prompt_tokens
+
+    def overlap(self, worker: Worker) -> int:
+        """Leading prompt blocks ``worker`` already holds."""
+        return self._overlaps.get(worker.slot, 0)
+
+    def cached_blocks(self, worker: Worker) -> int:
+        """Blocks the index holds for ``worker`` (its cache occupancy as the router sees it)."""
+        return self.index.count(worker.slot)
+
+    def uncached_tokens(self, worker: Worker) -> int:
+        """Prompt tokens ``worker`` would have to prefill."""
+        return max(0, self.request.prompt_tokens - self._overlaps.get(worker.slot, 0) * self.block_size)
+
+    def candidate(self, worker: Worker, score: float = 0.0, **terms: float) -> CandidateScore:
+        """A CandidateScore for the decision record, with the policy's own terms."""
+        return CandidateScore(
+            worker_id=worker.id,
+            overlap_blocks=self._overlaps.get(worker.slot, 0),
+            pending_prefill_tokens=worker.pending_prefill_tokens,
+            inflight_requests=worker.inflight_requests,
+            score=score,
+            terms=terms,
+        )
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    """Picks one worker among ``ctx.candidates`` (never empty)."""
+
+    name: ClassVar[str]
+
+    def select(self, ctx: RoutingContext) -> Decision: ...
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None: ...
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None: ...
+
+    def on_worker_added(self, worker: Worker) -> None: ...
+
+    def on_worker_removed(self, worker: Worker) -> None: ...
+
+    def tick(self, now: float) -> None: ...
+
+
+class RoutingPolicyBase:
+    """Default no-op hooks; concrete policies subclass this and implement ``select``."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, params: object, rng: random.Random) -> None:
+        self.params = params
+        self.rng = rng
+
+    def select(self, ctx: RoutingContext) -> Decision:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        return None
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
+        return None
+
+    def on_worker_added(self, worker: Worker) -> None:
+        return None
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        return None
+
+    def tick(self, now: float) -> None:
+        return None
+
+    def decide(self, ctx: RoutingContext, chosen: Worker, reason: str, candidates: list[CandidateScore], **extra: float | int | str) -> Decision:
+        """Build the Decision record for ``chosen``."""
+        return Decision(
+            worker_id=chosen.id,
+            policy=self.name,
+            reason=reason,
+            candidates=candidates,
+            overlap_blocks=ctx.overlap(chosen),
+            attributes=dict(extra),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class AccessInfo:
+    """What the router knows about the request that stored or touched blocks."""
+
+    session_id: str = ""
+    task: int = 0  # protocols.TaskCategory value
+    prompt_tokens: int = 0
+    #: first block index (0-based) of the chain the blocks belong to
+    first_offset: int = 0
+    #: blocks at or beyond this offset hold generated (decode) tokens
+    decode_from_block: int = 1 << 62
+
+
+class EvictionContext:
+    """A worker's cached blocks as an eviction policy sees them (read-only)."""
+
+    __slots__ = ("index", "slot", "now", "worker_id")
+
+    def __init__(self, index: RadixIndex, slot: int, now: float, worker_id: str = "") -> None:
+        self.index = index
+        self.slot = slot
+        self.now = now
+        self.worker_id = worker_id
+
+    def leaves(self) -> Iterable[Block]:
+        return self.index.leaves(self.slot)
+
+    def recency(self, node: Block) -> float:
+        return self.index.recency(node, self.slot)
+
+    def hits(self, node: Block) -> int:
+        return self.index.hits(node, self.slot)
+
+    def held(self, node: Block) -> bool:
+        return bool(node.holders >> self.slot & 1)
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders a worker's blocks for eviction.
+
+    ``rank`` returns at most ``count`` blocks, never a block in ``pinned`` (kvrouterd keys),
+    never a block before a cached descendant of it on that worker; fewer than ``count`` only
+    when nothing else is evictable. It does not change the index.
+    """
+
+    name: ClassVar[str]
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]: ...
+
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
+
+    def on_removed(self, slot: int, block: Block) -> None: ...
+
+    def on_cleared(self, slot: int) -> None: ...
+
+
+class EvictionPolicyBase:
+    """Default no-op hooks for eviction policies."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, params: object, rng: random.Random) -> None:
+        self.params = params
+        self.rng = rng
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:  # pragma: no cover
+        raise NotImplementedError
+
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        return None
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        return None
+
+    def on_removed(self, slot: int, block: Block) -> None:
+        return None
+
+    def on_cleared(self, slot: int) -> None:
+        return None

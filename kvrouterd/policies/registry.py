@@ -1,0 +1,147 @@
+"""One registry of policies, used by config validation, the daemon and the simulator alike.
+
+    @register("routing", "round_robin", RoundRobinParams)
+    class RoundRobin(RoutingPolicyBase): ...
+
+    build("routing", {"name": "cache_aware", "cache_threshold": 0.5}, rng)
+
+Params are frozen dataclasses whose fields carry defaults and ``metadata={"help": ...}``;
+a ``validate()`` method checks ranges. A bad name, field or value raises ConfigError naming
+the policy and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import typing
+from collections.abc import Mapping
+from typing import Any, Callable, Literal, TypeVar
+
+from ..errors import ConfigError
+
+__all__ = ["Kind", "register", "build", "build_params", "names", "describe", "NoParams"]
+
+Kind = Literal["routing", "eviction"]
+_KINDS: tuple[Kind, ...] = ("routing", "eviction")
+_REGISTRY: dict[tuple[str, str], tuple[type, type]] = {}
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    """For policies without parameters."""
+
+
+def register(kind: Kind, name: str, params: type = NoParams) -> Callable[[type[T]], type[T]]:
+    if kind not in _KINDS:
+        raise ValueError(f"unknown policy kind {kind!r}")
+    if not dataclasses.is_dataclass(params):
+        raise TypeError(f"{name}: params must be a dataclass")
+
+    def decorate(cls: type[T]) -> type[T]:
+        if (kind, name) in _REGISTRY and _REGISTRY[(kind, name)][0] is not cls:
+            raise ValueError(f"{kind} policy {name!r} registered twice")
+        cls.name = name  # type: ignore[attr-defined]
+        _REGISTRY[(kind, name)] = (cls, params)
+        return cls
+
+    return decorate
+
+
+def _ensure_loaded() -> None:
+    # Importing the packages runs their @register decorators.
+    from . import eviction, routing  # noqa: F401
+
+
+def names(kind: Kind) -> list[str]:
+    _ensure_loaded()
+    return sorted(n for k, n in _REGISTRY if k == kind)
+
+
+def _lookup(kind: Kind, name: str) -> tuple[type, type]:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[(kind, name)]
+    except KeyError:
+        raise ConfigError(f"unknown {kind} policy {name!r}; known: {', '.join(names(kind))}") from None
+
+
+def _coerce(policy: str, f: dataclasses.Field, value: Any, hints: dict[str, Any]) -> Any:
+    want = hints.get(f.name, f.type)
+    where = f"{policy}.{f.name}"
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if want is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if want is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if want is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    origin = typing.get_origin(want)
+    if origin is Literal:
+        if value not in typing.get_args(want):
+            raise ConfigError(f"{where}: must be one of {', '.join(map(repr, typing.get_args(want)))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(value)
+    return value
+
+
+def build_params(kind: Kind, name: str, values: Mapping[str, Any]) -> Any:
+    """Validated params for policy ``name`` from a mapping of overrides."""
+    _, params_cls = _lookup(kind, name)
+    fields = {f.name: f for f in dataclasses.fields(params_cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{kind} policy {name!r}: unknown parameter {unknown[0]!r}; "
+            f"known: {', '.join(sorted(fields)) or '(none)'}"
+        )
+    hints = typing.get_type_hints(params_cls)
+    kwargs = {k: _coerce(name, fields[k], v, hints) for k, v in values.items()}
+    try:
+        params = params_cls(**kwargs)
+        validate = getattr(params, "validate", None)
+        if validate is not None:
+            validate()
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{kind} policy {name!r}: {exc}") from None
+    return params
+
+
+def build(kind: Kind, spec: str | Mapping[str, Any], rng: random.Random | None = None) -> Any:
+    """A policy object from ``"name"`` or ``{"name": ..., param: value, ...}``."""
+    if isinstance(spec, str):
+        name, values = spec, {}
+    else:
+        values = dict(spec)
+        name = values.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{kind} policy spec needs a 'name', got {dict(spec)!r}")
+    cls, _ = _lookup(kind, name)
+    params = build_params(kind, name, values)
+    return cls(params, rng if rng is not None else random.Random(0))
+
+
+def describe(kind: Kind, name: str) -> list[tuple[str, Any, str]]:
+    """(field, default, help) for each parameter of a policy, for --help and docs."""
+    _, params_cls = _lookup(kind, name)
+    out = []
+    for f in dataclasses.fields(params_cls):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append((f.name, default, str(f.metadata.get("help", ""))))
+    return out

@@ -1,0 +1,85 @@
+"""``cache_aware``: SGLang router's cache-aware policy (sgl-router / SGLang model gateway).
+
+Per request:
+1. The cluster is *imbalanced* when ``max_load - min_load > balance_abs_threshold`` **and**
+   ``max_load > balance_rel_threshold * min_load`` over the eligible workers. Then the
+   least-loaded worker wins (reason ``imbalanced``).
+2. Otherwise the worker with the longest cached prefix wins if its match rate
+   (matched prompt tokens / prompt tokens) exceeds ``cache_threshold`` (reason
+   ``prefix_match``; ties go to the less loaded worker).
+3. Otherwise the least-loaded worker wins (reason ``low_match``); ties go to the worker
+   holding fewer cached blocks, which has the most room for a new prefix (SGLang picks the
+   smallest tree).
+
+Parameters (defaults are SGLang's current ones):
+- ``cache_threshold`` = 0.3: minimum match rate for cache affinity, in [0, 1].
+- ``balance_abs_threshold`` = 64: absolute load spread that can mark imbalance.
+- ``balance_rel_threshold`` = 1.5: relative load spread that can mark imbalance (>= 1).
+- ``load_metric`` = "requests": load is in-flight requests, as in SGLang; "prefill_tokens"
+  uses pending uncached prefill tokens instead (then size the absolute threshold in tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ...index.workers import Worker
+from ...protocols import Decision
+from ..base import RoutingContext, RoutingPolicyBase
+from ..registry import register
+
+
+@dataclass(frozen=True)
+class CacheAwareParams:
+    cache_threshold: float = field(default=0.3, metadata={"help": "minimum prefix match rate for cache affinity"})
+    balance_abs_threshold: float = field(default=64, metadata={"help": "load spread (absolute) that can mark imbalance"})
+    balance_rel_threshold: float = field(default=1.5, metadata={"help": "load spread (max/min) that can mark imbalance"})
+    load_metric: Literal["requests", "prefill_tokens"] = field(
+        default="requests", metadata={"help": "what load means: in-flight requests or pending prefill tokens"}
+    )
+
+    def validate(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+
+
+@register("routing", "cache_aware", CacheAwareParams)
+class CacheAwarePolicy(RoutingPolicyBase):
+    params: CacheAwareParams
+
+    def _load(self, w: Worker) -> int:
+        return w.inflight_requests if self.params.load_metric == "requests" else w.pending_prefill_tokens
+
+    def select(self, ctx: RoutingContext) -> Decision:
+        p = self.params
+        load = self._load
+        candidates = ctx.candidates
+        loads = [load(w) for w in candidates]
+        max_load, min_load = max(loads), min(loads)
+        imbalanced = (max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
+
+        prompt_tokens = max(ctx.prompt_tokens, 1)
+        best = max(candidates, key=lambda w: (ctx.overlap(w), -load(w), -w.slot))
+        match_rate = min(1.0, ctx.overlap(best) * ctx.block_size / prompt_tokens)
+
+        if imbalanced:
+            chosen, reason = min(candidates, key=lambda w: (load(w), w.slot)), "imbalanced"
+        elif match_rate > p.cache_threshold:
+            chosen, reason = best, "prefix_match"
+        else:
+            chosen = min(candidates, key=lambda w: (load(w), ctx.cached_blocks(w), w.slot))
+            reason = "low_match"
+        scored = [
+            ctx.candidate(
+                w,
+                score=ctx.overlap(w) * ctx.block_size / prompt_tokens,
+                load=float(load(w)),
+            )
+            for w in candidates
+        ]
+        return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced))

@@ -1,0 +1,17 @@
+"""``random``: a uniformly random eligible worker. The baseline every paper compares against.
+
+No parameters. Randomness comes from the seeded generator the registry passes in.
+"""
+
+from __future__ import annotations
+
+from ...protocols import Decision
+from ..base import RoutingContext, RoutingPolicyBase
+from ..registry import register
+
+
+@register("routing", "random")
+class RandomPolicy(RoutingPolicyBase):
+    def select(self, ctx: RoutingContext) -> Decision:
+        chosen = ctx.candidates[self.rng.randrange(len(ctx.candidates))]
+        return self.decide(ctx, chosen, "random", [ctx.candidate(w) for w in ctx.candidates])

@@ -1,0 +1,189 @@
+"""The core's vocabulary: what flows from the edges into the router and back out.
+
+Edges (gRPC, ZMQ adapters, the simulator) convert their wire types into these slotted
+dataclasses; nothing inside ``index/``, ``policies/`` or ``router.py`` sees protobuf or msgpack.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+__all__ = [
+    "TaskCategory",
+    "CacheMode",
+    "WorkerState",
+    "Stored",
+    "Removed",
+    "Cleared",
+    "CacheEvent",
+    "EventBatch",
+    "BatchOutcome",
+    "RouteRequest",
+    "CandidateScore",
+    "Decision",
+    "Completion",
+    "EvictRequest",
+    "EvictAdvice",
+]
+
+
+class TaskCategory(enum.IntEnum):
+    """Mirrors kvrouter.v1.TaskCategory (same numbers)."""
+
+    UNSPECIFIED = 0
+    CHAT = 1
+    AGENTIC = 2
+    UNTEMPLATED = 3
+    TEMPLATED = 4
+
+    def resolve(self, has_session: bool) -> TaskCategory:
+        """An unlabelled request is CHAT with a session id, TEMPLATED without (keep its prefix)."""
+        if self is TaskCategory.UNSPECIFIED:
+            return TaskCategory.CHAT if has_session else TaskCategory.TEMPLATED
+        return self
+
+
+class CacheMode(enum.IntEnum):
+    """How the router knows a worker's cache. Mirrors kvrouter.v1.CacheStateMode."""
+
+    EVENTS = 1
+    APPROXIMATE = 2
+
+
+class WorkerState(enum.IntEnum):
+    """Mirrors kvrouter.v1.WorkerState."""
+
+    READY = 1
+    DEGRADED = 2
+    DRAINING = 3
+
+
+@dataclass(slots=True, frozen=True)
+class Stored:
+    """The engine cached a chain of full blocks.
+
+    ``token_ids`` holds every block's tokens back to back (little-endian uint32 bytes or a
+    sequence of ints). ``engine_hashes`` is the engine's id for each block; None means the
+    publisher uses kvrouterd keys as its hashes (our SDK does), so no mapping is kept.
+    """
+
+    token_ids: bytes | tuple[int, ...]
+    engine_hashes: tuple[int, ...] | None
+    parent_engine_hash: int | None = None
+    block_size: int = 0
+    model: str = ""
+    lora: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class Removed:
+    """The engine evicted these blocks (engine hashes, or kvrouterd keys for our SDK)."""
+
+    engine_hashes: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Cleared:
+    """The engine dropped its whole prefix cache."""
+
+
+CacheEvent = Union[Stored, Removed, Cleared]
+
+
+@dataclass(slots=True, frozen=True)
+class EventBatch:
+    """Events from one worker, numbered by the publisher (+1 per batch, 0 after a restart)."""
+
+    worker_id: str
+    sequence: int
+    events: tuple[CacheEvent, ...]
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What applying a batch did; the host turns it into metrics, logs and a span."""
+
+    applied: bool
+    duplicate: bool = False
+    gap: int = 0  # batches missing before this one (0 = in order)
+    restarted: bool = False
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    orphan_blocks: int = 0  # stored blocks whose parent the router never saw
+    unknown_removals: int = 0
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """One request to place. ``keys`` are the prompt's full-block keys (see index.keys)."""
+
+    request_id: str
+    keys: list[int]
+    prompt_tokens: int
+    session_id: str = ""
+    task: TaskCategory = TaskCategory.UNSPECIFIED
+    ttft_slo_ms: float = 0.0
+    expected_output_tokens: int = 0
+    policy: str = ""
+    candidate_workers: tuple[str, ...] = ()
+    model: str = ""
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """One worker as a policy saw it. ``terms`` holds the policy's own cost terms."""
+
+    worker_id: str
+    overlap_blocks: int
+    pending_prefill_tokens: int
+    inflight_requests: int
+    score: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision as data: telemetry and the host read it, policies produce it."""
+
+    worker_id: str
+    policy: str
+    reason: str
+    candidates: list[CandidateScore]
+    overlap_blocks: int = 0
+    alternative_worker_id: str = ""
+    estimated_ttft_ms: float = 0.0
+    attributes: dict[str, float | int | str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Completion:
+    """What the caller observed for a routed request."""
+
+    request_id: str
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    cached_tokens: int = -1
+    output_tokens: int = 0
+    success: bool = True
+
+
+@dataclass(slots=True, frozen=True)
+class EvictRequest:
+    """How many blocks a worker wants to free, and which it cannot drop right now."""
+
+    worker_id: str
+    blocks: int
+    pinned_keys: frozenset[int] = frozenset()
+    policy: str = ""
+
+
+@dataclass(slots=True)
+class EvictAdvice:
+    """Blocks to evict in order (leaves before ancestors) with the engine's hash for each."""
+
+    keys: list[int]
+    engine_hashes: list[int]
+    exhausted: bool
+    policy: str

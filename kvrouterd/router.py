@@ -1,0 +1,472 @@
+"""The router: one brain shared by the daemon (``server/``) and the simulator (``sim/``).
+
+It owns the global index, the worker registry and the policy objects, and turns the core
+vocabulary (``protocols``) into state changes and decisions. It is synchronous and does no
+I/O; hosts call it from one thread (the daemon's event loop, the simulator's loop) and supply
+the clock and the random generator.
+
+Every public method validates its input completely before it changes anything, so a call
+that raises ``errors.KVRouterError`` leaves the router exactly as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clock import Clock
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, UnknownPolicy
+from .index.keys import chain_keys, namespace_seed, tokens_to_bytes
+from .index.radix import RadixIndex
+from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
+from .policies import registry
+from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy
+from .protocols import (
+    BatchOutcome,
+    CacheMode,
+    Cleared,
+    Completion,
+    Decision,
+    EventBatch,
+    EvictAdvice,
+    EvictRequest,
+    Removed,
+    RouteRequest,
+    Stored,
+    WorkerState,
+)
+
+__all__ = ["RouterSettings", "Router", "RouteResult"]
+
+log = logging.getLogger("kvrouterd.router")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router core needs from the configuration."""
+
+    block_size: int = 16
+    routing: Mapping[str, Any] = field(default_factory=lambda: {"name": "cache_aware"})
+    #: extra routing policies requests may name, besides the default one
+    extra_routing: Sequence[Mapping[str, Any]] = ()
+    eviction: Mapping[str, Any] = field(default_factory=lambda: {"name": "lru"})
+    #: a request not completed within this many seconds stops counting as load
+    inflight_timeout_s: float = 300.0
+    max_prompt_tokens: int = 1 << 20
+    #: default TTFT objective for policies that use one, ms
+    default_ttft_slo_ms: float = 5000.0
+
+    def validate(self) -> None:
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"block_size must be in [1, 4096], got {self.block_size}")
+        if self.inflight_timeout_s <= 0:
+            raise ConfigError(f"inflight_timeout_s must be > 0, got {self.inflight_timeout_s}")
+        if self.max_prompt_tokens <= 0:
+            raise ConfigError(f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
+
+
+@dataclass(slots=True)
+class RouteResult:
+    """A committed decision and the worker it names."""
+
+    decision: Decision
+    worker: Worker
+    request: RouteRequest
+    alternative: Worker | None
+
+
+def _spec_name(spec: Mapping[str, Any] | str) -> str:
+    return spec if isinstance(spec, str) else str(spec.get("name", ""))
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, clock: Clock, rng: random.Random | None = None) -> None:
+        settings.validate()
+        self.settings = settings
+        self.clock = clock
+        self.rng = rng if rng is not None else random.Random(0)
+        self.block_size = settings.block_size
+        self.index = RadixIndex()
+        self.workers = WorkerRegistry()
+        self._routing: dict[str, RoutingPolicy] = {}
+        self.default_routing = _spec_name(settings.routing)
+        for spec in (settings.routing, *settings.extra_routing):
+            policy = registry.build("routing", spec, random.Random(self.rng.getrandbits(64)))
+            self._routing[policy.name] = policy
+        self.eviction: EvictionPolicy = registry.build("eviction", settings.eviction, random.Random(self.rng.getrandbits(64)))
+        self._eviction_by_name: dict[str, EvictionPolicy] = {self.eviction.name: self.eviction}
+        self._requests: dict[str, RouteRequest] = {}
+        self._candidates_gen = -1
+        self._candidates: list[Worker] = []
+        self._candidates_mask = 0
+        self._request_counter = 0
+        self.counters: dict[str, int] = {
+            "decisions": 0, "batches_applied": 0, "batches_duplicate": 0, "gaps": 0,
+            "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
+            "unknown_removals": 0, "inflight_expired": 0, "approx_evicted": 0,
+        }
+
+    # ---- policies -------------------------------------------------------------------
+    def routing_policy(self, name: str = "") -> RoutingPolicy:
+        """The configured policy ``name`` (default if empty); registered-but-unconfigured
+        policies are built with default parameters on first use."""
+        name = name or self.default_routing
+        policy = self._routing.get(name)
+        if policy is None:
+            if name not in registry.names("routing"):
+                raise UnknownPolicy(f"unknown routing policy {name!r}; known: {', '.join(registry.names('routing'))}")
+            policy = registry.build("routing", name, random.Random(self.rng.getrandbits(64)))
+            for w in self.workers:
+                policy.on_worker_added(w)
+            self._routing[name] = policy
+        return policy
+
+    def eviction_policy(self, name: str = "") -> EvictionPolicy:
+        if not name:
+            return self.eviction
+        policy = self._eviction_by_name.get(name)
+        if policy is None:
+            if name not in registry.names("eviction"):
+                raise UnknownPolicy(f"unknown eviction policy {name!r}; known: {', '.join(registry.names('eviction'))}")
+            policy = registry.build("eviction", name, random.Random(self.rng.getrandbits(64)))
+            self._eviction_by_name[name] = policy
+        return policy
+
+    @property
+    def routing_policies(self) -> Mapping[str, RoutingPolicy]:
+        return self._routing
+
+    # ---- membership -----------------------------------------------------------------
+    def add_worker(self, spec: WorkerSpec) -> Worker:
+        """Register a worker, or update an existing one's description in place."""
+        spec.validate(self.block_size)
+        existing = self.workers.find(spec.id)
+        if existing is not None:
+            if existing.spec.mode != spec.mode:
+                # the cache view was built under the other mode; start it afresh
+                self._clear_worker(existing)
+            existing.spec = spec
+            return existing
+        slot = self.workers.next_slot()
+        self.index.add_slot(slot)
+        worker = self.workers.add(spec, self.clock.now())
+        assert worker.slot == slot
+        for policy in self._routing.values():
+            policy.on_worker_added(worker)
+        log.info("worker added", extra={"worker_id": spec.id, "slot": slot, "mode": spec.mode.name})
+        return worker
+
+    def remove_worker(self, worker_id: str) -> Worker:
+        worker = self.workers.get(worker_id)
+        for rid in [rid for rid, r in self._requests.items() if (f := self.workers.inflight(rid)) and f.worker_id == worker_id]:
+            del self._requests[rid]
+        self.workers.remove(worker_id)
+        self.index.drop_slot(worker.slot)
+        for ev in self._eviction_by_name.values():
+            ev.on_cleared(worker.slot)
+        for policy in self._routing.values():
+            policy.on_worker_removed(worker)
+        log.info("worker removed", extra={"worker_id": worker_id})
+        return worker
+
+    def set_draining(self, worker_id: str, draining: bool) -> Worker:
+        worker = self.workers.get(worker_id)
+        if draining:
+            worker.state = WorkerState.DRAINING
+        elif worker.state is WorkerState.DRAINING:
+            worker.state = WorkerState.READY
+        self.workers.generation += 1
+        return worker
+
+    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
+        if queued < 0 or running < 0:
+            raise InvalidRequest("queued_requests and running_requests must be >= 0")
+        if not 0.0 <= kv_utilization <= 1.0:
+            raise InvalidRequest(f"kv_utilization must be in [0, 1], got {kv_utilization}")
+        worker = self.workers.get(worker_id)
+        worker.reported_queue, worker.reported_running, worker.kv_utilization = queued, running, kv_utilization
+
+    # ---- routing --------------------------------------------------------------------
+    def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "") -> list[int]:
+        """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes)."""
+        data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+        return chain_keys(data, self.block_size, namespace_seed(model, lora))
+
+    def new_request_id(self) -> str:
+        self._request_counter += 1
+        return f"kvr-{self._request_counter:x}-{self.rng.getrandbits(32):08x}"
+
+    def _eligible(self) -> tuple[list[Worker], int]:
+        if self._candidates_gen != self.workers.generation:
+            self._candidates = sorted((w for w in self.workers if w.eligible), key=lambda w: w.slot)
+            mask = 0
+            for w in self._candidates:
+                mask |= w.bit
+            self._candidates_mask = mask
+            self._candidates_gen = self.workers.generation
+        return self._candidates, self._candidates_mask
+
+    def validate_request(self, req: RouteRequest) -> None:
+        if req.prompt_tokens <= 0 or not (req.keys or req.prompt_tokens):
+            raise InvalidRequest("the prompt is empty: send token_ids or block_keys")
+        if req.prompt_tokens > self.settings.max_prompt_tokens:
+            raise InvalidRequest(
+                f"prompt of {req.prompt_tokens} tokens exceeds max_prompt_tokens={self.settings.max_prompt_tokens}"
+            )
+        if len(req.keys) > req.prompt_tokens // self.block_size:
+            raise InvalidRequest(
+                f"{len(req.keys)} block keys but prompt_tokens={req.prompt_tokens} holds at most "
+                f"{req.prompt_tokens // self.block_size} blocks of {self.block_size}"
+            )
+        if req.ttft_slo_ms < 0:
+            raise InvalidRequest("ttft_slo_ms must be >= 0")
+        if req.request_id and req.request_id in self._requests:
+            raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+
+    def decide(self, req: RouteRequest) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+        """Select a worker without committing anything (used by ``route`` and dry runs)."""
+        self.validate_request(req)
+        policy = self.routing_policy(req.policy)
+        candidates, mask = self._eligible()
+        if req.candidate_workers:
+            wanted = set(req.candidate_workers)
+            candidates = [w for w in candidates if w.id in wanted]
+            mask = 0
+            for w in candidates:
+                mask |= w.bit
+        if not candidates:
+            if req.candidate_workers:
+                raise NoEligibleWorker(f"none of the requested workers {list(req.candidate_workers)} is registered and eligible")
+            raise NoEligibleWorker("no eligible worker is registered")
+        now = self.clock.now()
+        match = self.index.match(req.keys, mask)
+        ctx = RoutingContext(req, candidates, match, self.block_size, now, self.index)
+        decision = policy.select(ctx)
+        return decision, ctx, policy
+
+    def route(self, req: RouteRequest) -> RouteResult:
+        """Decide, then commit: charge load, update the approximate cache model, notify."""
+        decision, ctx, policy = self.decide(req)
+        if not req.request_id:
+            req.request_id = self.new_request_id()
+        worker = self.workers.get(decision.worker_id)
+        overlap = ctx.overlap(worker)
+        decision.overlap_blocks = overlap
+        self.workers.commit(
+            InFlight(
+                request_id=req.request_id,
+                worker_id=worker.id,
+                prefill_tokens=ctx.uncached_tokens(worker),
+                prompt_tokens=req.prompt_tokens,
+                overlap_blocks=overlap,
+                started_at=ctx.now,
+                policy=decision.policy,
+            )
+        )
+        self._requests[req.request_id] = req
+        self._record_access(worker, req, ctx, overlap)
+        policy.on_dispatch(decision, ctx)
+        self.counters["decisions"] += 1
+        alternative = self.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
+        return RouteResult(decision, worker, req, alternative)
+
+    def _record_access(self, worker: Worker, req: RouteRequest, ctx: RoutingContext, overlap: int) -> None:
+        """The chosen worker reuses its matched prefix; in approximate mode it also caches the rest."""
+        now = ctx.now
+        slot = worker.slot
+        matched = ctx.match.path[:overlap]
+        info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
+        if matched:
+            self.index.touch(slot, matched, now)
+            self.eviction.on_accessed(slot, matched, info, now)
+        if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
+            return
+        parent = req.keys[overlap - 1] if overlap else None
+        stored = self.index.store(slot, parent, req.keys[overlap:], now)
+        self.eviction.on_stored(slot, stored, AccessInfo(
+            session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens, first_offset=overlap,
+        ), now)
+        capacity = worker.spec.capacity_blocks
+        excess = self.index.count(slot) - capacity if capacity else 0
+        if excess > 0:
+            ctx_e = EvictionContext(self.index, slot, now, worker.id)
+            victims = self.eviction.rank(ctx_e, excess, frozenset(req.keys))
+            for block in victims:
+                self.eviction.on_removed(slot, block)
+                self.index.remove(slot, block.key)
+            self.counters["approx_evicted"] += len(victims)
+
+    def complete(self, completion: Completion) -> InFlight:
+        entry = self.workers.release(completion.request_id)
+        req = self._requests.pop(completion.request_id, None)
+        worker = self.workers.find(entry.worker_id)
+        now = self.clock.now()
+        policy = self._routing.get(entry.policy)
+        if policy is not None:
+            policy.on_complete(worker, req, completion, now)
+        return entry
+
+    def request(self, request_id: str) -> RouteRequest | None:
+        return self._requests.get(request_id)
+
+    def expire_inflight(self) -> list[InFlight]:
+        """Stop charging requests whose completion never came (caller crashed, lost Complete)."""
+        expired = self.workers.expire(self.clock.now() - self.settings.inflight_timeout_s)
+        for entry in expired:
+            self._requests.pop(entry.request_id, None)
+        self.counters["inflight_expired"] += len(expired)
+        return expired
+
+    def tick(self) -> None:
+        """Periodic work for time-driven policies (load decay, hotness windows)."""
+        now = self.clock.now()
+        for policy in self._routing.values():
+            policy.tick(now)
+
+    # ---- cache events ---------------------------------------------------------------
+    def _prepare_stored(self, worker: Worker, ev: Stored) -> tuple[bytes, int]:
+        bs = ev.block_size or self.block_size
+        if bs != self.block_size:
+            raise InvalidRequest(
+                f"worker {worker.id!r}: stored block_size {bs} differs from the router's {self.block_size}"
+            )
+        data = ev.token_ids if isinstance(ev.token_ids, bytes) else tokens_to_bytes(ev.token_ids)
+        step = bs * 4
+        if not data or len(data) % step:
+            raise InvalidRequest(
+                f"worker {worker.id!r}: stored token_ids hold {len(data) // 4} tokens, not a positive multiple of block_size {bs}"
+            )
+        nblocks = len(data) // step
+        if ev.engine_hashes is not None and len(ev.engine_hashes) != nblocks:
+            raise InvalidRequest(
+                f"worker {worker.id!r}: {len(ev.engine_hashes)} engine hashes for {nblocks} blocks of tokens"
+            )
+        return data, nblocks
+
+    def apply(self, batch: EventBatch) -> BatchOutcome:
+        """Apply one batch of cache events for a worker, in publisher order.
+
+        Sequence rules (per worker): ``last+1`` is in order; a repeat of an applied number is
+        a duplicate and ignored; ``0`` after a higher number is an engine restart (its cache
+        is empty: state is cleared first); a jump forward is a gap: the lost batches are
+        counted and the worker is marked DEGRADED until a ``Cleared`` resyncs it.
+        """
+        worker = self.workers.get(batch.worker_id)
+        if batch.sequence < 0:
+            raise InvalidRequest("sequence must be >= 0")
+        prepared: list[tuple[bytes, int] | None] = []
+        for ev in batch.events:
+            if isinstance(ev, Stored):
+                prepared.append(self._prepare_stored(worker, ev))
+            elif isinstance(ev, (Removed, Cleared)):
+                prepared.append(None)
+            else:
+                raise InvalidRequest(f"unknown event type {type(ev).__name__}")
+        last, seq = worker.last_sequence, batch.sequence
+        outcome = BatchOutcome(applied=True)
+        if last >= 0 and seq <= last and not (seq == 0 and last > 0):
+            self.counters["batches_duplicate"] += 1
+            return BatchOutcome(applied=False, duplicate=True)
+        if last >= 0 and seq == 0:
+            outcome.restarted = True
+            self.counters["restarts"] += 1
+            self._clear_worker(worker)
+            log.warning("engine restart detected: worker state cleared", extra={"worker_id": worker.id})
+        elif seq != last + 1 and not (last < 0 and seq == 0):
+            outcome.gap = seq - last - 1 if last >= 0 else seq
+            worker.gaps += 1
+            worker.state = WorkerState.DEGRADED if worker.state is not WorkerState.DRAINING else worker.state
+            self.counters["gaps"] += 1
+            log.warning(
+                "event gap: %d batch(es) lost; worker degraded until resync",
+                outcome.gap, extra={"worker_id": worker.id, "last_sequence": last, "sequence": seq},
+            )
+        worker.last_sequence = seq
+        now = self.clock.now()
+        for ev, prep in zip(batch.events, prepared):
+            if isinstance(ev, Stored):
+                assert prep is not None
+                self._apply_stored(worker, ev, prep[0], outcome, now)
+            elif isinstance(ev, Removed):
+                self._apply_removed(worker, ev, outcome)
+            else:
+                self._clear_worker(worker)
+                if worker.state is WorkerState.DEGRADED:
+                    worker.state = WorkerState.READY
+                    log.info("worker resynced by Cleared", extra={"worker_id": worker.id})
+        self.counters["batches_applied"] += 1
+        self.counters["blocks_stored"] += outcome.blocks_stored
+        self.counters["blocks_removed"] += outcome.blocks_removed
+        self.counters["orphan_blocks"] += outcome.orphan_blocks
+        self.counters["unknown_removals"] += outcome.unknown_removals
+        return outcome
+
+    def _apply_stored(self, worker: Worker, ev: Stored, data: bytes, outcome: BatchOutcome, now: float) -> None:
+        if ev.parent_engine_hash is None:
+            parent_key, seed = None, namespace_seed(ev.model, ev.lora)
+        else:
+            parent_key = worker.engine_keys.get(ev.parent_engine_hash)
+            if parent_key is None and self.index.holds(worker.slot, ev.parent_engine_hash):
+                parent_key = ev.parent_engine_hash  # publisher uses our keys as its hashes
+            if parent_key is None:
+                outcome.orphan_blocks += len(data) // (self.block_size * 4)
+                log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
+                return
+            seed = parent_key
+        keys = chain_keys(data, self.block_size, seed)
+        blocks = self.index.store(worker.slot, parent_key, keys, now)
+        if ev.engine_hashes is not None:
+            mapping = worker.engine_keys
+            for eh, key in zip(ev.engine_hashes, keys):
+                if eh != key:
+                    mapping[eh] = key
+        self.eviction.on_stored(worker.slot, blocks, AccessInfo(), now)
+        outcome.blocks_stored += len(keys)
+
+    def _apply_removed(self, worker: Worker, ev: Removed, outcome: BatchOutcome) -> None:
+        mapping = worker.engine_keys
+        slot = worker.slot
+        index = self.index
+        for eh in ev.engine_hashes:
+            key = mapping.pop(eh, eh)
+            block = index.get(key)
+            if block is not None and block.holders >> slot & 1:
+                self.eviction.on_removed(slot, block)
+                index.remove(slot, key)
+                outcome.blocks_removed += 1
+            else:
+                outcome.unknown_removals += 1
+
+    def _clear_worker(self, worker: Worker) -> None:
+        self.index.clear(worker.slot)
+        worker.engine_keys.clear()
+        for ev in self._eviction_by_name.values():
+            ev.on_cleared(worker.slot)
+
+    # ---- eviction hints -------------------------------------------------------------
+    def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
+        worker = self.workers.get(req.worker_id)
+        if req.blocks <= 0:
+            raise InvalidRequest("blocks to free must be > 0")
+        policy = self.eviction_policy(req.policy)
+        pinned = set(req.pinned_keys)
+        for eh in pinned_engine_hashes:
+            pinned.add(worker.engine_keys.get(eh, eh))
+        ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id)
+        blocks = policy.rank(ctx, req.blocks, frozenset(pinned))
+        reverse = {v: k for k, v in worker.engine_keys.items()} if worker.engine_keys else {}
+        keys = [b.key for b in blocks]
+        return EvictAdvice(
+            keys=keys,
+            engine_hashes=[reverse.get(k, k) for k in keys],
+            exhausted=len(blocks) < req.blocks,
+            policy=policy.name,
+        )
+
+    def blocks_to_free(self, worker_id: str, tokens: int) -> int:
+        """Blocks needed to free ``tokens`` tokens (rounded up)."""
+        self.workers.get(worker_id)
+        return -(-tokens // self.block_size)

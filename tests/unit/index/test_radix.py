@@ -1,0 +1,135 @@
+"""RadixIndex against a naive reference model, over random event sequences."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvrouterd.index.radix import RadixIndex
+
+# Small key universe: a tree of depth <= 4 and fan-out 3 over chained ids, so that random
+# sequences collide, share prefixes and remove interior blocks often.
+PATHS = [tuple(p) for d in range(1, 5) for p in __import__("itertools").product(range(3), repeat=d)]
+KEY = {p: 1000 + i for i, p in enumerate(PATHS)}
+PATH_OF = {v: k for k, v in KEY.items()}
+SLOTS = 3
+
+
+class Reference:
+    """What the index must mean: per slot, a set of held paths."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, set[tuple]] = {s: set() for s in range(SLOTS)}
+
+    def overlap(self, slot: int, path: tuple) -> int:
+        n = 0
+        for d in range(1, len(path) + 1):
+            if path[:d] in self.held[slot]:
+                n = d
+            else:
+                break
+        return n
+
+    def leaves(self, slot: int) -> set[tuple]:
+        held = self.held[slot]
+        return {p for p in held if not any(q[:-1] == p for q in held)}
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = RadixIndex()
+        for s in range(SLOTS):
+            self.index.add_slot(s)
+        self.ref = Reference()
+        self.now = 0.0
+
+    @rule(slot=st.integers(0, SLOTS - 1), path=st.sampled_from(PATHS), start=st.integers(0, 3))
+    def store(self, slot, path, start):
+        start = min(start, len(path) - 1)
+        parent = KEY[path[:start]] if start else None
+        if parent is not None and parent not in self.index:
+            return  # the host never stores under an unknown parent (it counts an orphan)
+        self.now += 1
+        self.index.store(slot, parent, [KEY[path[:d]] for d in range(start + 1, len(path) + 1)], self.now)
+        for d in range(start + 1, len(path) + 1):
+            self.ref.held[slot].add(path[:d])
+
+    @rule(slot=st.integers(0, SLOTS - 1), path=st.sampled_from(PATHS))
+    def remove(self, slot, path):
+        # includes interior blocks and blocks the slot does not hold (a duplicate removal)
+        changed = self.index.remove(slot, KEY[path])
+        assert changed == (path in self.ref.held[slot])
+        self.ref.held[slot].discard(path)
+
+    @rule(slot=st.integers(0, SLOTS - 1))
+    def clear(self, slot):
+        assert self.index.clear(slot) == len(self.ref.held[slot])
+        self.ref.held[slot].clear()
+
+    @precondition(lambda self: True)
+    @rule(path=st.sampled_from(PATHS), mask=st.integers(1, 2**SLOTS - 1))
+    def match(self, path, mask):
+        keys = [KEY[path[:d]] for d in range(1, len(path) + 1)]
+        result = self.index.match(keys, mask)
+        for s in range(SLOTS):
+            want = self.ref.overlap(s, path) if mask >> s & 1 else 0
+            assert result.overlap(s) == want, (s, path)
+        assert len(result.path) == max([result.overlap(s) for s in range(SLOTS)] + [0])
+
+    @invariant()
+    def counts_leaves_and_membership_agree(self):
+        for s in range(SLOTS):
+            assert self.index.count(s) == len(self.ref.held[s])
+            assert {PATH_OF[b.key] for b in self.index.leaves(s)} == self.ref.leaves(s)
+            assert {PATH_OF[b.key] for b in self.index.blocks_of(s)} == self.ref.held[s]
+
+    @invariant()
+    def no_dead_blocks_linger(self):
+        # every indexed block is held by someone or has a descendant that is
+        for key in list(self.index._blocks):
+            block = self.index.get(key)
+            assert block.holders or block.children is not None
+            parent = block.parent
+            if parent is not None:
+                assert any(c is block for c in parent.iter_children())
+
+
+TestIndexAgainstReference = IndexMachine.TestCase
+TestIndexAgainstReference.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_per_worker_stats_survive_sharing_and_unsharing():
+    index = RadixIndex()
+    index.add_slot(0)
+    index.add_slot(5)
+    (b,) = index.store(0, None, [1], now=1.0)
+    index.touch(0, [b], now=2.0)
+    index.store(5, None, [1], now=3.0)
+    assert index.recency(b, 0) == 2.0 and index.hits(b, 0) == 1
+    assert index.recency(b, 5) == 3.0 and index.hits(b, 5) == 0
+    index.touch(5, [b], now=4.0)
+    index.remove(0, 1)
+    assert index.recency(b, 5) == 4.0 and index.hits(b, 5) == 1
+
+
+def test_match_stops_at_first_missing_block_per_worker():
+    index = RadixIndex()
+    index.add_slot(0)
+    index.add_slot(1)
+    index.store(0, None, [1, 2, 3, 4], now=0)
+    index.store(1, None, [1, 2], now=0)
+    index.remove(0, 2)  # interior removal: blocks 3 and 4 stay cached but are unreachable
+    result = index.match([1, 2, 3, 4], 0b11)
+    assert result.overlap(0) == 1 and result.overlap(1) == 2
+    assert {b.key for b in index.leaves(0)} == {1, 4}
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=30, unique=True))
+def test_drop_slot_frees_everything(keys):
+    index = RadixIndex()
+    index.add_slot(0)
+    index.store(0, None, keys, now=0)
+    assert index.drop_slot(0) == len(keys)
+    assert len(index) == 0

@@ -1,0 +1,1 @@
+"""Trace-driven simulation: the daemon's own Router and policies, with simulated edges."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .clock import Clock
-from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, UnknownPolicy
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, UnknownPolicy
 from .index.keys import chain_keys, namespace_seed, tokens_to_bytes
 from .index.radix import RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -103,6 +103,7 @@ class Router:
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
         self._request_counter = 0
+        self.decisions_by_policy: dict[str, int] = {}
         self.counters: dict[str, int] = {
             "decisions": 0, "batches_applied": 0, "batches_duplicate": 0, "gaps": 0,
             "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
@@ -210,10 +211,10 @@ class Router:
         return self._candidates, self._candidates_mask
 
     def validate_request(self, req: RouteRequest) -> None:
-        if req.prompt_tokens <= 0 or not (req.keys or req.prompt_tokens):
+        if req.prompt_tokens <= 0:
             raise InvalidRequest("the prompt is empty: send token_ids or block_keys")
         if req.prompt_tokens > self.settings.max_prompt_tokens:
-            raise InvalidRequest(
+            raise Overloaded(
                 f"prompt of {req.prompt_tokens} tokens exceeds max_prompt_tokens={self.settings.max_prompt_tokens}"
             )
         if len(req.keys) > req.prompt_tokens // self.block_size:
@@ -270,6 +271,7 @@ class Router:
         self._record_access(worker, req, ctx, overlap)
         policy.on_dispatch(decision, ctx)
         self.counters["decisions"] += 1
+        self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
         alternative = self.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
         return RouteResult(decision, worker, req, alternative)
 

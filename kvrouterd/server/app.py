@@ -1,0 +1,183 @@
+"""Run the gRPC daemon.
+
+Life cycle: load config -> build the Router (static workers registered) -> start the gRPC
+server (KVRouter, health, reflection) -> start periodic maintenance -> health SERVING ->
+serve until SIGINT/SIGTERM -> health NOT_SERVING, stop accepting, drain in-flight RPCs for
+the grace period, stop maintenance, flush traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
+from ..clock import Clock, SystemClock
+from ..config import Config, load_config
+from ..errors import ConfigError, KVRouterError
+from ..router import Router
+from ..telemetry.metrics import Metrics, build_meter_provider
+from ..telemetry.tracing import build_tracer_provider
+from .logs import configure_logging
+from .service import KVRouterService
+
+__all__ = ["Daemon", "add_arguments", "run"]
+
+log = logging.getLogger("kvrouterd.server")
+
+KVROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["KVRouter"].full_name
+
+
+class Daemon:
+    """One kvrouterd process: a Router behind a grpc.aio server."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Clock | None = None,
+        span_exporter: SpanExporter | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+        seed: int | None = None,
+    ) -> None:
+        self.config = config
+        self.router = Router(config.router_settings(), clock or SystemClock(), random.Random(seed))
+        for w in config.workers:
+            self.router.add_worker(w.to_spec(config.block_size))
+        tel = config.telemetry
+        self.tracer_provider = build_tracer_provider(tel.service_name, tel.traces, span_exporter)
+        self.tracer = (
+            self.tracer_provider.get_tracer("kvrouterd") if self.tracer_provider else trace.NoOpTracerProvider().get_tracer("kvrouterd")
+        )
+        self.meter_provider = build_meter_provider(tel.service_name, metric_readers)
+        self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
+        self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
+        self.service.metrics = self.metrics
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._maintenance: asyncio.Task[None] | None = None
+
+    def _server_options(self) -> list[tuple[str, int]]:
+        lim = self.config.limits
+        return [
+            ("grpc.max_receive_message_length", lim.max_message_bytes),
+            ("grpc.max_send_message_length", lim.max_message_bytes),
+            ("grpc.max_concurrent_streams", lim.max_concurrent_streams),
+            ("grpc.so_reuseport", 0),
+        ]
+
+    async def start(self) -> int:
+        """Bind, start serving and report SERVING. Returns the bound port (useful with :0)."""
+        server = grpc.aio.server(options=self._server_options())
+        router_pb2_grpc.add_KVRouterServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((KVROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            self.port = server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            raise ConfigError(f"listen: cannot bind {self.config.listen}: {exc}") from None
+        await server.start()
+        self.server = server
+        self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
+        for name in ("", KVROUTER_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving",
+            extra={"listen": self.config.listen, "port": self.port, "policy": self.router.default_routing,
+                   "workers": len(self.router.workers)},
+        )
+        return self.port
+
+    async def _maintain(self) -> None:
+        """Policy ticks every tick_interval_s; expire lost in-flight requests about once a second."""
+        interval = self.config.tick_interval_s
+        every = max(1, round(1.0 / interval))
+        n = 0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.router.tick()
+                n += 1
+                if n % every == 0:
+                    expired = self.router.expire_inflight()
+                    if expired:
+                        log.warning("released %d requests that never completed", len(expired))
+            except KVRouterError:  # pragma: no cover - policies raise nothing on tick
+                log.exception("maintenance step failed")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let in-flight RPCs finish for ``grace`` seconds, flush telemetry."""
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+        log.info("stopped")
+
+    async def run_until_signal(self, grace: float = 5.0) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        log.info("shutting down")
+        await self.stop(grace)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", metavar="HOST:PORT", help="address to serve gRPC on (default 127.0.0.1:50051)")
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (default: the embedded defaults)")
+    parser.add_argument("--routing-policy", metavar="NAME", help="default routing policy (see `kvrouterd policies`)")
+    parser.add_argument("--eviction-policy", metavar="NAME", help="eviction policy for hints and approximate mode")
+    parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 16)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", choices=["text", "json"])
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    pairs = {
+        "listen": args.listen,
+        "routing.name": args.routing_policy,
+        "eviction.name": args.eviction_policy,
+        "block_size": args.block_size,
+        "telemetry.log_level": args.log_level,
+        "telemetry.log_format": args.log_format,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, _overrides(args))
+    except ConfigError as exc:
+        print(f"kvrouterd: configuration error: {exc}", flush=True)
+        return 2
+    configure_logging(config.telemetry.log_level, config.telemetry.log_format)
+    import uvloop
+
+    try:
+        uvloop.run(Daemon(config).run_until_signal(args.grace))
+    except ConfigError as exc:
+        print(f"kvrouterd: {exc}", flush=True)
+        return 2
+    return 0

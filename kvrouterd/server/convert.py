@@ -1,0 +1,193 @@
+"""The one module that touches generated protobuf classes: wire <-> core vocabulary.
+
+Everything here validates shape (which fields are set, sizes) and raises InvalidRequest;
+semantic checks (known worker, sequence order) stay in the Router.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from .._generated.kvrouter.v1 import router_pb2 as pb
+from ..errors import InvalidRequest, Overloaded
+from ..index.workers import Worker, WorkerSpec
+from ..protocols import (
+    CacheMode,
+    CacheEvent,
+    Cleared,
+    Completion,
+    EventBatch,
+    EvictRequest,
+    Removed,
+    RouteRequest,
+    Stored,
+    TaskCategory,
+    WorkerState,
+)
+from ..router import RouteResult, Router
+
+__all__ = [
+    "pb",
+    "route_request",
+    "route_response",
+    "completion",
+    "worker_spec",
+    "worker_message",
+    "event_batch",
+    "evict_request",
+]
+
+_MODE_FROM_PB = {pb.CACHE_STATE_MODE_EVENTS: CacheMode.EVENTS, pb.CACHE_STATE_MODE_APPROXIMATE: CacheMode.APPROXIMATE}
+_MODE_TO_PB = {v: k for k, v in _MODE_FROM_PB.items()}
+_STATE_TO_PB = {
+    WorkerState.READY: pb.WORKER_STATE_READY,
+    WorkerState.DEGRADED: pb.WORKER_STATE_DEGRADED,
+    WorkerState.DRAINING: pb.WORKER_STATE_DRAINING,
+}
+_VALID_TASKS = frozenset(int(t) for t in TaskCategory)
+
+
+def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys."""
+    has_tokens, has_keys = len(msg.token_ids) > 0, len(msg.block_keys) > 0
+    if has_tokens and has_keys:
+        raise InvalidRequest("set exactly one of token_ids and block_keys, not both")
+    if not has_tokens and not has_keys:
+        raise InvalidRequest("the prompt is empty: set token_ids or block_keys")
+    if msg.task not in _VALID_TASKS:
+        raise InvalidRequest(f"unknown task category {msg.task}")
+    limit = router.settings.max_prompt_tokens
+    if has_tokens:
+        n = len(msg.token_ids)
+        if n > limit:
+            raise Overloaded(f"prompt of {n} tokens exceeds max_prompt_tokens={limit}")
+        keys = router.keys_for_tokens(array("I", msg.token_ids).tobytes(), msg.model, msg.lora)
+        prompt_tokens = n
+    else:
+        keys = list(msg.block_keys)
+        prompt_tokens = msg.prompt_tokens or len(keys) * router.block_size
+    return RouteRequest(
+        request_id=msg.request_id,
+        keys=keys,
+        prompt_tokens=prompt_tokens,
+        session_id=msg.session_id,
+        task=TaskCategory(msg.task),
+        ttft_slo_ms=msg.ttft_slo_ms,
+        expected_output_tokens=msg.expected_output_tokens,
+        policy=msg.policy,
+        candidate_workers=tuple(msg.candidate_workers),
+        model=msg.model,
+    )
+
+
+def route_response(result: RouteResult, block_size: int) -> pb.RouteResponse:
+    d = result.decision
+    alt = result.alternative
+    return pb.RouteResponse(
+        request_id=result.request.request_id,
+        worker_id=result.worker.id,
+        worker_address=result.worker.address,
+        matched_blocks=d.overlap_blocks,
+        matched_tokens=d.overlap_blocks * block_size,
+        prompt_blocks=len(result.request.keys),
+        alternative_worker_id=alt.id if alt else "",
+        alternative_worker_address=alt.address if alt else "",
+        policy=d.policy,
+        reason=d.reason,
+        estimated_ttft_ms=d.estimated_ttft_ms,
+    )
+
+
+def completion(msg: pb.CompleteRequest) -> Completion:
+    if not msg.request_id:
+        raise InvalidRequest("request_id is required")
+    if msg.ttft_ms < 0 or msg.e2e_ms < 0:
+        raise InvalidRequest("ttft_ms and e2e_ms must be >= 0")
+    return Completion(
+        request_id=msg.request_id,
+        ttft_ms=msg.ttft_ms,
+        e2e_ms=msg.e2e_ms,
+        cached_tokens=msg.cached_tokens,
+        output_tokens=msg.output_tokens,
+        success=msg.success,
+    )
+
+
+def worker_spec(msg: pb.Worker) -> WorkerSpec:
+    if msg.mode == pb.CACHE_STATE_MODE_UNSPECIFIED:
+        mode = CacheMode.EVENTS if msg.kv_events_endpoint else CacheMode.APPROXIMATE
+    elif msg.mode in _MODE_FROM_PB:
+        mode = _MODE_FROM_PB[msg.mode]
+    else:
+        raise InvalidRequest(f"unknown cache state mode {msg.mode}")
+    return WorkerSpec(
+        id=msg.id,
+        address=msg.address,
+        capacity_blocks=msg.capacity_blocks,
+        block_size=msg.block_size,
+        labels=dict(msg.labels),
+        mode=mode,
+        kv_events_endpoint=msg.kv_events_endpoint,
+    )
+
+
+def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Worker:
+    s = worker.spec
+    return pb.Worker(
+        id=s.id,
+        address=s.address,
+        capacity_blocks=s.capacity_blocks,
+        block_size=s.block_size or block_size,
+        labels=dict(s.labels),
+        state=_STATE_TO_PB[worker.state],
+        mode=_MODE_TO_PB[s.mode],
+        cached_blocks=cached_blocks,
+        inflight_requests=worker.inflight_requests,
+        pending_prefill_tokens=max(0, worker.pending_prefill_tokens),
+        kv_events_endpoint=s.kv_events_endpoint,
+    )
+
+
+def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
+    out: list[CacheEvent] = []
+    for i, ev in enumerate(msgs):
+        kind = ev.WhichOneof("event")
+        if kind == "stored":
+            st = ev.stored
+            hashes = tuple(st.engine_hashes) if len(st.engine_hashes) else None
+            out.append(
+                Stored(
+                    token_ids=array("I", st.token_ids).tobytes(),
+                    engine_hashes=hashes,
+                    parent_engine_hash=st.parent_engine_hash if st.HasField("parent_engine_hash") else None,
+                    block_size=st.block_size,
+                    model=st.model,
+                    lora=st.lora,
+                )
+            )
+        elif kind == "removed":
+            out.append(Removed(tuple(ev.removed.engine_hashes)))
+        elif kind == "cleared":
+            out.append(Cleared())
+        else:
+            raise InvalidRequest(f"events[{i}] has no event set")
+    return tuple(out)
+
+
+def event_batch(msg: pb.EventBatch, max_events: int) -> EventBatch:
+    if not msg.worker_id:
+        raise InvalidRequest("event batch without worker_id")
+    if len(msg.events) > max_events:
+        raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={max_events}")
+    return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))
+
+
+def evict_request(msg: pb.EvictHintRequest, router: Router) -> tuple[EvictRequest, tuple[int, ...]]:
+    if not msg.worker_id:
+        raise InvalidRequest("worker_id is required")
+    if bool(msg.blocks) == bool(msg.tokens):
+        raise InvalidRequest("set exactly one of blocks and tokens to a positive number")
+    blocks = msg.blocks or router.blocks_to_free(msg.worker_id, msg.tokens)
+    req = EvictRequest(worker_id=msg.worker_id, blocks=blocks, pinned_keys=frozenset(msg.pinned_keys), policy=msg.policy)
+    return req, tuple(msg.pinned_engine_hashes)

@@ -1,0 +1,167 @@
+"""The kvrouter.v1.KVRouter gRPC servicer: converts, calls the Router, records telemetry.
+
+All handlers run on the daemon's single event loop and call the synchronous Router
+directly, so decisions and event application never interleave mid-operation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+from opentelemetry import trace
+
+from .._generated.kvrouter.v1 import router_pb2_grpc
+from ..errors import KVRouterError
+from ..protocols import CacheMode
+from ..router import Router
+from ..telemetry.metrics import Metrics
+from ..telemetry.tracing import annotate_batch, annotate_decision
+from . import convert
+from .convert import pb
+from .status import status_code
+
+__all__ = ["KVRouterService"]
+
+log = logging.getLogger("kvrouterd.server")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
+    await context.abort(status_code(exc), str(exc))
+    raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+
+class KVRouterService(router_pb2_grpc.KVRouterServicer):
+    def __init__(self, router: Router, tracer: trace.Tracer, metrics: Metrics, max_batch_events: int) -> None:
+        self.router = router
+        self.tracer = tracer
+        self.metrics = metrics
+        self.max_batch_events = max_batch_events
+
+    # ---- data path --------------------------------------------------------------------
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        started = time.perf_counter()
+        router = self.router
+        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            try:
+                req = convert.route_request(request, router)
+                result = router.route(req)
+            except KVRouterError as exc:
+                code = status_code(exc)
+                self.metrics.route_errors.add(1, {"code": code.name})
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                await _abort(context, exc)
+            if span.is_recording():
+                annotate_decision(span, result, router.block_size)
+        d = result.decision
+        self.metrics.decisions.add(1, {"policy": d.policy, "reason": d.reason})
+        self.metrics.route_latency.record(time.perf_counter() - started, {"policy": d.policy})
+        return convert.route_response(result, router.block_size)
+
+    async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        try:
+            self.router.complete(convert.completion(request))
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.CompleteResponse()
+
+    # ---- engines ----------------------------------------------------------------------
+    async def PublishEvents(
+        self, request_iterator: AsyncIterator[pb.EventBatch], context: grpc.aio.ServicerContext
+    ) -> pb.PublishEventsResponse:
+        summary = pb.PublishEventsResponse()
+        async for msg in request_iterator:
+            with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
+                try:
+                    batch = convert.event_batch(msg, self.max_batch_events)
+                    outcome = self.router.apply(batch)
+                except KVRouterError as exc:
+                    # earlier batches of the stream stay applied; this one changed nothing
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                    self.metrics.event_batches.add(1, {"outcome": "rejected"})
+                    log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
+                    await _abort(context, exc)
+                if span.is_recording():
+                    annotate_batch(span, batch, outcome)
+            if outcome.duplicate:
+                summary.batches_duplicate += 1
+                self.metrics.event_batches.add(1, {"outcome": "duplicate"})
+                continue
+            summary.batches_applied += 1
+            summary.blocks_stored += outcome.blocks_stored
+            summary.blocks_removed += outcome.blocks_removed
+            self.metrics.event_batches.add(1, {"outcome": "applied"})
+            if outcome.blocks_stored:
+                self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
+            if outcome.blocks_removed:
+                self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
+            if outcome.gap or outcome.restarted:
+                summary.gaps_detected += 1 if outcome.gap else 0
+                self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
+        return summary
+
+    async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
+        try:
+            self.router.report_load(
+                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
+            )
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.ReportLoadResponse()
+
+    async def EvictHint(self, request: pb.EvictHintRequest, context: grpc.aio.ServicerContext) -> pb.EvictHintResponse:
+        try:
+            req, pinned_hashes = convert.evict_request(request, self.router)
+            advice = self.router.evict_hint(req, pinned_hashes)
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.EvictHintResponse(
+            keys=advice.keys, engine_hashes=advice.engine_hashes, exhausted=advice.exhausted, policy=advice.policy
+        )
+
+    # ---- control plane ------------------------------------------------------------------
+    async def RegisterWorker(
+        self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterWorkerResponse:
+        try:
+            worker = self.router.add_worker(convert.worker_spec(request.worker))
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
+
+    async def DeregisterWorker(
+        self, request: pb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterWorkerResponse:
+        try:
+            self.router.remove_worker(request.worker_id)
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.DeregisterWorkerResponse()
+
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        return pb.ListWorkersResponse(workers=[self._worker_message(w) for w in self.router.workers])
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        r = self.router
+        return pb.GetStatsResponse(
+            indexed_blocks=len(r.index),
+            workers=[self._worker_message(w) for w in r.workers],
+            default_routing_policy=r.default_routing,
+            default_eviction_policy=r.eviction.name,
+            decisions_by_policy=dict(r.decisions_by_policy),
+            event_batches_applied=r.counters["batches_applied"],
+            event_gaps=r.counters["gaps"],
+        )
+
+    def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
+        return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)
+
+    def worker_modes(self):  # type: ignore[no-untyped-def]
+        """(id, mode, state, cached blocks) per worker, for the metrics gauges."""
+        for w in self.router.workers:
+            mode = "events" if w.mode is CacheMode.EVENTS else "approximate"
+            yield w.id, mode, w.state.name.lower(), self.router.index.count(w.slot)

@@ -1,0 +1,208 @@
+"""The daemon end to end over real grpc.aio: register, stream events, route, complete, trace."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouterd.index.keys import block_keys
+
+BS = 16
+
+
+def stored(tokens, hashes, parent=None):
+    ev = pb.StoredBlocks(engine_hashes=hashes, token_ids=tokens)
+    if parent is not None:
+        ev.parent_engine_hash = parent
+    return pb.CacheEvent(stored=ev)
+
+
+async def register(stub, wid, mode=pb.CACHE_STATE_MODE_EVENTS, capacity=10_000):
+    return await stub.RegisterWorker(
+        pb.RegisterWorkerRequest(worker=pb.Worker(id=wid, address=f"{wid}.local:8000", capacity_blocks=capacity, mode=mode))
+    )
+
+
+async def publish(stub, *batches):
+    async def gen():
+        for b in batches:
+            yield b
+
+    return await stub.PublishEvents(gen())
+
+
+async def test_health_serving_and_reflection(running):
+    health = health_pb2_grpc.HealthStub(running.channel)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+
+    async def req():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async for answer in refl.ServerReflectionInfo(req()):
+        names = {s.name for s in answer.list_services_response.service}
+        assert "kvrouter.v1.KVRouter" in names and "grpc.health.v1.Health" in names
+        break
+
+
+async def test_route_lands_on_the_worker_holding_the_prefix(running):
+    stub = running.stub
+    for wid in ("a", "b", "c"):
+        await register(stub, wid)
+    prompt = list(range(1000, 1000 + 40 * BS))  # 40 blocks
+    # worker b caches the first 30 blocks in two chained events; c caches only the first 5
+    summary = await publish(
+        stub,
+        pb.EventBatch(worker_id="b", sequence=0, events=[stored(prompt[: 10 * BS], list(range(1, 11)))]),
+        pb.EventBatch(worker_id="b", sequence=1, events=[stored(prompt[10 * BS : 30 * BS], list(range(11, 31)), parent=10)]),
+        pb.EventBatch(worker_id="c", sequence=0, events=[stored(prompt[: 5 * BS], list(range(101, 106)))]),
+    )
+    assert summary.batches_applied == 3 and summary.blocks_stored == 35 and summary.gaps_detected == 0
+
+    resp = await stub.Route(pb.RouteRequest(token_ids=prompt + [7, 7, 7], session_id="s1"))
+    assert resp.worker_id == "b" and resp.worker_address == "b.local:8000"
+    assert resp.matched_blocks == 30 and resp.matched_tokens == 30 * BS and resp.prompt_blocks == 40
+    assert resp.policy == "cache_aware" and resp.reason == "prefix_match"
+    assert resp.request_id
+
+    workers = {w.id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert workers["b"].inflight_requests == 1
+    assert workers["b"].pending_prefill_tokens == len(prompt) + 3 - 30 * BS
+    assert workers["b"].cached_blocks == 30 and workers["b"].mode == pb.CACHE_STATE_MODE_EVENTS
+
+    await stub.Complete(pb.CompleteRequest(request_id=resp.request_id, ttft_ms=120.0, e2e_ms=900.0, success=True))
+    workers = {w.id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert workers["b"].inflight_requests == 0 and workers["b"].pending_prefill_tokens == 0
+
+    (span,) = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
+    a = span.attributes
+    assert a["kvrouter.chosen.worker_id"] == "b"
+    assert a["kvrouter.chosen.matched_blocks"] == 30
+    assert a["kvrouter.policy"] == "cache_aware" and a["kvrouter.reason"] == "prefix_match"
+    assert a["kvrouter.prompt_blocks"] == 40
+    assert a["kvrouter.chosen.state_mode"] == "events"
+    overlap = dict(zip(a["kvrouter.candidates.id"], a["kvrouter.candidates.overlap_blocks"]))
+    assert overlap == {"a": 0, "b": 30, "c": 5}
+    assert len(a["kvrouter.candidates.score"]) == 3
+    batch_spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.events.apply"]
+    assert len(batch_spans) == 3 and batch_spans[0].attributes["kvrouter.blocks_stored"] == 10
+
+
+async def test_removal_by_engine_hash_and_block_keys_input(running):
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(5000, 5000 + 8 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, list(range(900, 908)))]))
+    # the engine evicts its last 3 blocks (by its own hashes)
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=1, events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[905, 906, 907]))]))
+    keys = block_keys(prompt, BS)
+    resp = await stub.Route(pb.RouteRequest(block_keys=keys, prompt_tokens=len(prompt)))
+    assert resp.matched_blocks == 5
+
+
+async def test_sequence_gap_degrades_until_cleared(running):
+    stub = running.stub
+    await register(stub, "a")
+    toks = list(range(16 * 4))
+    s = await publish(
+        stub,
+        pb.EventBatch(worker_id="a", sequence=0, events=[stored(toks[:16], [1])]),
+        pb.EventBatch(worker_id="a", sequence=3, events=[stored(toks[16:32], [2], parent=1)]),
+        pb.EventBatch(worker_id="a", sequence=3, events=[stored(toks[32:48], [3], parent=2)]),  # duplicate
+    )
+    assert s.gaps_detected == 1 and s.batches_duplicate == 1 and s.batches_applied == 2
+    (w,) = (await stub.ListWorkers(pb.ListWorkersRequest())).workers
+    assert w.state == pb.WORKER_STATE_DEGRADED and w.cached_blocks == 2
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=4, events=[pb.CacheEvent(cleared=pb.AllBlocksCleared()), stored(toks[:16], [1])]))
+    (w,) = (await stub.ListWorkers(pb.ListWorkersRequest())).workers
+    assert w.state == pb.WORKER_STATE_READY and w.cached_blocks == 1
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    assert stats.event_gaps == 1 and stats.indexed_blocks == 1
+
+
+async def test_approximate_mode_learns_from_its_own_decisions(running):
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid, mode=pb.CACHE_STATE_MODE_APPROXIMATE)
+    prompt = list(range(64 * BS))
+    first = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    await stub.Complete(pb.CompleteRequest(request_id=first.request_id, success=True))
+    second = await stub.Route(pb.RouteRequest(token_ids=prompt + list(range(99, 99 + BS))))
+    assert second.worker_id == first.worker_id and second.matched_blocks == 64
+    workers = {w.id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert workers[first.worker_id].mode == pb.CACHE_STATE_MODE_APPROXIMATE
+    assert workers[first.worker_id].cached_blocks == 65
+
+
+async def test_evict_hint_over_grpc(running):
+    stub = running.stub
+    await register(stub, "a")
+    toks = list(range(6 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(toks, [11, 12, 13, 14, 15, 16])]))
+    resp = await stub.EvictHint(pb.EvictHintRequest(worker_id="a", blocks=2, pinned_engine_hashes=[16]))
+    # 16 is the only leaf and pinned: nothing below it can go before it
+    assert list(resp.engine_hashes) == [] and resp.exhausted
+    resp = await stub.EvictHint(pb.EvictHintRequest(worker_id="a", tokens=2 * BS))
+    assert list(resp.engine_hashes) == [16, 15] and not resp.exhausted and resp.policy == "lru"
+
+
+@pytest.mark.parametrize(
+    "call,request_msg,code",
+    [
+        ("Route", pb.RouteRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, block_keys=[1]), grpc.StatusCode.INVALID_ARGUMENT),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        ("Route", pb.RouteRequest(token_ids=[1] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("Complete", pb.CompleteRequest(request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
+        ("EvictHint", pb.EvictHintRequest(worker_id="ghost", blocks=1), grpc.StatusCode.NOT_FOUND),
+        ("EvictHint", pb.EvictHintRequest(worker_id="a"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("EvictHint", pb.EvictHintRequest(worker_id="a", blocks=1, tokens=16), grpc.StatusCode.INVALID_ARGUMENT),
+        ("ReportLoad", pb.ReportLoadRequest(worker_id="a", kv_utilization=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+        ("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id="ghost"), grpc.StatusCode.NOT_FOUND),
+        ("RegisterWorker", pb.RegisterWorkerRequest(worker=pb.Worker(id="x")), grpc.StatusCode.INVALID_ARGUMENT),
+        ("RegisterWorker", pb.RegisterWorkerRequest(worker=pb.Worker(id="x", address="h:1", block_size=32)),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_bad_input_gets_a_precise_status_and_changes_nothing(running, call, request_msg, code):
+    await register(running.stub, "a")
+    before = (len(running.router.index), running.router.workers.inflight_count, len(running.router.workers))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await getattr(running.stub, call)(request_msg)
+    assert err.value.code() == code
+    assert err.value.details()
+    assert (len(running.router.index), running.router.workers.inflight_count, len(running.router.workers)) == before
+
+
+@pytest.fixture
+def daemon_config():
+    return {"limits": {"max_prompt_tokens": 4096}}
+
+
+async def test_malformed_batch_rejected_without_applying_it(running):
+    stub = running.stub
+    await register(stub, "a")
+    good = pb.EventBatch(worker_id="a", sequence=0, events=[stored(list(range(16)), [1])])
+    bad = pb.EventBatch(worker_id="a", sequence=1, events=[stored(list(range(20)), [2], parent=1)])  # 20 tokens: not whole blocks
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await publish(stub, good, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_size" in err.value.details()
+    w = running.router.workers.get("a")
+    assert running.router.index.count(w.slot) == 1 and w.last_sequence == 0
+
+
+async def test_unknown_worker_batch_is_not_found(running):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await publish(running.stub, pb.EventBatch(worker_id="ghost", sequence=0, events=[]))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_no_worker_registered_is_unavailable(running):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.Route(pb.RouteRequest(token_ids=[1] * 16))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE

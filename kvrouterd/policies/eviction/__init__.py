@@ -1,5 +1,5 @@
 """Eviction policies; importing this package registers them all."""
 
-from . import lru
+from . import hybrid, lfu, lru
 
-__all__ = ["lru"]
+__all__ = ["hybrid", "lfu", "lru"]

@@ -1,4 +1,4 @@
-"""``lru``: leaf LRU, as SGLang's radix cache evicts.
+"""``lru``: leaf LRU, as SGLang's radix cache evicts (systematic study, section 3.3).
 
 Only leaves are evictable (blocks with no cached child on that worker); the least recently
 used leaf goes first, and a parent joins the candidates once its last cached child has been
@@ -6,42 +6,42 @@ chosen. Recency is the router's per-(worker, block) last access: when the block 
 or last reused by a request routed to that worker. Ties break on the smaller key so the
 order is deterministic. No parameters.
 
-The ranking runs on a heap over the worker's current leaves: O(L + k log L) for k blocks out
-of L leaves, without touching the index.
+The policy keeps each worker's leaves sorted by recency, updated by the hooks, so ranking k
+blocks costs O(k log L) for L leaves; without the hooks (a policy built just for one
+``EvictHint``) it heapifies the leaves instead (``_leaves.rank_leaves_by``). Either way
+``rank`` does not change the index.
 """
 
 from __future__ import annotations
 
-import heapq
+import random
+from collections.abc import Sequence
 
-from ...index.radix import Block
-from ..base import EvictionContext, EvictionPolicyBase
+from ...index.radix import Block, RadixIndex
+from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
+from ._leaves import SortedLeaves, rank_leaves_by
 
-
-def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], priority) -> list[Block]:  # type: ignore[no-untyped-def]
-    """Pop up to ``count`` leaves lowest ``priority(block)`` first, promoting parents as they empty.
-
-    Shared by every leaf-ordered policy (LRU, LFU, hybrid): they differ only in ``priority``.
-    """
-    bit = 1 << ctx.slot
-    heap = [(priority(b), b.key, b) for b in ctx.leaves() if b.key not in pinned]
-    heapq.heapify(heap)
-    chosen: list[Block] = []
-    taken: set[int] = set()
-    while heap and len(chosen) < count:
-        _, key, block = heapq.heappop(heap)
-        chosen.append(block)
-        taken.add(key)
-        parent = block.parent
-        if parent is None or not parent.holders & bit or parent.key in pinned:
-            continue
-        if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
-            heapq.heappush(heap, (priority(parent), parent.key, parent))
-    return chosen
+__all__ = ["LRUEviction", "rank_leaves_by"]
 
 
 @register("eviction", "lru")
 class LRUEviction(EvictionPolicyBase):
+    def __init__(self, params: object, rng: random.Random) -> None:
+        super().__init__(params, rng)
+        self._leaves = SortedLeaves(RadixIndex.recency)
+
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        return rank_leaves_by(ctx, count, pinned, ctx.recency)
+        return self._leaves.rank(ctx, count, pinned)
+
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.stored(slot, blocks)
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(slot, blocks)
+
+    def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
+
+    def on_cleared(self, slot: int) -> None:
+        self._leaves.cleared(slot)

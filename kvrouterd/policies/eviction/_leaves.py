@@ -1,0 +1,168 @@
+"""Leaf-ordered eviction shared by the leaf policies (LRU, LFU, hybrid, T-LRU, ...).
+
+Every leaf policy evicts the worker's *leaves* (held blocks with no held child) lowest
+priority first, and a parent joins the candidates once its last held child has been chosen.
+They differ only in the priority. Two ways to produce that order:
+
+- ``rank_leaves_by``: stateless; heapifies all leaves per call, O(L + k log L).
+- ``SortedLeaves``: a per-slot sorted set of the leaves, kept current by the policy hooks
+  (``on_stored``/``on_accessed``/``on_removed``/``on_cleared``), so a call costs O(k log L).
+  It only works for priorities that change when a hook fires (recency, hit counts), not for
+  ones that drift with the clock. A policy instance that has not seen every hook for a slot
+  (e.g. one built lazily for a single ``EvictHint``) is detected by its leaf count differing
+  from the index's and falls back to ``rank_leaves_by``, so ``rank`` is always correct.
+
+Neither changes the index.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from sortedcontainers import SortedList
+
+from ...index.radix import Block
+from ..base import EvictionContext
+
+__all__ = ["rank_leaves_by", "merge_promoting", "held_child_other_than", "SortedLeaves"]
+
+
+def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:
+    for c in node.iter_children():
+        if c is not exclude and c.holders & bit:
+            return True
+    return False
+
+
+def merge_promoting(
+    ctx: EvictionContext,
+    ordered: Iterator[tuple[Any, int, Block]],
+    count: int,
+    pinned: frozenset[int],
+    priority: Callable[[Block], Any],
+) -> list[Block]:
+    """Take up to ``count`` blocks from ``ordered`` (leaves, ascending ``(priority, key, block)``),
+    merging in parents as their last held child is taken. Pinned blocks are never taken, and
+    a pinned block's ancestors never become leaves."""
+    bit = 1 << ctx.slot
+    promoted: list[tuple[Any, int, Block]] = []
+    chosen: list[Block] = []
+    taken: set[int] = set()
+    nxt = next(ordered, None)
+    while len(chosen) < count:
+        while nxt is not None and nxt[1] in pinned:
+            nxt = next(ordered, None)
+        if promoted and (nxt is None or promoted[0][:2] < nxt[:2]):
+            _, key, block = heapq.heappop(promoted)
+        elif nxt is not None:
+            _, key, block = nxt
+            nxt = next(ordered, None)
+        else:
+            break
+        chosen.append(block)
+        taken.add(key)
+        parent = block.parent
+        if parent is None or not parent.holders & bit or parent.key in pinned:
+            continue
+        if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
+            heapq.heappush(promoted, (priority(parent), parent.key, parent))
+    return chosen
+
+
+def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], priority) -> list[Block]:  # type: ignore[no-untyped-def]
+    """Pop up to ``count`` leaves lowest ``priority(block)`` first, promoting parents as they empty."""
+    heap = [(priority(b), b.key, b) for b in ctx.leaves() if b.key not in pinned]
+    heapq.heapify(heap)
+
+    def drain() -> Iterator[tuple[Any, int, Block]]:
+        while heap:
+            yield heapq.heappop(heap)
+
+    return merge_promoting(ctx, drain(), count, pinned, priority)
+
+
+class _Slot:
+    __slots__ = ("order", "prio")
+
+    def __init__(self) -> None:
+        self.order: SortedList = SortedList()
+        self.prio: dict[int, Any] = {}
+
+
+class SortedLeaves:
+    """Per-slot leaves sorted by ``priority(block, slot)``; see the module docstring."""
+
+    def __init__(self, priority: Callable[[Block, int], Any]) -> None:
+        self.priority = priority
+        self._slots: dict[int, _Slot] = {}
+
+    def _slot(self, slot: int) -> _Slot:
+        s = self._slots.get(slot)
+        if s is None:
+            s = self._slots[slot] = _Slot()
+        return s
+
+    def _set(self, s: _Slot, slot: int, block: Block) -> None:
+        new = self.priority(block, slot)
+        old = s.prio.get(block.key, _MISSING)
+        if old is not _MISSING:
+            if old == new:
+                return
+            s.order.remove((old, block.key, block))
+        s.prio[block.key] = new
+        s.order.add((new, block.key, block))
+
+    def _drop(self, s: _Slot, block: Block) -> None:
+        old = s.prio.pop(block.key, _MISSING)
+        if old is not _MISSING:
+            s.order.remove((old, block.key, block))
+
+    def refresh(self, slot: int, blocks: Iterable[Block], exclude: Block | None = None) -> None:
+        """Recompute leaf status and priority of ``blocks`` (``exclude``: a child being removed)."""
+        s = self._slot(slot)
+        bit = 1 << slot
+        for b in blocks:
+            if b.holders & bit and not held_child_other_than(b, bit, exclude):
+                self._set(s, slot, b)
+            else:
+                self._drop(s, b)
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def stored(self, slot: int, blocks: Sequence[Block]) -> None:
+        if not blocks:
+            return
+        first = blocks[0].parent
+        self.refresh(slot, blocks if first is None else (first, *blocks))
+
+    def accessed(self, slot: int, blocks: Sequence[Block]) -> None:
+        s = self._slots.get(slot)
+        if s is None:
+            return
+        for b in blocks:
+            if b.key in s.prio:
+                self._set(s, slot, b)
+
+    def removed(self, slot: int, block: Block) -> None:
+        """Called before the index drops ``block`` from ``slot``."""
+        s = self._slot(slot)
+        self._drop(s, block)
+        if block.parent is not None:
+            self.refresh(slot, (block.parent,), exclude=block)
+
+    def cleared(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    # ---- ranking -------------------------------------------------------------------------
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        def priority(b: Block) -> Any:
+            return self.priority(b, ctx.slot)
+
+        s = self._slots.get(ctx.slot)
+        if s is None or len(s.prio) != len(ctx.index.leaves(ctx.slot)):
+            return rank_leaves_by(ctx, count, pinned, priority)
+        return merge_promoting(ctx, iter(s.order), count, pinned, priority)
+
+
+_MISSING = object()

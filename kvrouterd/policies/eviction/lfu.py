@@ -1,0 +1,54 @@
+"""``lfu``: leaf LFU (systematic study, section 3.3).
+
+Evicts the leaf with the lowest access count. A block's count is 1 when it is stored and
+grows by one on every later access (a routed request reusing it, a re-store), as the paper's
+"counters are incremented on each lookup". Ties, which the paper leaves open, go to the
+least recently used block, then the smaller key, so the order is deterministic. As in every
+leaf policy only leaves are evictable and a parent joins once its last cached child is
+chosen. No parameters.
+
+Counts and recency change only when a hook fires, so the leaves are kept sorted by the hooks
+(see ``_leaves.SortedLeaves``) and ranking k blocks costs O(k log L).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from ...index.radix import Block, RadixIndex
+from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
+from ..registry import register
+from ._leaves import SortedLeaves
+
+__all__ = ["LFUEviction", "lfu_priority"]
+
+_hits = RadixIndex.hits
+_recency = RadixIndex.recency
+
+
+def lfu_priority(block: Block, slot: int) -> tuple[int, float]:
+    """(uses, last access): lowest first."""
+    return (1 + _hits(block, slot), _recency(block, slot))
+
+
+@register("eviction", "lfu")
+class LFUEviction(EvictionPolicyBase):
+    def __init__(self, params: object, rng: random.Random) -> None:
+        super().__init__(params, rng)
+        self._leaves = SortedLeaves(lfu_priority)
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return self._leaves.rank(ctx, count, pinned)
+
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.stored(slot, blocks)
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(slot, blocks)
+
+    def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
+
+    def on_cleared(self, slot: int) -> None:
+        self._leaves.cleared(slot)

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .discovery.config import DiscoveryConfig
 from .errors import ConfigError
 from .index.workers import WorkerSpec
 from .protocols import CacheMode
@@ -104,6 +105,8 @@ class Config:
     workers: list[WorkerConfig] = field(default_factory=list)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     #: seconds between periodic maintenance (in-flight expiry, policy ticks)
     tick_interval_s: float = 0.02
 
@@ -148,6 +151,7 @@ class Config:
             raise ConfigError("default_ttft_slo_ms: must be > 0")
         if not 0 < self.tick_interval_s <= 10:
             raise ConfigError("tick_interval_s: must be in (0, 10]")
+        self.discovery.validate()
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings

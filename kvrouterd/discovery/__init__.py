@@ -1,0 +1,30 @@
+"""Worker discovery: engine pods found through the Kubernetes API become workers.
+
+Use::
+
+    discovery = KubernetesDiscovery(cfg.discovery.kubernetes, router.add_worker, router.remove_worker,
+                                    block_size=cfg.block_size)
+    task = asyncio.create_task(discovery.run())
+    await discovery.synced.wait()     # the first listing is applied
+"""
+
+from __future__ import annotations
+
+from .config import SERVICE_ACCOUNT_DIR, DiscoveryConfig, KubernetesDiscoveryConfig
+from .kubeapi import ApiError, Gone, KubeApi
+from .kubernetes import KubernetesDiscovery
+from .pods import CAPACITY_ANNOTATION, Change, Membership, pod_worker_spec
+
+__all__ = [
+    "ApiError",
+    "CAPACITY_ANNOTATION",
+    "Change",
+    "DiscoveryConfig",
+    "Gone",
+    "KubeApi",
+    "KubernetesDiscovery",
+    "KubernetesDiscoveryConfig",
+    "Membership",
+    "SERVICE_ACCOUNT_DIR",
+    "pod_worker_spec",
+]

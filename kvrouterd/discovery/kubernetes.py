@@ -1,0 +1,139 @@
+"""Kubernetes pod discovery: list, then watch from the list's resourceVersion, forever.
+
+    list pods (labelSelector) --> Membership.replace --> on_add / on_remove --> synced
+      watch from resourceVersion --> ADDED / MODIFIED / DELETED --> on_add / on_remove
+        BOOKMARK: remember the version   server ends the watch: watch again from it
+        410 Gone: list again (the diff against what we hold is applied, nothing is flapped)
+        any other failure: back off (doubling, capped), then watch again, or list if never listed
+
+Workers discovered stay registered while the API server is unreachable: losing the
+control plane must not empty the router. The callbacks run on the event loop (the host
+wires them to ``Router.add_worker`` / ``Router.remove_worker``); an exception from one is
+logged and discovery goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from ..index.workers import WorkerSpec
+from .config import SERVICE_ACCOUNT_DIR, KubernetesDiscoveryConfig
+from .kubeapi import ApiError, Gone, KubeApi
+from .pods import Change, Membership
+
+__all__ = ["KubernetesDiscovery"]
+
+log = logging.getLogger("kvrouterd.discovery")
+
+
+def _own_namespace() -> str:
+    try:
+        with open(f"{SERVICE_ACCOUNT_DIR}/namespace", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class KubernetesDiscovery:
+    """Turns the engine pods matching a label selector into worker add/remove calls."""
+
+    def __init__(
+        self,
+        cfg: KubernetesDiscoveryConfig,
+        on_add: Callable[[WorkerSpec], Any],
+        on_remove: Callable[[str], Any],
+        *,
+        block_size: int = 0,
+        api: KubeApi | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.namespace = cfg.namespace or _own_namespace()
+        if not self.namespace:
+            raise ConfigError("discovery.kubernetes.namespace: not set and not running in a pod")
+        self.api = api or KubeApi(cfg, environ)
+        self.membership = Membership(cfg, block_size)
+        self._on_add = on_add
+        self._on_remove = on_remove
+        #: set once the first listing has been applied (the host may wait on it before READY)
+        self.synced = asyncio.Event()
+        self.resource_version = ""
+        #: counters for metrics and tests
+        self.lists = 0
+        self.watches = 0
+        self.errors = 0
+
+    @property
+    def workers(self) -> dict[str, WorkerSpec]:
+        return self.membership.workers
+
+    def _apply(self, changes: list[Change]) -> None:
+        for change in changes:
+            try:
+                if change.kind == "add":
+                    assert change.spec is not None
+                    self._on_add(change.spec)
+                    log.info("discovered worker", extra={"worker_id": change.worker_id,
+                                                         "address": change.spec.address})
+                else:
+                    self._on_remove(change.worker_id)
+                    log.info("worker left", extra={"worker_id": change.worker_id})
+            except Exception:
+                log.exception("applying %s of worker %s failed", change.kind, change.worker_id)
+
+    async def _list(self) -> None:
+        pods, self.resource_version = await self.api.list_pods(self.namespace, self.cfg.label_selector)
+        self.lists += 1
+        self._apply(self.membership.replace(pods))
+        self.synced.set()
+        log.info("pod list applied", extra={"pods": len(pods), "workers": len(self.membership),
+                                            "resource_version": self.resource_version})
+
+    async def _watch(self) -> int:
+        """Follow one watch until the server ends it; returns how many events it carried."""
+        self.watches += 1
+        n = 0
+        async for event in self.api.watch_pods(self.namespace, self.cfg.label_selector, self.resource_version):
+            n += 1
+            kind, pod = event.get("type"), event.get("object") or {}
+            rv = (pod.get("metadata") or {}).get("resourceVersion")
+            if kind in ("ADDED", "MODIFIED"):
+                self._apply(self.membership.upsert(pod))
+            elif kind == "DELETED":
+                self._apply(self.membership.delete(pod))
+            elif kind != "BOOKMARK":
+                log.warning("ignoring watch event of type %r", kind)
+                continue
+            if rv:
+                self.resource_version = str(rv)
+        return n
+
+    async def run(self) -> None:
+        """Keep the membership in step with the cluster until cancelled."""
+        loop = asyncio.get_running_loop()
+        backoff = self.cfg.backoff_initial_s
+        while True:
+            try:
+                if not self.resource_version:
+                    await self._list()
+                started = loop.time()
+                if await self._watch() == 0 and loop.time() - started < 1.0:
+                    # a proxy that closes every watch at once must not turn this into a busy loop
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.cfg.backoff_max_s)
+                else:
+                    backoff = self.cfg.backoff_initial_s
+            except Gone:
+                log.info("watch version %s expired; listing again", self.resource_version)
+                self.resource_version = ""
+            except (ApiError, OSError) as exc:
+                self.errors += 1
+                log.warning("kubernetes discovery: %s; retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.backoff_max_s)

@@ -1,0 +1,161 @@
+"""From Kubernetes pod objects to worker membership changes (pure: no I/O, no asyncio).
+
+A pod is a worker when it has an IP, is not terminating, and (by default) is Ready. Its
+worker id is ``id_prefix + pod name``; its address is ``IP:port``; its KV-event endpoint is
+``tcp://IP:kv_events_port`` when that port is configured (the worker is then in events
+mode, otherwise approximate). A pod annotation ``kvrouterd.io/capacity-blocks`` overrides
+the configured capacity.
+
+``Membership`` keeps the current set and turns each list or watch event into the smallest
+list of ``Change``s: a pod that turns un-Ready is removed, a pod recreated under the same
+name (new uid, new IP) is removed and added back because its cache is empty, and a label or
+capacity change is an in-place update (an ``add`` of a known id) so the index is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..index.workers import WorkerSpec
+from ..protocols import CacheMode
+from .config import KubernetesDiscoveryConfig
+
+__all__ = ["CAPACITY_ANNOTATION", "Change", "Membership", "pod_worker_spec"]
+
+log = logging.getLogger("kvrouterd.discovery")
+
+CAPACITY_ANNOTATION = "kvrouterd.io/capacity-blocks"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """``add`` registers or updates ``spec``; ``remove`` drops ``worker_id``."""
+
+    kind: Literal["add", "remove"]
+    worker_id: str
+    spec: WorkerSpec | None = None
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _resolve_port(pod: Mapping[str, Any], port: str) -> int | None:
+    if port.isdigit():
+        return int(port)
+    for container in pod.get("spec", {}).get("containers", []) or []:
+        for p in container.get("ports", []) or []:
+            if p.get("name") == port and isinstance(p.get("containerPort"), int):
+                return int(p["containerPort"])
+    return None
+
+
+def _is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status", {}) or {}
+    if status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
+
+
+def pod_worker_spec(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig, block_size: int = 0) -> WorkerSpec | None:
+    """The worker a pod stands for, or None when it should not receive traffic now."""
+    meta = pod.get("metadata", {}) or {}
+    name = meta.get("name", "")
+    ip = (pod.get("status", {}) or {}).get("podIP") or ""
+    if not name or not ip or meta.get("deletionTimestamp"):
+        return None
+    if cfg.require_ready and not _is_ready(pod):
+        return None
+    port = _resolve_port(pod, cfg.port)
+    if port is None:
+        log.warning("pod %s has no container port named %r; not routing to it", name, cfg.port)
+        return None
+    endpoint = ""
+    if cfg.kv_events_port:
+        kv_port = _resolve_port(pod, cfg.kv_events_port)
+        if kv_port is None:
+            log.warning("pod %s has no container port named %r; not routing to it", name, cfg.kv_events_port)
+            return None
+        endpoint = f"tcp://{_host(ip)}:{kv_port}"
+    annotations = meta.get("annotations", {}) or {}
+    capacity = cfg.capacity_blocks
+    raw = annotations.get(CAPACITY_ANNOTATION)
+    if raw is not None:
+        if str(raw).isdigit():
+            capacity = int(raw)
+        else:
+            log.warning("pod %s: annotation %s=%r is not a block count; using %d", name, CAPACITY_ANNOTATION, raw,
+                        capacity)
+    return WorkerSpec(
+        id=cfg.id_prefix + name,
+        address=f"{_host(ip)}:{port}",
+        capacity_blocks=capacity,
+        block_size=block_size,
+        labels=dict(meta.get("labels", {}) or {}),
+        mode=CacheMode.EVENTS if endpoint else CacheMode.APPROXIMATE,
+        kv_events_endpoint=endpoint,
+    )
+
+
+class Membership:
+    """The discovered workers, and the changes each pod event makes to them."""
+
+    def __init__(self, cfg: KubernetesDiscoveryConfig, block_size: int = 0) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        #: worker id -> (pod uid, spec)
+        self._members: dict[str, tuple[str, WorkerSpec]] = {}
+
+    @property
+    def workers(self) -> dict[str, WorkerSpec]:
+        return {wid: spec for wid, (_, spec) in self._members.items()}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def _worker_id(self, pod: Mapping[str, Any]) -> str:
+        return self.cfg.id_prefix + ((pod.get("metadata", {}) or {}).get("name", ""))
+
+    def upsert(self, pod: Mapping[str, Any]) -> list[Change]:
+        """An ADDED or MODIFIED pod."""
+        wid = self._worker_id(pod)
+        uid = (pod.get("metadata", {}) or {}).get("uid", "")
+        spec = pod_worker_spec(pod, self.cfg, self.block_size)
+        current = self._members.get(wid)
+        if spec is None:
+            if current is None:
+                return []
+            del self._members[wid]
+            return [Change("remove", wid)]
+        self._members[wid] = (uid, spec)
+        if current is None:
+            return [Change("add", wid, spec)]
+        old_uid, old = current
+        if old_uid != uid or old.address != spec.address or old.kv_events_endpoint != spec.kv_events_endpoint:
+            # a different process behind the same name starts with an empty cache
+            return [Change("remove", wid), Change("add", wid, spec)]
+        if old != spec:
+            return [Change("add", wid, spec)]
+        return []
+
+    def delete(self, pod: Mapping[str, Any]) -> list[Change]:
+        """A DELETED pod."""
+        wid = self._worker_id(pod)
+        if self._members.pop(wid, None) is None:
+            return []
+        return [Change("remove", wid)]
+
+    def replace(self, pods: Iterable[Mapping[str, Any]]) -> list[Change]:
+        """A full listing: drop members that are gone, then upsert every listed pod."""
+        pods = list(pods)
+        listed = {self._worker_id(p) for p in pods}
+        changes: list[Change] = []
+        for wid in [w for w in self._members if w not in listed]:
+            del self._members[wid]
+            changes.append(Change("remove", wid))
+        for pod in pods:
+            changes.extend(self.upsert(pod))
+        return changes

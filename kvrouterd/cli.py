@@ -17,6 +17,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 #: name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvrouterd.server.app", "run the gRPC daemon"),
+    "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory"),
     "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
 }
 

@@ -227,8 +227,11 @@ class Router:
         if req.request_id and req.request_id in self._requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
 
-    def decide(self, req: RouteRequest) -> tuple[Decision, RoutingContext, RoutingPolicy]:
-        """Select a worker without committing anything (used by ``route`` and dry runs)."""
+    def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+        """Select a worker without committing anything (used by ``route`` and dry runs).
+
+        ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        """
         self.validate_request(req)
         policy = self.routing_policy(req.policy)
         candidates, mask = self._eligible()
@@ -244,13 +247,13 @@ class Router:
             raise NoEligibleWorker("no eligible worker is registered")
         now = self.clock.now()
         match = self.index.match(req.keys, mask)
-        ctx = RoutingContext(req, candidates, match, self.block_size, now, self.index)
+        ctx = RoutingContext(req, candidates, match, self.block_size, now, self.index, explain)
         decision = policy.select(ctx)
         return decision, ctx, policy
 
-    def route(self, req: RouteRequest) -> RouteResult:
+    def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
-        decision, ctx, policy = self.decide(req)
+        decision, ctx, policy = self.decide(req, explain)
         if not req.request_id:
             req.request_id = self.new_request_id()
         worker = self.workers.get(decision.worker_id)
@@ -447,6 +450,25 @@ class Router:
         worker.engine_keys.clear()
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
+
+    def reset_events(self, worker_id: str, *, lost: bool) -> Worker:
+        """Forget a worker's cached blocks and event sequence, for sources that sequence themselves.
+
+        The ZMQ adapters (``events/``) detect gaps and replay on their own, then hand batches
+        numbered from 0 after this call, so ``apply`` never flags their gaps twice. ``lost``
+        means events were lost beyond recovery (replay unavailable or too old): the gap is
+        counted and the worker is DEGRADED until a ``Cleared`` (or engine restart) resyncs it.
+        """
+        worker = self.workers.get(worker_id)
+        self._clear_worker(worker)
+        worker.last_sequence = -1
+        if lost:
+            worker.gaps += 1
+            self.counters["gaps"] += 1
+            if worker.state is not WorkerState.DRAINING:
+                worker.state = WorkerState.DEGRADED
+            log.warning("events lost beyond replay: worker state cleared and degraded", extra={"worker_id": worker_id})
+        return worker
 
     # ---- eviction hints -------------------------------------------------------------
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:

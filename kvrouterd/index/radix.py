@@ -186,15 +186,13 @@ class RadixIndex:
         """Record an access by ``slot`` to blocks it holds (a routed request reusing them)."""
         bit = 1 << slot
         for node in nodes:
-            if not node.holders & bit:
-                continue
-            la = node.last_access
-            if type(la) is dict:
-                la[slot] = now  # type: ignore[index]
-                node.hits[slot] += 1  # type: ignore[index]
-            else:
+            holders = node.holders
+            if holders == bit:  # sole holder: scalar stats
                 node.last_access = now
                 node.hits += 1  # type: ignore[operator]
+            elif holders & bit:
+                node.last_access[slot] = now  # type: ignore[index]
+                node.hits[slot] += 1  # type: ignore[index]
 
     def _add_stats(self, node: Block, slot: int, now: float) -> None:
         others = node.holders & ~(1 << slot)

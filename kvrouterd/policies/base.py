@@ -32,7 +32,7 @@ __all__ = [
 class RoutingContext:
     """One request and the workers it may go to, with their cache overlap and load."""
 
-    __slots__ = ("request", "candidates", "match", "block_size", "now", "index", "_overlaps")
+    __slots__ = ("request", "candidates", "match", "block_size", "now", "index", "explain", "_overlaps")
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class RoutingContext:
         block_size: int,
         now: float,
         index: RadixIndex,
+        explain: bool = True,
     ) -> None:
         self.request = request
         #: eligible workers, in registration-slot order (stable across calls)
@@ -51,6 +52,10 @@ class RoutingContext:
         self.now = now
         #: the global index, read-only for policies
         self.index = index
+        #: whether the Decision should list every candidate with its terms. The host sets it
+        #: False when nobody will read them (an unsampled trace): building 64 CandidateScores
+        #: costs about as much as the whole rest of a decision. The choice must not depend on it.
+        self.explain = explain
         self._overlaps = match.overlaps
 
     @property

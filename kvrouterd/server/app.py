@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry import trace
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -58,9 +57,7 @@ class Daemon:
             self.router.add_worker(w.to_spec(config.block_size))
         tel = config.telemetry
         self.tracer_provider = build_tracer_provider(tel.service_name, tel.traces, span_exporter)
-        self.tracer = (
-            self.tracer_provider.get_tracer("kvrouterd") if self.tracer_provider else trace.NoOpTracerProvider().get_tracer("kvrouterd")
-        )
+        self.tracer = self.tracer_provider.get_tracer("kvrouterd") if self.tracer_provider else None
         self.meter_provider = build_meter_provider(tel.service_name, metric_readers)
         self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
         self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)

@@ -2,12 +2,15 @@
 
 Everything here validates shape (which fields are set, sizes) and raises InvalidRequest;
 semantic checks (known worker, sequence order) stay in the Router.
+Token ids are converted with numpy: ``np.array(repeated_field)`` reads upb's packed buffer
+directly (5 us for 4,000 tokens here) where ``array('I', field)`` iterates it (250 us).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable
+
+import numpy as np
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..errors import InvalidRequest, Overloaded
@@ -48,6 +51,10 @@ _STATE_TO_PB = {
 _VALID_TASKS = frozenset(int(t) for t in TaskCategory)
 
 
+def _le_u32(field: Iterable[int]) -> bytes:
+    return np.array(field, dtype="<u4").tobytes()
+
+
 def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys."""
     has_tokens, has_keys = len(msg.token_ids) > 0, len(msg.block_keys) > 0
@@ -62,10 +69,10 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
         n = len(msg.token_ids)
         if n > limit:
             raise Overloaded(f"prompt of {n} tokens exceeds max_prompt_tokens={limit}")
-        keys = router.keys_for_tokens(array("I", msg.token_ids).tobytes(), msg.model, msg.lora)
+        keys = router.keys_for_tokens(_le_u32(msg.token_ids), msg.model, msg.lora)
         prompt_tokens = n
     else:
-        keys = list(msg.block_keys)
+        keys = np.array(msg.block_keys, dtype=np.uint64).tolist()
         prompt_tokens = msg.prompt_tokens or len(keys) * router.block_size
     return RouteRequest(
         request_id=msg.request_id,
@@ -155,10 +162,10 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
         kind = ev.WhichOneof("event")
         if kind == "stored":
             st = ev.stored
-            hashes = tuple(st.engine_hashes) if len(st.engine_hashes) else None
+            hashes = tuple(np.array(st.engine_hashes, dtype=np.uint64).tolist()) if len(st.engine_hashes) else None
             out.append(
                 Stored(
-                    token_ids=array("I", st.token_ids).tobytes(),
+                    token_ids=_le_u32(st.token_ids),
                     engine_hashes=hashes,
                     parent_engine_hash=st.parent_engine_hash if st.HasField("parent_engine_hash") else None,
                     block_size=st.block_size,

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..errors import KVRouterError
 from ..protocols import CacheMode
-from ..router import Router
+from ..router import RouteResult, Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert
@@ -35,32 +35,46 @@ async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoRet
 
 
 class KVRouterService(router_pb2_grpc.KVRouterServicer):
-    def __init__(self, router: Router, tracer: trace.Tracer, metrics: Metrics, max_batch_events: int) -> None:
+    def __init__(
+        self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int
+    ) -> None:
         self.router = router
-        self.tracer = tracer
+        #: None when tracing is off
+        self.tracing = tracer is not None
+        self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = metrics
         self.max_batch_events = max_batch_events
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = time.perf_counter()
-        router = self.router
-        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
-            try:
-                req = convert.route_request(request, router)
-                result = router.route(req)
-            except KVRouterError as exc:
-                code = status_code(exc)
-                self.metrics.route_errors.add(1, {"code": code.name})
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                await _abort(context, exc)
-            if span.is_recording():
-                annotate_decision(span, result, router.block_size)
+        if self.tracing:
+            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                result = await self._route(request, context, span)
+        else:
+            # no tracer configured: skip span bookkeeping entirely on the hot path
+            result = await self._route(request, context, None)
         d = result.decision
         self.metrics.decisions.add(1, {"policy": d.policy, "reason": d.reason})
         self.metrics.route_latency.record(time.perf_counter() - started, {"policy": d.policy})
-        return convert.route_response(result, router.block_size)
+        return convert.route_response(result, self.router.block_size)
+
+    async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None) -> RouteResult:
+        router = self.router
+        recording = span is not None and span.is_recording()
+        try:
+            req = convert.route_request(request, router)
+            result = router.route(req, explain=recording)
+        except KVRouterError as exc:
+            code = status_code(exc)
+            self.metrics.route_errors.add(1, {"code": code.name})
+            if span is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+            await _abort(context, exc)
+        if recording:
+            annotate_decision(span, result, router.block_size)  # type: ignore[arg-type]
+        return result
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ...index.workers import Worker
 from ...protocols import Decision
 from ..base import RoutingContext, RoutingPolicyBase
 from ..registry import register
@@ -52,34 +51,37 @@ class CacheAwareParams:
 class CacheAwarePolicy(RoutingPolicyBase):
     params: CacheAwareParams
 
-    def _load(self, w: Worker) -> int:
-        return w.inflight_requests if self.params.load_metric == "requests" else w.pending_prefill_tokens
-
     def select(self, ctx: RoutingContext) -> Decision:
         p = self.params
-        load = self._load
         candidates = ctx.candidates
-        loads = [load(w) for w in candidates]
+        if p.load_metric == "requests":
+            loads = [w.inflight_requests for w in candidates]
+        else:
+            loads = [w.pending_prefill_tokens for w in candidates]
         max_load, min_load = max(loads), min(loads)
         imbalanced = (max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
 
         prompt_tokens = max(ctx.prompt_tokens, 1)
-        best = max(candidates, key=lambda w: (ctx.overlap(w), -load(w), -w.slot))
-        match_rate = min(1.0, ctx.overlap(best) * ctx.block_size / prompt_tokens)
+        overlaps = ctx.match.overlaps
+        # longest match; ties to the less loaded, then the lower slot (candidates are slot-ordered)
+        best_i, best_key = 0, (-1, 0)
+        for i, w in enumerate(candidates):
+            key = (overlaps.get(w.slot, 0), -loads[i])
+            if key > best_key:
+                best_i, best_key = i, key
+        match_rate = min(1.0, best_key[0] * ctx.block_size / prompt_tokens)
 
         if imbalanced:
-            chosen, reason = min(candidates, key=lambda w: (load(w), w.slot)), "imbalanced"
+            chosen, reason = candidates[loads.index(min_load)], "imbalanced"
         elif match_rate > p.cache_threshold:
-            chosen, reason = best, "prefix_match"
+            chosen, reason = candidates[best_i], "prefix_match"
         else:
-            chosen = min(candidates, key=lambda w: (load(w), ctx.cached_blocks(w), w.slot))
-            reason = "low_match"
-        scored = [
-            ctx.candidate(
-                w,
-                score=ctx.overlap(w) * ctx.block_size / prompt_tokens,
-                load=float(load(w)),
-            )
-            for w in candidates
-        ]
+            i = min(range(len(candidates)), key=lambda i: (loads[i], ctx.cached_blocks(candidates[i]), i))
+            chosen, reason = candidates[i], "low_match"
+        scored = []
+        if ctx.explain:
+            scored = [
+                ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens, load=float(loads[i]))
+                for i, w in enumerate(candidates)
+            ]
         return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced))

@@ -14,4 +14,4 @@ from ..registry import register
 class RandomPolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = ctx.candidates[self.rng.randrange(len(ctx.candidates))]
-        return self.decide(ctx, chosen, "random", [ctx.candidate(w) for w in ctx.candidates])
+        return self.decide(ctx, chosen, "random", [ctx.candidate(w) for w in ctx.candidates] if ctx.explain else [])

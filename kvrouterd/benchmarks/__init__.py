@@ -1,0 +1,1 @@
+"""Benchmarks: they report numbers and never assert them. Run with ``kvrouterd bench``."""

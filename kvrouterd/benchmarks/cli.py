@@ -1,0 +1,123 @@
+"""Benchmarks that report and never assert: decision cost, gRPC throughput, ingest, memory.
+
+    kvrouterd bench                 # everything, a table at the end (a few minutes)
+    kvrouterd bench --json          # one JSON object with every number
+    kvrouterd bench --only decision,memory --quick
+
+Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-token prompt,
+64 workers, 10^6 indexed blocks: hash + match + policy), ``grpc_route_vs_trivial_ratio``
+(daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
+``ingest_events_per_s`` (stored block events/s through PublishEvents into the index),
+``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+STAGES = ("decision", "grpc", "ingest", "memory")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and shorter runs (smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="gRPC rounds; the ratio is their median")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _memory_in_subprocess(blocks: int, engine_hashes: bool) -> dict[str, float]:
+    code = (
+        "import json,sys; from kvrouterd.benchmarks.inprocess import memory_per_block; "
+        f"print(json.dumps(memory_per_block({blocks}, {engine_hashes})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .inprocess import decision_cost
+
+    stages = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        print(f"unknown stage(s): {', '.join(sorted(unknown))}; choose from {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    blocks = 100_000 if args.quick else 1_000_000
+    seconds = 1.0 if args.quick else args.seconds
+    rounds = 1 if args.quick else max(1, args.rounds)
+    result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16}
+    rows: list[tuple[str, str]] = []
+
+    if "decision" in stages:
+        for workers in (8, 64):
+            _progress(f"decision cost: {workers} workers, {blocks:,} blocks")
+            d = decision_cost(workers, blocks, repeats=300 if args.quick else 2000)
+            result[f"decision_{workers}w"] = d
+            rows.append((f"decision, {workers} workers (median / p99)", f"{d['decision_us_median']:.1f} / {d['decision_us_p99']:.1f} us"))
+            rows.append((f"  of which hashing 250 blocks", f"{d['hash_us_median']:.1f} us"))
+            rows.append((f"  route + complete cycle, {workers} workers", f"{d['route_complete_us_median']:.1f} us"))
+        result["route_decision_us_median"] = result["decision_64w"]["decision_us_median"]  # type: ignore[index]
+
+    if "grpc" in stages:
+        from .grpc_bench import route_throughput
+        from .workload import build_router
+
+        _, prompt = build_router(1, 1000)
+        runs = []
+        for r in range(rounds):
+            _progress(f"gRPC Route round {r + 1}/{rounds}: trivial vs daemon (64 workers, {blocks:,} blocks), {seconds:g}s each")
+            runs.append(route_throughput(64, blocks, seconds, prompt))
+        ratios = [x["daemon"]["inflight_64"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
+        ratios1 = [x["daemon"]["inflight_1"]["rps"] / x["trivial"]["inflight_1"]["rps"] for x in runs]
+        mid = runs[ratios.index(statistics.median(ratios))] if len(runs) % 2 else runs[-1]
+        result["grpc_runs"] = runs
+        result["grpc_route_vs_trivial_ratio"] = statistics.median(ratios)
+        result["grpc_route_vs_trivial_ratio_inflight_1"] = statistics.median(ratios1)
+        for who in ("trivial", "daemon"):
+            for n in (1, 64):
+                m = mid[who][f"inflight_{n}"]
+                rows.append((f"gRPC Route {who}, {n} in flight", f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+        rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"))
+        rows.append(("gRPC Route daemon/trivial ratio, 1 in flight", f"{statistics.median(ratios1):.2f}"))
+
+    if "ingest" in stages:
+        from .grpc_bench import ingest_throughput
+        from .inprocess import ingest_rate
+
+        n = 100_000 if args.quick else 500_000
+        _progress(f"ingest: {n:,} stored blocks through PublishEvents")
+        grpc_rates = [ingest_throughput(n) for _ in range(rounds)]
+        local = ingest_rate(n)
+        result["ingest_events_per_s"] = statistics.median(grpc_rates)
+        result["ingest_events_per_s_in_process"] = local["blocks_per_s"]
+        rows.append(("ingest via PublishEvents", f"{statistics.median(grpc_rates):,.0f} block events/s"))
+        rows.append(("ingest in process (Router.apply)", f"{local['blocks_per_s']:,.0f} block events/s"))
+
+    if "memory" in stages:
+        _progress(f"memory: {blocks:,} blocks held by one worker (fresh processes)")
+        ours = _memory_in_subprocess(blocks, engine_hashes=False)
+        engine = _memory_in_subprocess(blocks, engine_hashes=True)
+        result["bytes_per_block"] = ours["bytes_per_block"]
+        result["bytes_per_block_with_engine_hashes"] = engine["bytes_per_block"]
+        rows.append(("memory per block (publisher uses our keys)", f"{ours['bytes_per_block']:.0f} B"))
+        rows.append(("memory per block (+ engine-hash map, vLLM/SGLang)", f"{engine['bytes_per_block']:.0f} B"))
+
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        width = max(len(k) for k, _ in rows) if rows else 0
+        print(f"\nkvrouterd bench ({blocks:,} indexed blocks, 4,000-token prompt, block size 16)")
+        print("-" * (width + 40))
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+    return 0

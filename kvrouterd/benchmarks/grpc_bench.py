@@ -1,0 +1,194 @@
+"""gRPC benchmarks: Route throughput/latency vs a trivial handler, and PublishEvents ingest.
+
+The server runs in a child process (``python -m kvrouterd.benchmarks.grpc_bench serve ...``)
+and the load generator in this one, so the two do not share a GIL. Both servers use the same
+generated servicer base and message types; the trivial one answers every Route with a fixed
+response, so the throughput ratio isolates what kvrouterd adds per call (hash, match, policy,
+bookkeeping, telemetry). On a 2-core machine the client shares the CPU with the server: the
+ratio is what we track, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+import grpc
+
+from .._generated.kvrouter.v1 import router_pb2 as pb
+from .._generated.kvrouter.v1 import router_pb2_grpc
+from .workload import BLOCK_SIZE
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class TrivialService(router_pb2_grpc.KVRouterServicer):
+    """Answers Route with a constant: the floor any gRPC Route server pays."""
+
+    _reply = pb.RouteResponse(worker_id="w0", worker_address="10.0.0.1:8000", policy="trivial")
+
+    async def Route(self, request, context):  # type: ignore[no-untyped-def]
+        return self._reply
+
+
+async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
+    if mode == "trivial":
+        server = grpc.aio.server(options=_OPTIONS)
+        router_pb2_grpc.add_KVRouterServicer_to_server(TrivialService(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stop = server.stop
+    else:
+        from ..config import parse_config
+        from ..server.app import Daemon
+        from .workload import populate
+
+        daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20}}))
+        if mode == "daemon":
+            populate(daemon.router, workers, blocks)
+        else:  # "ingest": one empty event-driven worker
+            from ..index.workers import WorkerSpec
+            from ..protocols import CacheMode
+
+            daemon.router.add_worker(WorkerSpec("w0", "10.0.0.1:8000", mode=CacheMode.EVENTS))
+        port = await daemon.start()
+        stop = daemon.stop
+    Path(port_file).write_text(str(port))
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await stop(0)
+
+
+class ServerProcess:
+    """A benchmark server in a child process; ``port`` is known once it is listening."""
+
+    def __init__(self, mode: str, workers: int = 0, blocks: int = 0) -> None:
+        self._tmp = tempfile.NamedTemporaryFile(suffix=".port", delete=False)
+        self._tmp.close()
+        os.unlink(self._tmp.name)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrouterd.benchmarks.grpc_bench", "serve", mode, str(workers), str(blocks), self._tmp.name],
+        )
+        deadline = time.time() + 300
+        while not os.path.exists(self._tmp.name) or not Path(self._tmp.name).read_text():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"benchmark server ({mode}) failed to start")
+            time.sleep(0.05)
+        self.port = int(Path(self._tmp.name).read_text())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        if os.path.exists(self._tmp.name):
+            os.unlink(self._tmp.name)
+
+
+async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: float) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
+        stub = router_pb2_grpc.KVRouterStub(channel)
+        for _ in range(50):  # warm up the connection and the server's caches
+            await stub.Route(request)
+        latencies: list[float] = []
+        end = time.perf_counter() + seconds
+
+        async def client() -> None:
+            route = stub.Route
+            clock = time.perf_counter
+            while True:
+                t0 = clock()
+                if t0 >= end:
+                    return
+                await route(request)
+                latencies.append(clock() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(inflight)))
+        elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {
+        "rps": len(latencies) / elapsed,
+        "p50_us": statistics.median(latencies) * 1e6,
+        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
+        "calls": len(latencies),
+    }
+
+
+def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Route rps and latency at 1 and 64 in flight, for the daemon and the trivial server."""
+    import uvloop
+
+    request = pb.RouteRequest(token_ids=prompt)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in ("trivial", "daemon"):
+        server = ServerProcess(mode, workers, blocks)
+        try:
+            out[mode] = {f"inflight_{n}": uvloop.run(_load(server.port, request, n, seconds)) for n in (1, 64)}
+        finally:
+            server.close()
+    return out
+
+
+async def _ingest(port: int, total_blocks: int, blocks_per_event: int, events_per_batch: int) -> float:
+    batches: list[pb.EventBatch] = []
+    made, eh, seq, tok = 0, 1, 0, 0
+    while made < total_blocks:
+        events = []
+        for _ in range(events_per_batch):
+            n = min(blocks_per_event, total_blocks - made)
+            if n <= 0:
+                break
+            st = pb.StoredBlocks(engine_hashes=range(eh, eh + n), token_ids=array("I", range(tok, tok + n * BLOCK_SIZE)))
+            events.append(pb.CacheEvent(stored=st))
+            eh, tok, made = eh + n, tok + n * BLOCK_SIZE, made + n
+        batches.append(pb.EventBatch(worker_id="w0", sequence=seq, events=events))
+        seq += 1
+    payloads = [b.SerializeToString() for b in batches]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
+        # pre-serialised messages: the client's cost stays out of the server's measurement
+        publish = channel.stream_unary(
+            "/kvrouter.v1.KVRouter/PublishEvents",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.PublishEventsResponse.FromString,
+        )
+
+        async def gen():  # type: ignore[no-untyped-def]
+            for p in payloads:
+                yield p
+
+        t0 = time.perf_counter()
+        summary = await publish(gen())
+        elapsed = time.perf_counter() - t0
+    assert summary.blocks_stored == total_blocks, summary
+    return total_blocks / elapsed
+
+
+def ingest_throughput(total_blocks: int, blocks_per_event: int = 32, events_per_batch: int = 16) -> float:
+    import uvloop
+
+    server = ServerProcess("ingest")
+    try:
+        return uvloop.run(_ingest(server.port, total_blocks, blocks_per_event, events_per_batch))
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["serve"])
+    parser.add_argument("mode", choices=["trivial", "daemon", "ingest"])
+    parser.add_argument("workers", type=int)
+    parser.add_argument("blocks", type=int)
+    parser.add_argument("port_file")
+    a = parser.parse_args()
+    import uvloop
+
+    uvloop.run(_serve(a.mode, a.workers, a.blocks, a.port_file))

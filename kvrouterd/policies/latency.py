@@ -1,0 +1,220 @@
+"""The shared time-to-first-token model: queueing + prefill compute, calibrated online.
+
+Both DualMap (section 3.2, Eq. 7: ``TTFT(r, i) = T_q(r, i) + T_c(r, i)``) and Mooncake's
+min-TTFT estimate TTFT as the time to clear a worker's pending prefill work plus the time to
+prefill the request's own uncached tokens. Every policy that needs that estimate uses this
+module, so one calibration serves them all.
+
+Prefill time of ``L`` uncached tokens (``prefill_model``):
+
+- ``linear`` (default): ``T_c = intercept_ms + ms_per_1k * L / 1000``.
+- ``power_law``: ``T_c = a_ms * batch^b * L^c``, the fit UniCache (appendix A.1, Fig. 14)
+  reports for Llama-3.1-8B on an H100: ``3.59e-5 s * BS^0.991 * L^1.018``.
+
+Queueing delay ``T_q`` is the prefill time of the worker's pending prefill tokens (the
+uncached tokens of requests routed to it and not yet completed), treated as one batch of
+``inflight`` requests for the power law. The *ttft_slo_threshold* of DualMap section 3.2,
+the pending tokens a worker clears within a TTFT budget, is ``tokens_within(budget_ms)``.
+
+Online calibration (``calibrate``): each ``Complete`` with an observed TTFT gives one sample
+(tokens ahead of and including the request at dispatch, observed TTFT). A recursive least
+squares fit with forgetting factor ``calibration_forgetting`` tracks ``(ms_per_1k,
+intercept_ms)`` for the linear model, or ``(log a, b, c)`` on log-transformed values for the
+power law, so estimates converge to the fleet actually served. The configured coefficients
+are the prior and stay in use until ``calibration_min_samples`` samples arrived.
+
+Parameters (``LatencyParams``, inherited by the Params of every policy using the model):
+
+- ``prefill_model`` = "linear": "linear" or "power_law".
+- ``prefill_ms_per_1k_tokens`` = 40.0: linear per-token cost (UniCache's H100 8B fit at batch 1).
+- ``prefill_intercept_ms`` = 0.0: fixed cost per prefill (scheduling, first decode step).
+- ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018: UniCache A.1 fit.
+- ``calibrate`` = True: learn the coefficients from completions.
+- ``calibration_forgetting`` = 0.992: RLS forgetting factor (LBGR's value).
+- ``calibration_min_samples`` = 8: samples before calibrated coefficients replace the prior.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["LatencyParams", "LatencyModel", "RecursiveLeastSquares"]
+
+# Tracked dispatches awaiting their Complete; beyond this the oldest are forgotten (a caller
+# that never completes must not grow memory without bound).
+_MAX_TRACKED = 200_000
+
+
+@dataclass(frozen=True)
+class LatencyParams:
+    prefill_model: Literal["linear", "power_law"] = field(
+        default="linear", metadata={"help": "prefill-time model: linear per-token cost, or UniCache's a*batch^b*L^c"}
+    )
+    prefill_ms_per_1k_tokens: float = field(
+        default=40.0, metadata={"help": "linear model: prefill ms per 1,000 uncached tokens"}
+    )
+    prefill_intercept_ms: float = field(default=0.0, metadata={"help": "linear model: fixed ms per prefill"})
+    power_a_ms: float = field(default=0.0359, metadata={"help": "power law: coefficient a, in ms"})
+    power_b: float = field(default=0.991, metadata={"help": "power law: batch-size exponent b"})
+    power_c: float = field(default=1.018, metadata={"help": "power law: input-length exponent c"})
+    calibrate: bool = field(default=True, metadata={"help": "fit the coefficients online from observed TTFT"})
+    calibration_forgetting: float = field(
+        default=0.992, metadata={"help": "forgetting factor of the online least-squares fit, in (0, 1]"}
+    )
+    calibration_min_samples: int = field(
+        default=8, metadata={"help": "completions needed before calibrated coefficients are used"}
+    )
+
+    def validate(self) -> None:
+        if self.prefill_ms_per_1k_tokens <= 0:
+            raise ValueError(f"prefill_ms_per_1k_tokens must be > 0, got {self.prefill_ms_per_1k_tokens}")
+        if self.prefill_intercept_ms < 0:
+            raise ValueError(f"prefill_intercept_ms must be >= 0, got {self.prefill_intercept_ms}")
+        if self.power_a_ms <= 0:
+            raise ValueError(f"power_a_ms must be > 0, got {self.power_a_ms}")
+        if self.power_c <= 0:
+            raise ValueError(f"power_c must be > 0, got {self.power_c}")
+        if not 0.0 < self.calibration_forgetting <= 1.0:
+            raise ValueError(f"calibration_forgetting must be in (0, 1], got {self.calibration_forgetting}")
+        if self.calibration_min_samples < 1:
+            raise ValueError(f"calibration_min_samples must be >= 1, got {self.calibration_min_samples}")
+
+
+class RecursiveLeastSquares:
+    """Exponentially weighted recursive least squares for ``y ~ theta . x``.
+
+    ``forgetting`` < 1 discounts old samples (weight ``forgetting^age``). The covariance is
+    not inflated further once its trace exceeds its initial value, so long runs of
+    uninformative samples cannot wind it up into instability.
+    """
+
+    __slots__ = ("theta", "_p", "forgetting", "_max_trace", "samples")
+
+    def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4) -> None:
+        n = len(theta)
+        self.theta = list(theta)
+        self._p = [[initial_variance if r == c else 0.0 for c in range(n)] for r in range(n)]
+        self.forgetting = forgetting
+        self._max_trace = initial_variance * n
+        self.samples = 0
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def update(self, x: list[float], y: float) -> float:
+        """Fold in one sample; returns the prior error ``y - theta . x``."""
+        p, n = self._p, len(x)
+        px = [sum(p[r][c] * x[c] for c in range(n)) for r in range(n)]
+        denom = self.forgetting + sum(x[r] * px[r] for r in range(n))
+        error = y - self.predict(x)
+        if denom <= 0 or not math.isfinite(error):
+            return error
+        gain = [v / denom for v in px]
+        self.theta = [t + g * error for t, g in zip(self.theta, gain)]
+        lam = self.forgetting
+        if sum(p[i][i] for i in range(n)) > self._max_trace:
+            lam = 1.0
+        # P is symmetric, so x^T P = (P x)^T
+        self._p = [[(p[r][c] - gain[r] * px[c]) / lam for c in range(n)] for r in range(n)]
+        self.samples += 1
+        return error
+
+
+class LatencyModel:
+    """TTFT estimates for a fleet, from one LatencyParams, optionally calibrated online.
+
+    ``note_dispatch`` remembers what a routed request had ahead of it; ``observe_completion``
+    turns its observed TTFT into a calibration sample. Both are called from policy hooks, so
+    estimation itself (``ttft_ms`` and friends) stays side-effect free.
+    """
+
+    def __init__(self, params: LatencyParams) -> None:
+        self.params = params
+        if params.prefill_model == "linear":
+            prior = [params.prefill_ms_per_1k_tokens, params.prefill_intercept_ms]
+        else:
+            prior = [math.log(params.power_a_ms), params.power_b, params.power_c]
+        self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting)
+        self._prior = tuple(prior)
+        self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
+
+    # ---- coefficients -----------------------------------------------------------------
+    @property
+    def samples(self) -> int:
+        return self._fit.samples
+
+    @property
+    def calibrated(self) -> bool:
+        return self.params.calibrate and self._fit.samples >= self.params.calibration_min_samples
+
+    def coefficients(self) -> tuple[float, ...]:
+        """(ms_per_1k, intercept_ms) or (a_ms, b, c) as currently used."""
+        theta = self._fit.theta if self.calibrated else list(self._prior)
+        if self.params.prefill_model == "linear":
+            # a fit can wander non-physical on degenerate data; never let prefill cost vanish
+            return (max(theta[0], 1e-3), max(theta[1], 0.0))
+        return (math.exp(theta[0]), theta[1], max(theta[2], 1e-3))
+
+    # ---- estimates --------------------------------------------------------------------
+    def prefill_ms(self, tokens: float, batch: int = 1) -> float:
+        """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests."""
+        if tokens <= 0:
+            return 0.0
+        if self.params.prefill_model == "linear":
+            per_1k, intercept = self.coefficients()
+            return intercept + per_1k * tokens / 1000.0
+        a, b, c = self.coefficients()
+        batch = max(batch, 1)
+        # a*BS^b*L^c with L the per-request length of the batch
+        return a * batch**b * (tokens / batch) ** c
+
+    def queue_ms(self, pending_tokens: int, inflight: int = 1) -> float:
+        """T_q: time to clear ``pending_tokens`` of prefill already routed to a worker."""
+        return self.prefill_ms(pending_tokens, max(inflight, 1))
+
+    def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0) -> float:
+        """T_q + T_c for a request with ``uncached_tokens`` to prefill behind ``pending_tokens``."""
+        return self.queue_ms(pending_tokens, inflight) + self.prefill_ms(uncached_tokens, 1)
+
+    def tokens_within(self, budget_ms: float) -> int:
+        """Prefill tokens one worker clears within ``budget_ms`` (DualMap's ttft_slo_threshold)."""
+        if budget_ms <= 0:
+            return 0
+        if self.params.prefill_model == "linear":
+            per_1k, intercept = self.coefficients()
+            return max(0, int((budget_ms - intercept) * 1000.0 / per_1k))
+        a, _, c = self.coefficients()
+        return int((budget_ms / a) ** (1.0 / c))
+
+    # ---- calibration ------------------------------------------------------------------
+    def note_dispatch(self, request_id: str, tokens_ahead: int, batch: int) -> None:
+        """Remember the prefill tokens ahead of (and including) a dispatched request."""
+        if not self.params.calibrate or not request_id:
+            return
+        self._tracked[request_id] = (tokens_ahead, batch)
+        if len(self._tracked) > _MAX_TRACKED:
+            self._tracked.popitem(last=False)
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    def observe_completion(self, request_id: str, ttft_ms: float) -> bool:
+        """Use a completed request's observed TTFT as a sample; False if it gave none."""
+        seen = self._tracked.pop(request_id, None)
+        if seen is None or ttft_ms <= 0 or not self.params.calibrate:
+            return False
+        self.observe(seen[0], seen[1], ttft_ms)
+        return True
+
+    def observe(self, tokens_ahead: int, batch: int, ttft_ms: float) -> None:
+        """One calibration sample: ``tokens_ahead`` prefill tokens took ``ttft_ms``."""
+        if tokens_ahead <= 0 or ttft_ms <= 0:
+            return
+        if self.params.prefill_model == "linear":
+            self._fit.update([tokens_ahead / 1000.0, 1.0], ttft_ms)
+        else:
+            batch = max(batch, 1)
+            self._fit.update([1.0, math.log(batch), math.log(tokens_ahead / batch)], math.log(ttft_ms))

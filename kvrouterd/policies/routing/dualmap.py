@@ -1,0 +1,266 @@
+"""``dualmap``: two hash-chosen candidates per prefix, SLO-aware choice between them.
+
+Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt``):
+
+- **Candidate pair** (sections 3.2, 3.4, A.1.3): the request's hash key goes through two
+  independent hash functions onto a dual consistent-hash ring (``hash_ring``), giving two
+  distinct workers (Eq. 5 when both coincide). The pair depends only on the key and the
+  worker ids, so router replicas with the same workers agree without sharing state.
+- **Adaptive hash-key length** (section 3.2, A.1.1): the key is the prompt's first
+  ``base_segments`` segments of ``segment_tokens`` tokens (the paper's 2 x 512); a prefix
+  whose sliding-window traffic share exceeds 2/n gets one more segment, and loses it when
+  its share falls below 1/n (``prefix_hotness``). Segments are counted in the router's
+  blocks: ``segment_tokens / block_size`` blocks per segment (at least 1).
+- **SLO-aware selection** (section 3.2, A.1.1): prefer the candidate with more cached reuse
+  (``rule=cache_affinity``); when that one is overloaded, take the less loaded of the two
+  (``rule=slo_switch``); with equal reuse, take the less loaded (``rule=equal_reuse``). Load
+  is pending prefill tokens. "Overloaded" is, with ``slo_test=static_threshold`` (the
+  paper's implementation), pending tokens plus the request's uncached tokens above the
+  *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
+  the configured (uncalibrated) latency model, or ``slo_threshold_tokens`` when set; with
+  ``slo_test=latency_model`` (beyond the paper), the calibrated TTFT estimate above the SLO.
+- **Decode bottleneck** (A.7): a worker with requests in flight that has completed no
+  prefill for ``decode_bottleneck_s`` is overloaded, and its TTFT estimates include the
+  observed interval. Prefill completions are learned from ``Complete`` (its TTFT dates the
+  first token), so a worker whose requests all decode longer than the threshold is flagged
+  until one completes: the same signal the paper uses, seen later.
+- **Hotspot rebalancing** (3.3, A.1.2) needs waiting requests; it lives in
+  ``kvrouterd.admission``. A decision whose two candidates are both overloaded says so
+  (``both_overloaded=1``) so the host can run a migration round, and
+  ``queued_ttft_ms`` gives the admission queue the A.7-corrected estimates.
+
+Parameters (defaults from the paper unless noted; latency-model ones in ``policies.latency``):
+
+- ``segment_tokens`` = 512, ``base_segments`` = 2: the base hash key.
+- ``max_key_segments`` = 64: cap on key growth (not in the paper; bounds the tree).
+- ``virtual_nodes`` = 128: ring points per worker (the paper uses one anchor; more points
+  even out arc lengths without changing the 1/n remapping).
+- ``hotness_window_s`` = 60, ``hotness_buckets`` = 12, ``hotness_min_requests`` = 50: the
+  sliding window (the paper gives no sizes).
+- ``default_ttft_slo_ms`` = 5000: SLO for requests without one (the paper's 5 s).
+- ``slo_test`` = "static_threshold"; ``slo_threshold_tokens`` = 0 (derive from the model).
+- ``decode_bottleneck_s`` = 3.0: A.7's T (0 disables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ...index.workers import Worker
+from ...protocols import Completion, Decision, RouteRequest
+from ..base import RoutingContext, RoutingPolicyBase
+from ..latency import LatencyModel, LatencyParams
+from ..registry import register
+from .hash_ring import DualHashRing
+from .prefix_hotness import PrefixHotness, key_path
+
+__all__ = ["DualMapParams", "DualMapPolicy"]
+
+
+@dataclass(frozen=True)
+class DualMapParams(LatencyParams):
+    segment_tokens: int = field(default=512, metadata={"help": "tokens per hash-key segment"})
+    base_segments: int = field(default=2, metadata={"help": "segments in a cold prefix's hash key"})
+    max_key_segments: int = field(default=64, metadata={"help": "longest hash key, in segments"})
+    virtual_nodes: int = field(default=128, metadata={"help": "points per worker on each hash ring"})
+    hotness_window_s: float = field(default=60.0, metadata={"help": "sliding window for prefix traffic shares, s"})
+    hotness_buckets: int = field(default=12, metadata={"help": "buckets the hotness window is split into"})
+    hotness_min_requests: int = field(default=50, metadata={"help": "requests in the window before hotness is judged"})
+    default_ttft_slo_ms: float = field(default=5000.0, metadata={"help": "TTFT SLO for requests that carry none, ms"})
+    slo_test: Literal["static_threshold", "latency_model"] = field(
+        default="static_threshold",
+        metadata={"help": "overload test: token threshold from the static model, or the calibrated TTFT estimate"},
+    )
+    slo_threshold_tokens: int = field(
+        default=0, metadata={"help": "pending-token threshold for static_threshold (0 = derive from the SLO)"}
+    )
+    decode_bottleneck_s: float = field(
+        default=3.0, metadata={"help": "no prefill completed for this long with work queued = overloaded (0 = off)"}
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("segment_tokens", "base_segments", "max_key_segments", "virtual_nodes",
+                     "hotness_buckets", "hotness_min_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_key_segments < self.base_segments:
+            raise ValueError(f"max_key_segments must be >= base_segments, got {self.max_key_segments}")
+        if self.hotness_window_s <= 0:
+            raise ValueError(f"hotness_window_s must be > 0, got {self.hotness_window_s}")
+        if self.default_ttft_slo_ms <= 0:
+            raise ValueError(f"default_ttft_slo_ms must be > 0, got {self.default_ttft_slo_ms}")
+        if self.slo_threshold_tokens < 0:
+            raise ValueError(f"slo_threshold_tokens must be >= 0, got {self.slo_threshold_tokens}")
+        if self.decode_bottleneck_s < 0:
+            raise ValueError(f"decode_bottleneck_s must be >= 0, got {self.decode_bottleneck_s}")
+
+
+@dataclass(slots=True)
+class _View:
+    """One candidate as DualMap judges it."""
+
+    worker: Worker
+    reuse: int
+    load: int
+    uncached: int
+    ttft_ms: float
+    bottleneck_ms: float
+    overloaded: bool
+
+
+@register("routing", "dualmap", DualMapParams)
+class DualMapPolicy(RoutingPolicyBase):
+    params: DualMapParams
+
+    def __init__(self, params: DualMapParams, rng: object) -> None:
+        super().__init__(params, rng)  # type: ignore[arg-type]
+        self.ring = DualHashRing(params.virtual_nodes)
+        self.hotness = PrefixHotness(params.hotness_window_s, params.hotness_buckets, params.hotness_min_requests)
+        self.latency = LatencyModel(params)
+        self._static = LatencyModel(replace(params, calibrate=False))
+        self._last_prefill: dict[str, float] = {}
+        self._busy_since: dict[str, float] = {}
+
+    # ---- pure helpers -------------------------------------------------------------------
+    def segment_blocks(self, block_size: int) -> int:
+        return max(1, round(self.params.segment_tokens / block_size))
+
+    def key_path(self, keys: list[int], block_size: int) -> list[tuple[int, int]]:
+        seg = self.segment_blocks(block_size)
+        p = self.params
+        return key_path(keys, p.base_segments * seg, seg, self.hotness.extended, p.max_key_segments * seg)
+
+    def candidate_pair(self, request: RouteRequest, block_size: int, allowed: set[str] | None = None) -> tuple[str, str | None]:
+        """The two candidates of ``request`` among ``allowed`` (all ring members if None)."""
+        path = self.key_path(request.keys, block_size)
+        if not path:
+            raise LookupError("the prompt has no full block to hash")
+        return self.ring.pair(path[-1][1], allowed.__contains__ if allowed is not None else None)
+
+    def slo_ms(self, request: RouteRequest | None) -> float:
+        return request.ttft_slo_ms if request is not None and request.ttft_slo_ms > 0 else self.params.default_ttft_slo_ms
+
+    def threshold_tokens(self, slo_ms: float) -> int:
+        """DualMap's ttft_slo_threshold: pending prefill tokens a worker clears within the SLO."""
+        return self.params.slo_threshold_tokens or self._static.tokens_within(slo_ms)
+
+    def bottleneck_ms(self, worker: Worker, now: float) -> float:
+        """A.7: the prefill interval of a decode-bottlenecked worker, else 0."""
+        limit = self.params.decode_bottleneck_s
+        if limit <= 0 or worker.inflight_requests <= 0:
+            return 0.0
+        # the clock starts when the worker last went busy or last finished a prefill
+        since = max(self._last_prefill.get(worker.id, float("-inf")), self._busy_since.get(worker.id, now))
+        interval = now - since
+        return interval * 1000.0 if interval > limit else 0.0
+
+    def queued_ttft_ms(self, worker: Worker, uncached_tokens: int, tokens_ahead: int, requests_ahead: int, now: float) -> float:
+        """TTFT of a request behind ``tokens_ahead`` prefill tokens on ``worker`` (A.7-corrected)."""
+        return self.latency.ttft_ms(uncached_tokens, tokens_ahead, requests_ahead) + self.bottleneck_ms(worker, now)
+
+    def _view(self, ctx: RoutingContext, w: Worker, slo: float, threshold: int) -> _View:
+        uncached = ctx.uncached_tokens(w)
+        load = w.pending_prefill_tokens
+        stall = self.bottleneck_ms(w, ctx.now)
+        ttft = self.latency.ttft_ms(uncached, load, w.inflight_requests) + stall
+        if self.params.slo_test == "static_threshold":
+            over = load + uncached > threshold
+        else:
+            over = ttft > slo
+        return _View(w, ctx.overlap(w), load, uncached, ttft, stall, over or stall > 0)
+
+    # ---- selection ----------------------------------------------------------------------
+    def select(self, ctx: RoutingContext) -> Decision:
+        slo = self.slo_ms(ctx.request)
+        threshold = self.threshold_tokens(slo)
+        by_id = {w.id: w for w in ctx.candidates}
+        path = self.key_path(ctx.request.keys, ctx.block_size)
+        pair: tuple[str, str | None] | None = None
+        if len(by_id) > 1 and path:
+            try:
+                pair = self.ring.pair(path[-1][1], by_id.__contains__)
+            except LookupError:
+                pair = None
+        if pair is None:
+            # one worker, no full block to hash, or the candidates are not on the ring yet
+            views = [self._view(ctx, w, slo, threshold) for w in ctx.candidates]
+            chosen = min(views, key=lambda v: (v.overloaded, v.load, v.worker.slot))
+            rule = "single_candidate" if len(by_id) == 1 else ("no_prefix" if not path else "not_on_ring")
+            return self._decision(ctx, chosen, None, rule, views, path, slo, threshold)
+        first = self._view(ctx, by_id[pair[0]], slo, threshold)
+        second = self._view(ctx, by_id[pair[1]], slo, threshold) if pair[1] is not None else None
+        if second is None:
+            return self._decision(ctx, first, None, "single_candidate", [first], path, slo, threshold)
+        lighter = min((first, second), key=lambda v: (v.bottleneck_ms > 0, v.load, v is second))
+        if first.reuse == second.reuse:
+            chosen, rule = lighter, "equal_reuse"
+        else:
+            preferred = first if first.reuse > second.reuse else second
+            if not preferred.overloaded:
+                chosen, rule = preferred, "cache_affinity"
+            else:
+                chosen, rule = lighter, "slo_switch"
+        other = second if chosen is first else first
+        return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold)
+
+    def _decision(self, ctx: RoutingContext, chosen: _View, other: _View | None, rule: str, views: list[_View],
+                  path: list[tuple[int, int]], slo: float, threshold: int) -> Decision:
+        scored = [
+            ctx.candidate(
+                v.worker, score=-v.ttft_ms, candidate=float(i + 1), reuse_blocks=float(v.reuse),
+                load_tokens=float(v.load), uncached_tokens=float(v.uncached), est_ttft_ms=round(v.ttft_ms, 3),
+                overloaded=float(v.overloaded), bottleneck_ms=round(v.bottleneck_ms, 3),
+            )
+            for i, v in enumerate(views)
+        ]
+        attrs: dict[str, float | int | str] = {
+            "rule": rule, "slo_ms": slo, "threshold_tokens": threshold,
+            "key_blocks": path[-1][0] if path else 0, "key_extended": int(len(path) > 1),
+            "both_overloaded": int(other is not None and chosen.overloaded and other.overloaded),
+        }
+        for i, v in enumerate(views[:2] if other is not None else [chosen]):
+            attrs[f"candidate_{i + 1}"] = v.worker.id
+            attrs[f"reuse_{i + 1}"] = v.reuse
+            attrs[f"load_{i + 1}"] = v.load
+            attrs[f"ttft_{i + 1}_ms"] = round(v.ttft_ms, 3)
+        decision = self.decide(ctx, chosen.worker, rule, scored, **attrs)
+        decision.estimated_ttft_ms = chosen.ttft_ms
+        if other is not None:
+            decision.alternative_worker_id = other.worker.id
+        return decision
+
+    # ---- hooks --------------------------------------------------------------------------
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        if worker is None:
+            return
+        if worker.inflight_requests <= 1:  # the host committed this one: the worker was idle
+            self._busy_since[worker.id] = ctx.now
+        self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+        path = self.key_path(ctx.request.keys, ctx.block_size)
+        if path:
+            limit = min(len(ctx.request.keys), self.params.max_key_segments * self.segment_blocks(ctx.block_size))
+            self.hotness.record(path, ctx.now, max(len(self.ring), 1), can_extend=path[-1][0] < limit)
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
+        self.latency.observe_completion(completion.request_id, completion.ttft_ms)
+        if worker is None:
+            return
+        # the first token came e2e - ttft before the completion; it dates the prefill
+        decode_s = max(0.0, completion.e2e_ms - completion.ttft_ms) / 1000.0 if completion.e2e_ms > 0 else 0.0
+        first_token = now - decode_s
+        if first_token > self._last_prefill.get(worker.id, float("-inf")):
+            self._last_prefill[worker.id] = first_token
+
+    def on_worker_added(self, worker: Worker) -> None:
+        self.ring.add(worker.id)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self.ring.remove(worker.id)
+        self._last_prefill.pop(worker.id, None)
+        self._busy_since.pop(worker.id, None)
+
+    def tick(self, now: float) -> None:
+        self.hotness.cool(now, max(len(self.ring), 1))

@@ -1,0 +1,25 @@
+"""Engine KV-event adapters: vLLM / SGLang publishers over ZMQ into the router's vocabulary.
+
+``engine_format`` decodes msgpack payloads (pure); ``zmq_source`` owns the sockets,
+sequencing, replay and reconnection. Only this package knows the engines' wire layouts.
+"""
+
+from __future__ import annotations
+
+from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_event, decode_payload, normalize_hash
+from .zmq_source import EndpointSubscriber, SubscriberStats, ZmqEndpoint, ZmqEventsConfig, ZmqEventSource, rank_endpoint
+
+__all__ = [
+    "DecodedBatch",
+    "MalformedPayload",
+    "TierEvent",
+    "decode_event",
+    "decode_payload",
+    "normalize_hash",
+    "EndpointSubscriber",
+    "SubscriberStats",
+    "ZmqEndpoint",
+    "ZmqEventsConfig",
+    "ZmqEventSource",
+    "rank_endpoint",
+]

@@ -1,0 +1,239 @@
+"""Decode vLLM / SGLang KV-event payloads (msgpack) into the core vocabulary.
+
+Pure functions, no I/O: ``zmq_source`` feeds them the payload frame of each ZMQ message.
+
+Wire format (checked against vLLM's ``vllm/distributed/kv_events.py`` and SGLang's copy):
+
+* batch: ``[ts, [event, ...], dp_rank]`` (``dp_rank`` absent in older engines); a map
+  ``{"ts", "events", "data_parallel_rank"}`` is accepted too.
+* event, vLLM >= 0.24 and SGLang: a map with ``"type"`` and named fields; vLLM <= 0.23: a
+  positional array, type name first (msgspec ``array_like=True, tag=True``):
+
+  - ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+    lora_name, extra_keys, group_idx, ... (positional order as listed)
+  - ``BlockRemoved``: block_hashes, medium
+  - ``AllBlocksCleared``: (no fields; a ``medium`` is honoured when present)
+
+Leniency, so a new engine version never takes the router down: every field except the type
+and ``block_hashes`` is optional, unknown fields and trailing positional fields are ignored,
+and unknown event types are skipped and counted (``DecodedBatch.skipped``). Anything else
+that does not fit raises ``MalformedPayload``; the subscriber counts it and skips the batch.
+
+Block hashes arrive as unsigned 64-bit ints (vLLM default), signed int64 (SGLang) or raw
+bytes (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). They are normalised to one
+unsigned 64-bit int so that a store and its later removal always agree:
+
+* int: ``h & (2**64 - 1)`` (two's complement for negatives: ``-1 -> 2**64 - 1``);
+* bytes: ``int.from_bytes(b, "big") & (2**64 - 1)``, i.e. the last 8 bytes big-endian, the
+  same value vLLM itself publishes when it converts its hashes to ints.
+
+Media: events whose ``medium`` is absent or ``"GPU"`` (any case) describe the GPU cache and
+become ``Stored`` / ``Removed`` / ``Cleared``. Other tiers (CPU, disk offload) become
+``TierEvent`` s, which the subscriber tracks apart or drops by config; they never reach the
+GPU view. Our keys are recomputed from ``token_ids`` by the router; the engine hashes are
+only kept to apply removals. ``extra_keys`` (multimodal hashes) are not folded into our keys,
+so two prompts that differ only in image content share keys (a known approximation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from ..errors import InvalidRequest
+from ..index.keys import tokens_to_bytes
+from ..protocols import CacheEvent, Cleared, Removed, Stored
+
+__all__ = [
+    "MalformedPayload",
+    "TierEvent",
+    "DecodedBatch",
+    "GPU_MEDIUM",
+    "normalize_hash",
+    "decode_payload",
+    "decode_event",
+]
+
+GPU_MEDIUM = "GPU"
+_MASK64 = (1 << 64) - 1
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+_CLEARED_FIELDS = ("medium",)
+
+
+class MalformedPayload(InvalidRequest):
+    """An engine payload that cannot be decoded; the batch is counted and skipped."""
+
+
+@dataclass(slots=True, frozen=True)
+class TierEvent:
+    """An event for a non-GPU tier (CPU / disk offload), kept out of the GPU view."""
+
+    medium: str
+    kind: Literal["stored", "removed", "cleared"]
+    engine_hashes: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class DecodedBatch:
+    """One engine batch: GPU events for the router, other tiers apart, and what was skipped."""
+
+    timestamp: float
+    dp_rank: int | None
+    events: tuple[CacheEvent, ...]
+    tier_events: tuple[TierEvent, ...] = ()
+    #: events of a type this version does not know (a newer engine); skipped on purpose
+    skipped: int = 0
+
+
+def normalize_hash(value: object) -> int:
+    """An engine block hash as an unsigned 64-bit int (see the module docstring)."""
+    if isinstance(value, bool):  # bool is an int subclass; a hash is never a bool
+        raise MalformedPayload(f"block hash must be an int or bytes, got {value!r}")
+    if isinstance(value, int):
+        return value & _MASK64
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if not raw:
+            raise MalformedPayload("block hash is empty bytes")
+        return int.from_bytes(raw, "big") & _MASK64
+    raise MalformedPayload(f"block hash must be an int or bytes, got {type(value).__name__}")
+
+
+def _hashes(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise MalformedPayload(f"block_hashes must be a list, got {type(value).__name__}")
+    return tuple(normalize_hash(h) for h in value)
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """(type name, named fields) from either the map or the positional-array encoding."""
+    if isinstance(raw, Mapping):
+        kind = raw.get("type")
+        fields = {_text(k): v for k, v in raw.items()}
+    elif isinstance(raw, (list, tuple)) and raw:
+        kind = raw[0]
+        fields = dict(zip(names, raw[1:]))
+    else:
+        raise MalformedPayload(f"event must be a map or a non-empty array, got {type(raw).__name__}")
+    if not isinstance(kind, (str, bytes)) or not kind:
+        raise MalformedPayload(f"event has no type name: {kind!r}")
+    return _text(kind), fields
+
+
+def _is_gpu(medium: object) -> bool:
+    return medium is None or _text(medium).upper() == GPU_MEDIUM
+
+
+def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
+    """One event; None for an unknown event type. ``model`` salts stored keys (engines do not say)."""
+    if isinstance(raw, Mapping):
+        kind = _text(raw.get("type"))
+    elif isinstance(raw, (list, tuple)) and raw:
+        kind = _text(raw[0])
+    else:
+        raise MalformedPayload(f"event must be a map or a non-empty array, got {type(raw).__name__}")
+    if kind == "BlockStored":
+        _, f = _fields(raw, _STORED_FIELDS)
+        if "block_hashes" not in f:
+            raise MalformedPayload("BlockStored without block_hashes")
+        hashes = _hashes(f["block_hashes"])
+        medium = f.get("medium")
+        if not _is_gpu(medium):
+            return TierEvent(_text(medium).upper(), "stored", hashes)
+        return _stored(f, hashes, model)
+    if kind == "BlockRemoved":
+        _, f = _fields(raw, _REMOVED_FIELDS)
+        if "block_hashes" not in f:
+            raise MalformedPayload("BlockRemoved without block_hashes")
+        hashes = _hashes(f["block_hashes"])
+        medium = f.get("medium")
+        if not _is_gpu(medium):
+            return TierEvent(_text(medium).upper(), "removed", hashes)
+        return Removed(hashes)
+    if kind == "AllBlocksCleared":
+        _, f = _fields(raw, _CLEARED_FIELDS)
+        medium = f.get("medium")
+        if not _is_gpu(medium):
+            return TierEvent(_text(medium).upper(), "cleared")
+        return Cleared()
+    if not kind:
+        raise MalformedPayload("event has no type name")
+    return None
+
+
+def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored:
+    tokens = f.get("token_ids")
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        # without tokens we cannot compute our keys; the router would reject it anyway
+        raise MalformedPayload("BlockStored without token_ids")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise MalformedPayload("BlockStored token_ids must be integers")
+    try:
+        token_bytes = tokens_to_bytes(tokens)
+    except OverflowError:
+        raise MalformedPayload("BlockStored token_ids must be in [0, 2**32)") from None
+    parent = f.get("parent_block_hash")
+    block_size = f.get("block_size") or 0
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+        raise MalformedPayload(f"BlockStored block_size must be a non-negative int, got {block_size!r}")
+    lora = _text(f.get("lora_name"))
+    if not lora and f.get("lora_id") is not None:
+        lora = _text(f.get("lora_id"))
+    return Stored(
+        token_ids=token_bytes,
+        engine_hashes=hashes,
+        parent_engine_hash=None if parent is None else normalize_hash(parent),
+        block_size=block_size,
+        model=model,
+        lora=lora,
+    )
+
+
+def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
+    """Decode one msgpack batch payload. Raises MalformedPayload; never anything else."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MalformedPayload(f"payload is not msgpack: {exc}") from None
+    if isinstance(raw, Mapping):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, (list, tuple)) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) >= 3 else None
+    else:
+        raise MalformedPayload(f"batch must be [ts, events, dp_rank] or a map, got {type(raw).__name__}")
+    if not isinstance(events, (list, tuple)):
+        raise MalformedPayload(f"batch events must be a list, got {type(events).__name__}")
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        raise MalformedPayload(f"batch timestamp must be a number, got {ts!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise MalformedPayload(f"batch dp_rank must be an int, got {rank!r}")
+    gpu: list[CacheEvent] = []
+    tiers: list[TierEvent] = []
+    skipped = 0
+    for i, ev in enumerate(events):
+        try:
+            decoded = decode_event(ev, model)
+        except MalformedPayload as exc:
+            raise MalformedPayload(f"events[{i}]: {exc}") from None
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise MalformedPayload(f"events[{i}]: {exc}") from None
+        if decoded is None:
+            skipped += 1
+        elif isinstance(decoded, TierEvent):
+            tiers.append(decoded)
+        else:
+            gpu.append(decoded)
+    return DecodedBatch(float(ts or 0.0), rank, tuple(gpu), tuple(tiers), skipped)

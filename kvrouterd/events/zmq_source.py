@@ -1,0 +1,471 @@
+"""Subscribe to vLLM / SGLang KV-event publishers over ZMQ and feed the router.
+
+One ``EndpointSubscriber`` per engine endpoint and data-parallel rank (rank r publishes on the
+configured port + r, as vLLM does), all owned by a ``ZmqEventSource``. Each message is
+``[topic, seq (8-byte big-endian), payload]``; ``engine_format`` decodes the payload.
+
+Sequencing is owned here, not by ``Router.apply``:
+
+* The engine numbers batches +1 each and restarts at 0. We track the next expected number.
+* A jump forward is a gap: we ask the engine's ROUTER replay endpoint with a DEALER
+  (``[b"", start_seq]``), apply the replayed batches (``[b"", seq, payload]`` from
+  vLLM <= 0.25, ``[b"", topic, seq, payload]`` from newer vLLM and SGLang: the last two frames
+  are taken) until the end marker ``seq = 0xFF * 8``. Live batches already covered by the
+  replay are dropped as duplicates.
+* A replay that is unavailable (no endpoint, timeout) or too old (its first batch is later
+  than the one we need) loses events for good: ``reset(worker, lost=True)`` clears the worker
+  and marks it DEGRADED until the engine clears its cache or restarts. Counted and logged.
+* A drop in the number is an engine restart: its cache is empty, so the next batch we hand
+  over starts with ``Cleared`` (which also ends a DEGRADED state). If we missed the first
+  batches of the new run we replay from 0.
+* Joining a running engine (first number > 0) replays from 0 when ``replay_on_join``;
+  if the engine no longer buffers that far back, the worker is degraded as above.
+
+The router sees each worker's batches numbered 0, 1, 2, ... by us after ``reset(worker,
+lost=False)`` at start, so its own gap and restart checks never fire a second time.
+
+Connections: ZMQ reconnects on its own with exponential backoff (``reconnect_ivl_ms`` up to
+``reconnect_ivl_max_ms``). An endpoint that delivers nothing for ``silence_s`` is shown as
+silent (idle engines are silent too, so this is a status, not an error) and its socket is
+recreated, with backoff, to get past half-open TCP connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from ..clock import Clock, SystemClock
+from ..errors import ConfigError, KVRouterError
+from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch
+from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload
+
+__all__ = [
+    "ZmqEventsConfig",
+    "ZmqEndpoint",
+    "SubscriberStats",
+    "EndpointSubscriber",
+    "ZmqEventSource",
+    "rank_endpoint",
+    "END_SEQ",
+]
+
+log = logging.getLogger("kvrouterd.events.zmq")
+
+#: the replay end marker's sequence frame
+END_SEQ = b"\xff" * 8
+
+ApplyFn = Callable[[EventBatch], BatchOutcome]
+ResetFn = Callable[[str, bool], object]
+
+
+@dataclass(frozen=True)
+class ZmqEventsConfig:
+    """Settings shared by every ZMQ subscriber."""
+
+    #: topic prefix to subscribe to ("" = every topic; vLLM's default topic is "")
+    topic: str = ""
+    #: seconds without a batch before an endpoint is shown as silent and its socket recreated
+    silence_s: float = 30.0
+    #: seconds to wait for each replay reply frame before giving the replay up
+    replay_timeout_s: float = 2.0
+    #: upper bound on batches accepted from one replay
+    replay_max_batches: int = 100_000
+    #: on first contact with a running engine, replay from sequence 0 to recover its cache
+    replay_on_join: bool = True
+    #: "ignore" drops events for non-GPU tiers; "track" keeps their blocks per tier, apart
+    other_media: Literal["ignore", "track"] = "ignore"
+    #: ZMQ reconnect backoff (the library doubles the interval up to the max)
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 10_000
+
+    def validate(self) -> None:
+        if self.silence_s <= 0:
+            raise ConfigError(f"events.silence_s must be > 0, got {self.silence_s}")
+        if self.replay_timeout_s <= 0:
+            raise ConfigError(f"events.replay_timeout_s must be > 0, got {self.replay_timeout_s}")
+        if self.replay_max_batches <= 0:
+            raise ConfigError(f"events.replay_max_batches must be > 0, got {self.replay_max_batches}")
+        if self.other_media not in ("ignore", "track"):
+            raise ConfigError(f"events.other_media must be 'ignore' or 'track', got {self.other_media!r}")
+        if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
+            raise ConfigError("events.reconnect_ivl_ms must be > 0 and <= reconnect_ivl_max_ms")
+
+
+@dataclass(frozen=True)
+class ZmqEndpoint:
+    """One engine publisher as the engine was configured, and the router worker it feeds.
+
+    ``endpoint`` / ``replay_endpoint`` are the engine's base addresses (``tcp://host:5557``);
+    ``dp_rank`` selects the rank, which publishes on port + rank. ``model`` salts the keys of
+    stored blocks (engines do not send it), matching the ``model`` of route requests.
+    """
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str = ""
+    dp_rank: int = 0
+    model: str = ""
+
+    def validate(self) -> None:
+        if not self.worker_id:
+            raise ConfigError("zmq endpoint: worker_id must not be empty")
+        if self.dp_rank < 0:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: dp_rank must be >= 0")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ConfigError(f"zmq endpoint {self.worker_id!r}: {name} must look like tcp://host:port, got {value!r}")
+        if not self.endpoint:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
+
+    @property
+    def pub_address(self) -> str:
+        return rank_endpoint(self.endpoint, self.dp_rank)
+
+    @property
+    def replay_address(self) -> str:
+        return rank_endpoint(self.replay_endpoint, self.dp_rank) if self.replay_endpoint else ""
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The address data-parallel rank ``rank`` uses: tcp port + rank, else a ``_dp{rank}`` suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"cannot offset {endpoint!r} by rank {rank}: no numeric port")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+@dataclass
+class SubscriberStats:
+    """What an endpoint's subscriber has seen; ``kvrouterd status`` and metrics read it."""
+
+    batches_received: int = 0
+    batches_applied: int = 0
+    malformed: int = 0
+    rejected: int = 0  # decoded fine, but the router refused it (e.g. block size mismatch)
+    duplicates: int = 0
+    gaps: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    desyncs: int = 0  # events lost beyond replay: worker cleared and degraded
+    restarts: int = 0
+    skipped_events: int = 0
+    dp_rank_mismatch: int = 0
+    reconnects: int = 0
+    silent: bool = False
+    last_sequence: int = -1
+    last_batch_at: float | None = None
+    #: non-GPU tier -> engine hashes held there (only with other_media="track")
+    tier_blocks: dict[str, set[int]] = field(default_factory=dict)
+
+
+class EndpointSubscriber:
+    """The SUB socket, sequencing and replay for one engine endpoint (one DP rank)."""
+
+    def __init__(
+        self,
+        endpoint: ZmqEndpoint,
+        config: ZmqEventsConfig,
+        apply: ApplyFn,
+        reset: ResetFn,
+        ctx: zmq.asyncio.Context,
+        clock: Clock,
+    ) -> None:
+        endpoint.validate()
+        self.endpoint = endpoint
+        self.config = config
+        self._apply_fn = apply
+        self._reset_fn = reset
+        self._ctx = ctx
+        self._clock = clock
+        self.stats = SubscriberStats()
+        self._expected: int | None = None  # next engine sequence; None before first contact
+        self._router_seq = 0  # numbers we hand to the router, 0.. after each reset
+        self._dup_lo = self._dup_hi = 0  # live batches in [lo, hi) were already replayed
+        self._pending_clear = False
+        self._started = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    # ---- socket loop --------------------------------------------------------------------
+    async def run(self) -> None:
+        """Receive until cancelled; recreate the socket after each silent interval."""
+        self._start_session()
+        backoff = self.config.reconnect_ivl_ms / 1000
+        while True:
+            sock = self._subscribe()
+            try:
+                delivered = await self._receive(sock)
+            finally:
+                sock.close(linger=0)
+            if delivered:
+                backoff = self.config.reconnect_ivl_ms / 1000
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.reconnect_ivl_max_ms / 1000)
+            self.stats.reconnects += 1
+
+    def _subscribe(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, self.config.reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.config.reconnect_ivl_max_ms)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+        sock.connect(self.endpoint.pub_address)
+        return sock
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> bool:
+        """Handle messages until a silent interval passes; True if any arrived."""
+        delivered = False
+        while True:
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self.config.silence_s)
+            except TimeoutError:
+                if not self.stats.silent:
+                    self.stats.silent = True
+                    log.warning(
+                        "no KV events for %.1fs; reconnecting", self.config.silence_s,
+                        extra={"worker_id": self.worker_id, "endpoint": self.endpoint.pub_address},
+                    )
+                return delivered
+            delivered = True
+            if self.stats.silent:
+                self.stats.silent = False
+                log.info("KV events resumed", extra={"worker_id": self.worker_id})
+            await self.handle_frames(frames)
+
+    # ---- sequencing ---------------------------------------------------------------------
+    def _start_session(self) -> None:
+        if not self._started:
+            self._reset(lost=False)
+            self._started = True
+
+    async def handle_frames(self, frames: Sequence[bytes]) -> None:
+        """One live message: ``[topic, seq, payload]`` (only the last two frames are read)."""
+        self._start_session()
+        self.stats.batches_received += 1
+        if len(frames) < 2 or len(frames[-2]) != 8:
+            self.stats.malformed += 1
+            log.warning("malformed KV-event message skipped (%d frames)", len(frames), extra={"worker_id": self.worker_id})
+            return
+        seq = int.from_bytes(frames[-2], "big")
+        payload = frames[-1]
+        expected = self._expected
+        if expected is None:
+            if seq == 0 or not self.config.replay_on_join:
+                self._accept(seq, payload)
+            else:
+                await self._recover(0, seq, payload, why="join")
+        elif seq == expected:
+            self._accept(seq, payload)
+        elif seq > expected:
+            self.stats.gaps += 1
+            log.warning(
+                "KV-event gap: expected %d, got %d; replaying", expected, seq, extra={"worker_id": self.worker_id}
+            )
+            await self._recover(expected, seq, payload, why="gap")
+        elif self._dup_lo <= seq < self._dup_hi:
+            self.stats.duplicates += 1
+        else:
+            self.stats.restarts += 1
+            log.warning("engine restart detected (sequence %d after %d)", seq, expected - 1,
+                        extra={"worker_id": self.worker_id})
+            self._pending_clear = True
+            self._dup_lo = self._dup_hi = 0
+            self._tier_clear()
+            if seq == 0:
+                self._accept(seq, payload)
+            else:
+                await self._recover(0, seq, payload, why="restart")
+
+    async def _recover(self, start: int, seq: int, payload: bytes, why: str) -> None:
+        """Replay [start, ...) from the engine, then go on after the message ``seq`` that
+        revealed the gap. If the replay cannot bridge [start, seq), those events are lost."""
+        replayed = await self._replay(start)
+        nxt = start
+        if replayed and replayed[0][0] == start:
+            for rseq, rpayload in replayed:
+                if rseq != nxt:
+                    break  # a hole inside the replay: stop at the last contiguous batch
+                self._accept(rseq, rpayload)
+                nxt = rseq + 1
+        if nxt > seq:
+            self.stats.replays_ok += 1
+            # live messages after ``seq`` queued while we replayed; the replay already had them
+            self._dup_lo, self._dup_hi = seq + 1, nxt
+            log.info("replayed %d batch(es) from %d (%s)", nxt - start, start, why, extra={"worker_id": self.worker_id})
+            return
+        if nxt == seq:
+            self.stats.replays_ok += 1
+            self._accept(seq, payload)
+            return
+        self.stats.replays_failed += 1
+        self.stats.desyncs += 1
+        reason = "unavailable" if replayed is None else "too old" if nxt == start else "incomplete"
+        log.warning(
+            "replay from %d %s (%s): worker cleared and degraded until the engine resyncs", start, reason, why,
+            extra={"worker_id": self.worker_id},
+        )
+        self._reset(lost=True)
+        self._accept(seq, payload)
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        """Decode one in-order batch and hand it to the router."""
+        self._expected = seq + 1
+        self.stats.last_sequence = seq
+        self.stats.last_batch_at = self._clock.now()
+        try:
+            decoded = decode_payload(payload, self.endpoint.model)
+        except MalformedPayload as exc:
+            self.stats.malformed += 1
+            log.warning("malformed KV-event batch %d skipped: %s", seq, exc, extra={"worker_id": self.worker_id})
+            return
+        self._handoff(decoded)
+
+    def _handoff(self, decoded: DecodedBatch) -> None:
+        stats = self.stats
+        stats.skipped_events += decoded.skipped
+        if decoded.dp_rank is not None and decoded.dp_rank != self.endpoint.dp_rank:
+            stats.dp_rank_mismatch += 1
+        if decoded.tier_events:
+            self._track_tiers(decoded.tier_events)
+        events: tuple[CacheEvent, ...] = decoded.events
+        if self._pending_clear:
+            events = (Cleared(), *events)
+        if not events:
+            return
+        try:
+            self._apply_fn(EventBatch(self.worker_id, self._router_seq, events))
+        except KVRouterError as exc:
+            stats.rejected += 1
+            log.warning("KV-event batch rejected by the router: %s", exc, extra={"worker_id": self.worker_id})
+            return
+        self._router_seq += 1
+        self._pending_clear = False
+        stats.batches_applied += 1
+
+    def _reset(self, lost: bool) -> None:
+        try:
+            self._reset_fn(self.worker_id, lost)
+        except KVRouterError as exc:
+            log.warning("cannot reset worker state: %s", exc, extra={"worker_id": self.worker_id})
+        self._router_seq = 0
+        self._pending_clear = False
+        self._dup_lo = self._dup_hi = 0
+        self._tier_clear()
+
+    # ---- other tiers ----------------------------------------------------------------------
+    def _track_tiers(self, events: Sequence[TierEvent]) -> None:
+        if self.config.other_media != "track":
+            return
+        tiers = self.stats.tier_blocks
+        for ev in events:
+            held = tiers.setdefault(ev.medium, set())
+            if ev.kind == "stored":
+                held.update(ev.engine_hashes)
+            elif ev.kind == "removed":
+                held.difference_update(ev.engine_hashes)
+            else:
+                held.clear()
+
+    def _tier_clear(self) -> None:
+        for held in self.stats.tier_blocks.values():
+            held.clear()
+
+    # ---- replay ---------------------------------------------------------------------------
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Batches the engine still buffers from ``start`` on; None if replay is unavailable."""
+        address = self.endpoint.replay_address
+        if not address:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(address)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while len(out) < self.config.replay_max_batches:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self.config.replay_timeout_s)
+                if len(frames) < 2 or len(frames[-2]) != 8:
+                    self.stats.malformed += 1
+                    continue
+                if frames[-2] == END_SEQ:
+                    return out
+                out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
+            return out
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("replay request to %s failed: %s", address, exc or "timeout", extra={"worker_id": self.worker_id})
+            # batches received before the failure are still usable if they start where asked
+            return out or None
+        finally:
+            sock.close(linger=0)
+
+
+class ZmqEventSource:
+    """All ZMQ subscribers of one daemon: add/remove endpoints, run them under a TaskGroup.
+
+    ``apply(batch)`` and ``reset(worker_id, lost)`` are supplied by the host; the daemon passes
+    ``Router.apply`` (wrapped for telemetry) and ``Router.reset_events``.
+    """
+
+    def __init__(
+        self,
+        config: ZmqEventsConfig,
+        apply: ApplyFn,
+        reset: ResetFn,
+        clock: Clock | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self._apply = apply
+        self._reset = reset
+        self._clock = clock or SystemClock()
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.asyncio.Context()
+        self.subscribers: dict[str, EndpointSubscriber] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def add(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
+        """Start subscribing (replaces an existing subscriber for the same worker)."""
+        self.remove(endpoint.worker_id)
+        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock)
+        self.subscribers[endpoint.worker_id] = sub
+        self._tasks[endpoint.worker_id] = asyncio.create_task(sub.run(), name=f"kv-events-{endpoint.worker_id}")
+        log.info("subscribed to KV events", extra={"worker_id": endpoint.worker_id, "endpoint": endpoint.pub_address})
+        return sub
+
+    def remove(self, worker_id: str) -> None:
+        """Stop the worker's subscriber, if any (its router state is left to the caller)."""
+        self.subscribers.pop(worker_id, None)
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for wid in list(self._tasks):
+            self.remove(wid)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._own_ctx:
+            self._ctx.term()
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {wid: sub.stats for wid, sub in self.subscribers.items()}

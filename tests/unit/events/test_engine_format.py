@@ -1,0 +1,156 @@
+"""Decoding vLLM / SGLang KV-event payloads in every encoding the engines use."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvrouterd.events.engine_format import (
+    DecodedBatch,
+    MalformedPayload,
+    TierEvent,
+    decode_event,
+    decode_payload,
+    normalize_hash,
+)
+from kvrouterd.index.keys import tokens_to_bytes
+from kvrouterd.protocols import Cleared, Removed, Stored
+
+TOKENS = list(range(100, 108))
+
+
+def pack(events, ts=1.5, rank=0):
+    return msgpack.packb([ts, events, rank]) if rank is not None else msgpack.packb([ts, events])
+
+
+def test_vllm_positional_array_form():
+    payload = pack([
+        ["BlockStored", [11, 12], None, TOKENS, 4, None, None],
+        ["BlockRemoved", [11], None],
+        ["AllBlocksCleared"],
+    ])
+    batch = decode_payload(payload, model="m")
+    assert batch == DecodedBatch(
+        timestamp=1.5,
+        dp_rank=0,
+        events=(
+            Stored(tokens_to_bytes(TOKENS), (11, 12), None, 4, "m", ""),
+            Removed((11,)),
+            Cleared(),
+        ),
+    )
+
+
+def test_map_form_with_unknown_and_newer_fields():
+    payload = pack([
+        {"type": "BlockStored", "block_hashes": [21, 22], "parent_block_hash": 20, "token_ids": TOKENS,
+         "block_size": 4, "lora_id": 3, "lora_name": "sql", "medium": "GPU", "extra_keys": None,
+         "group_idx": 0, "some_future_field": {"x": 1}},
+        {"type": "BlockRemoved", "block_hashes": [22]},
+    ], rank=2)
+    batch = decode_payload(payload)
+    assert batch.dp_rank == 2
+    stored, removed = batch.events
+    assert stored == Stored(tokens_to_bytes(TOKENS), (21, 22), 20, 4, "", "sql")
+    assert removed == Removed((22,))
+
+
+def test_only_type_and_hashes_are_required_for_removal_and_lora_id_is_a_fallback_salt():
+    batch = decode_payload(pack([{"type": "BlockRemoved", "block_hashes": [1]}], rank=None))
+    assert batch.events == (Removed((1,)),) and batch.dp_rank is None
+    stored = decode_event({"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "lora_id": 7})
+    assert isinstance(stored, Stored) and stored.lora == "7" and stored.block_size == 0
+
+
+def test_batch_as_a_map_is_accepted():
+    payload = msgpack.packb({"ts": 2.0, "events": [["AllBlocksCleared"]], "data_parallel_rank": 1})
+    assert decode_payload(payload) == DecodedBatch(2.0, 1, (Cleared(),))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (5, 5),
+        (2**64 - 1, 2**64 - 1),
+        (-1, 2**64 - 1),  # SGLang's signed int64 maps to the same unsigned value
+        (-(2**63), 2**63),
+        (b"\x01\x02", 0x0102),
+        (bytes(range(32)), int.from_bytes(bytes(range(24, 32)), "big")),  # last 8 bytes, like vLLM
+    ],
+)
+def test_hash_normalisation(raw, expected):
+    assert normalize_hash(raw) == expected
+
+
+def test_signed_and_unsigned_encodings_of_one_hash_agree_between_store_and_remove():
+    unsigned = 2**64 - 5
+    signed = unsigned - 2**64
+    stored = decode_payload(pack([["BlockStored", [signed], None, TOKENS[:4], 4, None, None]])).events[0]
+    removed = decode_payload(pack([["BlockRemoved", [unsigned], None]])).events[0]
+    assert isinstance(stored, Stored) and isinstance(removed, Removed)
+    assert stored.engine_hashes == removed.engine_hashes == (unsigned,)
+
+
+def test_bytes_hashes_in_stored_parent_and_removed():
+    h1, h0 = b"\xaa" * 32, b"\xbb" * 32
+    batch = decode_payload(pack([
+        {"type": "BlockStored", "block_hashes": [h1], "parent_block_hash": h0, "token_ids": TOKENS[:4]},
+        {"type": "BlockRemoved", "block_hashes": [h1]},
+    ]))
+    stored, removed = batch.events
+    assert stored.engine_hashes == removed.engine_hashes == (int.from_bytes(b"\xaa" * 8, "big"),)
+    assert stored.parent_engine_hash == int.from_bytes(b"\xbb" * 8, "big")
+
+
+def test_other_media_never_reach_the_gpu_view():
+    batch = decode_payload(pack([
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "medium": "cpu"},
+        ["BlockRemoved", [2], "DISK"],
+        {"type": "AllBlocksCleared", "medium": "CPU"},
+        ["BlockStored", [3], None, TOKENS[:4], 4, None, "gpu"],
+    ]))
+    assert batch.events == (Stored(tokens_to_bytes(TOKENS[:4]), (3,), None, 4, "", ""),)
+    assert batch.tier_events == (
+        TierEvent("CPU", "stored", (1,)), TierEvent("DISK", "removed", (2,)), TierEvent("CPU", "cleared"),
+    )
+
+
+def test_unknown_event_types_are_skipped_and_counted():
+    batch = decode_payload(pack([{"type": "BlockPromoted", "block_hashes": [1]}, ["SomethingNew", 1, 2], ["AllBlocksCleared"]]))
+    assert batch.events == (Cleared(),) and batch.skipped == 2
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"",
+        msgpack.packb(42),
+        msgpack.packb([1.0]),
+        msgpack.packb([1.0, "not a list", 0]),
+        msgpack.packb(["yesterday", [], 0]),
+        msgpack.packb([1.0, [], "rank"]),
+        pack([{"block_hashes": [1]}]),  # no type
+        pack([[]]),
+        pack([7]),
+        pack([{"type": "BlockStored", "token_ids": TOKENS}]),  # no hashes
+        pack([["BlockRemoved"]]),
+        pack([["BlockRemoved", [1.5], None]]),  # float hash
+        pack([["BlockRemoved", [True], None]]),
+        pack([["BlockRemoved", "abc", None]]),
+        pack([["BlockStored", [1], None, None, 4, None, None]]),  # no tokens
+        pack([["BlockStored", [1], None, [-1, 2, 3, 4], 4, None, None]]),
+        pack([["BlockStored", [1], None, [2**32, 2, 3, 4], 4, None, None]]),
+        pack([["BlockStored", [1], None, ["a", 2, 3, 4], 4, None, None]]),
+        pack([["BlockStored", [1], None, TOKENS[:4], -4, None, None]]),
+        pack([["BlockStored", [1], 1.5, TOKENS[:4], 4, None, None]]),  # float parent
+    ],
+)
+def test_malformed_payloads_raise_the_specific_error(payload):
+    with pytest.raises(MalformedPayload):
+        decode_payload(payload)
+
+
+def test_a_malformed_event_names_its_position():
+    with pytest.raises(MalformedPayload, match=r"events\[1\]"):
+        decode_payload(pack([["AllBlocksCleared"], ["BlockRemoved", [None], None]]))

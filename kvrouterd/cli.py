@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvrouterd.server.app", "run the gRPC daemon"),
     "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory"),
     "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
+    "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies"),
 }
 
 

@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 #: name -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
-SIM_COMMANDS: dict[str, tuple[str, str]] = {}
+SIM_COMMANDS: dict[str, tuple[str, str]] = {
+    "cache": ("kvrouterd.sim.cache", "replay a trace into one cache and report its hit ratio"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,91 @@
+"""random, round_robin, least_loaded and cache_aware (SGLang semantics)."""
+
+from __future__ import annotations
+
+import random
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.policies import registry
+from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
+from kvrouterd.router import Router, RouterSettings
+
+BS = 16
+
+
+def fleet(policy, n=3):
+    router = Router(RouterSettings(block_size=BS, routing=policy), ManualClock(), random.Random(3))
+    for i in range(n):
+        router.add_worker(WorkerSpec(f"w{i}", f"h{i}:1", mode=CacheMode.EVENTS))
+    return router
+
+
+def prompt(router, tokens):
+    return RouteRequest("", router.keys_for_tokens(tokens), len(tokens))
+
+
+def cache(router, wid, tokens, seq=0):
+    router.apply(EventBatch(wid, seq, (Stored(tuple(tokens), None),)))
+
+
+def test_round_robin_cycles_and_only_advances_on_dispatch():
+    router = fleet({"name": "round_robin"})
+    picked = [router.route(prompt(router, list(range(32)))).worker.id for _ in range(6)]
+    assert picked == ["w0", "w1", "w2", "w0", "w1", "w2"]
+    # decide() is a dry run: it must not move the cursor
+    router.decide(prompt(router, list(range(32))))
+    assert router.route(prompt(router, list(range(32)))).worker.id == "w0"
+
+
+def test_random_is_reproducible_under_a_seed_and_covers_workers():
+    a, b = fleet({"name": "random"}), fleet({"name": "random"})
+    pa = [a.route(prompt(a, list(range(32)))).worker.id for _ in range(30)]
+    pb = [b.route(prompt(b, list(range(32)))).worker.id for _ in range(30)]
+    assert pa == pb and set(pa) == {"w0", "w1", "w2"}
+
+
+def test_least_loaded_picks_fewest_pending_prefill_tokens():
+    router = fleet({"name": "least_loaded"})
+    router.route(prompt(router, list(range(4000))))  # w0: 4000 tokens
+    router.route(prompt(router, list(range(100))))  # w1: 100 tokens
+    assert router.route(prompt(router, list(range(2000)))).worker.id == "w2"
+    assert router.route(prompt(router, list(range(50)))).worker.id == "w1"
+
+
+def test_cache_aware_prefers_the_prefix_holder_above_the_threshold():
+    router = fleet({"name": "cache_aware", "cache_threshold": 0.5})
+    tokens = list(range(10 * BS))
+    cache(router, "w2", tokens[: 6 * BS])  # 60% match
+    d = router.route(prompt(router, tokens)).decision
+    assert d.worker_id == "w2" and d.reason == "prefix_match" and d.attributes["match_rate"] == 0.6
+
+
+def test_cache_aware_below_threshold_goes_to_least_loaded():
+    router = fleet({"name": "cache_aware", "cache_threshold": 0.5})
+    tokens = list(range(10 * BS))
+    cache(router, "w2", tokens[: 4 * BS])  # 40%: not enough
+    router.route(prompt(router, list(range(9000, 9100))))  # load w0 with one request
+    d = router.route(prompt(router, tokens)).decision
+    assert d.reason == "low_match" and d.worker_id == "w1"  # w1 idle and holds nothing (w2 is fuller)
+
+
+def test_cache_aware_imbalance_overrides_affinity():
+    router = fleet({"name": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
+    tokens = list(range(10 * BS))
+    cache(router, "w0", tokens)
+    picks = [router.route(prompt(router, tokens)).decision for _ in range(6)]
+    assert [p.worker_id for p in picks[:3]] == ["w0"] * 3  # spread 0..2 is not yet > 2
+    assert picks[3].reason == "imbalanced" and picks[3].worker_id != "w0"
+
+
+def test_decisions_list_candidates_only_when_explained():
+    router = fleet({"name": "cache_aware"})
+    d, _, _ = router.decide(prompt(router, list(range(64))), explain=True)
+    assert [c.worker_id for c in d.candidates] == ["w0", "w1", "w2"] and "load" in d.candidates[0].terms
+    quiet, _, _ = router.decide(prompt(router, list(range(64))), explain=False)
+    assert quiet.candidates == [] and quiet.worker_id == d.worker_id
+
+
+def test_registry_params_reach_the_policy():
+    policy = registry.build("routing", {"name": "cache_aware", "load_metric": "prefill_tokens"})
+    assert policy.params.load_metric == "prefill_tokens"

@@ -1,0 +1,69 @@
+"""Configuration: defaults, file, environment and flag precedence; bad values name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrouterd.config import load_config, parse_config
+from kvrouterd.errors import ConfigError
+
+
+def test_embedded_defaults_are_valid():
+    cfg = load_config(environ={})
+    assert cfg.listen == "127.0.0.1:50051" and cfg.block_size == 16
+    assert cfg.routing == {"name": "cache_aware"} and cfg.workers == []
+
+
+def test_file_then_env_then_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "listen: 0.0.0.0:6000\nblock_size: 32\nrouting: {name: cache_aware, cache_threshold: 0.6}\n"
+        "workers:\n  - {id: a, address: 'h:1', capacity_blocks: 100, mode: events}\n"
+    )
+    cfg = load_config(f, environ={})
+    assert cfg.block_size == 32 and cfg.routing["cache_threshold"] == 0.6
+    assert cfg.workers[0].to_spec(32).mode.name == "EVENTS"
+    cfg = load_config(f, environ={"KVROUTERD_LISTEN": "127.0.0.1:7000", "KVROUTERD_BLOCK_SIZE": "64"})
+    assert cfg.listen == "127.0.0.1:7000" and cfg.block_size == 64
+    cfg = load_config(f, {"listen": "127.0.0.1:8000"}, environ={"KVROUTERD_LISTEN": "127.0.0.1:7000"})
+    assert cfg.listen == "127.0.0.1:8000"
+
+
+def test_switching_policy_by_env_drops_the_old_policys_parameters(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("routing: {name: cache_aware, cache_threshold: 0.6}\n")
+    cfg = load_config(f, environ={"KVROUTERD_ROUTING_POLICY": "round_robin"})
+    assert cfg.routing == {"name": "round_robin"}
+
+
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"listen": "nohost"}, "listen"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": "big"}, "block_size"),
+        ({"routing": {"name": "nope"}}, "routing"),
+        ({"routing": {"name": "cache_aware", "cache_threshold": 2}}, "cache_threshold"),
+        ({"routing": {"name": "cache_aware", "typo": 1}}, "typo"),
+        ({"eviction": {"name": "nope"}}, "eviction"),
+        ({"workers": [{"id": "a"}]}, "workers[0].address"),
+        ({"workers": [{"id": "a", "address": "h:1"}, {"id": "a", "address": "h:2"}]}, "workers[1].id"),
+        ({"workers": [{"id": "a", "address": "h:1", "mode": "psychic"}]}, "workers[0].mode"),
+        ({"limits": {"max_message_bytes": 10}}, "limits.max_message_bytes"),
+        ({"telemetry": {"traces": "carrier-pigeon"}}, "telemetry.traces"),
+        ({"unknown_key": 1}, "unknown_key"),
+    ],
+)
+def test_bad_values_fail_naming_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert field in str(err.value)
+
+
+def test_unreadable_or_invalid_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})

@@ -1,0 +1,161 @@
+"""Router semantics the daemon and the simulator both rely on."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, UnknownPolicy
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.protocols import (
+    CacheMode,
+    Cleared,
+    Completion,
+    EventBatch,
+    Removed,
+    RouteRequest,
+    Stored,
+    WorkerState,
+)
+from kvrouterd.router import Router, RouterSettings
+
+BS = 16
+
+
+def make(mode=CacheMode.EVENTS, n=2, capacity=0, **settings):
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, **settings), clock)
+    for i in range(n):
+        router.add_worker(WorkerSpec(f"w{i}", f"h{i}:1", capacity_blocks=capacity, mode=mode))
+    return router, clock
+
+
+def req(router, tokens, rid="", **kw):
+    return RouteRequest(rid, router.keys_for_tokens(tokens), len(tokens), **kw)
+
+
+def test_load_is_committed_on_route_and_released_on_complete():
+    router, _ = make()
+    r = router.route(req(router, list(range(100))))
+    w = router.workers.get(r.worker.id)
+    assert w.inflight_requests == 1 and w.pending_prefill_tokens == 100
+    router.complete(Completion(r.request.request_id))
+    assert w.inflight_requests == 0 and w.pending_prefill_tokens == 0
+    with pytest.raises(NotFound):
+        router.complete(Completion(r.request.request_id))
+
+
+def test_uncompleted_requests_expire_after_the_timeout():
+    router, clock = make(inflight_timeout_s=10)
+    r = router.route(req(router, list(range(64))))
+    clock.advance(5)
+    assert router.expire_inflight() == []
+    clock.advance(6)
+    (gone,) = router.expire_inflight()
+    assert gone.request_id == r.request.request_id
+    assert router.workers.get(r.worker.id).pending_prefill_tokens == 0
+
+
+def test_prefill_load_counts_only_uncached_tokens():
+    router, _ = make()
+    tokens = list(range(10 * BS))
+    router.apply(EventBatch("w1", 0, (Stored(tuple(tokens[: 6 * BS]), None),)))
+    r = router.route(req(router, tokens))
+    assert r.worker.id == "w1" and r.decision.overlap_blocks == 6
+    assert r.worker.pending_prefill_tokens == 4 * BS
+
+
+def test_approximate_worker_cache_is_bounded_by_its_capacity():
+    router, _ = make(mode=CacheMode.APPROXIMATE, n=1, capacity=20)
+    for i in range(5):
+        r = router.route(req(router, list(range(i * 1000, i * 1000 + 8 * BS))))
+        router.complete(Completion(r.request.request_id))
+    assert router.index.count(0) <= 20
+    # the most recent prompt survived eviction in full
+    last = req(router, list(range(4000, 4000 + 8 * BS)))
+    assert router.index.match(last.keys, 1).overlap(0) == 8
+
+
+def test_request_may_name_a_policy_and_unknown_ones_are_refused():
+    router, _ = make()
+    r = router.route(req(router, list(range(32)), policy="round_robin"))
+    assert r.decision.policy == "round_robin"
+    with pytest.raises(UnknownPolicy):
+        router.route(req(router, list(range(32)), policy="telepathy"))
+
+
+def test_candidate_subset_restricts_the_choice():
+    router, _ = make(n=4)
+    for _ in range(4):
+        r = router.route(req(router, list(range(32)), candidate_workers=("w2",)))
+        assert r.worker.id == "w2"
+    with pytest.raises(NoEligibleWorker):
+        router.route(req(router, list(range(32)), candidate_workers=("ghost",)))
+
+
+def test_draining_workers_get_no_new_requests():
+    router, _ = make(n=2)
+    router.set_draining("w0", True)
+    assert {router.route(req(router, list(range(i, i + 32)))).worker.id for i in range(5)} == {"w1"}
+
+
+def test_bad_requests_change_nothing():
+    router, _ = make(max_prompt_tokens=1000)
+    before = (router.workers.inflight_count, len(router.index))
+    with pytest.raises(InvalidRequest):
+        router.route(RouteRequest("", [], 0))
+    with pytest.raises(Overloaded):
+        router.route(req(router, list(range(2000))))
+    r = router.route(req(router, list(range(32)), rid="dup"))
+    with pytest.raises(InvalidRequest):
+        router.route(req(router, list(range(32)), rid="dup"))
+    assert router.workers.inflight_count == before[0] + 1 and r
+
+
+def test_sequence_rules_duplicate_gap_restart():
+    router, _ = make(n=1)
+    s = lambda toks, h, parent=None: Stored(tuple(toks), (h,), parent)  # noqa: E731
+    t = list(range(4 * BS))
+    assert router.apply(EventBatch("w0", 0, (s(t[:BS], 1),))).applied
+    assert router.apply(EventBatch("w0", 0, (s(t[:BS], 1),))).duplicate
+    out = router.apply(EventBatch("w0", 3, (s(t[BS : 2 * BS], 2, 1),)))
+    assert out.gap == 2 and router.workers.get("w0").state is WorkerState.DEGRADED
+    out = router.apply(EventBatch("w0", 0, (s(t[:BS], 7),)))  # engine restarted: its cache is empty
+    assert out.restarted and router.index.count(0) == 1
+    router.apply(EventBatch("w0", 1, (Cleared(),)))
+    assert router.workers.get("w0").state is WorkerState.READY and router.index.count(0) == 0
+
+
+def test_orphans_and_unknown_removals_are_counted_not_applied():
+    router, _ = make(n=1)
+    out = router.apply(EventBatch("w0", 0, (Stored(tuple(range(BS)), (5,), parent_engine_hash=999), Removed((12345,)))))
+    assert out.orphan_blocks == 1 and out.unknown_removals == 1 and router.index.count(0) == 0
+    assert router.counters["orphan_blocks"] == 1
+
+
+def test_a_malformed_event_rejects_the_whole_batch():
+    router, _ = make(n=1)
+    bad = EventBatch("w0", 0, (Stored(tuple(range(BS)), (1,)), Stored(tuple(range(BS + 1)), (2,))))
+    with pytest.raises(InvalidRequest):
+        router.apply(bad)
+    assert router.index.count(0) == 0 and router.workers.get("w0").last_sequence == -1
+
+
+def test_removing_a_worker_forgets_its_blocks_and_requests():
+    router, _ = make(n=2)
+    router.apply(EventBatch("w0", 0, (Stored(tuple(range(4 * BS)), None),)))
+    router.route(req(router, list(range(4 * BS))))
+    router.remove_worker("w0")
+    assert len(router.index) == 0 and router.workers.inflight_count == 0
+    w = router.add_worker(WorkerSpec("w9", "h:9"))
+    assert w.slot == 0 and router.index.count(0) == 0
+
+
+def test_reregistering_updates_in_place():
+    router, _ = make(n=1)
+    router.apply(EventBatch("w0", 0, (Stored(tuple(range(2 * BS)), None),)))
+    router.add_worker(WorkerSpec("w0", "new:1", capacity_blocks=5, mode=CacheMode.EVENTS))
+    w = router.workers.get("w0")
+    assert w.address == "new:1" and router.index.count(w.slot) == 2
+    router.add_worker(WorkerSpec("w0", "new:1", mode=CacheMode.APPROXIMATE))  # mode change: view restarts
+    assert router.index.count(w.slot) == 0

@@ -1,0 +1,102 @@
+"""The Dockerfile's build steps, run for real in a temporary directory (no Docker engine needed).
+
+SLOW (about 25 s with a warm pip cache; it reuses the machine's pip cache): the build
+stage's COPY and RUN instructions are replayed with /wheels and /opt/kvrouterd mapped into a
+temporary directory: copy the sources the Dockerfile copies, build the wheel, create a fresh
+virtualenv, install the wheel with its dependencies, run ``kvrouterd --help``. Then the
+installed daemon is started as the image's CMD starts it and the image's HEALTHCHECK command
+is run against it, and SIGTERM must stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from .dockerfile import exec_form, healthcheck, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _isolated_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON", "KVROUTERD_"))}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) -> None:
+    df = parse((ROOT / "Dockerfile").read_text())
+    build = df.stage("build")
+    src, wheels, venv = tmp_path / "src", tmp_path / "wheels", tmp_path / "opt" / "kvrouterd"
+    src.mkdir()
+    for c in build.all("COPY"):
+        *sources, dest = c.args.split()
+        for s in sources:
+            target = src / dest / Path(s).name if dest.endswith("/") else src / dest
+            if (ROOT / s).is_dir():
+                shutil.copytree(ROOT / s, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / s, target)
+    env = _isolated_env()
+    for r in build.all("RUN"):
+        cmd = r.args.replace("/opt/kvrouterd", str(venv)).replace("/wheels", str(wheels))
+        if cmd.startswith("python "):
+            cmd = f"{shlex.quote(sys.executable)} {cmd[len('python '):]}"
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", cmd], cwd=src, env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert proc.returncode == 0, f"Dockerfile line {r.line}: {cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+
+    # the wheel is this checkout's, at this checkout's version, and that is what got installed
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert [w.name for w in wheels.iterdir()] == [f"kvrouterd-{version}-py3-none-any.whl"]
+    py = venv / "bin" / "python"
+    where = subprocess.run([str(py), "-c", "import kvrouterd, importlib.metadata as m; "
+                            "print(kvrouterd.__file__); print(m.version('kvrouterd'))"],
+                           env=env, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
+    assert where[0].startswith(str(venv)) and where[1] == version
+
+    # the image's CMD, with the port moved to a free one; then the image's HEALTHCHECK
+    port = _free_port()
+    cmd = exec_form(df.final.last("CMD").args)  # type: ignore[union-attr]
+    cmd[cmd.index("--listen") + 1] = f"127.0.0.1:{port}"
+    run_env = {**env, "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}", "KVROUTERD_LOG_FORMAT": "json"}
+    daemon = subprocess.Popen([str(venv / "bin" / "kvrouterd"), *cmd], env=run_env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _, check = healthcheck(df.final.last("HEALTHCHECK").args)  # type: ignore[union-attr]
+        check = [c.replace("127.0.0.1:50051", f"127.0.0.1:{port}") for c in check]
+        check[0] = str(venv / "bin" / check[0])
+        deadline = time.monotonic() + 30
+        while True:
+            hc = subprocess.run(check, env=run_env, capture_output=True, text=True, timeout=20, cwd=tmp_path)
+            if hc.returncode == 0:
+                break
+            assert daemon.poll() is None, f"daemon exited: {daemon.stdout.read() if daemon.stdout else ''}"
+            assert time.monotonic() < deadline, f"health check never passed: {hc.stderr[-1000:]}"
+            time.sleep(0.3)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+

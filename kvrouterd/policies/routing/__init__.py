@@ -1,5 +1,16 @@
 """Routing policies; importing this package registers them all."""
 
-from . import cache_aware, dualmap, least_loaded, random, round_robin
+from . import cache_affinity, cache_aware, dualmap, kv_cost, lbgr, least_loaded, min_ttft, preble, random, round_robin
 
-__all__ = ["cache_aware", "dualmap", "least_loaded", "random", "round_robin"]
+__all__ = [
+    "cache_affinity",
+    "cache_aware",
+    "dualmap",
+    "kv_cost",
+    "lbgr",
+    "least_loaded",
+    "min_ttft",
+    "preble",
+    "random",
+    "round_robin",
+]

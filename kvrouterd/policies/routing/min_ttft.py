@@ -1,0 +1,53 @@
+"""``min_ttft``: Mooncake's scheduler as DualMap evaluates it (DualMap sections 2.2, 3.2, B).
+
+Every eligible worker gets an estimated TTFT = queueing delay of its pending prefill tokens
++ prefill time of the request's uncached tokens on it (``TTFT(r, i) = T_q + T_c``, DualMap
+Eq. 7), from the shared latency model (``policies.latency``), calibrated online from
+``Complete``. The request goes to the minimum (ties to fewer pending tokens, then slot).
+
+Parameters: those of ``LatencyParams`` (``policies.latency``), nothing else.
+"""
+
+from __future__ import annotations
+
+from ...index.workers import Worker
+from ...protocols import Completion, Decision, RouteRequest
+from ..base import RoutingContext, RoutingPolicyBase
+from ..latency import LatencyModel, LatencyParams
+from ..registry import register
+
+__all__ = ["MinTTFTPolicy"]
+
+
+@register("routing", "min_ttft", LatencyParams)
+class MinTTFTPolicy(RoutingPolicyBase):
+    params: LatencyParams
+
+    def __init__(self, params: LatencyParams, rng: object) -> None:
+        super().__init__(params, rng)  # type: ignore[arg-type]
+        self.latency = LatencyModel(params)
+
+    def select(self, ctx: RoutingContext) -> Decision:
+        model = self.latency
+        rows = []
+        for w in ctx.candidates:
+            queue = model.queue_ms(w.pending_prefill_tokens, w.inflight_requests)
+            compute = model.prefill_ms(ctx.uncached_tokens(w))
+            rows.append((queue + compute, queue, compute, w))
+        ttft, queue, compute, chosen = min(rows, key=lambda r: (r[0], r[3].pending_prefill_tokens, r[3].slot))
+        scored = []
+        if getattr(ctx, "explain", True):
+            scored = [ctx.candidate(w, -t, queue_ms=round(q, 3), compute_ms=round(c, 3), ttft_ms=round(t, 3))
+                      for t, q, c, w in rows]
+        decision = self.decide(ctx, chosen, "min_ttft", scored, queue_ms=round(queue, 3), compute_ms=round(compute, 3),
+                               calibrated=int(model.calibrated))
+        decision.estimated_ttft_ms = ttft
+        return decision
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        if worker is not None:
+            self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
+        self.latency.observe_completion(completion.request_id, completion.ttft_ms)

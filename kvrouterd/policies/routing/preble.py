@@ -1,0 +1,75 @@
+"""``preble``: Preble's prefix-hit-or-load rule as DualMap describes it (DualMap sections 2.2, B).
+
+A request's prefix hit rate is the largest fraction of its prompt tokens any eligible worker
+holds. Above ``hit_threshold`` (Preble's 50%) the request goes to that worker (cache
+affinity; ties to fewer pending prefill tokens, reason ``prefix_hit``). Otherwise it goes to
+the worker with the least load cost: the time to clear the worker's pending prefill work
+plus this request's prefill time on it (reason ``load_cost``), from the shared latency model.
+
+Preble itself measures load as the compute a worker spent over a recent time window and adds
+an eviction-cost term; the router's in-flight pending prefill tokens stand in for the first
+and the second is left out (the router cannot see what an engine would evict).
+
+Parameters: ``hit_threshold`` = 0.5, plus those of ``LatencyParams``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...index.workers import Worker
+from ...protocols import Completion, Decision, RouteRequest
+from ..base import RoutingContext, RoutingPolicyBase
+from ..latency import LatencyModel, LatencyParams
+from ..registry import register
+
+__all__ = ["PrebleParams", "PreblePolicy"]
+
+
+@dataclass(frozen=True)
+class PrebleParams(LatencyParams):
+    hit_threshold: float = field(default=0.5, metadata={"help": "prefix hit rate above which cache affinity wins"})
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.hit_threshold <= 1.0:
+            raise ValueError(f"hit_threshold must be in [0, 1], got {self.hit_threshold}")
+
+
+@register("routing", "preble", PrebleParams)
+class PreblePolicy(RoutingPolicyBase):
+    params: PrebleParams
+
+    def __init__(self, params: PrebleParams, rng: object) -> None:
+        super().__init__(params, rng)  # type: ignore[arg-type]
+        self.latency = LatencyModel(params)
+
+    def select(self, ctx: RoutingContext) -> Decision:
+        model = self.latency
+        prompt = max(ctx.prompt_tokens, 1)
+        rows = []
+        for w in ctx.candidates:
+            hit = min(1.0, ctx.overlap(w) * ctx.block_size / prompt)
+            cost = model.queue_ms(w.pending_prefill_tokens, w.inflight_requests) + model.prefill_ms(ctx.uncached_tokens(w))
+            rows.append((hit, cost, w))
+        best_hit = max(r[0] for r in rows)
+        if best_hit > self.params.hit_threshold:
+            hit, cost, chosen = min(rows, key=lambda r: (-r[0], r[2].pending_prefill_tokens, r[2].slot))
+            reason = "prefix_hit"
+        else:
+            hit, cost, chosen = min(rows, key=lambda r: (r[1], r[2].slot))
+            reason = "load_cost"
+        scored = []
+        if getattr(ctx, "explain", True):
+            scored = [ctx.candidate(w, h, hit_rate=round(h, 4), load_cost_ms=round(c, 3)) for h, c, w in rows]
+        decision = self.decide(ctx, chosen, reason, scored, hit_rate=round(best_hit, 4), load_cost_ms=round(cost, 3))
+        decision.estimated_ttft_ms = cost
+        return decision
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        if worker is not None:
+            self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
+        self.latency.observe_completion(completion.request_id, completion.ttft_ms)

@@ -1,5 +1,5 @@
 """Eviction policies; importing this package registers them all."""
 
-from . import hybrid, lfu, lru
+from . import hybrid, lfu, lru, rlt, tlru, unicache
 
-__all__ = ["hybrid", "lfu", "lru"]
+__all__ = ["hybrid", "lfu", "lru", "rlt", "tlru", "unicache"]

@@ -1,0 +1,288 @@
+"""``unicache``: task-aware multi-queue eviction (UniCache paper, section 5, Algorithms 1-2).
+
+Every block a worker holds sits in one of four queues, chosen from the request that stored
+or last reused it (its ``AccessInfo``: task category, session, offset, decode or prefill):
+
+- *evict-first*: prefill blocks of single-turn untemplated tasks and decode blocks of
+  single-turn tasks. Drained before anything else, deepest offset first (Algorithm 1, 5-7).
+- *chat* and *agentic* session queues (multi-turn tasks, prefill and decode): score
+  ``s = 1 - LogNormalCDF(now - last access)``, the chance the session's next turn has not
+  yet come, with the paper's fitted parameters as defaults; optionally refitted online
+  from the inter-turn gaps the router observes once ``min_fit_samples`` gaps are seen.
+- *structural* (templated single-turn tasks): ``s = 1 - offset / max_offset`` with
+  max_offset the deepest structural block on the worker.
+
+Across queues the leaf with the lowest ``G = alpha_q * s`` goes (Algorithm 1, 9-15). The
+weights follow Algorithm 2 every ``update_interval_s``: hit efficiency
+``E_q = H_q / (C_q + eps)`` (hit blocks since the last update over the queue's share of the
+worker's blocks), relative efficiency ``(E_q / (mean E + eps)) ** (1 / T)``, clipping bounds
+``[max(0.001, mean - 2 std), min(10, mean + 2 std)]`` of those, then
+``alpha_q = clamp(beta * alpha_q + (1 - beta) * E^_q)``. Queues holding no blocks keep their
+weight and take no part in the update, and a window without hits changes nothing. A
+block reused by a request whose own queue would be evict-first keeps its queue (it has just
+proved it is reused).
+
+Unlabelled requests: ``TaskCategory.resolve`` makes them CHAT with a session id, TEMPLATED
+(structural queue) without. Ties go to the least recently used block, then the smaller key.
+As in every leaf policy, only leaves are evictable and parents follow their children.
+
+Parameters (``UniCacheParams``); the log-normal fits are the paper's (section 6.1), the
+weight-update constants are not given in the paper and are ours:
+    chat_mu = 4.15, chat_sigma = 0.971         chat inter-turn gap, log-seconds
+    agentic_mu = 1.81, agentic_sigma = 1.092   agentic inter-turn gap, log-seconds
+    fit_online = False                         refit mu/sigma from observed gaps
+    min_fit_samples = 50                       gaps needed before the online fit is used
+    ema_beta = 0.9                             beta, EMA smoothing of the weights
+    temperature = 1.0                          T, relative-efficiency temperature
+    epsilon = 1e-6                             eps, numerical constant
+    update_interval_s = 10.0                   seconds between weight updates
+
+Cost per ``rank``: O(L) for L leaves (scores drift with the clock, nothing is pre-sorted).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ...index.radix import Block, RadixIndex
+from ...protocols import TaskCategory
+from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
+from ..registry import register
+from ._leaves import rank_leaves_by
+
+__all__ = ["UniCacheParams", "UniCacheEviction", "EVICT_FIRST", "CHAT", "AGENTIC", "STRUCTURAL", "lognormal_cdf"]
+
+EVICT_FIRST, CHAT, AGENTIC, STRUCTURAL = 0, 1, 2, 3
+WEIGHTED = (CHAT, AGENTIC, STRUCTURAL)
+_recency = RadixIndex.recency
+
+
+def lognormal_cdf(t: float, mu: float, sigma: float) -> float:
+    if t <= 0:
+        return 0.0
+    return 0.5 * math.erfc(-(math.log(t) - mu) / (sigma * math.sqrt(2.0)))
+
+
+@dataclass(frozen=True)
+class UniCacheParams:
+    chat_mu: float = field(default=4.15, metadata={"help": "chat inter-turn gap log-normal mu (log seconds)"})
+    chat_sigma: float = field(default=0.971, metadata={"help": "chat inter-turn gap log-normal sigma"})
+    agentic_mu: float = field(default=1.81, metadata={"help": "agentic inter-turn gap log-normal mu (log seconds)"})
+    agentic_sigma: float = field(default=1.092, metadata={"help": "agentic inter-turn gap log-normal sigma"})
+    fit_online: bool = field(default=False, metadata={"help": "refit mu/sigma from the inter-turn gaps observed"})
+    min_fit_samples: int = field(default=50, metadata={"help": "gaps needed before an online fit replaces the defaults"})
+    ema_beta: float = field(default=0.9, metadata={"help": "beta: EMA smoothing of the queue weights, in (0, 1)"})
+    temperature: float = field(default=1.0, metadata={"help": "T: relative hit-efficiency temperature"})
+    epsilon: float = field(default=1e-6, metadata={"help": "numerical constant of Algorithm 2"})
+    update_interval_s: float = field(default=10.0, metadata={"help": "seconds between queue-weight updates"})
+
+    def validate(self) -> None:
+        for name in ("chat_sigma", "agentic_sigma", "temperature", "epsilon", "update_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.ema_beta < 1:
+            raise ValueError(f"ema_beta must be in (0, 1), got {self.ema_beta}")
+        if self.min_fit_samples < 2:
+            raise ValueError(f"min_fit_samples must be >= 2, got {self.min_fit_samples}")
+
+
+class _GapFit:
+    """Welford mean/variance of log inter-turn gaps."""
+
+    __slots__ = ("n", "mean", "m2")
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, gap: float) -> None:
+        x = math.log(gap)
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+
+class _SlotState:
+    __slots__ = ("queue", "offset", "counts", "hits", "alpha", "last_update", "struct_offsets", "max_offset")
+
+    def __init__(self, now: float) -> None:
+        self.queue: dict[int, int] = {}
+        self.offset: dict[int, int] = {}
+        self.counts = [0, 0, 0, 0]
+        self.hits = [0, 0, 0, 0]
+        self.alpha = [1.0, 1.0, 1.0, 1.0]
+        self.last_update = now
+        self.struct_offsets: dict[int, int] = {}  # offset -> structural blocks at it
+        self.max_offset = 0
+
+
+@register("eviction", "unicache", UniCacheParams)
+class UniCacheEviction(EvictionPolicyBase):
+    params: UniCacheParams
+
+    def __init__(self, params: UniCacheParams, rng: random.Random) -> None:
+        super().__init__(params, rng)
+        self._slots: dict[int, _SlotState] = {}
+        self._fits = {CHAT: _GapFit(), AGENTIC: _GapFit()}
+        self._session_seen: dict[str, float] = {}
+
+    # ---- queue model ---------------------------------------------------------------------
+    @staticmethod
+    def queue_for(info: AccessInfo, offset: int) -> int:
+        try:
+            task = TaskCategory(info.task)
+        except ValueError:
+            task = TaskCategory.UNSPECIFIED
+        task = task.resolve(bool(info.session_id))
+        if task is TaskCategory.CHAT:
+            return CHAT
+        if task is TaskCategory.AGENTIC:
+            return AGENTIC
+        if task is TaskCategory.UNTEMPLATED or offset >= info.decode_from_block:
+            return EVICT_FIRST
+        return STRUCTURAL
+
+    def gap_model(self, queue: int) -> tuple[float, float]:
+        p = self.params
+        mu, sigma = (p.chat_mu, p.chat_sigma) if queue == CHAT else (p.agentic_mu, p.agentic_sigma)
+        fit = self._fits[queue]
+        if p.fit_online and fit.n >= p.min_fit_samples and fit.m2 > 0:
+            mu, sigma = fit.mean, math.sqrt(fit.m2 / (fit.n - 1))
+        return mu, sigma
+
+    def weights(self, slot: int) -> dict[int, float]:
+        s = self._slots.get(slot)
+        return {q: (s.alpha[q] if s else 1.0) for q in WEIGHTED}
+
+    def queue_of(self, slot: int, key: int) -> int | None:
+        s = self._slots.get(slot)
+        return s.queue.get(key) if s else None
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _state(self, slot: int, now: float) -> _SlotState:
+        s = self._slots.get(slot)
+        if s is None:
+            s = self._slots[slot] = _SlotState(now)
+        return s
+
+    def _place(self, s: _SlotState, key: int, queue: int, offset: int) -> None:
+        old = s.queue.get(key)
+        if old is not None:
+            if old != EVICT_FIRST and queue == EVICT_FIRST:
+                return
+            if old == queue:
+                return
+            self._unplace(s, key)
+        s.queue[key] = queue
+        s.offset[key] = offset
+        s.counts[queue] += 1
+        if queue == STRUCTURAL:
+            s.struct_offsets[offset] = s.struct_offsets.get(offset, 0) + 1
+            s.max_offset = max(s.max_offset, offset)
+
+    def _unplace(self, s: _SlotState, key: int) -> None:
+        queue = s.queue.pop(key, None)
+        if queue is None:
+            return
+        offset = s.offset.pop(key)
+        s.counts[queue] -= 1
+        if queue == STRUCTURAL:
+            left = s.struct_offsets[offset] - 1
+            if left:
+                s.struct_offsets[offset] = left
+            else:
+                del s.struct_offsets[offset]
+                if offset == s.max_offset:
+                    s.max_offset = max(s.struct_offsets, default=0)
+
+    def _session_gap(self, info: AccessInfo, now: float) -> None:
+        if not info.session_id:
+            return
+        last = self._session_seen.get(info.session_id)
+        self._session_seen[info.session_id] = now
+        queue = self.queue_for(info, 0)
+        if last is not None and now > last and queue in self._fits:
+            self._fits[queue].add(now - last)
+        if len(self._session_seen) > 1 << 16:  # bounded: forget the oldest sessions
+            for sid in list(self._session_seen)[: 1 << 14]:
+                del self._session_seen[sid]
+
+    def update_weights(self, slot: int, now: float) -> None:
+        """Algorithm 2 on ``slot``'s queues; hit counts restart from zero."""
+        s = self._state(slot, now)
+        p = self.params
+        total = sum(s.counts)
+        active = [q for q in WEIGHTED if s.counts[q] > 0]
+        # a window without hits says nothing about efficiency (and would clip every weight to 0)
+        if total and active and any(s.hits[q] for q in active):
+            eff = {q: s.hits[q] / (s.counts[q] / total + p.epsilon) for q in active}
+            mean_e = sum(eff.values()) / len(eff) + p.epsilon
+            rel = {q: (e / mean_e) ** (1.0 / p.temperature) for q, e in eff.items()}
+            mu = sum(rel.values()) / len(rel)
+            sd = math.sqrt(sum((v - mu) ** 2 for v in rel.values()) / len(rel))
+            lo, hi = max(0.001, mu - 2 * sd), min(10.0, mu + 2 * sd)
+            for q in active:
+                raw = p.ema_beta * s.alpha[q] + (1 - p.ema_beta) * rel[q]
+                s.alpha[q] = min(max(raw, lo), hi)
+        s.hits = [0, 0, 0, 0]
+        s.last_update = now
+
+    def _maybe_update(self, s: _SlotState, slot: int, now: float) -> None:
+        if now - s.last_update >= self.params.update_interval_s:
+            self.update_weights(slot, now)
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        s = self._state(slot, now)
+        self._maybe_update(s, slot, now)
+        if info.first_offset == 0:
+            self._session_gap(info, now)
+        for i, b in enumerate(blocks):
+            offset = info.first_offset + i
+            self._place(s, b.key, self.queue_for(info, offset), offset)
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        s = self._state(slot, now)
+        self._maybe_update(s, slot, now)
+        self._session_gap(info, now)
+        for i, b in enumerate(blocks):
+            queue = s.queue.get(b.key)
+            if queue is not None:
+                s.hits[queue] += 1
+            offset = info.first_offset + i
+            self._place(s, b.key, self.queue_for(info, offset), offset)
+
+    def on_removed(self, slot: int, block: Block) -> None:
+        s = self._slots.get(slot)
+        if s is not None:
+            self._unplace(s, block.key)
+
+    def on_cleared(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    # ---- ranking -------------------------------------------------------------------------
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        slot, now = ctx.slot, ctx.now
+        s = self._slots.get(slot) or _SlotState(now)
+        models = {q: self.gap_model(q) for q in (CHAT, AGENTIC)}
+        max_offset = s.max_offset
+
+        def priority(b: Block) -> tuple[int, float, float]:
+            last = _recency(b, slot)
+            queue = s.queue.get(b.key)
+            offset = s.offset.get(b.key)
+            if queue is None:  # never seen by the hooks: an unlabelled, session-less block
+                queue, offset = STRUCTURAL, b.depth() - 1
+            if queue == EVICT_FIRST:
+                return (0, -float(offset), last)
+            if queue == STRUCTURAL:
+                score = 1.0 - (offset / max_offset if max_offset > 0 else 0.0)
+            else:
+                mu, sigma = models[queue]
+                score = 1.0 - lognormal_cdf(now - last, mu, sigma)
+            return (1, s.alpha[queue] * score, last)
+
+        return rank_leaves_by(ctx, count, pinned, priority)

@@ -14,6 +14,7 @@ CORE = [
     *sorted((PKG / "index").rglob("*.py")),
     *sorted((PKG / "policies").rglob("*.py")),
     PKG / "router.py",
+    PKG / "admission.py",
     PKG / "protocols.py",
     PKG / "errors.py",
     PKG / "clock.py",

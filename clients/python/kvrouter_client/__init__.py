@@ -1,3 +1,48 @@
-"""Client SDK for kvrouterd (gateways and engines)."""
+"""Client SDK for kvrouterd.
 
-__all__: list[str] = []
+Gateways: ``RouterClient`` (asyncio) / ``SyncRouterClient`` — ``route()`` then ``complete()``.
+Engines: ``EventPublisher`` — stream KV-cache events, ``evict_hint()``, ``report_load()``.
+``kvrouter_client.keys`` computes block keys exactly as the router does.
+"""
+
+from __future__ import annotations
+
+from . import keys
+from ._client import DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
+from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
+from ._publisher import EventPublisher, SnapshotFn
+from ._types import (
+    CacheMode,
+    Cleared,
+    EvictAdvice,
+    PublisherStats,
+    Removed,
+    RouteResult,
+    Stored,
+    TaskCategory,
+    WorkerInfo,
+    WorkerState,
+)
+
+__all__ = [
+    "keys",
+    "RouterClient",
+    "SyncRouterClient",
+    "EventPublisher",
+    "FallbackFn",
+    "SnapshotFn",
+    "DEFAULT_TIMEOUT_S",
+    "KVRouterClientError",
+    "RouterRejected",
+    "RouterUnavailable",
+    "CacheMode",
+    "Cleared",
+    "EvictAdvice",
+    "PublisherStats",
+    "Removed",
+    "RouteResult",
+    "Stored",
+    "TaskCategory",
+    "WorkerInfo",
+    "WorkerState",
+]

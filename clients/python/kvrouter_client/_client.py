@@ -1,0 +1,279 @@
+"""Gateways' side: ask kvrouterd where to send a request, then report how it went.
+
+``RouterClient`` (asyncio, ``grpc.aio``) and ``SyncRouterClient`` (blocking) share one API::
+
+    async with RouterClient("kvrouter:50051", timeout=0.05) as router:
+        choice = await router.route(token_ids=prompt_ids, model="llama-3-8b", session_id=sid)
+        ...send the request to choice.worker_address...
+        await router.complete(choice, ttft_ms=ttft, e2e_ms=e2e, output_tokens=n)
+
+Deadlines: every call has one (``timeout`` per client, overridable per call). A router
+that is down or slow must not stall the data path.
+
+Fallback when the router is unreachable (UNAVAILABLE or DEADLINE_EXCEEDED, which includes
+"no eligible worker right now"): with ``fallback=None`` (the default) ``route()`` raises
+``RouterUnavailable``; with a ``fallback`` callable the client fails open: it calls
+``fallback(request)`` with the ``RouteRequest`` it tried and returns its ``(worker_id,
+worker_address)`` as a ``RouteResult`` with ``fallback=True`` (``complete()`` of such a result
+does nothing, since the router never saw it). Rejections (bad input, over a limit) always
+raise ``RouterRejected``: failing open would hide a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from ._errors import RouterUnavailable, from_rpc_error
+from ._generated.kvrouter.v1 import router_pb2 as pb
+from ._generated.kvrouter.v1 import router_pb2_grpc
+from ._types import RouteResult, TaskCategory, WorkerInfo
+
+__all__ = ["RouterClient", "SyncRouterClient", "FallbackFn", "DEFAULT_TIMEOUT_S"]
+
+#: per-call deadline unless the client or the call says otherwise
+DEFAULT_TIMEOUT_S = 0.5
+
+#: chooses a worker when the router is unreachable: request -> (worker_id, worker_address)
+FallbackFn = Callable[[pb.RouteRequest], tuple[str, str]]
+
+
+def _route_request(
+    token_ids: Sequence[int] | None,
+    block_keys: Sequence[int] | None,
+    prompt_tokens: int,
+    model: str,
+    lora: str,
+    session_id: str,
+    task: TaskCategory | int,
+    ttft_slo_ms: float,
+    expected_output_tokens: int,
+    policy: str,
+    candidate_workers: Sequence[str],
+    request_id: str,
+) -> pb.RouteRequest:
+    if (token_ids is None) == (block_keys is None):
+        raise ValueError("pass exactly one of token_ids and block_keys")
+    return pb.RouteRequest(
+        request_id=request_id,
+        token_ids=token_ids or (),
+        block_keys=block_keys or (),
+        prompt_tokens=prompt_tokens,
+        model=model,
+        lora=lora,
+        session_id=session_id,
+        task=int(task),
+        ttft_slo_ms=ttft_slo_ms,
+        expected_output_tokens=expected_output_tokens,
+        policy=policy,
+        candidate_workers=candidate_workers,
+    )
+
+
+def _complete_request(
+    request: RouteResult | str, ttft_ms: float, e2e_ms: float, cached_tokens: int, output_tokens: int, success: bool
+) -> pb.CompleteRequest | None:
+    if isinstance(request, RouteResult):
+        if request.fallback:
+            return None
+        request = request.request_id
+    return pb.CompleteRequest(
+        request_id=request, ttft_ms=ttft_ms, e2e_ms=e2e_ms, cached_tokens=cached_tokens,
+        output_tokens=output_tokens, success=success,
+    )
+
+
+def _fallback_result(req: pb.RouteRequest, fallback: FallbackFn | None, exc: grpc.RpcError) -> RouteResult:
+    err = from_rpc_error(exc, "Route")
+    if fallback is None or not isinstance(err, RouterUnavailable):
+        raise err from None
+    worker_id, address = fallback(req)
+    return RouteResult(request_id=req.request_id, worker_id=worker_id, worker_address=address,
+                       reason="router_unavailable", fallback=True)
+
+
+class RouterClient:
+    """Asynchronous client for gateways (``grpc.aio``). Use one per process; it is cheap to share.
+
+    ``target`` is ``host:port``; pass ``channel`` to bring your own (TLS, interceptors).
+    """
+
+    def __init__(
+        self,
+        target: str = "",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        fallback: FallbackFn | None = None,
+        channel: grpc.aio.Channel | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if channel is None and not target:
+            raise ValueError("pass a target (host:port) or a channel")
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        self._own_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        self._stub = router_pb2_grpc.KVRouterStub(self._channel)
+        self.timeout = timeout
+        self.fallback = fallback
+
+    async def route(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        block_keys: Sequence[int] | None = None,
+        prompt_tokens: int = 0,
+        model: str = "",
+        lora: str = "",
+        session_id: str = "",
+        task: TaskCategory | int = TaskCategory.UNSPECIFIED,
+        ttft_slo_ms: float = 0.0,
+        expected_output_tokens: int = 0,
+        policy: str = "",
+        candidate_workers: Sequence[str] = (),
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> RouteResult:
+        """Pick the worker for one request (pass the prompt as token ids or as block keys)."""
+        req = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
+                             expected_output_tokens, policy, candidate_workers, request_id)
+        try:
+            resp = await self._stub.Route(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            return _fallback_result(req, self.fallback, exc)
+        return RouteResult.from_pb(resp)
+
+    async def complete(
+        self,
+        request: RouteResult | str,
+        *,
+        ttft_ms: float = 0.0,
+        e2e_ms: float = 0.0,
+        cached_tokens: int = -1,
+        output_tokens: int = 0,
+        success: bool = True,
+        timeout: float | None = None,
+    ) -> bool:
+        """Release a routed request's load. False if the router was unreachable (it then releases
+        the load itself after its in-flight timeout); raises RouterRejected otherwise."""
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success)
+        if req is None:
+            return True
+        try:
+            await self._stub.Complete(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc, "Complete")
+            if isinstance(err, RouterUnavailable):
+                return False
+            raise err from None
+        return True
+
+    async def list_workers(self, timeout: float | None = None) -> list[WorkerInfo]:
+        try:
+            resp = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "ListWorkers") from None
+        return [WorkerInfo.from_pb(w) for w in resp.workers]
+
+    async def close(self) -> None:
+        if self._own_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class SyncRouterClient:
+    """Blocking twin of RouterClient for threaded gateways; same arguments and semantics."""
+
+    def __init__(
+        self,
+        target: str = "",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        fallback: FallbackFn | None = None,
+        channel: grpc.Channel | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if channel is None and not target:
+            raise ValueError("pass a target (host:port) or a channel")
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=list(options))
+        self._stub = router_pb2_grpc.KVRouterStub(self._channel)
+        self.timeout = timeout
+        self.fallback = fallback
+
+    def route(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        block_keys: Sequence[int] | None = None,
+        prompt_tokens: int = 0,
+        model: str = "",
+        lora: str = "",
+        session_id: str = "",
+        task: TaskCategory | int = TaskCategory.UNSPECIFIED,
+        ttft_slo_ms: float = 0.0,
+        expected_output_tokens: int = 0,
+        policy: str = "",
+        candidate_workers: Sequence[str] = (),
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> RouteResult:
+        """See RouterClient.route."""
+        req = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
+                             expected_output_tokens, policy, candidate_workers, request_id)
+        try:
+            resp = self._stub.Route(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            return _fallback_result(req, self.fallback, exc)
+        return RouteResult.from_pb(resp)
+
+    def complete(
+        self,
+        request: RouteResult | str,
+        *,
+        ttft_ms: float = 0.0,
+        e2e_ms: float = 0.0,
+        cached_tokens: int = -1,
+        output_tokens: int = 0,
+        success: bool = True,
+        timeout: float | None = None,
+    ) -> bool:
+        """See RouterClient.complete."""
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success)
+        if req is None:
+            return True
+        try:
+            self._stub.Complete(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc, "Complete")
+            if isinstance(err, RouterUnavailable):
+                return False
+            raise err from None
+        return True
+
+    def list_workers(self, timeout: float | None = None) -> list[WorkerInfo]:
+        try:
+            resp = self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "ListWorkers") from None
+        return [WorkerInfo.from_pb(w) for w in resp.workers]
+
+    def close(self) -> None:
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> SyncRouterClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

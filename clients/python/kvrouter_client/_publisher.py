@@ -1,0 +1,401 @@
+"""Engines' side: publish KV-cache events to kvrouterd, ask for eviction advice, report load.
+
+    async with EventPublisher("kvrouter:50051", "gpu-0", block_size=16, snapshot=cache_snapshot) as pub:
+        await pub.register("10.0.0.5:8000", capacity_blocks=20_000)
+        pub.stored(tokens, engine_hashes=hashes, parent_engine_hash=parent)   # never blocks
+        pub.removed(evicted_hashes)
+        advice = await pub.evict_hint(blocks=64)
+
+Delivery. Events are recorded without waiting, batched (up to ``max_batch_events`` events or
+``linger_s`` seconds) and numbered 0, 1, 2, ... per publisher, the router's per-worker sequence.
+Batches go over ``PublishEvents`` client streams; a stream is closed every ``ack_interval_s``
+(or on ``flush()``) and its summary acknowledges everything written on it. Until then each
+batch stays buffered, and after a failure (router down, restarted, network) the publisher
+reconnects with exponential backoff and resends every unacknowledged batch; the router
+ignores numbers it already applied, so nothing is lost or applied twice.
+
+Overflow. At most ``max_buffered_batches`` batches are held. Beyond that the buffer is
+dropped, the overflow is reported (log, ``stats.overflows``, ``on_overflow(events_dropped)``),
+and new events are dropped until the router is reachable again. Then the publisher sends
+``Cleared`` followed by ``snapshot()`` (the engine's current GPU cache as ``Stored`` chains,
+parents first) under the next sequence number: the router counts the gap, then the Cleared
+resyncs the worker. Without a ``snapshot`` the router's view restarts empty and refills from
+later events. A batch the router rejects (e.g. the worker is not registered) is handled the
+same way, since resending it would fail forever.
+
+A publisher numbers from 0, which the router reads as an engine restart (it clears this
+worker's view): create one per engine process lifetime, not one per connection. Batch 0 is
+sent and acknowledged on its own, so it is only resent if its stream broke before the
+acknowledgement; the router then clears and rebuilds the view from the resent batches
+(the end state is right; one extra restart is counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from ._client import DEFAULT_TIMEOUT_S
+from ._errors import RouterRejected, from_rpc_error
+from ._generated.kvrouter.v1 import router_pb2 as pb
+from ._generated.kvrouter.v1 import router_pb2_grpc
+from ._types import CacheMode, Cleared, EvictAdvice, Event, PublisherStats, Removed, Stored, WorkerInfo
+from ._types import event_to_pb, validate_stored
+
+__all__ = ["EventPublisher", "SnapshotFn"]
+
+log = logging.getLogger("kvrouter_client.publisher")
+
+#: the engine's current GPU cache as Stored chains, parents before children
+SnapshotFn = Callable[[], Iterable[Stored]]
+
+
+class EventPublisher:
+    """Publishes one worker's cache events and speaks for that worker to the router."""
+
+    def __init__(
+        self,
+        target: str = "",
+        worker_id: str = "",
+        *,
+        channel: grpc.aio.Channel | None = None,
+        block_size: int = 16,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_batch_events: int = 512,
+        linger_s: float = 0.005,
+        ack_interval_s: float = 0.5,
+        max_buffered_batches: int = 10_000,
+        snapshot: SnapshotFn | None = None,
+        on_overflow: Callable[[int], None] | None = None,
+        reconnect_initial_s: float = 0.05,
+        reconnect_max_s: float = 5.0,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if channel is None and not target:
+            raise ValueError("pass a target (host:port) or a channel")
+        if not worker_id:
+            raise ValueError("worker_id must not be empty")
+        for name, value in (("block_size", block_size), ("max_batch_events", max_batch_events),
+                            ("max_buffered_batches", max_buffered_batches)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name, fvalue in (("timeout", timeout), ("ack_interval_s", ack_interval_s),
+                             ("reconnect_initial_s", reconnect_initial_s)):
+            if fvalue <= 0:
+                raise ValueError(f"{name} must be > 0, got {fvalue}")
+        if linger_s < 0 or reconnect_max_s < reconnect_initial_s:
+            raise ValueError("linger_s must be >= 0 and reconnect_max_s >= reconnect_initial_s")
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.timeout = timeout
+        self.max_batch_events = max_batch_events
+        self.linger_s = linger_s
+        self.ack_interval_s = ack_interval_s
+        self.max_buffered_batches = max_buffered_batches
+        self.snapshot = snapshot
+        self.on_overflow = on_overflow
+        self.reconnect_initial_s = reconnect_initial_s
+        self.reconnect_max_s = reconnect_max_s
+        self._own_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        self._stub = router_pb2_grpc.KVRouterStub(self._channel)
+        self.stats = PublisherStats()
+        self._pending: list[Event] = []
+        self._buffer: deque[tuple[int, pb.EventBatch]] = deque()
+        self._next_seq = 0
+        self._needs_resync = False
+        self._flush_now = False
+        self._wake = asyncio.Event()
+        self._acked = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- recording (never blocks) -----------------------------------------------------------
+    def stored(
+        self,
+        token_ids: Sequence[int],
+        *,
+        engine_hashes: Sequence[int] | None = None,
+        parent_engine_hash: int | None = None,
+        model: str = "",
+        lora: str = "",
+    ) -> None:
+        """The engine cached full blocks (all their tokens, back to back). Raises ValueError for
+        input the router would reject, so a bad event never poisons the stream."""
+        ev = Stored(list(token_ids), None if engine_hashes is None else list(engine_hashes), parent_engine_hash,
+                    model, lora)
+        validate_stored(ev, self.block_size)
+        self._record(ev)
+
+    def removed(self, engine_hashes: Sequence[int]) -> None:
+        """The engine evicted these blocks (its hashes, or kvrouterd keys if it uses those)."""
+        hashes = list(engine_hashes)
+        if any(not 0 <= h < 2**64 for h in hashes):
+            raise ValueError("engine hashes must be unsigned 64-bit ints")
+        self._record(Removed(hashes))
+
+    def cleared(self) -> None:
+        """The engine dropped its whole prefix cache."""
+        self._record(Cleared())
+
+    def _record(self, ev: Event) -> None:
+        if self._needs_resync:
+            self.stats.events_dropped += 1  # the resync snapshot describes the state after it
+            return
+        self._pending.append(ev)
+        self.stats.events_recorded += 1
+        if len(self._pending) >= self.max_batch_events:
+            self._seal()
+        self._wake.set()
+
+    def _seal(self) -> None:
+        if not self._pending:
+            return
+        if len(self._buffer) >= self.max_buffered_batches:
+            self._overflow()
+            return
+        self._append_batch(self._pending)
+        self._pending = []
+
+    def _append_batch(self, events: Sequence[Event]) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        msg = pb.EventBatch(worker_id=self.worker_id, sequence=seq, timestamp=time.time(),
+                            events=[event_to_pb(e, self.block_size) for e in events])
+        self._buffer.append((seq, msg))
+        self.stats.batches_sealed += 1
+
+    def _overflow(self) -> None:
+        dropped = sum(len(msg.events) for _, msg in self._buffer) + len(self._pending)
+        self._drop_for_resync(dropped)
+        self.stats.overflows += 1
+        log.warning(
+            "event buffer full (%d batches): %d events dropped; will send Cleared + resync when the router is reachable",
+            self.max_buffered_batches, dropped, extra={"worker_id": self.worker_id},
+        )
+        if self.on_overflow is not None:
+            self.on_overflow(dropped)
+
+    def _drop_for_resync(self, dropped: int) -> None:
+        self.stats.events_dropped += dropped
+        self._buffer.clear()
+        self._pending = []
+        self._needs_resync = True
+        self._wake.set()
+
+    def _resync(self) -> None:
+        """Queue Cleared + the engine's snapshot as the next batches."""
+        events: list[Event] = [Cleared()]
+        if self.snapshot is not None:
+            try:
+                for ev in self.snapshot():
+                    validate_stored(ev, self.block_size)
+                    events.append(ev)
+            except Exception:  # a broken snapshot must not stop the publisher; Cleared alone is consistent
+                log.exception("snapshot failed; resyncing with Cleared only", extra={"worker_id": self.worker_id})
+                events = [Cleared()]
+        for i in range(0, len(events), self.max_batch_events):
+            self._append_batch(events[i : i + self.max_batch_events])
+        self._needs_resync = False
+        self.stats.resyncs += 1
+
+    # ---- delivery -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start delivering in the background (``async with`` does this)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kvrouter-publisher-{self.worker_id}")
+
+    async def _run(self) -> None:
+        backoff = self.reconnect_initial_s
+        while True:
+            await self._wait_for_work()
+            try:
+                await self._stream()
+                backoff = self.reconnect_initial_s
+                continue
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc, "PublishEvents")
+                self.stats.last_error = str(err)
+                if isinstance(err, RouterRejected):
+                    self.stats.rejected += 1
+                    log.error("router rejected an event batch (%s); resyncing", err, extra={"worker_id": self.worker_id})
+                    self._drop_for_resync(sum(len(m.events) for _, m in self._buffer) + len(self._pending))
+                else:
+                    self.stats.reconnects += 1
+                    log.warning("router unreachable (%s); retrying in %.2fs", err.code, backoff,
+                                extra={"worker_id": self.worker_id})
+            except TimeoutError:
+                self.stats.reconnects += 1
+                self.stats.last_error = "PublishEvents: no acknowledgement in time"
+            except Exception as exc:  # never let delivery die; the next stream resends
+                self.stats.reconnects += 1
+                self.stats.last_error = f"PublishEvents: {exc!r}"
+                log.exception("event stream failed", extra={"worker_id": self.worker_id})
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.reconnect_max_s)
+
+    async def _wait_for_work(self) -> None:
+        while not (self._buffer or self._pending or self._needs_resync):
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _stream(self) -> None:
+        """One PublishEvents stream: (re)send what is unacknowledged, add new batches, then close
+        it after ack_interval_s (or on flush) and drop what its summary acknowledges."""
+        loop = asyncio.get_running_loop()
+        call = self._stub.PublishEvents()
+        self.stats.streams += 1
+        opened = loop.time()
+        last_written = -1
+        try:
+            while True:
+                if self._needs_resync:
+                    self._resync()
+                self._seal()
+                for seq, msg in list(self._buffer):
+                    if seq > last_written:
+                        await self._write(call, msg)
+                        last_written = seq
+                        self.stats.batches_written += 1
+                        if seq == 0:
+                            break
+                # batch 0 is acknowledged on its own: resending an applied 0 would read as an
+                # engine restart (the router would clear and rebuild this worker's view)
+                if last_written == 0 or (last_written > 0 and (self._flush_now or loop.time() - opened >= self.ack_interval_s)):
+                    break
+                self._wake.clear()
+                remaining = self.ack_interval_s - (loop.time() - opened) if last_written >= 0 else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                if self._pending and self.linger_s:
+                    await asyncio.sleep(self.linger_s)
+            try:
+                await call.done_writing()
+            except asyncio.InvalidStateError:
+                pass  # the server already ended the call; awaiting it below raises its status
+            await asyncio.wait_for(call, max(self.timeout, 1.0) * 10)
+        except BaseException:
+            call.cancel()
+            raise
+        acked = 0
+        while self._buffer and self._buffer[0][0] <= last_written:
+            self._buffer.popleft()
+            acked += 1
+        self.stats.batches_acked += acked
+        self._flush_now = False
+        self._acked.set()
+
+    @staticmethod
+    async def _write(call: Any, msg: pb.EventBatch) -> None:
+        try:
+            await call.write(msg)
+        except (asyncio.InvalidStateError, grpc.RpcError):
+            # a write to a call the server ended fails with a state error or a generic INTERNAL;
+            # the call's own status says why (UNAVAILABLE, NOT_FOUND, ...), so raise that one
+            await asyncio.wait_for(call, 5.0)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "stream ended by the server") from None
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Send everything recorded so far and wait for the router to acknowledge it.
+        False if that did not happen within ``timeout`` seconds."""
+        if self._task is None:
+            raise RuntimeError("the publisher is not started (use `async with` or start())")
+        self._seal()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._buffer or self._pending or self._needs_resync:
+            self._flush_now = True
+            self._acked.clear()
+            self._wake.set()
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._acked.wait(), remaining)
+            except TimeoutError:
+                return False
+            self._seal()
+        return True
+
+    @property
+    def unacknowledged_batches(self) -> int:
+        return len(self._buffer)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Flush for up to ``timeout`` seconds, then stop (unsent events are dropped)."""
+        if self._task is not None:
+            with contextlib.suppress(RuntimeError):
+                await self.flush(timeout)
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._own_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> EventPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # ---- unary calls for this worker -----------------------------------------------------------
+    async def register(
+        self,
+        address: str,
+        *,
+        capacity_blocks: int = 0,
+        labels: Mapping[str, str] | None = None,
+        mode: CacheMode = CacheMode.EVENTS,
+        kv_events_endpoint: str = "",
+        timeout: float | None = None,
+    ) -> WorkerInfo:
+        """Register (or update) this worker; ``address`` is where gateways send its requests."""
+        worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
+                           block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
+                           kv_events_endpoint=kv_events_endpoint)
+        resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
+        return WorkerInfo.from_pb(resp.worker)
+
+    async def deregister(self, timeout: float | None = None) -> None:
+        await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
+
+    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None) -> None:
+        """The engine's own view of its load (queue, running requests, KV use in [0, 1])."""
+        await self._unary("ReportLoad", pb.ReportLoadRequest(
+            worker_id=self.worker_id, queued_requests=queued, running_requests=running, kv_utilization=kv_utilization,
+        ), timeout)
+
+    async def evict_hint(
+        self,
+        *,
+        blocks: int = 0,
+        tokens: int = 0,
+        pinned_engine_hashes: Sequence[int] = (),
+        pinned_keys: Sequence[int] = (),
+        policy: str = "",
+        timeout: float | None = None,
+    ) -> EvictAdvice:
+        """Which blocks to evict first to free ``blocks`` blocks (or ``tokens`` tokens)."""
+        if (blocks > 0) == (tokens > 0):
+            raise ValueError("pass exactly one of blocks and tokens, as a positive number")
+        resp = await self._unary("EvictHint", pb.EvictHintRequest(
+            worker_id=self.worker_id, blocks=blocks, tokens=tokens, pinned_engine_hashes=pinned_engine_hashes,
+            pinned_keys=pinned_keys, policy=policy,
+        ), timeout)
+        return EvictAdvice(list(resp.keys), list(resp.engine_hashes), resp.exhausted, resp.policy)
+
+    async def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, method) from None

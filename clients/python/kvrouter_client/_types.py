@@ -1,0 +1,203 @@
+"""Plain result and event types of the SDK, and their conversion to and from the wire."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ._generated.kvrouter.v1 import router_pb2 as pb
+
+__all__ = [
+    "TaskCategory",
+    "CacheMode",
+    "WorkerState",
+    "RouteResult",
+    "WorkerInfo",
+    "EvictAdvice",
+    "Stored",
+    "Removed",
+    "Cleared",
+    "Event",
+]
+
+
+class TaskCategory(enum.IntEnum):
+    """What kind of work a request is (mirrors kvrouter.v1.TaskCategory)."""
+
+    UNSPECIFIED = 0
+    CHAT = 1
+    AGENTIC = 2
+    UNTEMPLATED = 3
+    TEMPLATED = 4
+
+
+class CacheMode(enum.IntEnum):
+    """How the router knows a worker's cache (mirrors kvrouter.v1.CacheStateMode)."""
+
+    UNSPECIFIED = 0
+    EVENTS = 1
+    APPROXIMATE = 2
+
+
+class WorkerState(enum.IntEnum):
+    UNSPECIFIED = 0
+    READY = 1
+    DEGRADED = 2
+    DRAINING = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    """Where to send a request. ``fallback`` is True when the router was unreachable and the
+    caller's fallback chose the worker; such a result needs no ``complete()``."""
+
+    request_id: str
+    worker_id: str
+    worker_address: str
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    prompt_blocks: int = 0
+    alternative_worker_id: str = ""
+    alternative_worker_address: str = ""
+    policy: str = ""
+    reason: str = ""
+    estimated_ttft_ms: float = 0.0
+    fallback: bool = False
+
+    @classmethod
+    def from_pb(cls, msg: pb.RouteResponse) -> RouteResult:
+        return cls(
+            request_id=msg.request_id,
+            worker_id=msg.worker_id,
+            worker_address=msg.worker_address,
+            matched_blocks=msg.matched_blocks,
+            matched_tokens=msg.matched_tokens,
+            prompt_blocks=msg.prompt_blocks,
+            alternative_worker_id=msg.alternative_worker_id,
+            alternative_worker_address=msg.alternative_worker_address,
+            policy=msg.policy,
+            reason=msg.reason,
+            estimated_ttft_ms=msg.estimated_ttft_ms,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    id: str
+    address: str
+    capacity_blocks: int
+    block_size: int
+    labels: Mapping[str, str]
+    state: WorkerState
+    mode: CacheMode
+    cached_blocks: int
+    inflight_requests: int
+    pending_prefill_tokens: int
+    kv_events_endpoint: str
+
+    @classmethod
+    def from_pb(cls, msg: pb.Worker) -> WorkerInfo:
+        return cls(
+            id=msg.id,
+            address=msg.address,
+            capacity_blocks=msg.capacity_blocks,
+            block_size=msg.block_size,
+            labels=dict(msg.labels),
+            state=WorkerState(msg.state),
+            mode=CacheMode(msg.mode),
+            cached_blocks=msg.cached_blocks,
+            inflight_requests=msg.inflight_requests,
+            pending_prefill_tokens=msg.pending_prefill_tokens,
+            kv_events_endpoint=msg.kv_events_endpoint,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EvictAdvice:
+    """Blocks to evict, in order (leaves first). ``engine_hashes[i]`` is the engine's hash of
+    ``keys[i]`` (the key itself when the engine publishes kvrouterd keys)."""
+
+    keys: list[int]
+    engine_hashes: list[int]
+    exhausted: bool
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """The engine cached a chain of full blocks: ``token_ids`` holds all their tokens.
+
+    ``engine_hashes`` are the engine's ids for the blocks, used in later removals; None means
+    the engine uses kvrouterd keys (``kvrouter_client.keys``) as its hashes.
+    ``parent_engine_hash`` names the block before the first one (None for a prompt's start).
+    """
+
+    token_ids: Sequence[int]
+    engine_hashes: Sequence[int] | None = None
+    parent_engine_hash: int | None = None
+    model: str = ""
+    lora: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """The engine evicted these blocks (engine hashes, or kvrouterd keys)."""
+
+    engine_hashes: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """The engine dropped its whole prefix cache."""
+
+
+Event = Stored | Removed | Cleared
+
+
+def event_to_pb(ev: Event, block_size: int) -> pb.CacheEvent:
+    if isinstance(ev, Stored):
+        msg = pb.StoredBlocks(token_ids=ev.token_ids, block_size=block_size, model=ev.model, lora=ev.lora)
+        if ev.engine_hashes is not None:
+            msg.engine_hashes.extend(ev.engine_hashes)
+        if ev.parent_engine_hash is not None:
+            msg.parent_engine_hash = ev.parent_engine_hash
+        return pb.CacheEvent(stored=msg)
+    if isinstance(ev, Removed):
+        return pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=ev.engine_hashes))
+    if isinstance(ev, Cleared):
+        return pb.CacheEvent(cleared=pb.AllBlocksCleared())
+    raise TypeError(f"not a cache event: {type(ev).__name__}")
+
+
+def validate_stored(ev: Stored, block_size: int) -> None:
+    """Reject what the router would reject, at the call site rather than mid-stream."""
+    n = len(ev.token_ids)
+    if n == 0 or n % block_size:
+        raise ValueError(f"token_ids holds {n} tokens, not a positive multiple of block_size {block_size}")
+    if any(not 0 <= t < 2**32 for t in ev.token_ids):
+        raise ValueError("token ids must be in [0, 2**32)")
+    if ev.engine_hashes is not None:
+        if len(ev.engine_hashes) != n // block_size:
+            raise ValueError(f"{len(ev.engine_hashes)} engine hashes for {n // block_size} blocks")
+        if any(not 0 <= h < 2**64 for h in ev.engine_hashes):
+            raise ValueError("engine hashes must be unsigned 64-bit ints")
+    if ev.parent_engine_hash is not None and not 0 <= ev.parent_engine_hash < 2**64:
+        raise ValueError("parent_engine_hash must be an unsigned 64-bit int")
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    """What an EventPublisher has done; all counters only grow."""
+
+    events_recorded: int = 0
+    batches_sealed: int = 0
+    batches_written: int = 0
+    batches_acked: int = 0
+    streams: int = 0
+    reconnects: int = 0
+    overflows: int = 0
+    resyncs: int = 0
+    events_dropped: int = 0
+    rejected: int = 0
+    last_error: str = ""

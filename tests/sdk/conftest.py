@@ -1,0 +1,149 @@
+"""A fake KVRouter servicer on a real grpc.aio server (127.0.0.1, port 0) for SDK tests.
+
+It keeps what the SDK sent and applies event batches with the router's sequence rules
+(in order, duplicates ignored, 0 after a higher number = restart), so tests can assert
+exactly what a real router would have received. It can be stopped and restarted on the
+same port to play an unreachable router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouter_client._generated.kvrouter.v1 import router_pb2_grpc
+
+
+class FakeRouter(router_pb2_grpc.KVRouterServicer):
+    def __init__(self) -> None:
+        self.routes: list[pb.RouteRequest] = []
+        self.completes: list[pb.CompleteRequest] = []
+        self.loads: list[pb.ReportLoadRequest] = []
+        self.evicts: list[pb.EvictHintRequest] = []
+        self.registered: dict[str, pb.Worker] = {}
+        self.applied: list[pb.EventBatch] = []  # in application order
+        self.last_seq: dict[str, int] = {}
+        self.duplicates = 0
+        self.route_delay = 0.0
+        self.route_error: grpc.StatusCode | None = None
+        self.complete_error: grpc.StatusCode | None = None
+        #: abort a PublishEvents stream with UNAVAILABLE after this many batches (then reset)
+        self.break_stream_after: int | None = None
+        #: reject batches of workers not registered (the real router says NOT_FOUND)
+        self.require_registration = False
+
+    async def Route(self, request, context):
+        self.routes.append(request)
+        if self.route_delay:
+            await asyncio.sleep(self.route_delay)
+        if self.route_error is not None:
+            await context.abort(self.route_error, "fake says no")
+        return pb.RouteResponse(
+            request_id=request.request_id or f"req-{len(self.routes)}", worker_id="w1", worker_address="10.0.0.1:8000",
+            matched_blocks=2, matched_tokens=32, prompt_blocks=len(request.block_keys) or len(request.token_ids) // 16,
+            alternative_worker_id="w2", alternative_worker_address="10.0.0.2:8000", policy="cache_aware",
+            reason="prefix_match", estimated_ttft_ms=12.5,
+        )
+
+    async def Complete(self, request, context):
+        if self.complete_error is not None:
+            await context.abort(self.complete_error, "fake says no")
+        self.completes.append(request)
+        return pb.CompleteResponse()
+
+    async def PublishEvents(self, request_iterator, context):
+        summary = pb.PublishEventsResponse()
+        n = 0
+        async for batch in request_iterator:
+            if self.break_stream_after is not None and n >= self.break_stream_after:
+                self.break_stream_after = None
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "fake connection drop")
+            n += 1
+            if self.require_registration and batch.worker_id not in self.registered:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {batch.worker_id!r}")
+            last = self.last_seq.get(batch.worker_id, -1)
+            seq = batch.sequence
+            if last >= 0 and seq <= last and not (seq == 0 and last > 0):
+                self.duplicates += 1
+                summary.batches_duplicate += 1
+                continue
+            if last >= 0 and seq != last + 1 and seq != 0:
+                summary.gaps_detected += 1
+            self.last_seq[batch.worker_id] = seq
+            self.applied.append(batch)
+            summary.batches_applied += 1
+        return summary
+
+    async def ReportLoad(self, request, context):
+        self.loads.append(request)
+        return pb.ReportLoadResponse()
+
+    async def EvictHint(self, request, context):
+        self.evicts.append(request)
+        return pb.EvictHintResponse(keys=[7, 8], engine_hashes=[70, 80], exhausted=False, policy="lru")
+
+    async def RegisterWorker(self, request, context):
+        self.registered[request.worker.id] = request.worker
+        w = pb.Worker()
+        w.CopyFrom(request.worker)
+        w.state = pb.WORKER_STATE_READY
+        return pb.RegisterWorkerResponse(worker=w)
+
+    async def DeregisterWorker(self, request, context):
+        if request.worker_id not in self.registered:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker")
+        del self.registered[request.worker_id]
+        return pb.DeregisterWorkerResponse()
+
+    async def ListWorkers(self, request, context):
+        return pb.ListWorkersResponse(workers=list(self.registered.values()))
+
+    # -- helpers for tests --
+    def applied_events(self, worker_id: str) -> list[pb.CacheEvent]:
+        return [ev for b in self.applied if b.worker_id == worker_id for ev in b.events]
+
+
+class FakeServer:
+    def __init__(self, fake: FakeRouter) -> None:
+        self.fake = fake
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        router_pb2_grpc.add_KVRouterServicer_to_server(self.fake, server)
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await server.start()
+        self.server = server
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+            self.server = None
+
+
+@pytest.fixture
+async def fake_server() -> AsyncIterator[FakeServer]:
+    server = FakeServer(FakeRouter())
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

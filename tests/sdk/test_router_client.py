@@ -1,0 +1,162 @@
+"""RouterClient / SyncRouterClient against a fake router on a real grpc.aio server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from kvrouter_client import (
+    RouterClient,
+    RouterRejected,
+    RouterUnavailable,
+    RouteResult,
+    SyncRouterClient,
+    TaskCategory,
+)
+from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
+
+
+def dead_target() -> str:
+    """An address nobody listens on (a port we bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"127.0.0.1:{port}"
+
+
+async def test_route_sends_every_field_and_returns_the_choice(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        result = await client.route(
+            list(range(64)), model="m", lora="l", session_id="s", task=TaskCategory.AGENTIC, ttft_slo_ms=300.0,
+            expected_output_tokens=50, policy="dualmap", candidate_workers=["w1", "w2"], request_id="r1",
+        )
+    sent = fake_server.fake.routes[0]
+    assert list(sent.token_ids) == list(range(64)) and not sent.block_keys
+    assert (sent.model, sent.lora, sent.session_id, sent.task) == ("m", "l", "s", pb.TASK_CATEGORY_AGENTIC)
+    assert sent.ttft_slo_ms == 300.0 and sent.expected_output_tokens == 50 and sent.policy == "dualmap"
+    assert list(sent.candidate_workers) == ["w1", "w2"] and sent.request_id == "r1"
+    assert result == RouteResult(
+        request_id="r1", worker_id="w1", worker_address="10.0.0.1:8000", matched_blocks=2, matched_tokens=32,
+        prompt_blocks=4, alternative_worker_id="w2", alternative_worker_address="10.0.0.2:8000",
+        policy="cache_aware", reason="prefix_match", estimated_ttft_ms=12.5,
+    )
+
+
+async def test_route_with_block_keys_and_argument_errors(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        await client.route(block_keys=[1, 2, 3], prompt_tokens=50)
+        assert list(fake_server.fake.routes[0].block_keys) == [1, 2, 3]
+        assert fake_server.fake.routes[0].prompt_tokens == 50
+        with pytest.raises(ValueError, match="exactly one"):
+            await client.route()
+        with pytest.raises(ValueError, match="exactly one"):
+            await client.route([1], block_keys=[2])
+    with pytest.raises(ValueError, match="target"):
+        RouterClient()
+
+
+async def test_unreachable_router_raises_without_a_fallback():
+    async with RouterClient(dead_target(), timeout=1.0) as client:
+        with pytest.raises(RouterUnavailable) as info:
+            await client.route([1] * 32)
+    assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_unreachable_router_fails_open_to_the_callers_choice():
+    seen = []
+
+    def fallback(req):
+        seen.append(req)
+        return "local-0", "127.0.0.1:9000"
+
+    async with RouterClient(dead_target(), timeout=1.0, fallback=fallback) as client:
+        result = await client.route([5] * 32, session_id="s9", candidate_workers=["a"])
+        assert result.fallback and result.worker_id == "local-0" and result.worker_address == "127.0.0.1:9000"
+        assert result.reason == "router_unavailable"
+        assert seen[0].session_id == "s9" and list(seen[0].candidate_workers) == ["a"]
+        # the router never saw it, so completing it is a no-op that succeeds
+        assert await client.complete(result, ttft_ms=5) is True
+
+
+async def test_deadline_is_enforced(fake_server):
+    fake_server.fake.route_delay = 2.0
+    async with RouterClient(fake_server.target, timeout=0.05) as client:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(RouterUnavailable) as info:
+            await client.route([1] * 16)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert loop.time() - started < 1.5  # gave up at the deadline, not after the slow router
+        # a per-call deadline overrides the client's
+        fake_server.fake.route_delay = 0.2
+        assert (await client.route([1] * 16, timeout=5.0)).worker_id == "w1"
+
+
+async def test_rejections_raise_even_with_a_fallback(fake_server):
+    fake_server.fake.route_error = grpc.StatusCode.INVALID_ARGUMENT
+    async with RouterClient(fake_server.target, timeout=2.0, fallback=lambda r: ("x", "y")) as client:
+        with pytest.raises(RouterRejected) as info:
+            await client.route([1] * 16)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_no_eligible_worker_counts_as_unavailable_and_fails_open(fake_server):
+    fake_server.fake.route_error = grpc.StatusCode.UNAVAILABLE  # what the router says with no worker
+    async with RouterClient(fake_server.target, timeout=2.0, fallback=lambda r: ("x", "y:1")) as client:
+        assert (await client.route([1] * 16)).fallback
+
+
+async def test_complete_reports_and_distinguishes_unreachable_from_rejected(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        result = await client.route([1] * 32, request_id="r7")
+        assert await client.complete(result, ttft_ms=10.0, e2e_ms=100.0, cached_tokens=16, output_tokens=9, success=False)
+        sent = fake_server.fake.completes[0]
+        assert (sent.request_id, sent.ttft_ms, sent.e2e_ms, sent.cached_tokens, sent.output_tokens, sent.success) == (
+            "r7", 10.0, 100.0, 16, 9, False)
+        assert await client.complete("r8")
+        assert fake_server.fake.completes[1].cached_tokens == -1 and fake_server.fake.completes[1].success
+        fake_server.fake.complete_error = grpc.StatusCode.NOT_FOUND
+        with pytest.raises(RouterRejected):
+            await client.complete("r9")
+    async with RouterClient(dead_target(), timeout=0.5) as client:
+        assert await client.complete("r10") is False
+
+
+async def test_sync_client_has_the_same_behaviour(fake_server):
+    def use() -> tuple[RouteResult, RouteResult, bool]:
+        with SyncRouterClient(fake_server.target, timeout=2.0) as client:
+            ok = client.route(list(range(32)), session_id="s")
+            done = client.complete(ok, ttft_ms=1.0)
+        with SyncRouterClient(dead_target(), timeout=1.0, fallback=lambda r: ("f", "f:1")) as client:
+            fb = client.route([1] * 16)
+        return ok, fb, done
+
+    ok, fb, done = await asyncio.to_thread(use)  # a blocking client must not run on the server's loop
+    assert ok.worker_id == "w1" and not ok.fallback and done
+    assert fb.fallback and fb.worker_address == "f:1"
+    assert fake_server.fake.completes[0].request_id == ok.request_id
+
+    def rejected() -> None:
+        with SyncRouterClient(fake_server.target, timeout=2.0) as client:
+            client.route([1] * 16)
+
+    fake_server.fake.route_error = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(RouterRejected):
+        await asyncio.to_thread(rejected)
+
+    def unreachable() -> None:
+        with SyncRouterClient(dead_target(), timeout=1.0) as client:
+            client.route([1] * 16)
+
+    with pytest.raises(RouterUnavailable):
+        await asyncio.to_thread(unreachable)
+
+
+async def test_list_workers(fake_server):
+    fake_server.fake.registered["w"] = pb.Worker(id="w", address="a:1", mode=pb.CACHE_STATE_MODE_EVENTS)
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        (w,) = await client.list_workers()
+    assert w.id == "w" and w.address == "a:1" and w.mode == 1

@@ -1,0 +1,518 @@
+"""Simulate a cluster of engines behind the daemon's own router, on a trace or a generator.
+
+    kvrouterd sim cluster --trace conversation_trace.jsonl --workers 8 --rate 10 \\
+        --routing cache_aware,least_loaded --eviction lru --capacity-fraction 0.3 --out report/
+
+The router is the daemon's: ``Router(cfg.router_settings(), clock, rng)`` built from the same
+``kvrouterd.config`` Config (``--config``, the daemon's YAML) through the same policy
+registry, with the routing and eviction names swapped in per run. Only the edges differ:
+the workload is the request source, ``SimEngine``s (``sim.engine``) serve and publish
+Stored/Removed events into ``Router.apply`` (``--cache-mode events``, optionally delayed or
+lost) or the router models their caches itself (``approximate``), a ``ManualClock`` moves
+from event to event, and ``Router.tick`` runs at the config's ``tick_interval_s``.
+Completions report the observed TTFT and end-to-end latency back through
+``Router.complete``, as a gateway would.
+
+Policy parameters come from the config file: a run of routing policy NAME uses the config's
+``routing`` spec if its name is NAME, else an ``extra_routing`` entry named NAME, else the
+policy's defaults (likewise ``eviction``); ``--set NAME.FIELD=VALUE`` overrides one field.
+
+One command sweeps every routing x eviction pair over ``--rate``s and ``--seeds`` and writes
+one report (``--out DIR``: report.md, results.json, PNG plots; ``--json`` prints the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import xxhash
+
+from ..clock import ManualClock
+from ..config import Config, load_config
+from ..errors import ConfigError, KVRouterError, NotFound
+from ..index.keys import ROOT_SEED
+from ..index.workers import WorkerSpec
+from ..policies import registry
+from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
+from ..router import Router
+from . import metrics as m
+from .engine import EngineParams, Job, SimEngine
+from .workloads import GENERATORS, Workload, build_workload
+
+__all__ = ["ClusterSettings", "RunResult", "Simulation", "simulate", "policy_spec", "sweep", "add_arguments", "run"]
+
+_DELIVER, _STEP, _FINISH = 0, 1, 2
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """The simulated fleet and its edges (everything the router config does not say)."""
+
+    workers: int = 8
+    engine: EngineParams = field(default_factory=EngineParams)
+    cache_mode: CacheMode = CacheMode.EVENTS
+    #: seconds between an engine's event and the router applying it
+    event_delay_s: float = 0.0
+    #: probability that an event batch is lost (the router sees a sequence gap)
+    event_loss: float = 0.0
+    #: TTFT objective for attainment and for policies that read request SLOs (0 = config's)
+    slo_ms: float = 0.0
+    #: requests at the start excluded from the metrics (they still run)
+    warmup: int = 0
+    #: seconds between load-imbalance samples
+    sample_interval_s: float = 1.0
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.event_delay_s < 0:
+            raise ConfigError(f"event delay must be >= 0, got {self.event_delay_s}")
+        if not 0.0 <= self.event_loss < 1.0:
+            raise ConfigError(f"event loss must be in [0, 1), got {self.event_loss}")
+        if self.slo_ms < 0 or self.warmup < 0 or self.sample_interval_s <= 0:
+            raise ConfigError("slo_ms and warmup must be >= 0, sample_interval_s > 0")
+        try:
+            self.engine.validate()
+        except ValueError as exc:
+            raise ConfigError(f"engine: {exc}") from None
+
+
+@dataclass
+class RunResult:
+    routing: str
+    eviction: str
+    workload: str
+    rate: float
+    seed: int
+    capacity_blocks: int
+    summary: m.RunSummary
+    records: list[m.RequestRecord]
+    wall_s: float
+    counters: dict[str, int]
+    engine_stats: list[dict[str, Any]]
+
+    def as_dict(self, with_records: bool = False) -> dict[str, Any]:
+        out = {"routing": self.routing, "eviction": self.eviction, "workload": self.workload, "rate": self.rate,
+               "seed": self.seed, "capacity_blocks": self.capacity_blocks, "wall_s": round(self.wall_s, 3), **self.summary.as_dict(),
+               "router_counters": self.counters, "engines": self.engine_stats}
+        if with_records:
+            out["ttft_s"] = [r.ttft_s for r in self.records]
+        return out
+
+
+def policy_spec(cfg: Config, kind: str, name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The spec to build policy ``name`` with: the config's, else defaults, plus --set overrides."""
+    spec: dict[str, Any] = {"name": name}
+    if kind == "routing":
+        for s in (cfg.routing, *cfg.extra_routing):
+            if s.get("name") == name:
+                spec = dict(s)
+                break
+    elif cfg.eviction.get("name") == name:
+        spec = dict(cfg.eviction)
+    spec.update((overrides or {}).get(name, {}))
+    registry.build(kind, spec)  # type: ignore[arg-type]  # fail now, naming the field
+    return spec
+
+
+class _Keys:
+    """Block ids -> the router's chained block keys, and ids -> the token bytes engines publish.
+
+    An id's block holds ``block_tokens`` tokens whose first two carry the id, so distinct
+    ids hash apart and the router, rehashing a Stored event's tokens, gets the same keys.
+    """
+
+    def __init__(self, block_tokens: int) -> None:
+        if block_tokens < 2:
+            raise ConfigError("block_tokens must be >= 2")
+        self._pad = bytes(block_tokens * 4 - 8)
+        self._memo: dict[tuple[int, int], int] = {}
+
+    def block_bytes(self, block_id: int) -> bytes:
+        return block_id.to_bytes(8, "little") + self._pad
+
+    def keys(self, ids: Sequence[int]) -> list[int]:
+        memo = self._memo
+        prev = ROOT_SEED
+        out = []
+        for h in ids:
+            k = memo.get((prev, h))
+            if k is None:
+                k = _xxh3(self.block_bytes(h), prev)
+                memo[(prev, h)] = k
+            out.append(k)
+            prev = k
+        return out
+
+
+class Simulation:
+    """One run: a workload through one router and its engines. ``run()`` returns the result."""
+
+    def __init__(self, cfg: Config, workload: Workload, settings: ClusterSettings, *, routing: str | Mapping[str, Any],
+                 eviction: str | Mapping[str, Any], seed: int = 0, rate: float = 0.0,
+                 progress: Callable[[float], None] | None = None) -> None:
+        settings.validate()
+        self.settings = settings
+        self.workload = workload
+        self.seed = seed
+        self.rate = rate
+        self.progress = progress
+        bs = workload.block_tokens
+        routing_spec = {"name": routing} if isinstance(routing, str) else dict(routing)
+        eviction_spec = {"name": eviction} if isinstance(eviction, str) else dict(eviction)
+        cfg = dataclasses.replace(cfg, block_size=bs, routing=routing_spec, eviction=eviction_spec,
+                                  extra_routing=[s for s in cfg.extra_routing if s.get("name") != routing_spec["name"]])
+        self.cfg = cfg
+        self.clock = ManualClock()
+        rng = random.Random(seed)
+        self.router = Router(cfg.router_settings(), self.clock, random.Random(rng.getrandbits(64)))
+        self._loss_rng = random.Random(rng.getrandbits(64))
+        self.keys = _Keys(bs)
+        self.slo_ms = settings.slo_ms or cfg.default_ttft_slo_ms
+        self.engines: list[SimEngine] = []
+        self._by_id: dict[str, int] = {}
+        self._seq: list[int] = []
+        for i in range(settings.workers):
+            wid = f"w{i}"
+            self.router.add_worker(WorkerSpec(id=wid, address=f"sim://{wid}", capacity_blocks=settings.engine.capacity_blocks,
+                                              mode=settings.cache_mode))
+            self.engines.append(SimEngine(wid, settings.engine, eviction_spec, random.Random(rng.getrandbits(64)), bs,
+                                          self.keys.block_bytes))
+            self._by_id[wid] = i
+            self._seq.append(0)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._order = itertools.count()
+        self.records: list[m.RequestRecord | None] = [None] * len(workload.requests)
+        self.load_samples: list[float] = []
+        self.events_lost = 0
+
+    # ---- edges ---------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._order), obj))
+
+    def _publish(self, i: int, now: float) -> None:
+        engine = self.engines[i]
+        if not engine.outbox:
+            return
+        batch = EventBatch(engine.worker_id, self._seq[i], tuple(engine.outbox))
+        engine.outbox.clear()
+        self._seq[i] += 1
+        s = self.settings
+        if s.cache_mode is CacheMode.APPROXIMATE:
+            return  # the router models this worker's cache itself
+        if s.event_loss and self._loss_rng.random() < s.event_loss:
+            self.events_lost += 1
+            return
+        if s.event_delay_s:
+            self._push(now + s.event_delay_s, _DELIVER, batch)
+        else:
+            self.router.apply(batch)
+
+    def _kick(self, i: int, now: float) -> None:
+        engine = self.engines[i]
+        if engine.busy:
+            return
+        duration = engine.start_step(now)
+        self._publish(i, now)
+        if duration is not None:
+            self._push(now + duration, _STEP, i)
+
+    # ---- handlers ------------------------------------------------------------------------
+    def _arrive(self, n: int, now: float) -> None:
+        req = self.workload.requests[n]
+        keys = self.keys.keys(req.block_ids)
+        bs = self.workload.block_tokens
+        rr = RouteRequest(request_id=f"r{n}", keys=keys, prompt_tokens=max(req.input_tokens, len(keys) * bs),
+                          session_id=req.session_id, task=req.task, ttft_slo_ms=self.slo_ms,
+                          expected_output_tokens=req.output_tokens)
+        started = time.perf_counter()
+        result = self.router.route(rr, explain=False)
+        route_us = (time.perf_counter() - started) * 1e6
+        i = self._by_id[result.worker.id]
+        overlap = result.decision.overlap_blocks
+        job = Job(n, req, keys, max(1, req.input_tokens - overlap * bs), overlap)
+        self.records[n] = m.RequestRecord(req.arrival_s, i, len(keys), 0, req.input_tokens, req.output_tokens,
+                                          math.nan, math.nan, route_us, overlap)
+        self.engines[i].enqueue(job)
+        self._kick(i, now)
+
+    def _step_done(self, i: int, now: float) -> None:
+        engine = self.engines[i]
+        tpot = self.settings.engine.tpot_ms / 1000.0
+        for job in engine.finish_step(now):
+            self._push(now + max(job.req.output_tokens - 1, 0) * tpot, _FINISH, (i, job))
+        self._publish(i, now)
+        self._kick(i, now)
+
+    def _finish(self, i: int, job: Job, now: float) -> None:
+        self.engines[i].finish(job)
+        req = job.req
+        rec = self.records[job.index]
+        assert rec is not None
+        rec.hit_blocks = job.hit_blocks
+        rec.ttft_s = job.first_token_at - req.arrival_s
+        rec.e2e_s = now - req.arrival_s
+        try:
+            self.router.complete(Completion(f"r{job.index}", ttft_ms=rec.ttft_s * 1000.0, e2e_ms=rec.e2e_s * 1000.0,
+                                            cached_tokens=job.hit_blocks * self.workload.block_tokens,
+                                            output_tokens=req.output_tokens))
+        except NotFound:
+            pass  # expired by the router's in-flight timeout, as the daemon would have
+        self._kick(i, now)
+
+    def _sample_load(self) -> None:
+        loads = [e.pending_tokens for e in self.engines]
+        self.load_samples.append(m.cv(loads) if sum(loads) > 0 else math.nan)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        reqs = self.workload.requests
+        heap = self._heap
+        clock, router = self.clock, self.router
+        tick = self.cfg.tick_interval_s
+        sample = self.settings.sample_interval_s
+        t0 = reqs[0].arrival_s if reqs else 0.0
+        clock.set(max(t0, 0.0))
+        next_tick = clock.now() + tick
+        next_sample = clock.now() + sample
+        n, total = 0, len(reqs)
+        report_every = max(total // 50, 1)
+        while n < total or heap:
+            t_arr = reqs[n].arrival_s if n < total else math.inf
+            t = heap[0][0] if heap and heap[0][0] <= t_arr else t_arr
+            while next_tick <= t:
+                clock.set(next_tick)
+                router.tick()
+                router.expire_inflight()
+                next_tick += tick
+            while next_sample <= t:
+                self._sample_load()
+                next_sample += sample
+            clock.set(max(t, clock.now()))
+            if heap and heap[0][0] <= t_arr:
+                _, kind, _, obj = heapq.heappop(heap)
+                if kind == _STEP:
+                    self._step_done(obj, t)
+                elif kind == _FINISH:
+                    self._finish(obj[0], obj[1], t)
+                else:
+                    router.apply(obj)
+            else:
+                self._arrive(n, t)
+                n += 1
+                if self.progress is not None and n % report_every == 0:
+                    self.progress(n / total)
+        wall = time.perf_counter() - started
+        done = [r for r in self.records[self.settings.warmup:] if r is not None]
+        evict_s = sum(e.rank_seconds for e in self.engines)
+        evict_n = sum(e.rank_calls for e in self.engines)
+        summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
+        counters = dict(router.counters, events_lost=self.events_lost)
+        stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
+                  "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable} for e in self.engines]
+        return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,
+                         self.settings.engine.capacity_blocks, summary, done, wall, counters, stats)
+
+
+def simulate(cfg: Config, workload: Workload, settings: ClusterSettings, *, routing: str | Mapping[str, Any],
+             eviction: str | Mapping[str, Any], seed: int = 0, rate: float = 0.0,
+             progress: Callable[[float], None] | None = None) -> RunResult:
+    """Run ``workload`` through a fresh router and fleet; see ``Simulation``."""
+    return Simulation(cfg, workload, settings, routing=routing, eviction=eviction, seed=seed, rate=rate,
+                      progress=progress).run()
+
+
+# ---- sweeps ---------------------------------------------------------------------------------
+
+class _Progress:
+    """A one-line progress bar on stderr: runs done and the current run's share."""
+
+    def __init__(self, total: int, out: TextIO | None) -> None:
+        self.total, self.out, self.done, self.label = total, out, 0, ""
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    def start(self, label: str) -> None:
+        self.label = label
+        self.update(0.0)
+
+    def update(self, frac: float) -> None:
+        now = time.monotonic()
+        if self.out is None or (0.0 < frac and now - self._last < 0.25):
+            return
+        self._last = now
+        overall = (self.done + frac) / max(self.total, 1)
+        bar = "#" * int(30 * overall)
+        elapsed = time.monotonic() - self.started
+        self.out.write(f"\r[{bar:<30}] {self.done}/{self.total} runs {elapsed:5.0f}s  {self.label[:60]:<60}")
+        self.out.flush()
+
+    def finish_run(self) -> None:
+        self.done += 1
+        self.update(0.0)
+        if self.done == self.total and self.out is not None:
+            self.out.write("\n")
+
+
+def sweep(cfg: Config, workload_for: Callable[[int, float | None], Workload], settings: ClusterSettings,
+          routings: Sequence[Mapping[str, Any]], evictions: Sequence[Mapping[str, Any]], rates: Sequence[float | None],
+          seeds: Sequence[int], capacity_for: Callable[[Workload], int] | None = None,
+          out: TextIO | None = sys.stderr) -> list[RunResult]:
+    """Every routing x eviction pair at every rate and seed, one fresh router per run."""
+    bar = _Progress(len(routings) * len(evictions) * len(rates) * len(seeds), out)
+    results = []
+    for rate in rates:
+        for seed in seeds:
+            wl = workload_for(seed, rate)
+            s = settings
+            if capacity_for is not None:
+                s = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, capacity_blocks=capacity_for(wl)))
+            for r_spec in routings:
+                for e_spec in evictions:
+                    bar.start(f"{r_spec['name']}+{e_spec['name']} rate={rate or 'trace'} seed={seed}")
+                    results.append(simulate(cfg, wl, s, routing=r_spec, eviction=e_spec, seed=seed, rate=rate or 0.0,
+                                            progress=bar.update))
+                    bar.finish_run()
+    return results
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (implies --workload mooncake)")
+    w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
+    w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
+                   help="request rates to sweep, req/s (trace: timestamps rescaled; default: as recorded / generator default)")
+    w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds (workload, router, engines)")
+    w.add_argument("--limit", type=int, default=0, help="use the first N requests")
+    w.add_argument("--max-input-tokens", type=int, default=0, help="cap trace prompts at N tokens (0 = no cap)")
+    w.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="generator parameter (e.g. order=round_robin, prefix_ratio=0.7), repeatable")
+    p = parser.add_argument_group("policies")
+    p.add_argument("--config", type=Path, help="the daemon's YAML config (policy parameters, tick interval, SLO)")
+    p.add_argument("--routing", default="", metavar="NAME[,NAME..]", help="routing policies (default: the config's)")
+    p.add_argument("--eviction", default="", metavar="NAME[,NAME..]", help="eviction policies (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="POLICY.FIELD=VALUE",
+                   help="override one policy parameter (JSON value), repeatable")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--workers", type=int, default=8)
+    cap = c.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-blocks", type=int, default=None, help="KV cache per worker, blocks (0 = unbounded)")
+    cap.add_argument("--capacity-fraction", type=float, default=None,
+                     help="cluster KV cache as a share of the workload's distinct prompt blocks, split over workers")
+    c.add_argument("--cache-mode", choices=["events", "approximate"], default="events")
+    c.add_argument("--event-delay-ms", type=float, default=0.0)
+    c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
+    c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+    e = parser.add_argument_group("engines")
+    d = EngineParams()
+    e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model)
+    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens)
+    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms)
+    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    e.add_argument("--max-running", type=int, default=d.max_running)
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print every number as JSON")
+    o.add_argument("--out", type=Path, help="write report.md, results.json and PNG plots here")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import report
+
+    try:
+        cfg = load_config(args.config, environ={}) if args.config else load_config(None, environ={})
+        overrides: dict[str, dict[str, Any]] = {}
+        for key, value in _kv(args.set, "--set"):
+            name, dot, fname = key.partition(".")
+            if not dot:
+                raise ConfigError(f"--set expects POLICY.FIELD=VALUE, got {key!r}")
+            overrides.setdefault(name, {})[fname] = value
+        routing_names = [n for n in args.routing.split(",") if n] or [cfg.routing["name"]]
+        eviction_names = [n for n in args.eviction.split(",") if n] or [cfg.eviction["name"]]
+        routings = [policy_spec(cfg, "routing", n, overrides) for n in routing_names]
+        evictions = [policy_spec(cfg, "eviction", n, overrides) for n in eviction_names]
+        name = args.workload or ("mooncake" if args.trace else None)
+        if name is None:
+            raise ConfigError("give --trace FILE or --workload NAME")
+        wparams = dict(_kv(args.workload_param, "--workload-param"))
+        engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
+                              max_running=args.max_running, prefill_model=args.prefill_model,
+                              prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms)
+        settings = ClusterSettings(
+            workers=args.workers, engine=engine,
+            cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
+            event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
+            warmup=args.warmup)
+        settings.validate()
+        capacity_for = None
+        if args.capacity_fraction is not None:
+            frac = args.capacity_fraction
+            if not 0 < frac:
+                raise ConfigError(f"--capacity-fraction must be > 0, got {frac}")
+            capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / args.workers))  # noqa: E731
+
+        def workload_for(seed: int, rate: float | None) -> Workload:
+            return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,
+                                  max_input_tokens=args.max_input_tokens, **wparams)
+
+        results = sweep(cfg, workload_for, settings, routings, evictions, args.rate or [None], args.seeds,
+                        capacity_for, out=None if args.quiet else sys.stderr)
+    except (KVRouterError, ValueError, OSError) as exc:
+        print(f"kvrouterd sim cluster: {exc}", file=sys.stderr)
+        return 2
+    meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "capacity_fraction": args.capacity_fraction, "command": "kvrouterd sim cluster " + " ".join(sys.argv[3:])}
+    doc = report.build(results, meta)
+    if args.out:
+        report.write(doc, results, args.out)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(report.table(doc))
+    return 0

@@ -1,0 +1,277 @@
+"""A simulated inference engine: prefix cache, continuous batching, and the events it publishes.
+
+Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
+
+- **KV cache.** ``capacity_blocks`` blocks (0 = unbounded) holding prompt blocks as a prefix
+  tree: the engine's own ``RadixIndex`` (one slot) and its own eviction policy object,
+  built by the policy registry from the same spec the router uses. Blocks of admitted and
+  unfinished requests are pinned. Generated tokens are not cached (the workloads put a
+  turn's answer into the next turn's prompt, where it is cached as prompt).
+- **Scheduling.** FCFS continuous batching with chunked prefill. A request is *admitted* when
+  its uncached blocks fit: the engine looks its prompt up in its own cache, evicts unpinned
+  blocks chosen by the policy to make room for the rest, and reserves that room; if the
+  policy cannot free enough (everything pinned) the request and those behind it wait. Each
+  step prefills up to ``max_batch_tokens`` tokens over the admitted requests in order, at
+  most ``max_running`` requests run at once.
+- **Time.** A step lasts the prefill time of its tokens: ``linear``
+  (``intercept + ms_per_1k * tokens / 1000``) or ``power_law``
+  (``a * batch^b * (tokens / batch)^c``). Defaults are UniCache's fit for Llama-3.1-8B on an
+  H100 (appendix A.1, Fig. 14: ``3.59e-5 s * BS^0.991 * L^1.018``, i.e. ~40 ms per 1k
+  tokens at batch 1, which is also the linear default). Decoding costs a constant
+  ``tpot_ms`` per output token, independent of batch (UniCache section 3 models TPOT as a
+  constant measured mean; it does not publish the value, 20 ms is our assumption for an 8B
+  model). A request's first token comes when its last prefill chunk completes.
+- **Events.** Evictions publish ``Removed`` (at admission, when memory is claimed); a
+  finished prefill publishes ``Stored`` for the request's new blocks, with our block keys
+  as engine hashes, exactly what a real engine using the kvrouterd SDK sends. The host
+  (``cluster``) numbers them into ``EventBatch``es and delivers, delays or drops them.
+
+Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8192 (vLLM's
+chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
+``prefill_model`` = "linear", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
+0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..index.radix import RadixIndex
+from ..policies import registry
+from ..policies.base import AccessInfo, EvictionContext
+from ..protocols import CacheEvent, Removed, Stored
+from .workloads import SimRequest
+
+__all__ = ["EngineParams", "Job", "SimEngine"]
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    capacity_blocks: int = field(default=0, metadata={"help": "KV cache size in blocks (0 = unbounded)"})
+    max_batch_tokens: int = field(default=8192, metadata={"help": "prefill tokens per step (chunked prefill budget)"})
+    max_running: int = field(default=256, metadata={"help": "requests admitted at once (prefilling or decoding)"})
+    prefill_model: Literal["linear", "power_law"] = field(default="linear", metadata={"help": "step time model"})
+    prefill_ms_per_1k_tokens: float = field(default=40.0, metadata={"help": "linear: ms per 1,000 prefill tokens"})
+    prefill_intercept_ms: float = field(default=0.0, metadata={"help": "linear: fixed ms per step"})
+    power_a_ms: float = field(default=0.0359, metadata={"help": "power law: a, in ms"})
+    power_b: float = field(default=0.991, metadata={"help": "power law: batch exponent b"})
+    power_c: float = field(default=1.018, metadata={"help": "power law: length exponent c"})
+    tpot_ms: float = field(default=20.0, metadata={"help": "ms per output token after the first"})
+
+    def validate(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {self.capacity_blocks}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.prefill_model not in ("linear", "power_law"):
+            raise ValueError(f"prefill_model must be linear or power_law, got {self.prefill_model!r}")
+        if self.prefill_ms_per_1k_tokens <= 0:
+            raise ValueError(f"prefill_ms_per_1k_tokens must be > 0, got {self.prefill_ms_per_1k_tokens}")
+        if self.prefill_intercept_ms < 0:
+            raise ValueError(f"prefill_intercept_ms must be >= 0, got {self.prefill_intercept_ms}")
+        if self.power_a_ms <= 0 or self.power_c <= 0:
+            raise ValueError("power_a_ms and power_c must be > 0")
+        if self.tpot_ms < 0:
+            raise ValueError(f"tpot_ms must be >= 0, got {self.tpot_ms}")
+
+    def step_seconds(self, tokens: int, batch: int) -> float:
+        """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests."""
+        if self.prefill_model == "linear":
+            return (self.prefill_intercept_ms + self.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
+        batch = max(batch, 1)
+        return self.power_a_ms * batch**self.power_b * (tokens / batch) ** self.power_c / 1000.0
+
+
+class Job:
+    """One request on an engine, from routing to its last token."""
+
+    __slots__ = ("index", "req", "keys", "est_uncached", "hit_blocks", "remaining", "reserved", "pinned",
+                 "cached", "admitted_at", "first_token_at", "route_overlap")
+
+    def __init__(self, index: int, req: SimRequest, keys: list[int], est_uncached: int, route_overlap: int) -> None:
+        self.index = index
+        self.req = req
+        self.keys = keys
+        self.est_uncached = est_uncached
+        self.route_overlap = route_overlap
+        self.hit_blocks = 0
+        self.remaining = 0
+        self.reserved = 0
+        self.pinned: list[int] = []
+        self.cached = True
+        self.admitted_at = -1.0
+        self.first_token_at = -1.0
+
+
+class SimEngine:
+    """One simulated worker. The host calls ``enqueue``, ``start_step``, ``finish_step`` and
+    ``finish`` at the right simulated times and drains ``outbox`` after each call."""
+
+    def __init__(self, worker_id: str, params: EngineParams, eviction: str | Mapping[str, Any], rng: random.Random,
+                 block_tokens: int, block_bytes: Callable[[int], bytes]) -> None:
+        params.validate()
+        self.worker_id = worker_id
+        self.params = params
+        self.block_tokens = block_tokens
+        self._block_bytes = block_bytes
+        self.index = RadixIndex()
+        self.index.add_slot(0)
+        self.policy = registry.build("eviction", eviction, rng)
+        self.waiting: deque[Job] = deque()
+        self.prefilling: list[Job] = []
+        self.running = 0
+        self.reserved = 0
+        self.pins: dict[int, int] = {}
+        self.busy = False
+        self._step: list[tuple[Job, int]] = []
+        #: prefill tokens queued or in progress (router's estimate for those not yet admitted)
+        self.pending_tokens = 0
+        self.outbox: list[CacheEvent] = []
+        self.hit_blocks = 0
+        self.prompt_blocks = 0
+        self.evicted_blocks = 0
+        self.rank_calls = 0
+        self.rank_seconds = 0.0
+        self.peak_blocks = 0
+        self.uncacheable = 0
+
+    # ---- what the host calls -----------------------------------------------------------
+    def enqueue(self, job: Job) -> None:
+        self.waiting.append(job)
+        self.pending_tokens += job.est_uncached
+
+    def start_step(self, now: float) -> float | None:
+        """Admit what fits and start a prefill step; its duration, or None if idle."""
+        budget = self.params.max_batch_tokens
+        step: list[tuple[Job, int]] = []
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(job.remaining, budget)
+            step.append((job, chunk))
+            budget -= chunk
+        while budget > 0 and self.waiting and self.running < self.params.max_running:
+            job = self.waiting[0]
+            if not self._admit(job, now):
+                break
+            self.waiting.popleft()
+            self.prefilling.append(job)
+            chunk = min(job.remaining, budget)
+            step.append((job, chunk))
+            budget -= chunk
+        if not step:
+            return None
+        self._step = step
+        self.busy = True
+        return self.params.step_seconds(self.params.max_batch_tokens - budget, len(step))
+
+    def finish_step(self, now: float) -> list[Job]:
+        """The running step ended at ``now``: the requests whose prefill completed."""
+        done: list[Job] = []
+        for job, chunk in self._step:
+            job.remaining -= chunk
+            self.pending_tokens -= chunk
+            if job.remaining == 0:
+                job.first_token_at = now
+                done.append(job)
+                self._store(job, now)
+        if done:
+            self.prefilling = [j for j in self.prefilling if j.remaining > 0]
+        self._step = []
+        self.busy = False
+        return done
+
+    def finish(self, job: Job) -> None:
+        """The request's last token is out: its blocks are no longer pinned."""
+        pins = self.pins
+        for k in job.pinned:
+            n = pins[k] - 1
+            if n:
+                pins[k] = n
+            else:
+                del pins[k]
+        job.pinned = []
+        self.running -= 1
+
+    def held_keys(self) -> set[int]:
+        return {b.key for b in self.index.blocks_of(0)}
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.index.count(0)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _admit(self, job: Job, now: float) -> bool:
+        keys = job.keys
+        index = self.index
+        match = index.match(keys, 1)
+        hit = match.overlap(0)
+        new = len(keys) - hit
+        cap = self.params.capacity_blocks
+        cached = not cap or len(keys) <= cap
+        if cached and cap:
+            need = index.count(0) + self.reserved + new - cap
+            if need > 0 and not self._evict(need, keys, now):
+                return False
+        req = job.req
+        matched = match.path[:hit]
+        if matched:
+            index.touch(0, matched, now)
+            self.policy.on_accessed(0, matched, AccessInfo(req.session_id, int(req.task), req.input_tokens), now)
+        job.hit_blocks = hit
+        job.cached = cached
+        job.reserved = new if cached else 0
+        self.reserved += job.reserved
+        job.pinned = keys if cached else keys[:hit]
+        pins = self.pins
+        for k in job.pinned:
+            pins[k] = pins.get(k, 0) + 1
+        job.remaining = max(1, req.input_tokens - hit * self.block_tokens)
+        job.admitted_at = now
+        self.pending_tokens += job.remaining - job.est_uncached
+        self.running += 1
+        self.hit_blocks += hit
+        self.prompt_blocks += len(keys)
+        if not cached:
+            self.uncacheable += 1
+        return True
+
+    def _evict(self, need: int, keys: list[int], now: float) -> bool:
+        pinned = frozenset(self.pins).union(keys)
+        started = time.perf_counter()
+        victims = self.policy.rank(EvictionContext(self.index, 0, now, self.worker_id), need, pinned)
+        self.rank_seconds += time.perf_counter() - started
+        self.rank_calls += 1
+        if len(victims) < need:
+            return False
+        for block in victims:
+            self.policy.on_removed(0, block)
+            self.index.remove(0, block.key)
+        self.evicted_blocks += len(victims)
+        self.outbox.append(Removed(tuple(b.key for b in victims)))
+        return True
+
+    def _store(self, job: Job, now: float) -> None:
+        self.reserved -= job.reserved
+        job.reserved = 0
+        if not job.cached:
+            return
+        hit, keys = job.hit_blocks, job.keys
+        if hit == len(keys):
+            return
+        parent = keys[hit - 1] if hit else None
+        req = job.req
+        blocks = self.index.store(0, parent, keys[hit:], now)
+        self.policy.on_stored(0, blocks, AccessInfo(req.session_id, int(req.task), req.input_tokens, hit), now)
+        bb = self._block_bytes
+        self.outbox.append(Stored(b"".join(bb(h) for h in req.block_ids[hit:]), None, parent, self.block_tokens))
+        count = self.index.count(0)
+        if count > self.peak_blocks:
+            self.peak_blocks = count

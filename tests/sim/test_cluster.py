@@ -1,0 +1,204 @@
+"""The cluster simulator: deterministic, engines within capacity, the router's index equal to
+the engines' caches, metrics right on hand-checkable workloads, and a small golden run."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from kvrouterd.cli import main
+from kvrouterd.config import Config
+from kvrouterd.errors import ConfigError
+from kvrouterd.policies import registry
+from kvrouterd.protocols import CacheMode, WorkerState
+from kvrouterd.sim.cluster import ClusterSettings, Simulation, policy_spec, simulate
+from kvrouterd.sim.engine import EngineParams
+from kvrouterd.sim.metrics import cv, goodput, percentile
+from kvrouterd.sim.workloads import SimRequest, Workload, gsp
+
+
+def small_gsp(seed: int = 0, **kw) -> Workload:
+    params = dict(rate=40.0, groups=10, queries_per_group=8, prefix_ratio=0.5, block_tokens=64,
+                  lengths=(512, 1024, 2048))
+    params.update(kw)
+    return gsp(random.Random(seed), **params)
+
+
+def settings(workers: int = 2, capacity: int = 0, **kw) -> ClusterSettings:
+    return ClusterSettings(workers=workers, engine=EngineParams(capacity_blocks=capacity), **kw)
+
+
+def fingerprint(result) -> list[tuple]:
+    return [(r.worker, r.hit_blocks, round(r.ttft_s, 9), round(r.e2e_s, 9)) for r in result.records]
+
+
+def test_same_seed_same_run_different_seed_different_run():
+    a = simulate(Config(), small_gsp(1), settings(3, 200), routing="random", eviction="lru", seed=1)
+    b = simulate(Config(), small_gsp(1), settings(3, 200), routing="random", eviction="lru", seed=1)
+    c = simulate(Config(), small_gsp(1), settings(3, 200), routing="random", eviction="lru", seed=2)
+    assert fingerprint(a) == fingerprint(b)
+    assert a.summary.as_dict() | {"route_us": None, "evict_us_mean": None} == \
+        b.summary.as_dict() | {"route_us": None, "evict_us_mean": None}
+    assert [r.worker for r in a.records] != [r.worker for r in c.records]
+
+
+class CheckedSimulation(Simulation):
+    """Checks, after every engine step and completion, capacity and index/engine agreement."""
+
+    checks = 0
+
+    def _check(self) -> None:
+        cap = self.settings.engine.capacity_blocks
+        for engine in self.engines:
+            assert engine.cached_blocks + engine.reserved <= cap
+            worker = self.router.workers.get(engine.worker_id)
+            router_view = {b.key for b in self.router.index.blocks_of(worker.slot)}
+            assert router_view == engine.held_keys()
+        self.checks += 1
+
+    def _step_done(self, i, now):
+        super()._step_done(i, now)
+        self._check()
+
+    def _finish(self, i, job, now):
+        super()._finish(i, job, now)
+        self._check()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_engines_respect_capacity_and_router_index_tracks_their_caches(eviction):
+    sim = CheckedSimulation(Config(), small_gsp(2), settings(3, 120), routing="cache_aware", eviction=eviction, seed=0)
+    result = sim.run()
+    assert sim.checks > 100
+    assert all(e.evicted_blocks > 0 for e in sim.engines)  # capacity actually bound
+    assert all(0 < e.peak_blocks <= 120 for e in sim.engines)
+    assert result.counters["blocks_removed"] == sum(e.evicted_blocks for e in sim.engines)
+    assert result.summary.requests == 80
+
+
+def test_request_larger_than_the_cache_runs_uncached():
+    wl = Workload("t", 4, [SimRequest(0.0, 40, 2, tuple(range(10)))])
+    sim = Simulation(Config(), wl, settings(1, 5), routing="round_robin", eviction="lru")
+    result = sim.run()
+    assert result.summary.requests == 1
+    assert sim.engines[0].cached_blocks == 0 and sim.engines[0].uncacheable == 1
+
+
+def test_lost_events_leave_the_router_degraded_and_stale():
+    sim = Simulation(Config(), small_gsp(3), settings(2, 100, event_loss=0.3), routing="cache_aware",
+                     eviction="lru", seed=0)
+    result = sim.run()
+    assert result.counters["events_lost"] > 0 and result.counters["gaps"] > 0
+    assert any(w.state is WorkerState.DEGRADED for w in sim.router.workers)
+
+
+def test_approximate_mode_needs_no_events_and_still_finds_prefixes():
+    result = simulate(Config(), small_gsp(4), settings(2, 0, cache_mode=CacheMode.APPROXIMATE),
+                      routing="cache_aware", eviction="lru")
+    assert result.counters["batches_applied"] == 0
+    assert result.summary.hit_ratio > 0.2
+
+
+# ---- hand-checkable metrics ------------------------------------------------------------
+
+def one_worker(requests: list[SimRequest], slo_ms: float = 5.0) -> Simulation:
+    """Block 4 tokens, 1 ms per prefill token, 10 ms per output token, unbounded cache."""
+    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0)
+    return Simulation(Config(), Workload("t", 4, requests), ClusterSettings(workers=1, engine=engine, slo_ms=slo_ms),
+                      routing="round_robin", eviction="lru")
+
+
+def test_ttft_e2e_hits_and_attainment_on_two_requests():
+    a = SimRequest(0.0, 8, 3, (0, 1))
+    b = SimRequest(0.1, 12, 3, (0, 1, 2))  # reuses a's two blocks, prefills 4 tokens
+    res = one_worker([a, b]).run()
+    ra, rb = res.records
+    assert ra.ttft_s == pytest.approx(0.008) and ra.e2e_s == pytest.approx(0.028)
+    assert rb.hit_blocks == 2 and rb.ttft_s == pytest.approx(0.004) and rb.e2e_s == pytest.approx(0.024)
+    s = res.summary
+    assert s.hit_ratio == pytest.approx(2 / 5)
+    assert s.slo_attainment == pytest.approx(0.5)  # 4 ms meets a 5 ms SLO, 8 ms does not
+    assert s.ttft_ms["p50"] == pytest.approx(6.0)
+    assert s.throughput_rps == pytest.approx(2 / 0.124)
+
+
+def test_a_request_arriving_during_a_prefill_waits_and_then_hits():
+    a = SimRequest(0.0, 8, 1, (0, 1))
+    b = SimRequest(0.001, 12, 1, (0, 1, 2))
+    res = one_worker([a, b]).run()
+    # b queues until a's step ends at 8 ms, then prefills its 4 uncached tokens
+    assert res.records[1].ttft_s == pytest.approx(0.008 - 0.001 + 0.004)
+    assert res.records[1].hit_blocks == 2
+
+
+def test_percentile_cv_goodput():
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)
+    assert math.isnan(percentile([], 50))
+    assert cv([2, 2, 2]) == 0.0
+    assert cv([0, 4]) == pytest.approx(1.0)
+    assert goodput([(4, 0.99), (8, 0.95), (12, 0.7), (16, 0.2)]) == 8
+    assert goodput([(4, 0.5)]) == 0.0
+
+
+# ---- policies and configuration ---------------------------------------------------------
+
+@pytest.mark.parametrize("routing", registry.names("routing"))
+def test_every_registered_routing_policy_runs(routing):
+    wl = small_gsp(5, groups=5, queries_per_group=6)
+    result = simulate(Config(), wl, settings(3, 150), routing=routing, eviction="lru")
+    assert result.routing == routing and result.summary.requests == 30
+    assert not any(math.isnan(r.ttft_s) for r in result.records)
+
+
+@pytest.mark.parametrize("eviction", registry.names("eviction"))
+def test_every_registered_eviction_policy_keeps_capacity(eviction):
+    sim = CheckedSimulation(Config(), small_gsp(6, groups=5, queries_per_group=6), settings(2, 80),
+                            routing="round_robin", eviction=eviction)
+    assert sim.run().eviction == eviction
+
+
+def test_policy_spec_takes_params_from_config_and_overrides():
+    cfg = Config(routing={"name": "cache_aware", "cache_threshold": 0.7}, extra_routing=[{"name": "round_robin"}])
+    assert policy_spec(cfg, "routing", "cache_aware") == {"name": "cache_aware", "cache_threshold": 0.7}
+    assert policy_spec(cfg, "routing", "least_loaded") == {"name": "least_loaded"}
+    spec = policy_spec(cfg, "routing", "cache_aware", {"cache_aware": {"cache_threshold": 0.1}})
+    assert spec["cache_threshold"] == 0.1
+    with pytest.raises(ConfigError, match="cache_threshold"):
+        policy_spec(cfg, "routing", "cache_aware", {"cache_aware": {"cache_threshold": 3}})
+
+
+# ---- golden ---------------------------------------------------------------------------------
+
+def test_golden_small_gsp_run():
+    """Numbers pinned from this simulator; a change means the engine model or LRU changed."""
+    wl = small_gsp(7, order="round_robin")
+    rr = simulate(Config(), wl, settings(3, 200), routing="round_robin", eviction="lru", seed=7)
+    ca = simulate(Config(), wl, settings(3, 200), routing="cache_aware", eviction="lru", seed=7)
+    assert rr.summary.requests == 80
+    assert rr.summary.hit_ratio == pytest.approx(0.3125)
+    assert rr.summary.ttft_ms["p50"] == pytest.approx(30.234, abs=1e-3)
+    assert [e["evicted_blocks"] for e in rr.engine_stats] == [128, 104, 136]
+    # cache affinity keeps each group's prefix on one worker: more hits than rotating
+    assert ca.summary.hit_ratio > rr.summary.hit_ratio
+
+
+def test_cli_writes_report_json_and_plots(tmp_path, capsys):
+    rc = main(["sim", "cluster", "--workload", "gsp", "--workload-param", "groups=4",
+               "--workload-param", "queries_per_group=5", "--rate", "10,40", "--workers", "2",
+               "--routing", "round_robin,cache_aware", "--eviction", "lru", "--capacity-blocks", "100",
+               "--json", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["runs"]) == 4 and set(doc["goodput_rps"]) == {"round_robin+lru", "cache_aware+lru"}
+    for name in ("report.md", "results.json", "ttft_cdf_rate10.png", "attainment_vs_rate.png", "hit_ratio_vs_rate.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| round_robin+lru |" in (tmp_path / "report.md").read_text()
+
+
+def test_cli_rejects_unknown_policy(capsys):
+    assert main(["sim", "cluster", "--workload", "gsp", "--routing", "nope", "--quiet"]) == 2
+    assert "nope" in capsys.readouterr().err

@@ -32,7 +32,8 @@ drives it. The intended wiring, for the host:
 
 ``load`` maps a worker id to its dispatched ``(pending_prefill_tokens, inflight_requests)``;
 ``estimator(worker_id, uncached_tokens, tokens_ahead, requests_ahead)`` returns the TTFT in
-ms of a request with ``uncached_tokens`` to prefill behind that much work (for DualMap:
+ms of a request with ``uncached_tokens`` to prefill behind ``tokens_ahead`` prefill tokens of
+``requests_ahead`` requests, its own not included (for DualMap:
 ``lambda w, u, t, r: policy.queued_ttft_ms(router.workers.get(w), u, t, r, now)``). A queued
 request's TTFT also includes the time it has already waited.
 """
@@ -163,7 +164,7 @@ class AdmissionQueues:
             if entry.request_id in skip:
                 continue
             own = entry.uncached[worker_id]
-            out.append((entry, (now - entry.enqueued_at) * 1000.0 + estimator(worker_id, own, tokens + own, requests)))
+            out.append((entry, (now - entry.enqueued_at) * 1000.0 + estimator(worker_id, own, tokens, requests)))
             tokens += own
             requests += 1
         return out
@@ -179,7 +180,7 @@ class AdmissionQueues:
         tokens += sum(e.uncached[target] for e in q) + added[0]
         requests += len(q) + added[1]
         own = entry.uncached[target]
-        return (now - entry.enqueued_at) * 1000.0 + estimator(target, own, tokens + own, requests)
+        return (now - entry.enqueued_at) * 1000.0 + estimator(target, own, tokens, requests)
 
     # ---- migration ------------------------------------------------------------------
     def plan_migration(self, source: str, load: Mapping[str, tuple[int, int]], estimator: Estimator, now: float,

@@ -13,7 +13,8 @@ Prefill time of ``L`` uncached tokens (``prefill_model``):
 
 Queueing delay ``T_q`` is the prefill time of the worker's pending prefill tokens (the
 uncached tokens of requests routed to it and not yet completed), treated as one batch of
-``inflight`` requests for the power law. The *ttft_slo_threshold* of DualMap section 3.2,
+``inflight`` requests for the power law; ``TTFT = T_q + T_c`` is the prefill time of the
+pending tokens plus the request's own, so a linear model counts its intercept once. The *ttft_slo_threshold* of DualMap section 3.2,
 the pending tokens a worker clears within a TTFT budget, is ``tokens_within(budget_ms)``.
 
 Online calibration (``calibrate``): each ``Complete`` with an observed TTFT gives one sample
@@ -176,8 +177,13 @@ class LatencyModel:
         return self.prefill_ms(pending_tokens, max(inflight, 1))
 
     def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0) -> float:
-        """T_q + T_c for a request with ``uncached_tokens`` to prefill behind ``pending_tokens``."""
-        return self.queue_ms(pending_tokens, inflight) + self.prefill_ms(uncached_tokens, 1)
+        """T_q + T_c for a request with ``uncached_tokens`` to prefill behind ``pending_tokens``
+        of ``inflight`` requests.
+
+        Estimated as the prefill time of all that work as one batch, the same quantity the
+        calibration fits, so T_c is ``ttft_ms - queue_ms`` (the intercept is counted once).
+        """
+        return self.prefill_ms(pending_tokens + uncached_tokens, max(inflight, 0) + 1)
 
     def tokens_within(self, budget_ms: float) -> int:
         """Prefill tokens one worker clears within ``budget_ms`` (DualMap's ttft_slo_threshold)."""

@@ -12,7 +12,7 @@ from kvrouterd.errors import Conflict, InvalidRequest
 
 def per_token(worker: str, uncached: int, ahead: int, requests: int) -> float:
     """1 ms per prefill token ahead of and including the request."""
-    return float(ahead)
+    return float(ahead + uncached)
 
 
 def entry(rid: str, worker: str, alt: str, here: int, there: int, slo: float = 10_000.0,

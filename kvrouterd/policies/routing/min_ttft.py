@@ -32,8 +32,8 @@ class MinTTFTPolicy(RoutingPolicyBase):
         rows = []
         for w in ctx.candidates:
             queue = model.queue_ms(w.pending_prefill_tokens, w.inflight_requests)
-            compute = model.prefill_ms(ctx.uncached_tokens(w))
-            rows.append((queue + compute, queue, compute, w))
+            ttft = model.ttft_ms(ctx.uncached_tokens(w), w.pending_prefill_tokens, w.inflight_requests)
+            rows.append((ttft, queue, ttft - queue, w))
         ttft, queue, compute, chosen = min(rows, key=lambda r: (r[0], r[3].pending_prefill_tokens, r[3].slot))
         scored = []
         if getattr(ctx, "explain", True):

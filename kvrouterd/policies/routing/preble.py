@@ -50,7 +50,7 @@ class PreblePolicy(RoutingPolicyBase):
         rows = []
         for w in ctx.candidates:
             hit = min(1.0, ctx.overlap(w) * ctx.block_size / prompt)
-            cost = model.queue_ms(w.pending_prefill_tokens, w.inflight_requests) + model.prefill_ms(ctx.uncached_tokens(w))
+            cost = model.ttft_ms(ctx.uncached_tokens(w), w.pending_prefill_tokens, w.inflight_requests)
             rows.append((hit, cost, w))
         best_hit = max(r[0] for r in rows)
         if best_hit > self.params.hit_threshold:

@@ -1,0 +1,60 @@
+"""The shared TTFT model: estimates, the SLO threshold, and online calibration."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvrouterd.policies.latency import LatencyModel, LatencyParams
+
+
+def test_linear_estimate_counts_queue_and_own_tokens_with_one_intercept() -> None:
+    m = LatencyModel(LatencyParams(prefill_ms_per_1k_tokens=50.0, prefill_intercept_ms=10.0))
+    assert m.ttft_ms(uncached_tokens=1000, pending_tokens=3000, inflight=2) == pytest.approx(10 + 200)
+    assert m.queue_ms(3000, 2) == pytest.approx(10 + 150)
+    assert m.tokens_within(210.0) == 4000  # the inverse: what clears within the budget
+
+
+def test_power_law_matches_unicache_fit() -> None:
+    m = LatencyModel(LatencyParams(prefill_model="power_law"))
+    # UniCache A.1: 3.59e-5 s * BS^0.991 * L^1.018 for Llama-3.1-8B on H100
+    assert m.prefill_ms(2048, 1) == pytest.approx(3.59e-5 * 2048**1.018 * 1000, rel=1e-3)
+    assert m.tokens_within(m.prefill_ms(5000, 1)) == pytest.approx(5000, abs=1)
+
+
+def test_linear_calibration_converges_and_waits_for_enough_samples() -> None:
+    m = LatencyModel(LatencyParams(calibration_min_samples=8))
+    rng = random.Random(1)
+    for i in range(7):
+        m.observe(rng.randrange(100, 20_000), 1, 1.0)
+    assert not m.calibrated and m.coefficients() == (40.0, 0.0)  # still the prior
+    for _ in range(300):
+        tokens = rng.randrange(100, 20_000)
+        m.observe(tokens, 1, 12.0 + 0.11 * tokens * (1 + rng.uniform(-0.01, 0.01)))
+    per_1k, intercept = m.coefficients()
+    assert m.calibrated and per_1k == pytest.approx(110.0, rel=0.02) and intercept == pytest.approx(12.0, abs=5.0)
+
+
+def test_power_law_calibration_recovers_the_exponents() -> None:
+    m = LatencyModel(LatencyParams(prefill_model="power_law"))
+    rng = random.Random(2)
+    for _ in range(400):
+        batch, tokens = rng.randrange(1, 16), rng.randrange(500, 50_000)
+        m.observe(tokens, batch, 0.08 * batch**0.9 * (tokens / batch) ** 1.05)
+    a, b, c = m.coefficients()
+    assert a == pytest.approx(0.08, rel=0.05) and b == pytest.approx(0.9, abs=0.02) and c == pytest.approx(1.05, abs=0.01)
+
+
+def test_completion_feedback_uses_what_was_noted_at_dispatch() -> None:
+    m = LatencyModel(LatencyParams(calibration_min_samples=1))
+    m.note_dispatch("r1", tokens_ahead=2000, batch=1)
+    assert not m.observe_completion("unknown", 100.0)
+    assert not m.observe_completion("r1", 0.0)  # no TTFT observed: no sample, and it is consumed
+    m.note_dispatch("r2", tokens_ahead=2000, batch=1)
+    assert m.observe_completion("r2", 300.0) and m.samples == 1
+    off = LatencyModel(LatencyParams(calibrate=False))
+    off.note_dispatch("r", 1000, 1)
+    assert not off.observe_completion("r", 999.0) and off.coefficients() == (40.0, 0.0)
+    assert math.isfinite(m.ttft_ms(100, 100, 1))

@@ -16,8 +16,9 @@ from .kubernetes import KubernetesDiscovery
 from .pods import CAPACITY_ANNOTATION, Change, Membership, pod_worker_spec
 
 __all__ = [
-    "ApiError",
     "CAPACITY_ANNOTATION",
+    "SERVICE_ACCOUNT_DIR",
+    "ApiError",
     "Change",
     "DiscoveryConfig",
     "Gone",
@@ -25,6 +26,5 @@ __all__ = [
     "KubernetesDiscovery",
     "KubernetesDiscoveryConfig",
     "Membership",
-    "SERVICE_ACCOUNT_DIR",
     "pod_worker_spec",
 ]

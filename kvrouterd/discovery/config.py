@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-__all__ = ["DiscoveryConfig", "KubernetesDiscoveryConfig", "SERVICE_ACCOUNT_DIR"]
+__all__ = ["SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
 
 #: where Kubernetes mounts a pod's service-account token, CA bundle and namespace
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

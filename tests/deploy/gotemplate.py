@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 # a comment may contain "}}", so it is matched first, up to its closing "*/"
-ACTION = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}|\{\{(-?)(.*?)(-?)\}\}", re.S)
+ACTION = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}|\{\{(-?)(.*?)(-?)\}\}", re.DOTALL)
 VALUE_PATH = re.compile(r"\$?\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 BLOCK_OPENERS = ("if", "with", "range", "define", "block")
 

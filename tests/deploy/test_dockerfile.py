@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .dockerfile import DockerIgnore, Dockerfile, context_files, env_pairs, exec_form, healthcheck, parse
+from .dockerfile import Dockerfile, DockerIgnore, context_files, env_pairs, exec_form, healthcheck, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +129,7 @@ def test_read_only_root_filesystem_friendly(df: Dockerfile) -> None:
     assert not df.final.all("VOLUME")  # state lives in the process; nothing to persist
 
 
-SECRET_NAME = re.compile(r"pass(word)?|secret|token|api[_-]?key|credential|private", re.I)
+SECRET_NAME = re.compile(r"pass(word)?|secret|token|api[_-]?key|credential|private", re.IGNORECASE)
 
 
 def test_no_secrets_baked_into_the_image(df: Dockerfile) -> None:

@@ -270,7 +270,11 @@ def test_schema_config_section_mirrors_kvrouterd_config(schema: dict) -> None:
     # the chart sets listen itself (a flag wins over the file) and owns metrics/tls
     assert "listen" not in node["properties"]
     fields = {f.name for f in dataclasses.fields(Config)}
-    assert fields - set(node["properties"]) - {"listen"} - chart_owned_sections() == set()
+    missing = fields - set(node["properties"]) - {"listen"} - chart_owned_sections()
+    assert not missing, (
+        f"kvrouterd settings the chart cannot set: {sorted(missing)}; add them under "
+        "properties.config.properties in helm/kvrouterd/values.schema.json"
+    )
 
 
 # ---- the pod ---------------------------------------------------------------------------

@@ -56,11 +56,11 @@ def token_file(tmp_path: Path) -> Path:
 
 @contextlib.asynccontextmanager
 async def running(fake: FakeKubeApi, token_file: Path, **overrides: object) -> AsyncIterator[tuple[KubernetesDiscovery, Recorder]]:
-    settings: dict[str, object] = dict(
-        enabled=True, namespace="llm", label_selector="app=vllm,role in (decode)", port="http",
-        kv_events_port="kv-events", api_server=f"http://127.0.0.1:{fake.port}", token_file=str(token_file),
-        backoff_initial_s=0.01, backoff_max_s=0.05,
-    )
+    settings: dict[str, object] = {
+        "enabled": True, "namespace": "llm", "label_selector": "app=vllm,role in (decode)", "port": "http",
+        "kv_events_port": "kv-events", "api_server": f"http://127.0.0.1:{fake.port}", "token_file": str(token_file),
+        "backoff_initial_s": 0.01, "backoff_max_s": 0.05,
+    }
     settings.update(overrides)
     rec = Recorder()
     disc = KubernetesDiscovery(KubernetesDiscoveryConfig(**settings), rec.add, rec.remove, block_size=16)  # type: ignore[arg-type]

@@ -11,10 +11,11 @@ that raises ``errors.KVRouterError`` leaves the router exactly as it was.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
@@ -42,6 +43,10 @@ from .protocols import (
 __all__ = ["RouterSettings", "Router", "RouteResult"]
 
 log = logging.getLogger("kvrouterd.router")
+
+#: How many recently routed prompt blocks remember their request's AccessInfo, so that an
+#: engine's later Stored event for them reaches metadata-aware eviction policies (~150 B each).
+RECENT_ACCESS_KEYS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,22 @@ class RouteResult:
     alternative: Worker | None
 
 
+@dataclass(slots=True)
+class PrefixHits:
+    """How close one policy's decisions came to the best cached prefix among their candidates.
+
+    ``best``: the chosen worker held the longest cached prefix any candidate held;
+    ``worse``: another candidate held a longer one; ``no_prefix``: no candidate held any.
+    ``achieved_blocks / reachable_blocks`` is the block-weighted share.
+    """
+
+    best: int = 0
+    worse: int = 0
+    no_prefix: int = 0
+    achieved_blocks: int = 0
+    reachable_blocks: int = 0
+
+
 def _spec_name(spec: Mapping[str, Any] | str) -> str:
     return spec if isinstance(spec, str) else str(spec.get("name", ""))
 
@@ -99,11 +120,18 @@ class Router:
         self.eviction: EvictionPolicy = registry.build("eviction", settings.eviction, random.Random(self.rng.getrandbits(64)))
         self._eviction_by_name: dict[str, EvictionPolicy] = {self.eviction.name: self.eviction}
         self._requests: dict[str, RouteRequest] = {}
+        #: block key -> (AccessInfo of the request that routed it, block offset); insertion-ordered,
+        #: oldest dropped first. Filled only for event-mode workers whose policy reads metadata.
+        self._recent_access: dict[int, tuple[AccessInfo, int]] = {}
+        #: slot -> our key -> engine hash, kept only for workers that asked for an eviction hint
+        self._engine_hash_of: dict[int, dict[int, int]] = {}
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
         self._request_counter = 0
         self.decisions_by_policy: dict[str, int] = {}
+        #: policy -> achieved vs reachable prefix overlap of its decisions
+        self.prefix_hits: dict[str, PrefixHits] = {}
         self.counters: dict[str, int] = {
             "decisions": 0, "batches_applied": 0, "batches_duplicate": 0, "gaps": 0,
             "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
@@ -140,6 +168,38 @@ class Router:
     def routing_policies(self) -> Mapping[str, RoutingPolicy]:
         return self._routing
 
+    def reload_routing(self, routing: Mapping[str, Any], extra_routing: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+        """Adopt new routing policy specs; rebuild only the policies whose parameters changed.
+
+        All specs are validated before anything changes. A rebuilt policy starts with fresh
+        learned state (latency models, decayed load) and sees every current worker through
+        ``on_worker_added``; load the router commits per request is kept. Completions of
+        requests the old object dispatched reach the new one, which ignores unknown ids.
+        Returns the names of the policies replaced or added.
+        """
+        parsed = []
+        for spec in (routing, *extra_routing):
+            values = {"name": spec} if isinstance(spec, str) else dict(spec)
+            name = values.pop("name", None)
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"routing policy spec needs a 'name', got {spec!r}")
+            parsed.append((name, spec, registry.build_params("routing", name, values)))
+        changed = []
+        for name, spec, params in parsed:
+            current = self._routing.get(name)
+            if current is not None and getattr(current, "params", None) == params:
+                continue
+            policy = registry.build("routing", spec, random.Random(self.rng.getrandbits(64)))
+            for w in self.workers:
+                policy.on_worker_added(w)
+            self._routing[name] = policy
+            changed.append(name)
+        self.default_routing = parsed[0][0]
+        self.settings = replace(self.settings, routing=routing, extra_routing=tuple(extra_routing))
+        if changed:
+            log.info("routing policies reloaded", extra={"policies": changed, "default": self.default_routing})
+        return changed
+
     # ---- membership -----------------------------------------------------------------
     def add_worker(self, spec: WorkerSpec) -> Worker:
         """Register a worker, or update an existing one's description in place."""
@@ -166,6 +226,7 @@ class Router:
             del self._requests[rid]
         self.workers.remove(worker_id)
         self.index.drop_slot(worker.slot)
+        self._engine_hash_of.pop(worker.slot, None)
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
         for policy in self._routing.values():
@@ -259,6 +320,7 @@ class Router:
         worker = self.workers.get(decision.worker_id)
         overlap = ctx.overlap(worker)
         decision.overlap_blocks = overlap
+        self._count_prefix_hit(decision.policy, overlap, len(ctx.match.path))
         self.workers.commit(
             InFlight(
                 request_id=req.request_id,
@@ -278,6 +340,21 @@ class Router:
         alternative = self.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
         return RouteResult(decision, worker, req, alternative)
 
+    def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
+        """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
+        hits = self.prefix_hits.get(policy)
+        if hits is None:
+            hits = self.prefix_hits[policy] = PrefixHits()
+        if not reachable:
+            hits.no_prefix += 1
+            return
+        if overlap >= reachable:
+            hits.best += 1
+        else:
+            hits.worse += 1
+        hits.achieved_blocks += overlap
+        hits.reachable_blocks += reachable
+
     def _record_access(self, worker: Worker, req: RouteRequest, ctx: RoutingContext, overlap: int) -> None:
         """The chosen worker reuses its matched prefix; in approximate mode it also caches the rest."""
         now = ctx.now
@@ -287,6 +364,8 @@ class Router:
         if matched:
             self.index.touch(slot, matched, now)
             self.eviction.on_accessed(slot, matched, info, now)
+        if worker.mode is CacheMode.EVENTS and getattr(self.eviction, "wants_request_info", False):
+            self._remember_access(req)
         if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
             return
         parent = req.keys[overlap - 1] if overlap else None
@@ -303,6 +382,41 @@ class Router:
                 self.eviction.on_removed(slot, block)
                 self.index.remove(slot, block.key)
             self.counters["approx_evicted"] += len(victims)
+
+    def _remember_access(self, req: RouteRequest) -> None:
+        """Remember who routed these blocks until the engine reports storing them."""
+        info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens,
+                          decode_from_block=req.prompt_tokens // self.block_size)
+        recent = self._recent_access
+        for offset, key in enumerate(req.keys):
+            recent.pop(key, None)  # re-insert: the newest request owns a shared prefix
+            recent[key] = (info, offset)
+        self._trim_recent()
+
+    def _trim_recent(self) -> None:
+        recent = self._recent_access
+        if len(recent) > RECENT_ACCESS_KEYS:
+            for key in list(itertools.islice(recent, len(recent) - RECENT_ACCESS_KEYS)):
+                del recent[key]
+
+    def _stored_info(self, parent_key: int | None, keys: Sequence[int]) -> AccessInfo:
+        """The AccessInfo for an engine's Stored chain: that of the routed request whose prompt
+        it starts in, or continues (generated blocks). Blocks no routed request explains are
+        unlabelled: ``AccessInfo()``, which policies resolve with ``TaskCategory.resolve``
+        (no session: TEMPLATED)."""
+        recent = self._recent_access
+        found = recent.get(keys[0]) if keys else None
+        if found is not None:
+            info, first = found
+        elif parent_key is not None and (found := recent.get(parent_key)) is not None:
+            info, first = found[0], found[1] + 1
+        else:
+            return AccessInfo()
+        for offset, key in enumerate(keys, first):
+            if key not in recent:  # generated blocks: later chains hang under them
+                recent[key] = (info, offset)
+        self._trim_recent()
+        return replace(info, first_offset=first)
 
     def complete(self, completion: Completion) -> InFlight:
         entry = self.workers.release(completion.request_id)
@@ -403,6 +517,7 @@ class Router:
                     worker.state = WorkerState.READY
                     log.info("worker resynced by Cleared", extra={"worker_id": worker.id})
         self.counters["batches_applied"] += 1
+        worker.batches_applied += 1
         self.counters["blocks_stored"] += outcome.blocks_stored
         self.counters["blocks_removed"] += outcome.blocks_removed
         self.counters["orphan_blocks"] += outcome.orphan_blocks
@@ -425,18 +540,25 @@ class Router:
         blocks = self.index.store(worker.slot, parent_key, keys, now)
         if ev.engine_hashes is not None:
             mapping = worker.engine_keys
+            reverse = self._engine_hash_of.get(worker.slot)
             for eh, key in zip(ev.engine_hashes, keys):
                 if eh != key:
                     mapping[eh] = key
-        self.eviction.on_stored(worker.slot, blocks, AccessInfo(), now)
+                    if reverse is not None:
+                        reverse[key] = eh
+        info = self._stored_info(parent_key, keys) if self._recent_access else AccessInfo()
+        self.eviction.on_stored(worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
 
     def _apply_removed(self, worker: Worker, ev: Removed, outcome: BatchOutcome) -> None:
         mapping = worker.engine_keys
         slot = worker.slot
         index = self.index
+        reverse = self._engine_hash_of.get(slot)
         for eh in ev.engine_hashes:
             key = mapping.pop(eh, eh)
+            if reverse is not None and reverse.get(key) == eh:
+                del reverse[key]
             block = index.get(key)
             if block is not None and block.holders >> slot & 1:
                 self.eviction.on_removed(slot, block)
@@ -448,6 +570,7 @@ class Router:
     def _clear_worker(self, worker: Worker) -> None:
         self.index.clear(worker.slot)
         worker.engine_keys.clear()
+        self._engine_hash_of.pop(worker.slot, None)
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
 
@@ -481,8 +604,11 @@ class Router:
             pinned.add(worker.engine_keys.get(eh, eh))
         ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id)
         blocks = policy.rank(ctx, req.blocks, frozenset(pinned))
-        reverse = {v: k for k, v in worker.engine_keys.items()} if worker.engine_keys else {}
         keys = [b.key for b in blocks]
+        reverse = self._engine_hash_of.get(worker.slot)
+        if reverse is None:
+            # built once, then kept current by the Stored/Removed handlers: later hints are O(k)
+            reverse = self._engine_hash_of[worker.slot] = {v: k for k, v in worker.engine_keys.items()}
         return EvictAdvice(
             keys=keys,
             engine_hashes=[reverse.get(k, k) for k in keys],

@@ -75,6 +75,8 @@ class _Conversation:
 @register("eviction", "tlru", TLRUParams)
 class TLRUEviction(EvictionPolicyBase):
     params: TLRUParams
+    #: ask the router to pass routed requests' metadata with engine Stored events
+    wants_request_info = True
 
     def __init__(self, params: TLRUParams, rng: random.Random) -> None:
         super().__init__(params, rng)

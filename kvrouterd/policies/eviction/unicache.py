@@ -122,6 +122,8 @@ class _SlotState:
 @register("eviction", "unicache", UniCacheParams)
 class UniCacheEviction(EvictionPolicyBase):
     params: UniCacheParams
+    #: ask the router to pass routed requests' metadata with engine Stored events
+    wants_request_info = True
 
     def __init__(self, params: UniCacheParams, rng: random.Random) -> None:
         super().__init__(params, rng)

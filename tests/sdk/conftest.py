@@ -35,6 +35,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.break_stream_after: int | None = None
         #: reject batches of workers not registered (the real router says NOT_FOUND)
         self.require_registration = False
+        #: reject (INVALID_ARGUMENT) the first batch with this sequence number, once
+        self.reject_sequence: int | None = None
 
     async def Route(self, request, context):
         self.routes.append(request)
@@ -65,6 +67,9 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
             n += 1
             if self.require_registration and batch.worker_id not in self.registered:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {batch.worker_id!r}")
+            if batch.sequence == self.reject_sequence:
+                self.reject_sequence = None
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake rejects this batch")
             last = self.last_seq.get(batch.worker_id, -1)
             seq = batch.sequence
             if last >= 0 and seq <= last and not (seq == 0 and last > 0):

@@ -141,17 +141,32 @@ async def test_overflow_without_a_snapshot_sends_cleared_only(fake_server):
     assert kinds(fake_server.fake.applied_events("gpu-0")) == ["cleared"]
 
 
-async def test_a_rejected_stream_resyncs_instead_of_resending_forever(fake_server):
+async def test_a_rejected_batch_resyncs_instead_of_resending_forever(fake_server):
     fake = fake_server.fake
-    fake.require_registration = True
+    fake.reject_sequence = 1
     async with publisher(fake_server, max_batch_events=1, linger_s=0.0,
                          snapshot=lambda: [Stored(toks(0), engine_hashes=[42])]) as pub:
+        pub.stored(toks(0), engine_hashes=[41])
         pub.stored(toks(0), engine_hashes=[42])
         await until(lambda: pub.stats.rejected >= 1)
-        await pub.register("10.0.0.5:8000", capacity_blocks=100)
         assert await pub.flush(timeout=10)
     events = fake.applied_events("gpu-0")
-    assert kinds(events) == ["cleared", "stored"] and list(events[1].stored.engine_hashes) == [42]
+    assert kinds(events) == ["stored", "cleared", "stored"] and list(events[2].stored.engine_hashes) == [42]
+    assert pub.stats.resyncs == 1
+
+
+async def test_an_unregistered_worker_keeps_its_events_until_registered(fake_server):
+    fake = fake_server.fake
+    fake.require_registration = True
+    async with publisher(fake_server, max_batch_events=1, linger_s=0.0) as pub:
+        for i in range(3):
+            pub.stored(toks(10 * i), engine_hashes=[i])
+        await until(lambda: pub.stats.reconnects >= 2)
+        assert not fake.applied and pub.unacknowledged_batches == 3
+        await pub.register("10.0.0.5:8000", capacity_blocks=100)
+        assert await pub.flush(timeout=10)
+    assert [b.sequence for b in fake.applied] == [0, 1, 2]
+    assert pub.stats.rejected == 0 and pub.stats.resyncs == 0
 
 
 async def test_worker_calls(fake_server):

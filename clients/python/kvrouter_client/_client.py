@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from ._channel import channel_options
 from ._errors import RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
@@ -115,7 +116,7 @@ class RouterClient:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(options, 0.1, 5.0))
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
         self.timeout = timeout
         self.fallback = fallback
@@ -206,7 +207,7 @@ class SyncRouterClient:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=list(options))
+        self._channel = channel or grpc.insecure_channel(target, options=channel_options(options, 0.1, 5.0))
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
         self.timeout = timeout
         self.fallback = fallback

@@ -40,3 +40,4 @@ def from_rpc_error(exc: grpc.RpcError, what: str) -> KVRouterClientError:
     if code in TRANSIENT_CODES:
         return RouterUnavailable(message, code)
     return RouterRejected(message, code)
+

@@ -20,8 +20,9 @@ and new events are dropped until the router is reachable again. Then the publish
 ``Cleared`` followed by ``snapshot()`` (the engine's current GPU cache as ``Stored`` chains,
 parents first) under the next sequence number: the router counts the gap, then the Cleared
 resyncs the worker. Without a ``snapshot`` the router's view restarts empty and refills from
-later events. A batch the router rejects (e.g. the worker is not registered) is handled the
-same way, since resending it would fail forever.
+later events. A batch the router rejects (bad input, over a limit) is handled the same way,
+since resending it would fail forever. NOT_FOUND (this worker is not registered yet) is not a
+rejection: engines often start before they register, so the batches stay buffered and retried.
 
 A publisher numbers from 0, which the router reads as an engine restart (it clears this
 worker's view): create one per engine process lifetime, not one per connection. Batch 0 is
@@ -44,6 +45,7 @@ from typing import Any
 import grpc
 
 from ._client import DEFAULT_TIMEOUT_S
+from ._channel import channel_options
 from ._errors import RouterRejected, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
@@ -105,7 +107,8 @@ class EventPublisher:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        self._channel = channel or grpc.aio.insecure_channel(
+            target, options=channel_options(options, reconnect_initial_s, reconnect_max_s))
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
         self.stats = PublisherStats()
         self._pending: list[Event] = []
@@ -223,13 +226,13 @@ class EventPublisher:
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc, "PublishEvents")
                 self.stats.last_error = str(err)
-                if isinstance(err, RouterRejected):
+                if isinstance(err, RouterRejected) and err.code is not grpc.StatusCode.NOT_FOUND:
                     self.stats.rejected += 1
                     log.error("router rejected an event batch (%s); resyncing", err, extra={"worker_id": self.worker_id})
                     self._drop_for_resync(sum(len(m.events) for _, m in self._buffer) + len(self._pending))
                 else:
                     self.stats.reconnects += 1
-                    log.warning("router unreachable (%s); retrying in %.2fs", err.code, backoff,
+                    log.warning("cannot publish (%s); retrying in %.2fs", err, backoff,
                                 extra={"worker_id": self.worker_id})
             except TimeoutError:
                 self.stats.reconnects += 1

@@ -1,0 +1,150 @@
+"""The SDK driving the real daemon (in-process, 127.0.0.1:0) the way gateways and engines do."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kvrouter_client import CacheMode, EventPublisher, RouterClient, RouterUnavailable, SyncRouterClient, WorkerState, keys
+from kvrouterd.config import parse_config
+from kvrouterd.protocols import WorkerState as CoreWorkerState
+from kvrouterd.server.app import Daemon
+
+BS = 16
+
+
+def prompt(start: int, blocks: int) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+def target(running) -> str:
+    return f"127.0.0.1:{running.daemon.port}"
+
+
+async def test_engines_publish_and_the_gateway_routes_to_the_cached_prefix(running):
+    p = prompt(1000, 12)
+    async with EventPublisher(target(running), "a", block_size=BS, timeout=2.0) as a, \
+            EventPublisher(target(running), "b", block_size=BS, timeout=2.0) as b:
+        info = await a.register("a.local:8000", capacity_blocks=1000)
+        assert info.mode is CacheMode.EVENTS and info.state is WorkerState.READY
+        await b.register("b.local:8000", capacity_blocks=1000)
+        # a caches 10 blocks of the prompt in two chained events; b caches 2
+        a.stored(p[: 4 * BS], engine_hashes=[1, 2, 3, 4])
+        a.stored(p[4 * BS : 10 * BS], engine_hashes=[5, 6, 7, 8, 9, 10], parent_engine_hash=4)
+        b.stored(p[: 2 * BS], engine_hashes=[91, 92])
+        assert await a.flush(timeout=5) and await b.flush(timeout=5)
+
+        async with RouterClient(target(running), timeout=2.0) as gw:
+            choice = await gw.route(p + [1, 2, 3], session_id="s1")
+            assert (choice.worker_id, choice.worker_address) == ("a", "a.local:8000")
+            assert choice.matched_blocks == 10 and choice.prompt_blocks == 12 and not choice.fallback
+            # the same prompt as SDK-computed block keys matches identically
+            by_keys = await gw.route(block_keys=keys.block_keys(p, BS), prompt_tokens=len(p))
+            assert by_keys.worker_id == "a" and by_keys.matched_blocks == 10
+            assert running.router.workers.get("a").inflight_requests == 2
+            assert await gw.complete(choice, ttft_ms=50.0, e2e_ms=400.0, output_tokens=20)
+            assert await gw.complete(by_keys)
+            assert running.router.workers.get("a").inflight_requests == 0
+
+        # a evicts its tail: removal by engine hash; b now holds the longest prefix of the first blocks
+        a.removed([3, 4, 5, 6, 7, 8, 9, 10])
+        assert await a.flush(timeout=5)
+        async with RouterClient(target(running), timeout=2.0) as gw:
+            assert (await gw.route(prompt(1000, 2))).matched_blocks == 2
+        assert running.router.index.count(running.router.workers.get("a").slot) == 2
+
+
+async def test_publisher_using_router_keys_as_hashes_and_eviction_advice(running):
+    p = prompt(5000, 6)
+    ks = keys.block_keys(p, BS)
+    async with EventPublisher(target(running), "k", block_size=BS, timeout=2.0) as pub:
+        await pub.register("k.local:8000", capacity_blocks=100)
+        pub.stored(p)  # no engine hashes: our hashes are kvrouterd keys
+        assert await pub.flush(timeout=5)
+        advice = await pub.evict_hint(blocks=2)
+        assert advice.keys == [ks[-1], ks[-2]]  # the prompt's tail, leaf first
+        assert advice.engine_hashes == advice.keys and not advice.exhausted
+        pub.removed(advice.keys)
+        assert await pub.flush(timeout=5)
+        worker = running.router.workers.get("k")
+        assert running.router.index.count(worker.slot) == 4
+        await pub.report_load(queued=3, running=7, kv_utilization=0.5)
+        assert (worker.reported_queue, worker.reported_running, worker.kv_utilization) == (3, 7, 0.5)
+        await pub.deregister()
+        assert "k" not in running.router.workers
+
+
+async def test_sync_gateway_client(running):
+    import asyncio
+
+    async with EventPublisher(target(running), "s", block_size=BS, timeout=2.0) as pub:
+        await pub.register("s.local:8000")
+
+    def gateway() -> tuple[str, bool]:
+        with SyncRouterClient(target(running), timeout=2.0) as gw:
+            choice = gw.route(prompt(0, 3), model="m")
+            return choice.worker_id, gw.complete(choice, ttft_ms=5.0)
+
+    assert await asyncio.to_thread(gateway) == ("s", True)
+
+
+async def test_events_published_before_registration_arrive_once_registered(running):
+    import asyncio
+
+    p = prompt(7000, 3)
+    async with EventPublisher(target(running), "late", block_size=BS, timeout=2.0, reconnect_initial_s=0.02,
+                              reconnect_max_s=0.05) as pub:
+        pub.stored(p, engine_hashes=[1, 2, 3])  # the router does not know "late" yet: NOT_FOUND, retried
+        while pub.stats.reconnects == 0:
+            await asyncio.sleep(0.01)
+        await pub.register("late.local:8000")
+        assert await pub.flush(timeout=5)
+    worker = running.router.workers.get("late")
+    assert running.router.index.count(worker.slot) == 3 and worker.state is CoreWorkerState.READY
+    assert pub.stats.rejected == 0
+
+
+async def test_router_started_after_the_engine_receives_everything_buffered():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pub = EventPublisher(f"127.0.0.1:{port}", "early", block_size=BS, timeout=2.0, reconnect_initial_s=0.02,
+                         reconnect_max_s=0.1, max_batch_events=1, linger_s=0.0)
+    await pub.start()
+    daemon = Daemon(parse_config({"listen": f"127.0.0.1:{port}"}), seed=1)
+    try:
+        for i in range(5):
+            pub.stored(prompt(100 * i, 1), engine_hashes=[i + 1])
+        assert not await pub.flush(timeout=0.3)  # nobody is listening yet
+        assert pub.unacknowledged_batches == 5
+        await daemon.start()
+        await until_registered(pub, "early.local:8000")
+        assert await pub.flush(timeout=10)
+        worker = daemon.router.workers.get("early")
+        assert running_count(daemon, worker) == 5 and worker.state is CoreWorkerState.READY
+    finally:
+        await pub.close()
+        await daemon.stop(grace=0.2)
+
+
+async def until_registered(pub: EventPublisher, address: str) -> None:
+    """What an engine does at start: register, retrying while the router is not up yet."""
+    import asyncio
+
+    for _ in range(100):
+        try:
+            await pub.register(address)
+            return
+        except RouterUnavailable:
+            await asyncio.sleep(0.05)
+    raise AssertionError("router never became reachable")
+
+
+def running_count(daemon: Daemon, worker) -> int:  # type: ignore[no-untyped-def]
+    return daemon.router.index.count(worker.slot)
+
+
+@pytest.fixture
+def daemon_config() -> dict:
+    return {"block_size": BS}

@@ -163,7 +163,7 @@ class Simulation:
 
     def __init__(self, cfg: Config, workload: Workload, settings: ClusterSettings, *, routing: str | Mapping[str, Any],
                  eviction: str | Mapping[str, Any], seed: int = 0, rate: float = 0.0,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: Callable[[float], None] | None = None, record: bool = False) -> None:
         settings.validate()
         self.settings = settings
         self.workload = workload
@@ -177,8 +177,10 @@ class Simulation:
                                   extra_routing=[s for s in cfg.extra_routing if s.get("name") != routing_spec["name"]])
         self.cfg = cfg
         self.clock = ManualClock()
-        rng = random.Random(seed)
-        self.router = Router(cfg.router_settings(), self.clock, random.Random(rng.getrandbits(64)))
+        # the router's generator is seeded exactly as the daemon's (``Daemon(seed=...)``), so a
+        # recorded log replays through the gRPC server to the same decisions
+        self.router = Router(cfg.router_settings(), self.clock, random.Random(seed))
+        rng = random.Random(f"kvrouterd-sim-{seed}")
         self._loss_rng = random.Random(rng.getrandbits(64))
         self.keys = _Keys(bs)
         self.slo_ms = settings.slo_ms or cfg.default_ttft_slo_ms
@@ -198,6 +200,10 @@ class Simulation:
         self.records: list[m.RequestRecord | None] = [None] * len(workload.requests)
         self.load_samples: list[float] = []
         self.events_lost = 0
+        #: with ``record``: every call into the router, in order, as (op, time, payload, result):
+        #: ("route", t, RouteRequest, worker_id), ("events", t, EventBatch, None),
+        #: ("complete", t, Completion, None), ("tick", t, None, None)
+        self.log: list[tuple[str, float, Any, Any]] | None = [] if record else None
 
     # ---- edges ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: Any) -> None:
@@ -219,7 +225,12 @@ class Simulation:
         if s.event_delay_s:
             self._push(now + s.event_delay_s, _DELIVER, batch)
         else:
-            self.router.apply(batch)
+            self._apply(batch, now)
+
+    def _apply(self, batch: EventBatch, now: float) -> None:
+        if self.log is not None:
+            self.log.append(("events", now, batch, None))
+        self.router.apply(batch)
 
     def _kick(self, i: int, now: float) -> None:
         engine = self.engines[i]
@@ -241,6 +252,8 @@ class Simulation:
         started = time.perf_counter()
         result = self.router.route(rr, explain=False)
         route_us = (time.perf_counter() - started) * 1e6
+        if self.log is not None:
+            self.log.append(("route", now, rr, result.worker.id))
         i = self._by_id[result.worker.id]
         overlap = result.decision.overlap_blocks
         job = Job(n, req, keys, max(1, req.input_tokens - overlap * bs), overlap)
@@ -265,10 +278,13 @@ class Simulation:
         rec.hit_blocks = job.hit_blocks
         rec.ttft_s = job.first_token_at - req.arrival_s
         rec.e2e_s = now - req.arrival_s
+        completion = Completion(f"r{job.index}", ttft_ms=rec.ttft_s * 1000.0, e2e_ms=rec.e2e_s * 1000.0,
+                                cached_tokens=job.hit_blocks * self.workload.block_tokens,
+                                output_tokens=req.output_tokens)
+        if self.log is not None:
+            self.log.append(("complete", now, completion, None))
         try:
-            self.router.complete(Completion(f"r{job.index}", ttft_ms=rec.ttft_s * 1000.0, e2e_ms=rec.e2e_s * 1000.0,
-                                            cached_tokens=job.hit_blocks * self.workload.block_tokens,
-                                            output_tokens=req.output_tokens))
+            self.router.complete(completion)
         except NotFound:
             pass  # expired by the router's in-flight timeout, as the daemon would have
         self._kick(i, now)
@@ -290,14 +306,19 @@ class Simulation:
         next_tick = clock.now() + tick
         next_sample = clock.now() + sample
         n, total = 0, len(reqs)
+        ticks, expire_every = 0, max(1, round(1.0 / tick))
         report_every = max(total // 50, 1)
         while n < total or heap:
             t_arr = reqs[n].arrival_s if n < total else math.inf
             t = heap[0][0] if heap and heap[0][0] <= t_arr else t_arr
             while next_tick <= t:
                 clock.set(next_tick)
+                if self.log is not None:
+                    self.log.append(("tick", next_tick, None, None))
                 router.tick()
-                router.expire_inflight()
+                ticks += 1
+                if ticks % expire_every == 0:  # as the daemon's maintenance loop does
+                    router.expire_inflight()
                 next_tick += tick
             while next_sample <= t:
                 self._sample_load()
@@ -310,7 +331,7 @@ class Simulation:
                 elif kind == _FINISH:
                     self._finish(obj[0], obj[1], t)
                 else:
-                    router.apply(obj)
+                    self._apply(obj, t)
             else:
                 self._arrive(n, t)
                 n += 1

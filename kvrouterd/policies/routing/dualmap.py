@@ -19,11 +19,13 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
   *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
   the configured (uncalibrated) latency model, or ``slo_threshold_tokens`` when set; with
   ``slo_test=latency_model`` (beyond the paper), the calibrated TTFT estimate above the SLO.
-- **Decode bottleneck** (A.7): a worker with requests in flight that has completed no
+- **Decode bottleneck** (A.7): a worker with a non-empty queue that has completed no
   prefill for ``decode_bottleneck_s`` is overloaded, and its TTFT estimates include the
-  observed interval. Prefill completions are learned from ``Complete`` (its TTFT dates the
-  first token), so a worker whose requests all decode longer than the threshold is flagged
-  until one completes: the same signal the paper uses, seen later.
+  observed interval. The queue is the admission queue (``queued_ttft_ms``) or, at
+  selection, the engine's reported waiting requests (``ReportLoad``); without either the
+  rule cannot tell waiting from decoding requests and stays quiet. Prefill completions are
+  learned from ``Complete`` (its TTFT dates the first token), so they are seen late: a
+  worker with a real queue and only long decodes in flight can be flagged early.
 - **Hotspot rebalancing** (3.3, A.1.2) needs waiting requests; it lives in
   ``kvrouterd.admission``. A decision whose two candidates are both overloaded says so
   (``both_overloaded=1``) so the host can run a migration round, and
@@ -146,10 +148,17 @@ class DualMapPolicy(RoutingPolicyBase):
         """DualMap's ttft_slo_threshold: pending prefill tokens a worker clears within the SLO."""
         return self.params.slo_threshold_tokens or self._static.tokens_within(slo_ms)
 
-    def bottleneck_ms(self, worker: Worker, now: float) -> float:
-        """A.7: the prefill interval of a decode-bottlenecked worker, else 0."""
+    def bottleneck_ms(self, worker: Worker, now: float, queued: bool | None = None) -> float:
+        """A.7: the prefill interval of a decode-bottlenecked worker, else 0.
+
+        The rule needs a non-empty queue of requests waiting for prefill: ``queued`` when the
+        caller knows (the admission queue), else the engine's reported queue (ReportLoad).
+        In-flight requests alone do not count: most of them are decoding, and ``Complete``
+        reports their prefill only when they finish.
+        """
         limit = self.params.decode_bottleneck_s
-        if limit <= 0 or worker.inflight_requests <= 0:
+        waiting = worker.reported_queue > 0 if queued is None else queued
+        if limit <= 0 or not waiting or worker.inflight_requests <= 0:
             return 0.0
         # the clock starts when the worker last went busy or last finished a prefill
         since = max(self._last_prefill.get(worker.id, float("-inf")), self._busy_since.get(worker.id, now))
@@ -157,8 +166,9 @@ class DualMapPolicy(RoutingPolicyBase):
         return interval * 1000.0 if interval > limit else 0.0
 
     def queued_ttft_ms(self, worker: Worker, uncached_tokens: int, tokens_ahead: int, requests_ahead: int, now: float) -> float:
-        """TTFT of a request behind ``tokens_ahead`` prefill tokens on ``worker`` (A.7-corrected)."""
-        return self.latency.ttft_ms(uncached_tokens, tokens_ahead, requests_ahead) + self.bottleneck_ms(worker, now)
+        """TTFT of a request waiting behind ``tokens_ahead`` prefill tokens on ``worker``
+        (A.7-corrected: the request itself makes the queue non-empty)."""
+        return self.latency.ttft_ms(uncached_tokens, tokens_ahead, requests_ahead) + self.bottleneck_ms(worker, now, True)
 
     def _view(self, ctx: RoutingContext, w: Worker, slo: float, threshold: int) -> _View:
         uncached = ctx.uncached_tokens(w)

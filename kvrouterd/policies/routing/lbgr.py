@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,6 +146,7 @@ class LBGRPolicy(RoutingPolicyBase):
         self._origin: float | None = None
         self._step = 0
         self._inflight: OrderedDict[str, _Dispatched] = OrderedDict()
+        self._feature_index = tuple(FEATURES.index(f) for f in params.features)
 
     # ---- queue load -----------------------------------------------------------------
     def _steps_at(self, now: float) -> int:
@@ -181,20 +183,29 @@ class LBGRPolicy(RoutingPolicyBase):
                 learner = _NLMS(n, self.params.nlms_step)
         return learner
 
-    def estimate(self, ctx: RoutingContext, w: Worker) -> _Estimate:
+    def estimates(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[_Estimate]:
+        """Eq. 4 for each of ``workers``, without changing state."""
         p = self.params
-        hit = min(ctx.prompt_tokens, ctx.overlap(w) * ctx.block_size)
-        miss = ctx.prompt_tokens - hit
-        cost = (p.alpha_cached_ms_per_1k * hit + p.alpha_miss_ms_per_1k * miss) / 1000.0
-        load = self.load(w.id, ctx.now)
-        values = {"hit": hit / 1000.0, "miss": miss / 1000.0, "load": load / 1000.0, "bias": 1.0}
-        phi = [values[f] for f in p.features]
-        learner = self._learners.get(w.id)  # an unseen worker has theta = 0
-        residual = learner.predict(phi) if learner is not None and p.learning_rule != "none" else 0.0
-        return _Estimate(hit, cost, load, residual, phi)
+        factor = p.decay_rho ** (self._steps_at(ctx.now) - self._step)
+        prompt, bs = ctx.prompt_tokens, ctx.block_size
+        per_hit, per_miss = p.alpha_cached_ms_per_1k / 1000.0, p.alpha_miss_ms_per_1k / 1000.0
+        index = self._feature_index
+        learners = self._learners if p.learning_rule != "none" else {}
+        loads = self._load
+        out = []
+        for w in workers:
+            hit = min(prompt, ctx.overlap(w) * bs)
+            miss = prompt - hit
+            load = loads.get(w.id, 0.0) * factor
+            values = (hit / 1000.0, miss / 1000.0, load / 1000.0, 1.0)
+            phi = [values[i] for i in index]
+            learner = learners.get(w.id)  # an unseen worker has theta = 0
+            out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load,
+                                 learner.predict(phi) if learner is not None else 0.0, phi))
+        return out
 
     def select(self, ctx: RoutingContext) -> Decision:
-        estimates = [(self.estimate(ctx, w), w) for w in ctx.candidates]
+        estimates = list(zip(self.estimates(ctx, ctx.candidates), ctx.candidates))
         best, chosen = min(estimates, key=lambda ew: (ew[0].total, ew[1].slot))
         scored = []
         if getattr(ctx, "explain", True):
@@ -216,7 +227,7 @@ class LBGRPolicy(RoutingPolicyBase):
         if worker is None:
             return
         self._advance(ctx.now)
-        est = self.estimate(ctx, worker)
+        est = self.estimates(ctx, [worker])[0]
         self._load[worker.id] = self._load.get(worker.id, 0.0) + est.cost
         rid = ctx.request.request_id
         if rid:

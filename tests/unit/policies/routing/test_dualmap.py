@@ -199,8 +199,13 @@ def test_decode_bottleneck_marks_a_silent_worker_overloaded_and_corrects_its_ttf
     home = first.worker.id
     assert router.route(request(tokens(1))).decision.attributes["rule"] == "cache_affinity"
     clock.advance(2.0)
-    assert router.decide(request(tokens(2)))[0].attributes["rule"] == "cache_affinity"  # < T = 3 s
-    clock.advance(2.0)  # 4 s > T with requests in flight and no prefill completed
+    router.report_load(home, queued=2, running=2, kv_utilization=0.99)  # the engine has a queue
+    assert router.decide(request(tokens(2)))[0].attributes["rule"] == "cache_affinity"  # 2 s < T = 3 s
+    router.report_load(home, queued=0, running=2, kv_utilization=0.99)
+    clock.advance(2.0)
+    # requests in flight but no waiting queue: they may all be decoding, no flag
+    assert router.decide(request(tokens(2)))[0].attributes["rule"] == "cache_affinity"
+    router.report_load(home, queued=2, running=2, kv_utilization=0.99)
     d = router.decide(request(tokens(2)))[0]
     assert d.attributes["rule"] == "slo_switch" and d.worker_id != home
     terms = {c.worker_id: c.terms for c in d.candidates}

@@ -35,16 +35,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
+from urllib.parse import unquote
 
 import zmq
 import zmq.asyncio
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
-from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch
+from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload
 
 __all__ = [
@@ -125,6 +126,30 @@ class ZmqEndpoint:
                 raise ConfigError(f"zmq endpoint {self.worker_id!r}: {name} must look like tcp://host:port, got {value!r}")
         if not self.endpoint:
             raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
+
+    @classmethod
+    def parse(cls, worker_id: str, spec: str, model: str = "") -> ZmqEndpoint:
+        """An endpoint from a worker's ``kv_events_endpoint`` string, so config and
+        RegisterWorker can say everything in one field::
+
+            tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5600&dp_rank=1&model=llama-3-8b
+
+        ``replay``, ``dp_rank`` and ``model`` are optional (``model`` defaults to ``model``).
+        """
+        address, _, query = spec.partition("?")
+        params: dict[str, str] = {}
+        for part in filter(None, query.split("&")):
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("replay", "dp_rank", "model"):
+                raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: unknown parameter {part!r} "
+                                  "(known: replay, dp_rank, model)")
+            params[key] = unquote(value)
+        rank = params.get("dp_rank", "0")
+        if not rank.isdigit():
+            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, got {rank!r}")
+        endpoint = cls(worker_id, address, params.get("replay", ""), int(rank), params.get("model", model))
+        endpoint.validate()
+        return endpoint
 
     @property
     def pub_address(self) -> str:
@@ -416,6 +441,17 @@ class EndpointSubscriber:
             sock.close(linger=0)
 
 
+class _WorkerLike(Protocol):
+    """What ``sync`` reads of a worker: ``index.workers.WorkerSpec`` fits."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def mode(self) -> CacheMode: ...
+    @property
+    def kv_events_endpoint(self) -> str: ...
+
+
 class ZmqEventSource:
     """All ZMQ subscribers of one daemon: add/remove endpoints, run them under a TaskGroup.
 
@@ -466,6 +502,24 @@ class ZmqEventSource:
                 await task
         if self._own_ctx:
             self._ctx.term()
+
+    def sync(self, workers: Iterable[_WorkerLike], model: str = "") -> None:
+        """Subscribe to every EVENTS-mode worker that declares a ``kv_events_endpoint`` and
+        stop the rest; a subscriber whose endpoint did not change is left running. The daemon
+        calls ``sync(w.spec for w in router.workers)`` after each membership change."""
+        wanted: dict[str, ZmqEndpoint] = {}
+        for w in workers:
+            if w.mode is CacheMode.EVENTS and w.kv_events_endpoint:
+                try:
+                    wanted[w.id] = ZmqEndpoint.parse(w.id, w.kv_events_endpoint, model)
+                except ConfigError as exc:
+                    log.error("cannot subscribe: %s", exc, extra={"worker_id": w.id})
+        for wid in [wid for wid in self.subscribers if wid not in wanted]:
+            self.remove(wid)
+        for wid, endpoint in wanted.items():
+            current = self.subscribers.get(wid)
+            if current is None or current.endpoint != endpoint:
+                self.add(endpoint)
 
     def stats(self) -> dict[str, SubscriberStats]:
         return {wid: sub.stats for wid, sub in self.subscribers.items()}

@@ -137,3 +137,38 @@ def test_endpoint_validation():
         ZmqEndpoint("w", "tcp://h:1", dp_rank=-1).validate()
     with pytest.raises(ConfigError, match="numeric port"):
         ZmqEndpoint("w", "tcp://h", dp_rank=1).pub_address
+
+
+def test_endpoint_parse_reads_replay_rank_and_model_from_one_string():
+    ep = ZmqEndpoint.parse("w", "tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5600&dp_rank=2&model=llama%2F8b")
+    assert ep == ZmqEndpoint("w", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5600", 2, "llama/8b")
+    assert ep.pub_address == "tcp://10.0.0.5:5559" and ep.replay_address == "tcp://10.0.0.5:5602"
+    assert ZmqEndpoint.parse("w", "tcp://h:1", model="m") == ZmqEndpoint("w", "tcp://h:1", model="m")
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        ZmqEndpoint.parse("w", "tcp://h:1?topic=x")
+    with pytest.raises(ConfigError, match="dp_rank"):
+        ZmqEndpoint.parse("w", "tcp://h:1?dp_rank=one")
+
+
+async def test_sync_follows_the_registry():
+    from kvrouterd.events import ZmqEventSource
+
+    router = Router(RouterSettings(block_size=BS), ManualClock())
+    for wid, mode, ep in [("a", CacheMode.EVENTS, "tcp://127.0.0.1:1"), ("b", CacheMode.APPROXIMATE, "tcp://127.0.0.1:2"),
+                          ("c", CacheMode.EVENTS, ""), ("d", CacheMode.EVENTS, "bogus")]:
+        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=mode, kv_events_endpoint=ep))
+    source = ZmqEventSource(ZmqEventsConfig(), router.apply, lambda wid, lost: router.reset_events(wid, lost=lost))
+    try:
+        source.sync(w.spec for w in router.workers)
+        assert set(source.subscribers) == {"a"}
+        first = source.subscribers["a"]
+        source.sync(w.spec for w in router.workers)
+        assert source.subscribers["a"] is first  # unchanged endpoint: left running
+        router.add_worker(WorkerSpec(id="a", address="a:1", mode=CacheMode.EVENTS, kv_events_endpoint="tcp://127.0.0.1:3"))
+        source.sync(w.spec for w in router.workers)
+        assert source.subscribers["a"] is not first and source.subscribers["a"].endpoint.endpoint == "tcp://127.0.0.1:3"
+        router.remove_worker("a")
+        source.sync(w.spec for w in router.workers)
+        assert not source.subscribers
+    finally:
+        await source.close()

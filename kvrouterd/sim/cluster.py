@@ -51,7 +51,7 @@ from . import metrics as m
 from .engine import EngineParams, Job, SimEngine
 from .workloads import GENERATORS, Workload, build_workload
 
-__all__ = ["ClusterSettings", "RunResult", "Simulation", "simulate", "policy_spec", "sweep", "add_arguments", "run"]
+__all__ = ["ClusterSettings", "RunResult", "Simulation", "add_arguments", "policy_spec", "run", "simulate", "sweep"]
 
 _DELIVER, _STEP, _FINISH = 0, 1, 2
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -486,20 +486,23 @@ def run(args: argparse.Namespace) -> int:
     from . import report
 
     try:
-        cfg = load_config(args.config, environ={}) if args.config else load_config(None, environ={})
+        cfg = load_config(args.config, environ={})
         overrides: dict[str, dict[str, Any]] = {}
         for key, value in _kv(args.set, "--set"):
-            name, dot, fname = key.partition(".")
+            policy, dot, fname = key.partition(".")
             if not dot:
                 raise ConfigError(f"--set expects POLICY.FIELD=VALUE, got {key!r}")
-            overrides.setdefault(name, {})[fname] = value
+            overrides.setdefault(policy, {})[fname] = value
         routing_names = [n for n in args.routing.split(",") if n] or [cfg.routing["name"]]
         eviction_names = [n for n in args.eviction.split(",") if n] or [cfg.eviction["name"]]
+        unused = sorted(set(overrides) - set(routing_names) - set(eviction_names))
+        if unused:
+            raise ConfigError(f"--set names policy {unused[0]!r}, which is not in --routing or --eviction")
         routings = [policy_spec(cfg, "routing", n, overrides) for n in routing_names]
         evictions = [policy_spec(cfg, "eviction", n, overrides) for n in eviction_names]
-        name = args.workload or ("mooncake" if args.trace else None)
-        if name is None:
+        if not args.workload and not args.trace:
             raise ConfigError("give --trace FILE or --workload NAME")
+        name: str = args.workload or "mooncake"
         wparams = dict(_kv(args.workload_param, "--workload-param"))
         engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
                               max_running=args.max_running, prefill_model=args.prefill_model,
@@ -515,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
             frac = args.capacity_fraction
             if not 0 < frac:
                 raise ConfigError(f"--capacity-fraction must be > 0, got {frac}")
-            capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / args.workers))  # noqa: E731
+            capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / args.workers))
 
         def workload_for(seed: int, rate: float | None) -> Workload:
             return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,

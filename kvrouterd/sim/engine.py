@@ -92,8 +92,20 @@ class EngineParams:
 class Job:
     """One request on an engine, from routing to its last token."""
 
-    __slots__ = ("index", "req", "keys", "est_uncached", "hit_blocks", "remaining", "reserved", "pinned",
-                 "cached", "admitted_at", "first_token_at", "route_overlap")
+    __slots__ = (
+        "admitted_at",
+        "cached",
+        "est_uncached",
+        "first_token_at",
+        "hit_blocks",
+        "index",
+        "keys",
+        "pinned",
+        "remaining",
+        "req",
+        "reserved",
+        "route_overlap",
+    )
 
     def __init__(self, index: int, req: SimRequest, keys: list[int], est_uncached: int, route_overlap: int) -> None:
         self.index = index
@@ -273,5 +285,4 @@ class SimEngine:
         bb = self._block_bytes
         self.outbox.append(Stored(b"".join(bb(h) for h in req.block_ids[hit:]), None, parent, self.block_tokens))
         count = self.index.count(0)
-        if count > self.peak_blocks:
-            self.peak_blocks = count
+        self.peak_blocks = max(self.peak_blocks, count)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestRecord", "percentile", "cv", "summarize", "goodput"]
+__all__ = ["RequestRecord", "cv", "goodput", "percentile", "summarize"]
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from .metrics import goodput, percentile
 if TYPE_CHECKING:
     from .cluster import RunResult
 
-__all__ = ["build", "table", "markdown", "write"]
+__all__ = ["build", "markdown", "table", "write"]
 
 _CELL_KEYS = ("hit_ratio", "slo_attainment", "throughput_rps", "load_cv", "evict_us_mean")
 

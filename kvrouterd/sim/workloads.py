@@ -54,17 +54,17 @@ from ..errors import ConfigError
 from ..protocols import TaskCategory
 
 __all__ = [
+    "GENERATORS",
     "SimRequest",
     "Workload",
-    "load_mooncake",
-    "scale_to_rate",
-    "gsp",
-    "multi_turn_chat",
-    "doc_qa",
-    "tool_agent",
-    "heterogeneous_mix",
-    "GENERATORS",
     "build_workload",
+    "doc_qa",
+    "gsp",
+    "heterogeneous_mix",
+    "load_mooncake",
+    "multi_turn_chat",
+    "scale_to_rate",
+    "tool_agent",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -108,6 +108,28 @@ def _ceil_div(a: int, b: int) -> int:
 
 # ---- the Mooncake trace ------------------------------------------------------------------
 
+def _mooncake_record(path: str | Path, lineno: int, line: str, max_input_tokens: int) -> SimRequest | None:
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+        ids = rec["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
+            raise ValueError("hash_ids must be a list of non-negative integers")
+        inp = int(rec.get("input_length", 0)) or len(ids) * MOONCAKE_BLOCK_TOKENS
+        out = int(rec.get("output_length", 0))
+        ts = float(rec.get("timestamp", 0)) / 1000.0
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}:{lineno}: not a Mooncake trace record ({exc})") from None
+    if not ids:
+        return None
+    if max_input_tokens and inp > max_input_tokens:
+        inp = max_input_tokens
+        ids = ids[: _ceil_div(inp, MOONCAKE_BLOCK_TOKENS)]
+    session = str(ids[1]) if len(ids) > 1 else f"s{lineno}"
+    return SimRequest(ts, inp, max(out, 1), tuple(ids), session, TaskCategory.CHAT)
+
+
 def load_mooncake(path: str | Path, limit: int = 0, max_input_tokens: int = 0) -> Workload:
     """A Mooncake-format trace, in file order. Raises ConfigError naming a malformed line.
 
@@ -116,32 +138,15 @@ def load_mooncake(path: str | Path, limit: int = 0, max_input_tokens: int = 0) -
     """
     requests: list[SimRequest] = []
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit and len(requests) >= limit:
+                    break
+                req = _mooncake_record(path, lineno, line, max_input_tokens)
+                if req is not None:
+                    requests.append(req)
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids = rec["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
-                    raise ValueError("hash_ids must be a list of non-negative integers")
-                inp = int(rec.get("input_length", 0)) or len(ids) * MOONCAKE_BLOCK_TOKENS
-                out = int(rec.get("output_length", 0))
-                ts = float(rec.get("timestamp", 0)) / 1000.0
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"{path}:{lineno}: not a Mooncake trace record ({exc})") from None
-            if not ids:
-                continue
-            if max_input_tokens and inp > max_input_tokens:
-                inp = max_input_tokens
-                ids = ids[: _ceil_div(inp, MOONCAKE_BLOCK_TOKENS)]
-            session = str(ids[1]) if len(ids) > 1 else f"s{lineno}"
-            requests.append(SimRequest(ts, inp, max(out, 1), tuple(ids), session, TaskCategory.CHAT))
-            if limit and len(requests) >= limit:
-                break
     if not requests:
         raise ConfigError(f"trace {path} holds no requests")
     requests.sort(key=lambda r: r.arrival_s)  # stable: file order among equal timestamps
@@ -183,7 +188,7 @@ class _Prompt:
     fresh id: the content of that block changed.
     """
 
-    __slots__ = ("full", "tokens", "bs")
+    __slots__ = ("bs", "full", "tokens")
 
     def __init__(self, bs: int, full: Sequence[int] = (), tokens: int = 0) -> None:
         self.bs = bs
@@ -248,8 +253,8 @@ def gsp(rng: random.Random, *, rate: float = 12.0, groups: int = 128, queries_pe
         rng.shuffle(ordered)
     for r, t in zip(ordered, _poisson(rng, len(ordered), rate)):
         r.arrival_s = t
-    return Workload("gsp", block_tokens, ordered, dict(rate=rate, groups=groups, queries_per_group=queries_per_group,
-                                                       prefix_ratio=prefix_ratio, order=order))
+    return Workload("gsp", block_tokens, ordered, {"rate": rate, "groups": groups, "queries_per_group": queries_per_group,
+                                                       "prefix_ratio": prefix_ratio, "order": order})
 
 
 def _chat_session(rng: random.Random, ids: _Ids, start: float, rounds: int, bs: int, user_tokens: int,
@@ -278,7 +283,7 @@ def multi_turn_chat(rng: random.Random, *, rate: float = 4.0, clients: int = 128
         reqs += _chat_session(rng, ids, start, rng.choice(list(rounds)), block_tokens, user_tokens, output_tokens,
                               think_median_s, f"c{c}", TaskCategory.CHAT)
     reqs.sort(key=lambda r: r.arrival_s)
-    wl = Workload("chat", block_tokens, reqs, dict(clients=clients, user_tokens=user_tokens, output_tokens=output_tokens))
+    wl = Workload("chat", block_tokens, reqs, {"clients": clients, "user_tokens": user_tokens, "output_tokens": output_tokens})
     return scale_to_rate(wl, rate)
 
 
@@ -304,7 +309,7 @@ def doc_qa(rng: random.Random, *, rate: float = 8.0, documents: int = 128, quest
         rng.shuffle(ordered)
     for r, t in zip(ordered, _poisson(rng, len(ordered), rate)):
         r.arrival_s = t
-    return Workload("docqa", block_tokens, ordered, dict(rate=rate, documents=documents, order=order))
+    return Workload("docqa", block_tokens, ordered, {"rate": rate, "documents": documents, "order": order})
 
 
 def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, tools: int = 16, zipf_s: float = 1.2,
@@ -320,7 +325,7 @@ def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, t
         k = rng.choices(range(tools), weights)[0]
         p = prompts[k].extend(ids, rng.randint(256, 2048))
         reqs.append(SimRequest(t, p.tokens, output_tokens, p.block_ids(ids), f"t{k}r{i}", TaskCategory.AGENTIC))
-    return Workload("toolagent", block_tokens, reqs, dict(rate=rate, tools=tools, zipf_s=zipf_s))
+    return Workload("toolagent", block_tokens, reqs, {"rate": rate, "tools": tools, "zipf_s": zipf_s})
 
 
 def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate: float = 4.0, requests: int = 4000,
@@ -361,7 +366,7 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
             p, task = rng.choice(docs).extend(ids, rng.randint(32, 128)), TaskCategory.TEMPLATED
         reqs.append(SimRequest(t, p.tokens, 64, p.block_ids(ids), f"single{i}", task))
     reqs.sort(key=lambda r: r.arrival_s)
-    wl = Workload(name, bs, reqs, dict(multi_turn_share=multi_turn_share, requests=len(reqs)))
+    wl = Workload(name, bs, reqs, {"multi_turn_share": multi_turn_share, "requests": len(reqs)})
     return scale_to_rate(wl, rate)
 
 

@@ -21,8 +21,8 @@ from kvrouterd.sim.workloads import SimRequest, Workload, gsp
 
 
 def small_gsp(seed: int = 0, **kw) -> Workload:
-    params = dict(rate=40.0, groups=10, queries_per_group=8, prefix_ratio=0.5, block_tokens=64,
-                  lengths=(512, 1024, 2048))
+    params = {"rate": 40.0, "groups": 10, "queries_per_group": 8, "prefix_ratio": 0.5, "block_tokens": 64,
+                  "lengths": (512, 1024, 2048)}
     params.update(kw)
     return gsp(random.Random(seed), **params)
 

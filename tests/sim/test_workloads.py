@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter
@@ -81,7 +82,7 @@ def test_multi_turn_rounds_reuse_the_previous_prompt():
     assert set(by_session.values()) <= {2, 4, 6, 8}
     sid = next(s for s, n in by_session.items() if n >= 4)
     turns = [r for r in wl.requests if r.session_id == sid]
-    for prev, cur in zip(turns, turns[1:]):
+    for prev, cur in itertools.pairwise(turns):
         full = prev.input_tokens // wl.block_tokens
         assert cur.block_ids[:full] == prev.block_ids[:full]
         assert cur.input_tokens > prev.input_tokens

@@ -43,6 +43,7 @@ __all__ = [
     "WorkerConfig",
     "LimitsConfig",
     "TelemetryConfig",
+    "ExtProcConfig",
     "load_config",
     "parse_config",
     "ENV_PREFIX",
@@ -95,6 +96,30 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class ExtProcConfig:
+    """Envoy ext_proc endpoint picker, served beside the KVRouter API (see docs/envoy.md)."""
+
+    enabled: bool = True
+    #: a local tokenizer.json (needs the ``tokenizer`` extra); empty = approximate keys over
+    #: the prompt text's bytes, which only match approximate-mode state
+    tokenizer: str = ""
+    #: salt block keys with the body's ``model``; event sources must then set the same model
+    salt_keys_with_model: bool = True
+    #: largest request body buffered for routing, bytes; a larger one is shed with HTTP 429
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: endpoints in ``x-gateway-destination-endpoint``: the chosen worker, then fallbacks (the
+    #: policy's alternative). Envoy's ORIGINAL_DST cluster reads a single ip:port: use 1 there
+    max_endpoints: int = 2
+
+    def validate(self) -> None:
+        if self.max_endpoints < 1:
+            raise ConfigError("ext_proc.max_endpoints: must be >= 1")
+        if self.max_body_bytes <= 0:
+            raise ConfigError("ext_proc.max_body_bytes: must be > 0")
+        if self.tokenizer and not os.path.isfile(self.tokenizer):
+            raise ConfigError(f"ext_proc.tokenizer: no such file {self.tokenizer!r}")
+
+@dataclass(frozen=True)
 class Config:
     listen: str = "127.0.0.1:50051"
     block_size: int = 16
@@ -109,6 +134,8 @@ class Config:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     #: seconds between periodic maintenance (in-flight expiry, policy ticks)
     tick_interval_s: float = 0.02
+    #: Envoy external processing (Gateway API Inference Extension endpoint picker)
+    ext_proc: ExtProcConfig = field(default_factory=ExtProcConfig)
 
     def validate(self) -> None:
         from .policies import registry
@@ -152,6 +179,7 @@ class Config:
         if not 0 < self.tick_interval_s <= 10:
             raise ConfigError("tick_interval_s: must be in (0, 10]")
         self.discovery.validate()
+        self.ext_proc.validate()
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings

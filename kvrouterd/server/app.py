@@ -29,6 +29,7 @@ from ..errors import ConfigError, KVRouterError
 from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.tracing import build_tracer_provider
+from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .service import KVRouterService
 
@@ -81,7 +82,12 @@ class Daemon:
         server = grpc.aio.server(options=self._server_options())
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((KVROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        served = [KVROUTER_SERVICE]
+        if self.config.ext_proc.enabled:
+            # Envoy's ext_proc filter calls this port as its endpoint picker (docs/envoy.md)
+            ExtProcService.from_config(self.router, self.config.ext_proc, self.tracer, self.metrics).add_to_server(server)
+            served.append(EXT_PROC_SERVICE)
+        reflection.enable_server_reflection((*served, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
             self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
@@ -89,7 +95,7 @@ class Daemon:
         await server.start()
         self.server = server
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
-        for name in ("", KVROUTER_SERVICE):
+        for name in ("", *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving",

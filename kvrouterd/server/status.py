@@ -1,4 +1,4 @@
-"""The one place that maps kvrouterd's exception tree to gRPC status codes."""
+"""The one place that maps kvrouterd's exception tree to gRPC status codes (and, for ext_proc, HTTP)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import grpc
 
 from ..errors import Conflict, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 
-__all__ = ["status_code"]
+__all__ = ["http_status", "status_code"]
 
 
 def status_code(exc: KVRouterError) -> grpc.StatusCode:
@@ -23,3 +23,20 @@ def status_code(exc: KVRouterError) -> grpc.StatusCode:
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
+
+
+def http_status(exc: KVRouterError) -> int:
+    """The HTTP status an endpoint picker answers with (Envoy ext_proc ImmediateResponse).
+
+    400 malformed body, 503 no eligible endpoint (the endpoint-picker protocol's "no ready
+    endpoints"), 429 shed (its "request should be dropped"), 404 unknown worker, 500 else.
+    """
+    if isinstance(exc, InvalidRequest):
+        return 400
+    if isinstance(exc, NoEligibleWorker):
+        return 503
+    if isinstance(exc, Overloaded):
+        return 429
+    if isinstance(exc, NotFound):
+        return 404
+    return 500

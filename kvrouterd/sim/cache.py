@@ -45,7 +45,7 @@ from ..policies import registry
 from ..protocols import CacheMode, Completion, RouteRequest, TaskCategory
 from ..router import Router, RouterSettings
 
-__all__ = ["TraceRequest", "read_trace", "CacheResult", "replay", "add_arguments", "run"]
+__all__ = ["CacheResult", "TraceRequest", "add_arguments", "read_trace", "replay", "run"]
 
 #: Mooncake blocks hold 512 tokens
 MOONCAKE_BLOCK_TOKENS = 512
@@ -116,7 +116,8 @@ def replay(
         raise ConfigError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     clock = ManualClock()
     router = Router(
-        RouterSettings(block_size=block_tokens, routing={"name": "round_robin"}, eviction=eviction,
+        RouterSettings(block_size=block_tokens, routing={"name": "round_robin"},
+                       eviction={"name": eviction} if isinstance(eviction, str) else eviction,
                        max_prompt_tokens=1 << 40),
         clock,
     )

@@ -26,7 +26,7 @@ from sortedcontainers import SortedList
 from ...index.radix import Block
 from ..base import EvictionContext
 
-__all__ = ["rank_leaves_by", "merge_promoting", "held_child_other_than", "SortedLeaves"]
+__all__ = ["SortedLeaves", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
 
 
 def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:

@@ -31,7 +31,7 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import rank_leaves_by
 
-__all__ = ["HybridParams", "HybridEviction", "hybrid_value"]
+__all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
 
 _hits = RadixIndex.hits
 _recency = RadixIndex.recency

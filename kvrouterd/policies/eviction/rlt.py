@@ -34,7 +34,7 @@ from ...index.radix import Block
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 
-__all__ = ["RLTParams", "RLTEviction"]
+__all__ = ["RLTEviction", "RLTParams"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class RLTParams:
 
 
 class _Phase:
-    __slots__ = ("marked", "newest", "capacity")
+    __slots__ = ("capacity", "marked", "newest")
 
     def __init__(self) -> None:
         self.marked: set[int] = set()

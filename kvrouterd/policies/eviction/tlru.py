@@ -27,11 +27,13 @@ Parameters (``TLRUParams``), thresholds from the paper's evaluation:
                                     an A100 for a 7B model, 16-token blocks)
     next_prompt_blocks    = -1.0    P; negative = running mean of observed prompt growth
 
-Cost per ``rank``: O(L) for L leaves plus the conversations' cached paths.
+Cost per ``rank``: O(L) for L leaves, plus the path of each conversation whose latest
+request changed since the last call (all of them when P - xi/alpha crosses an integer).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import rank_leaves_by
 
-__all__ = ["TLRUParams", "TLRUEviction"]
+__all__ = ["TLRUEviction", "TLRUParams"]
 
 _recency = RadixIndex.recency
 
@@ -60,8 +62,21 @@ class TLRUParams:
             raise ValueError(f"prefill_ms_per_block must be > 0, got {self.prefill_ms_per_block}")
 
 
+class _Trim:
+    """Per worker: how many conversations put each key beyond / within their budget."""
+
+    __slots__ = ("contrib", "dirty", "protected", "shift", "tail")
+
+    def __init__(self) -> None:
+        self.tail: dict[int, int] = {}
+        self.protected: dict[int, int] = {}
+        self.contrib: dict[str, tuple[list[int], list[int]]] = {}
+        self.dirty: set[str] = set()
+        self.shift: int | None = None
+
+
 class _Conversation:
-    __slots__ = ("tip", "length", "turn_now", "prev_length", "delta", "ended")
+    __slots__ = ("delta", "ended", "length", "prev_length", "tip", "turn_now")
 
     def __init__(self) -> None:
         self.tip: Block | None = None
@@ -85,6 +100,9 @@ class TLRUEviction(EvictionPolicyBase):
         self._tips: dict[int, dict[int, set[str]]] = {}
         self._growth_sum = 0
         self._growth_n = 0
+        # Trimming state, kept incrementally: a conversation's contribution is recomputed only
+        # when its tip moves or every budget shifts (P - xi/alpha crossing an integer).
+        self._trim: dict[int, _Trim] = {}
 
     # ---- what the policy believes --------------------------------------------------------
     def next_prompt_estimate(self) -> float:
@@ -104,10 +122,11 @@ class TLRUEviction(EvictionPolicyBase):
 
     def end_session(self, session_id: str) -> None:
         """End-aware T-LRU: this conversation will not come back."""
-        for convs in self._convs.values():
+        for slot, convs in self._convs.items():
             conv = convs.get(session_id)
             if conv is not None:
                 conv.ended = True
+                self._trim_state(slot).dirty.add(session_id)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _observe(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
@@ -138,6 +157,7 @@ class TLRUEviction(EvictionPolicyBase):
                 if not owners:
                     del tips[conv.tip.key]
         conv.tip, conv.length = tip, length
+        self._trim_state(slot).dirty.add(sid)
         if tip is not None:
             tips.setdefault(tip.key, set()).add(sid)
 
@@ -165,30 +185,69 @@ class TLRUEviction(EvictionPolicyBase):
     def on_cleared(self, slot: int) -> None:
         self._convs.pop(slot, None)
         self._tips.pop(slot, None)
+        self._trim.pop(slot, None)
 
     # ---- ranking -------------------------------------------------------------------------
+    def _trim_state(self, slot: int) -> _Trim:
+        t = self._trim.get(slot)
+        if t is None:
+            t = self._trim[slot] = _Trim()
+        return t
+
+    def _refresh(self, slot: int) -> _Trim:
+        t = self._trim_state(slot)
+        p = self.params
+        # budget = L + P - xi/alpha and depths are integers, so "depth > budget" only depends
+        # on L + floor(P - xi/alpha): budgets move together when that floor changes
+        shift = math.floor(self.next_prompt_estimate() - p.latency_threshold_ms / p.prefill_ms_per_block)
+        if shift != t.shift:
+            t.shift = shift
+            t.dirty.update(t.contrib)
+            t.dirty.update(self._convs.get(slot, {}))
+        convs = self._convs.get(slot, {})
+        for sid in t.dirty:
+            old = t.contrib.pop(sid, None)
+            if old is not None:
+                _count(t.tail, old[0], -1)
+                _count(t.protected, old[1], -1)
+            conv = convs.get(sid)
+            if conv is None:
+                continue
+            budget = 0 if conv.ended else max(0, conv.length + shift)
+            tail: list[int] = []
+            protected: list[int] = []
+            node, depth = conv.tip, conv.length
+            while node is not None:
+                (tail if depth > budget else protected).append(node.key)
+                node, depth = node.parent, depth - 1
+            t.contrib[sid] = (tail, protected)
+            _count(t.tail, tail, 1)
+            _count(t.protected, protected, 1)
+        t.dirty.clear()
+        return t
+
     def trimmable(self, ctx: EvictionContext) -> set[int]:
         """Keys held by the worker beyond every owning conversation's TEL-safe budget."""
-        bit = 1 << ctx.slot
-        tail: set[int] = set()
-        protected: set[int] = set()
-        for sid, conv in self._convs.get(ctx.slot, {}).items():
-            budget = self.budget(ctx.slot, sid)
-            node, depth = conv.tip, conv.length
-            while node is not None and depth > budget:
-                if node.holders & bit:
-                    tail.add(node.key)
-                node, depth = node.parent, depth - 1
-            while node is not None and node.key not in protected:
-                protected.add(node.key)
-                node = node.parent
-        return tail - protected
+        t = self._refresh(ctx.slot)
+        holds = ctx.index.holds
+        return {k for k in t.tail if k not in t.protected and holds(ctx.slot, k)}
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        tail = self.trimmable(ctx)
+        t = self._refresh(ctx.slot)
+        tail, protected = t.tail, t.protected
         slot = ctx.slot
 
         def priority(b: Block) -> tuple[int, float]:
-            return (0 if b.key in tail else 1, _recency(b, slot))
+            k = b.key
+            return (0 if k in tail and k not in protected else 1, _recency(b, slot))
 
         return rank_leaves_by(ctx, count, pinned, priority)
+
+
+def _count(counts: dict[int, int], keys: list[int], step: int) -> None:
+    for k in keys:
+        n = counts.get(k, 0) + step
+        if n > 0:
+            counts[k] = n
+        else:
+            counts.pop(k, None)

@@ -53,7 +53,7 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import rank_leaves_by
 
-__all__ = ["UniCacheParams", "UniCacheEviction", "EVICT_FIRST", "CHAT", "AGENTIC", "STRUCTURAL", "lognormal_cdf"]
+__all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "UniCacheParams", "lognormal_cdf"]
 
 EVICT_FIRST, CHAT, AGENTIC, STRUCTURAL = 0, 1, 2, 3
 WEIGHTED = (CHAT, AGENTIC, STRUCTURAL)
@@ -92,7 +92,7 @@ class UniCacheParams:
 class _GapFit:
     """Welford mean/variance of log inter-turn gaps."""
 
-    __slots__ = ("n", "mean", "m2")
+    __slots__ = ("m2", "mean", "n")
 
     def __init__(self) -> None:
         self.n, self.mean, self.m2 = 0, 0.0, 0.0
@@ -106,7 +106,7 @@ class _GapFit:
 
 
 class _SlotState:
-    __slots__ = ("queue", "offset", "counts", "hits", "alpha", "last_update", "struct_offsets", "max_offset")
+    __slots__ = ("alpha", "counts", "hits", "last_update", "max_offset", "offset", "queue", "struct_offsets")
 
     def __init__(self, now: float) -> None:
         self.queue: dict[int, int] = {}
@@ -275,9 +275,10 @@ class UniCacheEviction(EvictionPolicyBase):
         def priority(b: Block) -> tuple[int, float, float]:
             last = _recency(b, slot)
             queue = s.queue.get(b.key)
-            offset = s.offset.get(b.key)
             if queue is None:  # never seen by the hooks: an unlabelled, session-less block
                 queue, offset = STRUCTURAL, b.depth() - 1
+            else:
+                offset = s.offset[b.key]
             if queue == EVICT_FIRST:
                 return (0, -float(offset), last)
             if queue == STRUCTURAL:

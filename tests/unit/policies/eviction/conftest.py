@@ -10,6 +10,8 @@ from kvrouterd.index.radix import Block, RadixIndex
 from kvrouterd.policies import registry
 from kvrouterd.policies.base import AccessInfo, EvictionContext
 
+UNLABELLED = AccessInfo()
+
 
 class Cache:
     def __init__(self, policy: str | dict, seed: int = 0, slots: int = 1) -> None:
@@ -19,12 +21,12 @@ class Cache:
         self.policy = registry.build("eviction", policy, random.Random(seed))
 
     def store(self, keys: list[int], now: float, parent: int | None = None, slot: int = 0,
-              info: AccessInfo = AccessInfo()) -> list[Block]:
+              info: AccessInfo = UNLABELLED) -> list[Block]:
         blocks = self.index.store(slot, parent, keys, now)
         self.policy.on_stored(slot, blocks, info, now)
         return blocks
 
-    def access(self, keys: list[int], now: float, slot: int = 0, info: AccessInfo = AccessInfo()) -> None:
+    def access(self, keys: list[int], now: float, slot: int = 0, info: AccessInfo = UNLABELLED) -> None:
         blocks = [self.index.get(k) for k in keys]
         self.index.touch(slot, blocks, now)
         self.policy.on_accessed(slot, blocks, info, now)

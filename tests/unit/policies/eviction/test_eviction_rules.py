@@ -41,9 +41,9 @@ def evictable(cache: Cache, slot: int, pinned: frozenset[int]) -> set[int]:
 
 
 def check_rank(cache: Cache, slot: int, count: int, pinned: frozenset[int], now: float) -> list[int]:
-    before = (cache.index.count(slot), set(b.key for b in cache.index.leaves(slot)))
+    before = (cache.index.count(slot), {b.key for b in cache.index.leaves(slot)})
     out = cache.rank(count, now=now, pinned=pinned, slot=slot)
-    assert (cache.index.count(slot), set(b.key for b in cache.index.leaves(slot))) == before
+    assert (cache.index.count(slot), {b.key for b in cache.index.leaves(slot)}) == before
     assert len(out) <= count
     assert len(set(out)) == len(out)
     assert not set(out) & pinned

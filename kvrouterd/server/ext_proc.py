@@ -1,0 +1,434 @@
+"""Envoy External Processing: kvrouterd as a Gateway API Inference Extension endpoint picker.
+
+Implements ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` (protos from the
+``xds-protos`` package) as the endpoint-picker protocol specifies it
+(kubernetes-sigs/gateway-api-inference-extension, ``docs/proposals/004-endpoint-picker-
+protocol/README.md``, v1.0.0), following the reference picker's handlers
+(``pkg/epp/handlers/server.go``, ``request.go``) where the proposal is silent:
+
+- Envoy runs the filter with ``request_header_mode: SEND`` and ``request_body_mode:
+  FULL_DUPLEX_STREAMED`` (``request_trailer_mode: SEND``, which Envoy requires with it).
+  The request-headers answer is withheld until the body has arrived (end of stream on a body
+  chunk, or trailers), because the prompt is in the body. A request whose headers end the
+  stream (a GET) goes to any eligible worker: the least loaded, nothing committed.
+- The body is parsed as OpenAI JSON (``openai_prompt.py``), keyed, and routed through the
+  same ``Router.route`` as the ``Route`` RPC. The answer to the request headers sets the
+  header ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
+  the policy's alternative, up to ``ext_proc.max_endpoints``), overwriting any sent by the
+  client, plus ``content-length`` and ``clear_route_cache`` as the reference does, **and**
+  the same value in ``dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]``.
+  The body then goes back unchanged as ``streamed_response`` chunks of at most 62,000 bytes
+  (the reference's ``bodyByteLimit``: some Envoy builds cap a streamed chunk at 64 KiB).
+- Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
+  ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, or a comma-separated
+  string) restricts the pick to workers with those addresses; none eligible -> 503.
+- Errors end the exchange with an ``ImmediateResponse``: malformed JSON or prompt -> 400,
+  no eligible worker -> 503, shed (prompt over ``limits.max_prompt_tokens``, body over
+  ``ext_proc.max_body_bytes``) -> 429 (``status.http_status`` maps the error tree).
+- Response path: the served endpoint is read from ``metadata_context.filter_metadata
+  ["envoy.lb"]["x-gateway-destination-endpoint-served"]`` (the protocol's place), else a
+  response header of that name, else plain Envoy's ``upstream.address`` attribute (sent
+  when the filter lists it in ``response_attributes``); ``:status`` gives success. TTFT is approximated by
+  the time from the routing decision to the first response-body chunk, or to the response
+  headers when the body is not sent to us; end-to-end runs to the response's end of stream,
+  or to the close of the ext_proc stream. The request is completed when the stream closes,
+  however it closes, so its load is always released. If a fallback served the request, the
+  timings are withheld (sent as 0, "no observation") so they do not calibrate the primary
+  worker's latency model with another worker's latency.
+- Response bodies (``response_body_mode: FULL_DUPLEX_STREAMED``) are echoed unchanged; with
+  another mode announced in ``protocol_config`` they are passed with an empty answer.
+- gRPC health reports ``envoy.service.ext_proc.v3.ExternalProcessor`` (registered in app.py).
+
+One span (``kvrouter.ext_proc.route``) per routing decision, annotated like ``Route``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from opentelemetry import trace
+
+from ..config import ExtProcConfig
+from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
+from ..index.workers import Worker
+from ..protocols import Completion, RouteRequest
+from ..router import Router
+from ..telemetry.metrics import Metrics
+from ..telemetry.tracing import annotate_decision
+from .openai_prompt import PromptKeyer, load_tokenizer, parse_body
+from .status import http_status, status_code
+
+__all__ = [
+    "BODY_CHUNK_BYTES",
+    "DESTINATION_ENDPOINT_HEADER",
+    "DESTINATION_ENDPOINT_NAMESPACE",
+    "DESTINATION_ENDPOINT_SERVED_KEY",
+    "EXT_PROC_SERVICE",
+    "SUBSET_HINT_KEY",
+    "SUBSET_HINT_NAMESPACE",
+    "ExtProcService",
+]
+
+log = logging.getLogger("kvrouterd.ext_proc")
+
+EXT_PROC_SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
+DESTINATION_ENDPOINT_SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+#: where Envoy puts the attributes the filter is configured to send
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+#: the reference picker's bodyByteLimit: below the 64 KiB some Envoy builds allow per chunk
+BODY_CHUNK_BYTES = 62_000
+
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """What one HTTP request's ext_proc stream has shown so far."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: tuple[str, ...] | None = None
+    response_body_full_duplex: bool = True
+    body: bytearray = field(default_factory=bytearray)
+    decided: bool = False
+    #: set when the router committed load for this request (to be released by Complete)
+    request_id: str = ""
+    primary: str = ""
+    routed_at: float = 0.0
+    response_headers_at: float = 0.0
+    first_chunk_at: float = 0.0
+    response_done_at: float = 0.0
+    status: int = 0
+    served: str = ""
+
+
+def _header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    # Envoy sends raw_value (bytes) in recent versions and value in older ones
+    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in headers.headers}
+
+
+def _metadata_value(md: base_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
+    ns = md.filter_metadata.get(namespace)
+    if ns is None or key not in ns.fields:
+        return None
+    return ns.fields[key]
+
+
+def _addresses(value: struct_pb2.Value) -> tuple[str, ...]:
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return tuple(a.strip() for a in items if a.strip())
+
+
+def _upstream_address(msg: ep.ProcessingRequest) -> str:
+    """Plain Envoy's ``upstream.address`` attribute (``response_attributes`` in the filter)."""
+    attrs = msg.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attrs is None or "upstream.address" not in attrs.fields:
+        return ""
+    value = attrs.fields["upstream.address"]
+    return value.string_value if value.WhichOneof("kind") == "string_value" else ""
+
+
+def _immediate(exc: KVRouterError) -> ep.ProcessingResponse:
+    code = http_status(exc)
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=code),  # type: ignore[arg-type]
+            headers=ep.HeaderMutation(
+                set_headers=[base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain; charset=utf-8"),
+                    append_action=_OVERWRITE,
+                )]
+            ),
+            body=f"kvrouterd: {exc}\n".encode(),
+            details=f"kvrouterd_{type(exc).__name__}",
+        )
+    )
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def _destination_response(destination: str, body_len: int) -> ep.ProcessingResponse:
+    headers = [_header(DESTINATION_ENDPOINT_HEADER, destination)]
+    if body_len:
+        headers.append(_header("content-length", str(body_len)))
+    metadata = struct_pb2.Struct()
+    metadata.update({DESTINATION_ENDPOINT_NAMESPACE: {DESTINATION_ENDPOINT_HEADER: destination}})
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=headers), clear_route_cache=True)
+        ),
+        dynamic_metadata=metadata,
+    )
+
+
+def _body_chunks(body: bytes, end_of_stream: bool) -> Iterable[ep.ProcessingResponse]:
+    n = len(body)
+    starts = range(0, n, BODY_CHUNK_BYTES) if n else range(1)
+    for start in starts:
+        last = start + BODY_CHUNK_BYTES >= n
+        yield ep.ProcessingResponse(
+            request_body=ep.BodyResponse(
+                response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(
+                        streamed_response=ep.StreamedBodyResponse(
+                            body=body[start : start + BODY_CHUNK_BYTES], end_of_stream=end_of_stream and last
+                        )
+                    )
+                )
+            )
+        )
+
+
+class ExtProcService(ep_grpc.ExternalProcessorServicer):
+    def __init__(
+        self,
+        router: Router,
+        keyer: PromptKeyer,
+        settings: ExtProcConfig,
+        tracer: trace.Tracer | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.router = router
+        self.keyer = keyer
+        self.settings = settings
+        self.tracing = tracer is not None
+        self.tracer = tracer if tracer is not None else trace.NoOpTracer()
+        self.metrics = metrics
+
+    @classmethod
+    def from_config(
+        cls, router: Router, settings: ExtProcConfig, tracer: trace.Tracer | None = None, metrics: Metrics | None = None
+    ) -> ExtProcService:
+        """Loads the configured tokenizer (ConfigError if it cannot be) and builds the servicer."""
+        tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
+        keyer = PromptKeyer(router.block_size, tokenizer, settings.salt_keys_with_model)
+        return cls(router, keyer, settings, tracer, metrics)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        ep_grpc.add_ExternalProcessorServicer_to_server(self, server)
+
+    # ---- the stream ---------------------------------------------------------------------
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        ex = _Exchange()
+        try:
+            async for msg in request_iterator:
+                replies, finished = self._on_message(ex, msg)
+                for reply in replies:
+                    yield reply
+                if finished:
+                    return
+        finally:
+            # runs on normal close, on an ImmediateResponse and when Envoy cancels the stream
+            self._complete(ex)
+
+    def _on_message(self, ex: _Exchange, msg: ep.ProcessingRequest) -> tuple[list[ep.ProcessingResponse], bool]:
+        """Replies to one message, and whether the exchange ended (ImmediateResponse)."""
+        if msg.HasField("protocol_config"):
+            mode = msg.protocol_config.response_body_mode
+            ex.response_body_full_duplex = mode in (_FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE)
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            ex.headers = _header_map(msg.request_headers.headers)
+            value = _metadata_value(msg.metadata_context, SUBSET_HINT_NAMESPACE, SUBSET_HINT_KEY)
+            if value is not None:
+                ex.subset = _addresses(value)
+            if msg.request_headers.end_of_stream:
+                return self._decide(ex, None, end_of_stream=True)
+            return [], False
+        if kind == "request_body":
+            if ex.decided:  # a late chunk after an answer: pass it on unchanged
+                return list(_body_chunks(msg.request_body.body, msg.request_body.end_of_stream)), False
+            ex.body += msg.request_body.body
+            if len(ex.body) > self.settings.max_body_bytes:
+                return self._reject(ex, Overloaded(
+                    f"request body over ext_proc.max_body_bytes={self.settings.max_body_bytes}"
+                )), True
+            if msg.request_body.end_of_stream:
+                return self._decide(ex, bytes(ex.body), end_of_stream=True)
+            return [], False
+        if kind == "request_trailers":
+            replies: list[ep.ProcessingResponse] = []
+            if not ex.decided:
+                replies, finished = self._decide(ex, bytes(ex.body), end_of_stream=False)
+                if finished:
+                    return replies, True
+            replies.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+            return replies, False
+        if kind == "response_headers":
+            return [self._on_response_headers(ex, msg)], False
+        if kind == "response_body":
+            return [self._on_response_body(ex, msg.response_body)], False
+        if kind == "response_trailers":
+            ex.response_done_at = ex.response_done_at or self.router.clock.now()
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())], False
+        return [], False  # nothing set: a newer Envoy's message we need not answer
+
+    def _reject(self, ex: _Exchange, exc: KVRouterError, span: trace.Span | None = None) -> list[ep.ProcessingResponse]:
+        ex.decided = True
+        code = status_code(exc)
+        if self.metrics is not None:
+            self.metrics.route_errors.add(1, {"code": code.name})
+        if span is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            span.set_attribute("http.response.status_code", http_status(exc))
+        log.info("ext_proc request rejected: %s", exc, extra={"status": http_status(exc), "path": ex.headers.get(":path", "")})
+        return [_immediate(exc)]
+
+    # ---- request path -------------------------------------------------------------------
+    def _candidates(self, ex: _Exchange) -> tuple[str, ...]:
+        """Worker ids the subset hint allows; () = no hint (every worker)."""
+        if ex.subset is None:
+            return ()
+        wanted = set(ex.subset)
+        ids = tuple(w.id for w in self.router.workers if w.address in wanted and w.eligible)
+        if not ids:
+            raise NoEligibleWorker(f"no eligible worker has an address in the subset hint {list(ex.subset)}")
+        return ids
+
+    def _any_worker(self, candidates: tuple[str, ...]) -> Worker:
+        allowed = set(candidates)
+        pool = [w for w in self.router.workers if w.eligible and (not allowed or w.id in allowed)]
+        if not pool:
+            raise NoEligibleWorker("no eligible worker is registered")
+        return min(pool, key=lambda w: (w.inflight_requests, w.pending_prefill_tokens, w.slot))
+
+    def _decide(
+        self, ex: _Exchange, body: bytes | None, *, end_of_stream: bool
+    ) -> tuple[list[ep.ProcessingResponse], bool]:
+        ex.decided = True
+        started = time.perf_counter()
+        path = ex.headers.get(":path", "")
+        with self.tracer.start_as_current_span("kvrouter.ext_proc.route", record_exception=False) as span:
+            recording = self.tracing and span.is_recording()
+            try:
+                candidates = self._candidates(ex)
+                parsed = parse_body(path, body) if body is not None else None
+                if parsed is None:
+                    worker = self._any_worker(candidates)
+                    destination = worker.address
+                    source, policy, reason = "none", "ext_proc", "no_prompt"
+                else:
+                    pk = self.keyer.keys(parsed)
+                    rid = ex.headers.get("x-request-id", "")
+                    if rid and self.router.request(rid) is not None:
+                        rid = ""  # a client-chosen id already in flight: let the router name it
+                    req = RouteRequest(
+                        request_id=rid, keys=pk.keys, prompt_tokens=pk.prompt_tokens,
+                        model=parsed.model, candidate_workers=candidates,
+                    )
+                    result = self.router.route(req, explain=recording)
+                    ex.request_id = req.request_id
+                    ex.routed_at = self.router.clock.now()
+                    endpoints = [result.worker.address]
+                    alt = result.alternative
+                    if alt is not None and alt.eligible and alt.address not in endpoints and (
+                        not candidates or alt.id in candidates
+                    ):
+                        endpoints.append(alt.address)
+                    destination = ",".join(endpoints[: self.settings.max_endpoints])
+                    source, policy, reason = pk.source, result.decision.policy, result.decision.reason
+                    if recording:
+                        annotate_decision(span, result, self.router.block_size)
+            except KVRouterError as exc:
+                return self._reject(ex, exc, span), True
+            ex.primary = destination.split(",", 1)[0]
+            if recording:
+                span.set_attributes({
+                    "kvrouter.ext_proc.path": path,
+                    "kvrouter.ext_proc.destination": destination,
+                    "kvrouter.ext_proc.key_source": source,
+                    "kvrouter.ext_proc.body_bytes": len(body or b""),
+                    "kvrouter.ext_proc.subset_size": -1 if ex.subset is None else len(ex.subset),
+                })
+        if self.metrics is not None:
+            self.metrics.decisions.add(1, {"policy": policy, "reason": reason})
+            self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
+        replies = [_destination_response(destination, len(body or b""))]
+        if body is not None:
+            replies.extend(_body_chunks(body, end_of_stream))
+        return replies, False
+
+    # ---- response path ------------------------------------------------------------------
+    def _on_response_headers(self, ex: _Exchange, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        now = self.router.clock.now()
+        ex.response_headers_at = now
+        headers = _header_map(msg.response_headers.headers)
+        try:
+            ex.status = int(headers.get(":status", "0"))
+        except ValueError:
+            ex.status = 0
+        value = _metadata_value(msg.metadata_context, DESTINATION_ENDPOINT_NAMESPACE, DESTINATION_ENDPOINT_SERVED_KEY)
+        served = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
+        ex.served = served or headers.get(DESTINATION_ENDPOINT_SERVED_KEY, "") or _upstream_address(msg)
+        if msg.response_headers.end_of_stream:
+            ex.response_done_at = now
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+
+    def _on_response_body(self, ex: _Exchange, chunk: ep.HttpBody) -> ep.ProcessingResponse:
+        now = self.router.clock.now()
+        if chunk.body and not ex.first_chunk_at:
+            ex.first_chunk_at = now
+        if chunk.end_of_stream:
+            ex.response_done_at = now
+        if not ex.response_body_full_duplex:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        return ep.ProcessingResponse(
+            response_body=ep.BodyResponse(
+                response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(
+                        streamed_response=ep.StreamedBodyResponse(body=chunk.body, end_of_stream=chunk.end_of_stream)
+                    )
+                )
+            )
+        )
+
+    def _complete(self, ex: _Exchange) -> None:
+        if not ex.request_id:
+            return
+        now = self.router.clock.now()
+        observed = bool(ex.response_headers_at) and (not ex.served or ex.served == ex.primary)
+        ttft_ms = e2e_ms = 0.0
+        if observed:
+            ttft_ms = ((ex.first_chunk_at or ex.response_headers_at) - ex.routed_at) * 1000.0
+            e2e_ms = ((ex.response_done_at or now) - ex.routed_at) * 1000.0
+        completion = Completion(
+            request_id=ex.request_id,
+            ttft_ms=max(0.0, ttft_ms),
+            e2e_ms=max(0.0, e2e_ms),
+            success=200 <= ex.status < 300,
+        )
+        try:
+            self.router.complete(completion)
+        except NotFound:
+            # already expired by the in-flight timeout, or its worker was removed
+            log.debug("ext_proc completion for an unknown request", extra={"request_id": ex.request_id})
+        except InvalidRequest as exc:  # pragma: no cover - the completion is built valid
+            log.warning("ext_proc completion rejected: %s", exc)
+        if ex.served and ex.served != ex.primary:
+            log.info(
+                "served by a fallback endpoint", extra={"request_id": ex.request_id, "primary": ex.primary, "served": ex.served}
+            )

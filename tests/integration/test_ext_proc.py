@@ -1,0 +1,472 @@
+"""The ext_proc endpoint picker over real grpc.aio, driven with the real Envoy protos as Envoy does.
+
+Each test plays Envoy's side of one HTTP request: request headers (with the subset hint in
+``metadata_context`` when set), body chunks in FULL_DUPLEX_STREAMED mode, then the response
+headers (with ``envoy.lb`` / ``x-gateway-destination-endpoint-served``) and body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.config import parse_config
+from kvrouterd.errors import ConfigError
+from kvrouterd.index.keys import block_keys
+from kvrouterd.server.app import Daemon
+from kvrouterd.server.ext_proc import BODY_CHUNK_BYTES, EXT_PROC_SERVICE
+
+BS = 16
+WORKERS = [
+    {"id": "a", "address": "10.0.0.1:8000", "mode": "approximate"},
+    {"id": "b", "address": "10.0.0.2:8000", "mode": "approximate"},
+    {"id": "c", "address": "10.0.0.3:8000", "mode": "events"},
+]
+
+
+class Envoy:
+    """One daemon with a manual clock, and helpers to speak ext_proc to it like Envoy."""
+
+    def __init__(self, daemon: Daemon, channel: grpc.aio.Channel, clock: ManualClock, spans: InMemorySpanExporter):
+        self.daemon = daemon
+        self.router = daemon.router
+        self.channel = channel
+        self.stub = ep_grpc.ExternalProcessorStub(channel)
+        self.clock = clock
+        self.spans = spans
+
+    def open(self) -> Stream:
+        return Stream(self.stub)
+
+
+class Stream:
+    """A Process stream where the test sends one message and reads the answers it expects."""
+
+    def __init__(self, stub: ep_grpc.ExternalProcessorStub) -> None:
+        self.queue: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[ep.ProcessingRequest]:
+            while (msg := await self.queue.get()) is not None:
+                yield msg
+
+        self.call = stub.Process(requests())
+
+    async def send(self, msg: ep.ProcessingRequest, expect: int = 0) -> list[ep.ProcessingResponse]:
+        await self.queue.put(msg)
+        return [await asyncio.wait_for(self.call.read(), 5) for _ in range(expect)]
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+        assert await asyncio.wait_for(self.call.read(), 5) is grpc.aio.EOF
+
+
+def headers_msg(path: str, *, eos: bool = False, subset: list[str] | str | None = None, extra=(), method="POST"):
+    hs = [(":method", method), (":path", path), (":authority", "gw"), ("content-type", "application/json"), *extra]
+    msg = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
+            end_of_stream=eos,
+        )
+    )
+    if subset is not None:
+        s = struct_pb2.Struct()
+        s.update({"x-gateway-destination-endpoint-subset": subset})
+        msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(s)
+    return msg
+
+
+def body_msg(chunk: bytes, eos: bool):
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=chunk, end_of_stream=eos))
+
+
+def response_headers_msg(status: int = 200, served: str | None = None, served_header: str | None = None):
+    hs = [(":status", str(status))]
+    if served_header is not None:
+        hs.append(("x-gateway-destination-endpoint-served", served_header))
+    msg = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs])
+        )
+    )
+    if served is not None:
+        s = struct_pb2.Struct()
+        s.update({"x-gateway-destination-endpoint-served": served})
+        msg.metadata_context.filter_metadata["envoy.lb"].CopyFrom(s)
+    return msg
+
+
+def chat_body(text: str, model: str = "m") -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "stream": True}).encode()
+
+
+def destination(resp: ep.ProcessingResponse) -> tuple[str, str]:
+    """(header value, dynamic metadata value) of a request-headers answer."""
+    assert resp.WhichOneof("response") == "request_headers"
+    common = resp.request_headers.response
+    headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    md = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    return headers["x-gateway-destination-endpoint"], md
+
+
+def streamed(resps: list[ep.ProcessingResponse]) -> tuple[bytes, list[int], bool]:
+    """Body bytes echoed, chunk sizes, and whether the last chunk ends the stream."""
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in resps]
+    return b"".join(c.body for c in chunks), [len(c.body) for c in chunks], chunks[-1].end_of_stream
+
+
+def immediate_status(resps: list[ep.ProcessingResponse]) -> int:
+    assert len(resps) == 1 and resps[0].WhichOneof("response") == "immediate_response"
+    return resps[0].immediate_response.status.code
+
+
+@pytest.fixture
+def ext_config() -> dict:
+    return {}
+
+
+@pytest.fixture
+def worker_list() -> list[dict]:
+    return WORKERS
+
+
+@pytest.fixture
+async def envoy(ext_config: dict, worker_list: list[dict]) -> AsyncIterator[Envoy]:
+    clock = ManualClock(100.0)
+    spans = InMemorySpanExporter()
+    cfg = parse_config({"listen": "127.0.0.1:0", "workers": worker_list, "ext_proc": ext_config})
+    daemon = Daemon(cfg, clock=clock, span_exporter=spans, seed=3)
+    port = await daemon.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Envoy(daemon, channel, clock, spans)
+    finally:
+        await channel.close()
+        await daemon.stop(grace=0.5)
+
+
+async def route_chat(envoy: Envoy, text: str, **headers_kw) -> tuple[Stream, str, str]:
+    s = envoy.open()
+    assert await s.send(headers_msg("/v1/chat/completions", **headers_kw)) == []
+    body = chat_body(text)
+    replies = await s.send(body_msg(body, True), expect=2)
+    header, md = destination(replies[0])
+    assert streamed(replies[1:]) == (body, [len(body)], True)
+    return s, header, md
+
+
+# ---- the happy path ----------------------------------------------------------------------
+
+async def test_health_reports_the_ext_proc_service(envoy):
+    health = health_pb2_grpc.HealthStub(envoy.channel)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE))
+    assert EXT_PROC_SERVICE == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_chunked_body_is_routed_then_streamed_back_unchanged_in_62kb_chunks(envoy):
+    s = envoy.open()
+    assert await s.send(headers_msg("/v1/chat/completions", extra=[("x-request-id", "req-1")])) == []
+    body = chat_body("long document " * 12_000)  # ~170 KB: three upstream chunks, three echoed
+    pieces = [body[:50_000], body[50_000:120_000], body[120_000:]]
+    assert await s.send(body_msg(pieces[0], False)) == []
+    assert await s.send(body_msg(pieces[1], False)) == []
+    replies = await s.send(body_msg(pieces[2], True), expect=1 + -(-len(body) // BODY_CHUNK_BYTES))
+    header, md = destination(replies[0])
+    assert header == md and header.split(",")[0] in {w["address"] for w in WORKERS}
+    common = replies[0].request_headers.response
+    assert common.clear_route_cache
+    sent = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert sent["content-length"] == str(len(body))
+    echoed, sizes, eos = streamed(replies[1:])
+    assert echoed == body and eos and max(sizes) <= BODY_CHUNK_BYTES and sizes[0] == BODY_CHUNK_BYTES
+    # the router committed the request under Envoy's request id
+    assert envoy.router.request("req-1") is not None
+    await s.close()
+
+
+async def test_same_prefix_lands_on_the_same_worker_and_fallback_is_listed(envoy):
+    first_stream, first, _ = await route_chat(envoy, "shared system prompt " * 40 + "question one")
+    second_stream, second, md = await route_chat(envoy, "shared system prompt " * 40 + "question two")
+    assert second.split(",")[0] == first.split(",")[0]
+    endpoints = second.split(",")
+    assert len(endpoints) <= 2 and len(set(endpoints)) == len(endpoints) and md == second
+    for s in (first_stream, second_stream):
+        await s.close()
+
+
+async def test_span_per_decision_carries_the_decision(envoy):
+    s, header, _ = await route_chat(envoy, "hello " * 100)
+    await s.close()
+    spans = [sp for sp in envoy.spans.get_finished_spans() if sp.name == "kvrouter.ext_proc.route"]
+    assert len(spans) == 1
+    attrs = spans[0].attributes
+    assert attrs["kvrouter.ext_proc.destination"] == header
+    assert attrs["kvrouter.chosen.address"] == header.split(",")[0]
+    assert attrs["kvrouter.ext_proc.key_source"] == "text"
+    assert attrs["kvrouter.ext_proc.path"] == "/v1/chat/completions"
+    assert attrs["kvrouter.prompt_blocks"] > 0
+
+
+async def test_response_path_completes_with_timings_from_routing(envoy):
+    s, header, _ = await route_chat(envoy, "hi " * 200, extra=[("x-request-id", "r-t")])
+    chosen = header.split(",")[0]
+    worker = next(w for w in envoy.router.workers if w.address == chosen)
+    assert worker.inflight_requests == 1
+    seen = []
+    complete = envoy.router.complete
+    envoy.router.complete = lambda c: (seen.append(c), complete(c))[1]  # type: ignore[method-assign]
+    envoy.clock.advance(0.25)
+    replies = await s.send(response_headers_msg(200, served=chosen), expect=1)
+    assert replies[0].WhichOneof("response") == "response_headers"
+    envoy.clock.advance(0.05)
+    body_replies = await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: {}\n\n")), expect=1)
+    assert body_replies[0].response_body.response.body_mutation.streamed_response.body == b"data: {}\n\n"
+    envoy.clock.advance(1.0)
+    await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)), expect=1)
+    await s.close()
+    await asyncio.sleep(0.05)
+    (c,) = seen
+    assert c.request_id == "r-t" and c.success
+    assert c.ttft_ms == pytest.approx(300.0) and c.e2e_ms == pytest.approx(1300.0)
+    assert worker.inflight_requests == 0
+
+
+@pytest.mark.parametrize("where", ["metadata", "header", "attribute"])
+async def test_served_by_fallback_releases_load_without_timings(envoy, where):
+    s, header, _ = await route_chat(envoy, "x " * 300)
+    chosen = header.split(",")[0]
+    other = next(w["address"] for w in WORKERS if w["address"] != chosen)
+    seen = []
+    complete = envoy.router.complete
+    envoy.router.complete = lambda c: (seen.append(c), complete(c))[1]  # type: ignore[method-assign]
+    envoy.clock.advance(0.5)
+    if where == "metadata":
+        msg = response_headers_msg(200, served=other)
+    elif where == "header":
+        msg = response_headers_msg(200, served_header=other)
+    else:  # plain Envoy with response_attributes: [upstream.address]
+        msg = response_headers_msg(200)
+        msg.attributes["envoy.filters.http.ext_proc"].update({"upstream.address": other})
+    await s.send(msg, expect=1)
+    await s.close()
+    await asyncio.sleep(0.05)
+    (c,) = seen
+    assert c.ttft_ms == 0.0 and c.e2e_ms == 0.0 and c.success
+    assert all(w.inflight_requests == 0 for w in envoy.router.workers)
+
+
+async def test_cancelled_stream_still_releases_load(envoy):
+    s, header, _ = await route_chat(envoy, "y " * 300)
+    assert sum(w.inflight_requests for w in envoy.router.workers) == 1
+    s.call.cancel()
+    for _ in range(100):
+        if sum(w.inflight_requests for w in envoy.router.workers) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(w.inflight_requests for w in envoy.router.workers) == 0
+
+
+async def test_upstream_error_status_completes_unsuccessfully(envoy):
+    s, header, _ = await route_chat(envoy, "z " * 300)
+    seen = []
+    complete = envoy.router.complete
+    envoy.router.complete = lambda c: (seen.append(c), complete(c))[1]  # type: ignore[method-assign]
+    await s.send(response_headers_msg(500, served=header.split(",")[0]), expect=1)
+    await s.close()
+    await asyncio.sleep(0.05)
+    assert len(seen) == 1 and not seen[0].success
+
+
+async def test_request_trailers_end_the_body(envoy):
+    s = envoy.open()
+    await s.send(headers_msg("/v1/completions"))
+    body = json.dumps({"model": "m", "prompt": "once upon a time " * 20}).encode()
+    assert await s.send(body_msg(body, False)) == []
+    replies = await s.send(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()), expect=3)
+    assert destination(replies[0])[0]
+    echoed, _, eos = streamed(replies[1:2])
+    assert echoed == body and not eos  # the stream ends with the trailers, not the body
+    assert replies[2].WhichOneof("response") == "request_trailers"
+    await s.close()
+
+
+async def test_completions_token_ids_key_like_the_route_rpc(envoy):
+    tokens = list(range(5000, 5000 + 8 * BS))
+    s = envoy.open()
+    await s.send(headers_msg("/v1/completions", extra=[("x-request-id", "tok")]))
+    await s.send(body_msg(json.dumps({"model": "m", "prompt": tokens}).encode(), True), expect=2)
+    req = envoy.router.request("tok")
+    assert req.keys == block_keys(tokens, BS, model="m") and req.prompt_tokens == len(tokens) and req.model == "m"
+    await s.close()
+
+
+async def test_headers_only_request_goes_to_the_least_loaded_worker_without_commit(envoy):
+    s1, busy, _ = await route_chat(envoy, "keep me busy " * 50)
+    s = envoy.open()
+    replies = await s.send(headers_msg("/v1/models", eos=True, method="GET"), expect=1)
+    header, md = destination(replies[0])
+    assert header == md and header != busy.split(",")[0] and "," not in header
+    assert sum(w.inflight_requests for w in envoy.router.workers) == 1
+    for stream in (s, s1):
+        await stream.close()
+
+
+async def test_other_paths_with_a_body_pass_through_to_any_worker(envoy):
+    s = envoy.open()
+    await s.send(headers_msg("/v1/embeddings"))
+    body = b"not even json"
+    replies = await s.send(body_msg(body, True), expect=2)
+    assert destination(replies[0])[0] in {w["address"] for w in WORKERS}
+    assert streamed(replies[1:])[0] == body
+    await s.close()
+
+
+# ---- the subset hint -----------------------------------------------------------------------
+
+async def test_subset_hint_restricts_the_pick(envoy):
+    for _ in range(4):
+        s, header, md = await route_chat(envoy, "subset " * 100, subset=["10.0.0.2:8000"])
+        assert header == md == "10.0.0.2:8000"  # the only one allowed, and no fallback outside it
+        await s.close()
+
+
+async def test_subset_hint_as_comma_separated_string(envoy):
+    s, header, _ = await route_chat(envoy, "subset " * 100, subset="10.0.0.3:8000, 10.0.0.9:1")
+    assert header == "10.0.0.3:8000"
+    await s.close()
+
+
+@pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"]])
+async def test_subset_hint_with_no_eligible_worker_is_503(envoy, subset):
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions", subset=subset))
+    assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
+    assert await asyncio.wait_for(s.call.read(), 5) is grpc.aio.EOF
+
+
+async def test_subset_hint_on_a_headers_only_request_is_honoured(envoy):
+    s = envoy.open()
+    replies = await s.send(headers_msg("/health", eos=True, method="GET", subset=["10.0.0.1:8000"]), expect=1)
+    assert destination(replies[0])[0] == "10.0.0.1:8000"
+    await s.close()
+
+
+# ---- error paths ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b"[1, 2]"),
+        ("/v1/chat/completions", b""),
+        ("/v1/chat/completions", json.dumps({"model": "m"}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": "m", "messages": [{"content": "no role"}]}).encode()),
+        ("/v1/completions", json.dumps({"model": "m"}).encode()),
+        ("/v1/completions", json.dumps({"model": 7, "prompt": "x"}).encode()),
+        ("/v1/completions", json.dumps({"model": "m", "prompt": [1, -2]}).encode()),
+    ],
+)
+async def test_malformed_body_is_400_and_changes_nothing(envoy, path, body):
+    s = envoy.open()
+    await s.send(headers_msg(path))
+    replies = await s.send(body_msg(body, True), expect=1)
+    assert immediate_status(replies) == 400
+    assert b"kvrouterd:" in replies[0].immediate_response.body
+    assert envoy.router.counters["decisions"] == 0
+    assert sum(w.inflight_requests for w in envoy.router.workers) == 0
+    assert await asyncio.wait_for(s.call.read(), 5) is grpc.aio.EOF
+
+
+@pytest.mark.parametrize("worker_list", [[]])
+async def test_no_worker_is_503(envoy):
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions"))
+    assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
+    s2 = envoy.open()
+    assert immediate_status(await s2.send(headers_msg("/v1/models", eos=True, method="GET"), expect=1)) == 503
+
+
+async def test_all_workers_draining_is_503(envoy):
+    for w in list(envoy.router.workers):
+        envoy.router.set_draining(w.id, True)
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions"))
+    assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
+
+
+@pytest.mark.parametrize("ext_config", [{"max_body_bytes": 1000}])
+async def test_body_over_the_limit_is_shed_with_429(envoy):
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions"))
+    assert await s.send(body_msg(b"x" * 600, False)) == []
+    assert immediate_status(await s.send(body_msg(b"x" * 600, False), expect=1)) == 429
+
+
+async def test_prompt_over_max_prompt_tokens_is_shed_with_429(envoy):
+    envoy.router.settings = dataclasses.replace(envoy.router.settings, max_prompt_tokens=100)
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions"))
+    assert immediate_status(await s.send(body_msg(chat_body("word " * 200), True), expect=1)) == 429
+    assert sum(w.inflight_requests for w in envoy.router.workers) == 0
+
+
+@pytest.mark.parametrize("ext_config", [{"max_endpoints": 1}])
+async def test_max_endpoints_one_sends_a_single_address(envoy):
+    for i in range(5):
+        s, header, md = await route_chat(envoy, f"single {i} " * 80)
+        assert "," not in header and header == md
+        await s.close()
+
+
+@pytest.mark.parametrize("ext_config", [{"enabled": False}])
+async def test_disabled_ext_proc_is_not_served(envoy):
+    s = envoy.open()
+    await s.queue.put(headers_msg("/v1/models", eos=True))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(s.call.read(), 5)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_response_body_with_another_mode_is_passed_without_mutation(envoy):
+    s = envoy.open()
+    first = headers_msg("/v1/chat/completions")
+    first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
+    await s.send(first)
+    await s.send(body_msg(chat_body("mode"), True), expect=2)
+    (reply,) = await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"abc")), expect=1)
+    assert reply.WhichOneof("response") == "response_body"
+    assert not reply.response_body.response.HasField("body_mutation")
+    await s.close()
+
+
+def test_missing_tokenizer_file_fails_config():
+    with pytest.raises(ConfigError, match="ext_proc.tokenizer"):
+        parse_config({"ext_proc": {"tokenizer": "/nonexistent/tokenizer.json"}})
+
+
+@pytest.mark.parametrize("bad", [{"max_endpoints": 0}, {"max_body_bytes": 0}])
+def test_bad_ext_proc_settings_fail_config(bad):
+    with pytest.raises(ConfigError, match=f"ext_proc.{next(iter(bad))}"):
+        parse_config({"ext_proc": bad})
+
+
+async def test_invalid_tokenizer_file_fails_start(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "ext_proc": {"tokenizer": str(path)}}))
+    with pytest.raises(ConfigError, match="ext_proc.tokenizer"):
+        await daemon.start()

@@ -120,8 +120,9 @@ def _text(value: object) -> str:
 def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
     """(type name, named fields) from either the map or the positional-array encoding."""
     if isinstance(raw, Mapping):
-        kind = raw.get("type")
-        fields = {_text(k): v for k, v in raw.items()}
+        # msgpack gives str keys; only a publisher that packs keys as bytes needs converting
+        fields = raw if "type" in raw else {_text(k): v for k, v in raw.items()}
+        kind = fields.get("type")
     elif isinstance(raw, (list, tuple)) and raw:
         kind = raw[0]
         fields = dict(zip(names, raw[1:]))
@@ -139,7 +140,7 @@ def _is_gpu(medium: object) -> bool:
 def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
     """One event; None for an unknown event type. ``model`` salts stored keys (engines do not say)."""
     if isinstance(raw, Mapping):
-        kind = _text(raw.get("type"))
+        kind = _text(raw.get("type", raw.get(b"type")))
     elif isinstance(raw, (list, tuple)) and raw:
         kind = _text(raw[0])
     else:
@@ -178,12 +179,10 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored
     if not isinstance(tokens, (list, tuple)) or not tokens:
         # without tokens we cannot compute our keys; the router would reject it anyway
         raise MalformedPayload("BlockStored without token_ids")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-        raise MalformedPayload("BlockStored token_ids must be integers")
     try:
-        token_bytes = tokens_to_bytes(tokens)
-    except OverflowError:
-        raise MalformedPayload("BlockStored token_ids must be in [0, 2**32)") from None
+        token_bytes = tokens_to_bytes(tokens)  # array("I") checks each id is an int in range, in C
+    except (TypeError, OverflowError):
+        raise MalformedPayload("BlockStored token_ids must be integers in [0, 2**32)") from None
     parent = f.get("parent_block_hash")
     block_size = f.get("block_size") or 0
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:

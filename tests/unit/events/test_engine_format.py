@@ -154,3 +154,8 @@ def test_malformed_payloads_raise_the_specific_error(payload):
 def test_a_malformed_event_names_its_position():
     with pytest.raises(MalformedPayload, match=r"events\[1\]"):
         decode_payload(pack([["AllBlocksCleared"], ["BlockRemoved", [None], None]]))
+
+
+def test_map_keys_packed_as_bytes_are_accepted():
+    payload = msgpack.packb([0.0, [{b"type": "BlockRemoved", b"block_hashes": [4]}], 0], use_bin_type=True)
+    assert decode_payload(payload).events == (Removed((4,)),)

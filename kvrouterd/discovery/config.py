@@ -8,6 +8,7 @@ Example::
         label_selector: app=vllm,role=decode
         port: http              # container port name, or a number such as 8000
         kv_events_port: "5557"  # set: the pod publishes KV events (events mode) at tcp://IP:5557
+        kv_replay_port: "5558"  # optional: its replay endpoint, tcp://IP:5558
         capacity_blocks: 20000  # per pod; the pod annotation kvrouterd.io/capacity-blocks wins
 
 Kept apart from ``config.py`` so the loader only learns one field; the section is built by
@@ -53,6 +54,8 @@ class KubernetesDiscoveryConfig:
     port: str = "8000"
     #: the engine's KV-event (ZMQ) port; empty = the engine publishes none (approximate mode)
     kv_events_port: str = ""
+    #: the engine's KV-event replay (ZMQ ROUTER) port, used to recover missed batches; empty = none
+    kv_replay_port: str = ""
     #: KV capacity per pod in blocks, unless the pod's ``kvrouterd.io/capacity-blocks`` annotation says
     capacity_blocks: int = 0
     #: prefixed to the pod name to form the worker id (avoids clashes with static workers)
@@ -77,6 +80,9 @@ class KubernetesDiscoveryConfig:
             raise ConfigError(f"{where}.label_selector: required when discovery is enabled")
         _check_port(self.port, f"{where}.port", allow_empty=False)
         _check_port(self.kv_events_port, f"{where}.kv_events_port", allow_empty=True)
+        _check_port(self.kv_replay_port, f"{where}.kv_replay_port", allow_empty=True)
+        if self.kv_replay_port and not self.kv_events_port:
+            raise ConfigError(f"{where}.kv_replay_port: needs kv_events_port")
         if self.capacity_blocks < 0:
             raise ConfigError(f"{where}.capacity_blocks: must be >= 0")
         if self.api_server and not self.api_server.startswith(("https://", "http://")):

@@ -72,6 +72,10 @@ class KubernetesDiscovery:
     def workers(self) -> dict[str, WorkerSpec]:
         return self.membership.workers
 
+    def replay_endpoint(self, worker_id: str) -> str:
+        """The discovered worker's KV-event replay endpoint (``kv_replay_port``), or ""."""
+        return self.membership.replay_endpoint(worker_id)
+
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:
             try:

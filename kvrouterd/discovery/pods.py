@@ -3,8 +3,8 @@
 A pod is a worker when it has an IP, is not terminating, and (by default) is Ready. Its
 worker id is ``id_prefix + pod name``; its address is ``IP:port``; its KV-event endpoint is
 ``tcp://IP:kv_events_port`` when that port is configured (the worker is then in events
-mode, otherwise approximate). A pod annotation ``kvrouterd.io/capacity-blocks`` overrides
-the configured capacity.
+mode, otherwise approximate), and ``tcp://IP:kv_replay_port`` is where it replays missed
+batches. A pod annotation ``kvrouterd.io/capacity-blocks`` overrides the configured capacity.
 
 ``Membership`` keeps the current set and turns each list or watch event into the smallest
 list of ``Change``s: a pod that turns un-Ready is removed, a pod recreated under the same
@@ -23,7 +23,7 @@ from ..index.workers import WorkerSpec
 from ..protocols import CacheMode
 from .config import KubernetesDiscoveryConfig
 
-__all__ = ["CAPACITY_ANNOTATION", "Change", "Membership", "pod_worker_spec"]
+__all__ = ["CAPACITY_ANNOTATION", "Change", "Membership", "pod_worker_spec", "replay_endpoint"]
 
 log = logging.getLogger("kvrouterd.discovery")
 
@@ -58,6 +58,15 @@ def _is_ready(pod: Mapping[str, Any]) -> bool:
     if status.get("phase") != "Running":
         return False
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
+
+
+def replay_endpoint(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig) -> str:
+    """The pod's KV-event replay endpoint, or "" when none is configured or the port is unknown."""
+    ip = (pod.get("status", {}) or {}).get("podIP") or ""
+    if not cfg.kv_replay_port or not ip:
+        return ""
+    port = _resolve_port(pod, cfg.kv_replay_port)
+    return f"tcp://{_host(ip)}:{port}" if port is not None else ""
 
 
 def pod_worker_spec(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig, block_size: int = 0) -> WorkerSpec | None:
@@ -108,6 +117,7 @@ class Membership:
         self.block_size = block_size
         #: worker id -> (pod uid, spec)
         self._members: dict[str, tuple[str, WorkerSpec]] = {}
+        self._replay: dict[str, str] = {}
 
     @property
     def workers(self) -> dict[str, WorkerSpec]:
@@ -115,6 +125,10 @@ class Membership:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    def replay_endpoint(self, worker_id: str) -> str:
+        """Where a discovered worker replays missed KV-event batches ("" = nowhere)."""
+        return self._replay.get(worker_id, "") if worker_id in self._members else ""
 
     def _worker_id(self, pod: Mapping[str, Any]) -> str:
         return self.cfg.id_prefix + ((pod.get("metadata", {}) or {}).get("name", ""))
@@ -129,8 +143,10 @@ class Membership:
             if current is None:
                 return []
             del self._members[wid]
+            self._replay.pop(wid, None)
             return [Change("remove", wid)]
         self._members[wid] = (uid, spec)
+        self._replay[wid] = replay_endpoint(pod, self.cfg)
         if current is None:
             return [Change("add", wid, spec)]
         old_uid, old = current
@@ -144,6 +160,7 @@ class Membership:
     def delete(self, pod: Mapping[str, Any]) -> list[Change]:
         """A DELETED pod."""
         wid = self._worker_id(pod)
+        self._replay.pop(wid, None)
         if self._members.pop(wid, None) is None:
             return []
         return [Change("remove", wid)]
@@ -155,6 +172,7 @@ class Membership:
         changes: list[Change] = []
         for wid in [w for w in self._members if w not in listed]:
             del self._members[wid]
+            self._replay.pop(wid, None)
             changes.append(Change("remove", wid))
         for pod in pods:
             changes.extend(self.upsert(pod))

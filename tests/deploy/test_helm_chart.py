@@ -189,6 +189,8 @@ BAD_VALUES = [
     ({"config": {"discovery": {"kubernetes": {"enabled": True}}}}, "label_selector"),
     ({"config": {"discovery": {"kubernetes": {"port": "Bad_Port"}}}}, "port"),
     ({"tls": {"enabled": True, "serverName": "x"}}, "secretName"),
+    ({"auth": {"enabled": True}}, "secretName"),
+    ({"auth": {"protect": []}}, "protect"),
     ({"otel": {"endpoint": "collector:4317"}}, "endpoint"),
     ({"podDisruptionBudget": {"maxUnavailable": 1}}, "minAvailable"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "interval"),
@@ -218,8 +220,11 @@ def test_configmap_carries_the_rendered_kvrouterd_config() -> None:
     assert "deepCopy .Values.config" in helper and "toYaml $cfg" in helper
     # the container reads exactly that file
     dep = template_source("deployment.yaml")
-    assert "- --config\n            - /etc/kvrouterd/config.yaml" in dep
-    assert "mountPath: /etc/kvrouterd/config.yaml" in dep and "subPath: config.yaml" in dep
+    assert "- --config\n            - /etc/kvrouterd/config/config.yaml" in dep
+    # a directory mount: with subPath the kubelet would never update the file, and the daemon
+    # could not hot-reload policy parameters
+    assert "- name: config\n              mountPath: /etc/kvrouterd/config\n" in dep
+    assert "subPath:" not in dep
 
 
 @pytest.mark.parametrize("example", [None, *EXAMPLES], ids=lambda p: p.name if p else "defaults")
@@ -230,15 +235,49 @@ def test_config_values_are_a_config_kvrouterd_accepts(values: dict, example: Pat
     assert cfg.discovery.kubernetes.enabled == merged["config"]["discovery"]["kubernetes"]["enabled"]
 
 
-def test_chart_owned_config_sections_are_config_fields() -> None:
-    fields = {f.name for f in dataclasses.fields(Config)}
-    owned = chart_owned_sections()
-    assert owned == {"metrics", "tls"}
-    missing = owned - fields
+def chart_owned_keys() -> dict[str, set[str]]:
+    """The keys the chart writes into each section it owns, read from kvrouterd.config.
+
+    Keys are the bare ``"word"`` literals of the ``dict`` / ``set`` calls that build a section;
+    format strings such as ``"%s/tls.crt"`` never match ``\\w+``.
+    """
+    helper = template_source("_helpers.tpl").split('define "kvrouterd.config"')[1]
+    keys: dict[str, set[str]] = {}
+    for line in helper.splitlines():
+        if (m := re.search(r'set \$cfg "(\w+)" \(dict (.*)\) \}\}', line)) or (m := re.search(r'\$(\w+) := dict (.*) \}\}', line)):  # set $cfg "metrics" (dict ...)
+            keys.setdefault(m.group(1), set()).update(re.findall(r'"(\w+)"', m.group(2)))
+        elif m := re.search(r'set \$(\w+) "(\w+)"', line):  # set $tls "ca_file" ...
+            if m.group(1) != "cfg":
+                keys.setdefault(m.group(1), set()).add(m.group(2))
+        elif m := re.search(r'set \$cfg "(\w+)" \$(\w+)', line):  # set $cfg "tls" $tls
+            keys[m.group(1)] = keys.pop(m.group(2))
+        if "{{- toYaml $cfg }}" in line:
+            break
+    return keys
+
+
+def test_chart_owned_config_sections_are_ones_kvrouterd_accepts() -> None:
+    owned = chart_owned_keys()
+    assert chart_owned_sections() == set(owned)
+    assert owned == {"metrics": {"listen"}, "tls": {"cert_file", "key_file", "ca_file", "require_client_cert"},
+                     "auth": {"token_file", "protect"}}
+    hints = typing.get_type_hints(Config)
+    missing = [s for s in owned if s not in hints]
     if missing:
-        # the daemon's metrics listener and TLS settings are being added to Config in parallel;
-        # until then a chart that enables them renders a section the daemon rejects at start-up
-        pytest.xfail(f"kvrouterd.config.Config has no {sorted(missing)} section yet")
+        # the metrics listener, TLS and auth settings are being added to Config in parallel
+        pytest.xfail(f"kvrouterd.config.Config has no {missing} section yet")
+    for section, keys in owned.items():
+        fields = {f.name for f in dataclasses.fields(hints[section])}
+        assert keys <= fields, f"{section}: {sorted(keys - fields)} are not kvrouterd settings"
+    # what the chart renders with metrics, mTLS and auth all on
+    cfg = parse_config({
+        "metrics": {"listen": "0.0.0.0:9464"},
+        "tls": {"cert_file": "/etc/kvrouterd/tls/tls.crt", "key_file": "/etc/kvrouterd/tls/tls.key",
+                "ca_file": "/etc/kvrouterd/tls/ca.crt", "require_client_cert": True},
+        "auth": {"token_file": "/etc/kvrouterd/auth/token",
+                 "protect": load_yaml(CHART / "values.yaml")["auth"]["protect"]},
+    })
+    assert cfg.metrics.listen == "0.0.0.0:9464"  # type: ignore[attr-defined]
 
 
 def _literal_args(t: Any) -> tuple[Any, ...] | None:
@@ -328,10 +367,12 @@ def test_otlp_export_is_configured_through_standard_variables() -> None:
         assert f"- name: {var}\n" in block, var
 
 
-def test_tls_secret_is_mounted_read_only_where_the_config_points() -> None:
+def test_tls_and_auth_secrets_are_mounted_read_only_where_the_config_points() -> None:
     dep = template_source("deployment.yaml")
     assert 'mountPath: {{ include "kvrouterd.tlsDir" . }}\n              readOnly: true' in dep
     assert "secretName: {{ .Values.tls.secretName }}" in dep
+    assert 'mountPath: {{ include "kvrouterd.authDir" . }}\n              readOnly: true' in dep
+    assert "secretName: {{ .Values.auth.secretName }}" in dep
     helper = template_source("_helpers.tpl")
     for f in ("tls.crt", "tls.key", "ca.crt"):
         assert f"%s/{f}" in helper

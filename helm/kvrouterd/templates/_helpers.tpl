@@ -60,9 +60,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 /etc/kvrouterd/tls
 {{- end }}
 
+{{- define "kvrouterd.authDir" -}}
+/etc/kvrouterd/auth
+{{- end }}
+
 {{/*
-The kvrouterd config file: .Values.config, plus the sections the chart owns (metrics listener,
-TLS file paths). The listen address is passed as a flag, which wins over the file.
+The kvrouterd config file: .Values.config, plus the sections the chart owns because they name
+ports or files it mounts (metrics listener, TLS and auth-token paths). The listen address is
+passed as a flag, which wins over the file.
 */}}
 {{- define "kvrouterd.config" -}}
 {{- $cfg := deepCopy .Values.config }}
@@ -73,9 +78,14 @@ TLS file paths). The listen address is passed as a flag, which wins over the fil
 {{- $dir := include "kvrouterd.tlsDir" . }}
 {{- $tls := dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) }}
 {{- if .Values.tls.clientAuth }}
-{{- $_ := set $tls "client_ca_file" (printf "%s/ca.crt" $dir) }}
+{{- $_ := set $tls "ca_file" (printf "%s/ca.crt" $dir) }}
+{{- $_ := set $tls "require_client_cert" true }}
 {{- end }}
 {{- $_ := set $cfg "tls" $tls }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+{{- $token := printf "%s/%s" (include "kvrouterd.authDir" .) .Values.auth.secretKey }}
+{{- $_ := set $cfg "auth" (dict "token_file" $token "protect" .Values.auth.protect) }}
 {{- end }}
 {{- toYaml $cfg }}
 {{- end }}

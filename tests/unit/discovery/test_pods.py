@@ -137,3 +137,19 @@ def test_discovery_section_loads_through_the_daemon_config() -> None:
 def test_bad_discovery_config_fails_naming_the_field(section: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=rf"discovery\.kubernetes\.{field}"):
         parse_config({"discovery": {"kubernetes": section}})
+
+
+def test_replay_endpoint_follows_membership() -> None:
+    cfg = KubernetesDiscoveryConfig(enabled=True, label_selector="a=b", kv_events_port="kv-events",
+                                    kv_replay_port="5558")
+    m = Membership(cfg)
+    m.upsert(pod("a", "10.0.0.1"))
+    assert m.replay_endpoint("a") == "tcp://10.0.0.1:5558"
+    m.upsert(pod("a", "10.0.0.1", ready=False))
+    assert m.replay_endpoint("a") == ""
+    assert Membership(CFG).replay_endpoint("a") == ""  # none configured
+
+
+def test_replay_port_without_events_port_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"discovery\.kubernetes\.kv_replay_port"):
+        parse_config({"discovery": {"kubernetes": {"kv_replay_port": "5558"}}})

@@ -5,8 +5,10 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 - **KV cache.** ``capacity_blocks`` blocks (0 = unbounded) holding prompt blocks as a prefix
   tree: the engine's own ``RadixIndex`` (one slot) and its own eviction policy object,
   built by the policy registry from the same spec the router uses. Blocks of admitted and
-  unfinished requests are pinned. Generated tokens are not cached (the workloads put a
-  turn's answer into the next turn's prompt, where it is cached as prompt).
+  unfinished requests are pinned. Generated tokens are not cached and their KV does not
+  count against the capacity (the workloads put a turn's answer into the next turn's
+  prompt, where it is cached as prompt); a prompt whose last block is partial caches that
+  block too, as the Mooncake trace's hash ids do.
 - **Scheduling.** FCFS continuous batching with chunked prefill. A request is *admitted* when
   its uncached blocks fit: the engine looks its prompt up in its own cache, evicts unpinned
   blocks chosen by the policy to make room for the rest, and reserves that room; if the

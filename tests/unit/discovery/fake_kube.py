@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -39,10 +40,10 @@ class FakeKubeApi:
     _server: asyncio.AbstractServer | None = None
     _handlers: set[asyncio.Task] = field(default_factory=set)
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    async def start(self, ssl_context: ssl.SSLContext | None = None) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
         assert self._server is not None

@@ -74,6 +74,8 @@ class ClusterSettings:
     warmup: int = 0
     #: seconds between load-imbalance samples
     sample_interval_s: float = 1.0
+    #: seconds between each engine's ReportLoad (queued, running, KV use); 0 = engines never report
+    load_report_interval_s: float = 0.0
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -82,8 +84,8 @@ class ClusterSettings:
             raise ConfigError(f"event delay must be >= 0, got {self.event_delay_s}")
         if not 0.0 <= self.event_loss < 1.0:
             raise ConfigError(f"event loss must be in [0, 1), got {self.event_loss}")
-        if self.slo_ms < 0 or self.warmup < 0 or self.sample_interval_s <= 0:
-            raise ConfigError("slo_ms and warmup must be >= 0, sample_interval_s > 0")
+        if self.slo_ms < 0 or self.warmup < 0 or self.sample_interval_s <= 0 or self.load_report_interval_s < 0:
+            raise ConfigError("slo_ms, warmup and load_report_interval_s must be >= 0, sample_interval_s > 0")
         try:
             self.engine.validate()
         except ValueError as exc:
@@ -202,7 +204,8 @@ class Simulation:
         self.events_lost = 0
         #: with ``record``: every call into the router, in order, as (op, time, payload, result):
         #: ("route", t, RouteRequest, worker_id), ("events", t, EventBatch, None),
-        #: ("complete", t, Completion, None), ("tick", t, None, None)
+        #: ("complete", t, Completion, None), ("tick", t, None, None),
+        #: ("load", t, (worker_id, queued, running, kv_utilization), None)
         self.log: list[tuple[str, float, Any, Any]] | None = [] if record else None
 
     # ---- edges ---------------------------------------------------------------------------
@@ -289,6 +292,16 @@ class Simulation:
             pass  # expired by the router's in-flight timeout, as the daemon would have
         self._kick(i, now)
 
+    def _report_load(self, now: float) -> None:
+        cap = self.settings.engine.capacity_blocks
+        for e in self.engines:
+            queued = len(e.waiting) + len(e.prefilling)
+            report = (e.worker_id, queued, e.running - len(e.prefilling),
+                      min(1.0, (e.cached_blocks + e.reserved) / cap) if cap else 0.0)
+            if self.log is not None:
+                self.log.append(("load", now, report, None))
+            self.router.report_load(*report)
+
     def _sample_load(self) -> None:
         loads = [e.pending_tokens for e in self.engines]
         self.load_samples.append(m.cv(loads) if sum(loads) > 0 else math.nan)
@@ -305,24 +318,35 @@ class Simulation:
         clock.set(max(t0, 0.0))
         next_tick = clock.now() + tick
         next_sample = clock.now() + sample
+        load_every = self.settings.load_report_interval_s
+        next_report = clock.now() + load_every if load_every else math.inf
         n, total = 0, len(reqs)
         ticks, expire_every = 0, max(1, round(1.0 / tick))
         report_every = max(total // 50, 1)
         while n < total or heap:
             t_arr = reqs[n].arrival_s if n < total else math.inf
             t = heap[0][0] if heap and heap[0][0] <= t_arr else t_arr
-            while next_tick <= t:
-                clock.set(next_tick)
-                if self.log is not None:
-                    self.log.append(("tick", next_tick, None, None))
-                router.tick()
-                ticks += 1
-                if ticks % expire_every == 0:  # as the daemon's maintenance loop does
-                    router.expire_inflight()
-                next_tick += tick
-            while next_sample <= t:
-                self._sample_load()
-                next_sample += sample
+            # periodic work due before this event, in time order (ticks first on ties)
+            while True:
+                due = min(next_tick, next_sample, next_report)
+                if due > t:
+                    break
+                if due == next_tick:
+                    clock.set(next_tick)
+                    if self.log is not None:
+                        self.log.append(("tick", next_tick, None, None))
+                    router.tick()
+                    ticks += 1
+                    if ticks % expire_every == 0:  # as the daemon's maintenance loop does
+                        router.expire_inflight()
+                    next_tick += tick
+                elif due == next_sample:
+                    self._sample_load()
+                    next_sample += sample
+                else:
+                    clock.set(next_report)
+                    self._report_load(next_report)
+                    next_report += load_every
             clock.set(max(t, clock.now()))
             if heap and heap[0][0] <= t_arr:
                 _, kind, _, obj = heapq.heappop(heap)
@@ -455,6 +479,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
     c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
     c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+    c.add_argument("--load-report-ms", type=float, default=0.0,
+                   help="engines send ReportLoad (queue, running, KV use) this often; 0 = never")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model)
@@ -511,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers, engine=engine,
             cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
             event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
-            warmup=args.warmup)
+            warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0)
         settings.validate()
         capacity_for = None
         if args.capacity_fraction is not None:

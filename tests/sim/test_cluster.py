@@ -221,3 +221,22 @@ def test_delayed_events_leave_the_router_stale_then_catch_up():
         slot = sim.router.workers.get(engine.worker_id).slot
         assert {b.key for b in sim.router.index.blocks_of(slot)} == engine.held_keys()
     assert sim.router.counters["gaps"] == 0
+
+
+def test_engines_report_their_queue_and_kv_use_when_asked():
+    seen = []
+
+    class Watch(Simulation):
+        def _report_load(self, now):
+            super()._report_load(now)
+            seen.extend((w.reported_queue, w.reported_running, w.kv_utilization) for w in self.router.workers)
+
+    sim = Watch(Config(), small_gsp(9, rate=200.0), settings(2, 100, load_report_interval_s=0.05),
+                routing="round_robin", eviction="lru")
+    sim.run()
+    assert any(q > 0 for q, _, _ in seen) and any(r > 0 for _, r, _ in seen)
+    assert all(0.0 <= kv <= 1.0 for _, _, kv in seen) and max(kv for _, _, kv in seen) > 0.5
+    quiet = Watch(Config(), small_gsp(9), settings(2, 100), routing="round_robin", eviction="lru")
+    n = len(seen)
+    quiet.run()
+    assert len(seen) == n  # off by default

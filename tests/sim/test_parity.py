@@ -1,8 +1,8 @@
 """Parity: one request/event log, replayed through the gRPC daemon, gives the simulator's decisions.
 
 The simulator records every call it makes into its Router (routes, event batches,
-completions, maintenance ticks). The log is replayed into a real ``Daemon`` on 127.0.0.1:0
-over grpc.aio (Route, PublishEvents, Complete), with a manual clock set to each call's
+completions, load reports, maintenance ticks). The log is replayed into a real ``Daemon`` on 127.0.0.1:0
+over grpc.aio (Route, PublishEvents, ReportLoad, Complete), with a manual clock set to each call's
 simulated time and the same seed. The daemon's own maintenance loop is kept out of the way
 with a 10 s tick interval (the test ends first); the recorded ticks (every 50 ms of simulated
 time) are replayed by calling its router's ``tick`` as that loop would. Same config, same registry, same decisions.
@@ -73,6 +73,10 @@ async def replay(sim: Simulation) -> list[str]:
                 decisions.append(resp.worker_id)
             elif op == "events":
                 await stub.PublishEvents(iter([batch_message(payload)]))
+            elif op == "load":
+                worker_id, queued, running, kv = payload
+                await stub.ReportLoad(pb.ReportLoadRequest(worker_id=worker_id, queued_requests=queued,
+                                                           running_requests=running, kv_utilization=kv))
             elif op == "complete":
                 await stub.Complete(pb.CompleteRequest(
                     request_id=payload.request_id, ttft_ms=payload.ttft_ms, e2e_ms=payload.e2e_ms,
@@ -89,12 +93,13 @@ async def replay(sim: Simulation) -> list[str]:
 async def test_daemon_replaying_the_sim_log_makes_the_same_decisions(routing):
     cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing}})
     wl = gsp(random.Random(SEED), rate=60.0, groups=6, queries_per_group=6, block_tokens=64, lengths=(512, 1024, 2048))
-    settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0)
+    settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
+                               load_report_interval_s=0.1)
     sim = Simulation(cfg, wl, settings, routing=routing, eviction="lru", seed=SEED, record=True)
     result = sim.run()
     assert sim.log is not None
     ops = {op for op, *_ in sim.log}
-    assert {"route", "events", "complete", "tick"} <= ops
+    assert {"route", "events", "complete", "tick", "load"} <= ops
     expected = [worker for op, _, _, worker in sim.log if op == "route"]
     assert [result.records[i].worker for i in range(len(expected))] == [int(w[1:]) for w in expected]
     assert await replay(sim) == expected

@@ -26,9 +26,11 @@ Sources (``build_workload``):
 - ``docqa``: long-document QA (LBGR's Loogle setting): ``documents`` (128) truncated to 1k, 2k,
   4k or 8k tokens, ``questions_per_doc`` (8) questions of 32-128 tokens each, random or
   round_robin order, Poisson arrivals.
-- ``toolagent``: tool/agent traffic (the case DualMap targets): ``tools`` (16) system prompts
-  of 1k-8k tokens drawn Zipf(``zipf_s`` = 1.2), so a few are very hot, each followed by a
-  unique 256-2048-token user part; Poisson arrivals.
+- ``toolagent``: tool/agent traffic (the case DualMap targets): ``tools`` (128) system prompts
+  of 1k-8k tokens drawn Zipf(``zipf_s`` = 1.2), so a few are very hot (the top one takes
+  ~28% of requests) over a long cold tail, each followed by a unique 256-2048-token user
+  part; Poisson arrivals. With a short catalogue (e.g. 16 tools) every worker's cache holds
+  every prompt and routing hardly matters; the cold tail is what makes affinity pay.
 - ``mix1`` / ``mix2`` / ``mix3``: UniCache's heterogeneous traces #1-#3 (section 5: 80%, 50%,
   20% of requests multi-turn). Multi-turn tasks are chat (CHAT) and agentic sessions
   (AGENTIC, a shared agent prompt plus a growing history); single-turn tasks are
@@ -312,7 +314,7 @@ def doc_qa(rng: random.Random, *, rate: float = 8.0, documents: int = 128, quest
     return Workload("docqa", block_tokens, ordered, {"rate": rate, "documents": documents, "order": order})
 
 
-def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, tools: int = 16, zipf_s: float = 1.2,
+def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, tools: int = 128, zipf_s: float = 1.2,
                output_tokens: int = 64, block_tokens: int = 64) -> Workload:
     """Requests on a few Zipf-hot tool/agent system prompts (see the module docstring)."""
     _check("tools", tools, 1)

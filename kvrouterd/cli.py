@@ -3,6 +3,7 @@
     kvrouterd serve      run the gRPC daemon
     kvrouterd bench      measure decision cost, gRPC throughput, ingest rate, memory
     kvrouterd policies   list routing/eviction policies and their parameters
+    kvrouterd status     show a running daemon's workers, modes and index size
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory"),
     "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
     "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies"),
+    "status": ("kvrouterd.admin", "show a running daemon's workers, modes and index size"),
 }
 
 

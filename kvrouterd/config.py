@@ -44,6 +44,9 @@ __all__ = [
     "LimitsConfig",
     "TelemetryConfig",
     "ExtProcConfig",
+    "MetricsConfig",
+    "TlsConfig",
+    "AuthConfig",
     "load_config",
     "parse_config",
     "ENV_PREFIX",
@@ -119,6 +122,98 @@ class ExtProcConfig:
         if self.tokenizer and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ext_proc.tokenizer: no such file {self.tokenizer!r}")
 
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus text-format endpoint (``GET /metrics``) on its own HTTP port."""
+
+    #: HOST:PORT to serve /metrics on, e.g. 0.0.0.0:9464; empty = no endpoint
+    listen: str = ""
+
+    def validate(self) -> None:
+        if self.listen and not _is_host_port(self.listen):
+            raise ConfigError(f"metrics.listen: expected HOST:PORT or empty, got {self.listen!r}")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the gRPC port. Files are re-read when they change (certificate rotation)."""
+
+    #: PEM certificate chain and private key of the server; both or neither
+    cert_file: str = ""
+    key_file: str = ""
+    #: PEM CA bundle that client certificates are verified against
+    ca_file: str = ""
+    #: refuse clients without a certificate signed by ca_file (mutual TLS)
+    require_client_cert: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def validate(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("tls: set both cert_file and key_file, or neither")
+        if (self.ca_file or self.require_client_cert) and not self.cert_file:
+            raise ConfigError("tls.ca_file: client certificates need server TLS (cert_file and key_file)")
+        if self.require_client_cert and not self.ca_file:
+            raise ConfigError("tls.require_client_cert: needs ca_file to verify client certificates")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Bearer-token auth (``authorization: Bearer <token>``) for the listed KVRouter methods.
+
+    The data path (Route, Complete) stays open unless listed; health and reflection never
+    need a token (probes). A token file may hold several tokens, one per line, so a rotation
+    can accept the old and the new one; it is re-read when it changes.
+    """
+
+    #: file holding the accepted token(s)
+    token_file: str = ""
+    #: name of an environment variable holding the token (read once at start)
+    token_env: str = ""
+    #: KVRouter methods that need the token
+    protect: list[str] = field(default_factory=lambda: ["RegisterWorker", "DeregisterWorker", "PublishEvents"])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.token_file or self.token_env)
+
+    def validate(self) -> None:
+        if self.token_file and self.token_env:
+            raise ConfigError("auth: set one of token_file and token_env, not both")
+        if not self.enabled:
+            return
+        from ._generated.kvrouter.v1 import router_pb2
+
+        methods = router_pb2.DESCRIPTOR.services_by_name["KVRouter"].methods_by_name
+        if not self.protect:
+            raise ConfigError("auth.protect: list at least one method when a token is configured")
+        for i, name in enumerate(self.protect):
+            if name not in methods:
+                raise ConfigError(f"auth.protect[{i}]: unknown method {name!r}; known: {', '.join(sorted(methods))}")
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Admission queue mode (DualMap section 3.3): Route waits while its worker is full."""
+
+    #: routed-but-uncompleted requests a worker may hold before Route waits; 0 = mode off
+    max_inflight: int = 0
+    #: longest a Route may wait in a queue before it is shed (RESOURCE_EXHAUSTED), seconds
+    max_wait_s: float = 30.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_inflight > 0
+
+
 @dataclass(frozen=True)
 class Config:
     listen: str = "127.0.0.1:50051"
@@ -130,12 +225,22 @@ class Config:
     workers: list[WorkerConfig] = field(default_factory=list)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     #: seconds between periodic maintenance (in-flight expiry, policy ticks)
     tick_interval_s: float = 0.02
     #: Envoy external processing (Gateway API Inference Extension endpoint picker)
     ext_proc: ExtProcConfig = field(default_factory=ExtProcConfig)
+    #: Prometheus /metrics endpoint (off unless metrics.listen is set)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: TLS / mutual TLS on the gRPC port
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    #: bearer-token auth for control RPCs
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    #: seconds between checks of the config file for changes (policy parameters are
+    #: reloaded in place, as on SIGHUP); 0 = only on SIGHUP
+    reload_interval_s: float = 5.0
 
     def validate(self) -> None:
         from .policies import registry
@@ -178,8 +283,17 @@ class Config:
             raise ConfigError("default_ttft_slo_ms: must be > 0")
         if not 0 < self.tick_interval_s <= 10:
             raise ConfigError("tick_interval_s: must be in (0, 10]")
+        if self.admission.max_inflight < 0:
+            raise ConfigError("admission.max_inflight: must be >= 0 (0 = off)")
+        if self.admission.max_wait_s <= 0:
+            raise ConfigError("admission.max_wait_s: must be > 0")
         self.discovery.validate()
         self.ext_proc.validate()
+        self.metrics.validate()
+        self.tls.validate()
+        self.auth.validate()
+        if self.reload_interval_s < 0:
+            raise ConfigError("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings
@@ -291,6 +405,13 @@ ENV_KEYS = {
     "TRACES": "telemetry.traces",
     "LOG_LEVEL": "telemetry.log_level",
     "LOG_FORMAT": "telemetry.log_format",
+    "METRICS_LISTEN": "metrics.listen",
+    "TLS_CERT_FILE": "tls.cert_file",
+    "TLS_KEY_FILE": "tls.key_file",
+    "TLS_CA_FILE": "tls.ca_file",
+    "TLS_REQUIRE_CLIENT_CERT": "tls.require_client_cert",
+    "AUTH_TOKEN_FILE": "auth.token_file",
+    "AUTH_TOKEN_ENV": "auth.token_env",
 }
 
 

@@ -11,6 +11,7 @@ that raises ``errors.KVRouterError`` leaves the router exactly as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -195,7 +196,7 @@ class Router:
             self._routing[name] = policy
             changed.append(name)
         self.default_routing = parsed[0][0]
-        self.settings = replace(self.settings, routing=routing, extra_routing=tuple(extra_routing))
+        self.settings = dataclasses.replace(self.settings, routing=routing, extra_routing=tuple(extra_routing))
         if changed:
             log.info("routing policies reloaded", extra={"policies": changed, "default": self.default_routing})
         return changed
@@ -315,6 +316,11 @@ class Router:
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)
+        return self.commit(decision, ctx, policy)
+
+    def commit(self, decision: Decision, ctx: RoutingContext, policy: RoutingPolicy) -> RouteResult:
+        """Commit a decision from ``decide`` made in this same step (nothing may change in between)."""
+        req = ctx.request
         if not req.request_id:
             req.request_id = self.new_request_id()
         worker = self.workers.get(decision.worker_id)

@@ -57,6 +57,7 @@ class Worker:
         "spec", "slot", "state", "inflight_requests", "pending_prefill_tokens",
         "reported_queue", "reported_running", "kv_utilization", "engine_keys",
         "last_sequence", "gaps", "registered_at",
+        "batches_applied",
     )
 
     def __init__(self, spec: WorkerSpec, slot: int, now: float) -> None:
@@ -73,6 +74,8 @@ class Worker:
         #: last applied event-batch sequence number (-1 = none yet)
         self.last_sequence = -1
         self.gaps = 0
+        #: event batches applied (duplicates excluded)
+        self.batches_applied = 0
         self.registered_at = now
 
     @property

@@ -12,9 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,13 +25,16 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
-from ..config import Config, load_config
+from ..config import ENV_PREFIX, Config, load_config
 from ..errors import ConfigError, KVRouterError
 from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider
+from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import build_tracer_provider
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
+from .reload import ConfigReloader
+from .security import CertificateFiles, build_interceptors, server_credentials
 from .service import KVRouterService
 
 __all__ = ["Daemon", "add_arguments", "run"]
@@ -51,6 +55,8 @@ class Daemon:
         span_exporter: SpanExporter | None = None,
         metric_readers: Sequence[MetricReader] = (),
         seed: int | None = None,
+        config_path: str | None = None,
+        overrides: Mapping[str, object] | None = None,
     ) -> None:
         self.config = config
         self.router = Router(config.router_settings(), clock or SystemClock(), random.Random(seed))
@@ -59,7 +65,17 @@ class Daemon:
         tel = config.telemetry
         self.tracer_provider = build_tracer_provider(tel.service_name, tel.traces, span_exporter)
         self.tracer = self.tracer_provider.get_tracer("kvrouterd") if self.tracer_provider else None
+        #: Prometheus /metrics, fed by the same MeterProvider as OTLP (None when metrics.listen is empty)
+        self.metrics_endpoint = MetricsEndpoint(config.metrics.listen) if config.metrics.listen else None
+        if self.metrics_endpoint is not None:
+            metric_readers = [*metric_readers, self.metrics_endpoint.reader]
         self.meter_provider = build_meter_provider(tel.service_name, metric_readers)
+        register_ops_metrics(self.meter_provider, self.router, self.metrics_endpoint)
+        #: SIGHUP / file-change reload of routing policy parameters
+        self.reloader = ConfigReloader(self.router, config, config_path, overrides)
+        self._watch: asyncio.Task[None] | None = None
+        #: the TLS files being watched (None without TLS)
+        self.certificates: CertificateFiles | None = None
         self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
         self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
         self.service.metrics = self.metrics
@@ -79,7 +95,12 @@ class Daemon:
 
     async def start(self) -> int:
         """Bind, start serving and report SERVING. Returns the bound port (useful with :0)."""
-        server = grpc.aio.server(options=self._server_options())
+        # read TLS files and tokens before creating the server, so bad ones fail with nothing to clean up
+        interceptors = build_interceptors(self.config.auth)
+        creds = None
+        if self.config.tls.enabled:
+            creds, self.certificates = server_credentials(self.config.tls)
+        server = grpc.aio.server(options=self._server_options(), interceptors=interceptors)
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         served = [KVROUTER_SERVICE]
@@ -89,12 +110,19 @@ class Daemon:
             served.append(EXT_PROC_SERVICE)
         reflection.enable_server_reflection((*served, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            self.port = server.add_insecure_port(self.config.listen)
+            if creds is not None:
+                self.port = server.add_secure_port(self.config.listen, creds)
+            else:
+                self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             raise ConfigError(f"listen: cannot bind {self.config.listen}: {exc}") from None
         await server.start()
         self.server = server
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
+        if self.reloader.path and self.config.reload_interval_s:
+            self._watch = asyncio.create_task(self.reloader.watch(), name="kvrouterd-config-watch")
         for name in ("", *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -126,6 +154,10 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -140,6 +172,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reloader.reload)
         await self.start()
         await stop.wait()
         log.info("shutting down")
@@ -179,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     try:
-        uvloop.run(Daemon(config).run_until_signal(args.grace))
+        path = args.config or os.environ.get(ENV_PREFIX + "CONFIG") or None
+        daemon = Daemon(config, config_path=path, overrides=_overrides(args))
+        uvloop.run(daemon.run_until_signal(args.grace))
     except ConfigError as exc:
         print(f"kvrouterd: {exc}", flush=True)
         return 2

@@ -44,7 +44,11 @@ class Metrics:
         self.decisions = meter.create_counter("kvrouter.decisions", description="routing decisions by policy and reason")
         self.route_errors = meter.create_counter("kvrouter.route.errors", description="Route calls rejected, by gRPC code")
         self.route_latency = meter.create_histogram(
-            "kvrouter.route.duration", unit="s", description="time to decide a Route (hash + match + policy)"
+            "kvrouter.route.duration", unit="s", description="time to decide a Route (hash + match + policy)",
+            # decisions take tens of microseconds to a few ms: the SDK's default buckets (0, 5, 10, ...) are for ms
+            explicit_bucket_boundaries_advisory=(
+                0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ),
         )
         self.event_batches = meter.create_counter("kvrouter.events.batches", description="event batches by outcome")
         self.blocks = meter.create_counter("kvrouter.events.blocks", description="blocks stored/removed by events")

@@ -1,0 +1,125 @@
+"""The Prometheus endpoint scraped over real HTTP after real gRPC routes and events."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+
+from .test_daemon import BS, publish, register, stored
+
+
+@pytest.fixture
+def daemon_config():
+    return {"metrics": {"listen": "127.0.0.1:0"}}
+
+
+def _get(port: int, path: str = "/metrics") -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+async def scrape(running, path: str = "/metrics") -> tuple[int, str, str]:
+    # urllib blocks: run it in a thread so the daemon's loop can answer
+    return await asyncio.to_thread(_get, running.daemon.metrics_endpoint.port, path)
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one series ``name{labels...}`` (labels matched as a subset)."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found.append(float(m.group(4)))
+    assert len(found) == 1, f"{name}{labels}: {len(found)} series match"
+    return found[0]
+
+
+async def test_scrape_reports_decisions_prefix_hits_events_and_workers(running):
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid)
+    prompt = list(range(100, 100 + 8 * BS))
+    await publish(
+        stub,
+        pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt[: 6 * BS], list(range(1, 7)))]),
+        pb.EventBatch(worker_id="b", sequence=0, events=[stored(prompt[: 2 * BS], list(range(11, 13)))]),
+        pb.EventBatch(worker_id="b", sequence=5, events=[]),  # a gap on b
+    )
+    # a holds 6 blocks, b 2: picking a is picking the best reachable prefix
+    r1 = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    assert r1.worker_id == "a"
+    # a cold prompt: no candidate holds any of it
+    r2 = await stub.Route(pb.RouteRequest(token_ids=list(range(9000, 9000 + 4 * BS))))
+
+    status, ctype, text = await scrape(running)
+    assert status == 200 and ctype.startswith("text/plain")
+    assert sample(text, "kvrouter_decisions_total", policy="cache_aware", reason="prefix_match") == 1
+    assert sample(text, "kvrouter_route_duration_seconds_count", policy="cache_aware") == 2
+    # the route latency histogram has sub-millisecond buckets
+    assert 'le="0.001"' in text
+    assert sample(text, "kvrouter_prefix_decisions_total", policy="cache_aware", picked="best") == 1
+    assert sample(text, "kvrouter_prefix_decisions_total", policy="cache_aware", picked="no_prefix") == 1
+    assert sample(text, "kvrouter_prefix_decisions_total", policy="cache_aware", picked="worse") == 0
+    assert sample(text, "kvrouter_prefix_achieved_blocks_total", policy="cache_aware") == 6
+    assert sample(text, "kvrouter_prefix_reachable_blocks_total", policy="cache_aware") == 6
+    assert sample(text, "kvrouter_worker_event_batches_total", worker="a") == 1
+    assert sample(text, "kvrouter_worker_event_batches_total", worker="b") == 2
+    assert sample(text, "kvrouter_worker_event_gaps_total", worker="b") == 1
+    assert sample(text, "kvrouter_worker_event_gaps_total", worker="a") == 0
+    assert sample(text, "kvrouter_workers", mode="events", state="degraded") == 1
+    assert sample(text, "kvrouter_workers", mode="events", state="ready") == 1
+    inflight = {"a": 1, "b": 0}
+    inflight[r2.worker_id] += 1
+    for wid, n in inflight.items():
+        assert sample(text, "kvrouter_worker_inflight_requests", worker=wid) == n
+    assert sample(text, "kvrouter_inflight_requests") == 2
+    assert sample(text, "kvrouter_index_blocks") == 6
+    assert sample(text, "process_resident_memory_bytes") > 0
+
+    # a completion releases the in-flight gauges by the next scrape
+    await stub.Complete(pb.CompleteRequest(request_id=r1.request_id, success=True))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_worker_inflight_requests", worker="a") == inflight["a"] - 1
+    assert sample(text, "kvrouter_inflight_requests") == 1
+
+
+async def test_a_worse_pick_is_counted_when_a_policy_ignores_the_cache(running):
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid)
+    prompt = list(range(50, 50 + 4 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [1, 2, 3, 4])]))
+    picks = [(await stub.Route(pb.RouteRequest(token_ids=prompt, policy="round_robin"))).worker_id for _ in range(2)]
+    assert sorted(picks) == ["a", "b"]
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_prefix_decisions_total", policy="round_robin", picked="best") == 1
+    assert sample(text, "kvrouter_prefix_decisions_total", policy="round_robin", picked="worse") == 1
+    assert sample(text, "kvrouter_prefix_achieved_blocks_total", policy="round_robin") == 4
+    assert sample(text, "kvrouter_prefix_reachable_blocks_total", policy="round_robin") == 8
+
+
+async def test_only_get_metrics_is_served(running):
+    status, _, body = await scrape(running, "/")
+    assert status == 404 and "/metrics" in body
+    status, _, _ = await scrape(running, "/metrics?name[]=x")
+    assert status == 200
+
+
+async def test_no_endpoint_unless_configured():
+    from kvrouterd.config import parse_config
+    from kvrouterd.server.app import Daemon
+
+    daemon = Daemon(parse_config({"listen": "127.0.0.1:0"}))
+    assert daemon.metrics_endpoint is None

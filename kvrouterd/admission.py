@@ -30,7 +30,8 @@ drives it. The intended wiring, for the host:
    ``queues.expire(now)`` and fail what it returns with DEADLINE_EXCEEDED. When a worker
    leaves: ``queues.drop_worker(worker_id)`` and route those requests again.
 
-``load`` maps a worker id to its dispatched ``(pending_prefill_tokens, inflight_requests)``;
+``load`` maps a worker id to its dispatched ``(pending prefill tokens, inflight requests)``
+(for DualMap the first is ``policy.latency.pending_tokens(worker, now)``);
 ``estimator(worker_id, uncached_tokens, tokens_ahead, requests_ahead)`` returns the TTFT in
 ms of a request with ``uncached_tokens`` to prefill behind ``tokens_ahead`` prefill tokens of
 ``requests_ahead`` requests, its own not included (for DualMap:

@@ -33,6 +33,7 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``calibrate`` = True: learn the coefficients from completions.
 - ``calibration_forgetting`` = 0.992: RLS forgetting factor (LBGR's value).
 - ``calibration_min_samples`` = 8: samples before calibrated coefficients replace the prior.
+- ``pending_model`` = "drain": how pending prefill tokens are estimated (see ``pending_tokens``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
+
+from ..index.workers import Worker
 
 __all__ = ["LatencyParams", "LatencyModel", "RecursiveLeastSquares"]
 
@@ -68,6 +71,10 @@ class LatencyParams:
     calibration_min_samples: int = field(
         default=8, metadata={"help": "completions needed before calibrated coefficients are used"}
     )
+    pending_model: Literal["drain", "inflight"] = field(
+        default="drain",
+        metadata={"help": "pending prefill tokens: drained at the model's prefill rate, or every uncompleted request's"},
+    )
 
     def validate(self) -> None:
         if self.prefill_ms_per_1k_tokens <= 0:
@@ -82,6 +89,8 @@ class LatencyParams:
             raise ValueError(f"calibration_forgetting must be in (0, 1], got {self.calibration_forgetting}")
         if self.calibration_min_samples < 1:
             raise ValueError(f"calibration_min_samples must be >= 1, got {self.calibration_min_samples}")
+        if self.pending_model not in ("drain", "inflight"):
+            raise ValueError(f"pending_model must be 'drain' or 'inflight', got {self.pending_model!r}")
 
 
 class RecursiveLeastSquares:
@@ -141,6 +150,7 @@ class LatencyModel:
         self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting)
         self._prior = tuple(prior)
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
 
     # ---- coefficients -----------------------------------------------------------------
     @property
@@ -194,6 +204,39 @@ class LatencyModel:
             return max(0, int((budget_ms - intercept) * 1000.0 / per_1k))
         a, _, c = self.coefficients()
         return int((budget_ms / a) ** (1.0 / c))
+
+    # ---- pending prefill ----------------------------------------------------------------
+    def prefill_rate(self) -> float:
+        """Prefill tokens per second one worker computes, under the current coefficients."""
+        return float(max(self.tokens_within(1000.0), 1))
+
+    def pending_tokens(self, worker: Worker, now: float) -> int:
+        """Prefill tokens still ahead on ``worker`` at ``now``.
+
+        The router learns that a request's prefill is done only from its ``Complete``, after
+        the whole decode, so its count of uncached tokens in flight (``pending_model:
+        inflight``) includes prompts prefilled long ago. ``drain`` runs each worker's routed
+        prefill through a fluid queue served at ``prefill_rate()`` instead, capped by that
+        count: the pending prefill tokens a worker would report (DualMap section 3.2).
+        """
+        return self._pending(worker, now, worker.pending_prefill_tokens)
+
+    def _pending(self, worker: Worker, now: float, committed: int) -> int:
+        if self.params.pending_model == "inflight":
+            return committed
+        tokens, at = self._backlog.get(worker.id, (0.0, now))
+        left = tokens - self.prefill_rate() * max(0.0, now - at)
+        return min(max(round(left), 0), committed)
+
+    def on_dispatch(self, worker: Worker, request_id: str, uncached_tokens: int, now: float) -> None:
+        """The host committed a request with ``uncached_tokens`` to prefill to ``worker``."""
+        # the host has already charged this request to the worker's in-flight count
+        before = self._pending(worker, now, max(0, worker.pending_prefill_tokens - uncached_tokens))
+        self._backlog[worker.id] = (float(before + uncached_tokens), now)
+        self.note_dispatch(request_id, before + uncached_tokens, worker.inflight_requests)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._backlog.pop(worker_id, None)
 
     # ---- calibration ------------------------------------------------------------------
     def note_dispatch(self, request_id: str, tokens_ahead: int, batch: int) -> None:

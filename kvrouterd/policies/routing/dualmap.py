@@ -14,7 +14,7 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
 - **SLO-aware selection** (section 3.2, A.1.1): prefer the candidate with more cached reuse
   (``rule=cache_affinity``); when that one is overloaded, take the less loaded of the two
   (``rule=slo_switch``); with equal reuse, take the less loaded (``rule=equal_reuse``). Load
-  is pending prefill tokens. "Overloaded" is, with ``slo_test=static_threshold`` (the
+  is pending prefill tokens, as the latency model estimates them (``pending_model``). "Overloaded" is, with ``slo_test=static_threshold`` (the
   paper's implementation), pending tokens plus the request's uncached tokens above the
   *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
   the configured (uncalibrated) latency model, or ``slo_threshold_tokens`` when set; with
@@ -172,7 +172,7 @@ class DualMapPolicy(RoutingPolicyBase):
 
     def _view(self, ctx: RoutingContext, w: Worker, slo: float, threshold: int) -> _View:
         uncached = ctx.uncached_tokens(w)
-        load = w.pending_prefill_tokens
+        load = self.latency.pending_tokens(w, ctx.now)
         stall = self.bottleneck_ms(w, ctx.now)
         ttft = self.latency.ttft_ms(uncached, load, w.inflight_requests) + stall
         if self.params.slo_test == "static_threshold":
@@ -248,7 +248,7 @@ class DualMapPolicy(RoutingPolicyBase):
             return
         if worker.inflight_requests <= 1:  # the host committed this one: the worker was idle
             self._busy_since[worker.id] = ctx.now
-        self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+        self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
         path = self.key_path(ctx.request.keys, ctx.block_size)
         if path:
             limit = min(len(ctx.request.keys), self.params.max_key_segments * self.segment_blocks(ctx.block_size))
@@ -269,6 +269,7 @@ class DualMapPolicy(RoutingPolicyBase):
 
     def on_worker_removed(self, worker: Worker) -> None:
         self.ring.remove(worker.id)
+        self.latency.forget_worker(worker.id)
         self._last_prefill.pop(worker.id, None)
         self._busy_since.pop(worker.id, None)
 

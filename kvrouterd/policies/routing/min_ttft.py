@@ -1,7 +1,7 @@
 """``min_ttft``: Mooncake's scheduler as DualMap evaluates it (DualMap sections 2.2, 3.2, B).
 
 Every eligible worker gets an estimated TTFT = queueing delay of its pending prefill tokens
-+ prefill time of the request's uncached tokens on it (``TTFT(r, i) = T_q + T_c``, DualMap
+(estimated by the latency model's ``pending_model``) + prefill time of the request's uncached tokens on it (``TTFT(r, i) = T_q + T_c``, DualMap
 Eq. 7), from the shared latency model (``policies.latency``), calibrated online from
 ``Complete``. The request goes to the minimum (ties to fewer pending tokens, then slot).
 
@@ -31,14 +31,15 @@ class MinTTFTPolicy(RoutingPolicyBase):
         model = self.latency
         rows = []
         for w in ctx.candidates:
-            queue = model.queue_ms(w.pending_prefill_tokens, w.inflight_requests)
-            ttft = model.ttft_ms(ctx.uncached_tokens(w), w.pending_prefill_tokens, w.inflight_requests)
-            rows.append((ttft, queue, ttft - queue, w))
-        ttft, queue, compute, chosen = min(rows, key=lambda r: (r[0], r[3].pending_prefill_tokens, r[3].slot))
+            pending = model.pending_tokens(w, ctx.now)
+            queue = model.queue_ms(pending, w.inflight_requests)
+            ttft = model.ttft_ms(ctx.uncached_tokens(w), pending, w.inflight_requests)
+            rows.append((ttft, queue, ttft - queue, w, pending))
+        ttft, queue, compute, chosen, _ = min(rows, key=lambda r: (r[0], r[4], r[3].slot))
         scored = []
         if getattr(ctx, "explain", True):
-            scored = [ctx.candidate(w, -t, queue_ms=round(q, 3), compute_ms=round(c, 3), ttft_ms=round(t, 3))
-                      for t, q, c, w in rows]
+            scored = [ctx.candidate(w, -t, queue_ms=round(q, 3), compute_ms=round(c, 3), ttft_ms=round(t, 3),
+                                    pending_tokens=float(pt)) for t, q, c, w, pt in rows]
         decision = self.decide(ctx, chosen, "min_ttft", scored, queue_ms=round(queue, 3), compute_ms=round(compute, 3),
                                calibrated=int(model.calibrated))
         decision.estimated_ttft_ms = ttft
@@ -47,7 +48,10 @@ class MinTTFTPolicy(RoutingPolicyBase):
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
         worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
         if worker is not None:
-            self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+            self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
 
     def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
         self.latency.observe_completion(completion.request_id, completion.ttft_ms)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self.latency.forget_worker(worker.id)

@@ -2,7 +2,7 @@
 
 A request's prefix hit rate is the largest fraction of its prompt tokens any eligible worker
 holds. Above ``hit_threshold`` (Preble's 50%) the request goes to that worker (cache
-affinity; ties to fewer pending prefill tokens, reason ``prefix_hit``). Otherwise it goes to
+affinity; ties to the lower load cost, reason ``prefix_hit``). Otherwise it goes to
 the worker with the least load cost: the time to clear the worker's pending prefill work
 plus this request's prefill time on it (reason ``load_cost``), from the shared latency model.
 
@@ -50,11 +50,11 @@ class PreblePolicy(RoutingPolicyBase):
         rows = []
         for w in ctx.candidates:
             hit = min(1.0, ctx.overlap(w) * ctx.block_size / prompt)
-            cost = model.ttft_ms(ctx.uncached_tokens(w), w.pending_prefill_tokens, w.inflight_requests)
+            cost = model.ttft_ms(ctx.uncached_tokens(w), model.pending_tokens(w, ctx.now), w.inflight_requests)
             rows.append((hit, cost, w))
         best_hit = max(r[0] for r in rows)
         if best_hit > self.params.hit_threshold:
-            hit, cost, chosen = min(rows, key=lambda r: (-r[0], r[2].pending_prefill_tokens, r[2].slot))
+            hit, cost, chosen = min(rows, key=lambda r: (-r[0], r[1], r[2].slot))
             reason = "prefix_hit"
         else:
             hit, cost, chosen = min(rows, key=lambda r: (r[1], r[2].slot))
@@ -69,7 +69,10 @@ class PreblePolicy(RoutingPolicyBase):
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
         worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
         if worker is not None:
-            self.latency.note_dispatch(ctx.request.request_id, worker.pending_prefill_tokens, worker.inflight_requests)
+            self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
 
     def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
         self.latency.observe_completion(completion.request_id, completion.ttft_ms)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self.latency.forget_worker(worker.id)

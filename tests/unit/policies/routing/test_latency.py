@@ -58,3 +58,24 @@ def test_completion_feedback_uses_what_was_noted_at_dispatch() -> None:
     off.note_dispatch("r", 1000, 1)
     assert not off.observe_completion("r", 999.0) and off.coefficients() == (40.0, 0.0)
     assert math.isfinite(m.ttft_ms(100, 100, 1))
+
+
+def test_pending_prefill_drains_at_the_model_rate_and_never_exceeds_what_is_in_flight() -> None:
+    from kvrouterd.index.workers import Worker, WorkerSpec
+
+    m = LatencyModel(LatencyParams(prefill_ms_per_1k_tokens=50.0))  # 20,000 tokens per second
+    w = Worker(WorkerSpec(id="w", address="x:1"), 0, 0.0)
+    for rid, tokens, t in (("r1", 4000, 10.0), ("r2", 6000, 10.1)):
+        w.pending_prefill_tokens += tokens  # the host commits, then notifies
+        w.inflight_requests += 1
+        m.on_dispatch(w, rid, tokens, t)
+    # r1's 4000 minus 0.1 s of draining (2000), plus r2's 6000
+    assert m.pending_tokens(w, 10.1) == 8000
+    assert m._tracked["r2"] == (8000, 2)  # calibration sees the work ahead of and including r2
+    assert m.pending_tokens(w, 10.3) == 4000
+    assert m.pending_tokens(w, 11.0) == 0  # prefilled, though both are still decoding
+    assert w.pending_prefill_tokens == 10_000
+    w.pending_prefill_tokens = 1000  # a completion released most of it
+    assert m.pending_tokens(w, 10.1) == 1000
+    inflight = LatencyModel(LatencyParams(pending_model="inflight"))
+    assert inflight.pending_tokens(w, 99.0) == 1000

@@ -17,6 +17,13 @@ from kvrouterd.protocols import TaskCategory
 from .conftest import Cache
 
 POLICIES = registry.names("eviction")
+#: non-default parameters that change which code runs
+VARIANTS = [
+    {"name": "hybrid", "length": "prefix"},
+    {"name": "rlt", "capacity_blocks": 4},
+    {"name": "tlru", "latency_threshold_ms": 5.0, "prefill_ms_per_block": 1.0},
+    {"name": "unicache", "update_interval_s": 1.0, "fit_online": True, "min_fit_samples": 2},
+]
 INFOS = [
     AccessInfo(),
     AccessInfo(session_id="a", task=int(TaskCategory.CHAT)),
@@ -101,8 +108,8 @@ def replay(policy: str, ops, seed: int = 7) -> tuple[Cache, list[list[int]]]:
     return cache, answers
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=histories(), policy=st.sampled_from(POLICIES))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=histories(), policy=st.sampled_from([*POLICIES, *VARIANTS]))
 def test_every_policy_obeys_the_eviction_rules(ops, policy):
     _, answers = replay(policy, ops)
     # deterministic under a seed

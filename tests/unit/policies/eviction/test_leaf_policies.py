@@ -70,8 +70,21 @@ def test_lfu_keeps_a_frequently_used_old_leaf_that_lru_would_evict(cache_of):
     assert lru.rank(1, now=20.0) == [2]
 
 
-def test_hybrid_orders_by_usage_times_length_over_one_plus_age(cache_of):
+def test_hybrid_default_weighs_usage_against_age(cache_of):
     c = cache_of("hybrid")
+    c.store([1, 2, 3], now=0.0)
+    c.access([1, 2, 3], now=0.0)
+    c.access([1, 2, 3], now=0.0)        # leaf 3: usage 3, length 1 (one node), age 10 -> 3/11
+    c.store([7, 8, 9, 10, 11, 12], now=5.0)  # leaf 12: usage 1, age 5 -> 1/6, however deep
+    assert c.rank(1, now=10.0) == [12]
+    lru = cache_of("lru")
+    lru.store([1, 2, 3], now=0.0)
+    lru.store([7, 8, 9, 10, 11, 12], now=5.0)
+    assert lru.rank(1, now=10.0) == [3]
+
+
+def test_hybrid_prefix_length_orders_by_usage_times_depth_over_one_plus_age(cache_of):
+    c = cache_of({"name": "hybrid", "length": "prefix"})
     c.store([1, 2, 3, 4], now=0.0)      # leaf 4: usage 1, length 4, age 10 -> 4/11
     c.store([20], now=5.0)              # leaf 20: usage 1, length 1, age 5 -> 1/6
     c.store([30], now=0.0)
@@ -87,8 +100,8 @@ def test_hybrid_orders_by_usage_times_length_over_one_plus_age(cache_of):
 
 
 def test_hybrid_age_unit_scales_recency(cache_of):
-    fast = cache_of({"name": "hybrid", "age_unit_s": 1.0})
-    slow = cache_of({"name": "hybrid", "age_unit_s": 10_000.0})
+    fast = cache_of({"name": "hybrid", "age_unit_s": 1.0, "length": "prefix"})
+    slow = cache_of({"name": "hybrid", "age_unit_s": 10_000.0, "length": "prefix"})
     for c in (fast, slow):
         c.store([1], now=900.0)        # usage 1, length 1, age 100 s at t=1000
         c.store([2, 3], now=0.0)       # usage 1, length 2, age 1000 s
@@ -98,6 +111,8 @@ def test_hybrid_age_unit_scales_recency(cache_of):
     assert slow.rank(1, now=1000.0) == [1]
 
 
-def test_hybrid_rejects_non_positive_age_unit():
+def test_hybrid_rejects_bad_parameters():
     with pytest.raises(ConfigError, match="age_unit_s"):
         registry.build("eviction", {"name": "hybrid", "age_unit_s": 0})
+    with pytest.raises(ConfigError, match="length"):
+        registry.build("eviction", {"name": "hybrid", "length": "tokens"})

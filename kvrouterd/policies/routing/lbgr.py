@@ -36,6 +36,17 @@ Parameters:
   = 1e4; ``nlms_step`` = 0.5 (for ``nlms``).
 - ``features`` = ("hit", "miss", "load", "bias"): any non-empty subset, in any order.
 - ``target`` = "ttft": "ttft" or "e2e" (see above).
+- ``residual_scope`` = "worker": one ``theta_i`` per worker as in the paper; "fleet" shares
+  one model, so a worker that stops being chosen cannot keep a stale correction.
+
+**Stability under lagged feedback (measured).** ``Complete`` arrives after the whole decode,
+seconds after the routing decision, whereas the paper's runs produced 4 output tokens. In
+``kvrouterd sim cluster`` on the Mooncake conversation trace (8 workers, 4,000 requests,
+cache 30%), the default residual learns to cancel the decayed load term and a large
+per-worker bias, the least-penalised worker is herded onto, and at 12 req/s SLO attainment
+falls to 25% (``learning_rule: none``: 99.7%). At 4 req/s both stay above 99%. Until
+completions carry a timelier signal, prefer ``learning_rule: none`` (or ``nlms`` with a
+small ``nlms_step``) for long-decode traffic; the default stays the paper's.
 """
 
 from __future__ import annotations
@@ -74,6 +85,9 @@ class LBGRParams:
         default=FEATURES, metadata={"help": "residual features: subset of hit, miss, load, bias"}
     )
     target: Literal["ttft", "e2e"] = field(default="ttft", metadata={"help": "latency the estimate predicts"})
+    residual_scope: Literal["worker", "fleet"] = field(
+        default="worker", metadata={"help": "one residual model per worker (the paper's theta_i) or one for the fleet"}
+    )
 
     def validate(self) -> None:
         if self.alpha_cached_ms_per_1k < 0 or self.alpha_miss_ms_per_1k < 0:
@@ -192,6 +206,7 @@ class LBGRPolicy(RoutingPolicyBase):
         index = self._feature_index
         learners = self._learners if p.learning_rule != "none" else {}
         loads = self._load
+        fleet = "" if p.residual_scope == "fleet" else None
         out = []
         for w in workers:
             hit = min(prompt, ctx.overlap(w) * bs)
@@ -199,7 +214,7 @@ class LBGRPolicy(RoutingPolicyBase):
             load = loads.get(w.id, 0.0) * factor
             values = (hit / 1000.0, miss / 1000.0, load / 1000.0, 1.0)
             phi = [values[i] for i in index]
-            learner = learners.get(w.id)  # an unseen worker has theta = 0
+            learner = learners.get(w.id if fleet is None else fleet)  # an unseen worker has theta = 0
             out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load,
                                  learner.predict(phi) if learner is not None else 0.0, phi))
         return out
@@ -245,10 +260,11 @@ class LBGRPolicy(RoutingPolicyBase):
         observed = completion.ttft_ms if self.params.target == "ttft" else completion.e2e_ms
         if not completion.success or observed <= 0:
             return
-        learner = self._learner(record.worker_id)
+        key = record.worker_id if self.params.residual_scope == "worker" else ""
+        learner = self._learner(key)
         if learner is not None:
             learner.update(record.phi, observed - record.base)
-            self._learners[record.worker_id] = learner
+            self._learners[key] = learner
 
     def on_worker_added(self, worker: Worker) -> None:
         self._load.setdefault(worker.id, 0.0)

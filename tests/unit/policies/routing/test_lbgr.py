@@ -10,6 +10,7 @@ import pytest
 from kvrouterd.errors import ConfigError
 from kvrouterd.policies import registry
 from kvrouterd.policies.routing.lbgr import LBGRPolicy
+from kvrouterd.protocols import Completion
 
 from .helpers import complete, make_router, prompt, request
 
@@ -146,3 +147,20 @@ def test_decision_carries_cost_load_and_residual_per_worker() -> None:
 def test_bad_parameters_fail_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field.split("_ms")[0]):
         registry.build("routing", {"name": "lbgr", field: value})
+
+
+def test_fleet_scope_shares_one_residual_and_none_learns_nothing() -> None:
+    for scope, shared in (("fleet", True), ("worker", False)):
+        router, _ = make_router({"name": "lbgr", "residual_scope": scope}, ["a", "b"])
+        for i in range(20):
+            res = router.route(request(prompt(i, 256, i, 0), rid=f"{scope}{i}"))
+            # only a's completions report a TTFT; b's give no sample
+            router.complete(Completion(res.request.request_id, ttft_ms=5000.0 if res.worker.id == "a" else 0.0))
+        d = router.decide(request(prompt(500, 256, 0, 0)))[0]
+        residual = {c.worker_id: c.terms["residual_ms"] for c in d.candidates}
+        assert (residual["a"] == residual["b"]) is shared
+        assert residual["a"] > 1000
+    router, _ = make_router({"name": "lbgr", "learning_rule": "none"}, ["a"])
+    for i in range(10):
+        complete(router, router.route(request(prompt(i, 256, i, 0))).request.request_id, ttft_ms=5000.0)
+    assert router.decide(request(prompt(99, 256, 0, 0)))[0].attributes["residual_ms"] == 0.0

@@ -362,11 +362,14 @@ class Simulation:
                 if self.progress is not None and n % report_every == 0:
                     self.progress(n / total)
         wall = time.perf_counter() - started
-        done = [r for r in self.records[self.settings.warmup:] if r is not None]
+        measured = [r for r in self.records[self.settings.warmup:] if r is not None]
+        # a request still waiting when events ran out never fit its engine's cache (a policy
+        # that cannot free room); count it rather than let NaN into the percentiles
+        done = [r for r in measured if not math.isnan(r.e2e_s)]
         evict_s = sum(e.rank_seconds for e in self.engines)
         evict_n = sum(e.rank_calls for e in self.engines)
         summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
-        counters = dict(router.counters, events_lost=self.events_lost)
+        counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done))
         stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
                   "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable} for e in self.engines]
         return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,

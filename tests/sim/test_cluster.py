@@ -76,7 +76,7 @@ def test_engines_respect_capacity_and_router_index_tracks_their_caches(eviction)
     assert all(e.evicted_blocks > 0 for e in sim.engines)  # capacity actually bound
     assert all(0 < e.peak_blocks <= 120 for e in sim.engines)
     assert result.counters["blocks_removed"] == sum(e.evicted_blocks for e in sim.engines)
-    assert result.summary.requests == 80
+    assert result.summary.requests == 80 and result.counters["unfinished"] == 0
 
 
 def test_request_larger_than_the_cache_runs_uncached():

@@ -35,6 +35,7 @@ from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, server_credentials
+from .admission import AdmissionGate
 from .service import KVRouterService
 
 __all__ = ["Daemon", "add_arguments", "run"]
@@ -70,13 +71,16 @@ class Daemon:
         if self.metrics_endpoint is not None:
             metric_readers = [*metric_readers, self.metrics_endpoint.reader]
         self.meter_provider = build_meter_provider(tel.service_name, metric_readers)
-        register_ops_metrics(self.meter_provider, self.router, self.metrics_endpoint)
+        #: scrape-time router metrics; event sources attach with ops_metrics.add_event_source
+        self.ops_metrics = register_ops_metrics(self.meter_provider, self.router)
         #: SIGHUP / file-change reload of routing policy parameters
         self.reloader = ConfigReloader(self.router, config, config_path, overrides)
         self._watch: asyncio.Task[None] | None = None
         #: the TLS files being watched (None without TLS)
         self.certificates: CertificateFiles | None = None
         self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
+        self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
+        self.service.admission = self.admission
         self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
         self.service.metrics = self.metrics
         self.health = health.aio.HealthServicer()
@@ -141,6 +145,8 @@ class Daemon:
             await asyncio.sleep(interval)
             try:
                 self.router.tick()
+                if self.admission is not None:
+                    self.admission.tick(self.router.clock.now())
                 n += 1
                 if n % every == 0:
                     expired = self.router.expire_inflight()

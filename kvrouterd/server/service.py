@@ -21,6 +21,7 @@ from ..router import RouteResult, Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert
+from .admission import AdmissionGate
 from .convert import pb
 from .status import status_code
 
@@ -42,6 +43,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         #: None when tracing is off
         self.tracing = tracer is not None
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
+        #: admission queue mode (None = off: Route dispatches at once)
+        self.admission: AdmissionGate | None = None
         self.metrics = metrics
         self.max_batch_events = max_batch_events
 
@@ -64,7 +67,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         recording = span is not None and span.is_recording()
         try:
             req = convert.route_request(request, router)
-            result = router.route(req, explain=recording)
+            if self.admission is None:
+                result = router.route(req, explain=recording)
+            else:
+                timeout = context.time_remaining() if context is not None else None
+                result = await self.admission.route(req, timeout, recording)
         except KVRouterError as exc:
             code = status_code(exc)
             self.metrics.route_errors.add(1, {"code": code.name})
@@ -78,9 +85,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:
-            self.router.complete(convert.completion(request))
+            entry = self.router.complete(convert.completion(request))
         except KVRouterError as exc:
             await _abort(context, exc)
+        if self.admission is not None:
+            self.admission.on_complete(entry.worker_id)
         return pb.CompleteResponse()
 
     # ---- engines ----------------------------------------------------------------------
@@ -154,6 +163,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             self.router.remove_worker(request.worker_id)
         except KVRouterError as exc:
             await _abort(context, exc)
+        if self.admission is not None:
+            self.admission.drop_worker(request.worker_id)
         return pb.DeregisterWorkerResponse()
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:

@@ -1,0 +1,144 @@
+"""Admission queue mode for the daemon: ``Route`` waits in its worker's queue until admitted.
+
+Off by default (``admission.max_inflight: 0``). With ``max_inflight = N`` a worker takes at
+most N routed, uncompleted requests; a Route whose chosen worker is full waits, as a future,
+in that worker's FIFO (``kvrouterd.admission.AdmissionQueues``, the pure logic). While it
+waits it can be moved: when a decision reports both DualMap candidates overloaded
+(``both_overloaded``), one migration round (DualMap A.1.2) moves queued requests to their own
+alternative where that lowers their estimated TTFT and keeps it under the SLO.
+
+A waiting request is admitted when its worker completes one (``Complete``), when an in-flight
+request expires, or when migration frees room. It is then re-decided on the admitted worker
+alone, so its overlap and prefill load reflect the cache at dispatch time. It gives up, with
+the queue entry removed, when the caller cancels or its gRPC deadline passes, or after
+``max_wait_s`` (RESOURCE_EXHAUSTED: the router is shedding load, Envoy answers 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from ..admission import AdmissionQueues, Migration, Waiting
+from ..config import AdmissionConfig
+from ..errors import InvalidRequest, KVRouterError, Overloaded
+from ..protocols import RouteRequest
+from ..router import RouteResult, Router
+
+__all__ = ["AdmissionConfig", "AdmissionGate"]
+
+log = logging.getLogger("kvrouterd.admission")
+
+
+class AdmissionGate:
+    def __init__(self, router: Router, config: AdmissionConfig) -> None:
+        self.router = router
+        self.config = config
+        self.queues = AdmissionQueues(config.max_inflight)
+        self.migrations = 0
+        self.shed = 0
+
+    async def route(self, req: RouteRequest, timeout_s: float | None, explain: bool) -> RouteResult:
+        """Decide; dispatch now if the worker has room, else wait in its queue."""
+        router = self.router
+        decision, ctx, policy = router.decide(req, explain)
+        wid = decision.worker_id
+        worker = router.workers.get(wid)
+        if not self.queues.queue(wid) and self.queues.may_dispatch(worker.inflight_requests):
+            return router.commit(decision, ctx, policy)
+        if not req.request_id:
+            req.request_id = router.new_request_id()
+        if req.request_id in self.queues:
+            raise InvalidRequest(f"request_id {req.request_id!r} is already waiting")
+        now = ctx.now
+        wait = self.config.max_wait_s
+        if timeout_s is not None and timeout_s < wait:
+            # the caller's deadline comes first: gRPC cancels this handler then and the caller
+            # sees DEADLINE_EXCEEDED; the extra second is only a safety net
+            wait = timeout_s + 1.0
+        alt = router.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
+        uncached = {wid: ctx.uncached_tokens(worker)}
+        if alt is not None:
+            uncached[alt.id] = ctx.uncached_tokens(alt)
+        future: asyncio.Future[RouteResult] = asyncio.get_running_loop().create_future()
+        entry = Waiting(
+            request_id=req.request_id,
+            worker_id=wid,
+            alternative_id=alt.id if alt is not None else "",
+            uncached=uncached,
+            slo_ms=req.ttft_slo_ms or router.settings.default_ttft_slo_ms,
+            enqueued_at=now,
+            deadline=now + wait,
+            payload=(future, req, explain),
+        )
+        self.queues.enqueue(entry)
+        if decision.attributes.get("both_overloaded") and alt is not None:
+            self._rebalance([wid, alt.id], policy, now)
+        self._admit_all([wid] + ([alt.id] if alt is not None else []))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), wait)
+        except asyncio.TimeoutError:
+            self.queues.cancel(req.request_id)
+            self.shed += 1
+            raise Overloaded(f"waited {wait:.3g}s in {entry.worker_id!r}'s admission queue without being admitted") from None
+        except asyncio.CancelledError:
+            self.queues.cancel(req.request_id)
+            raise
+
+    def _rebalance(self, workers: list[str], policy: object, now: float) -> None:
+        queued_ttft = getattr(policy, "queued_ttft_ms", None)
+        if queued_ttft is None:
+            return  # only policies with a queue-aware TTFT estimate can plan a migration
+        router = self.router
+
+        def estimator(w: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
+            return float(queued_ttft(router.workers.get(w), uncached, tokens_ahead, requests_ahead, now))
+
+        load = {w.id: (w.pending_prefill_tokens, w.inflight_requests) for w in router.workers}
+        plan: list[Migration] = self.queues.plan_rebalance(workers, load, estimator, now)
+        if plan:
+            self.queues.apply(plan)
+            self.migrations += len(plan)
+            for m in plan:
+                log.info(
+                    "migrated queued request", extra={"request_id": m.request_id, "source": m.source,
+                                                      "target": m.target, "benefit_ms": round(m.benefit_ms, 1)},
+                )
+            self._admit_all({m.target for m in plan})
+
+    def _admit_all(self, worker_ids: Iterable[str]) -> None:
+        for wid in worker_ids:
+            worker = self.router.workers.find(wid)
+            if worker is None:
+                continue
+            for entry in self.queues.admit(wid, worker.inflight_requests):
+                self._dispatch(entry)
+
+    def _dispatch(self, entry: Waiting) -> None:
+        future, req, explain = entry.payload  # type: ignore[misc]
+        if future.done():
+            return
+        req.candidate_workers = (entry.worker_id,)
+        try:
+            future.set_result(self.router.route(req, explain))
+        except KVRouterError as exc:
+            future.set_exception(exc)
+
+    def on_complete(self, worker_id: str) -> None:
+        self._admit_all((worker_id,))
+
+    def tick(self, now: float) -> None:
+        """Give up on entries past their deadline (their waiters time out themselves) and
+        admit wherever expired in-flight requests freed room."""
+        self.queues.expire(now)
+        self._admit_all(self.queues.workers())
+
+    def drop_worker(self, worker_id: str) -> None:
+        """A worker left: its waiting requests fail fast (UNAVAILABLE via the caller's retry)."""
+        from ..errors import NoEligibleWorker
+
+        for entry in self.queues.drop_worker(worker_id):
+            future = entry.payload[0]  # type: ignore[index]
+            if not future.done():
+                future.set_exception(NoEligibleWorker(f"worker {worker_id!r} left while the request waited"))

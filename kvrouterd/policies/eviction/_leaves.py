@@ -155,6 +155,14 @@ class SortedLeaves:
         self._slots.pop(slot, None)
 
     # ---- ranking -------------------------------------------------------------------------
+    def sorted_view(self, ctx: EvictionContext) -> SortedList | None:
+        """The slot's leaves as ``(priority, key, block)`` in order, or None when this tracker
+        has not seen every hook for the slot (the caller must then rank from the index)."""
+        s = self._slots.get(ctx.slot)
+        if s is None or len(s.prio) != len(ctx.index.leaves(ctx.slot)):
+            return None
+        return s.order
+
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         def priority(b: Block) -> Any:
             return self.priority(b, ctx.slot)

@@ -21,22 +21,26 @@ Parameters (``HybridParams``):
     age_unit_s = 1.0       seconds that count as one unit of ``recency`` in the score
     length     = "node"    "node": every block has length 1; "prefix": its depth in blocks
 
-The value drifts with the clock, so leaves cannot be kept pre-sorted: each call scores the
-worker's L leaves, O(L + k log L). With ``length = "prefix"`` depths are remembered from
-the hooks so scoring does not walk to the root.
+The value drifts with the clock, but leaves with the same ``usage * length`` keep their
+relative order (least recent first), so the hooks keep each worker's leaves sorted by
+(usage * length, last access) and ``rank`` merges the oldest leaf of each such class by
+value: O(C log L + k log C) for C classes and k blocks. A policy that has not seen every
+hook (built for one ``EvictHint``) scores all leaves instead, O(L + k log L).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import rank_leaves_by
+from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
 __all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
 
@@ -69,6 +73,12 @@ class HybridEviction(EvictionPolicyBase):
     def __init__(self, params: HybridParams, rng: random.Random) -> None:
         super().__init__(params, rng)
         self._depth: dict[int, dict[int, int]] = {}
+        self._leaves = SortedLeaves(self._class)
+
+    def _class(self, block: Block, slot: int) -> tuple[int, float]:
+        """(usage * length, last access): the order within which age cannot change."""
+        length = self._length(block, slot) if self.params.length == "prefix" else 1
+        return ((1 + _hits(block, slot)) * length, _recency(block, slot))
 
     def _length(self, block: Block, slot: int) -> int:
         d = self._depth.get(slot, {}).get(block.key)
@@ -84,9 +94,40 @@ class HybridEviction(EvictionPolicyBase):
             length = self._length(b, slot) if by_prefix else 1
             return (hybrid_value(1 + _hits(b, slot), length, age), last)
 
-        return rank_leaves_by(ctx, count, pinned, priority)
+        order = self._leaves.sorted_view(ctx)
+        if order is None:
+            return rank_leaves_by(ctx, count, pinned, priority)
+        return merge_promoting(ctx, self._merged(order, now), count, pinned, priority)
+
+    def _merged(self, order, now: float) -> Iterator[tuple[tuple[float, float], int, Block]]:  # type: ignore[no-untyped-def]
+        """Leaves by ascending (value, last access, key): a k-way merge of the classes."""
+        unit = self.params.age_unit_s
+        heap: list[tuple[float, float, int, int, int]] = []
+        i, n = 0, len(order)
+        while i < n:
+            cls = order[i][0][0]
+            end = order.bisect_left(((cls, math.inf),))
+            (_, last), key, _ = order[i]
+            heap.append((cls / (1.0 + max(0.0, now - last) / unit), last, key, i, end))
+            i = end
+        heapq.heapify(heap)
+        while heap:
+            value, last, key, i, end = heap[0]
+            yield (value, last), key, order[i][2]
+            if i + 1 < end:
+                (cls, nlast), nkey, _ = order[i + 1]
+                heapq.heapreplace(heap, (cls / (1.0 + max(0.0, now - nlast) / unit), nlast, nkey, i + 1, end))
+            else:
+                heapq.heappop(heap)
 
     def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._record_depths(slot, blocks)
+        self._leaves.stored(slot, blocks)
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(slot, blocks)
+
+    def _record_depths(self, slot: int, blocks: Sequence[Block]) -> None:
         if not blocks or self.params.length != "prefix":
             return
         depths = self._depth.setdefault(slot, {})
@@ -97,9 +138,11 @@ class HybridEviction(EvictionPolicyBase):
             depths[b.key] = d
 
     def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)  # first: it re-scores the parent, whose depth is kept
         depths = self._depth.get(slot)
         if depths is not None:
             depths.pop(block.key, None)
 
     def on_cleared(self, slot: int) -> None:
+        self._leaves.cleared(slot)
         self._depth.pop(slot, None)

@@ -124,3 +124,16 @@ def test_rank_of_an_empty_worker_is_empty_for_every_policy():
     for name in POLICIES:
         cache = Cache(name)
         assert cache.policy.rank(EvictionContext(cache.index, 0, 0.0), 3, frozenset()) == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=histories(), policy=st.sampled_from(["lru", "lfu", "hybrid", {"name": "hybrid", "length": "prefix"}]))
+def test_hook_maintained_order_matches_ranking_from_the_index_alone(ops, policy):
+    cache, _ = replay(policy, ops)
+    fresh = registry.build("eviction", policy)  # saw no hooks
+    for slot in (0, 1):
+        for now in (1e3, 1e6):
+            ctx = EvictionContext(cache.index, slot, now)
+            n = cache.index.count(slot)
+            assert [b.key for b in cache.policy.rank(ctx, n, frozenset())] == \
+                [b.key for b in fresh.rank(ctx, n, frozenset())]

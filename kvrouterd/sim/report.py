@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["build", "markdown", "table", "write"]
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_DASHES = ("-", "--", "-.", ":")
 _CELL_KEYS = ("hit_ratio", "slo_attainment", "throughput_rps", "load_cv", "evict_us_mean")
 
 
@@ -131,9 +133,9 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
         for r in results:
             if r.rate == rate:
                 by_pair[f"{r.routing}+{r.eviction}"] += [x.ttft_s for x in r.records if not math.isnan(x.ttft_s)]
-        for pair, ttfts in sorted(by_pair.items()):
+        for j, (pair, ttfts) in enumerate(sorted(by_pair.items())):
             xs = sorted(ttfts)
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=pair)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], linestyle=_DASHES[j % len(_DASHES)], label=pair)
         if by_pair:
             hi = max(percentile(v, 99) for v in by_pair.values() if v)
             ax.set_xlim(0, hi * 1.05 if hi > 0 else 1)
@@ -154,9 +156,11 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
             series: dict[str, list[tuple[float, float]]] = defaultdict(list)
             for row in doc["aggregate"]:
                 series[row["pair"]].append((row["rate"], row[key]))
-            for pair, pts in sorted(series.items()):
+            for i, (pair, pts) in enumerate(sorted(series.items())):
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pair)
+                # overlapping series stay distinguishable by marker and dash
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
+                        linestyle=_DASHES[i % len(_DASHES)], label=pair)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -44,7 +44,7 @@ seconds after the routing decision, whereas the paper's runs produced 4 output t
 ``kvrouterd sim cluster`` on the Mooncake conversation trace (8 workers, 4,000 requests,
 cache 30%), the default residual learns to cancel the decayed load term and a large
 per-worker bias, the least-penalised worker is herded onto, and at 12 req/s SLO attainment
-falls to 25% (``learning_rule: none``: 99.7%). At 4 req/s both stay above 99%. Until
+falls to 25% (``learning_rule: none``: 99.9%). At 4 req/s both stay above 99%. Until
 completions carry a timelier signal, prefer ``learning_rule: none`` (or ``nlms`` with a
 small ``nlms_step``) for long-decode traffic; the default stays the paper's.
 """

@@ -4,9 +4,9 @@ The daemon keeps one metrics pipeline, OpenTelemetry: this module adds an
 ``opentelemetry-exporter-prometheus`` ``PrometheusMetricReader`` to the daemon's
 MeterProvider, so the same instruments reach Prometheus and (when configured) OTLP. Chosen
 over a parallel set of ``prometheus_client`` instruments because the service already records
-every decision through OTel; measured per Route (counter + histogram, ``python
-docs/operations.md`` recipe): OTel with no reader 11.0 us, with this reader 24.7 us;
-prometheus_client alone 2.7-7.2 us, but it would add to the OTel cost, not replace it.
+every decision through OTel. Measured per Route (one counter add + one histogram record; the
+recipe is in docs/operations.md): OTel with no reader 11.0 us, with this reader 24.7 us;
+prometheus_client 2.7-7.2 us, but it would add to the OTel cost, not replace it.
 
 Besides the service's instruments (``kvrouter_decisions_total{policy,reason}``,
 ``kvrouter_route_duration_seconds``, event batches, gaps, index and per-worker blocks),
@@ -44,7 +44,7 @@ from prometheus_client.exposition import choose_encoder
 from ..errors import ConfigError
 from ..protocols import CacheMode
 
-__all__ = ["MetricsEndpoint", "register_ops_metrics"]
+__all__ = ["MetricsEndpoint", "OpsMetrics", "register_ops_metrics"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
@@ -65,11 +65,6 @@ class MetricsEndpoint:
         ProcessCollector(registry=self.registry)
         self.reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
         self._server: asyncio.base_events.Server | None = None
-        self._event_sources: list[EventStats] = []
-
-    def add_event_source(self, stats: EventStats) -> None:
-        """Export replay counts of an event source (``ZmqEventSource.stats``)."""
-        self._event_sources.append(stats)
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with :0)."""
@@ -126,9 +121,21 @@ class MetricsEndpoint:
         return "200 OK", (b"" if method == "HEAD" else body), ctype
 
 
-def register_ops_metrics(provider: MeterProvider, router: Any, endpoint: MetricsEndpoint | None = None) -> None:
+class OpsMetrics:
+    """What ``register_ops_metrics`` set up; event sources can be attached later."""
+
+    def __init__(self) -> None:
+        self.event_sources: list[EventStats] = []
+
+    def add_event_source(self, stats: EventStats) -> None:
+        """Export the replay counts of an event source (``ZmqEventSource.stats``: worker -> stats)."""
+        self.event_sources.append(stats)
+
+
+def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     """Scrape-time instruments over ``router`` state (see the module docstring)."""
     meter = provider.get_meter("kvrouterd.ops")
+    ops = OpsMetrics()
 
     def prefix_decisions(_: CallbackOptions) -> Iterable[Observation]:
         for policy, h in list(router.prefix_hits.items()):
@@ -152,7 +159,7 @@ def register_ops_metrics(provider: MeterProvider, router: Any, endpoint: Metrics
         return observe
 
     def replays(_: CallbackOptions) -> Iterable[Observation]:
-        for source in endpoint._event_sources if endpoint is not None else ():
+        for source in list(ops.event_sources):
             for worker_id, st in source().items():
                 yield Observation(st.replays_ok, {"worker": worker_id, "outcome": "ok"})
                 yield Observation(st.replays_failed, {"worker": worker_id, "outcome": "failed"})
@@ -203,3 +210,4 @@ def register_ops_metrics(provider: MeterProvider, router: Any, endpoint: Metrics
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")
+    return ops

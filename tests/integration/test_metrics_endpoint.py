@@ -123,3 +123,16 @@ async def test_no_endpoint_unless_configured():
 
     daemon = Daemon(parse_config({"listen": "127.0.0.1:0"}))
     assert daemon.metrics_endpoint is None
+
+
+async def test_event_source_replays_are_exported_per_worker(running):
+    from kvrouterd.events import SubscriberStats
+
+    stats = {"gpu-0": SubscriberStats(replays_ok=3, replays_failed=1)}
+    running.daemon.ops_metrics.add_event_source(lambda: stats)
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_worker_event_replays_total", worker="gpu-0", outcome="ok") == 3
+    assert sample(text, "kvrouter_worker_event_replays_total", worker="gpu-0", outcome="failed") == 1
+    stats["gpu-0"].replays_ok += 1
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_worker_event_replays_total", worker="gpu-0", outcome="ok") == 4

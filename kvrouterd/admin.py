@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 
-__all__ = ["add_arguments", "run", "fetch_stats", "format_stats"]
+__all__ = ["add_arguments", "fetch_stats", "format_stats", "run"]
 
 _MODE = {pb.CACHE_STATE_MODE_EVENTS: "events", pb.CACHE_STATE_MODE_APPROXIMATE: "approximate"}
 _STATE = {pb.WORKER_STATE_READY: "ready", pb.WORKER_STATE_DEGRADED: "degraded", pb.WORKER_STATE_DRAINING: "draining"}

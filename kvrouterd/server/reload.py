@@ -24,7 +24,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..errors import ConfigError
 
-__all__ = ["ConfigReloader", "RELOADABLE"]
+__all__ = ["RELOADABLE", "ConfigReloader"]
 
 log = logging.getLogger("kvrouterd.server")
 

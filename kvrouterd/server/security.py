@@ -31,7 +31,7 @@ from .._generated.kvrouter.v1 import router_pb2
 from ..config import AuthConfig, TlsConfig
 from ..errors import ConfigError
 
-__all__ = ["CertificateFiles", "server_credentials", "TokenAuthInterceptor", "TokenSource", "build_interceptors"]
+__all__ = ["CertificateFiles", "TokenAuthInterceptor", "TokenSource", "build_interceptors", "server_credentials"]
 
 log = logging.getLogger("kvrouterd.server.security")
 

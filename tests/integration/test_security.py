@@ -157,66 +157,64 @@ WORKER = pb.RegisterWorkerRequest(worker=pb.Worker(id="w", address="w:1", mode=p
 async def test_token_guards_control_rpcs_and_leaves_the_data_path_open(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-one\n")
-    async with serve({"auth": {"token_file": str(token_file)}}) as daemon:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
-            stub = router_pb2_grpc.KVRouterStub(ch)
-            for md in (None, bearer("wrong"), [("authorization", "s3cret-one")]):
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.RegisterWorker(WORKER, metadata=md)
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert len(daemon.router.workers) == 0
+    async with serve({"auth": {"token_file": str(token_file)}}) as daemon, grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        stub = router_pb2_grpc.KVRouterStub(ch)
+        for md in (None, bearer("wrong"), [("authorization", "s3cret-one")]):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.RegisterWorker(WORKER, metadata=md)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len(daemon.router.workers) == 0
+        await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-one"))
+
+        batch = pb.EventBatch(worker_id="w", sequence=0, events=[stored(list(range(16)), [1])])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await publish(stub, batch)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len(daemon.router.index) == 0
+
+        async def one():
+            yield batch
+
+        summary = await stub.PublishEvents(one(), metadata=bearer("s3cret-one"))
+        assert summary.batches_applied == 1
+
+        # data path and read-only calls need no token
+        resp = await stub.Route(pb.RouteRequest(token_ids=list(range(32))))
+        assert resp.worker_id == "w" and resp.matched_blocks == 1
+        await stub.Complete(pb.CompleteRequest(request_id=resp.request_id, success=True))
+        await stub.ListWorkers(pb.ListWorkersRequest())
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="w"))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        # rotation: the file now accepts a new and an old token, then only the new one
+        token_file.write_text("s3cret-two\ns3cret-one\n")
+        await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-two"))
+        await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-one"))
+        token_file.write_text("s3cret-two-and-longer\n")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-one"))
-
-            batch = pb.EventBatch(worker_id="w", sequence=0, events=[stored(list(range(16)), [1])])
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await publish(stub, batch)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert len(daemon.router.index) == 0
-
-            async def one():
-                yield batch
-
-            summary = await stub.PublishEvents(one(), metadata=bearer("s3cret-one"))
-            assert summary.batches_applied == 1
-
-            # data path and read-only calls need no token
-            resp = await stub.Route(pb.RouteRequest(token_ids=list(range(32))))
-            assert resp.worker_id == "w" and resp.matched_blocks == 1
-            await stub.Complete(pb.CompleteRequest(request_id=resp.request_id, success=True))
-            await stub.ListWorkers(pb.ListWorkersRequest())
-            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="w"))
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-            # rotation: the file now accepts a new and an old token, then only the new one
-            token_file.write_text("s3cret-two\ns3cret-one\n")
-            await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-two"))
-            await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-one"))
-            token_file.write_text("s3cret-two-and-longer\n")
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.RegisterWorker(WORKER, metadata=bearer("s3cret-one"))
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="w"), metadata=bearer("s3cret-two-and-longer"))
-            assert len(daemon.router.workers) == 0
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="w"), metadata=bearer("s3cret-two-and-longer"))
+        assert len(daemon.router.workers) == 0
 
 
 async def test_protect_list_can_cover_the_engine_rpcs_too():
     env_name = "KVROUTERD_TEST_TOKEN_7"
     os.environ[env_name] = "tok"
     try:
-        async with serve({"auth": {"token_env": env_name, "protect": ["ReportLoad", "EvictHint"]}}) as daemon:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
-                stub = router_pb2_grpc.KVRouterStub(ch)
-                await stub.RegisterWorker(WORKER)  # not listed: open
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.ReportLoad(pb.ReportLoadRequest(worker_id="w", queued_requests=3))
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                assert daemon.router.workers.get("w").reported_queue == 0
-                await stub.ReportLoad(pb.ReportLoadRequest(worker_id="w", queued_requests=3), metadata=bearer("tok"))
-                assert daemon.router.workers.get("w").reported_queue == 3
+        async with serve({"auth": {"token_env": env_name, "protect": ["ReportLoad", "EvictHint"]}}) as daemon, grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+            stub = router_pb2_grpc.KVRouterStub(ch)
+            await stub.RegisterWorker(WORKER)  # not listed: open
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportLoad(pb.ReportLoadRequest(worker_id="w", queued_requests=3))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert daemon.router.workers.get("w").reported_queue == 0
+            await stub.ReportLoad(pb.ReportLoadRequest(worker_id="w", queued_requests=3), metadata=bearer("tok"))
+            assert daemon.router.workers.get("w").reported_queue == 3
     finally:
         del os.environ[env_name]
 
@@ -241,15 +239,14 @@ def test_missing_token_fails_at_start(tmp_path):
 
 async def test_batch_and_message_limits_are_enforced_without_changing_state():
     cfg = {"limits": {"max_batch_events": 4, "max_message_bytes": 8192}}
-    async with serve(cfg) as daemon:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
-            stub = router_pb2_grpc.KVRouterStub(ch)
-            await stub.RegisterWorker(WORKER)
-            big = pb.EventBatch(worker_id="w", sequence=0, events=[stored(list(range(16 * i, 16 * i + 16)), [i]) for i in range(5)])
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await publish(stub, big)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_batch_events=4" in err.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Route(pb.RouteRequest(token_ids=list(range(1 << 20, (1 << 20) + 4096))))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert len(daemon.router.index) == 0 and daemon.router.workers.inflight_count == 0
+    async with serve(cfg) as daemon, grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        stub = router_pb2_grpc.KVRouterStub(ch)
+        await stub.RegisterWorker(WORKER)
+        big = pb.EventBatch(worker_id="w", sequence=0, events=[stored(list(range(16 * i, 16 * i + 16)), [i]) for i in range(5)])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await publish(stub, big)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_batch_events=4" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Route(pb.RouteRequest(token_ids=list(range(1 << 20, (1 << 20) + 4096))))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(daemon.router.index) == 0 and daemon.router.workers.inflight_count == 0

@@ -5,7 +5,9 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
 - **Candidate pair** (sections 3.2, 3.4, A.1.3): the request's hash key goes through two
   independent hash functions onto a dual consistent-hash ring (``hash_ring``), giving two
   distinct workers (Eq. 5 when both coincide). The pair depends only on the key and the
-  worker ids, so router replicas with the same workers agree without sharing state.
+  worker ids, so router replicas with the same workers agree without sharing state. (The
+  key's length for a *hot* prefix comes from each replica's own traffic window; replicas
+  behind a balanced load balancer see the same shares, but nothing forces them to agree.)
 - **Adaptive hash-key length** (section 3.2, A.1.1): the key is the prompt's first
   ``base_segments`` segments of ``segment_tokens`` tokens (the paper's 2 x 512); a prefix
   whose sliding-window traffic share exceeds 2/n gets one more segment, and loses it when

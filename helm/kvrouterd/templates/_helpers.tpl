@@ -99,13 +99,13 @@ mounted certificates (the same check as the image's HEALTHCHECK); the Secret mus
 {{- define "kvrouterd.probeAction" -}}
 {{- if .Values.tls.enabled }}
 {{- $dir := include "kvrouterd.tlsDir" . }}
-{{- $client := ternary (printf "open('%s/tls.key','rb').read(), open('%s/tls.crt','rb').read()" $dir $dir) "None, None" .Values.tls.clientAuth }}
+{{- $client := ternary (printf "open('%s/tls.key','rb').read(), open('%s/tls.crt','rb').read()" $dir $dir) "None, None" .Values.tls.clientAuth -}}
 exec:
   command:
     - python
     - -c
     - {{ printf "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; c = grpc.ssl_channel_credentials(open('%s/ca.crt','rb').read(), %s); ch = grpc.secure_channel('127.0.0.1:%d', c, options=[('grpc.ssl_target_name_override', '%s')]); r = g.HealthStub(ch).Check(h.HealthCheckRequest(service=''), timeout=2); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)" $dir $client (int .Values.ports.grpc) .Values.tls.serverName | quote }}
-{{- else }}
+{{- else -}}
 grpc:
   port: {{ .Values.ports.grpc }}
   service: ""

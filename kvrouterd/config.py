@@ -34,6 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from .discovery.config import DiscoveryConfig
+from .events.zmq_source import ZmqEventsConfig
 from .errors import ConfigError
 from .index.workers import WorkerSpec
 from .protocols import CacheMode
@@ -226,6 +227,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: vLLM / SGLang ZMQ KV-event subscribers (workers declare kv_events_endpoint); docs/engine-events.md
+    events: ZmqEventsConfig = field(default_factory=ZmqEventsConfig)
     #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     #: seconds between periodic maintenance (in-flight expiry, policy ticks)
@@ -287,6 +290,7 @@ class Config:
             raise ConfigError("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
             raise ConfigError("admission.max_wait_s: must be > 0")
+        self.events.validate()
         self.discovery.validate()
         self.ext_proc.validate()
         self.metrics.validate()

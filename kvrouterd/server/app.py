@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -35,12 +36,18 @@ from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, server_credentials
+from ..discovery import KubernetesDiscovery
+from ..events.zmq_source import ZmqEventSource
+from ..index.workers import WorkerSpec
 from .admission import AdmissionGate
 from .service import KVRouterService
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
 log = logging.getLogger("kvrouterd.server")
+
+#: how long start-up waits for the first Kubernetes pod listing before serving anyway
+DISCOVERY_SYNC_TIMEOUT_S = 30.0
 
 KVROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["KVRouter"].full_name
 
@@ -81,6 +88,9 @@ class Daemon:
         self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
+        self.events: ZmqEventSource | None = None
+        self.discovery: KubernetesDiscovery | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
         self.service.metrics = self.metrics
         self.health = health.aio.HealthServicer()
@@ -122,6 +132,7 @@ class Daemon:
             raise ConfigError(f"listen: cannot bind {self.config.listen}: {exc}") from None
         await server.start()
         self.server = server
+        await self._start_membership_sources()
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.start()
@@ -135,6 +146,43 @@ class Daemon:
                    "workers": len(self.router.workers)},
         )
         return self.port
+
+    async def _start_membership_sources(self) -> None:
+        """ZMQ subscribers follow membership; Kubernetes discovery feeds it. With discovery on,
+        the first pod listing is applied before the daemon reports SERVING."""
+        self.events = ZmqEventSource(
+            self.config.events,
+            apply=self.service.apply_batch,
+            reset=lambda worker_id, lost: self.router.reset_events(worker_id, lost=lost),
+        )
+        self.service.on_membership_change = self._membership_changed
+        self._membership_changed()
+        k8s = self.config.discovery.kubernetes
+        if k8s.enabled:
+            self.discovery = KubernetesDiscovery(k8s, self._discovered, self._departed, block_size=self.config.block_size)
+            self._discovery_task = asyncio.create_task(self.discovery.run(), name="kvrouterd-discovery")
+            try:
+                await asyncio.wait_for(self.discovery.synced.wait(), DISCOVERY_SYNC_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("no pod listing within %ss; serving with the workers known so far", DISCOVERY_SYNC_TIMEOUT_S)
+
+    def _membership_changed(self) -> None:
+        if self.events is not None:
+            self.events.sync(w.spec for w in self.router.workers)
+
+    def _discovered(self, spec: WorkerSpec) -> None:
+        replay = self.discovery.replay_endpoint(spec.id) if self.discovery is not None else ""
+        if replay and spec.kv_events_endpoint and "replay=" not in spec.kv_events_endpoint:
+            spec = dataclasses.replace(spec, kv_events_endpoint=f"{spec.kv_events_endpoint}?replay={replay}")
+        self.router.add_worker(spec)
+        self._membership_changed()
+
+    def _departed(self, worker_id: str) -> None:
+        if worker_id in self.router.workers:
+            self.router.remove_worker(worker_id)
+        if self.admission is not None:
+            self.admission.drop_worker(worker_id)
+        self._membership_changed()
 
     async def _maintain(self) -> None:
         """Policy ticks every tick_interval_s; expire lost in-flight requests about once a second."""
@@ -162,6 +210,12 @@ class Daemon:
             await self.server.stop(grace)
         if self._watch is not None:
             self._watch.cancel()
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery_task
+        if self.events is not None:
+            await self.events.close()
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.stop()
         if self._maintenance is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..errors import KVRouterError
-from ..protocols import CacheMode
+from ..protocols import BatchOutcome, CacheMode, EventBatch
 from ..router import RouteResult, Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
@@ -45,6 +45,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         #: admission queue mode (None = off: Route dispatches at once)
         self.admission: AdmissionGate | None = None
+        #: called after RegisterWorker/DeregisterWorker (the daemon re-syncs ZMQ subscribers)
+        self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
         self.max_batch_events = max_batch_events
 
@@ -98,34 +100,45 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     ) -> pb.PublishEventsResponse:
         summary = pb.PublishEventsResponse()
         async for msg in request_iterator:
-            with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
-                try:
-                    batch = convert.event_batch(msg, self.max_batch_events)
-                    outcome = self.router.apply(batch)
-                except KVRouterError as exc:
-                    # earlier batches of the stream stay applied; this one changed nothing
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                    self.metrics.event_batches.add(1, {"outcome": "rejected"})
-                    log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
-                    await _abort(context, exc)
-                if span.is_recording():
-                    annotate_batch(span, batch, outcome)
+            try:
+                batch = convert.event_batch(msg, self.max_batch_events)
+                outcome = self.apply_batch(batch)
+            except KVRouterError as exc:
+                # earlier batches of the stream stay applied; this one changed nothing
+                log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
+                await _abort(context, exc)
             if outcome.duplicate:
                 summary.batches_duplicate += 1
-                self.metrics.event_batches.add(1, {"outcome": "duplicate"})
                 continue
             summary.batches_applied += 1
             summary.blocks_stored += outcome.blocks_stored
             summary.blocks_removed += outcome.blocks_removed
-            self.metrics.event_batches.add(1, {"outcome": "applied"})
-            if outcome.blocks_stored:
-                self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
-            if outcome.blocks_removed:
-                self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
-            if outcome.gap or outcome.restarted:
-                summary.gaps_detected += 1 if outcome.gap else 0
-                self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
+            summary.gaps_detected += 1 if outcome.gap else 0
         return summary
+
+    def apply_batch(self, batch: EventBatch) -> BatchOutcome:
+        """Apply one engine batch with its span and metrics: the gRPC stream and the ZMQ
+        subscribers both come through here."""
+        with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
+            try:
+                outcome = self.router.apply(batch)
+            except KVRouterError as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                self.metrics.event_batches.add(1, {"outcome": "rejected"})
+                raise
+            if span.is_recording():
+                annotate_batch(span, batch, outcome)
+        if outcome.duplicate:
+            self.metrics.event_batches.add(1, {"outcome": "duplicate"})
+            return outcome
+        self.metrics.event_batches.add(1, {"outcome": "applied"})
+        if outcome.blocks_stored:
+            self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
+        if outcome.blocks_removed:
+            self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
+        if outcome.gap or outcome.restarted:
+            self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
+        return outcome
 
     async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         try:
@@ -154,6 +167,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             worker = self.router.add_worker(convert.worker_spec(request.worker))
         except KVRouterError as exc:
             await _abort(context, exc)
+        self.on_membership_change()
         return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
 
     async def DeregisterWorker(
@@ -165,6 +179,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             await _abort(context, exc)
         if self.admission is not None:
             self.admission.drop_worker(request.worker_id)
+        self.on_membership_change()
         return pb.DeregisterWorkerResponse()
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:

@@ -67,7 +67,7 @@ class AdmissionGate:
             worker_id=wid,
             alternative_id=alt.id if alt is not None else "",
             uncached=uncached,
-            slo_ms=req.ttft_slo_ms or router.settings.default_ttft_slo_ms,
+            slo_ms=self._slo_ms(policy, req),
             enqueued_at=now,
             deadline=now + wait,
             payload=(future, req, explain),
@@ -86,6 +86,13 @@ class AdmissionGate:
             self.queues.cancel(req.request_id)
             raise
 
+    def _slo_ms(self, policy: object, req: RouteRequest) -> float:
+        """The SLO the policy itself applies (DualMap has its own default), else the router's."""
+        own = getattr(policy, "slo_ms", None)
+        if callable(own):
+            return float(own(req))
+        return req.ttft_slo_ms or self.router.settings.default_ttft_slo_ms
+
     def _rebalance(self, workers: list[str], policy: object, now: float) -> None:
         queued_ttft = getattr(policy, "queued_ttft_ms", None)
         if queued_ttft is None:
@@ -95,7 +102,13 @@ class AdmissionGate:
         def estimator(w: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
             return float(queued_ttft(router.workers.get(w), uncached, tokens_ahead, requests_ahead, now))
 
-        load = {w.id: (w.pending_prefill_tokens, w.inflight_requests) for w in router.workers}
+        # the policy's own view of pending prefill (DualMap drains it at the modelled prefill
+        # rate), so migration estimates agree with the estimates that chose the candidates
+        latency = getattr(policy, "latency", None)
+        if latency is not None and hasattr(latency, "pending_tokens"):
+            load = {w.id: (int(latency.pending_tokens(w, now)), w.inflight_requests) for w in router.workers}
+        else:
+            load = {w.id: (w.pending_prefill_tokens, w.inflight_requests) for w in router.workers}
         plan: list[Migration] = self.queues.plan_rebalance(workers, load, estimator, now)
         if plan:
             self.queues.apply(plan)

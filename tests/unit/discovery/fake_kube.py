@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -154,3 +155,13 @@ def gone_event() -> dict[str, Any]:
     return {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                         "message": "too old resource version: 1 (50)", "reason": "Expired",
                                         "code": 410}}
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until ``cond()`` holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)

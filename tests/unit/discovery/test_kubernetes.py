@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from kvrouterd.discovery import KubernetesDiscovery, KubernetesDiscoveryConfig
 from kvrouterd.index.workers import WorkerSpec
 
-from .fake_kube import FakeKubeApi, Reply, event, gone_event, pod, pod_list
+from .fake_kube import FakeKubeApi, Reply, event, eventually, gone_event, pod, pod_list
 
 
 class Recorder:
@@ -29,14 +29,6 @@ class Recorder:
     def remove(self, worker_id: str) -> None:
         del self.workers[worker_id]  # KeyError if discovery removes what it never added
         self.calls.append(("remove", worker_id))
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture

@@ -37,21 +37,26 @@ weight-update constants are not given in the paper and are ours:
     epsilon = 1e-6                             eps, numerical constant
     update_interval_s = 10.0                   seconds between weight updates
 
-Cost per ``rank``: O(L) for L leaves (scores drift with the clock, nothing is pre-sorted).
+Scores drift with the clock, but each queue's order does not (deepest offset first in
+evict-first and structural, least recent first in the session queues), so the hooks keep
+each worker's leaves sorted per queue and ``rank`` peeks at the head of each queue as in
+Algorithm 1: O(k log L) for k blocks. A policy that has not seen every hook (built for one
+``EvictHint``) scores all L leaves instead, O(L + k log L).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
 from ...protocols import TaskCategory
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import rank_leaves_by
+from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
 __all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "UniCacheParams", "lognormal_cdf"]
 
@@ -130,6 +135,18 @@ class UniCacheEviction(EvictionPolicyBase):
         self._slots: dict[int, _SlotState] = {}
         self._fits = {CHAT: _GapFit(), AGENTIC: _GapFit()}
         self._session_seen: dict[str, float] = {}
+        self._leaves = SortedLeaves(self._queue_order)
+
+    def _queue_order(self, block: Block, slot: int) -> tuple[int, float, float]:
+        """(queue, then the queue's own order): what the hooks keep sorted."""
+        s = self._slots.get(slot)
+        queue = s.queue.get(block.key) if s is not None else None
+        last = _recency(block, slot)
+        if queue is None:
+            return (STRUCTURAL, -float(block.depth() - 1), last)
+        if queue in (CHAT, AGENTIC):
+            return (queue, last, 0.0)
+        return (queue, -float(s.offset[block.key]), last)  # type: ignore[union-attr]
 
     # ---- queue model ---------------------------------------------------------------------
     @staticmethod
@@ -245,6 +262,7 @@ class UniCacheEviction(EvictionPolicyBase):
         for i, b in enumerate(blocks):
             offset = info.first_offset + i
             self._place(s, b.key, self.queue_for(info, offset), offset)
+        self._leaves.stored(slot, blocks)
 
     def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         s = self._state(slot, now)
@@ -256,13 +274,16 @@ class UniCacheEviction(EvictionPolicyBase):
                 s.hits[queue] += 1
             offset = info.first_offset + i
             self._place(s, b.key, self.queue_for(info, offset), offset)
+        self._leaves.accessed(slot, blocks)
 
     def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
         s = self._slots.get(slot)
         if s is not None:
             self._unplace(s, block.key)
 
     def on_cleared(self, slot: int) -> None:
+        self._leaves.cleared(slot)
         self._slots.pop(slot, None)
 
     # ---- ranking -------------------------------------------------------------------------
@@ -288,4 +309,31 @@ class UniCacheEviction(EvictionPolicyBase):
                 score = 1.0 - lognormal_cdf(now - last, mu, sigma)
             return (1, s.alpha[queue] * score, last)
 
-        return rank_leaves_by(ctx, count, pinned, priority)
+        order = self._leaves.sorted_view(ctx)
+        if order is None:
+            return rank_leaves_by(ctx, count, pinned, priority)
+        return merge_promoting(ctx, self._heads(order, priority), count, pinned, priority)
+
+    @staticmethod
+    def _heads(order, priority) -> Iterator[tuple[tuple[int, float, float], int, Block]]:  # type: ignore[no-untyped-def]
+        """Algorithm 1 as a stream: all of evict-first in its order, then repeatedly the queue
+        head with the lowest weighted score."""
+        bounds = [order.bisect_left(((q,),)) for q in (EVICT_FIRST, CHAT, AGENTIC, STRUCTURAL)] + [len(order)]
+        for i in range(bounds[0], bounds[1]):
+            _, key, block = order[i]
+            yield priority(block), key, block
+        heap = []
+        for q in (CHAT, AGENTIC, STRUCTURAL):
+            start, end = bounds[q], bounds[q + 1]
+            if start < end:
+                _, key, block = order[start]
+                heap.append((priority(block), key, start, end))
+        heapq.heapify(heap)
+        while heap:
+            prio, key, i, end = heap[0]
+            yield prio, key, order[i][2]
+            if i + 1 < end:
+                _, nkey, nblock = order[i + 1]
+                heapq.heapreplace(heap, (priority(nblock), nkey, i + 1, end))
+            else:
+                heapq.heappop(heap)

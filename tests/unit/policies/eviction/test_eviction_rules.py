@@ -137,3 +137,18 @@ def test_hook_maintained_order_matches_ranking_from_the_index_alone(ops, policy)
             n = cache.index.count(slot)
             assert [b.key for b in cache.policy.rank(ctx, n, frozenset())] == \
                 [b.key for b in fresh.rank(ctx, n, frozenset())]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=histories(), policy=st.sampled_from(["unicache", {"name": "unicache", "update_interval_s": 1.0}]))
+def test_unicache_queue_heads_match_scoring_every_leaf(ops, policy):
+    cache, _ = replay(policy, ops)
+    for slot in (0, 1):
+        for now in (1e2, 1e3, 1e6):
+            ctx = EvictionContext(cache.index, slot, now)
+            n = cache.index.count(slot)
+            fast = [b.key for b in cache.policy.rank(ctx, n, frozenset())]
+            view, cache.policy._leaves.sorted_view = cache.policy._leaves.sorted_view, lambda ctx: None
+            slow = [b.key for b in cache.policy.rank(ctx, n, frozenset())]
+            cache.policy._leaves.sorted_view = view
+            assert fast == slow

@@ -20,8 +20,12 @@
 # Python 3.11.14 on Debian bookworm, pinned by exact tag and by the digest of its
 # multi-architecture index, so a rebuild gets the same base.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
+# Optional extras of the kvrouterd package baked into the image ("" = none). "tokenizer" lets
+# the Envoy ext_proc path tokenize prompts with a mounted tokenizer.json.
+ARG KVROUTERD_EXTRAS=tokenizer
 
 FROM ${PYTHON_IMAGE} AS build
+ARG KVROUTERD_EXTRAS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -32,7 +36,7 @@ COPY kvrouterd ./kvrouterd
 RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 RUN python -m venv /opt/kvrouterd
 # The wheel built above, never a kvrouterd from PyPI: the file path is the requirement.
-RUN /opt/kvrouterd/bin/python -m pip install /wheels/kvrouterd-*.whl
+RUN /opt/kvrouterd/bin/python -m pip install "$(echo /wheels/kvrouterd-*.whl)${KVROUTERD_EXTRAS:+[$KVROUTERD_EXTRAS]}"
 RUN /opt/kvrouterd/bin/kvrouterd --help
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,13 @@ def test_installs_the_wheel_built_from_this_checkout(df: Dockerfile) -> None:
     runs = [r.args for r in df.stage("build").all("RUN")]
     assert any(re.search(r"pip wheel --no-deps --wheel-dir (\S+) \.$", r) for r in runs)
     installs = [r for r in runs if " pip install " in r]
-    assert installs and all(re.search(r"pip install /\S+/kvrouterd-\*\.whl$", r) for r in installs)
+    assert installs and all(re.search(r'pip install "\$\(echo /\S+/kvrouterd-\*\.whl\)[^"]*"$', r) for r in installs)
+    # the extras are optional features of the same wheel, declared in pyproject.toml
+    extras = df.stage("build").all("ARG")
+    assert [a.args for a in extras] == ["KVROUTERD_EXTRAS"]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in filter(None, df.global_args["KVROUTERD_EXTRAS"].split(",")):
+        assert extra in optional, extra
     # nothing anywhere installs a package called kvrouterd from an index
     for stage in df.stages:
         for r in stage.all("RUN"):

@@ -2,8 +2,9 @@
 
 SLOW (about 25 s with a warm pip cache; it reuses the machine's pip cache): the build
 stage's COPY and RUN instructions are replayed with /wheels and /opt/kvrouterd mapped into a
-temporary directory: copy the sources the Dockerfile copies, build the wheel, create a fresh
-virtualenv, install the wheel with its dependencies, run ``kvrouterd --help``. Then the
+temporary directory and the stage's ARGs set to their defaults: copy the sources the
+Dockerfile copies, build the wheel, create a fresh virtualenv, install the wheel with its
+dependencies and default extras, run ``kvrouterd --help``. Then the
 installed daemon is started as the image's CMD starts it and the image's HEALTHCHECK command
 is run against it, and SIGTERM must stop it cleanly.
 """
@@ -57,6 +58,9 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / s, target)
     env = _isolated_env()
+    for a in build.all("ARG"):  # a stage ARG without a default takes the global one, as in docker build
+        name, _, default = a.args.partition("=")
+        env[name] = default or df.global_args.get(name, "")
     for r in build.all("RUN"):
         cmd = r.args.replace("/opt/kvrouterd", str(venv)).replace("/wheels", str(wheels))
         if cmd.startswith("python "):
@@ -73,6 +77,8 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
                             "print(kvrouterd.__file__); print(m.version('kvrouterd'))")],
                            env=env, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
     assert where[0].startswith(str(venv)) and where[1] == version
+    # the default extras came along (ext_proc's local tokenizer)
+    subprocess.run([str(py), "-c", "import tokenizers"], env=env, check=True, cwd=tmp_path)
 
     # the image's CMD, with the port moved to a free one; then the image's HEALTHCHECK
     port = _free_port()

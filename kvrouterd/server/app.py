@@ -120,7 +120,9 @@ class Daemon:
         served = [KVROUTER_SERVICE]
         if self.config.ext_proc.enabled:
             # Envoy's ext_proc filter calls this port as its endpoint picker (docs/envoy.md)
-            ExtProcService.from_config(self.router, self.config.ext_proc, self.tracer, self.metrics).add_to_server(server)
+            ExtProcService.from_config(
+                self.router, self.config.ext_proc, self.tracer, self.metrics, self.admission
+            ).add_to_server(server)
             served.append(EXT_PROC_SERVICE)
         reflection.enable_server_reflection((*served, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:

@@ -37,6 +37,8 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   worker's latency model with another worker's latency.
 - Response bodies (``response_body_mode: FULL_DUPLEX_STREAMED``) are echoed unchanged; with
   another mode announced in ``protocol_config`` they are passed with an empty answer.
+- With admission queue mode on (``admission``), a routed request waits in its worker's
+  queue exactly as a ``Route`` call does; giving up there is a shed (429).
 - gRPC health reports ``envoy.service.ext_proc.v3.ExternalProcessor`` (registered in app.py).
 
 One span (``kvrouter.ext_proc.route``) per routing decision, annotated like ``Route``'s.
@@ -65,6 +67,7 @@ from ..protocols import Completion, RouteRequest
 from ..router import Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision
+from .admission import AdmissionGate
 from .openai_prompt import PromptKeyer, load_tokenizer, parse_body
 from .status import http_status, status_code
 
@@ -209,6 +212,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         settings: ExtProcConfig,
         tracer: trace.Tracer | None = None,
         metrics: Metrics | None = None,
+        admission: AdmissionGate | None = None,
     ) -> None:
         self.router = router
         self.keyer = keyer
@@ -216,15 +220,22 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         self.tracing = tracer is not None
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = metrics
+        #: the daemon's admission queues (None = off): a routed request waits there like Route's
+        self.admission = admission
 
     @classmethod
     def from_config(
-        cls, router: Router, settings: ExtProcConfig, tracer: trace.Tracer | None = None, metrics: Metrics | None = None
+        cls,
+        router: Router,
+        settings: ExtProcConfig,
+        tracer: trace.Tracer | None = None,
+        metrics: Metrics | None = None,
+        admission: AdmissionGate | None = None,
     ) -> ExtProcService:
         """Loads the configured tokenizer (ConfigError if it cannot be) and builds the servicer."""
         tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
         keyer = PromptKeyer(router.block_size, tokenizer, settings.salt_keys_with_model)
-        return cls(router, keyer, settings, tracer, metrics)
+        return cls(router, keyer, settings, tracer, metrics, admission)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         ep_grpc.add_ExternalProcessorServicer_to_server(self, server)
@@ -236,7 +247,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         ex = _Exchange()
         try:
             async for msg in request_iterator:
-                replies, finished = self._on_message(ex, msg)
+                replies, finished = await self._on_message(ex, msg, context)
                 for reply in replies:
                     yield reply
                 if finished:
@@ -245,7 +256,9 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             # runs on normal close, on an ImmediateResponse and when Envoy cancels the stream
             self._complete(ex)
 
-    def _on_message(self, ex: _Exchange, msg: ep.ProcessingRequest) -> tuple[list[ep.ProcessingResponse], bool]:
+    async def _on_message(
+        self, ex: _Exchange, msg: ep.ProcessingRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[ep.ProcessingResponse], bool]:
         """Replies to one message, and whether the exchange ended (ImmediateResponse)."""
         if msg.HasField("protocol_config"):
             mode = msg.protocol_config.response_body_mode
@@ -257,7 +270,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             if value is not None:
                 ex.subset = _addresses(value)
             if msg.request_headers.end_of_stream:
-                return self._decide(ex, None, end_of_stream=True)
+                return await self._decide(ex, None, context, end_of_stream=True)
             return [], False
         if kind == "request_body":
             if ex.decided:  # a late chunk after an answer: pass it on unchanged
@@ -268,12 +281,12 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     f"request body over ext_proc.max_body_bytes={self.settings.max_body_bytes}"
                 )), True
             if msg.request_body.end_of_stream:
-                return self._decide(ex, bytes(ex.body), end_of_stream=True)
+                return await self._decide(ex, bytes(ex.body), context, end_of_stream=True)
             return [], False
         if kind == "request_trailers":
             replies: list[ep.ProcessingResponse] = []
             if not ex.decided:
-                replies, finished = self._decide(ex, bytes(ex.body), end_of_stream=False)
+                replies, finished = await self._decide(ex, bytes(ex.body), context, end_of_stream=False)
                 if finished:
                     return replies, True
             replies.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
@@ -316,8 +329,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             raise NoEligibleWorker("no eligible worker is registered")
         return min(pool, key=lambda w: (w.inflight_requests, w.pending_prefill_tokens, w.slot))
 
-    def _decide(
-        self, ex: _Exchange, body: bytes | None, *, end_of_stream: bool
+    async def _decide(
+        self, ex: _Exchange, body: bytes | None, context: grpc.aio.ServicerContext, *, end_of_stream: bool
     ) -> tuple[list[ep.ProcessingResponse], bool]:
         ex.decided = True
         started = time.perf_counter()
@@ -340,7 +353,11 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                         request_id=rid, keys=pk.keys, prompt_tokens=pk.prompt_tokens,
                         model=parsed.model, candidate_workers=candidates,
                     )
-                    result = self.router.route(req, explain=recording)
+                    if self.admission is None:
+                        result = self.router.route(req, explain=recording)
+                    else:
+                        # may wait for room on the chosen worker; the shed answer is a 429
+                        result = await self.admission.route(req, context.time_remaining(), recording)
                     ex.request_id = req.request_id
                     ex.routed_at = self.router.clock.now()
                     endpoints = [result.worker.address]
@@ -422,7 +439,9 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             success=200 <= ex.status < 300,
         )
         try:
-            self.router.complete(completion)
+            entry = self.router.complete(completion)
+            if self.admission is not None:
+                self.admission.on_complete(entry.worker_id)
         except NotFound:
             # already expired by the in-flight timeout, or its worker was removed
             log.debug("ext_proc completion for an unknown request", extra={"request_id": ex.request_id})

@@ -143,10 +143,15 @@ def worker_list() -> list[dict]:
 
 
 @pytest.fixture
-async def envoy(ext_config: dict, worker_list: list[dict]) -> AsyncIterator[Envoy]:
+def daemon_extra() -> dict:
+    return {}
+
+
+@pytest.fixture
+async def envoy(ext_config: dict, worker_list: list[dict], daemon_extra: dict) -> AsyncIterator[Envoy]:
     clock = ManualClock(100.0)
     spans = InMemorySpanExporter()
-    cfg = parse_config({"listen": "127.0.0.1:0", "workers": worker_list, "ext_proc": ext_config})
+    cfg = parse_config({"listen": "127.0.0.1:0", "workers": worker_list, "ext_proc": ext_config, **daemon_extra})
     daemon = Daemon(cfg, clock=clock, span_exporter=spans, seed=3)
     port = await daemon.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -470,3 +475,36 @@ async def test_invalid_tokenizer_file_fails_start(tmp_path):
     daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "ext_proc": {"tokenizer": str(path)}}))
     with pytest.raises(ConfigError, match="ext_proc.tokenizer"):
         await daemon.start()
+
+
+# ---- admission queue mode ------------------------------------------------------------------
+
+ONE = ["10.0.0.1:8000"]
+
+
+@pytest.mark.parametrize("daemon_extra", [{"admission": {"max_inflight": 1, "max_wait_s": 5.0}}])
+async def test_admission_queue_holds_the_request_until_the_worker_completes_one(envoy):
+    first, header, _ = await route_chat(envoy, "first " * 50, subset=ONE)
+    assert header == ONE[0]
+    second = envoy.open()
+    await second.send(headers_msg("/v1/chat/completions", subset=ONE))
+    await second.queue.put(body_msg(chat_body("second " * 50), True))
+    pending = asyncio.ensure_future(second.call.read())
+    await asyncio.sleep(0.2)
+    assert not pending.done()  # waiting in the worker's queue: no answer to Envoy yet
+    await first.send(response_headers_msg(200, served=ONE[0]), expect=1)
+    await first.close()  # the first request completes, which admits the second
+    reply = await asyncio.wait_for(pending, 5)
+    assert destination(reply)[0] == ONE[0]
+    echo = await asyncio.wait_for(second.call.read(), 5)
+    assert echo.request_body.response.body_mutation.streamed_response.end_of_stream
+    await second.close()
+
+
+@pytest.mark.parametrize("daemon_extra", [{"admission": {"max_inflight": 1, "max_wait_s": 0.2}}])
+async def test_admission_queue_timeout_is_shed_with_429(envoy):
+    first, _, _ = await route_chat(envoy, "first " * 50, subset=ONE)
+    second = envoy.open()
+    await second.send(headers_msg("/v1/chat/completions", subset=ONE))
+    assert immediate_status(await second.send(body_msg(chat_body("second " * 50), True), expect=1)) == 429
+    await first.close()

@@ -157,6 +157,7 @@ class Daemon:
             apply=self.service.apply_batch,
             reset=lambda worker_id, lost: self.router.reset_events(worker_id, lost=lost),
         )
+        self.ops_metrics.add_event_source(self.events.stats)
         self.service.on_membership_change = self._membership_changed
         self._membership_changed()
         k8s = self.config.discovery.kubernetes

@@ -136,3 +136,8 @@ async def test_event_source_replays_are_exported_per_worker(running):
     stats["gpu-0"].replays_ok += 1
     _, _, text = await scrape(running)
     assert sample(text, "kvrouter_worker_event_replays_total", worker="gpu-0", outcome="ok") == 4
+
+
+async def test_the_daemons_zmq_source_feeds_the_replay_metric(running):
+    assert running.daemon.events is not None
+    assert running.daemon.events.stats in running.daemon.ops_metrics.event_sources

@@ -274,7 +274,7 @@ async def test_served_by_fallback_releases_load_without_timings(envoy, where):
 
 
 async def test_cancelled_stream_still_releases_load(envoy):
-    s, header, _ = await route_chat(envoy, "y " * 300)
+    s, _, _ = await route_chat(envoy, "y " * 300)
     assert sum(w.inflight_requests for w in envoy.router.workers) == 1
     s.call.cancel()
     for _ in range(100):

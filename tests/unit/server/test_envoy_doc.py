@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "envoy.md"
 
 
 def _yaml_blocks() -> list[dict]:
-    return [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)]
+    return [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.DOTALL)]
 
 
 def test_sample_envoy_yaml_is_a_valid_bootstrap_with_the_protocol_modes():

@@ -27,8 +27,9 @@ Parameters (``TLRUParams``), thresholds from the paper's evaluation:
                                     an A100 for a 7B model, 16-token blocks)
     next_prompt_blocks    = -1.0    P; negative = running mean of observed prompt growth
 
-Cost per ``rank``: O(L) for L leaves, plus the path of each conversation whose latest
-request changed since the last call (all of them when P - xi/alpha crosses an integer).
+The hooks keep the leaves sorted by (trimmed first, least recent first); a call costs
+O(k log L) for k blocks, plus the path of each conversation whose latest request changed
+since the last call (all of them when P - xi/alpha crosses an integer).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import rank_leaves_by
+from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
 __all__ = ["TLRUEviction", "TLRUParams"]
 
@@ -103,6 +104,14 @@ class TLRUEviction(EvictionPolicyBase):
         # Trimming state, kept incrementally: a conversation's contribution is recomputed only
         # when its tip moves or every budget shifts (P - xi/alpha crossing an integer).
         self._trim: dict[int, _Trim] = {}
+        # leaves sorted by (not trimmed, last access); a key's entry is refreshed when its
+        # trim status flips, which happens only in _refresh
+        self._leaves = SortedLeaves(self._order)
+
+    def _order(self, block: Block, slot: int) -> tuple[int, float]:
+        t = self._trim.get(slot)
+        trimmed = t is not None and block.key in t.tail and block.key not in t.protected
+        return (0 if trimmed else 1, _recency(block, slot))
 
     # ---- what the policy believes --------------------------------------------------------
     def next_prompt_estimate(self) -> float:
@@ -163,11 +172,14 @@ class TLRUEviction(EvictionPolicyBase):
 
     def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._observe(slot, blocks, info, now)
+        self._leaves.accessed(slot, blocks)
 
     def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._observe(slot, blocks, info, now)
+        self._leaves.stored(slot, blocks)
 
     def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
         owners = self._tips.get(slot, {}).get(block.key)
         if not owners:
             return
@@ -186,6 +198,7 @@ class TLRUEviction(EvictionPolicyBase):
         self._convs.pop(slot, None)
         self._tips.pop(slot, None)
         self._trim.pop(slot, None)
+        self._leaves.cleared(slot)
 
     # ---- ranking -------------------------------------------------------------------------
     def _trim_state(self, slot: int) -> _Trim:
@@ -194,7 +207,7 @@ class TLRUEviction(EvictionPolicyBase):
             t = self._trim[slot] = _Trim()
         return t
 
-    def _refresh(self, slot: int) -> _Trim:
+    def _refresh(self, slot: int, ctx: EvictionContext) -> _Trim:
         t = self._trim_state(slot)
         p = self.params
         # budget = L + P - xi/alpha and depths are integers, so "depth > budget" only depends
@@ -204,12 +217,11 @@ class TLRUEviction(EvictionPolicyBase):
             t.shift = shift
             t.dirty.update(t.contrib)
             t.dirty.update(self._convs.get(slot, {}))
+        if not t.dirty:
+            return t
         convs = self._convs.get(slot, {})
+        new: dict[str, tuple[list[int], list[int]]] = {}
         for sid in t.dirty:
-            old = t.contrib.pop(sid, None)
-            if old is not None:
-                _count(t.tail, old[0], -1)
-                _count(t.protected, old[1], -1)
             conv = convs.get(sid)
             if conv is None:
                 continue
@@ -220,28 +232,46 @@ class TLRUEviction(EvictionPolicyBase):
             while node is not None:
                 (tail if depth > budget else protected).append(node.key)
                 node, depth = node.parent, depth - 1
-            t.contrib[sid] = (tail, protected)
-            _count(t.tail, tail, 1)
-            _count(t.protected, protected, 1)
+            new[sid] = (tail, protected)
+        touched: set[int] = set()
+        for sid in t.dirty:
+            for lists in (t.contrib.get(sid), new.get(sid)):
+                if lists is not None:
+                    touched.update(lists[0])
+                    touched.update(lists[1])
+        before = {k for k in touched if k in t.tail and k not in t.protected}
+        for sid in t.dirty:
+            old = t.contrib.pop(sid, None)
+            if old is not None:
+                _count(t.tail, old[0], -1)
+                _count(t.protected, old[1], -1)
+            if sid in new:
+                t.contrib[sid] = new[sid]
+                _count(t.tail, new[sid][0], 1)
+                _count(t.protected, new[sid][1], 1)
         t.dirty.clear()
+        after = {k for k in touched if k in t.tail and k not in t.protected}
+        flipped = [b for k in before ^ after if (b := ctx.index.get(k)) is not None]
+        self._leaves.refresh(slot, flipped)
         return t
 
     def trimmable(self, ctx: EvictionContext) -> set[int]:
         """Keys held by the worker beyond every owning conversation's TEL-safe budget."""
-        t = self._refresh(ctx.slot)
+        t = self._refresh(ctx.slot, ctx)
         holds = ctx.index.holds
         return {k for k in t.tail if k not in t.protected and holds(ctx.slot, k)}
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        t = self._refresh(ctx.slot)
-        tail, protected = t.tail, t.protected
+        self._refresh(ctx.slot, ctx)
         slot = ctx.slot
 
         def priority(b: Block) -> tuple[int, float]:
-            k = b.key
-            return (0 if k in tail and k not in protected else 1, _recency(b, slot))
+            return self._order(b, slot)
 
-        return rank_leaves_by(ctx, count, pinned, priority)
+        order = self._leaves.sorted_view(ctx)
+        if order is None:
+            return rank_leaves_by(ctx, count, pinned, priority)
+        return merge_promoting(ctx, iter(order), count, pinned, priority)
 
 
 def _count(counts: dict[int, int], keys: list[int], step: int) -> None:

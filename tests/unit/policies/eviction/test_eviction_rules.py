@@ -108,7 +108,7 @@ def replay(policy: str, ops, seed: int = 7) -> tuple[Cache, list[list[int]]]:
     return cache, answers
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=histories(), policy=st.sampled_from([*POLICIES, *VARIANTS]))
 def test_every_policy_obeys_the_eviction_rules(ops, policy):
     _, answers = replay(policy, ops)
@@ -152,3 +152,18 @@ def test_unicache_queue_heads_match_scoring_every_leaf(ops, policy):
             slow = [b.key for b in cache.policy.rank(ctx, n, frozenset())]
             cache.policy._leaves.sorted_view = view
             assert fast == slow
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=histories(), policy=st.sampled_from([
+    "tlru", {"name": "tlru", "latency_threshold_ms": 3.0, "prefill_ms_per_block": 1.0, "next_prompt_blocks": 1.0}]))
+def test_tlru_sorted_leaves_match_scoring_every_leaf(ops, policy):
+    cache, _ = replay(policy, ops)
+    for slot in (0, 1):
+        ctx = EvictionContext(cache.index, slot, 1e6)
+        n = cache.index.count(slot)
+        fast = [b.key for b in cache.policy.rank(ctx, n, frozenset())]
+        view, cache.policy._leaves.sorted_view = cache.policy._leaves.sorted_view, lambda ctx: None
+        slow = [b.key for b in cache.policy.rank(ctx, n, frozenset())]
+        cache.policy._leaves.sorted_view = view
+        assert fast == slow

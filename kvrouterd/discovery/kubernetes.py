@@ -104,7 +104,10 @@ class KubernetesDiscovery:
         n = 0
         async for event in self.api.watch_pods(self.namespace, self.cfg.label_selector, self.resource_version):
             n += 1
-            kind, pod = event.get("type"), event.get("object") or {}
+            kind, pod = event.get("type"), event.get("object")
+            if not isinstance(pod, dict) or not isinstance(pod.get("metadata", {}), dict):
+                log.warning("ignoring a %s watch event without a pod object", kind)
+                continue
             rv = (pod.get("metadata") or {}).get("resourceVersion")
             if kind in ("ADDED", "MODIFIED"):
                 self._apply(self.membership.upsert(pod))

@@ -422,3 +422,13 @@ def test_static_yaml_skeleton_of_each_manifest_parses() -> None:
         for doc in yaml.safe_load_all(skeleton):
             assert isinstance(doc, dict) and doc.get("apiVersion") and doc.get("kind"), path.name
             assert "metadata" in doc and "name" in doc["metadata"], path.name
+
+
+def test_every_value_is_documented_in_the_deployment_guide(values: dict) -> None:
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    table = guide.split("### Values reference")[1].split("\n## ")[0]
+    for key, sub in values.items():
+        assert f"`{key}" in table, f"{key} is missing from the values reference in docs/deploy.md"
+        if isinstance(sub, dict) and key not in ("config", "resources", "podSecurityContext", "securityContext"):
+            for child in sub:
+                assert child in table, f"{key}.{child} is missing from the values reference"

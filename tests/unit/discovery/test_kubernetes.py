@@ -139,6 +139,19 @@ async def test_gone_relists_and_applies_only_the_difference(fake: FakeKubeApi, t
     assert fake.watch_requests()[1].query["resourceVersion"] == "100"
 
 
+async def test_malformed_watch_events_are_skipped(fake: FakeKubeApi, token_file: Path) -> None:
+    fake.lists.append(pod_list([], rv="10"))
+    q = fake.watch()
+    async with running(fake, token_file) as (disc, rec):
+        await asyncio.wait_for(disc.synced.wait(), 5)
+        for bad in ({"type": "ADDED"}, {"type": "ADDED", "object": ["not", "a", "pod"]},
+                    {"type": "MODIFIED", "object": {"metadata": "x"}}, {"type": "SURPRISE", "object": {}}):
+            await q.put(bad)
+        await q.put(event("ADDED", pod("vllm-0", "10.0.0.1", rv="11")))
+        await eventually(lambda: "vllm-0" in rec.workers)
+        assert disc.errors == 0 and disc.resource_version == "11"
+
+
 async def test_recreated_pod_with_the_same_name_is_replaced(fake: FakeKubeApi, token_file: Path) -> None:
     fake.lists.append(pod_list([pod("vllm-0", "10.0.0.1", uid="u1")], rv="10"))
     q = fake.watch()

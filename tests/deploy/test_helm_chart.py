@@ -178,6 +178,7 @@ BAD_VALUES = [
     ({"podSecurityContext": {"runAsUser": 0}}, "runAsUser"),
     ({"ports": {"grpc": 70000}}, "grpc"),
     ({"replicaCount": 0}, "replicaCount"),
+    ({"bindAddress": "127.0.0.1"}, "bindAddress"),
     ({"replicas": 3}, "replicas"),
     ({"image": {"digest": "latest"}}, "digest"),
     ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
@@ -332,7 +333,7 @@ def test_probes_ask_the_grpc_health_service_on_the_grpc_port() -> None:
     # with TLS, the exec probe dials the same port
     assert "127.0.0.1:%d" in action and "(int .Values.ports.grpc)" in action
     # the daemon listens where the probes and the Service point
-    assert '- {{ printf "0.0.0.0:%d" (int .Values.ports.grpc) | quote }}' in dep
+    assert '- {{ printf "%s:%d" .Values.bindAddress (int .Values.ports.grpc) | quote }}' in dep
     assert "- name: grpc\n              containerPort: {{ .Values.ports.grpc }}" in dep
     svc = template_source("service.yaml")
     assert "targetPort: grpc" in svc and "targetPort: metrics" in svc

@@ -72,7 +72,7 @@ passed as a flag, which wins over the file.
 {{- define "kvrouterd.config" -}}
 {{- $cfg := deepCopy .Values.config }}
 {{- if .Values.metrics.enabled }}
-{{- $_ := set $cfg "metrics" (dict "listen" (printf "0.0.0.0:%d" (int .Values.ports.metrics))) }}
+{{- $_ := set $cfg "metrics" (dict "listen" (printf "%s:%d" .Values.bindAddress (int .Values.ports.metrics))) }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 {{- $dir := include "kvrouterd.tlsDir" . }}

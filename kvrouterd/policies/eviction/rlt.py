@@ -21,7 +21,9 @@ Parameters (``RLTParams``):
     capacity_blocks = 0   B; 0 = learn it as described above
 
 ``rank`` leaves the index untouched; it may start a new phase (policy state only), as the
-algorithm does when it runs out of unmarked leaves. Cost per call: O(L log L) for L leaves.
+algorithm does when it runs out of unmarked leaves. The hooks keep the leaves in key order;
+a draw is rejection sampling over them (O(log L)), falling back to listing the candidates
+(O(L)) only when most leaves are marked.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from ...index.radix import Block
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
+from ._leaves import SortedLeaves
 
 __all__ = ["RLTEviction", "RLTParams"]
 
@@ -63,6 +66,8 @@ class RLTEviction(EvictionPolicyBase):
     def __init__(self, params: RLTParams, rng: random.Random) -> None:
         super().__init__(params, rng)
         self._phases: dict[int, _Phase] = {}
+        # the leaves in key order (a fixed order, so a seed fixes every draw)
+        self._leaves = SortedLeaves(_no_priority)
 
     def _phase(self, slot: int) -> _Phase:
         p = self._phases.get(slot)
@@ -94,46 +99,84 @@ class RLTEviction(EvictionPolicyBase):
 
     def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._mark(slot, blocks)
+        self._leaves.stored(slot, blocks)
 
     def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
         p = self._phases.get(slot)
         if p is not None:
             p.marked.discard(block.key)
 
     def on_cleared(self, slot: int) -> None:
         self._phases.pop(slot, None)
+        self._leaves.cleared(slot)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         slot, bit = ctx.slot, 1 << ctx.slot
         p = self._phase(slot)
         p.capacity = max(p.capacity, ctx.index.count(slot))
-        leaves = sorted((b for b in ctx.leaves() if b.key not in pinned), key=_key)
-        unmarked = [b for b in leaves if b.key not in p.marked]
+        order = self._leaves.sorted_view(ctx)
+        if order is None:  # this instance missed hooks for the slot: list the leaves
+            leaves = sorted(ctx.leaves(), key=_key)
+            n_base = len(leaves)
+        else:
+            n_base = len(order)
+
+        def candidate(i: int) -> Block:
+            if i < n_base:
+                return leaves[i] if order is None else order[i][2]
+            return extra[i - n_base]
+
+        extra: list[Block] = []  # parents that became leaves during this call
         chosen: list[Block] = []
         taken: set[int] = set()
-        held_back: list[Block] = [b for b in leaves if b.key in p.marked]
+        marked = p.marked
+        rng = self.rng
+        # Draw by rejection sampling (uniform over the acceptable candidates, no list built);
+        # once a round of draws fails (most leaves marked), list the candidates for the rest
+        # of the call, as Algorithm 1 reads.
+        pool: list[Block] | None = None
+        held_back: list[Block] = []
         while len(chosen) < count:
-            if not unmarked:
-                if not held_back:
-                    break
-                # Only marked leaves remain (the newest block, or this call's promotions of
-                # marked parents): a new phase unmarks all but the newest; take the newest last.
-                self._new_phase(p)
-                unmarked = [b for b in held_back if b.key not in p.marked]
-                held_back = [b for b in held_back if b.key in p.marked]
-                if not unmarked:
-                    unmarked, held_back = held_back, []
-            i = self.rng.randrange(len(unmarked))
-            block = unmarked[i]
-            unmarked[i] = unmarked[-1]
-            unmarked.pop()
+            block = None
+            if pool is None:
+                total = n_base + len(extra)
+                for _ in range(_TRIES if total else 0):
+                    b = candidate(rng.randrange(total))
+                    if b.key not in taken and b.key not in pinned and b.key not in marked:
+                        block = b
+                        break
+                if block is None:
+                    everything = (leaves if order is None else [e[2] for e in order]) + extra
+                    rest = [b for b in everything if b.key not in taken and b.key not in pinned]
+                    pool = [b for b in rest if b.key not in marked]
+                    held_back = [b for b in rest if b.key in marked]
+            if block is None:
+                assert pool is not None
+                if not pool:
+                    if not held_back:
+                        break
+                    # no unmarked leaf left: a new phase unmarks all but the newest block,
+                    # which is taken only when it is the last evictable leaf
+                    self._new_phase(p)
+                    pool = [b for b in held_back if b.key not in marked]
+                    held_back = [b for b in held_back if b.key in marked]
+                    if not pool:
+                        pool, held_back = held_back, []
+                i = rng.randrange(len(pool))
+                block = pool[i]
+                pool[i] = pool[-1]
+                pool.pop()
             chosen.append(block)
             taken.add(block.key)
             parent = block.parent
             if parent is None or not parent.holders & bit or parent.key in pinned:
                 continue
             if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
-                (held_back if parent.key in p.marked else unmarked).append(parent)
+                if pool is None:
+                    extra.append(parent)
+                else:
+                    (held_back if parent.key in marked else pool).append(parent)
         return chosen
 
     @staticmethod
@@ -141,6 +184,13 @@ class RLTEviction(EvictionPolicyBase):
         p.marked.clear()
         if p.newest is not None:
             p.marked.add(p.newest)
+
+
+_TRIES = 16
+
+
+def _no_priority(block: Block, slot: int) -> int:
+    return 0
 
 
 def _key(b: Block) -> int:

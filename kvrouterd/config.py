@@ -244,6 +244,10 @@ class Config:
     #: seconds between checks of the config file for changes (policy parameters are
     #: reloaded in place, as on SIGHUP); 0 = only on SIGHUP
     reload_interval_s: float = 5.0
+    #: HOST:PORT of a running replica to copy the index from before reporting SERVING; empty = start cold
+    warm_from: str = ""
+    #: seconds the warm-up may take before the replica serves with what it has
+    warm_timeout_s: float = 30.0
 
     def validate(self) -> None:
         from .policies import registry
@@ -298,6 +302,10 @@ class Config:
         self.auth.validate()
         if self.reload_interval_s < 0:
             raise ConfigError("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
+        if self.warm_from and not _is_host_port(self.warm_from):
+            raise ConfigError(f"warm_from: expected HOST:PORT or empty, got {self.warm_from!r}")
+        if self.warm_timeout_s <= 0:
+            raise ConfigError("warm_timeout_s: must be > 0")
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings

@@ -599,6 +599,41 @@ class Router:
             log.warning("events lost beyond replay: worker state cleared and degraded", extra={"worker_id": worker_id})
         return worker
 
+    # ---- snapshots (warming a replica from a peer) -----------------------------------
+    def export_blocks(self, worker_id: str) -> list[tuple[int, int | None, int]]:
+        """``(key, parent key or None, engine hash or 0)`` of every block the worker holds,
+        parents before children (a chain's top names a parent this worker does not hold)."""
+        worker = self.workers.get(worker_id)
+        bit = worker.bit
+        reverse = {key: eh for eh, key in worker.engine_keys.items()}
+        stack = [b for b in self.index.blocks_of(worker.slot) if b.parent is None or not b.parent.holders & bit]
+        out: list[tuple[int, int | None, int]] = []
+        while stack:
+            node = stack.pop()
+            out.append((node.key, node.parent.key if node.parent is not None else None, reverse.get(node.key, 0)))
+            stack.extend(c for c in node.iter_children() if c.holders & bit)
+        return out
+
+    def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
+        """Store exported blocks (parents first) for a registered worker, as a peer held them.
+
+        Returns the blocks whose parent is not in the index yet (held by a worker imported
+        later): import them again once the others are in. The worker's event sequence is left
+        alone, so its own publishers continue as usual.
+        """
+        worker = self.workers.get(worker_id)
+        index, slot, now = self.index, worker.slot, self.clock.now()
+        deferred: list[tuple[int, int | None, int]] = []
+        for key, parent, engine_hash in blocks:
+            if parent is not None and parent not in index:
+                deferred.append((key, parent, engine_hash))
+                continue
+            stored = index.store(slot, parent, (key,), now)
+            self.eviction.on_stored(slot, stored, AccessInfo(), now)
+            if engine_hash and engine_hash != key:
+                worker.engine_keys[engine_hash] = key
+        return deferred
+
     # ---- eviction hints -------------------------------------------------------------
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
         worker = self.workers.get(req.worker_id)

@@ -35,7 +35,8 @@ from ..telemetry.tracing import build_tracer_provider
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
-from .security import CertificateFiles, build_interceptors, server_credentials
+from .security import CertificateFiles, build_interceptors, client_token, server_credentials
+from .snapshot import warm_from_peer
 from ..discovery import KubernetesDiscovery
 from ..events.zmq_source import ZmqEventSource
 from ..index.workers import WorkerSpec
@@ -132,8 +133,13 @@ class Daemon:
                 self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             raise ConfigError(f"listen: cannot bind {self.config.listen}: {exc}") from None
+        if self.config.warm_from:
+            # not ready until the index is copied from the peer: probes and balancers wait
+            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self.server = server
+        if self.config.warm_from:
+            await warm_from_peer(self.router, self.config, client_token(self.config.auth))
         await self._start_membership_sources()
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
         if self.metrics_endpoint is not None:

@@ -31,7 +31,14 @@ from .._generated.kvrouter.v1 import router_pb2
 from ..config import AuthConfig, TlsConfig
 from ..errors import ConfigError
 
-__all__ = ["CertificateFiles", "TokenAuthInterceptor", "TokenSource", "build_interceptors", "server_credentials"]
+__all__ = [
+    "CertificateFiles",
+    "TokenAuthInterceptor",
+    "TokenSource",
+    "build_interceptors",
+    "client_token",
+    "server_credentials",
+]
 
 log = logging.getLogger("kvrouterd.server.security")
 
@@ -180,6 +187,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             log.warning("unauthenticated call refused", extra={"method": handler_call_details.method})
             return deny
         return await continuation(handler_call_details)
+
+
+def client_token(auth: AuthConfig, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The token this daemon presents when it calls a peer (the first accepted one), if any."""
+    return TokenSource(auth, environ).tokens()[0] if auth.enabled else None
 
 
 def build_interceptors(auth: AuthConfig, environ: Mapping[str, str] | None = None) -> list[grpc.aio.ServerInterceptor]:

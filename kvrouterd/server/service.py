@@ -23,6 +23,7 @@ from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert
 from .admission import AdmissionGate
 from .convert import pb
+from .snapshot import export_chunks
 from .status import status_code
 
 __all__ = ["KVRouterService"]
@@ -184,6 +185,16 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=[self._worker_message(w) for w in self.router.workers])
+
+    async def ExportIndex(
+        self, request: pb.ExportIndexRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.IndexChunk]:
+        try:
+            chunks = export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk)
+            for chunk in chunks:
+                yield chunk
+        except KVRouterError as exc:
+            await _abort(context, exc)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router

@@ -52,6 +52,7 @@ async def test_no_rpc_touches_files_hosts_or_processes(running):
         await stub.EvictHint(pb.EvictHintRequest(worker_id="w", blocks=1))
         await stub.ListWorkers(pb.ListWorkersRequest())
         await stub.GetStats(pb.GetStatsRequest())
+        assert [c.worker.id async for c in stub.ExportIndex(pb.ExportIndexRequest())] == ["w"]
         for bad in (pb.RouteRequest(policy=hostile, token_ids=[1] * BS), pb.RouteRequest(candidate_workers=[hostile], token_ids=[1] * BS)):
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Route(bad)

@@ -80,6 +80,11 @@ class KVRouterStub:
                 request_serializer=kvrouter_dot_v1_dot_router__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvrouter_dot_v1_dot_router__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.ExportIndex = channel.unary_stream(
+                '/kvrouter.v1.KVRouter/ExportIndex',
+                request_serializer=kvrouter_dot_v1_dot_router__pb2.ExportIndexRequest.SerializeToString,
+                response_deserializer=kvrouter_dot_v1_dot_router__pb2.IndexChunk.FromString,
+                _registered_method=True)
 
 
 class KVRouterServicer:
@@ -147,6 +152,14 @@ class KVRouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportIndex(self, request, context):
+        """The index as block-key chains per worker, for a new replica to warm from a peer
+        (config `warm_from`). Read-only; one or more chunks per worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVRouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +207,11 @@ def add_KVRouterServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvrouter_dot_v1_dot_router__pb2.GetStatsRequest.FromString,
                     response_serializer=kvrouter_dot_v1_dot_router__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'ExportIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportIndex,
+                    request_deserializer=kvrouter_dot_v1_dot_router__pb2.ExportIndexRequest.FromString,
+                    response_serializer=kvrouter_dot_v1_dot_router__pb2.IndexChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +457,33 @@ class KVRouter:
             '/kvrouter.v1.KVRouter/GetStats',
             kvrouter_dot_v1_dot_router__pb2.GetStatsRequest.SerializeToString,
             kvrouter_dot_v1_dot_router__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvrouter.v1.KVRouter/ExportIndex',
+            kvrouter_dot_v1_dot_router__pb2.ExportIndexRequest.SerializeToString,
+            kvrouter_dot_v1_dot_router__pb2.IndexChunk.FromString,
             options,
             channel_credentials,
             insecure,

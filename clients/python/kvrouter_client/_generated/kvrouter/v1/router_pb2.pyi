@@ -314,3 +314,25 @@ class GetStatsResponse(_message.Message):
     event_batches_applied: int
     event_gaps: int
     def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ...) -> None: ...
+
+class ExportIndexRequest(_message.Message):
+    __slots__ = ("worker_ids", "max_blocks_per_chunk")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_blocks_per_chunk: int
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., max_blocks_per_chunk: _Optional[int] = ...) -> None: ...
+
+class IndexChunk(_message.Message):
+    __slots__ = ("worker", "keys", "parent_keys", "roots", "engine_hashes")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker: Worker
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    parent_keys: _containers.RepeatedScalarFieldContainer[int]
+    roots: _containers.RepeatedScalarFieldContainer[bool]
+    engine_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ...) -> None: ...

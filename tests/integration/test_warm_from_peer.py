@@ -1,0 +1,65 @@
+"""A new replica copies a running one's index (ExportIndex) before it reports SERVING."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.config import parse_config
+from kvrouterd.server.app import Daemon
+
+from .test_daemon import BS, publish, register, stored
+
+
+async def test_new_replica_warms_from_a_peer_and_routes_like_it(running):
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid)
+    prompt = list(range(3000, 3000 + 12 * BS))
+    await publish(
+        stub,
+        pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt[: 10 * BS], list(range(1, 11)))]),
+        pb.EventBatch(worker_id="b", sequence=0, events=[stored(prompt[: 4 * BS], list(range(21, 25)))]),
+    )
+    chunks = [c async for c in stub.ExportIndex(pb.ExportIndexRequest(max_blocks_per_chunk=3))]
+    assert sorted(c.worker.id for c in chunks) == ["a"] * 4 + ["b"] * 2
+    assert sum(len(c.keys) for c in chunks) == 14
+
+    replica = Daemon(parse_config({"listen": "127.0.0.1:0", "warm_from": f"127.0.0.1:{running.daemon.port}"}), seed=2)
+    port = await replica.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            rstub = router_pb2_grpc.KVRouterStub(ch)
+            workers = {w.id: w for w in (await rstub.ListWorkers(pb.ListWorkersRequest())).workers}
+            assert workers["a"].cached_blocks == 10 and workers["b"].cached_blocks == 4
+            assert workers["a"].address == "a.local:8000" and workers["a"].mode == pb.CACHE_STATE_MODE_EVENTS
+            resp = await rstub.Route(pb.RouteRequest(token_ids=prompt))
+            assert resp.worker_id == "a" and resp.matched_blocks == 10
+            # engine hashes came along: the engine's removal by its own hash applies on the replica
+            await publish(rstub, pb.EventBatch(worker_id="a", sequence=0,
+                                               events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[10]))]))
+            assert replica.router.index.count(replica.router.workers.get("a").slot) == 9
+    finally:
+        await replica.stop(grace=0.1)
+
+
+async def test_unreachable_peer_means_a_cold_start():
+    replica = Daemon(parse_config({"listen": "127.0.0.1:0", "warm_from": "127.0.0.1:1", "warm_timeout_s": 2}))
+    await replica.start()
+    try:
+        assert len(replica.router.workers) == 0
+        assert (await replica.health.Check(health_pb2.HealthCheckRequest(), None)).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await replica.stop(grace=0.1)
+
+
+async def test_unknown_worker_export_is_not_found(running):
+    import pytest
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _ = [c async for c in running.stub.ExportIndex(pb.ExportIndexRequest(worker_ids=["ghost"]))]
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

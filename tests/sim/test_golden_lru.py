@@ -66,3 +66,17 @@ def test_cli_rejects_unknown_policy_and_bad_trace(tmp_path, capsys):
     bad.write_text('{"timestamp": 0, "hash_ids": [0]}\n{"timestamp": 1}\n')
     assert main(["sim", "cache", "--trace", str(bad), "--eviction", "lru", "--capacity-blocks", "4"]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_cli_labels_sessions_and_tasks_for_metadata_aware_policies(tmp_path, capsys):
+    # two conversations (ids 10 and 20 at block 1) taking turns, labelled as chat sessions;
+    # every turn hits its conversation's history (the cache only overflows on the last one)
+    trace = _write(tmp_path / "t.jsonl", [[0, 10, 11], [0, 20, 21], [0, 10, 11, 12], [0, 20, 21, 22]])
+    rc = main(["sim", "cache", "--trace", str(trace), "--eviction", "unicache", "--capacity-blocks", "6",
+               "--session-block", "1", "--task", "chat", "--eviction-param", "update_interval_s=5", "--json", "--quiet"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["eviction"] == "unicache"
+    assert (out["requests"], out["blocks"], out["hit_blocks"]) == (4, 14, 1 + 3 + 3)
+    assert main(["sim", "cache", "--trace", str(trace), "--eviction", "unicache", "--capacity-blocks", "6",
+                 "--eviction-param", "ema_beta=2"]) == 2
+    assert "ema_beta" in capsys.readouterr().err

@@ -167,6 +167,8 @@ class Completion:
     cached_tokens: int = -1
     output_tokens: int = 0
     success: bool = True
+    #: the caller says the request's conversation is over (no next turn will come)
+    session_ended: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -432,6 +432,12 @@ class Router:
         policy = self._routing.get(entry.policy)
         if policy is not None:
             policy.on_complete(worker, req, completion, now)
+        if completion.session_ended and req is not None and req.session_id:
+            # end-aware eviction (T-LRU section 4): a finished conversation's tail goes first
+            for eviction in self._eviction_by_name.values():
+                end_session = getattr(eviction, "end_session", None)
+                if end_session is not None:
+                    end_session(req.session_id)
         return entry
 
     def request(self, request_id: str) -> RouteRequest | None:

@@ -118,6 +118,7 @@ def completion(msg: pb.CompleteRequest) -> Completion:
         cached_tokens=msg.cached_tokens,
         output_tokens=msg.output_tokens,
         success=msg.success,
+        session_ended=msg.session_ended,
     )
 
 

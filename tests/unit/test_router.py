@@ -159,3 +159,15 @@ def test_reregistering_updates_in_place():
     assert w.address == "new:1" and router.index.count(w.slot) == 2
     router.add_worker(WorkerSpec("w0", "new:1", mode=CacheMode.APPROXIMATE))  # mode change: view restarts
     assert router.index.count(w.slot) == 0
+
+
+def test_session_ended_reaches_end_aware_eviction():
+    router = Router(RouterSettings(block_size=BS, eviction={"name": "tlru"}), ManualClock())
+    router.add_worker(WorkerSpec("w0", "h:1", mode=CacheMode.APPROXIMATE, capacity_blocks=1000))
+    ended: list[str] = []
+    router.eviction.end_session = ended.append  # observe the call without depending on T-LRU internals
+    r = router.route(req(router, list(range(4 * BS)), session_id="conv-1"))
+    router.complete(Completion(r.request.request_id, session_ended=True))
+    r2 = router.route(req(router, list(range(4 * BS)), session_id="conv-2"))
+    router.complete(Completion(r2.request.request_id))
+    assert ended == ["conv-1"]

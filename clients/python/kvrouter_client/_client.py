@@ -75,7 +75,8 @@ def _route_request(
 
 
 def _complete_request(
-    request: RouteResult | str, ttft_ms: float, e2e_ms: float, cached_tokens: int, output_tokens: int, success: bool
+    request: RouteResult | str, ttft_ms: float, e2e_ms: float, cached_tokens: int, output_tokens: int, success: bool,
+    session_ended: bool = False,
 ) -> pb.CompleteRequest | None:
     if isinstance(request, RouteResult):
         if request.fallback:
@@ -83,7 +84,7 @@ def _complete_request(
         request = request.request_id
     return pb.CompleteRequest(
         request_id=request, ttft_ms=ttft_ms, e2e_ms=e2e_ms, cached_tokens=cached_tokens,
-        output_tokens=output_tokens, success=success,
+        output_tokens=output_tokens, success=success, session_ended=session_ended,
     )
 
 
@@ -156,11 +157,13 @@ class RouterClient:
         cached_tokens: int = -1,
         output_tokens: int = 0,
         success: bool = True,
+        session_ended: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """Release a routed request's load. False if the router was unreachable (it then releases
-        the load itself after its in-flight timeout); raises RouterRejected otherwise."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success)
+        the load itself after its in-flight timeout); raises RouterRejected otherwise.
+        ``session_ended=True`` says the conversation is over (end-aware eviction drops its tail first)."""
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
         if req is None:
             return True
         try:
@@ -247,10 +250,11 @@ class SyncRouterClient:
         cached_tokens: int = -1,
         output_tokens: int = 0,
         success: bool = True,
+        session_ended: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """See RouterClient.complete."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success)
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
         if req is None:
             return True
         try:

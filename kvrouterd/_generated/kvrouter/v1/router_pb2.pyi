@@ -96,20 +96,22 @@ class RouteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., alternative_worker_id: _Optional[str] = ..., alternative_worker_address: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success")
+    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success", "session_ended")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_ms: float
     e2e_ms: float
     cached_tokens: int
     output_tokens: int
     success: bool
-    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ...) -> None: ...
+    session_ended: bool
+    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ..., session_ended: _Optional[bool] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ()

@@ -76,6 +76,9 @@ class ClusterSettings:
     sample_interval_s: float = 1.0
     #: seconds between each engine's ReportLoad (queued, running, KV use); 0 = engines never report
     load_report_interval_s: float = 0.0
+    #: the client says when a conversation ends: the last request of each session completes
+    #: with ``session_ended`` and the engines' policies hear ``end_session`` (end-aware T-LRU)
+    signal_session_end: bool = False
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -207,6 +210,13 @@ class Simulation:
         #: ("complete", t, Completion, None), ("tick", t, None, None),
         #: ("load", t, (worker_id, queued, running, kv_utilization), None)
         self.log: list[tuple[str, float, Any, Any]] | None = [] if record else None
+        self._last_of_session: set[int] = set()
+        if settings.signal_session_end:
+            last: dict[str, int] = {}
+            for n, r in enumerate(workload.requests):
+                if r.session_id:
+                    last[r.session_id] = n
+            self._last_of_session = set(last.values())
 
     # ---- edges ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: Any) -> None:
@@ -281,9 +291,15 @@ class Simulation:
         rec.hit_blocks = job.hit_blocks
         rec.ttft_s = job.first_token_at - req.arrival_s
         rec.e2e_s = now - req.arrival_s
+        ended = job.index in self._last_of_session
         completion = Completion(f"r{job.index}", ttft_ms=rec.ttft_s * 1000.0, e2e_ms=rec.e2e_s * 1000.0,
                                 cached_tokens=job.hit_blocks * self.workload.block_tokens,
-                                output_tokens=req.output_tokens)
+                                output_tokens=req.output_tokens, session_ended=ended)
+        if ended:
+            for engine in self.engines:  # the engines' own caches hear it too
+                end_session = getattr(engine.policy, "end_session", None)
+                if end_session is not None:
+                    end_session(req.session_id)
         if self.log is not None:
             self.log.append(("complete", now, completion, None))
         try:
@@ -482,6 +498,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
     c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
     c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+    c.add_argument("--session-end", action="store_true",
+                   help="the last request of each session completes with session_ended (end-aware eviction)")
     c.add_argument("--load-report-ms", type=float, default=0.0,
                    help="engines send ReportLoad (queue, running, KV use) this often; 0 = never")
     e = parser.add_argument_group("engines")
@@ -540,7 +558,8 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers, engine=engine,
             cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
             event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
-            warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0)
+            warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
+            signal_session_end=args.session_end)
         settings.validate()
         capacity_for = None
         if args.capacity_fraction is not None:

@@ -17,7 +17,7 @@ from kvrouterd.protocols import CacheMode, WorkerState
 from kvrouterd.sim.cluster import ClusterSettings, Simulation, policy_spec, simulate
 from kvrouterd.sim.engine import EngineParams
 from kvrouterd.sim.metrics import cv, goodput, percentile
-from kvrouterd.sim.workloads import SimRequest, Workload, gsp
+from kvrouterd.sim.workloads import SimRequest, Workload, build_workload, gsp
 
 
 def small_gsp(seed: int = 0, **kw) -> Workload:
@@ -240,3 +240,19 @@ def test_engines_report_their_queue_and_kv_use_when_asked():
     n = len(seen)
     quiet.run()
     assert len(seen) == n  # off by default
+
+
+def test_session_end_reaches_the_router_and_the_engines_policies():
+    wl = build_workload("chat", 0, 20.0, clients=12)
+    ended = []
+
+    sim = Simulation(Config(), wl, settings(2, 0, signal_session_end=True), routing="cache_aware",
+                     eviction="tlru", record=True)
+    for engine in sim.engines:
+        original = engine.policy.end_session
+        engine.policy.end_session = lambda sid, original=original: (ended.append(sid), original(sid))
+    sim.run()
+    assert sim.log is not None
+    signalled = [c.request_id for op, _, c, _ in sim.log if op == "complete" and c.session_ended]
+    assert len(signalled) == len({r.session_id for r in wl.requests}) == 12
+    assert sorted(ended) == sorted(2 * [*{r.session_id for r in wl.requests}])  # every engine heard every end

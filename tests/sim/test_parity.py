@@ -80,7 +80,8 @@ async def replay(sim: Simulation) -> list[str]:
             elif op == "complete":
                 await stub.Complete(pb.CompleteRequest(
                     request_id=payload.request_id, ttft_ms=payload.ttft_ms, e2e_ms=payload.e2e_ms,
-                    cached_tokens=payload.cached_tokens, output_tokens=payload.output_tokens, success=True))
+                    cached_tokens=payload.cached_tokens, output_tokens=payload.output_tokens, success=True,
+                    session_ended=payload.session_ended))
             else:
                 daemon.router.tick()
     finally:
@@ -94,7 +95,7 @@ async def test_daemon_replaying_the_sim_log_makes_the_same_decisions(routing):
     cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing}})
     wl = gsp(random.Random(SEED), rate=60.0, groups=6, queries_per_group=6, block_tokens=64, lengths=(512, 1024, 2048))
     settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
-                               load_report_interval_s=0.1)
+                               load_report_interval_s=0.1, signal_session_end=True)
     sim = Simulation(cfg, wl, settings, routing=routing, eviction="lru", seed=SEED, record=True)
     result = sim.run()
     assert sim.log is not None

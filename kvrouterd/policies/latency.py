@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..index.workers import Worker
+from ..protocols import Completion, Decision, RouteRequest
+from .base import RoutingContext, RoutingPolicyBase
 
-__all__ = ["LatencyParams", "LatencyModel", "RecursiveLeastSquares"]
+__all__ = ["LatencyModel", "LatencyParams", "RecursiveLeastSquares"]
 
 # Tracked dispatches awaiting their Complete; beyond this the oldest are forgotten (a caller
 # that never completes must not grow memory without bound).
@@ -101,7 +103,7 @@ class RecursiveLeastSquares:
     uninformative samples cannot wind it up into instability.
     """
 
-    __slots__ = ("theta", "_p", "forgetting", "_max_trace", "samples")
+    __slots__ = ("_max_trace", "_p", "forgetting", "samples", "theta")
 
     def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4) -> None:
         n = len(theta)
@@ -267,3 +269,21 @@ class LatencyModel:
         else:
             batch = max(batch, 1)
             self._fit.update([1.0, math.log(batch), math.log(tokens_ahead / batch)], math.log(ttft_ms))
+
+
+class CalibratedRoutingPolicy(RoutingPolicyBase):
+    """A routing policy that keeps a LatencyModel current from its own dispatches and the
+    TTFT each Complete reports (min_ttft, preble): the hooks every such policy needs alike."""
+
+    latency: LatencyModel
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        if worker is not None:
+            self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
+
+    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
+        self.latency.observe_completion(completion.request_id, completion.ttft_ms)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self.latency.forget_worker(worker.id)

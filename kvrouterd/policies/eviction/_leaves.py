@@ -18,13 +18,14 @@ Neither changes the index.
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from sortedcontainers import SortedList
 
 from ...index.radix import Block
-from ..base import EvictionContext
+from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 
 __all__ = ["SortedLeaves", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
 
@@ -174,3 +175,27 @@ class SortedLeaves:
 
 
 _MISSING = object()
+
+
+class LeafOrderPolicy(EvictionPolicyBase):
+    """An eviction policy that is a fixed priority over leaves (LRU, LFU): the hooks keep a
+    SortedLeaves current and ``rank`` reads it."""
+
+    def __init__(self, params: object, rng: random.Random, priority: Callable[[Block, int], Any]) -> None:
+        super().__init__(params, rng)
+        self._leaves = SortedLeaves(priority)
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return self._leaves.rank(ctx, count, pinned)
+
+    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.stored(slot, blocks)
+
+    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(slot, blocks)
+
+    def on_removed(self, slot: int, block: Block) -> None:
+        self._leaves.removed(slot, block)
+
+    def on_cleared(self, slot: int) -> None:
+        self._leaves.cleared(slot)

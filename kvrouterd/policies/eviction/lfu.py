@@ -14,12 +14,10 @@ Counts and recency change only when a hook fires, so the leaves are kept sorted 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 from ...index.radix import Block, RadixIndex
-from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import SortedLeaves
+from ._leaves import LeafOrderPolicy
 
 __all__ = ["LFUEviction", "lfu_priority"]
 
@@ -33,22 +31,6 @@ def lfu_priority(block: Block, slot: int) -> tuple[int, float]:
 
 
 @register("eviction", "lfu")
-class LFUEviction(EvictionPolicyBase):
+class LFUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
-        super().__init__(params, rng)
-        self._leaves = SortedLeaves(lfu_priority)
-
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        return self._leaves.rank(ctx, count, pinned)
-
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.stored(slot, blocks)
-
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.accessed(slot, blocks)
-
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
-
-    def on_cleared(self, slot: int) -> None:
-        self._leaves.cleared(slot)
+        super().__init__(params, rng, lfu_priority)

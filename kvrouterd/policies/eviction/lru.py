@@ -15,33 +15,15 @@ blocks costs O(k log L) for L leaves; without the hooks (a policy built just for
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
-from ...index.radix import Block, RadixIndex
-from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
+from ...index.radix import RadixIndex
 from ..registry import register
-from ._leaves import SortedLeaves, rank_leaves_by
+from ._leaves import LeafOrderPolicy, rank_leaves_by
 
 __all__ = ["LRUEviction", "rank_leaves_by"]
 
 
 @register("eviction", "lru")
-class LRUEviction(EvictionPolicyBase):
+class LRUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
-        super().__init__(params, rng)
-        self._leaves = SortedLeaves(RadixIndex.recency)
-
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        return self._leaves.rank(ctx, count, pinned)
-
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.stored(slot, blocks)
-
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.accessed(slot, blocks)
-
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
-
-    def on_cleared(self, slot: int) -> None:
-        self._leaves.cleared(slot)
+        super().__init__(params, rng, RadixIndex.recency)

@@ -10,17 +10,16 @@ Parameters: those of ``LatencyParams`` (``policies.latency``), nothing else.
 
 from __future__ import annotations
 
-from ...index.workers import Worker
-from ...protocols import Completion, Decision, RouteRequest
-from ..base import RoutingContext, RoutingPolicyBase
-from ..latency import LatencyModel, LatencyParams
+from ...protocols import Decision
+from ..base import RoutingContext
+from ..latency import CalibratedRoutingPolicy, LatencyModel, LatencyParams
 from ..registry import register
 
 __all__ = ["MinTTFTPolicy"]
 
 
 @register("routing", "min_ttft", LatencyParams)
-class MinTTFTPolicy(RoutingPolicyBase):
+class MinTTFTPolicy(CalibratedRoutingPolicy):
     params: LatencyParams
 
     def __init__(self, params: LatencyParams, rng: object) -> None:
@@ -44,14 +43,3 @@ class MinTTFTPolicy(RoutingPolicyBase):
                                calibrated=int(model.calibrated))
         decision.estimated_ttft_ms = ttft
         return decision
-
-    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
-        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
-        if worker is not None:
-            self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
-
-    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
-        self.latency.observe_completion(completion.request_id, completion.ttft_ms)
-
-    def on_worker_removed(self, worker: Worker) -> None:
-        self.latency.forget_worker(worker.id)

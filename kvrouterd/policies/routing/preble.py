@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...index.workers import Worker
-from ...protocols import Completion, Decision, RouteRequest
-from ..base import RoutingContext, RoutingPolicyBase
-from ..latency import LatencyModel, LatencyParams
+from ...protocols import Decision
+from ..base import RoutingContext
+from ..latency import CalibratedRoutingPolicy, LatencyModel, LatencyParams
 from ..registry import register
 
 __all__ = ["PrebleParams", "PreblePolicy"]
@@ -37,7 +36,7 @@ class PrebleParams(LatencyParams):
 
 
 @register("routing", "preble", PrebleParams)
-class PreblePolicy(RoutingPolicyBase):
+class PreblePolicy(CalibratedRoutingPolicy):
     params: PrebleParams
 
     def __init__(self, params: PrebleParams, rng: object) -> None:
@@ -65,14 +64,3 @@ class PreblePolicy(RoutingPolicyBase):
         decision = self.decide(ctx, chosen, reason, scored, hit_rate=round(best_hit, 4), load_cost_ms=round(cost, 3))
         decision.estimated_ttft_ms = cost
         return decision
-
-    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
-        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
-        if worker is not None:
-            self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
-
-    def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
-        self.latency.observe_completion(completion.request_id, completion.ttft_ms)
-
-    def on_worker_removed(self, worker: Worker) -> None:
-        self.latency.forget_worker(worker.id)

@@ -78,6 +78,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         except KVRouterError as exc:
             code = status_code(exc)
             self.metrics.route_errors.add(1, {"code": code.name})
+            log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
             if span is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -90,6 +91,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             entry = self.router.complete(convert.completion(request))
         except KVRouterError as exc:
+            log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
             await _abort(context, exc)
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id)

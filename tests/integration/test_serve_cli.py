@@ -74,3 +74,28 @@ def test_help_documents_every_subcommand():
         assert name in top.stdout
         sub = subprocess.run([sys.executable, "-m", "kvrouterd", name, "--help"], capture_output=True, text=True, timeout=60)
         assert sub.returncode == 0 and "usage:" in sub.stdout, name
+
+
+def test_json_logs_carry_the_request_id_of_a_rejected_call():
+    port = free_port()
+    env = {**os.environ, "KVROUTERD_LOG_FORMAT": "json"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrouterd", "serve", "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        wait_serving(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = router_pb2_grpc.KVRouterStub(ch)
+            try:
+                stub.Route(pb.RouteRequest(token_ids=list(range(64)), request_id="req-42"))
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    import json
+
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    (rejected,) = [r for r in records if r["msg"].startswith("route rejected")]
+    assert rejected["request_id"] == "req-42" and rejected["code"] == "UNAVAILABLE" and rejected["level"] == "info"

@@ -8,8 +8,8 @@ edges.
 from .clock import Clock, ManualClock, SystemClock
 from .config import Config, load_config, parse_config
 from .errors import (
-    Conflict,
     ConfigError,
+    Conflict,
     InvalidRequest,
     KVRouterError,
     NoEligibleWorker,
@@ -36,7 +36,6 @@ from .router import Router, RouterSettings
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__",
     "CacheMode",
     "Cleared",
     "Clock",
@@ -63,6 +62,7 @@ __all__ = [
     "UnknownPolicy",
     "WorkerSpec",
     "WorkerState",
+    "__version__",
     "load_config",
     "parse_config",
 ]

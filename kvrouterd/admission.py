@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from .errors import Conflict, InvalidRequest
 
-__all__ = ["Waiting", "Migration", "AdmissionQueues", "Estimator"]
+__all__ = ["AdmissionQueues", "Estimator", "Migration", "Waiting"]
 
 Estimator = Callable[[str, int, int, int], float]
 

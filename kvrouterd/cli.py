@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["SUBCOMMANDS", "main"]
 
 #: name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "SystemClock", "ManualClock"]
+__all__ = ["Clock", "ManualClock", "SystemClock"]
 
 
 @runtime_checkable

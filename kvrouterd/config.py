@@ -34,23 +34,23 @@ from typing import Any, Literal
 import yaml
 
 from .discovery.config import DiscoveryConfig
-from .events.zmq_source import ZmqEventsConfig
 from .errors import ConfigError
+from .events.zmq_source import ZmqEventsConfig
 from .index.workers import WorkerSpec
 from .protocols import CacheMode
 
 __all__ = [
-    "Config",
-    "WorkerConfig",
-    "LimitsConfig",
-    "TelemetryConfig",
-    "ExtProcConfig",
-    "MetricsConfig",
-    "TlsConfig",
+    "ENV_PREFIX",
     "AuthConfig",
+    "Config",
+    "ExtProcConfig",
+    "LimitsConfig",
+    "MetricsConfig",
+    "TelemetryConfig",
+    "TlsConfig",
+    "WorkerConfig",
     "load_config",
     "parse_config",
-    "ENV_PREFIX",
 ]
 
 ENV_PREFIX = "KVROUTERD_"

@@ -15,14 +15,14 @@ Every operation that raises one of these has changed no state.
 from __future__ import annotations
 
 __all__ = [
-    "KVRouterError",
     "ConfigError",
-    "InvalidRequest",
-    "UnknownPolicy",
-    "NotFound",
     "Conflict",
+    "InvalidRequest",
+    "KVRouterError",
     "NoEligibleWorker",
+    "NotFound",
     "Overloaded",
+    "UnknownPolicy",
 ]
 
 

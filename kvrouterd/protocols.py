@@ -11,21 +11,21 @@ from dataclasses import dataclass, field
 from typing import Union
 
 __all__ = [
-    "TaskCategory",
-    "CacheMode",
-    "WorkerState",
-    "Stored",
-    "Removed",
-    "Cleared",
-    "CacheEvent",
-    "EventBatch",
     "BatchOutcome",
-    "RouteRequest",
+    "CacheEvent",
+    "CacheMode",
     "CandidateScore",
-    "Decision",
+    "Cleared",
     "Completion",
-    "EvictRequest",
+    "Decision",
+    "EventBatch",
     "EvictAdvice",
+    "EvictRequest",
+    "Removed",
+    "RouteRequest",
+    "Stored",
+    "TaskCategory",
+    "WorkerState",
 ]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
-from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, UnknownPolicy
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, UnknownPolicy
 from .index.keys import chain_keys, namespace_seed, tokens_to_bytes
 from .index.radix import RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -41,7 +41,7 @@ from .protocols import (
     WorkerState,
 )
 
-__all__ = ["RouterSettings", "Router", "RouteResult"]
+__all__ = ["RouteResult", "Router", "RouterSettings"]
 
 log = logging.getLogger("kvrouterd.router")
 

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             d = decision_cost(workers, blocks, repeats=300 if args.quick else 2000)
             result[f"decision_{workers}w"] = d
             rows.append((f"decision, {workers} workers (median / p99)", f"{d['decision_us_median']:.1f} / {d['decision_us_p99']:.1f} us"))
-            rows.append((f"  of which hashing 250 blocks", f"{d['hash_us_median']:.1f} us"))
+            rows.append(("  of which hashing 250 blocks", f"{d['hash_us_median']:.1f} us"))
             rows.append((f"  route + complete cycle, {workers} workers", f"{d['route_complete_us_median']:.1f} us"))
         result["route_decision_us_median"] = result["decision_64w"]["decision_us_median"]  # type: ignore[index]
 

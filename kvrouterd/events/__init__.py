@@ -11,15 +11,15 @@ from .zmq_source import EndpointSubscriber, SubscriberStats, ZmqEndpoint, ZmqEve
 
 __all__ = [
     "DecodedBatch",
+    "EndpointSubscriber",
     "MalformedPayload",
+    "SubscriberStats",
     "TierEvent",
+    "ZmqEndpoint",
+    "ZmqEventSource",
+    "ZmqEventsConfig",
     "decode_event",
     "decode_payload",
     "normalize_hash",
-    "EndpointSubscriber",
-    "SubscriberStats",
-    "ZmqEndpoint",
-    "ZmqEventsConfig",
-    "ZmqEventSource",
     "rank_endpoint",
 ]

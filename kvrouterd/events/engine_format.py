@@ -48,13 +48,13 @@ from ..index.keys import tokens_to_bytes
 from ..protocols import CacheEvent, Cleared, Removed, Stored
 
 __all__ = [
+    "GPU_MEDIUM",
+    "DecodedBatch",
     "MalformedPayload",
     "TierEvent",
-    "DecodedBatch",
-    "GPU_MEDIUM",
-    "normalize_hash",
-    "decode_payload",
     "decode_event",
+    "decode_payload",
+    "normalize_hash",
 ]
 
 GPU_MEDIUM = "GPU"
@@ -117,7 +117,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def _fields(raw: Any, names: Sequence[str]) -> tuple[str, Mapping[str, Any]]:
     """(type name, named fields) from either the map or the positional-array encoding."""
     if isinstance(raw, Mapping):
         # msgpack gives str keys; only a publisher that packs keys as bytes needs converting

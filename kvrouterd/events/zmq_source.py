@@ -49,13 +49,13 @@ from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload
 
 __all__ = [
-    "ZmqEventsConfig",
-    "ZmqEndpoint",
-    "SubscriberStats",
-    "EndpointSubscriber",
-    "ZmqEventSource",
-    "rank_endpoint",
     "END_SEQ",
+    "EndpointSubscriber",
+    "SubscriberStats",
+    "ZmqEndpoint",
+    "ZmqEventSource",
+    "ZmqEventsConfig",
+    "rank_endpoint",
 ]
 
 log = logging.getLogger("kvrouterd.events.zmq")

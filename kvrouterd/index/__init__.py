@@ -5,11 +5,11 @@ from .radix import Block, MatchResult, RadixIndex
 
 __all__ = [
     "ROOT_SEED",
+    "Block",
+    "MatchResult",
+    "RadixIndex",
     "block_keys",
     "chain_keys",
     "namespace_seed",
     "tokens_to_bytes",
-    "Block",
-    "MatchResult",
-    "RadixIndex",
 ]

@@ -21,20 +21,19 @@ Plain synchronous Python, no I/O: the daemon and the simulator drive it alike.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Union
 
-__all__ = ["Block", "RadixIndex", "MatchResult"]
+__all__ = ["Block", "MatchResult", "RadixIndex"]
 
 
 class Block:
     """One cached block. ``children`` is None, a single Block, or a dict key -> Block."""
 
-    __slots__ = ("key", "parent", "children", "holders", "last_access", "hits")
+    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent")
 
     def __init__(self, key: int, parent: Block | None) -> None:
         self.key = key
         self.parent = parent
-        self.children: Union[None, Block, dict[int, Block]] = None
+        self.children: None | Block | dict[int, Block] = None
         self.holders = 0
         self.last_access: float | dict[int, float] = 0.0
         self.hits: int | dict[int, int] = 0
@@ -49,7 +48,8 @@ class Block:
 
     def depth(self) -> int:
         """Blocks from the root to this one, inclusive (block 0 has depth 1)."""
-        d, node = 0, self
+        d = 0
+        node: Block | None = self
         while node is not None:
             d += 1
             node = node.parent

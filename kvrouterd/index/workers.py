@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..protocols import CacheMode, WorkerState
 
-__all__ = ["WorkerSpec", "Worker", "InFlight", "WorkerRegistry", "MAX_WORKERS"]
+__all__ = ["MAX_WORKERS", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
@@ -54,10 +54,19 @@ class Worker:
     """A registered worker: its spec, its index slot, state and load."""
 
     __slots__ = (
-        "spec", "slot", "state", "inflight_requests", "pending_prefill_tokens",
-        "reported_queue", "reported_running", "kv_utilization", "engine_keys",
-        "last_sequence", "gaps", "registered_at",
         "batches_applied",
+        "engine_keys",
+        "gaps",
+        "inflight_requests",
+        "kv_utilization",
+        "last_sequence",
+        "pending_prefill_tokens",
+        "registered_at",
+        "reported_queue",
+        "reported_running",
+        "slot",
+        "spec",
+        "state",
     )
 
     def __init__(self, spec: WorkerSpec, slot: int, now: float) -> None:

@@ -19,20 +19,20 @@ from ..index.workers import Worker
 from ..protocols import CandidateScore, Completion, Decision, RouteRequest
 
 __all__ = [
-    "RoutingContext",
-    "RoutingPolicy",
-    "RoutingPolicyBase",
+    "AccessInfo",
     "EvictionContext",
     "EvictionPolicy",
     "EvictionPolicyBase",
-    "AccessInfo",
+    "RoutingContext",
+    "RoutingPolicy",
+    "RoutingPolicyBase",
 ]
 
 
 class RoutingContext:
     """One request and the workers it may go to, with their cache overlap and load."""
 
-    __slots__ = ("request", "candidates", "match", "block_size", "now", "index", "explain", "_overlaps")
+    __slots__ = ("_overlaps", "block_size", "candidates", "explain", "index", "match", "now", "request")
 
     def __init__(
         self,
@@ -136,7 +136,7 @@ class RoutingPolicyBase:
     def tick(self, now: float) -> None:
         return None
 
-    def decide(self, ctx: RoutingContext, chosen: Worker, reason: str, candidates: list[CandidateScore], **extra: float | int | str) -> Decision:
+    def decide(self, ctx: RoutingContext, chosen: Worker, reason: str, candidates: list[CandidateScore], **extra: float | str) -> Decision:
         """Build the Decision record for ``chosen``."""
         return Decision(
             worker_id=chosen.id,
@@ -164,7 +164,7 @@ class AccessInfo:
 class EvictionContext:
     """A worker's cached blocks as an eviction policy sees them (read-only)."""
 
-    __slots__ = ("index", "slot", "now", "worker_id")
+    __slots__ = ("index", "now", "slot", "worker_id")
 
     def __init__(self, index: RadixIndex, slot: int, now: float, worker_id: str = "") -> None:
         self.index = index

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    kinds = [args.kind] if args.kind else ["routing", "eviction"]
+    kinds: list[registry.Kind] = [args.kind] if args.kind else ["routing", "eviction"]
     for kind in kinds:
         print(f"{kind} policies:")
         for name in registry.names(kind):

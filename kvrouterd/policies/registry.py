@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import typing
-from collections.abc import Mapping
-from typing import Any, Callable, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 from ..errors import ConfigError
 
-__all__ = ["Kind", "register", "build", "build_params", "names", "describe", "NoParams"]
+__all__ = ["Kind", "NoParams", "build", "build_params", "describe", "names", "register"]
 
 Kind = Literal["routing", "eviction"]
 _KINDS: tuple[Kind, ...] = ("routing", "eviction")

@@ -24,7 +24,7 @@ from ..admission import AdmissionQueues, Migration, Waiting
 from ..config import AdmissionConfig
 from ..errors import InvalidRequest, KVRouterError, Overloaded
 from ..protocols import RouteRequest
-from ..router import RouteResult, Router
+from ..router import Router, RouteResult
 
 __all__ = ["AdmissionConfig", "AdmissionGate"]
 
@@ -78,7 +78,7 @@ class AdmissionGate:
         self._admit_all([wid] + ([alt.id] if alt is not None else []))
         try:
             return await asyncio.wait_for(asyncio.shield(future), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.queues.cancel(req.request_id)
             self.shed += 1
             raise Overloaded(f"waited {wait:.3g}s in {entry.worker_id!r}'s admission queue without being admitted") from None
@@ -129,7 +129,8 @@ class AdmissionGate:
                 self._dispatch(entry)
 
     def _dispatch(self, entry: Waiting) -> None:
-        future, req, explain = entry.payload  # type: ignore[misc]
+        payload: tuple[asyncio.Future[RouteResult], RouteRequest, bool] = entry.payload  # type: ignore[assignment]
+        future, req, explain = payload
         if future.done():
             return
         req.candidate_workers = (entry.worker_id,)

@@ -27,21 +27,21 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
+from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, KVRouterError
+from ..events.zmq_source import ZmqEventSource
+from ..index.workers import WorkerSpec
 from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import build_tracer_provider
+from .admission import AdmissionGate
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, client_token, server_credentials
-from .snapshot import warm_from_peer
-from ..discovery import KubernetesDiscovery
-from ..events.zmq_source import ZmqEventSource
-from ..index.workers import WorkerSpec
-from .admission import AdmissionGate
 from .service import KVRouterService
+from .snapshot import warm_from_peer
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
@@ -172,7 +172,7 @@ class Daemon:
             self._discovery_task = asyncio.create_task(self.discovery.run(), name="kvrouterd-discovery")
             try:
                 await asyncio.wait_for(self.discovery.synced.wait(), DISCOVERY_SYNC_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("no pod listing within %ss; serving with the workers known so far", DISCOVERY_SYNC_TIMEOUT_S)
 
     def _membership_changed(self) -> None:

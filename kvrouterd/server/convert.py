@@ -16,8 +16,8 @@ from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..errors import InvalidRequest, Overloaded
 from ..index.workers import Worker, WorkerSpec
 from ..protocols import (
-    CacheMode,
     CacheEvent,
+    CacheMode,
     Cleared,
     Completion,
     EventBatch,
@@ -28,17 +28,17 @@ from ..protocols import (
     TaskCategory,
     WorkerState,
 )
-from ..router import RouteResult, Router
+from ..router import Router, RouteResult
 
 __all__ = [
+    "completion",
+    "event_batch",
+    "evict_request",
     "pb",
     "route_request",
     "route_response",
-    "completion",
-    "worker_spec",
     "worker_message",
-    "event_batch",
-    "evict_request",
+    "worker_spec",
 ]
 
 _MODE_FROM_PB = {pb.CACHE_STATE_MODE_EVENTS: CacheMode.EVENTS, pb.CACHE_STATE_MODE_APPROXIMATE: CacheMode.APPROXIMATE}

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..errors import KVRouterError
 from ..protocols import BatchOutcome, CacheMode, EventBatch
-from ..router import RouteResult, Router
+from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from ..protocols import BatchOutcome, CacheMode, Decision, EventBatch
 from ..router import RouteResult
 
-__all__ = ["build_tracer_provider", "annotate_decision", "annotate_batch", "exporter_name"]
+__all__ = ["annotate_batch", "annotate_decision", "build_tracer_provider", "exporter_name"]
 
 
 def exporter_name(configured: str, environ: Mapping[str, str] | None = None) -> str:

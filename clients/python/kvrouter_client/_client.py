@@ -33,7 +33,7 @@ from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from ._types import RouteResult, TaskCategory, WorkerInfo
 
-__all__ = ["RouterClient", "SyncRouterClient", "FallbackFn", "DEFAULT_TIMEOUT_S"]
+__all__ = ["DEFAULT_TIMEOUT_S", "FallbackFn", "RouterClient", "SyncRouterClient"]
 
 #: per-call deadline unless the client or the call says otherwise
 DEFAULT_TIMEOUT_S = 0.5

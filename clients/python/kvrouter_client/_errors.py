@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["KVRouterClientError", "RouterUnavailable", "RouterRejected", "from_rpc_error"]
+__all__ = ["KVRouterClientError", "RouterRejected", "RouterUnavailable", "from_rpc_error"]
 
 #: codes after which retrying or failing open is reasonable
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})

@@ -44,13 +44,23 @@ from typing import Any
 
 import grpc
 
-from ._client import DEFAULT_TIMEOUT_S
 from ._channel import channel_options
+from ._client import DEFAULT_TIMEOUT_S
 from ._errors import RouterRejected, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
-from ._types import CacheMode, Cleared, EvictAdvice, Event, PublisherStats, Removed, Stored, WorkerInfo
-from ._types import event_to_pb, validate_stored
+from ._types import (
+    CacheMode,
+    Cleared,
+    Event,
+    EvictAdvice,
+    PublisherStats,
+    Removed,
+    Stored,
+    WorkerInfo,
+    event_to_pb,
+    validate_stored,
+)
 
 __all__ = ["EventPublisher", "SnapshotFn"]
 

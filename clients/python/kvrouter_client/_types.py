@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from ._generated.kvrouter.v1 import router_pb2 as pb
 
 __all__ = [
-    "TaskCategory",
     "CacheMode",
-    "WorkerState",
-    "RouteResult",
-    "WorkerInfo",
-    "EvictAdvice",
-    "Stored",
-    "Removed",
     "Cleared",
     "Event",
+    "EvictAdvice",
+    "Removed",
+    "RouteResult",
+    "Stored",
+    "TaskCategory",
+    "WorkerInfo",
+    "WorkerState",
 ]
 
 

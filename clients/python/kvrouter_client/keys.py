@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["ROOT_SEED", "namespace_seed", "tokens_to_bytes", "chain_keys", "block_keys"]
+__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "namespace_seed", "tokens_to_bytes"]
 
 #: Seed of the unsalted namespace: the bytes "kvrouter" read as a big-endian integer.
 ROOT_SEED = 0x6B76726F75746572

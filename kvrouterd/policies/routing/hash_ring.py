@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import xxhash
 
-__all__ = ["DualHashRing", "RING_SEEDS"]
+__all__ = ["RING_SEEDS", "DualHashRing"]
 
 #: Seeds of f1 and f2 ("dualmap1", "dualmap2" read as big-endian integers).
 RING_SEEDS = (0x6475616C6D617031, 0x6475616C6D617032)
@@ -38,7 +38,7 @@ def key_bytes(key: int) -> bytes:
 
 
 class _Ring:
-    __slots__ = ("seed", "virtual_nodes", "_points", "_owners", "_members")
+    __slots__ = ("_members", "_owners", "_points", "seed", "virtual_nodes")
 
     def __init__(self, seed: int, virtual_nodes: int) -> None:
         self.seed = seed

@@ -109,7 +109,7 @@ class LBGRParams:
 class _NLMS:
     """Normalised least mean squares: theta += mu * e * x / (eps + |x|^2)."""
 
-    __slots__ = ("theta", "step", "samples")
+    __slots__ = ("samples", "step", "theta")
 
     def __init__(self, n: int, step: float) -> None:
         self.theta = [0.0] * n

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from ._walk import match_walk
+
 __all__ = ["Block", "MatchResult", "RadixIndex"]
 
 
@@ -142,33 +144,7 @@ class RadixIndex:
 
     def match(self, keys: Sequence[int], slots_mask: int) -> MatchResult:
         """Per-slot longest prefix of ``keys`` held, for the slots in ``slots_mask``."""
-        get = self._blocks.get
-        overlaps: dict[int, int] = {}
-        path: list[Block] = []
-        active = slots_mask
-        depth = 0
-        for key in keys:
-            node = get(key)
-            if node is None:
-                break
-            still = active & node.holders
-            if still != active:
-                dropped = active ^ still
-                if depth:
-                    while dropped:
-                        low = dropped & -dropped
-                        overlaps[low.bit_length() - 1] = depth
-                        dropped ^= low
-                active = still
-                if not active:
-                    break
-            path.append(node)
-            depth += 1
-        if depth:
-            while active:
-                low = active & -active
-                overlaps[low.bit_length() - 1] = depth
-                active ^= low
+        overlaps, path = match_walk(self._blocks, keys, slots_mask)
         return MatchResult(overlaps, path)
 
     # ---- per-(slot, block) statistics ------------------------------------------------

@@ -29,6 +29,11 @@ ARG KVROUTERD_EXTRAS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
+# A C compiler for the native fast path (kvrouterd/index/_native.c); only this stage has it,
+# the runtime stage gets the compiled wheel.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Only what the wheel is built from; see .dockerignore for what never enters the context.
 COPY pyproject.toml README.md ./
@@ -38,6 +43,9 @@ RUN python -m venv /opt/kvrouterd
 # The wheel built above, never a kvrouterd from PyPI: the file path is the requirement.
 RUN /opt/kvrouterd/bin/python -m pip install "$(echo /wheels/kvrouterd-*.whl)${KVROUTERD_EXTRAS:+[$KVROUTERD_EXTRAS]}"
 RUN /opt/kvrouterd/bin/kvrouterd --help
+# The extension is optional to the build (pure Python still works) but not to this image.
+# (-P: import the installed package, not the sources in the working directory.)
+RUN /opt/kvrouterd/bin/python -P -c "from kvrouterd.index import native; assert native.module is not None, native.status"
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="kvrouterd" \

@@ -7,7 +7,8 @@ CONFIG ?=
 
 .PHONY: run test bench proto lint clean
 
-$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
+# the C fast path is compiled by the install: a changed source re-installs
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml kvrouterd/index/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]' -e clients/python

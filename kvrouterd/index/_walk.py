@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import native
+
 __all__ = ["match_walk", "match_walk_py"]
 
 
@@ -47,4 +49,15 @@ def match_walk_py(blocks: Mapping[int, Any], keys: Sequence[int], slots_mask: in
     return overlaps, path
 
 
-match_walk = match_walk_py
+def _match_walk_native(blocks: Mapping[int, Any], keys: Sequence[int], slots_mask: int) -> tuple[dict[int, int], list[Any]]:
+    result = _native_walk(blocks, keys, slots_mask)
+    if result is NotImplemented:  # more than 64 worker slots: Python's ints have no width limit
+        return match_walk_py(blocks, keys, slots_mask)
+    return result  # type: ignore[no-any-return]
+
+
+if native.module is not None:
+    _native_walk = native.module.match_walk
+    match_walk = _match_walk_native
+else:
+    match_walk = match_walk_py

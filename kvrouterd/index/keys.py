@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "namespace_seed", "tokens_to_bytes"]
+from . import native
+
+__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "chain_keys_py", "namespace_seed", "tokens_to_bytes"]
 
 #: Seed of the unsalted namespace: the bytes "kvrouter" read as a big-endian integer.
 ROOT_SEED = 0x6B76726F75746572
@@ -49,8 +51,16 @@ def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
 def chain_keys(token_bytes: bytes, block_size: int, seed: int, limit: int | None = None) -> list[int]:
     """Keys of the full blocks in ``token_bytes`` (little-endian uint32), chained from ``seed``.
 
-    ``limit`` caps how many blocks are hashed.
+    ``limit`` caps how many blocks are hashed. Runs natively when the extension is built
+    (``index.native``); ``chain_keys_py`` is the reference it is tested against.
     """
+    if _native_chain is not None:
+        return _native_chain(token_bytes, block_size, seed, -1 if limit is None else limit)  # type: ignore[no-any-return]
+    return chain_keys_py(token_bytes, block_size, seed, limit)
+
+
+def chain_keys_py(token_bytes: bytes, block_size: int, seed: int, limit: int | None = None) -> list[int]:
+    """The pure-Python ``chain_keys``."""
     step = block_size * 4
     end = len(token_bytes) - len(token_bytes) % step
     if limit is not None:
@@ -62,6 +72,9 @@ def chain_keys(token_bytes: bytes, block_size: int, seed: int, limit: int | None
         key = _xxh3(token_bytes[offset : offset + step], key)
         append(key)
     return keys
+
+
+_native_chain = native.module.chain_keys if native.module is not None else None
 
 
 def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "") -> list[int]:

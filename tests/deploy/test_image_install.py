@@ -1,7 +1,7 @@
 """The Dockerfile's build steps, run for real in a temporary directory (no Docker engine needed).
 
 SLOW (about 25 s with a warm pip cache; it reuses the machine's pip cache): the build
-stage's COPY and RUN instructions are replayed with /wheels and /opt/kvrouterd mapped into a
+stage's COPY and RUN instructions (but its apt-get of a C compiler: this machine has one) are replayed with /wheels and /opt/kvrouterd mapped into a
 temporary directory and the stage's ARGs set to their defaults: copy the sources the
 Dockerfile copies, build the wheel, create a fresh virtualenv, install the wheel with its
 dependencies and default extras, run ``kvrouterd --help``. Then the
@@ -53,7 +53,7 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
         for s in sources:
             target = src / dest / Path(s).name if dest.endswith("/") else src / dest
             if (ROOT / s).is_dir():
-                shutil.copytree(ROOT / s, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                shutil.copytree(ROOT / s, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / s, target)
@@ -62,6 +62,8 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
         name, _, default = a.args.partition("=")
         env[name] = default or df.global_args.get(name, "")
     for r in build.all("RUN"):
+        if r.args.startswith("apt-get "):
+            continue  # the build stage's compiler: this machine's own gcc stands in for it
         cmd = r.args.replace("/opt/kvrouterd", str(venv)).replace("/wheels", str(wheels))
         if cmd.startswith("python "):
             cmd = f"{shlex.quote(sys.executable)} {cmd[len('python '):]}"
@@ -71,7 +73,9 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
 
     # the wheel is this checkout's, at this checkout's version, and that is what got installed
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    assert [w.name for w in wheels.iterdir()] == [f"kvrouterd-{version}-py3-none-any.whl"]
+    # one wheel, compiled for this platform (the native fast path is inside)
+    (wheel,) = wheels.iterdir()
+    assert wheel.name.startswith(f"kvrouterd-{version}-cp3") and wheel.suffix == ".whl", wheel.name
     py = venv / "bin" / "python"
     where = subprocess.run([str(py), "-c", ("import kvrouterd, importlib.metadata as m; "
                             "print(kvrouterd.__file__); print(m.version('kvrouterd'))")],

@@ -1,0 +1,139 @@
+"""The native fast path computes exactly what the pure-Python reference computes.
+
+Both run on every Route (block keys, then the match walk), so a divergence would route by
+keys no SDK computes or pick a different worker depending on how the package was built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouterd.index import native
+from kvrouterd.index._walk import match_walk_py
+from kvrouterd.index.keys import ROOT_SEED, chain_keys_py, tokens_to_bytes
+from kvrouterd.index.radix import RadixIndex
+
+from .test_keys import VECTORS
+
+pytestmark = pytest.mark.skipif(native.disabled, reason=f"{native.DISABLE_ENV} is set: the native path is off")
+
+
+def test_extension_is_built_by_the_install():
+    # `pip install -e .` (make test, the Dockerfile) compiles it; a silent build failure
+    # would cost every Route ~65 us, so the suite says so here instead of in a benchmark.
+    assert native.module is not None, native.status
+
+
+@pytest.mark.parametrize("tokens,bs,model,lora,expected", VECTORS)
+def test_native_keys_match_frozen_vectors(tokens, bs, model, lora, expected):
+    from kvrouterd.index.keys import namespace_seed
+
+    assert native.module.chain_keys(tokens_to_bytes(tokens), bs, namespace_seed(model, lora), -1) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=2048),
+    block_size=st.integers(1, 40),
+    seed=st.integers(0, 2**64 - 1),
+    limit=st.one_of(st.none(), st.integers(0, 40)),
+)
+def test_native_chain_keys_equal_python(data, block_size, seed, limit):
+    expected = chain_keys_py(data, block_size, seed, limit)
+    assert native.module.chain_keys(data, block_size, seed, -1 if limit is None else limit) == expected
+
+
+def test_native_chain_keys_accepts_any_buffer():
+    tokens = list(range(64))
+    data = tokens_to_bytes(tokens)
+    expected = chain_keys_py(data, 16, ROOT_SEED)
+    assert native.module.chain_keys(memoryview(data), 16, ROOT_SEED, -1) == expected
+    assert native.module.chain_keys(bytearray(data), 16, ROOT_SEED, -1) == expected
+
+
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (("not a buffer", 16, ROOT_SEED, -1), TypeError),
+        ((b"", 0, ROOT_SEED, -1), ValueError),
+        ((b"", 16, -1, -1), OverflowError),
+        ((b"", 16, 2**64, -1), OverflowError),
+    ],
+)
+def test_native_chain_keys_rejects_bad_arguments(args, error):
+    with pytest.raises(error):
+        native.module.chain_keys(*args)
+
+
+# ---- the match walk -------------------------------------------------------------------------
+
+chains = st.lists(st.integers(0, 5), min_size=1, max_size=12)  # token-free chains: key = path of choices
+
+
+def _key(path: tuple[int, ...]) -> int:
+    return xxhash.xxh3_64_intdigest(repr(path).encode())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stores=st.lists(st.tuples(st.integers(0, 69), chains), max_size=25),
+    removals=st.lists(st.tuples(st.integers(0, 69), chains), max_size=10),
+    query=chains,
+    mask_slots=st.sets(st.integers(0, 69), max_size=70),
+    extra=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+)
+def test_native_walk_equals_python(stores, removals, query, mask_slots, extra):
+    """Same overlaps (values and insertion order), same path objects, for masks of up to 70
+    slots (wider than 64 falls back to Python inside the native entry point)."""
+    index = RadixIndex()
+    for slot in range(70):
+        index.add_slot(slot)
+    for slot, choices in stores:
+        keys = [_key(tuple(choices[: i + 1])) for i in range(len(choices))]
+        index.store(slot, None, keys, 1.0)
+    for slot, choices in removals:  # interior removals leave holes in a slot's chain
+        index.remove(slot, _key(tuple(choices)))
+    mask = 0
+    for s in mask_slots:
+        mask |= 1 << s
+    keys = [_key(tuple(query[: i + 1])) for i in range(len(query))] + extra
+    expected = match_walk_py(index._blocks, keys, mask)
+    result = native.module.match_walk(index._blocks, keys, mask)
+    if mask >= 1 << 64:
+        assert result is NotImplemented
+        from kvrouterd.index._walk import match_walk
+
+        result = match_walk(index._blocks, keys, mask)
+    overlaps, path = result
+    assert list(overlaps.items()) == list(expected[0].items())
+    assert len(path) == len(expected[1]) and all(a is b for a, b in zip(path, expected[1], strict=True))
+
+
+def test_native_walk_uses_slot_63():
+    index = RadixIndex()
+    index.add_slot(63)
+    index.store(63, None, [1, 2, 3], 0.0)
+    assert native.module.match_walk(index._blocks, [1, 2, 3], 1 << 63) == ({63: 3}, list(index.match([1, 2, 3], 1 << 63).path))
+
+
+def test_native_walk_rejects_bad_arguments():
+    with pytest.raises(TypeError):
+        native.module.match_walk([], [1], 1)
+    with pytest.raises(TypeError):
+        native.module.match_walk({}, 5, 1)
+    with pytest.raises(AttributeError):
+        native.module.match_walk({1: object()}, [1], 1)
+
+
+def test_pure_python_switch_turns_the_extension_off():
+    code = "from kvrouterd.index import native, keys; print(native.module is None, keys._native_chain is None)"
+    env = {**os.environ, native.DISABLE_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]

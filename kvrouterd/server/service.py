@@ -30,6 +30,8 @@ __all__ = ["KVRouterService"]
 
 log = logging.getLogger("kvrouterd.server")
 
+_perf_counter = time.perf_counter
+
 
 async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
     await context.abort(status_code(exc), str(exc))
@@ -53,17 +55,25 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
-        started = time.perf_counter()
-        if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
-                result = await self._route(request, context, span)
+        started = _perf_counter()
+        router = self.router
+        if self.tracing or self.admission is not None:
+            result = await self._traced_route(request, context)
         else:
-            # no tracer configured: skip span bookkeeping entirely on the hot path
-            result = await self._route(request, context, None)
+            # the common case, kept flat: no span, no queue, no inner coroutine
+            try:
+                result = router.route(convert.route_request(request, router), explain=False)
+            except KVRouterError as exc:
+                await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.decisions.add(1, {"policy": d.policy, "reason": d.reason})
-        self.metrics.route_latency.record(time.perf_counter() - started, {"policy": d.policy})
-        return convert.route_response(result, self.router.block_size)
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        return convert.route_response(result, router.block_size)
+
+    async def _traced_route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> RouteResult:
+        if not self.tracing:
+            return await self._route(request, context, None)
+        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            return await self._route(request, context, span)
 
     async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None) -> RouteResult:
         router = self.router
@@ -76,16 +86,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 timeout = context.time_remaining() if context is not None else None
                 result = await self.admission.route(req, timeout, recording)
         except KVRouterError as exc:
-            code = status_code(exc)
-            self.metrics.route_errors.add(1, {"code": code.name})
-            log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
-            if span is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-            await _abort(context, exc)
+            await self._reject(request, context, exc, span)
         if recording:
             annotate_decision(span, result, router.block_size)  # type: ignore[arg-type]
         return result
+
+    async def _reject(
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
+    ) -> NoReturn:
+        code = status_code(exc)
+        self.metrics.route_errors.add(1, {"code": code.name})
+        log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
+        if span is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+        await _abort(context, exc)
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:

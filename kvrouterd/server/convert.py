@@ -2,8 +2,8 @@
 
 Everything here validates shape (which fields are set, sizes) and raises InvalidRequest;
 semantic checks (known worker, sequence order) stay in the Router.
-Token ids are converted with numpy: ``np.array(repeated_field)`` reads upb's packed buffer
-directly (5 us for 4,000 tokens here) where ``array('I', field)`` iterates it (250 us).
+Token ids are converted with numpy: ``np.asarray(repeated_field, dtype)`` reads upb's packed
+buffer directly (3 us for 4,000 tokens here) where ``array('I', field)`` iterates it (250 us).
 """
 
 from __future__ import annotations
@@ -48,62 +48,77 @@ _STATE_TO_PB = {
     WorkerState.DEGRADED: pb.WORKER_STATE_DEGRADED,
     WorkerState.DRAINING: pb.WORKER_STATE_DRAINING,
 }
-_VALID_TASKS = frozenset(int(t) for t in TaskCategory)
+_TASKS = {int(t): t for t in TaskCategory}
+#: dtype objects, not strings: numpy parses a dtype string on every call (1.5 us of 4.8 for 4,000 tokens)
+_U32_LE = np.dtype("<u4")
+_U64 = np.dtype(np.uint64)
 
 
 def _le_u32(field: Iterable[int]) -> bytes:
-    return np.array(field, dtype="<u4").tobytes()
+    return np.asarray(field, dtype=_U32_LE).tobytes()
 
 
 def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
-    """A RouteRequest with block keys, from token ids or from caller-computed keys."""
-    has_tokens, has_keys = len(msg.token_ids) > 0, len(msg.block_keys) > 0
-    if has_tokens and has_keys:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys.
+
+    Checks run in this order (the first failing one answers): exactly one prompt form, a known
+    task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
+    costs nothing; the Router checks it again for callers that build RouteRequests themselves.
+    """
+    tokens = msg.token_ids
+    n_tokens = len(tokens)
+    n_keys = len(msg.block_keys)
+    if n_tokens and n_keys:
         raise InvalidRequest("set exactly one of token_ids and block_keys, not both")
-    if not has_tokens and not has_keys:
+    if not n_tokens and not n_keys:
         raise InvalidRequest("the prompt is empty: set token_ids or block_keys")
-    if msg.task not in _VALID_TASKS:
+    task = _TASKS.get(msg.task)
+    if task is None:
         raise InvalidRequest(f"unknown task category {msg.task}")
-    limit = router.settings.max_prompt_tokens
-    if has_tokens:
-        n = len(msg.token_ids)
-        if n > limit:
-            raise Overloaded(f"prompt of {n} tokens exceeds max_prompt_tokens={limit}")
-        keys = router.keys_for_tokens(_le_u32(msg.token_ids), msg.model, msg.lora)
-        prompt_tokens = n
+    if n_tokens:
+        limit = router.settings.max_prompt_tokens
+        if n_tokens > limit:
+            raise Overloaded(f"prompt of {n_tokens} tokens exceeds max_prompt_tokens={limit}")
+        keys = router.keys_for_tokens(_le_u32(tokens), msg.model, msg.lora)
+        prompt_tokens = n_tokens
     else:
-        keys = np.array(msg.block_keys, dtype=np.uint64).tolist()
-        prompt_tokens = msg.prompt_tokens or len(keys) * router.block_size
+        keys = np.asarray(msg.block_keys, dtype=_U64).tolist()
+        prompt_tokens = msg.prompt_tokens or n_keys * router.block_size
+    candidates = msg.candidate_workers
     return RouteRequest(
         request_id=msg.request_id,
         keys=keys,
         prompt_tokens=prompt_tokens,
         session_id=msg.session_id,
-        task=TaskCategory(msg.task),
+        task=task,
         ttft_slo_ms=msg.ttft_slo_ms,
         expected_output_tokens=msg.expected_output_tokens,
         policy=msg.policy,
-        candidate_workers=tuple(msg.candidate_workers),
+        candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
     )
 
 
 def route_response(result: RouteResult, block_size: int) -> pb.RouteResponse:
     d = result.decision
-    alt = result.alternative
-    return pb.RouteResponse(
+    worker = result.worker
+    overlap = d.overlap_blocks
+    msg = pb.RouteResponse(
         request_id=result.request.request_id,
-        worker_id=result.worker.id,
-        worker_address=result.worker.address,
-        matched_blocks=d.overlap_blocks,
-        matched_tokens=d.overlap_blocks * block_size,
+        worker_id=worker.id,
+        worker_address=worker.address,
+        matched_blocks=overlap,
+        matched_tokens=overlap * block_size,
         prompt_blocks=len(result.request.keys),
-        alternative_worker_id=alt.id if alt else "",
-        alternative_worker_address=alt.address if alt else "",
         policy=d.policy,
         reason=d.reason,
         estimated_ttft_ms=d.estimated_ttft_ms,
     )
+    alt = result.alternative
+    if alt is not None:
+        msg.alternative_worker_id = alt.id
+        msg.alternative_worker_address = alt.address
+    return msg
 
 
 def completion(msg: pb.CompleteRequest) -> Completion:
@@ -163,7 +178,7 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
         kind = ev.WhichOneof("event")
         if kind == "stored":
             st = ev.stored
-            hashes = tuple(np.array(st.engine_hashes, dtype=np.uint64).tolist()) if len(st.engine_hashes) else None
+            hashes = tuple(np.asarray(st.engine_hashes, dtype=_U64).tolist()) if len(st.engine_hashes) else None
             out.append(
                 Stored(
                     token_ids=_le_u32(st.token_ids),

@@ -1,5 +1,7 @@
 """Whether the native fast path (``_native.c``: block-key hashing and the match walk) is in use.
 
+It also provides ``U64Map``, the compact engine-hash -> key map (``u64_map``).
+
 The extension is built by ``pip install`` when a C compiler is present and is optional: without
 it the same functions run in pure Python with identical results, only slower (about 65 us more
 per 4,000-token Route). ``KVROUTERD_PURE_PYTHON=1`` turns it off, to rule it out when debugging
@@ -9,9 +11,10 @@ or to measure the difference. ``kvrouterd bench`` and the startup log say which 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from types import ModuleType
 
-__all__ = ["DISABLE_ENV", "disabled", "module", "status"]
+__all__ = ["DISABLE_ENV", "disabled", "module", "status", "u64_map"]
 
 #: set to 1/true/yes to run the pure-Python implementations even when the extension is built
 DISABLE_ENV = "KVROUTERD_PURE_PYTHON"
@@ -33,3 +36,12 @@ def _load() -> tuple[ModuleType | None, str]:
 
 #: the extension module, or None when the pure-Python path runs
 module, status = _load()
+
+
+def u64_map() -> MutableMapping[int, int]:
+    """An empty map of uint64 -> uint64: the native U64Map (~24 bytes an entry) or a dict
+    (~77). Both raise OverflowError/TypeError for keys or values outside 0 <= x < 2**64 only
+    in the native case, so callers validate ranges first."""
+    if module is not None:
+        return module.U64Map()  # type: ignore[no-any-return]
+    return {}

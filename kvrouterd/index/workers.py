@@ -9,11 +9,12 @@ both; only the host mutates them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..protocols import CacheMode, WorkerState
+from .native import u64_map
 
 __all__ = ["MAX_WORKERS", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec"]
 
@@ -78,8 +79,9 @@ class Worker:
         self.reported_queue = 0
         self.reported_running = 0
         self.kv_utilization = 0.0
-        #: engine hash -> our key, for engines whose hashes are not our keys
-        self.engine_keys: dict[int, int] = {}
+        #: engine hash -> our key, for engines whose hashes are not our keys (one entry per
+        #: cached block for vLLM/SGLang, so a compact uint64 map where the extension is built)
+        self.engine_keys: MutableMapping[int, int] = u64_map()
         #: last applied event-batch sequence number (-1 = none yet)
         self.last_sequence = -1
         self.gaps = 0

@@ -137,3 +137,66 @@ def test_pure_python_switch_turns_the_extension_off():
     env = {**os.environ, native.DISABLE_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
+
+
+# ---- U64Map: the engine-hash -> key map --------------------------------------------------
+
+u64 = st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63, 2**64 - 1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "get", "clear"]), u64, u64), max_size=400))
+def test_u64map_behaves_like_a_dict(ops):
+    """Random sets, pops, deletes and lookups (many colliding small keys, extreme values,
+    growth through several resizes, deletions shifting probe runs) agree with a dict."""
+    m, d = native.module.U64Map(), {}
+    for op, k, v in ops:
+        if op == "set":
+            m[k] = v
+            d[k] = v
+        elif op == "pop":
+            assert m.pop(k, None) == d.pop(k, None)
+        elif op == "del":
+            if k in d:
+                del m[k]
+                del d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del m[k]
+        elif op == "get":
+            assert m.get(k) == d.get(k) and (k in m) == (k in d)
+        else:
+            m.clear()
+            d.clear()
+        assert len(m) == len(d)
+    assert dict(m) == d
+    assert sorted(m.items()) == sorted(d.items()) and sorted(m.keys()) == sorted(d) and sorted(m.values()) == sorted(d.values())
+    assert sorted(iter(m)) == sorted(d)
+
+
+def test_u64map_dense_growth_keeps_every_entry():
+    m = native.module.U64Map()
+    for k in range(100_000):
+        m[k] = k * 7
+    # the point of it: a dict of the same entries takes ~77 bytes each with its int objects
+    assert m.__sizeof__() < 32 * len(m)
+    for k in range(0, 100_000, 2):
+        del m[k]
+    assert len(m) == 50_000
+    assert all(m[k] == k * 7 for k in range(1, 100_000, 2)) and not any(k in m for k in range(0, 100_000, 2))
+
+
+def test_u64map_errors_are_a_dicts_errors():
+    m = native.module.U64Map()
+    with pytest.raises(KeyError):
+        m[5]
+    with pytest.raises(KeyError):
+        m.pop(5)
+    assert m.get(-1) is None and m.get(2**64) is None and -1 not in m and m.pop(2**64, "d") == "d"
+    with pytest.raises(OverflowError):
+        m[-1] = 1
+    with pytest.raises(OverflowError):
+        m[1] = 2**64
+    with pytest.raises(TypeError):
+        m["a"] = 1
+    assert len(m) == 0

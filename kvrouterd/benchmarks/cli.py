@@ -55,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
     blocks = 100_000 if args.quick else 1_000_000
     seconds = 1.0 if args.quick else args.seconds
     rounds = 1 if args.quick else max(1, args.rounds)
-    result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16}
-    rows: list[tuple[str, str]] = []
+    from ..index import native
+
+    result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16,
+                                 "native": native.module is not None}
+    rows: list[tuple[str, str]] = [("block keys, match walk, engine-hash map", native.status)]
 
     if "decision" in stages:
         for workers in (8, 64):

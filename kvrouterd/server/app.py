@@ -27,10 +27,10 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
-from ..index import native
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, KVRouterError
 from ..events.zmq_source import ZmqEventSource
+from ..index import native
 from ..index.workers import WorkerSpec
 from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider

@@ -110,6 +110,18 @@ async def test_a_worse_pick_is_counted_when_a_policy_ignores_the_cache(running):
     assert sample(text, "kvrouter_prefix_reachable_blocks_total", policy="round_robin") == 8
 
 
+async def test_the_maintenance_tick_records_queued_route_latencies(running):
+    await register(running.stub, "a")
+    await running.stub.Route(pb.RouteRequest(token_ids=list(range(4 * BS))))
+    latency = running.daemon.metrics.route_latency
+    assert latency.enabled
+    for _ in range(50):  # a few ticks (20 ms each)
+        if not latency._pending:
+            break
+        await asyncio.sleep(0.02)
+    assert not latency._pending
+
+
 async def test_only_get_metrics_is_served(running):
     status, _, body = await scrape(running, "/")
     assert status == 404 and "/metrics" in body

@@ -11,6 +11,18 @@ one holder (the common case once routing concentrates prefixes) and as ``{slot: 
 dicts only for blocks several workers share; ``recency``/``hits`` hide the difference. This
 keeps a block held by one worker near 150 bytes (see ``kvrouterd bench``).
 
+A routed request reuses a whole prefix, root to deepest matched block, and stamping every
+block of it (250 blocks for a 4,000-token prompt) would cost more than the rest of a routing
+decision. ``touch_path`` therefore records the access on the deepest block only, as *pending*
+(``Block.up``): it stands for the same access on every ancestor up to where the slot's chain
+of held blocks starts. The true value of a block is its own stats folded with the pending
+accesses of its held descendants (latest time, summed hits), so a leaf's is read in O(1) and
+an interior block's by walking its held subtree. When a block stops being held its pending
+accesses move up to its parent, which thus reads the same before and after. Storing a block
+into a gap above held blocks first settles their pending accesses into their own stats, so
+that accesses from before the gap existed do not reach the new block. Folding takes the
+latest time, which is the last one because times never go backwards (``Clock``).
+
 For every slot the index keeps the set of its *leaves*: held blocks with no child held by
 the same worker. Eviction candidates are exactly these (a parent becomes evictable when its
 last cached child goes), and walking up from them reaches every block the worker holds.
@@ -24,13 +36,17 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ._walk import match_walk
 
-__all__ = ["Block", "MatchResult", "RadixIndex"]
+__all__ = ["Block", "MatchResult", "Pending", "RadixIndex", "fold_pending"]
 
 
 class Block:
-    """One cached block. ``children`` is None, a single Block, or a dict key -> Block."""
+    """One cached block. ``children`` is None, a single Block, or a dict key -> Block.
 
-    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent")
+    ``up`` holds path accesses not yet folded into the ancestors (see the module docstring):
+    None, ``(last access, hits)`` while one slot holds the block, else ``{slot: (last, hits)}``.
+    """
+
+    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent", "up")
 
     def __init__(self, key: int, parent: Block | None) -> None:
         self.key = key
@@ -39,6 +55,7 @@ class Block:
         self.holders = 0
         self.last_access: float | dict[int, float] = 0.0
         self.hits: int | dict[int, int] = 0
+        self.up: Pending | dict[int, Pending] | None = None
 
     def iter_children(self) -> Iterator[Block]:
         c = self.children
@@ -74,6 +91,50 @@ class MatchResult:
 
     def overlap(self, slot: int) -> int:
         return self.overlaps.get(slot, 0)
+
+
+#: path accesses not yet folded into ancestors: (latest time, how many)
+Pending = tuple[float, int]
+
+
+def fold_pending(a: Pending | None, b: Pending | None) -> Pending | None:
+    """Both sets of accesses as one: the later time, the hits added."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return (max(a[0], b[0]), a[1] + b[1])
+
+
+def _pending(node: Block, slot: int) -> Pending | None:
+    up = node.up
+    return up.get(slot) if type(up) is dict else up  # type: ignore[union-attr,return-value]
+
+
+def _set_pending(node: Block, slot: int, value: Pending | None) -> None:
+    up = node.up
+    if type(up) is dict:
+        if value is None:
+            up.pop(slot, None)  # type: ignore[union-attr]
+        else:
+            up[slot] = value  # type: ignore[index]
+    elif node.holders == 1 << slot:
+        node.up = value
+    elif value is not None:
+        node.up = {slot: value}
+
+
+def _pending_below(node: Block, slot: int) -> Pending | None:
+    """Pending accesses of ``node``'s held descendants (reached through held blocks)."""
+    bit = 1 << slot
+    total: Pending | None = None
+    stack = [c for c in node.iter_children() if c.holders & bit]
+    while stack:
+        n = stack.pop()
+        total = fold_pending(total, _pending(n, slot))
+        if n.children is not None:
+            stack.extend(c for c in n.iter_children() if c.holders & bit)
+    return total
 
 
 def _held_child(node: Block, bit: int) -> bool:
@@ -148,18 +209,64 @@ class RadixIndex:
         return MatchResult(overlaps, path)
 
     # ---- per-(slot, block) statistics ------------------------------------------------
+    # A block's true stats for a slot: its own (set when stored, bumped by ``touch``) folded
+    # with the pending path accesses of itself and its held descendants (module docstring).
     @staticmethod
     def recency(node: Block, slot: int) -> float:
+        """When ``slot`` last stored or used ``node``: O(1) on a leaf, else O(held subtree)."""
         la = node.last_access
-        return la[slot] if type(la) is dict else la  # type: ignore[index,return-value]
+        if type(la) is dict:
+            la = la[slot]  # type: ignore[index]
+        if node.up is not None:
+            up = _pending(node, slot)
+            if up is not None and up[0] > la:  # type: ignore[operator]
+                la = up[0]
+        if node.children is not None:
+            below = _pending_below(node, slot)
+            if below is not None and below[0] > la:  # type: ignore[operator]
+                la = below[0]
+        return la  # type: ignore[return-value]
 
     @staticmethod
     def hits(node: Block, slot: int) -> int:
+        """Later uses of ``node`` by ``slot`` since it was stored (same costs as ``recency``)."""
         h = node.hits
-        return h[slot] if type(h) is dict else h  # type: ignore[index,return-value]
+        if type(h) is dict:
+            h = h[slot]  # type: ignore[index]
+        if node.up is not None:
+            up = _pending(node, slot)
+            if up is not None:
+                h += up[1]  # type: ignore[operator]
+        if node.children is not None:
+            below = _pending_below(node, slot)
+            if below is not None:
+                h += below[1]  # type: ignore[operator]
+        return h  # type: ignore[return-value]
+
+    @staticmethod
+    def pending(node: Block, slot: int) -> Pending | None:
+        """Path accesses recorded on ``node`` for ``slot`` that also count for its ancestors."""
+        return _pending(node, slot)
+
+    @staticmethod
+    def as_leaf(node: Block, slot: int, pending: Pending | None) -> Block:
+        """A detached copy of ``node`` as ``slot`` would hold it once its held descendants were
+        removed, given their pending accesses folded with ``node``'s own (``pending``).
+
+        Eviction ranks a parent promoted after its children were chosen by this copy, so it
+        scores as it will once they are gone, without walking the chosen subtree again."""
+        copy = Block(node.key, node.parent)
+        copy.holders = 1 << slot
+        la, h = node.last_access, node.hits
+        copy.last_access = la[slot] if type(la) is dict else la  # type: ignore[index]
+        copy.hits = h[slot] if type(h) is dict else h  # type: ignore[index]
+        copy.up = pending
+        return copy
 
     def touch(self, slot: int, nodes: Iterable[Block], now: float) -> None:
-        """Record an access by ``slot`` to blocks it holds (a routed request reusing them)."""
+        """Record an access by ``slot`` to each of ``nodes`` it holds, and to nothing else.
+
+        O(blocks): for a request reusing a prefix use ``touch_path``."""
         bit = 1 << slot
         for node in nodes:
             holders = node.holders
@@ -170,16 +277,40 @@ class RadixIndex:
                 node.last_access[slot] = now  # type: ignore[index]
                 node.hits[slot] += 1  # type: ignore[index]
 
+    def touch_path(self, slot: int, path: Sequence[Block], now: float) -> None:
+        """Record an access by ``slot`` to every block of ``path`` in O(1).
+
+        ``path`` is a chain of blocks ``slot`` holds, each the parent of the next, whose first
+        block is a root or has a parent ``slot`` does not hold: a matched prefix. The access is
+        kept pending on the last block and reaches the others when they are read
+        (``recency``/``hits``), exactly as if each had been touched."""
+        if not path:
+            return
+        node = path[-1]
+        holders = node.holders
+        if holders == 1 << slot:
+            up = node.up
+            node.up = (now, 1) if up is None else (now, up[1] + 1)  # type: ignore[index,operator]
+        elif holders >> slot & 1:
+            up = node.up
+            if up is None:
+                node.up = {slot: (now, 1)}
+            else:
+                old = up.get(slot)  # type: ignore[union-attr]
+                up[slot] = (now, 1) if old is None else (now, old[1] + 1)  # type: ignore[index]
+
     def _add_stats(self, node: Block, slot: int, now: float) -> None:
         others = node.holders & ~(1 << slot)
         if not others:
-            node.last_access, node.hits = now, 0
+            node.last_access, node.hits, node.up = now, 0, None
             return
         la = node.last_access
         if type(la) is not dict:
             first = others.bit_length() - 1  # the single previous holder
             node.last_access = {first: la}  # type: ignore[dict-item]
             node.hits = {first: node.hits}  # type: ignore[dict-item]
+            if node.up is not None:
+                node.up = {first: node.up}  # type: ignore[dict-item]
         node.last_access[slot] = now  # type: ignore[index]
         node.hits[slot] = 0  # type: ignore[index]
 
@@ -187,12 +318,47 @@ class RadixIndex:
     def _drop_stats(node: Block, slot: int) -> None:
         la = node.last_access
         if type(la) is not dict:
+            node.up = None
             return
         del la[slot]  # type: ignore[arg-type]
         del node.hits[slot]  # type: ignore[union-attr]
+        up = node.up
+        if up is not None:
+            up.pop(slot, None)  # type: ignore[union-attr]
         if len(la) == 1:  # type: ignore[arg-type]
-            ((_, node.last_access),) = la.items()  # type: ignore[union-attr]
+            ((last, node.last_access),) = la.items()  # type: ignore[union-attr]
             ((_, node.hits),) = node.hits.items()  # type: ignore[union-attr]
+            if up is not None:
+                node.up = up.get(last)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _settle(top: Block, slot: int) -> Pending | None:
+        """Fold the pending accesses of ``top``'s held subtree into each block's own stats, so
+        none stay pending (every value is unchanged); returns what was pending in all of it."""
+        bit = 1 << slot
+        order = [top]  # parents before children; settled in reverse
+        for node in order:
+            if node.children is not None:
+                order.extend(c for c in node.iter_children() if c.holders & bit)
+        below: dict[int, Pending] = {}  # key -> pending of its held subtree, once settled
+        total: Pending | None = None
+        for node in reversed(order):
+            total = _pending(node, slot)
+            if node.children is not None:
+                for c in node.iter_children():
+                    total = fold_pending(total, below.pop(c.key, None))
+            if total is None:
+                continue
+            _set_pending(node, slot, None)
+            la = node.last_access
+            if type(la) is dict:
+                la[slot] = max(la[slot], total[0])  # type: ignore[index]
+                node.hits[slot] += total[1]  # type: ignore[index]
+            else:
+                node.last_access = max(la, total[0])  # type: ignore[type-var]
+                node.hits += total[1]  # type: ignore[operator]
+            below[node.key] = total
+        return total
 
     # ---- mutation ------------------------------------------------------------------
     def store(self, slot: int, parent_key: int | None, keys: Iterable[int], now: float) -> list[Block]:
@@ -223,11 +389,16 @@ class RadixIndex:
             if node.holders & bit:
                 self.touch(slot, (node,), now)
             else:
+                if node.children is not None and _held_child(node, bit):
+                    # filling a gap: accesses pending below it predate it and stop here
+                    for child in node.iter_children():
+                        if child.holders & bit:
+                            self._settle(child, slot)
+                else:
+                    leaves.add(node)
                 self._add_stats(node, slot, now)
                 node.holders |= bit
                 added += 1
-                if node.children is None or not _held_child(node, bit):
-                    leaves.add(node)
                 if parent is not None and parent.holders & bit:
                     leaves.discard(parent)
             chain.append(node)
@@ -241,13 +412,20 @@ class RadixIndex:
         bit = 1 << slot
         if node is None or not node.holders & bit:
             return False
+        parent = node.parent
+        held_parent = parent is not None and parent.holders & bit
+        if held_parent:  # the parent keeps the accesses pending here and below
+            up = _pending(node, slot)
+            if node.children is not None:
+                up = fold_pending(up, _pending_below(node, slot))
+            if up is not None:
+                _set_pending(parent, slot, fold_pending(_pending(parent, slot), up))  # type: ignore[arg-type]
         self._release(node, slot, bit)
         self._counts[slot] -= 1
         leaves = self._leaves[slot]
         leaves.discard(node)
-        parent = node.parent
-        if parent is not None and parent.holders & bit and not _held_child(parent, bit):
-            leaves.add(parent)
+        if held_parent and not _held_child(parent, bit):  # type: ignore[arg-type]
+            leaves.add(parent)  # type: ignore[arg-type]
         self._prune(node)
         return True
 

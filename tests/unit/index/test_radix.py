@@ -21,6 +21,20 @@ class Reference:
 
     def __init__(self) -> None:
         self.held: dict[int, set[tuple]] = {s: set() for s in range(SLOTS)}
+        #: (slot, path) -> (last access, hits), every block of a touched path stamped
+        self.stats: dict[tuple[int, tuple], tuple[float, int]] = {}
+
+    def hold(self, slot: int, path: tuple, now: float) -> None:
+        old = self.stats.get((slot, path)) if path in self.held[slot] else None
+        self.stats[slot, path] = (now, 0) if old is None else (now, old[1] + 1)
+        self.held[slot].add(path)
+
+    def use(self, slot: int, path: tuple, now: float) -> None:
+        self.stats[slot, path] = (now, self.stats[slot, path][1] + 1)
+
+    def drop(self, slot: int, path: tuple) -> None:
+        self.held[slot].discard(path)
+        self.stats.pop((slot, path), None)
 
     def overlap(self, slot: int, path: tuple) -> int:
         n = 0
@@ -54,19 +68,55 @@ class IndexMachine(RuleBasedStateMachine):
         self.now += 1
         self.index.store(slot, parent, [KEY[path[:d]] for d in range(start + 1, len(path) + 1)], self.now)
         for d in range(start + 1, len(path) + 1):
-            self.ref.held[slot].add(path[:d])
+            self.ref.hold(slot, path[:d], self.now)
+
+    def held_path(self, slot: int, pick: int) -> tuple | None:
+        held = sorted(self.ref.held[slot])
+        return held[pick % len(held)] if held else None
+
+    @rule(slot=st.integers(0, SLOTS - 1), pick=st.integers(0, 1 << 16), dt=st.sampled_from([0.0, 1.0]))
+    def touch_path(self, slot, pick, dt):
+        # the held chain ending at a held block, from where the slot's chain starts (a
+        # matched prefix when that is the root; a gap above it after interior removals)
+        path = self.held_path(slot, pick)
+        if path is None:
+            return
+        start = len(path)
+        while start > 1 and path[:start - 1] in self.ref.held[slot]:
+            start -= 1
+        self.now += dt
+        self.index.touch_path(slot, [self.index.get(KEY[path[:d]]) for d in range(start, len(path) + 1)], self.now)
+        for d in range(start, len(path) + 1):
+            self.ref.use(slot, path[:d], self.now)
+
+    @rule(slot=st.integers(0, SLOTS - 1), pick=st.integers(0, 1 << 16))
+    def touch_one(self, slot, pick):
+        path = self.held_path(slot, pick)
+        if path is None:
+            return
+        self.now += 1
+        self.index.touch(slot, [self.index.get(KEY[path])], self.now)
+        self.ref.use(slot, path, self.now)
 
     @rule(slot=st.integers(0, SLOTS - 1), path=st.sampled_from(PATHS))
     def remove(self, slot, path):
         # includes interior blocks and blocks the slot does not hold (a duplicate removal)
         changed = self.index.remove(slot, KEY[path])
         assert changed == (path in self.ref.held[slot])
-        self.ref.held[slot].discard(path)
+        self.ref.drop(slot, path)
+
+    @rule(slot=st.integers(0, SLOTS - 1), pick=st.integers(0, 1 << 16))
+    def remove_held(self, slot, pick):
+        path = self.held_path(slot, pick)
+        if path is not None:
+            assert self.index.remove(slot, KEY[path])
+            self.ref.drop(slot, path)
 
     @rule(slot=st.integers(0, SLOTS - 1))
     def clear(self, slot):
         assert self.index.clear(slot) == len(self.ref.held[slot])
-        self.ref.held[slot].clear()
+        for path in list(self.ref.held[slot]):
+            self.ref.drop(slot, path)
 
     @precondition(lambda self: True)
     @rule(path=st.sampled_from(PATHS), mask=st.integers(1, 2**SLOTS - 1))
@@ -84,6 +134,13 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.count(s) == len(self.ref.held[s])
             assert {PATH_OF[b.key] for b in self.index.leaves(s)} == self.ref.leaves(s)
             assert {PATH_OF[b.key] for b in self.index.blocks_of(s)} == self.ref.held[s]
+
+    @invariant()
+    def stats_are_those_of_stamping_every_block(self):
+        # touch_path stamps only the deepest block; every read must still see the full stamp
+        for (slot, path), (last, hits) in self.ref.stats.items():
+            block = self.index.get(KEY[path])
+            assert (self.index.recency(block, slot), self.index.hits(block, slot)) == (last, hits), (slot, path)
 
     @invariant()
     def no_dead_blocks_linger(self):

@@ -192,6 +192,10 @@ class EvictionPolicy(Protocol):
     ``rank`` returns at most ``count`` blocks, never a block in ``pinned`` (kvrouterd keys),
     never a block before a cached descendant of it on that worker; fewer than ``count`` only
     when nothing else is evictable. It does not change the index.
+
+    ``on_accessed`` gets the prefix a routed request reuses, after ``RadixIndex.touch_path``:
+    a chain of blocks the slot holds, each the parent of the next, so only the last one can be
+    a leaf.
     """
 
     name: ClassVar[str]

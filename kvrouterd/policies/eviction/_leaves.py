@@ -24,10 +24,14 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
-from ...index.radix import Block
+from ...index.radix import Block, Pending, RadixIndex, fold_pending
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 
 __all__ = ["SortedLeaves", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
+
+
+_pending = RadixIndex.pending
+_as_leaf = RadixIndex.as_leaf
 
 
 def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:
@@ -46,11 +50,18 @@ def merge_promoting(
 ) -> list[Block]:
     """Take up to ``count`` blocks from ``ordered`` (leaves, ascending ``(priority, key, block)``),
     merging in parents as their last held child is taken. Pinned blocks are never taken, and
-    a pinned block's ancestors never become leaves."""
-    bit = 1 << ctx.slot
+    a pinned block's ancestors never become leaves.
+
+    A promoted parent is scored as the leaf it becomes once the chosen blocks are removed:
+    with the path accesses pending below it folded in (``RadixIndex.as_leaf``), which are
+    carried up as blocks are chosen rather than found again by walking the chosen subtree."""
+    slot = ctx.slot
+    bit = 1 << slot
     promoted: list[tuple[Any, int, Block]] = []
     chosen: list[Block] = []
     taken: set[int] = set()
+    # key of a chosen promoted parent -> the accesses pending in its subtree
+    folded: dict[int, Pending | None] = {}
     nxt = next(ordered, None)
     while len(chosen) < count:
         while nxt is not None and nxt[1] in pinned:
@@ -68,7 +79,12 @@ def merge_promoting(
         if parent is None or not parent.holders & bit or parent.key in pinned:
             continue
         if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
-            heapq.heappush(promoted, (priority(parent), parent.key, parent))
+            up = _pending(parent, slot)
+            for c in parent.iter_children():
+                if c.holders & bit:
+                    up = fold_pending(up, folded[c.key] if c.key in folded else _pending(c, slot))
+            folded[parent.key] = up
+            heapq.heappush(promoted, (priority(_as_leaf(parent, slot, up)), parent.key, parent))
     return chosen
 
 
@@ -138,12 +154,14 @@ class SortedLeaves:
         self.refresh(slot, blocks if first is None else (first, *blocks))
 
     def accessed(self, slot: int, blocks: Sequence[Block]) -> None:
+        """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last
+        block can be a leaf, and only leaves' priorities are kept."""
         s = self._slots.get(slot)
-        if s is None:
+        if s is None or not blocks:
             return
-        for b in blocks:
-            if b.key in s.prio:
-                self._set(s, slot, b)
+        b = blocks[-1]
+        if b.key in s.prio:
+            self._set(s, slot, b)
 
     def removed(self, slot: int, block: Block) -> None:
         """Called before the index drops ``block`` from ``slot``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -27,8 +28,12 @@ class Cache:
         return blocks
 
     def access(self, keys: list[int], now: float, slot: int = 0, info: AccessInfo = UNLABELLED) -> None:
+        """A routed request reusing ``keys``: a held chain from where the slot's chain starts."""
         blocks = [self.index.get(k) for k in keys]
-        self.index.touch(slot, blocks, now)
+        top = blocks[0].parent
+        assert top is None or not top.holders >> slot & 1, "access a whole held prefix"
+        assert all(b.parent is a for a, b in itertools.pairwise(blocks)) and all(b.holders >> slot & 1 for b in blocks)
+        self.index.touch_path(slot, blocks, now)
         self.policy.on_accessed(slot, blocks, info, now)
 
     def rank(self, count: int, now: float, pinned: frozenset[int] = frozenset(), slot: int = 0) -> list[int]:

@@ -368,7 +368,7 @@ class Router:
         matched = ctx.match.path[:overlap]
         info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
         if matched:
-            self.index.touch(slot, matched, now)
+            self.index.touch_path(slot, matched, now)
             self.eviction.on_accessed(slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(self.eviction, "wants_request_info", False):
             self._remember_access(req)

@@ -237,7 +237,7 @@ class SimEngine:
         req = job.req
         matched = match.path[:hit]
         if matched:
-            index.touch(0, matched, now)
+            index.touch_path(0, matched, now)
             self.policy.on_accessed(0, matched, AccessInfo(req.session_id, int(req.task), req.input_tokens), now)
         job.hit_blocks = hit
         job.cached = cached

@@ -57,8 +57,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
-        if self.tracing or self.admission is not None:
-            result = await self._traced_route(request, context)
+        if self.tracing:
+            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                result = await self._route(request, context, span)
+        elif self.admission is not None:
+            result = await self._route(request, context, None)
         else:
             # the common case, kept flat: no span, no queue, no inner coroutine
             try:
@@ -68,12 +71,6 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         d = result.decision
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
         return convert.route_response(result, router.block_size)
-
-    async def _traced_route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> RouteResult:
-        if not self.tracing:
-            return await self._route(request, context, None)
-        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
-            return await self._route(request, context, span)
 
     async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None) -> RouteResult:
         router = self.router

@@ -369,14 +369,14 @@ class Router:
         info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
         if matched:
             self.index.touch_path(slot, matched, now)
-            self.eviction.on_accessed(slot, matched, info, now)
+            self.eviction.on_accessed(self.index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(self.eviction, "wants_request_info", False):
             self._remember_access(req)
         if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
             return
         parent = req.keys[overlap - 1] if overlap else None
         stored = self.index.store(slot, parent, req.keys[overlap:], now)
-        self.eviction.on_stored(slot, stored, AccessInfo(
+        self.eviction.on_stored(self.index, slot, stored, AccessInfo(
             session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens, first_offset=overlap,
         ), now)
         capacity = worker.spec.capacity_blocks
@@ -385,7 +385,7 @@ class Router:
             ctx_e = EvictionContext(self.index, slot, now, worker.id)
             victims = self.eviction.rank(ctx_e, excess, frozenset(req.keys))
             for block in victims:
-                self.eviction.on_removed(slot, block)
+                self.eviction.on_removed(self.index, slot, block)
                 self.index.remove(slot, block.key)
             self.counters["approx_evicted"] += len(victims)
 
@@ -559,7 +559,7 @@ class Router:
                     if reverse is not None:
                         reverse[key] = eh
         info = self._stored_info(parent_key, keys) if self._recent_access else AccessInfo()
-        self.eviction.on_stored(worker.slot, blocks, info, now)
+        self.eviction.on_stored(self.index, worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
 
     def _apply_removed(self, worker: Worker, ev: Removed, outcome: BatchOutcome) -> None:
@@ -573,7 +573,7 @@ class Router:
                 del reverse[key]
             block = index.get(key)
             if block is not None and block.holders >> slot & 1:
-                self.eviction.on_removed(slot, block)
+                self.eviction.on_removed(index, slot, block)
                 index.remove(slot, key)
                 outcome.blocks_removed += 1
             else:
@@ -635,7 +635,7 @@ class Router:
                 deferred.append((key, parent, engine_hash))
                 continue
             stored = index.store(slot, parent, (key,), now)
-            self.eviction.on_stored(slot, stored, AccessInfo(), now)
+            self.eviction.on_stored(index, slot, stored, AccessInfo(), now)
             if engine_hash and engine_hash != key:
                 worker.engine_keys[engine_hash] = key
         return deferred

@@ -13,15 +13,21 @@ keeps a block held by one worker near 150 bytes (see ``kvrouterd bench``).
 
 A routed request reuses a whole prefix, root to deepest matched block, and stamping every
 block of it (250 blocks for a 4,000-token prompt) would cost more than the rest of a routing
-decision. ``touch_path`` therefore records the access on the deepest block only, as *pending*
-(``Block.up``): it stands for the same access on every ancestor up to where the slot's chain
-of held blocks starts. The true value of a block is its own stats folded with the pending
-accesses of its held descendants (latest time, summed hits), so a leaf's is read in O(1) and
-an interior block's by walking its held subtree. When a block stops being held its pending
+decision. ``touch_path`` therefore records the access on the deepest block only, as *pending*:
+it stands for the same access on every ancestor up to where the slot's chain of held blocks
+starts. The true value of a block is its own stats folded with the pending accesses of its
+held descendants (latest time, summed hits), so a leaf's is read in O(1) and an interior
+block's by walking its held subtree. When a block stops being held its pending
 accesses move up to its parent, which thus reads the same before and after. Storing a block
 into a gap above held blocks first settles their pending accesses into their own stats, so
 that accesses from before the gap existed do not reach the new block. Folding takes the
 latest time, which is the last one because times never go backwards (``Clock``).
+
+Pending accesses live in a side table on the index (``RadixIndex._pending``), not on the
+Block: only the deepest blocks of recently routed prefixes have any, and a seventh slot would
+move every Block from pymalloc's 80-byte size class to 96 (+17 bytes per indexed block). So
+whatever reads a block's stats goes through the index (``recency``, ``hits``, ``pending``),
+and eviction hooks are handed it.
 
 For every slot the index keeps the set of its *leaves*: held blocks with no child held by
 the same worker. Eviction candidates are exactly these (a parent becomes evictable when its
@@ -40,13 +46,9 @@ __all__ = ["Block", "MatchResult", "Pending", "RadixIndex", "fold_pending"]
 
 
 class Block:
-    """One cached block. ``children`` is None, a single Block, or a dict key -> Block.
+    """One cached block. ``children`` is None, a single Block, or a dict key -> Block."""
 
-    ``up`` holds path accesses not yet folded into the ancestors (see the module docstring):
-    None, ``(last access, hits)`` while one slot holds the block, else ``{slot: (last, hits)}``.
-    """
-
-    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent", "up")
+    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent")
 
     def __init__(self, key: int, parent: Block | None) -> None:
         self.key = key
@@ -55,7 +57,6 @@ class Block:
         self.holders = 0
         self.last_access: float | dict[int, float] = 0.0
         self.hits: int | dict[int, int] = 0
-        self.up: Pending | dict[int, Pending] | None = None
 
     def iter_children(self) -> Iterator[Block]:
         c = self.children
@@ -106,37 +107,6 @@ def fold_pending(a: Pending | None, b: Pending | None) -> Pending | None:
     return (max(a[0], b[0]), a[1] + b[1])
 
 
-def _pending(node: Block, slot: int) -> Pending | None:
-    up = node.up
-    return up.get(slot) if type(up) is dict else up  # type: ignore[union-attr,return-value]
-
-
-def _set_pending(node: Block, slot: int, value: Pending | None) -> None:
-    up = node.up
-    if type(up) is dict:
-        if value is None:
-            up.pop(slot, None)  # type: ignore[union-attr]
-        else:
-            up[slot] = value  # type: ignore[index]
-    elif node.holders == 1 << slot:
-        node.up = value
-    elif value is not None:
-        node.up = {slot: value}
-
-
-def _pending_below(node: Block, slot: int) -> Pending | None:
-    """Pending accesses of ``node``'s held descendants (reached through held blocks)."""
-    bit = 1 << slot
-    total: Pending | None = None
-    stack = [c for c in node.iter_children() if c.holders & bit]
-    while stack:
-        n = stack.pop()
-        total = fold_pending(total, _pending(n, slot))
-        if n.children is not None:
-            stack.extend(c for c in n.iter_children() if c.holders & bit)
-    return total
-
-
 def _held_child(node: Block, bit: int) -> bool:
     c = node.children
     if c is None:
@@ -156,6 +126,10 @@ class RadixIndex:
         self._blocks: dict[int, Block] = {}
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
+        #: block -> path accesses pending on it (module docstring): ``(last access, hits)``
+        #: while one slot holds the block, else ``{slot: (last, hits)}``. Only blocks that have
+        #: some are present; an entry goes when its last holder does (``_drop_stats``).
+        self._pending: dict[Block, Pending | dict[int, Pending]] = {}
 
     # ---- slots ---------------------------------------------------------------------
     def add_slot(self, slot: int) -> None:
@@ -211,56 +185,93 @@ class RadixIndex:
     # ---- per-(slot, block) statistics ------------------------------------------------
     # A block's true stats for a slot: its own (set when stored, bumped by ``touch``) folded
     # with the pending path accesses of itself and its held descendants (module docstring).
-    @staticmethod
-    def recency(node: Block, slot: int) -> float:
+    def recency(self, node: Block, slot: int) -> float:
         """When ``slot`` last stored or used ``node``: O(1) on a leaf, else O(held subtree)."""
         la = node.last_access
         if type(la) is dict:
             la = la[slot]  # type: ignore[index]
-        if node.up is not None:
-            up = _pending(node, slot)
-            if up is not None and up[0] > la:  # type: ignore[operator]
-                la = up[0]
+        up = self._pending.get(node)
+        if up is not None:
+            if type(up) is dict:
+                up = up.get(slot)  # type: ignore[union-attr]
+            if up is not None and up[0] > la:  # type: ignore[index,operator]
+                la = up[0]  # type: ignore[assignment,index]
         if node.children is not None:
-            below = _pending_below(node, slot)
+            below = self._pending_below(node, slot)
             if below is not None and below[0] > la:  # type: ignore[operator]
                 la = below[0]
         return la  # type: ignore[return-value]
 
-    @staticmethod
-    def hits(node: Block, slot: int) -> int:
+    def hits(self, node: Block, slot: int) -> int:
         """Later uses of ``node`` by ``slot`` since it was stored (same costs as ``recency``)."""
         h = node.hits
         if type(h) is dict:
             h = h[slot]  # type: ignore[index]
-        if node.up is not None:
-            up = _pending(node, slot)
+        up = self._pending.get(node)
+        if up is not None:
+            if type(up) is dict:
+                up = up.get(slot)  # type: ignore[union-attr]
             if up is not None:
-                h += up[1]  # type: ignore[operator]
+                h += up[1]  # type: ignore[index,operator]
         if node.children is not None:
-            below = _pending_below(node, slot)
+            below = self._pending_below(node, slot)
             if below is not None:
                 h += below[1]  # type: ignore[operator]
         return h  # type: ignore[return-value]
 
-    @staticmethod
-    def pending(node: Block, slot: int) -> Pending | None:
+    def pending(self, node: Block, slot: int) -> Pending | None:
         """Path accesses recorded on ``node`` for ``slot`` that also count for its ancestors."""
-        return _pending(node, slot)
+        up = self._pending.get(node)
+        return up.get(slot) if type(up) is dict else up  # type: ignore[union-attr,return-value]
 
-    @staticmethod
-    def as_leaf(node: Block, slot: int, pending: Pending | None) -> Block:
+    def _set_pending(self, node: Block, slot: int, value: Pending | None) -> None:
+        table = self._pending
+        up = table.get(node)
+        if type(up) is dict:
+            if value is not None:
+                up[slot] = value  # type: ignore[index]
+                return
+            up.pop(slot, None)  # type: ignore[union-attr]
+            if not up:
+                del table[node]
+        elif node.holders == 1 << slot:
+            if value is not None:
+                table[node] = value
+            elif up is not None:
+                del table[node]
+        elif value is not None:
+            table[node] = {slot: value}
+
+    def _pending_below(self, node: Block, slot: int) -> Pending | None:
+        """Pending accesses of ``node``'s held descendants (reached through held blocks)."""
+        bit = 1 << slot
+        pending = self.pending
+        total: Pending | None = None
+        stack = [c for c in node.iter_children() if c.holders & bit]
+        while stack:
+            n = stack.pop()
+            total = fold_pending(total, pending(n, slot))
+            if n.children is not None:
+                stack.extend(c for c in n.iter_children() if c.holders & bit)
+        return total
+
+    def as_leaf(self, node: Block, slot: int, pending: Pending | None) -> Block:
         """A detached copy of ``node`` as ``slot`` would hold it once its held descendants were
         removed, given their pending accesses folded with ``node``'s own (``pending``).
 
         Eviction ranks a parent promoted after its children were chosen by this copy, so it
-        scores as it will once they are gone, without walking the chosen subtree again."""
+        scores as it will once they are gone, without walking the chosen subtree again. The
+        copy is in no table: ``pending`` is folded into its own stats, which is what this
+        index's ``recency``/``hits`` would read for it."""
         copy = Block(node.key, node.parent)
         copy.holders = 1 << slot
         la, h = node.last_access, node.hits
-        copy.last_access = la[slot] if type(la) is dict else la  # type: ignore[index]
-        copy.hits = h[slot] if type(h) is dict else h  # type: ignore[index]
-        copy.up = pending
+        if type(la) is dict:
+            la, h = la[slot], h[slot]  # type: ignore[index]
+        if pending is not None:
+            la = max(la, pending[0])  # type: ignore[type-var]
+            h += pending[1]  # type: ignore[operator]
+        copy.last_access, copy.hits = la, h
         return copy
 
     def touch(self, slot: int, nodes: Iterable[Block], now: float) -> None:
@@ -288,51 +299,61 @@ class RadixIndex:
             return
         node = path[-1]
         holders = node.holders
+        table = self._pending
         if holders == 1 << slot:
-            up = node.up
-            node.up = (now, 1) if up is None else (now, up[1] + 1)  # type: ignore[index,operator]
+            up = table.get(node)
+            table[node] = (now, 1) if up is None else (now, up[1] + 1)  # type: ignore[index,operator]
         elif holders >> slot & 1:
-            up = node.up
+            up = table.get(node)
             if up is None:
-                node.up = {slot: (now, 1)}
+                table[node] = {slot: (now, 1)}
             else:
                 old = up.get(slot)  # type: ignore[union-attr]
                 up[slot] = (now, 1) if old is None else (now, old[1] + 1)  # type: ignore[index]
 
     def _add_stats(self, node: Block, slot: int, now: float) -> None:
         others = node.holders & ~(1 << slot)
-        if not others:
-            node.last_access, node.hits, node.up = now, 0, None
+        if not others:  # nothing is pending on a block nobody held (see ``_drop_stats``)
+            node.last_access, node.hits = now, 0
             return
         la = node.last_access
         if type(la) is not dict:
             first = others.bit_length() - 1  # the single previous holder
             node.last_access = {first: la}  # type: ignore[dict-item]
             node.hits = {first: node.hits}  # type: ignore[dict-item]
-            if node.up is not None:
-                node.up = {first: node.up}  # type: ignore[dict-item]
+            up = self._pending.get(node)
+            if up is not None:
+                self._pending[node] = {first: up}  # type: ignore[dict-item]
         node.last_access[slot] = now  # type: ignore[index]
         node.hits[slot] = 0  # type: ignore[index]
 
-    @staticmethod
-    def _drop_stats(node: Block, slot: int) -> None:
+    def _drop_stats(self, node: Block, slot: int) -> None:
+        """Forget ``slot``'s stats of ``node``, pending accesses included (the caller has moved
+        those up where they still count), so the side table keeps no entry for a lost holder."""
+        table = self._pending
         la = node.last_access
         if type(la) is not dict:
-            node.up = None
+            if table:
+                table.pop(node, None)
             return
         del la[slot]  # type: ignore[arg-type]
         del node.hits[slot]  # type: ignore[union-attr]
-        up = node.up
+        up = table.get(node)
         if up is not None:
             up.pop(slot, None)  # type: ignore[union-attr]
         if len(la) == 1:  # type: ignore[arg-type]
             ((last, node.last_access),) = la.items()  # type: ignore[union-attr]
             ((_, node.hits),) = node.hits.items()  # type: ignore[union-attr]
             if up is not None:
-                node.up = up.get(last)  # type: ignore[union-attr]
+                rest = up.get(last)  # type: ignore[union-attr]
+                if rest is None:
+                    del table[node]
+                else:
+                    table[node] = rest
+        elif up is not None and not up:
+            del table[node]
 
-    @staticmethod
-    def _settle(top: Block, slot: int) -> Pending | None:
+    def _settle(self, top: Block, slot: int) -> Pending | None:
         """Fold the pending accesses of ``top``'s held subtree into each block's own stats, so
         none stay pending (every value is unchanged); returns what was pending in all of it."""
         bit = 1 << slot
@@ -343,13 +364,13 @@ class RadixIndex:
         below: dict[int, Pending] = {}  # key -> pending of its held subtree, once settled
         total: Pending | None = None
         for node in reversed(order):
-            total = _pending(node, slot)
+            total = self.pending(node, slot)
             if node.children is not None:
                 for c in node.iter_children():
                     total = fold_pending(total, below.pop(c.key, None))
             if total is None:
                 continue
-            _set_pending(node, slot, None)
+            self._set_pending(node, slot, None)
             la = node.last_access
             if type(la) is dict:
                 la[slot] = max(la[slot], total[0])  # type: ignore[index]
@@ -415,11 +436,11 @@ class RadixIndex:
         parent = node.parent
         held_parent = parent is not None and parent.holders & bit
         if held_parent:  # the parent keeps the accesses pending here and below
-            up = _pending(node, slot)
+            up = self.pending(node, slot)
             if node.children is not None:
-                up = fold_pending(up, _pending_below(node, slot))
+                up = fold_pending(up, self._pending_below(node, slot))
             if up is not None:
-                _set_pending(parent, slot, fold_pending(_pending(parent, slot), up))  # type: ignore[arg-type]
+                self._set_pending(parent, slot, fold_pending(self.pending(parent, slot), up))  # type: ignore[arg-type]
         self._release(node, slot, bit)
         self._counts[slot] -= 1
         leaves = self._leaves[slot]

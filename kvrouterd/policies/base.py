@@ -196,17 +196,20 @@ class EvictionPolicy(Protocol):
     ``on_accessed`` gets the prefix a routed request reuses, after ``RadixIndex.touch_path``:
     a chain of blocks the slot holds, each the parent of the next, so only the last one can be
     a leaf.
+
+    The hooks get the index the blocks are in: a block's recency and hits are read through it
+    (``index.recency(block, slot)``), as the index keeps a reused prefix's pending accesses.
     """
 
     name: ClassVar[str]
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]: ...
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None: ...
 
-    def on_removed(self, slot: int, block: Block) -> None: ...
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None: ...
 
     def on_cleared(self, slot: int) -> None: ...
 
@@ -223,13 +226,13 @@ class EvictionPolicyBase:
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:  # pragma: no cover
         raise NotImplementedError
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         return None
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         return None
 
-    def on_removed(self, slot: int, block: Block) -> None:
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         return None
 
     def on_cleared(self, slot: int) -> None:

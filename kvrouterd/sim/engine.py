@@ -238,7 +238,7 @@ class SimEngine:
         matched = match.path[:hit]
         if matched:
             index.touch_path(0, matched, now)
-            self.policy.on_accessed(0, matched, AccessInfo(req.session_id, int(req.task), req.input_tokens), now)
+            self.policy.on_accessed(index, 0, matched, AccessInfo(req.session_id, int(req.task), req.input_tokens), now)
         job.hit_blocks = hit
         job.cached = cached
         job.reserved = new if cached else 0
@@ -266,7 +266,7 @@ class SimEngine:
         if len(victims) < need:
             return False
         for block in victims:
-            self.policy.on_removed(0, block)
+            self.policy.on_removed(self.index, 0, block)
             self.index.remove(0, block.key)
         self.evicted_blocks += len(victims)
         self.outbox.append(Removed(tuple(b.key for b in victims)))
@@ -283,7 +283,7 @@ class SimEngine:
         parent = keys[hit - 1] if hit else None
         req = job.req
         blocks = self.index.store(0, parent, keys[hit:], now)
-        self.policy.on_stored(0, blocks, AccessInfo(req.session_id, int(req.task), req.input_tokens, hit), now)
+        self.policy.on_stored(self.index, 0, blocks, AccessInfo(req.session_id, int(req.task), req.input_tokens, hit), now)
         bb = self._block_bytes
         self.outbox.append(Stored(b"".join(bb(h) for h in req.block_ids[hit:]), None, parent, self.block_tokens))
         count = self.index.count(0)

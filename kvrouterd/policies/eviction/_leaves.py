@@ -30,10 +30,6 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 __all__ = ["SortedLeaves", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
 
 
-_pending = RadixIndex.pending
-_as_leaf = RadixIndex.as_leaf
-
-
 def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:
     for c in node.iter_children():
         if c is not exclude and c.holders & bit:
@@ -57,6 +53,7 @@ def merge_promoting(
     carried up as blocks are chosen rather than found again by walking the chosen subtree."""
     slot = ctx.slot
     bit = 1 << slot
+    pending, as_leaf = ctx.index.pending, ctx.index.as_leaf
     promoted: list[tuple[Any, int, Block]] = []
     chosen: list[Block] = []
     taken: set[int] = set()
@@ -79,12 +76,12 @@ def merge_promoting(
         if parent is None or not parent.holders & bit or parent.key in pinned:
             continue
         if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
-            up = _pending(parent, slot)
+            up = pending(parent, slot)
             for c in parent.iter_children():
                 if c.holders & bit:
-                    up = fold_pending(up, folded[c.key] if c.key in folded else _pending(c, slot))
+                    up = fold_pending(up, folded[c.key] if c.key in folded else pending(c, slot))
             folded[parent.key] = up
-            heapq.heappush(promoted, (priority(_as_leaf(parent, slot, up)), parent.key, parent))
+            heapq.heappush(promoted, (priority(as_leaf(parent, slot, up)), parent.key, parent))
     return chosen
 
 
@@ -108,10 +105,15 @@ class _Slot:
         self.prio: dict[int, Any] = {}
 
 
-class SortedLeaves:
-    """Per-slot leaves sorted by ``priority(block, slot)``; see the module docstring."""
+#: a leaf's priority: ``(index, block, slot) -> comparable``; it reads the block's stats through
+#: the index, which keeps the accesses pending on it (``RadixIndex.recency``/``hits``)
+Priority = Callable[[RadixIndex, Block, int], Any]
 
-    def __init__(self, priority: Callable[[Block, int], Any]) -> None:
+
+class SortedLeaves:
+    """Per-slot leaves sorted by ``priority(index, block, slot)``; see the module docstring."""
+
+    def __init__(self, priority: Priority) -> None:
         self.priority = priority
         self._slots: dict[int, _Slot] = {}
 
@@ -121,8 +123,8 @@ class SortedLeaves:
             s = self._slots[slot] = _Slot()
         return s
 
-    def _set(self, s: _Slot, slot: int, block: Block) -> None:
-        new = self.priority(block, slot)
+    def _set(self, s: _Slot, index: RadixIndex, slot: int, block: Block) -> None:
+        new = self.priority(index, block, slot)
         old = s.prio.get(block.key, _MISSING)
         if old is not _MISSING:
             if old == new:
@@ -136,24 +138,24 @@ class SortedLeaves:
         if old is not _MISSING:
             s.order.remove((old, block.key, block))
 
-    def refresh(self, slot: int, blocks: Iterable[Block], exclude: Block | None = None) -> None:
+    def refresh(self, index: RadixIndex, slot: int, blocks: Iterable[Block], exclude: Block | None = None) -> None:
         """Recompute leaf status and priority of ``blocks`` (``exclude``: a child being removed)."""
         s = self._slot(slot)
         bit = 1 << slot
         for b in blocks:
             if b.holders & bit and not held_child_other_than(b, bit, exclude):
-                self._set(s, slot, b)
+                self._set(s, index, slot, b)
             else:
                 self._drop(s, b)
 
     # ---- hooks ---------------------------------------------------------------------------
-    def stored(self, slot: int, blocks: Sequence[Block]) -> None:
+    def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         if not blocks:
             return
         first = blocks[0].parent
-        self.refresh(slot, blocks if first is None else (first, *blocks))
+        self.refresh(index, slot, blocks if first is None else (first, *blocks))
 
-    def accessed(self, slot: int, blocks: Sequence[Block]) -> None:
+    def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last
         block can be a leaf, and only leaves' priorities are kept."""
         s = self._slots.get(slot)
@@ -161,14 +163,14 @@ class SortedLeaves:
             return
         b = blocks[-1]
         if b.key in s.prio:
-            self._set(s, slot, b)
+            self._set(s, index, slot, b)
 
-    def removed(self, slot: int, block: Block) -> None:
+    def removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         """Called before the index drops ``block`` from ``slot``."""
         s = self._slot(slot)
         self._drop(s, block)
         if block.parent is not None:
-            self.refresh(slot, (block.parent,), exclude=block)
+            self.refresh(index, slot, (block.parent,), exclude=block)
 
     def cleared(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -183,8 +185,10 @@ class SortedLeaves:
         return s.order
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        index, slot, prio = ctx.index, ctx.slot, self.priority
+
         def priority(b: Block) -> Any:
-            return self.priority(b, ctx.slot)
+            return prio(index, b, slot)
 
         s = self._slots.get(ctx.slot)
         if s is None or len(s.prio) != len(ctx.index.leaves(ctx.slot)):
@@ -199,21 +203,21 @@ class LeafOrderPolicy(EvictionPolicyBase):
     """An eviction policy that is a fixed priority over leaves (LRU, LFU): the hooks keep a
     SortedLeaves current and ``rank`` reads it."""
 
-    def __init__(self, params: object, rng: random.Random, priority: Callable[[Block, int], Any]) -> None:
+    def __init__(self, params: object, rng: random.Random, priority: Priority) -> None:
         super().__init__(params, rng)
         self._leaves = SortedLeaves(priority)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         return self._leaves.rank(ctx, count, pinned)
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.stored(slot, blocks)
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.stored(index, slot, blocks)
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.accessed(slot, blocks)
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(index, slot, blocks)
 
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
+        self._leaves.removed(index, slot, block)
 
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)

@@ -44,9 +44,6 @@ from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
 __all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
 
-_hits = RadixIndex.hits
-_recency = RadixIndex.recency
-
 
 @dataclass(frozen=True)
 class HybridParams:
@@ -75,10 +72,10 @@ class HybridEviction(EvictionPolicyBase):
         self._depth: dict[int, dict[int, int]] = {}
         self._leaves = SortedLeaves(self._class)
 
-    def _class(self, block: Block, slot: int) -> tuple[int, float]:
+    def _class(self, index: RadixIndex, block: Block, slot: int) -> tuple[int, float]:
         """(usage * length, last access): the order within which age cannot change."""
         length = self._length(block, slot) if self.params.length == "prefix" else 1
-        return ((1 + _hits(block, slot)) * length, _recency(block, slot))
+        return ((1 + index.hits(block, slot)) * length, index.recency(block, slot))
 
     def _length(self, block: Block, slot: int) -> int:
         d = self._depth.get(slot, {}).get(block.key)
@@ -87,12 +84,13 @@ class HybridEviction(EvictionPolicyBase):
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         slot, now, unit = ctx.slot, ctx.now, self.params.age_unit_s
         by_prefix = self.params.length == "prefix"
+        recency, hits = ctx.index.recency, ctx.index.hits
 
         def priority(b: Block) -> tuple[float, float]:
-            last = _recency(b, slot)
+            last = recency(b, slot)
             age = max(0.0, now - last) / unit
             length = self._length(b, slot) if by_prefix else 1
-            return (hybrid_value(1 + _hits(b, slot), length, age), last)
+            return (hybrid_value(1 + hits(b, slot), length, age), last)
 
         order = self._leaves.sorted_view(ctx)
         if order is None:
@@ -120,12 +118,12 @@ class HybridEviction(EvictionPolicyBase):
             else:
                 heapq.heappop(heap)
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._record_depths(slot, blocks)
-        self._leaves.stored(slot, blocks)
+        self._leaves.stored(index, slot, blocks)
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
-        self._leaves.accessed(slot, blocks)
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+        self._leaves.accessed(index, slot, blocks)
 
     def _record_depths(self, slot: int, blocks: Sequence[Block]) -> None:
         if not blocks or self.params.length != "prefix":
@@ -137,8 +135,8 @@ class HybridEviction(EvictionPolicyBase):
             d += 1
             depths[b.key] = d
 
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)  # first: it re-scores the parent, whose depth is kept
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
+        self._leaves.removed(index, slot, block)  # first: it re-scores the parent, whose depth is kept
         depths = self._depth.get(slot)
         if depths is not None:
             depths.pop(block.key, None)

@@ -21,13 +21,10 @@ from ._leaves import LeafOrderPolicy
 
 __all__ = ["LFUEviction", "lfu_priority"]
 
-_hits = RadixIndex.hits
-_recency = RadixIndex.recency
 
-
-def lfu_priority(block: Block, slot: int) -> tuple[int, float]:
+def lfu_priority(index: RadixIndex, block: Block, slot: int) -> tuple[int, float]:
     """(uses, last access): lowest first."""
-    return (1 + _hits(block, slot), _recency(block, slot))
+    return (1 + index.hits(block, slot), index.recency(block, slot))
 
 
 @register("eviction", "lfu")

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import random
 
-from ...index.radix import RadixIndex
+from ...index.radix import Block, RadixIndex
 from ..registry import register
 from ._leaves import LeafOrderPolicy, rank_leaves_by
 
 __all__ = ["LRUEviction", "rank_leaves_by"]
 
 
+def _recency(index: RadixIndex, block: Block, slot: int) -> float:
+    return index.recency(block, slot)
+
+
 @register("eviction", "lru")
 class LRUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
-        super().__init__(params, rng, RadixIndex.recency)
+        super().__init__(params, rng, _recency)

@@ -32,7 +32,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ...index.radix import Block
+from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import SortedLeaves
@@ -94,15 +94,15 @@ class RLTEviction(EvictionPolicyBase):
                 marked.add(b.key)
             p.newest = b.key
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._mark(slot, blocks)
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._mark(slot, blocks)
-        self._leaves.stored(slot, blocks)
+        self._leaves.stored(index, slot, blocks)
 
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
+        self._leaves.removed(index, slot, block)
         p = self._phases.get(slot)
         if p is not None:
             p.marked.discard(block.key)
@@ -189,7 +189,7 @@ class RLTEviction(EvictionPolicyBase):
 _TRIES = 16
 
 
-def _no_priority(block: Block, slot: int) -> int:
+def _no_priority(index: RadixIndex, block: Block, slot: int) -> int:
     return 0
 
 

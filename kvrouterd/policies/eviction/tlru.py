@@ -46,8 +46,6 @@ from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
 __all__ = ["TLRUEviction", "TLRUParams"]
 
-_recency = RadixIndex.recency
-
 
 @dataclass(frozen=True)
 class TLRUParams:
@@ -108,10 +106,10 @@ class TLRUEviction(EvictionPolicyBase):
         # trim status flips, which happens only in _refresh
         self._leaves = SortedLeaves(self._order)
 
-    def _order(self, block: Block, slot: int) -> tuple[int, float]:
+    def _order(self, index: RadixIndex, block: Block, slot: int) -> tuple[int, float]:
         t = self._trim.get(slot)
         trimmed = t is not None and block.key in t.tail and block.key not in t.protected
-        return (0 if trimmed else 1, _recency(block, slot))
+        return (0 if trimmed else 1, index.recency(block, slot))
 
     # ---- what the policy believes --------------------------------------------------------
     def next_prompt_estimate(self) -> float:
@@ -170,16 +168,16 @@ class TLRUEviction(EvictionPolicyBase):
         if tip is not None:
             tips.setdefault(tip.key, set()).add(sid)
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._observe(slot, blocks, info, now)
-        self._leaves.accessed(slot, blocks)
+        self._leaves.accessed(index, slot, blocks)
 
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._observe(slot, blocks, info, now)
-        self._leaves.stored(slot, blocks)
+        self._leaves.stored(index, slot, blocks)
 
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
+        self._leaves.removed(index, slot, block)
         owners = self._tips.get(slot, {}).get(block.key)
         if not owners:
             return
@@ -252,7 +250,7 @@ class TLRUEviction(EvictionPolicyBase):
         t.dirty.clear()
         after = {k for k in touched if k in t.tail and k not in t.protected}
         flipped = [b for k in before ^ after if (b := ctx.index.get(k)) is not None]
-        self._leaves.refresh(slot, flipped)
+        self._leaves.refresh(ctx.index, slot, flipped)
         return t
 
     def trimmable(self, ctx: EvictionContext) -> set[int]:
@@ -263,10 +261,10 @@ class TLRUEviction(EvictionPolicyBase):
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         self._refresh(ctx.slot, ctx)
-        slot = ctx.slot
+        index, slot = ctx.index, ctx.slot
 
         def priority(b: Block) -> tuple[int, float]:
-            return self._order(b, slot)
+            return self._order(index, b, slot)
 
         order = self._leaves.sorted_view(ctx)
         if order is None:

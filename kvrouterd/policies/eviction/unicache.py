@@ -62,7 +62,6 @@ __all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "
 
 EVICT_FIRST, CHAT, AGENTIC, STRUCTURAL = 0, 1, 2, 3
 WEIGHTED = (CHAT, AGENTIC, STRUCTURAL)
-_recency = RadixIndex.recency
 
 
 def lognormal_cdf(t: float, mu: float, sigma: float) -> float:
@@ -137,11 +136,11 @@ class UniCacheEviction(EvictionPolicyBase):
         self._session_seen: dict[str, float] = {}
         self._leaves = SortedLeaves(self._queue_order)
 
-    def _queue_order(self, block: Block, slot: int) -> tuple[int, float, float]:
+    def _queue_order(self, index: RadixIndex, block: Block, slot: int) -> tuple[int, float, float]:
         """(queue, then the queue's own order): what the hooks keep sorted."""
         s = self._slots.get(slot)
         queue = s.queue.get(block.key) if s is not None else None
-        last = _recency(block, slot)
+        last = index.recency(block, slot)
         if queue is None:
             return (STRUCTURAL, -float(block.depth() - 1), last)
         if queue in (CHAT, AGENTIC):
@@ -254,7 +253,7 @@ class UniCacheEviction(EvictionPolicyBase):
             self.update_weights(slot, now)
 
     # ---- hooks ---------------------------------------------------------------------------
-    def on_stored(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         s = self._state(slot, now)
         self._maybe_update(s, slot, now)
         if info.first_offset == 0:
@@ -262,9 +261,9 @@ class UniCacheEviction(EvictionPolicyBase):
         for i, b in enumerate(blocks):
             offset = info.first_offset + i
             self._place(s, b.key, self.queue_for(info, offset), offset)
-        self._leaves.stored(slot, blocks)
+        self._leaves.stored(index, slot, blocks)
 
-    def on_accessed(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
+    def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         s = self._state(slot, now)
         self._maybe_update(s, slot, now)
         self._session_gap(info, now)
@@ -274,10 +273,10 @@ class UniCacheEviction(EvictionPolicyBase):
                 s.hits[queue] += 1
             offset = info.first_offset + i
             self._place(s, b.key, self.queue_for(info, offset), offset)
-        self._leaves.accessed(slot, blocks)
+        self._leaves.accessed(index, slot, blocks)
 
-    def on_removed(self, slot: int, block: Block) -> None:
-        self._leaves.removed(slot, block)
+    def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
+        self._leaves.removed(index, slot, block)
         s = self._slots.get(slot)
         if s is not None:
             self._unplace(s, block.key)
@@ -288,13 +287,13 @@ class UniCacheEviction(EvictionPolicyBase):
 
     # ---- ranking -------------------------------------------------------------------------
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        slot, now = ctx.slot, ctx.now
+        slot, now, recency = ctx.slot, ctx.now, ctx.index.recency
         s = self._slots.get(slot) or _SlotState(now)
         models = {q: self.gap_model(q) for q in (CHAT, AGENTIC)}
         max_offset = s.max_offset
 
         def priority(b: Block) -> tuple[int, float, float]:
-            last = _recency(b, slot)
+            last = recency(b, slot)
             queue = s.queue.get(b.key)
             if queue is None:  # never seen by the hooks: an unlabelled, session-less block
                 queue, offset = STRUCTURAL, b.depth() - 1

@@ -24,7 +24,7 @@ class Cache:
     def store(self, keys: list[int], now: float, parent: int | None = None, slot: int = 0,
               info: AccessInfo = UNLABELLED) -> list[Block]:
         blocks = self.index.store(slot, parent, keys, now)
-        self.policy.on_stored(slot, blocks, info, now)
+        self.policy.on_stored(self.index, slot, blocks, info, now)
         return blocks
 
     def access(self, keys: list[int], now: float, slot: int = 0, info: AccessInfo = UNLABELLED) -> None:
@@ -34,7 +34,7 @@ class Cache:
         assert top is None or not top.holders >> slot & 1, "access a whole held prefix"
         assert all(b.parent is a for a, b in itertools.pairwise(blocks)) and all(b.holders >> slot & 1 for b in blocks)
         self.index.touch_path(slot, blocks, now)
-        self.policy.on_accessed(slot, blocks, info, now)
+        self.policy.on_accessed(self.index, slot, blocks, info, now)
 
     def rank(self, count: int, now: float, pinned: frozenset[int] = frozenset(), slot: int = 0) -> list[int]:
         ctx = EvictionContext(self.index, slot, now)
@@ -42,7 +42,7 @@ class Cache:
 
     def evict(self, keys: list[int], slot: int = 0) -> None:
         for k in keys:
-            self.policy.on_removed(slot, self.index.get(k))
+            self.policy.on_removed(self.index, slot, self.index.get(k))
             self.index.remove(slot, k)
 
 

@@ -28,7 +28,7 @@ def _load() -> tuple[ModuleType | None, str]:
     if disabled:
         return None, f"pure Python ({DISABLE_ENV} is set)"
     try:
-        from . import _native
+        from . import _native  # type: ignore[attr-defined]  # a C extension: no stub
     except ImportError:
         return None, "pure Python (the C extension kvrouterd.index._native is not built)"
     return _native, "native (kvrouterd.index._native)"

@@ -3,7 +3,7 @@
  * (index/keys.py: chain_keys) and the match walk (index/_walk.py: match_walk_py).
  *
  * Both are exact re-implementations of the pure-Python functions, which stay the reference:
- * tests/test_native.py holds the two to identical results (keys, overlaps, their order, and
+ * tests/unit/index/test_native.py holds the two to identical results (keys, overlaps, their order, and
  * the path). In Python each of the ~250 iterations of a 4,000-token prompt costs a bytecode
  * loop turn, a call and an int allocation; here the hash is XXH3 inlined from the same
  * xxhash.h the `xxhash` package builds from (see _vendor/README.md), and the walk does one
@@ -12,13 +12,14 @@
  * The walk handles slot masks of up to 64 bits (64 worker slots) natively; wider masks
  * return NotImplemented and the caller falls back to Python, which has no width limit.
  *
- * U64Map is the engine-hash -> key map of every event-driven worker (one entry per cached
- * block when the engine is vLLM or SGLang). A dict spends ~77 bytes per entry on it (the
- * entry, its share of the table, and an int object per engine hash); this open-addressing
- * table of two uint64 arrays spends ~24 (see _u64map_* below and index/native.py).
+ * Two compact uint64-keyed tables replace dicts that hold one entry per cached block: U64Map,
+ * the engine-hash -> key map of every event-driven worker (vLLM, SGLang), and BlockTable,
+ * RadixIndex's key -> Block map. A dict spends ~41 bytes per entry plus an int object per key;
+ * these spend ~24, and the match walk reads a BlockTable directly, prefetching ahead of itself.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <sys/mman.h>
 
 #define XXH_INLINE_ALL
@@ -80,6 +81,528 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return keys;
 }
 
+/* ---- open-addressing uint64-keyed tables -------------------------------------------------
+ *
+ * One table core serves U64Map (uint64 -> uint64: the engine-hash -> key map) and BlockTable
+ * (uint64 -> object: RadixIndex's key -> Block map). Entries are (key, value) pairs in one
+ * array, so a lookup touches one cache line; linear probing, backward-shift deletion (no
+ * tombstones). Any uint64 can be a key, so occupancy is a bitmap rather than a reserved key.
+ * Capacity is any size >= 8 (slots are chosen by multiply-shift, not a power-of-two mask) and
+ * grows by half when the load would pass 0.8, so the load stays between 0.53 and 0.8: 16.125
+ * bytes per slot, about 24 per entry, where a dict spends ~41 per entry plus an int object
+ * per key. Keys are mixed (murmur3's fmix64) first: sequential keys must not cluster.
+ */
+typedef struct {
+    PyObject_HEAD
+    uint64_t *entries; /* capacity (key, value) pairs */
+    uint64_t *used;    /* bitmap over slots */
+    Py_ssize_t capacity;
+    Py_ssize_t size;
+    void *table; /* entries and used, one allocation */
+    size_t table_bytes;
+    int owns_values; /* BlockTable: values are owned PyObject* */
+} U64Table;
+
+#define T_KEY(t, i) ((t)->entries[2 * (size_t)(i)])
+#define T_VAL(t, i) ((t)->entries[2 * (size_t)(i) + 1])
+#define T_OBJ(t, i) ((PyObject *)(uintptr_t)T_VAL(t, i))
+
+#define TABLE_MIN_CAPACITY 8
+/* Tables this large are mmap'ed: a freed one goes back to the OS at once. From the heap, the
+ * tables a growing map leaves behind stayed resident (glibc raises its mmap threshold after the
+ * first free), which doubled a map's RSS at 10^6 entries. */
+#define TABLE_MMAP_BYTES (1 << 20)
+
+static void *
+table_alloc(size_t bytes)
+{
+    if (bytes < TABLE_MMAP_BYTES)
+        return PyMem_Calloc(1, bytes);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p; /* zero-filled */
+}
+
+static void
+table_free(void *table, size_t bytes)
+{
+    if (table == NULL)
+        return;
+    if (bytes < TABLE_MMAP_BYTES)
+        PyMem_Free(table);
+    else
+        munmap(table, bytes);
+}
+
+static inline uint64_t
+u64_mix(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static inline Py_ssize_t
+t_home(uint64_t key, Py_ssize_t capacity)
+{
+    return (Py_ssize_t)(((unsigned __int128)u64_mix(key) * (uint64_t)capacity) >> 64);
+}
+
+static inline int
+t_used(const U64Table *t, Py_ssize_t i)
+{
+    return (int)((t->used[i >> 6] >> (i & 63)) & 1);
+}
+
+static int
+t_alloc(U64Table *t, Py_ssize_t capacity)
+{
+    size_t words = ((size_t)capacity + 63) / 64;
+    size_t bytes = ((size_t)capacity * 2 + words) * sizeof(uint64_t);
+    uint64_t *table = table_alloc(bytes);
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->table = table;
+    t->table_bytes = bytes;
+    t->entries = table;
+    t->used = table + 2 * (size_t)capacity;
+    t->capacity = capacity;
+    t->size = 0;
+    return 0;
+}
+
+/* slot of `key`, or -1 */
+static inline Py_ssize_t
+t_find(const U64Table *t, uint64_t key)
+{
+    Py_ssize_t i = t_home(key, t->capacity);
+    while (t_used(t, i)) {
+        if (T_KEY(t, i) == key)
+            return i;
+        if (++i == t->capacity)
+            i = 0;
+    }
+    return -1;
+}
+
+/* put `key` (known absent) into a free slot; the table must have one */
+static void
+t_insert(U64Table *t, uint64_t key, uint64_t value)
+{
+    Py_ssize_t i = t_home(key, t->capacity);
+    while (t_used(t, i)) {
+        if (++i == t->capacity)
+            i = 0;
+    }
+    t->used[i >> 6] |= 1ULL << (i & 63);
+    T_KEY(t, i) = key;
+    T_VAL(t, i) = value;
+    t->size++;
+}
+
+static int
+t_resize(U64Table *t, Py_ssize_t capacity)
+{
+    U64Table old = *t;
+    if (t_alloc(t, capacity) < 0) {
+        *t = old;
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < old.capacity; i++)
+        if (t_used(&old, i))
+            t_insert(t, T_KEY(&old, i), T_VAL(&old, i)); /* references move with the values */
+    table_free(old.table, old.table_bytes);
+    return 0;
+}
+
+/* room for one more entry (grows by half past load 0.8) */
+static int
+t_reserve_one(U64Table *t)
+{
+    if ((t->size + 1) * 5 > t->capacity * 4)
+        return t_resize(t, t->capacity + t->capacity / 2);
+    return 0;
+}
+
+/* remove the entry in slot i, shifting later members of its probe run back (no tombstones);
+ * returns the removed value (an owned reference for BlockTable: the caller releases it) */
+static uint64_t
+t_erase(U64Table *t, Py_ssize_t i)
+{
+    uint64_t removed = T_VAL(t, i);
+    Py_ssize_t cap = t->capacity;
+    Py_ssize_t j = i;
+    for (;;) {
+        if (++j == cap)
+            j = 0;
+        if (!t_used(t, j))
+            break;
+        Py_ssize_t home = t_home(T_KEY(t, j), cap);
+        /* entry j may fill the hole at i unless its home lies cyclically in (i, j] */
+        int home_in_range = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (home_in_range)
+            continue;
+        T_KEY(t, i) = T_KEY(t, j);
+        T_VAL(t, i) = T_VAL(t, j);
+        i = j;
+    }
+    t->used[i >> 6] &= ~(1ULL << (i & 63));
+    t->size--;
+    return removed;
+}
+
+/* 0 and *out set; 1 if `obj` is an int outside [0, 2**64) (so never a key); -1 on error */
+static int
+t_key(PyObject *obj, uint64_t *out)
+{
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "keys are ints, not %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* a strict key: outside [0, 2**64) raises OverflowError */
+static int
+t_key_strict(PyObject *obj, uint64_t *out)
+{
+    int r = t_key(obj, out);
+    if (r == 1)
+        PyErr_SetString(PyExc_OverflowError, "keys are between 0 and 2**64 - 1");
+    return r == 0 ? 0 : -1;
+}
+
+static PyObject *
+t_value_object(const U64Table *t, Py_ssize_t i)
+{
+    if (t->owns_values)
+        return Py_NewRef(T_OBJ(t, i));
+    return PyLong_FromUnsignedLongLong(T_VAL(t, i));
+}
+
+/* release every value and reset to an empty minimum-size table */
+static int
+t_reset(U64Table *t)
+{
+    U64Table old = *t;
+    if (t_alloc(t, TABLE_MIN_CAPACITY) < 0)
+        return -1;
+    if (old.owns_values) {
+        for (Py_ssize_t i = 0; i < old.capacity; i++)
+            if (t_used(&old, i))
+                Py_DECREF(T_OBJ(&old, i));
+    }
+    table_free(old.table, old.table_bytes);
+    return 0;
+}
+
+static PyObject *
+Table_new_impl(PyTypeObject *type, PyObject *args, PyObject *kwds, int owns_values)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    U64Table *t = (U64Table *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    t->owns_values = owns_values;
+    if (t_alloc(t, TABLE_MIN_CAPACITY) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds) { return Table_new_impl(type, args, kwds, 0); }
+static PyObject *BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) { return Table_new_impl(type, args, kwds, 1); }
+
+static void
+U64Map_dealloc(U64Table *t)
+{
+    table_free(t->table, t->table_bytes);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int
+BlockTable_traverse(U64Table *t, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < t->capacity; i++)
+        if (t_used(t, i))
+            Py_VISIT(T_OBJ(t, i));
+    return 0;
+}
+
+static int
+BlockTable_clear_refs(U64Table *t)
+{
+    return t->table == NULL ? 0 : t_reset(t);
+}
+
+static void
+BlockTable_dealloc(U64Table *t)
+{
+    PyObject_GC_UnTrack(t);
+    Py_TRASHCAN_BEGIN(t, BlockTable_dealloc)
+    if (t->table != NULL) {
+        for (Py_ssize_t i = 0; i < t->capacity; i++)
+            if (t_used(t, i))
+                Py_DECREF(T_OBJ(t, i));
+        table_free(t->table, t->table_bytes);
+        t->table = NULL;
+    }
+    Py_TYPE(t)->tp_free((PyObject *)t);
+    Py_TRASHCAN_END
+}
+
+static Py_ssize_t
+Table_len(U64Table *t)
+{
+    return t->size;
+}
+
+static PyObject *
+Table_subscript(U64Table *t, PyObject *keyobj)
+{
+    uint64_t key;
+    int r = t_key(keyobj, &key);
+    if (r < 0)
+        return NULL;
+    if (r == 0) {
+        Py_ssize_t i = t_find(t, key);
+        if (i >= 0)
+            return t_value_object(t, i);
+    }
+    PyErr_SetObject(PyExc_KeyError, keyobj);
+    return NULL;
+}
+
+static int
+Table_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
+{
+    uint64_t key;
+    if (valueobj == NULL) {
+        int r = t_key(keyobj, &key);
+        if (r < 0)
+            return -1;
+        Py_ssize_t i = r == 0 ? t_find(t, key) : -1;
+        if (i < 0) {
+            PyErr_SetObject(PyExc_KeyError, keyobj);
+            return -1;
+        }
+        uint64_t removed = t_erase(t, i);
+        if (t->owns_values)
+            Py_DECREF((PyObject *)(uintptr_t)removed);
+        return 0;
+    }
+    if (t_key_strict(keyobj, &key) < 0)
+        return -1;
+    uint64_t value;
+    if (t->owns_values)
+        value = (uint64_t)(uintptr_t)valueobj;
+    else if (t_key_strict(valueobj, &value) < 0)
+        return -1;
+    Py_ssize_t i = t_find(t, key);
+    if (i >= 0) {
+        uint64_t old = T_VAL(t, i);
+        if (t->owns_values)
+            Py_INCREF(valueobj);
+        T_VAL(t, i) = value;
+        if (t->owns_values)
+            Py_DECREF((PyObject *)(uintptr_t)old);
+        return 0;
+    }
+    if (t_reserve_one(t) < 0)
+        return -1;
+    if (t->owns_values)
+        Py_INCREF(valueobj);
+    t_insert(t, key, value);
+    return 0;
+}
+
+/* slot of `keyobj`, -1 if absent (or not a possible key), -2 on error */
+static Py_ssize_t
+t_lookup(U64Table *t, PyObject *keyobj)
+{
+    uint64_t key;
+    int r = t_key(keyobj, &key);
+    if (r < 0)
+        return -2;
+    return r == 0 ? t_find(t, key) : -1;
+}
+
+static int
+Table_contains(U64Table *t, PyObject *keyobj)
+{
+    Py_ssize_t i = t_lookup(t, keyobj);
+    return i == -2 ? -1 : i >= 0;
+}
+
+/* get(key, default=None) */
+static PyObject *
+Table_get(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    Py_ssize_t i = t_lookup(t, args[0]);
+    if (i == -2)
+        return NULL;
+    if (i >= 0)
+        return t_value_object(t, i);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+/* pop(key[, default]) */
+static PyObject *
+Table_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    Py_ssize_t i = t_lookup(t, args[0]);
+    if (i == -2)
+        return NULL;
+    if (i >= 0) {
+        if (t->owns_values)
+            return (PyObject *)(uintptr_t)t_erase(t, i); /* the table's reference passes to the caller */
+        PyObject *value = PyLong_FromUnsignedLongLong(T_VAL(t, i));
+        if (value != NULL)
+            t_erase(t, i);
+        return value;
+    }
+    if (nargs == 2)
+        return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *
+Table_clear(U64Table *t, PyObject *unused)
+{
+    if (t_reset(t) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* a list of keys (which = 0), values (1) or (key, value) tuples (2), in slot order */
+static PyObject *
+t_list(U64Table *t, int which)
+{
+    PyObject *out = PyList_New(t->size);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < t->capacity; i++) {
+        if (!t_used(t, i))
+            continue;
+        PyObject *item;
+        if (which == 0)
+            item = PyLong_FromUnsignedLongLong(T_KEY(t, i));
+        else if (which == 1)
+            item = t_value_object(t, i);
+        else {
+            PyObject *k = PyLong_FromUnsignedLongLong(T_KEY(t, i));
+            PyObject *v = k == NULL ? NULL : t_value_object(t, i);
+            item = v == NULL ? NULL : PyTuple_Pack(2, k, v);
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+        }
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, n++, item);
+    }
+    return out;
+}
+
+static PyObject *Table_keys(U64Table *t, PyObject *unused) { return t_list(t, 0); }
+static PyObject *Table_values(U64Table *t, PyObject *unused) { return t_list(t, 1); }
+static PyObject *Table_items(U64Table *t, PyObject *unused) { return t_list(t, 2); }
+
+static PyObject *
+Table_iter(U64Table *t)
+{
+    PyObject *keys = t_list(t, 0);
+    if (keys == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *
+Table_sizeof(U64Table *t, PyObject *unused)
+{
+    return PyLong_FromSize_t(sizeof(U64Table) + t->table_bytes);
+}
+
+static PyMethodDef Table_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Table_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))Table_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"clear", (PyCFunction)Table_clear, METH_NOARGS, "remove every entry and release the table"},
+    {"keys", (PyCFunction)Table_keys, METH_NOARGS, "a list of the keys"},
+    {"values", (PyCFunction)Table_values, METH_NOARGS, "a list of the values"},
+    {"items", (PyCFunction)Table_items, METH_NOARGS, "a list of (key, value) pairs"},
+    {"__sizeof__", (PyCFunction)Table_sizeof, METH_NOARGS, "bytes used, tables included"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods Table_as_mapping = {
+    (lenfunc)Table_len, (binaryfunc)Table_subscript, (objobjargproc)Table_ass_subscript,
+};
+
+static PySequenceMethods Table_as_sequence = {
+    .sq_contains = (objobjproc)Table_contains,
+};
+
+static PyTypeObject U64MapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.U64Map",
+    .tp_doc = "A compact dict of uint64 -> uint64 (keys and values 0 <= x < 2**64).",
+    .tp_basicsize = sizeof(U64Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = U64Map_new,
+    .tp_dealloc = (destructor)U64Map_dealloc,
+    .tp_as_mapping = &Table_as_mapping,
+    .tp_as_sequence = &Table_as_sequence,
+    .tp_iter = (getiterfunc)Table_iter,
+    .tp_methods = Table_methods,
+};
+
+static PyTypeObject BlockTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.BlockTable",
+    .tp_doc = "A compact dict of uint64 key -> object (RadixIndex's blocks); match_walk reads it directly.",
+    .tp_basicsize = sizeof(U64Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = BlockTable_new,
+    .tp_dealloc = (destructor)BlockTable_dealloc,
+    .tp_traverse = (traverseproc)BlockTable_traverse,
+    .tp_clear = (inquiry)BlockTable_clear_refs,
+    .tp_as_mapping = &Table_as_mapping,
+    .tp_as_sequence = &Table_as_sequence,
+    .tp_iter = (getiterfunc)Table_iter,
+    .tp_methods = Table_methods,
+};
+
+static PyObject *match_walk_table(U64Table *t, PyObject *seq, unsigned long long active);
+
 /* Record overlaps[slot] = depth for every set bit of `bits`, lowest slot first. */
 static int
 set_overlaps(PyObject *overlaps, unsigned long long bits, Py_ssize_t depth)
@@ -113,8 +636,9 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *blocks = args[0];
-    if (!PyDict_Check(blocks)) {
-        PyErr_SetString(PyExc_TypeError, "blocks must be a dict");
+    int is_table = Py_IS_TYPE(blocks, &BlockTableType);
+    if (!is_table && !PyDict_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "blocks must be a dict or a BlockTable");
         return NULL;
     }
     if (!PyLong_Check(args[2])) {
@@ -133,6 +657,11 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
         return NULL;
+    if (is_table) {
+        PyObject *result = match_walk_table((U64Table *)blocks, seq, active);
+        Py_DECREF(seq);
+        return result;
+    }
     PyObject *overlaps = PyDict_New();
     PyObject *path = PyList_New(0);
     if (overlaps == NULL || path == NULL)
@@ -183,397 +712,136 @@ error:
     return NULL;
 }
 
-/* ---- U64Map: uint64 -> uint64, linear probing, backward-shift deletion ------------------
+/* ---- the match walk over a BlockTable, with the memory latency overlapped -----------------
  *
- * Any uint64 can be a key (engine hashes are arbitrary), so occupancy is a bitmap rather than
- * a reserved key value. Capacity is any size >= 8 (slots are chosen by multiply-shift, not a
- * power-of-two mask) and grows by half when the load would pass 0.8, so the load stays between
- * 0.53 and 0.8: 16.125 bytes per slot, about 24 per entry. Keys are mixed (murmur3's fmix64)
- * first: engine hashes are usually random, but sequential ones must not cluster either.
+ * In a 10^6-block index every block of the walk is a cache miss or three: the table slot, the
+ * Block, its holders int. The keys are all known up front, so instead of paying them one after
+ * another, the walk prefetches: table slots WALK_AHEAD keys ahead, then each found Block and its
+ * holders int a few blocks ahead of where the mask is intersected.
  */
-typedef struct {
-    PyObject_HEAD
-    /* keys, values and the used bitmap live in one block: `table` */
-    uint64_t *keys;
-    uint64_t *values;
-    uint64_t *used; /* bitmap over slots */
-    Py_ssize_t capacity;
-    Py_ssize_t size;
-    void *table;
-    size_t table_bytes;
-} U64Map;
+#define WALK_AHEAD 8
+#define WALK_NODE_AHEAD 6
+#define WALK_HOLDERS_AHEAD 3
 
-#define U64MAP_MIN_CAPACITY 8
-/* Tables this large are mmap'ed: a freed one goes back to the OS at once. From the heap, the
- * tables a growing map leaves behind stayed resident (glibc raises its mmap threshold after the
- * first free), which doubled the map's RSS at 10^6 entries. */
-#define U64MAP_MMAP_BYTES (1 << 20)
+static Py_ssize_t holders_offset_for(PyTypeObject *type);
 
-static void *
-u64_table_alloc(size_t bytes)
+static PyObject *
+match_walk_table(U64Table *t, PyObject *seq, unsigned long long active)
 {
-    if (bytes < U64MAP_MMAP_BYTES)
-        return PyMem_Calloc(1, bytes);
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return p == MAP_FAILED ? NULL : p; /* zero-filled */
-}
-
-static void
-u64_table_free(void *table, size_t bytes)
-{
-    if (table == NULL)
-        return;
-    if (bytes < U64MAP_MMAP_BYTES)
-        PyMem_Free(table);
-    else
-        munmap(table, bytes);
-}
-
-static inline uint64_t
-u64_mix(uint64_t k)
-{
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return k;
-}
-
-static inline Py_ssize_t
-u64_home(uint64_t key, Py_ssize_t capacity)
-{
-    return (Py_ssize_t)(((unsigned __int128)u64_mix(key) * (uint64_t)capacity) >> 64);
-}
-
-static inline int
-u64_used(const U64Map *m, Py_ssize_t i)
-{
-    return (int)((m->used[i >> 6] >> (i & 63)) & 1);
-}
-
-static int
-u64_alloc(U64Map *m, Py_ssize_t capacity)
-{
-    size_t words = ((size_t)capacity + 63) / 64;
-    size_t bytes = ((size_t)capacity * 2 + words) * sizeof(uint64_t);
-    uint64_t *table = u64_table_alloc(bytes);
-    if (table == NULL) {
-        PyErr_NoMemory();
-        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    PyObject **nodes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
+    PyObject *overlaps = PyDict_New();
+    PyObject *path = NULL;
+    if (keys == NULL || nodes == NULL || overlaps == NULL) {
+        if (keys == NULL || nodes == NULL)
+            PyErr_NoMemory();
+        goto error;
     }
-    m->table = table;
-    m->table_bytes = bytes;
-    m->keys = table;
-    m->values = table + capacity;
-    m->used = table + 2 * (size_t)capacity;
-    m->capacity = capacity;
-    m->size = 0;
-    return 0;
-}
-
-/* slot of `key`, or -1 */
-static Py_ssize_t
-u64_find(const U64Map *m, uint64_t key)
-{
-    Py_ssize_t i = u64_home(key, m->capacity);
-    while (u64_used(m, i)) {
-        if (m->keys[i] == key)
-            return i;
-        if (++i == m->capacity)
-            i = 0;
-    }
-    return -1;
-}
-
-/* insert or overwrite; the table must have a free slot */
-static void
-u64_put(U64Map *m, uint64_t key, uint64_t value)
-{
-    Py_ssize_t i = u64_home(key, m->capacity);
-    while (u64_used(m, i)) {
-        if (m->keys[i] == key) {
-            m->values[i] = value;
-            return;
-        }
-        if (++i == m->capacity)
-            i = 0;
-    }
-    m->used[i >> 6] |= 1ULL << (i & 63);
-    m->keys[i] = key;
-    m->values[i] = value;
-    m->size++;
-}
-
-static int
-u64_resize(U64Map *m, Py_ssize_t capacity)
-{
-    U64Map old = *m;
-    if (u64_alloc(m, capacity) < 0) {
-        *m = old;
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < old.capacity; i++)
-        if (u64_used(&old, i))
-            u64_put(m, old.keys[i], old.values[i]);
-    u64_table_free(old.table, old.table_bytes);
-    return 0;
-}
-
-/* remove the entry in slot i, shifting later members of its probe run back (no tombstones) */
-static void
-u64_erase(U64Map *m, Py_ssize_t i)
-{
-    Py_ssize_t cap = m->capacity;
-    Py_ssize_t j = i;
-    for (;;) {
-        if (++j == cap)
-            j = 0;
-        if (!u64_used(m, j))
+    /* keys outside uint64 can't be in the table: the walk ends there */
+    Py_ssize_t nkeys = 0;
+    for (; nkeys < n; nkeys++) {
+        int r = t_key(items[nkeys], &keys[nkeys]);
+        if (r < 0)
+            goto error;
+        if (r == 1)
             break;
-        Py_ssize_t home = u64_home(m->keys[j], cap);
-        /* entry j may fill the hole at i unless its home lies cyclically in (i, j] */
-        int home_in_range = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-        if (home_in_range)
-            continue;
-        m->keys[i] = m->keys[j];
-        m->values[i] = m->values[j];
-        i = j;
     }
-    m->used[i >> 6] &= ~(1ULL << (i & 63));
-    m->size--;
+    /* pass 1: the blocks present, up to the first key the index does not have */
+    Py_ssize_t found = 0;
+    for (Py_ssize_t i = 0; i < nkeys && i < WALK_AHEAD; i++)
+        __builtin_prefetch(&T_KEY(t, t_home(keys[i], t->capacity)));
+    for (; found < nkeys; found++) {
+        if (found + WALK_AHEAD < nkeys)
+            __builtin_prefetch(&T_KEY(t, t_home(keys[found + WALK_AHEAD], t->capacity)));
+        Py_ssize_t slot = t_find(t, keys[found]);
+        if (slot < 0)
+            break;
+        nodes[found] = T_OBJ(t, slot);
+    }
+    /* pass 2: intersect holder masks along the path */
+    Py_ssize_t offset = found ? holders_offset_for(Py_TYPE(nodes[0])) : -1;
+    for (Py_ssize_t i = 0; offset >= 0 && i < found && i < WALK_NODE_AHEAD; i++)
+        __builtin_prefetch((char *)nodes[i] + offset);
+    Py_ssize_t depth = 0;
+    for (; depth < found; depth++) {
+        PyObject *node = nodes[depth];
+        PyObject *holders_obj;
+        if (offset >= 0 && Py_TYPE(node) == Py_TYPE(nodes[0])) {
+            if (depth + WALK_NODE_AHEAD < found)
+                __builtin_prefetch((char *)nodes[depth + WALK_NODE_AHEAD] + offset);
+            if (depth + WALK_HOLDERS_AHEAD < found && Py_TYPE(nodes[depth + WALK_HOLDERS_AHEAD]) == Py_TYPE(node)) {
+                PyObject *ahead = *(PyObject **)((char *)nodes[depth + WALK_HOLDERS_AHEAD] + offset);
+                if (ahead != NULL)
+                    __builtin_prefetch(ahead);
+            }
+            holders_obj = *(PyObject **)((char *)node + offset);
+            if (holders_obj == NULL) {
+                PyErr_SetString(PyExc_AttributeError, "holders");
+                goto error;
+            }
+            Py_INCREF(holders_obj);
+        }
+        else {
+            holders_obj = PyObject_GetAttr(node, holders_name);
+            if (holders_obj == NULL)
+                goto error;
+        }
+        unsigned long long holders = PyLong_AsUnsignedLongLongMask(holders_obj);
+        Py_DECREF(holders_obj);
+        if (holders == (unsigned long long)-1 && PyErr_Occurred())
+            goto error;
+        unsigned long long still = active & holders;
+        if (still != active) {
+            if (depth && set_overlaps(overlaps, active ^ still, depth) < 0)
+                goto error;
+            active = still;
+            if (!active)
+                break;
+        }
+    }
+    if (depth && set_overlaps(overlaps, active, depth) < 0)
+        goto error;
+    path = PyList_New(depth);
+    if (path == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < depth; i++)
+        PyList_SET_ITEM(path, i, Py_NewRef(nodes[i]));
+    PyMem_Free(keys);
+    PyMem_Free(nodes);
+    PyObject *result = PyTuple_Pack(2, overlaps, path);
+    Py_DECREF(overlaps);
+    Py_DECREF(path);
+    return result;
+
+error:
+    PyMem_Free(keys);
+    PyMem_Free(nodes);
+    Py_XDECREF(overlaps);
+    Py_XDECREF(path);
+    return NULL;
 }
 
-static int
-u64_key(PyObject *obj, uint64_t *out)
-{
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "U64Map keys and values are ints, not %.100s", Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1; /* OverflowError: negative or >= 2**64 */
-    *out = (uint64_t)v;
-    return 0;
-}
-
-static PyObject *
-U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "U64Map() takes no arguments");
-        return NULL;
-    }
-    U64Map *m = (U64Map *)type->tp_alloc(type, 0);
-    if (m == NULL)
-        return NULL;
-    if (u64_alloc(m, U64MAP_MIN_CAPACITY) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return (PyObject *)m;
-}
-
-static void
-U64Map_dealloc(U64Map *m)
-{
-    u64_table_free(m->table, m->table_bytes);
-    Py_TYPE(m)->tp_free((PyObject *)m);
-}
-
+/* Byte offset of the `holders` slot in instances of `type` (a __slots__ member), or -1 when
+ * it is not a plain object slot (then the walk reads it with getattr). One lookup per walk. */
 static Py_ssize_t
-U64Map_len(U64Map *m)
+holders_offset_for(PyTypeObject *type)
 {
-    return m->size;
-}
-
-static PyObject *
-U64Map_subscript(U64Map *m, PyObject *keyobj)
-{
-    uint64_t key;
-    if (u64_key(keyobj, &key) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return NULL;
-        PyErr_Clear(); /* out of range: cannot be present */
-    }
-    else {
-        Py_ssize_t i = u64_find(m, key);
-        if (i >= 0)
-            return PyLong_FromUnsignedLongLong(m->values[i]);
-    }
-    PyErr_SetObject(PyExc_KeyError, keyobj);
-    return NULL;
-}
-
-static int
-U64Map_ass_subscript(U64Map *m, PyObject *keyobj, PyObject *valueobj)
-{
-    uint64_t key, value;
-    if (u64_key(keyobj, &key) < 0)
-        return -1;
-    if (valueobj == NULL) {
-        Py_ssize_t i = u64_find(m, key);
-        if (i < 0) {
-            PyErr_SetObject(PyExc_KeyError, keyobj);
-            return -1;
-        }
-        u64_erase(m, i);
-        return 0;
-    }
-    if (u64_key(valueobj, &value) < 0)
-        return -1;
-    if ((m->size + 1) * 5 > m->capacity * 4 && u64_find(m, key) < 0) {
-        if (u64_resize(m, m->capacity + m->capacity / 2) < 0)
-            return -1;
-    }
-    u64_put(m, key, value);
-    return 0;
-}
-
-static int
-U64Map_contains(U64Map *m, PyObject *keyobj)
-{
-    uint64_t key;
-    if (u64_key(keyobj, &key) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
+    PyObject *descr = PyObject_GetAttr((PyObject *)type, holders_name);
+    if (descr == NULL) {
         PyErr_Clear();
-        return 0;
+        return -1;
     }
-    return u64_find(m, key) >= 0;
-}
-
-/* get(key, default=None) */
-static PyObject *
-U64Map_get(U64Map *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-        return NULL;
+    Py_ssize_t offset = -1;
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX && !(member->flags & READ_RESTRICTED))
+            offset = member->offset;
     }
-    int found = U64Map_contains(m, args[0]);
-    if (found < 0)
-        return NULL;
-    if (found)
-        return PyLong_FromUnsignedLongLong(m->values[u64_find(m, PyLong_AsUnsignedLongLong(args[0]))]);
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
-    return Py_NewRef(dflt);
+    Py_DECREF(descr);
+    return offset;
 }
-
-/* pop(key[, default]) */
-static PyObject *
-U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
-        return NULL;
-    }
-    int found = U64Map_contains(m, args[0]);
-    if (found < 0)
-        return NULL;
-    if (found) {
-        Py_ssize_t i = u64_find(m, PyLong_AsUnsignedLongLong(args[0]));
-        PyObject *value = PyLong_FromUnsignedLongLong(m->values[i]);
-        if (value != NULL)
-            u64_erase(m, i);
-        return value;
-    }
-    if (nargs == 2)
-        return Py_NewRef(args[1]);
-    PyErr_SetObject(PyExc_KeyError, args[0]);
-    return NULL;
-}
-
-static PyObject *
-U64Map_clear(U64Map *m, PyObject *unused)
-{
-    void *table = m->table;
-    size_t bytes = m->table_bytes;
-    if (u64_alloc(m, U64MAP_MIN_CAPACITY) < 0)
-        return NULL;
-    u64_table_free(table, bytes);
-    Py_RETURN_NONE;
-}
-
-/* a list of keys (which = 0), values (1) or (key, value) tuples (2), in slot order */
-static PyObject *
-u64_list(U64Map *m, int which)
-{
-    PyObject *out = PyList_New(m->size);
-    if (out == NULL)
-        return NULL;
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < m->capacity; i++) {
-        if (!u64_used(m, i))
-            continue;
-        PyObject *item;
-        if (which == 2)
-            item = Py_BuildValue("(KK)", (unsigned long long)m->keys[i], (unsigned long long)m->values[i]);
-        else
-            item = PyLong_FromUnsignedLongLong(which ? m->values[i] : m->keys[i]);
-        if (item == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, item);
-    }
-    return out;
-}
-
-static PyObject *U64Map_keys(U64Map *m, PyObject *unused) { return u64_list(m, 0); }
-static PyObject *U64Map_values(U64Map *m, PyObject *unused) { return u64_list(m, 1); }
-static PyObject *U64Map_items(U64Map *m, PyObject *unused) { return u64_list(m, 2); }
-
-static PyObject *
-U64Map_iter(U64Map *m)
-{
-    PyObject *keys = u64_list(m, 0);
-    if (keys == NULL)
-        return NULL;
-    PyObject *it = PyObject_GetIter(keys);
-    Py_DECREF(keys);
-    return it;
-}
-
-static PyObject *
-U64Map_sizeof(U64Map *m, PyObject *unused)
-{
-    return PyLong_FromSize_t(sizeof(U64Map) + m->table_bytes);
-}
-
-static PyMethodDef U64Map_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
-    {"pop", (PyCFunction)(void (*)(void))U64Map_pop, METH_FASTCALL, "pop(key[, default])"},
-    {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove every entry and release the table"},
-    {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "a list of the keys"},
-    {"values", (PyCFunction)U64Map_values, METH_NOARGS, "a list of the values"},
-    {"items", (PyCFunction)U64Map_items, METH_NOARGS, "a list of (key, value) pairs"},
-    {"__sizeof__", (PyCFunction)U64Map_sizeof, METH_NOARGS, "bytes used, tables included"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMappingMethods U64Map_as_mapping = {
-    (lenfunc)U64Map_len, (binaryfunc)U64Map_subscript, (objobjargproc)U64Map_ass_subscript,
-};
-
-static PySequenceMethods U64Map_as_sequence = {
-    .sq_contains = (objobjproc)U64Map_contains,
-};
-
-static PyTypeObject U64MapType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvrouterd.index._native.U64Map",
-    .tp_doc = "A compact dict of uint64 -> uint64 (keys and values 0 <= x < 2**64).",
-    .tp_basicsize = sizeof(U64Map),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = U64Map_new,
-    .tp_dealloc = (destructor)U64Map_dealloc,
-    .tp_as_mapping = &U64Map_as_mapping,
-    .tp_as_sequence = &U64Map_as_sequence,
-    .tp_iter = (getiterfunc)U64Map_iter,
-    .tp_methods = U64Map_methods,
-};
 
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
@@ -592,12 +860,13 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
-    if (holders_name == NULL || PyType_Ready(&U64MapType) < 0)
+    if (holders_name == NULL || PyType_Ready(&U64MapType) < 0 || PyType_Ready(&BlockTableType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0) {
+    if (PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
+        || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -38,9 +38,10 @@ Plain synchronous Python, no I/O: the daemon and the simulator drive it alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 
 from ._walk import match_walk
+from .native import block_table
 
 __all__ = ["Block", "MatchResult", "Pending", "RadixIndex", "fold_pending"]
 
@@ -123,7 +124,8 @@ class RadixIndex:
     """Blocks held by each worker slot, as one prefix tree. See the module docstring."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, Block] = {}
+        #: key -> Block (a native BlockTable where the extension is built: index.native)
+        self._blocks: MutableMapping[int, Block] = block_table()
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
         #: block -> path accesses pending on it (module docstring): ``(last access, hits)``

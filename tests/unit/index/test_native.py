@@ -6,9 +6,12 @@ keys no SDK computes or pick a different worker depending on how the package was
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -29,6 +32,10 @@ def test_extension_is_built_by_the_install():
     # `pip install -e .` (make test, the Dockerfile) compiles it; a silent build failure
     # would cost every Route ~65 us, so the suite says so here instead of in a benchmark.
     assert native.module is not None, native.status
+    # in a source checkout, a compile error in an edited _native.c leaves the old build in place
+    source = Path(native.__file__).with_name("_native.c")
+    if source.exists():
+        assert Path(native.module.__file__).stat().st_mtime >= source.stat().st_mtime, "stale build: reinstall"
 
 
 @pytest.mark.parametrize("tokens,bs,model,lora,expected", VECTORS)
@@ -105,15 +112,17 @@ def test_native_walk_equals_python(stores, removals, query, mask_slots, extra):
         mask |= 1 << s
     keys = [_key(tuple(query[: i + 1])) for i in range(len(query))] + extra
     expected = match_walk_py(index._blocks, keys, mask)
-    result = native.module.match_walk(index._blocks, keys, mask)
-    if mask >= 1 << 64:
-        assert result is NotImplemented
-        from kvrouterd.index._walk import match_walk
+    # the index's own BlockTable (prefetching walk) and a plain dict of the same blocks
+    for blocks in (index._blocks, dict(index._blocks.items())):
+        result = native.module.match_walk(blocks, keys, mask)
+        if mask >= 1 << 64:
+            assert result is NotImplemented
+            from kvrouterd.index._walk import match_walk
 
-        result = match_walk(index._blocks, keys, mask)
-    overlaps, path = result
-    assert list(overlaps.items()) == list(expected[0].items())
-    assert len(path) == len(expected[1]) and all(a is b for a, b in zip(path, expected[1], strict=True))
+            result = match_walk(blocks, keys, mask)
+        overlaps, path = result
+        assert list(overlaps.items()) == list(expected[0].items())
+        assert len(path) == len(expected[1]) and all(a is b for a, b in zip(path, expected[1], strict=True))
 
 
 def test_native_walk_uses_slot_63():
@@ -200,3 +209,74 @@ def test_u64map_errors_are_a_dicts_errors():
     with pytest.raises(TypeError):
         m["a"] = 1
     assert len(m) == 0
+
+
+# ---- BlockTable: RadixIndex's key -> Block map ----------------------------------------------
+
+
+def test_radix_index_uses_the_block_table():
+    assert type(RadixIndex()._blocks) is native.module.BlockTable
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "get", "clear"]), u64, st.integers(0, 5)), max_size=400))
+def test_block_table_behaves_like_a_dict_and_keeps_references_exact(ops):
+    values = [object() for _ in range(6)]
+    base = [sys.getrefcount(v) for v in values]
+    t, d = native.module.BlockTable(), {}
+    for op, k, v in ops:
+        if op == "set":
+            t[k] = values[v]
+            d[k] = values[v]
+        elif op == "pop":
+            assert t.pop(k, None) is d.pop(k, None)
+        elif op == "del":
+            if k in d:
+                del t[k]
+                del d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del t[k]
+        elif op == "get":
+            assert t.get(k) is d.get(k) and (k in t) == (k in d)
+        else:
+            t.clear()
+            d.clear()
+        assert len(t) == len(d)
+    assert sorted(t.keys()) == sorted(d) and dict(t.items()) == d
+    assert all(t[k] is v for k, v in d.items())
+    del d
+    # every reference the table took is given back when it goes
+    del t
+    assert [sys.getrefcount(v) for v in values] == base
+
+
+def test_block_table_takes_part_in_garbage_collection():
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a reference cycle the table also holds
+    gone = weakref.ref(a)
+    t = native.module.BlockTable()
+    t[1], t[2] = a, b
+    del a, b
+    gc.collect()
+    assert gone() is not None  # held by the table
+    del t
+    gc.collect()
+    assert gone() is None
+
+
+def test_block_table_cycle_through_itself_is_collected():
+    class Box:
+        pass
+
+    t = native.module.BlockTable()
+    box = Box()
+    box.table = t
+    t[7] = box  # table -> box -> table: only the collector can free it
+    gone = weakref.ref(box)
+    del t, box
+    gc.collect()
+    assert gone() is None

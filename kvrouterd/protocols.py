@@ -7,6 +7,7 @@ dataclasses; nothing inside ``index/``, ``policies/`` or ``router.py`` sees prot
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -117,10 +118,11 @@ class BatchOutcome:
 
 @dataclass(slots=True)
 class RouteRequest:
-    """One request to place. ``keys`` are the prompt's full-block keys (see index.keys)."""
+    """One request to place. ``keys`` are the prompt's full-block keys (see index.keys): a list,
+    or an ``array('Q')`` as Route computes them."""
 
     request_id: str
-    keys: list[int]
+    keys: Sequence[int]
     prompt_tokens: int
     session_id: str = ""
     task: TaskCategory = TaskCategory.UNSPECIFIED

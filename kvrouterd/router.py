@@ -15,13 +15,14 @@ import dataclasses
 import itertools
 import logging
 import random
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, UnknownPolicy
-from .index.keys import chain_keys, namespace_seed, tokens_to_bytes
+from .index.keys import chain_keys, chain_keys_array, namespace_seed, tokens_to_bytes
 from .index.radix import RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
@@ -253,10 +254,11 @@ class Router:
         worker.reported_queue, worker.reported_running, worker.kv_utilization = queued, running, kv_utilization
 
     # ---- routing --------------------------------------------------------------------
-    def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "") -> list[int]:
-        """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes)."""
+    def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "") -> array:
+        """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
+        as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
-        return chain_keys(data, self.block_size, namespace_seed(model, lora))
+        return chain_keys_array(data, self.block_size, namespace_seed(model, lora))
 
     def new_request_id(self) -> str:
         self._request_counter += 1

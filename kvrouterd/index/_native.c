@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <string.h>
 #include <sys/mman.h>
 
 #define XXH_INLINE_ALL
@@ -27,39 +28,61 @@
 
 static PyObject *holders_name; /* interned "holders" */
 
-/* chain_keys(data, block_size, seed, limit) -> list[int]
- *
- * key_i = XXH3_64bits_withSeed(data[i*bs*4 : (i+1)*bs*4], seed=key_{i-1}), key_-1 = seed,
- * over the full blocks of little-endian uint32 token ids in `data`; limit < 0 = no cap. */
-static PyObject *
-chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
+ * caller owns `view` and must release it. */
+static int
+chain_args(PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, Py_ssize_t *step, Py_ssize_t *count,
+           uint64_t *seed)
 {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "chain_keys(data, block_size, seed, limit) takes 4 arguments");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, "takes 4 arguments: (data, block_size, seed, limit)");
+        return -1;
     }
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
     if (block_size == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
     if (block_size <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
-        return NULL;
+        return -1;
     }
-    unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
-    if (seed == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
+    unsigned long long s = PyLong_AsUnsignedLongLong(args[2]);
+    if (s == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
     Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
     if (limit == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
+    if (PyObject_GetBuffer(args[0], view, PyBUF_SIMPLE) < 0)
+        return -1;
+    *step = block_size * 4;
+    *count = view->len / *step;
+    if (limit >= 0 && limit < *count)
+        *count = limit;
+    *seed = (uint64_t)s;
+    return 0;
+}
 
+/* key_i = XXH3_64bits_withSeed(block i, seed=key_{i-1}), key_-1 = seed */
+static void
+chain_into(const char *data, Py_ssize_t step, Py_ssize_t count, uint64_t seed, uint64_t *out)
+{
+    XXH64_hash_t key = (XXH64_hash_t)seed;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        key = XXH3_64bits_withSeed(data + i * step, (size_t)step, key);
+        out[i] = key;
+    }
+}
+
+/* chain_keys(data, block_size, seed, limit) -> list[int]
+ *
+ * The keys of the full blocks of little-endian uint32 token ids in `data`; limit < 0 = all. */
+static PyObject *
+chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    Py_ssize_t step, count;
+    uint64_t seed;
+    if (chain_args(args, nargs, &view, &step, &count, &seed) < 0)
         return NULL;
-    const Py_ssize_t step = block_size * 4;
-    Py_ssize_t count = view.len / step;
-    if (limit >= 0 && limit < count)
-        count = limit;
-
     PyObject *keys = PyList_New(count);
     if (keys == NULL) {
         PyBuffer_Release(&view);
@@ -79,6 +102,24 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&view);
     return keys;
+}
+
+/* chain_keys_packed(data, block_size, seed, limit) -> bytes: the same keys as native-endian
+ * uint64s (for array('Q').frombytes). No int object per key, which is most of what hashing a
+ * prompt costs once the hash itself is native. */
+static PyObject *
+chain_keys_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    Py_ssize_t step, count;
+    uint64_t seed;
+    if (chain_args(args, nargs, &view, &step, &count, &seed) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint64_t));
+    if (out != NULL)
+        chain_into((const char *)view.buf, step, count, seed, (uint64_t *)PyBytes_AS_STRING(out));
+    PyBuffer_Release(&view);
+    return out;
 }
 
 /* ---- open-addressing uint64-keyed tables -------------------------------------------------
@@ -601,7 +642,8 @@ static PyTypeObject BlockTableType = {
     .tp_methods = Table_methods,
 };
 
-static PyObject *match_walk_table(U64Table *t, PyObject *seq, unsigned long long active);
+static PyObject *match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active);
+static PyObject *match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active);
 
 /* Record overlaps[slot] = depth for every set bit of `bits`, lowest slot first. */
 static int
@@ -654,11 +696,28 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     }
 
+    if (is_table && PyObject_CheckBuffer(args[1])) {
+        /* array('Q') / numpy uint64 keys (Route's path): read in place, no int objects */
+        Py_buffer view;
+        if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        const char *fmt = view.format ? view.format : "B";
+        char code = fmt[strlen(fmt) - 1];
+        int native_order = fmt[0] != '>' && fmt[0] != '!';
+        if (view.itemsize != 8 || (code != 'Q' && code != 'L') || !native_order) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "buffer keys must be native-endian uint64 (array('Q'))");
+            return NULL;
+        }
+        PyObject *result = match_walk_table((U64Table *)blocks, (const uint64_t *)view.buf, view.len / 8, active);
+        PyBuffer_Release(&view);
+        return result;
+    }
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
         return NULL;
     if (is_table) {
-        PyObject *result = match_walk_table((U64Table *)blocks, seq, active);
+        PyObject *result = match_walk_table_seq((U64Table *)blocks, seq, active);
         Py_DECREF(seq);
         return result;
     }
@@ -725,28 +784,40 @@ error:
 
 static Py_ssize_t holders_offset_for(PyTypeObject *type);
 
+/* keys given as int objects: converted, up to the first that can't be a key (outside uint64) */
 static PyObject *
-match_walk_table(U64Table *t, PyObject *seq, unsigned long long active)
+match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
-    PyObject **nodes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
-    PyObject *overlaps = PyDict_New();
-    PyObject *path = NULL;
-    if (keys == NULL || nodes == NULL || overlaps == NULL) {
-        if (keys == NULL || nodes == NULL)
-            PyErr_NoMemory();
-        goto error;
-    }
-    /* keys outside uint64 can't be in the table: the walk ends there */
+    if (keys == NULL)
+        return PyErr_NoMemory();
     Py_ssize_t nkeys = 0;
     for (; nkeys < n; nkeys++) {
         int r = t_key(items[nkeys], &keys[nkeys]);
-        if (r < 0)
-            goto error;
+        if (r < 0) {
+            PyMem_Free(keys);
+            return NULL;
+        }
         if (r == 1)
             break;
+    }
+    PyObject *result = match_walk_table(t, keys, nkeys, active);
+    PyMem_Free(keys);
+    return result;
+}
+
+static PyObject *
+match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active)
+{
+    PyObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(PyObject *));
+    PyObject *overlaps = PyDict_New();
+    PyObject *path = NULL;
+    if (nodes == NULL || overlaps == NULL) {
+        if (nodes == NULL)
+            PyErr_NoMemory();
+        goto error;
     }
     /* pass 1: the blocks present, up to the first key the index does not have */
     Py_ssize_t found = 0;
@@ -808,7 +879,6 @@ match_walk_table(U64Table *t, PyObject *seq, unsigned long long active)
         goto error;
     for (Py_ssize_t i = 0; i < depth; i++)
         PyList_SET_ITEM(path, i, Py_NewRef(nodes[i]));
-    PyMem_Free(keys);
     PyMem_Free(nodes);
     PyObject *result = PyTuple_Pack(2, overlaps, path);
     Py_DECREF(overlaps);
@@ -816,7 +886,6 @@ match_walk_table(U64Table *t, PyObject *seq, unsigned long long active)
     return result;
 
 error:
-    PyMem_Free(keys);
     PyMem_Free(nodes);
     Py_XDECREF(overlaps);
     Py_XDECREF(path);
@@ -846,6 +915,8 @@ holders_offset_for(PyTypeObject *type)
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
+    {"chain_keys_packed", (PyCFunction)(void (*)(void))chain_keys_packed, METH_FASTCALL,
+     "chain_keys_packed(data, block_size, seed, limit) -> bytes: the keys as native-endian uint64s."},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,
      "match_walk(blocks, keys, slots_mask) -> (overlaps, path), or NotImplemented for masks over 64 bits."},
     {NULL, NULL, 0, NULL},

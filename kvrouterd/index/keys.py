@@ -23,7 +23,7 @@ import xxhash
 
 from . import native
 
-__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "chain_keys_py", "namespace_seed", "tokens_to_bytes"]
+__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "chain_keys_array", "chain_keys_py", "namespace_seed", "tokens_to_bytes"]
 
 #: Seed of the unsalted namespace: the bytes "kvrouter" read as a big-endian integer.
 ROOT_SEED = 0x6B76726F75746572
@@ -75,6 +75,19 @@ def chain_keys_py(token_bytes: bytes, block_size: int, seed: int, limit: int | N
 
 
 _native_chain = native.module.chain_keys if native.module is not None else None
+_native_packed = native.module.chain_keys_packed if native.module is not None else None
+
+
+def chain_keys_array(token_bytes: bytes, block_size: int, seed: int) -> array:
+    """``chain_keys`` as an ``array('Q')``: what Route hashes prompts into. It holds a prompt's
+    keys in 8 bytes each instead of an int object each (2 KB instead of ~10 KB for 4,000 tokens,
+    kept while the request is in flight) and the native match walk reads it in place."""
+    out = array("Q")
+    if _native_packed is not None:
+        out.frombytes(_native_packed(token_bytes, block_size, seed, -1))
+    else:
+        out.extend(chain_keys_py(token_bytes, block_size, seed))
+    return out
 
 
 def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "") -> list[int]:

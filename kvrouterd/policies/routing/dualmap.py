@@ -48,6 +48,7 @@ Parameters (defaults from the paper unless noted; latency-model ones in ``polici
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -131,7 +132,7 @@ class DualMapPolicy(RoutingPolicyBase):
     def segment_blocks(self, block_size: int) -> int:
         return max(1, round(self.params.segment_tokens / block_size))
 
-    def key_path(self, keys: list[int], block_size: int) -> list[tuple[int, int]]:
+    def key_path(self, keys: Sequence[int], block_size: int) -> list[tuple[int, int]]:
         seg = self.segment_blocks(block_size)
         p = self.params
         return key_path(keys, p.base_segments * seg, seg, self.hotness.extended, p.max_key_segments * seg)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import weakref
+from array import array
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,23 @@ def test_native_keys_match_frozen_vectors(tokens, bs, model, lora, expected):
 )
 def test_native_chain_keys_equal_python(data, block_size, seed, limit):
     expected = chain_keys_py(data, block_size, seed, limit)
-    assert native.module.chain_keys(data, block_size, seed, -1 if limit is None else limit) == expected
+    cap = -1 if limit is None else limit
+    assert native.module.chain_keys(data, block_size, seed, cap) == expected
+    packed = array("Q")
+    packed.frombytes(native.module.chain_keys_packed(data, block_size, seed, cap))
+    assert packed.tolist() == expected
+
+
+def test_route_keys_are_an_array_of_the_same_keys():
+    from kvrouterd.clock import ManualClock
+    from kvrouterd.index.keys import block_keys, chain_keys_array
+    from kvrouterd.router import Router, RouterSettings
+
+    tokens = list(range(1000, 1100))
+    keys = Router(RouterSettings(block_size=16), ManualClock()).keys_for_tokens(tokens, model="m")
+    assert type(keys) is array and keys.typecode == "Q"
+    assert keys.tolist() == block_keys(tokens, 16, model="m")
+    assert chain_keys_array(b"", 16, ROOT_SEED).tolist() == []
 
 
 def test_native_chain_keys_accepts_any_buffer():
@@ -112,14 +129,15 @@ def test_native_walk_equals_python(stores, removals, query, mask_slots, extra):
         mask |= 1 << s
     keys = [_key(tuple(query[: i + 1])) for i in range(len(query))] + extra
     expected = match_walk_py(index._blocks, keys, mask)
-    # the index's own BlockTable (prefetching walk) and a plain dict of the same blocks
-    for blocks in (index._blocks, dict(index._blocks.items())):
-        result = native.module.match_walk(blocks, keys, mask)
+    # the index's own BlockTable (prefetching walk; keys as ints or read in place from an
+    # array('Q')) and a plain dict of the same blocks
+    for blocks, ks in ((index._blocks, keys), (index._blocks, array("Q", keys)), (dict(index._blocks.items()), keys)):
+        result = native.module.match_walk(blocks, ks, mask)
         if mask >= 1 << 64:
             assert result is NotImplemented
             from kvrouterd.index._walk import match_walk
 
-            result = match_walk(blocks, keys, mask)
+            result = match_walk(blocks, ks, mask)
         overlaps, path = result
         assert list(overlaps.items()) == list(expected[0].items())
         assert len(path) == len(expected[1]) and all(a is b for a, b in zip(path, expected[1], strict=True))
@@ -135,6 +153,8 @@ def test_native_walk_uses_slot_63():
 def test_native_walk_rejects_bad_arguments():
     with pytest.raises(TypeError):
         native.module.match_walk([], [1], 1)
+    with pytest.raises(TypeError):  # buffer keys must be uint64
+        native.module.match_walk(native.module.BlockTable(), array("I", [1]), 1)
     with pytest.raises(TypeError):
         native.module.match_walk({}, 5, 1)
     with pytest.raises(AttributeError):

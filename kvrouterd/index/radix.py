@@ -399,6 +399,8 @@ class RadixIndex:
         for key in keys:
             node = blocks.get(key)
             if node is None:
+                # a new block (the common case: engines report what they just computed): no
+                # other holder, no children, so it is a leaf with fresh stats and no pending
                 node = Block(key, parent)
                 blocks[key] = node
                 if parent is not None:
@@ -409,6 +411,15 @@ class RadixIndex:
                         parent.children = {c.key: c, key: node}  # type: ignore[union-attr]
                     else:
                         c[key] = node  # type: ignore[index]
+                    if parent.holders & bit:
+                        leaves.discard(parent)
+                node.last_access = now
+                node.holders = bit
+                leaves.add(node)
+                added += 1
+                chain.append(node)
+                parent = node
+                continue
             if node.holders & bit:
                 self.touch(slot, (node,), now)
             else:

@@ -152,8 +152,25 @@ class SortedLeaves:
     def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         if not blocks:
             return
+        # A block whose successor in the stored chain is its child has a held child now, so it
+        # is no leaf: drop it (a no-op for the usual brand-new block) without scanning its
+        # children. Only the chain's parent, its last block and any block the chain does not
+        # continue from need the full check. This hook runs for every stored block of every
+        # engine event, so the difference is most of its cost.
+        s = self._slot(slot)
+        prio = s.prio
+        full: list[Block] = []
         first = blocks[0].parent
-        self.refresh(index, slot, blocks if first is None else (first, *blocks))
+        if first is not None:
+            full.append(first)
+        last = len(blocks) - 1
+        for i, b in enumerate(blocks):
+            if i < last and blocks[i + 1].parent is b:
+                if b.key in prio:
+                    self._drop(s, b)
+            else:
+                full.append(b)
+        self.refresh(index, slot, full)
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last

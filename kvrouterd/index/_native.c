@@ -669,6 +669,28 @@ set_overlaps(PyObject *overlaps, unsigned long long bits, Py_ssize_t depth)
     return 0;
 }
 
+/* One block of a walk at `depth`: intersect `*active` with the block's holders (`holders_obj`,
+ * a new reference, consumed), recording `depth` as the overlap of every slot that drops out.
+ * 1: no slot is left and the walk ends; 0: go on; -1: error. */
+static int
+walk_step(PyObject *overlaps, unsigned long long *active, PyObject *holders_obj, Py_ssize_t depth)
+{
+    /* only the low 64 bits can intersect `active` */
+    unsigned long long holders = PyLong_AsUnsignedLongLongMask(holders_obj);
+    Py_DECREF(holders_obj);
+    if (holders == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    unsigned long long still = *active & holders;
+    if (still != *active) {
+        if (depth && set_overlaps(overlaps, *active ^ still, depth) < 0)
+            return -1;
+        *active = still;
+        if (!still)
+            return 1;
+    }
+    return 0;
+}
+
 /* match_walk(blocks: dict, keys: sequence, slots_mask: int) -> (overlaps, path) | NotImplemented */
 static PyObject *
 match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -739,19 +761,11 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *holders_obj = PyObject_GetAttr(node, holders_name);
         if (holders_obj == NULL)
             goto error;
-        /* only the low 64 bits can intersect `active` */
-        unsigned long long holders = PyLong_AsUnsignedLongLongMask(holders_obj);
-        Py_DECREF(holders_obj);
-        if (holders == (unsigned long long)-1 && PyErr_Occurred())
+        int step = walk_step(overlaps, &active, holders_obj, depth);
+        if (step < 0)
             goto error;
-        unsigned long long still = active & holders;
-        if (still != active) {
-            if (depth && set_overlaps(overlaps, active ^ still, depth) < 0)
-                goto error;
-            active = still;
-            if (!active)
-                break;
-        }
+        if (step > 0)
+            break;
         if (PyList_Append(path, node) < 0)
             goto error;
         depth++;
@@ -859,18 +873,11 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
             if (holders_obj == NULL)
                 goto error;
         }
-        unsigned long long holders = PyLong_AsUnsignedLongLongMask(holders_obj);
-        Py_DECREF(holders_obj);
-        if (holders == (unsigned long long)-1 && PyErr_Occurred())
+        int step = walk_step(overlaps, &active, holders_obj, depth);
+        if (step < 0)
             goto error;
-        unsigned long long still = active & holders;
-        if (still != active) {
-            if (depth && set_overlaps(overlaps, active ^ still, depth) < 0)
-                goto error;
-            active = still;
-            if (!active)
-                break;
-        }
+        if (step > 0)
+            break;
     }
     if (depth && set_overlaps(overlaps, active, depth) < 0)
         goto error;

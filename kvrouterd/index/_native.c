@@ -41,8 +41,8 @@ chain_args(PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, Py_ssize_t 
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
     if (block_size == -1 && PyErr_Occurred())
         return -1;
-    if (block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
+    if (block_size <= 0 || block_size > PY_SSIZE_T_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be > 0 (and fit a byte count)");
         return -1;
     }
     unsigned long long s = PyLong_AsUnsignedLongLong(args[2]);
@@ -301,8 +301,17 @@ static int
 t_key(PyObject *obj, uint64_t *out)
 {
     if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "keys are ints, not %.100s", Py_TYPE(obj)->tp_name);
-        return -1;
+        /* integer-like keys (numpy's uint64 scalars) hash and compare as ints in a dict */
+        if (!PyIndex_Check(obj)) {
+            PyErr_Format(PyExc_TypeError, "keys are ints, not %.100s", Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+        PyObject *as_int = PyNumber_Index(obj);
+        if (as_int == NULL)
+            return -1;
+        int r = t_key(as_int, out);
+        Py_DECREF(as_int);
+        return r;
     }
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -544,31 +553,49 @@ Table_clear(U64Table *t, PyObject *unused)
 static PyObject *
 t_list(U64Table *t, int which)
 {
-    PyObject *out = PyList_New(t->size);
-    if (out == NULL)
-        return NULL;
+    /* Snapshot the entries first (owning the object values): building the Python objects
+     * allocates, and a collection's finalizers could change the table meanwhile. */
+    Py_ssize_t size = t->size;
+    uint64_t *snap = PyMem_Malloc((size_t)(size ? size : 1) * 2 * sizeof(uint64_t));
+    if (snap == NULL)
+        return PyErr_NoMemory();
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->capacity; i++) {
+    for (Py_ssize_t i = 0; i < t->capacity && n < size; i++) {
         if (!t_used(t, i))
             continue;
-        PyObject *item;
-        if (which == 0)
-            item = PyLong_FromUnsignedLongLong(T_KEY(t, i));
-        else if (which == 1)
-            item = t_value_object(t, i);
-        else {
-            PyObject *k = PyLong_FromUnsignedLongLong(T_KEY(t, i));
-            PyObject *v = k == NULL ? NULL : t_value_object(t, i);
-            item = v == NULL ? NULL : PyTuple_Pack(2, k, v);
-            Py_XDECREF(k);
-            Py_XDECREF(v);
-        }
-        if (item == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, item);
+        snap[2 * n] = T_KEY(t, i);
+        snap[2 * n + 1] = T_VAL(t, i);
+        if (t->owns_values)
+            Py_INCREF(T_OBJ(t, i));
+        n++;
     }
+    int owns = t->owns_values;
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = NULL;
+        if (out != NULL) {
+            PyObject *key = which == 1 ? NULL : PyLong_FromUnsignedLongLong(snap[2 * k]);
+            PyObject *value = NULL;
+            if (which != 0)
+                value = owns ? Py_NewRef((PyObject *)(uintptr_t)snap[2 * k + 1])
+                             : PyLong_FromUnsignedLongLong(snap[2 * k + 1]);
+            if (which == 0)
+                item = Py_XNewRef(key);
+            else if (which == 1)
+                item = Py_XNewRef(value);
+            else if (key != NULL && value != NULL)
+                item = PyTuple_Pack(2, key, value);
+            Py_XDECREF(key);
+            Py_XDECREF(value);
+            if (item == NULL)
+                Py_CLEAR(out);
+            else
+                PyList_SET_ITEM(out, k, item);
+        }
+        if (owns)
+            Py_DECREF((PyObject *)(uintptr_t)snap[2 * k + 1]);
+    }
+    PyMem_Free(snap);
     return out;
 }
 
@@ -721,20 +748,25 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (is_table && PyObject_CheckBuffer(args[1])) {
         /* array('Q') / numpy uint64 keys (Route's path): read in place, no int objects */
         Py_buffer view;
-        if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-            return NULL;
+        if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_ND) < 0) {
+            /* not a C-contiguous buffer: read it as a sequence of ints, like the Python walk */
+            PyErr_Clear();
+            goto as_sequence;
+        }
         const char *fmt = view.format ? view.format : "B";
-        char code = fmt[strlen(fmt) - 1];
+        size_t fmt_len = strlen(fmt);
+        char code = fmt_len ? fmt[fmt_len - 1] : 'B';
         int native_order = fmt[0] != '>' && fmt[0] != '!';
-        if (view.itemsize != 8 || (code != 'Q' && code != 'L') || !native_order) {
+        if (view.ndim > 1 || view.itemsize != 8 || (code != 'Q' && code != 'L') || !native_order) {
             PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_TypeError, "buffer keys must be native-endian uint64 (array('Q'))");
+            PyErr_SetString(PyExc_TypeError, "buffer keys must be one-dimensional native-endian uint64 (array('Q'))");
             return NULL;
         }
         PyObject *result = match_walk_table((U64Table *)blocks, (const uint64_t *)view.buf, view.len / 8, active);
         PyBuffer_Release(&view);
         return result;
     }
+as_sequence:;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
         return NULL;
@@ -758,16 +790,17 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             break;
         }
+        /* owned from here: any allocation may run a collection whose finalizers change `blocks` */
+        Py_INCREF(node);
         PyObject *holders_obj = PyObject_GetAttr(node, holders_name);
-        if (holders_obj == NULL)
-            goto error;
-        int step = walk_step(overlaps, &active, holders_obj, depth);
+        int step = holders_obj == NULL ? -1 : walk_step(overlaps, &active, holders_obj, depth);
+        if (step == 0 && PyList_Append(path, node) < 0)
+            step = -1;
+        Py_DECREF(node);
         if (step < 0)
             goto error;
         if (step > 0)
             break;
-        if (PyList_Append(path, node) < 0)
-            goto error;
         depth++;
     }
     if (depth && set_overlaps(overlaps, active, depth) < 0)
@@ -825,6 +858,7 @@ match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active)
 static PyObject *
 match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active)
 {
+    Py_ssize_t found = 0;
     PyObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(PyObject *));
     PyObject *overlaps = PyDict_New();
     PyObject *path = NULL;
@@ -834,7 +868,6 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
         goto error;
     }
     /* pass 1: the blocks present, up to the first key the index does not have */
-    Py_ssize_t found = 0;
     for (Py_ssize_t i = 0; i < nkeys && i < WALK_AHEAD; i++)
         __builtin_prefetch(&T_KEY(t, t_home(keys[i], t->capacity)));
     for (; found < nkeys; found++) {
@@ -843,7 +876,8 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
         Py_ssize_t slot = t_find(t, keys[found]);
         if (slot < 0)
             break;
-        nodes[found] = T_OBJ(t, slot);
+        /* owned: pass 2 allocates, and a collection's finalizers could change the table */
+        nodes[found] = Py_NewRef(T_OBJ(t, slot));
     }
     /* pass 2: intersect holder masks along the path */
     Py_ssize_t offset = found ? holders_offset_for(Py_TYPE(nodes[0])) : -1;
@@ -885,7 +919,9 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
     if (path == NULL)
         goto error;
     for (Py_ssize_t i = 0; i < depth; i++)
-        PyList_SET_ITEM(path, i, Py_NewRef(nodes[i]));
+        PyList_SET_ITEM(path, i, nodes[i]); /* the path takes over these references */
+    for (Py_ssize_t i = depth; i < found; i++)
+        Py_DECREF(nodes[i]);
     PyMem_Free(nodes);
     PyObject *result = PyTuple_Pack(2, overlaps, path);
     Py_DECREF(overlaps);
@@ -893,6 +929,10 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
     return result;
 
 error:
+    if (nodes != NULL) {
+        for (Py_ssize_t i = 0; i < found; i++)
+            Py_DECREF(nodes[i]);
+    }
     PyMem_Free(nodes);
     Py_XDECREF(overlaps);
     Py_XDECREF(path);
@@ -910,7 +950,7 @@ holders_offset_for(PyTypeObject *type)
         return -1;
     }
     Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
         if (member->type == T_OBJECT_EX && !(member->flags & READ_RESTRICTED))
             offset = member->offset;

@@ -300,3 +300,104 @@ def test_block_table_cycle_through_itself_is_collected():
     del t, box
     gc.collect()
     assert gone() is None
+
+
+# ---- robustness: Python code running in the middle of a native call -----------------------
+# Any allocation may start a collection, and a collection runs finalizers: code that can change
+# the very table a walk or a listing is reading. The native code must own what it holds.
+
+
+class _Slotted:
+    __slots__ = ("holders", "pad")
+
+    def __init__(self) -> None:
+        self.holders = 0b11
+        self.pad = None
+
+
+def _finalizer_that(action, after: int):
+    """Garbage whose collection runs ``action`` after ``after`` chained finalizers."""
+    calls = [0]
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            calls[0] += 1
+            if calls[0] < after:
+                Cycle()
+            elif calls[0] == after:
+                action()
+
+    return Cycle
+
+
+@pytest.mark.parametrize("after", [1, 2, 5])
+def test_walk_survives_a_finalizer_that_clears_the_table(after):
+    t = native.module.BlockTable()
+    for k in range(1, 21):
+        t[k] = _Slotted()
+    gc.collect()
+    _finalizer_that(t.clear, after)()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        overlaps, path = native.module.match_walk(t, list(range(1, 21)), 0b11)
+    finally:
+        gc.set_threshold(*threshold)
+    # whatever the finalizer did, the returned blocks are alive and intact
+    assert all(type(b) is _Slotted and b.holders == 0b11 for b in path)
+    assert set(overlaps) <= {0, 1}
+
+
+@pytest.mark.parametrize("after", [1, 3, 5])
+def test_listing_survives_a_finalizer_that_grows_the_table(after):
+    t = native.module.BlockTable()
+    values = {k: object() for k in range(50)}
+    for k, v in values.items():
+        t[k] = v
+
+    def grow() -> None:
+        for k in range(1000, 1400):
+            t[k] = object()
+
+    gc.collect()
+    _finalizer_that(grow, after)()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        items = t.items()
+    finally:
+        gc.set_threshold(*threshold)
+    assert len(items) == 50 and all(values[k] is v for k, v in items)  # the table as it was when asked
+
+
+def test_walk_ignores_a_holders_descriptor_of_another_class():
+    class Other:
+        __slots__ = ("holders", "x", "y", "z")
+
+    class Small:
+        __slots__ = ()
+
+    Small.holders = Other.__dict__["holders"]  # a descriptor for Other's layout, not Small's
+    t = native.module.BlockTable()
+    t[1] = Small()
+    with pytest.raises(TypeError):
+        native.module.match_walk(t, [1], 1)
+
+
+def test_walk_reads_non_contiguous_keys_as_a_sequence():
+    np = pytest.importorskip("numpy")
+    index = RadixIndex()
+    index.add_slot(0)
+    index.store(0, None, [5, 6, 7], 0.0)
+    strided = np.array([5, 99, 6, 99, 7, 99], dtype=np.uint64)[::2]
+    assert native.module.match_walk(index._blocks, strided, 1)[0] == {0: 3}
+    with pytest.raises(TypeError):
+        native.module.match_walk(index._blocks, np.zeros((2, 2), dtype=np.uint64), 1)
+
+
+def test_chain_keys_rejects_a_block_size_whose_byte_count_overflows():
+    with pytest.raises(ValueError):
+        native.module.chain_keys(b"", 2**61, ROOT_SEED, -1)

@@ -44,6 +44,8 @@ from .protocols import (
 
 __all__ = ["RouteResult", "Router", "RouterSettings"]
 
+_UINT64_MAX = (1 << 64) - 1
+
 log = logging.getLogger("kvrouterd.router")
 
 #: How many recently routed prompt blocks remember their request's AccessInfo, so that an
@@ -473,10 +475,14 @@ class Router:
                 f"worker {worker.id!r}: stored token_ids hold {len(data) // 4} tokens, not a positive multiple of block_size {bs}"
             )
         nblocks = len(data) // step
-        if ev.engine_hashes is not None and len(ev.engine_hashes) != nblocks:
-            raise InvalidRequest(
-                f"worker {worker.id!r}: {len(ev.engine_hashes)} engine hashes for {nblocks} blocks of tokens"
-            )
+        hashes = ev.engine_hashes
+        if hashes is not None:
+            if len(hashes) != nblocks:
+                raise InvalidRequest(f"worker {worker.id!r}: {len(hashes)} engine hashes for {nblocks} blocks of tokens")
+            # the engine-hash map holds uint64s (wire and ZMQ decoding guarantee it; in-process
+            # callers are checked here, before anything changes)
+            if min(hashes) < 0 or max(hashes) > _UINT64_MAX:
+                raise InvalidRequest(f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1")
         return data, nblocks
 
     def apply(self, batch: EventBatch) -> BatchOutcome:

@@ -141,6 +141,16 @@ def test_a_malformed_event_rejects_the_whole_batch():
     assert router.index.count(0) == 0 and router.workers.get("w0").last_sequence == -1
 
 
+@pytest.mark.parametrize("bad_hash", [-1, 2**64])
+def test_an_engine_hash_outside_uint64_rejects_the_whole_batch(bad_hash):
+    router, _ = make(n=1)
+    bad = EventBatch("w0", 0, (Stored(tuple(range(BS)), (1,)), Stored(tuple(range(BS, 3 * BS)), (2, bad_hash))))
+    with pytest.raises(InvalidRequest, match="engine hashes"):
+        router.apply(bad)
+    w = router.workers.get("w0")
+    assert router.index.count(0) == 0 and w.last_sequence == -1 and len(w.engine_keys) == 0
+
+
 def test_removing_a_worker_forgets_its_blocks_and_requests():
     router, _ = make(n=2)
     router.apply(EventBatch("w0", 0, (Stored(tuple(range(4 * BS)), None),)))

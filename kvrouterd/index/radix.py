@@ -192,34 +192,23 @@ class RadixIndex:
         la = node.last_access
         if type(la) is dict:
             la = la[slot]  # type: ignore[index]
-        up = self._pending.get(node)
-        if up is not None:
-            if type(up) is dict:
-                up = up.get(slot)  # type: ignore[union-attr]
-            if up is not None and up[0] > la:  # type: ignore[index,operator]
-                la = up[0]  # type: ignore[assignment,index]
-        if node.children is not None:
-            below = self._pending_below(node, slot)
-            if below is not None and below[0] > la:  # type: ignore[operator]
-                la = below[0]
-        return la  # type: ignore[return-value]
+        up = self._pending_through(node, slot)
+        return up[0] if up is not None and up[0] > la else la  # type: ignore[operator,return-value]
 
     def hits(self, node: Block, slot: int) -> int:
         """Later uses of ``node`` by ``slot`` since it was stored (same costs as ``recency``)."""
         h = node.hits
         if type(h) is dict:
             h = h[slot]  # type: ignore[index]
-        up = self._pending.get(node)
-        if up is not None:
-            if type(up) is dict:
-                up = up.get(slot)  # type: ignore[union-attr]
-            if up is not None:
-                h += up[1]  # type: ignore[index,operator]
+        up = self._pending_through(node, slot)
+        return h + up[1] if up is not None else h  # type: ignore[operator,return-value]
+
+    def _pending_through(self, node: Block, slot: int) -> Pending | None:
+        """The path accesses that count for ``node``: its own pending ones and its held descendants'."""
+        up = self.pending(node, slot)
         if node.children is not None:
-            below = self._pending_below(node, slot)
-            if below is not None:
-                h += below[1]  # type: ignore[operator]
-        return h  # type: ignore[return-value]
+            up = fold_pending(up, self._pending_below(node, slot))
+        return up
 
     def pending(self, node: Block, slot: int) -> Pending | None:
         """Path accesses recorded on ``node`` for ``slot`` that also count for its ancestors."""

@@ -6,8 +6,8 @@
  * tests/unit/index/test_native.py holds the two to identical results (keys, overlaps, their order, and
  * the path). In Python each of the ~250 iterations of a 4,000-token prompt costs a bytecode
  * loop turn, a call and an int allocation; here the hash is XXH3 inlined from the same
- * xxhash.h the `xxhash` package builds from (see _vendor/README.md), and the walk does one
- * dict lookup and one attribute read per block.
+ * xxhash.h the `xxhash` package builds from (see _vendor/README.md), and the walk reads the
+ * index's BlockTable (below) directly, prefetching ahead of itself.
  *
  * The walk handles slot masks of up to 64 bits (64 worker slots) natively; wider masks
  * return NotImplemented and the caller falls back to Python, which has no width limit.
@@ -83,24 +83,22 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t seed;
     if (chain_args(args, nargs, &view, &step, &count, &seed) < 0)
         return NULL;
-    PyObject *keys = PyList_New(count);
-    if (keys == NULL) {
+    uint64_t *raw = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint64_t));
+    if (raw == NULL) {
         PyBuffer_Release(&view);
-        return NULL;
+        return PyErr_NoMemory();
     }
-    const char *data = (const char *)view.buf;
-    XXH64_hash_t key = (XXH64_hash_t)seed;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        key = XXH3_64bits_withSeed(data + i * step, (size_t)step, key);
-        PyObject *item = PyLong_FromUnsignedLongLong(key);
-        if (item == NULL) {
-            Py_DECREF(keys);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        PyList_SET_ITEM(keys, i, item);
-    }
+    chain_into((const char *)view.buf, step, count, seed, raw);
     PyBuffer_Release(&view);
+    PyObject *keys = PyList_New(count);
+    for (Py_ssize_t i = 0; keys != NULL && i < count; i++) {
+        PyObject *item = PyLong_FromUnsignedLongLong(raw[i]);
+        if (item == NULL)
+            Py_CLEAR(keys);
+        else
+            PyList_SET_ITEM(keys, i, item);
+    }
+    PyMem_Free(raw);
     return keys;
 }
 

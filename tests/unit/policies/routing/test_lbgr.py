@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 
@@ -95,7 +95,9 @@ def test_residual_converges_on_a_synthetic_latency_function(rule: str) -> None:
     def true_latency(worker: str, hit: float, miss: float, load: float) -> float:
         return speed[worker] * (45.0 * miss / 1000 + 4.0 * hit / 1000) + 0.25 * load + 30.0
 
-    router, clock = make_router({"name": "lbgr", "learning_rule": rule}, list(speed))
+    # the paper text's regression on all four features (the default learns only the bias)
+    router, clock = make_router({"name": "lbgr", "learning_rule": rule, "features": ["hit", "miss", "load", "bias"],
+                                 "residual_target": "signed"}, list(speed))
     rng = random.Random(11)
     pending: deque[tuple[str, float]] = deque()
     errors: list[float] = []
@@ -142,7 +144,8 @@ def test_decision_carries_cost_load_and_residual_per_worker() -> None:
 @pytest.mark.parametrize(
     "field,value",
     [("decay_rho", 0.0), ("decay_interval_s", 0), ("forgetting", 1.2), ("features", ["hit", "speed"]),
-     ("features", []), ("learning_rule", "adam"), ("target", "tpot"), ("alpha_miss_ms_per_1k", -1)],
+     ("features", []), ("learning_rule", "adam"), ("target", "tpot"), ("alpha_miss_ms_per_1k", -1),
+     ("residual_target", "absolute")],
 )
 def test_bad_parameters_fail_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field.split("_ms")[0]):
@@ -164,3 +167,60 @@ def test_fleet_scope_shares_one_residual_and_none_learns_nothing() -> None:
     for i in range(10):
         complete(router, router.route(request(prompt(i, 256, i, 0))).request.request_id, ttft_ms=5000.0)
     assert router.decide(request(prompt(99, 256, 0, 0)))[0].attributes["residual_ms"] == 0.0
+
+
+PAPER_TEXT = {"features": ["hit", "miss", "load", "bias"], "residual_target": "signed"}
+
+
+def _lagged_fleet(params: dict[str, object], lag_s: float = 3.0, requests: int = 1500) -> Counter[str]:
+    """Route distinct 512-token prompts every 10 ms to 4 workers that prefill 25 tokens/ms each,
+    and report each request's true TTFT only ``lag_s`` after its first token (a long decode).
+    Returns how the last 500 requests were spread."""
+    router, clock = make_router({"name": "lbgr", **params}, 4)
+    free_at = {f"w{i}": 0.0 for i in range(4)}
+    pending: deque[tuple[float, str, float]] = deque()
+    chosen: list[str] = []
+    for i in range(requests):
+        now = clock.now()
+        while pending and pending[0][0] <= now:
+            _, rid, ttft = pending.popleft()
+            complete(router, rid, ttft_ms=ttft, e2e_ms=ttft + lag_s * 1000)
+        res = router.route(request(prompt(i, 512, i, 0)))
+        wid = res.worker.id
+        free_at[wid] = max(now, free_at[wid]) + 512 / 25.0 / 1000
+        pending.append((free_at[wid] + lag_s, res.request.request_id, (free_at[wid] - now) * 1000))
+        chosen.append(wid)
+        clock.advance(0.01)
+        router.tick()
+    return Counter(chosen[-500:])
+
+
+def test_default_residual_spreads_load_when_completions_lag() -> None:
+    spread = _lagged_fleet({})
+    assert len(spread) == 4 and max(spread.values()) <= 150  # an even share is 125
+    # the same with no learning at all: the residual adds nothing that skews the spread
+    assert max(_lagged_fleet({"learning_rule": "none"}).values()) <= 150
+
+
+def test_paper_text_residual_herds_when_completions_lag() -> None:
+    # the regression on all four features, fitted to lagged feedback, cancels the load term:
+    # one worker takes nearly half the traffic and another is starved
+    spread = _lagged_fleet(PAPER_TEXT)
+    assert max(spread.values()) >= 200
+    assert min(spread.get(f"w{i}", 0) for i in range(4)) < 50
+
+
+def test_penalty_target_never_lets_feedback_lower_an_estimate() -> None:
+    router, _ = make_router({"name": "lbgr"}, ["a", "b"])
+    for i in range(40):
+        res = router.route(request(prompt(i, 512, i, 0)))
+        # observed far below Cost + P (the cost model's 1 ms per token is pessimistic)
+        complete(router, res.request.request_id, ttft_ms=5.0)
+    d = router.decide(request(prompt(999, 512, 0, 0)))[0]
+    for c in d.candidates:
+        assert c.terms["residual_ms"] == pytest.approx(1.0, abs=0.05)  # the 1 ms floor
+    # the signed target learns the large negative correction instead
+    router, _ = make_router({"name": "lbgr", "residual_target": "signed"}, ["a"])
+    for i in range(40):
+        complete(router, router.route(request(prompt(i, 512, i, 0))).request.request_id, ttft_ms=5.0)
+    assert router.decide(request(prompt(999, 512, 0, 0)))[0].attributes["residual_ms"] < -400

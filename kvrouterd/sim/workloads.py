@@ -36,6 +36,11 @@ Sources (``build_workload``):
   (AGENTIC, a shared agent prompt plus a growing history); single-turn tasks are
   untemplated prompts (UNTEMPLATED), programming and tool-use prompts on a few templates and
   document QA (TEMPLATED). Every request carries its task category and a session id.
+  Inter-turn gaps are log-normal with UniCache's fits (section 6.1): chat ``chat_gap_mu``
+  4.15, ``chat_gap_sigma`` 0.971 (median 63 s), agentic ``agent_gap_mu`` 1.81,
+  ``agent_gap_sigma`` 1.092 (median 6.1 s), in log-seconds. Sessions and single-turn
+  requests start uniformly over ``requests / rate`` seconds and the trace is that window
+  (a session still going at its end is cut), so the rate is met without rescaling the gaps.
 
 Generators use ``block_tokens`` = 64 by default: smaller blocks follow shared-prefix
 boundaries more closely, larger ones simulate faster (a block straddling the end of a shared
@@ -261,7 +266,7 @@ def gsp(rng: random.Random, *, rate: float = 12.0, groups: int = 128, queries_pe
 
 def _chat_session(rng: random.Random, ids: _Ids, start: float, rounds: int, bs: int, user_tokens: int,
                   output_tokens: int, think_median_s: float, session: str, task: TaskCategory,
-                  system: _Prompt | None = None) -> list[SimRequest]:
+                  system: _Prompt | None = None, think_sigma: float = 1.0) -> list[SimRequest]:
     prompt = system if system is not None else _Prompt(bs)
     t = start
     out = []
@@ -270,7 +275,7 @@ def _chat_session(rng: random.Random, ids: _Ids, start: float, rounds: int, bs: 
         out.append(SimRequest(t, prompt.tokens, output_tokens, prompt.block_ids(ids), session, task))
         # the answer joins the history the next round sends back
         prompt = prompt.extend(ids, output_tokens)
-        t += rng.lognormvariate(math.log(think_median_s), 1.0)
+        t += rng.lognormvariate(math.log(think_median_s), think_sigma)
     return out
 
 
@@ -331,9 +336,14 @@ def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, t
 
 
 def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate: float = 4.0, requests: int = 4000,
-                      templates: int = 8, block_tokens: int = 64, name: str = "mix") -> Workload:
+                      templates: int = 8, block_tokens: int = 64, name: str = "mix",
+                      chat_gap_mu: float = 4.15, chat_gap_sigma: float = 0.971, agent_gap_mu: float = 1.81,
+                      agent_gap_sigma: float = 1.092) -> Workload:
     """UniCache-style mix of multi-turn and single-turn tasks (see the module docstring)."""
     _check("multi_turn_share", multi_turn_share, 0.0, 1.0)
+    for what, sigma in (("chat_gap_sigma", chat_gap_sigma), ("agent_gap_sigma", agent_gap_sigma)):
+        if not sigma > 0:
+            raise ConfigError(f"{what} must be > 0, got {sigma}")
     ids = _Ids()
     bs = block_tokens
     agent_prompt = _Prompt(bs).extend(ids, 2048)
@@ -349,11 +359,14 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
         start = rng.uniform(0, horizon)
         rounds = rng.choice((2, 4, 6, 8))
         if rng.random() < 0.5:
-            reqs += _chat_session(rng, ids, start, rounds, bs, rng.randint(128, 1024), 128, 20.0, f"chat{s}",
-                                  TaskCategory.CHAT)
+            turns = _chat_session(rng, ids, start, rounds, bs, rng.randint(128, 1024), 128, math.exp(chat_gap_mu),
+                                  f"chat{s}", TaskCategory.CHAT, think_sigma=chat_gap_sigma)
         else:
-            reqs += _chat_session(rng, ids, start, rounds, bs, rng.randint(256, 1024), 64, 5.0, f"agent{s}",
-                                  TaskCategory.AGENTIC, system=agent_prompt)
+            turns = _chat_session(rng, ids, start, rounds, bs, rng.randint(256, 1024), 64, math.exp(agent_gap_mu),
+                                  f"agent{s}", TaskCategory.AGENTIC, system=agent_prompt, think_sigma=agent_gap_sigma)
+        # the trace is a window of ``horizon`` seconds: a session still going at its end is cut
+        # there, so the gaps stay the fitted ones (rescaling the whole trace would shrink them)
+        reqs += [r for r in turns if r.arrival_s < horizon]
         s += 1
     for i in range(requests - n_multi):
         t = rng.uniform(0, horizon)
@@ -368,8 +381,8 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
             p, task = rng.choice(docs).extend(ids, rng.randint(32, 128)), TaskCategory.TEMPLATED
         reqs.append(SimRequest(t, p.tokens, 64, p.block_ids(ids), f"single{i}", task))
     reqs.sort(key=lambda r: r.arrival_s)
-    wl = Workload(name, bs, reqs, {"multi_turn_share": multi_turn_share, "requests": len(reqs)})
-    return scale_to_rate(wl, rate)
+    # every request falls in [0, horizon), horizon = requests / rate: the mean rate is ``rate``
+    return Workload(name, bs, reqs, {"multi_turn_share": multi_turn_share, "requests": len(reqs)})
 
 
 GENERATORS: dict[str, Callable[..., Workload]] = {

@@ -99,6 +99,23 @@ def test_mixes_follow_the_multi_turn_share():
     assert shares[2] == pytest.approx(0.2, abs=0.03)
 
 
+def test_mix_inter_turn_gaps_follow_unicaches_fits():
+    import math
+    import statistics
+
+    wl = build_workload("mix1", 0, 4.0)
+    turns: dict[tuple[TaskCategory, str], list[float]] = {}
+    for r in wl.requests:
+        if r.task in (TaskCategory.CHAT, TaskCategory.AGENTIC):
+            turns.setdefault((r.task, r.session_id), []).append(r.arrival_s)
+    for task, mu, sigma in ((TaskCategory.CHAT, 4.15, 0.971), (TaskCategory.AGENTIC, 1.81, 1.092)):
+        logs = [math.log(b - a) for (t, _), ts in turns.items() if t is task for a, b in itertools.pairwise(ts)]
+        # a window cuts the longest gaps of sessions that would run past its end: a small bias down
+        assert statistics.mean(logs) == pytest.approx(mu, abs=0.25)
+        assert statistics.stdev(logs) == pytest.approx(sigma, abs=0.15)
+    assert max(r.arrival_s for r in wl.requests) < len(wl.requests) / 4.0 + 1e-9
+
+
 def test_toolagent_prompts_are_zipf_skewed():
     wl = build_workload("toolagent", 0, 8.0, requests=2000)
     tools = Counter(r.block_ids[0] for r in wl.requests)

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 from ..errors import ConfigError
 
-__all__ = ["Kind", "NoParams", "build", "build_params", "describe", "names", "register"]
+__all__ = ["Kind", "NoParams", "build", "build_params", "describe", "names", "policy_class", "register"]
 
 Kind = Literal["routing", "eviction"]
 _KINDS: tuple[Kind, ...] = ("routing", "eviction")
@@ -66,6 +66,11 @@ def _lookup(kind: Kind, name: str) -> tuple[type, type]:
         return _REGISTRY[(kind, name)]
     except KeyError:
         raise ConfigError(f"unknown {kind} policy {name!r}; known: {', '.join(names(kind))}") from None
+
+
+def policy_class(kind: Kind, name: str) -> type:
+    """The class registered as ``name`` (ConfigError naming the known ones if none is)."""
+    return _lookup(kind, name)[0]
 
 
 def _coerce(policy: str, f: dataclasses.Field, value: Any, hints: dict[str, Any]) -> Any:

@@ -185,17 +185,30 @@ class DualMapPolicy(RoutingPolicyBase):
         return _View(w, ctx.overlap(w), load, uncached, ttft, stall, over or stall > 0)
 
     # ---- selection ----------------------------------------------------------------------
+    def _pair(self, ctx: RoutingContext, by_id: dict[str, Worker],
+              path: list[tuple[int, int]]) -> tuple[str, str | None] | None:
+        if len(by_id) > 1 and path:
+            try:
+                return self.ring.pair(path[-1][1], by_id.__contains__)
+            except LookupError:
+                return None
+        return None
+
+    def candidate_ids(self, ctx: RoutingContext) -> list[str]:
+        """The workers DualMap would choose between for ``ctx`` (its pair; every candidate
+        when it has no pair), for a policy that scores them instead (``compose``)."""
+        by_id = {w.id: w for w in ctx.candidates}
+        pair = self._pair(ctx, by_id, self.key_path(ctx.request.keys, ctx.block_size))
+        if pair is None:
+            return list(by_id)
+        return [wid for wid in pair if wid is not None]
+
     def select(self, ctx: RoutingContext) -> Decision:
         slo = self.slo_ms(ctx.request)
         threshold = self.threshold_tokens(slo)
         by_id = {w.id: w for w in ctx.candidates}
         path = self.key_path(ctx.request.keys, ctx.block_size)
-        pair: tuple[str, str | None] | None = None
-        if len(by_id) > 1 and path:
-            try:
-                pair = self.ring.pair(path[-1][1], by_id.__contains__)
-            except LookupError:
-                pair = None
+        pair = self._pair(ctx, by_id, path)
         if pair is None:
             # one worker, no full block to hash, or the candidates are not on the ring yet
             views = [self._view(ctx, w, slo, threshold) for w in ctx.candidates]

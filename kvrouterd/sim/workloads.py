@@ -31,6 +31,11 @@ Sources (``build_workload``):
   ~28% of requests) over a long cold tail, each followed by a unique 256-2048-token user
   part; Poisson arrivals. With a short catalogue (e.g. 16 tools) every worker's cache holds
   every prompt and routing hardly matters; the cold tail is what makes affinity pay.
+  ``tool_tokens`` (the lengths a tool prompt is drawn from) and ``user_tokens`` ([min, max]
+  of the unique part) shape it: ``tool_tokens=[2048,4096,8192] user_tokens=[1024,6144]
+  output_tokens=182`` matches DualMap's Table 1 for Mooncake's Tool&Agent trace (mean input
+  ~8.4k tokens vs 8,596; ~57% of it a shared tool prompt vs a 59% prefix caching ratio;
+  182 output tokens).
 - ``mix1`` / ``mix2`` / ``mix3``: UniCache's heterogeneous traces #1-#3 (section 5: 80%, 50%,
   20% of requests multi-turn). Multi-turn tasks are chat (CHAT) and agentic sessions
   (AGENTIC, a shared agent prompt plus a growing history); single-turn tasks are
@@ -320,17 +325,22 @@ def doc_qa(rng: random.Random, *, rate: float = 8.0, documents: int = 128, quest
 
 
 def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, tools: int = 128, zipf_s: float = 1.2,
-               output_tokens: int = 64, block_tokens: int = 64) -> Workload:
+               output_tokens: int = 64, block_tokens: int = 64, tool_tokens: Sequence[int] = (1024, 2048, 4096, 8192),
+               user_tokens: Sequence[int] = (256, 2048)) -> Workload:
     """Requests on a few Zipf-hot tool/agent system prompts (see the module docstring)."""
     _check("tools", tools, 1)
     _check("zipf_s", zipf_s, 0.0)
+    if not tool_tokens or min(tool_tokens) < 1:
+        raise ConfigError(f"tool_tokens must be positive lengths, got {list(tool_tokens)}")
+    if len(user_tokens) != 2 or not 1 <= user_tokens[0] <= user_tokens[1]:
+        raise ConfigError(f"user_tokens must be [min, max] with 1 <= min <= max, got {list(user_tokens)}")
     ids = _Ids()
-    prompts = [_Prompt(block_tokens).extend(ids, rng.choice((1024, 2048, 4096, 8192))) for _ in range(tools)]
+    prompts = [_Prompt(block_tokens).extend(ids, rng.choice(tuple(tool_tokens))) for _ in range(tools)]
     weights = _zipf_weights(tools, zipf_s)
     reqs = []
     for i, t in enumerate(_poisson(rng, requests, rate)):
         k = rng.choices(range(tools), weights)[0]
-        p = prompts[k].extend(ids, rng.randint(256, 2048))
+        p = prompts[k].extend(ids, rng.randint(user_tokens[0], user_tokens[1]))
         reqs.append(SimRequest(t, p.tokens, output_tokens, p.block_ids(ids), f"t{k}r{i}", TaskCategory.AGENTIC))
     return Workload("toolagent", block_tokens, reqs, {"rate": rate, "tools": tools, "zipf_s": zipf_s})
 

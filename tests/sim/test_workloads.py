@@ -123,6 +123,20 @@ def test_toolagent_prompts_are_zipf_skewed():
     assert top[1] / len(wl.requests) > 0.25
 
 
+def test_toolagent_shaped_like_dualmaps_table_1():
+    wl = build_workload("toolagent", 0, 30.0, requests=3000, tool_tokens=[2048, 4096, 8192],
+                        user_tokens=[1024, 6144], output_tokens=182)
+    counts = Counter(b for r in wl.requests for b in r.block_ids)
+    shared = sum(sum(counts[b] > 1 for b in r.block_ids) for r in wl.requests) * wl.block_tokens
+    total = sum(r.input_tokens for r in wl.requests)
+    assert 7000 < total / len(wl.requests) < 9500  # Table 1: 8,596 tokens
+    assert 0.45 < shared / total < 0.65  # Table 1: 59% prefix caching ratio
+    assert {r.output_tokens for r in wl.requests} == {182}
+    for bad in ({"user_tokens": [10]}, {"user_tokens": [50, 10]}, {"tool_tokens": []}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_workload("toolagent", 0, 30.0, requests=10, **bad)
+
+
 def test_unknown_workload_and_bad_params():
     with pytest.raises(ConfigError, match="unknown workload"):
         build_workload("nope", 0)

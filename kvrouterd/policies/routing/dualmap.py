@@ -21,6 +21,16 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
   *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
   the configured (uncalibrated) latency model, or ``slo_threshold_tokens`` when set; with
   ``slo_test=latency_model`` (beyond the paper), the calibrated TTFT estimate above the SLO.
+- **Load and threshold from the profiled GPU** (3.2): both the ttft_slo_threshold and the
+  drain rate of the pending-token estimate come from the configured prefill model
+  (``prefill_ms_per_1k_tokens``), as the paper computes them from a profiled GPU; online
+  calibration (``calibrate: true``, shared with min_ttft) is opt-in. Measured in ``sim
+  cluster`` on the Mooncake trace capped at 20,480 tokens (8 workers, 28 req/s): the online
+  fit, fed TTFTs of fully cached requests stuck behind long queues, diverged to 5.4e6 ms per
+  1k tokens, so every worker looked overloaded; at the moment of each SLO switch the
+  estimated pending load of the preferred worker was 2.8x its true queue (316k vs 114k
+  tokens), the switches threw away cached history and SLO attainment fell to 66%
+  (``calibrate: false``: 100%).
 - **Decode bottleneck** (A.7): a worker with a non-empty queue that has completed no
   prefill for ``decode_bottleneck_s`` is overloaded, and its TTFT estimates include the
   observed interval. The queue is the admission queue (``queued_ttft_ms``) or, at
@@ -65,6 +75,8 @@ __all__ = ["DualMapParams", "DualMapPolicy"]
 
 @dataclass(frozen=True)
 class DualMapParams(LatencyParams):
+    # the paper profiles the GPU once (3.2); online calibration is opt-in (see the docstring)
+    calibrate: bool = field(default=False, metadata={"help": "fit the prefill model online from observed TTFT"})
     segment_tokens: int = field(default=512, metadata={"help": "tokens per hash-key segment"})
     base_segments: int = field(default=2, metadata={"help": "segments in a cold prefix's hash key"})
     max_key_segments: int = field(default=64, metadata={"help": "longest hash key, in segments"})

@@ -232,7 +232,7 @@ def _calibrate_slow_fleet(router, tokens, ms_per_token: float) -> None:  # type:
 
 @pytest.mark.parametrize("slo_test,switches", [("latency_model", True), ("static_threshold", False)])
 def test_latency_model_slo_test_switches_on_the_calibrated_estimate(slo_test: str, switches: bool) -> None:
-    router, _ = make_router({**SMALL, "slo_test": slo_test}, ["a", "b"])
+    router, _ = make_router({**SMALL, "slo_test": slo_test, "calibrate": True}, ["a", "b"])
     tokens = lambda i: prompt(3, PREFIX_TOKENS, i)  # noqa: E731
     _calibrate_slow_fleet(router, tokens, ms_per_token=2.0)  # 2000 ms per 1k, the prior says 40
     policy = router.routing_policy()
@@ -240,6 +240,27 @@ def test_latency_model_slo_test_switches_on_the_calibrated_estimate(slo_test: st
     assert policy.latency.coefficients()[0] == pytest.approx(2000.0, rel=0.05)
     rules = [router.route(request(tokens(i), slo_ms=1000)).decision.attributes["rule"] for i in range(12)]
     assert ("slo_switch" in rules) is switches
+
+
+def test_default_load_and_threshold_come_from_the_profiled_model() -> None:
+    # the paper derives both from a profiled GPU: completions, however slow, do not move them
+    router, clock = make_router(SMALL, ["a", "b"])
+    tokens = lambda i: prompt(3, PREFIX_TOKENS, i)  # noqa: E731
+    _calibrate_slow_fleet(router, tokens, ms_per_token=2.0)
+    policy = router.routing_policy()
+    assert isinstance(policy, DualMapPolicy) and not policy.latency.calibrated
+    assert policy.latency.coefficients()[0] == pytest.approx(40.0)
+    # routed prefill drains at the profiled 25k tokens/s: 20k tokens are gone after 0.8 s
+    worker = router.route(request(prompt(9, 20_000, 0, 0))).worker
+    assert policy.latency.pending_tokens(worker, clock.now()) == pytest.approx(20_000, abs=1)
+    clock.advance(0.4)
+    assert policy.latency.pending_tokens(worker, clock.now()) == pytest.approx(10_000, abs=1)
+    clock.advance(0.4)
+    assert policy.latency.pending_tokens(worker, clock.now()) == 0
+    # calibration stays available as an option, and then the same completions move the model
+    router2, _ = make_router({**SMALL, "calibrate": True}, ["a", "b"])
+    _calibrate_slow_fleet(router2, tokens, ms_per_token=2.0)
+    assert router2.routing_policy().latency.coefficients()[0] == pytest.approx(2000.0, rel=0.05)
 
 
 @pytest.mark.parametrize(

@@ -269,7 +269,11 @@ class Simulation:
             self.log.append(("route", now, rr, result.worker.id))
         i = self._by_id[result.worker.id]
         overlap = result.decision.overlap_blocks
-        job = Job(n, req, keys, max(1, req.input_tokens - overlap * bs), overlap)
+        output_keys = None
+        if req.output_block_ids and self.settings.engine.cache_decode:
+            full = req.input_tokens // bs
+            output_keys = self.keys.keys((*req.block_ids[:full], *req.output_block_ids))[full:]
+        job = Job(n, req, keys, max(1, req.input_tokens - overlap * bs), overlap, output_keys)
         self.records[n] = m.RequestRecord(req.arrival_s, i, len(keys), 0, req.input_tokens, req.output_tokens,
                                           math.nan, math.nan, route_us, overlap)
         self.engines[i].enqueue(job)
@@ -284,7 +288,8 @@ class Simulation:
         self._kick(i, now)
 
     def _finish(self, i: int, job: Job, now: float) -> None:
-        self.engines[i].finish(job)
+        self.engines[i].finish(job, now)
+        self._publish(i, now)
         req = job.req
         rec = self.records[job.index]
         assert rec is not None
@@ -507,6 +512,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model)
     e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens)
     e.add_argument("--tpot-ms", type=float, default=d.tpot_ms)
+    e.add_argument("--cache-decode", action="store_true",
+                   help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
     e.add_argument("--max-running", type=int, default=d.max_running)
     o = parser.add_argument_group("output")
@@ -553,7 +560,8 @@ def run(args: argparse.Namespace) -> int:
         wparams = dict(_kv(args.workload_param, "--workload-param"))
         engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
                               max_running=args.max_running, prefill_model=args.prefill_model,
-                              prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms)
+                              prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
+                              cache_decode=args.cache_decode)
         settings = ClusterSettings(
             workers=args.workers, engine=engine,
             cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,

@@ -5,10 +5,14 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 - **KV cache.** ``capacity_blocks`` blocks (0 = unbounded) holding prompt blocks as a prefix
   tree: the engine's own ``RadixIndex`` (one slot) and its own eviction policy object,
   built by the policy registry from the same spec the router uses. Blocks of admitted and
-  unfinished requests are pinned. Generated tokens are not cached and their KV does not
-  count against the capacity (the workloads put a turn's answer into the next turn's
-  prompt, where it is cached as prompt); a prompt whose last block is partial caches that
-  block too, as the Mooncake trace's hash ids do.
+  unfinished requests are pinned. By default generated tokens are not cached and their KV
+  does not count against the capacity (the workloads put a turn's answer into the next
+  turn's prompt, where it is cached as prompt); with ``cache_decode`` (``--cache-decode``)
+  a finished request's generated tokens are cached as vLLM caches them: the full blocks
+  they fill (``SimRequest.output_block_ids``, the ids a session's next prompt carries for
+  the answer) are stored under the prompt's last full block, marked decode
+  (``AccessInfo.decode_from_block``), if the policy can make room. A prompt whose last
+  block is partial caches that block too, as the Mooncake trace's hash ids do.
 - **Scheduling.** FCFS continuous batching with chunked prefill. A request is *admitted* when
   its uncached blocks fit: the engine looks its prompt up in its own cache, evicts unpinned
   blocks chosen by the policy to make room for the rest, and reserves that room; if the
@@ -31,7 +35,8 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8192 (vLLM's
 chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
 ``prefill_model`` = "linear", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
-0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0.
+0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0,
+``cache_decode`` = False.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class EngineParams:
     power_b: float = field(default=0.991, metadata={"help": "power law: batch exponent b"})
     power_c: float = field(default=1.018, metadata={"help": "power law: length exponent c"})
     tpot_ms: float = field(default=20.0, metadata={"help": "ms per output token after the first"})
+    cache_decode: bool = field(default=False, metadata={
+        "help": "cache a finished request's generated tokens (the full blocks they fill), as vLLM does"})
 
     def validate(self) -> None:
         if self.capacity_blocks < 0:
@@ -102,6 +109,7 @@ class Job:
         "hit_blocks",
         "index",
         "keys",
+        "output_keys",
         "pinned",
         "remaining",
         "req",
@@ -109,10 +117,13 @@ class Job:
         "route_overlap",
     )
 
-    def __init__(self, index: int, req: SimRequest, keys: list[int], est_uncached: int, route_overlap: int) -> None:
+    def __init__(self, index: int, req: SimRequest, keys: list[int], est_uncached: int, route_overlap: int,
+                 output_keys: list[int] | None = None) -> None:
         self.index = index
         self.req = req
         self.keys = keys
+        #: keys of the full blocks the request's generated tokens fill (cached with ``cache_decode``)
+        self.output_keys = output_keys or []
         self.est_uncached = est_uncached
         self.route_overlap = route_overlap
         self.hit_blocks = 0
@@ -202,8 +213,12 @@ class SimEngine:
         self.busy = False
         return done
 
-    def finish(self, job: Job) -> None:
-        """The request's last token is out: its blocks are no longer pinned."""
+    def finish(self, job: Job, now: float | None = None) -> None:
+        """The request's last token is out: with ``cache_decode`` the blocks its generated
+        tokens filled join the cache (as decode blocks, if room can be made), then its blocks
+        are no longer pinned."""
+        if self.params.cache_decode and job.output_keys and job.cached and now is not None:
+            self._store_output(job, now)
         pins = self.pins
         for k in job.pinned:
             n = pins[k] - 1
@@ -271,6 +286,26 @@ class SimEngine:
         self.evicted_blocks += len(victims)
         self.outbox.append(Removed(tuple(b.key for b in victims)))
         return True
+
+    def _store_output(self, job: Job, now: float) -> None:
+        req = job.req
+        full = req.input_tokens // self.block_tokens  # the prompt's full blocks; its partial tail is not reused
+        if full == 0 or not self.index.holds(0, job.keys[full - 1]):
+            return
+        keys = job.output_keys
+        cap = self.params.capacity_blocks
+        if cap:
+            new = sum(not self.index.holds(0, k) for k in keys)  # a session's next turn may have stored them
+            need = self.index.count(0) + self.reserved + new - cap
+            if need > 0 and not self._evict(need, job.keys, now):
+                return  # no room: the answer is simply not cached
+        parent = job.keys[full - 1]
+        blocks = self.index.store(0, parent, keys, now)
+        self.policy.on_stored(self.index, 0, blocks, AccessInfo(req.session_id, int(req.task), req.input_tokens, full,
+                                                                 decode_from_block=full), now)
+        bb = self._block_bytes
+        self.outbox.append(Stored(b"".join(bb(h) for h in req.output_block_ids), None, parent, self.block_tokens))
+        self.peak_blocks = max(self.peak_blocks, self.index.count(0))
 
     def _store(self, job: Job, now: float) -> None:
         self.reserved -= job.reserved

@@ -91,6 +91,10 @@ class SimRequest:
     block_ids: tuple[int, ...]
     session_id: str = ""
     task: TaskCategory = TaskCategory.UNSPECIFIED
+    #: ids of the full blocks prompt + output fill beyond the prompt's full blocks, for an
+    #: engine that caches generated tokens (``EngineParams.cache_decode``); a session's next
+    #: prompt carries the same ids for its answer. Empty when the source does not say.
+    output_block_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -175,7 +179,7 @@ def scale_to_rate(workload: Workload, rate: float) -> Workload:
     t0 = reqs[0].arrival_s
     factor = (len(reqs) - 1) / rate / workload.duration_s
     scaled = [SimRequest((r.arrival_s - t0) * factor, r.input_tokens, r.output_tokens, r.block_ids,
-                         r.session_id, r.task) for r in reqs]
+                         r.session_id, r.task, r.output_block_ids) for r in reqs]
     return Workload(workload.name, workload.block_tokens, scaled, {**workload.params, "rate": rate})
 
 
@@ -184,8 +188,8 @@ def scale_to_rate(workload: Workload, rate: float) -> Workload:
 class _Ids:
     """Fresh block ids; a prompt is a list of token segments, each owning its ids."""
 
-    def __init__(self) -> None:
-        self.next = 0
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
 
     def take(self, n: int) -> list[int]:
         start = self.next
@@ -218,6 +222,16 @@ class _Prompt:
         if self.tokens % self.bs:
             return tuple(self.full + ids.take(1))
         return tuple(self.full)
+
+
+#: single-turn answers take ids from their own range, so prompts keep the ids they had before
+#: answers had any (and every seeded workload its exact blocks)
+_OUTPUT_IDS_START = 1 << 48
+
+
+def _output_ids(ids: _Ids, prompt: _Prompt, output_tokens: int) -> tuple[int, ...]:
+    """Fresh ids for the full blocks a single-turn answer fills (nobody sends them again)."""
+    return tuple(prompt.extend(ids, output_tokens).full[prompt.tokens // prompt.bs:])
 
 
 def _poisson(rng: random.Random, n: int, rate: float) -> list[float]:
@@ -277,9 +291,12 @@ def _chat_session(rng: random.Random, ids: _Ids, start: float, rounds: int, bs: 
     out = []
     for _ in range(rounds):
         prompt = prompt.extend(ids, user_tokens)
-        out.append(SimRequest(t, prompt.tokens, output_tokens, prompt.block_ids(ids), session, task))
+        asked = prompt
+        block_ids = prompt.block_ids(ids)
         # the answer joins the history the next round sends back
         prompt = prompt.extend(ids, output_tokens)
+        out.append(SimRequest(t, asked.tokens, output_tokens, block_ids, session, task,
+                              tuple(prompt.full[asked.tokens // bs:])))
         t += rng.lognormvariate(math.log(think_median_s), think_sigma)
     return out
 
@@ -334,14 +351,15 @@ def tool_agent(rng: random.Random, *, rate: float = 8.0, requests: int = 4000, t
         raise ConfigError(f"tool_tokens must be positive lengths, got {list(tool_tokens)}")
     if len(user_tokens) != 2 or not 1 <= user_tokens[0] <= user_tokens[1]:
         raise ConfigError(f"user_tokens must be [min, max] with 1 <= min <= max, got {list(user_tokens)}")
-    ids = _Ids()
+    ids, out_ids = _Ids(), _Ids(_OUTPUT_IDS_START)
     prompts = [_Prompt(block_tokens).extend(ids, rng.choice(tuple(tool_tokens))) for _ in range(tools)]
     weights = _zipf_weights(tools, zipf_s)
     reqs = []
     for i, t in enumerate(_poisson(rng, requests, rate)):
         k = rng.choices(range(tools), weights)[0]
         p = prompts[k].extend(ids, rng.randint(user_tokens[0], user_tokens[1]))
-        reqs.append(SimRequest(t, p.tokens, output_tokens, p.block_ids(ids), f"t{k}r{i}", TaskCategory.AGENTIC))
+        reqs.append(SimRequest(t, p.tokens, output_tokens, p.block_ids(ids), f"t{k}r{i}", TaskCategory.AGENTIC,
+                               _output_ids(out_ids, p, output_tokens)))
     return Workload("toolagent", block_tokens, reqs, {"rate": rate, "tools": tools, "zipf_s": zipf_s})
 
 
@@ -354,7 +372,7 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
     for what, sigma in (("chat_gap_sigma", chat_gap_sigma), ("agent_gap_sigma", agent_gap_sigma)):
         if not sigma > 0:
             raise ConfigError(f"{what} must be > 0, got {sigma}")
-    ids = _Ids()
+    ids, out_ids = _Ids(), _Ids(_OUTPUT_IDS_START)
     bs = block_tokens
     agent_prompt = _Prompt(bs).extend(ids, 2048)
     code_templates = [_Prompt(bs).extend(ids, rng.choice((512, 1024, 2048))) for _ in range(templates)]
@@ -389,7 +407,7 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
             p, task = tool_templates[rng.choices(range(templates), weights)[0]].extend(ids, rng.randint(64, 512)), TaskCategory.TEMPLATED
         else:
             p, task = rng.choice(docs).extend(ids, rng.randint(32, 128)), TaskCategory.TEMPLATED
-        reqs.append(SimRequest(t, p.tokens, 64, p.block_ids(ids), f"single{i}", task))
+        reqs.append(SimRequest(t, p.tokens, 64, p.block_ids(ids), f"single{i}", task, _output_ids(out_ids, p, 64)))
     reqs.sort(key=lambda r: r.arrival_s)
     # every request falls in [0, horizon), horizon = requests / rate: the mean rate is ``rate``
     return Workload(name, bs, reqs, {"multi_turn_share": multi_turn_share, "requests": len(reqs)})

@@ -13,7 +13,7 @@ from kvrouterd.cli import main
 from kvrouterd.config import Config
 from kvrouterd.errors import ConfigError
 from kvrouterd.policies import registry
-from kvrouterd.protocols import CacheMode, WorkerState
+from kvrouterd.protocols import CacheMode, TaskCategory, WorkerState
 from kvrouterd.sim.cluster import ClusterSettings, Simulation, policy_spec, simulate
 from kvrouterd.sim.engine import EngineParams
 from kvrouterd.sim.metrics import cv, goodput, percentile
@@ -256,3 +256,50 @@ def test_session_end_reaches_the_router_and_the_engines_policies():
     signalled = [c.request_id for op, _, c, _ in sim.log if op == "complete" and c.session_ended]
     assert len(signalled) == len({r.session_id for r in wl.requests}) == 12
     assert sorted(ended) == sorted(2 * [*{r.session_id for r in wl.requests}])  # every engine heard every end
+
+
+def _decode_run(cache_decode: bool, eviction: str = "lru", capacity: int = 0) -> Simulation:
+    # turn 1: 8 prompt tokens (blocks 0, 1) and an 8-token answer filling blocks 10, 11;
+    # turn 2 sends the history back: 0, 1, 10, 11 and its own block 2
+    a = SimRequest(0.0, 8, 8, (0, 1), "s", TaskCategory.CHAT, (10, 11))
+    b = SimRequest(1.0, 20, 1, (0, 1, 10, 11, 2), "s", TaskCategory.CHAT, ())
+    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=cache_decode,
+                          capacity_blocks=capacity)
+    return Simulation(Config(), Workload("t", 4, [a, b]), ClusterSettings(workers=1, engine=engine, slo_ms=5.0),
+                      routing="round_robin", eviction=eviction)
+
+
+def test_cache_decode_caches_the_answer_for_the_next_turn_and_tells_the_router():
+    sim = _decode_run(True)
+    res = sim.run()
+    assert res.records[1].hit_blocks == 4  # the answer's two blocks too
+    assert _decode_run(False).run().records[1].hit_blocks == 2  # without it: the prompt's only
+    # the router's index heard the decode blocks through a Stored event
+    keys = sim.keys.keys((0, 1, 10, 11))
+    assert all(sim.router.index.holds(sim.router.workers.get("w0").slot, k) for k in keys)
+
+
+def test_cache_decode_marks_single_turn_answers_evict_first_for_unicache():
+    from kvrouterd.policies.eviction.unicache import EVICT_FIRST, STRUCTURAL
+
+    a = SimRequest(0.0, 8, 8, (0, 1), "q", TaskCategory.TEMPLATED, (10, 11))
+    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=True)
+    sim = Simulation(Config(), Workload("t", 4, [a]), ClusterSettings(workers=1, engine=engine, slo_ms=5.0),
+                     routing="round_robin", eviction="unicache")
+    sim.run()
+    policy = sim.engines[0].policy
+    prompt_keys, answer_keys = sim.keys.keys((0, 1)), sim.keys.keys((0, 1, 10, 11))[2:]
+    assert [policy.queue_of(0, k) for k in prompt_keys] == [STRUCTURAL, STRUCTURAL]
+    assert [policy.queue_of(0, k) for k in answer_keys] == [EVICT_FIRST, EVICT_FIRST]
+
+
+def test_cache_decode_counts_against_capacity():
+    # 3 blocks of room and turn 1's prompt pinned while it decodes: its two answer blocks do
+    # not fit, so they are not cached (turn 2 hits the prompt only) and the cache never
+    # holds more than 3 blocks
+    sim = _decode_run(True, capacity=3)
+    res = sim.run()
+    assert sim.engines[0].peak_blocks <= 3
+    assert res.records[1].hit_blocks == 2
+    # with room for them they are
+    assert _decode_run(True, capacity=5).run().records[1].hit_blocks == 4

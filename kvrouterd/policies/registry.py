@@ -147,6 +147,11 @@ def describe(kind: Kind, name: str) -> list[tuple[str, Any, str]]:
     _, params_cls = _lookup(kind, name)
     out = []
     for f in dataclasses.fields(params_cls):
-        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         out.append((f.name, default, str(f.metadata.get("help", ""))))
     return out

@@ -65,3 +65,8 @@ def test_min_ttft_can_score_the_pair() -> None:
     router, _ = make_router({"name": "compose", "scorer": "min_ttft"}, 4)
     d = router.route(request(prompt(3, 512, 0, 64))).decision
     assert d.attributes["scorer"] == "min_ttft" and len(d.candidates) == 2
+
+
+def test_described_defaults_are_the_real_ones() -> None:
+    described = {name: default for name, default, _ in registry.describe("routing", "compose")}
+    assert described == {"candidates": "dualmap", "scorer": "lbgr", "candidates_params": {}, "scorer_params": {}}

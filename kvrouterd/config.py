@@ -64,13 +64,16 @@ class WorkerConfig:
     mode: Literal["events", "approximate"] = "approximate"
     kv_events_endpoint: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    #: the engine's page size in tokens when it is not the router's block_size (SGLang's
+    #: default page is 1 token; vLLM may run 32 or 64): its events are re-chunked
+    block_size: int = 0
 
     def to_spec(self, block_size: int) -> WorkerSpec:
         return WorkerSpec(
             id=self.id,
             address=self.address,
             capacity_blocks=self.capacity_blocks,
-            block_size=block_size,
+            block_size=self.block_size or block_size,
             labels=dict(self.labels),
             mode=CacheMode.EVENTS if self.mode == "events" else CacheMode.APPROXIMATE,
             kv_events_endpoint=self.kv_events_endpoint,

@@ -3,7 +3,8 @@
     KVRouterError
     ├── ConfigError              bad configuration or policy parameters (start-up)
     ├── InvalidRequest           malformed input            -> INVALID_ARGUMENT
-    │   └── UnknownPolicy        names a policy not built   -> INVALID_ARGUMENT
+    │   ├── UnknownPolicy        names a policy not built   -> INVALID_ARGUMENT
+    │   └── RejectedEvent        one cache event the router cannot apply (``reason``)
     ├── NotFound                 unknown worker / request   -> NOT_FOUND
     ├── Conflict                 state forbids the call     -> FAILED_PRECONDITION
     │   └── NoEligibleWorker     nothing can serve it now   -> UNAVAILABLE
@@ -22,6 +23,7 @@ __all__ = [
     "NoEligibleWorker",
     "NotFound",
     "Overloaded",
+    "RejectedEvent",
     "UnknownPolicy",
 ]
 
@@ -40,6 +42,14 @@ class InvalidRequest(KVRouterError):
 
 class UnknownPolicy(InvalidRequest):
     """A policy name that is not registered or not configured."""
+
+
+class RejectedEvent(InvalidRequest):
+    """One cache event that cannot be applied; ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class NotFound(KVRouterError):

@@ -76,6 +76,10 @@ class Stored:
     block_size: int = 0
     model: str = ""
     lora: str = ""
+    #: hybrid KV-cache group that stored the blocks (vLLM ``group_idx``; None = one group)
+    group: int | None = None
+    #: the group's cache kind (vLLM ``kv_cache_spec_kind``), e.g. "full_attention"
+    group_kind: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +87,8 @@ class Removed:
     """The engine evicted these blocks (engine hashes, or kvrouterd keys for our SDK)."""
 
     engine_hashes: tuple[int, ...]
+    #: the hybrid KV-cache group that evicted them (None = the whole engine)
+    group: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +120,10 @@ class BatchOutcome:
     blocks_removed: int = 0
     orphan_blocks: int = 0  # stored blocks whose parent the router never saw
     unknown_removals: int = 0
+    #: events that could not be applied, by reason (the rest of the batch still was)
+    rejected: dict[str, int] = field(default_factory=dict)
+    #: a rejected event may have been a removal: the worker's view may hold stale blocks
+    lost_removal: bool = False
 
 
 @dataclass(slots=True)

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
-from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, UnknownPolicy
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, RejectedEvent, UnknownPolicy
+from .index.groups import GroupPresence
 from .index.keys import chain_keys, chain_keys_array, namespace_seed, tokens_to_bytes
+from .index.pages import PageChains
 from .index.radix import RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
@@ -51,6 +53,13 @@ log = logging.getLogger("kvrouterd.router")
 #: How many recently routed prompt blocks remember their request's AccessInfo, so that an
 #: engine's later Stored event for them reaches metadata-aware eviction policies (~150 B each).
 RECENT_ACCESS_KEYS = 1 << 17
+
+#: Engine batches in a row whose stored events were all rejected before the worker shows
+#: DEGRADED: one odd event is noise, a stream of them means the router's view is starving.
+REJECTING_AFTER = 3
+
+#: hybrid KV-cache groups per worker the router tracks (vLLM ``group_idx``)
+MAX_KV_GROUPS = 64
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,7 @@ class Router:
         self.counters: dict[str, int] = {
             "decisions": 0, "batches_applied": 0, "batches_duplicate": 0, "gaps": 0,
             "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
-            "unknown_removals": 0, "inflight_expired": 0, "approx_evicted": 0,
+            "unknown_removals": 0, "inflight_expired": 0, "approx_evicted": 0, "events_rejected": 0,
         }
 
     # ---- policies -------------------------------------------------------------------
@@ -462,50 +471,87 @@ class Router:
             policy.tick(now)
 
     # ---- cache events ---------------------------------------------------------------
+    def _page_size(self, worker: Worker, ev: Stored) -> int:
+        return ev.block_size or worker.spec.block_size or self.block_size
+
     def _prepare_stored(self, worker: Worker, ev: Stored) -> tuple[bytes, int]:
-        bs = ev.block_size or self.block_size
-        if bs != self.block_size:
-            raise InvalidRequest(
-                f"worker {worker.id!r}: stored block_size {bs} differs from the router's {self.block_size}"
-            )
+        """Check a Stored event before anything changes: ``(token bytes, router blocks)``.
+        Raises ``RejectedEvent`` (an ``InvalidRequest``) naming why it cannot be applied."""
+        page = self._page_size(worker, ev)
         data = ev.token_ids if isinstance(ev.token_ids, bytes) else tokens_to_bytes(ev.token_ids)
-        step = bs * 4
+        step = page * 4
         if not data or len(data) % step:
-            raise InvalidRequest(
-                f"worker {worker.id!r}: stored token_ids hold {len(data) // 4} tokens, not a positive multiple of block_size {bs}"
+            raise RejectedEvent(
+                "token_count",
+                f"worker {worker.id!r}: stored token_ids hold {len(data) // 4} tokens, not a positive multiple of "
+                f"the page size {page}",
             )
-        nblocks = len(data) // step
+        npages = len(data) // step
         hashes = ev.engine_hashes
-        if hashes is not None:
-            if len(hashes) != nblocks:
-                raise InvalidRequest(f"worker {worker.id!r}: {len(hashes)} engine hashes for {nblocks} blocks of tokens")
-            # the engine-hash map holds uint64s (wire and ZMQ decoding guarantee it; in-process
+        if hashes is None:
+            if page != self.block_size:
+                raise RejectedEvent(
+                    "no_engine_hashes",
+                    f"worker {worker.id!r}: pages of {page} tokens need engine hashes (the router's blocks hold "
+                    f"{self.block_size})",
+                )
+        else:
+            if len(hashes) != npages:
+                raise RejectedEvent("hash_count", f"worker {worker.id!r}: {len(hashes)} engine hashes for {npages} pages of tokens")
+            # the engine-hash maps hold uint64s (wire and ZMQ decoding guarantee it; in-process
             # callers are checked here, before anything changes)
             if min(hashes) < 0 or max(hashes) > _UINT64_MAX:
-                raise InvalidRequest(f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1")
-        return data, nblocks
+                raise RejectedEvent("hash_range", f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1")
+        if ev.group is not None and not 0 <= ev.group < MAX_KV_GROUPS:
+            raise RejectedEvent("group", f"worker {worker.id!r}: group_idx must be in [0, {MAX_KV_GROUPS}), got {ev.group}")
+        return data, len(data) // (self.block_size * 4)
 
-    def apply(self, batch: EventBatch) -> BatchOutcome:
+    def apply(self, batch: EventBatch, *, per_event: bool = False) -> BatchOutcome:
         """Apply one batch of cache events for a worker, in publisher order.
 
         Sequence rules (per worker): ``last+1`` is in order; a repeat of an applied number is
         a duplicate and ignored; ``0`` after a higher number is an engine restart (its cache
         is empty: state is cleared first); a jump forward is a gap: the lost batches are
         counted and the worker is marked DEGRADED until a ``Cleared`` resyncs it.
+
+        A batch is checked whole before it changes anything, and by default one event that
+        cannot be applied rejects the batch (the gRPC contract: a rejected call changes
+        nothing). Engine batches (``per_event=True``: vLLM / SGLang publish one batch per
+        scheduler step, mixing removals with stores) apply every valid event instead; the
+        others are counted by reason in the outcome and on the worker, so a rejected store
+        never costs the removals beside it. A worker whose stores keep being rejected is
+        DEGRADED (``REJECTING_AFTER`` batches in a row) until a batch stores cleanly.
         """
         worker = self.workers.get(batch.worker_id)
         if batch.sequence < 0:
             raise InvalidRequest("sequence must be >= 0")
         prepared: list[tuple[bytes, int] | None] = []
+        rejected: dict[str, int] = {}
+        stores_rejected = 0
         for ev in batch.events:
             if isinstance(ev, Stored):
-                prepared.append(self._prepare_stored(worker, ev))
-            elif isinstance(ev, (Removed, Cleared)):
+                try:
+                    prepared.append(self._prepare_stored(worker, ev))
+                except RejectedEvent as exc:
+                    if not per_event:
+                        raise
+                    rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
+                    stores_rejected += 1
+                    prepared.append(None)
+                    log.warning("stored event rejected: %s", exc, extra={"worker_id": worker.id, "reason": exc.reason})
+            elif isinstance(ev, Removed):
+                if ev.group is not None and not 0 <= ev.group < MAX_KV_GROUPS:
+                    if not per_event:
+                        raise InvalidRequest(f"worker {worker.id!r}: group_idx must be in [0, {MAX_KV_GROUPS})")
+                    # the removal still applies, to every group: better a missed hit than a stale block
+                    rejected["group"] = rejected.get("group", 0) + 1
+                prepared.append(None)
+            elif isinstance(ev, Cleared):
                 prepared.append(None)
             else:
                 raise InvalidRequest(f"unknown event type {type(ev).__name__}")
         last, seq = worker.last_sequence, batch.sequence
-        outcome = BatchOutcome(applied=True)
+        outcome = BatchOutcome(applied=True, rejected=rejected)
         if last >= 0 and seq <= last and not (seq == 0 and last > 0):
             self.counters["batches_duplicate"] += 1
             return BatchOutcome(applied=False, duplicate=True)
@@ -517,7 +563,7 @@ class Router:
         elif seq != last + 1 and not (last < 0 and seq == 0):
             outcome.gap = seq - last - 1 if last >= 0 else seq
             worker.gaps += 1
-            worker.state = WorkerState.DEGRADED if worker.state is not WorkerState.DRAINING else worker.state
+            self._degrade(worker, "event gap")
             self.counters["gaps"] += 1
             log.warning(
                 "event gap: %d batch(es) lost; worker degraded until resync",
@@ -525,17 +571,21 @@ class Router:
             )
         worker.last_sequence = seq
         now = self.clock.now()
+        stores_applied = 0
         for ev, prep in zip(batch.events, prepared):
             if isinstance(ev, Stored):
-                assert prep is not None
-                self._apply_stored(worker, ev, prep[0], outcome, now)
+                if prep is not None:
+                    self._apply_stored(worker, ev, prep[0], outcome, now)
+                    stores_applied += 1
             elif isinstance(ev, Removed):
                 self._apply_removed(worker, ev, outcome)
             else:
                 self._clear_worker(worker)
                 if worker.state is WorkerState.DEGRADED:
                     worker.state = WorkerState.READY
+                    worker.state_reason = ""
                     log.info("worker resynced by Cleared", extra={"worker_id": worker.id})
+        self._note_rejections(worker, rejected, stores_applied, stores_rejected)
         self.counters["batches_applied"] += 1
         worker.batches_applied += 1
         self.counters["blocks_stored"] += outcome.blocks_stored
@@ -544,7 +594,50 @@ class Router:
         self.counters["unknown_removals"] += outcome.unknown_removals
         return outcome
 
+    def _degrade(self, worker: Worker, reason: str) -> None:
+        if worker.state is not WorkerState.DRAINING:
+            worker.state = WorkerState.DEGRADED
+            worker.state_reason = reason
+
+    def note_rejected_events(self, worker_id: str, rejected: Mapping[str, int], *, lost_removal: bool = False) -> None:
+        """Count events an adapter could not even decode (``events/``), by reason. A lost
+        removal means the worker's view may hold blocks the engine evicted: DEGRADED until
+        the adapter resyncs it."""
+        worker = self.workers.get(worker_id)
+        self._note_rejections(worker, rejected, 0, sum(rejected.values()) if not lost_removal else 0)
+        if lost_removal:
+            self._degrade(worker, "removal lost")
+
+    def _note_rejections(self, worker: Worker, rejected: Mapping[str, int], stores_applied: int, stores_rejected: int) -> None:
+        counts = worker.events_rejected
+        for reason, n in rejected.items():
+            counts[reason] = counts.get(reason, 0) + n
+            self.counters["events_rejected"] += n
+        if stores_rejected and not stores_applied:
+            worker.rejecting_streak += 1
+            if worker.rejecting_streak >= REJECTING_AFTER and worker.state is WorkerState.READY:
+                self._degrade(worker, "stored events rejected")
+                log.warning("every recent stored event was rejected; worker degraded",
+                            extra={"worker_id": worker.id, "reasons": dict(counts)})
+        elif stores_applied and not stores_rejected:
+            worker.rejecting_streak = 0
+            if worker.state is WorkerState.DEGRADED and worker.state_reason == "stored events rejected":
+                worker.state = WorkerState.READY
+                worker.state_reason = ""
+
     def _apply_stored(self, worker: Worker, ev: Stored, data: bytes, outcome: BatchOutcome, now: float) -> None:
+        if ev.group is not None:
+            groups = worker.groups
+            if groups is None:
+                groups = worker.groups = GroupPresence()
+            groups.learn(ev.group, ev.group_kind)
+            assert ev.engine_hashes is not None or not groups.tracking
+            if not groups.stored(ev.group, ev.engine_hashes or (), self._engine_hash_held(worker)):
+                return  # a suffix-only group (sliding window): it cannot serve a prefix by itself
+        page = self._page_size(worker, ev)
+        if page != self.block_size:
+            self._apply_stored_pages(worker, ev, data, page, outcome, now)
+            return
         if ev.parent_engine_hash is None:
             parent_key, seed = None, namespace_seed(ev.model, ev.lora)
         else:
@@ -566,16 +659,57 @@ class Router:
                     mapping[eh] = key
                     if reverse is not None:
                         reverse[key] = eh
+        self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
+
+    def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: list[int], blocks: list[Any],
+                      outcome: BatchOutcome, now: float) -> None:
         info = self._stored_info(parent_key, keys) if self._recent_access else AccessInfo()
         self.eviction.on_stored(self.index, worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
+
+    def _apply_stored_pages(self, worker: Worker, ev: Stored, data: bytes, page: int, outcome: BatchOutcome,
+                            now: float) -> None:
+        """An engine whose pages are not the router's blocks (``index.pages``)."""
+        assert ev.engine_hashes is not None  # _prepare_stored checked it
+        chains = worker.pages
+        if chains is None:
+            chains = worker.pages = PageChains(self.block_size)
+        slot, index = worker.slot, self.index
+        chunk = chains.store(ev.engine_hashes, ev.parent_engine_hash, data, page,
+                             namespace_seed(ev.model, ev.lora), lambda key: index.holds(slot, key))
+        if chunk is None:
+            outcome.orphan_blocks += len(data) // (self.block_size * 4)
+            log.debug("stored pages with an unknown parent skipped", extra={"worker_id": worker.id})
+            return
+        if chunk.keys:
+            blocks = index.store(slot, chunk.parent_key, chunk.keys, now)
+            self._stored_hooks(worker, chunk.parent_key, chunk.keys, blocks, outcome, now)
+
+    def _engine_hash_held(self, worker: Worker) -> Any:
+        engine_keys, pages = worker.engine_keys, worker.pages
+        return lambda eh: eh in engine_keys or (pages is not None and eh in pages)
 
     def _apply_removed(self, worker: Worker, ev: Removed, outcome: BatchOutcome) -> None:
         mapping = worker.engine_keys
         slot = worker.slot
         index = self.index
         reverse = self._engine_hash_of.get(slot)
+        groups, pages = worker.groups, worker.pages
+        group = ev.group if ev.group is None or 0 <= ev.group < MAX_KV_GROUPS else None
+        held = self._engine_hash_held(worker) if groups is not None else None
         for eh in ev.engine_hashes:
+            if groups is not None and not groups.removed(group, eh, held):
+                continue  # another prefix-reusable group still holds the block
+            if pages is not None:
+                keys = pages.remove(eh)
+                if keys is not None:
+                    for key in keys:
+                        block = index.get(key)
+                        if block is not None and block.holders >> slot & 1:
+                            self.eviction.on_removed(index, slot, block)
+                            index.remove(slot, key)
+                            outcome.blocks_removed += 1
+                    continue
             key = mapping.pop(eh, eh)
             if reverse is not None and reverse.get(key) == eh:
                 del reverse[key]
@@ -590,6 +724,10 @@ class Router:
     def _clear_worker(self, worker: Worker) -> None:
         self.index.clear(worker.slot)
         worker.engine_keys.clear()
+        if worker.pages is not None:
+            worker.pages.clear()
+        if worker.groups is not None:
+            worker.groups.clear()
         self._engine_hash_of.pop(worker.slot, None)
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
@@ -608,8 +746,7 @@ class Router:
         if lost:
             worker.gaps += 1
             self.counters["gaps"] += 1
-            if worker.state is not WorkerState.DRAINING:
-                worker.state = WorkerState.DEGRADED
+            self._degrade(worker, "events lost beyond replay")
             log.warning("events lost beyond replay: worker state cleared and degraded", extra={"worker_id": worker_id})
         return worker
 

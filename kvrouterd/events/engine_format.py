@@ -16,8 +16,13 @@ Wire format (checked against vLLM's ``vllm/distributed/kv_events.py`` and SGLang
 
 Leniency, so a new engine version never takes the router down: every field except the type
 and ``block_hashes`` is optional, unknown fields and trailing positional fields are ignored,
-and unknown event types are skipped and counted (``DecodedBatch.skipped``). Anything else
-that does not fit raises ``MalformedPayload``; the subscriber counts it and skips the batch.
+and unknown event types are skipped and counted (``DecodedBatch.skipped``). An event that
+does not fit is counted by reason (``DecodedBatch.rejected``: ``malformed_stored``,
+``malformed_removed``, ...) and the rest of its batch is still decoded: vLLM publishes one
+batch per scheduler step, so a store we cannot read must never cost the removals beside it.
+An unreadable event that may have been a removal or a clear sets ``lost_removal`` (the
+subscriber then resyncs the worker). Only a batch whose envelope does not fit raises
+``MalformedPayload``.
 
 Block hashes arrive as unsigned 64-bit ints (vLLM default), signed int64 (SGLang) or raw
 bytes (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). They are normalised to one
@@ -37,8 +42,9 @@ so two prompts that differ only in image content share keys (a known approximati
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
@@ -57,10 +63,15 @@ __all__ = [
     "normalize_hash",
 ]
 
+log = logging.getLogger("kvrouterd.events.engine")
+
 GPU_MEDIUM = "GPU"
 _MASK64 = (1 << 64) - 1
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+_STORED_FIELDS = (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _CLEARED_FIELDS = ("medium",)
 
 
@@ -87,6 +98,10 @@ class DecodedBatch:
     tier_events: tuple[TierEvent, ...] = ()
     #: events of a type this version does not know (a newer engine); skipped on purpose
     skipped: int = 0
+    #: events that could not be decoded, by reason; the rest of the batch still applies
+    rejected: Mapping[str, int] = field(default_factory=dict)
+    #: an undecodable event may have been a removal or a clear: the view may now be stale
+    lost_removal: bool = False
 
 
 def normalize_hash(value: object) -> int:
@@ -134,6 +149,8 @@ def _fields(raw: Any, names: Sequence[str]) -> tuple[str, Mapping[str, Any]]:
 
 
 def _is_gpu(medium: object) -> bool:
+    if medium is not None and not isinstance(medium, (str, bytes)):
+        raise MalformedPayload(f"medium must be text, got {type(medium).__name__}")
     return medium is None or _text(medium).upper() == GPU_MEDIUM
 
 
@@ -162,7 +179,7 @@ def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
         medium = f.get("medium")
         if not _is_gpu(medium):
             return TierEvent(_text(medium).upper(), "removed", hashes)
-        return Removed(hashes)
+        return Removed(hashes, _group(f.get("group_idx")))
     if kind == "AllBlocksCleared":
         _, f = _fields(raw, _CLEARED_FIELDS)
         medium = f.get("medium")
@@ -190,6 +207,7 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored
     lora = _text(f.get("lora_name"))
     if not lora and f.get("lora_id") is not None:
         lora = _text(f.get("lora_id"))
+    kind = f.get("kv_cache_spec_kind")
     return Stored(
         token_ids=token_bytes,
         engine_hashes=hashes,
@@ -197,7 +215,17 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored
         block_size=block_size,
         model=model,
         lora=lora,
+        group=_group(f.get("group_idx")),
+        group_kind=None if kind is None else _text(kind),
     )
+
+
+def _group(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedPayload(f"group_idx must be a non-negative int, got {value!r}")
+    return value
 
 
 def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
@@ -222,17 +250,45 @@ def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
     gpu: list[CacheEvent] = []
     tiers: list[TierEvent] = []
     skipped = 0
+    rejected: dict[str, int] = {}
+    lost_removal = False
     for i, ev in enumerate(events):
         try:
             decoded = decode_event(ev, model)
-        except MalformedPayload as exc:
-            raise MalformedPayload(f"events[{i}]: {exc}") from None
-        except (TypeError, ValueError, UnicodeError) as exc:
-            raise MalformedPayload(f"events[{i}]: {exc}") from None
+        except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
+            # one bad event must not cost the others (a vLLM batch is a whole scheduler
+            # step: removals travel beside stores); the caller counts it and, if it may have
+            # been a removal, resyncs the worker
+            kind = _event_kind(ev)
+            reason = f"malformed_{_REASON_OF.get(kind, 'event')}"
+            rejected[reason] = rejected.get(reason, 0) + 1
+            if kind != "BlockStored":
+                lost_removal = True
+            log.warning("undecodable KV event skipped: events[%d]: %s", i, _clip(str(exc)))
+            continue
         if decoded is None:
             skipped += 1
         elif isinstance(decoded, TierEvent):
             tiers.append(decoded)
         else:
             gpu.append(decoded)
-    return DecodedBatch(float(ts or 0.0), rank, tuple(gpu), tuple(tiers), skipped)
+    return DecodedBatch(float(ts or 0.0), rank, tuple(gpu), tuple(tiers), skipped, rejected, lost_removal)
+
+
+_REASON_OF = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+
+
+def _event_kind(raw: Any) -> str:
+    """The type name of an event we could not decode, or "" if even that is unreadable."""
+    try:
+        if isinstance(raw, Mapping):
+            return _text(raw.get("type", raw.get(b"type")))
+        if isinstance(raw, (list, tuple)) and raw:
+            return _text(raw[0])
+    except Exception:  # a hostile key type; the kind stays unknown
+        pass
+    return ""
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

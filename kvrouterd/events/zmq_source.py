@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 from urllib.parse import unquote
@@ -65,6 +65,12 @@ END_SEQ = b"\xff" * 8
 
 ApplyFn = Callable[[EventBatch], BatchOutcome]
 ResetFn = Callable[[str, bool], object]
+#: (worker id, events rejected by reason, whether one may have been a removal)
+RejectedFn = Callable[[str, Mapping[str, int], bool], object]
+
+#: Least seconds between two rebuilds of a worker's view by replay after a lost removal,
+#: so an engine that keeps sending an undecodable removal cannot keep us replaying.
+RESYNC_MIN_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,8 @@ class SubscriberStats:
     desyncs: int = 0  # events lost beyond replay: worker cleared and degraded
     restarts: int = 0
     skipped_events: int = 0
+    rejected_events: int = 0  # undecodable events or events the router could not apply
+    resyncs: int = 0  # views rebuilt by replay from 0 after a lost removal
     dp_rank_mismatch: int = 0
     reconnects: int = 0
     silent: bool = False
@@ -207,12 +215,14 @@ class EndpointSubscriber:
         reset: ResetFn,
         ctx: zmq.asyncio.Context,
         clock: Clock,
+        rejected: RejectedFn | None = None,
     ) -> None:
         endpoint.validate()
         self.endpoint = endpoint
         self.config = config
         self._apply_fn = apply
         self._reset_fn = reset
+        self._rejected_fn = rejected
         self._ctx = ctx
         self._clock = clock
         self.stats = SubscriberStats()
@@ -221,6 +231,9 @@ class EndpointSubscriber:
         self._dup_lo = self._dup_hi = 0  # live batches in [lo, hi) were already replayed
         self._pending_clear = False
         self._started = False
+        self._needs_resync = False
+        self._rebuilding = False
+        self._last_resync_at: float | None = None
 
     @property
     def worker_id(self) -> str:
@@ -317,6 +330,39 @@ class EndpointSubscriber:
                 self._accept(seq, payload)
             else:
                 await self._recover(0, seq, payload, why="restart")
+        if self._needs_resync:
+            await self._resync()
+
+    async def _resync(self) -> None:
+        """Rebuild the worker's view by replaying from 0, after an event that may have been a
+        removal could not be used. Until it succeeds the worker stays DEGRADED (the router
+        marked it when the event was counted); a ``Cleared`` or an engine restart ends that too.
+        The rebuild reads the replayed batches again, so events it still cannot use are
+        counted again and keep the worker DEGRADED."""
+        self._needs_resync = False
+        now = self._clock.now()
+        if self._last_resync_at is not None and now - self._last_resync_at < RESYNC_MIN_INTERVAL_S:
+            return
+        self._last_resync_at = now
+        upto = self._expected or 0
+        replayed = await self._replay(0)
+        if not replayed or [rseq for rseq, _ in replayed if rseq < upto] != list(range(upto)):
+            log.warning("cannot rebuild the view by replay (the engine no longer buffers from 0); "
+                        "worker stays degraded until it clears its cache or restarts", extra={"worker_id": self.worker_id})
+            return
+        self._reset(lost=False)
+        self._pending_clear = True  # the rebuilt view starts empty and READY again...
+        self._handoff(DecodedBatch(0.0, None, ()))  # ...now, so a batch it still cannot use degrades it anew
+        self._rebuilding = True
+        try:
+            for rseq, rpayload in replayed:
+                if rseq >= upto:
+                    break
+                self._accept(rseq, rpayload)
+        finally:
+            self._rebuilding = False
+        self.stats.resyncs += 1
+        log.info("view rebuilt by replaying %d batch(es) after a lost removal", upto, extra={"worker_id": self.worker_id})
 
     async def _recover(self, start: int, seq: int, payload: bytes, why: str) -> None:
         """Replay [start, ...) from the engine, then go on after the message ``seq`` that
@@ -359,14 +405,31 @@ class EndpointSubscriber:
         except MalformedPayload as exc:
             self.stats.malformed += 1
             log.warning("malformed KV-event batch %d skipped: %s", seq, exc, extra={"worker_id": self.worker_id})
+            self._count_rejected({"malformed_batch": 1}, lost_removal=True)  # a whole step: removals too
             return
         self._handoff(decoded)
+
+    def _count_rejected(self, rejected: Mapping[str, int], lost_removal: bool) -> None:
+        self.stats.rejected_events += sum(rejected.values())
+        if self._rejected_fn is not None:
+            try:
+                self._rejected_fn(self.worker_id, rejected, lost_removal)
+            except KVRouterError as exc:
+                log.warning("cannot count rejected events: %s", exc, extra={"worker_id": self.worker_id})
+        if lost_removal and not self._rebuilding:
+            self._needs_resync = True
 
     def _handoff(self, decoded: DecodedBatch) -> None:
         stats = self.stats
         stats.skipped_events += decoded.skipped
+        noted: dict[str, int] = dict(decoded.rejected)
+        if decoded.skipped:
+            noted["unknown_type"] = decoded.skipped
         if decoded.dp_rank is not None and decoded.dp_rank != self.endpoint.dp_rank:
             stats.dp_rank_mismatch += 1
+            noted["dp_rank_mismatch"] = 1
+        if noted:
+            self._count_rejected(noted, decoded.lost_removal)
         if decoded.tier_events:
             self._track_tiers(decoded.tier_events)
         events: tuple[CacheEvent, ...] = decoded.events
@@ -375,11 +438,12 @@ class EndpointSubscriber:
         if not events:
             return
         try:
-            self._apply_fn(EventBatch(self.worker_id, self._router_seq, events))
+            outcome = self._apply_fn(EventBatch(self.worker_id, self._router_seq, events))
         except KVRouterError as exc:
             stats.rejected += 1
             log.warning("KV-event batch rejected by the router: %s", exc, extra={"worker_id": self.worker_id})
             return
+        stats.rejected_events += sum(outcome.rejected.values())
         self._router_seq += 1
         self._pending_clear = False
         stats.batches_applied += 1
@@ -455,8 +519,9 @@ class _WorkerLike(Protocol):
 class ZmqEventSource:
     """All ZMQ subscribers of one daemon: add/remove endpoints, run them under a TaskGroup.
 
-    ``apply(batch)`` and ``reset(worker_id, lost)`` are supplied by the host; the daemon passes
-    ``Router.apply`` (wrapped for telemetry) and ``Router.reset_events``.
+    ``apply(batch)``, ``reset(worker_id, lost)`` and ``rejected(worker_id, counts, lost_removal)``
+    are supplied by the host; the daemon passes ``Router.apply`` (per event, wrapped for
+    telemetry), ``Router.reset_events`` and ``Router.note_rejected_events``.
     """
 
     def __init__(
@@ -466,11 +531,13 @@ class ZmqEventSource:
         reset: ResetFn,
         clock: Clock | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        rejected: RejectedFn | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self._apply = apply
         self._reset = reset
+        self._rejected = rejected
         self._clock = clock or SystemClock()
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
@@ -480,7 +547,7 @@ class ZmqEventSource:
     def add(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
         """Start subscribing (replaces an existing subscriber for the same worker)."""
         self.remove(endpoint.worker_id)
-        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock)
+        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock, self._rejected)
         self.subscribers[endpoint.worker_id] = sub
         self._tasks[endpoint.worker_id] = asyncio.create_task(sub.run(), name=f"kv-events-{endpoint.worker_id}")
         log.info("subscribed to KV events", extra={"worker_id": endpoint.worker_id, "endpoint": endpoint.pub_address})

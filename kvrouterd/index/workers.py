@@ -14,13 +14,19 @@ from dataclasses import dataclass, field
 
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..protocols import CacheMode, WorkerState
+from .groups import GroupPresence
 from .native import u64_map
+from .pages import PageChains
 
 __all__ = ["MAX_WORKERS", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
 MAX_WORKERS = 4096
+
+#: Largest engine page (``block_size``) a worker may declare; engines use 1 to 256 tokens.
+#: Pages need not match the router's blocks: ``index.pages`` re-chunks them.
+MAX_PAGE_SIZE = 65536
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,7 +36,7 @@ class WorkerSpec:
     id: str
     address: str
     capacity_blocks: int = 0
-    block_size: int = 0  # 0 = the router's block size
+    block_size: int = 0  # the engine's page size in tokens; 0 = the router's block size
     labels: Mapping[str, str] = field(default_factory=dict)
     mode: CacheMode = CacheMode.APPROXIMATE
     kv_events_endpoint: str = ""
@@ -42,11 +48,8 @@ class WorkerSpec:
             raise InvalidRequest("worker.id must be at most 253 characters")
         if not self.address:
             raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
-        if self.block_size not in (0, router_block_size):
-            raise InvalidRequest(
-                f"worker {self.id!r}: block_size {self.block_size} differs from the router's "
-                f"{router_block_size}; run one router per block size"
-            )
+        if not 0 <= self.block_size <= MAX_PAGE_SIZE:
+            raise InvalidRequest(f"worker {self.id!r}: block_size must be in [0, {MAX_PAGE_SIZE}], got {self.block_size}")
         if self.capacity_blocks < 0:
             raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be >= 0")
 
@@ -57,23 +60,30 @@ class Worker:
     __slots__ = (
         "batches_applied",
         "engine_keys",
+        "events_rejected",
         "gaps",
+        "groups",
         "inflight_requests",
         "kv_utilization",
         "last_sequence",
+        "pages",
         "pending_prefill_tokens",
         "registered_at",
         "reported_queue",
+        "rejecting_streak",
         "reported_running",
         "slot",
         "spec",
         "state",
+        "state_reason",
     )
 
     def __init__(self, spec: WorkerSpec, slot: int, now: float) -> None:
         self.spec = spec
         self.slot = slot
         self.state = WorkerState.READY
+        #: why the worker is DEGRADED ("event gap", "removal lost", ...); "" otherwise
+        self.state_reason = ""
         self.inflight_requests = 0
         self.pending_prefill_tokens = 0
         self.reported_queue = 0
@@ -87,6 +97,14 @@ class Worker:
         self.gaps = 0
         #: event batches applied (duplicates excluded)
         self.batches_applied = 0
+        #: cache events that could not be applied, by reason (``errors.RejectedEvent.reason``)
+        self.events_rejected: dict[str, int] = {}
+        #: engine batches in a row whose stored events were all rejected
+        self.rejecting_streak = 0
+        #: engine pages that are not the router's blocks, and hybrid KV-group presence;
+        #: created on first use (``index.pages``, ``index.groups``)
+        self.pages: PageChains | None = None
+        self.groups: GroupPresence | None = None
         self.registered_at = now
 
     @property

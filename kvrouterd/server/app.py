@@ -163,8 +163,9 @@ class Daemon:
         the first pod listing is applied before the daemon reports SERVING."""
         self.events = ZmqEventSource(
             self.config.events,
-            apply=self.service.apply_batch,
+            apply=lambda batch: self.service.apply_batch(batch, per_event=True),
             reset=lambda worker_id, lost: self.router.reset_events(worker_id, lost=lost),
+            rejected=lambda worker_id, counts, lost: self.router.note_rejected_events(worker_id, counts, lost_removal=lost),
         )
         self.ops_metrics.add_event_source(self.events.stats)
         self.service.on_membership_change = self._membership_changed

@@ -169,6 +169,8 @@ def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Wo
         inflight_requests=worker.inflight_requests,
         pending_prefill_tokens=max(0, worker.pending_prefill_tokens),
         kv_events_endpoint=s.kv_events_endpoint,
+        state_reason=worker.state_reason,
+        events_rejected=worker.events_rejected,
     )
 
 

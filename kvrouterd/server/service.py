@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import NoReturn
 
 import grpc
@@ -131,12 +131,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             summary.gaps_detected += 1 if outcome.gap else 0
         return summary
 
-    def apply_batch(self, batch: EventBatch) -> BatchOutcome:
+    def apply_batch(self, batch: EventBatch, per_event: bool = False) -> BatchOutcome:
         """Apply one engine batch with its span and metrics: the gRPC stream and the ZMQ
-        subscribers both come through here."""
+        subscribers both come through here (ZMQ engine batches event by event: ``Router.apply``)."""
         with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
             try:
-                outcome = self.router.apply(batch)
+                outcome = self.router.apply(batch, per_event=per_event)
             except KVRouterError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 self.metrics.event_batches.add(1, {"outcome": "rejected"})
@@ -220,6 +220,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             decisions_by_policy=dict(r.decisions_by_policy),
             event_batches_applied=r.counters["batches_applied"],
             event_gaps=r.counters["gaps"],
+            events_rejected=_sum_by_reason(w.events_rejected for w in r.workers),
         )
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
@@ -230,3 +231,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         for w in self.router.workers:
             mode = "events" if w.mode is CacheMode.EVENTS else "approximate"
             yield w.id, mode, w.state.name.lower(), self.router.index.count(w.slot)
+
+
+def _sum_by_reason(per_worker: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counts in per_worker:
+        for reason, n in counts.items():
+            total[reason] = total.get(reason, 0) + n
+    return total

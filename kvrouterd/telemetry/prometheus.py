@@ -20,6 +20,7 @@ they cost nothing per request:
   ``kvrouter_prefix_achieved_blocks_total`` / ``kvrouter_prefix_reachable_blocks_total``:
   the block-weighted version (achieved over reachable = prefix hit efficiency).
 * per worker: ``kvrouter_worker_event_batches_total``, ``kvrouter_worker_event_gaps_total``,
+  ``kvrouter_worker_events_rejected_total{reason}`` (events not applied, the rest of their batch was),
   ``kvrouter_worker_event_replays_total{outcome}`` (ZMQ sources), ``kvrouter_worker_inflight_requests``,
   ``kvrouter_worker_pending_prefill_tokens``, ``kvrouter_worker_reported_queue``.
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
@@ -160,6 +161,11 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
 
         return observe
 
+    def rejected_events(_: CallbackOptions) -> Iterable[Observation]:
+        for w in list(router.workers):
+            for reason, n in list(w.events_rejected.items()):
+                yield Observation(n, {"worker": w.id, "reason": reason})
+
     def replays(_: CallbackOptions) -> Iterable[Observation]:
         for source in list(ops.event_sources):
             for worker_id, st in source().items():
@@ -197,6 +203,10 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     )
     meter.create_observable_counter(
         "kvrouter.worker.event_replays", [replays], description="event replays requested from engines, by outcome"
+    )
+    meter.create_observable_counter(
+        "kvrouter.worker.events_rejected", [rejected_events],
+        description="cache events not applied (undecodable, malformed, unknown type, rank mismatch), by reason",
     )
     meter.create_observable_gauge(
         "kvrouter.worker.inflight_requests", [per_worker("inflight_requests")],

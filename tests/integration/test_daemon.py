@@ -165,7 +165,7 @@ async def test_evict_hint_over_grpc(running):
         ("ReportLoad", pb.ReportLoadRequest(worker_id="a", kv_utilization=1.5), grpc.StatusCode.INVALID_ARGUMENT),
         ("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id="ghost"), grpc.StatusCode.NOT_FOUND),
         ("RegisterWorker", pb.RegisterWorkerRequest(worker=pb.Worker(id="x")), grpc.StatusCode.INVALID_ARGUMENT),
-        ("RegisterWorker", pb.RegisterWorkerRequest(worker=pb.Worker(id="x", address="h:1", block_size=32)),
+        ("RegisterWorker", pb.RegisterWorkerRequest(worker=pb.Worker(id="x", address="h:1", block_size=70_000)),
          grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
@@ -191,7 +191,7 @@ async def test_malformed_batch_rejected_without_applying_it(running):
     bad = pb.EventBatch(worker_id="a", sequence=1, events=[stored(list(range(20)), [2], parent=1)])  # 20 tokens: not whole blocks
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await publish(stub, good, bad)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_size" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page size 16" in err.value.details()
     w = running.router.workers.get("a")
     assert running.router.index.count(w.slot) == 1 and w.last_sequence == 0
 

@@ -125,7 +125,11 @@ async def env():
     router = Router(RouterSettings(block_size=BS), ManualClock())
     router.add_worker(WorkerSpec(id="w", address="w:1", mode=CacheMode.EVENTS))
     cfg = ZmqEventsConfig(topic="kv@", silence_s=5.0, replay_timeout_s=0.5, other_media="track")
-    source = ZmqEventSource(cfg, router.apply, lambda wid, lost: router.reset_events(wid, lost=lost), ctx=ctx)
+    # wired as the daemon wires it (server/app.py): engine batches apply event by event
+    source = ZmqEventSource(
+        cfg, lambda batch: router.apply(batch, per_event=True), lambda wid, lost: router.reset_events(wid, lost=lost),
+        ctx=ctx, rejected=lambda wid, counts, lost: router.note_rejected_events(wid, counts, lost_removal=lost),
+    )
     engines: list[FakeEngine] = []
 
     async def start(**kw) -> FakeEngine:
@@ -291,12 +295,20 @@ async def test_malformed_messages_are_counted_and_skipped_never_fatal(env):
     await engine.publish(engine.stored("nope", tokens(0, 1)))  # hashes not a list
     await engine.pub.send_multipart([TOPIC, b"short", b"x"])  # bad sequence frame
     await engine.pub.send_multipart([TOPIC])  # too few frames
-    await engine.publish(engine.stored([1], tokens(0, 3)))  # 3 blocks' tokens for 1 hash: router rejects
+    await engine.publish(engine.stored([1], tokens(0, 3)))  # 3 blocks' tokens for 1 hash: router rejects it
     await engine.publish(engine.stored([5], tokens(40, 1)))
     await until(lambda: sub.stats.last_sequence == 3)
-    assert sub.stats.malformed == 4 and sub.stats.rejected == 1 and sub.stats.gaps == 0
-    assert sub.stats.batches_applied == 1
-    assert router.index.count(router.workers.get("w").slot) == 1
+    # the bad frames and the undecodable batch are counted; the bad events inside good
+    # batches are rejected one by one, and their batches still count as applied
+    # the undecodable batch may have held removals: the view is rebuilt by replay from 0,
+    # which reads that batch again (so it is counted twice) and cannot fix it: DEGRADED
+    assert sub.stats.resyncs == 1
+    assert sub.stats.malformed == 4 and sub.stats.rejected == 0 and sub.stats.gaps == 0
+    assert sub.stats.rejected_events == 4 and sub.stats.batches_applied == 3
+    worker = router.workers.get("w")
+    assert worker.events_rejected == {"malformed_batch": 2, "malformed_stored": 1, "hash_count": 1}
+    assert worker.state is WorkerState.DEGRADED and worker.state_reason == "removal lost"
+    assert router.index.count(worker.slot) == 1
 
 
 async def test_other_media_are_tracked_apart_from_the_gpu_view(env):

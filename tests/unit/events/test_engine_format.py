@@ -51,7 +51,7 @@ def test_map_form_with_unknown_and_newer_fields():
     batch = decode_payload(payload)
     assert batch.dp_rank == 2
     stored, removed = batch.events
-    assert stored == Stored(tokens_to_bytes(TOKENS), (21, 22), 20, 4, "", "sql")
+    assert stored == Stored(tokens_to_bytes(TOKENS), (21, 22), 20, 4, "", "sql", group=0)
     assert removed == Removed((22,))
 
 
@@ -130,31 +130,46 @@ def test_unknown_event_types_are_skipped_and_counted():
         msgpack.packb([1.0, "not a list", 0]),
         msgpack.packb(["yesterday", [], 0]),
         msgpack.packb([1.0, [], "rank"]),
-        pack([{"block_hashes": [1]}]),  # no type
-        pack([[]]),
-        pack([7]),
-        pack([{"type": "BlockStored", "token_ids": TOKENS}]),  # no hashes
-        pack([["BlockRemoved"]]),
-        pack([["BlockRemoved", [1.5], None]]),  # float hash
-        pack([["BlockRemoved", [True], None]]),
-        pack([["BlockRemoved", "abc", None]]),
-        pack([["BlockStored", [1], None, None, 4, None, None]]),  # no tokens
-        pack([["BlockStored", [1], None, [-1, 2, 3, 4], 4, None, None]]),
-        pack([["BlockStored", [1], None, [2**32, 2, 3, 4], 4, None, None]]),
-        pack([["BlockStored", [1], None, ["a", 2, 3, 4], 4, None, None]]),
-        pack([["BlockStored", [1], None, TOKENS[:4], -4, None, None]]),
-        pack([["BlockStored", [1], 1.5, TOKENS[:4], 4, None, None]]),  # float parent
     ],
 )
-def test_malformed_payloads_raise_the_specific_error(payload):
+def test_malformed_batches_raise_the_specific_error(payload):
     with pytest.raises(MalformedPayload):
         decode_payload(payload)
 
 
-def test_a_malformed_event_names_its_position():
-    with pytest.raises(MalformedPayload, match=r"events\[1\]"):
-        decode_payload(pack([["AllBlocksCleared"], ["BlockRemoved", [None], None]]))
+REMOVAL_BESIDE = ["BlockRemoved", [77], None]
 
+
+@pytest.mark.parametrize(
+    ("bad_event", "reason", "lost_removal"),
+    [
+        ({"block_hashes": [1]}, "malformed_event", True),  # no type: it may have been a removal
+        ([], "malformed_event", True),
+        (7, "malformed_event", True),
+        ({"type": "BlockStored", "token_ids": TOKENS}, "malformed_stored", False),  # no hashes
+        (["BlockRemoved"], "malformed_removed", True),
+        (["BlockRemoved", [1.5], None], "malformed_removed", True),  # float hash
+        (["BlockRemoved", [True], None], "malformed_removed", True),
+        (["BlockRemoved", "abc", None], "malformed_removed", True),
+        (["BlockStored", [1], None, None, 4, None, None], "malformed_stored", False),  # no tokens
+        (["BlockStored", [1], None, [-1, 2, 3, 4], 4, None, None], "malformed_stored", False),
+        (["BlockStored", [1], None, [2**32, 2, 3, 4], 4, None, None], "malformed_stored", False),
+        (["BlockStored", [1], None, ["a", 2, 3, 4], 4, None, None], "malformed_stored", False),
+        # SGLang EAGLE "bigram" pages carry token pairs, which the router cannot key
+        (["BlockStored", [1], None, [[1, 2], [2, 3]], 2, None, None], "malformed_stored", False),
+        (["BlockStored", [1], None, TOKENS[:4], -4, None, None], "malformed_stored", False),
+        (["BlockStored", [1], 1.5, TOKENS[:4], 4, None, None], "malformed_stored", False),  # float parent
+        ({"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "group_idx": -1}, "malformed_stored", False),
+        (["AllBlocksCleared", 5], "malformed_cleared", True),  # medium must be text
+    ],
+)
+def test_a_bad_event_is_counted_and_never_costs_the_rest_of_its_batch(bad_event, reason, lost_removal):
+    """vLLM publishes one batch per scheduler step: a removal beside an event we cannot
+    read must still be applied (issue #11 item 1)."""
+    batch = decode_payload(pack([REMOVAL_BESIDE, bad_event, ["AllBlocksCleared"]]))
+    assert batch.events == (Removed((77,)), Cleared())
+    assert batch.rejected == {reason: 1}
+    assert batch.lost_removal is lost_removal
 
 def test_map_keys_packed_as_bytes_are_accepted():
     payload = msgpack.packb([0.0, [{b"type": "BlockRemoved", b"block_hashes": [4]}], 0], use_bin_type=True)

@@ -146,7 +146,7 @@ class EvictHintResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., exhausted: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint")
+    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint", "state_reason", "events_rejected")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,13 @@ class Worker(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EventsRejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +172,8 @@ class Worker(_message.Message):
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     capacity_blocks: int
@@ -176,7 +185,9 @@ class Worker(_message.Message):
     inflight_requests: int
     pending_prefill_tokens: int
     kv_events_endpoint: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ...) -> None: ...
+    state_reason: str
+    events_rejected: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., state_reason: _Optional[str] = ..., events_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -293,8 +304,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps")
+    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps", "events_rejected")
     class DecisionsByPolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EventsRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +326,7 @@ class GetStatsResponse(_message.Message):
     DECISIONS_BY_POLICY_FIELD_NUMBER: _ClassVar[int]
     EVENT_BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EVENT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     default_routing_policy: str
@@ -315,7 +334,8 @@ class GetStatsResponse(_message.Message):
     decisions_by_policy: _containers.ScalarMap[str, int]
     event_batches_applied: int
     event_gaps: int
-    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ...) -> None: ...
+    events_rejected: _containers.ScalarMap[str, int]
+    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., events_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ExportIndexRequest(_message.Message):
     __slots__ = ("worker_ids", "max_blocks_per_chunk")

@@ -1,0 +1,213 @@
+"""Engine batches as vLLM (0.11, 0.23, 0.26) and SGLang encode them, over real ZMQ sockets.
+
+Each test publishes the bytes an engine version publishes (``engine_wire``) from a real PUB
+socket, through the subscriber, sequencing and replay, into the router (issue #11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.events import ZmqEndpoint, ZmqEventsConfig, ZmqEventSource
+from kvrouterd.index.keys import block_keys
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.protocols import CacheMode, WorkerState
+from kvrouterd.router import Router, RouterSettings
+from tests.integration.engine_wire import ALL_ENGINES, VLLM_026, EngineWire
+from tests.integration.test_zmq_events import FakeEngine
+
+BS = 16  # the router's block size, as deployed
+MODEL = "m"
+
+Env = tuple[Router, ZmqEventSource, Callable[[EngineWire], Awaitable[FakeEngine]]]
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    ctx = zmq.asyncio.Context()
+    router = Router(RouterSettings(block_size=BS), ManualClock())
+    router.add_worker(WorkerSpec(id="w", address="w:1", mode=CacheMode.EVENTS))
+    source = ZmqEventSource(  # wired as server/app.py wires it
+        ZmqEventsConfig(topic="kv@", silence_s=5.0, replay_timeout_s=0.5),
+        lambda batch: router.apply(batch, per_event=True),
+        lambda wid, lost: router.reset_events(wid, lost=lost),
+        ctx=ctx,
+        rejected=lambda wid, counts, lost: router.note_rejected_events(wid, counts, lost_removal=lost),
+    )
+    engines: list[FakeEngine] = []
+
+    async def start(wire: EngineWire) -> FakeEngine:
+        engine = FakeEngine(ctx, new_replay_layout=wire.new_replay_layout)
+        engines.append(engine)
+        source.add(ZmqEndpoint("w", engine.endpoint, engine.replay_endpoint, model=MODEL))
+        await engine.wait_subscribed()
+        return engine
+
+    yield router, source, start
+    await source.close()
+    for e in engines:
+        await e.close()
+    ctx.term()
+
+
+def prompt(start: int, tokens: int) -> list[int]:
+    return list(range(start, start + tokens))
+
+
+def matched(router: Router, tokens: list[int]) -> int:
+    """Router blocks of ``tokens`` the worker holds as a prefix."""
+    keys = block_keys(tokens, BS, MODEL)
+    return router.index.match(keys, 1 << router.workers.get("w").slot).overlaps.get(0, 0)
+
+
+async def publish(engine: FakeEngine, wire: EngineWire, *events: Any, drop: bool = False) -> int:
+    return await engine.publish(raw=wire.batch(*events), drop=drop)
+
+
+async def applied(source: ZmqEventSource, seq: int) -> None:
+    await until(lambda: source.subscribers["w"].stats.last_sequence == seq)
+
+
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_store_the_router_cannot_take_never_costs_the_removal_beside_it(env: Env, wire: EngineWire) -> None:
+    router, source, start = env
+    engine = await start(wire)
+    page = wire.default_page
+    tokens = prompt(1000, 2 * BS)
+    hashes = [0xA000 + i for i in range(2 * BS // page)]
+    await publish(engine, wire, wire.stored(hashes, tokens))
+    await applied(source, 0)
+    assert matched(router, tokens) == 2
+    # one scheduler step: the engine evicts the second block and stores an EAGLE "bigram"
+    # page (token pairs) the router cannot key
+    # page the router cannot key, and a store whose hashes do not match its pages
+    bigram = wire.stored([0xB001], [[5, 6]] * page, page=page)
+    miscounted = wire.stored([0xB002, 0xB003], prompt(9000, page), page=page)
+    await publish(engine, wire, bigram, wire.removed(hashes[len(hashes) // 2:]), miscounted)
+    await applied(source, 1)
+    worker = router.workers.get("w")
+    assert matched(router, tokens) == 1  # the removal was applied
+    assert worker.events_rejected == {"malformed_stored": 1, "hash_count": 1}
+    assert worker.state is WorkerState.READY  # a skipped store leaves no stale block
+
+
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_worker_whose_stores_are_all_rejected_does_not_look_healthy(env: Env, wire: EngineWire) -> None:
+    router, source, start = env
+    engine = await start(wire)
+    page = wire.default_page
+    for i in range(3):
+        await publish(engine, wire, wire.stored([0xC000 + i], [[1, 2]] * page, page=page))
+    await applied(source, 2)
+    worker = router.workers.get("w")
+    assert worker.state is WorkerState.DEGRADED and worker.state_reason == "stored events rejected"
+    await publish(engine, wire, wire.stored([0xD000 + i for i in range(BS // page)], prompt(0, BS)))
+    await applied(source, 3)
+    assert worker.state is WorkerState.READY and worker.events_rejected == {"malformed_stored": 3}
+
+
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+@pytest.mark.parametrize("page", [1, 4, 32, 64])
+async def test_engine_pages_of_any_size_map_onto_router_blocks(env: Env, wire: EngineWire, page: int) -> None:
+    """SGLang's default page is 1 token, vLLM runs 32- or 64-token blocks: the router re-chunks
+    the tokens into its 16-token blocks and still applies removals page by page."""
+    router, source, start = env
+    engine = await start(wire)
+    tokens = prompt(5000, 128)  # 8 router blocks
+    npages = len(tokens) // page
+    hashes = [0xE000 + i for i in range(npages)]
+    # stored in two chains, split mid-block for small pages, as a prefix grows over two steps
+    cut = npages // 2 + (1 if page < BS else 0)
+    await publish(engine, wire, wire.stored(hashes[:cut], tokens[: cut * page], page=page))
+    await publish(engine, wire, wire.stored(hashes[cut:], tokens[cut * page:], hashes[cut - 1], page=page))
+    await applied(source, 1)
+    assert matched(router, tokens) == 8
+    # the engine evicts the page holding token 80 (router block 5): blocks 0-4 stay a prefix
+    victim = 80 // page
+    await publish(engine, wire, wire.removed([hashes[victim]]))
+    await applied(source, 2)
+    assert matched(router, tokens) == victim * page // BS
+    worker = router.workers.get("w")
+    assert worker.events_rejected == {} and worker.state is WorkerState.READY
+
+
+async def test_hybrid_groups_a_sliding_window_eviction_keeps_the_prefix(env: Env) -> None:
+    """vLLM >= 0.24 hybrid models: every group reports the same hashes (issue #11 item 2)."""
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    tokens = prompt(300, 3 * BS)
+    hashes = [0xF001, 0xF002, 0xF003]
+    await publish(engine, wire,
+                  wire.stored(hashes, tokens, group=0, kind="full_attention"),
+                  wire.stored(hashes, tokens, group=1, kind="sliding_window"))
+    await applied(source, 0)
+    assert matched(router, tokens) == 3
+    # the window slides past the first two blocks: full attention still holds them
+    await publish(engine, wire, wire.removed(hashes[:2], group=1))
+    await applied(source, 1)
+    assert matched(router, tokens) == 3
+    # full attention evicts the last block: the prefix now ends at block 2
+    await publish(engine, wire, wire.removed(hashes[2:], group=0))
+    await applied(source, 2)
+    assert matched(router, tokens) == 2
+    # blocks only a sliding-window group stores cannot serve a prefix on their own
+    other = prompt(900, BS)
+    await publish(engine, wire, wire.stored([0xF101], other, group=1, kind="sliding_window"))
+    await applied(source, 3)
+    assert matched(router, other) == 0
+    # and a removal with no group drops a block from every group
+    await publish(engine, wire, wire.removed(hashes[:1]))
+    await applied(source, 4)
+    assert matched(router, tokens) == 0
+
+
+async def test_a_lost_removal_degrades_and_rebuilds_the_view_by_replay(env: Env) -> None:
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    tokens = prompt(0, 2 * BS)
+    await publish(engine, wire, wire.stored([1, 2], tokens))
+    # a removal whose hashes cannot be read (a float): it may have evicted anything
+    await publish(engine, wire, {"type": "BlockRemoved", "block_hashes": [1.5], "medium": None})
+    await applied(source, 1)
+    worker = router.workers.get("w")
+    sub = source.subscribers["w"]
+    await until(lambda: sub.stats.resyncs == 1)
+    # the replay brings the same unreadable removal: the view stays DEGRADED, not silently READY
+    assert worker.state is WorkerState.DEGRADED and worker.state_reason == "removal lost"
+    assert worker.events_rejected["malformed_removed"] == 2
+    # the engine clears its cache: the view is right again
+    await publish(engine, wire, wire.cleared(), wire.stored([3], prompt(7000, BS)))
+    await applied(source, 2)
+    assert worker.state is WorkerState.READY and matched(router, prompt(7000, BS)) == 1
+
+
+async def test_rejected_events_survive_a_gap_replay_in_the_old_replay_layout(env: Env) -> None:
+    """vLLM <= 0.25 replays ``[b"", seq, payload]``; the replayed batch is applied event by event too."""
+    router, source, start = env
+    wire = ALL_ENGINES[0]
+    engine = await start(wire)
+    tokens = prompt(100, 2 * BS)
+    await publish(engine, wire, wire.stored([1, 2], tokens))
+    await publish(engine, wire, wire.removed([2]), wire.stored([9], [[1, 2]] * BS), drop=True)  # lost live
+    await publish(engine, wire, wire.stored([3], prompt(4000, BS)))
+    await applied(source, 2)
+    assert source.subscribers["w"].stats.replays_ok == 1
+    assert matched(router, tokens) == 1
+    assert router.workers.get("w").events_rejected == {"malformed_stored": 1}

@@ -83,3 +83,37 @@ async def test_discovered_pods_become_workers_before_serving_and_follow_the_clus
     finally:
         await daemon.stop(0)
         await api.stop()
+
+
+async def test_rejected_engine_events_show_in_list_workers_get_stats_and_metrics():
+    """Issue #11 item 4: what the router could not apply is visible where operators look."""
+    from tests.integration.engine_wire import VLLM_026
+    from tests.integration.test_metrics_endpoint import _get, sample
+
+    ctx = zmq.asyncio.Context()
+    engine = FakeEngine(ctx)
+    cfg = parse_config({"listen": "127.0.0.1:0", "block_size": BS, "metrics": {"listen": "127.0.0.1:0"},
+                        "events": {"topic": "kv@", "replay_timeout_s": 0.5}})
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = router_pb2_grpc.KVRouterStub(ch)
+            await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
+                id="gpu", address="gpu:8000", mode=pb.CACHE_STATE_MODE_EVENTS, kv_events_endpoint=engine.endpoint)))
+            await engine.wait_subscribed()
+            wire = VLLM_026
+            for _ in range(3):  # a stream of stores the router cannot key: token pairs
+                await engine.publish(raw=wire.batch(wire.stored([7], [[1, 2]] * BS, page=BS)))
+            await eventually(lambda: daemon.events.subscribers["gpu"].stats.last_sequence == 2)
+            listed = (await stub.ListWorkers(pb.ListWorkersRequest())).workers[0]
+            assert dict(listed.events_rejected) == {"malformed_stored": 3}
+            assert listed.state == pb.WORKER_STATE_DEGRADED and listed.state_reason == "stored events rejected"
+            stats = await stub.GetStats(pb.GetStatsRequest())
+            assert dict(stats.events_rejected) == {"malformed_stored": 3}
+            _, _, text = await asyncio.to_thread(_get, daemon.metrics_endpoint.port)
+            assert sample(text, "kvrouter_worker_events_rejected_total", worker="gpu", reason="malformed_stored") == 3
+    finally:
+        await daemon.stop(0)
+        await engine.close()
+        ctx.term()

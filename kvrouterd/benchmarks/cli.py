@@ -7,6 +7,8 @@
 Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-token prompt,
 64 workers, 10^6 indexed blocks: hash + match + policy), ``grpc_route_vs_trivial_ratio``
 (daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
+``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
+RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
 """
@@ -82,16 +84,24 @@ def run(args: argparse.Namespace) -> int:
             runs.append(route_throughput(64, blocks, seconds, prompt))
         ratios = [x["daemon"]["inflight_64"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         ratios1 = [x["daemon"]["inflight_1"]["rps"] / x["trivial"]["inflight_1"]["rps"] for x in runs]
+        stream_ratios = [x["daemon"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         mid = runs[ratios.index(statistics.median(ratios))] if len(runs) % 2 else runs[-1]
         result["grpc_runs"] = runs
         result["grpc_route_vs_trivial_ratio"] = statistics.median(ratios)
         result["grpc_route_vs_trivial_ratio_inflight_1"] = statistics.median(ratios1)
+        result["grpc_stream_route_rps"] = statistics.median(x["daemon"]["stream_8x8"]["rps"] for x in runs)
+        result["grpc_stream_route_vs_trivial_unary_ratio"] = statistics.median(stream_ratios)
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
                 rows.append((f"gRPC Route {who}, {n} in flight", f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
         rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"))
         rows.append(("gRPC Route daemon/trivial ratio, 1 in flight", f"{statistics.median(ratios1):.2f}"))
+        m = mid["daemon"]["stream_8x8"]
+        rows.append(("gRPC RouteStream daemon, 64 in flight over 8 streams",
+                     f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+        rows.append(("gRPC RouteStream daemon / trivial unary ratio",
+                     f"{statistics.median(stream_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in stream_ratios)})"))
 
     if "ingest" in stages:
         from .grpc_bench import ingest_throughput

@@ -1,4 +1,5 @@
-"""gRPC benchmarks: Route throughput/latency vs a trivial handler, and PublishEvents ingest.
+"""gRPC benchmarks: Route (unary and streamed) throughput/latency vs a trivial unary handler,
+and PublishEvents ingest.
 
 The server runs in a child process (``python -m kvrouterd.benchmarks.grpc_bench serve ...``)
 and the load generator in this one, so the two do not share a GIL. Both servers use the same
@@ -93,26 +94,90 @@ class ServerProcess:
 
 
 async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: float) -> dict[str, float]:
+    payload = request.SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
-        stub = router_pb2_grpc.KVRouterStub(channel)
+        # pre-serialised, as for the streams below: encoding 4,000 token ids costs the client
+        # ~100 us a call, CPU the server would otherwise lose on a shared machine
+        route = channel.unary_unary(
+            "/kvrouter.v1.KVRouter/Route", request_serializer=lambda b: b, response_deserializer=pb.RouteResponse.FromString
+        )
         for _ in range(50):  # warm up the connection and the server's caches
-            await stub.Route(request)
+            await route(payload)
         latencies: list[float] = []
         end = time.perf_counter() + seconds
 
         async def client() -> None:
-            route = stub.Route
             clock = time.perf_counter
             while True:
                 t0 = clock()
                 if t0 >= end:
                     return
-                await route(request)
+                await route(payload)
                 latencies.append(clock() - t0)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(inflight)))
         elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {
+        "rps": len(latencies) / elapsed,
+        "p50_us": statistics.median(latencies) * 1e6,
+        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
+        "calls": len(latencies),
+    }
+
+
+async def _stream_load(port: int, request: pb.RouteRequest, streams: int, per_stream: int, seconds: float) -> dict[str, float]:
+    """RouteStream with ``per_stream`` messages kept in flight on each of ``streams`` streams.
+
+    Each stream is a closed loop: an answer releases the next message. Messages are
+    serialised once up front, so the client spends its share of the CPU on gRPC alone."""
+    # a RouteStreamRequest is its id (field 1, varint) then the route (field 2): only the id
+    # changes, so the route's bytes are encoded once
+    route_field = pb.RouteStreamRequest(route=request).SerializeToString()
+
+    def message(n: int) -> bytes:
+        return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
+        open_stream = channel.stream_stream(
+            "/kvrouter.v1.KVRouter/RouteStream",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.RouteStreamResponse.FromString,
+        )
+        latencies: list[float] = []
+        errors = 0
+
+        async def one_stream(end: float, record: bool) -> None:
+            nonlocal errors
+            call = open_stream()
+            clock = time.perf_counter
+            sent_at: dict[int, float] = {}
+            next_id = 0
+            for _ in range(per_stream):
+                sent_at[next_id] = clock()
+                await call.write(message(next_id))
+                next_id += 1
+            while sent_at:
+                reply = await call.read()
+                now = clock()
+                if reply.WhichOneof("kind") != "route":
+                    errors += 1
+                t0 = sent_at.pop(reply.id)
+                if record:
+                    latencies.append(now - t0)
+                if now < end:
+                    sent_at[next_id] = now
+                    await call.write(message(next_id))
+                    next_id += 1
+            await call.done_writing()
+            await call.read()  # the server's end of stream
+
+        await one_stream(time.perf_counter() + 0.2, record=False)  # warm up
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_stream(t0 + seconds, record=True) for _ in range(streams)))
+        elapsed = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{errors} streamed Route messages were answered with an error")
     latencies.sort()
     return {
         "rps": len(latencies) / elapsed,
@@ -132,6 +197,8 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
         server = ServerProcess(mode, workers, blocks)
         try:
             out[mode] = {f"inflight_{n}": uvloop.run(_load(server.port, request, n, seconds)) for n in (1, 64)}
+            if mode == "daemon":
+                out[mode]["stream_8x8"] = uvloop.run(_stream_load(server.port, request, 8, 8, seconds))
         finally:
             server.close()
     return out

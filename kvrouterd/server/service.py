@@ -6,9 +6,10 @@ directly, so decisions and event application never interleave mid-operation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import NoReturn
 
 import grpc
@@ -91,23 +92,141 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def _reject(
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
     ) -> NoReturn:
+        self._note_rejection(request, exc, span)
+        await _abort(context, exc)
+
+    def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
         code = status_code(exc)
         self.metrics.route_errors.add(1, {"code": code.name})
         log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
         if span is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             span.set_attribute("rpc.grpc.status_code", code.value[0])
-        await _abort(context, exc)
+        return code
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        try:
+            self._complete(request)
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        return pb.CompleteResponse()
+
+    def _complete(self, request: pb.CompleteRequest) -> None:
         try:
             entry = self.router.complete(convert.completion(request))
         except KVRouterError as exc:
             log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
-            await _abort(context, exc)
+            raise
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id)
-        return pb.CompleteResponse()
+
+    async def RouteStream(
+        self, request_iterator: AsyncIterator[pb.RouteStreamRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Route and Complete messages on one stream, each answered as its unary call would be.
+
+        Without admission queues every message is answered before the next is read, in order,
+        so the loop never creates a task. With them a Route may wait, so each Route runs in its
+        own task (answers then come out of order) and the stream ends once all are answered.
+        """
+        write = context.write
+        waiting: set[asyncio.Task[None]] = set()
+        lock = asyncio.Lock()  # grpc allows one write in flight per call
+
+        async def locked_write(reply: pb.RouteStreamResponse) -> None:
+            async with lock:
+                await write(reply)
+
+        # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
+        answer = write if self.admission is None else locked_write
+
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "route":
+                    if self.admission is None:
+                        await answer(self._stream_route(msg))
+                    else:
+                        task = asyncio.create_task(self._stream_route_admitted(msg, answer))
+                        waiting.add(task)
+                        task.add_done_callback(waiting.discard)
+                elif kind == "complete":
+                    await answer(self._stream_complete(msg))
+                else:
+                    error = pb.StreamError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                           message="message carries neither route nor complete")
+                    await answer(pb.RouteStreamResponse(id=msg.id, error=error))
+            if waiting:
+                await asyncio.gather(*waiting)
+        finally:
+            for task in waiting:  # the caller went away: give up the queued routes
+                task.cancel()
+
+    def _stream_route(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+        started = _perf_counter()
+        request = msg.route
+        router = self.router
+        span = None
+        try:
+            if self.tracing:
+                with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                    recording = span.is_recording()
+                    try:
+                        result = router.route(convert.route_request(request, router), explain=recording)
+                    except KVRouterError as exc:
+                        return self._stream_route_error(msg, exc, span)
+                    if recording:
+                        annotate_decision(span, result, router.block_size)
+            else:
+                result = router.route(convert.route_request(request, router), explain=False)
+        except KVRouterError as exc:
+            return self._stream_route_error(msg, exc, None)
+        d = result.decision
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        return pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size))
+
+    async def _stream_route_admitted(
+        self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]]
+    ) -> None:
+        assert self.admission is not None
+        started = _perf_counter()
+        request = msg.route
+        router = self.router
+        timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
+        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            recording = self.tracing and span.is_recording()
+            try:
+                req = convert.route_request(request, router)
+                result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
+            except KVRouterError as exc:
+                await answer(self._stream_route_error(msg, exc, span if self.tracing else None))
+                return
+            except TimeoutError:
+                # what a unary caller's expired deadline would have ended with; the queue entry is gone
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                self.metrics.route_errors.add(1, {"code": code.name})
+                error = pb.StreamError(code=code.value[0], message=f"not admitted within {msg.timeout_ms:g} ms")
+                await answer(pb.RouteStreamResponse(id=msg.id, error=error))
+                return
+            if recording:
+                annotate_decision(span, result, router.block_size)
+        d = result.decision
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        await answer(pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size)))
+
+    def _stream_route_error(
+        self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None
+    ) -> pb.RouteStreamResponse:
+        code = self._note_rejection(msg.route, exc, span)
+        return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=code.value[0], message=str(exc)))
+
+    def _stream_complete(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+        try:
+            self._complete(msg.complete)
+        except KVRouterError as exc:
+            error = pb.StreamError(code=status_code(exc).value[0], message=str(exc))
+            return pb.RouteStreamResponse(id=msg.id, error=error)
+        return pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
 
     # ---- engines ----------------------------------------------------------------------
     async def PublishEvents(

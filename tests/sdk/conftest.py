@@ -37,6 +37,14 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.require_registration = False
         #: reject (INVALID_ARGUMENT) the first batch with this sequence number, once
         self.reject_sequence: int | None = None
+        #: False plays a router that predates RouteStream (UNIMPLEMENTED)
+        self.streams_supported = True
+        #: RouteStream calls opened (including refused ones)
+        self.streams_opened = 0
+        #: abort the next RouteStream with UNAVAILABLE when it receives a message (then reset)
+        self.break_route_stream = False
+        #: every RouteStreamRequest received, in arrival order
+        self.stream_messages: list[pb.RouteStreamRequest] = []
 
     async def Route(self, request, context):
         self.routes.append(request)
@@ -44,6 +52,43 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
             await asyncio.sleep(self.route_delay)
         if self.route_error is not None:
             await context.abort(self.route_error, "fake says no")
+        return self._route_response(request)
+
+    async def RouteStream(self, request_iterator, context):
+        self.streams_opened += 1
+        if not self.streams_supported:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        lock = asyncio.Lock()
+        answering: set[asyncio.Task] = set()
+
+        async def answer(msg: pb.RouteStreamRequest) -> None:
+            if msg.WhichOneof("kind") == "route":
+                self.routes.append(msg.route)
+                if self.route_delay:
+                    await asyncio.sleep(self.route_delay)
+                if self.route_error is not None:
+                    reply = pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.route_error.value[0], message="fake says no"))
+                else:
+                    reply = pb.RouteStreamResponse(id=msg.id, route=self._route_response(msg.route))
+            elif self.complete_error is not None:
+                reply = pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.complete_error.value[0], message="fake says no"))
+            else:
+                self.completes.append(msg.complete)
+                reply = pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
+            async with lock:
+                await context.write(reply)
+
+        async for msg in request_iterator:
+            self.stream_messages.append(msg)
+            if self.break_route_stream:
+                self.break_route_stream = False
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "fake connection drop")
+            task = asyncio.create_task(answer(msg))
+            answering.add(task)
+            task.add_done_callback(answering.discard)
+        await asyncio.gather(*answering)
+
+    def _route_response(self, request: pb.RouteRequest) -> pb.RouteResponse:
         return pb.RouteResponse(
             request_id=request.request_id or f"req-{len(self.routes)}", worker_id="w1", worker_address="10.0.0.1:8000",
             matched_blocks=2, matched_tokens=32, prompt_blocks=len(request.block_keys) or len(request.token_ids) // 16,

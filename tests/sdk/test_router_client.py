@@ -160,3 +160,80 @@ async def test_list_workers(fake_server):
     async with RouterClient(fake_server.target, timeout=2.0) as client:
         (w,) = await client.list_workers()
     assert w.id == "w" and w.address == "a:1" and w.mode == 1
+
+
+# ---- the RouteStream pool -------------------------------------------------------------------
+
+
+async def test_concurrent_calls_share_the_stream_pool_and_get_their_own_answers(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0, streams=3) as client:
+        results = await asyncio.gather(*(client.route([1] * 16, request_id=f"r{i}") for i in range(40)))
+        assert [r.request_id for r in results] == [f"r{i}" for i in range(40)]
+        done = await asyncio.gather(*(client.complete(r) for r in results))
+    assert all(done)
+    assert fake_server.fake.streams_opened == 3  # reused, not one per call
+    assert sorted(c.request_id for c in fake_server.fake.completes) == sorted(f"r{i}" for i in range(40))
+    # every message carried the call's deadline (for the router's admission queue) and its own id
+    messages = fake_server.fake.stream_messages
+    assert {m.timeout_ms for m in messages} == {2000.0}
+    assert len({m.id for m in messages}) == len(messages) == 80
+
+
+async def test_a_broken_stream_fails_its_call_open_and_the_next_call_reconnects(fake_server):
+    fake_server.fake.break_route_stream = True
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1, fallback=lambda r: ("f", "f:1")) as client:
+        assert (await client.route([1] * 16)).fallback
+        again = await client.route([1] * 16, request_id="after")
+        assert not again.fallback and again.request_id == "after"
+    assert fake_server.fake.streams_opened == 2
+
+
+async def test_a_restarted_router_is_used_again_through_new_streams(fake_server):
+    async with RouterClient(fake_server.target, timeout=1.0, streams=2, fallback=lambda r: ("f", "f:1")) as client:
+        assert not (await client.route([1] * 16)).fallback
+        await fake_server.stop()
+        assert (await client.route([1] * 16)).fallback
+        assert (await client.route([1] * 16)).fallback
+        await fake_server.start()
+        await until_routed(client)
+
+
+async def until_routed(client: RouterClient) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10.0
+    while (await client.route([1] * 16)).fallback:
+        assert loop.time() < end, "the client never went back to the restarted router"
+        await asyncio.sleep(0.05)
+
+
+async def test_stream_rejections_and_deadlines_match_the_unary_ones(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        fake_server.fake.route_error = grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(RouterRejected) as info:
+            await client.route([1] * 16)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        fake_server.fake.route_error = None
+        # the same stream still answers after a rejected message
+        assert (await client.route([1] * 16)).worker_id == "w1"
+        fake_server.fake.complete_error = grpc.StatusCode.UNAVAILABLE
+        assert await client.complete("r1") is False
+    assert fake_server.fake.streams_opened == 1
+
+
+async def test_a_router_without_route_stream_is_called_unary(fake_server):
+    fake_server.fake.streams_supported = False
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        first = await client.route([1] * 16, request_id="a")
+        second = await client.route([1] * 16, request_id="b")
+        assert await client.complete(second)
+    assert (first.request_id, second.request_id) == ("a", "b") and not first.fallback
+    assert fake_server.fake.streams_opened == 1  # asked once, then unary only
+    assert [c.request_id for c in fake_server.fake.completes] == ["b"]
+
+
+async def test_streams_zero_uses_unary_calls_only(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0, streams=0) as client:
+        assert await client.complete(await client.route([1] * 16))
+    assert fake_server.fake.streams_opened == 0 and len(fake_server.fake.completes) == 1
+    with pytest.raises(ValueError, match="streams"):
+        RouterClient(fake_server.target, streams=-1)

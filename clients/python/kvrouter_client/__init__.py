@@ -8,7 +8,7 @@ Engines: ``EventPublisher`` — stream KV-cache events, ``evict_hint()``, ``repo
 from __future__ import annotations
 
 from . import keys
-from ._client import DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
+from ._client import DEFAULT_STREAMS, DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
 from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
 from ._publisher import EventPublisher, SnapshotFn
 from ._types import (
@@ -25,6 +25,7 @@ from ._types import (
 )
 
 __all__ = [
+    "DEFAULT_STREAMS",
     "DEFAULT_TIMEOUT_S",
     "CacheMode",
     "Cleared",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["KVRouterClientError", "RouterRejected", "RouterUnavailable", "from_rpc_error"]
+__all__ = ["KVRouterClientError", "RouterRejected", "RouterUnavailable", "from_rpc_error", "from_status"]
 
 #: codes after which retrying or failing open is reasonable
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
@@ -36,6 +36,11 @@ class RouterRejected(KVRouterClientError):
 def from_rpc_error(exc: grpc.RpcError, what: str) -> KVRouterClientError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    return from_status(code, details, what)
+
+
+def from_status(code: grpc.StatusCode | None, details: str, what: str) -> KVRouterClientError:
+    """The error for a call (or a stream message) that ended with ``code``."""
     message = f"{what}: {code.name if code else 'error'}: {details}"
     if code in TRANSIENT_CODES:
         return RouterUnavailable(message, code)

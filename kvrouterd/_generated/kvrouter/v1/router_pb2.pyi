@@ -117,6 +117,38 @@ class CompleteResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RouteStreamRequest(_message.Message):
+    __slots__ = ("id", "route", "complete", "timeout_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    route: RouteRequest
+    complete: CompleteRequest
+    timeout_ms: float
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., timeout_ms: _Optional[float] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RouteStreamResponse(_message.Message):
+    __slots__ = ("id", "route", "complete", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    route: RouteResponse
+    complete: CompleteResponse
+    error: StreamError
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., complete: _Optional[_Union[CompleteResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
 class EvictHintRequest(_message.Message):
     __slots__ = ("worker_id", "blocks", "tokens", "pinned_engine_hashes", "pinned_keys", "policy")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class KVRouterStub:
                 request_serializer=kvrouter_dot_v1_dot_router__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=kvrouter_dot_v1_dot_router__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.RouteStream = channel.stream_stream(
+                '/kvrouter.v1.KVRouter/RouteStream',
+                request_serializer=kvrouter_dot_v1_dot_router__pb2.RouteStreamRequest.SerializeToString,
+                response_deserializer=kvrouter_dot_v1_dot_router__pb2.RouteStreamResponse.FromString,
+                _registered_method=True)
         self.EvictHint = channel.unary_unary(
                 '/kvrouter.v1.KVRouter/EvictHint',
                 request_serializer=kvrouter_dot_v1_dot_router__pb2.EvictHintRequest.SerializeToString,
@@ -100,6 +105,16 @@ class KVRouterServicer:
 
     def Complete(self, request, context):
         """Report how a routed request went; releases its load and calibrates latency models.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RouteStream(self, request_iterator, context):
+        """Route and Complete as messages of one long-lived bidi stream, for gateways that make
+        many calls: each message is validated, admitted, traced and answered like its unary
+        twin, and a rejected message gets an error response while the stream carries on.
+        Responses may come back out of order (admission queues); match them by `id`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,6 +187,11 @@ def add_KVRouterServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=kvrouter_dot_v1_dot_router__pb2.CompleteRequest.FromString,
                     response_serializer=kvrouter_dot_v1_dot_router__pb2.CompleteResponse.SerializeToString,
+            ),
+            'RouteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteStream,
+                    request_deserializer=kvrouter_dot_v1_dot_router__pb2.RouteStreamRequest.FromString,
+                    response_serializer=kvrouter_dot_v1_dot_router__pb2.RouteStreamResponse.SerializeToString,
             ),
             'EvictHint': grpc.unary_unary_rpc_method_handler(
                     servicer.EvictHint,
@@ -268,6 +288,33 @@ class KVRouter:
             '/kvrouter.v1.KVRouter/Complete',
             kvrouter_dot_v1_dot_router__pb2.CompleteRequest.SerializeToString,
             kvrouter_dot_v1_dot_router__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvrouter.v1.KVRouter/RouteStream',
+            kvrouter_dot_v1_dot_router__pb2.RouteStreamRequest.SerializeToString,
+            kvrouter_dot_v1_dot_router__pb2.RouteStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,138 @@
+"""RouteStream against a real daemon: every message answered as its unary twin would be."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+
+BS = 16
+PROMPT = list(range(500, 500 + 20 * BS))
+
+
+async def setup(stub) -> None:
+    for wid in ("a", "b"):
+        await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id=wid, address=f"{wid}:1", mode=pb.CACHE_STATE_MODE_EVENTS)))
+
+    async def batches():
+        yield pb.EventBatch(worker_id="b", sequence=0, events=[pb.CacheEvent(stored=pb.StoredBlocks(token_ids=PROMPT))])
+
+    await stub.PublishEvents(batches())
+
+
+def route(i: int, **fields) -> pb.RouteStreamRequest:
+    return pb.RouteStreamRequest(id=i, route=pb.RouteRequest(**fields))
+
+
+def complete(i: int, **fields) -> pb.RouteStreamRequest:
+    return pb.RouteStreamRequest(id=i, complete=pb.CompleteRequest(**fields))
+
+
+async def test_routes_and_completes_share_one_stream_and_a_bad_message_does_not_end_it(running):
+    await setup(running.stub)
+    call = running.stub.RouteStream()
+    router = running.router
+
+    await call.write(route(1, token_ids=PROMPT, request_id="r1", session_id="s"))
+    ok = await call.read()
+    assert ok.id == 1 and ok.WhichOneof("kind") == "route"
+    assert (ok.route.worker_id, ok.route.request_id, ok.route.matched_blocks, ok.route.prompt_blocks) == ("b", "r1", 20, 20)
+    assert router.workers.get("b").inflight_requests == 1
+
+    before = (len(router.index), router.workers.inflight_count)
+    bad = [
+        (route(2), grpc.StatusCode.INVALID_ARGUMENT),  # no prompt
+        (route(3, token_ids=PROMPT, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
+        (route(4, token_ids=PROMPT, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        (route(5, token_ids=PROMPT, request_id="r1"), grpc.StatusCode.INVALID_ARGUMENT),  # already in flight
+        (complete(6, request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
+        (pb.RouteStreamRequest(id=7), grpc.StatusCode.INVALID_ARGUMENT),  # neither kind
+    ]
+    for msg, code in bad:
+        await call.write(msg)
+        reply = await call.read()
+        assert reply.id == msg.id and reply.WhichOneof("kind") == "error"
+        assert reply.error.code == code.value[0], (msg, reply)
+        assert reply.error.message
+    assert (len(router.index), router.workers.inflight_count) == before
+
+    # the stream survived every rejection: Complete on it releases r1's load
+    await call.write(complete(8, request_id="r1", ttft_ms=5.0, success=True))
+    done = await call.read()
+    assert done.id == 8 and done.WhichOneof("kind") == "complete"
+    assert router.workers.get("b").inflight_requests == 0
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert (await call.code()) == grpc.StatusCode.OK
+
+    spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
+    assert len(spans) == 5  # one per Route message, rejected ones included
+    assert spans[0].attributes["kvrouter.chosen.worker_id"] == "b"
+    assert spans[1].status.status_code.name == "ERROR"
+    assert spans[1].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+async def test_pipelined_messages_are_answered_by_id(running):
+    await setup(running.stub)
+    call = running.stub.RouteStream()
+    for i in range(20):
+        await call.write(route(100 + i, token_ids=PROMPT, request_id=f"p{i}"))
+    replies = [await call.read() for _ in range(20)]
+    assert sorted(r.id for r in replies) == [100 + i for i in range(20)]
+    assert all(r.route.request_id == f"p{r.id - 100}" for r in replies)
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+
+class TestWithAdmission:
+    @pytest.fixture
+    def daemon_config(self):
+        return {"admission": {"max_inflight": 1, "max_wait_s": 5.0}}
+
+    async def test_a_queued_route_does_not_hold_up_the_stream(self, running):
+        await setup(running.stub)
+        call = running.stub.RouteStream()
+        await call.write(route(1, token_ids=PROMPT, request_id="first"))
+        assert (await call.read()).route.worker_id == "b"
+        # b is full: "second" waits in its queue while later messages are answered
+        await call.write(route(2, token_ids=PROMPT, request_id="second"))
+        await call.write(route(3, token_ids=PROMPT, request_id="third", candidate_workers=["a"]))
+        third = await call.read()
+        assert third.id == 3 and third.route.worker_id == "a"
+        assert [e.request_id for e in running.daemon.admission.queues.queue("b")] == ["second"]
+        await call.write(complete(4, request_id="first", success=True))
+        replies = {r.id: r for r in [await call.read(), await call.read()]}
+        assert replies[4].WhichOneof("kind") == "complete"
+        assert replies[2].route.worker_id == "b" and replies[2].route.request_id == "second"
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+
+    async def test_a_message_deadline_removes_the_waiting_request(self, running):
+        await setup(running.stub)
+        call = running.stub.RouteStream()
+        await call.write(route(1, token_ids=PROMPT))
+        await call.read()
+        late = route(2, token_ids=PROMPT, request_id="late")
+        late.timeout_ms = 100
+        await call.write(late)
+        reply = await asyncio.wait_for(call.read(), 3)
+        assert reply.id == 2 and reply.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert len(running.daemon.admission.queues) == 0 and running.router.request("late") is None
+
+    async def test_closing_the_stream_gives_up_its_queued_routes(self, running):
+        await setup(running.stub)
+        call = running.stub.RouteStream()
+        await call.write(route(1, token_ids=PROMPT))
+        await call.read()
+        await call.write(route(2, token_ids=PROMPT, request_id="abandoned"))
+        await asyncio.sleep(0.1)
+        assert len(running.daemon.admission.queues) == 1
+        call.cancel()
+        for _ in range(100):
+            if not len(running.daemon.admission.queues):
+                break
+            await asyncio.sleep(0.02)
+        assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None

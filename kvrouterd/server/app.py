@@ -52,6 +52,9 @@ log = logging.getLogger("kvrouterd.server")
 DISCOVERY_SYNC_TIMEOUT_S = 30.0
 
 KVROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["KVRouter"].full_name
+#: health service names the Gateway API Inference Extension's endpoint-picker protocol probes
+LIVENESS_SERVICE = "liveness"
+READINESS_SERVICE = "readiness"
 
 
 class Daemon:
@@ -139,6 +142,9 @@ class Daemon:
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self.server = server
+        # the endpoint-picker protocol's probes: alive as soon as we answer, ready below
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.config.warm_from:
             await warm_from_peer(self.router, self.config, client_token(self.config.auth))
         await self._start_membership_sources()
@@ -147,7 +153,7 @@ class Daemon:
             await self.metrics_endpoint.start()
         if self.reloader.path and self.config.reload_interval_s:
             self._watch = asyncio.create_task(self.reloader.watch(), name="kvrouterd-config-watch")
-        for name in ("", *served):
+        for name in ("", READINESS_SERVICE, *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving",

@@ -20,8 +20,12 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   The body then goes back unchanged as ``streamed_response`` chunks of at most 62,000 bytes
   (the reference's ``bodyByteLimit``: some Envoy builds cap a streamed chunk at 64 KiB).
 - Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
-  ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, or a comma-separated
-  string) restricts the pick to workers with those addresses; none eligible -> 503.
+  ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, a comma-separated string,
+  or a list whose elements are comma-separated; a bare IP allows every port on that host)
+  restricts the pick to workers with those addresses; none eligible -> 503.
+- Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
+  ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
+  setting, instead of both sides waiting for each other.
 - Errors end the exchange with an ``ImmediateResponse``: malformed JSON or prompt -> 400,
   no eligible worker -> 503, shed (prompt over ``limits.max_prompt_tokens``, body over
   ``ext_proc.max_body_bytes``) -> 429 (``status.http_status`` maps the error tree).
@@ -39,7 +43,9 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   another mode announced in ``protocol_config`` they are passed with an empty answer.
 - With admission queue mode on (``admission``), a routed request waits in its worker's
   queue exactly as a ``Route`` call does; giving up there is a shed (429).
-- gRPC health reports ``envoy.service.ext_proc.v3.ExternalProcessor`` (registered in app.py).
+- gRPC health reports ``envoy.service.ext_proc.v3.ExternalProcessor``, and the service names
+  the endpoint-picker protocol probes, ``liveness`` (the process serves) and ``readiness``
+  (ready to route, like ``""``) (registered in app.py).
 
 One span (``kvrouter.ext_proc.route``) per routing decision, annotated like ``Route``'s.
 """
@@ -61,7 +67,7 @@ from google.protobuf import struct_pb2
 from opentelemetry import trace
 
 from ..config import ExtProcConfig
-from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
+from ..errors import ConfigError, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 from ..index.workers import Worker
 from ..protocols import Completion, RouteRequest
 from ..router import Router
@@ -132,14 +138,33 @@ def _metadata_value(md: base_pb2.Metadata, namespace: str, key: str) -> struct_p
 
 
 def _addresses(value: struct_pb2.Value) -> tuple[str, ...]:
+    """The subset hint's endpoints in every form the reference picker accepts: a list of
+    strings, one comma-separated string, or a list whose elements are comma-separated."""
     kind = value.WhichOneof("kind")
     if kind == "list_value":
         items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
     elif kind == "string_value":
-        items = value.string_value.split(",")
+        items = [value.string_value]
     else:
         items = []
-    return tuple(a.strip() for a in items if a.strip())
+    return tuple(a.strip() for item in items for a in item.split(",") if a.strip())
+
+
+def _host_port(endpoint: str) -> tuple[str, str]:
+    """("10.0.0.5", "8000") from "10.0.0.5:8000"; a bare IP (v4 or v6) has port "" and
+    matches every port on that host, as in the reference picker's subset filter."""
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        return host, rest.removeprefix(":")
+    if endpoint.count(":") == 1:
+        host, _, port = endpoint.partition(":")
+        return host, port
+    return endpoint, ""  # a bare IPv4 / hostname, or a bare IPv6 address
+
+
+def _in_subset(address: str, subset: set[tuple[str, str]]) -> bool:
+    host, port = _host_port(address)
+    return (host, port) in subset or (host, "") in subset
 
 
 def _upstream_address(msg: ep.ProcessingRequest) -> str:
@@ -261,6 +286,15 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
     ) -> tuple[list[ep.ProcessingResponse], bool]:
         """Replies to one message, and whether the exchange ended (ImmediateResponse)."""
         if msg.HasField("protocol_config"):
+            request_mode = msg.protocol_config.request_body_mode
+            if request_mode not in (_FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE):
+                # with BUFFERED / STREAMED Envoy waits for our header answer before it sends the
+                # body, and we wait for the body: say so instead of hanging the request
+                name = processing_mode_pb2.ProcessingMode.BodySendMode.Name(request_mode)
+                return self._reject(ex, ConfigError(
+                    f"Envoy sends request bodies in {name} mode; kvrouterd's endpoint picker needs "
+                    "request_body_mode: FULL_DUPLEX_STREAMED (docs/envoy.md)"
+                )), True
             mode = msg.protocol_config.response_body_mode
             ex.response_body_full_duplex = mode in (_FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE)
         kind = msg.WhichOneof("request")
@@ -316,8 +350,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         """Worker ids the subset hint allows; () = no hint (every worker)."""
         if ex.subset is None:
             return ()
-        wanted = set(ex.subset)
-        ids = tuple(w.id for w in self.router.workers if w.address in wanted and w.eligible)
+        wanted = {_host_port(a) for a in ex.subset}
+        ids = tuple(w.id for w in self.router.workers if w.eligible and _in_subset(w.address, wanted))
         if not ids:
             raise NoEligibleWorker(f"no eligible worker has an address in the subset hint {list(ex.subset)}")
         return ids

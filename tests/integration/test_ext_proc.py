@@ -181,6 +181,14 @@ async def test_health_reports_the_ext_proc_service(envoy):
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize("service", ["liveness", "readiness", ""])
+async def test_health_answers_the_endpoint_picker_protocol_probes(envoy, service):
+    """The GIE endpoint-picker protocol probes gRPC health for "liveness" and "readiness"."""
+    health = health_pb2_grpc.HealthStub(envoy.channel)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
 async def test_chunked_body_is_routed_then_streamed_back_unchanged_in_62kb_chunks(envoy):
     s = envoy.open()
     assert await s.send(headers_msg("/v1/chat/completions", extra=[("x-request-id", "req-1")])) == []
@@ -352,6 +360,33 @@ async def test_subset_hint_as_comma_separated_string(envoy):
     s, header, _ = await route_chat(envoy, "subset " * 100, subset="10.0.0.3:8000, 10.0.0.9:1")
     assert header == "10.0.0.3:8000"
     await s.close()
+
+
+@pytest.mark.parametrize(
+    ("subset", "allowed"),
+    [
+        (["10.0.0.2"], {"10.0.0.2:8000"}),  # a bare IP: any port on that host
+        (["10.0.0.2:8000,10.0.0.3:8000"], {"10.0.0.2:8000", "10.0.0.3:8000"}),  # an element holding a list
+        (["10.0.0.9:1, 10.0.0.3", "10.0.0.1:9"], {"10.0.0.3:8000"}),
+    ],
+)
+async def test_subset_hint_in_the_reference_pickers_other_forms(envoy, subset, allowed):
+    for _ in range(4):
+        s, header, _ = await route_chat(envoy, "forms " * 100, subset=subset)
+        assert header in allowed
+        await s.close()
+
+
+@pytest.mark.parametrize("mode", [processing_mode_pb2.ProcessingMode.BUFFERED, processing_mode_pb2.ProcessingMode.STREAMED])
+async def test_buffered_or_streamed_request_bodies_are_refused_with_a_clear_error(envoy, mode):
+    s = envoy.open()
+    msg = headers_msg("/v1/chat/completions")
+    msg.protocol_config.request_body_mode = mode
+    replies = await s.send(msg, expect=1)
+    assert immediate_status(replies) == 500
+    body = replies[0].immediate_response.body.decode()
+    assert processing_mode_pb2.ProcessingMode.BodySendMode.Name(mode) in body and "FULL_DUPLEX_STREAMED" in body
+    assert await asyncio.wait_for(s.call.read(), 5) is grpc.aio.EOF
 
 
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"]])

@@ -237,8 +237,14 @@ def test_schema_config_section_mirrors_kvrouterd_config(chart: helm.Chart) -> No
 
 # ---- the config file in the ConfigMap ------------------------------------------------
 
+def config_map(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ConfigMap holding kvrouterd's config file (another may hold the Grafana dashboard)."""
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if "config.yaml" in d["data"]]
+    return cm
+
+
 def rendered_config(docs: list[dict[str, Any]]) -> str:
-    return one(docs, "ConfigMap")["data"]["config.yaml"]
+    return config_map(docs)["data"]["config.yaml"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -263,7 +269,7 @@ def test_configmap_is_a_config_kvrouterd_loads(chart: helm.Chart, case: Path | N
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
     assert mount == {"name": "config", "mountPath": "/etc/kvrouterd/config", "readOnly": True}
     (volume,) = [v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
-    assert volume["configMap"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
+    assert volume["configMap"]["name"] == config_map(docs)["metadata"]["name"]
 
 
 def test_tls_and_auth_files_are_where_the_config_points(chart: helm.Chart, tmp_path: Path) -> None:
@@ -384,6 +390,7 @@ def test_discovery_rbac_is_read_only_on_pods_and_only_with_discovery(chart: helm
     ("kind", "switch"),
     [
         ("ServiceMonitor", {"metrics": {"serviceMonitor": {"enabled": True}}}),
+        ("PrometheusRule", {"metrics": {"prometheusRule": {"enabled": True}}}),
         ("PodDisruptionBudget", {"podDisruptionBudget": {"enabled": True}}),
         ("HorizontalPodAutoscaler", {"autoscaling": {"enabled": True}}),
         ("NetworkPolicy", {"networkPolicy": {"enabled": True}}),
@@ -396,6 +403,16 @@ def test_optional_objects_follow_their_switch(chart: helm.Chart, kind: str, swit
     assert len(by_kind(manifests(chart, switch), kind)) == 1, section
 
 
+def test_the_grafana_dashboard_configmap_follows_its_switch(chart: helm.Chart) -> None:
+    def dashboards(values: dict[str, Any]) -> list[dict[str, Any]]:
+        return [d for d in by_kind(manifests(chart, values), "ConfigMap") if "kvrouterd.json" in d["data"]]
+
+    assert not dashboards({})
+    (cm,) = dashboards({"grafana": {"dashboard": {"enabled": True, "labels": {"dash": "yes"}}}})
+    assert cm["metadata"]["labels"]["dash"] == "yes"
+    assert json.loads(cm["data"]["kvrouterd.json"])["uid"] == "kvrouterd"
+
+
 def test_service_monitor_scrapes_the_metrics_port_of_this_release(chart: helm.Chart) -> None:
     docs = manifests(chart, load_yaml(VALUES_DIR / "discovery.yaml"))
     monitor, service = one(docs, "ServiceMonitor"), one(docs, "Service")
@@ -405,9 +422,15 @@ def test_service_monitor_scrapes_the_metrics_port_of_this_release(chart: helm.Ch
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    # metrics off: no ServiceMonitor even if asked for one
-    assert not by_kind(manifests(chart, {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}),
-                       "ServiceMonitor")
+    # metrics off: no ServiceMonitor or alerts even if asked for them
+    off = manifests(chart, {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True},
+                                        "prometheusRule": {"enabled": True}}})
+    assert not by_kind(off, "ServiceMonitor") and not by_kind(off, "PrometheusRule")
+    # the alerts select the job the ServiceMonitor gives the series: the Service's name
+    (rule,) = by_kind(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    for r in rule["spec"]["groups"][0]["rules"]:
+        assert f'job="{service["metadata"]["name"]}", namespace="{NAMESPACE}"' in r["expr"], r["alert"]
 
 
 def test_every_value_is_documented_in_the_deployment_guide(chart: helm.Chart) -> None:

@@ -33,3 +33,10 @@ def test_linked_docs_exist():
 
 def test_subcommands_are_mentioned():
     assert all(f"kvrouterd {name}" in README or f"`{name}`" in README for name in SUBCOMMANDS)
+
+
+def test_readme_says_ext_proc_is_on_by_default_and_it_is():
+    from kvrouterd.config import parse_config
+
+    assert parse_config({}).ext_proc.enabled is True
+    assert "endpoint picker**: on by default" in README and "`ext_proc: {enabled: false}` turns it off" in README

@@ -62,7 +62,11 @@ ENV PATH=/opt/kvrouterd/bin:$PATH \
 USER 10001:10001
 # 50051: gRPC (KVRouter, grpc.health.v1, reflection); 9464: Prometheus /metrics
 EXPOSE 50051 9464
+# The check reads the daemon's own command line, KVROUTERD_* variables and config file from
+# /proc, so it dials whatever address the daemon listens on, over TLS (mTLS) when the daemon
+# serves TLS; `docker run --health-cmd "python -m kvrouterd.server.healthcheck --server-name
+# NAME"` when the certificate does not name 127.0.0.1 (kvrouterd/server/healthcheck.py).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-    CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(service=''), timeout=2); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"]
+    CMD ["python", "-m", "kvrouterd.server.healthcheck"]
 ENTRYPOINT ["kvrouterd"]
 CMD ["serve", "--listen", "0.0.0.0:50051"]

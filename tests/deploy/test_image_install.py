@@ -93,8 +93,8 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _, check = healthcheck(df.final.last("HEALTHCHECK").args)  # type: ignore[union-attr]
-        check = [c.replace("127.0.0.1:50051", f"127.0.0.1:{port}") for c in check]
-        check[0] = str(venv / "bin" / check[0])
+        # as the image runs it, but naming the daemon: here it is not PID 1
+        check = [str(venv / "bin" / check[0]), *check[1:], "--pid", str(daemon.pid)]
         deadline = time.monotonic() + 30
         while True:
             hc = subprocess.run(check, env=run_env, capture_output=True, text=True, timeout=20, cwd=tmp_path, check=False)

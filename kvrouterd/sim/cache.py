@@ -16,7 +16,7 @@ one request, replayed in file order:
 
 Hit ratio = prefix-hit blocks / all prompt blocks. One block per hash id: the id is the
 block's key and its parent is the previous id of the same request (Mooncake ids form a
-prefix tree; see ``/work/shared/traces/README.md``). Time is the trace timestamp in seconds,
+prefix tree; see docs/simulator.md, "The Mooncake trace"). Time is the trace timestamp in seconds,
 nudged forward by 1 us where requests share a timestamp so that file order is also recency
 order. With these rules LRU reproduces the systematic study's Table 3 (conversation trace:
 4.18%, 4.45%, 11.18%, 21.16%, 36.37% at 100, 1k, 5k, 10k, 100k blocks).

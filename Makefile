@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 LISTEN ?= 127.0.0.1:50051
 CONFIG ?=
 
-.PHONY: run test bench proto lint clean
+.PHONY: run test bench reproduce proto lint clean
 
 # the C fast path is compiled by the install: a changed source re-installs
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml kvrouterd/index/_native.c
@@ -22,6 +22,9 @@ test: $(VENV)/.installed  ## the whole test suite
 
 bench: $(VENV)/.installed  ## in-process and gRPC benchmarks (reports, never asserts)
 	$(VENV)/bin/kvrouterd bench
+
+reproduce: $(VENV)/.installed  ## regenerate every table of docs/results.md into docs/results/reproduce (sim reproduce)
+	$(VENV)/bin/kvrouterd sim reproduce --jobs 2 --out docs/results/reproduce
 
 proto: $(VENV)/.installed  ## regenerate kvrouterd/_generated and the SDK's copy from proto/
 	$(PY) proto/generate.py

@@ -44,10 +44,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import Conflict, InvalidRequest
 
-__all__ = ["AdmissionQueues", "Estimator", "Migration", "Waiting"]
+if TYPE_CHECKING:
+    from .protocols import RouteRequest
+    from .router import Router
+
+__all__ = ["AdmissionQueues", "Estimator", "Migration", "Waiting", "plan_hotspot_migration", "policy_slo_ms"]
 
 Estimator = Callable[[str, int, int, int], float]
 
@@ -84,14 +89,31 @@ class Migration:
 
 
 class AdmissionQueues:
-    """Per-worker FIFOs of waiting requests with an in-flight cap."""
+    """Per-worker FIFOs of waiting requests with an in-flight cap.
 
-    def __init__(self, max_inflight: int) -> None:
+    ``on_change(worker_id, requests, prefill_tokens)`` (optional) hears every change of a
+    worker's queue, so the host can show it to the policies (``Router.note_admission_queue``):
+    a request waiting in the router is the instance's pending work in DualMap's sense (3.2),
+    exactly as it would be waiting inside the engine.
+    """
+
+    def __init__(self, max_inflight: int, on_change: Callable[[str, int, int], None] | None = None) -> None:
         if max_inflight < 1:
             raise InvalidRequest(f"max_inflight must be >= 1, got {max_inflight}")
         self.max_inflight = max_inflight
         self._queues: dict[str, deque[Waiting]] = {}
         self._by_id: dict[str, Waiting] = {}
+        self._tokens: dict[str, int] = {}
+        self._on_change = on_change
+
+    def _account(self, worker_id: str, entry: Waiting, sign: int) -> None:
+        self._tokens[worker_id] = self._tokens.get(worker_id, 0) + sign * entry.uncached[worker_id]
+        if self._on_change is not None:
+            self._on_change(worker_id, len(self._queues.get(worker_id, ())), self._tokens[worker_id])
+
+    def queued_tokens(self, worker_id: str) -> int:
+        """Prefill tokens the requests waiting for ``worker_id`` need there."""
+        return self._tokens.get(worker_id, 0)
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -119,12 +141,14 @@ class AdmissionQueues:
             raise InvalidRequest(f"request {entry.request_id!r}: slo_ms must be > 0")
         self._queues.setdefault(entry.worker_id, deque()).append(entry)
         self._by_id[entry.request_id] = entry
+        self._account(entry.worker_id, entry, 1)
 
     def cancel(self, request_id: str) -> Waiting | None:
         """Remove a waiting request (the caller went away); None if it is not waiting."""
         entry = self._by_id.pop(request_id, None)
         if entry is not None:
             self._queues[entry.worker_id].remove(entry)
+            self._account(entry.worker_id, entry, -1)
         return entry
 
     def expire(self, now: float) -> list[Waiting]:
@@ -139,6 +163,8 @@ class AdmissionQueues:
         entries = list(self._queues.pop(worker_id, ()))
         for entry in entries:
             del self._by_id[entry.request_id]
+            self._account(worker_id, entry, -1)
+        self._tokens.pop(worker_id, None)
         return entries
 
     # ---- admission ------------------------------------------------------------------
@@ -153,6 +179,7 @@ class AdmissionQueues:
             entry = q.popleft()
             del self._by_id[entry.request_id]
             admitted.append(entry)
+            self._account(worker_id, entry, -1)
         return admitted
 
     # ---- TTFT of waiting requests ---------------------------------------------------
@@ -231,6 +258,7 @@ class AdmissionQueues:
         scratch = AdmissionQueues(self.max_inflight)
         scratch._queues = {w: deque(q) for w, q in self._queues.items()}
         scratch._by_id = dict(self._by_id)
+        scratch._tokens = dict(self._tokens)
         plan: list[Migration] = []
         for source in dict.fromkeys(workers):
             step = scratch.plan_migration(source, load, estimator, now, allowed, {m.request_id for m in plan})
@@ -251,6 +279,7 @@ class AdmissionQueues:
         for m in plan:
             entry = self._by_id[m.request_id]
             self._queues[m.source].remove(entry)
+            self._account(m.source, entry, -1)
             if copy:  # a scratch queue must not mutate the caller's entries
                 entry = Waiting(entry.request_id, entry.worker_id, entry.alternative_id, entry.uncached,
                                 entry.slo_ms, entry.enqueued_at, entry.deadline, entry.payload, entry.migrations)
@@ -259,5 +288,40 @@ class AdmissionQueues:
             entry.worker_id, entry.alternative_id = m.target, m.source
             entry.migrations += 1
             self._queues.setdefault(m.target, deque()).append(entry)
+            self._account(m.target, entry, 1)
             moved.append(entry)
         return moved
+
+
+# ---- what every host does the same way --------------------------------------------------
+
+def policy_slo_ms(policy: object, req: RouteRequest, default_ms: float) -> float:
+    """The SLO a waiting request is held to: the policy's own (DualMap has a default), else
+    the request's, else ``default_ms``."""
+    own = getattr(policy, "slo_ms", None)
+    if callable(own):
+        return float(own(req))
+    return req.ttft_slo_ms or default_ms
+
+
+def plan_hotspot_migration(queues: AdmissionQueues, router: Router, workers: Sequence[str], policy: object,
+                           now: float) -> list[Migration]:
+    """DualMap's migration round (A.1.2) off ``workers`` (a decision's two overloaded
+    candidates), with the policy's own TTFT estimates; changes nothing. Empty for a policy
+    without a queue-aware estimate (``queued_ttft_ms``). The daemon's admission gate and the
+    simulator both call this, then ``queues.apply``."""
+    queued_ttft = getattr(policy, "queued_ttft_ms", None)
+    if queued_ttft is None:
+        return []
+
+    def estimator(w: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
+        return float(queued_ttft(router.workers.get(w), uncached, tokens_ahead, requests_ahead, now))
+
+    # the policy's own view of pending prefill (DualMap drains it at the modelled prefill
+    # rate), so migration estimates agree with the estimates that chose the candidates
+    latency = getattr(policy, "latency", None)
+    if latency is not None and hasattr(latency, "pending_tokens"):
+        load = {w.id: (int(latency.pending_tokens(w, now)), w.inflight_requests) for w in router.workers}
+    else:
+        load = {w.id: (w.pending_prefill_tokens, w.inflight_requests) for w in router.workers}
+    return queues.plan_rebalance(workers, load, estimator, now)

@@ -264,6 +264,13 @@ class Router:
         worker = self.workers.get(worker_id)
         worker.reported_queue, worker.reported_running, worker.kv_utilization = queued, running, kv_utilization
 
+    def note_admission_queue(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
+        """The host's admission queue for ``worker_id`` now holds ``requests`` waiting
+        requests needing ``prefill_tokens`` there (``AdmissionQueues(on_change=...)``)."""
+        worker = self.workers.find(worker_id)
+        if worker is not None:
+            worker.queued_requests, worker.queued_prefill_tokens = requests, prefill_tokens
+
     # ---- routing --------------------------------------------------------------------
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),

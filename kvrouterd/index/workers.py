@@ -68,6 +68,8 @@ class Worker:
         "last_sequence",
         "pages",
         "pending_prefill_tokens",
+        "queued_prefill_tokens",
+        "queued_requests",
         "registered_at",
         "reported_queue",
         "rejecting_streak",
@@ -89,6 +91,10 @@ class Worker:
         self.reported_queue = 0
         self.reported_running = 0
         self.kv_utilization = 0.0
+        #: requests waiting for this worker in the router's admission queue, and the prefill
+        #: tokens they need here (kept by the host: ``Router.note_admission_queue``)
+        self.queued_requests = 0
+        self.queued_prefill_tokens = 0
         #: engine hash -> our key, for engines whose hashes are not our keys (one entry per
         #: cached block for vLLM/SGLang, so a compact uint64 map where the extension is built)
         self.engine_keys: MutableMapping[int, int] = u64_map()

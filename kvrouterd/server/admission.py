@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from ..admission import AdmissionQueues, Migration, Waiting
+from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..config import AdmissionConfig
 from ..errors import InvalidRequest, KVRouterError, Overloaded
 from ..protocols import RouteRequest
@@ -35,7 +35,7 @@ class AdmissionGate:
     def __init__(self, router: Router, config: AdmissionConfig) -> None:
         self.router = router
         self.config = config
-        self.queues = AdmissionQueues(config.max_inflight)
+        self.queues = AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
         self.migrations = 0
         self.shed = 0
 
@@ -88,28 +88,10 @@ class AdmissionGate:
 
     def _slo_ms(self, policy: object, req: RouteRequest) -> float:
         """The SLO the policy itself applies (DualMap has its own default), else the router's."""
-        own = getattr(policy, "slo_ms", None)
-        if callable(own):
-            return float(own(req))
-        return req.ttft_slo_ms or self.router.settings.default_ttft_slo_ms
+        return policy_slo_ms(policy, req, self.router.settings.default_ttft_slo_ms)
 
     def _rebalance(self, workers: list[str], policy: object, now: float) -> None:
-        queued_ttft = getattr(policy, "queued_ttft_ms", None)
-        if queued_ttft is None:
-            return  # only policies with a queue-aware TTFT estimate can plan a migration
-        router = self.router
-
-        def estimator(w: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
-            return float(queued_ttft(router.workers.get(w), uncached, tokens_ahead, requests_ahead, now))
-
-        # the policy's own view of pending prefill (DualMap drains it at the modelled prefill
-        # rate), so migration estimates agree with the estimates that chose the candidates
-        latency = getattr(policy, "latency", None)
-        if latency is not None and hasattr(latency, "pending_tokens"):
-            load = {w.id: (int(latency.pending_tokens(w, now)), w.inflight_requests) for w in router.workers}
-        else:
-            load = {w.id: (w.pending_prefill_tokens, w.inflight_requests) for w in router.workers}
-        plan: list[Migration] = self.queues.plan_rebalance(workers, load, estimator, now)
+        plan: list[Migration] = plan_hotspot_migration(self.queues, self.router, workers, policy, now)
         if plan:
             self.queues.apply(plan)
             self.migrations += len(plan)

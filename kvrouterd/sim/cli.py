@@ -2,6 +2,7 @@
 
     kvrouterd sim cache     replay a trace into one cache and report its hit ratio
     kvrouterd sim cluster   simulate a cluster of engines behind the router
+    kvrouterd sim reproduce regenerate docs/results.md's tables (paper figure, ours, verdict)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 SIM_COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("kvrouterd.sim.cache", "replay a trace into one cache and report its hit ratio"),
     "cluster": ("kvrouterd.sim.cluster", "simulate engines behind the router: compare routing x eviction pairs"),
+    "reproduce": ("kvrouterd.sim.reproduce", "regenerate every table of docs/results.md: paper, ours, verdict"),
 }
 
 

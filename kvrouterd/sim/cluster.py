@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 import xxhash
 
+from ..admission import AdmissionQueues, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..clock import ManualClock
 from ..config import Config, load_config
 from ..errors import ConfigError, KVRouterError, NotFound
@@ -46,12 +47,13 @@ from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
 from ..policies import registry
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
-from ..router import Router
+from ..router import Router, RouteResult
 from . import metrics as m
 from .engine import EngineParams, Job, SimEngine
 from .workloads import GENERATORS, Workload, build_workload
 
-__all__ = ["ClusterSettings", "RunResult", "Simulation", "add_arguments", "policy_spec", "run", "simulate", "sweep"]
+__all__ = ["ClusterPlan", "ClusterSettings", "RunResult", "Simulation", "add_arguments", "plan", "policy_spec", "run",
+           "simulate", "sweep"]
 
 _DELIVER, _STEP, _FINISH = 0, 1, 2
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -79,6 +81,10 @@ class ClusterSettings:
     #: the client says when a conversation ends: the last request of each session completes
     #: with ``session_ended`` and the engines' policies hear ``end_session`` (end-aware T-LRU)
     signal_session_end: bool = False
+    #: the daemon's admission queue mode (``admission.max_inflight``): a worker takes at most
+    #: this many routed, uncompleted requests, the rest wait in its queue inside the router,
+    #: where DualMap's hotspot migration (A.1.2) can move them; 0 = off (dispatch at once)
+    admission_max_inflight: int = 0
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -89,6 +95,8 @@ class ClusterSettings:
             raise ConfigError(f"event loss must be in [0, 1), got {self.event_loss}")
         if self.slo_ms < 0 or self.warmup < 0 or self.sample_interval_s <= 0 or self.load_report_interval_s < 0:
             raise ConfigError("slo_ms, warmup and load_report_interval_s must be >= 0, sample_interval_s > 0")
+        if self.admission_max_inflight < 0:
+            raise ConfigError(f"admission max_inflight must be >= 0 (0 = off), got {self.admission_max_inflight}")
         try:
             self.engine.validate()
         except ValueError as exc:
@@ -210,6 +218,11 @@ class Simulation:
         #: ("complete", t, Completion, None), ("tick", t, None, None),
         #: ("load", t, (worker_id, queued, running, kv_utilization), None)
         self.log: list[tuple[str, float, Any, Any]] | None = [] if record else None
+        #: the daemon's admission queues (``kvrouterd.admission``, the same pure objects), or None
+        self.admission = (AdmissionQueues(settings.admission_max_inflight, on_change=self.router.note_admission_queue)
+                          if settings.admission_max_inflight else None)
+        self.migrations = 0
+        self.queued_requests = 0
         self._last_of_session: set[int] = set()
         if settings.signal_session_end:
             last: dict[str, int] = {}
@@ -263,8 +276,55 @@ class Simulation:
                           session_id=req.session_id, task=req.task, ttft_slo_ms=self.slo_ms,
                           expected_output_tokens=req.output_tokens)
         started = time.perf_counter()
-        result = self.router.route(rr, explain=False)
+        if self.admission is None:
+            result = self.router.route(rr, explain=False)
+            self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
+            return
+        # admission queue mode, as the daemon's AdmissionGate runs it
+        router, queues = self.router, self.admission
+        decision, ctx, policy = router.decide(rr, explain=False)
+        wid = decision.worker_id
+        worker = router.workers.get(wid)
+        if not queues.queue(wid) and queues.may_dispatch(worker.inflight_requests):
+            result = router.commit(decision, ctx, policy)
+            self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
+            return
+        alt = router.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
+        uncached = {wid: ctx.uncached_tokens(worker)}
+        if alt is not None:
+            uncached[alt.id] = ctx.uncached_tokens(alt)
         route_us = (time.perf_counter() - started) * 1e6
+        # the simulated client has no deadline: a request waits until admitted
+        queues.enqueue(Waiting(rr.request_id, wid, alt.id if alt is not None else "", uncached,
+                               policy_slo_ms(policy, rr, self.slo_ms), now, None, (n, rr, route_us)))
+        self.queued_requests += 1
+        if decision.attributes.get("both_overloaded") and alt is not None:
+            plan = plan_hotspot_migration(queues, router, [wid, alt.id], policy, now)
+            if plan:
+                queues.apply(plan)
+                self.migrations += len(plan)
+                self._admit({m.target for m in plan}, now)
+        self._admit([wid] + ([alt.id] if alt is not None else []), now)
+
+    def _admit(self, worker_ids: Any, now: float) -> None:
+        """Dispatch what the admission queues of ``worker_ids`` let in, each re-decided on its
+        admitted worker alone (as the daemon's gate does)."""
+        assert self.admission is not None
+        for wid in worker_ids:
+            worker = self.router.workers.find(wid)
+            if worker is None:
+                continue
+            for entry in self.admission.admit(wid, worker.inflight_requests):
+                n, rr, route_us = entry.payload  # type: ignore[misc]
+                rr.candidate_workers = (entry.worker_id,)
+                started = time.perf_counter()
+                result = self.router.route(rr, explain=False)
+                self._dispatch(n, rr, result, now, route_us + (time.perf_counter() - started) * 1e6)
+
+    def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float) -> None:
+        req = self.workload.requests[n]
+        keys = rr.keys
+        bs = self.workload.block_tokens
         if self.log is not None:
             self.log.append(("route", now, rr, result.worker.id))
         i = self._by_id[result.worker.id]
@@ -282,12 +342,18 @@ class Simulation:
     def _step_done(self, i: int, now: float) -> None:
         engine = self.engines[i]
         tpot = self.settings.engine.tpot_ms / 1000.0
+        batched = self.settings.engine.decode_model == "batched"
         for job in engine.finish_step(now):
-            self._push(now + max(job.req.output_tokens - 1, 0) * tpot, _FINISH, (i, job))
+            if not batched:
+                self._push(now + max(job.req.output_tokens - 1, 0) * tpot, _FINISH, (i, job))
         self._publish(i, now)
+        if batched:
+            finished, engine.finished = engine.finished, []
+            for job in finished:
+                self._finish(i, job, now, kick=False)  # free all their room before the next step
         self._kick(i, now)
 
-    def _finish(self, i: int, job: Job, now: float) -> None:
+    def _finish(self, i: int, job: Job, now: float, kick: bool = True) -> None:
         self.engines[i].finish(job, now)
         self._publish(i, now)
         req = job.req
@@ -311,7 +377,10 @@ class Simulation:
             self.router.complete(completion)
         except NotFound:
             pass  # expired by the router's in-flight timeout, as the daemon would have
-        self._kick(i, now)
+        if self.admission is not None:
+            self._admit((self.engines[i].worker_id,), now)
+        if kick:
+            self._kick(i, now)
 
     def _report_load(self, now: float) -> None:
         cap = self.settings.engine.capacity_blocks
@@ -360,6 +429,8 @@ class Simulation:
                     ticks += 1
                     if ticks % expire_every == 0:  # as the daemon's maintenance loop does
                         router.expire_inflight()
+                        if self.admission is not None:
+                            self._admit(self.admission.workers(), next_tick)
                     next_tick += tick
                 elif due == next_sample:
                     self._sample_load()
@@ -383,14 +454,16 @@ class Simulation:
                 if self.progress is not None and n % report_every == 0:
                     self.progress(n / total)
         wall = time.perf_counter() - started
-        measured = [r for r in self.records[self.settings.warmup:] if r is not None]
+        measured = self.records[self.settings.warmup:]
         # a request still waiting when events ran out never fit its engine's cache (a policy
-        # that cannot free room); count it rather than let NaN into the percentiles
-        done = [r for r in measured if not math.isnan(r.e2e_s)]
+        # that cannot free room) or never left an admission queue; count it rather than let
+        # NaN into the percentiles
+        done = [r for r in measured if r is not None and not math.isnan(r.e2e_s)]
         evict_s = sum(e.rank_seconds for e in self.engines)
         evict_n = sum(e.rank_calls for e in self.engines)
         summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
-        counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done))
+        counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done),
+                        admission_queued=self.queued_requests, migrations=self.migrations)
         stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
                   "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable} for e in self.engines]
         return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,
@@ -507,11 +580,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the last request of each session completes with session_ended (end-aware eviction)")
     c.add_argument("--load-report-ms", type=float, default=0.0,
                    help="engines send ReportLoad (queue, running, KV use) this often; 0 = never")
+    c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
+                   help="the daemon's admission queue mode: at most N routed, uncompleted requests per worker, "
+                        "the rest wait in the router (DualMap migrates them, A.1.2); 0 = off")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model)
     e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens)
     e.add_argument("--tpot-ms", type=float, default=d.tpot_ms)
+    e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
+                   help="batched: decoding runs in the engine's steps beside prefill chunks (interference)")
+    e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
+                   help="batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1))")
     e.add_argument("--cache-decode", action="store_true",
                    help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
@@ -536,58 +616,92 @@ def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
     return out
 
 
+@dataclass
+class ClusterPlan:
+    """What a ``sim cluster`` command line asks for, ready to run (``sweep``) or to split into
+    single runs (``sim reproduce``): one workload per (seed, rate), the policies, the fleet."""
+
+    cfg: Config
+    workload_name: str
+    workload_for: Callable[[int, float | None], Workload]
+    settings: ClusterSettings
+    routings: list[dict[str, Any]]
+    evictions: list[dict[str, Any]]
+    rates: list[float | None]
+    seeds: list[int]
+    capacity_for: Callable[[Workload], int] | None
+    meta: dict[str, Any]
+
+    def settings_for(self, wl: Workload) -> ClusterSettings:
+        """The fleet for one workload (``--capacity-fraction`` sizes caches from the workload)."""
+        if self.capacity_for is None:
+            return self.settings
+        engine = dataclasses.replace(self.settings.engine, capacity_blocks=self.capacity_for(wl))
+        return dataclasses.replace(self.settings, engine=engine)
+
+
+def plan(args: argparse.Namespace) -> ClusterPlan:
+    """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
+    cfg = load_config(args.config, environ={})
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in _kv(args.set, "--set"):
+        policy, dot, fname = key.partition(".")
+        if not dot:
+            raise ConfigError(f"--set expects POLICY.FIELD=VALUE, got {key!r}")
+        overrides.setdefault(policy, {})[fname] = value
+    routing_names = [n for n in args.routing.split(",") if n] or [cfg.routing["name"]]
+    eviction_names = [n for n in args.eviction.split(",") if n] or [cfg.eviction["name"]]
+    unused = sorted(set(overrides) - set(routing_names) - set(eviction_names))
+    if unused:
+        raise ConfigError(f"--set names policy {unused[0]!r}, which is not in --routing or --eviction")
+    routings = [policy_spec(cfg, "routing", n, overrides) for n in routing_names]
+    evictions = [policy_spec(cfg, "eviction", n, overrides) for n in eviction_names]
+    if not args.workload and not args.trace:
+        raise ConfigError("give --trace FILE or --workload NAME")
+    name: str = args.workload or "mooncake"
+    wparams = dict(_kv(args.workload_param, "--workload-param"))
+    engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
+                          max_running=args.max_running, prefill_model=args.prefill_model,
+                          prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
+                          cache_decode=args.cache_decode, decode_model=args.decode_model,
+                          decode_batch_slope=args.decode_batch_slope)
+    settings = ClusterSettings(
+        workers=args.workers, engine=engine,
+        cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
+        event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
+        warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
+        signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight)
+    settings.validate()
+    capacity_for = None
+    if args.capacity_fraction is not None:
+        frac = args.capacity_fraction
+        if not 0 < frac:
+            raise ConfigError(f"--capacity-fraction must be > 0, got {frac}")
+        workers = args.workers
+        capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / workers))  # noqa: E731
+
+    def workload_for(seed: int, rate: float | None) -> Workload:
+        return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,
+                              max_input_tokens=args.max_input_tokens, **dict(wparams))
+
+    meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "capacity_fraction": args.capacity_fraction}
+    return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
+                       list(args.seeds), capacity_for, meta)
+
+
 def run(args: argparse.Namespace) -> int:
     from . import report
 
     try:
-        cfg = load_config(args.config, environ={})
-        overrides: dict[str, dict[str, Any]] = {}
-        for key, value in _kv(args.set, "--set"):
-            policy, dot, fname = key.partition(".")
-            if not dot:
-                raise ConfigError(f"--set expects POLICY.FIELD=VALUE, got {key!r}")
-            overrides.setdefault(policy, {})[fname] = value
-        routing_names = [n for n in args.routing.split(",") if n] or [cfg.routing["name"]]
-        eviction_names = [n for n in args.eviction.split(",") if n] or [cfg.eviction["name"]]
-        unused = sorted(set(overrides) - set(routing_names) - set(eviction_names))
-        if unused:
-            raise ConfigError(f"--set names policy {unused[0]!r}, which is not in --routing or --eviction")
-        routings = [policy_spec(cfg, "routing", n, overrides) for n in routing_names]
-        evictions = [policy_spec(cfg, "eviction", n, overrides) for n in eviction_names]
-        if not args.workload and not args.trace:
-            raise ConfigError("give --trace FILE or --workload NAME")
-        name: str = args.workload or "mooncake"
-        wparams = dict(_kv(args.workload_param, "--workload-param"))
-        engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
-                              max_running=args.max_running, prefill_model=args.prefill_model,
-                              prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
-                              cache_decode=args.cache_decode)
-        settings = ClusterSettings(
-            workers=args.workers, engine=engine,
-            cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
-            event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
-            warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
-            signal_session_end=args.session_end)
-        settings.validate()
-        capacity_for = None
-        if args.capacity_fraction is not None:
-            frac = args.capacity_fraction
-            if not 0 < frac:
-                raise ConfigError(f"--capacity-fraction must be > 0, got {frac}")
-            capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / args.workers))
-
-        def workload_for(seed: int, rate: float | None) -> Workload:
-            return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,
-                                  max_input_tokens=args.max_input_tokens, **wparams)
-
-        results = sweep(cfg, workload_for, settings, routings, evictions, args.rate or [None], args.seeds,
-                        capacity_for, out=None if args.quiet else sys.stderr)
+        p = plan(args)
+        results = sweep(p.cfg, p.workload_for, p.settings, p.routings, p.evictions, p.rates, p.seeds,
+                        p.capacity_for, out=None if args.quiet else sys.stderr)
     except (KVRouterError, ValueError, OSError) as exc:
         print(f"kvrouterd sim cluster: {exc}", file=sys.stderr)
         return 2
-    meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
-            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
-            "capacity_fraction": args.capacity_fraction, "command": "kvrouterd sim cluster " + " ".join(sys.argv[3:])}
+    meta = dict(p.meta, command="kvrouterd sim cluster " + " ".join(sys.argv[3:]))
     doc = report.build(results, meta)
     if args.out:
         report.write(doc, results, args.out)

@@ -26,7 +26,14 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
   tokens at batch 1, which is also the linear default). Decoding costs a constant
   ``tpot_ms`` per output token, independent of batch (UniCache section 3 models TPOT as a
   constant measured mean; it does not publish the value, 20 ms is our assumption for an 8B
-  model). A request's first token comes when its last prefill chunk completes.
+  model). A request's first token comes when its last prefill chunk completes. With
+  ``decode_model = "batched"`` (``--decode-model batched``) decoding runs in the engine's own
+  steps instead, as in vLLM/Sarathi chunked prefill: every step generates one token for each
+  request past its first token and lasts the prefill time of its chunk plus
+  ``tpot_ms * (1 + decode_batch_slope * (D - 1))`` for its D decoding requests, so decodes
+  slow prefill (TTFT) and prefill chunks slow decodes (TPOT). The slope is not in the papers
+  (UniCache models TPOT as a batch-independent constant): 0 keeps a decode step's cost
+  independent of D, leaving only the interference.
 - **Events.** Evictions publish ``Removed`` (at admission, when memory is claimed); a
   finished prefill publishes ``Stored`` for the request's new blocks, with our block keys
   as engine hashes, exactly what a real engine using the kvrouterd SDK sends. The host
@@ -36,7 +43,7 @@ Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8
 chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
 ``prefill_model`` = "linear", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
 0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0,
-``cache_decode`` = False.
+``cache_decode`` = False, ``decode_model`` = "constant", ``decode_batch_slope`` = 0.0.
 """
 
 from __future__ import annotations
@@ -71,6 +78,11 @@ class EngineParams:
     tpot_ms: float = field(default=20.0, metadata={"help": "ms per output token after the first"})
     cache_decode: bool = field(default=False, metadata={
         "help": "cache a finished request's generated tokens (the full blocks they fill), as vLLM does"})
+    decode_model: Literal["constant", "batched"] = field(default="constant", metadata={
+        "help": "constant: tpot_ms per token beside the engine, never slowing prefill; batched: decode runs in the "
+                "engine's steps, one token per decoding request per step, and shares each step with prefill"})
+    decode_batch_slope: float = field(default=0.0, metadata={
+        "help": "batched: a decode step of D requests lasts tpot_ms * (1 + slope * (D - 1))"})
 
     def validate(self) -> None:
         if self.capacity_blocks < 0:
@@ -89,6 +101,12 @@ class EngineParams:
             raise ValueError("power_a_ms and power_c must be > 0")
         if self.tpot_ms < 0:
             raise ValueError(f"tpot_ms must be >= 0, got {self.tpot_ms}")
+        if self.decode_model not in ("constant", "batched"):
+            raise ValueError(f"decode_model must be constant or batched, got {self.decode_model!r}")
+        if self.decode_batch_slope < 0:
+            raise ValueError(f"decode_batch_slope must be >= 0, got {self.decode_batch_slope}")
+        if self.decode_model == "batched" and self.tpot_ms <= 0:
+            raise ValueError("decode_model batched needs tpot_ms > 0 (a decode step must take time)")
 
     def step_seconds(self, tokens: int, batch: int) -> float:
         """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests."""
@@ -96,6 +114,12 @@ class EngineParams:
             return (self.prefill_intercept_ms + self.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
         batch = max(batch, 1)
         return self.power_a_ms * batch**self.power_b * (tokens / batch) ** self.power_c / 1000.0
+
+    def decode_step_seconds(self, decoding: int) -> float:
+        """Decode share of one step generating a token for each of ``decoding`` requests."""
+        if decoding <= 0:
+            return 0.0
+        return self.tpot_ms * (1.0 + self.decode_batch_slope * (decoding - 1)) / 1000.0
 
 
 class Job:
@@ -115,6 +139,7 @@ class Job:
         "req",
         "reserved",
         "route_overlap",
+        "tokens_left",
     )
 
     def __init__(self, index: int, req: SimRequest, keys: list[int], est_uncached: int, route_overlap: int,
@@ -133,6 +158,8 @@ class Job:
         self.cached = True
         self.admitted_at = -1.0
         self.first_token_at = -1.0
+        #: batched decoding: output tokens still to generate
+        self.tokens_left = 0
 
 
 class SimEngine:
@@ -156,6 +183,10 @@ class SimEngine:
         self.pins: dict[int, int] = {}
         self.busy = False
         self._step: list[tuple[Job, int]] = []
+        #: batched decoding: requests past their first token, and those the last step finished
+        self.decoding: list[Job] = []
+        self._step_decodes = 0
+        self.finished: list[Job] = []
         #: prefill tokens queued or in progress (router's estimate for those not yet admitted)
         self.pending_tokens = 0
         self.outbox: list[CacheEvent] = []
@@ -191,11 +222,15 @@ class SimEngine:
             chunk = min(job.remaining, budget)
             step.append((job, chunk))
             budget -= chunk
-        if not step:
+        decodes = len(self.decoding)
+        if not step and not decodes:
             return None
         self._step = step
+        self._step_decodes = decodes
         self.busy = True
-        return self.params.step_seconds(self.params.max_batch_tokens - budget, len(step))
+        prefill = self.params.step_seconds(self.params.max_batch_tokens - budget, len(step)) if step else 0.0
+        # a mixed step (Sarathi/vLLM chunked prefill) carries the decodes and the prefill chunk
+        return prefill + self.params.decode_step_seconds(decodes)
 
     def finish_step(self, now: float) -> list[Job]:
         """The running step ended at ``now``: the requests whose prefill completed."""
@@ -209,7 +244,19 @@ class SimEngine:
                 self._store(job, now)
         if done:
             self.prefilling = [j for j in self.prefilling if j.remaining > 0]
+        if self.params.decode_model == "batched":
+            # the requests decoding when the step began got one token each
+            still = []
+            for job in self.decoding[:self._step_decodes]:
+                job.tokens_left -= 1
+                (still if job.tokens_left > 0 else self.finished).append(job)
+            still += self.decoding[self._step_decodes:]
+            for job in done:
+                job.tokens_left = max(job.req.output_tokens - 1, 0)
+                (still if job.tokens_left > 0 else self.finished).append(job)
+            self.decoding = still
         self._step = []
+        self._step_decodes = 0
         self.busy = False
         return done
 

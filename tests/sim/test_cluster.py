@@ -303,3 +303,92 @@ def test_cache_decode_counts_against_capacity():
     assert res.records[1].hit_blocks == 2
     # with room for them they are
     assert _decode_run(True, capacity=5).run().records[1].hit_blocks == 4
+
+
+# ---- the daemon's admission queue and DualMap's migration in the simulated path ---------
+class CappedSimulation(Simulation):
+    """Checks at every dispatch that no worker holds more than the admission cap."""
+
+    def _dispatch(self, n, rr, result, now, route_us):
+        cap = self.settings.admission_max_inflight
+        assert self.router.workers.get(result.worker.id).inflight_requests <= cap
+        super()._dispatch(n, rr, result, now, route_us)
+
+
+def test_admission_queue_caps_inflight_and_every_request_still_finishes():
+    s = settings(4, 0, admission_max_inflight=2)
+    res = CappedSimulation(Config(), small_gsp(3), s, routing="cache_aware", eviction="lru", seed=0).run()
+    assert res.summary.requests == len(small_gsp(3).requests) and res.counters["unfinished"] == 0
+    assert res.counters["admission_queued"] > 0
+    off = simulate(Config(), small_gsp(3), settings(4, 0), routing="cache_aware", eviction="lru", seed=0)
+    assert off.counters["admission_queued"] == 0
+    # waiting in the router is part of TTFT
+    assert res.summary.ttft_ms["p90"] > off.summary.ttft_ms["p90"]
+
+
+def test_dualmap_migrates_queued_requests_within_their_pair_in_the_simulator():
+    # Zipf-hot tool prompts at 150 req/s on 8 workers, at most 32 in flight each
+    wl = build_workload("toolagent", 0, 150.0, requests=600)
+    s = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000, admission_max_inflight=32)
+    sim = CappedSimulation(Config(), wl, s, routing="dualmap", eviction="lru", seed=0)
+    moves = []
+    apply = sim.admission.apply
+
+    def checked_apply(plan):
+        for mig in plan:  # a request only ever moves to the other candidate of its own pair
+            entry = next(e for e in sim.admission.queue(mig.source) if e.request_id == mig.request_id)
+            assert mig.target == entry.alternative_id and mig.benefit_ms > 0 and mig.ttft_target_ms < entry.slo_ms
+        moves.extend(plan)
+        return apply(plan)
+
+    sim.admission.apply = checked_apply
+    res = sim.run()
+    assert res.counters["migrations"] == len(moves) > 0 and res.counters["unfinished"] == 0
+    # without the queue the same traffic has nothing to migrate
+    plain = simulate(Config(), wl, ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000), routing="dualmap",
+                     eviction="lru", seed=0)
+    assert plain.counters["migrations"] == 0 and plain.counters["admission_queued"] == 0
+
+
+# ---- batched decoding: decode steps share the engine with prefill ------------------------
+def _two_requests(second_at: float) -> Workload:
+    return Workload("two", 64, [SimRequest(0.0, 1024, 11, tuple(range(16))),
+                                SimRequest(second_at, 2048, 11, tuple(range(100, 132)))])
+
+
+def _run_two(decode_model: str, second_at: float = 0.1, slope: float = 0.0):
+    eng = EngineParams(decode_model=decode_model, tpot_ms=10.0, prefill_ms_per_1k_tokens=40.0,
+                       decode_batch_slope=slope)
+    return simulate(Config(), _two_requests(second_at), ClusterSettings(workers=1, engine=eng), routing="round_robin",
+                    eviction="lru").records
+
+
+def test_batched_decoding_alone_costs_what_the_constant_model_does():
+    for model in ("constant", "batched"):
+        first, second = _run_two(model, second_at=5.0)  # no overlap at all
+        # 1,024 and 2,048 tokens at 40 ms per 1k, then 10 tokens at 10 ms
+        assert first.ttft_s == pytest.approx(0.04096) and first.e2e_s == pytest.approx(0.04096 + 0.100)
+        assert second.ttft_s == pytest.approx(0.08192) and second.e2e_s == pytest.approx(0.08192 + 0.100)
+
+
+def test_batched_decoding_interferes_with_prefill_both_ways():
+    c_first, c_second = _run_two("constant")
+    b_first, b_second = _run_two("batched")
+    # the second prompt arrives at 0.1 s while the first decodes (10 ms steps from 0.04096 s):
+    # it waits for the step in flight (to 0.10096 s), then its prefill step carries a decode
+    assert c_second.ttft_s == pytest.approx(0.08192)
+    assert b_second.ttft_s == pytest.approx(0.00096 + 0.08192 + 0.010)
+    # and the first request's 7th token waits for the second's prefill: 6 tokens by 0.10096 s,
+    # one in the 91.92 ms mixed step, 3 more in 10 ms steps
+    assert c_first.e2e_s == pytest.approx(0.14096)
+    assert b_first.e2e_s == pytest.approx(0.10096 + 0.09192 + 0.030)
+    # a decode step that grows with its batch lengthens both further
+    s_first, s_second = _run_two("batched", slope=1.0)
+    assert s_first.e2e_s > b_first.e2e_s and s_second.e2e_s > b_second.e2e_s
+
+
+def test_decode_model_is_validated():
+    with pytest.raises(ValueError, match="decode_model"):
+        EngineParams(decode_model="fast").validate()
+    with pytest.raises(ValueError, match="tpot_ms > 0"):
+        EngineParams(decode_model="batched", tpot_ms=0).validate()

@@ -192,3 +192,26 @@ def test_a_decode_bottlenecked_worker_sheds_its_queue_to_the_alternatives() -> N
     plan = q.plan_migration(home, load(), estimator, clock.now())
     assert [m.target for m in plan] == [other] * 3
     assert all(m.ttft_source_ms > 3500 and m.ttft_target_ms < 100 for m in plan)
+
+
+# ---- what the policies see of the queues ------------------------------------------------
+def test_queued_tokens_follow_every_change_and_reach_the_host() -> None:
+    seen: dict[str, tuple[int, int]] = {}
+    q = AdmissionQueues(max_inflight=1, on_change=lambda w, n, t: seen.__setitem__(w, (n, t)))
+    q.enqueue(entry("a", "w0", "w1", 100, 40))
+    q.enqueue(entry("b", "w0", "w1", 200, 70))
+    q.enqueue(entry("c", "w1", "", 5, 0))
+    assert seen == {"w0": (2, 300), "w1": (1, 5)} and q.queued_tokens("w0") == 300
+    q.apply([Migration("b", "w0", "w1", 9.0, 1.0)])  # counted at the target with its own cost there
+    assert seen == {"w0": (1, 100), "w1": (2, 75)}
+    assert [e.request_id for e in q.admit("w1", inflight=0)] == ["c"]
+    assert seen["w1"] == (1, 70)
+    q.cancel("a")
+    assert seen["w0"] == (0, 0)
+    q.drop_worker("w1")
+    assert seen["w1"] == (0, 0) and q.queued_tokens("w1") == 0
+    # planning works on a scratch copy: the host hears nothing
+    q.enqueue(entry("d", "w0", "w1", 9_000, 10, slo=5_000))
+    before = dict(seen)
+    q.plan_rebalance(["w0"], {}, per_token, 0.0)
+    assert seen == before

@@ -33,15 +33,18 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
   (``calibrate: false``: 100%).
 - **Decode bottleneck** (A.7): a worker with a non-empty queue that has completed no
   prefill for ``decode_bottleneck_s`` is overloaded, and its TTFT estimates include the
-  observed interval. The queue is the admission queue (``queued_ttft_ms``) or, at
-  selection, the engine's reported waiting requests (``ReportLoad``); without either the
+  observed interval. The queue is the admission queue (``queued_ttft_ms``; at selection,
+  ``Worker.queued_requests``) or the engine's reported waiting requests (``ReportLoad``);
+  without either the
   rule cannot tell waiting from decoding requests and stays quiet. Prefill completions are
   learned from ``Complete`` (its TTFT dates the first token), so they are seen late: a
   worker with a real queue and only long decodes in flight can be flagged early.
 - **Hotspot rebalancing** (3.3, A.1.2) needs waiting requests; it lives in
   ``kvrouterd.admission``. A decision whose two candidates are both overloaded says so
   (``both_overloaded=1``) so the host can run a migration round, and
-  ``queued_ttft_ms`` gives the admission queue the A.7-corrected estimates.
+  ``queued_ttft_ms`` gives the admission queue the A.7-corrected estimates. A worker's load
+  includes the prefill tokens of requests waiting for it in that queue
+  (``Worker.queued_prefill_tokens``): there they are its pending work, as in the engine.
 
 Parameters (defaults from the paper unless noted; latency-model ones in ``policies.latency``):
 
@@ -172,7 +175,7 @@ class DualMapPolicy(RoutingPolicyBase):
         reports their prefill only when they finish.
         """
         limit = self.params.decode_bottleneck_s
-        waiting = worker.reported_queue > 0 if queued is None else queued
+        waiting = (worker.reported_queue > 0 or worker.queued_requests > 0) if queued is None else queued
         if limit <= 0 or not waiting or worker.inflight_requests <= 0:
             return 0.0
         # the clock starts when the worker last went busy or last finished a prefill
@@ -187,9 +190,11 @@ class DualMapPolicy(RoutingPolicyBase):
 
     def _view(self, ctx: RoutingContext, w: Worker, slo: float, threshold: int) -> _View:
         uncached = ctx.uncached_tokens(w)
-        load = self.latency.pending_tokens(w, ctx.now)
+        # requests waiting for w in the router's admission queue are its pending work as much
+        # as those waiting inside the engine (3.2); 0 without admission queue mode
+        load = self.latency.pending_tokens(w, ctx.now) + w.queued_prefill_tokens
         stall = self.bottleneck_ms(w, ctx.now)
-        ttft = self.latency.ttft_ms(uncached, load, w.inflight_requests) + stall
+        ttft = self.latency.ttft_ms(uncached, load, w.inflight_requests + w.queued_requests) + stall
         if self.params.slo_test == "static_threshold":
             over = load + uncached > threshold
         else:

@@ -217,6 +217,23 @@ def test_decode_bottleneck_marks_a_silent_worker_overloaded_and_corrects_its_ttf
     assert router.decide(request(tokens(3)))[0].attributes["rule"] == "cache_affinity"
 
 
+def test_requests_waiting_in_the_admission_queue_count_as_the_workers_pending_load() -> None:
+    router, _ = make_router({**SMALL, "slo_threshold_tokens": 5_000}, ["a", "b"])
+    tokens = lambda i: prompt(2, PREFIX_TOKENS, i)  # noqa: E731
+    home = router.route(request(tokens(0))).worker.id
+    d = router.decide(request(tokens(1)))[0]
+    assert d.attributes["rule"] == "cache_affinity"
+    before = {c.worker_id: c.terms["load_tokens"] for c in d.candidates}
+    # the host's admission queue now holds 6,000 tokens of prefill for home: past the threshold
+    router.note_admission_queue(home, 3, 6_000)
+    d = router.decide(request(tokens(1)))[0]
+    terms = {c.worker_id: c.terms for c in d.candidates}
+    assert terms[home]["load_tokens"] == before[home] + 6_000
+    assert terms[home]["overloaded"] == 1.0 and d.attributes["rule"] == "slo_switch" and d.worker_id != home
+    router.note_admission_queue(home, 0, 0)
+    assert router.decide(request(tokens(1)))[0].attributes["rule"] == "cache_affinity"
+
+
 def _calibrate_slow_fleet(router, tokens, ms_per_token: float) -> None:  # type: ignore[no-untyped-def]
     """Route bursts of 1..4 requests and complete them with TTFT = ms_per_token * tokens ahead."""
     n = 0

@@ -122,6 +122,12 @@ class KubernetesDiscovery:
 
     async def run(self) -> None:
         """Keep the membership in step with the cluster until cancelled."""
+        try:
+            await self._follow()
+        finally:
+            await self.api.close()
+
+    async def _follow(self) -> None:
         loop = asyncio.get_running_loop()
         backoff = self.cfg.backoff_initial_s
         while True:

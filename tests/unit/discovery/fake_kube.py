@@ -100,18 +100,19 @@ class FakeKubeApi:
         reason = {200: "OK", 410: "Gone", 500: "Internal Server Error", 403: "Forbidden"}.get(reply.status, "X")
         if reply.chunked:
             writer.write(f"HTTP/1.1 {reply.status} {reason}\r\nContent-Type: application/json\r\n"
-                         f"Transfer-Encoding: chunked\r\n\r\n".encode())
+                         f"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
             half = len(body) // 2
             for part in (body[:half], body[half:]):
                 writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
             writer.write(b"0\r\n\r\n")
         else:
             writer.write(f"HTTP/1.1 {reply.status} {reason}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         await writer.drain()
 
     async def _stream(self, writer: asyncio.StreamWriter, q: asyncio.Queue) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n")
         await writer.drain()
         while (event := await q.get()) is not None:
             data = (event if isinstance(event, bytes) else json.dumps(event).encode()) + b"\n"

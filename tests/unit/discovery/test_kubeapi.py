@@ -58,6 +58,7 @@ async def test_https_verified_against_the_service_account_ca(https_api, certs) -
     certs["token"].write_text("token-b\n")
     await api.list_pods("llm", "app=vllm")
     assert fake.requests[1].headers["authorization"] == "Bearer token-b"
+    await api.close()
 
 
 async def test_https_with_an_untrusted_certificate_is_refused(https_api, certs) -> None:  # type: ignore[no-untyped-def]
@@ -65,6 +66,7 @@ async def test_https_with_an_untrusted_certificate_is_refused(https_api, certs) 
     api = KubeApi(KubernetesDiscoveryConfig(api_server=url, ca_file=str(certs["other"]), token_file=str(certs["token"])))
     with pytest.raises(ApiError, match="cannot connect"):
         await api.list_pods("llm", "app=vllm")
+    await api.close()
     assert fake.requests == []  # the token never left the process
 
 
@@ -91,6 +93,16 @@ async def test_a_non_json_list_is_an_api_error(tmp_path: Path) -> None:
         api = KubeApi(KubernetesDiscoveryConfig(api_server=url, token_file=str(tmp_path / "none")))
         with pytest.raises(ApiError, match="malformed pod list"):
             await api.list_pods("llm", "app=vllm")
+        await api.close()
         assert "authorization" not in fake.requests[0].headers  # no token file: anonymous
     finally:
         await fake.stop()
+
+
+def test_a_daemon_without_discovery_does_not_import_the_kubernetes_client() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvrouterd.server.app; print('kubernetes_asyncio' in sys.modules, 'aiohttp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

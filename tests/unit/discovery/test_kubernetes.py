@@ -81,7 +81,8 @@ async def test_initial_list_adds_only_pods_that_can_take_traffic(fake: FakeKubeA
     assert lst.query == {"labelSelector": "app=vllm,role in (decode)"}
     assert lst.headers["authorization"] == "Bearer sa-token-1"
     watch = fake.watch_requests()[0]
-    assert watch.query["resourceVersion"] == "100" and watch.query["allowWatchBookmarks"] == "true"
+    # the API server parses booleans as Go does: "True" and "true" alike
+    assert watch.query["resourceVersion"] == "100" and watch.query["allowWatchBookmarks"].lower() == "true"
 
 
 async def test_watch_events_drive_membership(fake: FakeKubeApi, token_file: Path) -> None:
@@ -144,12 +145,28 @@ async def test_malformed_watch_events_are_skipped(fake: FakeKubeApi, token_file:
     q = fake.watch()
     async with running(fake, token_file) as (disc, rec):
         await asyncio.wait_for(disc.synced.wait(), 5)
-        for bad in ({"type": "ADDED"}, {"type": "ADDED", "object": ["not", "a", "pod"]},
+        for bad in ({"type": "ADDED", "object": ["not", "a", "pod"]},
                     {"type": "MODIFIED", "object": {"metadata": "x"}}, {"type": "SURPRISE", "object": {}}):
             await q.put(bad)
         await q.put(event("ADDED", pod("vllm-0", "10.0.0.1", rv="11")))
         await eventually(lambda: "vllm-0" in rec.workers)
         assert disc.errors == 0 and disc.resource_version == "11"
+
+
+async def test_an_event_without_an_object_breaks_the_watch_which_resumes(fake: FakeKubeApi, token_file: Path) -> None:
+    # no API server sends one; the client library treats the stream as broken, and the watch
+    # resumes from the last version, so nothing after it is lost
+    fake.lists.append(pod_list([], rv="10"))
+    q1, q2 = fake.watch(), fake.watch()
+    async with running(fake, token_file) as (disc, rec):
+        await asyncio.wait_for(disc.synced.wait(), 5)
+        await q1.put(event("ADDED", pod("vllm-0", "10.0.0.1", rv="11")))
+        await q1.put({"type": "ADDED"})
+        await eventually(lambda: len(fake.watch_requests()) == 2)
+        await q2.put(event("ADDED", pod("vllm-1", "10.0.0.2", rv="12")))
+        await eventually(lambda: "vllm-1" in rec.workers)
+        assert sorted(rec.workers) == ["vllm-0", "vllm-1"] and disc.errors == 1 and disc.lists == 1
+    assert [r.query["resourceVersion"] for r in fake.watch_requests()] == ["10", "11"]
 
 
 async def test_recreated_pod_with_the_same_name_is_replaced(fake: FakeKubeApi, token_file: Path) -> None:

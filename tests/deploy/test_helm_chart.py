@@ -441,3 +441,13 @@ def test_every_value_is_documented_in_the_deployment_guide(chart: helm.Chart) ->
         if isinstance(sub, dict) and key not in ("config", "resources", "podSecurityContext", "securityContext"):
             for child in sub:
                 assert child in table, f"{key}.{child} is missing from the values reference"
+
+
+def test_notes_tell_how_to_reach_the_daemon_as_it_is_configured(chart: helm.Chart) -> None:
+    plain = render(chart, None)["kvrouterd/templates/NOTES.txt"]
+    assert "grpcurl -plaintext localhost:50051 grpc.health.v1.Health/Check" in plain
+    mtls = render(chart, load_yaml(VALUES_DIR / "static-tls.yaml"))["kvrouterd/templates/NOTES.txt"]
+    assert "-plaintext" not in mtls
+    assert "grpcurl -cacert ca.crt -servername kvrouterd.llm.svc -cert client.crt -key client.key localhost:50051" in mtls
+    on = render(chart, load_yaml(VALUES_DIR / "discovery.yaml"))["kvrouterd/templates/NOTES.txt"]
+    assert "Alerts: PrometheusRule kvr-kvrouterd" in on and "ConfigMap kvr-kvrouterd-dashboard" in on

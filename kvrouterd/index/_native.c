@@ -618,6 +618,157 @@ Table_sizeof(U64Table *t, PyObject *unused)
     return PyLong_FromSize_t(sizeof(U64Table) + t->table_bytes);
 }
 
+/* ---- RadixIndex.store's loop over brand-new blocks ----------------------------------------
+ *
+ * Engines report blocks they just computed, so nearly every stored block is new to the index:
+ * no other holder, no children, no stats to merge. BlockTable.store_new builds those Blocks
+ * here, exactly as RadixIndex.store's Python loop does (radix.py, "a new block"), and stops at
+ * the first key the index already has; the Python loop handles that one and calls again.
+ * Block is a Python class with __slots__; its six slots are written at their member offsets,
+ * found once per class from its member descriptors. */
+
+enum { BLK_KEY, BLK_PARENT, BLK_CHILDREN, BLK_HOLDERS, BLK_LAST_ACCESS, BLK_HITS, BLK_NSLOTS };
+static const char *const block_slot_names[BLK_NSLOTS] = {"key", "parent", "children", "holders", "last_access", "hits"};
+static PyTypeObject *block_type; /* strong reference; the class the offsets belong to */
+static Py_ssize_t block_offsets[BLK_NSLOTS];
+
+#define BLK_SLOT(obj, which) (*(PyObject **)((char *)(obj) + block_offsets[which]))
+
+/* 0 once `type`'s slot offsets are known, -1 with TypeError if it is no plain __slots__ class */
+static int
+block_layout(PyTypeObject *type)
+{
+    if (type == block_type)
+        return 0;
+    Py_ssize_t offsets[BLK_NSLOTS];
+    for (int k = 0; k < BLK_NSLOTS; k++) {
+        PyObject *descr = PyObject_GetAttrString((PyObject *)type, block_slot_names[k]);
+        if (descr == NULL)
+            return -1;
+        offsets[k] = -1;
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == T_OBJECT_EX && !(member->flags & READ_RESTRICTED))
+                offsets[k] = member->offset;
+        }
+        Py_DECREF(descr);
+        if (offsets[k] < 0) {
+            PyErr_Format(PyExc_TypeError, "%.100s.%s is not a __slots__ member", type->tp_name, block_slot_names[k]);
+            return -1;
+        }
+    }
+    Py_XSETREF(block_type, (PyTypeObject *)Py_NewRef(type));
+    memcpy(block_offsets, offsets, sizeof offsets);
+    return 0;
+}
+
+/* parent.children gains `node` (None -> the node, one Block -> {key: block, ...}, dict -> item) */
+static int
+block_link_child(PyObject *parent, PyObject *key_obj, PyObject *node)
+{
+    PyObject *c = BLK_SLOT(parent, BLK_CHILDREN);
+    if (c == NULL || c == Py_None) {
+        Py_XSETREF(BLK_SLOT(parent, BLK_CHILDREN), Py_NewRef(node));
+        return 0;
+    }
+    if (PyDict_CheckExact(c))
+        return PyDict_SetItem(c, key_obj, node);
+    if (Py_TYPE(c) != block_type || BLK_SLOT(c, BLK_KEY) == NULL) {
+        PyErr_SetString(PyExc_TypeError, "children is neither None, a Block nor a dict");
+        return -1;
+    }
+    PyObject *both = PyDict_New();
+    if (both == NULL || PyDict_SetItem(both, BLK_SLOT(c, BLK_KEY), c) < 0 || PyDict_SetItem(both, key_obj, node) < 0) {
+        Py_XDECREF(both);
+        return -1;
+    }
+    Py_SETREF(BLK_SLOT(parent, BLK_CHILDREN), both);
+    return 0;
+}
+
+/* store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> int
+ *
+ * From keys[start] on, while the key is not in the table: a new Block(key, parent) held by
+ * `bit` alone (holders = bit, last_access = now, hits = 0) goes into the table, under
+ * `parent`, into `leaves` (its parent leaves it if `bit` holds the parent) and onto `chain`;
+ * it is the next key's parent. Returns the index of the first key the table already holds
+ * (len(keys) when none). */
+static PyObject *
+BlockTable_store_new(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
+        return NULL;
+    }
+    PyObject *type = args[0], *parent = args[1], *keys = args[2], *bit = args[4], *now = args[5];
+    PyObject *leaves = args[6], *chain = args[7];
+    if (!t->owns_values) {
+        PyErr_SetString(PyExc_TypeError, "store_new is a BlockTable method");
+        return NULL;
+    }
+    if (!PyType_Check(type) || block_layout((PyTypeObject *)type) < 0)
+        return NULL;
+    if (!PyList_CheckExact(keys) || !PyList_CheckExact(chain) || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
+        PyErr_SetString(PyExc_TypeError, "keys and chain are lists, leaves a set, bit an int");
+        return NULL;
+    }
+    if (parent != Py_None && Py_TYPE(parent) != block_type) {
+        PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0)
+        i = 0;
+    Py_INCREF(parent); /* ours while Python code (a collection's finalizers) may run */
+    for (; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key_obj = PyList_GET_ITEM(keys, i);
+        uint64_t key;
+        if (t_key_strict(key_obj, &key) < 0)
+            goto error;
+        if (t_find(t, key) >= 0)
+            break;
+        Py_INCREF(key_obj);
+        PyObject *node = block_type->tp_alloc(block_type, 0);
+        if (node == NULL) {
+            Py_DECREF(key_obj);
+            goto error;
+        }
+        BLK_SLOT(node, BLK_KEY) = key_obj;
+        BLK_SLOT(node, BLK_PARENT) = Py_NewRef(parent);
+        BLK_SLOT(node, BLK_CHILDREN) = Py_NewRef(Py_None);
+        BLK_SLOT(node, BLK_HOLDERS) = Py_NewRef(bit);
+        BLK_SLOT(node, BLK_LAST_ACCESS) = Py_NewRef(now);
+        BLK_SLOT(node, BLK_HITS) = PyLong_FromLong(0);
+        /* the allocation may have run a collection: look again before inserting */
+        if (t_find(t, key) >= 0 || t_reserve_one(t) < 0) {
+            Py_DECREF(node);
+            if (PyErr_Occurred())
+                goto error;
+            break;
+        }
+        t_insert(t, key, (uint64_t)(uintptr_t)node); /* the table owns the new reference */
+        if (parent != Py_None) {
+            if (block_link_child(parent, key_obj, node) < 0)
+                goto error; /* the node stays in the table, as a Python error midway would leave it */
+            PyObject *held = PyNumber_And(BLK_SLOT(parent, BLK_HOLDERS), bit);
+            int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
+            Py_XDECREF(held);
+            if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
+                goto error;
+        }
+        if (PySet_Add(leaves, node) < 0 || PyList_Append(chain, node) < 0)
+            goto error;
+        Py_SETREF(parent, Py_NewRef(node));
+    }
+    Py_DECREF(parent);
+    return PyLong_FromSsize_t(i);
+error:
+    Py_DECREF(parent);
+    return NULL;
+}
+
 static PyMethodDef Table_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Table_get, METH_FASTCALL, "get(key, default=None)"},
     {"pop", (PyCFunction)(void (*)(void))Table_pop, METH_FASTCALL, "pop(key[, default])"},
@@ -626,6 +777,8 @@ static PyMethodDef Table_methods[] = {
     {"values", (PyCFunction)Table_values, METH_NOARGS, "a list of the values"},
     {"items", (PyCFunction)Table_items, METH_NOARGS, "a list of (key, value) pairs"},
     {"__sizeof__", (PyCFunction)Table_sizeof, METH_NOARGS, "bytes used, tables included"},
+    {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
+     "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -381,11 +381,26 @@ class RadixIndex:
         """
         blocks = self._blocks
         parent = None if parent_key is None else blocks[parent_key]
+        if type(keys) is not list:
+            keys = list(keys)
         bit = 1 << slot
         leaves = self._leaves[slot]
         chain: list[Block] = []
         added = 0
-        for key in keys:
+        # the native table builds runs of brand-new blocks itself, exactly as the branch below
+        store_new = getattr(blocks, "store_new", None)
+        i, n = 0, len(keys)
+        while i < n:
+            if store_new is not None:
+                start = i
+                i = store_new(Block, parent, keys, i, bit, now, leaves, chain)
+                if i > start:
+                    added += i - start
+                    parent = chain[-1]
+                    if i == n:
+                        break
+            key = keys[i]
+            i += 1
             node = blocks.get(key)
             if node is None:
                 # a new block (the common case: engines report what they just computed): no

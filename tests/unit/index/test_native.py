@@ -401,3 +401,112 @@ def test_walk_reads_non_contiguous_keys_as_a_sequence():
 def test_chain_keys_rejects_a_block_size_whose_byte_count_overflows():
     with pytest.raises(ValueError):
         native.module.chain_keys(b"", 2**61, ROOT_SEED, -1)
+
+
+# ---- RadixIndex.store: the native loop over new blocks against the pure-Python one ----------
+
+_PATHS = [p for d in range(1, 5) for p in __import__("itertools").product(range(3), repeat=d)]
+_KEY = {p: (0x9E3779B97F4A7C15 * (i + 1)) % 2**64 for i, p in enumerate(_PATHS)}  # 64-bit keys
+_SLOTS = (0, 1, 70)  # slot 70: a holders bitmask wider than 64 bits
+
+
+def _pure_index() -> RadixIndex:
+    index = RadixIndex()
+    index._blocks = {}  # a plain dict has no store_new: RadixIndex.store runs its Python loop
+    return index
+
+
+def _snapshot(index: RadixIndex) -> dict:
+    """Everything the index stores, by key: tree links, holders, stats, pending, leaves, counts."""
+    def children(b):  # type: ignore[no-untyped-def]
+        c = b.children
+        if c is None:
+            return None
+        if type(c) is dict:
+            assert all(k == v.key for k, v in c.items())
+            return ("dict", sorted(c))
+        return ("one", c.key)
+
+    blocks = {}
+    for key in index._blocks:
+        b = index._blocks[key]
+        assert b.key == key
+        blocks[key] = (b.parent.key if b.parent is not None else None, children(b), b.holders,
+                       b.last_access, b.hits, index._pending.get(b))
+    return {
+        "blocks": blocks,
+        "leaves": {s: sorted(b.key for b in index.leaves(s)) for s in _SLOTS},
+        "counts": {s: index.count(s) for s in _SLOTS},
+    }
+
+
+@st.composite
+def _operations(draw):  # type: ignore[no-untyped-def]
+    ops = []
+    for _ in range(draw(st.integers(1, 40))):
+        kind = draw(st.sampled_from(["store", "store", "store", "remove", "touch", "clear"]))
+        slot = draw(st.sampled_from(_SLOTS))
+        path = draw(st.sampled_from(_PATHS))
+        ops.append((kind, slot, path, draw(st.integers(0, 3))))
+    return ops
+
+
+@settings(max_examples=300, deadline=None)
+@given(_operations())
+def test_store_builds_exactly_the_blocks_the_python_loop_builds(ops):
+    native_index, pure_index = RadixIndex(), _pure_index()
+    assert hasattr(native_index._blocks, "store_new")
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+    now = 0.0
+    for kind, slot, path, start in ops:
+        now += 1.0
+        results = []
+        for index in (native_index, pure_index):
+            if kind == "store":
+                start = min(start, len(path) - 1)
+                parent = _KEY[path[:start]] if start else None
+                if parent is not None and parent not in index:
+                    results.append(None)
+                    continue
+                chain = index.store(slot, parent, [_KEY[path[:d]] for d in range(start + 1, len(path) + 1)], now)
+                results.append([b.key for b in chain])
+            elif kind == "remove":
+                results.append(index.remove(slot, _KEY[path]))
+            elif kind == "touch":
+                node = index.get(_KEY[path])
+                if node is not None and node.holders >> slot & 1:
+                    index.touch_path(slot, [node], now)
+            else:
+                results.append(index.clear(slot))
+        assert results[0] == results[1] if results else True
+        assert _snapshot(native_index) == _snapshot(pure_index), (kind, slot, path, start)
+
+
+def test_store_new_rejects_what_is_not_a_block_chain():
+    table = native.module.BlockTable()
+    leaves: set = set()
+    chain: list = []
+    from kvrouterd.index.radix import Block
+
+    with pytest.raises(TypeError, match="lists"):
+        table.store_new(Block, None, (1, 2), 0, 1, 0.0, leaves, chain)
+    with pytest.raises(TypeError, match="parent"):
+        table.store_new(Block, object(), [1], 0, 1, 0.0, leaves, chain)
+    with pytest.raises(OverflowError):
+        table.store_new(Block, None, [2**64], 0, 1, 0.0, leaves, chain)
+
+    class NoSlots:
+        pass
+
+    with pytest.raises(AttributeError):
+        table.store_new(NoSlots, None, [1], 0, 1, 0.0, leaves, chain)
+    with pytest.raises(TypeError, match="BlockTable"):
+        native.module.U64Map().store_new(Block, None, [1], 0, 1, 0.0, leaves, chain)
+    assert len(table) == 0 and not leaves and not chain
+    # a run stops at the first key already indexed and says where
+    assert table.store_new(Block, None, [5, 6, 7], 0, 1, 0.0, leaves, chain) == 3
+    assert table.store_new(Block, chain[-1], [8, 6, 9], 0, 1, 0.0, leaves, chain) == 1
+    assert [b.key for b in chain] == [5, 6, 7, 8] and chain[3].parent is chain[2]
+    assert leaves == {chain[3]} and chain[2].children is chain[3]

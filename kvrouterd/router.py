@@ -661,6 +661,11 @@ class Router:
         if ev.engine_hashes is not None:
             mapping = worker.engine_keys
             reverse = self._engine_hash_of.get(worker.slot)
+            map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
+            if map_pairs is not None and reverse is None:
+                map_pairs(ev.engine_hashes, keys)
+                self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
+                return
             for eh, key in zip(ev.engine_hashes, keys):
                 if eh != key:
                     mapping[eh] = key

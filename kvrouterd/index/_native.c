@@ -769,6 +769,63 @@ error:
     return NULL;
 }
 
+/* map_pairs(sources, targets) -> int: self[s] = t for each pair of the two sequences where
+ * s != t (an engine hash that is the block key itself needs no entry); returns how many were
+ * set. Both are validated before anything changes. The per-block loop of Router.apply's
+ * engine-hash bookkeeping. */
+static PyObject *
+U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (t->owns_values) {
+        PyErr_SetString(PyExc_TypeError, "map_pairs is a U64Map method");
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "map_pairs(sources, targets)");
+        return NULL;
+    }
+    PyObject *src = PySequence_Fast(args[0], "sources must be a sequence");
+    if (src == NULL)
+        return NULL;
+    PyObject *dst = PySequence_Fast(args[1], "targets must be a sequence");
+    if (dst == NULL) {
+        Py_DECREF(src);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(src);
+    if (PySequence_Fast_GET_SIZE(dst) < n)
+        n = PySequence_Fast_GET_SIZE(dst); /* as zip() */
+    uint64_t *pairs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
+    Py_ssize_t set = 0;
+    if (pairs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (t_key_strict(PySequence_Fast_GET_ITEM(src, i), &pairs[2 * i]) < 0
+            || t_key_strict(PySequence_Fast_GET_ITEM(dst, i), &pairs[2 * i + 1]) < 0)
+            goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
+        if (key == value)
+            continue;
+        Py_ssize_t at = t_find(t, key);
+        if (at < 0) {
+            if (t_reserve_one(t) < 0)
+                goto done;
+            t_insert(t, key, value);
+        }
+        else
+            T_VAL(t, at) = value;
+        set++;
+    }
+done:
+    PyMem_Free(pairs);
+    Py_DECREF(src);
+    Py_DECREF(dst);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(set);
+}
+
 static PyMethodDef Table_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Table_get, METH_FASTCALL, "get(key, default=None)"},
     {"pop", (PyCFunction)(void (*)(void))Table_pop, METH_FASTCALL, "pop(key[, default])"},
@@ -777,6 +834,8 @@ static PyMethodDef Table_methods[] = {
     {"values", (PyCFunction)Table_values, METH_NOARGS, "a list of the values"},
     {"items", (PyCFunction)Table_items, METH_NOARGS, "a list of (key, value) pairs"},
     {"__sizeof__", (PyCFunction)Table_sizeof, METH_NOARGS, "bytes used, tables included"},
+    {"map_pairs", (PyCFunction)(void (*)(void))U64Map_map_pairs, METH_FASTCALL,
+     "map_pairs(sources, targets) -> int: self[s] = t for each pair with s != t; how many were set"},
     {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
      "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
     {NULL, NULL, 0, NULL},
@@ -1110,11 +1169,80 @@ holders_offset_for(PyTypeObject *type)
     return offset;
 }
 
+/* chain_split(blocks, prio) -> (continued, ends): for a stored chain, the blocks the chain
+ * continues from (blocks[i + 1].parent is blocks[i], so block i has a held child) whose key
+ * is in the dict `prio`, and the blocks it does not continue from (the last one included).
+ * The per-block loop of the leaf tracker's `stored` hook (policies/eviction/_leaves.py). */
+static PyObject *
+chain_split(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "chain_split(blocks: list, prio: dict)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *prio = args[1];
+    PyObject *continued = PyList_New(0), *ends = PyList_New(0);
+    if (continued == NULL || ends == NULL)
+        goto error;
+    Py_INCREF(blocks); /* ours while a foreign descriptor or __eq__ may run Python code */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        int links = 0;
+        Py_INCREF(b);
+        if (i + 1 < PyList_GET_SIZE(blocks)) {
+            PyObject *next = PyList_GET_ITEM(blocks, i + 1);
+            PyObject *parent;
+            if (block_type != NULL && Py_TYPE(next) == block_type)
+                parent = Py_XNewRef(BLK_SLOT(next, BLK_PARENT));
+            else
+                parent = PyObject_GetAttrString(next, "parent");
+            if (parent == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_AttributeError, "parent");
+                Py_DECREF(b);
+                goto error_owned;
+            }
+            links = parent == b;
+            Py_DECREF(parent);
+        }
+        int r;
+        if (links) {
+            PyObject *key = block_type != NULL && Py_TYPE(b) == block_type ? Py_XNewRef(BLK_SLOT(b, BLK_KEY))
+                                                                           : PyObject_GetAttrString(b, "key");
+            r = key == NULL ? -1 : PyDict_Contains(prio, key);
+            Py_XDECREF(key);
+            if (r > 0)
+                r = PyList_Append(continued, b);
+        }
+        else
+            r = PyList_Append(ends, b);
+        Py_DECREF(b);
+        if (r < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_AttributeError, "key");
+            goto error_owned;
+        }
+    }
+    Py_DECREF(blocks);
+    PyObject *pair = PyTuple_Pack(2, continued, ends);
+    Py_DECREF(continued);
+    Py_DECREF(ends);
+    return pair;
+error_owned:
+    Py_DECREF(blocks);
+error:
+    Py_XDECREF(continued);
+    Py_XDECREF(ends);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
     {"chain_keys_packed", (PyCFunction)(void (*)(void))chain_keys_packed, METH_FASTCALL,
      "chain_keys_packed(data, block_size, seed, limit) -> bytes: the keys as native-endian uint64s."},
+    {"chain_split", (PyCFunction)(void (*)(void))chain_split, METH_FASTCALL,
+     "chain_split(blocks, prio) -> (continued blocks whose key is in prio, blocks not continued)"},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,
      "match_walk(blocks, keys, slots_mask) -> (overlaps, path), or NotImplemented for masks over 64 bits."},
     {NULL, NULL, 0, NULL},

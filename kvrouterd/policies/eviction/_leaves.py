@@ -24,10 +24,36 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
+from ...index import native
 from ...index.radix import Block, Pending, RadixIndex, fold_pending
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 
-__all__ = ["SortedLeaves", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
+__all__ = ["SortedLeaves", "chain_split", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
+
+
+def chain_split_py(blocks: Sequence[Block], prio: dict[int, Any]) -> tuple[list[Block], list[Block]]:
+    """The blocks a stored chain continues from (``blocks[i + 1].parent is blocks[i]``) whose
+    key is in ``prio``, and the blocks it does not continue from (the last one included)."""
+    continued: list[Block] = []
+    ends: list[Block] = []
+    last = len(blocks) - 1
+    for i, b in enumerate(blocks):
+        if i < last and blocks[i + 1].parent is b:
+            if b.key in prio:
+                continued.append(b)
+        else:
+            ends.append(b)
+    return continued, ends
+
+
+def _chain_split_native(blocks: Sequence[Block], prio: dict[int, Any]) -> tuple[list[Block], list[Block]]:
+    if type(blocks) is list and type(prio) is dict:
+        return native.module.chain_split(blocks, prio)  # type: ignore[union-attr,no-any-return]
+    return chain_split_py(blocks, prio)
+
+
+#: chain_split_py, or the same loop in C (``_native.c``) where the extension is built
+chain_split = _chain_split_native if native.module is not None else chain_split_py
 
 
 def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:
@@ -158,19 +184,11 @@ class SortedLeaves:
         # continue from need the full check. This hook runs for every stored block of every
         # engine event, so the difference is most of its cost.
         s = self._slot(slot)
-        prio = s.prio
-        full: list[Block] = []
+        continued, ends = chain_split(blocks, s.prio)
+        for b in continued:
+            self._drop(s, b)
         first = blocks[0].parent
-        if first is not None:
-            full.append(first)
-        last = len(blocks) - 1
-        for i, b in enumerate(blocks):
-            if i < last and blocks[i + 1].parent is b:
-                if b.key in prio:
-                    self._drop(s, b)
-            else:
-                full.append(b)
-        self.refresh(index, slot, full)
+        self.refresh(index, slot, ends if first is None else [first, *ends])
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last

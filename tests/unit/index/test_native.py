@@ -510,3 +510,41 @@ def test_store_new_rejects_what_is_not_a_block_chain():
     assert table.store_new(Block, chain[-1], [8, 6, 9], 0, 1, 0.0, leaves, chain) == 1
     assert [b.key for b in chain] == [5, 6, 7, 8] and chain[3].parent is chain[2]
     assert leaves == {chain[3]} and chain[2].children is chain[3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=12))
+def test_chain_split_matches_the_python_loop(shape):
+    # shape[i] = (continues from the previous block, key in prio)
+    from kvrouterd.index.radix import Block
+    from kvrouterd.policies.eviction._leaves import chain_split_py
+
+    blocks: list[Block] = []
+    for i, (continues, _) in enumerate(shape):
+        blocks.append(Block(100 + i, blocks[-1] if continues and blocks else None))
+    prio = {100 + i: 0 for i, (_, in_prio) in enumerate(shape) if in_prio}
+    assert native.module.chain_split(blocks, prio) == chain_split_py(blocks, prio)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=30), st.integers(0, 5))
+def test_map_pairs_sets_what_the_python_loop_sets(pairs, extra):
+    sources = [s for s, _ in pairs]
+    targets = [t for _, t in pairs][: max(0, len(pairs) - extra)]  # zip() stops at the shorter
+    mapping = native.module.U64Map()
+    expected: dict[int, int] = {}
+    for s, t in zip(sources, targets):
+        if s != t:
+            expected[s] = t
+    assert mapping.map_pairs(tuple(sources), targets) == sum(1 for s, t in zip(sources, targets) if s != t)
+    assert dict(mapping.items()) == expected
+
+
+def test_map_pairs_changes_nothing_when_a_value_is_out_of_range():
+    mapping = native.module.U64Map()
+    mapping[1] = 2
+    with pytest.raises(OverflowError):
+        mapping.map_pairs([3, 4], [5, 2**64])
+    with pytest.raises(TypeError):
+        native.module.BlockTable().map_pairs([1], [2])
+    assert dict(mapping.items()) == {1: 2}

@@ -340,6 +340,8 @@ t_value_object(const U64Table *t, Py_ssize_t i)
     return PyLong_FromUnsignedLongLong(T_VAL(t, i));
 }
 
+static void blocks_unlink(U64Table *t);
+
 /* release every value and reset to an empty minimum-size table */
 static int
 t_reset(U64Table *t)
@@ -348,6 +350,7 @@ t_reset(U64Table *t)
     if (t_alloc(t, TABLE_MIN_CAPACITY) < 0)
         return -1;
     if (old.owns_values) {
+        blocks_unlink(&old);
         for (Py_ssize_t i = 0; i < old.capacity; i++)
             if (t_used(&old, i))
                 Py_DECREF(T_OBJ(&old, i));
@@ -405,6 +408,7 @@ BlockTable_dealloc(U64Table *t)
     PyObject_GC_UnTrack(t);
     Py_TRASHCAN_BEGIN(t, BlockTable_dealloc)
     if (t->table != NULL) {
+        blocks_unlink(t);
         for (Py_ssize_t i = 0; i < t->capacity; i++)
             if (t_used(t, i))
                 Py_DECREF(T_OBJ(t, i));
@@ -662,6 +666,29 @@ block_layout(PyTypeObject *type)
     return 0;
 }
 
+/* Blocks built by store_new are not tracked by the cycle collector (below), so the table breaks
+ * the parent <-> children cycles of the blocks it holds when it is released: each block's
+ * `parent` and `children` become None. Without this, a dropped index would leak its tree. */
+static void
+blocks_unlink(U64Table *t)
+{
+    if (block_type == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < t->capacity; i++) {
+        if (!t_used(t, i))
+            continue;
+        PyObject *node = T_OBJ(t, i);
+        if (Py_TYPE(node) != block_type)
+            continue;
+        /* the table keeps the node alive, so clearing can free at most a children dict */
+        PyObject *parent = BLK_SLOT(node, BLK_PARENT), *children = BLK_SLOT(node, BLK_CHILDREN);
+        BLK_SLOT(node, BLK_PARENT) = Py_NewRef(Py_None);
+        BLK_SLOT(node, BLK_CHILDREN) = Py_NewRef(Py_None);
+        Py_XDECREF(parent);
+        Py_XDECREF(children);
+    }
+}
+
 /* parent.children gains `node` (None -> the node, one Block -> {key: block, ...}, dict -> item) */
 static int
 block_link_child(PyObject *parent, PyObject *key_obj, PyObject *node)
@@ -741,6 +768,11 @@ BlockTable_store_new(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         BLK_SLOT(node, BLK_HOLDERS) = Py_NewRef(bit);
         BLK_SLOT(node, BLK_LAST_ACCESS) = Py_NewRef(now);
         BLK_SLOT(node, BLK_HITS) = PyLong_FromLong(0);
+        /* Not tracked by the cycle collector: its parent/children cycles are broken explicitly
+         * (RadixIndex prunes a block it drops; blocks_unlink when the table goes), and a
+         * million tracked blocks made every full collection walk them all (half of ingest
+         * time went to the collector). */
+        PyObject_GC_UnTrack(node);
         /* the allocation may have run a collection: look again before inserting */
         if (t_find(t, key) >= 0 || t_reserve_one(t) < 0) {
             Py_DECREF(node);

@@ -548,3 +548,39 @@ def test_map_pairs_changes_nothing_when_a_value_is_out_of_range():
     with pytest.raises(TypeError):
         native.module.BlockTable().map_pairs([1], [2])
     assert dict(mapping.items()) == {1: 2}
+
+
+def test_a_dropped_index_frees_its_blocks_though_the_collector_does_not_track_them():
+    import tracemalloc
+
+    def build() -> int:
+        index = RadixIndex()
+        index.add_slot(0)
+        parent = None
+        for chain in range(200):
+            keys = [chain * 1000 + d + 1 for d in range(50)]
+            index.store(0, None if chain % 2 else parent, keys, 1.0)
+            parent = keys[-1]
+        assert not gc.is_tracked(index.get(1))  # built by store_new: left to explicit unlinking
+        return len(index)
+
+    gc.collect()
+    gc.disable()  # only reference counting may free them
+    try:
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        assert build() == 10_000
+        left = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+    finally:
+        gc.enable()
+    assert left < 50_000, f"{left} bytes of a dropped 10,000-block index are still allocated"
+
+
+def test_a_block_outliving_its_index_is_unlinked_from_the_tree():
+    index = RadixIndex()
+    index.add_slot(0)
+    chain = index.store(0, None, [11, 12, 13], 1.0)
+    leaf = chain[-1]
+    del index, chain
+    assert leaf.parent is None and leaf.children is None and leaf.key == 13

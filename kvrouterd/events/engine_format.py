@@ -61,6 +61,7 @@ __all__ = [
     "decode_event",
     "decode_payload",
     "normalize_hash",
+    "peek_timestamp",
 ]
 
 log = logging.getLogger("kvrouterd.events.engine")
@@ -273,6 +274,20 @@ def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
         else:
             gpu.append(decoded)
     return DecodedBatch(float(ts or 0.0), rank, tuple(gpu), tuple(tiers), skipped, rejected, lost_removal)
+
+
+def peek_timestamp(payload: bytes) -> float | None:
+    """The batch timestamp without decoding the events (None when it cannot be read cheaply:
+    a map envelope, or not msgpack; ``decode_payload`` says what is wrong with it)."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(payload[:64])
+    try:
+        if unpacker.read_array_header() < 2:
+            return None
+        ts = unpacker.unpack()
+    except Exception:  # not an array, truncated, or not msgpack at all
+        return None
+    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None
 
 
 _REASON_OF = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}

@@ -40,13 +40,15 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 from urllib.parse import unquote
 
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
-from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload
+from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload, peek_timestamp
 
 __all__ = [
     "END_SEQ",
@@ -59,6 +61,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvrouterd.events.zmq")
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
 
 #: the replay end marker's sequence frame
 END_SEQ = b"\xff" * 8
@@ -195,6 +201,8 @@ class SubscriberStats:
     skipped_events: int = 0
     rejected_events: int = 0  # undecodable events or events the router could not apply
     resyncs: int = 0  # views rebuilt by replay from 0 after a lost removal
+    run_checks: int = 0  # replays asked to tell a restart the sequence hid (after a disconnect)
+    subscriber_restarts: int = 0  # the subscriber task died and was started again
     dp_rank_mismatch: int = 0
     reconnects: int = 0
     silent: bool = False
@@ -234,6 +242,12 @@ class EndpointSubscriber:
         self._needs_resync = False
         self._rebuilding = False
         self._last_resync_at: float | None = None
+        #: (sequence, xxh3 of the payload) of the last batch accepted, and its timestamp:
+        #: what a replay is compared with to tell an engine restart the sequence hides
+        self._last_digest: tuple[int, int] | None = None
+        self._last_ts: float | None = None
+        #: the connection dropped (or the clock went back): check the run before going on
+        self._verify_pending = False
 
     @property
     def worker_id(self) -> str:
@@ -246,16 +260,37 @@ class EndpointSubscriber:
         backoff = self.config.reconnect_ivl_ms / 1000
         while True:
             sock = self._subscribe()
+            watcher = asyncio.create_task(self._watch_disconnects(sock), name=f"kv-events-monitor-{self.worker_id}")
             try:
                 delivered = await self._receive(sock)
             finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+                sock.disable_monitor()
                 sock.close(linger=0)
+            self._verify_pending = self._expected is not None  # a new socket: messages may be missing
             if delivered:
                 backoff = self.config.reconnect_ivl_ms / 1000
             else:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.reconnect_ivl_max_ms / 1000)
             self.stats.reconnects += 1
+
+    async def _watch_disconnects(self, sock: zmq.asyncio.Socket) -> None:
+        """ZMQ reconnects by itself; while it was away the engine may have restarted and
+        published exactly as many batches as we expect, which the sequence cannot show.
+        Note each disconnect, so the next batch is checked against the engine's replay."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = await recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._expected is not None:
+                    self._verify_pending = True
+                    log.info("KV-event publisher disconnected; the run is checked on reconnect",
+                             extra={"worker_id": self.worker_id})
+        finally:
+            monitor.close(linger=0)
 
     def _subscribe(self) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.SUB)
@@ -291,6 +326,9 @@ class EndpointSubscriber:
     def _start_session(self) -> None:
         if not self._started:
             self._reset(lost=False)
+            # the first batch we hand over rebuilds the view from empty: READY again if a
+            # failed subscriber before us left the worker DEGRADED
+            self._pending_clear = True
             self._started = True
 
     async def handle_frames(self, frames: Sequence[bytes]) -> None:
@@ -310,7 +348,16 @@ class EndpointSubscriber:
             else:
                 await self._recover(0, seq, payload, why="join")
         elif seq == expected:
-            self._accept(seq, payload)
+            if await self._restarted_unseen(payload):
+                self.stats.restarts += 1
+                log.warning("engine restart detected by replay although the sequence continued (%d)", seq,
+                            extra={"worker_id": self.worker_id})
+                self._pending_clear = True
+                self._dup_lo = self._dup_hi = 0
+                self._tier_clear()
+                await self._recover(0, seq, payload, why="unseen restart")
+            else:
+                self._accept(seq, payload)
         elif seq > expected:
             self.stats.gaps += 1
             log.warning(
@@ -332,6 +379,30 @@ class EndpointSubscriber:
                 await self._recover(0, seq, payload, why="restart")
         if self._needs_resync:
             await self._resync()
+
+    async def _restarted_unseen(self, payload: bytes) -> bool:
+        """Whether the engine restarted since our last batch although its sequence continued.
+
+        Checked only when something on the wire says it may have: the connection dropped
+        since that batch, or this batch's timestamp is earlier than it. The engine's replay
+        of our last sequence number is compared with what we applied under it: another
+        payload means another run. Without a replay endpoint, or once the engine no longer
+        buffers that batch, a restart of exactly as many batches stays undetectable
+        (docs/engine-events.md)."""
+        ts = peek_timestamp(payload)
+        went_back = ts is not None and self._last_ts is not None and ts < self._last_ts
+        if not (self._verify_pending or went_back) or self._last_digest is None:
+            return False
+        self._verify_pending = False
+        self.stats.run_checks += 1
+        last_seq, last_digest = self._last_digest
+        replayed = await self._replay(last_seq, limit=1)
+        if not replayed or replayed[0][0] != last_seq:
+            if went_back:
+                log.warning("batch timestamp went back but the replay cannot confirm a restart",
+                            extra={"worker_id": self.worker_id})
+            return False
+        return _digest(replayed[0][1]) != last_digest
 
     async def _resync(self) -> None:
         """Rebuild the worker's view by replaying from 0, after an event that may have been a
@@ -400,6 +471,7 @@ class EndpointSubscriber:
         self._expected = seq + 1
         self.stats.last_sequence = seq
         self.stats.last_batch_at = self._clock.now()
+        self._last_digest = (seq, _digest(payload))
         try:
             decoded = decode_payload(payload, self.endpoint.model)
         except MalformedPayload as exc:
@@ -421,6 +493,8 @@ class EndpointSubscriber:
 
     def _handoff(self, decoded: DecodedBatch) -> None:
         stats = self.stats
+        if decoded.timestamp:
+            self._last_ts = decoded.timestamp
         stats.skipped_events += decoded.skipped
         noted: dict[str, int] = dict(decoded.rejected)
         if decoded.skipped:
@@ -477,8 +551,9 @@ class EndpointSubscriber:
             held.clear()
 
     # ---- replay ---------------------------------------------------------------------------
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Batches the engine still buffers from ``start`` on; None if replay is unavailable."""
+    async def _replay(self, start: int, limit: int | None = None) -> list[tuple[int, bytes]] | None:
+        """Batches the engine still buffers from ``start`` on (at most ``limit``: the rest
+        of the reply is left unread on a socket we close); None if replay is unavailable."""
         address = self.endpoint.replay_address
         if not address:
             return None
@@ -488,7 +563,7 @@ class EndpointSubscriber:
         try:
             sock.connect(address)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            while len(out) < self.config.replay_max_batches:
+            while len(out) < (limit or self.config.replay_max_batches):
                 frames = await asyncio.wait_for(sock.recv_multipart(), self.config.replay_timeout_s)
                 if len(frames) < 2 or len(frames[-2]) != 8:
                     self.stats.malformed += 1
@@ -547,11 +622,41 @@ class ZmqEventSource:
     def add(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
         """Start subscribing (replaces an existing subscriber for the same worker)."""
         self.remove(endpoint.worker_id)
-        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock, self._rejected)
-        self.subscribers[endpoint.worker_id] = sub
-        self._tasks[endpoint.worker_id] = asyncio.create_task(sub.run(), name=f"kv-events-{endpoint.worker_id}")
+        sub = self._new_subscriber(endpoint)
+        self._tasks[endpoint.worker_id] = asyncio.create_task(self._supervise(sub), name=f"kv-events-{endpoint.worker_id}")
         log.info("subscribed to KV events", extra={"worker_id": endpoint.worker_id, "endpoint": endpoint.pub_address})
         return sub
+
+    def _new_subscriber(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
+        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock, self._rejected)
+        self.subscribers[endpoint.worker_id] = sub
+        return sub
+
+    async def _supervise(self, sub: EndpointSubscriber) -> None:
+        """Run a subscriber; if it dies, whatever killed it, the worker's view is cleared and
+        DEGRADED (events were lost) and a fresh subscriber starts after a backoff, joining
+        the engine again by replay from 0. Never lets a worker look healthy on a dead feed."""
+        backoff = self.config.reconnect_ivl_ms / 1000
+        while True:
+            try:
+                await sub.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: a bug, an unusable endpoint, the router
+                failures = sub.stats.subscriber_restarts + 1
+                log.error("KV-event subscriber failed (%s: %s); worker degraded, restarting in %.1fs",
+                          type(exc).__name__, exc, backoff, extra={"worker_id": sub.worker_id}, exc_info=exc)
+                with contextlib.suppress(KVRouterError):
+                    self._reset(sub.worker_id, True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.reconnect_ivl_max_ms / 1000)
+                if self.subscribers.get(sub.worker_id) is not sub:
+                    return  # removed or replaced meanwhile
+                stats = sub.stats
+                sub = self._new_subscriber(sub.endpoint)
+                stats.subscriber_restarts = failures
+                sub.stats = stats
 
     def remove(self, worker_id: str) -> None:
         """Stop the worker's subscriber, if any (its router state is left to the caller)."""

@@ -211,3 +211,114 @@ async def test_rejected_events_survive_a_gap_replay_in_the_old_replay_layout(env
     assert source.subscribers["w"].stats.replays_ok == 1
     assert matched(router, tokens) == 1
     assert router.workers.get("w").events_rejected == {"malformed_stored": 1}
+
+
+async def _restart_on_same_port(engine: FakeEngine) -> None:
+    """The engine process dies and comes back on the same address with an empty cache:
+    the subscriber's TCP connection drops and ZMQ reconnects it by itself."""
+    port = engine.port
+    engine.pub.close(0)
+    engine.pub = engine.ctx.socket(zmq.XPUB)
+    engine.pub.setsockopt(zmq.LINGER, 0)
+    engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    for _ in range(200):  # the old socket lets go of the port asynchronously
+        try:
+            engine.pub.bind(f"tcp://127.0.0.1:{port}")
+            break
+        except zmq.ZMQError:
+            await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"port {port} stayed busy")
+    engine.restart()
+
+
+async def test_a_restart_the_sequence_hides_is_caught_by_the_replay_after_a_reconnect(env: Env) -> None:
+    """Issue #11 item 7: the engine restarts while we are disconnected and publishes exactly
+    as many batches as we expect; the next one continues our sequence."""
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    old = prompt(0, BS)
+    for i in range(3):
+        await publish(engine, wire, wire.stored([100 + i], prompt(1000 * i, BS)))
+    await applied(source, 2)
+    await _restart_on_same_port(engine)
+    new = [prompt(50_000 + 1000 * i, BS) for i in range(4)]
+    for i in range(3):  # published while nobody is connected: lost for us, kept for replay
+        await publish(engine, wire, wire.stored([200 + i], new[i]), drop=True)
+    await engine.wait_subscribed()
+    await publish(engine, wire, wire.stored([203], new[3]))  # sequence 3: what we expect next
+    sub = source.subscribers["w"]
+    await until(lambda: sub.stats.restarts == 1 and sub.stats.last_sequence == 3)
+    assert sub.stats.run_checks == 1
+    assert matched(router, old) == 0  # the old run's blocks are gone
+    assert all(matched(router, p) == 1 for p in new)  # the new run's, replayed from 0, are there
+    assert router.workers.get("w").state is WorkerState.READY
+
+
+async def test_a_reconnect_without_a_restart_changes_nothing(env: Env) -> None:
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    await publish(engine, wire, wire.stored([1], prompt(0, BS)))
+    await applied(source, 0)
+    port, buffered, seq = engine.port, list(engine.buffer), engine.seq
+    await _restart_on_same_port(engine)  # a dropped connection: same process state below
+    engine.buffer, engine.seq = buffered, seq
+    await engine.wait_subscribed()
+    await publish(engine, wire, wire.stored([2], prompt(100, BS)))
+    sub = source.subscribers["w"]
+    await applied(source, 1)
+    assert engine.port == port and sub.stats.run_checks == 1 and sub.stats.restarts == 0
+    assert matched(router, prompt(0, BS)) == 1 and matched(router, prompt(100, BS)) == 1
+
+
+async def test_a_batch_timestamp_going_back_triggers_the_check(env: Env) -> None:
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    await engine.publish(raw=wire.batch(wire.stored([1], prompt(0, BS)), ts=1000.0))
+    await applied(source, 0)
+    engine.restart()  # a new run, on a clock that is behind, whose first batch we never saw
+    await engine.publish(raw=wire.batch(wire.stored([7], prompt(700, BS)), ts=10.0), drop=True)
+    await engine.publish(raw=wire.batch(wire.stored([8], prompt(800, BS)), ts=11.0))
+    sub = source.subscribers["w"]
+    await until(lambda: sub.stats.restarts == 1 and sub.stats.last_sequence == 1)
+    assert matched(router, prompt(0, BS)) == 0 and matched(router, prompt(700, BS)) == 1
+
+
+async def test_a_subscriber_that_dies_degrades_its_worker_and_is_restarted() -> None:
+    """Issue #11 item 6: whatever kills the subscriber, the worker must not look healthy on a
+    dead feed, and the feed comes back by itself."""
+    ctx = zmq.asyncio.Context()
+    router = Router(RouterSettings(block_size=BS), ManualClock())
+    router.add_worker(WorkerSpec(id="w", address="w:1", mode=CacheMode.EVENTS))
+    calls = {"n": 0}
+
+    def flaky_apply(batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug in the apply path")
+        return router.apply(batch, per_event=True)
+
+    source = ZmqEventSource(ZmqEventsConfig(topic="kv@", replay_timeout_s=0.5, reconnect_ivl_ms=50), flaky_apply,
+                            lambda wid, lost: router.reset_events(wid, lost=lost), ctx=ctx)
+    wire = VLLM_026
+    engine = FakeEngine(ctx)
+    try:
+        source.add(ZmqEndpoint("w", engine.endpoint, engine.replay_endpoint, model=MODEL))
+        await engine.wait_subscribed()
+        await publish(engine, wire, wire.stored([1], prompt(0, BS)))
+        await publish(engine, wire, wire.stored([2], prompt(100, BS)))  # the apply path blows up here
+        worker = router.workers.get("w")
+        await until(lambda: source.subscribers["w"].stats.subscriber_restarts == 1)
+        assert worker.state is WorkerState.DEGRADED or router.index.count(worker.slot) < 2
+        # the fresh subscriber joins by replay from 0 and rebuilds the view
+        await engine.wait_subscribed()
+        await publish(engine, wire, wire.stored([3], prompt(200, BS)))
+        await until(lambda: router.index.count(worker.slot) == 3)
+        assert worker.state is WorkerState.READY
+    finally:
+        await source.close()
+        await engine.close()
+        ctx.term()

@@ -264,11 +264,12 @@ class EndpointSubscriber:
             try:
                 delivered = await self._receive(sock)
             finally:
+                # close the socket first: libzmq then stops its monitor by itself (calling
+                # disable_monitor() after the monitor's reader closed can block forever)
+                sock.close(linger=0)
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
-                sock.disable_monitor()
-                sock.close(linger=0)
             self._verify_pending = self._expected is not None  # a new socket: messages may be missing
             if delivered:
                 backoff = self.config.reconnect_ivl_ms / 1000

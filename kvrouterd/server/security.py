@@ -173,6 +173,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokenSource, protect: Sequence[str]) -> None:
         self.tokens = tokens
         self._deny: dict[str, grpc.RpcMethodHandler] = {}
+        if {"Route", "Complete"} & set(protect):
+            # RouteStream carries Route and Complete: leaving it open would bypass their token
+            protect = [*protect, "RouteStream"]
         for name in protect:
             method = _SERVICE.methods_by_name[name]
             self._deny[f"/{_SERVICE.full_name}/{name}"] = _deny_handler(method)

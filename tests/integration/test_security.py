@@ -219,6 +219,28 @@ async def test_protect_list_can_cover_the_engine_rpcs_too():
         del os.environ[env_name]
 
 
+async def test_protecting_route_protects_route_stream_too():
+    env_name = "KVROUTERD_TEST_TOKEN_8"
+    os.environ[env_name] = "tok"
+    try:
+        async with serve({"auth": {"token_env": env_name, "protect": ["Route"]}}) as daemon, grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+            stub = router_pb2_grpc.KVRouterStub(ch)
+            await stub.RegisterWorker(WORKER)
+            message = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids=[1] * 32))
+            call = stub.RouteStream()
+            await call.write(message)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert daemon.router.workers.inflight_count == 0
+            call = stub.RouteStream(metadata=bearer("tok"))
+            await call.write(message)
+            assert (await call.read()).route.worker_id == "w"
+            await call.done_writing()
+    finally:
+        del os.environ[env_name]
+
+
 def test_missing_token_fails_at_start(tmp_path):
     import asyncio
 

@@ -80,6 +80,11 @@ class Stored:
     group: int | None = None
     #: the group's cache kind (vLLM ``kv_cache_spec_kind``), e.g. "full_attention"
     group_kind: str | None = None
+    #: the engine's cache salt (SGLang ``cache_salt``): salts the keys like model and lora
+    salt: str = ""
+    #: per engine block, a hash of the block's extra keys (vLLM ``extra_keys``: multimodal
+    #: content hashes, ...; 0 = none), folded into that block's key (``index.keys``)
+    extra_hashes: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, RejectedEvent, UnknownPolicy
 from .index.groups import GroupPresence
-from .index.keys import chain_keys, chain_keys_array, namespace_seed, tokens_to_bytes
+from .index.keys import chain_keys, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
 from .index.radix import RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -272,11 +272,11 @@ class Router:
             worker.queued_requests, worker.queued_prefill_tokens = requests, prefill_tokens
 
     # ---- routing --------------------------------------------------------------------
-    def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "") -> array:
+    def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
         as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
-        return chain_keys_array(data, self.block_size, namespace_seed(model, lora))
+        return chain_keys_array(data, self.block_size, namespace_seed(model, lora, salt))
 
     def new_request_id(self) -> str:
         self._request_counter += 1
@@ -646,7 +646,7 @@ class Router:
             self._apply_stored_pages(worker, ev, data, page, outcome, now)
             return
         if ev.parent_engine_hash is None:
-            parent_key, seed = None, namespace_seed(ev.model, ev.lora)
+            parent_key, seed = None, namespace_seed(ev.model, ev.lora, ev.salt)
         else:
             parent_key = worker.engine_keys.get(ev.parent_engine_hash)
             if parent_key is None and self.index.holds(worker.slot, ev.parent_engine_hash):
@@ -656,7 +656,10 @@ class Router:
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
                 return
             seed = parent_key
-        keys = chain_keys(data, self.block_size, seed)
+        if ev.extra_hashes is None:
+            keys = chain_keys(data, self.block_size, seed)
+        else:
+            keys = chain_keys_with_extras(data, self.block_size, seed, ev.extra_hashes)
         blocks = self.index.store(worker.slot, parent_key, keys, now)
         if ev.engine_hashes is not None:
             mapping = worker.engine_keys
@@ -688,7 +691,8 @@ class Router:
             chains = worker.pages = PageChains(self.block_size)
         slot, index = worker.slot, self.index
         chunk = chains.store(ev.engine_hashes, ev.parent_engine_hash, data, page,
-                             namespace_seed(ev.model, ev.lora), lambda key: index.holds(slot, key))
+                             namespace_seed(ev.model, ev.lora, ev.salt), lambda key: index.holds(slot, key),
+                             ev.extra_hashes)
         if chunk is None:
             outcome.orphan_blocks += len(data) // (self.block_size * 4)
             log.debug("stored pages with an unknown parent skipped", extra={"worker_id": worker.id})

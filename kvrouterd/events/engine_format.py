@@ -36,8 +36,9 @@ Media: events whose ``medium`` is absent or ``"GPU"`` (any case) describe the GP
 become ``Stored`` / ``Removed`` / ``Cleared``. Other tiers (CPU, disk offload) become
 ``TierEvent`` s, which the subscriber tracks apart or drops by config; they never reach the
 GPU view. Our keys are recomputed from ``token_ids`` by the router; the engine hashes are
-only kept to apply removals. ``extra_keys`` (multimodal hashes) are not folded into our keys,
-so two prompts that differ only in image content share keys (a known approximation).
+only kept to apply removals. vLLM's per-block ``extra_keys`` (multimodal content hashes, cache
+salt, ...) are hashed and folded into that block's key, so two prompts that differ only in image
+content never share a key; SGLang's ``cache_salt`` salts the chain like ``model`` and ``lora``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
+import xxhash
 
 from ..errors import InvalidRequest
 from ..index.keys import tokens_to_bytes
@@ -58,6 +60,7 @@ __all__ = [
     "DecodedBatch",
     "MalformedPayload",
     "TierEvent",
+    "UnmappedLora",
     "decode_event",
     "decode_payload",
     "normalize_hash",
@@ -72,12 +75,22 @@ _STORED_FIELDS = (
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
     "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
 )
+_NO_LORA_IDS: Mapping[int, str] = {}
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _CLEARED_FIELDS = ("medium",)
 
 
 class MalformedPayload(InvalidRequest):
     """An engine payload that cannot be decoded; the batch is counted and skipped."""
+
+    #: the label it is counted under, when more precise than malformed_<event type>
+    reason: str | None = None
+
+
+class UnmappedLora(MalformedPayload):
+    """A ``lora_id``-only store (vLLM 0.11) whose id ``events.lora_ids`` does not name."""
+
+    reason = "unknown_lora_id"
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,8 +168,9 @@ def _is_gpu(medium: object) -> bool:
     return medium is None or _text(medium).upper() == GPU_MEDIUM
 
 
-def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
-    """One event; None for an unknown event type. ``model`` salts stored keys (engines do not say)."""
+def decode_event(raw: Any, model: str = "", lora_ids: Mapping[int, str] = _NO_LORA_IDS) -> CacheEvent | TierEvent | None:
+    """One event; None for an unknown event type. ``model`` salts stored keys (engines do not
+    say); ``lora_ids`` names the adapters of events that carry only a ``lora_id``."""
     if isinstance(raw, Mapping):
         kind = _text(raw.get("type", raw.get(b"type")))
     elif isinstance(raw, (list, tuple)) and raw:
@@ -171,7 +185,7 @@ def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
         medium = f.get("medium")
         if not _is_gpu(medium):
             return TierEvent(_text(medium).upper(), "stored", hashes)
-        return _stored(f, hashes, model)
+        return _stored(f, hashes, model, lora_ids)
     if kind == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_FIELDS)
         if "block_hashes" not in f:
@@ -192,7 +206,7 @@ def decode_event(raw: Any, model: str = "") -> CacheEvent | TierEvent | None:
     return None
 
 
-def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored:
+def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str, lora_ids: Mapping[int, str]) -> Stored:
     tokens = f.get("token_ids")
     if not isinstance(tokens, (list, tuple)) or not tokens:
         # without tokens we cannot compute our keys; the router would reject it anyway
@@ -206,8 +220,13 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
         raise MalformedPayload(f"BlockStored block_size must be a non-negative int, got {block_size!r}")
     lora = _text(f.get("lora_name"))
-    if not lora and f.get("lora_id") is not None:
-        lora = _text(f.get("lora_id"))
+    lora_id = f.get("lora_id")
+    if not lora and lora_id is not None:
+        # vLLM 0.11 sends only the adapter's number; requests name the adapter, so the keys
+        # must be salted with the name (events.lora_ids), never with the string "7"
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id not in lora_ids:
+            raise UnmappedLora(f"BlockStored lora_id {lora_id!r} is not in events.lora_ids")
+        lora = lora_ids[lora_id]
     kind = f.get("kv_cache_spec_kind")
     return Stored(
         token_ids=token_bytes,
@@ -218,7 +237,31 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str) -> Stored
         lora=lora,
         group=_group(f.get("group_idx")),
         group_kind=None if kind is None else _text(kind),
+        salt=_text(f.get("cache_salt")),
+        extra_hashes=_extra_hashes(f.get("extra_keys"), len(hashes), lora),
     )
+
+
+def _extra_hashes(value: object, blocks: int, lora: str) -> tuple[int, ...] | None:
+    """One hash per block of vLLM's ``extra_keys`` (a tuple per block, or None). vLLM puts
+    the LoRA adapter's name in every block's extras; the router already salts the whole chain
+    with it (so a Route naming the adapter matches), so it is left out here."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != blocks:
+        raise MalformedPayload(f"extra_keys must be a list with one entry per block ({blocks})")
+    out = []
+    for entry in value:
+        if isinstance(entry, (list, tuple)) and lora:
+            entry = [e for e in entry if e != lora]
+        if entry is None or (isinstance(entry, (list, tuple)) and not entry):
+            out.append(0)
+        elif isinstance(entry, (list, tuple)):
+            # the entry's own msgpack bytes name it: the same extras always hash the same
+            out.append(xxhash.xxh3_64_intdigest(msgpack.packb(entry, use_bin_type=True)) or 1)
+        else:
+            raise MalformedPayload(f"extra_keys entries must be lists or null, got {type(entry).__name__}")
+    return tuple(out) if any(out) else None
 
 
 def _group(value: object) -> int | None:
@@ -229,7 +272,7 @@ def _group(value: object) -> int | None:
     return value
 
 
-def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
+def decode_payload(payload: bytes, model: str = "", lora_ids: Mapping[int, str] = _NO_LORA_IDS) -> DecodedBatch:
     """Decode one msgpack batch payload. Raises MalformedPayload; never anything else."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -255,13 +298,13 @@ def decode_payload(payload: bytes, model: str = "") -> DecodedBatch:
     lost_removal = False
     for i, ev in enumerate(events):
         try:
-            decoded = decode_event(ev, model)
+            decoded = decode_event(ev, model, lora_ids)
         except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
             # one bad event must not cost the others (a vLLM batch is a whole scheduler
             # step: removals travel beside stores); the caller counts it and, if it may have
             # been a removal, resyncs the worker
             kind = _event_kind(ev)
-            reason = f"malformed_{_REASON_OF.get(kind, 'event')}"
+            reason = getattr(exc, "reason", None) or f"malformed_{_REASON_OF.get(kind, 'event')}"
             rejected[reason] = rejected.get(reason, 0) + 1
             if kind != "BlockStored":
                 lost_removal = True

@@ -98,6 +98,13 @@ class ZmqEventsConfig:
     #: ZMQ reconnect backoff (the library doubles the interval up to the max)
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 10_000
+    #: adapter names of vLLM 0.11's lora_id-only events ({"7": "sql-adapter"}); a stored
+    #: event with an id not listed is rejected (unknown_lora_id) rather than keyed wrongly
+    lora_ids: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def lora_names(self) -> dict[int, str]:
+        return {int(k): v for k, v in self.lora_ids.items()}
 
     def validate(self) -> None:
         if self.silence_s <= 0:
@@ -110,6 +117,9 @@ class ZmqEventsConfig:
             raise ConfigError(f"events.other_media must be 'ignore' or 'track', got {self.other_media!r}")
         if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
             raise ConfigError("events.reconnect_ivl_ms must be > 0 and <= reconnect_ivl_max_ms")
+        for lora_id, name in self.lora_ids.items():
+            if not str(lora_id).isdigit() or not name:
+                raise ConfigError(f"events.lora_ids: {lora_id!r}: keys are vLLM lora ids (integers), values adapter names")
 
 
 @dataclass(frozen=True)
@@ -231,6 +241,7 @@ class EndpointSubscriber:
         self._apply_fn = apply
         self._reset_fn = reset
         self._rejected_fn = rejected
+        self._lora_names = config.lora_names
         self._ctx = ctx
         self._clock = clock
         self.stats = SubscriberStats()
@@ -474,7 +485,7 @@ class EndpointSubscriber:
         self.stats.last_batch_at = self._clock.now()
         self._last_digest = (seq, _digest(payload))
         try:
-            decoded = decode_payload(payload, self.endpoint.model)
+            decoded = decode_payload(payload, self.endpoint.model, self._lora_names)
         except MalformedPayload as exc:
             self.stats.malformed += 1
             log.warning("malformed KV-event batch %d skipped: %s", seq, exc, extra={"worker_id": self.worker_id})

@@ -4,7 +4,7 @@ A prompt of T tokens has T // block_size full blocks; a trailing partial block i
 keyed (engines cache only full blocks). Block i's key is
 
     key_i = xxh3_64(le_uint32(tokens[i*bs:(i+1)*bs]), seed=key_{i-1})
-    key_-1 = namespace_seed(model, lora)
+    key_-1 = namespace_seed(model, lora, salt)
 
 Chaining through the seed makes each key identify its whole prefix, so a flat dict of keys
 is a prefix tree, and it measured ~35% cheaper than hashing parent bytes + block bytes
@@ -23,7 +23,10 @@ import xxhash
 
 from . import native
 
-__all__ = ["ROOT_SEED", "block_keys", "chain_keys", "chain_keys_array", "chain_keys_py", "namespace_seed", "tokens_to_bytes"]
+__all__ = [
+    "ROOT_SEED", "block_keys", "chain_keys", "chain_keys_array", "chain_keys_py", "chain_keys_with_extras",
+    "namespace_seed", "tokens_to_bytes",
+]
 
 #: Seed of the unsalted namespace: the bytes "kvrouter" read as a big-endian integer.
 ROOT_SEED = 0x6B76726F75746572
@@ -32,11 +35,17 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def namespace_seed(model: str = "", lora: str = "") -> int:
-    """The seed of block 0 for prompts of this model/adapter ("" and "" = unsalted)."""
-    if not model and not lora:
+def namespace_seed(model: str = "", lora: str = "", salt: str = "") -> int:
+    """The seed of block 0 for prompts of this model/adapter/cache salt (all "" = unsalted).
+
+    ``salt`` is the engine's cache salt (SGLang ``cache_salt``): prompts with different
+    salts never share a prefix, as in the engine. Without a salt the seed is what it always
+    was, so existing keys do not change."""
+    if not model and not lora and not salt:
         return ROOT_SEED
-    return _xxh3(f"{model}\x00{lora}".encode(), ROOT_SEED)
+    if not salt:
+        return _xxh3(f"{model}\x00{lora}".encode(), ROOT_SEED)
+    return _xxh3(f"{model}\x00{lora}\x00{salt}".encode(), ROOT_SEED)
 
 
 def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
@@ -90,6 +99,30 @@ def chain_keys_array(token_bytes: bytes, block_size: int, seed: int) -> array:
     return out
 
 
-def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "") -> list[int]:
+def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "", salt: str = "") -> list[int]:
     """Keys of the full blocks of a token sequence, as the router computes them."""
-    return chain_keys(tokens_to_bytes(tokens), block_size, namespace_seed(model, lora))
+    return chain_keys(tokens_to_bytes(tokens), block_size, namespace_seed(model, lora, salt))
+
+
+def chain_keys_with_extras(token_bytes: bytes, block_size: int, seed: int, extras: Sequence[int]) -> list[int]:
+    """``chain_keys`` where block i's seed is mixed with ``extras[i]`` when it is nonzero.
+
+    vLLM hashes a block's extra keys (multimodal content hashes, cache salt, prompt
+    embeddings) with its tokens, so two images behind the same placeholder tokens are
+    different blocks; folding each block's extras in keeps them apart in our keys too. The
+    chaining carries the difference to every later block, as in the engine."""
+    keys: list[int] = []
+    step = block_size * 4
+    start, key = 0, seed
+    for i, extra in enumerate(extras):
+        if not extra:
+            continue
+        if i > start:  # the plain run before this block, hashed in one call
+            keys.extend(chain_keys(token_bytes[start * step : i * step], block_size, key))
+            key = keys[-1]
+        key = _xxh3(token_bytes[i * step : (i + 1) * step], key ^ extra)
+        keys.append(key)
+        start = i + 1
+    if start * step < len(token_bytes):
+        keys.extend(chain_keys(token_bytes[start * step :], block_size, key))
+    return keys

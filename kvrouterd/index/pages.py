@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .keys import chain_keys
+from .keys import chain_keys, chain_keys_with_extras
 
 __all__ = ["PageChains", "PageState", "StoredChunk"]
 
@@ -43,6 +43,8 @@ class PageState:
     tail_pages: tuple[int, ...]
     seed: int
     blocks: list[int]
+    #: extra-key hashes of the pages in the tail, folded into the block they complete
+    tail_extra: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,21 +81,25 @@ class PageChains:
         page_size: int,
         root_seed: int,
         parent_held: Callable[[int], bool],
+        extra_hashes: Sequence[int] | None = None,
     ) -> StoredChunk | None:
         """Record a stored chain of engine pages; returns the router blocks it completes.
 
         ``token_bytes`` holds ``len(engine_hashes) * page_size`` tokens (little-endian
         uint32). ``parent_held(key)`` says whether the worker still holds a router block.
+        ``extra_hashes`` (one per page, 0 = none) are folded into the first router block a
+        page's tokens complete, as ``chain_keys_with_extras`` does for router-sized pages.
         Returns None when the parent page is unknown or its router block is gone (an
         orphan: nothing is recorded, as for a chain of router-sized blocks).
         """
         if parent_engine_hash is None:
-            anchor, tail, tail_pages, seed = None, b"", (), root_seed
+            anchor, tail, tail_pages, seed, tail_extra = None, b"", (), root_seed, 0
         else:
             parent = self._pages.get(parent_engine_hash)
             if parent is None or (parent.anchor is not None and not parent_held(parent.anchor)):
                 return None
             anchor, tail, tail_pages, seed = parent.anchor, parent.tail, parent.tail_pages, parent.seed
+            tail_extra = parent.tail_extra
         step = self.block_size * 4
         page_bytes = page_size * 4
         first_parent = anchor
@@ -102,7 +108,14 @@ class PageChains:
         for i, eh in enumerate(engine_hashes):
             data = tail + token_bytes[i * page_bytes : (i + 1) * page_bytes]
             whole = len(data) - len(data) % step
-            keys = chain_keys(data[:whole], self.block_size, seed if anchor is None else anchor) if whole else []
+            extra = tail_extra ^ (extra_hashes[i] if extra_hashes else 0)
+            start = seed if anchor is None else anchor
+            if not whole:
+                keys = []
+            elif extra:
+                keys = chain_keys_with_extras(data[:whole], self.block_size, start, (extra,))
+            else:
+                keys = chain_keys(data[:whole], self.block_size, start)
             if keys:
                 for contributor in tail_pages:
                     state = pages.get(contributor)
@@ -112,10 +125,12 @@ class PageChains:
                 anchor = keys[-1]
                 tail = data[whole:]
                 tail_pages = (eh,) if tail else ()
+                tail_extra = 0
             else:
                 tail = data
                 tail_pages = (*tail_pages, eh)
-            pages[eh] = PageState(anchor, tail, tail_pages, seed, list(keys))
+                tail_extra = extra
+            pages[eh] = PageState(anchor, tail, tail_pages, seed, list(keys), tail_extra)
         return StoredChunk(first_parent, completed)
 
     def remove(self, engine_hash: int) -> list[int] | None:

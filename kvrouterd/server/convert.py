@@ -79,7 +79,7 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
         limit = router.settings.max_prompt_tokens
         if n_tokens > limit:
             raise Overloaded(f"prompt of {n_tokens} tokens exceeds max_prompt_tokens={limit}")
-        keys = router.keys_for_tokens(_le_u32(tokens), msg.model, msg.lora)
+        keys = router.keys_for_tokens(_le_u32(tokens), msg.model, msg.lora, msg.cache_salt)
         prompt_tokens = n_tokens
     else:
         keys = np.asarray(msg.block_keys, dtype=_U64).tolist()
@@ -189,6 +189,7 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
                     block_size=st.block_size,
                     model=st.model,
                     lora=st.lora,
+                    salt=st.cache_salt,
                 )
             )
         elif kind == "removed":

@@ -206,3 +206,16 @@ async def test_no_worker_registered_is_unavailable(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await running.stub.Route(pb.RouteRequest(token_ids=[1] * 16))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_cache_salt_separates_keys_and_a_route_with_the_same_salt_matches(running):
+    """Issue #11 item 5: tenants (SGLang ``cache_salt``) never share cached prefixes."""
+    stub = running.stub
+    await register(stub, "a")
+    tokens = list(range(500, 500 + 48))
+    salted = pb.StoredBlocks(engine_hashes=[1, 2, 3], token_ids=tokens, cache_salt="tenant-a")
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[pb.CacheEvent(stored=salted)]))
+    same = await stub.Route(pb.RouteRequest(token_ids=tokens, cache_salt="tenant-a"))
+    other = await stub.Route(pb.RouteRequest(token_ids=tokens, cache_salt="tenant-b"))
+    unsalted = await stub.Route(pb.RouteRequest(token_ids=tokens))
+    assert (same.matched_blocks, other.matched_blocks, unsalted.matched_blocks) == (3, 0, 0)

@@ -20,7 +20,7 @@ from kvrouterd.index.keys import block_keys
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, WorkerState
 from kvrouterd.router import Router, RouterSettings
-from tests.integration.engine_wire import ALL_ENGINES, VLLM_026, EngineWire
+from tests.integration.engine_wire import ALL_ENGINES, VLLM_026, EngineWire, V26BlockStored
 from tests.integration.test_zmq_events import FakeEngine
 
 BS = 16  # the router's block size, as deployed
@@ -318,6 +318,55 @@ async def test_a_subscriber_that_dies_degrades_its_worker_and_is_restarted() -> 
         await publish(engine, wire, wire.stored([3], prompt(200, BS)))
         await until(lambda: router.index.count(worker.slot) == 3)
         assert worker.state is WorkerState.READY
+    finally:
+        await source.close()
+        await engine.close()
+        ctx.term()
+
+
+async def test_multimodal_extra_keys_keep_different_images_apart(env: Env) -> None:
+    """vLLM hashes each block's extra keys (image content hashes) with its tokens: the same
+    placeholder tokens behind two images are two different prefixes (issue #11 item 5)."""
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    placeholders = [9] * (2 * BS)  # the image's placeholder tokens, identical for every image
+    image_a = V26BlockStored([1, 2], None, placeholders, BS, None, None, "sql",
+                             extra_keys=[("mm-hash-a", "sql"), ("mm-hash-a", "sql")])
+    image_b = V26BlockStored([3, 4], None, placeholders, BS, None, None, "sql",
+                             extra_keys=[("mm-hash-b", "sql"), ("mm-hash-b", "sql")])
+    text = V26BlockStored([5], None, prompt(0, BS), BS, None, None, "sql", extra_keys=[("sql",)])
+    await publish(engine, wire, image_a, image_b, text)
+    await applied(source, 0)
+    slot = router.workers.get("w").slot
+    assert router.index.count(slot) == 5  # two images: two chains, not one shared prefix
+    plain = block_keys(placeholders, BS, MODEL, "sql")
+    assert router.index.match(plain, 1 << slot).overlaps.get(0, 0) == 0  # no false hit for text-only keys
+    # the adapter's name in every block's extras is the lora salt, not an extra: text matches
+    assert router.index.match(block_keys(prompt(0, BS), BS, MODEL, "sql"), 1 << slot).overlaps.get(0, 0) == 1
+
+
+async def test_lora_id_only_events_map_to_the_configured_adapter_name() -> None:
+    ctx = zmq.asyncio.Context()
+    router = Router(RouterSettings(block_size=BS), ManualClock())
+    router.add_worker(WorkerSpec(id="w", address="w:1", mode=CacheMode.EVENTS))
+    source = ZmqEventSource(
+        ZmqEventsConfig(topic="kv@", replay_timeout_s=0.5, lora_ids={"7": "sql-adapter"}),
+        lambda batch: router.apply(batch, per_event=True), lambda wid, lost: router.reset_events(wid, lost=lost),
+        ctx=ctx, rejected=lambda wid, counts, lost: router.note_rejected_events(wid, counts, lost_removal=lost),
+    )
+    wire = ALL_ENGINES[0]  # vLLM 0.11: lora_id, no lora_name
+    engine = FakeEngine(ctx, new_replay_layout=False)
+    try:
+        source.add(ZmqEndpoint("w", engine.endpoint, engine.replay_endpoint, model=MODEL))
+        await engine.wait_subscribed()
+        tokens = prompt(0, BS)
+        await publish(engine, wire, wire.stored([1], tokens, lora_id=7), wire.stored([2], prompt(99, BS), lora_id=8))
+        await applied(source, 0)
+        slot = router.workers.get("w").slot
+        assert router.index.match(block_keys(tokens, BS, MODEL, "sql-adapter"), 1 << slot).overlaps.get(0, 0) == 1
+        assert router.index.match(block_keys(tokens, BS, MODEL, "7"), 1 << slot).overlaps.get(0, 0) == 0
+        assert router.workers.get("w").events_rejected == {"unknown_lora_id": 1}
     finally:
         await source.close()
         await engine.close()

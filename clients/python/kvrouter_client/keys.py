@@ -4,7 +4,7 @@ A prompt of T tokens has T // block_size full blocks; a trailing partial block i
 keyed. Block i's key is
 
     key_i = xxh3_64(le_uint32(tokens[i*bs:(i+1)*bs]), seed=key_{i-1})
-    key_-1 = namespace_seed(model, lora)
+    key_-1 = namespace_seed(model, lora, salt)
 
 so each key identifies its whole prefix. Send the result as ``RouteRequest.block_keys``, or
 use the keys as an engine's block hashes (``EventPublisher.stored(..., engine_hashes=None)``
@@ -29,11 +29,17 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def namespace_seed(model: str = "", lora: str = "") -> int:
-    """The seed of block 0 for prompts of this model/adapter ("" and "" = unsalted)."""
-    if not model and not lora:
+def namespace_seed(model: str = "", lora: str = "", salt: str = "") -> int:
+    """The seed of block 0 for prompts of this model/adapter/cache salt (all "" = unsalted).
+
+    ``salt`` is the engine's cache salt (SGLang ``cache_salt``): prompts with different
+    salts never share a prefix, as in the engine. Without a salt the seed is what it always
+    was, so existing keys do not change."""
+    if not model and not lora and not salt:
         return ROOT_SEED
-    return _xxh3(f"{model}\x00{lora}".encode(), ROOT_SEED)
+    if not salt:
+        return _xxh3(f"{model}\x00{lora}".encode(), ROOT_SEED)
+    return _xxh3(f"{model}\x00{lora}\x00{salt}".encode(), ROOT_SEED)
 
 
 def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
@@ -61,6 +67,6 @@ def chain_keys(token_bytes: bytes, block_size: int, seed: int, limit: int | None
     return keys
 
 
-def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "") -> list[int]:
+def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "", salt: str = "") -> list[int]:
     """Keys of the full blocks of a token sequence, as the router computes them."""
-    return chain_keys(tokens_to_bytes(tokens), block_size, namespace_seed(model, lora))
+    return chain_keys(tokens_to_bytes(tokens), block_size, namespace_seed(model, lora, salt))

@@ -9,6 +9,7 @@ from kvrouterd.events.engine_format import (
     DecodedBatch,
     MalformedPayload,
     TierEvent,
+    UnmappedLora,
     decode_event,
     decode_payload,
     normalize_hash,
@@ -55,11 +56,29 @@ def test_map_form_with_unknown_and_newer_fields():
     assert removed == Removed((22,))
 
 
-def test_only_type_and_hashes_are_required_for_removal_and_lora_id_is_a_fallback_salt():
+def test_only_type_and_hashes_are_required_for_removal_and_lora_id_maps_to_the_configured_name():
     batch = decode_payload(pack([{"type": "BlockRemoved", "block_hashes": [1]}], rank=None))
     assert batch.events == (Removed((1,)),) and batch.dp_rank is None
-    stored = decode_event({"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "lora_id": 7})
-    assert isinstance(stored, Stored) and stored.lora == "7" and stored.block_size == 0
+    event = {"type": "BlockStored", "block_hashes": [1], "token_ids": TOKENS[:4], "lora_id": 7}
+    stored = decode_event(event, lora_ids={7: "sql"})
+    assert isinstance(stored, Stored) and stored.lora == "sql" and stored.block_size == 0
+    with pytest.raises(UnmappedLora):  # never keyed under the string "7"
+        decode_event(event)
+    named = decode_event({**event, "lora_name": "chat"})
+    assert isinstance(named, Stored) and named.lora == "chat"
+
+
+def test_extra_keys_hash_per_block_without_the_lora_name():
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": TOKENS, "block_size": 4, "lora_name": "sql",
+             "extra_keys": [["img-1", "sql"], ["sql"]]}
+    stored = decode_event(event)
+    assert isinstance(stored, Stored) and stored.extra_hashes is not None
+    assert stored.extra_hashes[0] != 0 and stored.extra_hashes[1] == 0
+    other = decode_event({**event, "extra_keys": [["img-2", "sql"], None]})
+    assert isinstance(other, Stored) and other.extra_hashes is not None
+    assert other.extra_hashes[0] not in (0, stored.extra_hashes[0])
+    with pytest.raises(MalformedPayload):
+        decode_event({**event, "extra_keys": [["img-1"]]})  # one entry per block
 
 
 def test_batch_as_a_map_is_accepted():

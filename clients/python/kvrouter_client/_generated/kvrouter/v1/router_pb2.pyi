@@ -42,7 +42,7 @@ WORKER_STATE_DEGRADED: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_keys", "prompt_tokens", "model", "lora", "session_id", "task", "ttft_slo_ms", "expected_output_tokens", "policy", "candidate_workers")
+    __slots__ = ("request_id", "token_ids", "block_keys", "prompt_tokens", "model", "lora", "session_id", "task", "ttft_slo_ms", "expected_output_tokens", "policy", "candidate_workers", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class RouteRequest(_message.Message):
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class RouteRequest(_message.Message):
     expected_output_tokens: int
     policy: str
     candidate_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms")
@@ -270,20 +272,22 @@ class ReportLoadResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StoredBlocks(_message.Message):
-    __slots__ = ("parent_engine_hash", "engine_hashes", "token_ids", "block_size", "model", "lora")
+    __slots__ = ("parent_engine_hash", "engine_hashes", "token_ids", "block_size", "model", "lora", "cache_salt")
     PARENT_ENGINE_HASH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     parent_engine_hash: int
     engine_hashes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     model: str
     lora: str
-    def __init__(self, parent_engine_hash: _Optional[int] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, parent_engine_hash: _Optional[int] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RemovedBlocks(_message.Message):
     __slots__ = ("engine_hashes",)

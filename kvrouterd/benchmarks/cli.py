@@ -8,7 +8,8 @@ Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-tok
 64 workers, 10^6 indexed blocks: hash + match + policy), ``grpc_route_vs_trivial_ratio``
 (daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
 ``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
-RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round),
+RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round;
+``grpc_stream_route_vs_trivial_unary_cpu_ratio`` is the same comparison in server CPU per call),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
 """
@@ -91,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         result["grpc_route_vs_trivial_ratio_inflight_1"] = statistics.median(ratios1)
         result["grpc_stream_route_rps"] = statistics.median(x["daemon"]["stream_8x8"]["rps"] for x in runs)
         result["grpc_stream_route_vs_trivial_unary_ratio"] = statistics.median(stream_ratios)
+        cpu = [x["trivial"]["inflight_64"]["server_cpu_us_per_call"] / x["daemon"]["stream_8x8"]["server_cpu_us_per_call"]
+               for x in runs if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
+        if cpu:  # the same comparison in server CPU per call, which load disturbs much less
+            result["grpc_stream_route_vs_trivial_unary_cpu_ratio"] = statistics.median(cpu)
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
@@ -102,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
                      f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
         rows.append(("gRPC RouteStream daemon / trivial unary ratio",
                      f"{statistics.median(stream_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in stream_ratios)})"))
+        if cpu:
+            rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)",
+                         f"{statistics.median(cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in cpu)})"))
 
     if "ingest" in stages:
         from .grpc_bench import ingest_throughput

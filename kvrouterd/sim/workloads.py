@@ -23,9 +23,23 @@ Sources (``build_workload``):
   the history of the previous prompt and its answer (``output_tokens`` 128); think time
   between rounds log-normal (median ``think_median_s`` 20 s, sigma 1.0); sessions start
   Poisson; the whole trace is then rescaled to ``rate``.
-- ``docqa``: long-document QA (LBGR's Loogle setting): ``documents`` (128) truncated to 1k, 2k,
-  4k or 8k tokens, ``questions_per_doc`` (8) questions of 32-128 tokens each, random or
-  round_robin order, Poisson arrivals.
+- ``longchat``: long multi-turn chat with heavy-tailed conversation lengths, the setting of
+  the tail-optimized LRU paper (section 6.1: WildChat conversations replayed turn by turn;
+  appendix F: conversations start Poisson, turns within one follow exponential gaps). Turns
+  per conversation are Zipf(``turns_zipf_s`` = 2) over 1..``max_turns`` (40): mean 2.6, most
+  conversations one or two turns, a third of the requests from conversations of 10+ turns,
+  the heterogeneity of lengths LRU is blind to (section 1). ``conversations`` (800) start
+  Poisson at ``rate`` (0.5 req/s) / mean turns, so turns arrive at ``rate`` without rescaling;
+  gaps between a conversation's turns are exponential with mean ``turn_gap_s`` (20 s; the
+  paper replays WildChat's timestamps and gives no figure). Each turn adds a user prompt of
+  ``user_tokens`` (200, WildChat's mean prompt, section 6.2) tokens, log-normal with that
+  mean and ``user_tokens_sigma`` (0 = constant, the fixed prompt length of the paper's
+  appendix C model), to the history of earlier prompts and answers of ``output_tokens`` (300;
+  the paper gives none). Answers carry ``output_block_ids`` for ``--cache-decode`` (the
+  paper's vLLM caches them).
+- ``docqa``: long-document QA (LBGR appendix A's Loogle setting): ``documents`` (512, as the
+  paper samples) truncated to 1k, 2k, 4k or 8k tokens, ``questions_per_doc`` (8) questions of
+  32-128 tokens each, random or round_robin order, Poisson arrivals.
 - ``toolagent``: tool/agent traffic (the case DualMap targets): ``tools`` (128) system prompts
   of 1k-8k tokens drawn Zipf(``zipf_s`` = 1.2), so a few are very hot (the top one takes
   ~28% of requests) over a long cold tail, each followed by a unique 256-2048-token user
@@ -74,6 +88,7 @@ __all__ = [
     "gsp",
     "heterogeneous_mix",
     "load_mooncake",
+    "long_chat",
     "multi_turn_chat",
     "scale_to_rate",
     "tool_agent",
@@ -316,7 +331,43 @@ def multi_turn_chat(rng: random.Random, *, rate: float = 4.0, clients: int = 128
     return scale_to_rate(wl, rate)
 
 
-def doc_qa(rng: random.Random, *, rate: float = 8.0, documents: int = 128, questions_per_doc: int = 8,
+def long_chat(rng: random.Random, *, rate: float = 0.5, conversations: int = 800, turns_zipf_s: float = 2.0,
+              max_turns: int = 40, user_tokens: int = 200, user_tokens_sigma: float = 0.0, output_tokens: int = 300,
+              turn_gap_s: float = 20.0, block_tokens: int = 64) -> Workload:
+    """Long multi-turn chat with heavy-tailed conversation lengths (T-LRU, see the module docstring)."""
+    _check("conversations", conversations, 1)
+    _check("max_turns", max_turns, 1)
+    _check("turns_zipf_s", turns_zipf_s, 0.0)
+    _check("user_tokens", user_tokens, 1)
+    _check("user_tokens_sigma", user_tokens_sigma, 0.0)
+    _check("output_tokens", output_tokens, 1)
+    _check("turn_gap_s", turn_gap_s, 0.0)
+    _check("rate", rate, 1e-9)
+    weights = _zipf_weights(max_turns, turns_zipf_s)
+    mean_turns = sum((k + 1) * w for k, w in enumerate(weights)) / sum(weights)
+    # a log-normal with mean ``user_tokens`` (mu = ln(mean) - sigma^2 / 2); sigma 0 is the constant
+    mu = math.log(user_tokens) - user_tokens_sigma**2 / 2
+    ids = _Ids()
+    bs = block_tokens
+    reqs: list[SimRequest] = []
+    # conversations start Poisson at rate / mean turns, so turns arrive at ``rate`` on average
+    for c, start in enumerate(_poisson(rng, conversations, rate / mean_turns)):
+        turns = rng.choices(range(1, max_turns + 1), weights)[0]
+        prompt, t = _Prompt(bs), start
+        for _ in range(turns):
+            asked = prompt.extend(ids, max(1, round(rng.lognormvariate(mu, user_tokens_sigma))))
+            block_ids = asked.block_ids(ids)
+            prompt = asked.extend(ids, output_tokens)  # the answer joins the history the next turn sends
+            reqs.append(SimRequest(t, asked.tokens, output_tokens, block_ids, f"c{c}", TaskCategory.CHAT,
+                                   tuple(prompt.full[asked.tokens // bs:])))
+            t += rng.expovariate(1.0 / turn_gap_s) if turn_gap_s else 0.0
+    reqs.sort(key=lambda r: r.arrival_s)
+    return Workload("longchat", bs, reqs, {"rate": rate, "conversations": conversations, "turns_zipf_s": turns_zipf_s,
+                                           "max_turns": max_turns, "mean_turns": round(mean_turns, 3),
+                                           "user_tokens": user_tokens, "output_tokens": output_tokens})
+
+
+def doc_qa(rng: random.Random, *, rate: float = 8.0, documents: int = 512, questions_per_doc: int = 8,
            doc_lengths: Sequence[int] = (1024, 2048, 4096, 8192), order: str = "random", output_tokens: int = 32,
            block_tokens: int = 64) -> Workload:
     """Several questions about each long document (see the module docstring)."""
@@ -416,6 +467,7 @@ def heterogeneous_mix(rng: random.Random, *, multi_turn_share: float = 0.8, rate
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "gsp": gsp,
     "chat": multi_turn_chat,
+    "longchat": long_chat,
     "docqa": doc_qa,
     "toolagent": tool_agent,
     "mix1": lambda rng, **kw: heterogeneous_mix(rng, multi_turn_share=0.8, name="mix1", **kw),

@@ -144,3 +144,38 @@ def test_unknown_workload_and_bad_params():
         build_workload("gsp", 0, prefix_ratio=2.0)
     with pytest.raises(ConfigError, match="workload gsp"):
         build_workload("gsp", 0, bogus=1)
+
+
+def test_longchat_has_tlrus_heavy_tailed_conversations():
+    import statistics
+
+    wl = build_workload("longchat", 0)  # T-LRU's defaults: Zipf(2) turns over 1..40, 200-token prompts
+    turns = Counter(r.session_id for r in wl.requests)
+    assert len(turns) == 800 and max(turns.values()) <= 40
+    share = Counter(turns.values())
+    # Zipf(2): P(1 turn) / P(2 turns) = 4; a heavy tail of long conversations carries many requests
+    assert share[1] / share[2] == pytest.approx(4.0, rel=0.25)
+    assert statistics.mean(turns.values()) == pytest.approx(wl.params["mean_turns"], rel=0.15)
+    assert sum(n for n in turns.values() if n >= 10) / len(wl.requests) > 0.2
+    # turns arrive at about ``rate`` without rescaling (the gaps stay as drawn)
+    assert len(wl.requests) / wl.duration_s == pytest.approx(0.5, rel=0.15)
+    sid = max(turns, key=turns.__getitem__)
+    convo = [r for r in wl.requests if r.session_id == sid]
+    for prev, cur in itertools.pairwise(convo):
+        # each turn sends the history back: the previous prompt, its answer, then 200 new tokens
+        assert cur.input_tokens == prev.input_tokens + 300 + 200
+        full = prev.input_tokens // wl.block_tokens
+        assert cur.block_ids[:full] == prev.block_ids[:full]
+        # the answer's blocks are the ones the next prompt carries (what --cache-decode stores)
+        assert cur.block_ids[full:full + len(prev.output_block_ids)] == prev.output_block_ids
+
+
+def test_longchat_prompt_lengths_log_normal_around_the_mean():
+    import statistics
+
+    wl = build_workload("longchat", 1, user_tokens=200, user_tokens_sigma=1.0, max_turns=1)
+    lengths = [r.input_tokens for r in wl.requests]  # one turn each: the prompt is the user's
+    assert statistics.mean(lengths) == pytest.approx(200, rel=0.15)
+    assert statistics.median(lengths) < 150 < max(lengths) / 4  # skewed: median e^-0.5 of the mean
+    with pytest.raises(ConfigError, match="max_turns"):
+        build_workload("longchat", 0, max_turns=0)

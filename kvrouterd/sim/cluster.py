@@ -216,7 +216,9 @@ class Simulation:
         #: with ``record``: every call into the router, in order, as (op, time, payload, result):
         #: ("route", t, RouteRequest, worker_id), ("events", t, EventBatch, None),
         #: ("complete", t, Completion, None), ("tick", t, None, None),
-        #: ("load", t, (worker_id, queued, running, kv_utilization), None)
+        #: ("load", t, (worker_id, queued, running, kv_utilization), None); in admission queue
+        #: mode also ("arrive", t, RouteRequest, None) when the Route call is made, its "route"
+        #: following when the request is admitted
         self.log: list[tuple[str, float, Any, Any]] | None = [] if record else None
         #: the daemon's admission queues (``kvrouterd.admission``, the same pure objects), or None
         self.admission = (AdmissionQueues(settings.admission_max_inflight, on_change=self.router.note_admission_queue)
@@ -280,7 +282,10 @@ class Simulation:
             result = self.router.route(rr, explain=False)
             self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
             return
-        # admission queue mode, as the daemon's AdmissionGate runs it
+        # admission queue mode, as the daemon's AdmissionGate runs it; the log records the call
+        # now and its answer ("route") when the request is admitted, possibly later
+        if self.log is not None:
+            self.log.append(("arrive", now, rr, None))
         router, queues = self.router, self.admission
         decision, ctx, policy = router.decide(rr, explain=False)
         wid = decision.worker_id

@@ -10,6 +10,7 @@ time) are replayed by calling its router's ``tick`` as that loop would. Same con
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 
@@ -25,7 +26,7 @@ from kvrouterd.protocols import Cleared, EventBatch, Removed, Stored
 from kvrouterd.server.app import Daemon
 from kvrouterd.sim.cluster import ClusterSettings, Simulation
 from kvrouterd.sim.engine import EngineParams
-from kvrouterd.sim.workloads import gsp
+from kvrouterd.sim.workloads import build_workload, gsp
 
 SEED = 5
 
@@ -48,7 +49,18 @@ def batch_message(batch: EventBatch) -> pb.EventBatch:
     return msg
 
 
-async def replay(sim: Simulation) -> list[str]:
+def route_message(rr) -> pb.RouteRequest:
+    return pb.RouteRequest(request_id=rr.request_id, block_keys=rr.keys, prompt_tokens=rr.prompt_tokens,
+                           session_id=rr.session_id, task=int(rr.task), ttft_slo_ms=rr.ttft_slo_ms,
+                           expected_output_tokens=rr.expected_output_tokens)
+
+
+async def replay(sim: Simulation) -> dict[str, str]:
+    """Each request's worker, as the daemon decides it replaying ``sim``'s log.
+
+    In admission queue mode a Route call may wait in the daemon's queue: it is started as a
+    task at its "arrive", the replay moves on once the daemon has queued or answered it, and
+    the Complete (or tick) that frees room later admits it, as in the simulation."""
     assert sim.log is not None
     clock = ManualClock()
     # the daemon's wall-clock maintenance loop must not fire mid-replay: the recorded ticks stand in for it
@@ -56,7 +68,8 @@ async def replay(sim: Simulation) -> list[str]:
     port = await daemon.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = router_pb2_grpc.KVRouterStub(channel)
-    decisions = []
+    decisions: dict[str, str] = {}
+    waiting: dict[str, asyncio.Task] = {}
     try:
         for engine in sim.engines:
             spec = sim.router.workers.get(engine.worker_id).spec
@@ -65,12 +78,15 @@ async def replay(sim: Simulation) -> list[str]:
                 mode=pb.CACHE_STATE_MODE_EVENTS)))
         for op, t, payload, _ in sim.log:
             clock.set(t)
-            if op == "route":
-                resp = await stub.Route(pb.RouteRequest(
-                    request_id=payload.request_id, block_keys=payload.keys, prompt_tokens=payload.prompt_tokens,
-                    session_id=payload.session_id, task=int(payload.task), ttft_slo_ms=payload.ttft_slo_ms,
-                    expected_output_tokens=payload.expected_output_tokens))
-                decisions.append(resp.worker_id)
+            if op == "arrive":
+                assert daemon.admission is not None
+                task = asyncio.ensure_future(stub.Route(route_message(payload)))
+                while not task.done() and payload.request_id not in daemon.admission.queues:
+                    await asyncio.sleep(0.001)
+                waiting[payload.request_id] = task
+            elif op == "route":
+                if payload.request_id not in waiting:  # dispatched at once, without a queue
+                    decisions[payload.request_id] = (await stub.Route(route_message(payload))).worker_id
             elif op == "events":
                 await stub.PublishEvents(iter([batch_message(payload)]))
             elif op == "load":
@@ -84,10 +100,19 @@ async def replay(sim: Simulation) -> list[str]:
                     session_ended=payload.session_ended))
             else:
                 daemon.router.tick()
+                if daemon.admission is not None:
+                    daemon.admission.tick(clock.now())
+        for rid, task in waiting.items():
+            decisions[rid] = (await asyncio.wait_for(task, 10.0)).worker_id
     finally:
         await channel.close()
         await daemon.stop(grace=0.2)
     return decisions
+
+
+def routed(sim: Simulation) -> dict[str, str]:
+    assert sim.log is not None
+    return {rr.request_id: worker for op, _, rr, worker in sim.log if op == "route"}
 
 
 @pytest.mark.parametrize("routing", registry.names("routing"))
@@ -101,6 +126,42 @@ async def test_daemon_replaying_the_sim_log_makes_the_same_decisions(routing):
     assert sim.log is not None
     ops = {op for op, *_ in sim.log}
     assert {"route", "events", "complete", "tick", "load"} <= ops
-    expected = [worker for op, _, _, worker in sim.log if op == "route"]
-    assert [result.records[i].worker for i in range(len(expected))] == [int(w[1:]) for w in expected]
+    expected = routed(sim)
+    assert {f"r{i}": f"w{r.worker}" for i, r in enumerate(result.records)} == expected
+    assert await replay(sim) == expected
+
+
+@pytest.mark.parametrize("routing", ["dualmap", "cache_aware"])
+async def test_daemon_with_admission_queues_replaying_the_sim_log_admits_the_same(routing):
+    # the daemon's admission queue mode (and DualMap's migration within pairs) against the
+    # simulator's use of the same kvrouterd.admission objects: same queueing, same workers
+    cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing},
+                        "admission": {"max_inflight": 2}})
+    wl = gsp(random.Random(SEED), rate=120.0, groups=6, queries_per_group=6, block_tokens=64,
+             lengths=(512, 1024, 2048))
+    settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
+                               load_report_interval_s=0.1, admission_max_inflight=2)
+    sim = Simulation(cfg, wl, settings, routing=routing, eviction="lru", seed=SEED, record=True)
+    result = sim.run()
+    assert result.counters["admission_queued"] > 0 and result.counters["unfinished"] == 0
+    assert sum(op == "arrive" for op, *_ in sim.log) == len(wl.requests)
+    expected = routed(sim)
+    assert len(expected) == len(wl.requests)
+    assert await replay(sim) == expected
+
+
+@pytest.mark.slow
+async def test_daemon_replaying_dualmaps_migrations_moves_the_same_requests():
+    # Zipf-hot tool prompts at 150 req/s on 8 workers, at most 32 in flight each: the traffic
+    # of the simulator's migration test, where both candidates of hot prefixes overload
+    cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": "dualmap"},
+                        "admission": {"max_inflight": 32}})
+    wl = build_workload("toolagent", 0, 150.0, requests=600)
+    settings = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000.0, load_report_interval_s=0.1,
+                               admission_max_inflight=32)
+    sim = Simulation(cfg, wl, settings, routing="dualmap", eviction="lru", seed=0, record=True)
+    result = sim.run()
+    assert result.counters["migrations"] > 0 and result.counters["unfinished"] == 0
+    expected = routed(sim)
+    # a migrated request is answered by the worker it moved to, in the daemon as in the simulator
     assert await replay(sim) == expected

@@ -35,8 +35,8 @@ import yaml
 
 from .discovery.config import DiscoveryConfig
 from .errors import ConfigError
-from .events.zmq_source import ZmqEventsConfig
-from .index.workers import WorkerSpec
+from .events.zmq_source import ZmqEndpoint, ZmqEventsConfig
+from .index.workers import WorkerSpec, is_host_port
 from .protocols import CacheMode
 
 __all__ = [
@@ -279,6 +279,13 @@ class Config:
             seen.add(w.id)
             if not w.address:
                 raise ConfigError(f"workers[{i}].address: must not be empty")
+            if not is_host_port(w.address):
+                raise ConfigError(f"workers[{i}].address: {w.address!r} must be HOST:PORT (IPv6 as [ADDR]:PORT)")
+            if w.kv_events_endpoint:
+                try:
+                    ZmqEndpoint.parse(w.id, w.kv_events_endpoint)
+                except ConfigError as exc:
+                    raise ConfigError(f"workers[{i}].kv_events_endpoint: {exc}") from None
             if w.capacity_blocks < 0:
                 raise ConfigError(f"workers[{i}].capacity_blocks: must be >= 0")
         lim = self.limits

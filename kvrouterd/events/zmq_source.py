@@ -142,12 +142,12 @@ class ZmqEndpoint:
             raise ConfigError("zmq endpoint: worker_id must not be empty")
         if self.dp_rank < 0:
             raise ConfigError(f"zmq endpoint {self.worker_id!r}: dp_rank must be >= 0")
-        for name in ("endpoint", "replay_endpoint"):
-            value = getattr(self, name)
-            if value and "://" not in value:
-                raise ConfigError(f"zmq endpoint {self.worker_id!r}: {name} must look like tcp://host:port, got {value!r}")
         if not self.endpoint:
             raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                _check_address(self.worker_id, name, value, self.dp_rank)
 
     @classmethod
     def parse(cls, worker_id: str, spec: str, model: str = "") -> ZmqEndpoint:
@@ -180,6 +180,33 @@ class ZmqEndpoint:
     @property
     def replay_address(self) -> str:
         return rank_endpoint(self.replay_endpoint, self.dp_rank) if self.replay_endpoint else ""
+
+
+#: ZMQ transports an engine publisher can use; anything else (http://, udp://, ...) is refused
+#: at start or at RegisterWorker instead of failing later inside the subscriber
+ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def _check_address(worker_id: str, name: str, value: str, dp_rank: int) -> None:
+    scheme, sep, rest = value.partition("://")
+    where = f"worker {worker_id!r}: kv_events_endpoint {name} {_quote(value)}"
+    if not sep or scheme not in ZMQ_SCHEMES:
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT (or ipc:// / inproc://)")
+    if scheme != "tcp":
+        if not rest:
+            raise ConfigError(f"{where}: names no path")
+        return
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT with a numeric port")
+    if host.startswith("[") != host.endswith("]") or host in ("*", "[*]"):
+        raise ConfigError(f"{where}: must name the engine's host (not the * it binds to)")
+    if not 1 <= int(port) + dp_rank <= 65535:
+        raise ConfigError(f"{where}: port {port} + dp_rank {dp_rank} is outside 1-65535")
+
+
+def _quote(value: str, limit: int = 120) -> str:
+    return repr(value if len(value) <= limit else value[:limit] + "...")
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

@@ -18,7 +18,7 @@ from .groups import GroupPresence
 from .native import u64_map
 from .pages import PageChains
 
-__all__ = ["MAX_WORKERS", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec"]
+__all__ = ["MAX_WORKERS", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec", "is_host_port"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
@@ -48,10 +48,24 @@ class WorkerSpec:
             raise InvalidRequest("worker.id must be at most 253 characters")
         if not self.address:
             raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
+        if not is_host_port(self.address):
+            shown = self.address if len(self.address) <= 120 else self.address[:120] + "..."
+            raise InvalidRequest(f"worker {self.id!r}: address {shown!r} must be HOST:PORT (IPv6 as [ADDR]:PORT), "
+                                 "the endpoint gateways send the request to")
         if not 0 <= self.block_size <= MAX_PAGE_SIZE:
             raise InvalidRequest(f"worker {self.id!r}: block_size must be in [0, {MAX_PAGE_SIZE}], got {self.block_size}")
         if self.capacity_blocks < 0:
             raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be >= 0")
+
+
+def is_host_port(address: str) -> bool:
+    """``host:port`` or ``[v6]:port`` with a port in 1-65535."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("["):
+        return host.endswith("]") and len(host) > 2
+    return ":" not in host and "/" not in host and not any(c.isspace() for c in host)
 
 
 class Worker:

@@ -16,7 +16,8 @@ import grpc
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
-from ..errors import KVRouterError
+from ..errors import ConfigError, InvalidRequest, KVRouterError
+from ..events.zmq_source import ZmqEndpoint
 from ..protocols import BatchOutcome, CacheMode, EventBatch
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
@@ -298,7 +299,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterWorkerResponse:
         try:
-            worker = self.router.add_worker(convert.worker_spec(request.worker))
+            spec = convert.worker_spec(request.worker)
+            if spec.kv_events_endpoint:
+                check_events_endpoint(spec.id, spec.kv_events_endpoint)  # before anything changes
+            worker = self.router.add_worker(spec)
         except KVRouterError as exc:
             await _abort(context, exc)
         self.on_membership_change()
@@ -358,3 +362,12 @@ def _sum_by_reason(per_worker: Iterable[Mapping[str, int]]) -> dict[str, int]:
         for reason, n in counts.items():
             total[reason] = total.get(reason, 0) + n
     return total
+
+
+def check_events_endpoint(worker_id: str, endpoint: str) -> None:
+    """A worker's ``kv_events_endpoint`` as the ZMQ subscriber will parse it: a bad one is
+    the caller's error (INVALID_ARGUMENT), found before the worker is registered."""
+    try:
+        ZmqEndpoint.parse(worker_id, endpoint)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None

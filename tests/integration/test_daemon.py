@@ -219,3 +219,25 @@ async def test_a_cache_salt_separates_keys_and_a_route_with_the_same_salt_matche
     other = await stub.Route(pb.RouteRequest(token_ids=tokens, cache_salt="tenant-b"))
     unsalted = await stub.Route(pb.RouteRequest(token_ids=tokens))
     assert (same.matched_blocks, other.matched_blocks, unsalted.matched_blocks) == (3, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("worker", "needle"),
+    [
+        (dict(address="h:1", kv_events_endpoint="http://x:1"), "must be tcp://HOST:PORT"),
+        (dict(address="h:1", kv_events_endpoint="tcp://10.0.0.5"), "numeric port"),
+        (dict(address="h:1", kv_events_endpoint="tcp://127.0.0.1?dp_rank=1"), "numeric port"),
+        (dict(address="h:1", kv_events_endpoint="tcp://127.0.0.1:65535?dp_rank=9"), "outside 1-65535"),
+        (dict(address="h:1", kv_events_endpoint="tcp://*:5557"), "not the * it binds to"),
+        (dict(address="not-an-endpoint"), "must be HOST:PORT"),
+        (dict(address="h:99999"), "must be HOST:PORT"),
+    ],
+)
+async def test_register_worker_refuses_bad_endpoints_before_registering(running, worker, needle):
+    """Issue #11 item 6: a bad endpoint is the caller's error, found before anything changes."""
+    msg = pb.Worker(id="bad", mode=pb.CACHE_STATE_MODE_EVENTS, **worker)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=msg))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+    assert "bad" not in running.router.workers
+    assert running.daemon.events is None or "bad" not in running.daemon.events.subscribers

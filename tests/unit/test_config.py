@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvrouterd.config import load_config, parse_config
@@ -67,3 +69,20 @@ def test_unreadable_or_invalid_file(tmp_path):
     bad.write_text("listen: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad, environ={})
+
+
+@pytest.mark.parametrize(
+    ("worker", "needle"),
+    [
+        ({"kv_events_endpoint": "http://x:1"}, "workers[0].kv_events_endpoint"),
+        ({"kv_events_endpoint": "tcp://10.0.0.5"}, "numeric port"),
+        ({"address": "10.0.0.5"}, "workers[0].address"),
+    ],
+)
+def test_bad_worker_endpoints_fail_at_start_naming_the_field(worker, needle):
+    from kvrouterd.config import parse_config
+    from kvrouterd.errors import ConfigError
+
+    spec = {"id": "gpu-0", "address": "10.0.0.5:8000", "mode": "events", **worker}
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_config({"workers": [spec]})

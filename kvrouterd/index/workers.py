@@ -48,10 +48,6 @@ class WorkerSpec:
             raise InvalidRequest("worker.id must be at most 253 characters")
         if not self.address:
             raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
-        if not is_host_port(self.address):
-            shown = self.address if len(self.address) <= 120 else self.address[:120] + "..."
-            raise InvalidRequest(f"worker {self.id!r}: address {shown!r} must be HOST:PORT (IPv6 as [ADDR]:PORT), "
-                                 "the endpoint gateways send the request to")
         if not 0 <= self.block_size <= MAX_PAGE_SIZE:
             raise InvalidRequest(f"worker {self.id!r}: block_size must be in [0, {MAX_PAGE_SIZE}], got {self.block_size}")
         if self.capacity_blocks < 0:

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.zmq_source import ZmqEndpoint
+from ..index.workers import is_host_port
 from ..protocols import BatchOutcome, CacheMode, EventBatch
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
@@ -300,6 +301,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     ) -> pb.RegisterWorkerResponse:
         try:
             spec = convert.worker_spec(request.worker)
+            if spec.address and not is_host_port(spec.address):  # the simulator's workers need not be
+                shown = spec.address if len(spec.address) <= 120 else spec.address[:120] + "..."
+                raise InvalidRequest(f"worker {spec.id!r}: address {shown!r} must be HOST:PORT (IPv6 as [ADDR]:PORT), "
+                                     "the endpoint gateways send requests to")
             if spec.kv_events_endpoint:
                 check_events_endpoint(spec.id, spec.kv_events_endpoint)  # before anything changes
             worker = self.router.add_worker(spec)

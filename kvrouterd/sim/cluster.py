@@ -202,7 +202,7 @@ class Simulation:
         self._seq: list[int] = []
         for i in range(settings.workers):
             wid = f"w{i}"
-            self.router.add_worker(WorkerSpec(id=wid, address=f"sim://{wid}", capacity_blocks=settings.engine.capacity_blocks,
+            self.router.add_worker(WorkerSpec(id=wid, address=f"{wid}.sim:8000", capacity_blocks=settings.engine.capacity_blocks,
                                               mode=settings.cache_mode))
             self.engines.append(SimEngine(wid, settings.engine, eviction_spec, random.Random(rng.getrandbits(64)), bs,
                                           self.keys.block_bytes))

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -232,22 +233,27 @@ async def _restart_on_same_port(engine: FakeEngine) -> None:
     engine.restart()
 
 
-async def test_a_restart_the_sequence_hides_is_caught_by_the_replay_after_a_reconnect(env: Env) -> None:
+def _pages(wire: EngineWire, first: int, tokens: list[int]) -> list[int]:
+    return [first + i for i in range(len(tokens) // wire.default_page)]
+
+
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_restart_the_sequence_hides_is_caught_by_the_replay_after_a_reconnect(env: Env, wire: EngineWire) -> None:
     """Issue #11 item 7: the engine restarts while we are disconnected and publishes exactly
     as many batches as we expect; the next one continues our sequence."""
     router, source, start = env
-    wire = VLLM_026
     engine = await start(wire)
     old = prompt(0, BS)
     for i in range(3):
-        await publish(engine, wire, wire.stored([100 + i], prompt(1000 * i, BS)))
+        tokens = prompt(1000 * i, BS)
+        await publish(engine, wire, wire.stored(_pages(wire, 1000 * (i + 1), tokens), tokens))
     await applied(source, 2)
     await _restart_on_same_port(engine)
     new = [prompt(50_000 + 1000 * i, BS) for i in range(4)]
     for i in range(3):  # published while nobody is connected: lost for us, kept for replay
-        await publish(engine, wire, wire.stored([200 + i], new[i]), drop=True)
+        await publish(engine, wire, wire.stored(_pages(wire, 90_000 + 1000 * i, new[i]), new[i]), drop=True)
     await engine.wait_subscribed()
-    await publish(engine, wire, wire.stored([203], new[3]))  # sequence 3: what we expect next
+    await publish(engine, wire, wire.stored(_pages(wire, 99_000, new[3]), new[3]))  # sequence 3: as expected
     sub = source.subscribers["w"]
     await until(lambda: sub.stats.restarts == 1 and sub.stats.last_sequence == 3)
     assert sub.stats.run_checks == 1
@@ -344,6 +350,29 @@ async def test_multimodal_extra_keys_keep_different_images_apart(env: Env) -> No
     assert router.index.match(plain, 1 << slot).overlaps.get(0, 0) == 0  # no false hit for text-only keys
     # the adapter's name in every block's extras is the lora salt, not an extra: text matches
     assert router.index.match(block_keys(prompt(0, BS), BS, MODEL, "sql"), 1 << slot).overlaps.get(0, 0) == 1
+
+
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_an_engine_cache_salt_separates_tenants_and_a_salted_route_matches(env: Env, wire: EngineWire) -> None:
+    """SGLang's ``cache_salt`` on a stored event salts the chain; a Route with the same salt
+    matches it, any other does not (issue #11 item 5). Sent in each engine's event layout, as
+    a map field (the field positional layouts do not have)."""
+    router, source, start = env
+    engine = await start(wire)
+    tokens = prompt(0, 2 * BS)
+    hashes = _pages(wire, 1, tokens)
+    event = msgspec.to_builtins(wire.stored(hashes, tokens))
+    if isinstance(event, list):  # positional layouts: name the fields as the map layout does
+        names = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"]
+        event = {"type": event[0], **dict(zip(names, event[1:]))}
+    event["cache_salt"] = "tenant-a"
+    await publish(engine, wire, event)
+    await applied(source, 0)
+    slot = 1 << router.workers.get("w").slot
+    salted = router.keys_for_tokens(tokens, MODEL, "", "tenant-a")
+    assert router.index.match(salted, slot).overlaps.get(0, 0) == 2
+    assert router.index.match(router.keys_for_tokens(tokens, MODEL, "", "tenant-b"), slot).overlaps.get(0, 0) == 0
+    assert matched(router, tokens) == 0
 
 
 async def test_lora_id_only_events_map_to_the_configured_adapter_name() -> None:

@@ -2,6 +2,7 @@
 
     KVRouterError
     ├── ConfigError              bad configuration or policy parameters (start-up)
+    │   └── BusUnavailable       the configured event bus cannot be reached (start-up)
     ├── InvalidRequest           malformed input            -> INVALID_ARGUMENT
     │   ├── UnknownPolicy        names a policy not built   -> INVALID_ARGUMENT
     │   └── RejectedEvent        one cache event the router cannot apply (``reason``)
@@ -16,6 +17,7 @@ Every operation that raises one of these has changed no state.
 from __future__ import annotations
 
 __all__ = [
+    "BusUnavailable",
     "ConfigError",
     "Conflict",
     "InvalidRequest",
@@ -34,6 +36,10 @@ class KVRouterError(Exception):
 
 class ConfigError(KVRouterError):
     """A configuration value is wrong; the message names the field."""
+
+
+class BusUnavailable(ConfigError):
+    """The configured event bus (events.bus) cannot be reached or set up at start-up."""
 
 
 class InvalidRequest(KVRouterError):

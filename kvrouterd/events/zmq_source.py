@@ -49,6 +49,7 @@ from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload, peek_timestamp
+from .nats_bus import NatsBusConfig
 
 __all__ = [
     "END_SEQ",
@@ -101,12 +102,15 @@ class ZmqEventsConfig:
     #: adapter names of vLLM 0.11's lora_id-only events ({"7": "sql-adapter"}); a stored
     #: event with an id not listed is rejected (unknown_lora_id) rather than keyed wrongly
     lora_ids: dict[str, str] = field(default_factory=dict)
+    #: a shared event stream for many replicas (NATS JetStream; events.nats_bus, docs/deploy.md)
+    bus: NatsBusConfig = field(default_factory=NatsBusConfig)
 
     @property
     def lora_names(self) -> dict[int, str]:
         return {int(k): v for k, v in self.lora_ids.items()}
 
     def validate(self) -> None:
+        self.bus.validate()
         if self.silence_s <= 0:
             raise ConfigError(f"events.silence_s must be > 0, got {self.silence_s}")
         if self.replay_timeout_s <= 0:

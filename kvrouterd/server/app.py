@@ -28,7 +28,8 @@ from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
 from ..discovery import KubernetesDiscovery
-from ..errors import ConfigError, KVRouterError
+from ..errors import ConfigError, InvalidRequest, KVRouterError
+from ..events.nats_bus import BusEventSource
 from ..events.zmq_source import ZmqEventSource
 from ..index import native
 from ..index.workers import WorkerSpec
@@ -36,13 +37,14 @@ from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import build_tracer_provider
+from . import convert
 from .admission import AdmissionGate
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, client_token, server_credentials
 from .service import KVRouterService
-from .snapshot import warm_from_peer
+from .snapshot import encode_snapshot, restore_snapshot, warm_from_peer
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
@@ -94,6 +96,9 @@ class Daemon:
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
         self.events: ZmqEventSource | None = None
+        #: the shared event stream replicas follow (events.bus; None without one)
+        self.bus: BusEventSource | None = None
+        self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
@@ -148,6 +153,8 @@ class Daemon:
         if self.config.warm_from:
             await warm_from_peer(self.router, self.config, client_token(self.config.auth))
         await self._start_membership_sources()
+        if self.config.events.bus.enabled:
+            await self._follow_bus()
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.start()
@@ -184,6 +191,47 @@ class Daemon:
                 await asyncio.wait_for(self.discovery.synced.wait(), DISCOVERY_SYNC_TIMEOUT_S)
             except TimeoutError:
                 log.warning("no pod listing within %ss; serving with the workers known so far", DISCOVERY_SYNC_TIMEOUT_S)
+
+    async def _follow_bus(self) -> None:
+        """Restore the bus's latest index snapshot, follow the stream after it, and stay not
+        ready until the backlog at start is applied. An unreachable bus fails start-up
+        (``BusUnavailable``) rather than serve an index nobody feeds."""
+        max_events = self.config.limits.max_batch_events
+        self.bus = BusEventSource(
+            self.config.events.bus,
+            decode=lambda data: convert.event_batch_bytes(data, max_events),
+            apply=self.service.apply_batch,
+        )
+        try:
+            await self.bus.connect()
+        except BaseException:
+            self.bus = None
+            await self.stop(grace=0)
+            raise
+        start_after = 0
+        data = await self.bus.load_snapshot()
+        if data is not None:
+            try:
+                start_after, warmed = await restore_snapshot(self.router, data, self.bus.stream_end)
+            except InvalidRequest as exc:
+                log.warning("bus snapshot unusable (%s); replaying the whole stream", exc)
+            else:
+                log.info("index restored from the bus snapshot",
+                         extra={"stream_sequence": start_after, "blocks": warmed.blocks, "workers": warmed.workers})
+        await self.bus.start(start_after)
+        await self.bus.caught_up.wait()
+        interval = self.config.events.bus.snapshot_interval_s
+        if interval:
+            self._snapshots = asyncio.create_task(self._snapshot_periodically(interval), name="kvrouterd-bus-snapshots")
+
+    async def _snapshot_periodically(self, interval: float) -> None:
+        assert self.bus is not None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.bus.save_snapshot(encode_snapshot(self.router, self.bus.stats.last_stream_sequence))
+            except Exception as exc:  # NATS errors of any kind: a missed snapshot only lengthens the next replay
+                log.warning("writing the bus snapshot failed: %s", exc)
 
     def _membership_changed(self) -> None:
         if self.events is not None:
@@ -237,6 +285,12 @@ class Daemon:
                 await self._discovery_task
         if self.events is not None:
             await self.events.close()
+        if self._snapshots is not None:
+            self._snapshots.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._snapshots
+        if self.bus is not None:
+            await self.bus.close()
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.stop()
         if self._maintenance is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..errors import InvalidRequest, Overloaded
@@ -207,6 +208,15 @@ def event_batch(msg: pb.EventBatch, max_events: int) -> EventBatch:
     if len(msg.events) > max_events:
         raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={max_events}")
     return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))
+
+
+def event_batch_bytes(data: bytes, max_events: int) -> EventBatch:
+    """An ``EventBatch`` message as read from the event bus (serialized, as ``PublishEvents`` sends it)."""
+    try:
+        msg = pb.EventBatch.FromString(data)
+    except DecodeError as exc:
+        raise InvalidRequest(f"event batch does not parse: {exc}") from None
+    return event_batch(msg, max_events)
 
 
 def evict_request(msg: pb.EvictHintRequest, router: Router) -> tuple[EvictRequest, tuple[int, ...]]:

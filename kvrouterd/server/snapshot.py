@@ -1,4 +1,6 @@
-"""Warm a new replica's index from a peer: the ExportIndex RPC and the client that reads it.
+"""Warm a new replica's index: from a peer (the ExportIndex RPC and the client that reads it),
+or from the event bus's snapshot object plus the stream after it (``encode_snapshot`` /
+``restore_snapshot``, the recommended path with ``events.bus``).
 
 A replica started with ``warm_from: HOST:PORT`` reports NOT_SERVING, streams the peer's
 index (``ExportIndex``: per worker, its block-key chains parents first, with the engine
@@ -13,8 +15,11 @@ cannot be reached within ``warm_timeout_s`` is logged and the replica starts col
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +27,20 @@ import grpc
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..config import Config
-from ..errors import KVRouterError
+from ..errors import InvalidRequest, KVRouterError
 from ..router import Router
 from . import convert
 from .convert import pb
 
-__all__ = ["DEFAULT_CHUNK_BLOCKS", "WarmResult", "export_chunks", "warm_from_peer"]
+__all__ = [
+    "DEFAULT_CHUNK_BLOCKS",
+    "SNAPSHOT_MAGIC",
+    "WarmResult",
+    "encode_snapshot",
+    "export_chunks",
+    "restore_snapshot",
+    "warm_from_peer",
+]
 
 log = logging.getLogger("kvrouterd.server")
 
@@ -74,7 +87,7 @@ def _channel(target: str, config: Config) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(target, creds, options=options)
 
 
-async def _import(router: Router, stream: grpc.aio.UnaryStreamCall, result: WarmResult) -> None:
+async def _import(router: Router, stream: AsyncIterable[pb.IndexChunk], result: WarmResult) -> None:
     deferred: list[tuple[str, list[tuple[int, int | None, int]]]] = []
     seen: set[str] = set()
     async for chunk in stream:
@@ -127,3 +140,74 @@ async def warm_from_peer(router: Router, config: Config, token: bytes | None = N
                                                "workers_added": result.workers_added, "blocks": result.blocks,
                                                "skipped": result.skipped})
     return result
+
+
+#: first bytes of a snapshot object: format name and version
+SNAPSHOT_MAGIC = b"KVRSNAP1"
+_LEN = struct.Struct(">I")
+
+
+def encode_snapshot(router: Router, stream_sequence: int) -> bytes:
+    """The whole index as it stands after ``stream_sequence`` of the event stream: a JSON
+    header (that sequence, the block size, each worker's last applied batch number), then the
+    ``ExportIndex`` chunks, each length-prefixed. Synchronous, so no batch lands halfway."""
+    header = {
+        "stream_sequence": stream_sequence,
+        "block_size": router.block_size,
+        "sequences": {w.id: w.last_sequence for w in router.workers},
+    }
+    parts = [SNAPSHOT_MAGIC]
+    for msg in (json.dumps(header).encode(), *(c.SerializeToString() for c in export_chunks(router))):
+        parts += [_LEN.pack(len(msg)), msg]
+    return b"".join(parts)
+
+
+def _frames(data: bytes) -> Iterator[bytes]:
+    pos = len(SNAPSHOT_MAGIC)
+    while pos < len(data):
+        if pos + _LEN.size > len(data):
+            raise InvalidRequest("snapshot truncated in a length prefix")
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise InvalidRequest("snapshot truncated in a frame")
+        yield data[pos : pos + n]
+        pos += n
+
+
+async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tuple[int, WarmResult]:
+    """Load a snapshot written by ``encode_snapshot``; returns the stream sequence to follow
+    the event stream after. Workers it names that the router lacks are registered; each
+    worker's batch number is restored so the stream's next batch reads as in order. A snapshot
+    that does not parse, was taken at another block size, or names a sequence past the stream's
+    end ``stream_end`` (the stream was recreated since) raises ``InvalidRequest`` before
+    anything changes."""
+    if not data.startswith(SNAPSHOT_MAGIC):
+        raise InvalidRequest("not a kvrouterd snapshot (bad magic)")
+    frames = list(_frames(data))
+    if not frames:
+        raise InvalidRequest("snapshot without a header")
+    try:
+        header = json.loads(frames[0])
+        chunks = [pb.IndexChunk.FromString(f) for f in frames[1:]]
+        stream_sequence = int(header["stream_sequence"])
+        sequences = {str(k): int(v) for k, v in header["sequences"].items()}
+        block_size = int(header["block_size"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequest(f"snapshot does not parse: {exc}") from None
+    if stream_sequence > stream_end:
+        raise InvalidRequest(f"snapshot is at stream sequence {stream_sequence}, past the stream's end {stream_end}")
+    if block_size != router.block_size:
+        raise InvalidRequest(f"snapshot taken at block_size {block_size}, this router uses {router.block_size}")
+
+    async def replay() -> AsyncIterator[pb.IndexChunk]:
+        for chunk in chunks:
+            yield chunk
+            await asyncio.sleep(0)  # a big snapshot must not starve the probes answering NOT_SERVING
+
+    result = WarmResult()
+    await _import(router, replay(), result)
+    for wid, seq in sequences.items():
+        if wid in router.workers:
+            router.workers.get(wid).last_sequence = seq
+    return stream_sequence, result

@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import keys
 from ._client import DEFAULT_STREAMS, DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
 from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
+from ._nats_publisher import NatsEventPublisher
 from ._publisher import EventPublisher, SnapshotFn
 from ._types import (
     CacheMode,
@@ -30,6 +31,7 @@ __all__ = [
     "CacheMode",
     "Cleared",
     "EventPublisher",
+    "NatsEventPublisher",
     "EvictAdvice",
     "FallbackFn",
     "KVRouterClientError",

@@ -73,6 +73,9 @@ SnapshotFn = Callable[[], Iterable[Stored]]
 class EventPublisher:
     """Publishes one worker's cache events and speaks for that worker to the router."""
 
+    #: events go over PublishEvents; NatsEventPublisher sends them to the bus instead
+    _events_need_router = True
+
     def __init__(
         self,
         target: str = "",
@@ -91,7 +94,7 @@ class EventPublisher:
         reconnect_max_s: float = 5.0,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if channel is None and not target:
+        if channel is None and not target and self._events_need_router:
             raise ValueError("pass a target (host:port) or a channel")
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -116,10 +119,10 @@ class EventPublisher:
         self.on_overflow = on_overflow
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
-        self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(
-            target, options=channel_options(options, reconnect_initial_s, reconnect_max_s))
-        self._stub = router_pb2_grpc.KVRouterStub(self._channel)
+        self._own_channel = channel is None and bool(target)
+        self._channel = channel or (grpc.aio.insecure_channel(
+            target, options=channel_options(options, reconnect_initial_s, reconnect_max_s)) if target else None)
+        self._stub = router_pb2_grpc.KVRouterStub(self._channel) if self._channel is not None else None
         self.stats = PublisherStats()
         self._pending: list[Event] = []
         self._buffer: deque[tuple[int, pb.EventBatch]] = deque()
@@ -263,6 +266,7 @@ class EventPublisher:
         """One PublishEvents stream: (re)send what is unacknowledged, add new batches, then close
         it after ack_interval_s (or on flush) and drop what its summary acknowledges."""
         loop = asyncio.get_running_loop()
+        assert self._stub is not None  # __init__ requires a router for events over gRPC
         call = self._stub.PublishEvents()
         self.stats.streams += 1
         opened = loop.time()
@@ -351,7 +355,7 @@ class EventPublisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._own_channel:
+        if self._own_channel and self._channel is not None:
             await self._channel.close()
 
     async def __aenter__(self) -> EventPublisher:
@@ -408,6 +412,8 @@ class EventPublisher:
         return EvictAdvice(list(resp.keys), list(resp.engine_hashes), resp.exhausted, resp.policy)
 
     async def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._stub is None:
+            raise RuntimeError(f"{method}: this publisher has no router target (pass target= or channel=)")
         try:
             return await getattr(self._stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:

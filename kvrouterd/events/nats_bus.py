@@ -1,0 +1,268 @@
+"""Consume engine KV events from a NATS JetStream stream, so many replicas share one feed.
+
+Topology (docs/deploy.md, "NATS"): engines publish through the SDK (``kvrouter_client``'s
+``NatsEventPublisher``) into one JetStream stream, one subject per worker
+(``<subject_prefix>.<worker token>``). Every router replica reads the whole stream with its own
+ordered consumer, so each engine is read once and every replica applies the same batches in the
+same per-worker order, converging on the same index.
+
+A message is one serialized ``kvrouter.v1.EventBatch`` (the ``PublishEvents`` message). Its
+decoding is the host's (``decode``: only ``server/convert.py`` knows protobuf types); this module
+owns the connection, the consumer and the catch-up point. Sequencing stays the router's: each
+batch carries the publisher's per-worker number, so ``Router.apply`` sees a gap (a batch missing
+from the stream), a repeat (a publisher retry the stream's de-duplication window did not catch)
+or a restart (number 0 again) exactly as it does over gRPC, counts it and degrades the worker
+until a ``Cleared`` resyncs it.
+
+Delivery: the ordered consumer is recreated by the client from the last stream sequence it
+handed us whenever it sees a hole or the server comes back, so a NATS restart costs neither a
+batch nor a double; we check the stream sequence ourselves too and count anything else.
+
+Catch-up: at start the stream's last sequence is read; ``caught_up`` is set once every message
+up to it has been applied, which the daemon waits for before reporting SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BusUnavailable, ConfigError, KVRouterError
+from ..protocols import BatchOutcome, EventBatch
+
+__all__ = ["BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "worker_subject"]
+
+log = logging.getLogger("kvrouterd.events.nats")
+
+_TOKEN_SAFE = re.compile(r"[A-Za-z0-9_\-]")
+
+
+@dataclass(frozen=True)
+class NatsBusConfig:
+    """``events.bus``: where replicas share engine events ("" kind = no bus)."""
+
+    #: "" (off: engines publish to each replica, or ZMQ subscribers) or "nats"
+    kind: str = ""
+    #: NATS server URL(s), comma separated (nats://host:4222)
+    url: str = "nats://127.0.0.1:4222"
+    #: JetStream stream holding the engine events; created on first use if missing
+    stream: str = "KVROUTER_EVENTS"
+    #: subjects are <subject_prefix>.<worker token>
+    subject_prefix: str = "kvrouter.events"
+    #: seconds to wait for the server at start before failing with a clear error
+    connect_timeout_s: float = 5.0
+    #: oldest events the stream keeps (seconds; 0 = unlimited), bounding its disk
+    max_age_s: float = 3600.0
+    #: JetStream object store bucket holding the index snapshot a new replica restores from
+    snapshot_bucket: str = "KVROUTER_SNAPSHOTS"
+    #: seconds between two snapshots written by each replica (0 = never write one)
+    snapshot_interval_s: float = 60.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind == "nats"
+
+    def validate(self) -> None:
+        if self.kind not in ("", "nats"):
+            raise ConfigError(f"events.bus.kind must be '' or 'nats', got {self.kind!r}")
+        if not self.enabled:
+            return
+        if not all(u.strip().startswith(("nats://", "tls://")) for u in self.url.split(",")):
+            raise ConfigError(f"events.bus.url: expected nats://HOST:PORT (comma separated), got {self.url!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.stream):
+            raise ConfigError(f"events.bus.stream: letters, digits, '_' and '-' only, got {self.stream!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*", self.subject_prefix):
+            raise ConfigError(f"events.bus.subject_prefix: dot-separated tokens, got {self.subject_prefix!r}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"events.bus.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.snapshot_bucket):
+            raise ConfigError(f"events.bus.snapshot_bucket: letters, digits, '_' and '-' only, got {self.snapshot_bucket!r}")
+        if self.snapshot_interval_s < 0:
+            raise ConfigError(f"events.bus.snapshot_interval_s must be >= 0, got {self.snapshot_interval_s}")
+        if self.max_age_s < 0:
+            raise ConfigError(f"events.bus.max_age_s must be >= 0, got {self.max_age_s}")
+
+
+def worker_subject(prefix: str, worker_id: str) -> str:
+    """The subject of one worker's events. A worker id may hold '.', '*' or '>', which NATS
+    reads as token syntax, so anything outside [A-Za-z0-9_-] is written as %XX (like a URL)."""
+    token = "".join(c if _TOKEN_SAFE.match(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in worker_id)
+    return f"{prefix}.{token}"
+
+
+@dataclass
+class BusStats:
+    """Counters of one replica's bus consumer (ListWorkers / metrics show the router's own)."""
+
+    messages: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    gaps: int = 0  # batches the router found missing between two of a worker's batches
+    rejected: int = 0  # messages that did not decode or that the router refused
+    stream_skips: int = 0  # holes in the stream sequence we were handed (should stay 0)
+    last_stream_sequence: int = 0
+    reconnects: int = 0
+    snapshots_saved: int = 0
+
+
+async def connect(config: NatsBusConfig, **options: Any) -> Any:
+    """A NATS connection, or ``BusUnavailable`` naming the URL when it cannot be made in time."""
+    try:
+        import nats
+    except ImportError:  # pragma: no cover - depends on the installed extras
+        raise BusUnavailable("events.bus.kind=nats needs the nats-py package: pip install 'kvrouterd[nats]'") from None
+    servers = [u.strip() for u in config.url.split(",")]
+    try:
+        return await asyncio.wait_for(
+            nats.connect(servers, connect_timeout=config.connect_timeout_s, allow_reconnect=True,
+                         max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options),
+            config.connect_timeout_s * 2,
+        )
+    except Exception as exc:  # nats raises its own NoServersError, and TimeoutError / OSError
+        raise BusUnavailable(f"events.bus: cannot reach NATS at {config.url}: {exc or type(exc).__name__}") from None
+
+
+async def ensure_stream(js: Any, config: NatsBusConfig) -> Any:
+    """The stream's info, creating it (file storage, one subject per worker) when missing."""
+    from nats.js.api import StorageType, StreamConfig
+    from nats.js.errors import NotFoundError
+
+    try:
+        return await js.stream_info(config.stream)
+    except NotFoundError:
+        await js.add_stream(StreamConfig(
+            name=config.stream, subjects=[f"{config.subject_prefix}.>"], storage=StorageType.FILE,
+            max_age=config.max_age_s or None, duplicate_window=120.0,
+        ))
+        return await js.stream_info(config.stream)
+
+
+class BusEventSource:
+    """One replica's reader of the shared event stream.
+
+    ``decode(bytes) -> EventBatch`` and ``apply(EventBatch) -> BatchOutcome`` are the host's
+    (the daemon passes ``convert`` and ``KVRouterService.apply_batch``)."""
+
+    def __init__(
+        self,
+        config: NatsBusConfig,
+        decode: Callable[[bytes], EventBatch],
+        apply: Callable[[EventBatch], BatchOutcome],
+    ) -> None:
+        self.config = config
+        self._decode = decode
+        self._apply = apply
+        self.stats = BusStats()
+        #: set once every message in the stream at start has been applied
+        self.caught_up = asyncio.Event()
+        self._target = 0
+        self._nc: Any = None
+        self._js: Any = None
+        self._sub: Any = None
+
+    async def connect(self) -> None:
+        """Connect and make sure the stream exists. Raises ``BusUnavailable``."""
+
+        async def reconnected() -> None:
+            self.stats.reconnects += 1
+            log.warning("reconnected to NATS", extra={"url": self.config.url})
+
+        self._nc = await connect(self.config, reconnected_cb=reconnected)
+        self._js = self._nc.jetstream()
+        try:
+            info = await ensure_stream(self._js, self.config)
+        except Exception as exc:
+            await self.close()
+            raise BusUnavailable(f"events.bus: JetStream stream {self.config.stream!r} unavailable: {exc}") from None
+        self._target = info.state.last_seq
+
+    @property
+    def stream_end(self) -> int:
+        """The stream's last sequence when we connected."""
+        return self._target
+
+    async def start(self, start_after: int = 0) -> None:
+        """Follow the stream from stream sequence ``start_after + 1`` (0: from its first
+        message); ``caught_up`` is set once the stream's end at connect time is applied."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        if self._js is None:
+            await self.connect()
+        self.stats.last_stream_sequence = start_after
+        if self._target <= start_after:
+            self.caught_up.set()
+        subject = f"{self.config.subject_prefix}.>"
+        if start_after > 0:
+            self._sub = await self._js.subscribe(
+                subject, cb=self._on_message, ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_after + 1),
+            )
+        else:
+            self._sub = await self._js.subscribe(subject, cb=self._on_message, ordered_consumer=True,
+                                                 deliver_policy=DeliverPolicy.ALL)
+        log.info("following the event bus", extra={"stream": self.config.stream, "from": start_after + 1,
+                                                   "backlog": max(0, self._target - start_after)})
+
+    async def _object_store(self) -> Any:
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            return await self._js.object_store(self.config.snapshot_bucket)
+        except BucketNotFoundError:
+            return await self._js.create_object_store(self.config.snapshot_bucket)
+
+    async def load_snapshot(self) -> bytes | None:
+        """The latest index snapshot written for this stream, or None if there is none yet."""
+        from nats.js.errors import ObjectNotFoundError
+
+        store = await self._object_store()
+        try:
+            result = await store.get(self.config.stream)
+        except ObjectNotFoundError:
+            return None
+        return bytes(result.data)
+
+    async def save_snapshot(self, data: bytes) -> None:
+        """Replace the snapshot of this stream (any replica may write it: each is a consistent
+        image of the same stream at the sequence it names)."""
+        store = await self._object_store()
+        await store.put(self.config.stream, data)
+        self.stats.snapshots_saved += 1
+
+    async def _on_message(self, msg: Any) -> None:
+        seq = msg.metadata.sequence.stream
+        last = self.stats.last_stream_sequence
+        if seq <= last:
+            return  # redelivered after the consumer was recreated; already applied
+        if seq != last + 1 and last > 0:
+            # the stream itself lost messages (age / size limits): the router's per-worker
+            # sequence shows which workers they belonged to, this counts that it happened
+            self.stats.stream_skips += 1
+            log.warning("event stream skipped %d message(s)", seq - last - 1, extra={"stream": self.config.stream})
+        self.stats.last_stream_sequence = seq
+        self.stats.messages += 1
+        try:
+            batch = self._decode(msg.data)
+            outcome = self._apply(batch)
+        except KVRouterError as exc:
+            self.stats.rejected += 1
+            log.warning("event batch from the bus rejected: %s", exc, extra={"subject": msg.subject})
+        else:
+            if outcome.duplicate:
+                self.stats.duplicates += 1
+            else:
+                self.stats.applied += 1
+            if outcome.gap:
+                self.stats.gaps += 1
+        if seq >= self._target:
+            self.caught_up.set()
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+            self._nc = None
+            self._js = None

@@ -25,6 +25,7 @@ up to it has been applied, which the daemon waits for before reporting SERVING.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -163,6 +164,7 @@ class BusEventSource:
         self._nc: Any = None
         self._js: Any = None
         self._sub: Any = None
+        self._resume: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         """Connect and make sure the stream exists. Raises ``BusUnavailable``."""
@@ -170,6 +172,8 @@ class BusEventSource:
         async def reconnected() -> None:
             self.stats.reconnects += 1
             log.warning("reconnected to NATS", extra={"url": self.config.url})
+            if self._sub is not None:
+                self._resume = asyncio.create_task(self._resubscribe(), name="kvrouterd-bus-resume")
 
         self._nc = await connect(self.config, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
@@ -188,24 +192,38 @@ class BusEventSource:
     async def start(self, start_after: int = 0) -> None:
         """Follow the stream from stream sequence ``start_after + 1`` (0: from its first
         message); ``caught_up`` is set once the stream's end at connect time is applied."""
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
         if self._js is None:
             await self.connect()
         self.stats.last_stream_sequence = start_after
         if self._target <= start_after:
             self.caught_up.set()
-        subject = f"{self.config.subject_prefix}.>"
-        if start_after > 0:
-            self._sub = await self._js.subscribe(
-                subject, cb=self._on_message, ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_after + 1),
-            )
-        else:
-            self._sub = await self._js.subscribe(subject, cb=self._on_message, ordered_consumer=True,
-                                                 deliver_policy=DeliverPolicy.ALL)
+        await self._subscribe(start_after)
         log.info("following the event bus", extra={"stream": self.config.stream, "from": start_after + 1,
                                                    "backlog": max(0, self._target - start_after)})
+
+    async def _subscribe(self, after: int) -> None:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        subject = f"{self.config.subject_prefix}.>"
+        if after > 0:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
+        else:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        self._sub = await self._js.subscribe(subject, cb=self._on_message, ordered_consumer=True, config=config)
+
+    async def _resubscribe(self) -> None:
+        """After a reconnect: the server may have restarted and lost our ephemeral consumer,
+        which the client would only notice after missed heartbeats (seconds). Start a new one
+        right after the last sequence applied; anything the old one still delivers is older
+        and skipped by ``_on_message``."""
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        try:
+            await self._subscribe(self.stats.last_stream_sequence)
+        except Exception as exc:  # the connection dropped again; the next reconnect retries
+            log.warning("could not resume the event stream after a reconnect: %s", exc)
 
     async def _object_store(self) -> Any:
         from nats.js.errors import BucketNotFoundError
@@ -262,6 +280,10 @@ class BusEventSource:
             self.caught_up.set()
 
     async def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resume
         if self._nc is not None:
             await self._nc.close()
             self._nc = None

@@ -269,3 +269,29 @@ async def test_an_unusable_snapshot_means_replaying_the_whole_stream(nats_server
         assert {eh for _, _, eh in replica.router.export_blocks(WORKERS[0])} == set(engine.held)
     finally:
         await replica.stop(grace=0)
+
+
+async def test_a_nats_restart_mid_stream_loses_and_doubles_nothing(nats_server: NatsServer, replicas: list[Daemon]) -> None:
+    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0, timeout=1.0) as pub:
+        engine = Engine(pub, random.Random(11), 1)
+        for _ in range(10):
+            engine.store_chain(2)
+        assert await pub.flush(10)
+        await wait_applied(replicas, nats_server.url)
+        nats_server.stop()
+        for _ in range(10):  # recorded while the server is down: buffered, resent after it returns
+            engine.store_chain(3)
+            engine.evict_some()
+        await asyncio.sleep(0.3)
+        nats_server.start()
+        assert await pub.flush(20)
+        for _ in range(5):
+            engine.store_chain(1)
+        assert await pub.flush(10)
+    await wait_applied(replicas, nats_server.url, timeout=20)
+    for d in replicas:
+        assert {eh for _, _, eh in d.router.export_blocks(WORKERS[0])} == set(engine.held)
+        w = d.router.workers.get(WORKERS[0])
+        assert w.state is WorkerState.READY and w.gaps == 0 and w.last_sequence == pub._next_seq - 1
+        assert d.router.counters["batches_duplicate"] == 0
+        assert d.bus is not None and d.bus.stats.stream_skips == 0 and d.bus.stats.reconnects >= 1

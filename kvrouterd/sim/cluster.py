@@ -364,12 +364,12 @@ class Simulation:
         req = job.req
         rec = self.records[job.index]
         assert rec is not None
-        rec.hit_blocks = job.hit_blocks
+        rec.hit_blocks = job.first_hit_blocks
         rec.ttft_s = job.first_token_at - req.arrival_s
         rec.e2e_s = now - req.arrival_s
         ended = job.index in self._last_of_session
         completion = Completion(f"r{job.index}", ttft_ms=rec.ttft_s * 1000.0, e2e_ms=rec.e2e_s * 1000.0,
-                                cached_tokens=job.hit_blocks * self.workload.block_tokens,
+                                cached_tokens=job.first_hit_blocks * self.workload.block_tokens,
                                 output_tokens=req.output_tokens, session_ended=ended)
         if ended:
             for engine in self.engines:  # the engines' own caches hear it too
@@ -470,7 +470,8 @@ class Simulation:
         counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done),
                         admission_queued=self.queued_requests, migrations=self.migrations)
         stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
-                  "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable} for e in self.engines]
+                  "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable,
+                  "preempted": e.preempted} for e in self.engines]
         return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,
                          self.settings.engine.capacity_blocks, summary, done, wall, counters, stats)
 
@@ -597,6 +598,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="batched: decoding runs in the engine's steps beside prefill chunks (interference)")
     e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
                    help="batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1))")
+    e.add_argument("--decode-kv", action="store_true",
+                   help="batched: generated tokens take KV blocks; when none is free, evict, else preempt the newest "
+                        "decoding request (vLLM's recompute) instead of waiting")
     e.add_argument("--cache-decode", action="store_true",
                    help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
@@ -669,7 +673,7 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                           max_running=args.max_running, prefill_model=args.prefill_model,
                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
                           cache_decode=args.cache_decode, decode_model=args.decode_model,
-                          decode_batch_slope=args.decode_batch_slope)
+                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv)
     settings = ClusterSettings(
         workers=args.workers, engine=engine,
         cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,

@@ -34,6 +34,14 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
   slow prefill (TTFT) and prefill chunks slow decodes (TPOT). The slope is not in the papers
   (UniCache models TPOT as a batch-independent constant): 0 keeps a decode step's cost
   independent of D, leaving only the interference.
+- **KV memory pressure from decoding** (``decode_kv``, batched only): each request's
+  generated tokens take KV blocks as they fill them (counted in ``reserved``); before a step,
+  a decoding request whose next token starts a block claims one, evicting an unpinned cached
+  block through the policy if the cache is full, else **preempting** the newest decoding
+  request as vLLM's scheduler does (recompute mode): its KV is freed and it goes back to the
+  head of the waiting queue, to prefill its prompt's missing part plus what it had generated
+  before decoding on (its first token, and TTFT, stay as they were). Without it a full cache
+  only makes new requests wait (running requests' KV never grows).
 - **Events.** Evictions publish ``Removed`` (at admission, when memory is claimed); a
   finished prefill publishes ``Stored`` for the request's new blocks, with our block keys
   as engine hashes, exactly what a real engine using the kvrouterd SDK sends. The host
@@ -43,7 +51,8 @@ Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8
 chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
 ``prefill_model`` = "linear", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
 0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0,
-``cache_decode`` = False, ``decode_model`` = "constant", ``decode_batch_slope`` = 0.0.
+``cache_decode`` = False, ``decode_model`` = "constant", ``decode_batch_slope`` = 0.0,
+``decode_kv`` = False.
 """
 
 from __future__ import annotations
@@ -83,6 +92,9 @@ class EngineParams:
                 "engine's steps, one token per decoding request per step, and shares each step with prefill"})
     decode_batch_slope: float = field(default=0.0, metadata={
         "help": "batched: a decode step of D requests lasts tpot_ms * (1 + slope * (D - 1))"})
+    decode_kv: bool = field(default=False, metadata={
+        "help": "batched: generated tokens take KV blocks; a decode step that finds no room evicts, else "
+                "preempts the newest decoding request (vLLM's recompute) instead of waiting"})
 
     def validate(self) -> None:
         if self.capacity_blocks < 0:
@@ -107,6 +119,8 @@ class EngineParams:
             raise ValueError(f"decode_batch_slope must be >= 0, got {self.decode_batch_slope}")
         if self.decode_model == "batched" and self.tpot_ms <= 0:
             raise ValueError("decode_model batched needs tpot_ms > 0 (a decode step must take time)")
+        if self.decode_kv and self.decode_model != "batched":
+            raise ValueError("decode_kv needs decode_model batched (decode blocks are claimed step by step)")
 
     def step_seconds(self, tokens: int, batch: int) -> float:
         """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests."""
@@ -128,6 +142,9 @@ class Job:
     __slots__ = (
         "admitted_at",
         "cached",
+        "decode_blocks",
+        "first_hit_blocks",
+        "preemptions",
         "est_uncached",
         "first_token_at",
         "hit_blocks",
@@ -152,6 +169,8 @@ class Job:
         self.est_uncached = est_uncached
         self.route_overlap = route_overlap
         self.hit_blocks = 0
+        #: prefix-hit blocks at the first admission (what the request's metrics report)
+        self.first_hit_blocks = 0
         self.remaining = 0
         self.reserved = 0
         self.pinned: list[int] = []
@@ -160,6 +179,9 @@ class Job:
         self.first_token_at = -1.0
         #: batched decoding: output tokens still to generate
         self.tokens_left = 0
+        #: decode_kv: blocks the generated tokens hold (counted in the engine's ``reserved``)
+        self.decode_blocks = 0
+        self.preemptions = 0
 
 
 class SimEngine:
@@ -197,6 +219,7 @@ class SimEngine:
         self.rank_seconds = 0.0
         self.peak_blocks = 0
         self.uncacheable = 0
+        self.preempted = 0
 
     # ---- what the host calls -----------------------------------------------------------
     def enqueue(self, job: Job) -> None:
@@ -222,6 +245,8 @@ class SimEngine:
             chunk = min(job.remaining, budget)
             step.append((job, chunk))
             budget -= chunk
+        if self.params.decode_kv and self.decoding:
+            self._claim_decode_blocks(now)
         decodes = len(self.decoding)
         if not step and not decodes:
             return None
@@ -239,7 +264,8 @@ class SimEngine:
             job.remaining -= chunk
             self.pending_tokens -= chunk
             if job.remaining == 0:
-                job.first_token_at = now
+                if not job.preemptions:
+                    job.first_token_at = now
                 done.append(job)
                 self._store(job, now)
         if done:
@@ -252,7 +278,8 @@ class SimEngine:
                 (still if job.tokens_left > 0 else self.finished).append(job)
             still += self.decoding[self._step_decodes:]
             for job in done:
-                job.tokens_left = max(job.req.output_tokens - 1, 0)
+                # the first token; after a preemption, the recompute's prefill yields the next one
+                job.tokens_left = max(job.req.output_tokens - 1, 0) if not job.preemptions else job.tokens_left - 1
                 (still if job.tokens_left > 0 else self.finished).append(job)
             self.decoding = still
         self._step = []
@@ -264,6 +291,8 @@ class SimEngine:
         """The request's last token is out: with ``cache_decode`` the blocks its generated
         tokens filled join the cache (as decode blocks, if room can be made), then its blocks
         are no longer pinned."""
+        self.reserved -= job.decode_blocks
+        job.decode_blocks = 0
         if self.params.cache_decode and job.output_keys and job.cached and now is not None:
             self._store_output(job, now)
         pins = self.pins
@@ -301,6 +330,8 @@ class SimEngine:
         if matched:
             index.touch_path(0, matched, now)
             self.policy.on_accessed(index, 0, matched, AccessInfo(req.session_id, int(req.task), req.input_tokens), now)
+        if not job.preemptions:
+            job.first_hit_blocks = hit
         job.hit_blocks = hit
         job.cached = cached
         job.reserved = new if cached else 0
@@ -309,7 +340,9 @@ class SimEngine:
         pins = self.pins
         for k in job.pinned:
             pins[k] = pins.get(k, 0) + 1
-        job.remaining = max(1, req.input_tokens - hit * self.block_tokens)
+        # a preempted request recomputes its prompt's missing part and what it had generated
+        generated = req.output_tokens - job.tokens_left if job.preemptions else 0
+        job.remaining = max(1, req.input_tokens - hit * self.block_tokens) + generated
         job.admitted_at = now
         self.pending_tokens += job.remaining - job.est_uncached
         self.running += 1
@@ -318,6 +351,44 @@ class SimEngine:
         if not cached:
             self.uncacheable += 1
         return True
+
+    def _claim_decode_blocks(self, now: float) -> None:
+        """decode_kv: every decoding request whose next token starts a block gets one, evicting
+        unpinned cached blocks if needed; when none can go, the newest decoding request is
+        preempted (its KV freed, it recomputes later) until the rest fit, as vLLM does."""
+        bs, cap = self.block_tokens, self.params.capacity_blocks
+        for job in list(self.decoding):
+            if job not in self.decoding:
+                continue  # preempted below for an older request
+            generated = job.req.output_tokens - job.tokens_left  # tokens out so far, the next included
+            want = -(-(job.req.input_tokens + generated) // bs) - -(-job.req.input_tokens // bs)
+            while want > job.decode_blocks:
+                if not cap or self.index.count(0) + self.reserved < cap or self._evict(1, job.keys, now):
+                    job.decode_blocks += 1
+                    self.reserved += 1
+                    continue
+                victim = max(self.decoding, key=lambda j: (j.admitted_at, j.index))
+                self._preempt(victim)
+                if victim is job:
+                    break
+
+    def _preempt(self, job: Job) -> None:
+        self.decoding.remove(job)
+        self.reserved -= job.decode_blocks
+        job.decode_blocks = 0
+        pins = self.pins
+        for k in job.pinned:
+            n = pins[k] - 1
+            if n:
+                pins[k] = n
+            else:
+                del pins[k]
+        job.pinned = []
+        job.preemptions += 1
+        job.est_uncached = 0
+        self.running -= 1
+        self.preempted += 1
+        self.waiting.appendleft(job)  # vLLM puts a preempted request at the head of the queue
 
     def _evict(self, need: int, keys: list[int], now: float) -> bool:
         pinned = frozenset(self.pins).union(keys)

@@ -10,7 +10,8 @@ the ``sim cluster`` (or ``sim cache``) arguments of its runs, the number compare
 paper's number and issue #13's goal it is judged against. Every distinct (workload and
 flags, policy pair, rate, seed) runs once, however many rows share it, each through a fresh
 router and fleet exactly as ``sim cluster`` would run it; ``--jobs N`` runs N at a time in
-worker processes (the numbers do not depend on it). Metrics pool the requests of all seeds.
+worker processes (the numbers do not depend on it). Each number is the mean over seeds of the seed's own number (as ``sim cluster``'s report
+computes it); goodput comes from the mean attainment at each rate.
 
 Output: ``report.md`` (the summary: paper figure, claim, paper, ours, goal, verdict per row;
 then one table per distinct command) and ``results.json`` (every number) in ``--out``; the
@@ -193,15 +194,24 @@ def run_unit(unit: Unit) -> Digest:
 
 # ---- turning runs into numbers ----------------------------------------------------------
 
-def _pool(digests: Sequence[Digest]) -> dict[str, float]:
-    ttfts = sorted(t for d in digests for t in d.ttft_s)
-    blocks = sum(d.prompt_blocks for d in digests)
-    n = sum(d.requests for d in digests)
-    out = {"hit_pct": 100.0 * sum(d.hit_blocks for d in digests) / blocks if blocks else math.nan,
-           "slo_pct": 100.0 * sum(d.slo_met for d in digests) / n if n and ttfts else math.nan,
-           "requests": float(n), "unfinished": float(sum(d.unfinished for d in digests))}
+def _one(d: Digest) -> dict[str, float]:
+    ttfts = sorted(d.ttft_s)
+    out = {"hit_pct": 100.0 * d.hit_blocks / d.prompt_blocks if d.prompt_blocks else math.nan,
+           "slo_pct": 100.0 * d.slo_met / d.requests if d.requests and ttfts else math.nan}
     for q in (50, 90, 95, 99):
         out[f"ttft_p{q}"] = percentile(ttfts, q) * 1000.0 if ttfts else math.nan
+    return out
+
+
+def _pool(digests: Sequence[Digest]) -> dict[str, float]:
+    """The mean over seeds of each seed's number, as ``sim cluster``'s report computes it."""
+    per_seed = [_one(d) for d in digests]
+    out = {}
+    for key in per_seed[0]:
+        values = [x[key] for x in per_seed if not math.isnan(x[key])]
+        out[key] = sum(values) / len(values) if values else math.nan
+    out["requests"] = float(sum(d.requests for d in digests))
+    out["unfinished"] = float(sum(d.unfinished for d in digests))
     return out
 
 
@@ -258,7 +268,8 @@ def evaluate(row: Row, tables: dict[str, Table]) -> dict[str, Any]:
         ours = a - b
     return {"name": row.name, "section": row.section, "figure": row.figure, "claim": row.claim, "paper": row.paper,
             "goal": row.goal, "unit": row.unit, "ours": ours, "a": a, "a_pair": a_pair, "b": b, "b_pair": b_pair,
-            "verdict": verdict(row, ours)}
+            # judged on the number as the report prints it: 1.003x is a tie, not a win
+            "verdict": verdict(row, round(ours, digits(row)) if not math.isnan(ours) else ours)}
 
 
 # ---- the report -------------------------------------------------------------------------
@@ -269,18 +280,22 @@ def _num(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def _with_unit(x: float | None, unit: str, signed: bool = False) -> str:
+def digits(row: Row) -> int:
+    """Decimals ``row``'s number is printed (and judged) with."""
+    return row.digits if row.digits is not None else 2 if row.unit == "x" else 1
+
+
+def _with_unit(x: float | None, row: Row, signed: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
-    if unit == "x":
-        return f"{x:.2f}x"
-    text = f"{x:+.1f}" if signed else f"{x:.2f}" if unit == "%" and abs(x) < 100 and x != round(x, 1) else f"{x:.1f}"
-    return text + ("%" if unit == "%" else f" {unit}" if unit else "")
+    n = digits(row)
+    text = f"{x:+.{n}f}" if signed else f"{x:.{n}f}"
+    return text + {"x": "x", "%": "%", "": ""}.get(row.unit, f" {row.unit}")
 
 
 def _ours_text(r: dict[str, Any], row: Row) -> str:
     signed = row.compare in ("change", "diff")
-    main = _with_unit(r["ours"], row.unit, signed)
+    main = _with_unit(r["ours"], row, signed)
     if row.versus is None:
         return main
     metric = row.ours.metric
@@ -330,7 +345,7 @@ def markdown(rows: Sequence[Row], results: Sequence[dict[str, Any]], tables: dic
     out += ["", "| row | § | paper figure | claim (ours = ...) | paper | ours | goal | verdict |",
             "|---|---|---|---|---|---|---|---|"]
     for row, r in zip(rows, results):
-        paper = _with_unit(row.paper, row.unit, row.compare in ("change", "diff")) if row.paper is not None else "-"
+        paper = _with_unit(row.paper, row, row.compare in ("change", "diff")) if row.paper is not None else "-"
         out.append(f"| {row.name} | {row.section} | {row.figure} | {row.claim} | {paper} | {_ours_text(r, row)} | "
                    f"{row.goal or '-'} | **{r['verdict']}** |")
     out += ["", "## Runs", ""]

@@ -63,8 +63,8 @@ class CheckedSimulation(Simulation):
         super()._step_done(i, now)
         self._check()
 
-    def _finish(self, i, job, now):
-        super()._finish(i, job, now)
+    def _finish(self, i, job, now, kick=True):
+        super()._finish(i, job, now, kick)
         self._check()
 
 
@@ -392,3 +392,39 @@ def test_decode_model_is_validated():
         EngineParams(decode_model="fast").validate()
     with pytest.raises(ValueError, match="tpot_ms > 0"):
         EngineParams(decode_model="batched", tpot_ms=0).validate()
+
+
+# ---- KV memory pressure from decoding: preemption instead of waiting ---------------------
+def _long_decodes() -> Workload:
+    # two 1,024-token prompts (16 blocks each) generating 1,000 tokens (16 more blocks each):
+    # 64 blocks of KV at the peak in a 40-block cache
+    return Workload("long", 64, [SimRequest(0.0, 1024, 1000, tuple(range(16))),
+                                 SimRequest(0.05, 1024, 1000, tuple(range(100, 116)))])
+
+
+def _run_long(decode_kv: bool):
+    eng = EngineParams(capacity_blocks=40, decode_model="batched", decode_kv=decode_kv, tpot_ms=10.0)
+    sim = CheckedSimulation(Config(), _long_decodes(), ClusterSettings(workers=1, engine=eng), routing="round_robin",
+                            eviction="lru", seed=0)
+    return sim, sim.run()
+
+
+def test_decode_kv_preempts_the_newest_request_when_the_cache_is_full_and_it_recomputes():
+    sim, res = _run_long(True)
+    first, second = res.records
+    assert res.engine_stats[0]["preempted"] >= 1 and res.counters["unfinished"] == 0
+    assert sim.checks > 100  # capacity held after every step: cached + prompt + decode blocks <= 40
+    plain_sim, plain = _run_long(False)
+    p_first, p_second = plain.records
+    assert plain.engine_stats[0]["preempted"] == 0
+    # the older request is never preempted (only slowed by the newer one's recompute steps);
+    # the newer one loses its KV and finishes only after recomputing it
+    assert p_first.e2e_s < first.e2e_s < 1.25 * p_first.e2e_s
+    assert second.ttft_s == pytest.approx(p_second.ttft_s)  # its first token came before the preemption
+    assert second.e2e_s > p_second.e2e_s + 0.5
+    assert second.arrival_s + second.e2e_s > first.arrival_s + first.e2e_s
+
+
+def test_decode_kv_needs_the_batched_decode_model():
+    with pytest.raises(ValueError, match="decode_kv needs"):
+        EngineParams(decode_kv=True).validate()

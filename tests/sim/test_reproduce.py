@@ -146,3 +146,19 @@ def test_goodput_rows_use_the_best_baseline(tmp_path):
                paper=2.25, goal=">=1.5", unit="x")
     got = evaluate(row, {"x": table})
     assert got["b_pair"] == "b+lru" and got["ours"] == 2.0 and got["verdict"] == "reproduced"
+
+
+def test_verdicts_judge_the_number_as_printed():
+    from kvrouterd.sim.reproduce import Digest, Table, Unit, evaluate
+
+    def unit(pair: str) -> Unit:
+        r, e = pair.split("+")
+        return Unit("cluster", (), json.dumps({"name": r}), json.dumps({"name": e}), None, 0)
+
+    # medians 1003 ms and 1000 ms: a 1.003x ratio prints as 1.00x, a tie, not a win
+    digests = {unit("a+lru"): Digest([1.003] * 5, 1, 2, 5, 5), unit("b+lru"): Digest([1.0] * 5, 1, 2, 5, 5)}
+    table = Table(list(digests), digests)
+    row = _row(run="x", ours=Measure("ttft_p50", ("a+lru",)), versus=Measure("ttft_p50", ("b+lru",)), goal=">1",
+               unit="x")
+    got = evaluate(row, {"x": table})
+    assert got["ours"] == pytest.approx(1.003) and got["verdict"] == "not reproduced"

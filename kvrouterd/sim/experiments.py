@@ -160,7 +160,7 @@ def _lru_cache_row(blocks: int, published: float) -> Row:
     return Row(
         f"lru_cache_{blocks}", "6", "systematic study, Table 3",
         f"single-cache LRU hit ratio on the Mooncake conversation trace, {blocks:,} blocks",
-        f"cache --trace {{traces}}/mooncake_conversation_trace.jsonl --eviction lru --capacity-blocks {blocks}",
+        f"cache --trace {{mooncake}} --eviction lru --capacity-blocks {blocks}",
         Measure("hit_pct", ("lru",)), paper=published, tolerance="0.01", unit="%", digits=2)
 
 

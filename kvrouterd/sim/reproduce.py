@@ -28,6 +28,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -48,6 +49,7 @@ from .metrics import goodput, percentile
 __all__ = ["Digest", "Unit", "add_arguments", "evaluate", "expand", "run", "run_unit"]
 
 QUICK_REQUESTS = 300
+_PLACEHOLDER = re.compile(r"\{[a-z_]+\}")
 _PER_RUN_OPTIONS = ("--routing", "--eviction", "--rate", "--seeds", "--set")
 
 
@@ -110,7 +112,11 @@ def _quick_base(tokens: list[str]) -> list[str]:
 
 def _tokens(row_run: str, traces: Path) -> tuple[str, list[str]]:
     tool, *rest = row_run.split(" ", 1) if row_run.startswith("cache ") else ("cluster", row_run)
-    return tool, shlex.split(rest[0].replace("{mooncake}", str(traces)))
+    tokens = shlex.split(rest[0].replace("{mooncake}", str(traces)))
+    left = [t for t in tokens if _PLACEHOLDER.search(t)]
+    if left:
+        raise ConfigError(f"unknown placeholder in {left[0]!r} (only {{mooncake}} is substituted)")
+    return tool, tokens
 
 
 def _cluster_parser(prog: str) -> argparse.ArgumentParser:
@@ -400,7 +406,8 @@ def _execute(units: Sequence[Unit], jobs: int, progress: cluster._Progress) -> d
             digests[u] = run_unit(u)
             progress.finish_run()
         return digests
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs)
+    try:
         pending: dict[Future[Digest], Unit] = {pool.submit(run_unit, u): u for u in units}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -409,6 +416,9 @@ def _execute(units: Sequence[Unit], jobs: int, progress: cluster._Progress) -> d
                 digests[u] = fut.result()
                 progress.label = u.label()
                 progress.finish_run()
+    finally:
+        # a failed run fails the command now, not after every other run has finished
+        pool.shutdown(wait=True, cancel_futures=True)
     return digests
 
 

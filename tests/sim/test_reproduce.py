@@ -84,6 +84,19 @@ def test_every_row_is_well_formed_and_names_pairs_its_runs_make():
             parse_tolerance(row.tolerance, row.paper)
 
 
+def test_every_trace_path_is_the_one_given(tmp_path):
+    # the only file a row reads is the Mooncake trace; every command must name it through
+    # {mooncake}, or the run fails (after everything else) on a literal path
+    from kvrouterd.sim.reproduce import _tokens
+
+    trace = tmp_path / "trace.jsonl"
+    for row in ROWS:
+        _, tokens = _tokens(row.run, trace)
+        paths = [tokens[i + 1] for i, t in enumerate(tokens) if t == "--trace"]
+        assert all(p == str(trace) for p in paths), f"{row.name}: {paths}"
+        assert ("{mooncake}" in row.run) == bool(paths)
+
+
 def test_runs_shared_by_rows_are_one_unit():
     by_name = {r.name: r for r in ROWS}
     a = expand(by_name["lbgr_gsp_ttft"].run, Path("."))

@@ -329,7 +329,7 @@ def _detail(run: str, table: Table, names: Sequence[str]) -> list[str]:
                    f"{_num(c['ttft_p90'], 0)} | {_num(c['ttft_p95'], 0)} | {_num(c['ttft_p99'], 0)} | "
                    f"{_num(c['slo_pct'])} | {int(c['requests']):,}{unfinished} |")
     if table.goodput:
-        out += ["", "Goodput (highest swept rate with pooled SLO attainment >= 90%): " + ", ".join(
+        out += ["", "Goodput (highest swept rate with mean SLO attainment >= 90%): " + ", ".join(
             f"{p} {_num(g, 0)}" for p, g in sorted(table.goodput.items(), key=lambda kv: -kv[1])) + " req/s"]
     out.append("")
     return out

@@ -36,9 +36,10 @@ Media: events whose ``medium`` is absent or ``"GPU"`` (any case) describe the GP
 become ``Stored`` / ``Removed`` / ``Cleared``. Other tiers (CPU, disk offload) become
 ``TierEvent`` s, which the subscriber tracks apart or drops by config; they never reach the
 GPU view. Our keys are recomputed from ``token_ids`` by the router; the engine hashes are
-only kept to apply removals. vLLM's per-block ``extra_keys`` (multimodal content hashes, cache
-salt, ...) are hashed and folded into that block's key, so two prompts that differ only in image
-content never share a key; SGLang's ``cache_salt`` salts the chain like ``model`` and ``lora``.
+only kept to apply removals. vLLM's per-block ``extra_keys`` (multimodal content hashes,
+prompt-embedding hashes) are hashed and folded into that block's key, so two prompts that differ
+only in image content never share a key; a cache salt (SGLang-style ``cache_salt``, or the plain
+string vLLM puts in the first block's extras) salts the chain like ``model`` and ``lora``.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str, lora_ids:
             raise UnmappedLora(f"BlockStored lora_id {lora_id!r} is not in events.lora_ids")
         lora = lora_ids[lora_id]
     kind = f.get("kv_cache_spec_kind")
+    salt, extra_hashes = _salt_and_extras(f, len(hashes), lora, parent is None)
     return Stored(
         token_ids=token_bytes,
         engine_hashes=hashes,
@@ -237,9 +239,29 @@ def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str, lora_ids:
         lora=lora,
         group=_group(f.get("group_idx")),
         group_kind=None if kind is None else _text(kind),
-        salt=_text(f.get("cache_salt")),
-        extra_hashes=_extra_hashes(f.get("extra_keys"), len(hashes), lora),
+        salt=salt,
+        extra_hashes=extra_hashes,
     )
+
+
+def _salt_and_extras(f: Mapping[str, Any], blocks: int, lora: str, from_root: bool) -> tuple[str, tuple[int, ...] | None]:
+    """The chain's cache salt and one extra-key hash per block.
+
+    SGLang-style events name the salt (``cache_salt``). vLLM puts ``request.cache_salt`` in
+    the extras of the block that starts at token 0, as the only plain string there besides
+    the LoRA name (multimodal extras are ``(identifier, offset)`` pairs, prompt embeddings
+    bytes), so a chain stored from the root takes its first block's strings as the salt:
+    a Route carrying the same ``cache_salt`` then matches it."""
+    salt = _text(f.get("cache_salt"))
+    extras = f.get("extra_keys")
+    if from_root and not salt and isinstance(extras, (list, tuple)) and extras:
+        first = extras[0]
+        if isinstance(first, (list, tuple)):
+            strings = [e for e in first if isinstance(e, str) and e != lora]
+            if strings:
+                salt = "\x00".join(strings)
+                extras = [[e for e in first if not (isinstance(e, str) and e != lora)], *extras[1:]]
+    return salt, _extra_hashes(extras, blocks, lora)
 
 
 def _extra_hashes(value: object, blocks: int, lora: str) -> tuple[int, ...] | None:

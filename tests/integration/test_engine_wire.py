@@ -337,10 +337,11 @@ async def test_multimodal_extra_keys_keep_different_images_apart(env: Env) -> No
     wire = VLLM_026
     engine = await start(wire)
     placeholders = [9] * (2 * BS)  # the image's placeholder tokens, identical for every image
+    # vLLM's extras per block: the LoRA name, then (image identifier, offset in the block)
     image_a = V26BlockStored([1, 2], None, placeholders, BS, None, None, "sql",
-                             extra_keys=[("mm-hash-a", "sql"), ("mm-hash-a", "sql")])
+                             extra_keys=[("sql", ("mm-hash-a", 0)), ("sql", ("mm-hash-a", -BS))])
     image_b = V26BlockStored([3, 4], None, placeholders, BS, None, None, "sql",
-                             extra_keys=[("mm-hash-b", "sql"), ("mm-hash-b", "sql")])
+                             extra_keys=[("sql", ("mm-hash-b", 0)), ("sql", ("mm-hash-b", -BS))])
     text = V26BlockStored([5], None, prompt(0, BS), BS, None, None, "sql", extra_keys=[("sql",)])
     await publish(engine, wire, image_a, image_b, text)
     await applied(source, 0)
@@ -400,3 +401,22 @@ async def test_lora_id_only_events_map_to_the_configured_adapter_name() -> None:
         await source.close()
         await engine.close()
         ctx.term()
+
+
+async def test_vllm_cache_salt_in_the_first_blocks_extras_salts_the_chain_like_a_routes_cache_salt(env: Env) -> None:
+    """vLLM puts ``request.cache_salt`` in the extras of the block at token 0: the chain is
+    keyed as a Route with that ``cache_salt`` keys it, so tenants never share a prefix and
+    the tenant itself still hits (issue #11 item 5)."""
+    router, source, start = env
+    wire = VLLM_026
+    engine = await start(wire)
+    tokens = prompt(0, 2 * BS)
+    salted = V26BlockStored([1, 2], None, tokens, BS, None, None, None, extra_keys=[("tenant-a",), None])
+    child = V26BlockStored([3], 2, prompt(1000, BS), BS, None, None, None)
+    await publish(engine, wire, salted, child)
+    await applied(source, 0)
+    slot = router.workers.get("w").slot
+    whole = tokens + prompt(1000, BS)
+    assert router.index.match(block_keys(whole, BS, MODEL, salt="tenant-a"), 1 << slot).overlaps.get(0, 0) == 3
+    assert router.index.match(block_keys(whole, BS, MODEL, salt="tenant-b"), 1 << slot).overlaps.get(0, 0) == 0
+    assert router.index.match(block_keys(whole, BS, MODEL), 1 << slot).overlaps.get(0, 0) == 0

@@ -70,15 +70,15 @@ def test_only_type_and_hashes_are_required_for_removal_and_lora_id_maps_to_the_c
 
 def test_extra_keys_hash_per_block_without_the_lora_name():
     event = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": TOKENS, "block_size": 4, "lora_name": "sql",
-             "extra_keys": [["img-1", "sql"], ["sql"]]}
+             "extra_keys": [["sql", ["img-1", 0]], ["sql"]]}  # vLLM: LoRA name, then (image, offset)
     stored = decode_event(event)
     assert isinstance(stored, Stored) and stored.extra_hashes is not None
     assert stored.extra_hashes[0] != 0 and stored.extra_hashes[1] == 0
-    other = decode_event({**event, "extra_keys": [["img-2", "sql"], None]})
+    other = decode_event({**event, "extra_keys": [["sql", ["img-2", 0]], None]})
     assert isinstance(other, Stored) and other.extra_hashes is not None
     assert other.extra_hashes[0] not in (0, stored.extra_hashes[0])
     with pytest.raises(MalformedPayload):
-        decode_event({**event, "extra_keys": [["img-1"]]})  # one entry per block
+        decode_event({**event, "extra_keys": [[["img-1", 0]]]})  # one entry per block
 
 
 def test_batch_as_a_map_is_accepted():
@@ -193,3 +193,19 @@ def test_a_bad_event_is_counted_and_never_costs_the_rest_of_its_batch(bad_event,
 def test_map_keys_packed_as_bytes_are_accepted():
     payload = msgpack.packb([0.0, [{b"type": "BlockRemoved", b"block_hashes": [4]}], 0], use_bin_type=True)
     assert decode_payload(payload).events == (Removed((4,)),)
+
+
+def test_vllm_cache_salt_is_the_plain_string_in_the_extras_of_a_chain_from_the_root():
+    extras = [["sql", "tenant-a", ["img-1", 0]], ["sql"]]
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": TOKENS, "block_size": 4, "lora_name": "sql",
+             "extra_keys": extras}
+    stored = decode_event(event)
+    assert isinstance(stored, Stored) and stored.salt == "tenant-a" and stored.lora == "sql"
+    no_salt = decode_event({**event, "extra_keys": [["sql", ["img-1", 0]], ["sql"]]})
+    assert isinstance(no_salt, Stored) and no_salt.salt == ""
+    assert stored.extra_hashes == no_salt.extra_hashes  # the salt left the image's hash alone
+    # a chain that continues a parent never starts at token 0: a string there is not a salt
+    child = decode_event({**event, "parent_block_hash": 9})
+    assert isinstance(child, Stored) and child.salt == "" and child.extra_hashes != stored.extra_hashes
+    named = decode_event({**event, "cache_salt": "explicit"})  # a publisher that names it wins
+    assert isinstance(named, Stored) and named.salt == "explicit"

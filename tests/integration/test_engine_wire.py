@@ -84,6 +84,18 @@ async def applied(source: ZmqEventSource, seq: int) -> None:
     await until(lambda: source.subscribers["w"].stats.last_sequence == seq)
 
 
+def stored_prompt(wire: EngineWire, first_hash: int, tokens: list[int]) -> Any:
+    """A chain from the root holding ``tokens``, in the engine's default pages (SGLang: one
+    hash per token)."""
+    page = wire.default_page
+    return wire.stored([first_hash + i for i in range(len(tokens) // page)], tokens)
+
+
+def unreadable_removal(wire: EngineWire) -> Any:
+    """A BlockRemoved in the engine's own layout whose hash cannot be read (a float)."""
+    return {"type": "BlockRemoved", "block_hashes": [1.5]} if wire.name == "vllm-0.26" else ["BlockRemoved", [1.5]]
+
+
 @pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
 async def test_a_store_the_router_cannot_take_never_costs_the_removal_beside_it(env: Env, wire: EngineWire) -> None:
     router, source, start = env
@@ -178,14 +190,14 @@ async def test_hybrid_groups_a_sliding_window_eviction_keeps_the_prefix(env: Env
     assert matched(router, tokens) == 0
 
 
-async def test_a_lost_removal_degrades_and_rebuilds_the_view_by_replay(env: Env) -> None:
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_lost_removal_degrades_and_rebuilds_the_view_by_replay(env: Env, wire: EngineWire) -> None:
     router, source, start = env
-    wire = VLLM_026
     engine = await start(wire)
     tokens = prompt(0, 2 * BS)
-    await publish(engine, wire, wire.stored([1, 2], tokens))
+    await publish(engine, wire, stored_prompt(wire, 1, tokens))
     # a removal whose hashes cannot be read (a float): it may have evicted anything
-    await publish(engine, wire, {"type": "BlockRemoved", "block_hashes": [1.5], "medium": None})
+    await publish(engine, wire, unreadable_removal(wire))
     await applied(source, 1)
     worker = router.workers.get("w")
     sub = source.subscribers["w"]
@@ -194,7 +206,7 @@ async def test_a_lost_removal_degrades_and_rebuilds_the_view_by_replay(env: Env)
     assert worker.state is WorkerState.DEGRADED and worker.state_reason == "removal lost"
     assert worker.events_rejected["malformed_removed"] == 2
     # the engine clears its cache: the view is right again
-    await publish(engine, wire, wire.cleared(), wire.stored([3], prompt(7000, BS)))
+    await publish(engine, wire, wire.cleared(), stored_prompt(wire, 300, prompt(7000, BS)))
     await applied(source, 2)
     assert worker.state is WorkerState.READY and matched(router, prompt(7000, BS)) == 1
 
@@ -279,15 +291,15 @@ async def test_a_reconnect_without_a_restart_changes_nothing(env: Env) -> None:
     assert matched(router, prompt(0, BS)) == 1 and matched(router, prompt(100, BS)) == 1
 
 
-async def test_a_batch_timestamp_going_back_triggers_the_check(env: Env) -> None:
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_batch_timestamp_going_back_triggers_the_check(env: Env, wire: EngineWire) -> None:
     router, source, start = env
-    wire = VLLM_026
     engine = await start(wire)
-    await engine.publish(raw=wire.batch(wire.stored([1], prompt(0, BS)), ts=1000.0))
+    await engine.publish(raw=wire.batch(stored_prompt(wire, 100, prompt(0, BS)), ts=1000.0))
     await applied(source, 0)
     engine.restart()  # a new run, on a clock that is behind, whose first batch we never saw
-    await engine.publish(raw=wire.batch(wire.stored([7], prompt(700, BS)), ts=10.0), drop=True)
-    await engine.publish(raw=wire.batch(wire.stored([8], prompt(800, BS)), ts=11.0))
+    await engine.publish(raw=wire.batch(stored_prompt(wire, 700, prompt(700, BS)), ts=10.0), drop=True)
+    await engine.publish(raw=wire.batch(stored_prompt(wire, 800, prompt(800, BS)), ts=11.0))
     sub = source.subscribers["w"]
     await until(lambda: sub.stats.restarts == 1 and sub.stats.last_sequence == 1)
     assert matched(router, prompt(0, BS)) == 0 and matched(router, prompt(700, BS)) == 1

@@ -90,6 +90,8 @@ class LimitsConfig:
     max_concurrent_streams: int = 1024
     #: seconds after which a routed request that never completed stops counting as load
     inflight_timeout_s: float = 300.0
+    #: most blocks one EvictHint answers (ranking runs on the routing loop; ask again for more)
+    max_evict_blocks: int = 1024
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,8 @@ class Config:
             if w.capacity_blocks < 0:
                 raise ConfigError(f"workers[{i}].capacity_blocks: must be >= 0")
         lim = self.limits
-        for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams"):
+        for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams",
+                      "max_evict_blocks"):
             if getattr(lim, fname) <= 0:
                 raise ConfigError(f"limits.{fname}: must be > 0")
         if lim.max_message_bytes < 4096:
@@ -327,6 +330,7 @@ class Config:
             eviction=self.eviction,
             inflight_timeout_s=self.limits.inflight_timeout_s,
             max_prompt_tokens=self.limits.max_prompt_tokens,
+            max_evict_blocks=self.limits.max_evict_blocks,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
         )
 

@@ -16,7 +16,7 @@ import itertools
 import logging
 import random
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,7 +25,7 @@ from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, R
 from .index.groups import GroupPresence
 from .index.keys import chain_keys, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
-from .index.radix import RadixIndex
+from .index.radix import Block, RadixIndex
 from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
 from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy
@@ -76,6 +76,9 @@ class RouterSettings:
     max_prompt_tokens: int = 1 << 20
     #: default TTFT objective for policies that use one, ms
     default_ttft_slo_ms: float = 5000.0
+    #: most blocks one EvictHint ranks: ranking costs grow with the answer, and the call runs
+    #: on the routing loop (an engine wanting more asks again after evicting these)
+    max_evict_blocks: int = 1024
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -84,6 +87,8 @@ class RouterSettings:
             raise ConfigError(f"inflight_timeout_s must be > 0, got {self.inflight_timeout_s}")
         if self.max_prompt_tokens <= 0:
             raise ConfigError(f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
+        if self.max_evict_blocks <= 0:
+            raise ConfigError(f"max_evict_blocks must be > 0, got {self.max_evict_blocks}")
 
 
 @dataclass(slots=True)
@@ -234,18 +239,36 @@ class Router:
         return worker
 
     def remove_worker(self, worker_id: str) -> Worker:
+        worker, blocks = self.detach_worker(worker_id)
+        for _ in blocks:
+            pass
+        return worker
+
+    def detach_worker(self, worker_id: str, step: int = 1 << 62) -> tuple[Worker, Iterator[int]]:
+        """Remove a worker at once from routing, membership and the policies, and return
+        with it the steps that drop its blocks from the index, at most ``step`` blocks each.
+
+        Until the steps are exhausted the worker's slot stays reserved (a new worker cannot
+        inherit its blocks) and its blocks only count towards ``len(index)``: no routing mask
+        includes the slot. A host yields to its loop between steps so a worker of a million
+        blocks never stalls routing (``remove_worker`` runs them all at once).
+        """
         worker = self.workers.get(worker_id)
         for rid in [rid for rid, r in self._requests.items() if (f := self.workers.inflight(rid)) and f.worker_id == worker_id]:
             del self._requests[rid]
-        self.workers.remove(worker_id)
-        self.index.drop_slot(worker.slot)
+        self.workers.remove(worker_id, free_slot=False)
         self._engine_hash_of.pop(worker.slot, None)
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
         for policy in self._routing.values():
             policy.on_worker_removed(worker)
         log.info("worker removed", extra={"worker_id": worker_id})
-        return worker
+        return worker, self._drop_slot_steps(worker.slot, step)
+
+    def _drop_slot_steps(self, slot: int, step: int) -> Iterator[int]:
+        yield from self.index.clear_steps(slot, step)
+        self.index.drop_slot(slot)
+        self.workers.free_slot(slot)
 
     def set_draining(self, worker_id: str, draining: bool) -> Worker:
         worker = self.workers.get(worker_id)
@@ -770,16 +793,60 @@ class Router:
     def export_blocks(self, worker_id: str) -> list[tuple[int, int | None, int]]:
         """``(key, parent key or None, engine hash or 0)`` of every block the worker holds,
         parents before children (a chain's top names a parent this worker does not hold)."""
+        return [block for part in self.export_steps(worker_id) for block in part]
+
+    def export_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[list[tuple[int, int | None, int]]]:
+        """``export_blocks`` in parts, each after visiting at most ``step`` blocks.
+
+        The host may apply events between parts (ExportIndex yields to the loop so a large
+        worker never stalls routing): blocks removed meanwhile are skipped, blocks stored
+        under already visited ones are missed, and a removed worker ends the export. Every
+        block is still listed once, after its parent (or naming a parent it never held).
+        """
         worker = self.workers.get(worker_id)
-        bit = worker.bit
+        bit, slot, index = worker.bit, worker.slot, self.index
         reverse = {key: eh for eh, key in worker.engine_keys.items()}
-        stack = [b for b in self.index.blocks_of(worker.slot) if b.parent is None or not b.parent.holders & bit]
+        tops: list[Block] = []
+        climbed: set[int] = set()
+
+        def climb(node: Block | None) -> int:
+            """Walk up from a leaf to the top of its chain; returns the blocks visited."""
+            visited = 0
+            while node is not None and node.holders & bit and node.key not in climbed:
+                climbed.add(node.key)
+                visited += 1
+                if node.parent is None or not node.parent.holders & bit:
+                    tops.append(node)
+                node = node.parent
+            return visited
+
+        visited = 0
+        for leaf in list(index.leaves(slot)):
+            visited += climb(leaf)
+            if visited >= step:
+                visited = 0
+                yield []
+                if self.workers.find(worker_id) is not worker:
+                    return
+        # leaves that appeared meanwhile (a removal exposes its parent): climbing them stops
+        # at the first block already seen, so this costs what changed
+        for leaf in [b for b in index.leaves(slot) if b.key not in climbed]:
+            climb(leaf)
+        stack, listed = tops, set()
         out: list[tuple[int, int | None, int]] = []
         while stack:
             node = stack.pop()
+            if node.key in listed or not node.holders & bit or index.get(node.key) is not node:
+                continue  # removed (or listed through a parent stored meanwhile)
+            listed.add(node.key)
             out.append((node.key, node.parent.key if node.parent is not None else None, reverse.get(node.key, 0)))
             stack.extend(c for c in node.iter_children() if c.holders & bit)
-        return out
+            if len(out) == step:
+                yield out
+                out = []
+                if self.workers.find(worker_id) is not worker:
+                    return
+        yield out
 
     def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
         """Store exported blocks (parents first) for a registered worker, as a peer held them.
@@ -811,7 +878,10 @@ class Router:
         for eh in pinned_engine_hashes:
             pinned.add(worker.engine_keys.get(eh, eh))
         ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id)
-        blocks = policy.rank(ctx, req.blocks, frozenset(pinned))
+        # never rank more than the worker holds or the configured cap (blocks=2**32-1 would
+        # otherwise rank a whole worker on the loop); exhausted still means "nothing more to give"
+        wanted = min(req.blocks, self.settings.max_evict_blocks)
+        blocks = policy.rank(ctx, min(wanted, self.index.count(worker.slot)), frozenset(pinned))
         keys = [b.key for b in blocks]
         reverse = self._engine_hash_of.get(worker.slot)
         if reverse is None:
@@ -820,7 +890,7 @@ class Router:
         return EvictAdvice(
             keys=keys,
             engine_hashes=[reverse.get(k, k) for k in keys],
-            exhausted=len(blocks) < req.blocks,
+            exhausted=len(blocks) < wanted,
             policy=policy.name,
         )
 

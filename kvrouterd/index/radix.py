@@ -38,6 +38,7 @@ Plain synchronous Python, no I/O: the daemon and the simulator drive it alike.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 
 from ._walk import match_walk
@@ -478,6 +479,17 @@ class RadixIndex:
         self._leaves[slot].clear()
         self._counts[slot] = 0
         return len(held)
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[int]:
+        """``clear`` in parts of at most ``step`` blocks, leaves first; yields the blocks
+        dropped by each part. Between parts the index is consistent (each part is a run of
+        ``remove``), so a host can serve other calls while a large slot empties."""
+        leaves = self._leaves[slot]
+        while leaves:
+            part = list(itertools.islice(leaves, step))
+            for node in part:
+                self.remove(slot, node.key)
+            yield len(part)
 
     def _release(self, node: Block, slot: int, bit: int) -> None:
         self._drop_stats(node, slot)

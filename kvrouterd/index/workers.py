@@ -209,14 +209,20 @@ class WorkerRegistry:
         self.generation += 1
         return worker
 
-    def remove(self, worker_id: str) -> Worker:
+    def remove(self, worker_id: str, free_slot: bool = True) -> Worker:
+        """Forget a worker. With ``free_slot=False`` its slot stays taken until
+        ``free_slot(slot)``: the host is still dropping the slot's blocks from the index."""
         worker = self.get(worker_id)
         del self._workers[worker_id]
-        self._free_slots.append(worker.slot)
+        if free_slot:
+            self._free_slots.append(worker.slot)
         for rid in [r.request_id for r in self._inflight.values() if r.worker_id == worker_id]:
             del self._inflight[rid]
         self.generation += 1
         return worker
+
+    def free_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
 
     # ---- load ----------------------------------------------------------------------
     def inflight(self, request_id: str) -> InFlight | None:

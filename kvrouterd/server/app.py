@@ -246,8 +246,8 @@ class Daemon:
 
     def _departed(self, worker_id: str) -> None:
         if worker_id in self.router.workers:
-            self.router.remove_worker(worker_id)
-        if self.admission is not None:
+            self.service.forget_worker(worker_id)
+        elif self.admission is not None:
             self.admission.drop_worker(worker_id)
         self._membership_changed()
 

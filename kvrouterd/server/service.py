@@ -36,6 +36,15 @@ log = logging.getLogger("kvrouterd.server")
 _perf_counter = time.perf_counter
 
 
+#: blocks a removed worker's drain drops between yields to the event loop (~a millisecond)
+DRAIN_STEP_BLOCKS = 2048
+
+
+async def _drain(steps: Iterable[int]) -> None:
+    for _ in steps:
+        await asyncio.sleep(0)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
     await context.abort(status_code(exc), str(exc))
     raise AssertionError("unreachable")  # pragma: no cover - abort raises
@@ -55,6 +64,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
         self.max_batch_events = max_batch_events
+        #: removed workers whose blocks are still being dropped (strong references to the tasks)
+        self._draining: set[asyncio.Task[None]] = set()
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
@@ -317,13 +328,24 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterWorkerResponse:
         try:
-            self.router.remove_worker(request.worker_id)
+            drained = self.forget_worker(request.worker_id)
         except KVRouterError as exc:
             await _abort(context, exc)
-        if self.admission is not None:
-            self.admission.drop_worker(request.worker_id)
         self.on_membership_change()
+        # answer once the blocks are gone; a caller that gives up does not stop the drain
+        await asyncio.shield(drained)
         return pb.DeregisterWorkerResponse()
+
+    def forget_worker(self, worker_id: str) -> asyncio.Task[None]:
+        """Remove a worker from routing now and drop its blocks from the index in steps of
+        ``DRAIN_STEP_BLOCKS``, yielding to the loop between them (the returned task)."""
+        _, steps = self.router.detach_worker(worker_id, DRAIN_STEP_BLOCKS)
+        if self.admission is not None:
+            self.admission.drop_worker(worker_id)
+        task = asyncio.create_task(_drain(steps), name=f"drop blocks of {worker_id}")
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+        return task
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=[self._worker_message(w) for w in self.router.workers])
@@ -332,8 +354,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.ExportIndexRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.IndexChunk]:
         try:
-            chunks = export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk)
-            for chunk in chunks:
+            async for chunk in export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk):
                 yield chunk
         except KVRouterError as exc:
             await _abort(context, exc)

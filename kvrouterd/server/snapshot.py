@@ -6,10 +6,11 @@ A replica started with ``warm_from: HOST:PORT`` reports NOT_SERVING, streams the
 index (``ExportIndex``: per worker, its block-key chains parents first, with the engine
 hashes the peer learned), registers the workers it does not know yet with the peer's
 descriptions, stores the blocks, and only then starts its event sources and reports
-SERVING. Each worker's blocks are exported in one synchronous step, so a worker's chains
-are consistent; different workers may be exported a few event batches apart, and events
-published between the export and this replica's own subscription are missing until the
-engines' next events (or a ZMQ replay, which rebuilds the worker) correct them. A peer that
+SERVING. The export walks each worker a few thousand blocks at a time, yielding to the event loop
+between steps so routing never waits on it; every exported block follows its parent, blocks
+removed during the walk are left out, and events applied during it or published between the
+export and this replica's own subscription are missing until the engines' next events (or a
+ZMQ replay, which rebuilds the worker) correct them. A peer that
 cannot be reached within ``warm_timeout_s`` is logged and the replica starts cold.
 """
 
@@ -28,6 +29,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..config import Config
 from ..errors import InvalidRequest, KVRouterError
+from ..index.workers import Worker
 from ..router import Router
 from . import convert
 from .convert import pb
@@ -38,6 +40,7 @@ __all__ = [
     "WarmResult",
     "encode_snapshot",
     "export_chunks",
+    "export_chunks_now",
     "restore_snapshot",
     "warm_from_peer",
 ]
@@ -45,26 +48,54 @@ __all__ = [
 log = logging.getLogger("kvrouterd.server")
 
 DEFAULT_CHUNK_BLOCKS = 65536
+#: blocks the export walk visits between yields to the event loop (~a millisecond of work)
+EXPORT_STEP_BLOCKS = 2048
 
 
-def export_chunks(router: Router, worker_ids: Sequence[str] = (), max_blocks: int = 0) -> Iterator[pb.IndexChunk]:
-    """IndexChunks for the given workers (all when empty). Raises NotFound for an unknown id."""
+async def export_chunks(
+    router: Router, worker_ids: Sequence[str] = (), max_blocks: int = 0, step: int = EXPORT_STEP_BLOCKS
+) -> AsyncIterator[pb.IndexChunk]:
+    """IndexChunks for the given workers (all when empty). Raises NotFound for an unknown id.
+
+    The walk visits at most ``step`` blocks between yields to the event loop, so exporting a
+    worker of a million blocks never holds up a Route (``Router.export_steps`` says what
+    events applied meanwhile do to the export)."""
     size = max_blocks or DEFAULT_CHUNK_BLOCKS
     workers = [router.workers.get(w) for w in worker_ids] if worker_ids else list(router.workers)
     for worker in workers:
-        if worker.id not in router.workers:
+        if router.workers.find(worker.id) is not worker:
             continue  # removed while earlier chunks were being sent
+        part: list[tuple[int, int | None, int]] = []
+        sent = False
+        for blocks in router.export_steps(worker.id, step):
+            part.extend(blocks)
+            while len(part) >= size:
+                yield _chunk(router, worker, part[:size])
+                part, sent = part[size:], True
+            await asyncio.sleep(0)
+        if router.workers.find(worker.id) is not worker:
+            continue
+        if part or not sent:
+            yield _chunk(router, worker, part)
+
+
+def export_chunks_now(router: Router) -> Iterator[pb.IndexChunk]:
+    """Every worker's IndexChunks in one synchronous step (a snapshot that must not let a
+    batch land halfway; the ExportIndex RPC uses ``export_chunks``, which yields)."""
+    for worker in list(router.workers):
         blocks = router.export_blocks(worker.id)
-        message = convert.worker_message(worker, router.index.count(worker.slot), router.block_size)
-        for start in range(0, max(1, len(blocks)), size):
-            part = blocks[start : start + size]
-            yield pb.IndexChunk(
-                worker=message,
-                keys=[k for k, _, _ in part],
-                parent_keys=[p or 0 for _, p, _ in part],
-                roots=[p is None for _, p, _ in part],
-                engine_hashes=[e for _, _, e in part],
-            )
+        for start in range(0, max(1, len(blocks)), DEFAULT_CHUNK_BLOCKS):
+            yield _chunk(router, worker, blocks[start : start + DEFAULT_CHUNK_BLOCKS])
+
+
+def _chunk(router: Router, worker: Worker, part: list[tuple[int, int | None, int]]) -> pb.IndexChunk:
+    return pb.IndexChunk(
+        worker=convert.worker_message(worker, router.index.count(worker.slot), router.block_size),
+        keys=[k for k, _, _ in part],
+        parent_keys=[p or 0 for _, p, _ in part],
+        roots=[p is None for _, p, _ in part],
+        engine_hashes=[e for _, _, e in part],
+    )
 
 
 @dataclass
@@ -157,7 +188,7 @@ def encode_snapshot(router: Router, stream_sequence: int) -> bytes:
         "sequences": {w.id: w.last_sequence for w in router.workers},
     }
     parts = [SNAPSHOT_MAGIC]
-    for msg in (json.dumps(header).encode(), *(c.SerializeToString() for c in export_chunks(router))):
+    for msg in (json.dumps(header).encode(), *(c.SerializeToString() for c in export_chunks_now(router))):
         parts += [_LEN.pack(len(msg)), msg]
     return b"".join(parts)
 

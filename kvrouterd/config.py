@@ -180,7 +180,8 @@ class AuthConfig:
     #: name of an environment variable holding the token (read once at start)
     token_env: str = ""
     #: KVRouter methods that need the token
-    protect: list[str] = field(default_factory=lambda: ["RegisterWorker", "DeregisterWorker", "PublishEvents"])
+    protect: list[str] = field(default_factory=lambda: [
+        "RegisterWorker", "DeregisterWorker", "PublishEvents", "ReportLoad", "EvictHint", "ExportIndex"])
 
     @property
     def enabled(self) -> bool:

@@ -62,6 +62,10 @@ REJECTING_AFTER = 3
 MAX_KV_GROUPS = 64
 
 
+#: largest TTFT objective a request may set, ms (a day; inf, NaN and 1e308 overflowed policies' maths)
+MAX_TTFT_SLO_MS = 86_400_000.0
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """What the router core needs from the configuration."""
@@ -327,8 +331,8 @@ class Router:
                 f"{len(req.keys)} block keys but prompt_tokens={req.prompt_tokens} holds at most "
                 f"{req.prompt_tokens // self.block_size} blocks of {self.block_size}"
             )
-        if req.ttft_slo_ms < 0:
-            raise InvalidRequest("ttft_slo_ms must be >= 0")
+        if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
+            raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
         if req.request_id and req.request_id in self._requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
 

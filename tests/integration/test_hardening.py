@@ -13,7 +13,7 @@ from .test_daemon import BS, register
 
 @pytest.fixture
 def daemon_config() -> dict:
-    return {"limits": {"max_evict_blocks": 100}}
+    return {"limits": {"max_evict_blocks": 100}, "extra_routing": [{"name": "dualmap"}, {"name": "min_ttft"}]}
 
 
 async def test_evict_hint_for_four_billion_blocks_answers_the_cap(running):
@@ -30,3 +30,13 @@ async def test_evict_hint_for_four_billion_blocks_answers_the_cap(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await running.stub.EvictHint(pb.EvictHintRequest(worker_id="nobody", blocks=4294967295))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("slo", [float("inf"), float("nan"), 1e308, -1.0])
+@pytest.mark.parametrize("policy", ["dualmap", "min_ttft", "cache_aware"])
+async def test_every_policy_rejects_the_same_unusable_ttft_slo(running, policy, slo):
+    await register(running.stub, "a")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS)), ttft_slo_ms=slo, policy=policy))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert running.router.workers.get("a").inflight_requests == 0 and running.router.workers.inflight_count == 0

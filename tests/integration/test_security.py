@@ -189,6 +189,18 @@ async def test_token_guards_control_rpcs_and_leaves_the_data_path_open(tmp_path)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="w"))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # calls that steer routing or reveal the fleet are protected by default too (issue #16)
+        for call in (stub.ReportLoad(pb.ReportLoadRequest(worker_id="w", queued_requests=999)),
+                     stub.EvictHint(pb.EvictHintRequest(worker_id="w", blocks=1))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in stub.ExportIndex(pb.ExportIndexRequest())]
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert daemon.router.workers.get("w").reported_queue == 0
+        # the scheme name is case-insensitive (RFC 7235)
+        await stub.EvictHint(pb.EvictHintRequest(worker_id="w", blocks=1), metadata=[("authorization", "bEARER s3cret-one")])
 
         # rotation: the file now accepts a new and an old token, then only the new one
         token_file.write_text("s3cret-two\ns3cret-one\n")

@@ -11,7 +11,7 @@ from kvrouterd.errors import ConfigError
 def test_defaults_are_off():
     cfg = parse_config({})
     assert cfg.metrics.listen == "" and not cfg.tls.enabled and not cfg.auth.enabled
-    assert cfg.auth.protect == ["RegisterWorker", "DeregisterWorker", "PublishEvents"]
+    assert cfg.auth.protect == ["RegisterWorker", "DeregisterWorker", "PublishEvents", "ReportLoad", "EvictHint", "ExportIndex"]
     assert cfg.reload_interval_s == 5.0
 
 

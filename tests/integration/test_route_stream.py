@@ -136,3 +136,15 @@ class TestWithAdmission:
                 break
             await asyncio.sleep(0.02)
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
+
+
+async def test_the_benchmark_stream_load_keeps_every_stream_full_and_gets_only_routes(running):
+    # kvrouterd bench's RouteStream load generator, briefly: it raises on any error reply
+    from kvrouterd.benchmarks.grpc_bench import _stream_load
+
+    await setup(running.stub)
+    result = await _stream_load(running.daemon.port, pb.RouteRequest(token_ids=PROMPT), 2, 3, 0.2)
+    assert result["calls"] > 6 and result["rps"] > 0
+    # every answer was a committed route, still in flight (the load never completes them; its
+    # unrecorded warm-up stream routed some more)
+    assert running.router.workers.inflight_count > result["calls"]

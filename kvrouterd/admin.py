@@ -1,5 +1,6 @@
 """``kvrouterd status``: what a running daemon holds: workers, their modes and states, index size.
 
+    kvrouterd status                          # the daemon on 127.0.0.1:50051
     kvrouterd status --target 10.0.0.7:50051
     kvrouterd status --target router:50051 --json
     kvrouterd status --target router:50051 --ca-file ca.crt [--cert-file c.crt --key-file c.key]
@@ -23,12 +24,18 @@ from ._generated.kvrouter.v1 import router_pb2_grpc
 
 __all__ = ["add_arguments", "fetch_stats", "format_stats", "run"]
 
+#: serve's default listen address
+DEFAULT_TARGET = "127.0.0.1:50051"
+
 _MODE = {pb.CACHE_STATE_MODE_EVENTS: "events", pb.CACHE_STATE_MODE_APPROXIMATE: "approximate"}
 _STATE = {pb.WORKER_STATE_READY: "ready", pb.WORKER_STATE_DEGRADED: "degraded", pb.WORKER_STATE_DRAINING: "draining"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the daemon's gRPC address")
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
+        help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, serve's default listen address)",
+    )
     parser.add_argument("--json", action="store_true", help="print the GetStats response as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     parser.add_argument("--ca-file", metavar="FILE", help="connect with TLS, trusting this CA bundle")

@@ -4,12 +4,15 @@
     kvrouterd bench      measure decision cost, gRPC throughput, ingest rate, memory
     kvrouterd policies   list routing/eviction policies and their parameters
     kvrouterd status     show a running daemon's workers, modes and index size
+    kvrouterd config     check a config file, or print the effective config
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -22,7 +25,44 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
     "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies"),
     "status": ("kvrouterd.admin", "show a running daemon's workers, modes and index size"),
+    "config": ("kvrouterd.config_cli", "check a config file, or print the effective config"),
 }
+
+#: reST markup in the docstrings that become help text: ``literal``, :role:`target`, `ref`_, trailing ::
+_REST_LITERAL = re.compile(r"``(.+?)``")
+_REST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_REST_REFERENCE = re.compile(r"`([^`<]+?)(?: <[^>]+>)?`_")
+_REST_LITERAL_BLOCK = re.compile(r"(\S)::$", re.MULTILINE)
+
+
+def plain_text(text: str | None) -> str | None:
+    """Help text as a terminal shows it: reST literal quotes, roles and link targets go."""
+    if not text:
+        return text
+    text = _REST_ROLE.sub(r"\1", text)
+    text = _REST_REFERENCE.sub(r"\1", text)
+    text = _REST_LITERAL.sub(r"\1", text)
+    return _REST_LITERAL_BLOCK.sub(r"\1:", text)
+
+
+def _strip_markup(parser: argparse.ArgumentParser) -> None:
+    """Every parser and subparser (the subcommands build their own) prints plain text."""
+    parser.description = plain_text(parser.description)
+    parser.epilog = plain_text(parser.epilog)
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = plain_text(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain_text(choice.help)
+            for child in set(action.choices.values()):
+                _strip_markup(child)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"kvrouterd {__version__} (Python {sys.version.split()[0]})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `kvrouterd COMMAND --help` for each command's options.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
@@ -39,12 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
+    _strip_markup(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except BrokenPipeError:
+        # `kvrouterd policies | head`: the reader left; say nothing more (and nothing at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -483,8 +483,43 @@ def load_config(
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     merged_overrides: dict[str, Any] = {}
+    from_env: dict[str, str] = {}  # dotted path -> the variable that set it
     for suffix, dotted in ENV_KEYS.items():
         if (value := env.get(ENV_PREFIX + suffix)) is not None:
             merged_overrides[dotted] = value
+            from_env[dotted] = ENV_PREFIX + suffix
+    for dotted in overrides or {}:
+        from_env.pop(dotted, None)  # a flag wins over the variable
     merged_overrides.update(overrides or {})
-    return parse_config(data, merged_overrides)
+    try:
+        cfg = parse_config(data, merged_overrides)
+    except ConfigError as exc:
+        raise ConfigError(_name_variable(str(exc), from_env, env)) from None
+    _reject_unknown_variables(env, cfg)
+    return cfg
+
+
+#: KVROUTERD_* variables that are not config keys: the config file, the pure-Python switch
+#: (kvrouterd.index.native) and the image's build argument
+NON_CONFIG_VARIABLES = frozenset({"CONFIG", "PURE_PYTHON", "EXTRAS"})
+
+
+def _reject_unknown_variables(env: Mapping[str, str], cfg: Config) -> None:
+    """A misspelt KVROUTERD_* variable would otherwise be silently ignored."""
+    known = {ENV_PREFIX + s for s in (*ENV_KEYS, *NON_CONFIG_VARIABLES)}
+    if cfg.auth.token_env:
+        known.add(cfg.auth.token_env)  # the token may live in a KVROUTERD_-named variable
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable {unknown[0]}; known: {', '.join(sorted(known - {cfg.auth.token_env}))}"
+        )
+
+
+def _name_variable(message: str, from_env: Mapping[str, str], env: Mapping[str, str]) -> str:
+    """Prefix an error about an env-sourced key with the variable and its value."""
+    for dotted, variable in sorted(from_env.items(), key=lambda kv: -len(kv[0])):
+        head = dotted.split(".")[0]
+        if message.startswith((dotted + ":", dotted + " ", head + ":")):
+            return f"{variable}={env[variable]!r}: {message}"
+    return message

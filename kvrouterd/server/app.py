@@ -12,10 +12,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import random
 import signal
+import socket
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -36,7 +38,7 @@ from ..index.workers import WorkerSpec
 from ..router import Router
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
-from ..telemetry.tracing import build_tracer_provider
+from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
 from . import convert
 from .admission import AdmissionGate
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
@@ -78,13 +80,14 @@ class Daemon:
         for w in config.workers:
             self.router.add_worker(w.to_spec(config.block_size))
         tel = config.telemetry
-        self.tracer_provider = build_tracer_provider(tel.service_name, tel.traces, span_exporter)
+        name = service_name(tel.service_name)
+        self.tracer_provider = build_tracer_provider(name, tel.traces, span_exporter)
         self.tracer = self.tracer_provider.get_tracer("kvrouterd") if self.tracer_provider else None
         #: Prometheus /metrics, fed by the same MeterProvider as OTLP (None when metrics.listen is empty)
         self.metrics_endpoint = MetricsEndpoint(config.metrics.listen) if config.metrics.listen else None
         if self.metrics_endpoint is not None:
             metric_readers = [*metric_readers, self.metrics_endpoint.reader]
-        self.meter_provider = build_meter_provider(tel.service_name, metric_readers)
+        self.meter_provider = build_meter_provider(name, metric_readers)
         #: scrape-time router metrics; event sources attach with ops_metrics.add_event_source
         self.ops_metrics = register_ops_metrics(self.meter_provider, self.router)
         #: SIGHUP / file-change reload of routing policy parameters
@@ -107,6 +110,8 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._maintenance: asyncio.Task[None] | None = None
+        #: start() completed (stop() after a failed start closes quietly)
+        self.serving = False
 
     def _server_options(self) -> list[tuple[str, int]]:
         lim = self.config.limits
@@ -121,6 +126,9 @@ class Daemon:
         """Bind, start serving and report SERVING. Returns the bound port (useful with :0)."""
         # read TLS files and tokens before creating the server, so bad ones fail with nothing to clean up
         interceptors = build_interceptors(self.config.auth)
+        if self.tracer is not None:
+            # first, so a call the token check refuses still has its span (installed only with tracing on)
+            interceptors.insert(0, ServerSpans(self.tracer))
         creds = None
         if self.config.tls.enabled:
             creds, self.certificates = server_credentials(self.config.tls)
@@ -140,8 +148,8 @@ class Daemon:
                 self.port = server.add_secure_port(self.config.listen, creds)
             else:
                 self.port = server.add_insecure_port(self.config.listen)
-        except RuntimeError as exc:
-            raise ConfigError(f"listen: cannot bind {self.config.listen}: {exc}") from None
+        except RuntimeError:
+            raise ConfigError(f"listen: cannot bind {self.config.listen}: {bind_problem(self.config.listen)}") from None
         if self.config.warm_from:
             # not ready until the index is copied from the peer: probes and balancers wait
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -162,6 +170,7 @@ class Daemon:
             self._watch = asyncio.create_task(self.reloader.watch(), name="kvrouterd-config-watch")
         for name in ("", READINESS_SERVICE, *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
         log.info(
             "serving",
             extra={"listen": self.config.listen, "port": self.port, "policy": self.router.default_routing,
@@ -300,7 +309,9 @@ class Daemon:
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
-        log.info("stopped")
+        if self.serving:
+            log.info("stopped")
+        self.serving = False
 
     async def run_until_signal(self, grace: float = 5.0) -> None:
         stop = asyncio.Event()
@@ -308,10 +319,37 @@ class Daemon:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.reloader.reload)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # close what started (the gRPC server, sources) while the loop runs: left to the
+            # garbage collector they print "Event loop is closed" tracebacks after our error line
+            await self.stop(0)
+            raise
         await stop.wait()
         log.info("shutting down")
         await self.stop(grace)
+
+
+def bind_problem(listen: str) -> str:
+    """Why gRPC could not bind ``listen`` (its own message only says that it failed)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as exc:
+        return f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                reason = {errno.EADDRINUSE: "the port is already in use",
+                          errno.EADDRNOTAVAIL: "the address is not assigned to this machine",
+                          errno.EACCES: "permission denied (ports below 1024 need privileges)"}
+                return reason.get(exc.errno or 0, exc.strerror or str(exc))
+    return "gRPC refused the address (GRPC_VERBOSITY=debug shows its reason)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -320,8 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", metavar="NAME", help="default routing policy (see `kvrouterd policies`)")
     parser.add_argument("--eviction-policy", metavar="NAME", help="eviction policy for hints and approximate mode")
     parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 16)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", choices=["text", "json"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log threshold (default info)")
+    parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each (default text)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
 
 

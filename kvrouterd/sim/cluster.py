@@ -572,13 +572,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="POLICY.FIELD=VALUE",
                    help="override one policy parameter (JSON value), repeatable")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--workers", type=int, default=8)
+    c.add_argument("--workers", type=int, default=8, help="simulated engine workers (default 8)")
     cap = c.add_mutually_exclusive_group()
     cap.add_argument("--capacity-blocks", type=int, default=None, help="KV cache per worker, blocks (0 = unbounded)")
     cap.add_argument("--capacity-fraction", type=float, default=None,
                      help="cluster KV cache as a share of the workload's distinct prompt blocks, split over workers")
-    c.add_argument("--cache-mode", choices=["events", "approximate"], default="events")
-    c.add_argument("--event-delay-ms", type=float, default=0.0)
+    c.add_argument("--cache-mode", choices=["events", "approximate"], default="events",
+                   help="how the router learns the caches: engine KV events, or its own prediction (default events)")
+    c.add_argument("--event-delay-ms", type=float, default=0.0, help="delay before an engine's KV events reach the router, ms")
     c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
     c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
     c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
@@ -591,9 +592,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the rest wait in the router (DualMap migrates them, A.1.2); 0 = off")
     e = parser.add_argument_group("engines")
     d = EngineParams()
-    e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model)
-    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens)
-    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms)
+    e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
+                   help=f"engine step-time model (default {d.prefill_model})")
+    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens,
+                   help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
+    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")
     e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
                    help="batched: decoding runs in the engine's steps beside prefill chunks (interference)")
     e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
@@ -603,8 +606,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "decoding request (vLLM's recompute) instead of waiting")
     e.add_argument("--cache-decode", action="store_true",
                    help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
-    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
-    e.add_argument("--max-running", type=int, default=d.max_running)
+    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help=f"prefill tokens per engine step, the chunked-prefill budget (default {d.max_batch_tokens})")
+    e.add_argument("--max-running", type=int, default=d.max_running,
+                   help=f"requests an engine runs at once (default {d.max_running}, vLLM's max_num_seqs)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print every number as JSON")
     o.add_argument("--out", type=Path, help="write report.md, results.json and PNG plots here")

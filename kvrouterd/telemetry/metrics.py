@@ -26,6 +26,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
+from ..errors import ConfigError
+
 __all__ = ["DecisionCounter", "Metrics", "RouteLatency", "build_meter_provider"]
 
 #: decisions take tens of microseconds to a few ms: the SDK's default buckets (0, 5, 10, ...) are for ms
@@ -42,7 +44,7 @@ def build_meter_provider(service_name: str, readers: Sequence[MetricReader] = ()
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
     elif name not in ("", "none"):
-        raise ValueError(f"unknown metrics exporter {name!r} (otlp, console or none)")
+        raise ConfigError(f"OTEL_METRICS_EXPORTER: unknown metrics exporter {name!r} (one of otlp, console, none)")
     return MeterProvider(resource=Resource.create({"service.name": service_name}), metric_readers=readers)
 
 

@@ -7,8 +7,16 @@ Policies never import a tracer: the server turns a ``Decision`` into span attrib
 candidate of a decision without one attribute per worker.
 
 Exporters are configured the standard OpenTelemetry way: ``OTEL_TRACES_EXPORTER``
-(``otlp``, ``console`` or ``none``) wins over the config's ``telemetry.traces``; the OTLP
-exporter reads ``OTEL_EXPORTER_OTLP_*``. Off by default.
+(``otlp``, ``console`` or ``none``) wins over the config's ``telemetry.traces``, and
+``OTEL_SERVICE_NAME`` over ``telemetry.service_name``; the OTLP exporter reads
+``OTEL_EXPORTER_OTLP_*``. Off by default.
+
+With tracing on, :class:`ServerSpans` (a grpc.aio server interceptor) opens one SERVER span
+per RPC with the ``rpc.*`` semantic-convention attributes, continuing the caller's trace from
+the W3C ``traceparent``/``tracestate`` (and ``baggage``) in its gRPC metadata through the
+OpenTelemetry propagation API (``OTEL_PROPAGATORS`` picks the formats). ``kvrouter.route``
+and the other spans are its children, so a gateway's trace runs on into the router. With
+tracing off the interceptor is not installed: Route pays nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +24,31 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from opentelemetry import trace
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 
+from ..errors import ConfigError
 from ..protocols import BatchOutcome, CacheMode, Decision, EventBatch
 from ..router import RouteResult
 
-__all__ = ["annotate_batch", "annotate_decision", "build_tracer_provider", "exporter_name"]
+__all__ = ["ServerSpans", "annotate_batch", "annotate_decision", "build_tracer_provider", "exporter_name", "service_name"]
+
+#: the exporters OTEL_TRACES_EXPORTER / telemetry.traces may name
+EXPORTERS = ("otlp", "console", "none")
+
+
+def service_name(configured: str, environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_SERVICE_NAME`` wins over the config's ``telemetry.service_name``, as the SDK's own
+    resource detector would have it (a Resource built with an explicit name would ignore it)."""
+    env = os.environ if environ is None else environ
+    return env.get("OTEL_SERVICE_NAME", "").strip() or configured
 
 
 def exporter_name(configured: str, environ: Mapping[str, str] | None = None) -> str:
@@ -43,6 +67,9 @@ def build_tracer_provider(
     ``exporter`` (tests) is attached with a synchronous processor so spans are visible at once.
     """
     name = exporter_name(configured_exporter)
+    if exporter is None and name not in EXPORTERS and name:
+        source = "OTEL_TRACES_EXPORTER" if os.environ.get("OTEL_TRACES_EXPORTER", "").strip() else "telemetry.traces"
+        raise ConfigError(f"{source}: unknown traces exporter {name!r} (one of {', '.join(EXPORTERS)})")
     if exporter is None and name in ("", "none"):
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
@@ -54,8 +81,6 @@ def build_tracer_provider(
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    else:
-        raise ValueError(f"unknown traces exporter {name!r} (otlp, console or none)")
     return provider
 
 
@@ -68,6 +93,7 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         "kvrouter.policy": d.policy,
         "kvrouter.reason": d.reason,
         "kvrouter.prompt_tokens": req.prompt_tokens,
+        "gen_ai.usage.input_tokens": req.prompt_tokens,
         "kvrouter.prompt_blocks": len(req.keys),
         "kvrouter.block_size": block_size,
         "kvrouter.chosen.worker_id": worker.id,
@@ -91,6 +117,8 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         attrs["kvrouter.estimated_ttft_ms"] = d.estimated_ttft_ms
     if req.session_id:
         attrs["kvrouter.session_id"] = req.session_id
+    if req.model:
+        attrs["gen_ai.request.model"] = req.model
     for k, v in d.attributes.items():
         attrs[f"kvrouter.policy.{k}"] = v
     span.set_attributes(attrs)  # type: ignore[arg-type]
@@ -112,3 +140,101 @@ def annotate_batch(span: trace.Span, batch: EventBatch, outcome: BatchOutcome) -
             "kvrouter.unknown_removals": outcome.unknown_removals,
         }
     )
+
+
+def _metadata_getter(metadata: Any) -> dict[str, str]:
+    """gRPC metadata as a carrier: keys are lower-case already; binary (-bin) values are not text."""
+    return {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+
+
+class ServerSpans(grpc.aio.ServerInterceptor):
+    """One SERVER span per RPC, a child of the caller's trace context from its metadata.
+
+    Attributes follow the OpenTelemetry RPC conventions: ``rpc.system`` = grpc,
+    ``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code``, and ``network.peer.address``.
+    The span's name is ``package.Service/Method``.
+    """
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self.tracer = tracer
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        full_method = handler_call_details.method  # "/kvrouter.v1.KVRouter/Route"
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        carrier = _metadata_getter(handler_call_details.invocation_metadata)
+        span_args = {
+            "name": f"{service}/{method}",
+            "kind": trace.SpanKind.SERVER,
+            "attributes": {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+            "record_exception": False,
+            "set_status_on_exception": False,
+        }
+        tracer = self.tracer
+
+        def traced(behavior: Callable[..., Any], streams_out: bool) -> Callable[..., Any]:
+            if streams_out and inspect.isasyncgenfunction(behavior):
+                async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                    with tracer.start_as_current_span(context=propagate.extract(carrier), **span_args) as span:
+                        _peer(span, context)
+                        try:
+                            async for response in behavior(request, context):
+                                yield response
+                        finally:
+                            _finish(span, context)
+                return stream
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with tracer.start_as_current_span(context=propagate.extract(carrier), **span_args) as span:
+                    _peer(span, context)
+                    try:
+                        return await behavior(request, context)
+                    finally:
+                        _finish(span, context)
+            return unary
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                traced(handler.unary_unary, False), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                traced(handler.unary_stream, True), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                traced(handler.stream_unary, False), handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            traced(handler.stream_stream, True), handler.request_deserializer, handler.response_serializer)
+
+
+def _peer(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
+    peer = context.peer() or ""  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678", "unix:..."
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, _, port = address.rpartition(":")
+        span.set_attribute("network.peer.address", host.strip("[]"))
+        if port.isdigit():
+            span.set_attribute("network.peer.port", int(port))
+
+
+def _finish(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
+    code = context.code()
+    if code is None:  # the handler returned normally: OK, or it raised (grpc maps that to UNKNOWN)
+        import sys
+
+        code = grpc.StatusCode.UNKNOWN if sys.exc_info()[0] not in (None, GeneratorExit) else grpc.StatusCode.OK
+    if isinstance(code, int):
+        number = code
+    else:
+        number = code.value[0]
+    span.set_attribute("rpc.grpc.status_code", number)
+    if number != 0:
+        details = context.details()
+        if isinstance(details, bytes):
+            details = details.decode(errors="replace")
+        span.set_status(trace.Status(trace.StatusCode.ERROR, details or None))

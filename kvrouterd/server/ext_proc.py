@@ -472,10 +472,13 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             e2e_ms=max(0.0, e2e_ms),
             success=200 <= ex.status < 300,
         )
+        routed = self.router.request(ex.request_id)
         try:
             entry = self.router.complete(completion)
             if self.admission is not None:
                 self.admission.on_complete(entry.worker_id)
+            if self.metrics is not None:
+                self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
         except NotFound:
             # already expired by the in-flight timeout, or its worker was removed
             log.debug("ext_proc completion for an unknown request", extra={"request_id": ex.request_id})

@@ -125,11 +125,14 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
+        routed = self.router.request(request.request_id)
         try:
-            entry = self.router.complete(convert.completion(request))
+            completion = convert.completion(request)
+            entry = self.router.complete(completion)
         except KVRouterError as exc:
             log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
             raise
+        self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id)
 

@@ -27,11 +27,28 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
 from opentelemetry.sdk.resources import Resource
 
 from ..errors import ConfigError
+from ..index.workers import InFlight
+from ..protocols import Completion
 
 __all__ = ["DecisionCounter", "Metrics", "RouteLatency", "build_meter_provider"]
 
 #: decisions take tens of microseconds to a few ms: the SDK's default buckets (0, 5, 10, ...) are for ms
 ROUTE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+#: TTFT and end-to-end times run from tens of ms to minutes
+REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def build_info() -> dict[str, str]:
+    """Labels of ``kvrouter.build.info``."""
+    import platform
+
+    from .. import __version__
+    from ..index import native
+
+    return {"version": __version__, "python": platform.python_version(),
+            "fast_path": "native" if native.module is not None else "pure_python"}
 
 
 def build_meter_provider(service_name: str, readers: Sequence[MetricReader] = ()) -> MeterProvider:
@@ -162,6 +179,47 @@ class Metrics:
         meter.create_observable_gauge(
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )
+
+        # what Complete reports: per worker and policy, with the model where the caller gave one
+        self.recording_completions = _has_readers(provider)
+        self.ttft = meter.create_histogram(
+            "kvrouter.request.ttft", unit="s", description="time to first token the caller observed, per worker and policy",
+            explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS,
+        )
+        self.e2e = meter.create_histogram(
+            "kvrouter.request.e2e", unit="s", description="end-to-end request time the caller observed, per worker and policy",
+            explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = meter.create_counter(
+            "kvrouter.completed.prompt_tokens",
+            description="prompt tokens of completed requests whose engine reported its cached tokens, per worker",
+        )
+        self.cached_tokens = meter.create_counter(
+            "kvrouter.completed.cached_tokens",
+            description="cached prompt tokens of the same requests: source=engine as observed, source=router as predicted",
+        )
+        meter.create_observable_gauge(
+            "kvrouter.build.info", [lambda _: [Observation(1, build_info())]],
+            description="always 1; the labels name the kvrouterd version, Python and the index fast path",
+        )
+
+    def completed(self, entry: InFlight, completion: Completion, model: str, block_size: int) -> None:
+        """One Complete: latencies the caller observed, and its engine's cache hit beside our prediction."""
+        if not self.recording_completions:
+            return
+        attributes = {"worker": entry.worker_id, "policy": entry.policy}
+        if model:
+            attributes["model"] = model
+        if completion.ttft_ms > 0:
+            self.ttft.record(completion.ttft_ms / 1000.0, attributes)
+        if completion.e2e_ms > 0:
+            self.e2e.record(completion.e2e_ms / 1000.0, attributes)
+        if completion.cached_tokens >= 0:  # -1: the engine did not say
+            per_worker = {"worker": entry.worker_id, **({"model": model} if model else {})}
+            predicted = min(entry.overlap_blocks * block_size, entry.prompt_tokens)
+            self.prompt_tokens.add(entry.prompt_tokens, per_worker)
+            self.cached_tokens.add(completion.cached_tokens, {**per_worker, "source": "engine"})
+            self.cached_tokens.add(predicted, {**per_worker, "source": "router"})
 
     def _collecting(self, options: CallbackOptions) -> Iterable[Observation]:
         # a collection runs every observable callback before it reads any instrument: flushing

@@ -153,3 +153,33 @@ async def test_event_source_replays_are_exported_per_worker(running):
 async def test_the_daemons_zmq_source_feeds_the_replay_metric(running):
     assert running.daemon.events is not None
     assert running.daemon.events.stats in running.daemon.ops_metrics.event_sources
+
+
+async def test_scrape_reports_what_complete_reports_per_worker_policy_and_model(running):
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(100, 100 + 8 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt[: 6 * BS], list(range(1, 7)))]))
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt, request_id="r1"))).worker_id == "a"
+    # the engine saw 4 blocks cached where the router predicted 6
+    await stub.Complete(pb.CompleteRequest(request_id="r1", ttft_ms=120.0, e2e_ms=900.0, cached_tokens=4 * BS))
+    await stub.Route(pb.RouteRequest(token_ids=prompt, request_id="r2", model="m1"))
+    await stub.Complete(pb.CompleteRequest(request_id="r2", ttft_ms=30.0, e2e_ms=400.0, cached_tokens=-1))  # engine did not say
+    _, _, text = await scrape(running)
+
+    labels = {"worker": "a", "policy": "cache_aware"}
+    # a request without a model: Prometheus shows the absent label as empty
+    assert sample(text, "kvrouter_request_ttft_seconds_count", **labels, model="") == 1
+    assert sample(text, "kvrouter_request_ttft_seconds_sum", **labels, model="") == pytest.approx(0.12)
+    assert sample(text, "kvrouter_request_e2e_seconds_sum", **labels, model="") == pytest.approx(0.9)
+    assert sample(text, "kvrouter_request_ttft_seconds_sum", **labels, model="m1") == pytest.approx(0.03)
+    assert sample(text, "kvrouter_request_e2e_seconds_bucket", **labels, model="m1", le="0.5") == 1
+    # only the completion whose engine reported cached tokens counts toward the hit rate
+    assert sample(text, "kvrouter_completed_prompt_tokens_total", worker="a") == 8 * BS
+    assert sample(text, "kvrouter_completed_cached_tokens_total", worker="a", source="engine") == 4 * BS
+    assert sample(text, "kvrouter_completed_cached_tokens_total", worker="a", source="router") == 6 * BS
+    assert 'model="m1"' not in "".join(line for line in text.splitlines() if line.startswith("kvrouter_completed_"))
+
+    import kvrouterd
+
+    assert sample(text, "kvrouter_build_info", version=kvrouterd.__version__) == 1

@@ -8,6 +8,7 @@ Engines: ``EventPublisher`` — stream KV-cache events, ``evict_hint()``, ``repo
 from __future__ import annotations
 
 from . import keys
+from ._channel import TLS
 from ._client import DEFAULT_STREAMS, DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
 from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
 from ._nats_publisher import NatsEventPublisher
@@ -44,6 +45,7 @@ __all__ = [
     "SnapshotFn",
     "Stored",
     "SyncRouterClient",
+    "TLS",
     "TaskCategory",
     "WorkerInfo",
     "WorkerState",

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from ._channel import channel_options
+from ._channel import TLS, channel_options, open_aio_channel, open_channel
 from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
@@ -113,7 +113,10 @@ def _fail_open(req: pb.RouteRequest, fallback: FallbackFn | None, err: KVRouterC
 class RouterClient:
     """Asynchronous client for gateways (``grpc.aio``). Use one per process; it is cheap to share.
 
-    ``target`` is ``host:port``; pass ``channel`` to bring your own (TLS, interceptors).
+    ``target`` is ``host:port``. ``tls=TLS(ca_file=..., cert_file=..., key_file=...)`` connects
+    with TLS (mutual with a client pair); ``token`` or ``token_file`` sends ``authorization:
+    Bearer <token>`` on every call (the router's ``auth`` section). Pass ``channel`` to bring
+    your own (then tls and token are yours to set on it).
     ``streams`` RouteStream calls carry route()/complete(); 0 = unary calls only.
     """
 
@@ -126,6 +129,9 @@ class RouterClient:
         channel: grpc.aio.Channel | None = None,
         options: Sequence[tuple[str, Any]] = (),
         streams: int = DEFAULT_STREAMS,
+        tls: TLS | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
     ) -> None:
         if channel is None and not target:
             raise ValueError("pass a target (host:port) or a channel")
@@ -134,7 +140,7 @@ class RouterClient:
         if streams < 0:
             raise ValueError("streams must be >= 0")
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(options, 0.1, 5.0))
+        self._channel = channel or open_aio_channel(target, channel_options(options, 0.1, 5.0), tls, token, token_file)
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
         self._streams = RouteStreams(self._channel, streams) if streams else None
         self.timeout = timeout
@@ -250,13 +256,16 @@ class SyncRouterClient:
         fallback: FallbackFn | None = None,
         channel: grpc.Channel | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls: TLS | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
     ) -> None:
         if channel is None and not target:
             raise ValueError("pass a target (host:port) or a channel")
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=channel_options(options, 0.1, 5.0))
+        self._channel = channel or open_channel(target, channel_options(options, 0.1, 5.0), tls, token, token_file)
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
         self.timeout = timeout
         self.fallback = fallback

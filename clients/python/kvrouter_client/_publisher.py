@@ -44,7 +44,7 @@ from typing import Any
 
 import grpc
 
-from ._channel import channel_options
+from ._channel import TLS, channel_options, open_aio_channel
 from ._client import DEFAULT_TIMEOUT_S
 from ._errors import RouterRejected, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
@@ -93,6 +93,9 @@ class EventPublisher:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 5.0,
         options: Sequence[tuple[str, Any]] = (),
+        tls: TLS | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
     ) -> None:
         if channel is None and not target and self._events_need_router:
             raise ValueError("pass a target (host:port) or a channel")
@@ -120,8 +123,9 @@ class EventPublisher:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self._own_channel = channel is None and bool(target)
-        self._channel = channel or (grpc.aio.insecure_channel(
-            target, options=channel_options(options, reconnect_initial_s, reconnect_max_s)) if target else None)
+        self._channel = channel or (open_aio_channel(
+            target, channel_options(options, reconnect_initial_s, reconnect_max_s), tls, token, token_file)
+            if target else None)
         self._stub = router_pb2_grpc.KVRouterStub(self._channel) if self._channel is not None else None
         self.stats = PublisherStats()
         self._pending: list[Event] = []

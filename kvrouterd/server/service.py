@@ -19,7 +19,7 @@ from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.zmq_source import ZmqEndpoint
 from ..index.workers import is_host_port
-from ..protocols import BatchOutcome, CacheMode, EventBatch
+from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
@@ -66,6 +66,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.max_batch_events = max_batch_events
         #: removed workers whose blocks are still being dropped (strong references to the tasks)
         self._draining: set[asyncio.Task[None]] = set()
+        #: (model, lora) namespaces engines have stored blocks under (a Route outside all of them
+        #: while some exist is a key mismatch, not a cold cache: _check_namespace)
+        self.stored_namespaces: set[tuple[str, str]] = set()
+        self._warned_namespaces: set[tuple[str, str]] = set()
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
@@ -84,6 +88,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 await self._reject(request, context, exc, None)
         d = result.decision
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        if not d.overlap_blocks and self.stored_namespaces:
+            self._check_namespace(request)
         return convert.route_response(result, router.block_size)
 
     async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None) -> RouteResult:
@@ -199,6 +205,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             return self._stream_route_error(msg, exc, None)
         d = result.decision
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        if not d.overlap_blocks and self.stored_namespaces:
+            self._check_namespace(request)
         return pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size))
 
     async def _stream_route_admitted(
@@ -228,7 +236,26 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 annotate_decision(span, result, router.block_size)
         d = result.decision
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        if not d.overlap_blocks and self.stored_namespaces:
+            self._check_namespace(request)
         await answer(pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size)))
+
+    def _check_namespace(self, request: pb.RouteRequest) -> None:
+        """A Route that matched nothing, under a model/LoRA no engine ever stored blocks for while
+        others did: almost surely the gateway and the engines name the model differently (keys are
+        salted with both), a silent 0% hit rate. Counted every time, logged once per namespace."""
+        namespace = (request.model, request.lora)
+        if namespace in self.stored_namespaces:
+            return
+        self.metrics.namespace_misses.add(1, {"model": request.model, "lora": request.lora})
+        if namespace not in self._warned_namespaces:
+            self._warned_namespaces.add(namespace)
+            known = ", ".join(f"model={m!r} lora={lo!r}" for m, lo in sorted(self.stored_namespaces))
+            log.warning(
+                "Route for model=%r lora=%r: no engine has stored blocks under that name, only under %s; "
+                "gateways and engines must pass the same model and lora (they salt the block keys)",
+                request.model, request.lora, known,
+            )
 
     def _stream_route_error(
         self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None
@@ -284,6 +311,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.metrics.event_batches.add(1, {"outcome": "applied"})
         if outcome.blocks_stored:
             self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
+            namespaces = self.stored_namespaces
+            for ev in batch.events:
+                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces:
+                    namespaces.add((ev.model, ev.lora))
         if outcome.blocks_removed:
             self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
         if outcome.gap or outcome.restarted:

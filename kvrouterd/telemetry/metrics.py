@@ -180,6 +180,10 @@ class Metrics:
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )
 
+        self.namespace_misses = meter.create_counter(
+            "kvrouter.route.namespace_misses",
+            description="Routes that matched nothing under a model/LoRA no engine stored blocks for, while others did",
+        )
         # what Complete reports: per worker and policy, with the model where the caller gave one
         self.recording_completions = _has_readers(provider)
         self.ttft = meter.create_histogram(

@@ -183,3 +183,28 @@ async def test_scrape_reports_what_complete_reports_per_worker_policy_and_model(
     import kvrouterd
 
     assert sample(text, "kvrouter_build_info", version=kvrouterd.__version__) == 1
+
+
+async def test_a_route_under_a_namespace_no_engine_stored_is_counted_and_logged_once(running, caplog):
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(100, 100 + 4 * BS))
+    # no events yet: a cold cache is not a mismatch
+    await stub.Route(pb.RouteRequest(token_ids=prompt, model="llama"))
+    event = stored(prompt, list(range(1, 5)))
+    event.stored.model = "llama"
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[event]))
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt, model="llama"))).matched_blocks == 4
+    with caplog.at_level("WARNING", logger="kvrouterd"):
+        for _ in range(3):  # the gateway forgot the model name: keys in another namespace
+            await stub.Route(pb.RouteRequest(token_ids=prompt))
+        call = stub.RouteStream()
+        await call.write(pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids=prompt, lora="x")))
+        assert (await call.read()).route.worker_id == "a"
+        await call.done_writing()
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_route_namespace_misses_total", model="", lora="") == 3
+    assert sample(text, "kvrouter_route_namespace_misses_total", model="", lora="x") == 1
+    assert "kvrouter_route_namespace_misses_total{lora=\"\",model=\"llama\"}" not in text
+    warnings = [r.getMessage() for r in caplog.records if "no engine has stored blocks" in r.getMessage()]
+    assert len(warnings) == 2 and "only under model='llama' lora=''" in warnings[0]

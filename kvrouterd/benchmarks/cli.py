@@ -34,8 +34,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+class _Steps:
+    """Progress over the benchmark's steps: a tqdm bar when stderr is a terminal, otherwise one
+    timestamped line per step (logs and CI keep a record, with no carriage returns)."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, unit="step", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False,
+                         dynamic_ncols=True)
+        self._started = False
+
+    def __call__(self, msg: str) -> None:
+        if self._bar.disable:
+            print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+            return
+        if self._started:
+            self._bar.update(1)  # the previous step is done
+        self._started = True
+        self._bar.set_description_str(msg)
+
+    def close(self) -> None:
+        if self._started:
+            self._bar.update(1)
+        self._bar.close()
 
 
 def _memory_in_subprocess(blocks: int, engine_hashes: bool) -> dict[str, float]:
@@ -60,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else max(1, args.rounds)
     from ..index import native
 
+    steps = {"decision": 2, "grpc": rounds, "ingest": 1, "memory": 1}
+    _progress = _Steps(sum(steps[stage] for stage in set(stages)))
     result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16,
                                  "native": native.module is not None}
     rows: list[tuple[str, str]] = [("block keys, match walk, engine-hash map", native.status)]
@@ -133,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("memory per block (publisher uses our keys)", f"{ours['bytes_per_block']:.0f} B"))
         rows.append(("memory per block (+ engine-hash map, vLLM/SGLang)", f"{engine['bytes_per_block']:.0f} B"))
 
+    _progress.close()
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,6 +1,10 @@
 """Replay a Mooncake-format trace into one cache and report its prefix hit ratio.
 
     kvrouterd sim cache --trace FILE --eviction lru --capacity-blocks 10000 [--json]
+    kvrouterd sim cache --trace FILE --eviction lru --capacity-blocks 100,1000,10000 --out DIR
+
+With several capacities each is replayed in turn; ``--out DIR`` writes ``cache.md`` (the
+table), ``results.json`` and ``hit_ratio_vs_capacity.png``.
 
 The cache is the daemon's own: a ``Router`` with one approximate-mode worker of
 ``--capacity-blocks`` blocks, whose cache model is the real ``RadixIndex`` plus the named
@@ -158,14 +162,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eviction policy name (see `kvrouterd policies --kind eviction`)")
     parser.add_argument("--eviction-param", action="append", default=[], metavar="KEY=VALUE",
                         help="policy parameter override (JSON value), repeatable")
-    parser.add_argument("--capacity-blocks", required=True, type=int, help="cache size in blocks (0 = unbounded)")
+    parser.add_argument("--capacity-blocks", required=True, type=_capacities, metavar="N[,N..]",
+                        help="cache size in blocks (0 = unbounded); a comma list replays each")
     parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, help="tokens per hash id")
     parser.add_argument("--session-block", type=int, default=None, metavar="K",
                         help="session id = the K-th hash id of each request (default: no sessions)")
     parser.add_argument("--task", choices=[t.name.lower() for t in TaskCategory], default="unspecified",
                         help="task category of every request")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list with several capacities)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="write cache.md (table), results.json and hit_ratio_vs_capacity.png here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block counts like 100,1000, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"capacities must be >= 0, got {text!r}")
+    return values
 
 
 def _eviction_spec(name: str, overrides: list[str]) -> str | dict[str, Any]:
@@ -183,37 +200,66 @@ def _eviction_spec(name: str, overrides: list[str]) -> str | dict[str, Any]:
     return spec
 
 
-def _progress_printer(total: int, out: TextIO) -> Callable[[int], None]:
-    last = [time.monotonic()]
+def _progress_bar(total: int, label: str, out: TextIO) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A tqdm bar on ``out`` (off when it is not a terminal): (update to n done, close)."""
+    from tqdm import tqdm
 
-    def report(done: int) -> None:
-        t = time.monotonic()
-        if t - last[0] >= 2.0:
-            last[0] = t
-            print(f"sim cache: {done}/{total} requests ({100 * done / max(total, 1):.0f}%)", file=out, flush=True)
+    bar = tqdm(total=total, desc=label, unit="req", file=out, disable=not out.isatty(), leave=False,
+               dynamic_ncols=True)
 
-    return report
+    def update(done: int) -> None:
+        bar.update(done - bar.n)
+
+    return update, bar.close
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         spec = _eviction_spec(args.eviction, args.eviction_param)
         registry.build("eviction", spec)  # fail on a bad name or parameter before reading the trace
-        if args.capacity_blocks < 0:
-            raise ConfigError(f"--capacity-blocks must be >= 0, got {args.capacity_blocks}")
         if args.block_tokens <= 0:
             raise ConfigError(f"--block-tokens must be > 0, got {args.block_tokens}")
         trace = list(read_trace(args.trace))
-        progress = None if args.quiet else _progress_printer(len(trace), sys.stderr)
-        result = replay(trace, spec, args.capacity_blocks, block_tokens=args.block_tokens,
-                        session_block=args.session_block, task=TaskCategory[args.task.upper()], progress=progress)
+        results = []
+        for capacity in args.capacity_blocks:
+            update, close = _progress_bar(len(trace), f"{args.eviction} @ {capacity} blocks",
+                                          sys.stderr if not args.quiet else _Silent())
+            try:
+                results.append(replay(trace, spec, capacity, block_tokens=args.block_tokens,
+                                      session_block=args.session_block, task=TaskCategory[args.task.upper()],
+                                      progress=update))
+            finally:
+                close()
     except (KVRouterError, ValueError, OSError) as exc:
         print(f"kvrouterd sim cache: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.as_dict()))
+        docs = [r.as_dict() for r in results]
+        print(json.dumps(docs[0] if len(docs) == 1 else docs))
     else:
-        print(f"hit ratio {100 * result.hit_ratio:.2f}% ({result.hit_blocks} of {result.blocks} prompt blocks, "
-              f"{result.requests} requests; eviction {result.eviction}, capacity {result.capacity_blocks} blocks, "
-              f"{result.evicted_blocks} evicted, {result.elapsed_s:.1f} s)")
+        for result in results:
+            print(f"hit ratio {100 * result.hit_ratio:.2f}% ({result.hit_blocks} of {result.blocks} prompt blocks, "
+                  f"{result.requests} requests; eviction {result.eviction}, capacity {result.capacity_blocks} blocks, "
+                  f"{result.evicted_blocks} evicted, {result.elapsed_s:.1f} s)")
+    if args.out is not None:
+        from . import report
+
+        meta = {"workload": args.trace.name, "eviction": args.eviction, "block_tokens": args.block_tokens,
+                "command": "kvrouterd " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["sim"] else ""}
+        for path in report.write_cache([r.as_dict() for r in results], meta, args.out):
+            if not args.json:
+                print(f"wrote {path}")
     return 0
+
+
+class _Silent:
+    """stderr for --quiet: never a terminal, so the bar stays off."""
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass

@@ -487,33 +487,36 @@ def simulate(cfg: Config, workload: Workload, settings: ClusterSettings, *, rout
 # ---- sweeps ---------------------------------------------------------------------------------
 
 class _Progress:
-    """A one-line progress bar on stderr: runs done and the current run's share."""
+    """A tqdm progress bar on stderr: runs done (fractional within the current run) and its label.
+    Off when ``out`` is None or not a terminal, so logs and CI output stay clean."""
 
     def __init__(self, total: int, out: TextIO | None) -> None:
-        self.total, self.out, self.done, self.label = total, out, 0, ""
-        self.started = time.monotonic()
-        self._last = 0.0
+        from tqdm import tqdm
+
+        self.total, self.done, self.label = total, 0, ""
+        self.out = out
+        self._bar = tqdm(total=total, unit="run", file=out, disable=out is None or not out.isatty(),
+                         bar_format="{l_bar}{bar}| {n:.1f}/{total} runs [{elapsed}<{remaining}]", dynamic_ncols=True)
 
     def start(self, label: str) -> None:
         self.label = label
+        self._bar.set_description_str(label[:60], refresh=False)
         self.update(0.0)
 
     def update(self, frac: float) -> None:
-        now = time.monotonic()
-        if self.out is None or (0.0 < frac and now - self._last < 0.25):
-            return
-        self._last = now
-        overall = (self.done + frac) / max(self.total, 1)
-        bar = "#" * int(30 * overall)
-        elapsed = time.monotonic() - self.started
-        self.out.write(f"\r[{bar:<30}] {self.done}/{self.total} runs {elapsed:5.0f}s  {self.label[:60]:<60}")
-        self.out.flush()
+        self._bar.n = self.done + frac
+        if frac == 0.0:
+            self._bar.refresh()
+        else:
+            self._bar.update(0)  # redraws at tqdm's own pace (mininterval)
 
     def finish_run(self) -> None:
         self.done += 1
+        if self.label:
+            self._bar.set_description_str(self.label[:60], refresh=False)
         self.update(0.0)
-        if self.done == self.total and self.out is not None:
-            self.out.write("\n")
+        if self.done == self.total:
+            self._bar.close()
 
 
 def sweep(cfg: Config, workload_for: Callable[[int, float | None], Workload], settings: ClusterSettings,

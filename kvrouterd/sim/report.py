@@ -19,10 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from .metrics import goodput, percentile
 
+#: SLO attainment a rate must reach to count toward goodput (metrics.goodput's default)
+GOODPUT_ATTAINMENT = 0.9
+
 if TYPE_CHECKING:
     from .cluster import RunResult
 
-__all__ = ["build", "markdown", "table", "write"]
+__all__ = ["build", "markdown", "table", "write", "write_cache"]
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _DASHES = ("-", "--", "-.", ":")
@@ -119,29 +122,42 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = (), note: str = "") -> 
     return "\n".join(out) + "\n"
 
 
+def _setting(doc: dict[str, Any]) -> str:
+    """What every plot's title names: workload, workers, capacity per worker."""
+    meta = doc["meta"]
+    capacities = sorted({r["capacity_blocks"] for r in doc["runs"]})
+    capacity = ", ".join(f"{c:,}" if c else "unbounded" for c in capacities)
+    return f"{meta.get('workload', '?')}, {meta.get('workers', '?')} workers, {capacity} blocks/worker"
+
+
 def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list[str]:
+    """Plots in the tables' units: times in ms, shares in %, the SLO drawn as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
+    setting = _setting(doc)
+    slo_ms = doc["runs"][0]["slo_ms"] if doc["runs"] else 0
     rates = sorted({r.rate for r in results})
     for rate in rates:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         by_pair: dict[str, list[float]] = defaultdict(list)
         for r in results:
             if r.rate == rate:
-                by_pair[f"{r.routing}+{r.eviction}"] += [x.ttft_s for x in r.records if not math.isnan(x.ttft_s)]
+                by_pair[f"{r.routing}+{r.eviction}"] += [1000 * x.ttft_s for x in r.records if not math.isnan(x.ttft_s)]
         for j, (pair, ttfts) in enumerate(sorted(by_pair.items())):
             xs = sorted(ttfts)
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], linestyle=_DASHES[j % len(_DASHES)], label=pair)
-        if by_pair:
-            hi = max(percentile(v, 99) for v in by_pair.values() if v)
-            ax.set_xlim(0, hi * 1.05 if hi > 0 else 1)
-        ax.set_xlabel("TTFT (s)")
-        ax.set_ylabel("share of requests")
-        ax.set_title(f"TTFT CDF, rate {rate:g} req/s" if rate else "TTFT CDF")
+            ax.plot(xs, [100 * (i + 1) / len(xs) for i in range(len(xs))], linestyle=_DASHES[j % len(_DASHES)], label=pair)
+        hi = max((percentile(v, 99) for v in by_pair.values() if v), default=0.0)
+        if slo_ms:
+            ax.axvline(slo_ms, color="red", linewidth=1, label=f"TTFT SLO {_fmt(slo_ms)} ms")
+        ax.set_xlim(0, max(hi, slo_ms) * 1.05 or 1)
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("requests (%)")
+        ax.set_title(f"TTFT CDF at {rate:g} req/s\n{setting}" if rate else f"TTFT CDF\n{setting}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         name = out / (f"ttft_cdf_rate{rate:g}.png" if rate else "ttft_cdf.png")
@@ -150,8 +166,8 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
         plt.close(fig)
         written.append(str(name))
     if len(rates) > 1:
-        for key, label, fname in (("slo_attainment", "SLO attainment", "attainment_vs_rate.png"),
-                                  ("hit_ratio", "prefix hit ratio", "hit_ratio_vs_rate.png")):
+        for key, label, fname in (("slo_attainment", "SLO attainment (%)", "attainment_vs_rate.png"),
+                                  ("hit_ratio", "prefix hit (%)", "hit_ratio_vs_rate.png")):
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
             series: dict[str, list[tuple[float, float]]] = defaultdict(list)
             for row in doc["aggregate"]:
@@ -159,8 +175,15 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
             for i, (pair, pts) in enumerate(sorted(series.items())):
                 pts.sort()
                 # overlapping series stay distinguishable by marker and dash
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
                         linestyle=_DASHES[i % len(_DASHES)], label=pair)
+            if key == "slo_attainment":
+                # goodput is the highest rate at or above this line
+                ax.axhline(100 * GOODPUT_ATTAINMENT, color="red", linewidth=1,
+                           label=f"{100 * GOODPUT_ATTAINMENT:g}% within the {_fmt(slo_ms)} ms TTFT SLO")
+            ax.set_ylim(0, 100)
+            ax.set_xlim(left=0)
+            ax.set_title(f"{label.split(' (')[0]} vs request rate\n{setting}", fontsize=10)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
@@ -183,3 +206,64 @@ def write(doc: dict[str, Any], results: Sequence[RunResult], out: Path) -> list[
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "report.md").write_text(markdown(doc, plots, note))
     return [str(out / "report.md"), str(out / "results.json"), *plots]
+
+
+_CACHE_COLUMNS = ("capacity (blocks)", "hit %", "hit blocks", "prompt blocks", "evicted blocks", "requests")
+
+
+def cache_table(results: Sequence[dict[str, Any]]) -> str:
+    """``sim cache`` results as a Markdown table, one row per capacity."""
+    lines = ["| " + " | ".join(_CACHE_COLUMNS) + " |", "|" + "---|" * len(_CACHE_COLUMNS)]
+    for r in sorted(results, key=lambda r: r["capacity_blocks"] or math.inf):
+        lines.append("| " + " | ".join((
+            _fmt(r["capacity_blocks"]) if r["capacity_blocks"] else "unbounded", _fmt(100 * r["hit_ratio"], 2),
+            _fmt(r["hit_blocks"]), _fmt(r["blocks"]), _fmt(r["evicted_blocks"]), _fmt(r["requests"]),
+        )) + " |")
+    return "\n".join(lines)
+
+
+def write_cache(results: Sequence[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[str]:
+    """Write ``sim cache``'s cache.md, results.json and hit_ratio_vs_capacity.png into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    eviction = meta.get("eviction", results[0]["eviction"] if results else "?")
+    title = f"Prefix hit ratio vs cache capacity, {eviction}\n{meta.get('workload', '?')}, 1 worker"
+    written = []
+    note = ""
+    bounded = [r for r in results if r["capacity_blocks"] > 0]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        pts = sorted((r["capacity_blocks"], 100 * r["hit_ratio"]) for r in bounded)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=eviction)
+        for r in results:
+            if not r["capacity_blocks"]:  # unbounded: the ceiling every capacity approaches
+                ax.axhline(100 * r["hit_ratio"], color="grey", linestyle="--", linewidth=1, label="unbounded cache")
+        if len(pts) > 1 and pts[-1][0] / max(pts[0][0], 1) >= 20:
+            ax.set_xscale("log")
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("cache capacity (blocks)")
+        ax.set_ylabel("hit %")
+        capacities = ", ".join(f"{c:,}" for c, _ in pts) or "unbounded"
+        ax.set_title(f"{title}, capacity {capacities} blocks", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "hit_ratio_vs_capacity.png", dpi=110)
+        plt.close(fig)
+        written.append(str(out / "hit_ratio_vs_capacity.png"))
+    except ImportError:
+        note = "(plot skipped: matplotlib is not installed; `pip install kvrouterd[sim]`)"
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": list(results)}, indent=1))
+    md = [f"# Cache simulation: {meta.get('workload', '?')}, eviction {eviction}", ""]
+    if meta.get("command"):
+        md += ["Command:", "", f"    {meta['command']}", ""]
+    md += ["One cache (1 worker); hit % = prefix-hit blocks / prompt blocks.", "", cache_table(results)]
+    md += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in written]
+    if note:
+        md += ["", note]
+    (out / "cache.md").write_text("\n".join(md) + "\n")
+    return [str(out / "cache.md"), str(out / "results.json"), *written]

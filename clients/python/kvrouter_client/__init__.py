@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import keys
 from ._channel import TLS
 from ._client import DEFAULT_STREAMS, DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
+from ._fanout import FanOutPublisher
 from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
 from ._nats_publisher import NatsEventPublisher
 from ._publisher import EventPublisher, SnapshotFn
@@ -35,6 +36,7 @@ __all__ = [
     "NatsEventPublisher",
     "EvictAdvice",
     "FallbackFn",
+    "FanOutPublisher",
     "KVRouterClientError",
     "PublisherStats",
     "Removed",

@@ -1,6 +1,7 @@
 """``kvrouterd`` command line: one subcommand per module, imported only when used.
 
     kvrouterd serve      run the gRPC daemon
+    kvrouterd bridge     read ZMQ engine events once, republish them on the NATS bus
     kvrouterd bench      measure decision cost, gRPC throughput, ingest rate, memory
     kvrouterd policies   list routing/eviction policies and their parameters
     kvrouterd status     show a running daemon's workers, modes and index size
@@ -21,6 +22,7 @@ __all__ = ["SUBCOMMANDS", "main"]
 #: name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvrouterd.server.app", "run the gRPC daemon"),
+    "bridge": ("kvrouterd.server.bridge", "read ZMQ engine events once, republish them on the NATS bus (events.bus)"),
     "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory"),
     "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
     "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies"),

@@ -35,9 +35,13 @@ from typing import Any
 from ..errors import BusUnavailable, ConfigError, KVRouterError
 from ..protocols import BatchOutcome, EventBatch
 
-__all__ = ["BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "worker_subject"]
+__all__ = ["BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "worker_subject"]
 
 log = logging.getLogger("kvrouterd.events.nats")
+
+#: header of the messages ``kvrouterd bridge`` publishes for ZMQ engines (events.bridge):
+#: their body is the bridge's own encoding, read by the ``bridged`` callback, not ``decode``
+BRIDGE_HEADER = "Kvrouter-Bridge"
 
 _TOKEN_SAFE = re.compile(r"[A-Za-z0-9_\-]")
 
@@ -146,17 +150,20 @@ class BusEventSource:
     """One replica's reader of the shared event stream.
 
     ``decode(bytes) -> EventBatch`` and ``apply(EventBatch) -> BatchOutcome`` are the host's
-    (the daemon passes ``convert`` and ``KVRouterService.apply_batch``)."""
+    (the daemon passes ``convert`` and ``KVRouterService.apply_batch``); ``bridged(bytes)``
+    takes the messages ``kvrouterd bridge`` publishes for ZMQ engines (``events.bridge``)."""
 
     def __init__(
         self,
         config: NatsBusConfig,
         decode: Callable[[bytes], EventBatch],
         apply: Callable[[EventBatch], BatchOutcome],
+        bridged: Callable[[bytes], BatchOutcome] | None = None,
     ) -> None:
         self.config = config
         self._decode = decode
         self._apply = apply
+        self._bridged = bridged
         self.stats = BusStats()
         #: set once every message in the stream at start has been applied
         self.caught_up = asyncio.Event()
@@ -264,8 +271,10 @@ class BusEventSource:
         self.stats.last_stream_sequence = seq
         self.stats.messages += 1
         try:
-            batch = self._decode(msg.data)
-            outcome = self._apply(batch)
+            if self._bridged is not None and msg.headers and BRIDGE_HEADER in msg.headers:
+                outcome = self._bridged(msg.data)
+            else:
+                outcome = self._apply(self._decode(msg.data))
         except KVRouterError as exc:
             self.stats.rejected += 1
             log.warning("event batch from the bus rejected: %s", exc, extra={"subject": msg.subject})

@@ -31,6 +31,7 @@ from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, InvalidRequest, KVRouterError
+from ..events.bridge import BridgedEvents
 from ..events.nats_bus import BusEventSource
 from ..events.zmq_source import ZmqEventSource
 from ..index import native
@@ -183,13 +184,21 @@ class Daemon:
     async def _start_membership_sources(self) -> None:
         """ZMQ subscribers follow membership; Kubernetes discovery feeds it. With discovery on,
         the first pod listing is applied before the daemon reports SERVING."""
-        self.events = ZmqEventSource(
-            self.config.events,
-            apply=lambda batch: self.service.apply_batch(batch, per_event=True),
-            reset=lambda worker_id, lost: self.router.reset_events(worker_id, lost=lost),
-            rejected=lambda worker_id, counts, lost: self.router.note_rejected_events(worker_id, counts, lost_removal=lost),
-        )
-        self.ops_metrics.add_event_source(self.events.stats)
+        if self.config.events.bus.enabled:
+            # ZMQ engines reach replicas through `kvrouterd bridge` (events/bridge.py), which
+            # reads each engine once; subscribing here too would apply every batch twice
+            zmq_workers = [w.id for w in self.router.workers if w.spec.kv_events_endpoint]
+            if zmq_workers:
+                log.info("events.bus is on: ZMQ endpoints are read by `kvrouterd bridge`, not by this replica",
+                         extra={"workers": zmq_workers})
+        else:
+            self.events = ZmqEventSource(
+                self.config.events,
+                apply=lambda batch: self.service.apply_batch(batch, per_event=True),
+                reset=self._reset_events,
+                rejected=self._note_rejected,
+            )
+            self.ops_metrics.add_event_source(self.events.stats)
         self.service.on_membership_change = self._membership_changed
         self._membership_changed()
         k8s = self.config.discovery.kubernetes
@@ -210,6 +219,9 @@ class Daemon:
             self.config.events.bus,
             decode=lambda data: convert.event_batch_bytes(data, max_events),
             apply=self.service.apply_batch,
+            # what `kvrouterd bridge` publishes: the calls its ZMQ source made, replayed here
+            bridged=BridgedEvents(lambda batch: self.service.apply_batch(batch, per_event=True),
+                                  self._reset_events, self._note_rejected, max_events),
         )
         try:
             await self.bus.connect()
@@ -232,6 +244,12 @@ class Daemon:
         interval = self.config.events.bus.snapshot_interval_s
         if interval:
             self._snapshots = asyncio.create_task(self._snapshot_periodically(interval), name="kvrouterd-bus-snapshots")
+
+    def _reset_events(self, worker_id: str, lost: bool) -> None:
+        self.router.reset_events(worker_id, lost=lost)
+
+    def _note_rejected(self, worker_id: str, counts: Mapping[str, int], lost: bool) -> None:
+        self.router.note_rejected_events(worker_id, counts, lost_removal=lost)
 
     async def _snapshot_periodically(self, interval: float) -> None:
         assert self.bus is not None

@@ -1,0 +1,406 @@
+"""Bridge vLLM / SGLang ZMQ KV events onto the NATS event bus: each engine is read once.
+
+Topology (docs/deploy.md, "ZMQ engines on the bus"): one ``kvrouterd bridge`` process
+subscribes to every engine's ZMQ publisher with the daemon's own ``ZmqEventSource`` (its
+sequencing, gap replay and restart detection, unchanged) and, instead of applying what that
+source hands over, publishes it into the JetStream stream. Every replica follows the stream
+(``nats_bus.BusEventSource``) and replays the three calls the source makes, in the same
+order, on its own router:
+
+* ``apply(batch)``: the decoded batch (sequence numbered 0, 1, ... by the source after each
+  reset, a ``Cleared`` first when the source rebuilds the view);
+* ``reset(worker, lost)``: the source replayed or joined the engine (``lost=False``) or lost
+  events beyond replay (``lost=True``: the worker is cleared and DEGRADED on every replica);
+* ``rejected(worker, counts, lost_removal)``: events the adapter could not decode (a lost
+  removal degrades the worker until the source's resync).
+
+So a replica ends exactly where a daemon subscribing to the engine itself would, and a gap
+the bridge could not replay reaches every replica as DEGRADED instead of vanishing.
+
+Wire: one JetStream message per call on the worker's subject, with the header
+``Kvrouter-Bridge: 1`` and a msgpack body (``encode_*`` / ``decode_bridged``). Not the
+protobuf ``EventBatch``: engine events carry fields it does not (hybrid KV groups, vLLM's
+multimodal extra keys), and the resets and rejection counts have no protobuf form. Message ids
+(``Nats-Msg-Id``: ``bridge.<run>.<n>``) let the stream drop a publish retried after a NATS
+outage.
+
+Only one bridge may publish for an engine: two would each number the worker's batches from
+0 and interleave them. Run it as a single-replica Deployment (``strategy: Recreate``; the Helm
+chart's ``bridge.enabled``). A bridge that restarts joins each engine again (reset, replay
+from 0 with ``Cleared``), so replicas rebuild the worker's view rather than trust it.
+
+Back-pressure: publishes wait for JetStream's acknowledgement, one at a time, so the stream
+holds the calls in the order they were made. Calls made while NATS is slow or away queue up
+to ``max_pending``; past that a worker's batches are dropped, replicas are told the worker
+lost events (``reset lost``: cleared, DEGRADED), and once the queue has drained to half the
+worker's subscriber is started again, which rejoins the engine by replay and makes it READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ..errors import BusUnavailable, InvalidRequest
+from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
+from .nats_bus import BRIDGE_HEADER, NatsBusConfig, connect, ensure_stream, worker_subject
+from .zmq_source import ZmqEventsConfig, ZmqEventSource, _WorkerLike
+
+__all__ = [
+    "BRIDGE_HEADER",
+    "BridgeStats",
+    "BridgedEvents",
+    "BusBridge",
+    "decode_bridged",
+    "encode_batch",
+    "encode_rejected",
+    "encode_reset",
+]
+
+log = logging.getLogger("kvrouterd.events.bridge")
+
+#: the value of ``BRIDGE_HEADER``: the version of the body layout below (for a future change)
+WIRE_VERSION = "1"
+_OP_EVENTS, _OP_RESET, _OP_REJECTED = 0, 1, 2
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+_U64 = (1 << 64) - 1
+
+#: calls queued for NATS before a worker's batches are dropped (and it is resynced)
+DEFAULT_MAX_PENDING = 100_000
+
+
+# ---- wire ------------------------------------------------------------------------------------
+def _event(ev: CacheEvent) -> list[Any]:
+    if isinstance(ev, Stored):
+        tokens = ev.token_ids if isinstance(ev.token_ids, bytes) else _u32_bytes(ev.token_ids)
+        return [_STORED, tokens, None if ev.engine_hashes is None else list(ev.engine_hashes), ev.parent_engine_hash,
+                ev.block_size, ev.model, ev.lora, ev.group, ev.group_kind, ev.salt,
+                None if ev.extra_hashes is None else list(ev.extra_hashes)]
+    if isinstance(ev, Removed):
+        return [_REMOVED, list(ev.engine_hashes), ev.group]
+    return [_CLEARED]
+
+
+def _u32_bytes(tokens: Iterable[int]) -> bytes:
+    from array import array
+
+    out = array("I", tokens)
+    if out.itemsize != 4:  # pragma: no cover - every platform we build for has 4-byte unsigned int
+        raise InvalidRequest("this platform's array('I') is not 32-bit")
+    return out.tobytes()
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """A batch the ZMQ source handed over, as the bridge publishes it."""
+    return msgpack.packb([_OP_EVENTS, batch.worker_id, batch.sequence, [_event(ev) for ev in batch.events]])
+
+
+def encode_reset(worker_id: str, lost: bool) -> bytes:
+    return msgpack.packb([_OP_RESET, worker_id, bool(lost)])
+
+
+def encode_rejected(worker_id: str, counts: Mapping[str, int], lost_removal: bool) -> bytes:
+    return msgpack.packb([_OP_REJECTED, worker_id, dict(counts), bool(lost_removal)])
+
+
+@dataclass(frozen=True)
+class Reset:
+    worker_id: str
+    lost: bool
+
+
+@dataclass(frozen=True)
+class Rejected:
+    worker_id: str
+    counts: dict[str, int]
+    lost_removal: bool
+
+
+def _int(value: Any, what: str, hi: int = _U64) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise InvalidRequest(f"bridged message: {what} must be an integer in [0, {hi}], got {value!r}")
+    return value
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    return None if value is None else _int(value, what)
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"bridged message: {what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _hashes(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"bridged message: {what} must be a list")
+    return tuple(_int(h, what) for h in value)
+
+
+def _decode_event(raw: Any) -> CacheEvent:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("bridged message: an event must be a non-empty list")
+    kind = raw[0]
+    if kind == _STORED and len(raw) == 11:
+        _, tokens, hashes, parent, block_size, model, lora, group, group_kind, salt, extras = raw
+        if not isinstance(tokens, bytes) or len(tokens) % 4:
+            raise InvalidRequest("bridged message: token_ids must be little-endian uint32 bytes")
+        return Stored(
+            token_ids=tokens,
+            engine_hashes=None if hashes is None else _hashes(hashes, "engine_hashes"),
+            parent_engine_hash=_opt_int(parent, "parent_engine_hash"),
+            block_size=_int(block_size, "block_size", 1 << 32),
+            model=_str(model, "model"), lora=_str(lora, "lora"),
+            group=_opt_int(group, "group"),
+            group_kind=None if group_kind is None else _str(group_kind, "group_kind"),
+            salt=_str(salt, "salt"),
+            extra_hashes=None if extras is None else _hashes(extras, "extra_hashes"),
+        )
+    if kind == _REMOVED and len(raw) == 3:
+        return Removed(_hashes(raw[1], "engine_hashes"), _opt_int(raw[2], "group"))
+    if kind == _CLEARED and len(raw) == 1:
+        return Cleared()
+    raise InvalidRequest(f"bridged message: unknown event layout (kind {kind!r}, {len(raw)} fields)")
+
+
+def decode_bridged(data: bytes, max_events: int) -> EventBatch | Reset | Rejected:
+    """One bridged message; ``InvalidRequest`` (which changes nothing) if it is not one."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise InvalidRequest(f"bridged message does not parse: {exc}") from None
+    if not isinstance(msg, list) or len(msg) < 3:
+        raise InvalidRequest("bridged message: expected [op, worker_id, ...]")
+    op, worker_id = msg[0], _str(msg[1], "worker_id")
+    if not worker_id:
+        raise InvalidRequest("bridged message without worker_id")
+    if op == _OP_EVENTS and len(msg) == 4:
+        events = msg[3]
+        if not isinstance(events, list):
+            raise InvalidRequest("bridged message: events must be a list")
+        if len(events) > max_events:
+            raise InvalidRequest(f"bridged batch of {len(events)} events exceeds max_batch_events={max_events}")
+        return EventBatch(worker_id, _int(msg[2], "sequence"), tuple(_decode_event(e) for e in events))
+    if op == _OP_RESET and len(msg) == 3 and isinstance(msg[2], bool):
+        return Reset(worker_id, msg[2])
+    if op == _OP_REJECTED and len(msg) == 4 and isinstance(msg[2], dict) and isinstance(msg[3], bool):
+        counts = {_str(k, "reason"): _int(v, "count") for k, v in msg[2].items()}
+        return Rejected(worker_id, counts, msg[3])
+    raise InvalidRequest(f"bridged message: unknown operation {op!r}")
+
+
+# ---- replica side ----------------------------------------------------------------------------
+class BridgedEvents:
+    """What a replica does with a bridged message: the call the ZMQ source made at the bridge,
+    on this replica's router. The daemon passes the callbacks it gives its own ZMQ source."""
+
+    def __init__(
+        self,
+        apply: Callable[[EventBatch], BatchOutcome],
+        reset: Callable[[str, bool], object],
+        rejected: Callable[[str, Mapping[str, int], bool], object],
+        max_events: int,
+    ) -> None:
+        self._apply, self._reset, self._rejected = apply, reset, rejected
+        self._max_events = max_events
+
+    def __call__(self, data: bytes) -> BatchOutcome:
+        msg = decode_bridged(data, self._max_events)
+        if isinstance(msg, EventBatch):
+            return self._apply(msg)
+        if isinstance(msg, Reset):
+            self._reset(msg.worker_id, msg.lost)
+            return BatchOutcome(applied=True, gap=1 if msg.lost else 0)
+        self._rejected(msg.worker_id, msg.counts, msg.lost_removal)
+        return BatchOutcome(applied=True, rejected=msg.counts, lost_removal=msg.lost_removal)
+
+
+# ---- bridge side -----------------------------------------------------------------------------
+@dataclass
+class BridgeStats:
+    """What the bridge published; the ZMQ side's counts are ``BusBridge.source.stats()``."""
+
+    published: int = 0  # messages JetStream acknowledged
+    batches: int = 0  # of which event batches
+    resets: int = 0
+    lost_resets: int = 0  # resets telling replicas a worker lost events (the source's, and overflows)
+    rejections: int = 0
+    publish_retries: int = 0  # publishes retried after a timeout or a NATS outage
+    overflow_dropped: int = 0  # batches dropped because max_pending calls were queued
+    resubscribes: int = 0  # subscribers restarted after an overflow
+    pending: int = 0
+    connected: bool = False
+    overflowed: set[str] = field(default_factory=set)
+
+
+class BusBridge:
+    """ZMQ subscribers whose output goes into the JetStream stream instead of a router."""
+
+    def __init__(
+        self,
+        events: ZmqEventsConfig,
+        *,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        publish_timeout_s: float = 5.0,
+    ) -> None:
+        if not events.bus.enabled:
+            raise BusUnavailable("kvrouterd bridge needs events.bus (kind: nats, url: ...) to publish into")
+        if max_pending < 2:
+            raise InvalidRequest(f"bridge max_pending must be >= 2, got {max_pending}")
+        self.bus: NatsBusConfig = events.bus
+        self.max_pending = max_pending
+        self.publish_timeout_s = publish_timeout_s
+        self.stats = BridgeStats()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.source = ZmqEventSource(events, apply=self._on_batch, reset=self._on_reset, rejected=self._on_rejected)
+        self._queue: deque[tuple[str, str, bytes]] = deque()  # (worker, subject, body)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._n = 0
+        self._nc: Any = None
+        self._js: Any = None
+        self._publisher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect to NATS and make sure the stream exists (``BusUnavailable`` if it cannot),
+        then publish what the subscribers hand over."""
+
+        async def disconnected() -> None:
+            self.stats.connected = False
+
+        async def reconnected() -> None:
+            self.stats.connected = True
+            log.warning("bridge reconnected to NATS", extra={"url": self.bus.url})
+
+        self._nc = await connect(self.bus, disconnected_cb=disconnected, reconnected_cb=reconnected)
+        self._js = self._nc.jetstream()
+        try:
+            await ensure_stream(self._js, self.bus)
+        except Exception as exc:
+            await self._nc.close()
+            raise BusUnavailable(f"events.bus: JetStream stream {self.bus.stream!r} unavailable: {exc}") from None
+        self.stats.connected = True
+        self._publisher = asyncio.create_task(self._publish_loop(), name="kvrouterd-bridge-publish")
+        log.info("bridging ZMQ KV events onto the bus", extra={"stream": self.bus.stream, "url": self.bus.url})
+
+    def sync(self, workers: Iterable[_WorkerLike]) -> None:
+        """Subscribe to every EVENTS-mode worker with a ``kv_events_endpoint`` (ZmqEventSource.sync)."""
+        self.source.sync(workers)
+
+    # -- the source's callbacks: queue in call order ----------------------------------------
+    def _on_batch(self, batch: EventBatch) -> BatchOutcome:
+        wid = batch.worker_id
+        if wid in self.stats.overflowed:
+            self.stats.overflow_dropped += 1
+            return BatchOutcome(applied=True)
+        if len(self._queue) >= self.max_pending:
+            # NATS cannot keep up (or is away): stop queueing this worker, tell replicas its
+            # view is lost (the reset goes past the limit: it must reach them), resync later
+            self.stats.overflow_dropped += 1
+            self.stats.overflowed.add(wid)
+            self.stats.lost_resets += 1
+            log.error("bridge queue full (%d calls): worker's batches dropped until it is resynced",
+                      self.max_pending, extra={"worker_id": wid})
+            self._enqueue(wid, encode_reset(wid, True))
+            return BatchOutcome(applied=True)
+        self.stats.batches += 1
+        self._enqueue(wid, encode_batch(batch))
+        return BatchOutcome(applied=True)
+
+    def _on_reset(self, worker_id: str, lost: bool) -> None:
+        if worker_id in self.stats.overflowed:
+            return  # replicas already hold it lost; the resubscribe resets it again
+        self.stats.resets += 1
+        self.stats.lost_resets += lost
+        self._enqueue(worker_id, encode_reset(worker_id, lost))
+
+    def _on_rejected(self, worker_id: str, counts: Mapping[str, int], lost_removal: bool) -> None:
+        if worker_id in self.stats.overflowed:
+            return
+        self.stats.rejections += 1
+        self._enqueue(worker_id, encode_rejected(worker_id, counts, lost_removal))
+
+    def _enqueue(self, worker_id: str, body: bytes) -> None:
+        self._queue.append((worker_id, worker_subject(self.bus.subject_prefix, worker_id), body))
+        self.stats.pending = len(self._queue)
+        self._idle.clear()
+        self._wake.set()
+
+    # -- publishing --------------------------------------------------------------------------
+    async def _publish_loop(self) -> None:
+        """Publish the queue oldest first, each until JetStream acknowledges it (a retry keeps
+        its message id, so the stream drops a copy it already stored)."""
+        backoff = 0.05
+        while True:
+            if not self._queue:
+                self._resubscribe_overflowed()
+                if not self._queue:
+                    self._idle.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+            _, subject, body = self._queue[0]
+            msg_id = f"bridge.{self.run_id}.{self._n}"
+            try:
+                await self._js.publish(subject, body, timeout=self.publish_timeout_s,
+                                       headers={BRIDGE_HEADER: WIRE_VERSION, "Nats-Msg-Id": msg_id})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # timeouts, a connection being re-established, no responders
+                self.stats.publish_retries += 1
+                log.warning("bridge publish failed (%s); retrying", exc or type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.05
+            self._queue.popleft()
+            self._n += 1
+            self.stats.published += 1
+            self.stats.pending = len(self._queue)
+            if len(self._queue) <= self.max_pending // 2:
+                self._resubscribe_overflowed()
+
+    def _resubscribe_overflowed(self) -> None:
+        """Start the overflowed workers' subscribers again: each resets its worker and
+        rejoins the engine by replay, which makes it READY on the replicas again."""
+        for wid in list(self.stats.overflowed):
+            self.stats.overflowed.discard(wid)
+            sub = self.source.subscribers.get(wid)
+            if sub is not None:
+                self.stats.resubscribes += 1
+                log.info("resubscribing after a bridge overflow", extra={"worker_id": wid})
+                self.source.add(sub.endpoint)
+
+    async def drained(self, timeout: float | None = None) -> bool:
+        """Whether everything queued so far was acknowledged within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop subscribing, publish what is queued (for at most ``timeout`` s), disconnect."""
+        await self.source.close()
+        if self._publisher is not None:
+            if not await self.drained(timeout):
+                log.warning("bridge closed with %d call(s) unpublished; replicas resync when it restarts",
+                            len(self._queue))
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            self._nc = None
+            self._js = None

@@ -19,6 +19,7 @@ __all__ = [
     "Cleared",
     "Completion",
     "Decision",
+    "Dispatch",
     "EventBatch",
     "EvictAdvice",
     "EvictRequest",
@@ -186,6 +187,28 @@ class Completion:
     success: bool = True
     #: the caller says the request's conversation is over (no next turn will come)
     session_ended: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Dispatch:
+    """A routing decision another router replica committed (replica sync on the event bus).
+
+    ``keys`` / ``evicted`` are set for approximate-mode workers only: the routed prompt's block
+    keys the worker is now assumed to cache, and the blocks the routing replica's eviction
+    dropped from its model of that worker. ``age_s``: how long ago it was committed, so every
+    replica expires a lost request at about the same time."""
+
+    request_id: str
+    worker_id: str
+    prefill_tokens: int
+    prompt_tokens: int
+    overlap_blocks: int = 0
+    policy: str = ""
+    keys: Sequence[int] = ()
+    evicted: Sequence[int] = ()
+    session_id: str = ""
+    task: TaskCategory = TaskCategory.UNSPECIFIED
+    age_s: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

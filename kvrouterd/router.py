@@ -16,12 +16,12 @@ import itertools
 import logging
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
-from .errors import ConfigError, InvalidRequest, NoEligibleWorker, Overloaded, RejectedEvent, UnknownPolicy
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy
 from .index.groups import GroupPresence
 from .index.keys import chain_keys, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
@@ -35,6 +35,7 @@ from .protocols import (
     Cleared,
     Completion,
     Decision,
+    Dispatch,
     EventBatch,
     EvictAdvice,
     EvictRequest,
@@ -61,6 +62,11 @@ REJECTING_AFTER = 3
 #: hybrid KV-cache groups per worker the router tracks (vLLM ``group_idx``)
 MAX_KV_GROUPS = 64
 
+
+#: Completed request ids remembered while replicas share load (each ~100 B): a Dispatch that
+#: arrives after its request's completion (a Complete sent to another replica overtook it) is
+#: then not charged. Entries also go after ``inflight_timeout_s``.
+MAX_COMPLETED_IDS = 1 << 18
 
 #: largest TTFT objective a request may set, ms (a day; inf, NaN and 1e308 overflowed policies' maths)
 MAX_TTFT_SLO_MS = 86_400_000.0
@@ -103,6 +109,8 @@ class RouteResult:
     worker: Worker
     request: RouteRequest
     alternative: Worker | None
+    #: approximate mode: keys the eviction dropped from the worker's cache model to make room
+    evicted: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -151,6 +159,13 @@ class Router:
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
         self._request_counter = 0
+        #: replica sync (``events.replica_sync``): the host publishes every local commit and
+        #: completion through these and applies the other replicas' with ``apply_dispatch`` /
+        #: ``apply_completion``. None (the default): this router is alone.
+        self.on_committed: Callable[[RouteResult], None] | None = None
+        self.on_completed: Callable[[Completion], None] | None = None
+        #: request id -> when it completed (kept only while ``on_completed`` is set)
+        self._completed: dict[str, float] = {}
         self.decisions_by_policy: dict[str, int] = {}
         #: policy -> achieved vs reachable prefix overlap of its decisions
         self.prefix_hits: dict[str, PrefixHits] = {}
@@ -158,6 +173,8 @@ class Router:
             "decisions": 0, "batches_applied": 0, "batches_duplicate": 0, "gaps": 0,
             "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
             "unknown_removals": 0, "inflight_expired": 0, "approx_evicted": 0, "events_rejected": 0,
+            "remote_dispatches": 0, "remote_completions": 0, "remote_late_dispatches": 0,
+            "remote_unknown_workers": 0,
         }
 
     # ---- policies -------------------------------------------------------------------
@@ -386,12 +403,16 @@ class Router:
             )
         )
         self._requests[req.request_id] = req
-        self._record_access(worker, req, ctx, overlap)
+        evicted = self._record_access(worker, req, ctx, overlap)
         policy.on_dispatch(decision, ctx)
         self.counters["decisions"] += 1
         self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
         alternative = self.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
-        return RouteResult(decision, worker, req, alternative)
+        result = RouteResult(decision, worker, req, alternative, evicted)
+        if self.on_committed is not None:
+            self._completed.pop(req.request_id, None)  # a reused id is in flight again
+            self.on_committed(result)
+        return result
 
     def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
         """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
@@ -408,8 +429,9 @@ class Router:
         hits.achieved_blocks += overlap
         hits.reachable_blocks += reachable
 
-    def _record_access(self, worker: Worker, req: RouteRequest, ctx: RoutingContext, overlap: int) -> None:
-        """The chosen worker reuses its matched prefix; in approximate mode it also caches the rest."""
+    def _record_access(self, worker: Worker, req: RouteRequest, ctx: RoutingContext, overlap: int) -> list[int]:
+        """The chosen worker reuses its matched prefix; in approximate mode it also caches the
+        rest. Returns the keys evicted from an approximate worker's model to make room."""
         now = ctx.now
         slot = worker.slot
         matched = ctx.match.path[:overlap]
@@ -420,21 +442,34 @@ class Router:
         if worker.mode is CacheMode.EVENTS and getattr(self.eviction, "wants_request_info", False):
             self._remember_access(req)
         if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
-            return
-        parent = req.keys[overlap - 1] if overlap else None
-        stored = self.index.store(slot, parent, req.keys[overlap:], now)
-        self.eviction.on_stored(self.index, slot, stored, AccessInfo(
-            session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens, first_offset=overlap,
-        ), now)
+            return []
+        self._assume_cached(worker, req.keys, overlap, info, now)
         capacity = worker.spec.capacity_blocks
         excess = self.index.count(slot) - capacity if capacity else 0
-        if excess > 0:
-            ctx_e = EvictionContext(self.index, slot, now, worker.id)
-            victims = self.eviction.rank(ctx_e, excess, frozenset(req.keys))
-            for block in victims:
-                self.eviction.on_removed(self.index, slot, block)
-                self.index.remove(slot, block.key)
-            self.counters["approx_evicted"] += len(victims)
+        if excess <= 0:
+            return []
+        ctx_e = EvictionContext(self.index, slot, now, worker.id)
+        victims = self.eviction.rank(ctx_e, excess, frozenset(req.keys))
+        for block in victims:
+            self.eviction.on_removed(self.index, slot, block)
+            self.index.remove(slot, block.key)
+        self.counters["approx_evicted"] += len(victims)
+        return [block.key for block in victims]
+
+    def _assume_cached(self, worker: Worker, keys: Sequence[int], overlap: int, info: AccessInfo, now: float) -> None:
+        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``)."""
+        parent = keys[overlap - 1] if overlap else None
+        stored = self.index.store(worker.slot, parent, keys[overlap:], now)
+        self.eviction.on_stored(self.index, worker.slot, stored, replace(info, first_offset=overlap), now)
+
+    def _forget_assumed(self, worker: Worker, keys: Iterable[int]) -> None:
+        """Another replica's eviction dropped ``keys`` from its model of an approximate worker."""
+        index, slot = self.index, worker.slot
+        for key in keys:
+            block = index.get(key)
+            if block is not None and block.holders >> slot & 1:
+                self.eviction.on_removed(index, slot, block)
+                index.remove(slot, key)
 
     def _remember_access(self, req: RouteRequest) -> None:
         """Remember who routed these blocks until the engine reports storing them."""
@@ -472,6 +507,37 @@ class Router:
         return replace(info, first_offset=first)
 
     def complete(self, completion: Completion) -> InFlight:
+        """Stop charging a routed request, tell its policy how it went. Raises NotFound for a
+        request not in flight here (see ``complete_anywhere`` when replicas share load)."""
+        entry = self._finish(completion)
+        if self.on_completed is not None:
+            self._note_completed(completion.request_id)
+            self.on_completed(completion)
+        return entry
+
+    def complete_anywhere(self, completion: Completion) -> InFlight | None:
+        """``complete`` for replicas sharing load, where a Complete may reach this replica
+        before the Dispatch of the replica that routed it (the gateway is faster than the
+        bus). An id not in flight here is remembered, so its Dispatch charges nothing when it
+        comes, and published like any completion (None is returned); an id that already
+        completed raises NotFound, as a second Complete does on one replica."""
+        rid = completion.request_id
+        if self.on_completed is None or self.workers.inflight(rid) is not None:
+            return self.complete(completion)
+        if rid in self._completed:
+            raise NotFound(f"request {rid!r} already completed")
+        self._note_completed(rid)
+        self.on_completed(completion)
+        return None
+
+    def _note_completed(self, request_id: str) -> None:
+        completed = self._completed
+        completed.pop(request_id, None)  # re-inserted at the end: the dict stays in time order
+        completed[request_id] = self.clock.now()
+        if len(completed) > MAX_COMPLETED_IDS:
+            del completed[next(iter(completed))]
+
+    def _finish(self, completion: Completion) -> InFlight:
         entry = self.workers.release(completion.request_id)
         req = self._requests.pop(completion.request_id, None)
         worker = self.workers.find(entry.worker_id)
@@ -492,11 +558,94 @@ class Router:
 
     def expire_inflight(self) -> list[InFlight]:
         """Stop charging requests whose completion never came (caller crashed, lost Complete)."""
-        expired = self.workers.expire(self.clock.now() - self.settings.inflight_timeout_s)
+        cutoff = self.clock.now() - self.settings.inflight_timeout_s
+        expired = self.workers.expire(cutoff)
         for entry in expired:
             self._requests.pop(entry.request_id, None)
         self.counters["inflight_expired"] += len(expired)
+        completed = self._completed
+        while completed:
+            rid = next(iter(completed))
+            if completed[rid] >= cutoff:
+                break
+            del completed[rid]
         return expired
+
+    # ---- replica sync -----------------------------------------------------------------
+    def apply_dispatch(self, dispatch: Dispatch, *, own: bool = False) -> bool:
+        """Another replica committed ``dispatch``: charge its load here too, and for an
+        approximate-mode worker assume the routed prefix cached (and the blocks that replica
+        evicted gone), as it did. Returns whether load was charged.
+
+        A Dispatch whose request already completed (its Complete reached some replica first)
+        charges nothing. ``own``: this replica published it (read back in stream order): the
+        load is already charged, but the approximate prefix is re-applied, so that every
+        replica ends on the stream's order of stores and evictions, whatever order each saw
+        them in locally. Dispatches name workers by id; one this replica does not know is
+        counted and ignored (Dynamo's router replica sync works the same way, by request id).
+        """
+        worker = self.workers.find(dispatch.worker_id)
+        if worker is None:
+            self.counters["remote_unknown_workers"] += 1
+            return False
+        now = self.clock.now()
+        charged = False
+        rid = dispatch.request_id
+        if not own:
+            if rid in self._completed:
+                self.counters["remote_late_dispatches"] += 1
+            elif self.workers.inflight(rid) is None:
+                self.workers.commit(InFlight(
+                    request_id=rid, worker_id=worker.id, prefill_tokens=dispatch.prefill_tokens,
+                    prompt_tokens=dispatch.prompt_tokens, overlap_blocks=dispatch.overlap_blocks,
+                    # expiry order follows arrival (InFlight entries are queued as committed): an
+                    # old Dispatch expires at most its delivery lag late
+                    started_at=now - max(0.0, dispatch.age_s), policy=dispatch.policy,
+                ))
+                self._requests[rid] = RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
+                                                   task=dispatch.task)
+                self.counters["remote_dispatches"] += 1
+                charged = True
+        if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
+            self._apply_assumed(worker, dispatch, own, now)
+        return charged
+
+    def _apply_assumed(self, worker: Worker, dispatch: Dispatch, own: bool, now: float) -> None:
+        keys, slot, index = dispatch.keys, worker.slot, self.index
+        if own:
+            # already applied when routed: restore only what another replica's eviction took
+            # meanwhile (no touch: the access was counted once)
+            held = 0
+            while held < len(keys) and index.holds(slot, keys[held]):
+                held += 1
+            if held < len(keys):
+                self._assume_cached(worker, keys, held, AccessInfo(prompt_tokens=dispatch.prompt_tokens), now)
+        else:
+            match = index.match(keys, worker.bit)
+            overlap = match.overlap(slot)
+            info = AccessInfo(session_id=dispatch.session_id, task=int(dispatch.task), prompt_tokens=dispatch.prompt_tokens)
+            if overlap:
+                matched = match.path[:overlap]
+                index.touch_path(slot, matched, now)
+                self.eviction.on_accessed(index, slot, matched, info, now)
+            if overlap < len(keys):
+                self._assume_cached(worker, keys, overlap, info, now)
+        self._forget_assumed(worker, dispatch.evicted)
+
+    def apply_completion(self, completion: Completion, *, own: bool = False) -> InFlight | None:
+        """A Complete another replica received: release the load here and tell the policy, as
+        ``complete`` does, without publishing it again. An unknown id is remembered (its
+        Dispatch may still be on the way). Returns the released entry, if any."""
+        if own:
+            return None
+        rid = completion.request_id
+        if self.workers.inflight(rid) is None:
+            self._note_completed(rid)
+            return None
+        entry = self._finish(completion)
+        self._note_completed(rid)
+        self.counters["remote_completions"] += 1
+        return entry
 
     def tick(self) -> None:
         """Periodic work for time-driven policies (load decay, hotness windows)."""

@@ -29,11 +29,12 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BusUnavailable, ConfigError, KVRouterError
 from ..protocols import BatchOutcome, EventBatch
+from .replica_sync import ReplicaSyncConfig
 
 __all__ = ["BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "worker_subject"]
 
@@ -66,6 +67,8 @@ class NatsBusConfig:
     snapshot_bucket: str = "KVROUTER_SNAPSHOTS"
     #: seconds between two snapshots written by each replica (0 = never write one)
     snapshot_interval_s: float = 60.0
+    #: in-flight load and approximate prefixes shared between replicas (events/replica_sync.py)
+    replica_sync: ReplicaSyncConfig = field(default_factory=ReplicaSyncConfig)
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +93,7 @@ class NatsBusConfig:
             raise ConfigError(f"events.bus.snapshot_interval_s must be >= 0, got {self.snapshot_interval_s}")
         if self.max_age_s < 0:
             raise ConfigError(f"events.bus.max_age_s must be >= 0, got {self.max_age_s}")
+        self.replica_sync.validate()
 
 
 def worker_subject(prefix: str, worker_id: str) -> str:

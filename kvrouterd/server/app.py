@@ -33,10 +33,12 @@ from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.bridge import BridgedEvents
 from ..events.nats_bus import BusEventSource
+from ..events.replica_sync import ReplicaSync
 from ..events.zmq_source import ZmqEventSource
 from ..index import native
 from ..index.workers import WorkerSpec
-from ..router import Router
+from ..protocols import Completion, Dispatch
+from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
@@ -102,6 +104,8 @@ class Daemon:
         self.events: ZmqEventSource | None = None
         #: the shared event stream replicas follow (events.bus; None without one)
         self.bus: BusEventSource | None = None
+        #: in-flight load and approximate prefixes shared with the other replicas (None: not shared)
+        self.sync: ReplicaSync | None = None
         self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
@@ -241,6 +245,8 @@ class Daemon:
                          extra={"stream_sequence": start_after, "blocks": warmed.blocks, "workers": warmed.workers})
         await self.bus.start(start_after)
         await self.bus.caught_up.wait()
+        if self.config.events.bus.replica_sync.enabled:
+            await self._share_load()
         interval = self.config.events.bus.snapshot_interval_s
         if interval:
             self._snapshots = asyncio.create_task(self._snapshot_periodically(interval), name="kvrouterd-bus-snapshots")
@@ -250,6 +256,41 @@ class Daemon:
 
     def _note_rejected(self, worker_id: str, counts: Mapping[str, int], lost: bool) -> None:
         self.router.note_rejected_events(worker_id, counts, lost_removal=lost)
+
+    async def _share_load(self) -> None:
+        """Publish this replica's commits and completions, apply the others' (after the cache
+        index is caught up, so approximate prefixes land on the blocks they name), and stay not
+        ready until the last ``inflight_timeout_s`` of the fleet's deltas is replayed."""
+        router = self.router
+        sync = self.sync = ReplicaSync(self.config.events.bus, router.settings.inflight_timeout_s,
+                                       decode=convert.load_delta, apply=self._apply_load_delta,
+                                       marker=convert.marker_delta)
+        try:
+            await sync.connect()
+        except BaseException:
+            self.sync = None
+            await self.stop(grace=0)
+            raise
+
+        def committed(result: RouteResult) -> None:
+            entry = router.workers.inflight(result.request.request_id)
+            prefill = entry.prefill_tokens if entry is not None else 0
+            sync.publish(lambda replica: convert.dispatched_delta(replica, result, prefill))
+
+        def completed(done: Completion) -> None:
+            sync.publish(lambda replica: convert.completed_delta(replica, done))
+
+        router.on_committed, router.on_completed = committed, completed
+        await sync.start()
+        await sync.caught_up.wait()
+
+    def _apply_load_delta(self, delta: object, own: bool) -> None:
+        if isinstance(delta, Dispatch):
+            self.router.apply_dispatch(delta, own=own)
+        elif isinstance(delta, Completion):
+            entry = self.router.apply_completion(delta, own=own)
+            if entry is not None and self.admission is not None:
+                self.admission.on_complete(entry.worker_id)
 
     async def _snapshot_periodically(self, interval: float) -> None:
         assert self.bus is not None
@@ -316,6 +357,10 @@ class Daemon:
             self._snapshots.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._snapshots
+        if self.sync is not None:
+            self.router.on_committed = self.router.on_completed = None
+            await self.sync.flush(1.0)
+            await self.sync.close()
         if self.bus is not None:
             await self.bus.close()
         if self.metrics_endpoint is not None:

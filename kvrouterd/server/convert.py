@@ -21,6 +21,7 @@ from ..protocols import (
     CacheMode,
     Cleared,
     Completion,
+    Dispatch,
     EventBatch,
     EvictRequest,
     Removed,
@@ -33,6 +34,10 @@ from ..router import Router, RouteResult
 
 __all__ = [
     "completion",
+    "dispatched_delta",
+    "completed_delta",
+    "load_delta",
+    "marker_delta",
     "event_batch",
     "evict_request",
     "pb",
@@ -217,6 +222,53 @@ def event_batch_bytes(data: bytes, max_events: int) -> EventBatch:
     except DecodeError as exc:
         raise InvalidRequest(f"event batch does not parse: {exc}") from None
     return event_batch(msg, max_events)
+
+
+def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:
+    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync."""
+    req = result.request
+    msg = pb.Dispatched(
+        request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
+        prompt_tokens=req.prompt_tokens, overlap_blocks=result.decision.overlap_blocks,
+        policy=result.decision.policy, session_id=req.session_id, task=int(req.task),
+    )
+    if result.worker.mode is CacheMode.APPROXIMATE:
+        msg.keys.extend(req.keys)
+        msg.evicted_keys.extend(result.evicted)
+    return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
+
+
+def completed_delta(replica_id: str, done: Completion) -> bytes:
+    msg = pb.CompleteRequest(
+        request_id=done.request_id, ttft_ms=done.ttft_ms, e2e_ms=done.e2e_ms, cached_tokens=done.cached_tokens,
+        output_tokens=done.output_tokens, success=done.success, session_ended=done.session_ended,
+    )
+    return pb.LoadDelta(replica_id=replica_id, completed=msg).SerializeToString()
+
+
+def marker_delta(replica_id: str) -> bytes:
+    return pb.LoadDelta(replica_id=replica_id).SerializeToString()
+
+
+def load_delta(data: bytes, age_s: float) -> tuple[str, Dispatch | Completion | None]:
+    """``(publishing replica, Dispatch | Completion | None for a marker)`` from the load stream."""
+    try:
+        msg = pb.LoadDelta.FromString(data)
+    except DecodeError as exc:
+        raise InvalidRequest(f"load delta does not parse: {exc}") from None
+    kind = msg.WhichOneof("kind")
+    if kind == "completed":
+        return msg.replica_id, completion(msg.completed)
+    if kind != "dispatched":
+        return msg.replica_id, None
+    d = msg.dispatched
+    if not d.request_id or not d.worker_id:
+        raise InvalidRequest("load delta without request_id or worker_id")
+    return msg.replica_id, Dispatch(
+        request_id=d.request_id, worker_id=d.worker_id, prefill_tokens=d.prefill_tokens, prompt_tokens=d.prompt_tokens,
+        overlap_blocks=d.overlap_blocks, policy=d.policy, keys=list(d.keys), evicted=list(d.evicted_keys),
+        session_id=d.session_id, task=_TASKS.get(d.task, TaskCategory.UNSPECIFIED), age_s=age_s,
+    )
 
 
 def evict_request(msg: pb.EvictHintRequest, router: Router) -> tuple[EvictRequest, tuple[int, ...]]:

@@ -134,10 +134,15 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         routed = self.router.request(request.request_id)
         try:
             completion = convert.completion(request)
-            entry = self.router.complete(completion)
+            entry = self.router.complete_anywhere(completion)
         except KVRouterError as exc:
             log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
             raise
+        if entry is None:
+            # replica sync: routed by another replica whose Dispatch has not arrived yet; the
+            # completion is published, so every replica releases the load when the Dispatch
+            # comes (the completion's TTFT and e2e are then in no replica's histograms)
+            return
         self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id)

@@ -394,3 +394,37 @@ class IndexChunk(_message.Message):
     roots: _containers.RepeatedScalarFieldContainer[bool]
     engine_hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadDelta(_message.Message):
+    __slots__ = ("replica_id", "dispatched", "completed")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    dispatched: Dispatched
+    completed: CompleteRequest
+    def __init__(self, replica_id: _Optional[str] = ..., dispatched: _Optional[_Union[Dispatched, _Mapping]] = ..., completed: _Optional[_Union[CompleteRequest, _Mapping]] = ...) -> None: ...
+
+class Dispatched(_message.Message):
+    __slots__ = ("request_id", "worker_id", "prefill_tokens", "prompt_tokens", "overlap_blocks", "policy", "keys", "evicted_keys", "session_id", "task")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    prefill_tokens: int
+    prompt_tokens: int
+    overlap_blocks: int
+    policy: str
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    evicted_keys: _containers.RepeatedScalarFieldContainer[int]
+    session_id: str
+    task: TaskCategory
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., evicted_keys: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ...) -> None: ...

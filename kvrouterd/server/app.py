@@ -49,7 +49,7 @@ from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, client_token, server_credentials
 from .service import KVRouterService
-from .snapshot import encode_snapshot, restore_snapshot, warm_from_peer
+from .snapshot import encode_snapshot_aside, restore_snapshot, warm_from_peer
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
@@ -297,7 +297,8 @@ class Daemon:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.bus.save_snapshot(encode_snapshot(self.router, self.bus.stats.last_stream_sequence))
+                data = await encode_snapshot_aside(self.router, self.bus.stats.last_stream_sequence)
+                await self.bus.save_snapshot(data)
             except Exception as exc:  # NATS errors of any kind: a missed snapshot only lengthens the next replay
                 log.warning("writing the bus snapshot failed: %s", exc)
 

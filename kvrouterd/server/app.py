@@ -281,6 +281,9 @@ class Daemon:
             sync.publish(lambda replica: convert.completed_delta(replica, done))
 
         router.on_committed, router.on_completed = committed, completed
+        stats = sync.stats
+        self.ops_metrics.sync_losses = lambda: {"publish_error": stats.publish_errors, "rejected": stats.rejected,
+                                                "stream_skip": stats.stream_skips}
         await sync.start()
         await sync.caught_up.wait()
 

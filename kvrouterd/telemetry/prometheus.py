@@ -23,6 +23,10 @@ they cost nothing per request:
   ``kvrouter_worker_events_rejected_total{reason}`` (events not applied, the rest of their batch was),
   ``kvrouter_worker_event_replays_total{outcome}`` (ZMQ sources), ``kvrouter_worker_inflight_requests``,
   ``kvrouter_worker_pending_prefill_tokens``, ``kvrouter_worker_reported_queue``.
+* replica sync (``events.bus.replica_sync``): ``kvrouter_replica_sync_deltas_total{outcome}``
+  (other replicas' deltas: ``charged``, ``released``, ``late`` = a Dispatch behind its
+  completion, ``unknown_worker``) and ``kvrouter_replica_sync_lost_total{reason}``
+  (``publish_error``, ``rejected``, ``stream_skip``: deltas lost; their requests expire).
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
   collector's ``process_resident_memory_bytes`` etc.
 
@@ -129,6 +133,8 @@ class OpsMetrics:
 
     def __init__(self) -> None:
         self.event_sources: list[EventStats] = []
+        #: the replica sync's loss counters (reason -> count), once the daemon shares load
+        self.sync_losses: Callable[[], Mapping[str, int]] = dict
 
     def add_event_source(self, stats: EventStats) -> None:
         """Export the replay counts of an event source (``ZmqEventSource.stats``: worker -> stats)."""
@@ -219,6 +225,22 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     meter.create_observable_gauge(
         "kvrouter.worker.reported_queue", [per_worker("reported_queue")],
         description="queued requests the engine last reported (ReportLoad)",
+    )
+    def sync_deltas(_: CallbackOptions) -> Iterable[Observation]:
+        c = router.counters
+        for outcome, key in (("charged", "remote_dispatches"), ("released", "remote_completions"),
+                             ("late", "remote_late_dispatches"), ("unknown_worker", "remote_unknown_workers")):
+            yield Observation(c.get(key, 0), {"outcome": outcome})
+
+    def sync_lost(_: CallbackOptions) -> Iterable[Observation]:
+        for reason, n in ops.sync_losses().items():
+            yield Observation(n, {"reason": reason})
+
+    meter.create_observable_counter(
+        "kvrouter.replica_sync.deltas", [sync_deltas], description="other replicas' load deltas applied, by outcome"
+    )
+    meter.create_observable_counter(
+        "kvrouter.replica_sync.lost", [sync_lost], description="load deltas lost (their requests expire), by reason"
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

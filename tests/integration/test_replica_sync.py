@@ -18,6 +18,7 @@ from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
 
 from .nats_server import NatsServer
+from .test_metrics_endpoint import _get, sample
 
 BS = 16
 WORKERS = ("gpu-0", "gpu-1", "gpu-2")
@@ -69,7 +70,7 @@ async def start_replica(url: str, *, mode: str = "events", capacity: int = 100_0
 
 @pytest.fixture
 async def pair(nats_server: NatsServer) -> AsyncIterator[list[Replica]]:
-    started = [await start_replica(nats_server.url, seed=i) for i in (1, 2)]
+    started = [await start_replica(nats_server.url, seed=i, metrics={"listen": "127.0.0.1:0"}) for i in (1, 2)]
     try:
         yield started
     finally:
@@ -128,6 +129,12 @@ async def test_load_routed_on_one_replica_is_seen_and_released_by_the_other(pair
     for replica in pair:
         assert replica.daemon.sync is not None
         assert replica.daemon.sync.stats.rejected == 0 and replica.daemon.sync.stats.publish_errors == 0
+    # what B applied of A's deltas, on B's /metrics
+    assert b.daemon.metrics_endpoint is not None
+    _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
+    assert sample(text, "kvrouter_replica_sync_deltas_total", outcome="charged") == 6
+    assert sample(text, "kvrouter_replica_sync_deltas_total", outcome="released") == 1
+    assert sample(text, "kvrouter_replica_sync_lost_total", reason="publish_error") == 0
 
 
 async def test_a_complete_that_overtakes_its_dispatch_charges_nothing_anywhere(

@@ -10,7 +10,8 @@ or last reused it (its ``AccessInfo``: task category, session, offset, decode or
   yet come, with the paper's fitted parameters as defaults; optionally refitted online
   from the inter-turn gaps the router observes once ``min_fit_samples`` gaps are seen.
 - *structural* (templated single-turn tasks): ``s = 1 - offset / max_offset`` with
-  max_offset the deepest structural block on the worker.
+  max_offset "the maximum offset among all blocks" (5.2): the deepest block the worker
+  holds, of any queue, so structural scores share one scale with the worker's sessions.
 
 Across queues the leaf with the lowest ``G = alpha_q * s`` goes (Algorithm 1, 9-15). The
 weights follow Algorithm 2 every ``update_interval_s``: hit efficiency
@@ -110,7 +111,7 @@ class _GapFit:
 
 
 class _SlotState:
-    __slots__ = ("alpha", "counts", "hits", "last_update", "max_offset", "offset", "queue", "struct_offsets")
+    __slots__ = ("alpha", "counts", "hits", "last_update", "max_offset", "offset", "offsets", "queue")
 
     def __init__(self, now: float) -> None:
         self.queue: dict[int, int] = {}
@@ -119,7 +120,7 @@ class _SlotState:
         self.hits = [0, 0, 0, 0]
         self.alpha = [1.0, 1.0, 1.0, 1.0]
         self.last_update = now
-        self.struct_offsets: dict[int, int] = {}  # offset -> structural blocks at it
+        self.offsets: dict[int, int] = {}  # offset -> blocks at it, every queue (max_offset, 5.2)
         self.max_offset = 0
 
 
@@ -197,9 +198,8 @@ class UniCacheEviction(EvictionPolicyBase):
         s.queue[key] = queue
         s.offset[key] = offset
         s.counts[queue] += 1
-        if queue == STRUCTURAL:
-            s.struct_offsets[offset] = s.struct_offsets.get(offset, 0) + 1
-            s.max_offset = max(s.max_offset, offset)
+        s.offsets[offset] = s.offsets.get(offset, 0) + 1
+        s.max_offset = max(s.max_offset, offset)
 
     def _unplace(self, s: _SlotState, key: int) -> None:
         queue = s.queue.pop(key, None)
@@ -207,14 +207,13 @@ class UniCacheEviction(EvictionPolicyBase):
             return
         offset = s.offset.pop(key)
         s.counts[queue] -= 1
-        if queue == STRUCTURAL:
-            left = s.struct_offsets[offset] - 1
-            if left:
-                s.struct_offsets[offset] = left
-            else:
-                del s.struct_offsets[offset]
-                if offset == s.max_offset:
-                    s.max_offset = max(s.struct_offsets, default=0)
+        left = s.offsets[offset] - 1
+        if left:
+            s.offsets[offset] = left
+        else:
+            del s.offsets[offset]
+            if offset == s.max_offset:
+                s.max_offset = max(s.offsets, default=0)
 
     def _session_gap(self, info: AccessInfo, now: float) -> None:
         if not info.session_id:

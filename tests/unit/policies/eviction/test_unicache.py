@@ -81,3 +81,15 @@ def test_online_fit_replaces_the_default_gap_model(cache_of):
 def test_rejects_bad_ema_beta():
     with pytest.raises(ConfigError, match="ema_beta"):
         registry.build("eviction", {"name": "unicache", "ema_beta": 1.0})
+
+
+def test_structural_score_is_normalised_by_the_deepest_block_of_any_queue(cache_of):
+    # section 5.2: s = 1 - offset / max_offset, "max_offset is the maximum offset among all blocks"
+    c = cache_of({"name": "unicache", "update_interval_s": 1e9})  # weights stay 1
+    c.store(list(range(10, 18)), now=0.0, info=CHAT_INFO)   # chat session, offsets 0-7
+    c.store([20, 21, 22, 23], now=0.0)                      # structural, offsets 0-3
+    # 105.5 s after its last access the chat leaf scores 1 - CDF = 0.30; the structural leaf at
+    # offset 3 scores 1 - 3/7 = 0.57 (it would score 0, and go first, if only structural
+    # blocks set max_offset)
+    assert 1 - lognormal_cdf(105.5, 4.15, 0.971) == pytest.approx(0.30, abs=0.01)
+    assert c.rank(1, now=105.5) == [17]

@@ -207,6 +207,16 @@ class Router:
     def routing_policies(self) -> Mapping[str, RoutingPolicy]:
         return self._routing
 
+    def policy_counters(self) -> dict[str, dict[str, int]]:
+        """policy name -> its rule counters (``RoutingPolicyBase.counters``), policies that keep any."""
+        out = {}
+        for name, policy in self._routing.items():
+            counts = getattr(policy, "counters", None)
+            found = counts() if callable(counts) else {}
+            if found:
+                out[name] = found
+        return out
+
     def reload_routing(self, routing: Mapping[str, Any], extra_routing: Sequence[Mapping[str, Any]] = ()) -> list[str]:
         """Adopt new routing policy specs; rebuild only the policies whose parameters changed.
 

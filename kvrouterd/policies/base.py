@@ -136,6 +136,10 @@ class RoutingPolicyBase:
     def tick(self, now: float) -> None:
         return None
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts of the policy's own rules firing (exported as metrics); none by default."""
+        return {}
+
     def decide(self, ctx: RoutingContext, chosen: Worker, reason: str, candidates: list[CandidateScore], **extra: float | str) -> Decision:
         """Build the Decision record for ``chosen``."""
         return Decision(

@@ -101,6 +101,7 @@ class Daemon:
         self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
+        self.ops_metrics.admission = self.admission
         self.events: ZmqEventSource | None = None
         #: the shared event stream replicas follow (events.bus; None without one)
         self.bus: BusEventSource | None = None

@@ -469,6 +469,9 @@ class Simulation:
         summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
         counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done),
                         admission_queued=self.queued_requests, migrations=self.migrations)
+        for policy_counts in router.policy_counters().values():  # e.g. DualMap's A.7 rule firing
+            for key, count in policy_counts.items():
+                counters[key] = counters.get(key, 0) + count
         stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
                   "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable,
                   "preempted": e.preempted} for e in self.engines]

@@ -87,6 +87,13 @@ class Digest:
     requests: int = 0
     unfinished: int = 0
     wall_s: float = 0.0
+    #: CPU seconds of the simulation (its process's), for timings on a loaded machine
+    cpu_s: float = 0.0
+    #: DualMap's hotspot migrations (A.1.2) and its decode-bottleneck rule (A.7): decisions
+    #: with a candidate flagged, and those the flag sent elsewhere
+    migrations: int = 0
+    bottleneck_decisions: int = 0
+    bottleneck_moves: int = 0
 
 
 def _strip(tokens: Sequence[str], options: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -170,14 +177,15 @@ _WORKLOADS: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
 def run_unit(unit: Unit) -> Digest:
     """Run one simulation (in this process) and digest it."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if unit.tool == "cache":
         args = _parse("cache", [*unit.base, "--eviction", "lru"])
         trace = list(sim_cache.read_trace(args.trace))
         if unit.quick:
             trace = trace[:QUICK_REQUESTS * 10]
         res = sim_cache.replay(trace, json.loads(unit.eviction), args.capacity_blocks, block_tokens=args.block_tokens)
-        return Digest([], res.hit_blocks, res.blocks, 0, res.requests, 0, time.perf_counter() - started)
+        return Digest([], res.hit_blocks, res.blocks, 0, res.requests, 0, time.perf_counter() - started,
+                      time.process_time() - cpu)
     routing, eviction = json.loads(unit.routing), json.loads(unit.eviction)
     tokens = [*unit.base, "--routing", routing["name"], "--eviction", eviction["name"], "--seeds", str(unit.seed),
               *(["--rate", repr(unit.rate)] if unit.rate else []), *_sets(routing), *_sets(eviction)]
@@ -195,7 +203,8 @@ def run_unit(unit: Unit) -> Digest:
     recs = result.records
     return Digest([r.ttft_s for r in recs], sum(r.hit_blocks for r in recs), sum(r.prompt_blocks for r in recs),
                   sum(1 for r in recs if r.ttft_s <= slo_s), len(recs), result.counters.get("unfinished", 0),
-                  time.perf_counter() - started)
+                  time.perf_counter() - started, time.process_time() - cpu, result.counters.get("migrations", 0),
+                  result.counters.get("decode_bottleneck_decisions", 0), result.counters.get("decode_bottleneck_moves", 0))
 
 
 # ---- turning runs into numbers ----------------------------------------------------------
@@ -218,6 +227,8 @@ def _pool(digests: Sequence[Digest]) -> dict[str, float]:
         out[key] = sum(values) / len(values) if values else math.nan
     out["requests"] = float(sum(d.requests for d in digests))
     out["unfinished"] = float(sum(d.unfinished for d in digests))
+    for key in ("migrations", "bottleneck_decisions", "bottleneck_moves"):
+        out[key] = float(sum(getattr(d, key) for d in digests))
     return out
 
 
@@ -321,13 +332,23 @@ def _detail(run: str, table: Table, names: Sequence[str]) -> list[str]:
         cell = next(iter(table.cells.values()))
         out += [f"hit ratio {cell['hit_pct']:.2f}% ({int(cell['requests']):,} requests)", ""]
         return out
-    out += ["| pair | rate | hit % | TTFT p50 | p90 | p95 | p99 (ms) | SLO % | requests |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    # with load reports or the admission queue, DualMap's A.7 rule and A.1.2 migration can fire: count them
+    rules = "--load-report-ms" in run or "--admission-max-inflight" in run
+    out += ["| pair | rate | hit % | TTFT p50 | p90 | p95 | p99 (ms) | SLO % | requests |"
+            + (" migrations | A.7 flagged | A.7 moved |" if rules else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if rules else "")]
     for (pair, rate), c in sorted(table.cells.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         unfinished = f" ({int(c['unfinished'])} unfinished)" if c["unfinished"] else ""
+        counts = (f" {int(c['migrations']):,} | {int(c['bottleneck_decisions']):,} | {int(c['bottleneck_moves']):,} |"
+                  if rules else "")
         out.append(f"| {pair} | {_num(rate, 1) if rate else 'trace'} | {_num(c['hit_pct'])} | {_num(c['ttft_p50'], 0)} | "
                    f"{_num(c['ttft_p90'], 0)} | {_num(c['ttft_p95'], 0)} | {_num(c['ttft_p99'], 0)} | "
-                   f"{_num(c['slo_pct'])} | {int(c['requests']):,}{unfinished} |")
+                   f"{_num(c['slo_pct'])} | {int(c['requests']):,}{unfinished} |{counts}")
+    if rules:
+        out += ["", "Migrations: queued requests DualMap moved to their other candidate (A.1.2). A.7 flagged: "
+                "dispatched decisions with a candidate flagged decode-bottlenecked (A.7: a queue, and no prefill "
+                "finished for 3 s); A.7 moved: those the flag sent to another worker than the rule would have "
+                "without it. Counts over the whole run, warm-up included, summed over seeds."]
     if table.goodput:
         out += ["", "Goodput (highest swept rate with mean SLO attainment >= 90%): " + ", ".join(
             f"{p} {_num(g, 0)}" for p, g in sorted(table.goodput.items(), key=lambda kv: -kv[1])) + " req/s"]
@@ -346,7 +367,8 @@ def _git_commit() -> str:
 def markdown(rows: Sequence[Row], results: Sequence[dict[str, Any]], tables: dict[str, Table], meta: dict[str, Any]) -> str:
     out = ["# `kvrouterd sim reproduce`: the papers' claims in the simulator", ""]
     out.append(f"Commit {meta['commit']}, {meta['date']}; {meta['units']} runs, {meta['wall_s']:.0f} s wall, "
-               f"{meta['cpu_s']:.0f} s of simulation CPU, {meta['jobs']} job(s)"
+               f"{meta['cpu_s']:.0f} s of simulation CPU ({meta['sim_wall_s']:.0f} s of wall time inside the runs: "
+               f"more than the CPU time when the machine is shared), {meta['jobs']} job(s)"
                + (" (**--quick**: verdicts meaningless)" if meta["quick"] else "") + ".")
     out += ["", "| row | § | paper figure | claim (ours = ...) | paper | ours | goal | verdict |",
             "|---|---|---|---|---|---|---|---|"]
@@ -451,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouterd sim reproduce: {exc}", file=sys.stderr)
         return 2
     meta = {"commit": _git_commit(), "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "units": len(units), "wall_s": wall, "cpu_s": sum(d.wall_s for d in digests.values()),
+            "units": len(units), "wall_s": wall, "cpu_s": sum(d.cpu_s for d in digests.values()),
+            "sim_wall_s": sum(d.wall_s for d in digests.values()),
             "jobs": args.jobs, "quick": args.quick, "process_cpu_s": time.process_time() - cpu0}
     text = markdown(rows, results, tables, meta)
     if args.out:

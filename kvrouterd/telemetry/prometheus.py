@@ -27,6 +27,10 @@ they cost nothing per request:
   (other replicas' deltas: ``charged``, ``released``, ``late`` = a Dispatch behind its
   completion, ``unknown_worker``) and ``kvrouter_replica_sync_lost_total{reason}``
   (``publish_error``, ``rejected``, ``stream_skip``: deltas lost; their requests expire).
+* ``kvrouter_policy_rule_fired_total{policy,rule}``: a policy's own rule counts
+  (``RoutingPolicyBase.counters``): DualMap's decisions with a decode-bottlenecked candidate
+  (A.7) and those the flag moved; ``kvrouter_admission_migrations_total``: DualMap's hotspot
+  migrations (A.1.2) in admission queue mode.
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
   collector's ``process_resident_memory_bytes`` etc.
 
@@ -135,6 +139,8 @@ class OpsMetrics:
         self.event_sources: list[EventStats] = []
         #: the replica sync's loss counters (reason -> count), once the daemon shares load
         self.sync_losses: Callable[[], Mapping[str, int]] = dict
+        #: the daemon's admission gate (``server.admission.AdmissionGate``), when it runs one
+        self.admission: Any = None
 
     def add_event_source(self, stats: EventStats) -> None:
         """Export the replay counts of an event source (``ZmqEventSource.stats``: worker -> stats)."""
@@ -190,6 +196,15 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     def inflight(_: CallbackOptions) -> Iterable[Observation]:
         yield Observation(router.workers.inflight_count)
 
+    def rules_fired(_: CallbackOptions) -> Iterable[Observation]:
+        for policy, counts in router.policy_counters().items():
+            for rule, n in counts.items():
+                yield Observation(n, {"policy": policy, "rule": rule})
+
+    def migrations(_: CallbackOptions) -> Iterable[Observation]:
+        if ops.admission is not None:
+            yield Observation(ops.admission.migrations)
+
     meter.create_observable_counter(
         "kvrouter.prefix.decisions", [prefix_decisions],
         description="decisions by whether the chosen worker held the longest cached prefix of any candidate",
@@ -241,6 +256,14 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     )
     meter.create_observable_counter(
         "kvrouter.replica_sync.lost", [sync_lost], description="load deltas lost (their requests expire), by reason"
+    )
+    meter.create_observable_counter(
+        "kvrouter.policy.rule_fired", [rules_fired],
+        description="decisions in which a policy's own rule fired, e.g. DualMap's decode-bottleneck rule (A.7)",
+    )
+    meter.create_observable_counter(
+        "kvrouter.admission.migrations", [migrations],
+        description="queued requests moved to their other candidate by DualMap's hotspot migration (A.1.2)",
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

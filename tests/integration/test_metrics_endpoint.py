@@ -208,3 +208,17 @@ async def test_a_route_under_a_namespace_no_engine_stored_is_counted_and_logged_
     assert "kvrouter_route_namespace_misses_total{lora=\"\",model=\"llama\"}" not in text
     warnings = [r.getMessage() for r in caplog.records if "no engine has stored blocks" in r.getMessage()]
     assert len(warnings) == 2 and "only under model='llama' lora=''" in warnings[0]
+
+
+async def test_policy_rule_counts_are_exported_once_the_policy_decides(running):
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid)
+    _, _, text = await scrape(running)
+    assert "kvrouter_policy_rule_fired_total" not in text  # cache_aware keeps no rule counts
+    await stub.Route(pb.RouteRequest(token_ids=list(range(70, 70 + 4 * BS)), policy="dualmap"))
+    _, _, text = await scrape(running)
+    policy = running.daemon.router.routing_policy("dualmap")
+    for rule in ("decode_bottleneck_decisions", "decode_bottleneck_moves"):
+        assert sample(text, "kvrouter_policy_rule_fired_total", policy="dualmap", rule=rule) == policy.counters()[rule] == 0
+    assert "kvrouter_admission_migrations_total" not in text  # no admission queue, no migrations series

@@ -95,3 +95,9 @@ class ComposePolicy(RoutingPolicyBase):
     def tick(self, now: float) -> None:
         self.restrict.tick(now)
         self.scorer.tick(now)
+
+    def counters(self) -> dict[str, int]:
+        out = dict(self.restrict.counters())
+        for key, n in self.scorer.counters().items():
+            out[key] = out.get(key, 0) + n
+        return out

@@ -14,8 +14,16 @@ Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt
   its share falls below 1/n (``prefix_hotness``). Segments are counted in the router's
   blocks: ``segment_tokens / block_size`` blocks per segment (at least 1).
 - **SLO-aware selection** (section 3.2, A.1.1): prefer the candidate with more cached reuse
-  (``rule=cache_affinity``); when that one is overloaded, take the less loaded of the two
-  (``rule=slo_switch``); with equal reuse, take the less loaded (``rule=equal_reuse``). Load
+  (``rule=cache_affinity``); when that one is overloaded, switch (``rule=slo_switch``) to the
+  candidate with the lower estimated TTFT, queueing plus its own uncached prefill
+  (``switch_to=min_ttft``: the paper's appendix says DualMap "chooses between its two
+  candidates using a TTFT estimation function that jointly considers the cache-reuse benefit
+  and queuing delay", A.6, and "only requires an estimated TTFT for each candidate", A.5), or
+  to the one with fewer pending tokens (``switch_to=less_loaded``, section 3.2's summary "selects
+  the less loaded instance", which ignores that the other candidate may hold none of the
+  prompt: on the Mooncake trace at 19 req/s it sent conversations to the candidate without
+  their history, hit ratio 29% -> 20%, SLO 95.5% -> 54.5%); with equal reuse, take the less
+  loaded (``rule=equal_reuse``). Load
   is pending prefill tokens, as the latency model estimates them (``pending_model``). "Overloaded" is, with ``slo_test=static_threshold`` (the
   paper's implementation), pending tokens plus the request's uncached tokens above the
   *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
@@ -57,6 +65,12 @@ Parameters (defaults from the paper unless noted; latency-model ones in ``polici
 - ``default_ttft_slo_ms`` = 5000: SLO for requests without one (the paper's 5 s).
 - ``slo_test`` = "static_threshold"; ``slo_threshold_tokens`` = 0 (derive from the model).
 - ``decode_bottleneck_s`` = 3.0: A.7's T (0 disables).
+- ``switch_to`` = "min_ttft": the SLO switch's target (above).
+
+``counters()`` counts, over dispatched decisions, those with a candidate flagged by A.7
+(``decode_bottleneck_decisions``) and those the flag sent to another worker than the rule
+would have chosen without it (``decode_bottleneck_moves``); the daemon exports them as
+``kvrouter.policy.rule_fired``, ``sim reproduce`` per run.
 """
 
 from __future__ import annotations
@@ -98,6 +112,11 @@ class DualMapParams(LatencyParams):
     decode_bottleneck_s: float = field(
         default=3.0, metadata={"help": "no prefill completed for this long with work queued = overloaded (0 = off)"}
     )
+    switch_to: Literal["min_ttft", "less_loaded"] = field(
+        default="min_ttft",
+        metadata={"help": "SLO switch target: the candidate with the lower estimated TTFT, its cache hit included "
+                          "(A.5, A.6), or the one with fewer pending tokens (3.2's summary)"},
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -127,6 +146,9 @@ class _View:
     uncached: int
     ttft_ms: float
     bottleneck_ms: float
+    #: over the SLO threshold by load alone (section 3.2)
+    over_load: bool
+    #: over_load, or decode-bottlenecked (A.7)
     overloaded: bool
 
 
@@ -142,6 +164,9 @@ class DualMapPolicy(RoutingPolicyBase):
         self._static = LatencyModel(replace(params, calibrate=False))
         self._last_prefill: dict[str, float] = {}
         self._busy_since: dict[str, float] = {}
+        #: dispatched decisions with a candidate flagged decode-bottlenecked (A.7), and those
+        #: the flag sent to another worker than the rule without it would have
+        self._a7 = {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0}
 
     # ---- pure helpers -------------------------------------------------------------------
     def segment_blocks(self, block_size: int) -> int:
@@ -199,7 +224,7 @@ class DualMapPolicy(RoutingPolicyBase):
             over = load + uncached > threshold
         else:
             over = ttft > slo
-        return _View(w, ctx.overlap(w), load, uncached, ttft, stall, over or stall > 0)
+        return _View(w, ctx.overlap(w), load, uncached, ttft, stall, over, over or stall > 0)
 
     # ---- selection ----------------------------------------------------------------------
     def _pair(self, ctx: RoutingContext, by_id: dict[str, Worker],
@@ -236,20 +261,38 @@ class DualMapPolicy(RoutingPolicyBase):
         second = self._view(ctx, by_id[pair[1]], slo, threshold) if pair[1] is not None else None
         if second is None:
             return self._decision(ctx, first, None, "single_candidate", [first], path, slo, threshold)
-        lighter = min((first, second), key=lambda v: (v.bottleneck_ms > 0, v.load, v is second))
-        if first.reuse == second.reuse:
-            chosen, rule = lighter, "equal_reuse"
-        else:
-            preferred = first if first.reuse > second.reuse else second
-            if not preferred.overloaded:
-                chosen, rule = preferred, "cache_affinity"
-            else:
-                chosen, rule = lighter, "slo_switch"
+        chosen, rule = self._choose(first, second, stalls=True)
+        # A.7's effect: what the rule would have chosen with no worker flagged
+        flagged = int(first.bottleneck_ms > 0) + int(second.bottleneck_ms > 0)
+        moved = int(flagged > 0 and self._choose(first, second, stalls=False)[0] is not chosen)
         other = second if chosen is first else first
-        return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold)
+        return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold,
+                              decode_bottlenecked=flagged, decode_bottleneck_moved=moved)
+
+    def _choose(self, first: _View, second: _View, stalls: bool) -> tuple[_View, str]:
+        """Section 3.2's choice between the pair; ``stalls=False`` ignores A.7's flags."""
+        def stalled(v: _View) -> bool:
+            return stalls and v.bottleneck_ms > 0
+
+        def over(v: _View) -> bool:
+            return v.over_load or stalled(v)
+
+        def ttft(v: _View) -> float:
+            return v.ttft_ms if stalls else v.ttft_ms - v.bottleneck_ms
+
+        lighter = min((first, second), key=lambda v: (stalled(v), v.load, v is second))
+        if first.reuse == second.reuse:
+            return lighter, "equal_reuse"
+        preferred = first if first.reuse > second.reuse else second
+        if not over(preferred):
+            return preferred, "cache_affinity"
+        if self.params.switch_to == "min_ttft":
+            return min((first, second), key=lambda v: (ttft(v), v is second)), "slo_switch"
+        return lighter, "slo_switch"
 
     def _decision(self, ctx: RoutingContext, chosen: _View, other: _View | None, rule: str, views: list[_View],
-                  path: list[tuple[int, int]], slo: float, threshold: int) -> Decision:
+                  path: list[tuple[int, int]], slo: float, threshold: int, decode_bottlenecked: int = 0,
+                  decode_bottleneck_moved: int = 0) -> Decision:
         scored = [
             ctx.candidate(
                 v.worker, score=-v.ttft_ms, candidate=float(i + 1), reuse_blocks=float(v.reuse),
@@ -262,6 +305,7 @@ class DualMapPolicy(RoutingPolicyBase):
             "rule": rule, "slo_ms": slo, "threshold_tokens": threshold,
             "key_blocks": path[-1][0] if path else 0, "key_extended": int(len(path) > 1),
             "both_overloaded": int(other is not None and chosen.overloaded and other.overloaded),
+            "decode_bottlenecked": decode_bottlenecked, "decode_bottleneck_moved": decode_bottleneck_moved,
         }
         for i, v in enumerate(views[:2] if other is not None else [chosen]):
             attrs[f"candidate_{i + 1}"] = v.worker.id
@@ -281,6 +325,9 @@ class DualMapPolicy(RoutingPolicyBase):
             return
         if worker.inflight_requests <= 1:  # the host committed this one: the worker was idle
             self._busy_since[worker.id] = ctx.now
+        if decision.attributes.get("decode_bottlenecked"):
+            self._a7["decode_bottleneck_decisions"] += 1
+            self._a7["decode_bottleneck_moves"] += int(decision.attributes.get("decode_bottleneck_moved", 0))
         self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
         path = self.key_path(ctx.request.keys, ctx.block_size)
         if path:
@@ -296,6 +343,9 @@ class DualMapPolicy(RoutingPolicyBase):
         first_token = now - decode_s
         if first_token > self._last_prefill.get(worker.id, float("-inf")):
             self._last_prefill[worker.id] = first_token
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._a7)
 
     def on_worker_added(self, worker: Worker) -> None:
         self.ring.add(worker.id)

@@ -289,3 +289,44 @@ def test_default_load_and_threshold_come_from_the_profiled_model() -> None:
 def test_bad_parameters_fail_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         registry.build("routing", {"name": "dualmap", field: value})
+
+
+def _home_over_threshold(switch_to: str):  # type: ignore[no-untyped-def]
+    """A worker holding a 1,024-token prefix, 600 tokens queued for it (past the 500-token
+    threshold), and its pair's other worker idle and holding nothing."""
+    router, _ = make_router({**SMALL, "slo_threshold_tokens": 500, "switch_to": switch_to}, ["a", "b"])
+    tokens = lambda i: prompt(5, 1024, i)  # noqa: E731
+    first = router.route(request(tokens(0)))
+    complete(router, first.request.request_id)
+    home = first.worker.id
+    router.note_admission_queue(home, 1, 600)
+    return router, router.decide(request(tokens(1)))[0], home
+
+
+def test_slo_switch_goes_to_the_lower_estimated_ttft_counting_each_candidates_cache() -> None:
+    # home: 600 queued + 64 uncached tokens; the other: nothing queued but all 1,088 to prefill
+    _, d, home = _home_over_threshold("min_ttft")
+    terms = {c.worker_id: c.terms for c in d.candidates}
+    assert terms[home]["overloaded"] == 1.0 and d.attributes["rule"] == "slo_switch"
+    assert d.worker_id == home  # recomputing the prefix elsewhere would be slower
+    assert terms[home]["est_ttft_ms"] < min(t["est_ttft_ms"] for w, t in terms.items() if w != home)
+    # section 3.2's "less loaded" reading moves it to the idle worker, which holds none of it
+    _, d, home = _home_over_threshold("less_loaded")
+    assert d.attributes["rule"] == "slo_switch" and d.worker_id != home
+
+
+def test_counters_report_how_often_the_decode_bottleneck_rule_fired_and_moved_a_request() -> None:
+    router, clock = make_router({**SMALL, "slo_threshold_tokens": 100_000}, ["a", "b"])
+    tokens = lambda i: prompt(2, PREFIX_TOKENS, i)  # noqa: E731
+    home = router.route(request(tokens(0))).worker.id
+    router.route(request(tokens(1)))
+    policy = router.routing_policy()
+    assert policy.counters() == {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0}
+    clock.advance(4.0)
+    router.report_load(home, queued=2, running=2, kv_utilization=0.99)
+    router.decide(request(tokens(2)))  # a decision the host does not dispatch is not counted
+    assert policy.counters()["decode_bottleneck_decisions"] == 0
+    d = router.route(request(tokens(3))).decision
+    assert d.worker_id != home and d.attributes["decode_bottleneck_moved"] == 1
+    assert policy.counters() == {"decode_bottleneck_decisions": 1, "decode_bottleneck_moves": 1}
+    assert router.policy_counters() == {"dualmap": policy.counters()}

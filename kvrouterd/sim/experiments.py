@@ -299,12 +299,33 @@ _DUALMAP_ROWS: tuple[Row, ...] = (
                  ("cache_affinity+lru", "min_ttft+lru", "preble+lru"), ">=1.2"),
 )
 
+# section 3.2's reading of the SLO switch (the less loaded candidate, its cache ignored), against
+# the same baselines as dualmap_mooncake (section 8: the default follows A.5/A.6's TTFT estimate)
+_DUALMAP_LESS_LOADED = Row(
+    "dualmap_mooncake_less_loaded", "9.2", "DualMap, Fig. 7 and abstract (up to 2.25x effective capacity)",
+    "as dualmap_mooncake, the SLO switch to the less loaded candidate (section 3.2's wording, switch_to=less_loaded)",
+    f"{MOONCAKE} --rate 14,16,17,18,19,20 --routing dualmap --eviction lru --set 'dualmap.switch_to=\"less_loaded\"'",
+    Measure("goodput", ("dualmap+lru",)),
+    Measure("goodput", ("cache_affinity+lru", "min_ttft+lru", "preble+lru"), run=_DUALMAP_ROWS[3].run),
+    compare="ratio", paper=2.25, goal=">=1.2", unit="x")
+
+# UniCache without Stage 2's adaptation (weights stay 1): what the queues' own orders cost (9.4)
+_UNICACHE_NO_STAGE2 = Row(
+    "unicache_mix3_weights_fixed", "9.4", "UniCache, Fig. 12 (w/o Stage 2 ablation)",
+    "UniCache's hit ratio - LRU's with the queue weights held at 1 (no update within the run), mix3, 3 seeds",
+    "--workload mix3 --rate 4 --workers 1 --capacity-fraction 0.2 --routing round_robin --eviction lru,unicache"
+    " --seeds 0,1,2 --set unicache.update_interval_s=1e9",
+    Measure("hit_pct", ("round_robin+unicache",)), Measure("hit_pct", ("round_robin+lru",)), compare="diff",
+    unit="points")
+
 ROWS: tuple[Row, ...] = (
     *_HEAD_ROWS,
     *_DUALMAP_ROWS,
+    _DUALMAP_LESS_LOADED,
     *(_tlru_row(b) for b in (500, 600, 700, 800, 1000)),
     *(_tlru_longchat_row(b) for b in (500, 600, 700, 800)),
     *(_unicache_row(m, d) for d in (False, True) for m in ("mix1", "mix2", "mix3")),
+    _UNICACHE_NO_STAGE2,
     _compose_row("compose_toolagent", "tool/agent goodput", _COMPOSE_TOOL, "goodput", None, "higher",
                  ("dualmap+lru", "dualmap+rlt", "cache_affinity+lru", "cache_affinity+rlt")),
     _compose_row("compose_mooncake", "Mooncake goodput", _COMPOSE_MOONCAKE, "goodput", None, "higher",

@@ -183,7 +183,9 @@ def run_unit(unit: Unit) -> Digest:
         trace = list(sim_cache.read_trace(args.trace))
         if unit.quick:
             trace = trace[:QUICK_REQUESTS * 10]
-        res = sim_cache.replay(trace, json.loads(unit.eviction), args.capacity_blocks, block_tokens=args.block_tokens)
+        if len(args.capacity_blocks) != 1:  # `sim cache` sweeps a list; a row is one number
+            raise ConfigError(f"a reproduce row replays one cache size, got --capacity-blocks {args.capacity_blocks}")
+        res = sim_cache.replay(trace, json.loads(unit.eviction), args.capacity_blocks[0], block_tokens=args.block_tokens)
         return Digest([], res.hit_blocks, res.blocks, 0, res.requests, 0, time.perf_counter() - started,
                       time.process_time() - cpu)
     routing, eviction = json.loads(unit.routing), json.loads(unit.eviction)

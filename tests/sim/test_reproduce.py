@@ -175,3 +175,20 @@ def test_verdicts_judge_the_number_as_printed():
                unit="x")
     got = evaluate(row, {"x": table})
     assert got["ours"] == pytest.approx(1.003) and got["verdict"] == "not reproduced"
+
+
+def test_cache_rows_replay_their_one_cache_size(tmp_path):
+    # the single-cache LRU rows go through `sim cache`'s parser, whose --capacity-blocks is a list
+    from kvrouterd.sim import cache as sim_cache
+
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i, "input_length": 512 * 4, "output_length": 1, "hash_ids": [0, 1 + i % 3, 10 + i, 20 + i]}
+            for i in range(300)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "rep"
+    assert main(["sim", "reproduce", "--only", "lru_cache_100", "--mooncake-trace", str(trace), "--out", str(out),
+                 "--quiet"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    expected = sim_cache.replay(list(sim_cache.read_trace(trace)), "lru", 100)
+    assert doc["rows"][0]["ours"] == pytest.approx(100 * expected.hit_ratio)
+    assert 0 < expected.hit_ratio < 1

@@ -703,9 +703,14 @@ class Router:
         """Apply one batch of cache events for a worker, in publisher order.
 
         Sequence rules (per worker): ``last+1`` is in order; a repeat of an applied number is
-        a duplicate and ignored; ``0`` after a higher number is an engine restart (its cache
-        is empty: state is cleared first); a jump forward is a gap: the lost batches are
-        counted and the worker is marked DEGRADED until a ``Cleared`` resyncs it.
+        a duplicate and ignored; ``0`` after a higher number is an engine restart (its cache is
+        empty: state is cleared first, and a worker DEGRADED for lost events is READY again); a
+        jump forward is a gap: the lost batches are counted and the worker is marked DEGRADED
+        until a ``Cleared`` resyncs it. A first batch numbered past 0 (the router has no number
+        for the worker: it restarted, was warmed from a peer, or the worker was registered
+        again) is a gap of unknown history ("sequence unknown"), unless it starts with
+        ``Cleared``: a resync needs no history, so it is in order. ``Worker.resync_needed``
+        tells publishers that only a ``Cleared`` plus their full state mends the view.
 
         A batch is checked whole before it changes anything, and by default one event that
         cannot be applied rejects the batch (the gRPC contract: a rejected call changes
@@ -751,13 +756,22 @@ class Router:
         if last >= 0 and seq == 0:
             outcome.restarted = True
             self.counters["restarts"] += 1
+            stale = worker.resync_needed
             self._clear_worker(worker)
+            if stale and worker.state is WorkerState.DEGRADED:
+                worker.state, worker.state_reason = WorkerState.READY, ""  # an empty cache, now mirrored
             log.warning("engine restart detected: worker state cleared", extra={"worker_id": worker.id})
-        elif seq != last + 1 and not (last < 0 and seq == 0):
-            outcome.gap = seq - last - 1 if last >= 0 else seq
-            worker.gaps += 1
-            self._degrade(worker, "event gap")
-            self.counters["gaps"] += 1
+        elif last < 0 and seq > 0:
+            if not (batch.events and type(batch.events[0]) is Cleared):
+                self._gap(worker, outcome, seq, "sequence unknown")
+                log.warning(
+                    "first batch of a worker is number %d: this router never saw its earlier batches (it restarted, "
+                    "was warmed from a peer, or the worker was registered again); worker degraded until its "
+                    "publisher resyncs (Cleared + full state, which EventPublisher sends when told)",
+                    seq, extra={"worker_id": worker.id, "sequence": seq},
+                )
+        elif seq != last + 1:
+            self._gap(worker, outcome, seq - last - 1, "event gap")
             log.warning(
                 "event gap: %d batch(es) lost; worker degraded until resync",
                 outcome.gap, extra={"worker_id": worker.id, "last_sequence": last, "sequence": seq},
@@ -787,7 +801,17 @@ class Router:
         self.counters["unknown_removals"] += outcome.unknown_removals
         return outcome
 
-    def _degrade(self, worker: Worker, reason: str) -> None:
+    def _gap(self, worker: Worker, outcome: BatchOutcome, lost: int, reason: str) -> None:
+        outcome.gap = lost
+        worker.gaps += 1
+        self.counters["gaps"] += 1
+        self._degrade(worker, reason)
+
+    def _degrade(self, worker: Worker, reason: str, *, resync: bool = True) -> None:
+        """``resync``: events were lost, so only the publisher's Cleared + full state mends the
+        view (a draining worker is flagged too: it serves again once drained back)."""
+        if resync:
+            worker.resync_needed = True
         if worker.state is not WorkerState.DRAINING:
             worker.state = WorkerState.DEGRADED
             worker.state_reason = reason
@@ -809,7 +833,7 @@ class Router:
         if stores_rejected and not stores_applied:
             worker.rejecting_streak += 1
             if worker.rejecting_streak >= REJECTING_AFTER and worker.state is WorkerState.READY:
-                self._degrade(worker, "stored events rejected")
+                self._degrade(worker, "stored events rejected", resync=False)
                 log.warning("every recent stored event was rejected; worker degraded",
                             extra={"worker_id": worker.id, "reasons": dict(counts)})
         elif stores_applied and not stores_rejected:
@@ -931,6 +955,7 @@ class Router:
         if worker.groups is not None:
             worker.groups.clear()
         self._engine_hash_of.pop(worker.slot, None)
+        worker.resync_needed = False
         for ev in self._eviction_by_name.values():
             ev.on_cleared(worker.slot)
 

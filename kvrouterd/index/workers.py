@@ -84,6 +84,7 @@ class Worker:
         "reported_queue",
         "rejecting_streak",
         "reported_running",
+        "resync_needed",
         "slot",
         "spec",
         "state",
@@ -110,6 +111,9 @@ class Worker:
         self.engine_keys: MutableMapping[int, int] = u64_map()
         #: last applied event-batch sequence number (-1 = none yet)
         self.last_sequence = -1
+        #: events were lost and only the publisher can mend the view (Cleared + its full state,
+        #: or an engine restart); publishers read it in PublishEventsResponse.workers
+        self.resync_needed = False
         self.gaps = 0
         #: event batches applied (duplicates excluded)
         self.batches_applied = 0

@@ -180,7 +180,8 @@ class Daemon:
         log.info(
             "serving",
             extra={"listen": self.config.listen, "port": self.port, "policy": self.router.default_routing,
-                   "workers": len(self.router.workers), "fast_path": native.status},
+                   "workers": len(self.router.workers), "fast_path": native.status,
+                   "epoch": f"{self.service.epoch:016x}"},
         )
         if native.module is None and not native.disabled:
             log.warning("the C fast path is not built: every Route costs ~65 us more (reinstall with a C compiler)")

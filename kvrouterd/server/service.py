@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import NoReturn
@@ -70,6 +71,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         #: while some exist is a key mismatch, not a cold cache: _check_namespace)
         self.stored_namespaces: set[tuple[str, str]] = set()
         self._warned_namespaces: set[tuple[str, str]] = set()
+        #: this process's epoch (PublishEventsResponse.router_epoch): a publisher that sees it change
+        #: knows this router's view of its worker was not built from its stream, and resyncs
+        self.epoch = secrets.randbits(64) or 1
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
@@ -280,7 +284,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def PublishEvents(
         self, request_iterator: AsyncIterator[pb.EventBatch], context: grpc.aio.ServicerContext
     ) -> pb.PublishEventsResponse:
-        summary = pb.PublishEventsResponse()
+        summary = pb.PublishEventsResponse(router_epoch=self.epoch)
+        published: dict[str, None] = {}  # workers named, in order
         async for msg in request_iterator:
             try:
                 batch = convert.event_batch(msg, self.max_batch_events)
@@ -289,6 +294,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 # earlier batches of the stream stay applied; this one changed nothing
                 log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
                 await _abort(context, exc)
+            published[batch.worker_id] = None
             if outcome.duplicate:
                 summary.batches_duplicate += 1
                 continue
@@ -296,6 +302,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             summary.blocks_stored += outcome.blocks_stored
             summary.blocks_removed += outcome.blocks_removed
             summary.gaps_detected += 1 if outcome.gap else 0
+        for worker_id in published:
+            worker = self.router.workers.find(worker_id)
+            if worker is not None:  # else deregistered meanwhile
+                summary.workers.add(worker_id=worker_id, last_sequence=worker.last_sequence,
+                                    resync_needed=worker.resync_needed)
         return summary
 
     def apply_batch(self, batch: EventBatch, per_event: bool = False) -> BatchOutcome:

@@ -126,6 +126,47 @@ def test_sequence_rules_duplicate_gap_restart():
     assert router.workers.get("w0").state is WorkerState.READY and router.index.count(0) == 0
 
 
+def test_a_first_batch_past_zero_needs_a_resync_unless_it_starts_with_cleared():
+    """The router has no number for a worker (restarted, warmed, re-registered): a batch past 0
+    is a gap of unknown history, flagged for the publisher; a Cleared-first one is in order."""
+    router, _ = make(n=2)
+    s = lambda toks, h: Stored(tuple(toks), (h,))
+    out = router.apply(EventBatch("w0", 7, (s(range(BS), 1),)))
+    w0 = router.workers.get("w0")
+    assert out.gap == 7 and out.applied and router.index.count(w0.slot) == 1  # what it says still counts
+    assert (w0.state, w0.state_reason, w0.resync_needed) == (WorkerState.DEGRADED, "sequence unknown", True)
+    router.apply(EventBatch("w0", 8, (s(range(BS, 2 * BS), 2),)))
+    assert w0.state is WorkerState.DEGRADED and w0.resync_needed  # in order now, still incomplete
+    router.apply(EventBatch("w0", 9, (Cleared(), s(range(BS), 1))))
+    assert (w0.state, w0.state_reason, w0.resync_needed) == (WorkerState.READY, "", False)
+    assert router.index.count(w0.slot) == 1 and router.counters["gaps"] == 1
+
+    out = router.apply(EventBatch("w1", 42, (Cleared(), s(range(BS), 1))))
+    w1 = router.workers.get("w1")
+    assert out.gap == 0 and w1.state is WorkerState.READY and not w1.resync_needed and w1.last_sequence == 42
+    assert router.counters["gaps"] == 1
+
+
+def test_a_gap_is_flagged_for_resync_and_an_engine_restart_mends_it():
+    router, _ = make(n=1)
+    s = lambda toks, h: Stored(tuple(toks), (h,))
+    router.apply(EventBatch("w0", 0, (s(range(BS), 1),)))
+    router.set_draining("w0", True)
+    router.apply(EventBatch("w0", 5, (s(range(BS, 2 * BS), 2),)))
+    w = router.workers.get("w0")
+    assert w.state is WorkerState.DRAINING and w.resync_needed  # a draining worker still gets its resync
+    router.set_draining("w0", False)
+    router.apply(EventBatch("w0", 6, ()))
+    assert w.state is WorkerState.READY and w.resync_needed
+    router.apply(EventBatch("w0", 7, (s(range(2 * BS, 3 * BS), 3),)))
+    out = router.apply(EventBatch("w0", 0, (s(range(BS), 9),)))  # the engine restarted: its cache is empty
+    assert out.restarted and not w.resync_needed and router.index.count(w.slot) == 1
+    router.apply(EventBatch("w0", 3, ()))
+    assert w.state is WorkerState.DEGRADED and w.state_reason == "event gap"
+    router.apply(EventBatch("w0", 0, ()))  # restarted again: an empty cache, mirrored exactly
+    assert (w.state, w.state_reason, w.resync_needed) == (WorkerState.READY, "", False)
+
+
 def test_orphans_and_unknown_removals_are_counted_not_applied():
     router, _ = make(n=1)
     out = router.apply(EventBatch("w0", 0, (Stored(tuple(range(BS)), (5,), parent_engine_hash=999), Removed((12345,)))))

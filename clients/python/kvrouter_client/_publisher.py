@@ -29,6 +29,17 @@ worker's view): create one per engine process lifetime, not one per connection. 
 sent and acknowledged on its own, so it is only resent if its stream broke before the
 acknowledgement; the router then clears and rebuilds the view from the resent batches
 (the end state is right; one extra restart is counted).
+
+Router restarts. Each PublishEvents answer carries the router's epoch (drawn at its start)
+and, per worker the stream named, whether its view needs a resync. The view does after a
+router restart, a warm-up from a peer or a re-registration (the router never saw this
+publisher's earlier batches) and after a gap; the publisher then sends ``Cleared`` plus
+``snapshot()`` by itself, numbered right after the last batch it wrote (the numbers of
+buffered batches the snapshot supersedes are reused). An idle publisher sends an empty
+stream every ``probe_interval_s`` to read the epoch; a new one means the router restarted:
+the worker is registered again (if this publisher registered it) and resynced. A NOT_FOUND
+is checked the same way, so a worker an operator deregistered stays deregistered while the
+router runs.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ import grpc
 
 from ._channel import TLS, channel_options, open_aio_channel
 from ._client import DEFAULT_TIMEOUT_S
-from ._errors import RouterRejected, from_rpc_error
+from ._errors import RouterRejected, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from ._types import (
@@ -92,6 +103,7 @@ class EventPublisher:
         on_overflow: Callable[[int], None] | None = None,
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 5.0,
+        probe_interval_s: float = 5.0,
         options: Sequence[tuple[str, Any]] = (),
         tls: TLS | None = None,
         token: str | None = None,
@@ -109,8 +121,8 @@ class EventPublisher:
                              ("reconnect_initial_s", reconnect_initial_s)):
             if fvalue <= 0:
                 raise ValueError(f"{name} must be > 0, got {fvalue}")
-        if linger_s < 0 or reconnect_max_s < reconnect_initial_s:
-            raise ValueError("linger_s must be >= 0 and reconnect_max_s >= reconnect_initial_s")
+        if linger_s < 0 or reconnect_max_s < reconnect_initial_s or probe_interval_s < 0:
+            raise ValueError("linger_s and probe_interval_s must be >= 0 and reconnect_max_s >= reconnect_initial_s")
         self.worker_id = worker_id
         self.block_size = block_size
         self.timeout = timeout
@@ -122,6 +134,8 @@ class EventPublisher:
         self.on_overflow = on_overflow
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        #: seconds of idleness between two reads of the router's epoch (0 = never probe)
+        self.probe_interval_s = probe_interval_s
         self._own_channel = channel is None and bool(target)
         self._channel = channel or (open_aio_channel(
             target, channel_options(options, reconnect_initial_s, reconnect_max_s), tls, token, token_file)
@@ -131,6 +145,15 @@ class EventPublisher:
         self._pending: list[Event] = []
         self._buffer: deque[tuple[int, pb.EventBatch]] = deque()
         self._next_seq = 0
+        #: highest batch number ever written to a router (numbers above it are free to reuse)
+        self._written_seq = -1
+        #: the router's epoch from its last answer (0 = none yet, or a router without epochs)
+        self._router_epoch = 0
+        #: what register() was last called with, repeated after a router restart
+        self._registration: dict[str, Any] | None = None
+        self._reregister = False
+        #: read the router's epoch before the next stream (after NOT_FOUND, or a first register())
+        self._check_epoch = False
         self._needs_resync = False
         self._flush_now = False
         self._wake = asyncio.Event()
@@ -226,6 +249,42 @@ class EventPublisher:
         self._needs_resync = False
         self.stats.resyncs += 1
 
+    def _resync_for_router(self, why: str) -> None:
+        """The router's view of this worker is incomplete (``why``): resync it now. Every
+        buffered event happened before the snapshot, which covers it, so the buffer goes; its
+        unwritten numbers are reused, so the router sees Cleared right after our last batch."""
+        log.warning("%s: sending Cleared + snapshot", why, extra={"worker_id": self.worker_id})
+        self.stats.resyncs_requested += 1
+        self._buffer.clear()
+        self._pending = []
+        self._next_seq = self._written_seq + 1
+        self._resync()
+
+    def _on_answer(self, summary: pb.PublishEventsResponse) -> None:
+        """Act on a PublishEvents answer: the router's epoch and this worker's resync flag."""
+        epoch = summary.router_epoch
+        if not epoch:
+            return  # a router that predates epochs: its sequence rules alone apply
+        mine = next((w for w in summary.workers if w.worker_id == self.worker_id), None)
+        known, self._router_epoch = self._router_epoch, epoch
+        if known and known != epoch:
+            self.stats.router_restarts += 1
+            log.warning("router epoch changed from %016x to %016x (it restarted, or another replica answered)",
+                        known, epoch, extra={"worker_id": self.worker_id})
+            if mine is None:  # nothing of ours on this stream: the answer says nothing about our view
+                if self._registration is not None:
+                    self._reregister = True
+                if self._written_seq >= 0:
+                    self._resync_for_router("router restarted; its view of this worker is not ours")
+                return
+        if mine is not None and mine.resync_needed:
+            self._resync_for_router(f"router says its view is incomplete after batch {mine.last_sequence}")
+
+    @property
+    def router_epoch(self) -> int:
+        """The epoch of the router that last answered (0 = none yet, or it predates epochs)."""
+        return self._router_epoch
+
     # ---- delivery -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start delivering in the background (``async with`` does this)."""
@@ -235,9 +294,14 @@ class EventPublisher:
     async def _run(self) -> None:
         backoff = self.reconnect_initial_s
         while True:
-            await self._wait_for_work()
+            idle = not await self._wait_for_work(self._probe_after())
             try:
-                await self._stream()
+                if idle or self._check_epoch:
+                    await self._probe()
+                if self._reregister:
+                    await self._register_again()
+                if self._buffer or self._pending or self._needs_resync:
+                    await self._stream()
                 backoff = self.reconnect_initial_s
                 continue
             except grpc.RpcError as exc:
@@ -248,9 +312,20 @@ class EventPublisher:
                     log.error("router rejected an event batch (%s); resyncing", err, extra={"worker_id": self.worker_id})
                     self._drop_for_resync(sum(len(m.events) for _, m in self._buffer) + len(self._pending))
                 else:
+                    if err.code is grpc.StatusCode.NOT_FOUND and self._events_need_router:
+                        self._check_epoch = True  # a restarted router forgot us, or an operator removed us
                     self.stats.reconnects += 1
                     log.warning("cannot publish (%s); retrying in %.2fs", err, backoff,
                                 extra={"worker_id": self.worker_id})
+            except RouterRejected as err:  # registering again was refused: the engine must decide
+                self._reregister = False
+                self.stats.last_error = str(err)
+                log.error("registering again after a router restart failed (%s)", err, extra={"worker_id": self.worker_id})
+            except RouterUnavailable as err:
+                self.stats.reconnects += 1
+                self.stats.last_error = str(err)
+                log.warning("cannot register again (%s); retrying in %.2fs", err, backoff,
+                            extra={"worker_id": self.worker_id})
             except TimeoutError:
                 self.stats.reconnects += 1
                 self.stats.last_error = "PublishEvents: no acknowledgement in time"
@@ -261,10 +336,45 @@ class EventPublisher:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)
 
-    async def _wait_for_work(self) -> None:
-        while not (self._buffer or self._pending or self._needs_resync):
+    async def _wait_for_work(self, timeout: float | None) -> bool:
+        """Wait until there is something to do (True) or ``timeout`` seconds pass idle (False)."""
+        while not (self._buffer or self._pending or self._needs_resync or self._check_epoch or self._reregister):
             self._wake.clear()
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    def _probe_after(self) -> float | None:
+        """Idle seconds before reading the router's epoch; None when there is nothing to guard
+        (no router, probing off, nothing published or registered yet)."""
+        if not self._events_need_router or not self.probe_interval_s:
+            return None
+        if self._written_seq < 0 and self._registration is None:
+            return None
+        return self.probe_interval_s
+
+    async def _probe(self) -> None:
+        """An empty PublishEvents stream: it applies nothing and answers with the router's epoch."""
+        assert self._stub is not None
+        call = self._stub.PublishEvents()
+        self.stats.probes += 1
+        try:
+            await call.done_writing()
+            summary = await asyncio.wait_for(call, self.timeout)
+        except BaseException:
+            call.cancel()
+            raise
+        self._check_epoch = False
+        self._on_answer(summary)
+
+    async def _register_again(self) -> None:
+        assert self._registration is not None
+        await self.register(**self._registration)
+        self._reregister = False
+        self.stats.reregistrations += 1
+        log.info("registered again after a router restart", extra={"worker_id": self.worker_id})
 
     async def _stream(self) -> None:
         """One PublishEvents stream: (re)send what is unacknowledged, add new batches, then close
@@ -284,6 +394,7 @@ class EventPublisher:
                     if seq > last_written:
                         await self._write(call, msg)
                         last_written = seq
+                        self._written_seq = max(self._written_seq, seq)
                         self.stats.batches_written += 1
                         if seq == 0:
                             break
@@ -301,7 +412,7 @@ class EventPublisher:
                 await call.done_writing()
             except asyncio.InvalidStateError:
                 pass  # the server already ended the call; awaiting it below raises its status
-            await asyncio.wait_for(call, max(self.timeout, 1.0) * 10)
+            summary = await asyncio.wait_for(call, max(self.timeout, 1.0) * 10)
         except BaseException:
             call.cancel()
             raise
@@ -310,6 +421,7 @@ class EventPublisher:
             self._buffer.popleft()
             acked += 1
         self.stats.batches_acked += acked
+        self._on_answer(summary)
         self._flush_now = False
         self._acked.set()
 
@@ -380,14 +492,22 @@ class EventPublisher:
         kv_events_endpoint: str = "",
         timeout: float | None = None,
     ) -> WorkerInfo:
-        """Register (or update) this worker; ``address`` is where gateways send its requests."""
+        """Register (or update) this worker; ``address`` is where gateways send its requests.
+        Remembered: after a router restart the publisher registers the worker again by itself."""
         worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
                            block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
                            kv_events_endpoint=kv_events_endpoint)
         resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
+        self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels, "mode": mode,
+                              "kv_events_endpoint": kv_events_endpoint, "timeout": timeout}
+        if self._events_need_router and not self._router_epoch:
+            self._check_epoch = True  # learn the epoch now, so a restart right after is noticed
+            self._wake.set()
         return WorkerInfo.from_pb(resp.worker)
 
     async def deregister(self, timeout: float | None = None) -> None:
+        self._registration = None
+        self._reregister = False
         await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
 
     async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None) -> None:

@@ -200,4 +200,12 @@ class PublisherStats:
     resyncs: int = 0
     events_dropped: int = 0
     rejected: int = 0
+    #: resyncs (counted in ``resyncs`` too) sent because the router said its view of this worker
+    #: is incomplete, or because it restarted
+    resyncs_requested: int = 0
+    #: changes of the router's epoch seen (it restarted, or another replica answered)
+    router_restarts: int = 0
+    #: registrations repeated after a router restart, and empty streams sent to read its epoch
+    reregistrations: int = 0
+    probes: int = 0
     last_error: str = ""

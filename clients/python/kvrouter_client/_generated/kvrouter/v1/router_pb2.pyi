@@ -322,18 +322,32 @@ class EventBatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class PublishEventsResponse(_message.Message):
-    __slots__ = ("batches_applied", "batches_duplicate", "gaps_detected", "blocks_stored", "blocks_removed")
+    __slots__ = ("batches_applied", "batches_duplicate", "gaps_detected", "blocks_stored", "blocks_removed", "router_epoch", "workers")
     BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     GAPS_DETECTED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     batches_applied: int
     batches_duplicate: int
     gaps_detected: int
     blocks_stored: int
     blocks_removed: int
-    def __init__(self, batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ...) -> None: ...
+    router_epoch: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerSequence]
+    def __init__(self, batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., router_epoch: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSequence, _Mapping]]] = ...) -> None: ...
+
+class WorkerSequence(_message.Message):
+    __slots__ = ("worker_id", "last_sequence", "resync_needed")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    last_sequence: int
+    resync_needed: bool
+    def __init__(self, worker_id: _Optional[str] = ..., last_sequence: _Optional[int] = ..., resync_needed: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -816,6 +816,11 @@ class Router:
             worker.state = WorkerState.DEGRADED
             worker.state_reason = reason
 
+    def mark_resync_needed(self, worker_id: str, reason: str) -> None:
+        """The worker's view is known to miss events (restored from a snapshot taken while it was
+        DEGRADED for ``reason``): DEGRADED until its publisher resyncs it."""
+        self._degrade(self.workers.get(worker_id), reason)
+
     def note_rejected_events(self, worker_id: str, rejected: Mapping[str, int], *, lost_removal: bool = False) -> None:
         """Count events an adapter could not even decode (``events/``), by reason. A lost
         removal means the worker's view may hold blocks the engine evicted: DEGRADED until

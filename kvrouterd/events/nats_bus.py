@@ -14,6 +14,12 @@ from the stream), a repeat (a publisher retry the stream's de-duplication window
 or a restart (number 0 again) exactly as it does over gRPC, counts it and degrades the worker
 until a ``Cleared`` resyncs it.
 
+Resync requests: a bus publisher cannot read a ``PublishEvents`` answer, so a replica whose view
+of a worker lost events asks its publisher directly, on the core NATS subject
+``<subject_prefix>-resync.<worker token>`` (outside the stream's subjects), with a
+``kvrouter.v1.WorkerSequence``; the SDK's ``NatsEventPublisher`` answers with ``Cleared`` plus its
+engine's snapshot on the stream, which heals every replica at once.
+
 Delivery: the ordered consumer is recreated by the client from the last stream sequence it
 handed us whenever it sees a hole or the server comes back, so a NATS restart costs neither a
 batch nor a double; we check the stream sequence ourselves too and count anything else.
@@ -36,7 +42,9 @@ from ..errors import BusUnavailable, ConfigError, KVRouterError
 from ..protocols import BatchOutcome, EventBatch
 from .replica_sync import ReplicaSyncConfig
 
-__all__ = ["BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "worker_subject"]
+__all__ = [
+    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "NatsBusConfig", "resync_subject", "worker_subject",
+]
 
 log = logging.getLogger("kvrouterd.events.nats")
 
@@ -103,6 +111,12 @@ def worker_subject(prefix: str, worker_id: str) -> str:
     return f"{prefix}.{token}"
 
 
+def resync_subject(prefix: str, worker_id: str) -> str:
+    """Where replicas ask one worker's publisher for a resync: ``<prefix>-resync.<token>``, which
+    the stream's ``<prefix>.>`` never captures (its second-to-last token differs)."""
+    return worker_subject(f"{prefix}-resync", worker_id)
+
+
 @dataclass
 class BusStats:
     """Counters of one replica's bus consumer (ListWorkers / metrics show the router's own)."""
@@ -116,6 +130,7 @@ class BusStats:
     last_stream_sequence: int = 0
     reconnects: int = 0
     snapshots_saved: int = 0
+    resync_requests: int = 0  # asks sent to publishers whose worker's view lost events
 
 
 async def connect(config: NatsBusConfig, **options: Any) -> Any:
@@ -261,6 +276,14 @@ class BusEventSource:
         store = await self._object_store()
         await store.put(self.config.stream, data)
         self.stats.snapshots_saved += 1
+
+    async def request_resync(self, worker_id: str, request: bytes) -> None:
+        """Ask the worker's publisher to resync (``request``: a serialized WorkerSequence). Core
+        NATS, fire and forget: the host asks again while the view stays incomplete."""
+        if self._nc is None:
+            return
+        await self._nc.publish(resync_subject(self.config.subject_prefix, worker_id), request)
+        self.stats.resync_requests += 1
 
     async def _on_message(self, msg: Any) -> None:
         seq = msg.metadata.sequence.stream

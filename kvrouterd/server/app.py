@@ -37,13 +37,14 @@ from ..events.replica_sync import ReplicaSync
 from ..events.zmq_source import ZmqEventSource
 from ..index import native
 from ..index.workers import WorkerSpec
-from ..protocols import Completion, Dispatch
+from ..protocols import BatchOutcome, Completion, Dispatch, EventBatch
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
 from . import convert
 from .admission import AdmissionGate
+from .bus_resync import BusResyncAsker
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
@@ -107,6 +108,9 @@ class Daemon:
         self.bus: BusEventSource | None = None
         #: in-flight load and approximate prefixes shared with the other replicas (None: not shared)
         self.sync: ReplicaSync | None = None
+        #: asks bus publishers to resync workers whose view lost events (None without a bus)
+        self.resync_asker: BusResyncAsker | None = None
+        self._resync_asks: asyncio.Task[None] | None = None
         self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
@@ -221,14 +225,22 @@ class Daemon:
         ready until the backlog at start is applied. An unreachable bus fails start-up
         (``BusUnavailable``) rather than serve an index nobody feeds."""
         max_events = self.config.limits.max_batch_events
+
+        def apply(batch: EventBatch) -> BatchOutcome:
+            outcome = self.service.apply_batch(batch)
+            if self.resync_asker is not None:
+                self.resync_asker.applied(batch, outcome)
+            return outcome
+
         self.bus = BusEventSource(
             self.config.events.bus,
             decode=lambda data: convert.event_batch_bytes(data, max_events),
-            apply=self.service.apply_batch,
+            apply=apply,
             # what `kvrouterd bridge` publishes: the calls its ZMQ source made, replayed here
             bridged=BridgedEvents(lambda batch: self.service.apply_batch(batch, per_event=True),
                                   self._reset_events, self._note_rejected, max_events),
         )
+        self.resync_asker = BusResyncAsker(self.router, self.bus)
         try:
             await self.bus.connect()
         except BaseException:
@@ -245,8 +257,10 @@ class Daemon:
             else:
                 log.info("index restored from the bus snapshot",
                          extra={"stream_sequence": start_after, "blocks": warmed.blocks, "workers": warmed.workers})
+        self.resync_asker.watch_all()  # workers the snapshot names as degraded
         await self.bus.start(start_after)
         await self.bus.caught_up.wait()
+        self._resync_asks = asyncio.create_task(self.resync_asker.run(), name="kvrouterd-bus-resync-asks")
         if self.config.events.bus.replica_sync.enabled:
             await self._share_load()
         interval = self.config.events.bus.snapshot_interval_s
@@ -363,6 +377,10 @@ class Daemon:
             self._snapshots.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._snapshots
+        if self._resync_asks is not None:
+            self._resync_asks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync_asks
         if self.sync is not None:
             self.router.on_committed = self.router.on_completed = None
             await self.sync.flush(1.0)

@@ -312,4 +312,10 @@ async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tupl
     for wid, seq in sequences.items():
         if wid in router.workers:
             router.workers.get(wid).last_sequence = seq
+    for chunk in chunks:
+        w = chunk.worker
+        # a view that had lost events when the snapshot was taken still has: its publisher must resync
+        # it (a worker degraded for rejected stores only is not: its next clean store mends it)
+        if w.state == pb.WORKER_STATE_DEGRADED and w.state_reason != "stored events rejected" and w.id in router.workers:
+            router.mark_resync_needed(w.id, w.state_reason)
     return stream_sequence, result

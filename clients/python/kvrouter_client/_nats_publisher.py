@@ -13,6 +13,13 @@ unacknowledged batches are sent again, each with the same ``Nats-Msg-Id``
 (``<worker>.<run>.<sequence>``), so the stream's de-duplication window drops a batch it already
 stored: no batch is lost or stored twice, and every replica applies each one once.
 
+Resync. A router replica whose view of this worker lost events (a hole in the stream, a
+snapshot taken while the worker was degraded) cannot answer a publisher on the bus, so it asks:
+on the core NATS subject ``<subject_prefix>-resync.<worker token>``, again every few seconds
+while its view stays incomplete. The publisher then sends ``Cleared`` plus ``snapshot()`` on the
+stream, which heals every replica at once; asks about a batch before its latest resync (other
+replicas, repeats) are ignored, since that resync is already on its way to them.
+
 ``target`` (a router's host:port) is optional here and only serves ``register``, ``report_load``
 and ``evict_hint``. Needs the ``nats`` extra (``pip install 'kvrouter-client[nats]'``).
 """
@@ -25,9 +32,12 @@ import re
 import uuid
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
+from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._publisher import EventPublisher
 
-__all__ = ["NatsEventPublisher", "worker_subject"]
+__all__ = ["NatsEventPublisher", "resync_subject", "worker_subject"]
 
 _TOKEN_SAFE = re.compile(r"[A-Za-z0-9_\-]")
 #: seconds JetStream remembers a message id; longer than any reconnect we retry through
@@ -39,6 +49,11 @@ def worker_subject(prefix: str, worker_id: str) -> str:
     anything outside [A-Za-z0-9_-] (NATS reads '.', '*', '>' as syntax) is written %XX."""
     token = "".join(c if _TOKEN_SAFE.match(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in worker_id)
     return f"{prefix}.{token}"
+
+
+def resync_subject(prefix: str, worker_id: str) -> str:
+    """Where router replicas ask this worker's publisher for a resync (kvrouterd's spelling)."""
+    return worker_subject(f"{prefix}-resync", worker_id)
 
 
 class NatsEventPublisher(EventPublisher):
@@ -78,7 +93,21 @@ class NatsEventPublisher(EventPublisher):
             )
             self._js = self._nc.jetstream()
             await self._ensure_stream()
+            # the client subscribes again by itself after a reconnect
+            await self._nc.subscribe(resync_subject(self.subject_prefix, self.worker_id), cb=self._on_resync_request)
         return self._js
+
+    async def _on_resync_request(self, msg: Any) -> None:
+        try:
+            request = pb.WorkerSequence.FromString(msg.data)
+        except DecodeError:
+            return
+        if request.worker_id != self.worker_id or not request.resync_needed:
+            return
+        if request.last_sequence < self._last_resync_seq:
+            return  # the replica has not reached our latest resync yet: it is on the stream
+        self._resync_asked = f"a router replica says its view is incomplete after batch {request.last_sequence}"
+        self._wake.set()
 
     async def _ensure_stream(self) -> None:
         from nats.js.api import StorageType, StreamConfig
@@ -99,11 +128,16 @@ class NatsEventPublisher(EventPublisher):
         js = await self._connect()
         self.stats.streams += 1
         while True:
+            if self._resync_asked:
+                why, self._resync_asked = self._resync_asked, ""
+                self._resync_for_router(why)
             if self._needs_resync:
                 self._resync()
             self._seal()
             while self._buffer:
                 seq, msg = self._buffer[0]
+                # never reused once tried: JetStream may have stored it, and drops a repeated message id
+                self._written_seq = max(self._written_seq, seq)
                 await js.publish(self.subject, msg.SerializeToString(), timeout=self.timeout,
                                  headers={"Nats-Msg-Id": f"{self.worker_id}.{self.run_id}.{seq}"})
                 self._buffer.popleft()
@@ -112,7 +146,7 @@ class NatsEventPublisher(EventPublisher):
             self._flush_now = False
             self._acked.set()
             self._wake.clear()
-            if not self._pending and not self._needs_resync:
+            if not self._pending and not self._needs_resync and not self._resync_asked:
                 await self._wake.wait()
             if self._pending and self.linger_s and not self._flush_now:
                 await asyncio.sleep(self.linger_s)

@@ -154,6 +154,10 @@ class EventPublisher:
         self._reregister = False
         #: read the router's epoch before the next stream (after NOT_FOUND, or a first register())
         self._check_epoch = False
+        #: why a router (over the event bus) asked for a resync; acted on at the next safe point
+        self._resync_asked = ""
+        #: number of the Cleared batch of the latest resync (-1 = none)
+        self._last_resync_seq = -1
         self._needs_resync = False
         self._flush_now = False
         self._wake = asyncio.Event()
@@ -236,6 +240,7 @@ class EventPublisher:
     def _resync(self) -> None:
         """Queue Cleared + the engine's snapshot as the next batches."""
         events: list[Event] = [Cleared()]
+        self._last_resync_seq = self._next_seq
         if self.snapshot is not None:
             try:
                 for ev in self.snapshot():
@@ -338,7 +343,8 @@ class EventPublisher:
 
     async def _wait_for_work(self, timeout: float | None) -> bool:
         """Wait until there is something to do (True) or ``timeout`` seconds pass idle (False)."""
-        while not (self._buffer or self._pending or self._needs_resync or self._check_epoch or self._reregister):
+        while not (self._buffer or self._pending or self._needs_resync or self._check_epoch or self._reregister
+                   or self._resync_asked):
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -392,9 +398,11 @@ class EventPublisher:
                 self._seal()
                 for seq, msg in list(self._buffer):
                     if seq > last_written:
+                        # before the write: a write that fails may still have reached the router,
+                        # so its number is never reused (a resync reusing it would read as a repeat)
+                        self._written_seq = max(self._written_seq, seq)
                         await self._write(call, msg)
                         last_written = seq
-                        self._written_seq = max(self._written_seq, seq)
                         self.stats.batches_written += 1
                         if seq == 0:
                             break

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -87,11 +88,28 @@ async def route_during(router: Router, snapshot: Callable[[], Awaitable[bytes]],
     }
 
 
+def fork_pause_ms(runs: int) -> list[float]:
+    """What ``encode_snapshot_aside`` stalls the loop for: ``fork()`` of this process as it is."""
+    pauses = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(0)
+        pauses.append(round((time.perf_counter() - started) * 1e3, 2))
+        os.waitpid(pid, 0)
+    return pauses
+
+
 async def measure(blocks: int, interval_ms: float, runs: int) -> dict[str, object]:
     router = build(blocks)
+    cpu: list[float] = []
 
     async def in_place() -> bytes:
-        return encode_snapshot(router, 0)
+        started = time.process_time()
+        data = encode_snapshot(router, 0)
+        cpu.append(round(time.process_time() - started, 3))  # the stall on an idle machine
+        return data
 
     async def aside() -> bytes:
         return await encode_snapshot_aside(router, 0)
@@ -99,6 +117,8 @@ async def measure(blocks: int, interval_ms: float, runs: int) -> dict[str, objec
     report: dict[str, object] = {"indexed_blocks": len(router.index)}
     for name, snapshot in (("in_place", in_place), ("aside", aside)):
         report[name] = [await route_during(router, snapshot, interval_ms / 1000) for _ in range(runs)]
+    report["in_place_encode_cpu_s"] = cpu
+    report["fork_pause_ms"] = fork_pause_ms(5)
     return report
 
 

@@ -244,3 +244,28 @@ async def test_approximate_views_of_two_replicas_converge(nats_server: NatsServe
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_deltas_published_while_nats_restarts_reach_the_other_replica(
+    nats_server: NatsServer, pair: list[Replica]
+) -> None:
+    a, b = pair
+    rng = random.Random(6)
+    await a.stub.Route(pb.RouteRequest(request_id="before", token_ids=prompt(rng, 2)))
+    await settle(pair, lambda: b.router.workers.inflight_count == 1)
+    nats_server.stop()
+    # routing goes on without the bus; the deltas wait in the client's reconnect buffer
+    for i in range(5):
+        await a.stub.Route(pb.RouteRequest(request_id=f"during-{i}", token_ids=prompt(rng, 2)))
+    await b.stub.Complete(pb.CompleteRequest(request_id="before"))
+    await asyncio.sleep(0.3)
+    nats_server.start()
+    await settle(pair, lambda: a.inflight() == b.inflight() and a.router.workers.inflight_count == 5, timeout=20)
+    assert b.router.workers.inflight_count == 5
+    for replica in pair:
+        assert replica.daemon.sync is not None
+        stats = replica.daemon.sync.stats
+        assert stats.reconnects >= 1 and stats.publish_errors == 0 and stats.stream_skips == 0
+    # and the consumers follow the stream after the restart
+    await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
+    await settle(pair, lambda: a.router.workers.inflight_count == 6)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrouterd.events.engine_format import (
     DecodedBatch,
     MalformedPayload,
     TierEvent,
     UnmappedLora,
+    _decode_generic,
     decode_event,
     decode_payload,
     normalize_hash,
@@ -209,3 +212,53 @@ def test_vllm_cache_salt_is_the_plain_string_in_the_extras_of_a_chain_from_the_r
     assert isinstance(child, Stored) and child.salt == "" and child.extra_hashes != stored.extra_hashes
     named = decode_event({**event, "cache_salt": "explicit"})  # a publisher that names it wins
     assert isinstance(named, Stored) and named.salt == "explicit"
+
+
+def test_text_that_is_not_utf8_costs_only_its_own_event():
+    bad = b"\x93\xabBlockStored\x91\x01\xa2\xff\xfe"  # ["BlockStored", [1], <invalid UTF-8 str>]
+    payload = b"\x93" + msgpack.packb(1.5) + b"\x92" + bad + msgpack.packb(REMOVAL_BESIDE) + msgpack.packb(0)
+    batch = decode_payload(payload)
+    assert batch.events == (Removed((77,)),)
+    assert batch.rejected == {"malformed_event": 1} and batch.lost_removal
+
+
+# ---- the typed (msgspec) decoder agrees with the generic one on every input ----------------
+_hash = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=9), st.booleans(), st.floats(allow_nan=False))
+_maybe = st.one_of(st.none(), st.integers(-3, 9), st.text(max_size=4), st.booleans(), st.binary(max_size=2))
+_tokens = st.one_of(st.none(), st.lists(st.integers(-1, 2**32), max_size=12), st.lists(st.text(max_size=1), max_size=2))
+_medium = st.one_of(st.none(), st.sampled_from(["GPU", "gpu", "CPU", "disk"]), st.integers(0, 2))
+_stored_fields = st.fixed_dictionaries(
+    {"block_hashes": st.lists(_hash, max_size=3), "token_ids": _tokens},
+    optional={"parent_block_hash": st.one_of(st.none(), _hash), "block_size": _maybe, "lora_id": _maybe,
+              "medium": _medium, "lora_name": _maybe, "group_idx": _maybe, "kv_cache_spec_kind": _maybe,
+              "cache_salt": _maybe, "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(_maybe, max_size=2)), max_size=3))},
+)
+_POSITIONAL = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+               "extra_keys", "group_idx", "kv_cache_spec_kind")
+
+
+@st.composite
+def _event(draw):
+    kind = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockPromoted"]))
+    fields = draw(_stored_fields) if kind == "BlockStored" else {
+        k: v for k, v in draw(_stored_fields).items() if k in ("block_hashes", "medium", "group_idx")
+    }
+    if kind == "AllBlocksCleared":
+        fields.pop("block_hashes", None)
+    if draw(st.booleans()):  # vLLM >= 0.24 / map form, maybe with a field from a newer engine
+        extra = {"future": 1} if draw(st.booleans()) else {}
+        return {"type": kind, **fields, **extra}
+    names = _POSITIONAL if kind == "BlockStored" else ("block_hashes", "medium", "group_idx")
+    names = tuple(n for n in names if kind != "AllBlocksCleared" or n == "medium")
+    cut = draw(st.integers(0, len(names) + 1))  # older engines send fewer fields, newer ones more
+    values = [fields.get(n) for n in names] + ["future"]
+    return [kind, *values[:cut]]
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(_event(), max_size=4), ts=st.one_of(st.floats(0, 1e9), st.integers(0, 10), st.none()),
+       rank=st.one_of(st.none(), st.integers(0, 3)))
+def test_typed_decoding_matches_the_generic_decoder(events, ts, rank):
+    payload = msgpack.packb([ts, events, rank], use_bin_type=True)
+    lora_ids = {1: "sql"}
+    assert decode_payload(payload, "m", lora_ids) == _decode_generic(payload, "m", lora_ids)

@@ -107,21 +107,22 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
     )
 
 
-def route_response(result: RouteResult, block_size: int) -> pb.RouteResponse:
+def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse | None = None) -> pb.RouteResponse:
+    """The RouteResponse for ``result``, written into ``into`` when given: a RouteStream reply's
+    own ``route`` field, filled in place, costs half of building a message and copying it in."""
     d = result.decision
     worker = result.worker
     overlap = d.overlap_blocks
-    msg = pb.RouteResponse(
-        request_id=result.request.request_id,
-        worker_id=worker.id,
-        worker_address=worker.address,
-        matched_blocks=overlap,
-        matched_tokens=overlap * block_size,
-        prompt_blocks=len(result.request.keys),
-        policy=d.policy,
-        reason=d.reason,
-        estimated_ttft_ms=d.estimated_ttft_ms,
-    )
+    msg = pb.RouteResponse() if into is None else into
+    msg.request_id = result.request.request_id
+    msg.worker_id = worker.id
+    msg.worker_address = worker.address
+    msg.matched_blocks = overlap
+    msg.matched_tokens = overlap * block_size
+    msg.prompt_blocks = len(result.request.keys)
+    msg.policy = d.policy
+    msg.reason = d.reason
+    msg.estimated_ttft_ms = d.estimated_ttft_ms
     alt = result.alternative
     if alt is not None:
         msg.alternative_worker_id = alt.id

@@ -216,7 +216,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
-        return pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size))
+        reply = pb.RouteStreamResponse(id=msg.id)
+        convert.route_response(result, router.block_size, into=reply.route)
+        return reply
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]]
@@ -247,7 +249,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
-        await answer(pb.RouteStreamResponse(id=msg.id, route=convert.route_response(result, router.block_size)))
+        reply = pb.RouteStreamResponse(id=msg.id)
+        convert.route_response(result, router.block_size, into=reply.route)
+        await answer(reply)
 
     def _check_namespace(self, request: pb.RouteRequest) -> None:
         """A Route that matched nothing, under a model/LoRA no engine ever stored blocks for while

@@ -85,8 +85,14 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
-def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+def deployment(docs: list[dict[str, Any]], component: str = "router") -> dict[str, Any]:
+    """The replicas' Deployment (``component="bridge"``: the ZMQ bridge's, with eventBus.bridge)."""
+    (d,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return d
+
+
+def container(docs: list[dict[str, Any]], component: str = "router") -> dict[str, Any]:
+    (c,) = deployment(docs, component)["spec"]["template"]["spec"]["containers"]
     return c
 
 
@@ -149,10 +155,10 @@ def test_custom_resources_are_really_not_in_the_core_schemas(api_version_kind: t
 
 
 def test_the_validator_catches_a_broken_manifest(chart: helm.Chart) -> None:
-    deployment = one(manifests(chart, None), "Deployment")
-    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["prot"] = 1
+    router = deployment(manifests(chart, None))
+    router["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["prot"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(deployment, KUBE_VERSIONS[0], strict=True)
+        kubernetes_validate.validate(router, KUBE_VERSIONS[0], strict=True)
 
 
 # ---- values.schema.json, enforced by Helm ---------------------------------------------
@@ -268,7 +274,7 @@ def test_configmap_is_a_config_kvrouterd_loads(chart: helm.Chart, case: Path | N
     assert args[args.index("--config") + 1] == "/etc/kvrouterd/config/config.yaml"
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
     assert mount == {"name": "config", "mountPath": "/etc/kvrouterd/config", "readOnly": True}
-    (volume,) = [v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    (volume,) = [v for v in deployment(docs)["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
     assert volume["configMap"]["name"] == config_map(docs)["metadata"]["name"]
 
 
@@ -279,7 +285,7 @@ def test_tls_and_auth_files_are_where_the_config_points(chart: helm.Chart, tmp_p
     path.write_text(rendered_config(docs))
     cfg = load_config(path, environ={})
     mounts = {m["name"]: m for m in container(docs)["volumeMounts"]}
-    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in deployment(docs)["spec"]["template"]["spec"]["volumes"]}
     assert mounts["tls"]["readOnly"] and mounts["auth"]["readOnly"]
     assert volumes["tls"]["secret"]["secretName"] == values["tls"]["secretName"]
     assert volumes["auth"]["secret"]["secretName"] == values["auth"]["secretName"]
@@ -297,7 +303,7 @@ def test_config_sections_the_chart_owns_are_refused_under_config(chart: helm.Cha
 
 def test_config_change_rolls_the_pods_only_when_asked(chart: helm.Chart) -> None:
     def annotations(values: dict[str, Any]) -> dict[str, str]:
-        meta = one(manifests(chart, values), "Deployment")["spec"]["template"]["metadata"]
+        meta = deployment(manifests(chart, values))["spec"]["template"]["metadata"]
         return meta.get("annotations") or {}
 
     assert "checksum/config" not in annotations({})
@@ -334,7 +340,7 @@ def test_with_tls_the_probe_dials_the_grpc_port_over_tls(chart: helm.Chart) -> N
 
 
 def test_security_context_defaults_lock_the_pod_down(chart: helm.Chart) -> None:
-    spec = one(manifests(chart, None), "Deployment")["spec"]["template"]["spec"]
+    spec = deployment(manifests(chart, None))["spec"]["template"]["spec"]
     sc, psc = spec["containers"][0]["securityContext"], spec["securityContext"]
     assert sc["runAsNonRoot"] is True and psc["runAsNonRoot"] is True
     assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
@@ -351,7 +357,7 @@ def test_chart_and_image_agree_on_user_and_ports(chart: helm.Chart) -> None:
     user = df.final.last("USER")
     assert user is not None
     uid, _, gid = user.args.partition(":")
-    psc = one(manifests(chart, None), "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    psc = deployment(manifests(chart, None))["spec"]["template"]["spec"]["securityContext"]
     assert (psc["runAsUser"], psc["runAsGroup"]) == (int(uid), int(gid))
     exposed = {int(p) for e in df.final.all("EXPOSE") for p in e.args.split()}
     assert {chart.values["ports"]["grpc"], chart.values["ports"]["metrics"]} == exposed
@@ -374,7 +380,7 @@ def test_otlp_export_is_configured_through_standard_variables(chart: helm.Chart)
 def test_discovery_rbac_is_read_only_on_pods_and_only_with_discovery(chart: helm.Chart) -> None:
     off = manifests(chart, None)
     assert not by_kind(off, "Role") and not by_kind(off, "RoleBinding") and not by_kind(off, "ClusterRole")
-    assert one(off, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert deployment(off)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     on = manifests(chart, load_yaml(VALUES_DIR / "discovery.yaml"))
     role, binding = one(on, "Role"), one(on, "RoleBinding")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
@@ -383,7 +389,7 @@ def test_discovery_rbac_is_read_only_on_pods_and_only_with_discovery(chart: helm
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": one(on, "ServiceAccount")["metadata"]["name"],
                                     "namespace": NAMESPACE}]
     assert not by_kind(on, "ClusterRole")
-    assert one(on, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert deployment(on)["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
 
 
 @pytest.mark.parametrize(
@@ -451,3 +457,56 @@ def test_notes_tell_how_to_reach_the_daemon_as_it_is_configured(chart: helm.Char
     assert "grpcurl -cacert ca.crt -servername kvrouterd.llm.svc -cert client.crt -key client.key localhost:50051" in mtls
     on = render(chart, load_yaml(VALUES_DIR / "discovery.yaml"))["kvrouterd/templates/NOTES.txt"]
     assert "Alerts: PrometheusRule kvr-kvrouterd" in on and "ConfigMap kvr-kvrouterd-dashboard" in on
+
+
+# ---- the event bus and the ZMQ bridge ----------------------------------------------------
+
+def test_the_bus_switch_wires_every_replica_and_the_bridge_to_the_nats_url(chart: helm.Chart, tmp_path: Path) -> None:
+    values = load_yaml(VALUES_DIR / "nats-bus.yaml")
+    docs = manifests(chart, values)
+    path = tmp_path / "config.yaml"
+    path.write_text(rendered_config(docs))
+    cfg = load_config(path, environ={})
+    bus = cfg.events.bus
+    assert bus.enabled and bus.url == values["eventBus"]["url"]
+    # the bus's fine-tuning under config.events.bus reaches the daemon beside the chart's kind/url
+    assert bus.stream == "KVROUTER_EVENTS_LLAMA" and bus.snapshot_interval_s == 120
+    assert cfg.events.replay_timeout_s == 1.5
+
+    # the bridge reads the very file the replicas read, and exactly one bridge pod ever runs
+    bridge = deployment(docs, "bridge")
+    assert bridge["spec"]["replicas"] == 1 and bridge["spec"]["strategy"] == {"type": "Recreate"}
+    c = container(docs, "bridge")
+    assert c["args"] == ["bridge", "--config", "/etc/kvrouterd/config/config.yaml", "--max-pending", "50000"]
+    (volume,) = [v for v in bridge["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    assert volume["configMap"]["name"] == config_map(docs)["metadata"]["name"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    # discovery finds the engines for the bridge too: it gets the API token
+    assert bridge["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert container(docs)["args"][0] == "serve"
+
+    # the router's Service, PDB and NetworkPolicy never select the bridge pod (it serves no gRPC)
+    bridge_labels = bridge["spec"]["template"]["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
+        doc = one(docs, kind)
+        selector = doc["spec"]["selector"] if kind == "Service" else doc["spec"][
+            "selector" if kind == "PodDisruptionBudget" else "podSelector"]["matchLabels"]
+        assert not selector.items() <= bridge_labels.items(), kind
+    assert not deployment(docs)["spec"]["selector"]["matchLabels"].items() <= bridge_labels.items()
+
+
+def test_without_the_switch_there_is_no_bus_and_no_bridge(chart: helm.Chart, tmp_path: Path) -> None:
+    docs = manifests(chart, {"eventBus": {"url": "nats://nats:4222", "bridge": {"enabled": False}}})
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Deployment")] == ["kvr-kvrouterd"]
+    path = tmp_path / "config.yaml"
+    path.write_text(rendered_config(docs))
+    assert not load_config(path, environ={}).events.bus.enabled
+    # the bus alone (engines publishing through the SDK): no bridge either
+    on = manifests(chart, {"eventBus": {"enabled": True, "url": "nats://nats:4222"}})
+    assert [d["metadata"]["name"] for d in by_kind(on, "Deployment")] == ["kvr-kvrouterd"]
+
+
+def test_notes_say_where_the_events_come_from(chart: helm.Chart) -> None:
+    notes = render(chart, load_yaml(VALUES_DIR / "nats-bus.yaml"))["kvrouterd/templates/NOTES.txt"]
+    assert "NATS JetStream stream at nats://nats.nats:4222" in notes and "deploy/kvr-kvrouterd-bridge" in notes
+    assert "publish KV events to every replica" not in notes

@@ -34,6 +34,20 @@ app.kubernetes.io/component: router
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The bridge's pods: another name, so the router's Service, PDB and HPA never select them. */}}
+{{- define "kvrouterd.bridgeSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvrouterd.name" . | trunc 56 | trimSuffix "-" }}-bridge
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvrouterd.bridgeLabels" -}}
+helm.sh/chart: {{ include "kvrouterd.chart" . }}
+{{ include "kvrouterd.bridgeSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: bridge
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
 {{- define "kvrouterd.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kvrouterd.fullname" .) .Values.serviceAccount.name }}
@@ -66,8 +80,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 The kvrouterd config file: .Values.config, plus the sections the chart owns because they name
-ports or files it mounts (metrics listener, TLS and auth-token paths). The listen address is
-passed as a flag, which wins over the file.
+ports or files it mounts (metrics listener, TLS and auth-token paths) and the event bus switch
+(events.bus kind and url from eventBus). The listen address is passed as a flag, which wins
+over the file. The bridge reads the same file.
 */}}
 {{- define "kvrouterd.config" -}}
 {{- $cfg := deepCopy .Values.config }}
@@ -82,6 +97,14 @@ passed as a flag, which wins over the file.
 {{- $_ := set $tls "require_client_cert" true }}
 {{- end }}
 {{- $_ := set $cfg "tls" $tls }}
+{{- end }}
+{{- if .Values.eventBus.enabled }}
+{{- $events := default (dict) $cfg.events }}
+{{- $bus := default (dict) $events.bus }}
+{{- $_ := set $bus "kind" "nats" }}
+{{- $_ := set $bus "url" .Values.eventBus.url }}
+{{- $_ := set $events "bus" $bus }}
+{{- $_ := set $cfg "events" $events }}
 {{- end }}
 {{- if .Values.auth.enabled }}
 {{- $token := printf "%s/%s" (include "kvrouterd.authDir" .) .Values.auth.secretKey }}

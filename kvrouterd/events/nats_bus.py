@@ -54,6 +54,12 @@ BRIDGE_HEADER = "Kvrouter-Bridge"
 
 _TOKEN_SAFE = re.compile(r"[A-Za-z0-9_\-]")
 
+#: a replica this many messages behind the stream logs a warning, and "caught up" once it is
+#: not (a slow or paused consumer: the server's flow control holds the rest back meanwhile)
+LAG_WARN_MESSAGES = 1000
+#: seconds between two checks of the stream's end against what this replica applied
+LAG_CHECK_S = 1.0
+
 
 @dataclass(frozen=True)
 class NatsBusConfig:
@@ -131,6 +137,10 @@ class BusStats:
     reconnects: int = 0
     snapshots_saved: int = 0
     resync_requests: int = 0  # asks sent to publishers whose worker's view lost events
+    #: messages in the stream after the last one applied: this replica's lag
+    pending: int = 0
+    #: times this replica fell LAG_WARN_MESSAGES behind the stream (logged, then "caught up")
+    lag_episodes: int = 0
 
 
 async def connect(config: NatsBusConfig, **options: Any) -> Any:
@@ -191,6 +201,10 @@ class BusEventSource:
         self._js: Any = None
         self._sub: Any = None
         self._resume: asyncio.Task[None] | None = None
+        self._seen_end = 0
+        self._behind_since: float | None = None
+        self._caught_up_at = 0
+        self._lag_watch: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         """Connect and make sure the stream exists. Raises ``BusUnavailable``."""
@@ -224,6 +238,7 @@ class BusEventSource:
         if self._target <= start_after:
             self.caught_up.set()
         await self._subscribe(start_after)
+        self._lag_watch = asyncio.create_task(self._watch_lag(), name="kvrouterd-bus-lag")
         log.info("following the event bus", extra={"stream": self.config.stream, "from": start_after + 1,
                                                    "backlog": max(0, self._target - start_after)})
 
@@ -314,8 +329,44 @@ class BusEventSource:
                 self.stats.gaps += 1
         if seq >= self._target:
             self.caught_up.set()
+        # what the server had not delivered yet when it sent this one: the stream's end then
+        self._seen_end = max(self._seen_end, seq + msg.metadata.num_pending)
+        self._note_lag(self._seen_end - seq)
+
+    async def _watch_lag(self) -> None:
+        """Compare the stream's end with what was applied, every LAG_CHECK_S. The messages
+        alone cannot show a lag: those the server pushed ahead sit in the client's buffer
+        while the replica is slow or paused, and each says nothing was pending when sent."""
+        while True:
+            await asyncio.sleep(LAG_CHECK_S)
+            asked_at = self.stats.last_stream_sequence
+            try:
+                end = (await self._js.stream_info(self.config.stream)).state.last_seq
+            except Exception:  # NATS away: the reconnect logic reports that; check again later
+                continue
+            self._seen_end = max(self._seen_end, end)
+            if asked_at >= self._caught_up_at:  # (a catch-up logged meanwhile answered it already)
+                self._note_lag(max(0, end - asked_at))  # how far behind it was when we asked...
+            self._note_lag(max(0, self._seen_end - self.stats.last_stream_sequence))  # ...and is now
+
+    def _note_lag(self, lag: int) -> None:
+        self.stats.pending = lag
+        now = asyncio.get_running_loop().time()
+        if lag >= LAG_WARN_MESSAGES and self._behind_since is None:
+            self._behind_since = now
+            self.stats.lag_episodes += 1
+            log.warning("replica is %d messages behind the event stream", lag, extra={"stream": self.config.stream})
+        elif lag == 0 and self._behind_since is not None:
+            log.info("caught up with the event stream after %.1fs behind", now - self._behind_since,
+                     extra={"stream": self.config.stream})
+            self._behind_since = None
+            self._caught_up_at = self.stats.last_stream_sequence
 
     async def close(self) -> None:
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_watch
         if self._resume is not None:
             self._resume.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -39,6 +39,7 @@ from ..index import native
 from ..index.workers import WorkerSpec
 from ..protocols import BatchOutcome, Completion, Dispatch, EventBatch
 from ..router import Router, RouteResult
+from ..telemetry.bus_metrics import register_bus_metrics
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
@@ -160,9 +161,9 @@ class Daemon:
                 self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError:
             raise ConfigError(f"listen: cannot bind {self.config.listen}: {bind_problem(self.config.listen)}") from None
-        if self.config.warm_from:
-            # not ready until the index is copied from the peer: probes and balancers wait
-            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # grpc's health servicer starts with "" SERVING: not ready until the index is warm (a
+        # peer's copy, the bus snapshot and backlog, the first pod listing): probes wait
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self.server = server
         # the endpoint-picker protocol's probes: alive as soon as we answer, ready below
@@ -241,6 +242,7 @@ class Daemon:
                                   self._reset_events, self._note_rejected, max_events),
         )
         self.resync_asker = BusResyncAsker(self.router, self.bus)
+        register_bus_metrics(self.meter_provider, self.bus.stats)
         try:
             await self.bus.connect()
         except BaseException:

@@ -471,6 +471,7 @@ def test_the_bus_switch_wires_every_replica_and_the_bridge_to_the_nats_url(chart
     assert bus.enabled and bus.url == values["eventBus"]["url"]
     # the bus's fine-tuning under config.events.bus reaches the daemon beside the chart's kind/url
     assert bus.stream == "KVROUTER_EVENTS_LLAMA" and bus.snapshot_interval_s == 120
+    assert bus.replica_sync.enabled and bus.replica_sync.stream == "KVROUTER_LOAD_LLAMA"
     assert cfg.events.replay_timeout_s == 1.5
 
     # the bridge reads the very file the replicas read, and exactly one bridge pod ever runs

@@ -17,8 +17,9 @@ order, on its own router:
 So a replica ends exactly where a daemon subscribing to the engine itself would, and a gap
 the bridge could not replay reaches every replica as DEGRADED instead of vanishing.
 
-Wire: one JetStream message per call on the worker's subject, with the header
-``Kvrouter-Bridge: 1`` and a msgpack body (``encode_*`` / ``decode_bridged``). Not the
+Wire: JetStream messages on the worker's subject, with the header ``Kvrouter-Bridge: 1`` and
+a msgpack body: the list of that worker's calls queued since the last message, in call order
+(``encode_*`` / ``message`` / ``decode_bridged``), within the server's ``max_payload``. Not the
 protobuf ``EventBatch``: engine events carry fields it does not (hybrid KV groups, vLLM's
 multimodal extra keys), and the resets and rejection counts have no protobuf form. Message ids
 (``Nats-Msg-Id``: ``bridge.<run>.<n>``) let the stream drop a publish retried after a NATS
@@ -29,8 +30,9 @@ Only one bridge may publish for an engine: two would each number the worker's ba
 chart's ``bridge.enabled``). A bridge that restarts joins each engine again (reset, replay
 from 0 with ``Cleared``), so replicas rebuild the worker's view rather than trust it.
 
-Back-pressure: publishes wait for JetStream's acknowledgement, one at a time, so the stream
-holds the calls in the order they were made. Calls made while NATS is slow or away queue up
+Back-pressure: publishes wait for JetStream's acknowledgement, one message at a time, so the
+stream holds each worker's calls in the order they were made; while one is in flight the next
+calls queue and go out together in the next message, so the rate is not one call per round trip. Calls made while NATS is slow or away queue up
 to ``max_pending``; past that a worker's batches are dropped, replicas are told the worker
 lost events (``reset lost``: cleared, DEGRADED), and once the queue has drained to half the
 worker's subscriber is started again, which rejoins the engine by replay and makes it READY.
@@ -49,7 +51,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import BusUnavailable, InvalidRequest
+from ..errors import BusUnavailable, InvalidRequest, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
 from .nats_bus import BRIDGE_HEADER, NatsBusConfig, connect, ensure_stream, worker_subject
 from .zmq_source import ZmqEventsConfig, ZmqEventSource, _WorkerLike
@@ -63,6 +65,7 @@ __all__ = [
     "encode_batch",
     "encode_rejected",
     "encode_reset",
+    "message",
 ]
 
 log = logging.getLogger("kvrouterd.events.bridge")
@@ -71,10 +74,13 @@ log = logging.getLogger("kvrouterd.events.bridge")
 WIRE_VERSION = "1"
 _OP_EVENTS, _OP_RESET, _OP_REJECTED = 0, 1, 2
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
+_ARRAY_HEADER = msgpack.Packer()
 _U64 = (1 << 64) - 1
 
 #: calls queued for NATS before a worker's batches are dropped (and it is resynced)
 DEFAULT_MAX_PENDING = 100_000
+#: most calls taken from the queue for one round of messages (one per worker)
+MAX_CALLS_PER_ROUND = 4096
 
 
 # ---- wire ------------------------------------------------------------------------------------
@@ -172,12 +178,25 @@ def _decode_event(raw: Any) -> CacheEvent:
     raise InvalidRequest(f"bridged message: unknown event layout (kind {kind!r}, {len(raw)} fields)")
 
 
-def decode_bridged(data: bytes, max_events: int) -> EventBatch | Reset | Rejected:
-    """One bridged message; ``InvalidRequest`` (which changes nothing) if it is not one."""
+def message(calls: Iterable[bytes]) -> bytes:
+    """One bus message holding ``calls`` (each an ``encode_*`` result), in call order."""
+    calls = list(calls)
+    return _ARRAY_HEADER.pack_array_header(len(calls)) + b"".join(calls)
+
+
+def decode_bridged(data: bytes, max_events: int) -> list[EventBatch | Reset | Rejected]:
+    """The calls of one bridged message, in order; ``InvalidRequest`` (and nothing applied) if
+    any of them is not one."""
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise InvalidRequest(f"bridged message does not parse: {exc}") from None
+    if not isinstance(msg, list) or not msg:
+        raise InvalidRequest("bridged message: expected a non-empty list of calls")
+    return [_decode_call(call, max_events) for call in msg]
+
+
+def _decode_call(msg: Any, max_events: int) -> EventBatch | Reset | Rejected:
     if not isinstance(msg, list) or len(msg) < 3:
         raise InvalidRequest("bridged message: expected [op, worker_id, ...]")
     op, worker_id = msg[0], _str(msg[1], "worker_id")
@@ -214,14 +233,35 @@ class BridgedEvents:
         self._max_events = max_events
 
     def __call__(self, data: bytes) -> BatchOutcome:
-        msg = decode_bridged(data, self._max_events)
-        if isinstance(msg, EventBatch):
-            return self._apply(msg)
-        if isinstance(msg, Reset):
-            self._reset(msg.worker_id, msg.lost)
-            return BatchOutcome(applied=True, gap=1 if msg.lost else 0)
-        self._rejected(msg.worker_id, msg.counts, msg.lost_removal)
-        return BatchOutcome(applied=True, rejected=msg.counts, lost_removal=msg.lost_removal)
+        """Make every call of the message, in order; the outcome sums theirs. A call the router
+        refuses (its worker unknown here) does not stop the others, which concern their own
+        batches; the first refusal is raised afterwards, so the bus counts and logs it."""
+        total = BatchOutcome(applied=True, duplicate=True)
+        refused: KVRouterError | None = None
+        for call in decode_bridged(data, self._max_events):
+            try:
+                outcome = self._call(call)
+            except KVRouterError as exc:
+                refused = refused or exc
+                continue
+            total.duplicate = total.duplicate and outcome.duplicate
+            total.gap += outcome.gap
+            total.restarted = total.restarted or outcome.restarted
+            total.lost_removal = total.lost_removal or outcome.lost_removal
+            for reason, n in outcome.rejected.items():
+                total.rejected[reason] = total.rejected.get(reason, 0) + n
+        if refused is not None:
+            raise refused
+        return total
+
+    def _call(self, call: EventBatch | Reset | Rejected) -> BatchOutcome:
+        if isinstance(call, EventBatch):
+            return self._apply(call)
+        if isinstance(call, Reset):
+            self._reset(call.worker_id, call.lost)
+            return BatchOutcome(applied=True, gap=1 if call.lost else 0)
+        self._rejected(call.worker_id, call.counts, call.lost_removal)
+        return BatchOutcome(applied=True, rejected=call.counts, lost_removal=call.lost_removal)
 
 
 # ---- bridge side -----------------------------------------------------------------------------
@@ -304,18 +344,21 @@ class BusBridge:
             self.stats.overflow_dropped += 1
             return BatchOutcome(applied=True)
         if len(self._queue) >= self.max_pending:
-            # NATS cannot keep up (or is away): stop queueing this worker, tell replicas its
-            # view is lost (the reset goes past the limit: it must reach them), resync later
+            # NATS cannot keep up (or is away): stop queueing this worker, resync it later
             self.stats.overflow_dropped += 1
-            self.stats.overflowed.add(wid)
-            self.stats.lost_resets += 1
-            log.error("bridge queue full (%d calls): worker's batches dropped until it is resynced",
-                      self.max_pending, extra={"worker_id": wid})
-            self._enqueue(wid, encode_reset(wid, True))
+            self._lose(wid, f"bridge queue full ({self.max_pending} calls)")
             return BatchOutcome(applied=True)
         self.stats.batches += 1
         self._enqueue(wid, encode_batch(batch))
         return BatchOutcome(applied=True)
+
+    def _lose(self, worker_id: str, why: str) -> None:
+        """Drop the worker's calls until it is resubscribed, and tell the replicas its view is
+        lost (that reset goes past max_pending: it must reach them)."""
+        self.stats.overflowed.add(worker_id)
+        self.stats.lost_resets += 1
+        log.error("%s: worker's batches dropped until it is resynced", why, extra={"worker_id": worker_id})
+        self._enqueue(worker_id, encode_reset(worker_id, True))
 
     def _on_reset(self, worker_id: str, lost: bool) -> None:
         if worker_id in self.stats.overflowed:
@@ -338,9 +381,9 @@ class BusBridge:
 
     # -- publishing --------------------------------------------------------------------------
     async def _publish_loop(self) -> None:
-        """Publish the queue oldest first, each until JetStream acknowledges it (a retry keeps
-        its message id, so the stream drops a copy it already stored)."""
-        backoff = 0.05
+        """Publish what is queued, oldest first. The calls queued for one worker go out
+        together, one message per worker (a replica needs only each worker's calls in order:
+        each call concerns its worker alone), each message until JetStream acknowledges it."""
         while True:
             if not self._queue:
                 self._resubscribe_overflowed()
@@ -349,8 +392,37 @@ class BusBridge:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-            _, subject, body = self._queue[0]
-            msg_id = f"bridge.{self.run_id}.{self._n}"
+            for subject, body in self._take():
+                await self._publish(subject, body)
+            self.stats.pending = len(self._queue)
+            if len(self._queue) <= self.max_pending // 2:
+                self._resubscribe_overflowed()
+
+    def _take(self) -> list[tuple[str, bytes]]:
+        """The queue's head as one message per worker, each within the server's payload limit."""
+        limit = max(4096, int(getattr(self._nc, "max_payload", 1 << 20)) - 4096)  # room for headers
+        groups: dict[str, tuple[str, list[bytes]]] = {}
+        sizes: dict[str, int] = {}
+        while self._queue and sum(len(calls) for _, calls in groups.values()) < MAX_CALLS_PER_ROUND:
+            wid, subject, body = self._queue[0]
+            if len(body) > limit:
+                self._queue.popleft()
+                self._lose(wid, f"a call of {len(body)} bytes exceeds the NATS server's max_payload")
+                continue
+            if sizes.get(wid, 0) + len(body) > limit:
+                break  # this worker's message is full: the rest waits for the next round
+            self._queue.popleft()
+            groups.setdefault(wid, (subject, []))[1].append(body)
+            sizes[wid] = sizes.get(wid, 0) + len(body)
+        return [(subject, message(calls)) for subject, calls in groups.values()]
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        """Publish one message until JetStream acknowledges it; a retry keeps its message id,
+        so the stream drops a copy it already stored."""
+        msg_id = f"bridge.{self.run_id}.{self._n}"
+        self._n += 1
+        backoff = 0.05
+        while True:
             try:
                 await self._js.publish(subject, body, timeout=self.publish_timeout_s,
                                        headers={BRIDGE_HEADER: WIRE_VERSION, "Nats-Msg-Id": msg_id})
@@ -362,13 +434,8 @@ class BusBridge:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            backoff = 0.05
-            self._queue.popleft()
-            self._n += 1
             self.stats.published += 1
-            self.stats.pending = len(self._queue)
-            if len(self._queue) <= self.max_pending // 2:
-                self._resubscribe_overflowed()
+            return
 
     def _resubscribe_overflowed(self) -> None:
         """Start the overflowed workers' subscribers again: each resets its worker and

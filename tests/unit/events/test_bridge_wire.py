@@ -15,6 +15,7 @@ from kvrouterd.events.bridge import (
     encode_batch,
     encode_rejected,
     encode_reset,
+    message,
 )
 from kvrouterd.protocols import BatchOutcome, Cleared, EventBatch, Removed, Stored
 
@@ -27,23 +28,24 @@ FULL = Stored(
 def test_every_event_field_survives_the_bus() -> None:
     batch = EventBatch("gpu.1", 41, (Cleared(), FULL, Stored(b"\x01\x00\x00\x00" * 16, None), Removed((3, 4), 2),
                                       Removed((5,))))
-    assert decode_bridged(encode_batch(batch), 100) == batch
+    assert decode_bridged(message([encode_batch(batch)]), 100) == [batch]
 
 
 def test_token_ids_given_as_ints_travel_as_uint32_bytes() -> None:
     batch = EventBatch("w", 0, (Stored(tuple(range(16)), (1,)),))
-    (stored,) = decode_bridged(encode_batch(batch), 10).events  # type: ignore[union-attr]
+    ((stored,),) = (call.events for call in decode_bridged(message([encode_batch(batch)]), 10))  # type: ignore[union-attr]
     assert isinstance(stored, Stored) and stored.token_ids == b"".join(i.to_bytes(4, "little") for i in range(16))
 
 
 def test_resets_and_rejections_round_trip() -> None:
-    assert decode_bridged(encode_reset("w", True), 1) == Reset("w", True)
-    assert decode_bridged(encode_rejected("w", {"malformed_batch": 2}, True), 1) == Rejected("w", {"malformed_batch": 2}, True)
+    calls = [encode_reset("w", True), encode_rejected("w", {"malformed_batch": 2}, True)]
+    assert decode_bridged(message(calls), 1) == [Reset("w", True), Rejected("w", {"malformed_batch": 2}, True)]
 
 
 @pytest.mark.parametrize("data, match", [
     (b"\xc1", "does not parse"),
-    (msgpack.packb({"op": 0}), "expected"),
+    (msgpack.packb([]), "non-empty list of calls"),
+    (msgpack.packb({"op": 0}), "non-empty list of calls"),
     (msgpack.packb([0, "", 0, []]), "without worker_id"),
     (msgpack.packb([9, "w", 0]), "unknown operation"),
     (msgpack.packb([0, "w", -1, []]), "sequence"),
@@ -55,6 +57,10 @@ def test_resets_and_rejections_round_trip() -> None:
     (msgpack.packb([2, "w", {"r": -1}, False]), "count"),
 ])
 def test_a_malformed_message_is_refused_with_the_reason(data: bytes, match: str) -> None:
+    if data[:1] not in (b"\xc1", b"\x90", b"\x81"):  # a call: sent alone, and after a good one
+        with pytest.raises(InvalidRequest, match=match):
+            decode_bridged(message([encode_reset("w", False), data]), 2)
+        data = message([data])
     with pytest.raises(InvalidRequest, match=match):
         decode_bridged(data, 2)
 
@@ -68,7 +74,24 @@ def test_a_replica_makes_the_call_the_source_made_at_the_bridge() -> None:
         max_events=10,
     )
     batch = EventBatch("w", 0, (Cleared(),))
-    assert replay(encode_reset("w", True)).gap == 1
-    replay(encode_batch(batch))
-    assert replay(encode_rejected("w", {"unknown_type": 1}, False)).rejected == {"unknown_type": 1}
+    assert replay(message([encode_reset("w", True)])).gap == 1
+    outcome = replay(message([encode_batch(batch), encode_rejected("w", {"unknown_type": 1}, False)]))
+    assert outcome.rejected == {"unknown_type": 1} and not outcome.duplicate
     assert calls == [("reset", "w", True), ("apply", batch), ("rejected", "w", {"unknown_type": 1}, False)]
+
+
+def test_a_call_the_router_refuses_does_not_stop_the_others_and_is_reported() -> None:
+    from kvrouterd.errors import NotFound
+
+    applied: list[str] = []
+
+    def apply(batch: EventBatch) -> BatchOutcome:
+        if batch.worker_id == "gone":
+            raise NotFound("unknown worker 'gone'")
+        applied.append(batch.worker_id)
+        return BatchOutcome(applied=True)
+
+    replay = BridgedEvents(apply, lambda *a: None, lambda *a: None, max_events=10)
+    with pytest.raises(NotFound, match="gone"):
+        replay(message([encode_batch(EventBatch("gone", 0, ())), encode_batch(EventBatch("w", 0, ()))]))
+    assert applied == ["w"]

@@ -59,6 +59,9 @@ _TOKEN_SAFE = re.compile(r"[A-Za-z0-9_\-]")
 LAG_WARN_MESSAGES = 1000
 #: seconds between two checks of the stream's end against what this replica applied
 LAG_CHECK_S = 1.0
+#: reading the snapshot object: seconds per attempt, and attempts before replaying the stream
+SNAPSHOT_READ_TIMEOUT_S = 20.0
+SNAPSHOT_READ_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -279,11 +282,20 @@ class BusEventSource:
         from nats.js.errors import ObjectNotFoundError
 
         store = await self._object_store()
-        try:
-            result = await store.get(self.config.stream)
-        except ObjectNotFoundError:
-            return None
-        return bytes(result.data)
+        for _ in range(SNAPSHOT_READ_ATTEMPTS):
+            try:
+                # nats-py reads the chunks with no deadline: a snapshot another replica replaces
+                # meanwhile (its old chunks purged) would stall start-up for good
+                result = await asyncio.wait_for(store.get(self.config.stream), SNAPSHOT_READ_TIMEOUT_S)
+            except ObjectNotFoundError:
+                return None
+            except TimeoutError:
+                log.warning("reading the bus snapshot took over %ss (replaced while read?); trying again",
+                            SNAPSHOT_READ_TIMEOUT_S, extra={"bucket": self.config.snapshot_bucket})
+                continue
+            return bytes(result.data)
+        log.warning("no readable bus snapshot; replaying the whole stream", extra={"bucket": self.config.snapshot_bucket})
+        return None
 
     async def save_snapshot(self, data: bytes) -> None:
         """Replace the snapshot of this stream (any replica may write it: each is a consistent
@@ -347,16 +359,19 @@ class BusEventSource:
             self._seen_end = max(self._seen_end, end)
             if asked_at >= self._caught_up_at:  # (a catch-up logged meanwhile answered it already)
                 self._note_lag(max(0, end - asked_at))  # how far behind it was when we asked...
-            self._note_lag(max(0, self._seen_end - self.stats.last_stream_sequence))  # ...and is now
+            self._note_lag(max(0, self._seen_end - self.stats.last_stream_sequence), confirmed=True)  # ...and is now
 
-    def _note_lag(self, lag: int) -> None:
+    def _note_lag(self, lag: int, confirmed: bool = False) -> None:
+        """Record the lag; warn when it reaches LAG_WARN_MESSAGES. Only the server's word
+        (``confirmed``: the stream's end just read) ends a lag episode: the messages' own
+        counts miss what flow control still holds back on the server."""
         self.stats.pending = lag
         now = asyncio.get_running_loop().time()
         if lag >= LAG_WARN_MESSAGES and self._behind_since is None:
             self._behind_since = now
             self.stats.lag_episodes += 1
             log.warning("replica is %d messages behind the event stream", lag, extra={"stream": self.config.stream})
-        elif lag == 0 and self._behind_since is not None:
+        elif lag == 0 and confirmed and self._behind_since is not None:
             log.info("caught up with the event stream after %.1fs behind", now - self._behind_since,
                      extra={"stream": self.config.stream})
             self._behind_since = None

@@ -12,10 +12,12 @@
  * The walk handles slot masks of up to 64 bits (64 worker slots) natively; wider masks
  * return NotImplemented and the caller falls back to Python, which has no width limit.
  *
- * Two compact uint64-keyed tables replace dicts that hold one entry per cached block: U64Map,
- * the engine-hash -> key map of every event-driven worker (vLLM, SGLang), and BlockTable,
- * RadixIndex's key -> Block map. A dict spends ~41 bytes per entry plus an int object per key;
- * these spend ~24, and the match walk reads a BlockTable directly, prefetching ahead of itself.
+ * A cached block costs memory once per block in the whole fleet's cache, so the index's own
+ * structures are here too: Block (RadixIndex's node: 64 bytes, its key inline, outside the cycle
+ * collector), BlockTable (RadixIndex's key -> Block map: a tagged pointer per slot, ~12 bytes a
+ * block) and U64Map (the engine-hash -> key map of every event-driven worker: ~24 bytes an
+ * entry, where a dict spends ~41 plus an int object per key). The match walk reads a BlockTable
+ * and its Blocks directly, prefetching ahead of itself.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,6 +29,7 @@
 #include "xxhash.h"
 
 static PyObject *holders_name; /* interned "holders" */
+static PyObject *float_zero;   /* 0.0: a new Block's last_access */
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -120,11 +123,10 @@ chain_keys_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
-/* ---- open-addressing uint64-keyed tables -------------------------------------------------
+/* ---- U64Map: an open-addressing uint64 -> uint64 table -----------------------------------
  *
- * One table core serves U64Map (uint64 -> uint64: the engine-hash -> key map) and BlockTable
- * (uint64 -> object: RadixIndex's key -> Block map). Entries are (key, value) pairs in one
- * array, so a lookup touches one cache line; linear probing, backward-shift deletion (no
+ * The engine-hash -> key map. Entries are (key, value) pairs in one array, so a lookup touches
+ * one cache line; linear probing, backward-shift deletion (no
  * tombstones). Any uint64 can be a key, so occupancy is a bitmap rather than a reserved key.
  * Capacity is any size >= 8 (slots are chosen by multiply-shift, not a power-of-two mask) and
  * grows by half when the load would pass 0.8, so the load stays between 0.53 and 0.8: 16.125
@@ -139,12 +141,10 @@ typedef struct {
     Py_ssize_t size;
     void *table; /* entries and used, one allocation */
     size_t table_bytes;
-    int owns_values; /* BlockTable: values are owned PyObject* */
 } U64Table;
 
 #define T_KEY(t, i) ((t)->entries[2 * (size_t)(i)])
 #define T_VAL(t, i) ((t)->entries[2 * (size_t)(i) + 1])
-#define T_OBJ(t, i) ((PyObject *)(uintptr_t)T_VAL(t, i))
 
 #define TABLE_MIN_CAPACITY 8
 /* Tables this large are mmap'ed: a freed one goes back to the OS at once. From the heap, the
@@ -253,7 +253,7 @@ t_resize(U64Table *t, Py_ssize_t capacity)
     }
     for (Py_ssize_t i = 0; i < old.capacity; i++)
         if (t_used(&old, i))
-            t_insert(t, T_KEY(&old, i), T_VAL(&old, i)); /* references move with the values */
+            t_insert(t, T_KEY(&old, i), T_VAL(&old, i));
     table_free(old.table, old.table_bytes);
     return 0;
 }
@@ -267,12 +267,10 @@ t_reserve_one(U64Table *t)
     return 0;
 }
 
-/* remove the entry in slot i, shifting later members of its probe run back (no tombstones);
- * returns the removed value (an owned reference for BlockTable: the caller releases it) */
-static uint64_t
+/* remove the entry in slot i, shifting later members of its probe run back (no tombstones) */
+static void
 t_erase(U64Table *t, Py_ssize_t i)
 {
-    uint64_t removed = T_VAL(t, i);
     Py_ssize_t cap = t->capacity;
     Py_ssize_t j = i;
     for (;;) {
@@ -291,7 +289,6 @@ t_erase(U64Table *t, Py_ssize_t i)
     }
     t->used[i >> 6] &= ~(1ULL << (i & 63));
     t->size--;
-    return removed;
 }
 
 /* 0 and *out set; 1 if `obj` is an int outside [0, 2**64) (so never a key); -1 on error */
@@ -332,35 +329,19 @@ t_key_strict(PyObject *obj, uint64_t *out)
     return r == 0 ? 0 : -1;
 }
 
-static PyObject *
-t_value_object(const U64Table *t, Py_ssize_t i)
-{
-    if (t->owns_values)
-        return Py_NewRef(T_OBJ(t, i));
-    return PyLong_FromUnsignedLongLong(T_VAL(t, i));
-}
-
-static void blocks_unlink(U64Table *t);
-
-/* release every value and reset to an empty minimum-size table */
+/* reset to an empty minimum-size table */
 static int
 t_reset(U64Table *t)
 {
     U64Table old = *t;
     if (t_alloc(t, TABLE_MIN_CAPACITY) < 0)
         return -1;
-    if (old.owns_values) {
-        blocks_unlink(&old);
-        for (Py_ssize_t i = 0; i < old.capacity; i++)
-            if (t_used(&old, i))
-                Py_DECREF(T_OBJ(&old, i));
-    }
     table_free(old.table, old.table_bytes);
     return 0;
 }
 
 static PyObject *
-Table_new_impl(PyTypeObject *type, PyObject *args, PyObject *kwds, int owns_values)
+U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
         PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
@@ -369,16 +350,12 @@ Table_new_impl(PyTypeObject *type, PyObject *args, PyObject *kwds, int owns_valu
     U64Table *t = (U64Table *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
-    t->owns_values = owns_values;
     if (t_alloc(t, TABLE_MIN_CAPACITY) < 0) {
         Py_DECREF(t);
         return NULL;
     }
     return (PyObject *)t;
 }
-
-static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds) { return Table_new_impl(type, args, kwds, 0); }
-static PyObject *BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) { return Table_new_impl(type, args, kwds, 1); }
 
 static void
 U64Map_dealloc(U64Table *t)
@@ -387,46 +364,14 @@ U64Map_dealloc(U64Table *t)
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-static int
-BlockTable_traverse(U64Table *t, visitproc visit, void *arg)
-{
-    for (Py_ssize_t i = 0; i < t->capacity; i++)
-        if (t_used(t, i))
-            Py_VISIT(T_OBJ(t, i));
-    return 0;
-}
-
-static int
-BlockTable_clear_refs(U64Table *t)
-{
-    return t->table == NULL ? 0 : t_reset(t);
-}
-
-static void
-BlockTable_dealloc(U64Table *t)
-{
-    PyObject_GC_UnTrack(t);
-    Py_TRASHCAN_BEGIN(t, BlockTable_dealloc)
-    if (t->table != NULL) {
-        blocks_unlink(t);
-        for (Py_ssize_t i = 0; i < t->capacity; i++)
-            if (t_used(t, i))
-                Py_DECREF(T_OBJ(t, i));
-        table_free(t->table, t->table_bytes);
-        t->table = NULL;
-    }
-    Py_TYPE(t)->tp_free((PyObject *)t);
-    Py_TRASHCAN_END
-}
-
 static Py_ssize_t
-Table_len(U64Table *t)
+U64Map_len(U64Table *t)
 {
     return t->size;
 }
 
 static PyObject *
-Table_subscript(U64Table *t, PyObject *keyobj)
+U64Map_subscript(U64Table *t, PyObject *keyobj)
 {
     uint64_t key;
     int r = t_key(keyobj, &key);
@@ -435,14 +380,14 @@ Table_subscript(U64Table *t, PyObject *keyobj)
     if (r == 0) {
         Py_ssize_t i = t_find(t, key);
         if (i >= 0)
-            return t_value_object(t, i);
+            return PyLong_FromUnsignedLongLong(T_VAL(t, i));
     }
     PyErr_SetObject(PyExc_KeyError, keyobj);
     return NULL;
 }
 
 static int
-Table_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
+U64Map_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
 {
     uint64_t key;
     if (valueobj == NULL) {
@@ -454,32 +399,19 @@ Table_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
             PyErr_SetObject(PyExc_KeyError, keyobj);
             return -1;
         }
-        uint64_t removed = t_erase(t, i);
-        if (t->owns_values)
-            Py_DECREF((PyObject *)(uintptr_t)removed);
+        t_erase(t, i);
         return 0;
     }
-    if (t_key_strict(keyobj, &key) < 0)
-        return -1;
     uint64_t value;
-    if (t->owns_values)
-        value = (uint64_t)(uintptr_t)valueobj;
-    else if (t_key_strict(valueobj, &value) < 0)
+    if (t_key_strict(keyobj, &key) < 0 || t_key_strict(valueobj, &value) < 0)
         return -1;
     Py_ssize_t i = t_find(t, key);
     if (i >= 0) {
-        uint64_t old = T_VAL(t, i);
-        if (t->owns_values)
-            Py_INCREF(valueobj);
         T_VAL(t, i) = value;
-        if (t->owns_values)
-            Py_DECREF((PyObject *)(uintptr_t)old);
         return 0;
     }
     if (t_reserve_one(t) < 0)
         return -1;
-    if (t->owns_values)
-        Py_INCREF(valueobj);
     t_insert(t, key, value);
     return 0;
 }
@@ -496,7 +428,7 @@ t_lookup(U64Table *t, PyObject *keyobj)
 }
 
 static int
-Table_contains(U64Table *t, PyObject *keyobj)
+U64Map_contains(U64Table *t, PyObject *keyobj)
 {
     Py_ssize_t i = t_lookup(t, keyobj);
     return i == -2 ? -1 : i >= 0;
@@ -504,7 +436,7 @@ Table_contains(U64Table *t, PyObject *keyobj)
 
 /* get(key, default=None) */
 static PyObject *
-Table_get(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+U64Map_get(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
@@ -514,13 +446,13 @@ Table_get(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (i == -2)
         return NULL;
     if (i >= 0)
-        return t_value_object(t, i);
+        return PyLong_FromUnsignedLongLong(T_VAL(t, i));
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
 /* pop(key[, default]) */
 static PyObject *
-Table_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
+U64Map_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
@@ -530,8 +462,6 @@ Table_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (i == -2)
         return NULL;
     if (i >= 0) {
-        if (t->owns_values)
-            return (PyObject *)(uintptr_t)t_erase(t, i); /* the table's reference passes to the caller */
         PyObject *value = PyLong_FromUnsignedLongLong(T_VAL(t, i));
         if (value != NULL)
             t_erase(t, i);
@@ -544,7 +474,7 @@ Table_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-Table_clear(U64Table *t, PyObject *unused)
+U64Map_clear(U64Table *t, PyObject *unused)
 {
     if (t_reset(t) < 0)
         return NULL;
@@ -555,8 +485,8 @@ Table_clear(U64Table *t, PyObject *unused)
 static PyObject *
 t_list(U64Table *t, int which)
 {
-    /* Snapshot the entries first (owning the object values): building the Python objects
-     * allocates, and a collection's finalizers could change the table meanwhile. */
+    /* Snapshot the entries first: building the int objects allocates, and a collection's
+     * finalizers could change the map meanwhile. */
     Py_ssize_t size = t->size;
     uint64_t *snap = PyMem_Malloc((size_t)(size ? size : 1) * 2 * sizeof(uint64_t));
     if (snap == NULL)
@@ -567,11 +497,8 @@ t_list(U64Table *t, int which)
             continue;
         snap[2 * n] = T_KEY(t, i);
         snap[2 * n + 1] = T_VAL(t, i);
-        if (t->owns_values)
-            Py_INCREF(T_OBJ(t, i));
         n++;
     }
-    int owns = t->owns_values;
     PyObject *out = PyList_New(n);
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *item = NULL;
@@ -579,8 +506,7 @@ t_list(U64Table *t, int which)
             PyObject *key = which == 1 ? NULL : PyLong_FromUnsignedLongLong(snap[2 * k]);
             PyObject *value = NULL;
             if (which != 0)
-                value = owns ? Py_NewRef((PyObject *)(uintptr_t)snap[2 * k + 1])
-                             : PyLong_FromUnsignedLongLong(snap[2 * k + 1]);
+                value = PyLong_FromUnsignedLongLong(snap[2 * k + 1]);
             if (which == 0)
                 item = Py_XNewRef(key);
             else if (which == 1)
@@ -594,19 +520,17 @@ t_list(U64Table *t, int which)
             else
                 PyList_SET_ITEM(out, k, item);
         }
-        if (owns)
-            Py_DECREF((PyObject *)(uintptr_t)snap[2 * k + 1]);
     }
     PyMem_Free(snap);
     return out;
 }
 
-static PyObject *Table_keys(U64Table *t, PyObject *unused) { return t_list(t, 0); }
-static PyObject *Table_values(U64Table *t, PyObject *unused) { return t_list(t, 1); }
-static PyObject *Table_items(U64Table *t, PyObject *unused) { return t_list(t, 2); }
+static PyObject *U64Map_keys(U64Table *t, PyObject *unused) { return t_list(t, 0); }
+static PyObject *U64Map_values(U64Table *t, PyObject *unused) { return t_list(t, 1); }
+static PyObject *U64Map_items(U64Table *t, PyObject *unused) { return t_list(t, 2); }
 
 static PyObject *
-Table_iter(U64Table *t)
+U64Map_iter(U64Table *t)
 {
     PyObject *keys = t_list(t, 0);
     if (keys == NULL)
@@ -617,188 +541,9 @@ Table_iter(U64Table *t)
 }
 
 static PyObject *
-Table_sizeof(U64Table *t, PyObject *unused)
+U64Map_sizeof(U64Table *t, PyObject *unused)
 {
     return PyLong_FromSize_t(sizeof(U64Table) + t->table_bytes);
-}
-
-/* ---- RadixIndex.store's loop over brand-new blocks ----------------------------------------
- *
- * Engines report blocks they just computed, so nearly every stored block is new to the index:
- * no other holder, no children, no stats to merge. BlockTable.store_new builds those Blocks
- * here, exactly as RadixIndex.store's Python loop does (radix.py, "a new block"), and stops at
- * the first key the index already has; the Python loop handles that one and calls again.
- * Block is a Python class with __slots__; its six slots are written at their member offsets,
- * found once per class from its member descriptors. */
-
-enum { BLK_KEY, BLK_PARENT, BLK_CHILDREN, BLK_HOLDERS, BLK_LAST_ACCESS, BLK_HITS, BLK_NSLOTS };
-static const char *const block_slot_names[BLK_NSLOTS] = {"key", "parent", "children", "holders", "last_access", "hits"};
-static PyTypeObject *block_type; /* strong reference; the class the offsets belong to */
-static Py_ssize_t block_offsets[BLK_NSLOTS];
-
-#define BLK_SLOT(obj, which) (*(PyObject **)((char *)(obj) + block_offsets[which]))
-
-/* 0 once `type`'s slot offsets are known, -1 with TypeError if it is no plain __slots__ class */
-static int
-block_layout(PyTypeObject *type)
-{
-    if (type == block_type)
-        return 0;
-    Py_ssize_t offsets[BLK_NSLOTS];
-    for (int k = 0; k < BLK_NSLOTS; k++) {
-        PyObject *descr = PyObject_GetAttrString((PyObject *)type, block_slot_names[k]);
-        if (descr == NULL)
-            return -1;
-        offsets[k] = -1;
-        if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
-            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-            if (member->type == T_OBJECT_EX && !(member->flags & READ_RESTRICTED))
-                offsets[k] = member->offset;
-        }
-        Py_DECREF(descr);
-        if (offsets[k] < 0) {
-            PyErr_Format(PyExc_TypeError, "%.100s.%s is not a __slots__ member", type->tp_name, block_slot_names[k]);
-            return -1;
-        }
-    }
-    Py_XSETREF(block_type, (PyTypeObject *)Py_NewRef(type));
-    memcpy(block_offsets, offsets, sizeof offsets);
-    return 0;
-}
-
-/* Blocks built by store_new are not tracked by the cycle collector (below), so the table breaks
- * the parent <-> children cycles of the blocks it holds when it is released: each block's
- * `parent` and `children` become None. Without this, a dropped index would leak its tree. */
-static void
-blocks_unlink(U64Table *t)
-{
-    if (block_type == NULL)
-        return;
-    for (Py_ssize_t i = 0; i < t->capacity; i++) {
-        if (!t_used(t, i))
-            continue;
-        PyObject *node = T_OBJ(t, i);
-        if (Py_TYPE(node) != block_type)
-            continue;
-        /* the table keeps the node alive, so clearing can free at most a children dict */
-        PyObject *parent = BLK_SLOT(node, BLK_PARENT), *children = BLK_SLOT(node, BLK_CHILDREN);
-        BLK_SLOT(node, BLK_PARENT) = Py_NewRef(Py_None);
-        BLK_SLOT(node, BLK_CHILDREN) = Py_NewRef(Py_None);
-        Py_XDECREF(parent);
-        Py_XDECREF(children);
-    }
-}
-
-/* parent.children gains `node` (None -> the node, one Block -> {key: block, ...}, dict -> item) */
-static int
-block_link_child(PyObject *parent, PyObject *key_obj, PyObject *node)
-{
-    PyObject *c = BLK_SLOT(parent, BLK_CHILDREN);
-    if (c == NULL || c == Py_None) {
-        Py_XSETREF(BLK_SLOT(parent, BLK_CHILDREN), Py_NewRef(node));
-        return 0;
-    }
-    if (PyDict_CheckExact(c))
-        return PyDict_SetItem(c, key_obj, node);
-    if (Py_TYPE(c) != block_type || BLK_SLOT(c, BLK_KEY) == NULL) {
-        PyErr_SetString(PyExc_TypeError, "children is neither None, a Block nor a dict");
-        return -1;
-    }
-    PyObject *both = PyDict_New();
-    if (both == NULL || PyDict_SetItem(both, BLK_SLOT(c, BLK_KEY), c) < 0 || PyDict_SetItem(both, key_obj, node) < 0) {
-        Py_XDECREF(both);
-        return -1;
-    }
-    Py_SETREF(BLK_SLOT(parent, BLK_CHILDREN), both);
-    return 0;
-}
-
-/* store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> int
- *
- * From keys[start] on, while the key is not in the table: a new Block(key, parent) held by
- * `bit` alone (holders = bit, last_access = now, hits = 0) goes into the table, under
- * `parent`, into `leaves` (its parent leaves it if `bit` holds the parent) and onto `chain`;
- * it is the next key's parent. Returns the index of the first key the table already holds
- * (len(keys) when none). */
-static PyObject *
-BlockTable_store_new(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
-        return NULL;
-    }
-    PyObject *type = args[0], *parent = args[1], *keys = args[2], *bit = args[4], *now = args[5];
-    PyObject *leaves = args[6], *chain = args[7];
-    if (!t->owns_values) {
-        PyErr_SetString(PyExc_TypeError, "store_new is a BlockTable method");
-        return NULL;
-    }
-    if (!PyType_Check(type) || block_layout((PyTypeObject *)type) < 0)
-        return NULL;
-    if (!PyList_CheckExact(keys) || !PyList_CheckExact(chain) || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
-        PyErr_SetString(PyExc_TypeError, "keys and chain are lists, leaves a set, bit an int");
-        return NULL;
-    }
-    if (parent != Py_None && Py_TYPE(parent) != block_type) {
-        PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    if (i < 0)
-        i = 0;
-    Py_INCREF(parent); /* ours while Python code (a collection's finalizers) may run */
-    for (; i < PyList_GET_SIZE(keys); i++) {
-        PyObject *key_obj = PyList_GET_ITEM(keys, i);
-        uint64_t key;
-        if (t_key_strict(key_obj, &key) < 0)
-            goto error;
-        if (t_find(t, key) >= 0)
-            break;
-        Py_INCREF(key_obj);
-        PyObject *node = block_type->tp_alloc(block_type, 0);
-        if (node == NULL) {
-            Py_DECREF(key_obj);
-            goto error;
-        }
-        BLK_SLOT(node, BLK_KEY) = key_obj;
-        BLK_SLOT(node, BLK_PARENT) = Py_NewRef(parent);
-        BLK_SLOT(node, BLK_CHILDREN) = Py_NewRef(Py_None);
-        BLK_SLOT(node, BLK_HOLDERS) = Py_NewRef(bit);
-        BLK_SLOT(node, BLK_LAST_ACCESS) = Py_NewRef(now);
-        BLK_SLOT(node, BLK_HITS) = PyLong_FromLong(0);
-        /* Not tracked by the cycle collector: its parent/children cycles are broken explicitly
-         * (RadixIndex prunes a block it drops; blocks_unlink when the table goes), and a
-         * million tracked blocks made every full collection walk them all (half of ingest
-         * time went to the collector). */
-        PyObject_GC_UnTrack(node);
-        /* the allocation may have run a collection: look again before inserting */
-        if (t_find(t, key) >= 0 || t_reserve_one(t) < 0) {
-            Py_DECREF(node);
-            if (PyErr_Occurred())
-                goto error;
-            break;
-        }
-        t_insert(t, key, (uint64_t)(uintptr_t)node); /* the table owns the new reference */
-        if (parent != Py_None) {
-            if (block_link_child(parent, key_obj, node) < 0)
-                goto error; /* the node stays in the table, as a Python error midway would leave it */
-            PyObject *held = PyNumber_And(BLK_SLOT(parent, BLK_HOLDERS), bit);
-            int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
-            Py_XDECREF(held);
-            if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
-                goto error;
-        }
-        if (PySet_Add(leaves, node) < 0 || PyList_Append(chain, node) < 0)
-            goto error;
-        Py_SETREF(parent, Py_NewRef(node));
-    }
-    Py_DECREF(parent);
-    return PyLong_FromSsize_t(i);
-error:
-    Py_DECREF(parent);
-    return NULL;
 }
 
 /* map_pairs(sources, targets) -> int: self[s] = t for each pair of the two sequences where
@@ -808,10 +553,6 @@ error:
 static PyObject *
 U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (t->owns_values) {
-        PyErr_SetString(PyExc_TypeError, "map_pairs is a U64Map method");
-        return NULL;
-    }
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "map_pairs(sources, targets)");
         return NULL;
@@ -858,27 +599,25 @@ done:
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(set);
 }
 
-static PyMethodDef Table_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))Table_get, METH_FASTCALL, "get(key, default=None)"},
-    {"pop", (PyCFunction)(void (*)(void))Table_pop, METH_FASTCALL, "pop(key[, default])"},
-    {"clear", (PyCFunction)Table_clear, METH_NOARGS, "remove every entry and release the table"},
-    {"keys", (PyCFunction)Table_keys, METH_NOARGS, "a list of the keys"},
-    {"values", (PyCFunction)Table_values, METH_NOARGS, "a list of the values"},
-    {"items", (PyCFunction)Table_items, METH_NOARGS, "a list of (key, value) pairs"},
-    {"__sizeof__", (PyCFunction)Table_sizeof, METH_NOARGS, "bytes used, tables included"},
+static PyMethodDef U64Map_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))U64Map_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove every entry and release the table"},
+    {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "a list of the keys"},
+    {"values", (PyCFunction)U64Map_values, METH_NOARGS, "a list of the values"},
+    {"items", (PyCFunction)U64Map_items, METH_NOARGS, "a list of (key, value) pairs"},
+    {"__sizeof__", (PyCFunction)U64Map_sizeof, METH_NOARGS, "bytes used, tables included"},
     {"map_pairs", (PyCFunction)(void (*)(void))U64Map_map_pairs, METH_FASTCALL,
      "map_pairs(sources, targets) -> int: self[s] = t for each pair with s != t; how many were set"},
-    {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
-     "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
     {NULL, NULL, 0, NULL},
 };
 
-static PyMappingMethods Table_as_mapping = {
-    (lenfunc)Table_len, (binaryfunc)Table_subscript, (objobjargproc)Table_ass_subscript,
+static PyMappingMethods U64Map_as_mapping = {
+    (lenfunc)U64Map_len, (binaryfunc)U64Map_subscript, (objobjargproc)U64Map_ass_subscript,
 };
 
-static PySequenceMethods Table_as_sequence = {
-    .sq_contains = (objobjproc)Table_contains,
+static PySequenceMethods U64Map_as_sequence = {
+    .sq_contains = (objobjproc)U64Map_contains,
 };
 
 static PyTypeObject U64MapType = {
@@ -889,30 +628,709 @@ static PyTypeObject U64MapType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = U64Map_new,
     .tp_dealloc = (destructor)U64Map_dealloc,
-    .tp_as_mapping = &Table_as_mapping,
-    .tp_as_sequence = &Table_as_sequence,
-    .tp_iter = (getiterfunc)Table_iter,
-    .tp_methods = Table_methods,
+    .tp_as_mapping = &U64Map_as_mapping,
+    .tp_as_sequence = &U64Map_as_sequence,
+    .tp_iter = (getiterfunc)U64Map_iter,
+    .tp_methods = U64Map_methods,
+};
+
+/* ---- Block: one node of RadixIndex ----------------------------------------------------------
+ *
+ * The pure-Python Block of radix.py with the same attributes and methods, in 64 bytes (pymalloc's
+ * 64-byte class) where the Python class takes 80 plus a 40-byte int for its key: the key is a
+ * uint64 inline (an int object is made only when Python code reads it), and a Block is not a
+ * cycle-collector object (that header is 16 bytes, and with a million tracked blocks full
+ * collections were half of all ingest time). Its only reference cycles, parent <-> children, are
+ * broken explicitly instead: RadixIndex prunes a block it drops (parent = None), and a
+ * BlockTable unlinks the blocks it holds when it is cleared or released.
+ *
+ * The C code here relies on `parent` being None or a Block and `children` None, a Block or a
+ * dict, so the setters refuse anything else. */
+typedef struct {
+    PyObject_HEAD
+    uint64_t key;
+    PyObject *parent;      /* None or a Block */
+    PyObject *children;    /* None, a Block, or a dict key -> Block */
+    PyObject *holders;     /* int bitmask over worker slots */
+    PyObject *last_access; /* float, or dict slot -> float */
+    PyObject *hits;        /* int, or dict slot -> int */
+} BlockObject;
+
+#ifndef Py_TRACE_REFS
+_Static_assert(sizeof(BlockObject) == 64, "a Block fills pymalloc's 64-byte size class exactly");
+#endif
+
+static PyTypeObject BlockType;
+#define IS_BLOCK(o) Py_IS_TYPE((o), &BlockType)
+#define BLOCK(o) ((BlockObject *)(o))
+
+/* Block(key, parent) as radix.py's: no holders, no children, stats 0.0 / 0. `parent` is
+ * borrowed, None or a Block. */
+static BlockObject *
+block_alloc(uint64_t key, PyObject *parent)
+{
+    BlockObject *b = PyObject_New(BlockObject, &BlockType); /* not a GC allocation: runs no collection */
+    if (b == NULL)
+        return NULL;
+    b->key = key;
+    b->parent = Py_NewRef(parent);
+    b->children = Py_NewRef(Py_None);
+    b->holders = PyLong_FromLong(0); /* small ints are preallocated: cannot fail */
+    b->last_access = Py_NewRef(float_zero);
+    b->hits = PyLong_FromLong(0);
+    return b;
+}
+
+static PyObject *
+Block_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "parent", NULL};
+    PyObject *keyobj, *parent;
+    uint64_t key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:Block", kwlist, &keyobj, &parent) || t_key_strict(keyobj, &key) < 0)
+        return NULL;
+    if (parent != Py_None && !IS_BLOCK(parent)) {
+        PyErr_SetString(PyExc_TypeError, "a Block's parent is None or a Block");
+        return NULL;
+    }
+    return (PyObject *)block_alloc(key, parent);
+}
+
+static void
+Block_dealloc(BlockObject *b)
+{
+    /* A detached chain owned only by its last block is freed parent after parent in this loop,
+     * not by recursion: a long chain must not exhaust the C stack. */
+    for (;;) {
+        PyObject *parent = b->parent;
+        Py_CLEAR(b->children);
+        Py_CLEAR(b->holders);
+        Py_CLEAR(b->last_access);
+        Py_CLEAR(b->hits);
+        PyObject_Free(b);
+        if (parent == NULL)
+            return;
+        if (!IS_BLOCK(parent) || Py_REFCNT(parent) != 1) {
+            Py_DECREF(parent);
+            return;
+        }
+        b = BLOCK(parent); /* its last reference was ours: free it next */
+    }
+}
+
+#define BLOCK_FIELD(b, offset) (*(PyObject **)((char *)(b) + (size_t)(offset)))
+
+static PyObject *
+Block_get(BlockObject *b, void *offset)
+{
+    return Py_NewRef(BLOCK_FIELD(b, offset));
+}
+
+static int
+Block_set(BlockObject *b, PyObject *value, void *offset)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a Block's attributes cannot be deleted");
+        return -1;
+    }
+    if ((size_t)offset == offsetof(BlockObject, parent) && value != Py_None && !IS_BLOCK(value)) {
+        PyErr_SetString(PyExc_TypeError, "a Block's parent is None or a Block");
+        return -1;
+    }
+    if ((size_t)offset == offsetof(BlockObject, children) && value != Py_None && !IS_BLOCK(value)
+        && !PyDict_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "a Block's children are None, a Block or a dict");
+        return -1;
+    }
+    if ((size_t)offset == offsetof(BlockObject, holders) && !PyLong_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "a Block's holders are an int");
+        return -1;
+    }
+    Py_SETREF(BLOCK_FIELD(b, offset), Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+Block_get_key(BlockObject *b, void *unused)
+{
+    return PyLong_FromUnsignedLongLong(b->key);
+}
+
+#define BLOCK_GETSET(name, doc) \
+    {#name, (getter)Block_get, (setter)Block_set, doc, (void *)offsetof(BlockObject, name)}
+
+static PyGetSetDef Block_getset[] = {
+    {"key", (getter)Block_get_key, NULL, "the block's chained hash (read-only)", NULL},
+    BLOCK_GETSET(parent, "the parent Block, or None at the root"),
+    BLOCK_GETSET(children, "None, the single child Block, or a dict key -> Block"),
+    BLOCK_GETSET(holders, "bitmask of the worker slots holding the block"),
+    BLOCK_GETSET(last_access, "last access time while one slot holds it, else a dict slot -> time"),
+    BLOCK_GETSET(hits, "hits while one slot holds it, else a dict slot -> hits"),
+    {NULL},
+};
+
+static PyObject *
+Block_iter_children(BlockObject *b, PyObject *unused)
+{
+    PyObject *c = b->children;
+    PyObject *seq;
+    if (PyDict_CheckExact(c))
+        seq = PyObject_CallMethod(c, "values", NULL); /* a live view, as radix.py's iter(c.values()) */
+    else if (c == Py_None)
+        seq = PyTuple_New(0);
+    else
+        seq = PyTuple_Pack(1, c);
+    if (seq == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(seq);
+    Py_DECREF(seq);
+    return it;
+}
+
+static PyObject *
+Block_depth(BlockObject *b, PyObject *unused)
+{
+    Py_ssize_t d = 0;
+    for (PyObject *node = (PyObject *)b; IS_BLOCK(node); node = BLOCK(node)->parent)
+        d++;
+    return PyLong_FromSsize_t(d);
+}
+
+static PyObject *
+Block_repr(BlockObject *b)
+{
+    PyObject *bits = PyNumber_ToBase(b->holders, 2);
+    if (bits == NULL)
+        return NULL;
+    char key[32];
+    snprintf(key, sizeof key, "0x%llx", (unsigned long long)b->key);
+    PyObject *r = PyUnicode_FromFormat("Block(%s, holders=%U)", key, bits);
+    Py_DECREF(bits);
+    return r;
+}
+
+static PyMethodDef Block_methods[] = {
+    {"iter_children", (PyCFunction)Block_iter_children, METH_NOARGS, "an iterator over the child Blocks"},
+    {"depth", (PyCFunction)Block_depth, METH_NOARGS, "blocks from the root to this one, inclusive (block 0 has depth 1)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.Block",
+    .tp_doc = "Block(key, parent): one cached block of RadixIndex (radix.py's Block, in 64 bytes).",
+    .tp_basicsize = sizeof(BlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Block_new,
+    .tp_dealloc = (destructor)Block_dealloc,
+    .tp_repr = (reprfunc)Block_repr,
+    .tp_getset = Block_getset,
+    .tp_methods = Block_methods,
+};
+
+/* ---- BlockTable: RadixIndex's key -> Block map -----------------------------------------------
+ *
+ * Open addressing like U64Map, but a slot is one word, the Block's address, since the key is in
+ * the Block: ~12 bytes a block at the same loads (0.53-0.8) instead of ~24. Addresses use 48 bits
+ * (x86-64 and arm64 user space), so the other 16 hold a tag from the key's hash: a probe
+ * compares the tag and reads a Block's key only when they agree (once in 65,536 otherwise), so
+ * a lookup still touches one cache line of the table per probe run, plus the Block it finds.
+ * 0 is a free slot. The table owns a reference to every Block in it, and a Block is kept under
+ * its own key only. */
+typedef struct {
+    PyObject_HEAD
+    uint64_t *slots;
+    Py_ssize_t capacity;
+    Py_ssize_t size;
+    size_t table_bytes;
+} BlockTable;
+
+static PyTypeObject BlockTableType;
+
+#define BT_ADDR_MASK ((1ULL << 48) - 1)
+#define BT_BLOCK(e) ((BlockObject *)(uintptr_t)((e) & BT_ADDR_MASK))
+/* the tag: the low 16 bits of the mixed key (the slot comes from its high bits) */
+#define BT_TAG(mixed) ((mixed) << 48)
+
+static inline Py_ssize_t
+home_of_mixed(uint64_t mixed, Py_ssize_t capacity)
+{
+    return (Py_ssize_t)(((unsigned __int128)mixed * (uint64_t)capacity) >> 64);
+}
+
+static int
+bt_alloc(BlockTable *t, Py_ssize_t capacity)
+{
+    size_t bytes = (size_t)capacity * sizeof(uint64_t);
+    uint64_t *slots = table_alloc(bytes);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->slots = slots;
+    t->table_bytes = bytes;
+    t->capacity = capacity;
+    t->size = 0;
+    return 0;
+}
+
+/* slot of `key`, or -1 */
+static inline Py_ssize_t
+bt_find(const BlockTable *t, uint64_t key)
+{
+    uint64_t mixed = u64_mix(key), tag = BT_TAG(mixed);
+    Py_ssize_t i = home_of_mixed(mixed, t->capacity);
+    for (;;) {
+        uint64_t e = t->slots[i];
+        if (e == 0)
+            return -1;
+        if ((e & ~BT_ADDR_MASK) == tag && BT_BLOCK(e)->key == key)
+            return i;
+        if (++i == t->capacity)
+            i = 0;
+    }
+}
+
+/* put `b` (its key known absent) into a free slot; the table must have one */
+static void
+bt_insert(BlockTable *t, BlockObject *b)
+{
+    uint64_t mixed = u64_mix(b->key);
+    Py_ssize_t i = home_of_mixed(mixed, t->capacity);
+    while (t->slots[i]) {
+        if (++i == t->capacity)
+            i = 0;
+    }
+    t->slots[i] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+    t->size++;
+}
+
+static int
+bt_resize(BlockTable *t, Py_ssize_t capacity)
+{
+    BlockTable old = *t;
+    if (bt_alloc(t, capacity) < 0) {
+        *t = old;
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < old.capacity; i++)
+        if (old.slots[i])
+            bt_insert(t, BT_BLOCK(old.slots[i])); /* references move with the blocks */
+    table_free(old.slots, old.table_bytes);
+    return 0;
+}
+
+/* `b` (key known absent) goes into the table, which takes over the caller's reference */
+static int
+bt_add(BlockTable *t, BlockObject *b)
+{
+    if ((uintptr_t)b & ~BT_ADDR_MASK) {
+        PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
+        return -1;
+    }
+    if ((t->size + 1) * 5 > t->capacity * 4 && bt_resize(t, t->capacity + t->capacity / 2) < 0)
+        return -1;
+    bt_insert(t, b);
+    return 0;
+}
+
+/* remove the entry in slot i, shifting later members of its probe run back (no tombstones);
+ * returns the removed Block, whose reference passes to the caller */
+static BlockObject *
+bt_erase(BlockTable *t, Py_ssize_t i)
+{
+    BlockObject *removed = BT_BLOCK(t->slots[i]);
+    Py_ssize_t cap = t->capacity;
+    Py_ssize_t j = i;
+    for (;;) {
+        if (++j == cap)
+            j = 0;
+        uint64_t e = t->slots[j];
+        if (e == 0)
+            break;
+        Py_ssize_t home = home_of_mixed(u64_mix(BT_BLOCK(e)->key), cap);
+        /* entry j may fill the hole at i unless its home lies cyclically in (i, j] */
+        int home_in_range = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (home_in_range)
+            continue;
+        t->slots[i] = e;
+        i = j;
+    }
+    t->slots[i] = 0;
+    t->size--;
+    return removed;
+}
+
+/* Break the parent <-> children cycles of every block in `t` (each one's parent and children
+ * become None): blocks are not collected as cycles, so a released index would leak its tree.
+ * The table keeps every block alive meanwhile, so this frees at most children dicts. */
+static void
+bt_unlink(BlockTable *t)
+{
+    for (Py_ssize_t i = 0; i < t->capacity; i++) {
+        if (!t->slots[i])
+            continue;
+        BlockObject *b = BT_BLOCK(t->slots[i]);
+        PyObject *parent = b->parent, *children = b->children;
+        b->parent = Py_NewRef(Py_None);
+        b->children = Py_NewRef(Py_None);
+        Py_XDECREF(parent);
+        Py_XDECREF(children);
+    }
+}
+
+/* unlink and release every block of a table no longer reachable from Python */
+static void
+bt_release(BlockTable *old)
+{
+    bt_unlink(old);
+    for (Py_ssize_t i = 0; i < old->capacity; i++)
+        if (old->slots[i])
+            Py_DECREF(BT_BLOCK(old->slots[i]));
+    table_free(old->slots, old->table_bytes);
+    old->slots = NULL;
+}
+
+static PyObject *
+BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    if (bt_alloc(t, TABLE_MIN_CAPACITY) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void
+BlockTable_dealloc(BlockTable *t)
+{
+    if (t->slots != NULL)
+        bt_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t
+BlockTable_len(BlockTable *t)
+{
+    return t->size;
+}
+
+/* slot of `keyobj`, -1 if absent (or not a possible key), -2 on error */
+static Py_ssize_t
+bt_lookup(BlockTable *t, PyObject *keyobj)
+{
+    uint64_t key;
+    int r = t_key(keyobj, &key);
+    if (r < 0)
+        return -2;
+    return r == 0 ? bt_find(t, key) : -1;
+}
+
+static PyObject *
+BlockTable_subscript(BlockTable *t, PyObject *keyobj)
+{
+    Py_ssize_t i = bt_lookup(t, keyobj);
+    if (i == -2)
+        return NULL;
+    if (i >= 0)
+        return Py_NewRef(BT_BLOCK(t->slots[i]));
+    PyErr_SetObject(PyExc_KeyError, keyobj);
+    return NULL;
+}
+
+static int
+BlockTable_ass_subscript(BlockTable *t, PyObject *keyobj, PyObject *value)
+{
+    if (value == NULL) {
+        Py_ssize_t i = bt_lookup(t, keyobj);
+        if (i == -2)
+            return -1;
+        if (i < 0) {
+            PyErr_SetObject(PyExc_KeyError, keyobj);
+            return -1;
+        }
+        Py_DECREF(bt_erase(t, i));
+        return 0;
+    }
+    uint64_t key;
+    if (t_key_strict(keyobj, &key) < 0)
+        return -1;
+    if (!IS_BLOCK(value)) {
+        PyErr_Format(PyExc_TypeError, "a BlockTable holds Blocks, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    if (BLOCK(value)->key != key) {
+        PyErr_SetString(PyExc_ValueError, "a Block is kept under its own key");
+        return -1;
+    }
+    Py_ssize_t i = bt_find(t, key);
+    if (i >= 0) {
+        BlockObject *old = BT_BLOCK(t->slots[i]);
+        t->slots[i] = (t->slots[i] & ~BT_ADDR_MASK) | (uint64_t)(uintptr_t)Py_NewRef(value);
+        Py_DECREF(old);
+        return 0;
+    }
+    Py_INCREF(value);
+    if (bt_add(t, BLOCK(value)) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+BlockTable_contains(BlockTable *t, PyObject *keyobj)
+{
+    Py_ssize_t i = bt_lookup(t, keyobj);
+    return i == -2 ? -1 : i >= 0;
+}
+
+/* get(key, default=None) */
+static PyObject *
+BlockTable_get(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    Py_ssize_t i = bt_lookup(t, args[0]);
+    if (i == -2)
+        return NULL;
+    if (i >= 0)
+        return Py_NewRef(BT_BLOCK(t->slots[i]));
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+/* pop(key[, default]) */
+static PyObject *
+BlockTable_pop(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    Py_ssize_t i = bt_lookup(t, args[0]);
+    if (i == -2)
+        return NULL;
+    if (i >= 0)
+        return (PyObject *)bt_erase(t, i);
+    if (nargs == 2)
+        return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *
+BlockTable_clear(BlockTable *t, PyObject *unused)
+{
+    BlockTable old = *t;
+    if (bt_alloc(t, TABLE_MIN_CAPACITY) < 0)
+        return NULL;
+    bt_release(&old); /* out of the table first: what releasing frees cannot see it half-done */
+    Py_RETURN_NONE;
+}
+
+/* a list of keys (which = 0), blocks (1) or (key, block) tuples (2), in slot order */
+static PyObject *
+bt_list(BlockTable *t, int which)
+{
+    /* Own the blocks first: building the lists allocates, and a collection's finalizers could
+     * change the table meanwhile. */
+    Py_ssize_t n = 0;
+    BlockObject **snap = PyMem_Malloc((size_t)(t->size ? t->size : 1) * sizeof(BlockObject *));
+    if (snap == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < t->capacity && n < t->size; i++)
+        if (t->slots[i])
+            snap[n++] = (BlockObject *)Py_NewRef(BT_BLOCK(t->slots[i]));
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (out != NULL) {
+            PyObject *item;
+            if (which == 1)
+                item = Py_NewRef(snap[k]);
+            else {
+                PyObject *key = PyLong_FromUnsignedLongLong(snap[k]->key);
+                item = which == 0 || key == NULL ? Py_XNewRef(key) : PyTuple_Pack(2, key, (PyObject *)snap[k]);
+                Py_XDECREF(key);
+            }
+            if (item == NULL)
+                Py_CLEAR(out);
+            else
+                PyList_SET_ITEM(out, k, item);
+        }
+        Py_DECREF(snap[k]);
+    }
+    PyMem_Free(snap);
+    return out;
+}
+
+static PyObject *BlockTable_keys(BlockTable *t, PyObject *unused) { return bt_list(t, 0); }
+static PyObject *BlockTable_values(BlockTable *t, PyObject *unused) { return bt_list(t, 1); }
+static PyObject *BlockTable_items(BlockTable *t, PyObject *unused) { return bt_list(t, 2); }
+
+static PyObject *
+BlockTable_iter(BlockTable *t)
+{
+    PyObject *keys = bt_list(t, 0);
+    if (keys == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *
+BlockTable_sizeof(BlockTable *t, PyObject *unused)
+{
+    return PyLong_FromSize_t(sizeof(BlockTable) + t->table_bytes);
+}
+
+/* ---- RadixIndex.store's loop over brand-new blocks ----------------------------------------
+ *
+ * Engines report blocks they just computed, so nearly every stored block is new to the index:
+ * no other holder, no children, no stats to merge. BlockTable.store_new builds those Blocks
+ * here, exactly as RadixIndex.store's Python loop does (radix.py, "a new block"), and stops at
+ * the first key the index already has; the Python loop handles that one and calls again. */
+
+/* parent.children gains `node` (None -> the node, one Block -> {key: block, ...}, dict -> item) */
+static int
+block_link_child(BlockObject *parent, PyObject *key_obj, BlockObject *node)
+{
+    PyObject *c = parent->children;
+    if (c == Py_None) {
+        Py_SETREF(parent->children, Py_NewRef(node));
+        return 0;
+    }
+    if (PyDict_CheckExact(c))
+        return PyDict_SetItem(c, key_obj, (PyObject *)node);
+    PyObject *both = PyDict_New(), *c_key = PyLong_FromUnsignedLongLong(BLOCK(c)->key);
+    if (both == NULL || c_key == NULL || PyDict_SetItem(both, c_key, c) < 0
+        || PyDict_SetItem(both, key_obj, (PyObject *)node) < 0) {
+        Py_XDECREF(both);
+        Py_XDECREF(c_key);
+        return -1;
+    }
+    Py_DECREF(c_key);
+    Py_SETREF(parent->children, both);
+    return 0;
+}
+
+/* store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> int
+ *
+ * From keys[start] on, while the key is not in the table: a new Block(key, parent) held by
+ * `bit` alone (holders = bit, last_access = now, hits = 0) goes into the table, under
+ * `parent`, into `leaves` (its parent leaves it if `bit` holds the parent) and onto `chain`;
+ * it is the next key's parent. Returns the index of the first key the table already holds
+ * (len(keys) when none). `block_type` is this module's Block (radix.py passes its Block). */
+static PyObject *
+BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
+        return NULL;
+    }
+    PyObject *parent = args[1], *keys = args[2], *bit = args[4], *now = args[5];
+    PyObject *leaves = args[6], *chain = args[7];
+    if (args[0] != (PyObject *)&BlockType) {
+        PyErr_SetString(PyExc_TypeError, "store_new builds kvrouterd.index._native.Block");
+        return NULL;
+    }
+    if (!PyList_CheckExact(keys) || !PyList_CheckExact(chain) || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
+        PyErr_SetString(PyExc_TypeError, "keys and chain are lists, leaves a set, bit an int");
+        return NULL;
+    }
+    if (parent != Py_None && !IS_BLOCK(parent)) {
+        PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0)
+        i = 0;
+    Py_INCREF(parent); /* ours while Python code (a collection's finalizers) may run */
+    for (; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key_obj = PyList_GET_ITEM(keys, i);
+        uint64_t key;
+        if (t_key_strict(key_obj, &key) < 0)
+            goto error;
+        if (bt_find(t, key) >= 0)
+            break;
+        BlockObject *node = block_alloc(key, parent);
+        if (node == NULL)
+            goto error;
+        Py_SETREF(node->holders, Py_NewRef(bit));
+        Py_SETREF(node->last_access, Py_NewRef(now));
+        if (bt_add(t, node) < 0) { /* nothing ran since bt_find: the key is still absent */
+            Py_DECREF(node);
+            goto error;
+        }
+        /* the table owns `node`; `key_obj` is kept alive by `keys`, which the caller holds */
+        if (parent != Py_None) {
+            if (block_link_child(BLOCK(parent), key_obj, node) < 0)
+                goto error; /* the node stays in the table, as a Python error midway would leave it */
+            PyObject *held = PyNumber_And(BLOCK(parent)->holders, bit);
+            int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
+            Py_XDECREF(held);
+            if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
+                goto error;
+        }
+        if (PySet_Add(leaves, (PyObject *)node) < 0 || PyList_Append(chain, (PyObject *)node) < 0)
+            goto error;
+        Py_SETREF(parent, Py_NewRef(node));
+    }
+    Py_DECREF(parent);
+    return PyLong_FromSsize_t(i);
+error:
+    Py_DECREF(parent);
+    return NULL;
+}
+
+static PyMethodDef BlockTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"clear", (PyCFunction)BlockTable_clear, METH_NOARGS, "remove every block (unlinked) and release the table"},
+    {"keys", (PyCFunction)BlockTable_keys, METH_NOARGS, "a list of the keys"},
+    {"values", (PyCFunction)BlockTable_values, METH_NOARGS, "a list of the blocks"},
+    {"items", (PyCFunction)BlockTable_items, METH_NOARGS, "a list of (key, block) pairs"},
+    {"__sizeof__", (PyCFunction)BlockTable_sizeof, METH_NOARGS, "bytes used, the table included (not the blocks)"},
+    {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
+     "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods BlockTable_as_mapping = {
+    (lenfunc)BlockTable_len, (binaryfunc)BlockTable_subscript, (objobjargproc)BlockTable_ass_subscript,
+};
+
+static PySequenceMethods BlockTable_as_sequence = {
+    .sq_contains = (objobjproc)BlockTable_contains,
 };
 
 static PyTypeObject BlockTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvrouterd.index._native.BlockTable",
-    .tp_doc = "A compact dict of uint64 key -> object (RadixIndex's blocks); match_walk reads it directly.",
-    .tp_basicsize = sizeof(U64Table),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A compact dict of uint64 key -> Block (RadixIndex's blocks); match_walk reads it directly.",
+    .tp_basicsize = sizeof(BlockTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = BlockTable_new,
     .tp_dealloc = (destructor)BlockTable_dealloc,
-    .tp_traverse = (traverseproc)BlockTable_traverse,
-    .tp_clear = (inquiry)BlockTable_clear_refs,
-    .tp_as_mapping = &Table_as_mapping,
-    .tp_as_sequence = &Table_as_sequence,
-    .tp_iter = (getiterfunc)Table_iter,
-    .tp_methods = Table_methods,
+    .tp_as_mapping = &BlockTable_as_mapping,
+    .tp_as_sequence = &BlockTable_as_sequence,
+    .tp_iter = (getiterfunc)BlockTable_iter,
+    .tp_methods = BlockTable_methods,
 };
 
-static PyObject *match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active);
-static PyObject *match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active);
+static PyObject *match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active);
+static PyObject *match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active);
 
 /* Record overlaps[slot] = depth for every set bit of `bits`, lowest slot first. */
 static int
@@ -1004,7 +1422,7 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "buffer keys must be one-dimensional native-endian uint64 (array('Q'))");
             return NULL;
         }
-        PyObject *result = match_walk_table((U64Table *)blocks, (const uint64_t *)view.buf, view.len / 8, active);
+        PyObject *result = match_walk_table((BlockTable *)blocks, (const uint64_t *)view.buf, view.len / 8, active);
         PyBuffer_Release(&view);
         return result;
     }
@@ -1013,7 +1431,7 @@ as_sequence:;
     if (seq == NULL)
         return NULL;
     if (is_table) {
-        PyObject *result = match_walk_table_seq((U64Table *)blocks, seq, active);
+        PyObject *result = match_walk_table_seq((BlockTable *)blocks, seq, active);
         Py_DECREF(seq);
         return result;
     }
@@ -1034,7 +1452,7 @@ as_sequence:;
         }
         /* owned from here: any allocation may run a collection whose finalizers change `blocks` */
         Py_INCREF(node);
-        PyObject *holders_obj = PyObject_GetAttr(node, holders_name);
+        PyObject *holders_obj = IS_BLOCK(node) ? Py_NewRef(BLOCK(node)->holders) : PyObject_GetAttr(node, holders_name);
         int step = holders_obj == NULL ? -1 : walk_step(overlaps, &active, holders_obj, depth);
         if (step == 0 && PyList_Append(path, node) < 0)
             step = -1;
@@ -1062,20 +1480,18 @@ error:
 
 /* ---- the match walk over a BlockTable, with the memory latency overlapped -----------------
  *
- * In a 10^6-block index every block of the walk is a cache miss or three: the table slot, the
- * Block, its holders int. The keys are all known up front, so instead of paying them one after
- * another, the walk prefetches: table slots WALK_AHEAD keys ahead, then each found Block and its
- * holders int a few blocks ahead of where the mask is intersected.
+ * In a 10^6-block index every block of the walk is a cache miss or two: the table slot, the
+ * Block (its key is compared, its holders read). The keys are all known up front, so instead of
+ * paying them one after another, the walk prefetches: table slots WALK_AHEAD keys ahead, and
+ * the Block a slot's first entry points at WALK_BLOCK_AHEAD keys ahead (by then that slot is in
+ * cache; when the key sits further along the run the prefetch is merely wasted).
  */
 #define WALK_AHEAD 8
-#define WALK_NODE_AHEAD 6
-#define WALK_HOLDERS_AHEAD 3
-
-static Py_ssize_t holders_offset_for(PyTypeObject *type);
+#define WALK_BLOCK_AHEAD 4
 
 /* keys given as int objects: converted, up to the first that can't be a key (outside uint64) */
 static PyObject *
-match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active)
+match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -1097,11 +1513,19 @@ match_walk_table_seq(U64Table *t, PyObject *seq, unsigned long long active)
     return result;
 }
 
+static inline void
+walk_prefetch_block(const BlockTable *t, uint64_t key)
+{
+    uint64_t e = t->slots[home_of_mixed(u64_mix(key), t->capacity)];
+    if (e)
+        __builtin_prefetch(BT_BLOCK(e));
+}
+
 static PyObject *
-match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active)
+match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active)
 {
     Py_ssize_t found = 0;
-    PyObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(PyObject *));
+    BlockObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(BlockObject *));
     PyObject *overlaps = PyDict_New();
     PyObject *path = NULL;
     if (nodes == NULL || overlaps == NULL) {
@@ -1110,46 +1534,27 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
         goto error;
     }
     /* pass 1: the blocks present, up to the first key the index does not have */
-    for (Py_ssize_t i = 0; i < nkeys && i < WALK_AHEAD; i++)
-        __builtin_prefetch(&T_KEY(t, t_home(keys[i], t->capacity)));
+    for (Py_ssize_t i = 0; i < nkeys && i < WALK_AHEAD; i++) {
+        __builtin_prefetch(&t->slots[home_of_mixed(u64_mix(keys[i]), t->capacity)]);
+        if (i == WALK_BLOCK_AHEAD)
+            for (Py_ssize_t k = 0; k < WALK_BLOCK_AHEAD && k < nkeys; k++)
+                walk_prefetch_block(t, keys[k]);
+    }
     for (; found < nkeys; found++) {
         if (found + WALK_AHEAD < nkeys)
-            __builtin_prefetch(&T_KEY(t, t_home(keys[found + WALK_AHEAD], t->capacity)));
-        Py_ssize_t slot = t_find(t, keys[found]);
+            __builtin_prefetch(&t->slots[home_of_mixed(u64_mix(keys[found + WALK_AHEAD]), t->capacity)]);
+        if (found + WALK_BLOCK_AHEAD < nkeys)
+            walk_prefetch_block(t, keys[found + WALK_BLOCK_AHEAD]);
+        Py_ssize_t slot = bt_find(t, keys[found]);
         if (slot < 0)
             break;
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
-        nodes[found] = Py_NewRef(T_OBJ(t, slot));
+        nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(t->slots[slot]));
     }
     /* pass 2: intersect holder masks along the path */
-    Py_ssize_t offset = found ? holders_offset_for(Py_TYPE(nodes[0])) : -1;
-    for (Py_ssize_t i = 0; offset >= 0 && i < found && i < WALK_NODE_AHEAD; i++)
-        __builtin_prefetch((char *)nodes[i] + offset);
     Py_ssize_t depth = 0;
     for (; depth < found; depth++) {
-        PyObject *node = nodes[depth];
-        PyObject *holders_obj;
-        if (offset >= 0 && Py_TYPE(node) == Py_TYPE(nodes[0])) {
-            if (depth + WALK_NODE_AHEAD < found)
-                __builtin_prefetch((char *)nodes[depth + WALK_NODE_AHEAD] + offset);
-            if (depth + WALK_HOLDERS_AHEAD < found && Py_TYPE(nodes[depth + WALK_HOLDERS_AHEAD]) == Py_TYPE(node)) {
-                PyObject *ahead = *(PyObject **)((char *)nodes[depth + WALK_HOLDERS_AHEAD] + offset);
-                if (ahead != NULL)
-                    __builtin_prefetch(ahead);
-            }
-            holders_obj = *(PyObject **)((char *)node + offset);
-            if (holders_obj == NULL) {
-                PyErr_SetString(PyExc_AttributeError, "holders");
-                goto error;
-            }
-            Py_INCREF(holders_obj);
-        }
-        else {
-            holders_obj = PyObject_GetAttr(node, holders_name);
-            if (holders_obj == NULL)
-                goto error;
-        }
-        int step = walk_step(overlaps, &active, holders_obj, depth);
+        int step = walk_step(overlaps, &active, Py_NewRef(nodes[depth]->holders), depth);
         if (step < 0)
             goto error;
         if (step > 0)
@@ -1161,7 +1566,7 @@ match_walk_table(U64Table *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned l
     if (path == NULL)
         goto error;
     for (Py_ssize_t i = 0; i < depth; i++)
-        PyList_SET_ITEM(path, i, nodes[i]); /* the path takes over these references */
+        PyList_SET_ITEM(path, i, (PyObject *)nodes[i]); /* the path takes over these references */
     for (Py_ssize_t i = depth; i < found; i++)
         Py_DECREF(nodes[i]);
     PyMem_Free(nodes);
@@ -1179,26 +1584,6 @@ error:
     Py_XDECREF(overlaps);
     Py_XDECREF(path);
     return NULL;
-}
-
-/* Byte offset of the `holders` slot in instances of `type` (a __slots__ member), or -1 when
- * it is not a plain object slot (then the walk reads it with getattr). One lookup per walk. */
-static Py_ssize_t
-holders_offset_for(PyTypeObject *type)
-{
-    PyObject *descr = PyObject_GetAttr((PyObject *)type, holders_name);
-    if (descr == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type == T_OBJECT_EX && !(member->flags & READ_RESTRICTED))
-            offset = member->offset;
-    }
-    Py_DECREF(descr);
-    return offset;
 }
 
 /* chain_split(blocks, prio) -> (continued, ends): for a stored chain, the blocks the chain
@@ -1224,8 +1609,8 @@ chain_split(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (i + 1 < PyList_GET_SIZE(blocks)) {
             PyObject *next = PyList_GET_ITEM(blocks, i + 1);
             PyObject *parent;
-            if (block_type != NULL && Py_TYPE(next) == block_type)
-                parent = Py_XNewRef(BLK_SLOT(next, BLK_PARENT));
+            if (IS_BLOCK(next))
+                parent = Py_NewRef(BLOCK(next)->parent);
             else
                 parent = PyObject_GetAttrString(next, "parent");
             if (parent == NULL) {
@@ -1239,8 +1624,7 @@ chain_split(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         int r;
         if (links) {
-            PyObject *key = block_type != NULL && Py_TYPE(b) == block_type ? Py_XNewRef(BLK_SLOT(b, BLK_KEY))
-                                                                           : PyObject_GetAttrString(b, "key");
+            PyObject *key = IS_BLOCK(b) ? PyLong_FromUnsignedLongLong(BLOCK(b)->key) : PyObject_GetAttrString(b, "key");
             r = key == NULL ? -1 : PyDict_Contains(prio, key);
             Py_XDECREF(key);
             if (r > 0)
@@ -1289,12 +1673,15 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
-    if (holders_name == NULL || PyType_Ready(&U64MapType) < 0 || PyType_Ready(&BlockTableType) < 0)
+    float_zero = PyFloat_FromDouble(0.0);
+    if (holders_name == NULL || float_zero == NULL || PyType_Ready(&U64MapType) < 0 || PyType_Ready(&BlockType) < 0
+        || PyType_Ready(&BlockTableType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
+        || PyModule_AddObjectRef(module, "Block", (PyObject *)&BlockType) < 0
         || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0) {
         Py_DECREF(module);
         return NULL;

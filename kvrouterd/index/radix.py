@@ -24,10 +24,14 @@ that accesses from before the gap existed do not reach the new block. Folding ta
 latest time, which is the last one because times never go backwards (``Clock``).
 
 Pending accesses live in a side table on the index (``RadixIndex._pending``), not on the
-Block: only the deepest blocks of recently routed prefixes have any, and a seventh slot would
-move every Block from pymalloc's 80-byte size class to 96 (+17 bytes per indexed block). So
+Block: only the deepest blocks of recently routed prefixes have any, and another field would
+move every Block to a larger allocator size class (+16 bytes per indexed block). So
 whatever reads a block's stats goes through the index (``recency``, ``hits``, ``pending``),
 and eviction hooks are handed it.
+
+Where the extension is built, ``Block`` is its C twin (``_native.c``): the same attributes and
+methods in 64 bytes, key stored inline, outside the cycle collector. The Python class below is
+the reference (``PyBlock``), used by the pure-Python path and by ``RadixIndex(pure=True)``.
 
 For every slot the index keeps the set of its *leaves*: held blocks with no child held by
 the same worker. Eviction candidates are exactly these (a parent becomes evictable when its
@@ -41,37 +45,40 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 
+from typing import TYPE_CHECKING, Any
+
+from . import native
 from ._walk import match_walk
 from .native import block_table
 
-__all__ = ["Block", "MatchResult", "Pending", "RadixIndex", "fold_pending"]
+__all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pending"]
 
 
-class Block:
+class PyBlock:
     """One cached block. ``children`` is None, a single Block, or a dict key -> Block."""
 
     __slots__ = ("children", "hits", "holders", "key", "last_access", "parent")
 
-    def __init__(self, key: int, parent: Block | None) -> None:
+    def __init__(self, key: int, parent: PyBlock | None) -> None:
         self.key = key
         self.parent = parent
-        self.children: None | Block | dict[int, Block] = None
+        self.children: None | PyBlock | dict[int, PyBlock] = None
         self.holders = 0
         self.last_access: float | dict[int, float] = 0.0
         self.hits: int | dict[int, int] = 0
 
-    def iter_children(self) -> Iterator[Block]:
+    def iter_children(self) -> Iterator[PyBlock]:
         c = self.children
         if c is None:
             return iter(())
-        if type(c) is Block:
+        if type(c) is not dict:
             return iter((c,))
-        return iter(c.values())  # type: ignore[union-attr]
+        return iter(c.values())
 
     def depth(self) -> int:
         """Blocks from the root to this one, inclusive (block 0 has depth 1)."""
         d = 0
-        node: Block | None = self
+        node: PyBlock | None = self
         while node is not None:
             d += 1
             node = node.parent
@@ -79,6 +86,13 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.key:#x}, holders={self.holders:#b})"
+
+
+if TYPE_CHECKING:
+    Block = PyBlock
+else:
+    #: the index's node type: the C twin where the extension is built, else the Python class
+    Block = PyBlock if native.module is None else native.module.Block
 
 
 class MatchResult:
@@ -113,7 +127,7 @@ def _held_child(node: Block, bit: int) -> bool:
     c = node.children
     if c is None:
         return False
-    if type(c) is Block:
+    if type(c) is not dict:
         return bool(c.holders & bit)  # type: ignore[union-attr]
     for child in c.values():  # type: ignore[union-attr]
         if child.holders & bit:
@@ -124,9 +138,11 @@ def _held_child(node: Block, bit: int) -> bool:
 class RadixIndex:
     """Blocks held by each worker slot, as one prefix tree. See the module docstring."""
 
-    def __init__(self) -> None:
-        #: key -> Block (a native BlockTable where the extension is built: index.native)
-        self._blocks: MutableMapping[int, Block] = block_table()
+    def __init__(self, *, pure: bool = False) -> None:
+        #: key -> Block (a native BlockTable where the extension is built: index.native);
+        #: ``pure``: a dict of PyBlocks even then, the reference the native path is tested against
+        self._blocks: MutableMapping[int, Block] = {} if pure else block_table()
+        self._block: Any = PyBlock if pure else Block
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
         #: block -> path accesses pending on it (module docstring): ``(last access, hits)``
@@ -255,7 +271,7 @@ class RadixIndex:
         scores as it will once they are gone, without walking the chosen subtree again. The
         copy is in no table: ``pending`` is folded into its own stats, which is what this
         index's ``recency``/``hits`` would read for it."""
-        copy = Block(node.key, node.parent)
+        copy = self._block(node.key, node.parent)
         copy.holders = 1 << slot
         la, h = node.last_access, node.hits
         if type(la) is dict:
@@ -394,7 +410,7 @@ class RadixIndex:
         while i < n:
             if store_new is not None:
                 start = i
-                i = store_new(Block, parent, keys, i, bit, now, leaves, chain)
+                i = store_new(self._block, parent, keys, i, bit, now, leaves, chain)
                 if i > start:
                     added += i - start
                     parent = chain[-1]
@@ -406,13 +422,13 @@ class RadixIndex:
             if node is None:
                 # a new block (the common case: engines report what they just computed): no
                 # other holder, no children, so it is a leaf with fresh stats and no pending
-                node = Block(key, parent)
+                node = self._block(key, parent)
                 blocks[key] = node
                 if parent is not None:
                     c = parent.children
                     if c is None:
                         parent.children = node
-                    elif type(c) is Block:
+                    elif type(c) is not dict:
                         parent.children = {c.key: c, key: node}  # type: ignore[union-attr]
                     else:
                         c[key] = node  # type: ignore[index]
@@ -505,7 +521,7 @@ class RadixIndex:
             parent = node.parent
             if parent is not None:
                 c = parent.children
-                if type(c) is Block:
+                if type(c) is not dict:
                     parent.children = None
                 else:
                     del c[node.key]  # type: ignore[union-attr]

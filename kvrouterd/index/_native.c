@@ -30,6 +30,7 @@
 
 static PyObject *holders_name; /* interned "holders" */
 static PyObject *float_zero;   /* 0.0: a new Block's last_access */
+static PyObject *zero;         /* 0: a new Block's hits */
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -636,38 +637,94 @@ static PyTypeObject U64MapType = {
 
 /* ---- Block: one node of RadixIndex ----------------------------------------------------------
  *
- * The pure-Python Block of radix.py with the same attributes and methods, in 64 bytes (pymalloc's
- * 64-byte class) where the Python class takes 80 plus a 40-byte int for its key: the key is a
- * uint64 inline (an int object is made only when Python code reads it), and a Block is not a
- * cycle-collector object (that header is 16 bytes, and with a million tracked blocks full
- * collections were half of all ingest time). Its only reference cycles, parent <-> children, are
- * broken explicitly instead: RadixIndex prunes a block it drops (parent = None), and a
- * BlockTable unlinks the blocks it holds when it is cleared or released.
+ * The pure-Python Block of radix.py with the same attributes and methods, in 48 bytes where the
+ * Python class takes 80 plus a 48-byte int for its key:
  *
- * The C code here relies on `parent` being None or a Block and `children` None, a Block or a
- * dict, so the setters refuse anything else. */
+ * - the key is a uint64 inline (an int object is made only when Python code reads it);
+ * - a Block is not a cycle-collector object (that header is 16 bytes, and with a million tracked
+ *   blocks full collections were half of all ingest time). Its only reference cycles, parent <->
+ *   children, are broken explicitly instead: RadixIndex prunes a block it drops (parent = None),
+ *   and a BlockTable unlinks the blocks it holds when it is cleared or released;
+ * - holders, last_access and hits live in a BlockState that the blocks of one stored run share
+ *   (they are stored together: same holder, same time, no hits) until one of them changes,
+ *   which gives that block a state of its own (copy on write; a state only this block refers
+ *   to is changed in place). A state is never handed to Python code, so its reference count is
+ *   exactly the number of blocks sharing it, and one holding dicts (a block several workers
+ *   hold) is never shared: dicts are only ever set through a block's own state.
+ *
+ * The C code here relies on `parent` being None or a Block, `children` None, a Block or a dict,
+ * and `holders` an int, so the setters refuse anything else. */
 typedef struct {
     PyObject_HEAD
-    uint64_t key;
-    PyObject *parent;      /* None or a Block */
-    PyObject *children;    /* None, a Block, or a dict key -> Block */
     PyObject *holders;     /* int bitmask over worker slots */
     PyObject *last_access; /* float, or dict slot -> float */
     PyObject *hits;        /* int, or dict slot -> int */
+} BlockState;
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t key;
+    PyObject *parent;   /* None or a Block */
+    PyObject *children; /* None, a Block, or a dict key -> Block */
+    BlockState *state;  /* never NULL */
 } BlockObject;
 
 #ifndef Py_TRACE_REFS
-_Static_assert(sizeof(BlockObject) == 64, "a Block fills pymalloc's 64-byte size class exactly");
+_Static_assert(sizeof(BlockObject) == 48, "a Block fills pymalloc's 48-byte size class exactly");
 #endif
 
-static PyTypeObject BlockType;
+static PyTypeObject BlockType, BlockStateType;
+static BlockState *state_zero; /* holders 0, last_access 0.0, hits 0: Block(key, parent)'s */
 #define IS_BLOCK(o) Py_IS_TYPE((o), &BlockType)
 #define BLOCK(o) ((BlockObject *)(o))
 
-/* Block(key, parent) as radix.py's: no holders, no children, stats 0.0 / 0. `parent` is
- * borrowed, None or a Block. */
+/* a new state holding new references to the three values */
+static BlockState *
+state_new(PyObject *holders, PyObject *last_access, PyObject *hits)
+{
+    BlockState *st = PyObject_New(BlockState, &BlockStateType); /* not a GC allocation */
+    if (st == NULL)
+        return NULL;
+    st->holders = Py_NewRef(holders);
+    st->last_access = Py_NewRef(last_access);
+    st->hits = Py_NewRef(hits);
+    return st;
+}
+
+static void
+BlockState_dealloc(BlockState *st)
+{
+    Py_CLEAR(st->holders);
+    Py_CLEAR(st->last_access);
+    Py_CLEAR(st->hits);
+    PyObject_Free(st);
+}
+
+static PyTypeObject BlockStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native._BlockState",
+    .tp_doc = "holders, last_access and hits of the Blocks sharing it (internal).",
+    .tp_basicsize = sizeof(BlockState),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)BlockState_dealloc,
+};
+
+/* b's state, made its own first if other blocks share it; NULL on error */
+static BlockState *
+block_own_state(BlockObject *b)
+{
+    BlockState *st = b->state;
+    if (Py_REFCNT(st) == 1)
+        return st;
+    BlockState *own = state_new(st->holders, st->last_access, st->hits);
+    if (own != NULL)
+        Py_SETREF(b->state, own);
+    return own;
+}
+
+/* a Block under `parent` (borrowed: None or a Block) with the state `st` (borrowed) */
 static BlockObject *
-block_alloc(uint64_t key, PyObject *parent)
+block_alloc(uint64_t key, PyObject *parent, BlockState *st)
 {
     BlockObject *b = PyObject_New(BlockObject, &BlockType); /* not a GC allocation: runs no collection */
     if (b == NULL)
@@ -675,9 +732,7 @@ block_alloc(uint64_t key, PyObject *parent)
     b->key = key;
     b->parent = Py_NewRef(parent);
     b->children = Py_NewRef(Py_None);
-    b->holders = PyLong_FromLong(0); /* small ints are preallocated: cannot fail */
-    b->last_access = Py_NewRef(float_zero);
-    b->hits = PyLong_FromLong(0);
+    b->state = (BlockState *)Py_NewRef(st);
     return b;
 }
 
@@ -693,7 +748,7 @@ Block_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "a Block's parent is None or a Block");
         return NULL;
     }
-    return (PyObject *)block_alloc(key, parent);
+    return (PyObject *)block_alloc(key, parent, state_zero);
 }
 
 static void
@@ -704,9 +759,7 @@ Block_dealloc(BlockObject *b)
     for (;;) {
         PyObject *parent = b->parent;
         Py_CLEAR(b->children);
-        Py_CLEAR(b->holders);
-        Py_CLEAR(b->last_access);
-        Py_CLEAR(b->hits);
+        Py_CLEAR(b->state);
         PyObject_Free(b);
         if (parent == NULL)
             return;
@@ -718,35 +771,51 @@ Block_dealloc(BlockObject *b)
     }
 }
 
-#define BLOCK_FIELD(b, offset) (*(PyObject **)((char *)(b) + (size_t)(offset)))
-
 static PyObject *
-Block_get(BlockObject *b, void *offset)
+Block_get_link(BlockObject *b, void *children)
 {
-    return Py_NewRef(BLOCK_FIELD(b, offset));
+    return Py_NewRef(children ? b->children : b->parent);
 }
 
 static int
-Block_set(BlockObject *b, PyObject *value, void *offset)
+Block_set_link(BlockObject *b, PyObject *value, void *children)
 {
     if (value == NULL) {
         PyErr_SetString(PyExc_AttributeError, "a Block's attributes cannot be deleted");
         return -1;
     }
-    if ((size_t)offset == offsetof(BlockObject, parent) && value != Py_None && !IS_BLOCK(value)) {
-        PyErr_SetString(PyExc_TypeError, "a Block's parent is None or a Block");
+    if (value != Py_None && !IS_BLOCK(value) && !(children && PyDict_CheckExact(value))) {
+        PyErr_SetString(PyExc_TypeError, children ? "a Block's children are None, a Block or a dict"
+                                                  : "a Block's parent is None or a Block");
         return -1;
     }
-    if ((size_t)offset == offsetof(BlockObject, children) && value != Py_None && !IS_BLOCK(value)
-        && !PyDict_CheckExact(value)) {
-        PyErr_SetString(PyExc_TypeError, "a Block's children are None, a Block or a dict");
+    Py_SETREF(*(children ? &b->children : &b->parent), Py_NewRef(value));
+    return 0;
+}
+
+#define STATE_FIELD(st, offset) (*(PyObject **)((char *)(st) + (size_t)(offset)))
+
+static PyObject *
+Block_get_stat(BlockObject *b, void *offset)
+{
+    return Py_NewRef(STATE_FIELD(b->state, offset));
+}
+
+static int
+Block_set_stat(BlockObject *b, PyObject *value, void *offset)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a Block's attributes cannot be deleted");
         return -1;
     }
-    if ((size_t)offset == offsetof(BlockObject, holders) && !PyLong_Check(value)) {
+    if ((size_t)offset == offsetof(BlockState, holders) && !PyLong_Check(value)) {
         PyErr_SetString(PyExc_TypeError, "a Block's holders are an int");
         return -1;
     }
-    Py_SETREF(BLOCK_FIELD(b, offset), Py_NewRef(value));
+    BlockState *st = block_own_state(b);
+    if (st == NULL)
+        return -1;
+    Py_SETREF(STATE_FIELD(st, offset), Py_NewRef(value));
     return 0;
 }
 
@@ -756,16 +825,17 @@ Block_get_key(BlockObject *b, void *unused)
     return PyLong_FromUnsignedLongLong(b->key);
 }
 
-#define BLOCK_GETSET(name, doc) \
-    {#name, (getter)Block_get, (setter)Block_set, doc, (void *)offsetof(BlockObject, name)}
+#define BLOCK_STAT(name, doc) \
+    {#name, (getter)Block_get_stat, (setter)Block_set_stat, doc, (void *)offsetof(BlockState, name)}
 
 static PyGetSetDef Block_getset[] = {
     {"key", (getter)Block_get_key, NULL, "the block's chained hash (read-only)", NULL},
-    BLOCK_GETSET(parent, "the parent Block, or None at the root"),
-    BLOCK_GETSET(children, "None, the single child Block, or a dict key -> Block"),
-    BLOCK_GETSET(holders, "bitmask of the worker slots holding the block"),
-    BLOCK_GETSET(last_access, "last access time while one slot holds it, else a dict slot -> time"),
-    BLOCK_GETSET(hits, "hits while one slot holds it, else a dict slot -> hits"),
+    {"parent", (getter)Block_get_link, (setter)Block_set_link, "the parent Block, or None at the root", NULL},
+    {"children", (getter)Block_get_link, (setter)Block_set_link, "None, the single child Block, or a dict key -> Block",
+     (void *)1},
+    BLOCK_STAT(holders, "bitmask of the worker slots holding the block"),
+    BLOCK_STAT(last_access, "last access time while one slot holds it, else a dict slot -> time"),
+    BLOCK_STAT(hits, "hits while one slot holds it, else a dict slot -> hits"),
     {NULL},
 };
 
@@ -799,7 +869,7 @@ Block_depth(BlockObject *b, PyObject *unused)
 static PyObject *
 Block_repr(BlockObject *b)
 {
-    PyObject *bits = PyNumber_ToBase(b->holders, 2);
+    PyObject *bits = PyNumber_ToBase(b->state->holders, 2);
     if (bits == NULL)
         return NULL;
     char key[32];
@@ -818,7 +888,7 @@ static PyMethodDef Block_methods[] = {
 static PyTypeObject BlockType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvrouterd.index._native.Block",
-    .tp_doc = "Block(key, parent): one cached block of RadixIndex (radix.py's Block, in 64 bytes).",
+    .tp_doc = "Block(key, parent): one cached block of RadixIndex (radix.py's Block, in 48 bytes).",
     .tp_basicsize = sizeof(BlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Block_new,
@@ -1256,7 +1326,8 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (i < 0)
         i = 0;
-    Py_INCREF(parent); /* ours while Python code (a collection's finalizers) may run */
+    BlockState *run = NULL; /* the state of the blocks made here (made with the first) */
+    Py_INCREF(parent);      /* ours while Python code (a collection's finalizers) may run */
     for (; i < PyList_GET_SIZE(keys); i++) {
         PyObject *key_obj = PyList_GET_ITEM(keys, i);
         uint64_t key;
@@ -1264,11 +1335,11 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         if (bt_find(t, key) >= 0)
             break;
-        BlockObject *node = block_alloc(key, parent);
+        if (run == NULL && (run = state_new(bit, now, zero)) == NULL)
+            goto error;
+        BlockObject *node = block_alloc(key, parent, run);
         if (node == NULL)
             goto error;
-        Py_SETREF(node->holders, Py_NewRef(bit));
-        Py_SETREF(node->last_access, Py_NewRef(now));
         if (bt_add(t, node) < 0) { /* nothing ran since bt_find: the key is still absent */
             Py_DECREF(node);
             goto error;
@@ -1277,7 +1348,7 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         if (parent != Py_None) {
             if (block_link_child(BLOCK(parent), key_obj, node) < 0)
                 goto error; /* the node stays in the table, as a Python error midway would leave it */
-            PyObject *held = PyNumber_And(BLOCK(parent)->holders, bit);
+            PyObject *held = PyNumber_And(BLOCK(parent)->state->holders, bit);
             int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
             Py_XDECREF(held);
             if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
@@ -1287,9 +1358,11 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         Py_SETREF(parent, Py_NewRef(node));
     }
+    Py_XDECREF(run);
     Py_DECREF(parent);
     return PyLong_FromSsize_t(i);
 error:
+    Py_XDECREF(run);
     Py_DECREF(parent);
     return NULL;
 }
@@ -1452,7 +1525,7 @@ as_sequence:;
         }
         /* owned from here: any allocation may run a collection whose finalizers change `blocks` */
         Py_INCREF(node);
-        PyObject *holders_obj = IS_BLOCK(node) ? Py_NewRef(BLOCK(node)->holders) : PyObject_GetAttr(node, holders_name);
+        PyObject *holders_obj = IS_BLOCK(node) ? Py_NewRef(BLOCK(node)->state->holders) : PyObject_GetAttr(node, holders_name);
         int step = holders_obj == NULL ? -1 : walk_step(overlaps, &active, holders_obj, depth);
         if (step == 0 && PyList_Append(path, node) < 0)
             step = -1;
@@ -1554,7 +1627,7 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned
     /* pass 2: intersect holder masks along the path */
     Py_ssize_t depth = 0;
     for (; depth < found; depth++) {
-        int step = walk_step(overlaps, &active, Py_NewRef(nodes[depth]->holders), depth);
+        int step = walk_step(overlaps, &active, Py_NewRef(nodes[depth]->state->holders), depth);
         if (step < 0)
             goto error;
         if (step > 0)
@@ -1674,8 +1747,12 @@ PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
     float_zero = PyFloat_FromDouble(0.0);
-    if (holders_name == NULL || float_zero == NULL || PyType_Ready(&U64MapType) < 0 || PyType_Ready(&BlockType) < 0
-        || PyType_Ready(&BlockTableType) < 0)
+    zero = PyLong_FromLong(0);
+    if (holders_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
+        || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0)
+        return NULL;
+    state_zero = state_new(zero, float_zero, zero);
+    if (state_zero == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)

@@ -301,7 +301,7 @@ def test_block_table_holds_blocks_under_their_own_keys_only():
     assert len(t) == 0
 
 
-def test_native_block_is_the_python_block_in_64_bytes():
+def test_native_block_is_the_python_block_in_48_bytes():
     parent = Block(0, None)
     b = Block(key=2**64 - 1, parent=parent)
     py = PyBlock(2**64 - 1, None)
@@ -309,7 +309,7 @@ def test_native_block_is_the_python_block_in_64_bytes():
         assert getattr(b, attr) == getattr(py, attr) and type(getattr(b, attr)) is type(getattr(py, attr))
     assert b.key == 2**64 - 1 and b.parent is parent and b.depth() == 2 and parent.depth() == 1
     assert repr(b) == repr(py) and repr(Block(0, None)) == "Block(0x0, holders=0b0)"
-    assert sys.getsizeof(b) == 64 and not gc.is_tracked(b)
+    assert sys.getsizeof(b) == 48 and not gc.is_tracked(b)
     assert list(b.iter_children()) == []
     parent.children = b
     assert list(parent.iter_children()) == [b]
@@ -330,6 +330,26 @@ def test_native_block_is_the_python_block_in_64_bytes():
         Block(-1, None)
     with pytest.raises(TypeError):
         Block(1, object())
+
+
+def test_blocks_stored_together_share_their_stats_until_one_changes():
+    index = RadixIndex()
+    index.add_slot(0)
+    index.add_slot(1)
+    now = 12345.5  # one float object: a run's blocks refer to it through their shared state
+    base = sys.getrefcount(now)
+    a, b, c = index.store(0, None, [1, 2, 3], now)
+    assert sys.getrefcount(now) == base + 1
+    index.touch(0, [b], 20000.0)
+    assert (a.last_access, a.hits, b.last_access, b.hits, c.last_access, c.hits) == (now, 0, 20000.0, 1, now, 0)
+    index.store(1, None, [1], 30000.0)  # a second holder: dict stats on a's own state
+    assert a.holders == 0b11 and a.last_access == {0: now, 1: 30000.0} and c.holders == 0b01
+    a.last_access[1] = 40000.0  # dicts are never shared
+    assert b.last_access == 20000.0 and c.last_access == now
+    del a, b, c
+    index.clear(0)
+    index.clear(1)
+    assert len(index) == 0 and sys.getrefcount(now) == base
 
 
 def test_dropping_a_long_detached_chain_does_not_recurse():

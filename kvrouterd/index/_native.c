@@ -1367,6 +1367,147 @@ error:
     return NULL;
 }
 
+/* ---- RadixIndex.remove's common case ---------------------------------------------------------
+ *
+ * Engines evict a chain from its end, so the block a removal names is nearly always a leaf of
+ * the whole tree with one holder and nothing pending for its parent to inherit. For such a
+ * block BlockTable.remove_held does all of RadixIndex.remove here but the slot's count (its
+ * stats go, it leaves the slot's leaves, a held parent with no other held child joins them,
+ * and blocks nobody holds are pruned upwards), exactly as radix.py's Python code does; for any
+ * other block it changes nothing and says so, and the Python code runs. */
+
+/* whether any child of `parent` is held by `bit`; -1 on error */
+static int
+held_child(BlockObject *parent, PyObject *bit)
+{
+    PyObject *c = parent->children;
+    if (c == Py_None)
+        return 0;
+    if (IS_BLOCK(c)) {
+        PyObject *held = PyNumber_And(BLOCK(c)->state->holders, bit);
+        int r = held == NULL ? -1 : PyObject_IsTrue(held);
+        Py_XDECREF(held);
+        return r;
+    }
+    PyObject *values = PyDict_Values(c); /* a snapshot: the checks below may run Python code */
+    if (values == NULL)
+        return -1;
+    int r = 0;
+    for (Py_ssize_t i = 0; r == 0 && i < PyList_GET_SIZE(values); i++) {
+        PyObject *child = PyList_GET_ITEM(values, i);
+        PyObject *holders = IS_BLOCK(child) ? Py_NewRef(BLOCK(child)->state->holders) : PyObject_GetAttr(child, holders_name);
+        PyObject *held = holders == NULL ? NULL : PyNumber_And(holders, bit);
+        r = held == NULL ? -1 : PyObject_IsTrue(held);
+        Py_XDECREF(holders);
+        Py_XDECREF(held);
+    }
+    Py_DECREF(values);
+    return r;
+}
+
+/* RadixIndex._prune from `node` up: drop blocks nobody holds with no children. 0 or -1. */
+static int
+bt_prune(BlockTable *t, BlockObject *node)
+{
+    Py_INCREF(node);
+    for (;;) {
+        int held = PyObject_IsTrue(node->state->holders);
+        if (held != 0 || node->children != Py_None) {
+            Py_DECREF(node);
+            return held < 0 ? -1 : 0;
+        }
+        Py_ssize_t i = bt_find(t, node->key);
+        if (i < 0 || BT_BLOCK(t->slots[i]) != node) { /* already pruned through another path */
+            Py_DECREF(node);
+            return 0;
+        }
+        Py_DECREF(bt_erase(t, i)); /* the table's reference; ours keeps it alive */
+        PyObject *parent = node->parent;
+        if (parent != Py_None) {
+            BlockObject *p = BLOCK(parent);
+            if (!PyDict_CheckExact(p->children))
+                Py_SETREF(p->children, Py_NewRef(Py_None));
+            else {
+                PyObject *c = Py_NewRef(p->children), *key = PyLong_FromUnsignedLongLong(node->key);
+                int r = key == NULL ? -1 : PyDict_DelItem(c, key);
+                Py_XDECREF(key);
+                if (r == 0 && PyDict_GET_SIZE(c) == 1) {
+                    Py_ssize_t pos = 0;
+                    PyObject *k, *only;
+                    PyDict_Next(c, &pos, &k, &only);
+                    Py_SETREF(p->children, Py_NewRef(only));
+                }
+                Py_DECREF(c);
+                if (r < 0) {
+                    Py_DECREF(node);
+                    return -1;
+                }
+            }
+        }
+        node->parent = Py_NewRef(Py_None);
+        /* node's reference to its parent passes to this loop */
+        Py_DECREF(node);
+        if (parent == Py_None) {
+            Py_DECREF(parent);
+            return 0;
+        }
+        node = BLOCK(parent);
+    }
+}
+
+/* remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove of `node`, which the
+ * slot `bit` holds, but for the slot's count; False (and nothing changed) when `node` is not
+ * the common case: `bit` its only holder (scalar stats), no children, nothing pending on it
+ * for a held parent. */
+static PyObject *
+BlockTable_remove_held(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !IS_BLOCK(args[0]) || !PyLong_CheckExact(args[1]) || !PySet_CheckExact(args[2])
+        || !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "remove_held(node: Block, bit: int, leaves: set, pending: dict)");
+        return NULL;
+    }
+    BlockObject *node = BLOCK(args[0]);
+    PyObject *bit = args[1], *leaves = args[2], *pending = args[3];
+    if (node->children != Py_None || PyDict_Check(node->state->last_access))
+        Py_RETURN_FALSE;
+    int alone = PyObject_RichCompareBool(node->state->holders, bit, Py_EQ);
+    if (alone <= 0)
+        return alone < 0 ? NULL : Py_NewRef(Py_False);
+    PyObject *parent = Py_NewRef(node->parent); /* ours: what runs below may change the tree */
+    int held_parent = 0;
+    if (parent != Py_None) {
+        PyObject *held = PyNumber_And(BLOCK(parent)->state->holders, bit);
+        held_parent = held == NULL ? -1 : PyObject_IsTrue(held);
+        Py_XDECREF(held);
+    }
+    int has_pending = held_parent < 0 ? -1 : PyDict_GET_SIZE(pending) ? PyDict_Contains(pending, args[0]) : 0;
+    if (held_parent < 0 || has_pending < 0) {
+        Py_DECREF(parent);
+        return NULL;
+    }
+    if (held_parent && has_pending) { /* the parent inherits them: radix.py folds the two */
+        Py_DECREF(parent);
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(node);
+    /* _release: its stats go (nothing else is pending for a sole holder), then its holder */
+    BlockState *st = NULL;
+    int ok = (!has_pending || PyDict_DelItem(pending, args[0]) == 0) && (st = block_own_state(node)) != NULL;
+    if (ok) {
+        Py_SETREF(st->holders, Py_NewRef(zero));
+        ok = PySet_Discard(leaves, args[0]) >= 0;
+    }
+    if (ok && held_parent) {
+        int other = held_child(BLOCK(parent), bit);
+        ok = other >= 0 && (other || PySet_Add(leaves, parent) == 0);
+    }
+    ok = ok && bt_prune(t, node) == 0;
+    Py_DECREF(node);
+    Py_DECREF(parent);
+    return ok ? Py_NewRef(Py_True) : NULL;
+}
+
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, "get(key, default=None)"},
     {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, "pop(key[, default])"},
@@ -1377,6 +1518,8 @@ static PyMethodDef BlockTable_methods[] = {
     {"__sizeof__", (PyCFunction)BlockTable_sizeof, METH_NOARGS, "bytes used, the table included (not the blocks)"},
     {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
      "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
+    {"remove_held", (PyCFunction)(void (*)(void))BlockTable_remove_held, METH_FASTCALL,
+     "remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove but the count, for a lone leaf; False: not done"},
     {NULL, NULL, 0, NULL},
 };
 

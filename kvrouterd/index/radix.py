@@ -467,6 +467,11 @@ class RadixIndex:
         bit = 1 << slot
         if node is None or not node.holders & bit:
             return False
+        # the native table does all of what follows itself for a lone leaf (the usual eviction)
+        remove_held = getattr(self._blocks, "remove_held", None)
+        if remove_held is not None and remove_held(node, bit, self._leaves[slot], self._pending):
+            self._counts[slot] -= 1
+            return True
         parent = node.parent
         held_parent = parent is not None and parent.holders & bit
         if held_parent:  # the parent keeps the accesses pending here and below

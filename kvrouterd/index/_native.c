@@ -1142,6 +1142,10 @@ BlockTable_ass_subscript(BlockTable *t, PyObject *keyobj, PyObject *value)
     }
     Py_ssize_t i = bt_find(t, key);
     if (i >= 0) {
+        if ((uintptr_t)value & ~BT_ADDR_MASK) {
+            PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
+            return -1;
+        }
         BlockObject *old = BT_BLOCK(t->slots[i]);
         t->slots[i] = (t->slots[i] & ~BT_ADDR_MASK) | (uint64_t)(uintptr_t)Py_NewRef(value);
         Py_DECREF(old);

@@ -9,7 +9,7 @@ block however many workers there are.
 Per-(worker, block) recency and hit counts are stored as plain scalars while a block has
 one holder (the common case once routing concentrates prefixes) and as ``{slot: value}``
 dicts only for blocks several workers share; ``recency``/``hits`` hide the difference. This
-keeps a block held by one worker near 150 bytes (see ``kvrouterd bench``).
+keeps a block held by one worker small (64 bytes natively, see ``kvrouterd bench``).
 
 A routed request reuses a whole prefix, root to deepest matched block, and stamping every
 block of it (250 blocks for a 4,000-token prompt) would cost more than the rest of a routing

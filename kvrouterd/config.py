@@ -34,8 +34,9 @@ from typing import Any, Literal
 import yaml
 
 from .discovery.config import DiscoveryConfig
-from .errors import ConfigError
-from .events.zmq_source import ZmqEndpoint, ZmqEventsConfig
+from .errors import ConfigError, KVRouterError
+from .events.endpoints import check_worker_endpoints
+from .events.zmq_source import ZmqEventsConfig
 from .index.workers import WorkerSpec, is_host_port
 from .protocols import CacheMode
 
@@ -92,6 +93,19 @@ class LimitsConfig:
     inflight_timeout_s: float = 300.0
     #: most blocks one EvictHint answers (ranking runs on the routing loop; ask again for more)
     max_evict_blocks: int = 1024
+    #: longest client-chosen id, characters: request, session, worker and candidate ids, model,
+    #: LoRA, cache salt and policy names (longer ones are INVALID_ARGUMENT)
+    max_id_length: int = 256
+    #: longest worker address or kv_events_endpoint, characters
+    max_address_length: int = 1024
+    #: most characters of one worker's labels, keys and values together
+    max_labels_length: int = 16384
+    #: most bytes the table of routed-not-completed requests may hold (their block keys and
+    #: ids; a Route that would go over is RESOURCE_EXHAUSTED until requests complete or expire)
+    max_inflight_bytes: int = 256 * 1024 * 1024
+    #: cache size, in blocks, modelled for an approximate-mode worker registered without
+    #: capacity_blocks (its modelled cache would otherwise grow without bound)
+    approximate_capacity_blocks: int = 262144
 
 
 @dataclass(frozen=True)
@@ -273,6 +287,9 @@ class Config:
                 registry.build("routing", spec)
             except ConfigError as exc:
                 raise ConfigError(f"extra_routing[{i}]: {exc}") from None
+        self.events.validate()  # before the workers: their endpoints are checked against its allow-list
+        allow = self.events.allow_list
+        lim = self.limits
         seen: set[str] = set()
         for i, w in enumerate(self.workers):
             if not w.id:
@@ -286,14 +303,19 @@ class Config:
                 raise ConfigError(f"workers[{i}].address: {w.address!r} must be HOST:PORT (IPv6 as [ADDR]:PORT)")
             if w.kv_events_endpoint:
                 try:
-                    ZmqEndpoint.parse(w.id, w.kv_events_endpoint)
-                except ConfigError as exc:
+                    check_worker_endpoints(allow, w.id, w.address, w.kv_events_endpoint)
+                except KVRouterError as exc:
                     raise ConfigError(f"workers[{i}].kv_events_endpoint: {exc}") from None
             if w.capacity_blocks < 0:
                 raise ConfigError(f"workers[{i}].capacity_blocks: must be >= 0")
-        lim = self.limits
+            for fname, value, limit in (("id", w.id, lim.max_id_length), ("address", w.address, lim.max_address_length),
+                                        ("kv_events_endpoint", w.kv_events_endpoint, lim.max_address_length),
+                                        ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
+                if len(value) > limit:
+                    raise ConfigError(f"workers[{i}].{fname}: {len(value)} characters, over the limits.max_*_length of {limit}")
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams",
-                      "max_evict_blocks"):
+                      "max_evict_blocks", "max_id_length", "max_address_length", "max_labels_length",
+                      "max_inflight_bytes", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 raise ConfigError(f"limits.{fname}: must be > 0")
         if lim.max_message_bytes < 4096:
@@ -308,7 +330,6 @@ class Config:
             raise ConfigError("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
             raise ConfigError("admission.max_wait_s: must be > 0")
-        self.events.validate()
         self.discovery.validate()
         self.ext_proc.validate()
         self.metrics.validate()
@@ -332,6 +353,13 @@ class Config:
             inflight_timeout_s=self.limits.inflight_timeout_s,
             max_prompt_tokens=self.limits.max_prompt_tokens,
             max_evict_blocks=self.limits.max_evict_blocks,
+            max_id_length=self.limits.max_id_length,
+            max_address_length=self.limits.max_address_length,
+            max_labels_length=self.limits.max_labels_length,
+            max_inflight_bytes=self.limits.max_inflight_bytes,
+            approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
+            # half a message: ListWorkers / GetStats add state, counters and framing per worker
+            max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
         )
 

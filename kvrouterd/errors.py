@@ -7,11 +7,14 @@
     │   ├── UnknownPolicy        names a policy not built   -> INVALID_ARGUMENT
     │   └── RejectedEvent        one cache event the router cannot apply (``reason``)
     ├── NotFound                 unknown worker / request   -> NOT_FOUND
+    ├── Forbidden                well-formed, refused by policy (an event
+    │                            endpoint outside events.allowed_endpoints) -> PERMISSION_DENIED
     ├── Conflict                 state forbids the call     -> FAILED_PRECONDITION
     │   └── NoEligibleWorker     nothing can serve it now   -> UNAVAILABLE
     └── Overloaded               over a configured limit    -> RESOURCE_EXHAUSTED
 
-Every operation that raises one of these has changed no state.
+Every operation that raises one of these has changed no state. Messages quote client input
+through ``quote`` so a megabyte id never becomes a megabyte status message or log line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = [
     "BusUnavailable",
     "ConfigError",
     "Conflict",
+    "Forbidden",
     "InvalidRequest",
     "KVRouterError",
     "NoEligibleWorker",
@@ -27,7 +31,19 @@ __all__ = [
     "Overloaded",
     "RejectedEvent",
     "UnknownPolicy",
+    "quote",
 ]
+
+#: characters of a client-supplied value an error message or log line shows
+QUOTE_LIMIT = 64
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` of at most about ``limit`` characters, saying how long the original was."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[:limit] + "..."
 
 
 class KVRouterError(Exception):
@@ -60,6 +76,10 @@ class RejectedEvent(InvalidRequest):
 
 class NotFound(KVRouterError):
     """A worker or request id the router does not know."""
+
+
+class Forbidden(KVRouterError):
+    """Well-formed, but the daemon's configuration does not let a caller ask for it."""
 
 
 class Conflict(KVRouterError):

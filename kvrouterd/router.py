@@ -21,12 +21,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .clock import Clock
-from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy
+from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
 from .index.keys import chain_keys, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
-from .index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
+from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
 from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy
 from .protocols import (
@@ -68,6 +68,25 @@ MAX_KV_GROUPS = 64
 #: then not charged. Entries also go after ``inflight_timeout_s``.
 MAX_COMPLETED_IDS = 1 << 18
 
+#: bytes an in-flight request costs besides its block keys and ids (RouteRequest, InFlight,
+#: dict and deque entries); an estimate, so ``limits.max_inflight_bytes`` bounds real memory
+INFLIGHT_ENTRY_BYTES = 512
+
+
+def request_bytes(req: RouteRequest) -> int:
+    """What ``req`` costs in the in-flight table: keys as stored (8 bytes in an ``array('Q')``,
+    ~40 as Python ints in a list), its strings, the entry overhead."""
+    keys = req.keys
+    per_key = 8 if isinstance(keys, array) else 40
+    return (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
+            + len(req.model) + len(req.policy) + sum(len(c) + 56 for c in req.candidate_workers))
+
+
+def _described_length(spec: WorkerSpec) -> int:
+    return (len(spec.id) + len(spec.address) + len(spec.kv_events_endpoint)
+            + sum(len(k) + len(v) for k, v in spec.labels.items()))
+
+
 #: largest TTFT objective a request may set, ms (a day; inf, NaN and 1e308 overflowed policies' maths)
 MAX_TTFT_SLO_MS = 86_400_000.0
 
@@ -89,6 +108,19 @@ class RouterSettings:
     #: most blocks one EvictHint ranks: ranking costs grow with the answer, and the call runs
     #: on the routing loop (an engine wanting more asks again after evicting these)
     max_evict_blocks: int = 1024
+    #: client-chosen sizes (config ``limits.*``): ids, worker addresses and labels, characters
+    max_id_length: int = 256
+    max_address_length: int = 1024
+    max_labels_length: int = 16384
+    #: most bytes the in-flight table may hold (``Router.inflight_bytes``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_bytes: int = 0
+    #: modelled cache size of an approximate-mode worker without ``capacity_blocks``; 0 = such a
+    #: worker's model is unbounded (the simulator's "infinite cache"), the daemon always sets one
+    approximate_capacity_blocks: int = 0
+    #: most characters all workers' descriptions (ids, addresses, endpoints, labels) may total,
+    #: so ListWorkers and GetStats still fit in one message; 0 = no limit
+    max_workers_description_length: int = 0
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -99,6 +131,12 @@ class RouterSettings:
             raise ConfigError(f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
         if self.max_evict_blocks <= 0:
             raise ConfigError(f"max_evict_blocks must be > 0, got {self.max_evict_blocks}")
+        for name in ("max_id_length", "max_address_length", "max_labels_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -150,6 +188,8 @@ class Router:
         self.eviction: EvictionPolicy = registry.build("eviction", settings.eviction, random.Random(self.rng.getrandbits(64)))
         self._eviction_by_name: dict[str, EvictionPolicy] = {self.eviction.name: self.eviction}
         self._requests: dict[str, RouteRequest] = {}
+        #: what the requests in ``_requests`` cost (``request_bytes``), against max_inflight_bytes
+        self.inflight_bytes = 0
         #: block key -> (AccessInfo of the request that routed it, block offset); insertion-ordered,
         #: oldest dropped first. Filled only for event-mode workers whose policy reads metadata.
         self._recent_access: dict[int, tuple[AccessInfo, int]] = {}
@@ -185,7 +225,7 @@ class Router:
         policy = self._routing.get(name)
         if policy is None:
             if name not in registry.names("routing"):
-                raise UnknownPolicy(f"unknown routing policy {name!r}; known: {', '.join(registry.names('routing'))}")
+                raise UnknownPolicy(f"unknown routing policy {quote(name)}; known: {', '.join(registry.names('routing'))}")
             policy = registry.build("routing", name, random.Random(self.rng.getrandbits(64)))
             for w in self.workers:
                 policy.on_worker_added(w)
@@ -198,7 +238,7 @@ class Router:
         policy = self._eviction_by_name.get(name)
         if policy is None:
             if name not in registry.names("eviction"):
-                raise UnknownPolicy(f"unknown eviction policy {name!r}; known: {', '.join(registry.names('eviction'))}")
+                raise UnknownPolicy(f"unknown eviction policy {quote(name)}; known: {', '.join(registry.names('eviction'))}")
             policy = registry.build("eviction", name, random.Random(self.rng.getrandbits(64)))
             self._eviction_by_name[name] = policy
         return policy
@@ -252,6 +292,7 @@ class Router:
     # ---- membership -----------------------------------------------------------------
     def add_worker(self, spec: WorkerSpec) -> Worker:
         """Register a worker, or update an existing one's description in place."""
+        self.check_worker_sizes(spec)
         spec.validate(self.block_size)
         existing = self.workers.find(spec.id)
         if existing is not None:
@@ -268,6 +309,31 @@ class Router:
             policy.on_worker_added(worker)
         log.info("worker added", extra={"worker_id": spec.id, "slot": slot, "mode": spec.mode.name})
         return worker
+
+    def check_worker_sizes(self, spec: WorkerSpec) -> None:
+        """Client-chosen sizes: each field within its limit (INVALID_ARGUMENT), and all workers'
+        descriptions together small enough for ListWorkers to answer (RESOURCE_EXHAUSTED).
+        ``add_worker`` checks them first; hosts call this before checks that quote the spec."""
+        s = self.settings
+        replacing = self.workers.find(spec.id)
+        if len(spec.id) > s.max_id_length:
+            raise InvalidRequest(f"worker.id {quote(spec.id)} is longer than limits.max_id_length={s.max_id_length}")
+        for name, value in (("address", spec.address), ("kv_events_endpoint", spec.kv_events_endpoint)):
+            if len(value) > s.max_address_length:
+                raise InvalidRequest(f"worker {spec.id!r}: {name} {quote(value)} is longer than "
+                                     f"limits.max_address_length={s.max_address_length}")
+        labels = sum(len(k) + len(v) for k, v in spec.labels.items())
+        if labels > s.max_labels_length:
+            raise InvalidRequest(f"worker {spec.id!r}: labels of {labels} characters exceed "
+                                 f"limits.max_labels_length={s.max_labels_length}")
+        if s.max_workers_description_length:
+            total = _described_length(spec) + sum(_described_length(w.spec) for w in self.workers if w is not replacing)
+            if total > s.max_workers_description_length:
+                raise Overloaded(
+                    f"worker {spec.id!r}: the workers' ids, addresses, endpoints and labels would total {total} "
+                    f"characters, over {s.max_workers_description_length} (half of limits.max_message_bytes): "
+                    "ListWorkers and GetStats could no longer answer"
+                )
 
     def remove_worker(self, worker_id: str) -> Worker:
         worker, blocks = self.detach_worker(worker_id)
@@ -286,7 +352,7 @@ class Router:
         """
         worker = self.workers.get(worker_id)
         for rid in [rid for rid, r in self._requests.items() if (f := self.workers.inflight(rid)) and f.worker_id == worker_id]:
-            del self._requests[rid]
+            self._forget_request(rid)
         self.workers.remove(worker_id, free_slot=False)
         self._engine_hash_of.pop(worker.slot, None)
         for ev in self._eviction_by_name.values():
@@ -360,8 +426,28 @@ class Router:
             )
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
+        s = self.settings
+        limit = s.max_id_length
+        if (len(req.request_id) > limit or len(req.session_id) > limit or len(req.model) > limit
+                or len(req.policy) > limit):
+            for name in ("request_id", "session_id", "model", "policy"):
+                value = getattr(req, name)
+                if len(value) > limit:
+                    raise InvalidRequest(f"{name} {quote(value)} is longer than limits.max_id_length={limit}")
+        if req.candidate_workers:
+            if len(req.candidate_workers) > MAX_WORKERS:
+                raise InvalidRequest(f"{len(req.candidate_workers)} candidate_workers; at most {MAX_WORKERS} workers exist")
+            for c in req.candidate_workers:
+                if len(c) > limit:
+                    raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
         if req.request_id and req.request_id in self._requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+        if s.max_inflight_bytes and self.inflight_bytes + request_bytes(req) > s.max_inflight_bytes:
+            raise Overloaded(
+                f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests; this one "
+                f"({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={s.max_inflight_bytes}: "
+                "complete requests (or let them expire) first"
+            )
 
     def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``route`` and dry runs).
@@ -379,7 +465,8 @@ class Router:
                 mask |= w.bit
         if not candidates:
             if req.candidate_workers:
-                raise NoEligibleWorker(f"none of the requested workers {list(req.candidate_workers)} is registered and eligible")
+                shown = ", ".join(map(repr, req.candidate_workers[:8])) + (", ..." if len(req.candidate_workers) > 8 else "")
+                raise NoEligibleWorker(f"none of the requested workers ({shown}) is registered and eligible")
             raise NoEligibleWorker("no eligible worker is registered")
         now = self.clock.now()
         match = self.index.match(req.keys, mask)
@@ -413,6 +500,7 @@ class Router:
             )
         )
         self._requests[req.request_id] = req
+        self.inflight_bytes += request_bytes(req)
         evicted = self._record_access(worker, req, ctx, overlap)
         policy.on_dispatch(decision, ctx)
         self.counters["decisions"] += 1
@@ -454,7 +542,7 @@ class Router:
         if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
             return []
         self._assume_cached(worker, req.keys, overlap, info, now)
-        capacity = worker.spec.capacity_blocks
+        capacity = worker.spec.capacity_blocks or self.settings.approximate_capacity_blocks
         excess = self.index.count(slot) - capacity if capacity else 0
         if excess <= 0:
             return []
@@ -549,7 +637,7 @@ class Router:
 
     def _finish(self, completion: Completion) -> InFlight:
         entry = self.workers.release(completion.request_id)
-        req = self._requests.pop(completion.request_id, None)
+        req = self._forget_request(completion.request_id)
         worker = self.workers.find(entry.worker_id)
         now = self.clock.now()
         policy = self._routing.get(entry.policy)
@@ -563,6 +651,12 @@ class Router:
                     end_session(req.session_id)
         return entry
 
+    def _forget_request(self, request_id: str) -> RouteRequest | None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.inflight_bytes -= request_bytes(req)
+        return req
+
     def request(self, request_id: str) -> RouteRequest | None:
         return self._requests.get(request_id)
 
@@ -571,7 +665,7 @@ class Router:
         cutoff = self.clock.now() - self.settings.inflight_timeout_s
         expired = self.workers.expire(cutoff)
         for entry in expired:
-            self._requests.pop(entry.request_id, None)
+            self._forget_request(entry.request_id)
         self.counters["inflight_expired"] += len(expired)
         completed = self._completed
         while completed:
@@ -612,8 +706,9 @@ class Router:
                     # old Dispatch expires at most its delivery lag late
                     started_at=now - max(0.0, dispatch.age_s), policy=dispatch.policy,
                 ))
-                self._requests[rid] = RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
-                                                   task=dispatch.task)
+                remote = RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id, task=dispatch.task)
+                self._requests[rid] = remote
+                self.inflight_bytes += request_bytes(remote)  # counted, never refused: routed elsewhere
                 self.counters["remote_dispatches"] += 1
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:

@@ -107,7 +107,8 @@ def _replica_config(url: str, *, stream: str, bucket: str, endpoints: dict[str, 
                 **({"kv_events_endpoint": endpoints[w]} if endpoints else {})} for w in WORKERS]
     return {"listen": "127.0.0.1:0", "block_size": BLOCK_SIZE, "workers": workers,
             "telemetry": {"log_level": "warning"},
-            "events": {"bus": {"kind": "nats", "url": url, "stream": stream, "subject_prefix": f"bench.{stream}",
+            # the benchmark's engines publish on loopback under named worker addresses
+            "events": {"allowed_endpoints": ["127.0.0.0/8"], "bus": {"kind": "nats", "url": url, "stream": stream, "subject_prefix": f"bench.{stream}",
                                "snapshot_bucket": bucket, "snapshot_interval_s": 0,
                                "replica_sync": {"stream": f"{stream}_LOAD", "subject": f"benchload.{stream}"}}}}
 

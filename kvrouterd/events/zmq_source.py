@@ -104,6 +104,15 @@ class ZmqEventsConfig:
     lora_ids: dict[str, str] = field(default_factory=dict)
     #: a shared event stream for many replicas (NATS JetStream; events.nats_bus, docs/deploy.md)
     bus: NatsBusConfig = field(default_factory=NatsBusConfig)
+    #: hosts and networks a worker's kv_events_endpoint may name (events.endpoints; "@worker" =
+    #: the host of the worker's own address). ipc:// and inproc:// need an entry of their own
+    allowed_endpoints: list[str] = field(default_factory=lambda: ["@worker"])
+
+    @property
+    def allow_list(self):  # type: ignore[no-untyped-def] # -> EndpointAllowList
+        from .endpoints import EndpointAllowList
+
+        return EndpointAllowList.parse(self.allowed_endpoints)
 
     @property
     def lora_names(self) -> dict[int, str]:
@@ -111,6 +120,7 @@ class ZmqEventsConfig:
 
     def validate(self) -> None:
         self.bus.validate()
+        _ = self.allow_list  # a bad entry fails here, naming it
         if self.silence_s <= 0:
             raise ConfigError(f"events.silence_s must be > 0, got {self.silence_s}")
         if self.replay_timeout_s <= 0:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
-from ..errors import Conflict, InvalidRequest, NotFound
+from ..errors import Conflict, InvalidRequest, NotFound, quote
 from ..protocols import CacheMode, WorkerState
 from .groups import GroupPresence
 from .native import u64_map
@@ -188,7 +188,7 @@ class WorkerRegistry:
         try:
             return self._workers[worker_id]
         except KeyError:
-            raise NotFound(f"unknown worker {worker_id!r}") from None
+            raise NotFound(f"unknown worker {quote(worker_id)}") from None
 
     def find(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -249,7 +249,7 @@ class WorkerRegistry:
     def release(self, request_id: str) -> InFlight:
         entry = self._inflight.pop(request_id, None)
         if entry is None:
-            raise NotFound(f"request {request_id!r} is not in flight (unknown, completed or expired)")
+            raise NotFound(f"request {quote(request_id)} is not in flight (unknown, completed or expired)")
         worker = self._workers.get(entry.worker_id)
         if worker is not None:
             worker.inflight_requests -= 1

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -32,6 +32,7 @@ from ..config import ENV_PREFIX, Config, load_config
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.bridge import BridgedEvents
+from ..events.endpoints import check_worker_endpoints
 from ..events.nats_bus import BusEventSource
 from ..events.replica_sync import ReplicaSync
 from ..events.zmq_source import ZmqEventSource
@@ -46,6 +47,7 @@ from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
 from . import convert
 from .admission import AdmissionGate
 from .bus_resync import BusResyncAsker
+from .decoding import SafeRegistrar
 from .ext_proc import EXT_PROC_SERVICE, ExtProcService
 from .logs import configure_logging
 from .reload import ConfigReloader
@@ -104,6 +106,7 @@ class Daemon:
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
         self.ops_metrics.admission = self.admission
+        self.service.allowed_endpoints = config.events.allow_list
         self.events: ZmqEventSource | None = None
         #: the shared event stream replicas follow (events.bus; None without one)
         self.bus: BusEventSource | None = None
@@ -144,16 +147,21 @@ class Daemon:
         if self.config.tls.enabled:
             creds, self.certificates = server_credentials(self.config.tls)
         server = grpc.aio.server(options=self._server_options(), interceptors=interceptors)
-        router_pb2_grpc.add_KVRouterServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT
+        safe = SafeRegistrar(server)
+        router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]
         if self.config.ext_proc.enabled:
             # Envoy's ext_proc filter calls this port as its endpoint picker (docs/envoy.md)
             ExtProcService.from_config(
                 self.router, self.config.ext_proc, self.tracer, self.metrics, self.admission
-            ).add_to_server(server)
+            ).add_to_server(safe)  # type: ignore[arg-type]
             served.append(EXT_PROC_SERVICE)
-        reflection.enable_server_reflection((*served, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        # what reflection.enable_server_reflection does for an aio server (it type-checks the server)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer((*served, health.SERVICE_NAME, reflection.SERVICE_NAME)), safe
+        )
         try:
             if creds is not None:
                 self.port = server.add_secure_port(self.config.listen, creds)
@@ -331,7 +339,15 @@ class Daemon:
         replay = self.discovery.replay_endpoint(spec.id) if self.discovery is not None else ""
         if replay and spec.kv_events_endpoint and "replay=" not in spec.kv_events_endpoint:
             spec = dataclasses.replace(spec, kv_events_endpoint=f"{spec.kv_events_endpoint}?replay={replay}")
-        self.router.add_worker(spec)
+        try:
+            # the same checks as RegisterWorker: sizes, then the endpoint allow-list
+            self.router.check_worker_sizes(spec)
+            if spec.kv_events_endpoint:
+                check_worker_endpoints(self.service.allowed_endpoints, spec.id, spec.address, spec.kv_events_endpoint)
+            self.router.add_worker(spec)
+        except KVRouterError as exc:
+            log.warning("discovered pod not routed to: %s", exc, extra={"worker_id": spec.id})
+            return
         self._membership_changed()
 
     def _departed(self, worker_id: str) -> None:

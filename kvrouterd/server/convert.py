@@ -17,7 +17,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
-from ..errors import InvalidRequest, Overloaded
+from ..errors import InvalidRequest, Overloaded, quote
 from ..index.workers import Worker, WorkerSpec
 from ..protocols import (
     CacheEvent,
@@ -36,6 +36,7 @@ from ..protocols import (
 from ..router import Router, RouteResult
 
 __all__ = [
+    "check_id",
     "completion",
     "dispatched_delta",
     "completed_delta",
@@ -66,6 +67,14 @@ def _le_u32(field: Iterable[int]) -> bytes:
     return np.asarray(field, dtype=_U32_LE).tobytes()
 
 
+def check_id(name: str, value: str, limit: int) -> str:
+    """``value`` if it is at most ``limit`` characters (``limits.max_id_length``), else
+    INVALID_ARGUMENT quoting its start: a megabyte id must not become a megabyte message."""
+    if len(value) > limit:
+        raise InvalidRequest(f"{name} {quote(value)} is longer than limits.max_id_length={limit}")
+    return value
+
+
 def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys.
 
@@ -83,6 +92,11 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
     task = _TASKS.get(msg.task)
     if task is None:
         raise InvalidRequest(f"unknown task category {msg.task}")
+    id_limit = router.settings.max_id_length
+    if len(msg.model) > id_limit or len(msg.lora) > id_limit or len(msg.cache_salt) > id_limit:
+        check_id("model", msg.model, id_limit)  # before they salt the hash
+        check_id("lora", msg.lora, id_limit)
+        check_id("cache_salt", msg.cache_salt, id_limit)
     if n_tokens:
         limit = router.settings.max_prompt_tokens
         if n_tokens > limit:
@@ -130,9 +144,12 @@ def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse 
     return msg
 
 
-def completion(msg: pb.CompleteRequest) -> Completion:
+def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
+    """``max_id_length`` 0: unchecked (a replica's load delta, checked where the call came in)."""
     if not msg.request_id:
         raise InvalidRequest("request_id is required")
+    if max_id_length:
+        check_id("request_id", msg.request_id, max_id_length)
     if msg.ttft_ms < 0 or msg.e2e_ms < 0:
         raise InvalidRequest("ttft_ms and e2e_ms must be >= 0")
     return Completion(
@@ -210,9 +227,10 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
     return tuple(out)
 
 
-def event_batch(msg: pb.EventBatch, max_events: int) -> EventBatch:
+def event_batch(msg: pb.EventBatch, max_events: int, max_id_length: int = 256) -> EventBatch:
     if not msg.worker_id:
         raise InvalidRequest("event batch without worker_id")
+    check_id("worker_id", msg.worker_id, max_id_length)
     if len(msg.events) > max_events:
         raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={max_events}")
     return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))
@@ -277,6 +295,8 @@ def load_delta(data: bytes, age_s: float) -> tuple[str, Dispatch | Completion | 
 def evict_request(msg: pb.EvictHintRequest, router: Router) -> tuple[EvictRequest, tuple[int, ...]]:
     if not msg.worker_id:
         raise InvalidRequest("worker_id is required")
+    check_id("worker_id", msg.worker_id, router.settings.max_id_length)
+    check_id("policy", msg.policy, router.settings.max_id_length)
     if bool(msg.blocks) == bool(msg.tokens):
         raise InvalidRequest("set exactly one of blocks and tokens to a positive number")
     blocks = msg.blocks or router.blocks_to_free(msg.worker_id, msg.tokens)

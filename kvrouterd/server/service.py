@@ -17,9 +17,9 @@ import grpc
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
-from ..errors import ConfigError, InvalidRequest, KVRouterError
-from ..events.zmq_source import ZmqEndpoint
-from ..index.workers import is_host_port
+from ..errors import InvalidRequest, KVRouterError, quote
+from ..events.endpoints import EndpointAllowList, check_worker_endpoints
+from ..index.workers import MAX_WORKERS, is_host_port
 from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
@@ -28,7 +28,7 @@ from . import convert
 from .admission import AdmissionGate
 from .convert import pb
 from .snapshot import export_chunks
-from .status import status_code
+from .status import status_code, status_message
 
 __all__ = ["KVRouterService"]
 
@@ -36,6 +36,10 @@ log = logging.getLogger("kvrouterd.server")
 
 _perf_counter = time.perf_counter
 
+
+#: (model, lora) namespaces remembered for the key-mismatch warning: names come from clients,
+#: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
+MAX_NAMESPACES = 1024
 
 #: blocks a removed worker's drain drops between yields to the event loop (~a millisecond)
 DRAIN_STEP_BLOCKS = 2048
@@ -47,7 +51,7 @@ async def _drain(steps: Iterable[int]) -> None:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    await context.abort(status_code(exc), str(exc))
+    await context.abort(status_code(exc), status_message(exc))
     raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
 
@@ -74,6 +78,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         #: this process's epoch (PublishEventsResponse.router_epoch): a publisher that sees it change
         #: knows this router's view of its worker was not built from its stream, and resyncs
         self.epoch = secrets.randbits(64) or 1
+        #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
+        self.allowed_endpoints = EndpointAllowList()
 
     # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
@@ -123,7 +129,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.metrics.route_errors.add(1, {"code": code.name})
         log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
         if span is not None:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
             span.set_attribute("rpc.grpc.status_code", code.value[0])
         return code
 
@@ -137,7 +143,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
         try:
-            completion = convert.completion(request)
+            completion = convert.completion(request, self.router.settings.max_id_length)
             entry = self.router.complete_anywhere(completion)
         except KVRouterError as exc:
             log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
@@ -258,12 +264,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         others did: almost surely the gateway and the engines name the model differently (keys are
         salted with both), a silent 0% hit rate. Counted every time, logged once per namespace."""
         namespace = (request.model, request.lora)
-        if namespace in self.stored_namespaces:
+        if namespace in self.stored_namespaces or len(self.stored_namespaces) >= MAX_NAMESPACES:
             return
         self.metrics.namespace_misses.add(1, {"model": request.model, "lora": request.lora})
-        if namespace not in self._warned_namespaces:
+        if namespace not in self._warned_namespaces and len(self._warned_namespaces) < MAX_NAMESPACES:
             self._warned_namespaces.add(namespace)
-            known = ", ".join(f"model={m!r} lora={lo!r}" for m, lo in sorted(self.stored_namespaces))
+            known = ", ".join(f"model={m!r} lora={lo!r}" for m, lo in sorted(self.stored_namespaces)[:16])
             log.warning(
                 "Route for model=%r lora=%r: no engine has stored blocks under that name, only under %s; "
                 "gateways and engines must pass the same model and lora (they salt the block keys)",
@@ -274,13 +280,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None
     ) -> pb.RouteStreamResponse:
         code = self._note_rejection(msg.route, exc, span)
-        return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=code.value[0], message=str(exc)))
+        return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=code.value[0], message=status_message(exc)))
 
     def _stream_complete(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
         try:
             self._complete(msg.complete)
         except KVRouterError as exc:
-            error = pb.StreamError(code=status_code(exc).value[0], message=str(exc))
+            error = pb.StreamError(code=status_code(exc).value[0], message=status_message(exc))
             return pb.RouteStreamResponse(id=msg.id, error=error)
         return pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
 
@@ -292,7 +298,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         published: dict[str, None] = {}  # workers named, in order
         async for msg in request_iterator:
             try:
-                batch = convert.event_batch(msg, self.max_batch_events)
+                batch = convert.event_batch(msg, self.max_batch_events, self.router.settings.max_id_length)
                 outcome = self.apply_batch(batch)
             except KVRouterError as exc:
                 # earlier batches of the stream stay applied; this one changed nothing
@@ -320,7 +326,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             try:
                 outcome = self.router.apply(batch, per_event=per_event)
             except KVRouterError as exc:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
                 self.metrics.event_batches.add(1, {"outcome": "rejected"})
                 raise
             if span.is_recording():
@@ -333,7 +339,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
             namespaces = self.stored_namespaces
             for ev in batch.events:
-                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces:
+                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces and len(namespaces) < MAX_NAMESPACES:
                     namespaces.add((ev.model, ev.lora))
         if outcome.blocks_removed:
             self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
@@ -343,6 +349,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         try:
+            convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
             self.router.report_load(
                 request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
             )
@@ -366,12 +373,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     ) -> pb.RegisterWorkerResponse:
         try:
             spec = convert.worker_spec(request.worker)
+            self.router.check_worker_sizes(spec)  # first: the checks below quote the spec
             if spec.address and not is_host_port(spec.address):  # the simulator's workers need not be
-                shown = spec.address if len(spec.address) <= 120 else spec.address[:120] + "..."
-                raise InvalidRequest(f"worker {spec.id!r}: address {shown!r} must be HOST:PORT (IPv6 as [ADDR]:PORT), "
-                                     "the endpoint gateways send requests to")
-            if spec.kv_events_endpoint:
-                check_events_endpoint(spec.id, spec.kv_events_endpoint)  # before anything changes
+                raise InvalidRequest(f"worker {spec.id!r}: address {quote(spec.address)} must be HOST:PORT "
+                                     "(IPv6 as [ADDR]:PORT), the endpoint gateways send requests to")
+            if spec.kv_events_endpoint:  # before anything changes
+                check_worker_endpoints(self.allowed_endpoints, spec.id, spec.address, spec.kv_events_endpoint)
             worker = self.router.add_worker(spec)
         except KVRouterError as exc:
             await _abort(context, exc)
@@ -382,6 +389,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterWorkerResponse:
         try:
+            convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
             drained = self.forget_worker(request.worker_id)
         except KVRouterError as exc:
             await _abort(context, exc)
@@ -408,6 +416,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.ExportIndexRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.IndexChunk]:
         try:
+            if len(request.worker_ids) > MAX_WORKERS:
+                raise InvalidRequest(f"{len(request.worker_ids)} worker_ids; at most {MAX_WORKERS} workers exist")
+            for worker_id in request.worker_ids:
+                convert.check_id("worker_ids[]", worker_id, self.router.settings.max_id_length)
             async for chunk in export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk):
                 yield chunk
         except KVRouterError as exc:
@@ -443,11 +455,3 @@ def _sum_by_reason(per_worker: Iterable[Mapping[str, int]]) -> dict[str, int]:
             total[reason] = total.get(reason, 0) + n
     return total
 
-
-def check_events_endpoint(worker_id: str, endpoint: str) -> None:
-    """A worker's ``kv_events_endpoint`` as the ZMQ subscriber will parse it: a bad one is
-    the caller's error (INVALID_ARGUMENT), found before the worker is registered."""
-    try:
-        ZmqEndpoint.parse(worker_id, endpoint)
-    except ConfigError as exc:
-        raise InvalidRequest(str(exc)) from None

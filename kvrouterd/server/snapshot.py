@@ -34,6 +34,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..config import Config
 from ..errors import InvalidRequest, KVRouterError
+from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import Worker
 from ..router import Router
 from . import convert
@@ -124,13 +125,28 @@ def _channel(target: str, config: Config) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(target, creds, options=options)
 
 
-async def _import(router: Router, stream: AsyncIterable[pb.IndexChunk], result: WarmResult) -> None:
+async def _import(
+    router: Router, stream: AsyncIterable[pb.IndexChunk], result: WarmResult, allow: EndpointAllowList | None = None
+) -> None:
+    """Add the stream's workers (a peer's worker whose event endpoint ``allow`` refuses is
+    skipped with its blocks: the peer may run another allow-list) and import their blocks."""
     deferred: list[tuple[str, list[tuple[int, int | None, int]]]] = []
     seen: set[str] = set()
+    refused: set[str] = set()
     async for chunk in stream:
         wid = chunk.worker.id
+        if wid in refused:
+            continue
         if wid not in router.workers:
-            router.add_worker(convert.worker_spec(chunk.worker))
+            spec = convert.worker_spec(chunk.worker)
+            if allow is not None and spec.kv_events_endpoint:
+                try:
+                    check_worker_endpoints(allow, spec.id, spec.address, spec.kv_events_endpoint)
+                except KVRouterError as exc:
+                    log.warning("peer's worker not imported: %s", exc, extra={"worker_id": wid})
+                    refused.add(wid)
+                    continue
+            router.add_worker(spec)
             result.workers_added += 1
         if wid not in seen:
             seen.add(wid)
@@ -167,7 +183,7 @@ async def warm_from_peer(router: Router, config: Config, token: bytes | None = N
             stream = router_pb2_grpc.KVRouterStub(channel).ExportIndex(
                 pb.ExportIndexRequest(), timeout=config.warm_timeout_s, metadata=metadata
             )
-            await _import(router, stream, result)
+            await _import(router, stream, result, config.events.allow_list)
     except (TimeoutError, grpc.aio.AioRpcError, KVRouterError, OSError) as exc:
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         log.warning("warming from %s stopped: %s; serving with what was imported", target, detail,

@@ -4,17 +4,34 @@ from __future__ import annotations
 
 import grpc
 
-from ..errors import Conflict, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
+from ..errors import Conflict, Forbidden, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 
-__all__ = ["http_status", "status_code"]
+__all__ = ["MAX_STATUS_MESSAGE_BYTES", "http_status", "status_code", "status_message"]
+
+#: longest status message sent, UTF-8 bytes. It travels percent-encoded in the grpc-message
+#: trailer, and clients refuse trailers over 8 KiB (16 KiB hard): an unbounded message turns
+#: the real status into RESOURCE_EXHAUSTED "Stream removed"
+MAX_STATUS_MESSAGE_BYTES = 1024
+
+
+def status_message(exc: BaseException | str) -> str:
+    """The error's message, cut to ``MAX_STATUS_MESSAGE_BYTES`` (messages quote client input
+    through ``errors.quote`` already; this is the backstop)."""
+    text = str(exc)
+    data = text.encode("utf-8", "replace")
+    if len(data) <= MAX_STATUS_MESSAGE_BYTES:
+        return text
+    return data[: MAX_STATUS_MESSAGE_BYTES - 20].decode("utf-8", "ignore") + " ...(truncated)"
 
 
 def status_code(exc: KVRouterError) -> grpc.StatusCode:
-    """INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, FAILED_PRECONDITION, RESOURCE_EXHAUSTED."""
+    """INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, FAILED_PRECONDITION, RESOURCE_EXHAUSTED."""
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, Forbidden):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, NoEligibleWorker):
         # retryable: workers may register or finish draining
         return grpc.StatusCode.UNAVAILABLE
@@ -39,4 +56,6 @@ def http_status(exc: KVRouterError) -> int:
         return 429
     if isinstance(exc, NotFound):
         return 404
+    if isinstance(exc, Forbidden):
+        return 403
     return 500

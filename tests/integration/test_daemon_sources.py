@@ -33,7 +33,9 @@ async def eventually(cond, timeout=5.0):  # type: ignore[no-untyped-def]
 async def test_a_registered_engine_publishing_over_zmq_attracts_its_prefix():
     ctx = zmq.asyncio.Context()
     engine = FakeEngine(ctx)
-    cfg = parse_config({"listen": "127.0.0.1:0", "block_size": BS, "events": {"topic": "kv@", "replay_timeout_s": 0.5}})
+    # the engine publishes on loopback, the workers' addresses name other hosts: allow the network
+    cfg = parse_config({"listen": "127.0.0.1:0", "block_size": BS,
+                        "events": {"topic": "kv@", "replay_timeout_s": 0.5, "allowed_endpoints": ["127.0.0.0/8"]}})
     daemon = Daemon(cfg)
     port = await daemon.start()
     try:
@@ -100,7 +102,7 @@ async def test_rejected_engine_events_show_in_list_workers_get_stats_and_metrics
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = router_pb2_grpc.KVRouterStub(ch)
             await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
-                id="gpu", address="gpu:8000", mode=pb.CACHE_STATE_MODE_EVENTS, kv_events_endpoint=engine.endpoint)))
+                id="gpu", address="127.0.0.1:8000", mode=pb.CACHE_STATE_MODE_EVENTS, kv_events_endpoint=engine.endpoint)))
             await engine.wait_subscribed()
             wire = VLLM_026
             for _ in range(3):  # a stream of stores the router cannot key: token pairs

@@ -40,3 +40,59 @@ async def test_every_policy_rejects_the_same_unusable_ttft_slo(running, policy, 
         await running.stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS)), ttft_slo_ms=slo, policy=policy))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert running.router.workers.get("a").inflight_requests == 0 and running.router.workers.inflight_count == 0
+
+
+# ---- item 2: the daemon dials only what events.allowed_endpoints allows ----------------------
+
+def _snapshot(running) -> tuple:  # type: ignore[no-untyped-def]
+    r = running.router
+    subs = tuple(sorted(running.daemon.events.subscribers)) if running.daemon.events is not None else ()
+    return (tuple((w.id, w.spec, w.state) for w in r.workers), len(r.index), r.workers.inflight_count,
+            r.inflight_bytes, subs)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://169.254.169.254:80",                      # another host than the worker's address
+        "tcp://10.0.0.5:5557?replay=tcp://10.0.0.9:5558",  # the replay endpoint on another host
+        "ipc:///tmp/kvrouterd-engine.sock",               # a file on the daemon's machine
+        "inproc://events",
+    ],
+)
+async def test_register_worker_with_an_endpoint_outside_the_allow_list_is_permission_denied(running, endpoint):
+    before = _snapshot(running)
+    worker = pb.Worker(id="w", address="10.0.0.5:8000", mode=pb.CACHE_STATE_MODE_EVENTS, kv_events_endpoint=endpoint)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=worker))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "events.allowed_endpoints" in err.value.details()
+    assert _snapshot(running) == before
+    # the worker's own host is allowed by default
+    worker.kv_events_endpoint = "tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5558"
+    await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=worker))
+    assert running.daemon.events is not None and "w" in running.daemon.events.subscribers
+
+
+async def test_a_malformed_endpoint_is_invalid_argument_and_registers_nothing(running):
+    """Issue #16 item 2: ``tcp://127.0.0.1?dp_rank=1`` answered UNKNOWN after registering the worker."""
+    before = _snapshot(running)
+    worker = pb.Worker(id="w", address="127.0.0.1:8000", kv_events_endpoint="tcp://127.0.0.1?dp_rank=1")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=worker))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _snapshot(running) == before
+
+
+async def test_a_discovered_pod_outside_the_allow_list_is_not_routed_to(running):
+    """Kubernetes discovery goes through the same check (here the daemon's own callback)."""
+    from kvrouterd.index.workers import WorkerSpec
+    from kvrouterd.protocols import CacheMode
+
+    before = _snapshot(running)
+    running.daemon._discovered(WorkerSpec("pod-a", "10.1.0.7:8000", mode=CacheMode.EVENTS,
+                                          kv_events_endpoint="tcp://10.1.0.8:5557"))
+    assert _snapshot(running) == before
+    running.daemon._discovered(WorkerSpec("pod-b", "10.1.0.7:8000", mode=CacheMode.EVENTS,
+                                          kv_events_endpoint="tcp://10.1.0.7:5557"))
+    assert "pod-b" in running.router.workers and "pod-b" in running.daemon.events.subscribers

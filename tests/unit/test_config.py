@@ -86,3 +86,16 @@ def test_bad_worker_endpoints_fail_at_start_naming_the_field(worker, needle):
     spec = {"id": "gpu-0", "address": "10.0.0.5:8000", "mode": "events", **worker}
     with pytest.raises(ConfigError, match=re.escape(needle)):
         parse_config({"workers": [spec]})
+
+
+def test_a_config_workers_endpoint_outside_the_allow_list_fails_start_up():
+    """Issue #16 item 2: config-file workers obey events.allowed_endpoints like RegisterWorker."""
+    worker = {"id": "w", "address": "10.0.0.5:8000", "mode": "events", "kv_events_endpoint": "tcp://10.0.0.6:5557"}
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.kv_events_endpoint: .*not allowed by events.allowed_endpoints"):
+        parse_config({"workers": [worker]})
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.kv_events_endpoint: .*ipc:// endpoints are refused"):
+        parse_config({"workers": [{**worker, "kv_events_endpoint": "ipc:///tmp/e.sock"}]})
+    cfg = parse_config({"workers": [worker], "events": {"allowed_endpoints": ["10.0.0.0/24"]}})
+    assert cfg.events.allow_list.networks
+    parse_config({"workers": [{**worker, "kv_events_endpoint": "ipc:///tmp/e.sock"}],
+                  "events": {"allowed_endpoints": ["ipc:///tmp/*"]}})

@@ -37,6 +37,12 @@ weight-update constants are not given in the paper and are ours:
     temperature = 1.0                          T, relative-efficiency temperature
     epsilon = 1e-6                             eps, numerical constant
     update_interval_s = 10.0                   seconds between weight updates
+    max_sessions = 65536                       sessions whose last turn is remembered (ours)
+    max_session_bytes = 16 MiB                 bytes those entries may hold, ids included (ours)
+
+Session ids are client-chosen, so the last-turn map is bounded by count and by bytes
+(``SESSION_ENTRY_BYTES`` plus the id's length per entry); past either bound the quarter
+remembered longest ago is forgotten (their next turn's gap is not sampled, nothing else).
 
 Scores drift with the clock, but each queue's order does not (deepest offset first in
 evict-first and structural, least recent first in the session queues), so the hooks keep
@@ -62,6 +68,10 @@ from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 __all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "UniCacheParams", "lognormal_cdf"]
 
 EVICT_FIRST, CHAT, AGENTIC, STRUCTURAL = 0, 1, 2, 3
+
+#: what one remembered session costs besides its id's characters: the dict entry, the str
+#: object's header and the float (CPython 3.11, 64-bit)
+SESSION_ENTRY_BYTES = 160
 WEIGHTED = (CHAT, AGENTIC, STRUCTURAL)
 
 
@@ -83,6 +93,10 @@ class UniCacheParams:
     temperature: float = field(default=1.0, metadata={"help": "T: relative hit-efficiency temperature"})
     epsilon: float = field(default=1e-6, metadata={"help": "numerical constant of Algorithm 2"})
     update_interval_s: float = field(default=10.0, metadata={"help": "seconds between queue-weight updates"})
+    max_sessions: int = field(default=1 << 16, metadata={"help": "sessions whose last turn time is remembered"})
+    max_session_bytes: int = field(
+        default=16 << 20, metadata={"help": "bytes the remembered sessions may hold (entry overhead + id length)"}
+    )
 
     def validate(self) -> None:
         for name in ("chat_sigma", "agentic_sigma", "temperature", "epsilon", "update_interval_s"):
@@ -90,6 +104,8 @@ class UniCacheParams:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.ema_beta < 1:
             raise ValueError(f"ema_beta must be in (0, 1), got {self.ema_beta}")
+        if self.max_sessions < 1 or self.max_session_bytes < SESSION_ENTRY_BYTES:
+            raise ValueError(f"max_sessions must be >= 1 and max_session_bytes >= {SESSION_ENTRY_BYTES}")
         if self.min_fit_samples < 2:
             raise ValueError(f"min_fit_samples must be >= 2, got {self.min_fit_samples}")
 
@@ -135,6 +151,8 @@ class UniCacheEviction(EvictionPolicyBase):
         self._slots: dict[int, _SlotState] = {}
         self._fits = {CHAT: _GapFit(), AGENTIC: _GapFit()}
         self._session_seen: dict[str, float] = {}
+        #: what ``_session_seen`` holds, bytes (SESSION_ENTRY_BYTES + id length per entry)
+        self.session_bytes = 0
         self._leaves = SortedLeaves(self._queue_order)
 
     def _queue_order(self, index: RadixIndex, block: Block, slot: int) -> tuple[int, float, float]:
@@ -218,14 +236,29 @@ class UniCacheEviction(EvictionPolicyBase):
     def _session_gap(self, info: AccessInfo, now: float) -> None:
         if not info.session_id:
             return
-        last = self._session_seen.get(info.session_id)
-        self._session_seen[info.session_id] = now
+        seen = self._session_seen
+        last = seen.get(info.session_id)
+        seen[info.session_id] = now
+        if last is None:
+            self.session_bytes += SESSION_ENTRY_BYTES + len(info.session_id)
         queue = self.queue_for(info, 0)
         if last is not None and now > last and queue in self._fits:
             self._fits[queue].add(now - last)
-        if len(self._session_seen) > 1 << 16:  # bounded: forget the oldest sessions
-            for sid in list(self._session_seen)[: 1 << 14]:
-                del self._session_seen[sid]
+        p = self.params
+        if len(seen) > p.max_sessions or self.session_bytes > p.max_session_bytes:
+            self._forget_oldest_sessions()
+
+    def _forget_oldest_sessions(self) -> None:
+        """Drop the first-remembered quarter of the sessions, and more until within both bounds."""
+        seen = self._session_seen
+        p = self.params
+        drop = max(1, len(seen) // 4)
+        for sid in list(seen):
+            if drop <= 0 and len(seen) <= p.max_sessions and self.session_bytes <= p.max_session_bytes:
+                break
+            del seen[sid]
+            self.session_bytes -= SESSION_ENTRY_BYTES + len(sid)
+            drop -= 1
 
     def update_weights(self, slot: int, now: float) -> None:
         """Algorithm 2 on ``slot``'s queues; hit counts restart from zero."""

@@ -93,3 +93,27 @@ def test_structural_score_is_normalised_by_the_deepest_block_of_any_queue(cache_
     # blocks set max_offset)
     assert 1 - lognormal_cdf(105.5, 4.15, 0.971) == pytest.approx(0.30, abs=0.01)
     assert c.rank(1, now=105.5) == [17]
+
+
+def test_the_session_map_has_a_byte_budget_not_only_a_count(cache_of):
+    """Issue #16 item 3: session ids are client-chosen, so long ids must not grow memory past the budget."""
+    from kvrouterd.policies.eviction.unicache import SESSION_ENTRY_BYTES
+
+    budget = 100 * (SESSION_ENTRY_BYTES + 200)
+    c = cache_of({"name": "unicache", "max_session_bytes": budget})
+    for i in range(1000):
+        sid = f"{i:04d}" + "s" * 196  # 200 characters each
+        c.store([10_000 + i], now=float(i + 1), info=AccessInfo(session_id=sid, task=int(TaskCategory.CHAT)))
+        assert c.policy.session_bytes <= budget
+    sessions = c.policy._session_seen
+    assert 50 <= len(sessions) <= 100  # the count bound (65536) never came into play
+    assert c.policy.session_bytes == sum(SESSION_ENTRY_BYTES + len(s) for s in sessions)
+    assert "0999" + "s" * 196 in sessions  # the newest stay; the oldest were forgotten
+    assert "0000" + "s" * 196 not in sessions
+
+
+def test_the_session_map_count_bound_holds_too(cache_of):
+    c = cache_of({"name": "unicache", "max_sessions": 10})
+    for i in range(100):
+        c.store([20_000 + i], now=float(i + 1), info=AccessInfo(session_id=f"s{i}", task=int(TaskCategory.CHAT)))
+    assert len(c.policy._session_seen) <= 10

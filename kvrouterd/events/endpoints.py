@@ -1,0 +1,155 @@
+"""Which KV-event endpoints the daemon may connect to: ``events.allowed_endpoints``.
+
+A worker's ``kv_events_endpoint`` makes the daemon's ZMQ subscriber dial it (a SUB socket
+and a replay DEALER). RegisterWorker is open unless auth is on, so without a rule any caller
+could make the daemon connect anywhere: to scan the network behind it, or to feed it from a
+host it should not trust. Every endpoint (publisher and replay) of every worker, whether
+from the config file, RegisterWorker, Kubernetes discovery or a peer's index, is checked
+against the allow-list before the worker is added. Entries:
+
+``@worker``
+    the host of the worker's own ``address`` (the default, and the only entry by default:
+    engines publish on the machine they serve from). Compared as written (IP literals
+    normalised, names case-insensitively); names are never resolved.
+``10.0.0.0/8``, ``fd00::/8``, ``10.0.0.5``
+    tcp endpoints whose host is an IP literal inside the network. A host *name* never
+    matches a network: the daemon resolves nothing to decide (libzmq resolves when it dials).
+``*.engines.svc.cluster.local``, ``vllm-*``, ``*``
+    tcp endpoints whose host (name or IP as written) matches the shell-style pattern,
+    case-insensitively. ``*`` allows every tcp host.
+``ipc:///run/engines/*``, ``inproc://*``
+    ``ipc://`` / ``inproc://`` endpoints whose path matches the pattern. Without such an entry
+    they are refused: an ipc endpoint names a file on the daemon's own machine.
+
+An endpoint nothing allows is refused with ``errors.Forbidden`` (PERMISSION_DENIED over
+gRPC; a config-file worker fails start-up; a discovered pod is logged and not routed to).
+An empty list allows no endpoint: engines then publish over PublishEvents or the bus.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError, Forbidden, InvalidRequest, quote
+
+__all__ = ["WORKER_HOST", "EndpointAllowList", "check_worker_endpoints", "endpoint_host"]
+
+#: the allow-list entry standing for the host of the worker's own address
+WORKER_HOST = "@worker"
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+#: a DNS name or IPv4 literal as ZMQ's tcp transport reads it (no ``iface;`` source prefix)
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint, normalised: brackets stripped, IP literals
+    in canonical form, names lower-case. Raises InvalidRequest for anything else."""
+    rest = endpoint.partition("://")[2]
+    host = rest.rpartition(":")[0]
+    return _normalise_host(host, endpoint)
+
+
+def _normalise_host(host: str, shown: str) -> str:
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if bare != host or not _HOST_NAME.match(bare) or ".." in bare:
+        raise InvalidRequest(f"kv_events_endpoint {quote(shown)}: host {quote(host)} is neither an IP address "
+                             "nor a DNS name")
+    return bare.lower().rstrip(".")
+
+
+@dataclass(frozen=True)
+class EndpointAllowList:
+    """Parsed ``events.allowed_endpoints`` (see the module docstring)."""
+
+    entries: tuple[str, ...] = (WORKER_HOST,)
+    networks: tuple[IpNetwork, ...] = ()
+    host_patterns: tuple[str, ...] = ()
+    ipc_patterns: tuple[str, ...] = ()
+    inproc_patterns: tuple[str, ...] = ()
+    worker_host: bool = True
+
+    @classmethod
+    def parse(cls, entries: Sequence[str], where: str = "events.allowed_endpoints") -> EndpointAllowList:
+        networks: list[IpNetwork] = []
+        hosts: list[str] = []
+        ipc: list[str] = []
+        inproc: list[str] = []
+        worker = False
+        for i, raw in enumerate(entries):
+            entry = str(raw).strip()
+            if entry == WORKER_HOST:
+                worker = True
+            elif entry.startswith("ipc://"):
+                ipc.append(entry[len("ipc://"):] or "*")
+            elif entry.startswith("inproc://"):
+                inproc.append(entry[len("inproc://"):] or "*")
+            elif "://" in entry:
+                raise ConfigError(f"{where}[{i}]: {entry!r}: only ipc:// and inproc:// entries name a scheme "
+                                  "(tcp hosts are written bare: 10.0.0.0/8, *.svc.cluster.local)")
+            elif not entry:
+                raise ConfigError(f"{where}[{i}]: empty entry")
+            elif any(c in entry for c in "*?["):
+                hosts.append(entry.lower())
+            else:
+                try:
+                    networks.append(ipaddress.ip_network(entry.strip("[]"), strict=True))
+                except ValueError as exc:
+                    if "/" in entry or entry.replace(".", "").isdigit() or ":" in entry:
+                        raise ConfigError(f"{where}[{i}]: {entry!r} is not a network: {exc}") from None
+                    hosts.append(entry.lower().rstrip("."))  # one host name, matched exactly
+        return cls(tuple(entries), tuple(networks), tuple(hosts), tuple(ipc), tuple(inproc), worker)
+
+    def check(self, worker_id: str, worker_address: str, endpoint: str, name: str = "kv_events_endpoint") -> None:
+        """Raise ``Forbidden`` unless ``endpoint`` (one address, no ``?query``) is allowed for a
+        worker serving at ``worker_address``; InvalidRequest if its host is malformed."""
+        scheme, _, path = endpoint.partition("://")
+        where = f"worker {worker_id!r}: {name} {quote(endpoint)}"
+        if scheme in ("ipc", "inproc"):
+            patterns = self.ipc_patterns if scheme == "ipc" else self.inproc_patterns
+            if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+                return
+            raise Forbidden(f"{where}: {scheme}:// endpoints are refused unless events.allowed_endpoints lists "
+                            f"a matching {scheme}:// pattern")
+        host = endpoint_host(endpoint)
+        if self.worker_host and worker_address:
+            own = worker_address.rpartition(":")[0]
+            try:
+                if host == _normalise_host(own, worker_address):
+                    return
+            except InvalidRequest:
+                pass  # a worker address that is no host cannot vouch for anything
+        if self.networks:
+            try:
+                ip = ipaddress.ip_address(host)
+            except ValueError:
+                ip = None
+            if ip is not None and any(ip in net for net in self.networks):
+                return
+        if any(fnmatch.fnmatchcase(host, p) for p in self.host_patterns):
+            return
+        raise Forbidden(f"{where}: host {host!r} is not allowed by events.allowed_endpoints "
+                        f"({', '.join(map(repr, self.entries)) or 'empty: no endpoint is allowed'})")
+
+
+def check_worker_endpoints(allow: EndpointAllowList, worker_id: str, address: str, kv_events_endpoint: str) -> None:
+    """A worker's ``kv_events_endpoint`` as the subscriber will dial it: malformed is
+    InvalidRequest, a publisher or replay address the allow-list refuses is Forbidden."""
+    from .zmq_source import ZmqEndpoint
+
+    try:
+        endpoint = ZmqEndpoint.parse(worker_id, kv_events_endpoint)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None
+    allow.check(worker_id, address, endpoint.endpoint)
+    if endpoint.replay_endpoint:
+        allow.check(worker_id, address, endpoint.replay_endpoint, "kv_events_endpoint replay")

@@ -404,6 +404,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         _, steps = self.router.detach_worker(worker_id, DRAIN_STEP_BLOCKS)
         if self.admission is not None:
             self.admission.drop_worker(worker_id)
+        self.metrics.forget_worker(worker_id)  # its per-worker series go with it
         task = asyncio.create_task(_drain(steps), name=f"drop blocks of {worker_id}")
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)

@@ -13,10 +13,19 @@ and at the start of every collection, so a scrape or export always sees every fi
 In the daemon under load that loop costs about a third of recording inline, where each call
 runs the SDK's path with cold caches (py-spy, Prometheus reader on). With no reader nothing
 is queued.
+
+Series of a worker that left are dropped (``Metrics.forget_worker``), so worker churn does not
+grow the exported series forever. Observable instruments report only the workers their
+callbacks see; the synchronous per-worker instruments (gaps, request latencies, cached
+tokens) keep every attribute set they ever saw, and the OpenTelemetry API has no call to
+delete one, so ``drop_series`` removes them from the SDK's per-reader storage (private
+structures: ``tests/integration/test_metrics_endpoint.py`` scrapes before and after
+DeregisterWorker, so an SDK change that breaks this fails the suite, not production).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,7 +39,9 @@ from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
 
-__all__ = ["DecisionCounter", "Metrics", "RouteLatency", "build_meter_provider"]
+__all__ = ["DecisionCounter", "Metrics", "RouteLatency", "build_meter_provider", "drop_series"]
+
+log = logging.getLogger("kvrouterd.telemetry")
 
 #: decisions take tens of microseconds to a few ms: the SDK's default buckets (0, 5, 10, ...) are for ms
 ROUTE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -71,6 +82,29 @@ def _has_readers(provider: MeterProvider) -> bool:
     The SDK has no public accessor; if its private field moves, assume a reader (record).
     """
     return bool(getattr(provider, "_metric_readers", True))
+
+
+def drop_series(provider: MeterProvider, instruments: Iterable[object], key: str, value: str) -> int:
+    """Forget every series of ``instruments`` whose attribute ``key`` is ``value``, in every
+    reader's storage of ``provider``; returns how many were dropped (see the module docstring)."""
+    wanted = set(map(id, instruments))
+    tag = (key, ("str", value))  # how the SDK keys a string attribute (_hash_attributes)
+    dropped = 0
+    try:
+        storages = provider._measurement_consumer._reader_storages.values()  # type: ignore[attr-defined]
+        for storage in list(storages):
+            for instrument, matches in list(storage._instrument_view_instrument_matches.items()):
+                if id(instrument) not in wanted:
+                    continue
+                for match in matches:
+                    with match._lock:
+                        current = match._attributes_aggregation
+                        kept = {k: a for k, a in current.items() if not (k[0] == "mapping" and tag in k[1])}
+                        dropped += len(current) - len(kept)
+                        match._attributes_aggregation = kept
+    except AttributeError as exc:  # pragma: no cover - an SDK whose internals moved: keep serving
+        log.warning("cannot drop the metric series of %s=%r (OpenTelemetry SDK internals changed: %s)", key, value, exc)
+    return dropped
 
 
 class DecisionCounter:
@@ -180,6 +214,7 @@ class Metrics:
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )
 
+        self.provider = provider
         self.namespace_misses = meter.create_counter(
             "kvrouter.route.namespace_misses",
             description="Routes that matched nothing under a model/LoRA no engine stored blocks for, while others did",
@@ -206,6 +241,11 @@ class Metrics:
             "kvrouter.build.info", [lambda _: [Observation(1, build_info())]],
             description="always 1; the labels name the kvrouterd version, Python and the index fast path",
         )
+
+    def forget_worker(self, worker_id: str) -> int:
+        """Drop the series labelled ``worker=worker_id`` (the worker left); returns how many."""
+        return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prompt_tokens, self.cached_tokens),
+                           "worker", worker_id)
 
     def completed(self, entry: InFlight, completion: Completion, model: str, block_size: int) -> None:
         """One Complete: latencies the caller observed, and its engine's cache hit beside our prediction."""

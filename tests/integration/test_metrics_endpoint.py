@@ -222,3 +222,43 @@ async def test_policy_rule_counts_are_exported_once_the_policy_decides(running):
     for rule in ("decode_bottleneck_decisions", "decode_bottleneck_moves"):
         assert sample(text, "kvrouter_policy_rule_fired_total", policy="dualmap", rule=rule) == policy.counters()[rule] == 0
     assert "kvrouter_admission_migrations_total" not in text  # no admission queue, no migrations series
+
+
+async def test_a_deregistered_workers_series_are_dropped(running):
+    """Issue #16 item 7: worker churn must not grow the exported series forever."""
+    stub = running.stub
+    for wid in ("gone", "kept"):
+        await register(stub, wid)
+    prompt = list(range(100, 100 + 4 * BS))
+    for i, wid in enumerate(("gone", "kept")):
+        await publish(stub, pb.EventBatch(worker_id=wid, sequence=0, events=[stored(prompt, [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4])]),
+                      pb.EventBatch(worker_id=wid, sequence=3, events=[]))  # a gap: kvrouter_events_gaps_total{worker}
+        await stub.Route(pb.RouteRequest(token_ids=prompt, request_id=f"r-{wid}", candidate_workers=[wid], model="m"))
+        await stub.Complete(pb.CompleteRequest(request_id=f"r-{wid}", ttft_ms=50.0, e2e_ms=500.0, cached_tokens=BS))
+    await stub.Route(pb.RouteRequest(token_ids=prompt, request_id="open", candidate_workers=["gone"]))  # in flight
+    _, _, before = await scrape(running)
+
+    def series_of(text: str, worker: str) -> set[str]:
+        return {line.split("{")[0] for line in text.splitlines()
+                if not line.startswith("#") and f'worker="{worker}"' in line}
+
+    gone_before = series_of(before, "gone")
+    # every kind of per-worker series exists before: sync counters and histograms, observable gauges
+    assert {"kvrouter_events_gaps_total", "kvrouter_request_ttft_seconds_count", "kvrouter_request_e2e_seconds_bucket",
+            "kvrouter_completed_prompt_tokens_total", "kvrouter_completed_cached_tokens_total",
+            "kvrouter_worker_cached_blocks", "kvrouter_worker_event_batches_total", "kvrouter_worker_event_gaps_total",
+            "kvrouter_worker_inflight_requests"} <= gone_before
+    kept_before = series_of(before, "kept")
+
+    await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="gone"))
+    _, _, after = await scrape(running)
+    assert series_of(after, "gone") == set()
+    assert series_of(after, "kept") == kept_before  # the other worker's series stay, values intact
+    assert sample(after, "kvrouter_request_ttft_seconds_count", worker="kept", policy="cache_aware", model="m") == 1
+    assert sample(after, "kvrouter_events_gaps_total", worker="kept") == 1
+
+    # a worker registered again under the same id starts its series afresh
+    await register(stub, "gone")
+    await publish(stub, pb.EventBatch(worker_id="gone", sequence=0, events=[]), pb.EventBatch(worker_id="gone", sequence=2, events=[]))
+    _, _, again = await scrape(running)
+    assert sample(again, "kvrouter_events_gaps_total", worker="gone") == 1

@@ -124,8 +124,11 @@ async def test_deregistering_a_large_worker_yields_to_the_loop(monkeypatch):
 
     monkeypatch.setattr(service_module, "DRAIN_STEP_BLOCKS", 100)
     r = fleet(chains=200, depth=20)
-    service = KVRouterService.__new__(KVRouterService)
-    service.router, service.admission, service._draining = r, None, set()
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from kvrouterd.telemetry.metrics import Metrics
+
+    service = KVRouterService(r, None, Metrics(MeterProvider(), lambda: len(r.index), lambda: ()), 65536)
     ticks = 0
     done = False
 

@@ -1,0 +1,40 @@
+"""Invariants of a Router's index and load that hold after any sequence of calls.
+
+The reference-free checks of ``tests/unit/index/test_radix.py``'s state machine (no dead
+block lingers, parent and child links agree, counts and leaves match the blocks a slot
+holds), plus the worker registry's bookkeeping, so tests that drive a whole daemon (the
+gRPC fuzz test) can assert them without a reference model.
+"""
+
+from __future__ import annotations
+
+from kvrouterd.router import Router, request_bytes
+
+
+def check_router_invariants(router: Router) -> None:
+    index = router.index
+    owned = 0
+    for w in router.workers:
+        owned |= 1 << w.slot
+    for key in list(index._blocks):
+        block = index.get(key)
+        assert block is not None and block.key == key
+        # every indexed block is held by someone or has a descendant that is
+        assert block.holders or block.children is not None, f"dead block {key:#x}"
+        # only registered workers hold blocks once a removal's drain has finished
+        assert block.holders & ~owned == 0, f"block {key:#x} held by slots {block.holders & ~owned:#x} nobody owns"
+        parent = block.parent
+        if parent is not None:
+            assert index.get(parent.key) is parent
+            assert any(c is block for c in parent.iter_children()), f"block {key:#x} missing from its parent's children"
+    for w in router.workers:
+        held = list(index.blocks_of(w.slot))
+        assert index.count(w.slot) == len(held), w.id
+        assert all(b.holders >> w.slot & 1 for b in held), w.id
+        held_keys = {b.key for b in held}
+        assert {b.key for b in index.leaves(w.slot)} <= held_keys, w.id
+        assert w.inflight_requests >= 0 and w.pending_prefill_tokens >= 0, w.id
+    assert sum(w.inflight_requests for w in router.workers) == router.workers.inflight_count
+    requests = router._requests
+    assert router.inflight_bytes == sum(request_bytes(r) for r in requests.values())
+    assert all(router.workers.inflight(rid) is not None for rid in requests)

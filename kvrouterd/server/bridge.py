@@ -24,6 +24,7 @@ from ..config import Config, load_config
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, KVRouterError
 from ..events.bridge import DEFAULT_MAX_PENDING, BusBridge
+from ..events.endpoints import check_worker_endpoints
 from ..index.workers import WorkerSpec
 from ..telemetry.metrics import build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint
@@ -70,6 +71,12 @@ class BridgeProcess:
         replay = self.discovery.replay_endpoint(spec.id) if self.discovery is not None else ""
         if replay and spec.kv_events_endpoint and "replay=" not in spec.kv_events_endpoint:
             spec = dataclasses.replace(spec, kv_events_endpoint=f"{spec.kv_events_endpoint}?replay={replay}")
+        if spec.kv_events_endpoint:  # the daemon's check (events.allowed_endpoints), before dialling
+            try:
+                check_worker_endpoints(self.config.events.allow_list, spec.id, spec.address, spec.kv_events_endpoint)
+            except KVRouterError as exc:
+                log.warning("discovered pod not bridged: %s", exc, extra={"worker_id": spec.id})
+                return
         self.workers[spec.id] = spec
         self._sync()
 

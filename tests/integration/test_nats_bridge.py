@@ -72,7 +72,7 @@ class Fleet:
             workers.append({"id": wid, "address": f"{wid}.local:8000", "capacity_blocks": 100_000, "mode": "events",
                             "kv_events_endpoint": spec})
         return {"listen": "127.0.0.1:0", "block_size": BS, "workers": workers,
-                "events": {"replay_timeout_s": 0.5,
+                "events": {"replay_timeout_s": 0.5, "allowed_endpoints": ["127.0.0.0/8"],  # engines on loopback
                            "bus": {"kind": "nats", "url": self.server.url, "connect_timeout_s": 2, "snapshot_interval_s": 0}}}
 
     async def start(self) -> None:

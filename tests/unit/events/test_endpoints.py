@@ -69,3 +69,18 @@ def test_the_replay_endpoint_is_checked_too():
 def test_a_bad_entry_fails_at_start_naming_it(entry):
     with pytest.raises(ConfigError, match=r"events.allowed_endpoints\[0\]"):
         EndpointAllowList.parse([entry])
+
+
+def test_the_bridge_dials_a_discovered_pod_only_if_the_allow_list_allows_it():
+    """``kvrouterd bridge`` reads engines for the bus: the same rule as the daemon (item 2)."""
+    from kvrouterd.config import parse_config
+    from kvrouterd.index.workers import WorkerSpec
+    from kvrouterd.protocols import CacheMode
+    from kvrouterd.server.bridge import BridgeProcess
+
+    cfg = parse_config({"events": {"bus": {"kind": "nats", "url": "nats://127.0.0.1:1"}}})
+    bridge = BridgeProcess(cfg)
+    bridge._sync = lambda: None  # no subscriber sockets: only which workers it would bridge
+    bridge._discovered(WorkerSpec("a", "10.1.0.7:8000", mode=CacheMode.EVENTS, kv_events_endpoint="tcp://10.1.0.8:5557"))
+    bridge._discovered(WorkerSpec("b", "10.1.0.7:8000", mode=CacheMode.EVENTS, kv_events_endpoint="tcp://10.1.0.7:5557"))
+    assert set(bridge.workers) == {"b"}

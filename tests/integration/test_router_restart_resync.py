@@ -221,6 +221,7 @@ async def test_a_replica_warmed_from_a_peer_is_resynced_by_the_publisher_it_serv
         assert await pub.flush(timeout=5)
         await b.stop(grace=0)
         engine.store(pub, 700, 2)  # B is down: its publisher buffers; A applies it
+        await eventually(lambda: mirrors(a, "gpu", engine))  # before B copies A
 
         b2 = daemon_on(port_b, warm_from=f"127.0.0.1:{port_a}")
         await b2.start()

@@ -227,10 +227,18 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
     return tuple(out)
 
 
+#: Batches count +1 from 0, so no publisher reaches 2**63; a larger number would be applied and
+#: then not fit the int64 ``WorkerSequence.last_sequence`` the answer reports it in (the fuzz test
+#: found that as an UNKNOWN status after the batch had changed the index).
+MAX_EVENT_SEQUENCE = 2**63 - 1
+
+
 def event_batch(msg: pb.EventBatch, max_events: int, max_id_length: int = 256) -> EventBatch:
     if not msg.worker_id:
         raise InvalidRequest("event batch without worker_id")
     check_id("worker_id", msg.worker_id, max_id_length)
+    if msg.sequence > MAX_EVENT_SEQUENCE:
+        raise InvalidRequest(f"event batch sequence {msg.sequence} is above 2**63-1 (batches count +1 from 0)")
     if len(msg.events) > max_events:
         raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={max_events}")
     return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))

@@ -196,6 +196,20 @@ async def test_malformed_batch_rejected_without_applying_it(running):
     assert running.router.index.count(w.slot) == 1 and w.last_sequence == 0
 
 
+async def test_a_sequence_past_int64_is_rejected_before_it_is_applied(running):
+    """The answer reports a worker's last sequence as int64: a batch numbered past it must not be
+    applied and then fail the answer (UNKNOWN, with the index already changed)."""
+    stub = running.stub
+    await register(stub, "a")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await publish(stub, pb.EventBatch(worker_id="a", sequence=2**64 - 2, events=[stored(list(range(16)), [1])]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "2**63-1" in err.value.details()
+    w = running.router.workers.get("a")
+    assert len(running.router.index) == 0 and w.last_sequence == -1
+    resp = await publish(stub, pb.EventBatch(worker_id="a", sequence=2**63 - 1, events=[pb.CacheEvent(cleared=pb.AllBlocksCleared())]))
+    assert [(s.worker_id, s.last_sequence) for s in resp.workers] == [("a", 2**63 - 1)]
+
+
 async def test_unknown_worker_batch_is_not_found(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await publish(running.stub, pb.EventBatch(worker_id="ghost", sequence=0, events=[]))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,6 +12,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
+
+from .nats_server import NatsServer
 
 
 class RunningDaemon:
@@ -43,3 +46,14 @@ async def running(daemon_config: dict) -> AsyncIterator[RunningDaemon]:
     finally:
         await channel.close()
         await daemon.stop(grace=0.5)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream on loopback, for the event-bus tests."""
+    server = NatsServer(tmp_path / "js")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -9,11 +9,9 @@ it answers with Cleared + its engine's snapshot on the stream, without an operat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import nats
-import pytest
 from kvrouter_client import NatsEventPublisher, Stored
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
@@ -22,20 +20,9 @@ from kvrouterd.events.nats_bus import resync_subject
 from kvrouterd.protocols import WorkerState
 from kvrouterd.server.app import Daemon
 
-from .nats_server import NatsServer
 
 BS = 4
 STREAM = "KVROUTER_EVENTS"
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path / "js")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def start_replica(url: str, **bus: object) -> Daemon:

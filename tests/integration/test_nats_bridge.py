@@ -26,7 +26,7 @@ from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server.app import Daemon
 from kvrouterd.server.bridge import BridgeProcess
 from tests.integration.engine_wire import SGLANG, VLLM_011, VLLM_026, EngineWire
-from tests.integration.test_nats_bus import nats_server, stream_last_seq, wait_applied  # noqa: F401 (fixture)
+from tests.integration.test_nats_bus import wait_applied
 from tests.integration.test_zmq_events import FakeEngine
 
 from .nats_server import NatsServer, free_port
@@ -117,7 +117,7 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(nats_server: NatsServer) -> AsyncIterator[Fleet]:  # noqa: F811
+async def fleet(nats_server: NatsServer) -> AsyncIterator[Fleet]:
     ctx = zmq.asyncio.Context()
     f = Fleet(nats_server, ctx)
     try:
@@ -231,7 +231,7 @@ async def test_a_restarted_bridge_rebuilds_the_view_from_the_engines_replay(flee
     assert fleet.bridge.bridge.source.stats()["gpu-0"].replays_ok == 1
 
 
-async def test_a_full_bridge_queue_degrades_the_worker_then_resyncs_it(fleet: Fleet, nats_server: NatsServer) -> None:  # noqa: F811
+async def test_a_full_bridge_queue_degrades_the_worker_then_resyncs_it(fleet: Fleet, nats_server: NatsServer) -> None:
     engine = fleet.add_engine("gpu-0", VLLM_026)
     await fleet.start()
     assert fleet.bridge is not None

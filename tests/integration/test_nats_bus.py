@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -22,16 +21,6 @@ from .nats_server import NatsServer, free_port
 
 BS = 16
 WORKERS = ("gpu-0", "gpu.1")  # a dot: the subject token must escape it
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path / "js")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def replica_config(url: str, **bus: object) -> dict:

@@ -25,7 +25,7 @@ from kvrouter_client import NatsEventPublisher
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.events.nats_bus import LAG_WARN_MESSAGES, worker_subject
-from tests.integration.test_nats_bus import BS, WORKERS, Engine, nats_server, stream_last_seq  # noqa: F401 (fixture)
+from tests.integration.test_nats_bus import BS, WORKERS, Engine, stream_last_seq
 
 from .nats_server import NatsServer, free_port
 
@@ -114,7 +114,7 @@ class Replica:
 
 
 @pytest.fixture
-def replicas(tmp_path: Path, nats_server: NatsServer) -> Iterator[list[Replica]]:  # noqa: F811
+def replicas(tmp_path: Path, nats_server: NatsServer) -> Iterator[list[Replica]]:
     made: list[Replica] = []
     yield made
     for r in made:
@@ -150,7 +150,7 @@ def batches_applied(replica: Replica) -> int:
 
 
 async def test_a_replica_killed_with_sigkill_restarts_warm_from_snapshot_and_tail_with_nothing_lost_or_doubled(
-    tmp_path: Path, nats_server: NatsServer, replicas: list[Replica]  # noqa: F811
+    tmp_path: Path, nats_server: NatsServer, replicas: list[Replica]
 ) -> None:
     victim = Replica(tmp_path, nats_server.url, "victim", snapshot_interval_s=0.3)
     replicas.append(victim)
@@ -195,7 +195,7 @@ async def test_a_replica_killed_with_sigkill_restarts_warm_from_snapshot_and_tai
 
 
 async def test_a_paused_replica_catches_up_and_says_it_was_behind(
-    tmp_path: Path, nats_server: NatsServer, replicas: list[Replica]  # noqa: F811
+    tmp_path: Path, nats_server: NatsServer, replicas: list[Replica]
 ) -> None:
     """SIGSTOP stands for a replica whose event loop stalls (a long GC, a snapshot encode, a
     starved CPU) while the stream advances by more than LAG_WARN_MESSAGES."""
@@ -252,7 +252,7 @@ def test_kvrouterd_serve_exits_2_naming_the_url_when_the_bus_is_unreachable(tmp_
 
 
 
-async def test_a_replica_is_not_serving_while_it_waits_for_the_bus(nats_server: NatsServer) -> None:  # noqa: F811
+async def test_a_replica_is_not_serving_while_it_waits_for_the_bus(nats_server: NatsServer) -> None:
     """grpc's health servicer answers SERVING for "" until told otherwise; the probes ask "",
     so a replica still restoring or catching up must say NOT_SERVING there."""
     from kvrouterd.config import parse_config

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import nats
@@ -22,16 +21,6 @@ from .test_metrics_endpoint import _get, sample
 
 BS = 16
 WORKERS = ("gpu-0", "gpu-1", "gpu-2")
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path / "js")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Replica:

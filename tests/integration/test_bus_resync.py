@@ -12,13 +12,15 @@ import asyncio
 from collections.abc import Callable
 
 import nats
-from kvrouter_client import NatsEventPublisher, Stored
+from kvrouter_client import NatsEventPublisher
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.config import parse_config
 from kvrouterd.events.nats_bus import resync_subject
 from kvrouterd.protocols import WorkerState
 from kvrouterd.server.app import Daemon
+
+from .test_router_restart_resync import Engine
 
 
 BS = 4
@@ -33,26 +35,6 @@ async def start_replica(url: str, **bus: object) -> Daemon:
     }), seed=1)
     await daemon.start()
     return daemon
-
-
-class Engine:
-    def __init__(self) -> None:
-        self.chains: list[Stored] = []
-        self._next_hash = 1
-
-    def store(self, pub: NatsEventPublisher, first_token: int, blocks: int) -> None:
-        tokens = list(range(first_token, first_token + blocks * BS))
-        hashes = list(range(self._next_hash, self._next_hash + blocks))
-        self._next_hash += blocks
-        self.chains.append(Stored(tokens, hashes))
-        pub.stored(tokens, engine_hashes=hashes)
-
-    def snapshot(self) -> list[Stored]:
-        return list(self.chains)
-
-    @property
-    def blocks(self) -> int:
-        return sum(len(c.engine_hashes or ()) for c in self.chains)
 
 
 async def eventually(cond: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -70,7 +52,7 @@ def mirrors(daemon: Daemon, engine: Engine) -> bool:
 
 
 async def test_a_replica_restored_from_the_bus_snapshot_gets_a_hole_healed_by_the_publisher(nats_server):
-    engine = Engine()
+    engine = Engine(BS)
     first = await start_replica(nats_server.url, snapshot_interval_s=0.1)
     second: Daemon | None = None
     nc = await nats.connect(nats_server.url)
@@ -111,7 +93,7 @@ async def test_a_replica_restored_from_the_bus_snapshot_gets_a_hole_healed_by_th
 
 async def test_asks_about_batches_before_the_latest_resync_are_ignored(nats_server):
     """Every replica asks, and asks again until it applied the resync: one resync answers all."""
-    engine = Engine()
+    engine = Engine(BS)
     nc = await nats.connect(nats_server.url)
     pub = NatsEventPublisher(nats_server.url, "gpu", block_size=BS, linger_s=0, timeout=1.0, snapshot=engine.snapshot)
     try:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
-from kvrouter_client import EventPublisher, FanOutPublisher, Stored
+from kvrouter_client import EventPublisher, FanOutPublisher, NatsEventPublisher, Stored
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
@@ -36,12 +36,13 @@ def free_port() -> int:
 class Engine:
     """An engine's prefix cache: chains of blocks it publishes and can list whole (``snapshot``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = BS) -> None:
+        self.block_size = block_size
         self.chains: list[Stored] = []
         self._next_hash = 1
 
-    def store(self, pub: EventPublisher | FanOutPublisher, first_token: int, blocks: int) -> None:
-        tokens = list(range(first_token, first_token + blocks * BS))
+    def store(self, pub: EventPublisher | FanOutPublisher | NatsEventPublisher, first_token: int, blocks: int) -> None:
+        tokens = list(range(first_token, first_token + blocks * self.block_size))
         hashes = list(range(self._next_hash, self._next_hash + blocks))
         self._next_hash += blocks
         self.chains.append(Stored(tokens, hashes))

@@ -145,14 +145,7 @@ def _stream_stream(inner: Callable[..., Any]) -> Callable[..., Any]:
                 await context.abort(_INVALID, status_message(exc))
 
         return generate
-
-    async def behavior(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await inner(requests, context)
-        except UndecodableMessage as exc:
-            await context.abort(_INVALID, status_message(exc))
-
-    return behavior
+    return _stream_unary(inner)  # a handler that writes with context.write: awaited like stream-unary
 
 
 class _SafeGenericHandler(grpc.GenericRpcHandler):

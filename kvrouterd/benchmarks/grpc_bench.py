@@ -225,7 +225,7 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
     return out
 
 
-async def _ingest(port: int, total_blocks: int, blocks_per_event: int, events_per_batch: int) -> float:
+async def _ingest(port: int, total_blocks: int, blocks_per_event: int, events_per_batch: int, packed: bool) -> float:
     batches: list[pb.EventBatch] = []
     made, eh, seq, tok = 0, 1, 0, 0
     while made < total_blocks:
@@ -234,7 +234,11 @@ async def _ingest(port: int, total_blocks: int, blocks_per_event: int, events_pe
             n = min(blocks_per_event, total_blocks - made)
             if n <= 0:
                 break
-            st = pb.StoredBlocks(engine_hashes=range(eh, eh + n), token_ids=array("I", range(tok, tok + n * BLOCK_SIZE)))
+            tokens = array("I", range(tok, tok + n * BLOCK_SIZE))
+            if packed:  # as the SDK sends them (a little-endian host's array is the wire layout)
+                st = pb.StoredBlocks(engine_hashes=range(eh, eh + n), token_ids_le32=tokens.tobytes())
+            else:  # as older clients send them
+                st = pb.StoredBlocks(engine_hashes=range(eh, eh + n), token_ids=tokens)
             events.append(pb.CacheEvent(stored=st))
             eh, tok, made = eh + n, tok + n * BLOCK_SIZE, made + n
         batches.append(pb.EventBatch(worker_id="w0", sequence=seq, events=events))
@@ -259,12 +263,14 @@ async def _ingest(port: int, total_blocks: int, blocks_per_event: int, events_pe
     return total_blocks / elapsed
 
 
-def ingest_throughput(total_blocks: int, blocks_per_event: int = 32, events_per_batch: int = 16) -> float:
+def ingest_throughput(total_blocks: int, blocks_per_event: int = 32, events_per_batch: int = 16, packed: bool = True) -> float:
+    """Stored block events/s through PublishEvents into a fresh daemon; ``packed``: tokens in
+    ``token_ids_le32`` (the SDK's form) rather than the repeated ``token_ids``."""
     import uvloop
 
     server = ServerProcess("ingest")
     try:
-        return uvloop.run(_ingest(server.port, total_blocks, blocks_per_event, events_per_batch))
+        return uvloop.run(_ingest(server.port, total_blocks, blocks_per_event, events_per_batch, packed))
     finally:
         server.close()
 

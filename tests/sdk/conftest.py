@@ -91,7 +91,7 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
     def _route_response(self, request: pb.RouteRequest) -> pb.RouteResponse:
         return pb.RouteResponse(
             request_id=request.request_id or f"req-{len(self.routes)}", worker_id="w1", worker_address="10.0.0.1:8000",
-            matched_blocks=2, matched_tokens=32, prompt_blocks=len(request.block_keys) or len(request.token_ids) // 16,
+            matched_blocks=2, matched_tokens=32, prompt_blocks=len(request.block_keys) or len(request.token_ids_le32) // 64,
             alternative_worker_id="w2", alternative_worker_address="10.0.0.2:8000", policy="cache_aware",
             reason="prefix_match", estimated_ttft_ms=12.5,
         )

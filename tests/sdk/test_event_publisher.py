@@ -43,7 +43,8 @@ async def test_events_are_batched_numbered_and_acknowledged(fake_server):
     events = fake.applied_events("gpu-0")
     assert kinds(events) == ["stored", "stored", "removed", "cleared", "stored"]
     first, second = events[0].stored, events[1].stored
-    assert list(first.token_ids) == toks(0, 2) and list(first.engine_hashes) == [11, 12]
+    assert first.token_ids_le32 == b"".join(t.to_bytes(4, "little") for t in toks(0, 2)) and not first.token_ids
+    assert list(first.engine_hashes) == [11, 12]
     assert not first.HasField("parent_engine_hash") and first.block_size == BS
     assert second.parent_engine_hash == 12 and (second.model, second.lora) == ("m", "l")
     assert list(events[2].removed.engine_hashes) == [11]

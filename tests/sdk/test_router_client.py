@@ -34,7 +34,9 @@ async def test_route_sends_every_field_and_returns_the_choice(fake_server):
             expected_output_tokens=50, policy="dualmap", candidate_workers=["w1", "w2"], request_id="r1",
         )
     sent = fake_server.fake.routes[0]
-    assert list(sent.token_ids) == list(range(64)) and not sent.block_keys
+    # packed, the form the router hashes without decoding; the repeated field stays empty
+    assert sent.token_ids_le32 == b"".join(t.to_bytes(4, "little") for t in range(64))
+    assert not sent.token_ids and not sent.block_keys
     assert (sent.model, sent.lora, sent.session_id, sent.task) == ("m", "l", "s", pb.TASK_CATEGORY_AGENTIC)
     assert sent.ttft_slo_ms == 300.0 and sent.expected_output_tokens == 50 and sent.policy == "dualmap"
     assert list(sent.candidate_workers) == ["w1", "w2"] and sent.request_id == "r1"

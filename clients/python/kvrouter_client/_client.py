@@ -38,7 +38,7 @@ from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from ._streams import RouteStreams, StreamsUnsupported
-from ._types import RouteResult, TaskCategory, WorkerInfo
+from ._types import RouteResult, TaskCategory, WorkerInfo, packed_tokens
 
 __all__ = ["DEFAULT_STREAMS", "DEFAULT_TIMEOUT_S", "FallbackFn", "RouterClient", "SyncRouterClient"]
 
@@ -70,7 +70,8 @@ def _route_request(
         raise ValueError("pass exactly one of token_ids and block_keys")
     return pb.RouteRequest(
         request_id=request_id,
-        token_ids=token_ids or (),
+        # packed: the router hashes this buffer as it is, instead of decoding one varint per token
+        token_ids_le32=b"" if token_ids is None else packed_tokens(token_ids),
         block_keys=block_keys or (),
         prompt_tokens=prompt_tokens,
         model=model,

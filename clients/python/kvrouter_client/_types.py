@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ._generated.kvrouter.v1 import router_pb2 as pb
+from .keys import tokens_to_bytes
 
 __all__ = [
     "CacheMode",
@@ -155,9 +156,19 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
+def packed_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as the wire's ``token_ids_le32`` (little-endian uint32 bytes), which the router
+    hashes as they are. Raises ValueError for an id outside [0, 2**32), as the repeated field did."""
+    try:
+        return tokens_to_bytes(tokens)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32)") from None
+
+
 def event_to_pb(ev: Event, block_size: int) -> pb.CacheEvent:
     if isinstance(ev, Stored):
-        msg = pb.StoredBlocks(token_ids=ev.token_ids, block_size=block_size, model=ev.model, lora=ev.lora)
+        msg = pb.StoredBlocks(token_ids_le32=packed_tokens(ev.token_ids), block_size=block_size, model=ev.model,
+                              lora=ev.lora)
         if ev.engine_hashes is not None:
             msg.engine_hashes.extend(ev.engine_hashes)
         if ev.parent_engine_hash is not None:

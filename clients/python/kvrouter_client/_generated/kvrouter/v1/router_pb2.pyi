@@ -42,7 +42,7 @@ WORKER_STATE_DEGRADED: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_keys", "prompt_tokens", "model", "lora", "session_id", "task", "ttft_slo_ms", "expected_output_tokens", "policy", "candidate_workers", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "block_keys", "prompt_tokens", "model", "lora", "session_id", "task", "ttft_slo_ms", "expected_output_tokens", "policy", "candidate_workers", "cache_salt", "token_ids_le32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class RouteRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LE32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +70,8 @@ class RouteRequest(_message.Message):
     policy: str
     candidate_workers: _containers.RepeatedScalarFieldContainer[str]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    token_ids_le32: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., token_ids_le32: _Optional[bytes] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms")
@@ -272,7 +274,7 @@ class ReportLoadResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StoredBlocks(_message.Message):
-    __slots__ = ("parent_engine_hash", "engine_hashes", "token_ids", "block_size", "model", "lora", "cache_salt")
+    __slots__ = ("parent_engine_hash", "engine_hashes", "token_ids", "block_size", "model", "lora", "cache_salt", "token_ids_le32")
     PARENT_ENGINE_HASH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +282,7 @@ class StoredBlocks(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LE32_FIELD_NUMBER: _ClassVar[int]
     parent_engine_hash: int
     engine_hashes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -287,7 +290,8 @@ class StoredBlocks(_message.Message):
     model: str
     lora: str
     cache_salt: str
-    def __init__(self, parent_engine_hash: _Optional[int] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    token_ids_le32: bytes
+    def __init__(self, parent_engine_hash: _Optional[int] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., token_ids_le32: _Optional[bytes] = ...) -> None: ...
 
 class RemovedBlocks(_message.Message):
     __slots__ = ("engine_hashes",)

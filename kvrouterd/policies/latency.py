@@ -3,13 +3,37 @@
 Both DualMap (section 3.2, Eq. 7: ``TTFT(r, i) = T_q(r, i) + T_c(r, i)``) and Mooncake's
 min-TTFT estimate TTFT as the time to clear a worker's pending prefill work plus the time to
 prefill the request's own uncached tokens. Every policy that needs that estimate uses this
-module, so one calibration serves them all.
+module, so one calibration serves them all, and the simulated engines (``sim.engine``) time
+their steps with the same ``PowerLaw`` fit, so a router and the engines it routes to agree.
 
 Prefill time of ``L`` uncached tokens (``prefill_model``):
 
-- ``linear`` (default): ``T_c = intercept_ms + ms_per_1k * L / 1000``.
-- ``power_law``: ``T_c = a_ms * batch^b * L^c``, the fit UniCache (appendix A.1, Fig. 14)
-  reports for Llama-3.1-8B on an H100: ``3.59e-5 s * BS^0.991 * L^1.018``.
+- ``power_law``: ``T_c = a_ms * BS^b * (L / BS)^c`` for a batch of ``BS`` requests of
+  ``L / BS`` tokens each, UniCache's timing model (section 3.2, Fig. 3; appendix A.1, Fig. 14).
+- ``linear`` (default for the daemon): ``T_c = intercept_ms + ms_per_1k * L / 1000``.
+
+**Calibration of the power law (``H100_LLAMA31_8B``, the defaults of ``power_*``).** UniCache
+measured prefill times of Llama-3.1-8B on an H100 "across a range of batch sizes and input
+lengths" and fitted ``prefill_time = 3.59e-5 s * BS^0.991 * L_in^1.018`` (appendix A.1, Fig.
+14, R^2 = 0.999); its Fig. 3 fits ``5.56e-5 s * BS^0.992 * L_in^1.034`` for Llama-3.2-1B on an
+A100 (``A100_LLAMA32_1B``). These are the only published fits of prefill time against batch
+size among the papers we follow: DualMap (3.2) profiles its GPU but publishes no curve, LBGR
+(appendix A) states its cost in a per-1k-token unit (1,000 ms per 1k uncached tokens) rather
+than a measured time, and T-LRU (section 1) takes TTFT as linear in uncached tokens with a
+fitted per-block ``alpha`` it does not publish. ``a`` is in ms here (3.59e-5 s = 0.0359 ms).
+At batch 1 the H100 fit costs 40.7 ms per 1k tokens, which is where the linear default of 40
+ms per 1k comes from. The fit is near-linear: a batch of 8 requests costs ``8^(b-1)`` = 98.1%
+of prefilling them one by one and ``8^(b-c)`` = 94.5% of one request as long as all eight
+(``c > 1``: a longer prompt costs more per token), and an 8,192-token request 346 ms, 5.5%
+above the linear default.
+
+**Decode cost.** UniCache (section 3.2) found TPOT "relatively small ... but high variance
+across settings" with no stable parametric fit, and models it as a batch-independent
+constant, its measured mean; the simulated engines do the same (``tpot_ms``, 20 ms, our
+assumption for an 8B model since the mean is not published), or with ``--decode-model
+batched`` charge a decode step ``tpot_ms * (1 + slope * (D - 1))`` for D decoding requests
+(slope 0 by default: no paper gives one). Routing here estimates TTFT only, so no policy
+needs a decode model.
 
 Queueing delay ``T_q`` is the prefill time of the worker's pending prefill tokens (the
 uncached tokens of requests routed to it and not yet completed), treated as one batch of
@@ -29,11 +53,15 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``prefill_model`` = "linear": "linear" or "power_law".
 - ``prefill_ms_per_1k_tokens`` = 40.0: linear per-token cost (UniCache's H100 8B fit at batch 1).
 - ``prefill_intercept_ms`` = 0.0: fixed cost per prefill (scheduling, first decode step).
-- ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018: UniCache A.1 fit.
+- ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018: ``H100_LLAMA31_8B``.
 - ``calibrate`` = True: learn the coefficients from completions.
 - ``calibration_forgetting`` = 0.992: RLS forgetting factor (LBGR's value).
 - ``calibration_min_samples`` = 8: samples before calibrated coefficients replace the prior.
 - ``pending_model`` = "drain": how pending prefill tokens are estimated (see ``pending_tokens``).
+
+``kvrouterd sim cluster`` fills every ``prefill_*``/``power_*`` field a policy's spec leaves
+unset with its engines' values (``sim.cluster.profiled_spec``), as DualMap profiles the GPU
+it routes to.
 """
 
 from __future__ import annotations
@@ -47,11 +75,53 @@ from ..index.workers import Worker
 from ..protocols import Completion, Decision, RouteRequest
 from .base import RoutingContext, RoutingPolicyBase
 
-__all__ = ["LatencyModel", "LatencyParams", "RecursiveLeastSquares"]
+__all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LatencyModel", "LatencyParams", "PowerLaw",
+           "RecursiveLeastSquares", "power_law_ms"]
 
 # Tracked dispatches awaiting their Complete; beyond this the oldest are forgotten (a caller
 # that never completes must not grow memory without bound).
 _MAX_TRACKED = 200_000
+# tokens_within never answers more than e^40 (~2e17) tokens
+_LOG_MAX_TOKENS = 40.0
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """UniCache's prefill-time model (section 3.2): ``a_ms * BS^b * L_in^c`` ms for a batch of
+    ``BS`` requests of ``L_in`` input tokens each."""
+
+    a_ms: float
+    b: float
+    c: float
+
+    def prefill_ms(self, tokens: float, batch: int = 1) -> float:
+        """Prefill time of ``tokens`` tokens in all, split evenly over a batch of ``batch``."""
+        return power_law_ms(self.a_ms, self.b, self.c, tokens, batch)
+
+    def tokens_within(self, budget_ms: float) -> int:
+        """Tokens one request prefills within ``budget_ms`` (the inverse at batch 1)."""
+        if budget_ms <= 0:
+            return 0
+        # in logs, capped: an online fit can drive c towards 0, where the power overflows
+        return int(math.exp(min(math.log(budget_ms / self.a_ms) / self.c, _LOG_MAX_TOKENS)))
+
+
+def power_law_ms(a_ms: float, b: float, c: float, tokens: float, batch: int) -> float:
+    """``PowerLaw(a_ms, b, c).prefill_ms(tokens, batch)`` without building one: the engines'
+    step time and every routing estimate go through here, so they cannot disagree."""
+    if tokens <= 0:
+        return 0.0
+    batch = max(batch, 1)
+    return a_ms * batch**b * (tokens / batch) ** c
+
+
+#: Llama-3.1-8B on an H100, UniCache appendix A.1, Fig. 14 (R^2 = 0.999): 3.59e-5 s * BS^0.991 * L^1.018
+H100_LLAMA31_8B = PowerLaw(a_ms=0.0359, b=0.991, c=1.018)
+#: Llama-3.2-1B on an A100, UniCache section 3.2, Fig. 3 (R^2 = 0.999): 5.56e-5 s * BS^0.992 * L^1.034
+A100_LLAMA32_1B = PowerLaw(a_ms=0.0556, b=0.992, c=1.034)
+#: the LatencyParams fields that describe the hardware (what ``sim cluster`` takes from its engines)
+LATENCY_FIELDS = ("prefill_model", "prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b",
+                  "power_c")
 
 
 @dataclass(frozen=True)
@@ -63,9 +133,9 @@ class LatencyParams:
         default=40.0, metadata={"help": "linear model: prefill ms per 1,000 uncached tokens"}
     )
     prefill_intercept_ms: float = field(default=0.0, metadata={"help": "linear model: fixed ms per prefill"})
-    power_a_ms: float = field(default=0.0359, metadata={"help": "power law: coefficient a, in ms"})
-    power_b: float = field(default=0.991, metadata={"help": "power law: batch-size exponent b"})
-    power_c: float = field(default=1.018, metadata={"help": "power law: input-length exponent c"})
+    power_a_ms: float = field(default=H100_LLAMA31_8B.a_ms, metadata={"help": "power law: coefficient a, in ms"})
+    power_b: float = field(default=H100_LLAMA31_8B.b, metadata={"help": "power law: batch-size exponent b"})
+    power_c: float = field(default=H100_LLAMA31_8B.c, metadata={"help": "power law: input-length exponent c"})
     calibrate: bool = field(default=True, metadata={"help": "fit the coefficients online from observed TTFT"})
     calibration_forgetting: float = field(
         default=0.992, metadata={"help": "forgetting factor of the online least-squares fit, in (0, 1]"}
@@ -180,9 +250,7 @@ class LatencyModel:
             per_1k, intercept = self.coefficients()
             return intercept + per_1k * tokens / 1000.0
         a, b, c = self.coefficients()
-        batch = max(batch, 1)
-        # a*BS^b*L^c with L the per-request length of the batch
-        return a * batch**b * (tokens / batch) ** c
+        return power_law_ms(a, b, c, tokens, batch)
 
     def queue_ms(self, pending_tokens: int, inflight: int = 1) -> float:
         """T_q: time to clear ``pending_tokens`` of prefill already routed to a worker."""
@@ -204,8 +272,8 @@ class LatencyModel:
         if self.params.prefill_model == "linear":
             per_1k, intercept = self.coefficients()
             return max(0, int((budget_ms - intercept) * 1000.0 / per_1k))
-        a, _, c = self.coefficients()
-        return int((budget_ms / a) ** (1.0 / c))
+        a, b, c = self.coefficients()
+        return PowerLaw(a, b, c).tokens_within(budget_ms)
 
     # ---- pending prefill ----------------------------------------------------------------
     def prefill_rate(self) -> float:

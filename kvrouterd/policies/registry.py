@@ -73,6 +73,11 @@ def policy_class(kind: Kind, name: str) -> type:
     return _lookup(kind, name)[0]
 
 
+def params_class(kind: Kind, name: str) -> type:
+    """The Params dataclass of policy ``name`` (ConfigError naming the known ones if none is)."""
+    return _lookup(kind, name)[1]
+
+
 def _coerce(policy: str, f: dataclasses.Field, value: Any, hints: dict[str, Any]) -> Any:
     want = hints.get(f.name, f.type)
     where = f"{policy}.{f.name}"

@@ -46,14 +46,17 @@ from ..errors import ConfigError, KVRouterError, NotFound
 from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
 from ..policies import registry
+from ..policies.eviction.tlru import TLRUParams
+from ..policies.latency import LATENCY_FIELDS, LatencyModel, LatencyParams
+from ..policies.routing.compose import ComposeParams
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
 from ..router import Router, RouteResult
 from . import metrics as m
 from .engine import EngineParams, Job, SimEngine
 from .workloads import GENERATORS, Workload, build_workload
 
-__all__ = ["ClusterPlan", "ClusterSettings", "RunResult", "Simulation", "add_arguments", "plan", "policy_spec", "run",
-           "simulate", "sweep"]
+__all__ = ["ClusterPlan", "ClusterSettings", "RunResult", "Simulation", "add_arguments", "plan", "policy_spec",
+           "profiled_spec", "run", "simulate", "sweep"]
 
 _DELIVER, _STEP, _FINISH = 0, 1, 2
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -141,6 +144,45 @@ def policy_spec(cfg: Config, kind: str, name: str, overrides: Mapping[str, Mappi
     return spec
 
 
+def profiled_spec(kind: str, spec: Mapping[str, Any], engine: EngineParams, block_tokens: int) -> dict[str, Any]:
+    """``spec`` with the engines' cost model filled in wherever the policy estimates time and
+    the spec (config or ``--set``) leaves it unset, so routers judge the engines they route to
+    as DualMap's does its profiled GPU (section 3.2):
+
+    - a policy whose Params are ``LatencyParams`` (dualmap, min_ttft, preble) gets the
+      engines' ``prefill_model`` and its coefficients (``EngineParams.latency_fields``);
+    - ``tlru`` gets ``alpha`` (``prefill_ms_per_block``) as the engines' cost per block of a
+      prompt that just meets its threshold ``xi``: ``xi / (tokens prefilled in xi / block)``
+      (T-LRU section 1: ``xi / alpha`` uncached blocks meet the threshold); under the linear
+      model that is exactly ``ms_per_1k * block_tokens / 1000``;
+    - ``compose`` passes both of its inner policies through the same.
+
+    LBGR's Cost (Eq. 5) is left alone: its ``alpha`` is the paper's per-1k-token unit
+    (appendix A), not a profiled time, and its residual learns the rest.
+    """
+    out = dict(spec)
+    name = out["name"]
+    params = registry.params_class(kind, name)  # type: ignore[arg-type]
+    hardware = engine.latency_fields()
+    if issubclass(params, LatencyParams):
+        for key in LATENCY_FIELDS:
+            out.setdefault(key, hardware[key])
+    if kind == "eviction" and name == "tlru" and "prefill_ms_per_block" not in out:
+        xi = float(out.get("latency_threshold_ms", TLRUParams().latency_threshold_ms))
+        model = LatencyModel(LatencyParams(**hardware, calibrate=False))
+        tokens = model.tokens_within(xi)
+        out["prefill_ms_per_block"] = (xi * block_tokens / tokens if tokens > 0
+                                       else model.prefill_ms(block_tokens))
+    if kind == "routing" and name == "compose":
+        defaults = ComposeParams()
+        for role in ("candidates", "scorer"):
+            inner = {"name": out.get(role, getattr(defaults, role)), **out.get(f"{role}_params", {})}
+            profiled = profiled_spec(kind, inner, engine, block_tokens)
+            del profiled["name"]
+            out[f"{role}_params"] = profiled
+    return out
+
+
 class _Keys:
     """Block ids -> the router's chained block keys, and ids -> the token bytes engines publish.
 
@@ -184,8 +226,10 @@ class Simulation:
         self.rate = rate
         self.progress = progress
         bs = workload.block_tokens
-        routing_spec = {"name": routing} if isinstance(routing, str) else dict(routing)
-        eviction_spec = {"name": eviction} if isinstance(eviction, str) else dict(eviction)
+        routing_spec = profiled_spec("routing", {"name": routing} if isinstance(routing, str) else routing,
+                                     settings.engine, bs)
+        eviction_spec = profiled_spec("eviction", {"name": eviction} if isinstance(eviction, str) else eviction,
+                                      settings.engine, bs)
         cfg = dataclasses.replace(cfg, block_size=bs, routing=routing_spec, eviction=eviction_spec,
                                   extra_routing=[s for s in cfg.extra_routing if s.get("name") != routing_spec["name"]])
         self.cfg = cfg
@@ -599,7 +643,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
-                   help=f"engine step-time model (default {d.prefill_model})")
+                   help=f"engine step-time model, which policies that estimate time also use unless their spec "
+                        f"sets it (default {d.prefill_model}: UniCache's H100 fit, a*batch^b*(L/batch)^c)")
     e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens,
                    help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
     e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")

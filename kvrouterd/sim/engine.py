@@ -19,11 +19,14 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
   policy cannot free enough (everything pinned) the request and those behind it wait. Each
   step prefills up to ``max_batch_tokens`` tokens over the admitted requests in order, at
   most ``max_running`` requests run at once.
-- **Time.** A step lasts the prefill time of its tokens: ``linear``
-  (``intercept + ms_per_1k * tokens / 1000``) or ``power_law``
-  (``a * batch^b * (tokens / batch)^c``). Defaults are UniCache's fit for Llama-3.1-8B on an
-  H100 (appendix A.1, Fig. 14: ``3.59e-5 s * BS^0.991 * L^1.018``, i.e. ~40 ms per 1k
-  tokens at batch 1, which is also the linear default). Decoding costs a constant
+- **Time.** A step lasts the prefill time of its tokens: ``power_law`` (the default,
+  ``a * batch^b * (tokens / batch)^c``, through ``policies.latency.power_law_ms``, the very
+  function the routers' latency model evaluates) or ``linear``
+  (``intercept + ms_per_1k * tokens / 1000``, ``--prefill-model linear``). The power-law
+  defaults are UniCache's fit for Llama-3.1-8B on an H100 (``policies.latency.H100_LLAMA31_8B``,
+  appendix A.1, Fig. 14: ``3.59e-5 s * BS^0.991 * L^1.018``, ~40.7 ms per 1k tokens at batch
+  1; the linear default of 40 ms per 1k is that fit at batch 1; the calibration is documented
+  in ``policies.latency``). Decoding costs a constant
   ``tpot_ms`` per output token, independent of batch (UniCache section 3 models TPOT as a
   constant measured mean; it does not publish the value, 20 ms is our assumption for an 8B
   model). A request's first token comes when its last prefill chunk completes. With
@@ -49,7 +52,7 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 
 Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8192 (vLLM's
 chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
-``prefill_model`` = "linear", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
+``prefill_model`` = "power_law", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
 0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0,
 ``cache_decode`` = False, ``decode_model`` = "constant", ``decode_batch_slope`` = 0.0,
 ``decode_kv`` = False.
@@ -67,6 +70,7 @@ from typing import Any, Literal
 from ..index.radix import RadixIndex
 from ..policies import registry
 from ..policies.base import AccessInfo, EvictionContext
+from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, power_law_ms
 from ..protocols import CacheEvent, Removed, Stored
 from .workloads import SimRequest
 
@@ -78,12 +82,12 @@ class EngineParams:
     capacity_blocks: int = field(default=0, metadata={"help": "KV cache size in blocks (0 = unbounded)"})
     max_batch_tokens: int = field(default=8192, metadata={"help": "prefill tokens per step (chunked prefill budget)"})
     max_running: int = field(default=256, metadata={"help": "requests admitted at once (prefilling or decoding)"})
-    prefill_model: Literal["linear", "power_law"] = field(default="linear", metadata={"help": "step time model"})
+    prefill_model: Literal["linear", "power_law"] = field(default="power_law", metadata={"help": "step time model"})
     prefill_ms_per_1k_tokens: float = field(default=40.0, metadata={"help": "linear: ms per 1,000 prefill tokens"})
     prefill_intercept_ms: float = field(default=0.0, metadata={"help": "linear: fixed ms per step"})
-    power_a_ms: float = field(default=0.0359, metadata={"help": "power law: a, in ms"})
-    power_b: float = field(default=0.991, metadata={"help": "power law: batch exponent b"})
-    power_c: float = field(default=1.018, metadata={"help": "power law: length exponent c"})
+    power_a_ms: float = field(default=H100_LLAMA31_8B.a_ms, metadata={"help": "power law: a, in ms"})
+    power_b: float = field(default=H100_LLAMA31_8B.b, metadata={"help": "power law: batch exponent b"})
+    power_c: float = field(default=H100_LLAMA31_8B.c, metadata={"help": "power law: length exponent c"})
     tpot_ms: float = field(default=20.0, metadata={"help": "ms per output token after the first"})
     cache_decode: bool = field(default=False, metadata={
         "help": "cache a finished request's generated tokens (the full blocks they fill), as vLLM does"})
@@ -126,8 +130,13 @@ class EngineParams:
         """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests."""
         if self.prefill_model == "linear":
             return (self.prefill_intercept_ms + self.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
-        batch = max(batch, 1)
-        return self.power_a_ms * batch**self.power_b * (tokens / batch) ** self.power_c / 1000.0
+        # the routers' LatencyModel evaluates the same function with the same fit
+        return power_law_ms(self.power_a_ms, self.power_b, self.power_c, tokens, batch) / 1000.0
+
+    def latency_fields(self) -> dict[str, Any]:
+        """This engine's cost model as ``LatencyParams`` fields: what a router that profiled
+        it would configure (``sim.cluster.profiled_spec``)."""
+        return {name: getattr(self, name) for name in LATENCY_FIELDS}
 
     def decode_step_seconds(self, decoding: int) -> float:
         """Decode share of one step generating a token for each of ``decoding`` requests."""

@@ -153,7 +153,7 @@ def _zipf2_rounds(conversations: int = 2000, longest: int = 40) -> str:
 LONG_CHAT = ("--workload chat --workers 1 --routing round_robin --seeds 0,1,2 --workload-param clients=800"
              f" --workload-param rounds={_zipf2_rounds()} --workload-param user_tokens=200"
              " --workload-param output_tokens=300 --rate 0.5 --cache-decode --eviction lru,tlru"
-             " --set tlru.prefill_ms_per_block=2.56 --set tlru.next_prompt_blocks=3.125")
+             " --set tlru.next_prompt_blocks=3.125")
 
 
 def _lru_cache_row(blocks: int, published: float) -> Row:
@@ -192,7 +192,7 @@ def _tlru_row(blocks: int) -> Row:
 
 
 LONGCHAT = ("--workload longchat --workers 1 --routing round_robin --seeds 0,1,2 --cache-decode --eviction lru,tlru"
-            " --set tlru.prefill_ms_per_block=2.56 --set tlru.next_prompt_blocks=3.125")
+            " --set tlru.next_prompt_blocks=3.125")
 
 
 def _tlru_longchat_row(blocks: int) -> Row:
@@ -221,9 +221,9 @@ _COMPOSE_TOOL = f"{TOOLAGENT} --rate 120,150,165 --routing dualmap,cache_affinit
 _COMPOSE_MOONCAKE = f"{MOONCAKE} --rate 15,18,19 --routing dualmap,preble,compose --eviction lru,rlt"
 _COMPOSE_GSP = f"{GSP_PAPER_CACHE} --rate 36 --routing dualmap,cache_aware,lbgr,compose --eviction lru,rlt"
 _COMPOSE_CHAT = ("--workload chat --workers 4 --capacity-fraction 0.3 --rate 4 --seeds 0,1,2"
-                 " --routing dualmap,cache_aware,lbgr,compose --eviction lru,rlt,tlru --set tlru.prefill_ms_per_block=2.56")
+                 " --routing dualmap,cache_aware,lbgr,compose --eviction lru,rlt,tlru")
 _COMPOSE_MIX2 = ("--workload mix2 --workers 4 --capacity-fraction 0.2 --rate 8 --seeds 0,1,2"
-                 " --routing dualmap,cache_aware,compose --eviction lru,rlt,tlru,unicache --set tlru.prefill_ms_per_block=2.56")
+                 " --routing dualmap,cache_aware,compose --eviction lru,rlt,tlru,unicache")
 _PAPER_PAIRS = ("dualmap+lru", "dualmap+rlt", "lbgr+lru", "lbgr+rlt", "cache_aware+lru", "cache_aware+rlt",
                 "cache_affinity+lru", "cache_affinity+rlt", "preble+lru", "preble+rlt", "dualmap+tlru", "lbgr+tlru",
                 "cache_aware+tlru", "dualmap+unicache", "cache_aware+unicache")

@@ -145,9 +145,12 @@ def _parse(prog: str, tokens: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(f"sim {prog} {shlex.join(tokens)}: {exc}") from None
 
 
-def expand(row_run: str, traces: Path, quick: bool = False) -> list[Unit]:
-    """The runs of one row's command, one per policy pair, rate and seed."""
+def expand(row_run: str, traces: Path, quick: bool = False, prefill_model: str = "") -> list[Unit]:
+    """The runs of one row's command, one per policy pair, rate and seed (``prefill_model``:
+    the engines' step-time model for every ``sim cluster`` run, "" = its default)."""
     tool, tokens = _tokens(row_run, traces)
+    if prefill_model and tool == "cluster":
+        tokens += ["--prefill-model", prefill_model]
     args = _parse(tool, tokens)  # fail now on a bad command, naming it
     if tool == "cache":
         spec = sim_cache._eviction_spec(args.eviction, args.eviction_param)
@@ -371,7 +374,8 @@ def markdown(rows: Sequence[Row], results: Sequence[dict[str, Any]], tables: dic
     out.append(f"Commit {meta['commit']}, {meta['date']}; {meta['units']} runs, {meta['wall_s']:.0f} s wall, "
                f"{meta['cpu_s']:.0f} s of simulation CPU ({meta['sim_wall_s']:.0f} s of wall time inside the runs: "
                f"more than the CPU time when the machine is shared), {meta['jobs']} job(s)"
-               + (" (**--quick**: verdicts meaningless)" if meta["quick"] else "") + ".")
+               + (" (**--quick**: verdicts meaningless)" if meta["quick"] else "")
+               + f"; engines and policies on the {meta.get('prefill_model', 'power_law')} prefill cost model.")
     out += ["", "| row | § | paper figure | claim (ours = ...) | paper | ours | goal | verdict |",
             "|---|---|---|---|---|---|---|---|"]
     for row, r in zip(rows, results):
@@ -406,6 +410,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-trace", type=Path, default=None, metavar="FILE",
                         help="the Mooncake conversation trace (default: $MOONCAKE_TRACE, else "
                              "../shared/traces/mooncake_conversation_trace.jsonl beside the repository)")
+    parser.add_argument("--prefill-model", choices=["power_law", "linear"], default="",
+                        help="the engines' (and so the policies') prefill cost model in every sim cluster run "
+                             f"(default: sim cluster's, {cluster.EngineParams().prefill_model})")
     parser.add_argument("--out", type=Path, help="write report.md and results.json here")
     parser.add_argument("--list", action="store_true", help="list the rows and their commands; run nothing")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors (the report goes to --out)")
@@ -463,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             for run_args in {row.run, row.ours.run or row.run, *([row.versus.run] if row.versus and row.versus.run else [])}:
                 if run_args not in per_run:
-                    per_run[run_args] = expand(run_args, traces, args.quick)
+                    per_run[run_args] = expand(run_args, traces, args.quick, args.prefill_model)
         units = list(dict.fromkeys(u for us in per_run.values() for u in us))
         show = sys.stderr if sys.stderr.isatty() and not args.quiet else None
         started, cpu0 = time.perf_counter(), time.process_time()
@@ -477,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"commit": _git_commit(), "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "units": len(units), "wall_s": wall, "cpu_s": sum(d.cpu_s for d in digests.values()),
             "sim_wall_s": sum(d.wall_s for d in digests.values()),
-            "jobs": args.jobs, "quick": args.quick, "process_cpu_s": time.process_time() - cpu0}
+            "jobs": args.jobs, "quick": args.quick, "process_cpu_s": time.process_time() - cpu0,
+            "prefill_model": args.prefill_model or cluster.EngineParams().prefill_model}
     text = markdown(rows, results, tables, meta)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

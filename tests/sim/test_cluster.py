@@ -3,6 +3,7 @@ the engines' caches, metrics right on hand-checkable workloads, and a small gold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -106,7 +107,7 @@ def test_approximate_mode_needs_no_events_and_still_finds_prefixes():
 
 def one_worker(requests: list[SimRequest], slo_ms: float = 5.0) -> Simulation:
     """Block 4 tokens, 1 ms per prefill token, 10 ms per output token, unbounded cache."""
-    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0)
+    engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0)
     return Simulation(Config(), Workload("t", 4, requests), ClusterSettings(workers=1, engine=engine, slo_ms=slo_ms),
                       routing="round_robin", eviction="lru")
 
@@ -173,14 +174,18 @@ def test_policy_spec_takes_params_from_config_and_overrides():
 
 # ---- golden ---------------------------------------------------------------------------------
 
-def test_golden_small_gsp_run():
-    """Numbers pinned from this simulator; a change means the engine model or LRU changed."""
+@pytest.mark.parametrize(("prefill_model", "p50_ms"), [("power_law", 34.383), ("linear", 30.234)])
+def test_golden_small_gsp_run(prefill_model, p50_ms):
+    """Numbers pinned from this simulator; a change means the engine model or LRU changed.
+    The linear model's numbers are those it gave when it was the default."""
     wl = small_gsp(7, order="round_robin")
-    rr = simulate(Config(), wl, settings(3, 200), routing="round_robin", eviction="lru", seed=7)
-    ca = simulate(Config(), wl, settings(3, 200), routing="cache_aware", eviction="lru", seed=7)
+    s = settings(3, 200)
+    s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, prefill_model=prefill_model))
+    rr = simulate(Config(), wl, s, routing="round_robin", eviction="lru", seed=7)
+    ca = simulate(Config(), wl, s, routing="cache_aware", eviction="lru", seed=7)
     assert rr.summary.requests == 80
     assert rr.summary.hit_ratio == pytest.approx(0.3125)
-    assert rr.summary.ttft_ms["p50"] == pytest.approx(30.234, abs=1e-3)
+    assert rr.summary.ttft_ms["p50"] == pytest.approx(p50_ms, abs=1e-3)
     assert [e["evicted_blocks"] for e in rr.engine_stats] == [128, 104, 136]
     # cache affinity keeps each group's prefix on one worker: more hits than rotating
     assert ca.summary.hit_ratio > rr.summary.hit_ratio
@@ -263,7 +268,7 @@ def _decode_run(cache_decode: bool, eviction: str = "lru", capacity: int = 0) ->
     # turn 2 sends the history back: 0, 1, 10, 11 and its own block 2
     a = SimRequest(0.0, 8, 8, (0, 1), "s", TaskCategory.CHAT, (10, 11))
     b = SimRequest(1.0, 20, 1, (0, 1, 10, 11, 2), "s", TaskCategory.CHAT, ())
-    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=cache_decode,
+    engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=cache_decode,
                           capacity_blocks=capacity)
     return Simulation(Config(), Workload("t", 4, [a, b]), ClusterSettings(workers=1, engine=engine, slo_ms=5.0),
                       routing="round_robin", eviction=eviction)
@@ -283,7 +288,7 @@ def test_cache_decode_marks_single_turn_answers_evict_first_for_unicache():
     from kvrouterd.policies.eviction.unicache import EVICT_FIRST, STRUCTURAL
 
     a = SimRequest(0.0, 8, 8, (0, 1), "q", TaskCategory.TEMPLATED, (10, 11))
-    engine = EngineParams(prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=True)
+    engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=True)
     sim = Simulation(Config(), Workload("t", 4, [a]), ClusterSettings(workers=1, engine=engine, slo_ms=5.0),
                      routing="round_robin", eviction="unicache")
     sim.run()
@@ -357,7 +362,7 @@ def _two_requests(second_at: float) -> Workload:
 
 
 def _run_two(decode_model: str, second_at: float = 0.1, slope: float = 0.0):
-    eng = EngineParams(decode_model=decode_model, tpot_ms=10.0, prefill_ms_per_1k_tokens=40.0,
+    eng = EngineParams(decode_model=decode_model, tpot_ms=10.0, prefill_model="linear", prefill_ms_per_1k_tokens=40.0,
                        decode_batch_slope=slope)
     return simulate(Config(), _two_requests(second_at), ClusterSettings(workers=1, engine=eng), routing="round_robin",
                     eviction="lru").records
@@ -428,3 +433,36 @@ def test_decode_kv_preempts_the_newest_request_when_the_cache_is_full_and_it_rec
 def test_decode_kv_needs_the_batched_decode_model():
     with pytest.raises(ValueError, match="decode_kv needs"):
         EngineParams(decode_kv=True).validate()
+
+
+# ---- one cost model for engines and routers ----------------------------------------------
+
+def _power_law_sim(routing, eviction="lru", engine=None) -> Simulation:
+    return Simulation(Config(), small_gsp(3), ClusterSettings(workers=2, engine=engine or EngineParams()),
+                      routing=routing, eviction=eviction)
+
+
+def test_policies_that_estimate_time_use_the_engines_power_law_unless_told_otherwise():
+    sim = _power_law_sim("min_ttft", "tlru")
+    engine = sim.settings.engine
+    model = sim.router.routing_policy("min_ttft").latency
+    assert engine.prefill_model == "power_law" and model.params.prefill_model == "power_law"
+    assert model.prefill_ms(5000, 3) == pytest.approx(engine.step_seconds(5000, 3) * 1000.0, rel=1e-12)
+    # T-LRU's alpha: xi / alpha blocks (64 tokens) are what the engine prefills within xi = 200 ms
+    for tlru in (sim.router.eviction, sim.engines[0].policy):
+        alpha = tlru.params.prefill_ms_per_block
+        assert 200.0 / alpha * 64 == pytest.approx(model.tokens_within(200.0), abs=1)
+        assert engine.step_seconds(int(200.0 / alpha * 64), 1) == pytest.approx(0.2, rel=1e-3)
+    # DualMap's ttft_slo_threshold and drain rate, and compose's inner policies, likewise
+    dualmap = _power_law_sim("dualmap").router.routing_policy("dualmap")
+    assert dualmap.latency.params.prefill_model == dualmap._static.params.prefill_model == "power_law"
+    compose = _power_law_sim({"name": "compose", "scorer": "min_ttft"}).router.routing_policy("compose")
+    assert compose.restrict.latency.params.prefill_model == compose.scorer.latency.params.prefill_model == "power_law"
+    # a spec that sets the model keeps it (config or --set), and linear engines give linear routers
+    told = _power_law_sim({"name": "min_ttft", "prefill_model": "linear"}, {"name": "tlru", "prefill_ms_per_block": 9.0})
+    assert told.router.routing_policy("min_ttft").latency.params.prefill_model == "linear"
+    assert told.router.eviction.params.prefill_ms_per_block == 9.0
+    linear = _power_law_sim("min_ttft", "tlru", EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=50.0))
+    assert linear.router.routing_policy("min_ttft").latency.coefficients() == (50.0, 0.0)
+    assert linear.router.eviction.params.prefill_ms_per_block == pytest.approx(50.0 * 64 / 1000)
+

@@ -109,6 +109,20 @@ def test_runs_shared_by_rows_are_one_unit():
     assert "--limit" in quick[0].base and str(QUICK_REQUESTS) in quick[0].base
 
 
+def test_prefill_model_flag_reaches_every_cluster_run_and_the_report(tmp_path):
+    by_name = {r.name: r for r in ROWS}
+    default = expand(by_name["lbgr_gsp_ttft"].run, Path("."))
+    linear = expand(by_name["lbgr_gsp_ttft"].run, Path("."), prefill_model="linear")
+    assert all("--prefill-model" not in u.base for u in default)  # sim cluster's default: the power law
+    assert all(u.base[-2:] == ("--prefill-model", "linear") for u in linear)
+    assert set(default).isdisjoint(linear) and len(default) == len(linear)
+    out = tmp_path / "rep"
+    assert main(["sim", "reproduce", "--only", "tlru_p95_800", "--quick", "--quiet", "--prefill-model", "linear",
+                 "--out", str(out)]) == 0
+    assert "on the linear prefill cost model" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["meta"]["prefill_model"] == "linear"
+
+
 def test_quick_run_reports_the_numbers_sim_cluster_gives(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["sim", "reproduce", "--only", "rlt_vs_lru_hit", "--quick", "--out", str(out)]) == 0

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from kvrouterd.policies.latency import LatencyModel, LatencyParams
+from kvrouterd.policies.latency import A100_LLAMA32_1B, H100_LLAMA31_8B, LatencyModel, LatencyParams
+from kvrouterd.sim.engine import EngineParams
 
 
 def test_linear_estimate_counts_queue_and_own_tokens_with_one_intercept() -> None:
@@ -79,3 +80,50 @@ def test_pending_prefill_drains_at_the_model_rate_and_never_exceeds_what_is_in_f
     assert m.pending_tokens(w, 10.1) == 1000
     inflight = LatencyModel(LatencyParams(pending_model="inflight"))
     assert inflight.pending_tokens(w, 99.0) == 1000
+
+
+@pytest.mark.parametrize(("tokens", "batch"), [(64, 1), (1000, 1), (8192, 1), (8192, 4), (6000, 7), (20_000, 16)])
+def test_power_law_estimate_is_the_simulated_engines_step_time(tokens: int, batch: int) -> None:
+    # one fit, one function: a router profiling the engine predicts its step exactly
+    engine = EngineParams()
+    assert engine.prefill_model == "power_law"
+    model = LatencyModel(LatencyParams(**engine.latency_fields(), calibrate=False))
+    assert model.prefill_ms(tokens, batch) == pytest.approx(engine.step_seconds(tokens, batch) * 1000.0, rel=1e-12)
+    assert model.prefill_ms(tokens, batch) == pytest.approx(H100_LLAMA31_8B.prefill_ms(tokens, batch), rel=1e-12)
+    assert model.tokens_within(model.prefill_ms(tokens)) == pytest.approx(tokens, abs=1)
+
+
+def test_the_h100_fit_has_the_batch_dependence_unicache_measured() -> None:
+    fit = H100_LLAMA31_8B
+    # b < 1: 8 requests of 1k tokens batched cost 8^(b-1) of prefilling them one after another,
+    # and 8^(b-c) of one request of 8k tokens (c > 1: a longer prompt costs more per token)
+    assert fit.prefill_ms(8000, 8) == pytest.approx(8 * fit.prefill_ms(1000, 1) * 8 ** (fit.b - 1))
+    assert fit.prefill_ms(8000, 8) == pytest.approx(fit.prefill_ms(8000, 1) * 8 ** (fit.b - fit.c))
+    assert fit.prefill_ms(8000, 8) < 8 * fit.prefill_ms(1000, 1) < fit.prefill_ms(8000, 1)
+    # and at batch 1 it is the linear default's 40 ms per 1k tokens within 2%
+    assert fit.prefill_ms(1000) == pytest.approx(LatencyParams().prefill_ms_per_1k_tokens, rel=0.02)
+    assert A100_LLAMA32_1B.prefill_ms(1000) > fit.prefill_ms(1000)  # the slower GPU of Fig. 3
+
+
+def test_a_degenerate_power_law_fit_answers_a_finite_budget() -> None:
+    # an online fit fed TTFTs dominated by queueing can drive c to its floor; the inverse must
+    # stay a number (it overflowed a float), and the drain rate with it
+    m = LatencyModel(LatencyParams(prefill_model="power_law", calibration_min_samples=1))
+    for _ in range(50):
+        m.observe(1000, 1, 500.0)
+        m.observe(100_000, 1, 500.0)
+    assert m.coefficients()[2] < 0.1
+    assert 0 < m.tokens_within(1000.0) <= math.exp(40) and m.prefill_rate() >= 1
+
+
+def test_power_law_queue_estimate_counts_the_batch_discount() -> None:
+    """Under the power law the cost of a worker's queue depends on how many requests share
+    it (b < 1), so a TTFT estimate can rank two workers with equal pending tokens; the linear
+    model cannot."""
+    fit = EngineParams()
+    plain = LatencyModel(LatencyParams(**fit.latency_fields(), calibrate=False))
+    # 8 requests of 1k tokens queued vs one request of 7.9k: linear says the single one is
+    # shorter, the fit says the batch of eight is
+    assert plain.ttft_ms(100, 7900, 1) > plain.ttft_ms(100, 7900, 7)
+    linear = LatencyModel(LatencyParams(calibrate=False))
+    assert linear.ttft_ms(100, 7900, 1) == linear.ttft_ms(100, 7900, 7)

@@ -116,6 +116,9 @@ class TelemetryConfig:
     service_name: str = "kvrouterd"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+    #: log a WARNING naming what held the event loop when it is blocked this long, ms
+    #: (telemetry/loop_lag.py); 0 = no watchdog thread. The lag and gc-pause histograms are always kept
+    loop_stall_warn_ms: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,8 @@ class Config:
             raise ConfigError("limits.inflight_timeout_s: must be > 0")
         if self.default_ttft_slo_ms <= 0:
             raise ConfigError("default_ttft_slo_ms: must be > 0")
+        if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
+            raise ConfigError("telemetry.loop_stall_warn_ms: must be 0 (off) or in [10, 60000]")
         if not 0 < self.tick_interval_s <= 10:
             raise ConfigError("tick_interval_s: must be in (0, 10]")
         if self.admission.max_inflight < 0:

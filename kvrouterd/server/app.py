@@ -41,6 +41,7 @@ from ..index.workers import WorkerSpec
 from ..protocols import BatchOutcome, Completion, Dispatch, EventBatch
 from ..router import Router, RouteResult
 from ..telemetry.bus_metrics import register_bus_metrics
+from ..telemetry.loop_lag import LoopMonitor
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
@@ -97,6 +98,8 @@ class Daemon:
         self.meter_provider = build_meter_provider(name, metric_readers)
         #: scrape-time router metrics; event sources attach with ops_metrics.add_event_source
         self.ops_metrics = register_ops_metrics(self.meter_provider, self.router)
+        #: event-loop lag and gc pauses, and a warning naming what blocked the loop
+        self.loop_monitor = LoopMonitor(self.meter_provider, tel.loop_stall_warn_ms / 1000.0)
         #: SIGHUP / file-change reload of routing policy parameters
         self.reloader = ConfigReloader(self.router, config, config_path, overrides)
         self._watch: asyncio.Task[None] | None = None
@@ -169,6 +172,7 @@ class Daemon:
                 self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError:
             raise ConfigError(f"listen: cannot bind {self.config.listen}: {bind_problem(self.config.listen)}") from None
+        self.loop_monitor.start()  # stop() ends it, as after any later failure to start
         # grpc's health servicer starts with "" SERVING: not ready until the index is warm (a
         # peer's copy, the bus snapshot and backlog, the first pod listing): probes wait
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -411,6 +415,7 @@ class Daemon:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance
+        await self.loop_monitor.stop()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         self.meter_provider.shutdown()

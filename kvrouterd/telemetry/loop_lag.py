@@ -1,0 +1,210 @@
+"""Event-loop lag and garbage-collector pauses: what held routing up, and for how long.
+
+Every RPC runs on the daemon's one event loop, so anything that holds the loop (a slow
+handler, a C call on a large message, a full garbage collection) delays every Route behind
+it (issue #16: no call may block Route for more than a few ms). Two instruments make that
+visible in production:
+
+* ``kvrouter_event_loop_lag_seconds``: a heartbeat coroutine sleeps ``HEARTBEAT_S`` and
+  records how late it woke. A blocked loop wakes it late by the length of the block, so the
+  histogram's tail is the stalls the loop's callbacks saw (as Node's ``monitorEventLoopDelay``
+  measures it). Twenty wake-ups a second cost nothing measurable.
+* ``kvrouter_gc_pause_seconds{generation}``: ``gc.callbacks`` time every collection. The
+  callback only queues the pause (the SDK's locks must not be entered from inside a
+  collection, which can start while one of them is held); the heartbeat records the queue.
+
+When the loop stays blocked past ``telemetry.loop_stall_warn_ms``, a watchdog thread samples
+the loop thread's stack (``sys._current_frames``), and when the loop runs again the heartbeat
+logs one WARNING naming what it was running, how long it was held and how much of that was
+garbage collection. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
+never run again to say so. Warnings are coalesced to one per ``WARN_EVERY_S``; the
+histogram counts every stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter, deque
+from types import FrameType
+from typing import Any
+
+from opentelemetry.metrics import Histogram
+from opentelemetry.sdk.metrics import MeterProvider
+
+__all__ = ["LoopMonitor", "describe_stack"]
+
+log = logging.getLogger("kvrouterd.telemetry")
+
+#: how often the heartbeat wakes, seconds
+HEARTBEAT_S = 0.05
+#: a loop held this long is logged by the watchdog without waiting for it to run again
+HUNG_S = 5.0
+#: at most one stall warning per this many seconds (the rest are counted into the next one)
+WARN_EVERY_S = 1.0
+#: frames of the loop thread's stack quoted in a warning, innermost first
+STACK_DEPTH = 6
+#: gc pauses queued between two heartbeats before the oldest are dropped (and counted)
+MAX_PENDING_PAUSES = 65536
+
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def describe_stack(frame: FrameType | None, depth: int = STACK_DEPTH) -> str:
+    """``func (file:line) <- caller (file:line) ...``, innermost first, paths from the package dir."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        code = frame.f_code
+        path = code.co_filename
+        for root in sys.path:  # a path relative to where it was imported from reads shorter
+            if root and path.startswith(root + os.sep):
+                path = path[len(root) + 1:]
+                break
+        parts.append(f"{code.co_qualname} ({path}:{frame.f_lineno})")
+        frame = frame.f_back
+    return " <- ".join(parts) or "(no Python frame)"
+
+
+class LoopMonitor:
+    """The heartbeat, the watchdog thread and the gc callback of one event loop.
+
+    ``start()`` on the loop to watch; ``stop()`` removes the callback and ends the thread.
+    ``warn_after_s`` 0 keeps the metrics and turns the watchdog and its warnings off.
+    """
+
+    def __init__(self, provider: MeterProvider, warn_after_s: float) -> None:
+        meter = provider.get_meter("kvrouterd.loop")
+        self.lag: Histogram = meter.create_histogram(
+            "kvrouter.event_loop.lag", unit="s",
+            description="how late the event loop ran a 50 ms heartbeat: the time it was held by something else",
+            explicit_bucket_boundaries_advisory=LAG_BUCKETS,
+        )
+        self.gc_pause: Histogram = meter.create_histogram(
+            "kvrouter.gc.pause", unit="s", description="garbage collection pauses, by generation",
+            explicit_bucket_boundaries_advisory=GC_BUCKETS,
+        )
+        self.warn_after_s = warn_after_s
+        #: stalls at or past warn_after_s, and the gc pauses lost to a full queue (for tests and logs)
+        self.stalls = 0
+        self.pauses_dropped = 0
+        self._attributes = [{"generation": str(g)} for g in range(3)]
+        self._gc_started = 0.0
+        self._pauses: deque[tuple[int, float]] = deque(maxlen=MAX_PENDING_PAUSES)
+        #: when the heartbeat is due next (perf_counter); read by the watchdog
+        self._due = 0.0
+        self._samples: list[str] = []
+        self._sampled_due = 0.0
+        self._hung_logged_due = 0.0
+        self._lock = threading.Lock()
+        self._loop_thread = 0
+        self._beat: asyncio.Task[None] | None = None
+        self._watchdog: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._last_warning = 0.0
+        self._unwarned = 0
+
+    def start(self) -> None:
+        """Watch the running loop (call from a coroutine on it)."""
+        self._loop_thread = threading.get_ident()
+        self._due = time.perf_counter() + HEARTBEAT_S
+        gc.callbacks.append(self._on_gc)
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeat(), name="kvrouterd-loop-monitor")
+        if self.warn_after_s > 0:
+            self._stopping.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="kvrouterd-loop-watchdog", daemon=True)
+            self._watchdog.start()
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+        self._stopping.set()
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+            self._beat = None
+        if self._watchdog is not None:
+            await asyncio.to_thread(self._watchdog.join, 5)
+            self._watchdog = None
+        self._record_pauses()
+
+    # ---- on the loop ------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        clock = time.perf_counter
+        while True:
+            self._due = clock() + HEARTBEAT_S
+            await asyncio.sleep(HEARTBEAT_S)
+            lag = max(0.0, clock() - self._due)
+            self.lag.record(lag)
+            gc_s, collections = self._record_pauses()
+            if self.warn_after_s > 0 and lag >= self.warn_after_s:
+                self._stalled(lag, gc_s, collections)
+
+    def _record_pauses(self) -> tuple[float, Counter[int]]:
+        """Record the queued gc pauses; their total seconds and count per generation."""
+        total, collections = 0.0, Counter[int]()
+        record, attributes, pauses = self.gc_pause.record, self._attributes, self._pauses
+        while pauses:
+            generation, seconds = pauses.popleft()
+            record(seconds, attributes[generation])
+            total += seconds
+            collections[generation] += 1
+        return total, collections
+
+    def _stalled(self, lag: float, gc_s: float, collections: Counter[int]) -> None:
+        self.stalls += 1
+        with self._lock:
+            samples, self._samples = self._samples, []
+        now = time.monotonic()
+        if now - self._last_warning < WARN_EVERY_S:
+            self._unwarned += 1
+            return
+        self._last_warning = now
+        running = Counter(samples).most_common(1)[0][0] if samples else "(not sampled: the stall ended first)"
+        gcs = ", ".join(f"{n} gen-{g}" for g, n in sorted(collections.items())) or "none"
+        more = f"; {self._unwarned} more stalls since the last warning" if self._unwarned else ""
+        self._unwarned = 0
+        log.warning(
+            "event loop blocked for %.0f ms (warn at %.0f ms): running %s; garbage collection %.0f ms of it (%s)%s",
+            lag * 1000, self.warn_after_s * 1000, running, gc_s * 1000, gcs, more,
+            extra={"blocked_ms": round(lag * 1000, 1), "gc_ms": round(gc_s * 1000, 1)},
+        )
+
+    # ---- elsewhere ------------------------------------------------------------------------
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # runs inside the collection, on whichever thread triggered it: only queue (deque
+        # appends are atomic), never enter the metrics SDK
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            if len(self._pauses) == MAX_PENDING_PAUSES:
+                self.pauses_dropped += 1
+            self._pauses.append((info["generation"], time.perf_counter() - self._gc_started))
+
+    def _watch(self) -> None:
+        """Sample the loop thread's stack while it is held past ``warn_after_s``."""
+        period = min(self.warn_after_s / 2, HEARTBEAT_S)
+        while not self._stopping.wait(period):
+            due = self._due
+            late = time.perf_counter() - due
+            if late < self.warn_after_s:
+                continue
+            frame = sys._current_frames().get(self._loop_thread)
+            stack = describe_stack(frame)
+            with self._lock:
+                if self._sampled_due != due:
+                    self._sampled_due, self._samples = due, []
+                self._samples.append(stack)
+            if late >= HUNG_S and self._hung_logged_due != due:
+                self._hung_logged_due = due
+                log.warning("event loop blocked for %.1f s so far: running %s", late, stack,
+                            extra={"blocked_ms": round(late * 1000, 1)})

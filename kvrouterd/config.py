@@ -93,6 +93,9 @@ class LimitsConfig:
     inflight_timeout_s: float = 300.0
     #: most blocks one EvictHint answers (ranking runs on the routing loop; ask again for more)
     max_evict_blocks: int = 1024
+    #: most pinned_keys and pinned_engine_hashes one EvictHint may list together (each is a
+    #: set entry built on the routing loop; more is RESOURCE_EXHAUSTED)
+    max_evict_pinned: int = 65536
     #: longest client-chosen id, characters: request, session, worker and candidate ids, model,
     #: LoRA, cache salt and policy names (longer ones are INVALID_ARGUMENT)
     max_id_length: int = 256
@@ -317,7 +320,7 @@ class Config:
                 if len(value) > limit:
                     raise ConfigError(f"workers[{i}].{fname}: {len(value)} characters, over the limits.max_*_length of {limit}")
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams",
-                      "max_evict_blocks", "max_id_length", "max_address_length", "max_labels_length",
+                      "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
                       "max_inflight_bytes", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 raise ConfigError(f"limits.{fname}: must be > 0")
@@ -358,6 +361,7 @@ class Config:
             inflight_timeout_s=self.limits.inflight_timeout_s,
             max_prompt_tokens=self.limits.max_prompt_tokens,
             max_evict_blocks=self.limits.max_evict_blocks,
+            max_evict_pinned=self.limits.max_evict_pinned,
             max_id_length=self.limits.max_id_length,
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,

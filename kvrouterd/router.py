@@ -108,6 +108,8 @@ class RouterSettings:
     #: most blocks one EvictHint ranks: ranking costs grow with the answer, and the call runs
     #: on the routing loop (an engine wanting more asks again after evicting these)
     max_evict_blocks: int = 1024
+    #: most pinned keys and engine hashes one eviction hint may list together
+    max_evict_pinned: int = 65536
     #: client-chosen sizes (config ``limits.*``): ids, worker addresses and labels, characters
     max_id_length: int = 256
     max_address_length: int = 1024
@@ -131,6 +133,8 @@ class RouterSettings:
             raise ConfigError(f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
         if self.max_evict_blocks <= 0:
             raise ConfigError(f"max_evict_blocks must be > 0, got {self.max_evict_blocks}")
+        if self.max_evict_pinned <= 0:
+            raise ConfigError(f"max_evict_pinned must be > 0, got {self.max_evict_pinned}")
         for name in ("max_id_length", "max_address_length", "max_labels_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -334,6 +334,11 @@ def evict_request(msg: pb.EvictHintRequest, router: Router) -> tuple[EvictReques
     check_id("policy", msg.policy, router.settings.max_id_length)
     if bool(msg.blocks) == bool(msg.tokens):
         raise InvalidRequest("set exactly one of blocks and tokens to a positive number")
+    pinned = len(msg.pinned_keys) + len(msg.pinned_engine_hashes)
+    if pinned > router.settings.max_evict_pinned:
+        # checked before the sets are built: their cost is what the limit bounds
+        raise Overloaded(f"{len(msg.pinned_keys)} pinned_keys and {len(msg.pinned_engine_hashes)} "
+                         f"pinned_engine_hashes exceed limits.max_evict_pinned={router.settings.max_evict_pinned}")
     blocks = msg.blocks or router.blocks_to_free(msg.worker_id, msg.tokens)
     req = EvictRequest(worker_id=msg.worker_id, blocks=blocks, pinned_keys=frozenset(msg.pinned_keys), policy=msg.policy)
     return req, tuple(msg.pinned_engine_hashes)

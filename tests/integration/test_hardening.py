@@ -13,7 +13,7 @@ from .test_daemon import BS, register
 
 @pytest.fixture
 def daemon_config() -> dict:
-    return {"limits": {"max_evict_blocks": 100}, "extra_routing": [{"name": "dualmap"}, {"name": "min_ttft"}]}
+    return {"limits": {"max_evict_blocks": 100, "max_evict_pinned": 1000}, "extra_routing": [{"name": "dualmap"}, {"name": "min_ttft"}]}
 
 
 async def test_evict_hint_for_four_billion_blocks_answers_the_cap(running):
@@ -30,6 +30,27 @@ async def test_evict_hint_for_four_billion_blocks_answers_the_cap(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await running.stub.EvictHint(pb.EvictHintRequest(worker_id="nobody", blocks=4294967295))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("policy", ["lru", "tlru", "unicache"])
+async def test_evict_hint_pinning_more_than_the_cap_is_resource_exhausted_and_ranks_nothing(running, policy):
+    await register(running.stub, "big")
+    tokens = list(range(10 * BS))
+    running.router.apply(EventBatch("big", 0, (Stored(token_ids=tokens, engine_hashes=tuple(range(1, 11))),)))
+    before = dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)
+    over = pb.EvictHintRequest(worker_id="big", blocks=5, pinned_keys=range(600),
+                               pinned_engine_hashes=[1, 2, 3, *range(1000, 1398)],
+                               policy=policy if policy != "lru" else "")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.EvictHint(over)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == "600 pinned_keys and 401 pinned_engine_hashes exceed limits.max_evict_pinned=1000"
+    # nothing ranked: the reverse engine-hash map a first hint builds is not there
+    assert (dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)) == before
+    # at the cap the hint is answered, pins honoured (engine hashes 1-3 are the first blocks)
+    del over.pinned_engine_hashes[-1]
+    resp = await running.stub.EvictHint(over)
+    assert len(resp.keys) == 5 and not set(resp.engine_hashes) & {1, 2, 3}
 
 
 @pytest.mark.parametrize("slo", [float("inf"), float("nan"), 1e308, -1.0])

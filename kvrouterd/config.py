@@ -104,7 +104,8 @@ class LimitsConfig:
     #: most characters of one worker's labels, keys and values together
     max_labels_length: int = 16384
     #: most bytes the table of routed-not-completed requests may hold (their block keys and
-    #: ids; a Route that would go over is RESOURCE_EXHAUSTED until requests complete or expire)
+    #: ids), Routes waiting in admission queues included; a Route that would go over is
+    #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)

@@ -194,6 +194,9 @@ class Router:
         self._requests: dict[str, RouteRequest] = {}
         #: what the requests in ``_requests`` cost (``request_bytes``), against max_inflight_bytes
         self.inflight_bytes = 0
+        #: what requests waiting in an admission queue hold (``hold_waiting``): their keys and
+        #: ids are as much memory as an in-flight request's, so they count against the same budget
+        self.waiting_bytes = 0
         #: block key -> (AccessInfo of the request that routed it, block offset); insertion-ordered,
         #: oldest dropped first. Filled only for event-mode workers whose policy reads metadata.
         self._recent_access: dict[int, tuple[AccessInfo, int]] = {}
@@ -446,10 +449,11 @@ class Router:
                     raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
         if req.request_id and req.request_id in self._requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
-        if s.max_inflight_bytes and self.inflight_bytes + request_bytes(req) > s.max_inflight_bytes:
+        if s.max_inflight_bytes and self.inflight_bytes + self.waiting_bytes + request_bytes(req) > s.max_inflight_bytes:
+            waiting = f" and {self.waiting_bytes} bytes of requests waiting for admission" if self.waiting_bytes else ""
             raise Overloaded(
-                f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests; this one "
-                f"({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={s.max_inflight_bytes}: "
+                f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests{waiting}; "
+                f"this one ({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={s.max_inflight_bytes}: "
                 "complete requests (or let them expire) first"
             )
 
@@ -477,6 +481,17 @@ class Router:
         ctx = RoutingContext(req, candidates, match, self.block_size, now, self.index, explain)
         decision = policy.select(ctx)
         return decision, ctx, policy
+
+    def hold_waiting(self, req: RouteRequest) -> int:
+        """Count ``req``, decided and about to wait in an admission queue, against
+        ``max_inflight_bytes``; returns the bytes charged, for ``release_waiting``."""
+        held = request_bytes(req)
+        self.waiting_bytes += held
+        return held
+
+    def release_waiting(self, held: int) -> None:
+        """A waiting request left its queue (admitted, shed, cancelled): release its bytes."""
+        self.waiting_bytes -= held
 
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""

@@ -12,6 +12,10 @@ request expires, or when migration frees room. It is then re-decided on the admi
 alone, so its overlap and prefill load reflect the cache at dispatch time. It gives up, with
 the queue entry removed, when the caller cancels or its gRPC deadline passes, or after
 ``max_wait_s`` (RESOURCE_EXHAUSTED: the router is shedding load, Envoy answers 429).
+
+A waiting request holds its keys and ids as an in-flight one does, so from enqueue until it
+leaves the queue its bytes count against ``limits.max_inflight_bytes`` (``Router.hold_waiting``):
+a full queue cannot grow memory past the budget the in-flight table keeps.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..config import AdmissionConfig
@@ -29,6 +34,17 @@ from ..router import Router, RouteResult
 __all__ = ["AdmissionConfig", "AdmissionGate"]
 
 log = logging.getLogger("kvrouterd.admission")
+
+
+@dataclass(slots=True)
+class _Held:
+    """A waiting request's payload: the future its Route awaits, and the bytes it holds."""
+
+    future: asyncio.Future[RouteResult]
+    request: RouteRequest
+    explain: bool
+    #: charged by Router.hold_waiting; 0 once released
+    bytes: int
 
 
 class AdmissionGate:
@@ -62,6 +78,7 @@ class AdmissionGate:
         if alt is not None:
             uncached[alt.id] = ctx.uncached_tokens(alt)
         future: asyncio.Future[RouteResult] = asyncio.get_running_loop().create_future()
+        held = _Held(future, req, explain, router.hold_waiting(req))
         entry = Waiting(
             request_id=req.request_id,
             worker_id=wid,
@@ -70,13 +87,13 @@ class AdmissionGate:
             slo_ms=self._slo_ms(policy, req),
             enqueued_at=now,
             deadline=now + wait,
-            payload=(future, req, explain),
+            payload=held,
         )
-        self.queues.enqueue(entry)
-        if decision.attributes.get("both_overloaded") and alt is not None:
-            self._rebalance([wid, alt.id], policy, now)
-        self._admit_all([wid] + ([alt.id] if alt is not None else []))
         try:
+            self.queues.enqueue(entry)
+            if decision.attributes.get("both_overloaded") and alt is not None:
+                self._rebalance([wid, alt.id], policy, now)
+            self._admit_all([wid] + ([alt.id] if alt is not None else []))
             return await asyncio.wait_for(asyncio.shield(future), wait)
         except TimeoutError:
             self.queues.cancel(req.request_id)
@@ -85,6 +102,13 @@ class AdmissionGate:
         except asyncio.CancelledError:
             self.queues.cancel(req.request_id)
             raise
+        finally:
+            self._release(held)
+
+    def _release(self, held: _Held) -> None:
+        if held.bytes:
+            self.router.release_waiting(held.bytes)
+            held.bytes = 0
 
     def _slo_ms(self, policy: object, req: RouteRequest) -> float:
         """The SLO the policy itself applies (DualMap has its own default), else the router's."""
@@ -111,13 +135,15 @@ class AdmissionGate:
                 self._dispatch(entry)
 
     def _dispatch(self, entry: Waiting) -> None:
-        payload: tuple[asyncio.Future[RouteResult], RouteRequest, bool] = entry.payload  # type: ignore[assignment]
-        future, req, explain = payload
+        held: _Held = entry.payload  # type: ignore[assignment]
+        future, req = held.future, held.request
         if future.done():
             return
+        # out of the queue: its bytes move to the in-flight table (route checks the budget without them)
+        self._release(held)
         req.candidate_workers = (entry.worker_id,)
         try:
-            future.set_result(self.router.route(req, explain))
+            future.set_result(self.router.route(req, held.explain))
         except KVRouterError as exc:
             future.set_exception(exc)
 
@@ -135,6 +161,6 @@ class AdmissionGate:
         from ..errors import NoEligibleWorker
 
         for entry in self.queues.drop_worker(worker_id):
-            future = entry.payload[0]  # type: ignore[index]
+            future = entry.payload.future  # type: ignore[attr-defined]
             if not future.done():
                 future.set_exception(NoEligibleWorker(f"worker {worker_id!r} left while the request waited"))

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouterd.router import request_bytes
 
 BS = 16
 PROMPT = list(range(20 * BS))
@@ -53,6 +54,7 @@ async def test_the_callers_deadline_removes_the_waiting_request(running):
     await asyncio.sleep(0.05)
     assert len(running.daemon.admission.queues) == 0
     assert running.router.request("late") is None
+    assert running.router.waiting_bytes == 0  # what it held while waiting is released
 
 
 async def test_waiting_longer_than_max_wait_is_shed(running):
@@ -63,6 +65,7 @@ async def test_waiting_longer_than_max_wait_is_shed(running):
         await stub.Route(pb.RouteRequest(token_ids=PROMPT))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "admission queue" in err.value.details()
     assert len(running.daemon.admission.queues) == 0
+    assert running.router.waiting_bytes == 0
 
 
 async def test_deregistering_the_worker_fails_its_waiters_fast(running):
@@ -75,3 +78,38 @@ async def test_deregistering_the_worker_fails_its_waiters_fast(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await asyncio.wait_for(waiting, 2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert running.router.waiting_bytes == 0
+
+
+class TestWaitingRequestsCountTowardTheInflightBudget:
+    """A queued Route holds its keys and ids as an in-flight one does (issue #16 item 3): a
+    queue that grows without bound would bypass limits.max_inflight_bytes."""
+
+    @pytest.fixture
+    def daemon_config(self):  # type: ignore[no-untyped-def]
+        # a 20-block request costs ~700 bytes (request_bytes): two fit, a third does not
+        return {"admission": {"max_inflight": 1, "max_wait_s": 5}, "limits": {"max_inflight_bytes": 2000}}
+
+    async def test_a_route_that_would_overflow_with_the_waiting_ones_is_resource_exhausted(self, running):  # type: ignore[no-untyped-def]
+        stub, router = running.stub, running.router
+        await setup(stub)
+        first = await stub.Route(pb.RouteRequest(token_ids=PROMPT, request_id="first"))
+        waiting = asyncio.ensure_future(stub.Route(pb.RouteRequest(token_ids=PROMPT, request_id="second")))
+        await asyncio.sleep(0.1)
+        assert [e.request_id for e in running.daemon.admission.queues.queue("a")] == ["second"]
+        inflight, held = router.inflight_bytes, router.waiting_bytes
+        assert inflight > 0 and held > 0 and inflight + 2 * held > 2000 >= inflight + held
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # "third": one character shorter than "second"
+            await stub.Route(pb.RouteRequest(token_ids=PROMPT, request_id="third"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == (
+            f"the in-flight table holds {inflight} bytes of routed, not completed requests and {held} bytes of "
+            f"requests waiting for admission; this one ({held - 1} bytes) would exceed "
+            "limits.max_inflight_bytes=2000: complete requests (or let them expire) first")
+        # rejected: nothing queued, nothing charged
+        assert [e.request_id for e in running.daemon.admission.queues.queue("a")] == ["second"]
+        assert (router.inflight_bytes, router.waiting_bytes) == (inflight, held)
+        # admitted, the second request's bytes move from the queue to the in-flight table
+        await stub.Complete(pb.CompleteRequest(request_id=first.request_id, success=True))
+        assert (await asyncio.wait_for(waiting, 2)).request_id == "second"
+        assert router.waiting_bytes == 0 and router.inflight_bytes == request_bytes(router.request("second"))

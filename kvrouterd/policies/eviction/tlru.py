@@ -26,6 +26,16 @@ Parameters (``TLRUParams``), thresholds from the paper's evaluation:
                                     per model and GPU (not a paper value: ~0.1 ms/token on
                                     an A100 for a 7B model, 16-token blocks)
     next_prompt_blocks    = -1.0    P; negative = running mean of observed prompt growth
+    max_sessions          = 65536   conversations remembered, all workers together (ours)
+    max_session_bytes     = 64 MiB  bytes they may hold: ids, bookkeeping and the keys of
+                                    each one's latest path, ~1.6M path blocks (ours)
+
+Session ids are client-chosen, so the conversations remembered are bounded in count and in
+bytes (``session_bytes``: ``CONVERSATION_BYTES`` + id length + ``PATH_BLOCK_BYTES`` per block
+of its latest path, which the trimming lists hold). Past either bound the least recently
+active quarter is forgotten (a new turn makes a conversation the most recent); a forgotten
+conversation's blocks rank as plain LRU blocks until it returns. The byte bound also bounds
+the work of recomputing every budget when ``P - xi/alpha`` crosses an integer.
 
 The hooks keep the leaves sorted by (trimmed first, least recent first); a call costs
 O(k log L) for k blocks, plus the path of each conversation whose latest request changed
@@ -44,7 +54,13 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 
-__all__ = ["TLRUEviction", "TLRUParams"]
+__all__ = ["CONVERSATION_BYTES", "PATH_BLOCK_BYTES", "TLRUEviction", "TLRUParams"]
+
+#: what one remembered conversation costs besides its id's characters and its path: the
+#: _Conversation, its dict, tip-set, order and trim entries (CPython 3.11, 64-bit; an estimate)
+CONVERSATION_BYTES = 400
+#: per block of a conversation's latest path: its key in a trimming list (a pointer and an int)
+PATH_BLOCK_BYTES = 40
 
 
 @dataclass(frozen=True)
@@ -53,8 +69,13 @@ class TLRUParams:
     prefill_ms_per_block: float = field(default=1.6, metadata={"help": "alpha: prefill time per uncached block (ms)"})
     next_prompt_blocks: float = field(default=-1.0, metadata={
         "help": "expected blocks the next turn adds; negative = running mean of observed growth"})
+    max_sessions: int = field(default=1 << 16, metadata={"help": "conversations remembered, all workers together"})
+    max_session_bytes: int = field(default=64 << 20, metadata={
+        "help": "bytes the remembered conversations may hold (ids, bookkeeping, their latest paths' keys)"})
 
     def validate(self) -> None:
+        if self.max_sessions < 1 or self.max_session_bytes < CONVERSATION_BYTES:
+            raise ValueError(f"max_sessions must be >= 1 and max_session_bytes >= {CONVERSATION_BYTES}")
         if self.latency_threshold_ms < 0:
             raise ValueError(f"latency_threshold_ms must be >= 0, got {self.latency_threshold_ms}")
         if not self.prefill_ms_per_block > 0:
@@ -99,6 +120,10 @@ class TLRUEviction(EvictionPolicyBase):
         self._tips: dict[int, dict[int, set[str]]] = {}
         self._growth_sum = 0
         self._growth_n = 0
+        #: (slot, session) of every remembered conversation, least recently active first
+        self._recent: dict[tuple[int, str], None] = {}
+        #: what the remembered conversations hold, bytes (see the module docstring)
+        self.session_bytes = 0
         # Trimming state, kept incrementally: a conversation's contribution is recomputed only
         # when its tip moves or every budget shifts (P - xi/alpha crossing an integer).
         self._trim: dict[int, _Trim] = {}
@@ -139,9 +164,16 @@ class TLRUEviction(EvictionPolicyBase):
     def _observe(self, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         if not info.session_id or not blocks:
             return
-        conv = self._convs.setdefault(slot, {}).setdefault(info.session_id, _Conversation())
+        sid = info.session_id
+        convs = self._convs.setdefault(slot, {})
+        conv = convs.get(sid)
+        if conv is None:
+            conv = convs[sid] = _Conversation()
+            self.session_bytes += CONVERSATION_BYTES + len(sid)
         depth = info.first_offset + len(blocks)
         if now > conv.turn_now:  # a new turn
+            self._recent.pop((slot, sid), None)
+            self._recent[(slot, sid)] = None  # the most recently active now
             if conv.tip is not None:
                 conv.prev_length = conv.length
                 self._growth_n += 1
@@ -154,6 +186,30 @@ class TLRUEviction(EvictionPolicyBase):
             delta = max(0, conv.length - conv.prev_length)
             self._growth_sum += delta - conv.delta
             conv.delta = delta
+        p = self.params
+        if len(self._recent) > p.max_sessions or self.session_bytes > p.max_session_bytes:
+            self._forget_least_recent(keep=(slot, sid))
+
+    def _forget_least_recent(self, keep: tuple[int, str]) -> None:
+        """Forget the least recently active quarter of the conversations, and more until within
+        both bounds; never ``keep`` (the one being observed)."""
+        p = self.params
+        drop = max(1, len(self._recent) // 4)
+        for slot, sid in list(self._recent):
+            if drop <= 0 and len(self._recent) <= p.max_sessions and self.session_bytes <= p.max_session_bytes:
+                break
+            if (slot, sid) != keep:
+                self._forget(slot, sid)
+                drop -= 1
+
+    def _forget(self, slot: int, sid: str) -> None:
+        convs = self._convs[slot]
+        # untipped: its trimming contribution goes at the next ranking (_refresh of a dirty,
+        # unknown session), and its path's bytes are released
+        self._set_tip(slot, sid, convs[sid], None, 0)
+        del convs[sid]
+        del self._recent[(slot, sid)]
+        self.session_bytes -= CONVERSATION_BYTES + len(sid)
 
     def _set_tip(self, slot: int, sid: str, conv: _Conversation, tip: Block | None, length: int) -> None:
         tips = self._tips.setdefault(slot, {})
@@ -163,6 +219,7 @@ class TLRUEviction(EvictionPolicyBase):
                 owners.discard(sid)
                 if not owners:
                     del tips[conv.tip.key]
+        self.session_bytes += PATH_BLOCK_BYTES * (length - conv.length)
         conv.tip, conv.length = tip, length
         self._trim_state(slot).dirty.add(sid)
         if tip is not None:
@@ -189,11 +246,12 @@ class TLRUEviction(EvictionPolicyBase):
             if held_parent:
                 self._set_tip(slot, sid, conv, parent, conv.length - 1)
             else:  # nothing of it is cached on this worker any more
-                self._set_tip(slot, sid, conv, None, 0)
-                del convs[sid]
+                self._forget(slot, sid)
 
     def on_cleared(self, slot: int) -> None:
-        self._convs.pop(slot, None)
+        for sid, conv in self._convs.pop(slot, {}).items():
+            self.session_bytes -= CONVERSATION_BYTES + len(sid) + PATH_BLOCK_BYTES * conv.length
+            del self._recent[(slot, sid)]
         self._tips.pop(slot, None)
         self._trim.pop(slot, None)
         self._leaves.cleared(slot)

@@ -75,3 +75,49 @@ def test_evicting_a_conversation_tip_moves_it_back(cache_of):
 def test_rejects_non_positive_prefill_cost():
     with pytest.raises(ConfigError, match="prefill_ms_per_block"):
         registry.build("eviction", {"name": "tlru", "prefill_ms_per_block": 0})
+
+
+def test_the_conversation_map_has_a_byte_budget(cache_of):
+    """Issue #16 item 3: session ids are client-chosen; conversations, their ids and their
+    paths must not grow memory past max_session_bytes (as unicache's session map)."""
+    from kvrouterd.policies.eviction.tlru import CONVERSATION_BYTES, PATH_BLOCK_BYTES
+
+    one = CONVERSATION_BYTES + 200 + 3 * PATH_BLOCK_BYTES  # a 200-character id, a 3-block path
+    budget = 40 * one
+    c = cache_of({**PARAMS, "max_session_bytes": budget})
+    for i in range(400):
+        sid = f"{i:04d}" + "s" * 196
+        c.store([10_000 + 3 * i, 10_001 + 3 * i, 10_002 + 3 * i], now=float(i + 1), info=conv(sid))
+        assert c.policy.session_bytes <= budget
+    convs = c.policy._convs[0]
+    assert 20 <= len(convs) <= 40  # the count bound (65536) never came into play
+    assert c.policy.session_bytes == sum(CONVERSATION_BYTES + len(s) + PATH_BLOCK_BYTES * v.length for s, v in convs.items())
+    assert "0399" + "s" * 196 in convs and "0000" + "s" * 196 not in convs  # the least recent went
+    # 3-block paths are all beyond their budget (3 + 2 - 10 < 0), but only the remembered
+    # conversations' are trimmed: a forgotten one's blocks are plain LRU blocks
+    remembered = {10_000 + 3 * int(s[:4]) + d for s in convs for d in range(3)}
+    assert c.policy.trimmable(EvictionContext(c.index, 0, 500.0)) == remembered
+    assert c.policy._tips[0].keys() == {10_002 + 3 * int(s[:4]) for s in convs}
+
+
+def test_a_new_turn_keeps_a_conversation_and_clearing_releases_its_bytes(cache_of):
+    c = cache_of({**PARAMS, "max_sessions": 3})
+    for i, sid in enumerate("abc"):
+        c.store([100 * i + 1, 100 * i + 2], now=float(i + 1), info=conv(sid))
+    c.access([1, 2], now=10.0, info=conv("a"))  # a's next turn: b is now the least recently active
+    c.store([301, 302], now=11.0, info=conv("d"))
+    assert set(c.policy._convs[0]) == {"a", "c", "d"}
+    c.policy.on_cleared(0)
+    assert c.policy.session_bytes == 0 and not c.policy._recent
+
+
+def test_a_conversation_evicted_from_the_cache_is_forgotten_with_its_bytes(cache_of):
+    c = cache_of(PARAMS)
+    c.store([1, 2], now=1.0, info=conv("a"))
+    c.evict([2, 1])
+    assert "a" not in c.policy._convs[0] and c.policy.session_bytes == 0 and not c.policy._recent
+
+
+def test_session_bounds_are_validated():
+    with pytest.raises(ConfigError, match="max_session_bytes"):
+        registry.build("eviction", {"name": "tlru", "max_session_bytes": 10})

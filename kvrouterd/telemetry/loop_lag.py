@@ -15,8 +15,10 @@ visible in production:
 
 When the loop stays blocked past ``telemetry.loop_stall_warn_ms``, a watchdog thread samples
 the loop thread's stack (``sys._current_frames``), and when the loop runs again the heartbeat
-logs one WARNING naming what it was running, how long it was held and how much of that was
-garbage collection. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
+logs one WARNING naming what it was running, how long it was held, how much of that was
+garbage collection, and how much CPU the loop thread used meanwhile: a stall the thread spent
+off the CPU was the machine (no core free) or another thread holding the GIL, not the code
+the stack names. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
 never run again to say so. Warnings are coalesced to one per ``WARN_EVERY_S``; the
 histogram counts every stall.
 """
@@ -138,15 +140,16 @@ class LoopMonitor:
     # ---- on the loop ------------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.thread_time  # the heartbeat runs on the loop thread
         while True:
+            started_cpu = cpu()
             self._due = clock() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
             lag = max(0.0, clock() - self._due)
             self.lag.record(lag)
             gc_s, collections = self._record_pauses()
             if self.warn_after_s > 0 and lag >= self.warn_after_s:
-                self._stalled(lag, gc_s, collections)
+                self._stalled(lag, cpu() - started_cpu, gc_s, collections)
 
     def _record_pauses(self) -> tuple[float, Counter[int]]:
         """Record the queued gc pauses; their total seconds and count per generation."""
@@ -159,7 +162,7 @@ class LoopMonitor:
             collections[generation] += 1
         return total, collections
 
-    def _stalled(self, lag: float, gc_s: float, collections: Counter[int]) -> None:
+    def _stalled(self, lag: float, cpu_s: float, gc_s: float, collections: Counter[int]) -> None:
         self.stalls += 1
         with self._lock:
             samples, self._samples = self._samples, []
@@ -173,9 +176,11 @@ class LoopMonitor:
         more = f"; {self._unwarned} more stalls since the last warning" if self._unwarned else ""
         self._unwarned = 0
         log.warning(
-            "event loop blocked for %.0f ms (warn at %.0f ms): running %s; garbage collection %.0f ms of it (%s)%s",
-            lag * 1000, self.warn_after_s * 1000, running, gc_s * 1000, gcs, more,
-            extra={"blocked_ms": round(lag * 1000, 1), "gc_ms": round(gc_s * 1000, 1)},
+            "event loop blocked for %.0f ms (warn at %.0f ms): running %s; garbage collection %.0f ms of it (%s); "
+            "the loop thread was on a CPU %.0f ms of the last %.0f%s",
+            lag * 1000, self.warn_after_s * 1000, running, gc_s * 1000, gcs, cpu_s * 1000,
+            (lag + HEARTBEAT_S) * 1000, more,
+            extra={"blocked_ms": round(lag * 1000, 1), "gc_ms": round(gc_s * 1000, 1), "cpu_ms": round(cpu_s * 1000, 1)},
         )
 
     # ---- elsewhere ------------------------------------------------------------------------

@@ -24,13 +24,17 @@ BLOCK_S = 0.3
 
 
 async def hog_the_loop_in_list_workers(request: pb.ListWorkersRequest, context: object) -> pb.ListWorkersResponse:
-    """A handler that does 300 ms of work without yielding (what a slow path would do)."""
+    """A handler that holds the loop 300 ms without yielding, off the CPU (a blocking call)."""
     time.sleep(BLOCK_S)
     return pb.ListWorkersResponse()
 
 
-async def collect_in_get_stats(request: pb.GetStatsRequest, context: object) -> pb.GetStatsResponse:
+async def spin_the_cpu_in_get_stats(request: pb.GetStatsRequest, context: object) -> pb.GetStatsResponse:
+    """A full collection, then 300 ms of CPU without yielding (what a slow path would do)."""
     gc.collect()
+    until = time.thread_time() + BLOCK_S
+    while time.thread_time() < until:
+        pass
     return pb.GetStatsResponse()
 
 
@@ -62,7 +66,7 @@ async def test_a_handler_blocking_the_loop_is_logged_by_name_and_measured() -> N
     daemon = Daemon(cfg, seed=1)
     # the servicer's own handlers are bound when the server starts: these replace two of them
     daemon.service.ListWorkers = hog_the_loop_in_list_workers  # type: ignore[method-assign]
-    daemon.service.GetStats = collect_in_get_stats  # type: ignore[method-assign]
+    daemon.service.GetStats = spin_the_cpu_in_get_stats  # type: ignore[method-assign]
     logger = logging.getLogger("kvrouterd.telemetry")
     captured, level = Captured(), logger.level
     logger.addHandler(captured)
@@ -74,20 +78,27 @@ async def test_a_handler_blocking_the_loop_is_logged_by_name_and_measured() -> N
             await asyncio.sleep(0.12)  # a heartbeat or two, so the histogram has a series
             before = await scrape(daemon)
             await stub.ListWorkers(pb.ListWorkersRequest(), timeout=10)
+            await asyncio.sleep(1.1)  # warnings are at most one a second
             await stub.GetStats(pb.GetStatsRequest(), timeout=10)
             after = await scrape(daemon)  # the heartbeat has run again by the time the scrape is answered
     finally:
         await daemon.stop(grace=0.5)
         logger.removeHandler(captured)
         logger.setLevel(level)
-    stalls = [r for r in captured.records if "running hog_the_loop_in_list_workers (" in r.getMessage()]
-    assert len(stalls) == 1, [r.getMessage() for r in captured.records]
-    message = stalls[0].getMessage()
-    assert message.startswith("event loop blocked for "), message
-    assert "test_loop_monitor.py:" in message  # where: the handler's file and line
-    # for about as long as the handler held it (the heartbeat was due up to 50 ms into the block)
-    assert BLOCK_S - 0.06 <= stalls[0].blocked_ms / 1000 < BLOCK_S + 1.0  # type: ignore[attr-defined]
-    assert lag_above(after, 0.1) - lag_above(before, 0.1) >= 1
+    messages = [r.getMessage() for r in captured.records]
+    slept = [r for r in captured.records if "running hog_the_loop_in_list_workers (" in r.getMessage()]
+    spun = [r for r in captured.records if "running spin_the_cpu_in_get_stats (" in r.getMessage()]
+    assert len(slept) == 1 and len(spun) == 1, messages
+    for record in (*slept, *spun):
+        message = record.getMessage()
+        assert message.startswith("event loop blocked for "), message
+        assert "test_loop_monitor.py:" in message  # where: the handler's file and line
+        # for about as long as the handler held it (the heartbeat was due up to 50 ms into the block)
+        assert BLOCK_S - 0.06 <= record.blocked_ms / 1000 < BLOCK_S + 1.0, message  # type: ignore[attr-defined]
+    # the sleeping handler held the loop off the CPU; the spinning one on it
+    assert slept[0].cpu_ms < 100 and spun[0].cpu_ms >= 250, messages  # type: ignore[attr-defined]
+    assert "the loop thread was on a CPU" in spun[0].getMessage()
+    assert lag_above(after, 0.1) - lag_above(before, 0.1) >= 2
     # GetStats' full collection, and the collections any allocation triggers
     assert sample(after, "kvrouter_gc_pause_seconds_count", generation="2") >= 1
     assert sample(after, "kvrouter_gc_pause_seconds_count", generation="0") >= 1
@@ -100,3 +111,17 @@ async def test_a_handler_blocking_the_loop_is_logged_by_name_and_measured() -> N
 def test_the_warning_threshold_is_validated(value: float) -> None:
     with pytest.raises(ConfigError, match=r"telemetry\.loop_stall_warn_ms: must be 0 \(off\) or in \[10, 60000\]"):
         parse_config({"telemetry": {"loop_stall_warn_ms": value}})
+
+
+async def test_the_start_up_heap_is_left_out_of_full_collections() -> None:
+    """Full collections scanned the daemon's whole start-up heap on the routing loop; frozen,
+    they scan only what was made since (gc.freeze), and a stopped daemon unfreezes it."""
+    daemon = Daemon(parse_config({"listen": "127.0.0.1:0"}), seed=1)
+    await daemon.start()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen >= 10_000
+        assert len(gc.get_objects()) < frozen  # what a full collection walks
+    finally:
+        await daemon.stop(grace=0.5)
+    assert gc.get_freeze_count() == 0

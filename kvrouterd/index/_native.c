@@ -1872,6 +1872,94 @@ error:
     return NULL;
 }
 
+static PyObject *slot_name; /* interned "slot" */
+
+/* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
+ *
+ * One pass over a routing decision's candidates, the reference being policies/_scan.py:
+ * scan_candidates_py (tests hold the two to identical results). best_i holds the longest cached
+ * prefix (overlaps[candidate.slot], 0 when absent), ties to the lower load, then the lower index;
+ * min_i is the first candidate with the lowest load. A candidate's load is its attribute
+ * `load_name`. Reading two attributes and a dict per candidate here costs a sixth of the
+ * bytecode loop it replaces, on every Route over every worker. NotImplemented (the caller runs
+ * the Python reference) when `overlaps` is not a dict or a depth or load is not an int of at
+ * most 64 bits. */
+static PyObject *
+prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prefix_scan(candidates, overlaps, load_name) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *overlaps = args[1], *load_name = args[2];
+    if (!PyUnicode_Check(load_name)) {
+        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
+        return NULL;
+    }
+    if (!PyDict_Check(overlaps))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n == 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "no candidates");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t best_i = 0, min_i = 0;
+    long long best_depth = -1, best_load = 0, min_load = 0, max_load = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = PyObject_GetAttr(items[i], slot_name);
+        if (slot == NULL)
+            goto error;
+        PyObject *found = PyDict_GetItemWithError(overlaps, slot); /* borrowed */
+        Py_DECREF(slot);
+        long long depth = 0;
+        int overflow = 0;
+        if (found != NULL) {
+            if (!PyLong_CheckExact(found))
+                goto python;
+            depth = PyLong_AsLongLongAndOverflow(found, &overflow);
+            if (overflow)
+                goto python;
+        }
+        else if (PyErr_Occurred())
+            goto error;
+        PyObject *load_obj = PyObject_GetAttr(items[i], load_name);
+        if (load_obj == NULL)
+            goto error;
+        if (!PyLong_CheckExact(load_obj)) {
+            Py_DECREF(load_obj);
+            goto python;
+        }
+        long long load = PyLong_AsLongLongAndOverflow(load_obj, &overflow);
+        Py_DECREF(load_obj);
+        if (overflow)
+            goto python;
+        if (depth > best_depth || (depth == best_depth && load < best_load)) {
+            best_i = i;
+            best_depth = depth;
+            best_load = load;
+        }
+        if (i == 0 || load < min_load) {
+            min_i = i;
+            min_load = load;
+        }
+        if (i == 0 || load > max_load)
+            max_load = load;
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(nLnLL)", best_i, best_depth, min_i, min_load, max_load);
+python:
+    Py_DECREF(seq);
+    Py_RETURN_NOTIMPLEMENTED;
+error:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -1881,6 +1969,8 @@ static PyMethodDef native_methods[] = {
      "chain_split(blocks, prio) -> (continued blocks whose key is in prio, blocks not continued)"},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,
      "match_walk(blocks, keys, slots_mask) -> (overlaps, path), or NotImplemented for masks over 64 bits."},
+    {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
+     "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1893,9 +1983,10 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
+    slot_name = PyUnicode_InternFromString("slot");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
-    if (holders_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
+    if (holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0)
         return NULL;
     state_zero = state_new(zero, float_zero, zero);

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ...protocols import Decision
+from .._scan import scan_candidates
 from ..base import RoutingContext, RoutingPolicyBase
 from ..registry import register
 
@@ -54,25 +55,20 @@ class CacheAwarePolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         p = self.params
         candidates = ctx.candidates
-        if p.load_metric == "requests":
-            loads = [w.inflight_requests for w in candidates]
-        else:
-            loads = [w.pending_prefill_tokens for w in candidates]
-        max_load, min_load = max(loads), min(loads)
-        imbalanced = (max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
-
-        prompt_tokens = max(ctx.prompt_tokens, 1)
+        load_attr = "inflight_requests" if p.load_metric == "requests" else "pending_prefill_tokens"
         overlaps = ctx.match.overlaps
-        # longest match; ties to the less loaded, then the lower slot (candidates are slot-ordered)
-        best_i, best_key = 0, (-1, 0)
-        for i, w in enumerate(candidates):
-            key = (overlaps.get(w.slot, 0), -loads[i])
-            if key > best_key:
-                best_i, best_key = i, key
-        match_rate = min(1.0, best_key[0] * ctx.block_size / prompt_tokens)
+        # longest match, ties to the less loaded, then the lower slot (candidates are slot-ordered);
+        # and the load spread: one pass, in C where the extension is built (policies/_scan.py)
+        best_i, best_depth, min_i, min_load, max_load = scan_candidates(candidates, overlaps, load_attr)
+        imbalanced = (max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
+        prompt_tokens = max(ctx.prompt_tokens, 1)
+        match_rate = min(1.0, best_depth * ctx.block_size / prompt_tokens)
 
+        loads: list[int] = []
+        if ctx.explain or not (imbalanced or match_rate > p.cache_threshold):
+            loads = [getattr(w, load_attr) for w in candidates]
         if imbalanced:
-            chosen, reason = candidates[loads.index(min_load)], "imbalanced"
+            chosen, reason = candidates[min_i], "imbalanced"
         elif match_rate > p.cache_threshold:
             chosen, reason = candidates[best_i], "prefix_match"
         else:

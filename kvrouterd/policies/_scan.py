@@ -1,0 +1,58 @@
+"""One pass over a decision's candidates: who holds the longest cached prefix, and the load spread.
+
+Prefix-affinity policies (``cache_aware``) need, for every Route and every candidate, its cached
+prefix (``MatchResult.overlaps``) and its load. As a bytecode loop that is most of a decision
+over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does the same pass in
+C. This module's ``scan_candidates_py`` is the reference: tests hold the two to identical
+results, and it runs wherever the extension is not built or declines (``NotImplemented``: a
+depth or load that is not a 64-bit int).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..index import native
+
+__all__ = ["scan_candidates", "scan_candidates_py"]
+
+#: (best_i, best_depth, min_i, min_load, max_load)
+Scan = tuple[int, int, int, int, int]
+
+
+def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str) -> Scan:
+    """``best_i``: the candidate holding the longest prefix (``overlaps[c.slot]``, 0 if absent),
+    ties to the lower load (attribute ``load_attr``), then the lower index; ``best_depth`` its
+    prefix; ``min_i``: the first candidate with the lowest load; ``min_load``, ``max_load``.
+    ``candidates`` must not be empty (ValueError)."""
+    if not candidates:
+        raise ValueError("no candidates")
+    get = overlaps.get
+    best_i = min_i = 0
+    best_depth, best_load = -1, 0
+    min_load = max_load = getattr(candidates[0], load_attr)
+    for i, w in enumerate(candidates):
+        depth = get(w.slot, 0)
+        load = getattr(w, load_attr)
+        if depth > best_depth or (depth == best_depth and load < best_load):
+            best_i, best_depth, best_load = i, depth, load
+        if load < min_load:
+            min_i, min_load = i, load
+        elif load > max_load:
+            max_load = load
+    return best_i, best_depth, min_i, min_load, max_load
+
+
+def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str) -> Scan:
+    result = _native_scan(candidates, overlaps, load_attr)
+    if result is NotImplemented:
+        return scan_candidates_py(candidates, overlaps, load_attr)
+    return result  # type: ignore[no-any-return]
+
+
+if native.module is not None:
+    _native_scan = native.module.prefix_scan
+    scan_candidates = _scan_candidates_native
+else:
+    scan_candidates = scan_candidates_py

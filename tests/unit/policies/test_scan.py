@@ -1,0 +1,64 @@
+"""The candidate scan behind cache_aware: the native pass computes what the Python reference does.
+
+Every Route of the default policy goes through it, so a divergence would pick a different worker
+depending on how the package was built.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouterd.index import native
+from kvrouterd.policies._scan import scan_candidates, scan_candidates_py
+
+
+class Cand:
+    __slots__ = ("inflight_requests", "pending_prefill_tokens", "slot")
+
+    def __init__(self, slot: int, requests: int, tokens: int) -> None:
+        self.slot, self.inflight_requests, self.pending_prefill_tokens = slot, requests, tokens
+
+
+def reference(candidates, overlaps, attr):
+    """The rule as cache_aware states it, written the obvious way."""
+    depths = [overlaps.get(c.slot, 0) for c in candidates]
+    loads = [getattr(c, attr) for c in candidates]
+    best = max(range(len(candidates)), key=lambda i: (depths[i], -loads[i], -i))
+    return best, depths[best], loads.index(min(loads)), min(loads), max(loads)
+
+
+fleets = st.lists(st.tuples(st.integers(0, 4), st.integers(-3, 5), st.integers(-(2**70), 2**70)), min_size=1, max_size=70)
+
+
+@settings(max_examples=400, deadline=None)
+@given(fleet=fleets, data=st.data())
+def test_scan_follows_the_rule_on_both_paths(fleet, data):
+    candidates = [Cand(slot, requests, tokens) for slot, (_, requests, tokens) in enumerate(fleet)]
+    # small depths and loads make ties common: ties must break alike
+    overlaps = {slot: depth for slot, (depth, _, _) in enumerate(fleet) if depth}
+    overlaps.update(data.draw(st.dictionaries(st.integers(100, 110), st.integers(1, 9), max_size=3)))  # not candidates
+    for attr in ("inflight_requests", "pending_prefill_tokens"):
+        expected = reference(candidates, overlaps, attr)
+        assert scan_candidates_py(candidates, overlaps, attr) == expected
+        assert scan_candidates(candidates, overlaps, attr) == expected
+
+
+@pytest.mark.skipif(native.module is None, reason=native.status)
+def test_native_scan_declines_what_it_cannot_hold_exactly():
+    candidates = [Cand(0, 1, 2**64), Cand(1, 2, 0)]
+    assert native.module.prefix_scan(candidates, {0: 3}, "inflight_requests") == (0, 3, 0, 1, 2)
+    # a load beyond 64 bits, a non-int depth, a mapping that is not a dict: the Python reference decides
+    assert native.module.prefix_scan(candidates, {0: 3}, "pending_prefill_tokens") is NotImplemented
+    assert native.module.prefix_scan(candidates, {0: 3.0}, "inflight_requests") is NotImplemented
+    assert scan_candidates(candidates, {0: 3}, "pending_prefill_tokens") == (0, 3, 1, 0, 2**64)
+    with pytest.raises(ValueError, match="no candidates"):
+        native.module.prefix_scan([], {}, "inflight_requests")
+    with pytest.raises(AttributeError):
+        native.module.prefix_scan([object()], {}, "inflight_requests")
+
+
+def test_python_scan_rejects_an_empty_fleet():
+    with pytest.raises(ValueError, match="no candidates"):
+        scan_candidates_py([], {}, "inflight_requests")

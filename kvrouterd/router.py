@@ -78,8 +78,11 @@ def request_bytes(req: RouteRequest) -> int:
     ~40 as Python ints in a list), its strings, the entry overhead."""
     keys = req.keys
     per_key = 8 if isinstance(keys, array) else 40
-    return (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
-            + len(req.model) + len(req.policy) + sum(len(c) + 56 for c in req.candidate_workers))
+    size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
+            + len(req.model) + len(req.policy))
+    if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
+        size += sum(len(c) + 56 for c in req.candidate_workers)
+    return size
 
 
 def _described_length(spec: WorkerSpec) -> int:
@@ -551,15 +554,19 @@ class Router:
         rest. Returns the keys evicted from an approximate worker's model to make room."""
         now = ctx.now
         slot = worker.slot
-        matched = ctx.match.path[:overlap]
-        info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
-        if matched:
+        approximate = worker.mode is CacheMode.APPROXIMATE and overlap < len(req.keys)
+        info = None
+        if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
+            info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
+        if overlap:
+            matched = ctx.match.path[:overlap]
             self.index.touch_path(slot, matched, now)
             self.eviction.on_accessed(self.index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(self.eviction, "wants_request_info", False):
             self._remember_access(req)
-        if worker.mode is not CacheMode.APPROXIMATE or overlap >= len(req.keys):
+        if not approximate:
             return []
+        assert info is not None
         self._assume_cached(worker, req.keys, overlap, info, now)
         capacity = worker.spec.capacity_blocks or self.settings.approximate_capacity_blocks
         excess = self.index.count(slot) - capacity if capacity else 0

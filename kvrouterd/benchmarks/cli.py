@@ -10,6 +10,10 @@ Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-tok
 ``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
 RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round;
 ``grpc_stream_route_vs_trivial_unary_cpu_ratio`` is the same comparison in server CPU per call),
+``grpc_stream_route_vs_trivial_stream_ratio`` (and ``..._cpu_ratio``: the daemon's RouteStream
+over the trivial server's RouteStream, same load, same round: like with like, what the daemon
+adds per streamed message; the trivial stream over the trivial unary rate is the most streaming
+can give, ``grpc_trivial_stream_vs_unary_ratio``),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index, tokens packed
 as the SDK sends them; ``ingest_events_per_s_repeated_tokens`` with the repeated field),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
@@ -31,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and shorter runs (smoke test)")
-    parser.add_argument("--rounds", type=int, default=3, help="gRPC rounds; the ratio is their median")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="gRPC rounds; each ratio is the median of its rounds. The load client runs on the "
+                             "same machine as the server, so on few cores rates follow whatever else runs: "
+                             "compare ratios from one run, and the server-CPU-per-call ratios beside them")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
 
 
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         ratios = [x["daemon"]["inflight_64"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         ratios1 = [x["daemon"]["inflight_1"]["rps"] / x["trivial"]["inflight_1"]["rps"] for x in runs]
         stream_ratios = [x["daemon"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
+        like_ratios = [x["daemon"]["stream_8x8"]["rps"] / x["trivial"]["stream_8x8"]["rps"] for x in runs]
+        ceiling = [x["trivial"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         mid = runs[ratios.index(statistics.median(ratios))] if len(runs) % 2 else runs[-1]
         result["grpc_runs"] = runs
         result["grpc_route_vs_trivial_ratio"] = statistics.median(ratios)
@@ -121,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
                for x in runs if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
         if cpu:  # the same comparison in server CPU per call, which load disturbs much less
             result["grpc_stream_route_vs_trivial_unary_cpu_ratio"] = statistics.median(cpu)
+        result["grpc_stream_route_vs_trivial_stream_ratio"] = statistics.median(like_ratios)
+        result["grpc_trivial_stream_vs_unary_ratio"] = statistics.median(ceiling)
+        like_cpu = [x["trivial"]["stream_8x8"]["server_cpu_us_per_call"] / x["daemon"]["stream_8x8"]["server_cpu_us_per_call"]
+                    for x in runs if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
+        if like_cpu:
+            result["grpc_stream_route_vs_trivial_stream_cpu_ratio"] = statistics.median(like_cpu)
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
@@ -135,6 +150,16 @@ def run(args: argparse.Namespace) -> int:
         if cpu:
             rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)",
                          f"{statistics.median(cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in cpu)})"))
+        m = mid["trivial"]["stream_8x8"]
+        rows.append(("gRPC RouteStream trivial, 64 in flight over 8 streams",
+                     f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+        rows.append(("gRPC RouteStream daemon / trivial stream ratio",
+                     f"{statistics.median(like_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_ratios)})"))
+        if like_cpu:
+            rows.append(("  the same in server CPU per call (trivial stream / streamed daemon)",
+                         f"{statistics.median(like_cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_cpu)})"))
+        rows.append(("gRPC RouteStream trivial / trivial unary (what streaming can give)",
+                     f"{statistics.median(ceiling):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ceiling)})"))
 
     if "ingest" in stages:
         from .grpc_bench import ingest_throughput

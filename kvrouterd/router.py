@@ -28,7 +28,7 @@ from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
-from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy
+from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy, drop_blocks
 from .protocols import (
     BatchOutcome,
     CacheMode,
@@ -574,9 +574,7 @@ class Router:
             return []
         ctx_e = EvictionContext(self.index, slot, now, worker.id)
         victims = self.eviction.rank(ctx_e, excess, frozenset(req.keys))
-        for block in victims:
-            self.eviction.on_removed(self.index, slot, block)
-            self.index.remove(slot, block.key)
+        drop_blocks(self.eviction, self.index, slot, victims)
         self.counters["approx_evicted"] += len(victims)
         return [block.key for block in victims]
 
@@ -589,11 +587,12 @@ class Router:
     def _forget_assumed(self, worker: Worker, keys: Iterable[int]) -> None:
         """Another replica's eviction dropped ``keys`` from its model of an approximate worker."""
         index, slot = self.index, worker.slot
+        doomed: dict[int, Block] = {}  # distinct held blocks, in order
         for key in keys:
             block = index.get(key)
             if block is not None and block.holders >> slot & 1:
-                self.eviction.on_removed(index, slot, block)
-                index.remove(slot, key)
+                doomed[key] = block
+        drop_blocks(self.eviction, index, slot, list(doomed.values()))
 
     def _remember_access(self, req: RouteRequest) -> None:
         """Remember who routed these blocks until the engine reports storing them."""
@@ -1049,6 +1048,10 @@ class Router:
         groups, pages = worker.groups, worker.pages
         group = ev.group if ev.group is None or 0 <= ev.group < MAX_KV_GROUPS else None
         held = self._engine_hash_held(worker) if groups is not None else None
+        # the event's blocks, distinct and in order, dropped together: one eviction hook call
+        # for the event (EvictionPolicy.on_removed_many). A block named twice is removed once;
+        # the second mention finds it gone, as when blocks were dropped one by one.
+        doomed: dict[int, Block] = {}
         for eh in ev.engine_hashes:
             if groups is not None and not groups.removed(group, eh, held):
                 continue  # another prefix-reusable group still holds the block
@@ -1057,21 +1060,20 @@ class Router:
                 if keys is not None:
                     for key in keys:
                         block = index.get(key)
-                        if block is not None and block.holders >> slot & 1:
-                            self.eviction.on_removed(index, slot, block)
-                            index.remove(slot, key)
-                            outcome.blocks_removed += 1
+                        if block is not None and block.holders >> slot & 1 and key not in doomed:
+                            doomed[key] = block
                     continue
             key = mapping.pop(eh, eh)
             if reverse is not None and reverse.get(key) == eh:
                 del reverse[key]
             block = index.get(key)
-            if block is not None and block.holders >> slot & 1:
-                self.eviction.on_removed(index, slot, block)
-                index.remove(slot, key)
-                outcome.blocks_removed += 1
+            if block is not None and block.holders >> slot & 1 and key not in doomed:
+                doomed[key] = block
             else:
                 outcome.unknown_removals += 1
+        if doomed:
+            drop_blocks(self.eviction, index, slot, list(doomed.values()))
+            outcome.blocks_removed += len(doomed)
 
     def _clear_worker(self, worker: Worker) -> None:
         self.index.clear(worker.slot)

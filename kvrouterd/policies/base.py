@@ -26,6 +26,7 @@ __all__ = [
     "RoutingContext",
     "RoutingPolicy",
     "RoutingPolicyBase",
+    "drop_blocks",
 ]
 
 
@@ -203,6 +204,13 @@ class EvictionPolicy(Protocol):
 
     The hooks get the index the blocks are in: a block's recency and hits are read through it
     (``index.recency(block, slot)``), as the index keeps a reused prefix's pending accesses.
+
+    ``on_removed_many`` (optional) is ``on_removed`` for several blocks at once, called before
+    the index drops any of them: the policy must end up exactly as if ``on_removed`` had been
+    called for each block in order, the index dropping each block after its call (so a block
+    earlier in ``blocks`` counts as no longer held). A policy without it gets ``on_removed``
+    per block (``drop_blocks``). One call per engine removal event lets a leaf policy skip
+    re-scoring parents that are themselves being removed.
     """
 
     name: ClassVar[str]
@@ -216,6 +224,21 @@ class EvictionPolicy(Protocol):
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None: ...
 
     def on_cleared(self, slot: int) -> None: ...
+
+
+def drop_blocks(policy: EvictionPolicy, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+    """``slot`` no longer holds ``blocks`` (distinct, each held by it): tell the policy, then the
+    index. One ``on_removed_many`` call where the policy has it, else ``on_removed`` per block
+    with the index dropping each block after its call, as the hook contract says."""
+    many = getattr(policy, "on_removed_many", None)
+    if many is not None:
+        many(index, slot, blocks)
+        for block in blocks:
+            index.remove(slot, block.key)
+        return
+    for block in blocks:
+        policy.on_removed(index, slot, block)
+        index.remove(slot, block.key)
 
 
 class EvictionPolicyBase:

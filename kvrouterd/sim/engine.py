@@ -69,7 +69,7 @@ from typing import Any, Literal
 
 from ..index.radix import RadixIndex
 from ..policies import registry
-from ..policies.base import AccessInfo, EvictionContext
+from ..policies.base import AccessInfo, EvictionContext, drop_blocks
 from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, power_law_ms
 from ..protocols import CacheEvent, Removed, Stored
 from .workloads import SimRequest
@@ -407,9 +407,7 @@ class SimEngine:
         self.rank_calls += 1
         if len(victims) < need:
             return False
-        for block in victims:
-            self.policy.on_removed(self.index, 0, block)
-            self.index.remove(0, block.key)
+        drop_blocks(self.policy, self.index, 0, victims)
         self.evicted_blocks += len(victims)
         self.outbox.append(Removed(tuple(b.key for b in victims)))
         return True

@@ -207,6 +207,31 @@ class SortedLeaves:
         if block.parent is not None:
             self.refresh(index, slot, (block.parent,), exclude=block)
 
+    def removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        """``removed`` for each of ``blocks`` in turn, the index dropping each after its call
+        (``EvictionPolicy.on_removed_many``), in one pass: leaf status depends only on what the
+        slot still holds once all are gone, and a parent's score does not change as its children
+        go (the index moves their pending accesses up to it), so only parents that stay are
+        re-scored, each once, where per block a chain removed leaf first would make each of its
+        blocks a leaf and then drop it again."""
+        s = self._slot(slot)
+        if len(blocks) == 1:
+            self.removed(index, slot, blocks[0])
+            return
+        gone = {b.key for b in blocks}
+        for b in blocks:
+            self._drop(s, b)
+        bit = 1 << slot
+        seen: set[int] = set()
+        for b in blocks:
+            parent = b.parent
+            if parent is None or parent.key in gone or parent.key in seen or not parent.holders & bit:
+                continue
+            seen.add(parent.key)
+            # it held b, so it was no leaf: it is one now unless a child it keeps is held
+            if not any(c.holders & bit and c.key not in gone for c in parent.iter_children()):
+                self._set(s, index, slot, parent)
+
     def cleared(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
@@ -253,6 +278,9 @@ class LeafOrderPolicy(EvictionPolicyBase):
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         self._leaves.removed(index, slot, block)
+
+    def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        self._leaves.removed_many(index, slot, blocks)
 
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)

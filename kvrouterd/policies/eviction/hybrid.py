@@ -141,6 +141,13 @@ class HybridEviction(EvictionPolicyBase):
         if depths is not None:
             depths.pop(block.key, None)
 
+    def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        self._leaves.removed_many(index, slot, blocks)  # first, as in on_removed
+        depths = self._depth.get(slot)
+        if depths is not None:
+            for b in blocks:
+                depths.pop(b.key, None)
+
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)
         self._depth.pop(slot, None)

@@ -107,6 +107,12 @@ class RLTEviction(EvictionPolicyBase):
         if p is not None:
             p.marked.discard(block.key)
 
+    def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        self._leaves.removed_many(index, slot, blocks)
+        p = self._phases.get(slot)
+        if p is not None:
+            p.marked.difference_update(b.key for b in blocks)
+
     def on_cleared(self, slot: int) -> None:
         self._phases.pop(slot, None)
         self._leaves.cleared(slot)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
@@ -239,12 +240,27 @@ class TLRUEviction(EvictionPolicyBase):
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         self._leaves.removed(index, slot, block)
+        self._tip_removed(slot, block, frozenset())
+
+    def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        self._leaves.removed_many(index, slot, blocks)
+        tips = self._tips.get(slot)
+        if not tips:
+            return
+        gone: set[int] = set()  # removed before the block at hand: no longer held by then
+        for b in blocks:
+            if b.key in tips:
+                self._tip_removed(slot, b, gone)
+            gone.add(b.key)
+
+    def _tip_removed(self, slot: int, block: Block, gone: AbstractSet[int]) -> None:
+        """Conversations ending at ``block`` now end at its parent, or are gone with it."""
         owners = self._tips.get(slot, {}).get(block.key)
         if not owners:
             return
         convs = self._convs[slot]
         parent = block.parent
-        held_parent = parent is not None and bool(parent.holders >> slot & 1)
+        held_parent = parent is not None and bool(parent.holders >> slot & 1) and parent.key not in gone
         for sid in sorted(owners):
             conv = convs[sid]
             if held_parent:

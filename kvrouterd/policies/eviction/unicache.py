@@ -313,6 +313,13 @@ class UniCacheEviction(EvictionPolicyBase):
         if s is not None:
             self._unplace(s, block.key)
 
+    def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        self._leaves.removed_many(index, slot, blocks)
+        s = self._slots.get(slot)
+        if s is not None:
+            for b in blocks:
+                self._unplace(s, b.key)
+
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)
         self._slots.pop(slot, None)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -147,6 +148,9 @@ class LoopMonitor:
             self._due = clock() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
             lag = max(0.0, clock() - self._due)
+            # the loop runs again: nothing to sample until the next sleep (a sample taken now
+            # would name this bookkeeping instead of what held the loop)
+            self._due = math.inf
             self.lag.record(lag)
             gc_s, collections = self._record_pauses()
             if self.warn_after_s > 0 and lag >= self.warn_after_s:

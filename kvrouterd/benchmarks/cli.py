@@ -17,6 +17,13 @@ can give, ``grpc_trivial_stream_vs_unary_ratio``),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index, tokens packed
 as the SDK sends them; ``ingest_events_per_s_repeated_tokens`` with the repeated field),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
+
+Every gRPC load completes each routed request, as the SDK does (unary: a ``Complete`` call
+after each ``Route``; streamed: a complete message on the same stream), so the fleet's load
+stays what real callers leave and the policy decides by prefix match rather than calling the
+fleet imbalanced: each rate is routed requests/s with their Completes sent, each server CPU
+per call a Route plus its Complete (the trivial server answers Complete too), and
+``grpc_daemon_reasons`` counts the daemon's decision reasons per load over all rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 STAGES = ("decision", "grpc", "ingest", "memory")
 
@@ -38,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="gRPC rounds; each ratio is the median of its rounds. The load client runs on the "
                              "same machine as the server, so on few cores rates follow whatever else runs: "
-                             "compare ratios from one run, and the server-CPU-per-call ratios beside them")
+                             "compare ratios from one run, and the server-CPU-per-call ratios beside them. "
+                             "Every routed request is completed, as the SDK does: rates are routes/s with "
+                             "their Completes sent")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
 
 
@@ -122,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         ceiling = [x["trivial"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         mid = runs[ratios.index(statistics.median(ratios))] if len(runs) % 2 else runs[-1]
         result["grpc_runs"] = runs
+        # which path of the policy the measured decisions took (prefix_match, imbalanced, ...)
+        reasons = {load: dict(sum((Counter(x["daemon"][load]["reasons"]) for x in runs), Counter()))
+                   for load in ("inflight_1", "inflight_64", "stream_8x8")}
+        result["grpc_daemon_reasons"] = reasons
         result["grpc_route_vs_trivial_ratio"] = statistics.median(ratios)
         result["grpc_route_vs_trivial_ratio_inflight_1"] = statistics.median(ratios1)
         result["grpc_stream_route_rps"] = statistics.median(x["daemon"]["stream_8x8"]["rps"] for x in runs)
@@ -139,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
-                rows.append((f"gRPC Route {who}, {n} in flight", f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+                rows.append((f"gRPC Route + Complete {who}, {n} in flight", f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
         rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"))
         rows.append(("gRPC Route daemon/trivial ratio, 1 in flight", f"{statistics.median(ratios1):.2f}"))
         m = mid["daemon"]["stream_8x8"]
-        rows.append(("gRPC RouteStream daemon, 64 in flight over 8 streams",
+        rows.append(("gRPC RouteStream (+ complete) daemon, 64 in flight over 8 streams",
                      f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
         rows.append(("gRPC RouteStream daemon / trivial unary ratio",
                      f"{statistics.median(stream_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in stream_ratios)})"))
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)",
                          f"{statistics.median(cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in cpu)})"))
         m = mid["trivial"]["stream_8x8"]
-        rows.append(("gRPC RouteStream trivial, 64 in flight over 8 streams",
+        rows.append(("gRPC RouteStream (+ complete) trivial, 64 in flight over 8 streams",
                      f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
         rows.append(("gRPC RouteStream daemon / trivial stream ratio",
                      f"{statistics.median(like_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_ratios)})"))
@@ -160,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{statistics.median(like_cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_cpu)})"))
         rows.append(("gRPC RouteStream trivial / trivial unary (what streaming can give)",
                      f"{statistics.median(ceiling):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ceiling)})"))
+        for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream")):
+            mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))
+            rows.append((f"daemon decisions by reason, {label} (all rounds)", mix))
 
     if "ingest" in stages:
         from .grpc_bench import ingest_throughput

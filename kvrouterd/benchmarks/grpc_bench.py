@@ -10,6 +10,15 @@ streamed, with a fixed response, so a throughput ratio isolates what kvrouterd a
 pre-serialised client loads, streamed daemon against streamed trivial as well as against the
 trivial unary handler (the issue's headline ratio, which also counts what streaming saves).
 
+Every routed request is completed, as the SDK's RouterClient does: unary loads send a
+``Complete`` call after each ``Route``, streamed loads a complete message on the same stream.
+Without them requests pile up in flight, the spread of load across workers marks the fleet
+imbalanced and the policy takes its cheap least-loaded path for nearly every decision instead
+of the prefix match real traffic gets. So a rate is routed requests per second *with their
+Completes sent*, and server CPU per call is a Route plus its Complete; the trivial server
+answers Complete too, so its ratios still compare like with like. Each daemon load also
+counts the policy's reasons from the answers (``reasons``).
+
 On a 2-core machine the client shares the CPU with the server (and with anything else
 running): a rate is bounded by whichever process runs out of CPU first, so rates and their
 ratios swing with load. Each load therefore also reports the server's CPU per call (from
@@ -27,7 +36,9 @@ import sys
 import tempfile
 import time
 from array import array
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -41,16 +52,24 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_messa
 class TrivialService(router_pb2_grpc.KVRouterServicer):
     """Answers Route with a constant: the floor any gRPC Route server pays."""
 
-    _reply = pb.RouteResponse(worker_id="w0", worker_address="10.0.0.1:8000", policy="trivial")
+    # a request id as long as the daemon's, so the loads' Complete messages are the same size
+    _reply = pb.RouteResponse(request_id="kvr-1-0123abcd", worker_id="w0", worker_address="10.0.0.1:8000", policy="trivial")
+    _completed = pb.CompleteResponse()
 
     async def Route(self, request, context):  # type: ignore[no-untyped-def]
         return self._reply
 
+    async def Complete(self, request, context):  # type: ignore[no-untyped-def]
+        return self._completed
+
     async def RouteStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
         # read and write as the daemon's RouteStream does, so only the work per message differs
-        write, reply = context.write, self._reply
+        write, reply, completed = context.write, self._reply, self._completed
         async for msg in request_iterator:
-            await write(pb.RouteStreamResponse(id=msg.id, route=reply))
+            if msg.WhichOneof("kind") == "complete":
+                await write(pb.RouteStreamResponse(id=msg.id, complete=completed))
+            else:
+                await write(pb.RouteStreamResponse(id=msg.id, route=reply))
 
 
 async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
@@ -106,7 +125,24 @@ class ServerProcess:
             os.unlink(self._tmp.name)
 
 
-async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: float) -> dict[str, float]:
+def _complete_message(request_id: str) -> pb.CompleteRequest:
+    """What the SDK's ``RouterClient.complete(result)`` sends with its defaults."""
+    return pb.CompleteRequest(request_id=request_id, cached_tokens=-1, success=True)
+
+
+def _summary(latencies: list[float], elapsed: float, reasons: Counter[str]) -> dict[str, Any]:
+    latencies.sort()
+    return {
+        "rps": len(latencies) / elapsed,  # routed requests/s, each with its Complete sent
+        "p50_us": statistics.median(latencies) * 1e6,  # Route latency (its Complete not included)
+        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
+        "calls": len(latencies),
+        "reasons": dict(reasons),  # the policy's reason for each recorded route
+    }
+
+
+async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: float) -> dict[str, Any]:
+    """``inflight`` clients, each a closed loop of Route then Complete (unary calls)."""
     payload = request.SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
         # pre-serialised, as for the streams below: encoding 4,000 token ids costs the client
@@ -114,9 +150,15 @@ async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: flo
         route = channel.unary_unary(
             "/kvrouter.v1.KVRouter/Route", request_serializer=lambda b: b, response_deserializer=pb.RouteResponse.FromString
         )
+        complete = channel.unary_unary(
+            "/kvrouter.v1.KVRouter/Complete",
+            request_serializer=pb.CompleteRequest.SerializeToString,
+            response_deserializer=pb.CompleteResponse.FromString,
+        )
         for _ in range(50):  # warm up the connection and the server's caches
-            await route(payload)
+            await complete(_complete_message((await route(payload)).request_id))
         latencies: list[float] = []
+        reasons: Counter[str] = Counter()
         end = time.perf_counter() + seconds
 
         async def client() -> None:
@@ -125,32 +167,32 @@ async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: flo
                 t0 = clock()
                 if t0 >= end:
                     return
-                await route(payload)
+                routed = await route(payload)
                 latencies.append(clock() - t0)
+                reasons[routed.reason] += 1
+                await complete(_complete_message(routed.request_id))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(inflight)))
         elapsed = time.perf_counter() - t0
-    latencies.sort()
-    return {
-        "rps": len(latencies) / elapsed,
-        "p50_us": statistics.median(latencies) * 1e6,
-        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
-        "calls": len(latencies),
-    }
+    return _summary(latencies, elapsed, reasons)
 
 
-async def _stream_load(port: int, request: pb.RouteRequest, streams: int, per_stream: int, seconds: float) -> dict[str, float]:
-    """RouteStream with ``per_stream`` messages kept in flight on each of ``streams`` streams.
+async def _stream_load(port: int, request: pb.RouteRequest, streams: int, per_stream: int, seconds: float) -> dict[str, Any]:
+    """RouteStream with ``per_stream`` requests kept in flight on each of ``streams`` streams.
 
-    Each stream is a closed loop: an answer releases the next message. Messages are
-    serialised once up front, so the client spends its share of the CPU on gRPC alone."""
+    Each stream is a closed loop: a route's answer sends its complete message, as the SDK
+    does, and the next route. The route's bytes are serialised once up front, so the client
+    spends its share of the CPU on gRPC alone."""
     # a RouteStreamRequest is its id (field 1, varint) then the route (field 2): only the id
     # changes, so the route's bytes are encoded once
     route_field = pb.RouteStreamRequest(route=request).SerializeToString()
 
     def message(n: int) -> bytes:
         return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
+
+    def complete_message(n: int, request_id: str) -> bytes:
+        return pb.RouteStreamRequest(id=n, complete=_complete_message(request_id)).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
         open_stream = channel.stream_stream(
             "/kvrouter.v1.KVRouter/RouteStream",
@@ -158,26 +200,38 @@ async def _stream_load(port: int, request: pb.RouteRequest, streams: int, per_st
             response_deserializer=pb.RouteStreamResponse.FromString,
         )
         latencies: list[float] = []
+        reasons: Counter[str] = Counter()
         errors = 0
 
         async def one_stream(end: float, record: bool) -> None:
             nonlocal errors
             call = open_stream()
             clock = time.perf_counter
-            sent_at: dict[int, float] = {}
+            sent_at: dict[int, float] = {}  # routes awaiting their answer
+            completing: set[int] = set()  # completes awaiting theirs
             next_id = 0
             for _ in range(per_stream):
                 sent_at[next_id] = clock()
                 await call.write(message(next_id))
                 next_id += 1
-            while sent_at:
+            while sent_at or completing:
                 reply = await call.read()
                 now = clock()
-                if reply.WhichOneof("kind") != "route":
-                    errors += 1
+                kind = reply.WhichOneof("kind")
+                if reply.id in completing:
+                    completing.discard(reply.id)
+                    errors += kind != "complete"
+                    continue
                 t0 = sent_at.pop(reply.id)
+                if kind != "route":
+                    errors += 1
+                    continue
                 if record:
                     latencies.append(now - t0)
+                    reasons[reply.route.reason] += 1
+                completing.add(next_id)
+                await call.write(complete_message(next_id, reply.route.request_id))
+                next_id += 1
                 if now < end:
                     sent_at[next_id] = now
                     await call.write(message(next_id))
@@ -190,14 +244,8 @@ async def _stream_load(port: int, request: pb.RouteRequest, streams: int, per_st
         await asyncio.gather(*(one_stream(t0 + seconds, record=True) for _ in range(streams)))
         elapsed = time.perf_counter() - t0
     if errors:
-        raise RuntimeError(f"{errors} streamed Route messages were answered with an error")
-    latencies.sort()
-    return {
-        "rps": len(latencies) / elapsed,
-        "p50_us": statistics.median(latencies) * 1e6,
-        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
-        "calls": len(latencies),
-    }
+        raise RuntimeError(f"{errors} streamed Route or Complete messages were answered with an error")
+    return _summary(latencies, elapsed, reasons)
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -209,9 +257,9 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measured(server: ServerProcess, load) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Run one load against ``server`` and add the server's CPU microseconds per call: on a
-    shared machine rates swing with other jobs, CPU per call much less."""
+def _measured(server: ServerProcess, load) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Run one load against ``server`` and add the server's CPU microseconds per call (a Route
+    and its Complete): on a shared machine rates swing with other jobs, CPU per call much less."""
     import uvloop
 
     before = _cpu_seconds(server.proc.pid)
@@ -222,11 +270,12 @@ def _measured(server: ServerProcess, load) -> dict[str, float]:  # type: ignore[
     return result
 
 
-def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int]) -> dict[str, dict[str, dict[str, Any]]]:
     """Route rps and latency at 1 and 64 in flight and RouteStream (64 in flight over 8 streams),
-    for the daemon and the trivial server. The prompt goes packed, as the SDK sends it."""
+    for the daemon and the trivial server, every route completed. The prompt goes packed, as
+    the SDK sends it."""
     request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in ("trivial", "daemon"):
         server = ServerProcess(mode, workers, blocks)
         try:

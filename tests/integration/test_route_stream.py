@@ -138,13 +138,23 @@ class TestWithAdmission:
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
 
 
-async def test_the_benchmark_stream_load_keeps_every_stream_full_and_gets_only_routes(running):
-    # kvrouterd bench's RouteStream load generator, briefly: it raises on any error reply
-    from kvrouterd.benchmarks.grpc_bench import _stream_load
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "unary"])
+async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, streamed):
+    # kvrouterd bench's daemon loads, briefly: they raise on any error reply, and complete each
+    # routed request as the SDK does. Without the Completes the load piles up on the worker
+    # holding the prompt until the policy calls the fleet imbalanced and routes by load alone
+    from kvrouterd.benchmarks.grpc_bench import _load, _stream_load
 
     await setup(running.stub)
-    result = await _stream_load(running.daemon.port, pb.RouteRequest(token_ids=PROMPT), 2, 3, 0.2)
+    request = pb.RouteRequest(token_ids=PROMPT)
+    if streamed:
+        result = await _stream_load(running.daemon.port, request, 2, 3, 0.2)
+    else:
+        result = await _load(running.daemon.port, request, 6, 0.2)
     assert result["calls"] > 6 and result["rps"] > 0
-    # every answer was a committed route, still in flight (the load never completes them; its
-    # unrecorded warm-up stream routed some more)
-    assert running.router.workers.inflight_count > result["calls"]
+    assert running.router.workers.inflight_count == 0  # every routed request was completed
+    # the daemon's own decision counter agrees: only prefix matches (warm-ups included)
+    counted = running.daemon.metrics.decisions.counts
+    assert {reason for _, reason in counted} == {"prefix_match"}
+    assert sum(counted.values()) > result["calls"]
+    assert result["reasons"] == {"prefix_match": result["calls"]}

@@ -83,6 +83,13 @@ __all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LatencyModel
 _MAX_TRACKED = 200_000
 # tokens_within never answers more than e^40 (~2e17) tokens
 _LOG_MAX_TOKENS = 40.0
+# a calibrated power law's a stays within e^+-20 ms
+_LOG_A_RANGE = 20.0
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    """``x`` within [lo, hi]; NaN goes to ``lo``."""
+    return x if lo <= x <= hi else (hi if x > hi else lo)
 
 
 @dataclass(frozen=True)
@@ -239,7 +246,13 @@ class LatencyModel:
         if self.params.prefill_model == "linear":
             # a fit can wander non-physical on degenerate data; never let prefill cost vanish
             return (max(theta[0], 1e-3), max(theta[1], 0.0))
-        return (math.exp(theta[0]), theta[1], max(theta[2], 1e-3))
+        # Samples whose TTFT is mostly queueing the tokens do not explain can drive the log-space
+        # fit anywhere (in sim reproduce one reached a = e^710 ms and overflowed): hold it to
+        # physical ranges around the published fits (b, c ~ 1): a prefill's cost grows with its
+        # tokens at least as sqrt and at most quadratically (attention), and with its batch size
+        # at most quadratically
+        return (math.exp(_clip(theta[0], -_LOG_A_RANGE, _LOG_A_RANGE)), _clip(theta[1], 0.0, 2.0),
+                _clip(theta[2], 0.5, 2.0))
 
     # ---- estimates --------------------------------------------------------------------
     def prefill_ms(self, tokens: float, batch: int = 1) -> float:

@@ -60,6 +60,7 @@ from hypothesis import strategies as st
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.config import parse_config
+from kvrouterd.index.keys import tokens_to_bytes
 from kvrouterd.router import request_bytes
 from kvrouterd.server.app import Daemon
 
@@ -102,6 +103,8 @@ endpoint = st.one_of(
     odd_text, huge.map(lambda s: "tcp://" + s + ":1"),
 )
 tokens = st.one_of(st.lists(U32, max_size=80), st.just(list(range(4 * BS))), st.just(list(range(8 * BS))))
+# token_ids_le32 as the SDK packs it, or any bytes (a length that is not a multiple of 4 included)
+packed = st.one_of(tokens.map(tokens_to_bytes), st.binary(max_size=70))
 
 
 @st.composite
@@ -122,10 +125,12 @@ def route(draw: Any) -> pb.RouteRequest:
                               ["", "cache_aware", "dualmap", "lbgr", "min_ttft", "kv_cost", "preble", "round_robin",
                                "compose", "nope", "x" * 300])),
                           candidate_workers=draw(st.lists(ident, max_size=3)), cache_salt=draw(st.one_of(st.just(""), odd_text)))
-    form = draw(st.sampled_from(["tokens", "keys", "both", "none"]))
-    if form in ("tokens", "both"):
+    form = draw(st.sampled_from(["tokens", "keys", "packed", "both", "packed+tokens", "packed+keys", "none"]))
+    if form in ("tokens", "both", "packed+tokens"):
         msg.token_ids.extend(draw(tokens))
-    if form in ("keys", "both"):
+    if form.startswith("packed"):
+        msg.token_ids_le32 = draw(packed)
+    if form in ("keys", "both", "packed+keys"):
         msg.block_keys.extend(draw(st.lists(U64, max_size=20)))
         msg.prompt_tokens = draw(st.one_of(st.just(0), U32))
     return msg
@@ -142,8 +147,13 @@ def cache_event(draw: Any) -> pb.CacheEvent:
         n = draw(st.integers(0, 6))
         page = draw(st.sampled_from([0, 1, 16, 32, 7, 2**32 - 1]))
         toks = draw(st.one_of(st.just(list(range(n * BS))), st.lists(U32, max_size=100)))
-        ev = pb.StoredBlocks(engine_hashes=draw(st.lists(U64, min_size=0, max_size=n + 1)), token_ids=toks, block_size=page,
+        ev = pb.StoredBlocks(engine_hashes=draw(st.lists(U64, min_size=0, max_size=n + 1)), block_size=page,
                              model=draw(st.one_of(st.just(""), odd_text)), lora=draw(st.one_of(st.just(""), odd_text)))
+        form = draw(st.sampled_from(["tokens", "packed", "both"]))
+        if form != "packed":
+            ev.token_ids.extend(toks)
+        if form != "tokens":
+            ev.token_ids_le32 = draw(st.one_of(st.just(tokens_to_bytes(toks)), packed))
         if draw(st.booleans()):
             ev.parent_engine_hash = draw(U64)
         return pb.CacheEvent(stored=ev)

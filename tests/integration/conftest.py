@@ -10,10 +10,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.benchmarks.nats_server import NatsServer
 from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
-
-from .nats_server import NatsServer
 
 
 class RunningDaemon:

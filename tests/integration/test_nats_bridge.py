@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvrouterd.benchmarks.nats_server import NatsServer, free_port
 from kvrouterd.clock import ManualClock
 from kvrouterd.config import parse_config
 from kvrouterd.errors import BusUnavailable, ConfigError
@@ -28,8 +29,6 @@ from kvrouterd.server.bridge import BridgeProcess
 from tests.integration.engine_wire import SGLANG, VLLM_011, VLLM_026, EngineWire
 from tests.integration.test_nats_bus import wait_applied
 from tests.integration.test_zmq_events import FakeEngine
-
-from .nats_server import NatsServer, free_port
 
 BS = 16
 MODEL = "m"

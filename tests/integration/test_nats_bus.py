@@ -11,13 +11,12 @@ import pytest
 from kvrouter_client import NatsEventPublisher
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouterd.benchmarks.nats_server import NatsServer, free_port
 from kvrouterd.config import parse_config
 from kvrouterd.errors import BusUnavailable
 from kvrouterd.events.nats_bus import worker_subject
 from kvrouterd.protocols import RouteRequest, WorkerState
 from kvrouterd.server.app import Daemon
-
-from .nats_server import NatsServer, free_port
 
 BS = 16
 WORKERS = ("gpu-0", "gpu.1")  # a dot: the subject token must escape it

@@ -24,10 +24,9 @@ from kvrouter_client import NatsEventPublisher
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.benchmarks.nats_server import NatsServer, free_port
 from kvrouterd.events.nats_bus import LAG_WARN_MESSAGES, worker_subject
 from tests.integration.test_nats_bus import BS, WORKERS, Engine, stream_last_seq
-
-from .nats_server import NatsServer, free_port
 
 
 class Replica:

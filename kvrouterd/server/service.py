@@ -30,7 +30,7 @@ from .convert import pb
 from .snapshot import export_chunks
 from .status import status_code, status_message
 
-__all__ = ["KVRouterService"]
+__all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
 log = logging.getLogger("kvrouterd.server")
 
@@ -41,6 +41,14 @@ _perf_counter = time.perf_counter
 #: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
 MAX_NAMESPACES = 1024
 
+#: RouteStream's initial response metadata: this router takes batched stream messages (the
+#: value: the most bytes one message may have, limits.max_message_bytes); clients batch only then
+STREAM_BATCH_METADATA = "kvrouter-stream-batch"
+
+#: most items in one RouteStream batch: a batch is handled in one turn of the event loop, so the
+#: cap bounds how long it holds the loop (the SDK sends at most 64)
+MAX_STREAM_BATCH_ITEMS = 256
+
 #: blocks a removed worker's drain drops between yields to the event loop (~a millisecond)
 DRAIN_STEP_BLOCKS = 2048
 
@@ -50,6 +58,12 @@ async def _drain(steps: Iterable[int]) -> None:
         await asyncio.sleep(0)
 
 
+def _stream_invalid(reply: pb.RouteStreamResponse, message: str) -> pb.RouteStreamResponse:
+    reply.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    reply.error.message = message
+    return reply
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
     await context.abort(status_code(exc), status_message(exc))
     raise AssertionError("unreachable")  # pragma: no cover - abort raises
@@ -57,7 +71,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoRet
 
 class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def __init__(
-        self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int
+        self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
+        max_message_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.router = router
         #: None when tracing is off
@@ -69,6 +84,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
         self.max_batch_events = max_batch_events
+        #: the server's limit on a received message (what RouteStream advertises to batching clients)
+        self.max_message_bytes = max_message_bytes
         #: removed workers whose blocks are still being dropped (strong references to the tasks)
         self._draining: set[asyncio.Task[None]] = set()
         #: (model, lora) namespaces engines have stored blocks under (a Route outside all of them
@@ -163,9 +180,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         """Route and Complete messages on one stream, each answered as its unary call would be.
 
         Without admission queues every message is answered before the next is read, in order,
-        so the loop never creates a task. With them a Route may wait, so each Route runs in its
-        own task (answers then come out of order) and the stream ends once all are answered.
+        so the loop never creates a task; a batch's items are answered together in one batch.
+        With queues a Route may wait, so each Route runs in its own task (answers then come out
+        of order, a batched one on its own) and the stream ends once all are answered.
         """
+        # the advertisement a batching client waits for: batches welcome, up to this many bytes
+        await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(self.max_message_bytes)),))
         write = context.write
         waiting: set[asyncio.Task[None]] = set()
         lock = asyncio.Lock()  # grpc allows one write in flight per call
@@ -177,29 +197,63 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
 
+        def admit_later(msg: pb.RouteStreamRequest) -> None:
+            task = asyncio.create_task(self._stream_route_admitted(msg, answer))
+            waiting.add(task)
+            task.add_done_callback(waiting.discard)
+
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
                     if self.admission is None:
-                        await answer(self._stream_route(msg))
+                        await answer(self._stream_route(msg, pb.RouteStreamResponse(id=msg.id)))
                     else:
-                        task = asyncio.create_task(self._stream_route_admitted(msg, answer))
-                        waiting.add(task)
-                        task.add_done_callback(waiting.discard)
+                        admit_later(msg)
                 elif kind == "complete":
-                    await answer(self._stream_complete(msg))
+                    await answer(self._stream_complete(msg, pb.RouteStreamResponse(id=msg.id)))
+                elif kind == "batch":
+                    reply = self._stream_batch(msg, admit_later)
+                    if reply is not None:
+                        await answer(reply)
                 else:
-                    error = pb.StreamError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                           message="message carries neither route nor complete")
-                    await answer(pb.RouteStreamResponse(id=msg.id, error=error))
+                    await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), "message carries neither route nor complete"))
             if waiting:
                 await asyncio.gather(*waiting)
         finally:
             for task in waiting:  # the caller went away: give up the queued routes
                 task.cancel()
 
-    def _stream_route(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+    def _stream_batch(
+        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest], None]
+    ) -> pb.RouteStreamResponse | None:
+        """One batch of stream messages: each item is handled as if it came alone, and the answers
+        of all but the queued Routes (which answer when admitted) go back in one batch."""
+        items = msg.batch.items
+        if not items or len(items) > MAX_STREAM_BATCH_ITEMS:
+            # refused whole, before any item is handled
+            why = "the batch is empty" if not items else f"a batch holds at most {MAX_STREAM_BATCH_ITEMS} items, not {len(items)}"
+            return _stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
+        reply = pb.RouteStreamResponse()
+        answers = reply.batch.items
+        queued = self.admission is not None
+        for item in items:
+            kind = item.WhichOneof("kind")
+            if kind == "route":
+                if queued:
+                    admit_later(item)
+                else:
+                    self._stream_route(item, answers.add(id=item.id))
+            elif kind == "complete":
+                self._stream_complete(item, answers.add(id=item.id))
+            elif kind == "batch":
+                _stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
+            else:
+                _stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
+        return reply if len(answers) else None
+
+    def _stream_route(self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse) -> pb.RouteStreamResponse:
+        """Decide ``msg``'s Route and write the answer (or the error) into ``reply``."""
         started = _perf_counter()
         request = msg.route
         router = self.router
@@ -211,18 +265,17 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                     try:
                         result = router.route(convert.route_request(request, router), explain=recording)
                     except KVRouterError as exc:
-                        return self._stream_route_error(msg, exc, span)
+                        return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
                 result = router.route(convert.route_request(request, router), explain=False)
         except KVRouterError as exc:
-            return self._stream_route_error(msg, exc, None)
+            return self._stream_route_error(msg, exc, None, reply)
         d = result.decision
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
-        reply = pb.RouteStreamResponse(id=msg.id)
         convert.route_response(result, router.block_size, into=reply.route)
         return reply
 
@@ -234,20 +287,22 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         request = msg.route
         router = self.router
         timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
+        reply = pb.RouteStreamResponse(id=msg.id)
         with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
             recording = self.tracing and span.is_recording()
             try:
                 req = convert.route_request(request, router)
                 result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
             except KVRouterError as exc:
-                await answer(self._stream_route_error(msg, exc, span if self.tracing else None))
+                await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
                 return
             except TimeoutError:
                 # what a unary caller's expired deadline would have ended with; the queue entry is gone
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
                 self.metrics.route_errors.add(1, {"code": code.name})
-                error = pb.StreamError(code=code.value[0], message=f"not admitted within {msg.timeout_ms:g} ms")
-                await answer(pb.RouteStreamResponse(id=msg.id, error=error))
+                reply.error.code = code.value[0]
+                reply.error.message = f"not admitted within {msg.timeout_ms:g} ms"
+                await answer(reply)
                 return
             if recording:
                 annotate_decision(span, result, router.block_size)
@@ -255,7 +310,6 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
-        reply = pb.RouteStreamResponse(id=msg.id)
         convert.route_response(result, router.block_size, into=reply.route)
         await answer(reply)
 
@@ -277,18 +331,22 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             )
 
     def _stream_route_error(
-        self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None
+        self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None, reply: pb.RouteStreamResponse
     ) -> pb.RouteStreamResponse:
         code = self._note_rejection(msg.route, exc, span)
-        return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=code.value[0], message=status_message(exc)))
+        reply.error.code = code.value[0]
+        reply.error.message = status_message(exc)
+        return reply
 
-    def _stream_complete(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+    def _stream_complete(self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse) -> pb.RouteStreamResponse:
         try:
             self._complete(msg.complete)
         except KVRouterError as exc:
-            error = pb.StreamError(code=status_code(exc).value[0], message=status_message(exc))
-            return pb.RouteStreamResponse(id=msg.id, error=error)
-        return pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
+            reply.error.code = status_code(exc).value[0]
+            reply.error.message = status_message(exc)
+            return reply
+        reply.complete.SetInParent()
+        return reply
 
     # ---- engines ----------------------------------------------------------------------
     async def PublishEvents(

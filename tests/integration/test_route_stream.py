@@ -75,6 +75,68 @@ async def test_routes_and_completes_share_one_stream_and_a_bad_message_does_not_
     assert spans[1].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
+def batch(*items: pb.RouteStreamRequest, i: int = 0) -> pb.RouteStreamRequest:
+    return pb.RouteStreamRequest(id=i, batch=pb.RouteStreamRequestBatch(items=items))
+
+
+async def test_a_batch_is_answered_item_by_item_in_one_batch_and_bad_items_change_nothing(running):
+    await setup(running.stub)
+    router = running.router
+    call = running.stub.RouteStream()
+    # the advertisement batching clients wait for: the daemon's message size limit (the default)
+    assert (await call.initial_metadata()).get("kvrouter-stream-batch") == str(16 << 20)
+
+    await call.write(route(1, token_ids=PROMPT, request_id="r1"))
+    assert (await call.read()).route.worker_id == "b"
+    before = len(router.index)
+    await call.write(batch(
+        route(2, token_ids=PROMPT, request_id="r2", session_id="s"),
+        route(3),  # no prompt
+        route(4, token_ids=PROMPT, candidate_workers=["ghost"]),
+        complete(5, request_id="never-routed"),
+        batch(route(60, token_ids=PROMPT), i=6),  # a batch in a batch is not routed
+        pb.RouteStreamRequest(id=7),  # neither kind
+        complete(8, request_id="r1", success=True),
+        route(9, token_ids=PROMPT, request_id="r2"),  # already in flight: decided after item 2
+        i=99,
+    ))
+    reply = await call.read()
+    assert reply.WhichOneof("kind") == "batch" and reply.id == 0
+    items = reply.batch.items
+    assert [a.id for a in items] == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert items[0].route.request_id == "r2" and items[0].route.matched_blocks == 20
+    codes = {a.id: a.error.code for a in items if a.WhichOneof("kind") == "error"}
+    C = grpc.StatusCode
+    assert codes == {3: C.INVALID_ARGUMENT.value[0], 4: C.UNAVAILABLE.value[0], 5: C.NOT_FOUND.value[0],
+                     6: C.INVALID_ARGUMENT.value[0], 7: C.INVALID_ARGUMENT.value[0], 9: C.INVALID_ARGUMENT.value[0]}
+    assert "batch" in items[4].error.message and all(a.error.message for a in items if a.id in codes)
+    assert items[6].WhichOneof("kind") == "complete"
+    # r1 completed, r2 routed, nothing else committed
+    assert router.request("r1") is None and router.request("r2") is not None
+    assert router.workers.inflight_count == 1 and len(router.index) == before
+
+    # an empty batch is an error under the batch's own id; single messages still get single answers
+    await call.write(batch(i=42))
+    empty = await call.read()
+    assert (empty.id, empty.error.code) == (42, C.INVALID_ARGUMENT.value[0]) and "empty" in empty.error.message
+    # so is one of more than 256 items, before any is handled (a batch holds the event loop)
+    await call.write(batch(*[route(1000 + n, token_ids=PROMPT, request_id=f"x{n}") for n in range(257)], i=43))
+    over = await call.read()
+    assert (over.id, over.error.code) == (43, C.INVALID_ARGUMENT.value[0]) and "at most 256" in over.error.message
+    assert router.request("x0") is None and router.workers.inflight_count == 1
+    await call.write(complete(10, request_id="r2"))
+    done = await call.read()
+    assert done.id == 10 and done.WhichOneof("kind") == "complete"
+    assert router.workers.inflight_count == 0
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+    # one span per routed item, as for single messages: r1, then items 2, 3, 4 and 9
+    spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
+    assert len(spans) == 5
+    assert [s.status.status_code.name for s in spans] == ["UNSET", "UNSET", "ERROR", "ERROR", "ERROR"]
+
+
 async def test_pipelined_messages_are_answered_by_id(running):
     await setup(running.stub)
     call = running.stub.RouteStream()
@@ -106,6 +168,33 @@ class TestWithAdmission:
         await call.write(complete(4, request_id="first", success=True))
         replies = {r.id: r for r in [await call.read(), await call.read()]}
         assert replies[4].WhichOneof("kind") == "complete"
+        assert replies[2].route.worker_id == "b" and replies[2].route.request_id == "second"
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+
+    async def test_a_queued_route_does_not_hold_up_the_rest_of_its_batch(self, running):
+        await setup(running.stub)
+        call = running.stub.RouteStream()
+        await call.write(route(1, token_ids=PROMPT, request_id="first"))
+        assert (await call.read()).route.worker_id == "b"
+        # b is full: "second" waits in its queue; the batch's other items are answered meanwhile
+        await call.write(batch(
+            route(2, token_ids=PROMPT, request_id="second"),
+            route(3, token_ids=PROMPT, request_id="third", candidate_workers=["a"]),
+            complete(4, request_id="never-routed"),
+        ))
+        replies = {}
+        for _ in range(2):
+            reply = await call.read()
+            for item in (reply.batch.items if reply.WhichOneof("kind") == "batch" else [reply]):
+                replies[item.id] = item
+        assert sorted(replies) == [3, 4]
+        assert replies[3].route.worker_id == "a"
+        assert replies[4].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert [e.request_id for e in running.daemon.admission.queues.queue("b")] == ["second"]
+        await call.write(complete(5, request_id="first", success=True))
+        replies = {r.id: r for r in [await call.read(), await call.read()]}
+        assert replies[5].WhichOneof("kind") == "complete"
         assert replies[2].route.worker_id == "b" and replies[2].route.request_id == "second"
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF

@@ -122,16 +122,18 @@ class CompleteResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteStreamRequest(_message.Message):
-    __slots__ = ("id", "route", "complete", "timeout_ms")
+    __slots__ = ("id", "route", "complete", "batch", "timeout_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteRequest
     complete: CompleteRequest
+    batch: RouteStreamRequestBatch
     timeout_ms: float
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., timeout_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., complete: _Optional[_Union[CompleteRequest, _Mapping]] = ..., batch: _Optional[_Union[RouteStreamRequestBatch, _Mapping]] = ..., timeout_ms: _Optional[float] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -142,16 +144,30 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RouteStreamResponse(_message.Message):
-    __slots__ = ("id", "route", "complete", "error")
+    __slots__ = ("id", "route", "complete", "error", "batch")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteResponse
     complete: CompleteResponse
     error: StreamError
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., complete: _Optional[_Union[CompleteResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    batch: RouteStreamResponseBatch
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., complete: _Optional[_Union[CompleteResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., batch: _Optional[_Union[RouteStreamResponseBatch, _Mapping]] = ...) -> None: ...
+
+class RouteStreamRequestBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RouteStreamRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteStreamRequest, _Mapping]]] = ...) -> None: ...
+
+class RouteStreamResponseBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RouteStreamResponse]
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteStreamResponse, _Mapping]]] = ...) -> None: ...
 
 class EvictHintRequest(_message.Message):
     __slots__ = ("worker_id", "blocks", "tokens", "pinned_engine_hashes", "pinned_keys", "policy")

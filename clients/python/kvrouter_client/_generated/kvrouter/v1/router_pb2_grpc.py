@@ -114,7 +114,9 @@ class KVRouterServicer:
         """Route and Complete as messages of one long-lived bidi stream, for gateways that make
         many calls: each message is validated, admitted, traced and answered like its unary
         twin, and a rejected message gets an error response while the stream carries on.
-        Responses may come back out of order (admission queues); match them by `id`.
+        Responses may come back out of order (admission queues); match them by `id`. Several
+        messages may travel as one batch (RouteStreamRequest.batch) to save the per-message cost,
+        when the router's response metadata advertises `kvrouter-stream-batch`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
 
-from kvrouter_client import CacheMode, EventPublisher, RouterClient, RouterUnavailable, SyncRouterClient, WorkerState, keys
+from kvrouter_client import (
+    CacheMode,
+    EventPublisher,
+    RouterClient,
+    RouterRejected,
+    RouterUnavailable,
+    SyncRouterClient,
+    WorkerState,
+    keys,
+)
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.config import parse_config
 from kvrouterd.protocols import WorkerState as CoreWorkerState
 from kvrouterd.server.app import Daemon
@@ -148,3 +159,32 @@ def running_count(daemon: Daemon, worker) -> int:  # type: ignore[no-untyped-def
 @pytest.fixture
 def daemon_config() -> dict:
     return {"block_size": BS}
+
+
+class TestCoalescedCalls:
+    @pytest.fixture
+    def daemon_config(self) -> dict:
+        return {"block_size": BS, "limits": {"max_message_bytes": 1 << 20}}
+
+    async def test_concurrent_calls_batched_on_one_stream_are_each_decided_traced_and_completed(self, running):
+        p = prompt(7000, 8)
+        async with EventPublisher(target(running), "a", block_size=BS, timeout=2.0) as a:
+            await a.register("a.local:8000", capacity_blocks=1000)
+            await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="b", address="b.local:8000")))
+            a.stored(p, engine_hashes=list(range(1, 9)))
+            assert await a.flush(timeout=5)
+        async with RouterClient(target(running), timeout=2.0, streams=1) as gw:
+            await gw.complete(await gw.route(p))
+            # the stream read the daemon's advertisement: batches up to its message size limit
+            (stream,) = gw._streams._streams  # type: ignore[union-attr]
+            assert stream is not None and stream.batch_limit == 1 << 20
+            routed = await asyncio.gather(*(gw.route(p, request_id=f"r{i}", session_id=f"s{i}") for i in range(30)))
+            assert [(r.request_id, r.worker_id, r.matched_blocks) for r in routed] == [(f"r{i}", "a", 8) for i in range(30)]
+            assert running.router.workers.get("a").inflight_requests == 30
+            assert all(await asyncio.gather(*(gw.complete(r) for r in routed)))
+            assert running.router.workers.inflight_count == 0
+            # a bad call among good ones is refused alone
+            good, bad = await asyncio.gather(gw.route(p, request_id="ok"), gw.route(p, policy="nope"), return_exceptions=True)
+            assert good.worker_id == "a" and isinstance(bad, RouterRejected)
+        spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
+        assert len(spans) == 33  # one per decision, batched or not

@@ -43,8 +43,16 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.streams_opened = 0
         #: abort the next RouteStream with UNAVAILABLE when it receives a message (then reset)
         self.break_route_stream = False
-        #: every RouteStreamRequest received, in arrival order
+        #: every RouteStreamRequest received, in arrival order (a batch's items, not the batch)
         self.stream_messages: list[pb.RouteStreamRequest] = []
+        #: False plays a router that predates batches: no advertisement, and a batch message is
+        #: answered as the old router did, as a message of neither kind
+        self.batches_supported = True
+        #: the message size limit advertised to batching clients
+        self.batch_limit_bytes = 4 << 20
+        #: items and serialised size of each batch message received, in arrival order
+        self.stream_batches: list[int] = []
+        self.stream_batch_bytes: list[int] = []
 
     async def Route(self, request, context):
         self.routes.append(request)
@@ -58,28 +66,44 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.streams_opened += 1
         if not self.streams_supported:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if self.batches_supported:
+            await context.send_initial_metadata((("kvrouter-stream-batch", str(self.batch_limit_bytes)),))
         lock = asyncio.Lock()
         answering: set[asyncio.Task] = set()
 
-        async def answer(msg: pb.RouteStreamRequest) -> None:
-            if msg.WhichOneof("kind") == "route":
+        async def reply_to(msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+            kind = msg.WhichOneof("kind")
+            if kind == "route":
                 self.routes.append(msg.route)
                 if self.route_delay:
                     await asyncio.sleep(self.route_delay)
                 if self.route_error is not None:
-                    reply = pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.route_error.value[0], message="fake says no"))
-                else:
-                    reply = pb.RouteStreamResponse(id=msg.id, route=self._route_response(msg.route))
-            elif self.complete_error is not None:
-                reply = pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.complete_error.value[0], message="fake says no"))
+                    return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.route_error.value[0], message="fake says no"))
+                return pb.RouteStreamResponse(id=msg.id, route=self._route_response(msg.route))
+            if kind != "complete":
+                return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="message carries neither route nor complete"))
+            if self.complete_error is not None:
+                return pb.RouteStreamResponse(id=msg.id, error=pb.StreamError(code=self.complete_error.value[0], message="fake says no"))
+            self.completes.append(msg.complete)
+            return pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
+
+        async def answer(msg: pb.RouteStreamRequest) -> None:
+            if msg.WhichOneof("kind") == "batch" and self.batches_supported:
+                reply = pb.RouteStreamResponse()
+                reply.batch.items.extend([await reply_to(item) for item in msg.batch.items])
             else:
-                self.completes.append(msg.complete)
-                reply = pb.RouteStreamResponse(id=msg.id, complete=pb.CompleteResponse())
+                reply = await reply_to(msg)
             async with lock:
                 await context.write(reply)
 
         async for msg in request_iterator:
-            self.stream_messages.append(msg)
+            if msg.WhichOneof("kind") == "batch":
+                self.stream_batches.append(len(msg.batch.items))
+                self.stream_batch_bytes.append(msg.ByteSize())
+                self.stream_messages.extend(msg.batch.items)
+            else:
+                self.stream_messages.append(msg)
             if self.break_route_stream:
                 self.break_route_stream = False
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake connection drop")

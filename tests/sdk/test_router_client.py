@@ -17,6 +17,7 @@ from kvrouter_client import (
     TaskCategory,
 )
 from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouter_client._streams import MAX_BATCH_ITEMS, batch_message
 
 
 def dead_target() -> str:
@@ -239,3 +240,58 @@ async def test_streams_zero_uses_unary_calls_only(fake_server):
     assert fake_server.fake.streams_opened == 0 and len(fake_server.fake.completes) == 1
     with pytest.raises(ValueError, match="streams"):
         RouterClient(fake_server.target, streams=-1)
+
+
+# ---- coalescing: calls ready together share one stream message --------------------------------
+
+
+async def test_calls_ready_together_leave_in_one_batch_and_get_their_own_answers(fake_server):
+    fake = fake_server.fake
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        await client.route([1] * 16, request_id="warm")  # the stream is open and has seen the advertisement
+        assert fake.stream_batches == []  # a lone call goes alone
+        results = await asyncio.gather(*(client.route([i] * 16, request_id=f"r{i}") for i in range(40)))
+        assert [r.request_id for r in results] == [f"r{i}" for i in range(40)]
+        # the answers came back in one batch, so their callers' completes were ready together too
+        assert all(await asyncio.gather(*(client.complete(r) for r in results)))
+    assert fake.stream_batches == [40, 40]
+    assert [m.route.token_ids_le32[:4] for m in fake.stream_messages[1:41]] == [bytes([i, 0, 0, 0]) for i in range(40)]
+    assert sorted(c.request_id for c in fake.completes) == sorted(f"r{i}" for i in range(40))
+    assert {m.timeout_ms for m in fake.stream_messages} == {2000.0}  # each item keeps its own deadline
+    assert len({m.id for m in fake.stream_messages}) == 81
+
+
+async def test_batches_stay_within_the_item_cap_and_the_routers_advertised_size(fake_server):
+    fake = fake_server.fake
+    fake.batch_limit_bytes = 20_000
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        await client.route([1] * 16)
+        await asyncio.gather(*(client.route([7] * 16) for _ in range(100)))
+        assert fake.stream_batches == [MAX_BATCH_ITEMS, 100 - MAX_BATCH_ITEMS]
+        fake.stream_batches.clear()
+        fake.stream_batch_bytes.clear()
+        # 1,000 tokens packed are 4,000 bytes: four such routes fit in 20,000 bytes, not five
+        await asyncio.gather(*(client.route([7] * 1000) for _ in range(10)))
+        assert fake.stream_batches == [4, 4, 2]
+        assert max(fake.stream_batch_bytes) <= 20_000
+        # a call larger than a batch may be still goes, on its own
+        huge = await asyncio.gather(*(client.route([7] * 6000) for _ in range(2)))
+        assert len(huge) == 2 and fake.stream_batches == [4, 4, 2]
+
+
+async def test_an_older_router_without_the_advertisement_gets_one_message_per_call(fake_server):
+    fake = fake_server.fake
+    fake.batches_supported = False
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        await client.route([1] * 16)
+        results = await asyncio.gather(*(client.route([1] * 16, request_id=f"r{i}") for i in range(40)))
+        assert all(await asyncio.gather(*(client.complete(r) for r in results)))
+    assert [r.request_id for r in results] == [f"r{i}" for i in range(40)]
+    assert fake.stream_batches == [] and len(fake.stream_messages) == 81
+    assert fake.streams_opened == 1
+
+
+def test_batch_framing_is_protobufs_own_encoding():
+    items = [pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids_le32=bytes(4 * i * 40))) for i in range(1, 5)]
+    expected = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
+    assert batch_message([m.SerializeToString() for m in items]) == expected

@@ -9,8 +9,9 @@
 
 Transport: ``RouterClient`` sends route() and complete() as messages of a few long-lived
 ``RouteStream`` calls (``streams=4`` by default), which costs the router far less CPU per
-call than a unary RPC; a broken stream is reopened on the next call, and a router without
-RouteStream (UNIMPLEMENTED) is spoken to with unary calls from then on. ``streams=0`` uses
+call than a unary RPC (calls ready together on a stream go as one batch message when the
+router advertises batches: see ``_streams``); a broken stream is reopened on the next call, and
+a router without RouteStream (UNIMPLEMENTED) is spoken to with unary calls from then on. ``streams=0`` uses
 unary ``Route``/``Complete`` only. ``SyncRouterClient`` always uses unary calls.
 
 Deadlines: every call has one (``timeout`` per client, overridable per call). A router

@@ -14,6 +14,13 @@ RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the 
 over the trivial server's RouteStream, same load, same round: like with like, what the daemon
 adds per streamed message; the trivial stream over the trivial unary rate is the most streaming
 can give, ``grpc_trivial_stream_vs_unary_ratio``),
+``grpc_stream_items_per_message`` (Routes and Completes per stream message the load sent).
+The streamed load sends what the SDK's RouterClient sends to a router that advertises batches:
+the calls ready together go as one batch message (with 8 in flight per stream, the ~8 Completes
+and ~8 next Routes one batch of answers asks for), cut and framed by the SDK's own functions.
+The same keys with ``_one_per_message`` after ``grpc_stream_route`` / ``grpc_trivial_stream`` /
+``grpc_stream`` are the load sending one message per Route and per Complete, as the SDK does
+with a router without batches (and as every streamed figure before 2026-11-24 was measured),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index, tokens packed
 as the SDK sends them; ``ingest_events_per_s_repeated_tokens`` with the repeated field),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
@@ -49,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "same machine as the server, so on few cores rates follow whatever else runs: "
                              "compare ratios from one run, and the server-CPU-per-call ratios beside them. "
                              "Every routed request is completed, as the SDK does: rates are routes/s with "
-                             "their Completes sent")
+                             "their Completes sent. RouteStream is measured twice: coalesced as the SDK sends "
+                             "(calls ready together in one batch message; the table gives calls per message) "
+                             "and one message per call, as to a router without batches")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
 
 
@@ -87,6 +96,41 @@ def _median_of_rounds(values: list[float]) -> str:
 def _load_figures(load: dict[str, Any]) -> str:
     """One gRPC load's rate and latency, as the table prints them."""
     return f"{load['rps']:.0f} rps, p50 {load['p50_us']:.0f} us, p99 {load['p99_us']:.0f} us"
+
+
+def _stream_figures(runs: list[Any], mid: Any, load: str, key: str, label: str,
+                    result: dict[str, object], rows: list[tuple[str, str]]) -> None:
+    """One streamed load's keys and rows: the daemon's rate, its ratios over the trivial unary
+    handler and over the trivial stream (rates and server CPU), and the items per message."""
+    def cpu(x: Any, num: tuple[str, str]) -> float:
+        return x[num[0]][num[1]]["server_cpu_us_per_call"] / x["daemon"][load]["server_cpu_us_per_call"]
+
+    timed = [x for x in runs if "server_cpu_us_per_call" in x["daemon"][load]]
+    unary = [x["daemon"][load]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
+    like = [x["daemon"][load]["rps"] / x["trivial"][load]["rps"] for x in runs]
+    ceiling = [x["trivial"][load]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
+    unary_cpu = [cpu(x, ("trivial", "inflight_64")) for x in timed]
+    like_cpu = [cpu(x, ("trivial", load)) for x in timed]
+    items = statistics.median(x["daemon"][load]["batch_items_sent"] for x in runs)
+    result[f"grpc_stream_route{key}_rps"] = statistics.median(x["daemon"][load]["rps"] for x in runs)
+    result[f"grpc_stream_route{key}_vs_trivial_unary_ratio"] = statistics.median(unary)
+    result[f"grpc_stream_route{key}_vs_trivial_stream_ratio"] = statistics.median(like)
+    result[f"grpc_trivial_stream{key}_vs_unary_ratio"] = statistics.median(ceiling)
+    if timed:  # the same comparisons in server CPU per call, which load disturbs much less
+        result[f"grpc_stream_route{key}_vs_trivial_unary_cpu_ratio"] = statistics.median(unary_cpu)
+        result[f"grpc_stream_route{key}_vs_trivial_stream_cpu_ratio"] = statistics.median(like_cpu)
+    result[f"grpc_stream{key}_items_per_message"] = items
+    rows.append((f"gRPC RouteStream (+ complete) daemon, 64 in flight over 8 streams, {label}",
+                 _load_figures(mid["daemon"][load])))
+    rows.append(("  calls per stream message sent (median of rounds)", f"{items:.1f}"))
+    rows.append(("  daemon / trivial unary ratio", _median_of_rounds(unary)))
+    if timed:
+        rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)", _median_of_rounds(unary_cpu)))
+    rows.append((f"gRPC RouteStream (+ complete) trivial, {label}", _load_figures(mid["trivial"][load])))
+    rows.append(("  daemon / trivial stream ratio", _median_of_rounds(like)))
+    if timed:
+        rows.append(("  the same in server CPU per call (trivial stream / streamed daemon)", _median_of_rounds(like_cpu)))
+    rows.append(("  trivial stream / trivial unary (what streaming can give)", _median_of_rounds(ceiling)))
 
 
 def _memory_in_subprocess(blocks: int, engine_hashes: bool) -> dict[str, float]:
@@ -138,54 +182,27 @@ def run(args: argparse.Namespace) -> int:
             runs.append(route_throughput(64, blocks, seconds, prompt))
         ratios = [x["daemon"]["inflight_64"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         ratios1 = [x["daemon"]["inflight_1"]["rps"] / x["trivial"]["inflight_1"]["rps"] for x in runs]
-        stream_ratios = [x["daemon"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
-        like_ratios = [x["daemon"]["stream_8x8"]["rps"] / x["trivial"]["stream_8x8"]["rps"] for x in runs]
-        ceiling = [x["trivial"]["stream_8x8"]["rps"] / x["trivial"]["inflight_64"]["rps"] for x in runs]
         mid = runs[ratios.index(statistics.median(ratios))] if len(runs) % 2 else runs[-1]
         result["grpc_runs"] = runs
         # which path of the policy the measured decisions took (prefix_match, imbalanced, ...)
         reasons = {load: dict(sum((Counter(x["daemon"][load]["reasons"]) for x in runs), Counter()))
-                   for load in ("inflight_1", "inflight_64", "stream_8x8")}
+                   for load in ("inflight_1", "inflight_64", "stream_8x8", "stream_8x8_single")}
         result["grpc_daemon_reasons"] = reasons
         result["grpc_route_vs_trivial_ratio"] = statistics.median(ratios)
         result["grpc_route_vs_trivial_ratio_inflight_1"] = statistics.median(ratios1)
-        result["grpc_stream_route_rps"] = statistics.median(x["daemon"]["stream_8x8"]["rps"] for x in runs)
-        result["grpc_stream_route_vs_trivial_unary_ratio"] = statistics.median(stream_ratios)
-        cpu = [x["trivial"]["inflight_64"]["server_cpu_us_per_call"] / x["daemon"]["stream_8x8"]["server_cpu_us_per_call"]
-               for x in runs if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
-        if cpu:  # the same comparison in server CPU per call, which load disturbs much less
-            result["grpc_stream_route_vs_trivial_unary_cpu_ratio"] = statistics.median(cpu)
-        result["grpc_stream_route_vs_trivial_stream_ratio"] = statistics.median(like_ratios)
-        result["grpc_trivial_stream_vs_unary_ratio"] = statistics.median(ceiling)
-        like_cpu = [x["trivial"]["stream_8x8"]["server_cpu_us_per_call"] / x["daemon"]["stream_8x8"]["server_cpu_us_per_call"]
-                    for x in runs if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
-        if like_cpu:
-            result["grpc_stream_route_vs_trivial_stream_cpu_ratio"] = statistics.median(like_cpu)
         for who in ("trivial", "daemon"):
             for n in (1, 64):
                 m = mid[who][f"inflight_{n}"]
                 rows.append((f"gRPC Route + Complete {who}, {n} in flight", _load_figures(m)))
         rows.append(("gRPC Route daemon/trivial ratio, 64 in flight", _median_of_rounds(ratios)))
         rows.append(("gRPC Route daemon/trivial ratio, 1 in flight", f"{statistics.median(ratios1):.2f}"))
-        m = mid["daemon"]["stream_8x8"]
-        rows.append(("gRPC RouteStream (+ complete) daemon, 64 in flight over 8 streams",
-                     _load_figures(m)))
-        rows.append(("gRPC RouteStream daemon / trivial unary ratio",
-                     _median_of_rounds(stream_ratios)))
-        if cpu:
-            rows.append(("  the same in server CPU per call (trivial unary / streamed daemon)",
-                         _median_of_rounds(cpu)))
-        m = mid["trivial"]["stream_8x8"]
-        rows.append(("gRPC RouteStream (+ complete) trivial, 64 in flight over 8 streams",
-                     _load_figures(m)))
-        rows.append(("gRPC RouteStream daemon / trivial stream ratio",
-                     _median_of_rounds(like_ratios)))
-        if like_cpu:
-            rows.append(("  the same in server CPU per call (trivial stream / streamed daemon)",
-                         _median_of_rounds(like_cpu)))
-        rows.append(("gRPC RouteStream trivial / trivial unary (what streaming can give)",
-                     _median_of_rounds(ceiling)))
-        for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream")):
+        # the streamed loads: as the SDK sends (calls ready together in one batch message), then
+        # one message per Route and per Complete (the SDK against a router without batches)
+        for load, key, label in (("stream_8x8", "", "coalesced as the SDK does"),
+                                 ("stream_8x8_single", "_one_per_message", "one message per call")):
+            _stream_figures(runs, mid, load, key, label, result, rows)
+        for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream coalesced"),
+                            ("stream_8x8_single", "RouteStream one per message")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))
             rows.append((f"daemon decisions by reason, {label} (all rounds)", mix))
 

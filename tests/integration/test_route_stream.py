@@ -227,8 +227,8 @@ class TestWithAdmission:
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
 
 
-@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "unary"])
-async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, streamed):
+@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary"])
+async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, load):
     # kvrouterd bench's daemon loads, briefly: they raise on any error reply, and complete each
     # routed request as the SDK does. Without the Completes the load piles up on the worker
     # holding the prompt until the policy calls the fleet imbalanced and routes by load alone
@@ -236,10 +236,15 @@ async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_pr
 
     await setup(running.stub)
     request = pb.RouteRequest(token_ids=PROMPT)
-    if streamed:
-        result = await _stream_load(running.daemon.port, request, 2, 3, 0.2)
-    else:
+    if load == "unary":
         result = await _load(running.daemon.port, request, 6, 0.2)
+    else:
+        coalesce = load == "stream_coalesced"
+        result = await _stream_load(running.daemon.port, request, 2, 3, 0.2, coalesce=coalesce)
+        # coalesced: the 3 routes of a stream go together, then each answer batch's completes
+        # and next routes; one per message: exactly that
+        assert (result["batch_items_sent"] > 2) if coalesce else (result["batch_items_sent"] == 1.0)
+        assert (result["batch_items_received"] > 2) if coalesce else (result["batch_items_received"] == 1.0)
     assert result["calls"] > 6 and result["rps"] > 0
     assert running.router.workers.inflight_count == 0  # every routed request was completed
     # the daemon's own decision counter agrees: only prefix matches (warm-ups included)

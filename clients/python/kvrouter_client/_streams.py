@@ -34,7 +34,10 @@ import grpc
 from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error, from_status
 from ._generated.kvrouter.v1 import router_pb2 as pb
 
-__all__ = ["MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "RouteStreams", "StreamsUnsupported", "batch_message"]
+# batch_message, batches and advertised_limit are the coalescing policy, which kvrouterd's bench reuses
+__all__ = [
+    "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "RouteStreams", "StreamsUnsupported", "advertised_limit", "batch_message", "batches",
+]
 
 _METHOD = "/kvrouter.v1.KVRouter/RouteStream"
 #: RouteStream response metadata of a router that takes batches; its value: its message size limit
@@ -70,7 +73,7 @@ def batch_message(items: list[bytes]) -> bytes:
     return b"\x2a" + _varint(len(inner)) + inner  # RouteStreamRequest.batch: field 5
 
 
-def _advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
+def advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
     """The batch size in bytes this stream may send: 0 unless the router advertises batches."""
     value = metadata.get(BATCH_METADATA) if metadata is not None else None
     try:
@@ -80,7 +83,7 @@ def _advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
     return max(0, min(limit, MAX_BATCH_BYTES))
 
 
-def _batches(queued: list[bytes], limit: int) -> Iterator[list[bytes]]:
+def batches(queued: list[bytes], limit: int) -> Iterator[list[bytes]]:
     """``queued`` cut, in order, into runs of at most MAX_BATCH_ITEMS items and ``limit`` bytes."""
     run: list[bytes] = []
     size = _FRAMING
@@ -114,7 +117,7 @@ class _Stream:
         waiting = self.waiting
         try:
             # a batching router sends its metadata at once; an older one with its first answer
-            self.batch_limit = _advertised_limit(await self.call.initial_metadata())
+            self.batch_limit = advertised_limit(await self.call.initial_metadata())
             while True:
                 reply = await self.call.read()
                 if reply is grpc.aio.EOF:
@@ -149,7 +152,7 @@ class _Stream:
                 # a caller that gave up (deadline) before its message left costs the router nothing
                 payloads = [payload for n, payload in queued if n in self.waiting]
                 limit = self.batch_limit
-                runs = _batches(payloads, limit) if limit else ([p] for p in payloads)
+                runs = batches(payloads, limit) if limit else ([p] for p in payloads)
                 for run in runs:
                     await write(run[0] if len(run) == 1 else batch_message(run))
         except grpc.RpcError as exc:  # the write found the call finished

@@ -247,18 +247,22 @@ async def test_streams_zero_uses_unary_calls_only(fake_server):
 
 async def test_calls_ready_together_leave_in_one_batch_and_get_their_own_answers(fake_server):
     fake = fake_server.fake
-    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
-        await client.route([1] * 16, request_id="warm")  # the stream is open and has seen the advertisement
+    async with RouterClient(fake_server.target, timeout=2.0, streams=2) as client:
+        # before any advertisement calls go one per message, spread over the pool
+        await asyncio.gather(client.route([1] * 16), client.route([1] * 16))
+        assert fake.streams_opened == 2 and fake.stream_batches == []
+        await client.route([1] * 16, request_id="warm")
         assert fake.stream_batches == []  # a lone call goes alone
         results = await asyncio.gather(*(client.route([i] * 16, request_id=f"r{i}") for i in range(40)))
         assert [r.request_id for r in results] == [f"r{i}" for i in range(40)]
         # the answers came back in one batch, so their callers' completes were ready together too
         assert all(await asyncio.gather(*(client.complete(r) for r in results)))
-    assert fake.stream_batches == [40, 40]
-    assert [m.route.token_ids_le32[:4] for m in fake.stream_messages[1:41]] == [bytes([i, 0, 0, 0]) for i in range(40)]
+    # each burst joined one stream's forming batch rather than being spread over the pool
+    assert fake.stream_batches == [40, 40] and fake.streams_opened == 2
+    assert [m.route.token_ids_le32[:4] for m in fake.stream_messages[3:43]] == [bytes([i, 0, 0, 0]) for i in range(40)]
     assert sorted(c.request_id for c in fake.completes) == sorted(f"r{i}" for i in range(40))
     assert {m.timeout_ms for m in fake.stream_messages} == {2000.0}  # each item keeps its own deadline
-    assert len({m.id for m in fake.stream_messages}) == 81
+    assert len({m.id for m in fake.stream_messages}) == 83
 
 
 async def test_batches_stay_within_the_item_cap_and_the_routers_advertised_size(fake_server):

@@ -14,8 +14,10 @@ company: a call's message is queued and a writer task sends the queue at its nex
 the event loop, so it carries whatever the calls woken in the same turn added (with many
 calls in flight, answers arriving in one batch wake their callers together); while a write
 is under way new calls queue behind it and go in the next one. A lone call leaves alone, on
-the loop's next turn. Until the metadata arrives, and always with a router that does not advertise
-batches, every call is its own message, as before.
+the loop's next turn. A call joins the batch forming on a stream rather than taking the next
+stream in turn, so a burst of calls is one message and the bursts rotate over the pool. Until
+the metadata arrives, and always with a router that does not advertise batches, every call is
+its own message on the next stream in turn, as before.
 
 A stream that breaks (router restart, connection loss) fails the calls waiting on it with
 the stream's status and is replaced by a new one on the next call, so reconnecting needs
@@ -160,19 +162,17 @@ class _Stream:
         finally:
             self.writer = None
 
-    async def exchange(self, message: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
+    def submit(self, message: pb.RouteStreamRequest) -> asyncio.Future[pb.RouteStreamResponse]:
+        """Queue ``message``; the future gets its answer. The caller pops ``waiting`` when done."""
         if self.failure is not None:
             raise self.failure
         future: asyncio.Future[pb.RouteStreamResponse] = asyncio.get_running_loop().create_future()
         self.waiting[message.id] = future
         self.queue.append((message.id, message.SerializeToString()))
         if self.writer is None:
-            # a task runs from the loop's next turn: the calls woken with this one queue first
+            # a task runs from the loop's next turn: the calls made in this turn queue first
             self.writer = asyncio.create_task(self._write())
-        try:
-            return await future
-        finally:
-            self.waiting.pop(message.id, None)
+        return future
 
     def close(self) -> None:
         self.call.cancel()
@@ -199,6 +199,8 @@ class RouteStreams:
             response_deserializer=pb.RouteStreamResponse.FromString,
         )
         self._streams: list[_Stream | None] = [None] * size
+        #: the stream whose queued batch new calls join while its writer has not taken it
+        self._filling: _Stream | None = None
         self._turn = itertools.cycle(range(size))
         self._ids = itertools.count(1)
         #: the router answered UNIMPLEMENTED: it has no RouteStream
@@ -209,22 +211,29 @@ class RouteStreams:
 
         Raises RouterUnavailable (stream broken, router unreachable, deadline passed),
         StreamsUnsupported, or the error the router answered this message with."""
-        slot = next(self._turn)
-        stream = self._streams[slot]
-        if stream is None or stream.failure is not None:
-            if stream is not None:
-                stream.close()
-            stream = self._streams[slot] = _Stream(self._method)
+        stream = self._filling
+        if stream is None or not stream.queue or not stream.batch_limit or stream.failure is not None:
+            # no batch forming: the next stream in turn (calls made together join the batch the
+            # first of them started, so a burst leaves as one message; bursts rotate over the pool)
+            slot = next(self._turn)
+            stream = self._streams[slot]
+            if stream is None or stream.failure is not None:
+                if stream is not None:
+                    stream.close()
+                stream = self._streams[slot] = _Stream(self._method)
+            self._filling = stream
         message.id = next(self._ids)
         message.timeout_ms = timeout * 1000.0
         try:
-            reply = await asyncio.wait_for(stream.exchange(message), timeout)
+            reply = await asyncio.wait_for(stream.submit(message), timeout)
         except TimeoutError:
             raise RouterUnavailable(f"{what}: DEADLINE_EXCEEDED: no answer within {timeout:g} s",
                                     grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except StreamsUnsupported:
             self.unsupported = True
             raise
+        finally:
+            stream.waiting.pop(message.id, None)
         if reply.WhichOneof("kind") == "error":
             raise _reply_error(reply.error, what)
         return reply
@@ -234,6 +243,7 @@ class RouteStreams:
             if stream is not None:
                 stream.close()
         self._streams = [None] * len(self._streams)
+        self._filling = None
 
 
 def _reply_error(error: pb.StreamError, what: str) -> KVRouterClientError:

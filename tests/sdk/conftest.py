@@ -50,6 +50,10 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.batches_supported = True
         #: the message size limit advertised to batching clients
         self.batch_limit_bytes = 4 << 20
+        #: cleared: RouteStream stops reading (and answering) after the message it has just
+        #: recorded; the client's writes then block once HTTP/2's window is full. Set: go on
+        self.stream_reading = asyncio.Event()
+        self.stream_reading.set()
         #: items and serialised size of each batch message received, in arrival order
         self.stream_batches: list[int] = []
         self.stream_batch_bytes: list[int] = []
@@ -104,6 +108,7 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
                 self.stream_messages.extend(msg.batch.items)
             else:
                 self.stream_messages.append(msg)
+            await self.stream_reading.wait()
             if self.break_route_stream:
                 self.break_route_stream = False
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake connection drop")
@@ -192,7 +197,8 @@ class FakeServer:
         return f"127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        server = grpc.aio.server()
+        # no BDP probing: the receive window stays at HTTP/2's 64 KiB, so a test can fill it
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.http2.bdp_probe", 0)])
         router_pb2_grpc.add_KVRouterServicer_to_server(self.fake, server)
         self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         await server.start()

@@ -19,6 +19,8 @@ from kvrouter_client import (
 from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouter_client._streams import MAX_BATCH_ITEMS, batch_message
 
+from .conftest import until
+
 
 def dead_target() -> str:
     """An address nobody listens on (a port we bound and released)."""
@@ -299,3 +301,22 @@ def test_batch_framing_is_protobufs_own_encoding():
     items = [pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids_le32=bytes(4 * i * 40))) for i in range(1, 5)]
     expected = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
     assert batch_message([m.SerializeToString() for m in items]) == expected
+
+
+async def test_a_call_that_gives_up_while_queued_behind_a_blocked_write_is_never_sent(fake_server):
+    fake = fake_server.fake
+    async with RouterClient(fake_server.target, timeout=5.0, streams=1) as client:
+        await client.route([1] * 16, request_id="warm")
+        fake.stream_reading.clear()
+        first = asyncio.create_task(client.route([1] * 16, request_id="first"))
+        await until(lambda: len(fake.stream_messages) == 2)  # read, then held: the router reads no more
+        # 2 MB the router does not read: the write waits for HTTP/2 flow control
+        big = asyncio.create_task(client.route([7] * 500_000, request_id="big"))
+        await asyncio.sleep(0.3)
+        assert not big.done()
+        with pytest.raises(RouterUnavailable, match="DEADLINE_EXCEEDED"):
+            await client.route([1] * 16, request_id="gave-up", timeout=0.2)
+        fake.stream_reading.set()
+        assert (await first).request_id == "first" and (await big).request_id == "big"
+        await client.route([1] * 16, request_id="after")
+    assert [m.route.request_id for m in fake.stream_messages] == ["warm", "first", "big", "after"]

@@ -234,6 +234,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             # refused whole, before any item is handled
             why = "the batch is empty" if not items else f"a batch holds at most {MAX_STREAM_BATCH_ITEMS} items, not {len(items)}"
             return _stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
+        self.metrics.stream_batches.add(1)
+        self.metrics.stream_batch_items.add(len(items))
         reply = pb.RouteStreamResponse()
         answers = reply.batch.items
         queued = self.admission is not None

@@ -215,6 +215,13 @@ class Metrics:
         )
 
         self.provider = provider
+        # counted per batch message only, so single stream messages pay nothing
+        self.stream_batches = meter.create_counter(
+            "kvrouter.route_stream.batches", description="RouteStream batch messages received (RouteStreamRequest.batch)"
+        )
+        self.stream_batch_items = meter.create_counter(
+            "kvrouter.route_stream.batch_items", description="Route and Complete items those batches carried"
+        )
         self.namespace_misses = meter.create_counter(
             "kvrouter.route.namespace_misses",
             description="Routes that matched nothing under a model/LoRA no engine stored blocks for, while others did",

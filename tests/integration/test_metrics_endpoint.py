@@ -262,3 +262,18 @@ async def test_a_deregistered_workers_series_are_dropped(running):
     await publish(stub, pb.EventBatch(worker_id="gone", sequence=0, events=[]), pb.EventBatch(worker_id="gone", sequence=2, events=[]))
     _, _, again = await scrape(running)
     assert sample(again, "kvrouter_events_gaps_total", worker="gone") == 1
+
+
+async def test_route_stream_batches_and_their_items_are_counted(running):
+    await register(running.stub, "a")
+    prompt = list(range(100, 100 + 2 * BS))
+    call = running.stub.RouteStream()
+    items = [pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids=prompt)) for i in range(3)]
+    await call.write(pb.RouteStreamRequest(id=9, route=pb.RouteRequest(token_ids=prompt)))  # single: not counted
+    await call.read()
+    await call.write(pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)))
+    assert len((await call.read()).batch.items) == 3
+    await call.done_writing()
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_route_stream_batches_total") == 1
+    assert sample(text, "kvrouter_route_stream_batch_items_total") == 3

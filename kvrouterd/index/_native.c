@@ -1874,6 +1874,38 @@ error:
 
 static PyObject *slot_name; /* interned "slot" */
 
+/* Where instances of `type` hold attribute `name` as a plain `__slots__` member (an object
+ * pointer at a fixed offset, what Worker's `slot` and load fields are), that offset; else -1.
+ * Generic attribute lookup finds such a data descriptor before any instance dict, so reading the
+ * pointer is exactly what PyObject_GetAttr returns (NULL where it raises AttributeError), at a
+ * tenth of the cost: no type-cache lookup, descriptor call and reference dance per read. */
+static Py_ssize_t
+member_offset(PyTypeObject *type, PyObject *name)
+{
+    if (type->tp_getattro != PyObject_GenericGetAttr)
+        return -1;
+    PyObject *descr = _PyType_Lookup(type, name); /* borrowed */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
+        return -1;
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & PY_AUDIT_READ))
+        return -1;
+    return member->offset;
+}
+
+/* obj.<name>, a new reference: through the member at `offset` when it is >= 0 and set, else the
+ * generic lookup (which also raises the AttributeError of an unset member). */
+static inline PyObject *
+member_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
+{
+    if (offset >= 0) {
+        PyObject *value = *(PyObject **)((char *)obj + offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
  *
  * One pass over a routing decision's candidates, the reference being policies/_scan.py:
@@ -1881,9 +1913,11 @@ static PyObject *slot_name; /* interned "slot" */
  * prefix (overlaps[candidate.slot], 0 when absent), ties to the lower load, then the lower index;
  * min_i is the first candidate with the lowest load. A candidate's load is its attribute
  * `load_name`. Reading two attributes and a dict per candidate here costs a sixth of the
- * bytecode loop it replaces, on every Route over every worker. NotImplemented (the caller runs
- * the Python reference) when `overlaps` is not a dict or a depth or load is not an int of at
- * most 64 bits. */
+ * bytecode loop it replaces, on every Route over every worker; the attributes are read as
+ * `__slots__` members where the candidates' class has them (member_offset: 35k -> 15k
+ * instructions at 64 workers). NotImplemented (the caller runs the Python reference) when
+ * `overlaps` is not a dict, a slot is not an int, or a depth or load is not an int of at most
+ * 64 bits. */
 static PyObject *
 prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1910,10 +1944,23 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t best_i = 0, min_i = 0;
     long long best_depth = -1, best_load = 0, min_load = 0, max_load = 0;
+    PyTypeObject *seen_type = NULL; /* the candidates' class the offsets below are for */
+    Py_ssize_t slot_at = -1, load_at = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *slot = PyObject_GetAttr(items[i], slot_name);
+        PyObject *item = items[i];
+        if (Py_TYPE(item) != seen_type) {
+            seen_type = Py_TYPE(item);
+            slot_at = member_offset(seen_type, slot_name);
+            load_at = member_offset(seen_type, load_name);
+        }
+        PyObject *slot = member_get(item, slot_at, slot_name);
         if (slot == NULL)
             goto error;
+        if (!PyLong_CheckExact(slot)) {
+            /* its __hash__/__eq__ could run Python code and change the candidates' class */
+            Py_DECREF(slot);
+            goto python;
+        }
         PyObject *found = PyDict_GetItemWithError(overlaps, slot); /* borrowed */
         Py_DECREF(slot);
         long long depth = 0;
@@ -1927,7 +1974,7 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         else if (PyErr_Occurred())
             goto error;
-        PyObject *load_obj = PyObject_GetAttr(items[i], load_name);
+        PyObject *load_obj = member_get(item, load_at, load_name);
         if (load_obj == NULL)
             goto error;
         if (!PyLong_CheckExact(load_obj)) {

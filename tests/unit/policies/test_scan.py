@@ -21,6 +21,49 @@ class Cand:
         self.slot, self.inflight_requests, self.pending_prefill_tokens = slot, requests, tokens
 
 
+class DictCand:
+    """Attributes in an instance dict: the native scan reads them through the generic lookup."""
+
+    def __init__(self, slot: int, requests: int, tokens: int) -> None:
+        self.slot, self.inflight_requests, self.pending_prefill_tokens = slot, requests, tokens
+
+
+class SubCand(Cand):
+    """A subclass of a slotted class: its members are found on the base."""
+
+    __slots__ = ("extra",)
+
+
+class PropertyCand(Cand):
+    """A slot shadowed by a property further down the MRO: the property's value is what counts."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def inflight_requests(self) -> int:
+        return _MEMBER.__get__(self) * 2 % 7  # not what the slot holds
+
+    @inflight_requests.setter
+    def inflight_requests(self, value: int) -> None:
+        _MEMBER.__set__(self, value)
+
+
+_MEMBER = Cand.__dict__["inflight_requests"]
+
+
+class GetattributeCand(Cand):
+    """A class with its own attribute lookup: member offsets must not bypass it."""
+
+    __slots__ = ()
+
+    def __getattribute__(self, name: str) -> object:
+        value = object.__getattribute__(self, name)
+        return value + 1 if name == "pending_prefill_tokens" else value
+
+
+KINDS = (Cand, DictCand, SubCand, PropertyCand, GetattributeCand)
+
+
 def reference(candidates, overlaps, attr):
     """The rule as cache_aware states it, written the obvious way."""
     depths = [overlaps.get(c.slot, 0) for c in candidates]
@@ -35,7 +78,11 @@ fleets = st.lists(st.tuples(st.integers(0, 4), st.integers(-3, 5), st.integers(-
 @settings(max_examples=400, deadline=None)
 @given(fleet=fleets, data=st.data())
 def test_scan_follows_the_rule_on_both_paths(fleet, data):
-    candidates = [Cand(slot, requests, tokens) for slot, (_, requests, tokens) in enumerate(fleet)]
+    # slotted candidates (what Worker is) are read as members natively; the other kinds, alone or
+    # mixed into one fleet, must read exactly what getattr reads
+    kinds = data.draw(st.lists(st.sampled_from(KINDS), min_size=len(fleet), max_size=len(fleet))
+                      | st.sampled_from(KINDS).map(lambda kind: [kind] * len(fleet)))
+    candidates = [kind(slot, requests, tokens) for kind, (slot, (_, requests, tokens)) in zip(kinds, enumerate(fleet))]
     # small depths and loads make ties common: ties must break alike
     overlaps = {slot: depth for slot, (depth, _, _) in enumerate(fleet) if depth}
     overlaps.update(data.draw(st.dictionaries(st.integers(100, 110), st.integers(1, 9), max_size=3)))  # not candidates
@@ -57,6 +104,15 @@ def test_native_scan_declines_what_it_cannot_hold_exactly():
         native.module.prefix_scan([], {}, "inflight_requests")
     with pytest.raises(AttributeError):
         native.module.prefix_scan([object()], {}, "inflight_requests")
+    unset = Cand.__new__(Cand)  # a slotted instance whose members were never set
+    with pytest.raises(AttributeError, match="slot"):
+        native.module.prefix_scan([Cand(0, 1, 2), unset], {}, "inflight_requests")
+    unset.slot = 1
+    with pytest.raises(AttributeError, match="inflight_requests"):
+        native.module.prefix_scan([Cand(0, 1, 2), unset], {}, "inflight_requests")
+    # a slot that is not an int (its hash could run Python code): the reference decides
+    assert native.module.prefix_scan([Cand(0, 1, 2), DictCand("s", 0, 0)], {"s": 4}, "inflight_requests") is NotImplemented
+    assert scan_candidates([Cand(0, 1, 2), DictCand("s", 0, 0)], {"s": 4}, "inflight_requests") == (1, 4, 1, 0, 1)
 
 
 def test_python_scan_rejects_an_empty_fleet():

@@ -1746,11 +1746,10 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned
 {
     Py_ssize_t found = 0;
     BlockObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(BlockObject *));
-    PyObject *overlaps = PyDict_New();
+    PyObject *overlaps = NULL;
     PyObject *path = NULL;
-    if (nodes == NULL || overlaps == NULL) {
-        if (nodes == NULL)
-            PyErr_NoMemory();
+    if (nodes == NULL) {
+        PyErr_NoMemory();
         goto error;
     }
     /* pass 1: the blocks present, up to the first key the index does not have */
@@ -1771,6 +1770,18 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
         nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(t->slots[slot]));
     }
+    /* Every slot that holds the first block gets an entry, so the dict is made at its final size:
+     * filled from empty, 64 slots cost four resizes (3.3k of the walk's 54k instructions). */
+    Py_ssize_t entries = 0;
+    if (found) {
+        unsigned long long first = PyLong_AsUnsignedLongLongMask(nodes[0]->state->holders);
+        if (first == (unsigned long long)-1 && PyErr_Occurred())
+            goto error;
+        entries = __builtin_popcountll(active & first);
+    }
+    overlaps = _PyDict_NewPresized(entries);
+    if (overlaps == NULL)
+        goto error;
     /* pass 2: intersect holder masks along the path */
     Py_ssize_t depth = 0;
     for (; depth < found; depth++) {

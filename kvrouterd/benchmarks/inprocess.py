@@ -8,7 +8,6 @@ import time
 from array import array
 
 from ..clock import ManualClock
-from ..index.keys import chain_keys, namespace_seed
 from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
 from ..router import Router, RouterSettings
@@ -20,10 +19,14 @@ def _median_us(samples: list[float]) -> float:
 
 
 def decision_cost(workers: int, total_blocks: int, repeats: int = 2000, policy: str = "cache_aware") -> dict[str, float]:
-    """Median microseconds to turn a 4,000-token prompt into a decision, and the full route cycle."""
+    """Median microseconds to turn a 4,000-token prompt into a decision, and the full route cycle.
+
+    The prompt is hashed as Route hashes it (``Router.keys_for_tokens``: packed tokens in, an
+    ``array('Q')`` of keys out, which the match walk reads in place), untraced (``explain=False``,
+    the daemon's default with tracing off), by the daemon's default router (``build_router``)."""
     router, prompt = build_router(workers, total_blocks, policy)
     packed = array("I", prompt).tobytes()
-    seed = namespace_seed()
+    hash_prompt = router.keys_for_tokens
     decide_s: list[float] = []
     hash_s: list[float] = []
     cycle_s: list[float] = []
@@ -31,14 +34,14 @@ def decision_cost(workers: int, total_blocks: int, repeats: int = 2000, policy: 
     gc.collect()
     for i in range(repeats):
         t0 = clock()
-        keys = chain_keys(packed, BLOCK_SIZE, seed)
+        keys = hash_prompt(packed)
         t1 = clock()
         router.decide(RouteRequest("", keys, len(prompt)), explain=False)
         t2 = clock()
         hash_s.append(t1 - t0)
         decide_s.append(t2 - t0)
         t3 = clock()
-        result = router.route(RouteRequest(f"r{i}", chain_keys(packed, BLOCK_SIZE, seed), len(prompt)), explain=False)
+        result = router.route(RouteRequest(f"r{i}", hash_prompt(packed), len(prompt)), explain=False)
         router.complete(Completion(result.request.request_id))
         cycle_s.append(clock() - t3)
     return {

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import random
 
-from ..clock import ManualClock
+from ..clock import SystemClock
+from ..config import Config
 from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, EventBatch, Stored
-from ..router import Router, RouterSettings
+from ..router import Router
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 4000
@@ -23,10 +24,13 @@ SYSTEM_PROMPT_BLOCKS = 64
 def build_router(workers: int, total_blocks: int, policy: str = "cache_aware", seed: int = 7) -> tuple[Router, list[int]]:
     """A router whose index holds ~``total_blocks`` blocks over ``workers`` event-driven workers.
 
+    The router is the daemon's: its default configuration (limits, eviction) with ``policy``
+    routing, on the system clock, so a decision measured here runs the checks a Route runs.
     Returns the router and the benchmark prompt's tokens (4,000 tokens, 250 blocks), whose first
     blocks are cached on several workers to different depths.
     """
-    router = Router(RouterSettings(block_size=BLOCK_SIZE, routing={"name": policy}), ManualClock(), random.Random(seed))
+    settings = Config(block_size=BLOCK_SIZE, routing={"name": policy}).router_settings()
+    router = Router(settings, SystemClock(), random.Random(seed))
     return router, populate(router, workers, total_blocks, seed)
 
 

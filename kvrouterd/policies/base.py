@@ -53,9 +53,10 @@ class RoutingContext:
         self.now = now
         #: the global index, read-only for policies
         self.index = index
-        #: whether the Decision should list every candidate with its terms. The host sets it
-        #: False when nobody will read them (an unsampled trace): building 64 CandidateScores
-        #: costs about as much as the whole rest of a decision. The choice must not depend on it.
+        #: whether the Decision should list every candidate with its terms (and may leave out
+        #: attributes that are only for the record). The host sets it False when nobody will
+        #: read them (an unsampled trace): building 64 CandidateScores costs about as much as
+        #: the whole rest of a decision. The choice (worker, reason, overlap) must not depend on it.
         self.explain = explain
         self._overlaps = match.overlaps
 

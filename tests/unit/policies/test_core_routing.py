@@ -86,6 +86,31 @@ def test_decisions_list_candidates_only_when_explained():
     assert quiet.candidates == [] and quiet.worker_id == d.worker_id
 
 
+def test_cache_aware_decides_alike_explained_or_not():
+    # unexplained decisions (every untraced Route) take a shorter path through the policy: the
+    # choice must be the one the traced path makes, on all three of its rules
+    rng = random.Random(11)
+    reasons = set()
+    for trial in range(60):
+        router = fleet({"name": "cache_aware", "balance_abs_threshold": 3}, n=rng.randint(1, 8))
+        tokens = list(range(trial * 1000, trial * 1000 + 20 * BS))
+        for w in range(len(router.workers)):
+            depth = rng.choice((0, 0, 3, 8, 14, 20))
+            if depth:
+                cache(router, f"w{w}", tokens[: depth * BS])
+        for _ in range(rng.randint(0, 12)):  # load, unevenly: other prompts sent to w0 or w1
+            req = prompt(router, [rng.randrange(10**6) for _ in range(2 * BS)])
+            req.candidate_workers = (f"w{rng.randrange(min(2, len(router.workers)))}",)
+            router.route(req)
+        loud, _, _ = router.decide(prompt(router, tokens), explain=True)
+        quiet, _, _ = router.decide(prompt(router, tokens), explain=False)
+        assert (quiet.worker_id, quiet.reason, quiet.overlap_blocks, quiet.policy) == (
+            loud.worker_id, loud.reason, loud.overlap_blocks, loud.policy)
+        assert set(loud.attributes) == {"match_rate", "imbalanced"} and len(loud.candidates) == len(router.workers)
+        reasons.add(loud.reason)
+    assert reasons == {"prefix_match", "low_match", "imbalanced"}
+
+
 def test_registry_params_reach_the_policy():
     policy = registry.build("routing", {"name": "cache_aware", "load_metric": "prefill_tokens"})
     assert policy.params.load_metric == "prefill_tokens"

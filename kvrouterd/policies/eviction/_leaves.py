@@ -174,6 +174,17 @@ class SortedLeaves:
             else:
                 self._drop(s, b)
 
+    def rescore(self, index: RadixIndex, slot: int, keys: Iterable[int]) -> None:
+        """Recompute the priority of those of ``keys`` that are leaves of ``slot`` (what the
+        priority reads changed; which blocks are leaves did not)."""
+        s = self._slots.get(slot)
+        if s is None:
+            return
+        prio = s.prio
+        for k in keys:
+            if k in prio:
+                self._set(s, index, slot, index.get(k))  # type: ignore[arg-type]
+
     # ---- hooks ---------------------------------------------------------------------------
     def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         if not blocks:

@@ -86,6 +86,9 @@ class LimitsConfig:
     #: largest gRPC message accepted or sent, bytes (a 1M-token prompt is ~4 MiB packed)
     max_message_bytes: int = 16 * 1024 * 1024
     max_prompt_tokens: int = 1 << 20
+    #: a Route whose prompt field takes this many bytes or more (256 KiB: 64k packed tokens) is
+    #: decoded and hashed on a worker thread, so it does not hold up the routing loop; 0 = never
+    off_loop_prompt_bytes: int = 256 * 1024
     #: events per PublishEvents batch
     max_batch_events: int = 65536
     max_concurrent_streams: int = 1024
@@ -329,6 +332,8 @@ class Config:
             raise ConfigError("limits.max_message_bytes: must be >= 4096")
         if lim.inflight_timeout_s <= 0:
             raise ConfigError("limits.inflight_timeout_s: must be > 0")
+        if lim.off_loop_prompt_bytes < 0:
+            raise ConfigError("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
         if self.default_ttft_slo_ms <= 0:
             raise ConfigError("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:

@@ -124,6 +124,160 @@ chain_keys_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* ---- a huge Route's prompt, hashed off the event loop (issue #16 item 1) -----------------
+ *
+ * wire_prompt_keys(data, spans, packed, block_size, seed, max_tokens) -> (tokens, keys | None)
+ *
+ * `data` is a received RouteRequest's bytes; `spans` the (start, end) offsets of its prompt
+ * field's payloads (server/convert.py: split_route finds them): the one token_ids_le32 payload
+ * (`packed`), or the packed-varint token_ids chunks in order. Returns the prompt's token count
+ * and its block keys as native-endian uint64 bytes, or (tokens, None) past `max_tokens` without
+ * hashing. Varints decode as upb decodes a uint32: up to 10 bytes, truncated to the low 32 bits;
+ * a malformed chunk is ValueError. The GIL is released for the decoding and the hashing: `data` is
+ * a bytes object (immutable) whose buffer export is held throughout, and the result is allocated
+ * before and filled while no other thread can see it. Called from a worker thread, so the loop
+ * keeps routing meanwhile. */
+static Py_ssize_t
+count_varints(const unsigned char *p, Py_ssize_t n)
+{
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        count += p[i] < 0x80;
+    return count;
+}
+
+/* Decodes the varints of p[0:n] into out; -1 on a varint longer than 10 bytes or cut short. */
+static Py_ssize_t
+decode_varints(const unsigned char *p, Py_ssize_t n, uint32_t *out)
+{
+    Py_ssize_t i = 0, k = 0;
+    while (i < n) {
+        uint64_t v = 0;
+        int shift = 0;
+        for (;;) {
+            if (i >= n || shift >= 70)
+                return -1;
+            unsigned char b = p[i++];
+            v |= (uint64_t)(b & 0x7f) << (shift < 64 ? shift : 63);
+            if (b < 0x80)
+                break;
+            shift += 7;
+        }
+        uint32_t t = (uint32_t)v;
+#if PY_BIG_ENDIAN
+        t = __builtin_bswap32(t);
+#endif
+        out[k++] = t;
+    }
+    return k;
+}
+
+static PyObject *
+wire_prompt_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "takes 6 arguments: (data, spans, packed, block_size, seed, max_tokens)");
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "data must be bytes and spans a tuple of (start, end) pairs");
+        return NULL;
+    }
+    int packed = PyObject_IsTrue(args[2]);
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[3]);
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[4]);
+    Py_ssize_t max_tokens = PyLong_AsSsize_t(args[5]);
+    if (packed < 0 || PyErr_Occurred())
+        return NULL;
+    if (block_size <= 0 || block_size > PY_SSIZE_T_MAX / 4 || max_tokens < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be > 0 and max_tokens >= 0");
+        return NULL;
+    }
+    const unsigned char *base = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t nspans = PyTuple_GET_SIZE(args[1]);
+    if (packed && nspans != 1) {
+        PyErr_SetString(PyExc_ValueError, "a packed prompt is one span");
+        return NULL;
+    }
+    Py_ssize_t *bounds = PyMem_Malloc((size_t)(nspans ? nspans : 1) * 2 * sizeof(Py_ssize_t));
+    if (bounds == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t s = 0; s < nspans; s++) {
+        PyObject *pair = PyTuple_GET_ITEM(args[1], s);
+        Py_ssize_t a = -1, b = -1;
+        if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2) {
+            a = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+            b = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+        }
+        if (PyErr_Occurred() || a < 0 || b < a || b > size) {
+            PyMem_Free(bounds);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "spans must be (start, end) pairs inside data");
+            return NULL;
+        }
+        bounds[2 * s] = a;
+        bounds[2 * s + 1] = b;
+    }
+    /* data is immutable: holding a reference (the caller's) keeps it alive, and counting needs no GIL */
+    Py_ssize_t tokens = 0;
+    if (packed) {
+        tokens = (bounds[1] - bounds[0]) / 4;
+    }
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t s = 0; s < nspans; s++)
+            tokens += count_varints(base + bounds[2 * s], bounds[2 * s + 1] - bounds[2 * s]);
+        Py_END_ALLOW_THREADS
+    }
+    if (tokens > max_tokens) {
+        PyMem_Free(bounds);
+        return Py_BuildValue("(nO)", tokens, Py_None);
+    }
+    Py_ssize_t count = tokens / block_size;
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint64_t));
+    uint32_t *decoded = NULL;
+    if (keys != NULL && !packed) {
+        decoded = PyMem_RawMalloc((size_t)(tokens ? tokens : 1) * sizeof(uint32_t));
+        if (decoded == NULL) {
+            Py_CLEAR(keys);
+            PyErr_NoMemory();
+        }
+    }
+    if (keys == NULL) {
+        PyMem_Free(bounds);
+        return NULL;
+    }
+    int malformed = 0;
+    uint64_t *out = (uint64_t *)PyBytes_AS_STRING(keys);
+    Py_BEGIN_ALLOW_THREADS
+    if (packed) {
+        chain_into((const char *)base + bounds[0], block_size * 4, count, (uint64_t)seed, out);
+    }
+    else {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t s = 0; s < nspans && !malformed; s++) {
+            Py_ssize_t got = decode_varints(base + bounds[2 * s], bounds[2 * s + 1] - bounds[2 * s], decoded + k);
+            if (got < 0)
+                malformed = 1;
+            else
+                k += got;
+        }
+        if (!malformed)
+            chain_into((const char *)decoded, block_size * 4, count, (uint64_t)seed, out);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(decoded);
+    PyMem_Free(bounds);
+    if (malformed) {
+        Py_DECREF(keys);
+        PyErr_SetString(PyExc_ValueError, "token_ids holds a malformed varint (longer than 10 bytes or cut short)");
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("(nN)", tokens, keys);
+    return result;
+}
+
 /* ---- U64Map: an open-addressing uint64 -> uint64 table -----------------------------------
  *
  * The engine-hash -> key map. Entries are (key, value) pairs in one array, so a lookup touches
@@ -2023,6 +2177,9 @@ static PyMethodDef native_methods[] = {
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
     {"chain_keys_packed", (PyCFunction)(void (*)(void))chain_keys_packed, METH_FASTCALL,
      "chain_keys_packed(data, block_size, seed, limit) -> bytes: the keys as native-endian uint64s."},
+    {"wire_prompt_keys", (PyCFunction)(void (*)(void))wire_prompt_keys, METH_FASTCALL,
+     "wire_prompt_keys(data, spans, packed, block_size, seed, max_tokens) -> (tokens, keys bytes | None), "
+     "the GIL released while decoding and hashing."},
     {"chain_split", (PyCFunction)(void (*)(void))chain_split, METH_FASTCALL,
      "chain_split(blocks, prio) -> (continued blocks whose key is in prio, blocks not continued)"},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,

@@ -154,7 +154,8 @@ class Daemon:
             creds, self.certificates = server_credentials(self.config.tls)
         server = grpc.aio.server(options=self._server_options(), interceptors=interceptors)
         # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT
-        safe = SafeRegistrar(server)
+        self.service.off_loop_prompt_bytes = self.config.limits.off_loop_prompt_bytes
+        safe = SafeRegistrar(server, {"/kvrouter.v1.KVRouter/Route": self.service.route_message})
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]

@@ -13,13 +13,17 @@ carries (a third of the conversion's instructions per stored block, by callgrind
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..errors import InvalidRequest, Overloaded, quote
+from ..index import native
+from ..index.keys import chain_keys_array, namespace_seed
 from ..index.workers import Worker, WorkerSpec
 from ..protocols import (
     CacheEvent,
@@ -39,6 +43,7 @@ from ..router import Router, RouteResult
 
 __all__ = [
     "check_id",
+    "check_split",
     "completion",
     "dispatched_delta",
     "completed_delta",
@@ -47,8 +52,13 @@ __all__ = [
     "event_batch",
     "evict_request",
     "pb",
+    "route_message",
     "route_request",
     "route_response",
+    "HashedPrompt",
+    "SplitRoute",
+    "WirePrompt",
+    "hash_wire_prompt",
     "worker_message",
     "worker_spec",
 ]
@@ -69,11 +79,12 @@ def _le_u32(field: Iterable[int]) -> bytes:
     return np.asarray(field, dtype=_U32_LE).tobytes()
 
 
-def _packed_count(name: str, packed: bytes) -> int:
-    """Token ids in a ``token_ids_le32`` field: 4 bytes each, so any other length is malformed."""
-    if len(packed) % 4:
-        raise InvalidRequest(f"{name} holds {len(packed)} bytes, not a multiple of 4 (little-endian uint32 token ids)")
-    return len(packed) // 4
+def _packed_count(name: str, packed: bytes | int) -> int:
+    """Token ids in a ``token_ids_le32`` field (or its length): 4 bytes each, so any other length is malformed."""
+    size = packed if isinstance(packed, int) else len(packed)
+    if size % 4:
+        raise InvalidRequest(f"{name} holds {size} bytes, not a multiple of 4 (little-endian uint32 token ids)")
+    return size // 4
 
 
 def _stored_tokens(st: pb.StoredBlocks, i: int) -> bytes:
@@ -96,17 +107,36 @@ def check_id(name: str, value: str, limit: int) -> str:
     return value
 
 
-def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
+def _route_task(msg: pb.RouteRequest, router: Router) -> TaskCategory:
+    """The checks after the prompt's form: a known task, ids within limits."""
+    task = _TASKS.get(msg.task)
+    if task is None:
+        raise InvalidRequest(f"unknown task category {msg.task}")
+    id_limit = router.settings.max_id_length
+    if len(msg.model) > id_limit or len(msg.lora) > id_limit or len(msg.cache_salt) > id_limit:
+        check_id("model", msg.model, id_limit)  # before they salt the hash
+        check_id("lora", msg.lora, id_limit)
+        check_id("cache_salt", msg.cache_salt, id_limit)
+    return task
+
+
+def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None) -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys.
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
     costs nothing; the Router checks it again for callers that build RouteRequests themselves.
+    ``hashed``: the prompt of a ``SplitRoute`` (``msg`` then carries no token ids), already
+    counted and hashed off the event loop by ``hash_wire_prompt``.
     """
     tokens = msg.token_ids
-    packed = msg.token_ids_le32
     n_keys = len(msg.block_keys)
-    if packed:
+    if hashed is not None:
+        packed = b""
+        n_tokens = hashed.tokens
+        if n_keys:
+            raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+    elif packed := msg.token_ids_le32:
         if len(tokens) or n_keys:
             raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
         n_tokens = _packed_count("token_ids_le32", packed)
@@ -116,19 +146,16 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
             raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
         if not n_tokens and not n_keys:
             raise InvalidRequest("the prompt is empty: set token_ids, token_ids_le32 or block_keys")
-    task = _TASKS.get(msg.task)
-    if task is None:
-        raise InvalidRequest(f"unknown task category {msg.task}")
-    id_limit = router.settings.max_id_length
-    if len(msg.model) > id_limit or len(msg.lora) > id_limit or len(msg.cache_salt) > id_limit:
-        check_id("model", msg.model, id_limit)  # before they salt the hash
-        check_id("lora", msg.lora, id_limit)
-        check_id("cache_salt", msg.cache_salt, id_limit)
+    task = _route_task(msg, router)
     if n_tokens:
         limit = router.settings.max_prompt_tokens
         if n_tokens > limit:
             raise Overloaded(f"prompt of {n_tokens} tokens exceeds max_prompt_tokens={limit}")
-        keys = router.keys_for_tokens(packed or _le_u32(tokens), msg.model, msg.lora, msg.cache_salt)
+        if hashed is not None:
+            assert hashed.keys is not None  # hash_wire_prompt leaves them out only past the limit
+            keys = hashed.keys
+        else:
+            keys = router.keys_for_tokens(packed or _le_u32(tokens), msg.model, msg.lora, msg.cache_salt)
         prompt_tokens = n_tokens
     else:
         keys = msg.block_keys[:]  # a list of ints, as from the hash (see the module docstring)
@@ -146,6 +173,198 @@ def route_request(msg: pb.RouteRequest, router: Router) -> RouteRequest:
         candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
     )
+
+
+# ---- huge prompts: hashed off the event loop (issue #16 item 1) ------------------------------
+#
+# A 1M-token Route held the loop ~12 ms (packed) / ~33 ms (repeated) and every other Route
+# waited: upb parsing the prompt field, reading ``msg.token_ids_le32`` (a fresh 4 MiB copy each
+# time), numpy, hashing. A Route whose prompt field reaches ``limits.off_loop_prompt_bytes`` is
+# split instead: its top-level fields are walked on the wire (a handful of them) to find the
+# prompt's payload, the rest is parsed by upb as usual, and the payload is decoded and hashed
+# straight from the received bytes by ``_native.wire_prompt_keys`` on a worker thread, the GIL
+# released. The decision itself (match, policy, commit) still runs on the loop in one step, so
+# it sees the index as it stands when the hash is done, exactly as a small Route would.
+
+#: RouteRequest's prompt fields (router.proto)
+_TOKEN_IDS_FIELD = 2
+_TOKEN_IDS_LE32_FIELD = 14
+#: top-level fields walked before a message is left to upb whole: RouteRequest has 14, plus
+#: up to 64 candidate workers; a message of many tiny fields must not cost a Python loop per field
+MAX_SPLIT_FIELDS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class WirePrompt:
+    """Where a Route's token ids lie in the received message: the one ``token_ids_le32``
+    payload (``packed``), or the packed-varint ``token_ids`` chunks in order."""
+
+    data: bytes
+    spans: tuple[tuple[int, int], ...]
+    packed: bool
+
+    @property
+    def size(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitRoute:
+    """A Route message whose prompt is still wire bytes (``route_message``): ``msg`` holds every
+    other field."""
+
+    msg: pb.RouteRequest
+    prompt: WirePrompt
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    tokens: int
+    #: None when ``tokens`` is over the limit (nothing was hashed)
+    keys: array | None
+
+
+class _Unsplittable(Exception):
+    """The walk met something only upb should judge (malformed, a group, an unpacked token)."""
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise _Unsplittable
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def split_route(data: bytes) -> tuple[bytes, WirePrompt | None] | None:
+    """``(the message without its token fields, where they were)``; None to leave ``data`` to upb.
+
+    Protobuf's rules for the two fields: the last ``token_ids_le32`` wins (a singular field
+    given twice), all ``token_ids`` chunks concatenate; an empty payload is no prompt."""
+    rest: list[bytes] = []
+    packed: tuple[int, int] | None = None
+    chunks: list[tuple[int, int]] = []
+    i = kept = fields = 0
+    n = len(data)
+    try:
+        while i < n:
+            fields += 1
+            if fields > MAX_SPLIT_FIELDS:
+                return None
+            start = i
+            tag, i = _varint(data, i)
+            number, wire_type = tag >> 3, tag & 7
+            if wire_type == 0:
+                _, i = _varint(data, i)
+            elif wire_type == 1:
+                i += 8
+            elif wire_type == 5:
+                i += 4
+            elif wire_type == 2:
+                length, i = _varint(data, i)
+                payload = i
+                i += length
+            else:  # groups, invalid wire types: upb's error message
+                return None
+            if i > n or number == 0:
+                return None
+            if number in (_TOKEN_IDS_FIELD, _TOKEN_IDS_LE32_FIELD):
+                if wire_type != 2:  # unpacked token ids (legal, no encoder sends them) or a mismatch
+                    return None
+                if number == _TOKEN_IDS_FIELD:
+                    chunks.append((payload, i))
+                else:
+                    packed = (payload, i)
+                rest.append(data[kept:start])
+                kept = i
+    except _Unsplittable:
+        return None
+    if not rest:
+        return data, None
+    rest.append(data[kept:])
+    has_packed = packed is not None and packed[1] > packed[0]
+    has_ids = any(end > start for start, end in chunks)
+    if has_packed and has_ids:  # route_request rejects it, from upb's parse
+        return None
+    if has_packed:
+        assert packed is not None
+        return b"".join(rest), WirePrompt(data, (packed,), True)
+    if has_ids:
+        return b"".join(rest), WirePrompt(data, tuple(c for c in chunks if c[1] > c[0]), False)
+    return b"".join(rest), None
+
+
+def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | SplitRoute:
+    """A Route's request as received: parsed, or split (``SplitRoute``) when its prompt takes
+    ``min_prompt_bytes`` (``limits.off_loop_prompt_bytes``; 0 = never) or more on the wire.
+    Raises DecodeError for bytes that do not parse."""
+    if not min_prompt_bytes or len(data) < min_prompt_bytes:
+        return pb.RouteRequest.FromString(data)
+    split = split_route(data)
+    if split is None:
+        return pb.RouteRequest.FromString(data)
+    rest, prompt = split
+    if prompt is None or prompt.size < min_prompt_bytes:
+        return pb.RouteRequest.FromString(data)
+    return SplitRoute(pb.RouteRequest.FromString(rest), prompt)
+
+
+def check_split(split: SplitRoute, router: Router) -> None:
+    """``route_request``'s checks, in its order, as far as they go before the prompt is decoded:
+    a request they reject costs no hashing (the size limit is applied while hashing)."""
+    if len(split.msg.block_keys):
+        raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+    if split.prompt.packed:
+        _packed_count("token_ids_le32", split.prompt.size)
+    _route_task(split.msg, router)
+
+
+def hash_wire_prompt(split: SplitRoute, block_size: int, max_tokens: int) -> HashedPrompt:
+    """Count and hash a split Route's prompt (on a worker thread: the native path releases the
+    GIL). Past ``max_tokens`` nothing is hashed. Keys equal ``Router.keys_for_tokens`` of the
+    same ids; malformed varints are InvalidRequest."""
+    msg, prompt = split.msg, split.prompt
+    seed = namespace_seed(msg.model, msg.lora, msg.cache_salt)
+    if native.module is not None:
+        try:
+            tokens, raw = native.module.wire_prompt_keys(prompt.data, prompt.spans, prompt.packed, block_size,
+                                                         seed, max_tokens)
+        except ValueError as exc:
+            raise InvalidRequest(f"request is not a valid kvrouter.v1.RouteRequest message: {exc}") from None
+        if raw is None:
+            return HashedPrompt(tokens, None)
+        keys = array("Q")
+        keys.frombytes(raw)
+        return HashedPrompt(tokens, keys)
+    # pure Python (KVROUTERD_PURE_PYTHON): the ids as upb decodes them, then the reference hash
+    if prompt.packed:
+        start, end = prompt.spans[0]
+        ids = prompt.data[start:end]
+    else:
+        wire = b"".join(_length_delimited(_TOKEN_IDS_FIELD, prompt.data[a:b]) for a, b in prompt.spans)
+        try:
+            ids = _le_u32(pb.RouteRequest.FromString(wire).token_ids)
+        except DecodeError as exc:
+            raise InvalidRequest(f"request is not a valid kvrouter.v1.RouteRequest message: {exc}") from None
+    tokens = len(ids) // 4
+    if tokens > max_tokens:
+        return HashedPrompt(tokens, None)
+    return HashedPrompt(tokens, chain_keys_array(ids, block_size, seed))
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    out = bytearray()
+    for value in (number << 3 | 2, len(payload)):
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out) + payload
 
 
 def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse | None = None) -> pb.RouteResponse:

@@ -76,12 +76,15 @@ def _type_name(deserializer: Callable[[bytes], Any] | None) -> str:
     return getattr(descriptor, "full_name", None) or "request"
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler, answering INVALID_ARGUMENT for request messages that do not parse."""
-    deserializer = handler.request_deserializer
+def wrap_handler(
+    handler: grpc.RpcMethodHandler, deserializer: Callable[[bytes], Any] | None = None
+) -> grpc.RpcMethodHandler:
+    """The same handler, answering INVALID_ARGUMENT for request messages that do not parse.
+    ``deserializer`` replaces the handler's own (Route's splits huge prompts: ``convert.route_message``)."""
+    name = _type_name(handler.request_deserializer)
+    deserializer = deserializer or handler.request_deserializer
     if deserializer is None:
         return handler
-    name = _type_name(deserializer)
     serializer = handler.response_serializer
     if not handler.request_streaming:
         safe = _safe_unary_deserializer(deserializer, name)
@@ -149,27 +152,32 @@ def _stream_stream(inner: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _SafeGenericHandler(grpc.GenericRpcHandler):
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler, deserializers: Mapping[str, Callable[[bytes], Any]]) -> None:
         self._inner = inner
+        self._deserializers = deserializers
         self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         if method not in self._wrapped:
             handler = self._inner.service(handler_call_details)
-            self._wrapped[method] = wrap_handler(handler) if handler is not None else None
+            self._wrapped[method] = (wrap_handler(handler, self._deserializers.get(method))
+                                     if handler is not None else None)
         return self._wrapped[method]
 
 
 class SafeRegistrar:
     """Pass as the ``server`` to ``add_*_to_server`` functions: registers on ``server`` with
-    every method handler wrapped (see the module docstring)."""
+    every method handler wrapped (see the module docstring). ``deserializers`` maps a method's
+    full name (``/package.Service/Method``) to a deserializer used instead of its generated one."""
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, deserializers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
         self._server = server
+        self._deserializers = dict(deserializers or {})
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_SafeGenericHandler(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(tuple(_SafeGenericHandler(h, self._deserializers) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
-        self._server.add_registered_method_handlers(service, {m: wrap_handler(h) for m, h in handlers.items()})
+        self._server.add_registered_method_handlers(service, {
+            m: wrap_handler(h, self._deserializers.get(f"/{service}/{m}")) for m, h in handlers.items()})

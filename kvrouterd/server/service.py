@@ -97,20 +97,33 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
+        #: a Route whose prompt field takes this many bytes or more is decoded and hashed on a
+        #: worker thread (the daemon sets limits.off_loop_prompt_bytes; 0 = never)
+        self.off_loop_prompt_bytes = 0
+        #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
+        self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
 
     # ---- data path --------------------------------------------------------------------
-    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+    def route_message(self, data: bytes) -> pb.RouteRequest | convert.SplitRoute:
+        """Route's request deserializer (the daemon registers it): a prompt field of
+        ``off_loop_prompt_bytes`` or more stays wire bytes, hashed off the loop by ``Route``."""
+        return convert.route_message(data, self.off_loop_prompt_bytes)
+
+    async def Route(self, request: pb.RouteRequest | convert.SplitRoute, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
+        hashed = None
+        if type(request) is convert.SplitRoute:
+            request, hashed = await self._hash_off_loop(request, context)
         if self.tracing:
             with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
-                result = await self._route(request, context, span)
+                result = await self._route(request, context, span, hashed)
         elif self.admission is not None:
-            result = await self._route(request, context, None)
+            result = await self._route(request, context, None, hashed)
         else:
             # the common case, kept flat: no span, no queue, no inner coroutine
             try:
-                result = router.route(convert.route_request(request, router), explain=False)
+                result = router.route(convert.route_request(request, router, hashed), explain=False)
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
@@ -119,11 +132,27 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
 
-    async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None) -> RouteResult:
+    async def _hash_off_loop(
+        self, split: convert.SplitRoute, context: grpc.aio.ServicerContext
+    ) -> tuple[pb.RouteRequest, convert.HashedPrompt]:
+        """Decode and hash a huge prompt on a worker thread (the native path releases the GIL),
+        so other calls run meanwhile; the decision that follows runs on the loop as for any Route."""
+        router = self.router
+        try:
+            convert.check_split(split, router)
+            hashed = await asyncio.to_thread(self.hash_prompt, split, router.block_size, router.settings.max_prompt_tokens)
+        except KVRouterError as exc:
+            await self._reject(split.msg, context, exc, None)
+        return split.msg, hashed
+
+    async def _route(
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None,
+        hashed: convert.HashedPrompt | None = None,
+    ) -> RouteResult:
         router = self.router
         recording = span is not None and span.is_recording()
         try:
-            req = convert.route_request(request, router)
+            req = convert.route_request(request, router, hashed)
             if self.admission is None:
                 result = router.route(req, explain=recording)
             else:

@@ -1,0 +1,171 @@
+"""Small-Route latency while another client sends huge prompts (issue #16 item 1).
+
+    python -m kvrouterd.benchmarks.big_prompt_stall --tokens 1048576 --probes 300
+
+Runs ``kvrouterd serve`` in its own process (as in production) with ``--workers`` workers
+(event mode, or approximate with ``--mode approximate``), then a probe client sends a small Route
+(+ its Complete) every ``--interval-ms`` and times each Route's round trip: first with nothing
+else running (quiet), then while a second client sends ``--tokens``-token Routes back to back
+(each completed), packed (``token_ids_le32``, as the SDK sends them) or repeated. The huge
+messages are serialized once up front so the client spends no CPU building them. Prints p50 /
+p99 / max of the probes per phase as JSON; reports, never asserts (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .._generated.kvrouter.v1 import router_pb2 as pb
+
+ROUTE = "/kvrouter.v1.KVRouter/Route"
+COMPLETE = "/kvrouter.v1.KVRouter/Complete"
+REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
+
+
+def start_daemon(workdir: Path, off_loop_prompt_bytes: int | None = None) -> tuple[subprocess.Popen[str], int]:
+    config = workdir / "big-prompt.yaml"
+    extra = "" if off_loop_prompt_bytes is None else f", off_loop_prompt_bytes: {off_loop_prompt_bytes}"
+    config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 16777216%s}\n" % extra)
+    proc = subprocess.Popen([sys.executable, "-m", "kvrouterd", "serve", "--config", str(config),
+                             "--log-format", "json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    for line in proc.stderr:
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("msg") == "serving":
+            # drained from now on, so the daemon never blocks on a full pipe
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, int(record["port"])
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError("kvrouterd serve did not start")
+
+
+def _route_bytes(tokens: int, packed: bool, seed: int) -> bytes:
+    rng = random.Random(seed)
+    if packed:
+        return pb.RouteRequest(token_ids_le32=rng.randbytes(tokens * 4)).SerializeToString()
+    return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)]).SerializeToString()
+
+
+def _quantiles(latencies: list[float]) -> dict[str, Any]:
+    ordered = sorted(latencies)
+    return {
+        "probes": len(ordered),
+        "p50_ms": round(statistics.median(ordered) * 1e3, 2),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 2),
+        "max_ms": round(ordered[-1] * 1e3, 2),
+    }
+
+
+def _channel(port: int) -> grpc.aio.Channel:
+    # a connection of its own (no shared subchannel): the probe must not queue behind the huge
+    # messages on one HTTP/2 connection, which would measure the client's socket, not the daemon
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+
+
+def _stubs(channel: grpc.aio.Channel) -> tuple[Any, Any]:
+    route = channel.unary_unary(ROUTE, request_serializer=None, response_deserializer=pb.RouteResponse.FromString)
+    complete = channel.unary_unary(COMPLETE, request_serializer=pb.CompleteRequest.SerializeToString,
+                                   response_deserializer=pb.CompleteResponse.FromString)
+    return route, complete
+
+
+async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
+    channel, hog_channel = _channel(port), _channel(port)
+    route, complete = _stubs(channel)
+    hog_route, hog_complete = _stubs(hog_channel)
+    register = channel.unary_unary(REGISTER, request_serializer=pb.RegisterWorkerRequest.SerializeToString,
+                                   response_deserializer=pb.RegisterWorkerResponse.FromString)
+    mode = pb.CACHE_STATE_MODE_EVENTS if args.mode == "events" else pb.CACHE_STATE_MODE_APPROXIMATE
+    for w in range(args.workers):
+        await register(pb.RegisterWorkerRequest(worker=pb.Worker(
+            id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=args.capacity_blocks)))
+    probe_msg = _route_bytes(args.probe_tokens, True, 1)
+    huge = _route_bytes(args.tokens, args.form == "packed", 2)
+
+    async def probes(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            started = time.perf_counter()
+            reply = await route(probe_msg)
+            out.append(time.perf_counter() - started)
+            await complete(pb.CompleteRequest(request_id=reply.request_id))
+            await asyncio.sleep(args.interval_ms / 1000)
+        return out
+
+    huge_times: list[float] = []
+
+    async def hog(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            reply = await hog_route(huge)
+            huge_times.append(time.perf_counter() - started)
+            await hog_complete(pb.CompleteRequest(request_id=reply.request_id))
+
+    await probes(20)  # warm up connections and caches
+    quiet = await probes(args.probes)
+    stop = asyncio.Event()
+    hogs = [asyncio.create_task(hog(stop)) for _ in range(args.hogs)]
+    await asyncio.sleep(0.2)
+    loaded = await probes(args.probes)
+    stop.set()
+    await asyncio.gather(*hogs)
+    await channel.close()
+    await hog_channel.close()
+    return {
+        "tokens": args.tokens, "form": args.form, "mode": args.mode, "workers": args.workers, "hogs": args.hogs,
+        "quiet": _quantiles(quiet), "during_huge_routes": _quantiles(loaded),
+        "huge_route_ms_median": round(statistics.median(huge_times) * 1e3, 2), "huge_routes": len(huge_times),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens per huge prompt")
+    parser.add_argument("--form", choices=("packed", "repeated"), default="packed")
+    parser.add_argument("--mode", choices=("events", "approximate"), default="events")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--capacity-blocks", type=int, default=0)
+    parser.add_argument("--hogs", type=int, default=1, help="clients sending huge prompts back to back")
+    parser.add_argument("--probes", type=int, default=300)
+    parser.add_argument("--probe-tokens", type=int, default=4000)
+    parser.add_argument("--interval-ms", type=float, default=5.0)
+    parser.add_argument("--off-loop-prompt-bytes", type=int, default=None,
+                        help="the daemon's limits.off_loop_prompt_bytes (default: its default; 0 = hash on the loop)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = start_daemon(Path(tmp), args.off_loop_prompt_bytes)
+        try:
+            result = asyncio.run(_run(port, args))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    result["pid_note"] = f"daemon pid {proc.pid}, client pid {os.getpid()}"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

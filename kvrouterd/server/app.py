@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
-import gc
 import logging
 import os
 import random
@@ -42,7 +41,7 @@ from ..index.workers import WorkerSpec
 from ..protocols import BatchOutcome, Completion, Dispatch, EventBatch
 from ..router import Router, RouteResult
 from ..telemetry.bus_metrics import register_bus_metrics
-from ..telemetry.loop_lag import LoopMonitor
+from ..telemetry.loop_lag import LoopMonitor, freeze_heap, unfreeze_heap
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
@@ -198,7 +197,7 @@ class Daemon:
         # the start-up heap (modules, config, gRPC, OpenTelemetry, policies: ~50k objects) lives
         # as long as the process: out of every later full collection, which otherwise scanned it
         # all on the routing loop (40-180 ms gen-2 pauses in the long fuzz run, issue #16)
-        gc.freeze()
+        freeze_heap()
         for name in ("", READINESS_SERVICE, *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
@@ -429,8 +428,9 @@ class Daemon:
         self.meter_provider.shutdown()
         if self.serving:
             log.info("stopped")
-            # what start froze can be collected again (a process running daemons one after another)
-            gc.unfreeze()
+            # what start froze can be collected again once no other daemon in the process holds
+            # it frozen (tests run several)
+            unfreeze_heap()
         self.serving = False
 
     async def run_until_signal(self, grace: float = 5.0) -> None:

@@ -15,11 +15,14 @@ visible in production:
   collection, which can start while one of them is held); the heartbeat records the queue.
 
 When the loop stays blocked past ``telemetry.loop_stall_warn_ms``, a watchdog thread samples
-the loop thread's stack (``sys._current_frames``), and when the loop runs again the heartbeat
-logs one WARNING naming what it was running, how long it was held, how much of that was
+the loop thread's stack (``sys._current_frames``) every ``min(warn/2, HEARTBEAT_S)`` from
+``warn - period`` into the stall on, so any stall long enough to be warned about spans at least
+one sample, and when the loop runs again the heartbeat logs one WARNING naming what it was running, how long it was held, how much of that was
 garbage collection, and how much CPU the loop thread used meanwhile: a stall the thread spent
 off the CPU was the machine (no core free) or another thread holding the GIL, not the code
-the stack names. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
+the stack names. The watchdog is a Python thread: while one C call holds the GIL (a huge
+protobuf parse, say) it cannot run, and a stall made of a single such call is reported as not
+sampled, saying so. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
 never run again to say so. Warnings are coalesced to one per ``WARN_EVERY_S``; the
 histogram counts every stall.
 """
@@ -42,7 +45,7 @@ from typing import Any
 from opentelemetry.metrics import Histogram
 from opentelemetry.sdk.metrics import MeterProvider
 
-__all__ = ["LoopMonitor", "describe_stack"]
+__all__ = ["LoopMonitor", "describe_stack", "freeze_heap", "unfreeze_heap"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
@@ -59,6 +62,33 @@ MAX_PENDING_PAUSES = 65536
 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+_freeze_lock = threading.Lock()
+#: daemons in this process whose start-up heap is frozen (``freeze_heap`` / ``unfreeze_heap``)
+_freeze_holders = 0
+
+
+def freeze_heap() -> None:
+    """``gc.freeze()`` for one holder (a daemon's start-up heap, issue #16): what is alive now
+    leaves every later collection. Freezing is process-wide and ``gc.unfreeze()`` thaws every
+    holder's objects at once, so a daemon stopping must not thaw another's: the heap is
+    thawed when its last holder calls ``unfreeze_heap``."""
+    global _freeze_holders
+    with _freeze_lock:
+        gc.freeze()
+        _freeze_holders += 1
+
+
+def unfreeze_heap() -> None:
+    """Give up one ``freeze_heap``; the last holder's call thaws the heap (``gc.unfreeze()``)."""
+    global _freeze_holders
+    with _freeze_lock:
+        if _freeze_holders <= 0:
+            raise RuntimeError("unfreeze_heap() without a matching freeze_heap()")
+        _freeze_holders -= 1
+        if _freeze_holders == 0:
+            gc.unfreeze()
 
 
 def describe_stack(frame: FrameType | None, depth: int = STACK_DEPTH) -> str:
@@ -105,6 +135,10 @@ class LoopMonitor:
         self._due = 0.0
         self._samples: list[str] = []
         self._sampled_due = 0.0
+        #: the watchdog's sampling period, and how late the heartbeat must be before it samples:
+        #: early enough that any stall reaching warn_after_s spans a whole period of sampling
+        self._period = min(warn_after_s / 2, HEARTBEAT_S) if warn_after_s > 0 else 0.0
+        self._sample_after_s = max(0.0, warn_after_s - self._period)
         self._hung_logged_due = 0.0
         self._lock = threading.Lock()
         self._loop_thread = 0
@@ -145,16 +179,16 @@ class LoopMonitor:
         clock, cpu = time.perf_counter, time.thread_time  # the heartbeat runs on the loop thread
         while True:
             started_cpu = cpu()
-            self._due = clock() + HEARTBEAT_S
+            self._due = due = clock() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
-            lag = max(0.0, clock() - self._due)
+            lag = max(0.0, clock() - due)
             # the loop runs again: nothing to sample until the next sleep (a sample taken now
             # would name this bookkeeping instead of what held the loop)
             self._due = math.inf
             self.lag.record(lag)
             gc_s, collections = self._record_pauses()
             if self.warn_after_s > 0 and lag >= self.warn_after_s:
-                self._stalled(lag, cpu() - started_cpu, gc_s, collections)
+                self._stalled(lag, cpu() - started_cpu, gc_s, collections, due)
 
     def _record_pauses(self) -> tuple[float, Counter[int]]:
         """Record the queued gc pauses; their total seconds and count per generation."""
@@ -167,16 +201,23 @@ class LoopMonitor:
             collections[generation] += 1
         return total, collections
 
-    def _stalled(self, lag: float, cpu_s: float, gc_s: float, collections: Counter[int]) -> None:
+    def _stalled(self, lag: float, cpu_s: float, gc_s: float, collections: Counter[int], due: float) -> None:
         self.stalls += 1
         with self._lock:
-            samples, self._samples = self._samples, []
+            # only this stall's samples: an earlier, shorter one may have left some
+            samples = self._samples if self._sampled_due == due else []
+            self._samples = []
         now = time.monotonic()
         if now - self._last_warning < WARN_EVERY_S:
             self._unwarned += 1
             return
         self._last_warning = now
-        running = Counter(samples).most_common(1)[0][0] if samples else "(not sampled: the stall ended first)"
+        # the watchdog samples every period from sample_after_s into the stall, so it misses one
+        # that reached warn_after_s only if it did not run: one C call held the GIL throughout
+        # (nothing else runs Python meanwhile) or no CPU was free for its thread
+        running = Counter(samples).most_common(1)[0][0] if samples else (
+            f"(not sampled: the watchdog thread did not run from {self._sample_after_s * 1000:.0f} ms into "
+            "the stall to its end, so one C call held the GIL throughout or no CPU was free)")
         gcs = ", ".join(f"{n} gen-{g}" for g, n in sorted(collections.items())) or "none"
         more = f"; {self._unwarned} more stalls since the last warning" if self._unwarned else ""
         self._unwarned = 0
@@ -202,11 +243,11 @@ class LoopMonitor:
 
     def _watch(self) -> None:
         """Sample the loop thread's stack while it is held past ``warn_after_s``."""
-        period = min(self.warn_after_s / 2, HEARTBEAT_S)
+        period, sample_after = self._period, self._sample_after_s
         while not self._stopping.wait(period):
             due = self._due
             late = time.perf_counter() - due
-            if late < self.warn_after_s:
+            if late < sample_after:
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             stack = describe_stack(frame)

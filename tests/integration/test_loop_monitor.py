@@ -126,3 +126,23 @@ async def test_the_start_up_heap_is_left_out_of_full_collections() -> None:
     finally:
         await daemon.stop(grace=0.5)
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_stopping_daemon_leaves_another_daemons_heap_frozen() -> None:
+    """Freezing is process-wide: the first of two daemons to stop must not thaw the other's
+    start-up heap (its full collections would walk it all again); the last one thaws it."""
+    frozen_before = gc.get_freeze_count()
+    first = Daemon(parse_config({"listen": "127.0.0.1:0"}), seed=1)
+    second = Daemon(parse_config({"listen": "127.0.0.1:0"}), seed=2)
+    await first.start()
+    try:
+        await second.start()
+        try:
+            await first.stop(grace=0.5)
+            assert gc.get_freeze_count() >= 10_000  # the second daemon's heap stays out of collections
+            assert len(gc.get_objects()) < gc.get_freeze_count()
+        finally:
+            await second.stop(grace=0.5)
+    finally:
+        await first.stop(grace=0.5)  # a second stop is a no-op
+    assert gc.get_freeze_count() == frozen_before == 0

@@ -33,8 +33,8 @@ Parameters (``TLRUParams``), thresholds from the paper's evaluation:
 Session ids are client-chosen, so the conversations remembered are bounded in count and in
 bytes (``session_bytes``: ``CONVERSATION_BYTES`` + id length + ``PATH_BLOCK_BYTES`` per block
 of its latest path, which the trimming lists hold). Past either bound the least recently
-active quarter is forgotten (a new turn makes a conversation the most recent); a forgotten
-conversation's blocks rank as plain LRU blocks until it returns.
+active are forgotten until within both (a new turn makes a conversation the most recent);
+a forgotten conversation's blocks rank as plain LRU blocks until it returns.
 
 P - xi/alpha moves every budget at once, and P (the running mean) moves with every turn.
 So the trimming state does not depend on it (section 1, footnote 2: P and xi/alpha act as
@@ -51,8 +51,10 @@ at 1.2M path blocks).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -118,7 +120,7 @@ class TLRUEviction(EvictionPolicyBase):
         self._growth_sum = 0
         self._growth_n = 0
         #: (slot, session) of every remembered conversation, least recently active first
-        self._recent: dict[tuple[int, str], None] = {}
+        self._recent: OrderedDict[tuple[int, str], None] = OrderedDict()
         #: what the remembered conversations hold, bytes (see the module docstring)
         self.session_bytes = 0
         # Trimming state, kept incrementally: a conversation's path is walked again only when
@@ -175,8 +177,8 @@ class TLRUEviction(EvictionPolicyBase):
             self.session_bytes += CONVERSATION_BYTES + len(sid)
         depth = info.first_offset + len(blocks)
         if now > conv.turn_now:  # a new turn
-            self._recent.pop((slot, sid), None)
-            self._recent[(slot, sid)] = None  # the most recently active now
+            self._recent[(slot, sid)] = None
+            self._recent.move_to_end((slot, sid))  # the most recently active now
             if conv.tip is not None:
                 conv.prev_length = conv.length
                 self._growth_n += 1
@@ -194,16 +196,19 @@ class TLRUEviction(EvictionPolicyBase):
             self._forget_least_recent(keep=(slot, sid))
 
     def _forget_least_recent(self, keep: tuple[int, str]) -> None:
-        """Forget the least recently active quarter of the conversations, and more until within
-        both bounds; never ``keep`` (the one being observed)."""
+        """Forget the least recently active conversations until within both bounds; never
+        ``keep`` (the one being observed). Only as many as that: each forgotten path is
+        released at the next ranking, so forgetting a quarter at once (16,384 paths at the
+        default bound) held that call for as long as a budget shift did."""
         p = self.params
-        drop = max(1, len(self._recent) // 4)
-        for slot, sid in list(self._recent):
-            if drop <= 0 and len(self._recent) <= p.max_sessions and self.session_bytes <= p.max_session_bytes:
-                break
-            if (slot, sid) != keep:
-                self._forget(slot, sid)
-                drop -= 1
+        recent = self._recent
+        while len(recent) > p.max_sessions or self.session_bytes > p.max_session_bytes:
+            oldest = next(iter(recent))
+            if oldest == keep:
+                if len(recent) == 1:
+                    return
+                oldest = next(itertools.islice(recent, 1, None))
+            self._forget(*oldest)
 
     def _forget(self, slot: int, sid: str) -> None:
         convs = self._convs[slot]

@@ -260,3 +260,26 @@ def test_a_budget_shift_visits_no_conversation(cache_of, monkeypatch, conversati
     assert sorted(rescored) == [10**6 + 4]  # s0's new tip; no other leaf changed place
     n = c.index.count(0)
     assert c.rank(n, now=1e6 + 2) == reference_rank(c.policy, c.index, 0, n)
+
+
+def test_past_the_bound_a_new_conversation_forgets_only_what_it_must(cache_of, monkeypatch):
+    """Issue #16: forgetting the least recently active quarter at once left a quarter of the
+    paths (16,384 at the default bound) to release in one EvictHint. Past the bound a new
+    conversation forgets the least recently active one, so the next ranking releases one path."""
+    from kvrouterd.policies.eviction import _reach
+
+    c = cache_of({**PARAMS, "max_sessions": 64})
+    for i in range(64):
+        c.store([1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i], now=float(i + 1), info=conv(f"s{i}"))
+    c.rank(1, now=100.0)
+    moved: list[tuple[bool, bool]] = []
+    move = _reach.move
+    monkeypatch.setattr(_reach, "move", lambda t, old, new, changed: (
+        moved.append((old is not None, new is not None)), move(t, old, new, changed)))
+    for i in range(64, 80):
+        c.store([1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i], now=float(i + 1), info=conv(f"s{i}"))
+        assert set(c.policy._convs[0]) == {f"s{j}" for j in range(i - 63, i + 1)}
+        n = c.index.count(0)
+        assert c.rank(n, now=100.0 + i) == reference_rank(c.policy, c.index, 0, n)
+        assert sorted(moved) == [(False, True), (True, False)]  # the new path counted, the forgotten one released
+        moved.clear()

@@ -5,7 +5,8 @@
     kvrouterd bench --only decision,memory --quick
 
 Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-token prompt,
-64 workers, 10^6 indexed blocks: hash + match + policy), ``grpc_route_vs_trivial_ratio``
+64 workers, 10^6 indexed blocks: hash + match + policy, untraced, as Route makes it with the
+daemon's default config), ``grpc_route_vs_trivial_ratio``
 (daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
 ``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
 RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round;

@@ -23,7 +23,7 @@ from typing import Any
 from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
-from .index.keys import chain_keys, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
+from .index.keys import chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -47,7 +47,6 @@ from .protocols import (
 
 __all__ = ["RouteResult", "Router", "RouterSettings"]
 
-_UINT64_MAX = (1 << 64) - 1
 
 log = logging.getLogger("kvrouterd.router")
 
@@ -787,9 +786,10 @@ class Router:
     def _page_size(self, worker: Worker, ev: Stored) -> int:
         return ev.block_size or worker.spec.block_size or self.block_size
 
-    def _prepare_stored(self, worker: Worker, ev: Stored) -> tuple[bytes, int]:
-        """Check a Stored event before anything changes: ``(token bytes, router blocks)``.
-        Raises ``RejectedEvent`` (an ``InvalidRequest``) naming why it cannot be applied."""
+    def _prepare_stored(self, worker: Worker, ev: Stored) -> tuple[bytes, array | None]:
+        """Check a Stored event before anything changes: ``(token bytes, engine hashes as an
+        array('Q') or None)``. Raises ``RejectedEvent`` (an ``InvalidRequest``) naming why it
+        cannot be applied."""
         page = self._page_size(worker, ev)
         data = ev.token_ids if isinstance(ev.token_ids, bytes) else tokens_to_bytes(ev.token_ids)
         step = page * 4
@@ -801,6 +801,7 @@ class Router:
             )
         npages = len(data) // step
         hashes = ev.engine_hashes
+        packed = None
         if hashes is None:
             if page != self.block_size:
                 raise RejectedEvent(
@@ -812,12 +813,15 @@ class Router:
             if len(hashes) != npages:
                 raise RejectedEvent("hash_count", f"worker {worker.id!r}: {len(hashes)} engine hashes for {npages} pages of tokens")
             # the engine-hash maps hold uint64s (wire and ZMQ decoding guarantee it; in-process
-            # callers are checked here, before anything changes)
-            if min(hashes) < 0 or max(hashes) > _UINT64_MAX:
-                raise RejectedEvent("hash_range", f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1")
+            # callers are checked here, before anything changes). Packing them checks the range
+            # in C, and the native engine-hash map then reads them without an int per hash.
+            try:
+                packed = array("Q", hashes)
+            except OverflowError:
+                raise RejectedEvent("hash_range", f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1") from None
         if ev.group is not None and not 0 <= ev.group < MAX_KV_GROUPS:
             raise RejectedEvent("group", f"worker {worker.id!r}: group_idx must be in [0, {MAX_KV_GROUPS}), got {ev.group}")
-        return data, len(data) // (self.block_size * 4)
+        return data, packed
 
     def apply(self, batch: EventBatch, *, per_event: bool = False) -> BatchOutcome:
         """Apply one batch of cache events for a worker, in publisher order.
@@ -843,7 +847,7 @@ class Router:
         worker = self.workers.get(batch.worker_id)
         if batch.sequence < 0:
             raise InvalidRequest("sequence must be >= 0")
-        prepared: list[tuple[bytes, int] | None] = []
+        prepared: list[tuple[bytes, array | None] | None] = []
         rejected: dict[str, int] = {}
         stores_rejected = 0
         for ev in batch.events:
@@ -902,7 +906,7 @@ class Router:
         for ev, prep in zip(batch.events, prepared):
             if isinstance(ev, Stored):
                 if prep is not None:
-                    self._apply_stored(worker, ev, prep[0], outcome, now)
+                    self._apply_stored(worker, ev, prep[0], prep[1], outcome, now)
                     stores_applied += 1
             elif isinstance(ev, Removed):
                 self._apply_removed(worker, ev, outcome)
@@ -967,7 +971,8 @@ class Router:
                 worker.state = WorkerState.READY
                 worker.state_reason = ""
 
-    def _apply_stored(self, worker: Worker, ev: Stored, data: bytes, outcome: BatchOutcome, now: float) -> None:
+    def _apply_stored(self, worker: Worker, ev: Stored, data: bytes, hashes: array | None, outcome: BatchOutcome,
+                      now: float) -> None:
         if ev.group is not None:
             groups = worker.groups
             if groups is None:
@@ -991,27 +996,29 @@ class Router:
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
                 return
             seed = parent_key
+        # keys as an array('Q'): the native index and engine-hash map read it in place, with no
+        # int object made per block (the pure-Python path reads it as a sequence of ints)
         if ev.extra_hashes is None:
-            keys = chain_keys(data, self.block_size, seed)
+            keys: Sequence[int] = chain_keys_array(data, self.block_size, seed)
         else:
             keys = chain_keys_with_extras(data, self.block_size, seed, ev.extra_hashes)
         blocks = self.index.store(worker.slot, parent_key, keys, now)
-        if ev.engine_hashes is not None:
+        if hashes is not None:
             mapping = worker.engine_keys
             reverse = self._engine_hash_of.get(worker.slot)
             map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
             if map_pairs is not None and reverse is None:
-                map_pairs(ev.engine_hashes, keys)
+                map_pairs(hashes, keys)
                 self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
                 return
-            for eh, key in zip(ev.engine_hashes, keys):
+            for eh, key in zip(hashes, keys):
                 if eh != key:
                     mapping[eh] = key
                     if reverse is not None:
                         reverse[key] = eh
         self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
 
-    def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: list[int], blocks: list[Any],
+    def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: Sequence[int], blocks: list[Any],
                       outcome: BatchOutcome, now: float) -> None:
         info = self._stored_info(parent_key, keys) if self._recent_access else AccessInfo()
         self.eviction.on_stored(self.index, worker.slot, blocks, info, now)

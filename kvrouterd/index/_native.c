@@ -484,6 +484,59 @@ t_key_strict(PyObject *obj, uint64_t *out)
     return r == 0 ? 0 : -1;
 }
 
+/* Keys as given to store_new / map_pairs: a list or tuple of ints, or a buffer of native uint64s
+ * (array('Q'), what Router.apply hashes a stored chain into: no int object per key). */
+typedef struct {
+    Py_buffer view; /* view.obj != NULL: the keys are view.buf */
+    PyObject *seq;  /* else a list or tuple (a new reference) */
+    Py_ssize_t n;
+} U64Keys;
+
+/* 0, or -1 (TypeError when `obj` is no sequence) */
+static int
+u64_keys_open(PyObject *obj, U64Keys *keys, const char *what)
+{
+    keys->view.obj = NULL;
+    keys->seq = NULL;
+    if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj) && PyObject_CheckBuffer(obj)) {
+        if (PyObject_GetBuffer(obj, &keys->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        const char *fmt = keys->view.format ? keys->view.format : "B";
+        if (keys->view.ndim == 1 && keys->view.itemsize == 8 && (strcmp(fmt, "Q") == 0 || strcmp(fmt, "L") == 0)) {
+            keys->n = keys->view.len / 8;
+            return 0; /* holding the view also keeps an array from being resized meanwhile */
+        }
+        PyBuffer_Release(&keys->view);
+        keys->view.obj = NULL;
+        PyErr_Format(PyExc_TypeError, "%s in a buffer are native uint64s (array('Q'))", what);
+        return -1;
+    }
+    keys->seq = PySequence_Fast(obj, "keys must be a sequence");
+    if (keys->seq == NULL)
+        return -1;
+    keys->n = PySequence_Fast_GET_SIZE(keys->seq);
+    return 0;
+}
+
+/* keys[i] as a uint64 (OverflowError outside [0, 2**64)); 0 or -1 */
+static inline int
+u64_keys_get(const U64Keys *keys, Py_ssize_t i, uint64_t *out)
+{
+    if (keys->view.obj != NULL) {
+        *out = ((const uint64_t *)keys->view.buf)[i];
+        return 0;
+    }
+    return t_key_strict(PySequence_Fast_GET_ITEM(keys->seq, i), out);
+}
+
+static void
+u64_keys_close(U64Keys *keys)
+{
+    if (keys->view.obj != NULL)
+        PyBuffer_Release(&keys->view);
+    Py_CLEAR(keys->seq);
+}
+
 /* reset to an empty minimum-size table */
 static int
 t_reset(U64Table *t)
@@ -703,8 +756,8 @@ U64Map_sizeof(U64Table *t, PyObject *unused)
 
 /* map_pairs(sources, targets) -> int: self[s] = t for each pair of the two sequences where
  * s != t (an engine hash that is the block key itself needs no entry); returns how many were
- * set. Both are validated before anything changes. The per-block loop of Router.apply's
- * engine-hash bookkeeping. */
+ * set. Each is a list or tuple of ints or an array('Q') (read in place). Both are validated
+ * before anything changes. The per-block loop of Router.apply's engine-hash bookkeeping. */
 static PyObject *
 U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -712,17 +765,14 @@ U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "map_pairs(sources, targets)");
         return NULL;
     }
-    PyObject *src = PySequence_Fast(args[0], "sources must be a sequence");
-    if (src == NULL)
+    U64Keys src, dst;
+    if (u64_keys_open(args[0], &src, "sources") < 0)
         return NULL;
-    PyObject *dst = PySequence_Fast(args[1], "targets must be a sequence");
-    if (dst == NULL) {
-        Py_DECREF(src);
+    if (u64_keys_open(args[1], &dst, "targets") < 0) {
+        u64_keys_close(&src);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(src);
-    if (PySequence_Fast_GET_SIZE(dst) < n)
-        n = PySequence_Fast_GET_SIZE(dst); /* as zip() */
+    Py_ssize_t n = src.n < dst.n ? src.n : dst.n; /* as zip() */
     uint64_t *pairs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
     Py_ssize_t set = 0;
     if (pairs == NULL) {
@@ -730,8 +780,7 @@ U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (t_key_strict(PySequence_Fast_GET_ITEM(src, i), &pairs[2 * i]) < 0
-            || t_key_strict(PySequence_Fast_GET_ITEM(dst, i), &pairs[2 * i + 1]) < 0)
+        if (u64_keys_get(&src, i, &pairs[2 * i]) < 0 || u64_keys_get(&dst, i, &pairs[2 * i + 1]) < 0)
             goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
@@ -749,8 +798,8 @@ U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
     }
 done:
     PyMem_Free(pairs);
-    Py_DECREF(src);
-    Py_DECREF(dst);
+    u64_keys_close(&src);
+    u64_keys_close(&dst);
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(set);
 }
 
@@ -1455,9 +1504,12 @@ block_link_child(BlockObject *parent, PyObject *key_obj, BlockObject *node)
  *
  * From keys[start] on, while the key is not in the table: a new Block(key, parent) held by
  * `bit` alone (holders = bit, last_access = now, hits = 0) goes into the table, under
- * `parent`, into `leaves` (its parent leaves it if `bit` holds the parent) and onto `chain`;
- * it is the next key's parent. Returns the index of the first key the table already holds
- * (len(keys) when none). `block_type` is this module's Block (radix.py passes its Block). */
+ * `parent`, onto `chain`, and is the next key's parent. `leaves` ends as the Python loop leaves
+ * it, one block at a time: the first parent leaves it if `bit` holds it, and of the run only its
+ * last block joins it (each new block is the parent of the next, so every other one joins and
+ * leaves again at once). Returns the index of the first key the table already holds (len(keys)
+ * when none). `keys` is a list of ints or an array('Q'); `block_type` is this module's Block
+ * (radix.py passes its Block). */
 static PyObject *
 BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1465,14 +1517,15 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
         return NULL;
     }
-    PyObject *parent = args[1], *keys = args[2], *bit = args[4], *now = args[5];
+    PyObject *parent = args[1], *bit = args[4], *now = args[5];
     PyObject *leaves = args[6], *chain = args[7];
     if (args[0] != (PyObject *)&BlockType) {
         PyErr_SetString(PyExc_TypeError, "store_new builds kvrouterd.index._native.Block");
         return NULL;
     }
-    if (!PyList_CheckExact(keys) || !PyList_CheckExact(chain) || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
-        PyErr_SetString(PyExc_TypeError, "keys and chain are lists, leaves a set, bit an int");
+    if (!(PyList_CheckExact(args[2]) || PyObject_CheckBuffer(args[2])) || !PyList_CheckExact(chain)
+        || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
+        PyErr_SetString(PyExc_TypeError, "keys are lists or an array('Q'), chain a list, leaves a set, bit an int");
         return NULL;
     }
     if (parent != Py_None && !IS_BLOCK(parent)) {
@@ -1484,12 +1537,15 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (i < 0)
         i = 0;
-    BlockState *run = NULL; /* the state of the blocks made here (made with the first) */
-    Py_INCREF(parent);      /* ours while Python code (a collection's finalizers) may run */
-    for (; i < PyList_GET_SIZE(keys); i++) {
-        PyObject *key_obj = PyList_GET_ITEM(keys, i);
+    U64Keys keys;
+    if (u64_keys_open(args[2], &keys, "keys") < 0)
+        return NULL;
+    BlockState *run = NULL;  /* the state of the blocks made here (made with the first) */
+    BlockObject *last = NULL; /* the run's last block: the one that joins `leaves` */
+    Py_INCREF(parent);       /* ours while Python code (a collection's finalizers) may run */
+    for (; i < keys.n; i++) {
         uint64_t key;
-        if (t_key_strict(key_obj, &key) < 0)
+        if (u64_keys_get(&keys, i, &key) < 0)
             goto error;
         if (bt_find(t, key) >= 0)
             break;
@@ -1502,26 +1558,48 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(node);
             goto error;
         }
-        /* the table owns `node`; `key_obj` is kept alive by `keys`, which the caller holds */
+        /* the table owns `node` */
         if (parent != Py_None) {
-            if (block_link_child(BLOCK(parent), key_obj, node) < 0)
-                goto error; /* the node stays in the table, as a Python error midway would leave it */
-            PyObject *held = PyNumber_And(BLOCK(parent)->state->holders, bit);
-            int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
-            Py_XDECREF(held);
-            if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
-                goto error;
+            PyObject *c = BLOCK(parent)->children;
+            if (c == Py_None)
+                Py_SETREF(BLOCK(parent)->children, Py_NewRef(node)); /* the usual case: no int for the key */
+            else {
+                PyObject *key_obj = PyLong_FromUnsignedLongLong(key);
+                int r = key_obj == NULL ? -1 : block_link_child(BLOCK(parent), key_obj, node);
+                Py_XDECREF(key_obj);
+                if (r < 0)
+                    goto error; /* the node stays in the table, as a Python error midway would leave it */
+            }
+            if (last == NULL) { /* the run's first parent; later ones are its own new blocks */
+                PyObject *held = PyNumber_And(BLOCK(parent)->state->holders, bit);
+                int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
+                Py_XDECREF(held);
+                if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
+                    goto error;
+            }
         }
-        if (PySet_Add(leaves, (PyObject *)node) < 0 || PyList_Append(chain, (PyObject *)node) < 0)
+        last = node;
+        if (PyList_Append(chain, (PyObject *)node) < 0)
             goto error;
         Py_SETREF(parent, Py_NewRef(node));
     }
+    if (last != NULL && PySet_Add(leaves, (PyObject *)last) < 0)
+        goto error;
     Py_XDECREF(run);
     Py_DECREF(parent);
+    u64_keys_close(&keys);
     return PyLong_FromSsize_t(i);
 error:
+    if (last != NULL) { /* as the Python loop would have left it when it stopped here */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PySet_Add(leaves, (PyObject *)last) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
     Py_XDECREF(run);
     Py_DECREF(parent);
+    u64_keys_close(&keys);
     return NULL;
 }
 

@@ -43,6 +43,7 @@ Plain synchronous Python, no I/O: the daemon and the simulator drive it alike.
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 
 from typing import TYPE_CHECKING, Any
@@ -394,11 +395,12 @@ class RadixIndex:
         """``slot`` now holds the chain ``keys`` hanging under ``parent_key`` (None = root).
 
         Blocks already held are touched instead. Returns the chain's blocks. Raises
-        KeyError if ``parent_key`` is not in the index (nothing is changed then).
+        KeyError if ``parent_key`` is not in the index (nothing is changed then). ``keys`` as
+        an ``array('Q')`` is read in place by the native table (no int object per key).
         """
         blocks = self._blocks
         parent = None if parent_key is None else blocks[parent_key]
-        if type(keys) is not list:
+        if type(keys) is not list and type(keys) is not array:
             keys = list(keys)
         bit = 1 << slot
         leaves = self._leaves[slot]

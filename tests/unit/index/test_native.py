@@ -549,7 +549,8 @@ def _operations(draw):  # type: ignore[no-untyped-def]
         kind = draw(st.sampled_from(["store", "store", "store", "remove", "remove", "touch", "stamp", "clear"]))
         slot = draw(st.sampled_from(_SLOTS))
         path = draw(st.sampled_from(_PATHS))
-        ops.append((kind, slot, path, draw(st.integers(0, 3))))
+        # keys as Router.apply gives them (an array('Q'), read in place) or as a list of ints
+        ops.append((kind, slot, path, draw(st.integers(0, 3)), draw(st.booleans())))
     return ops
 
 
@@ -563,7 +564,7 @@ def test_store_and_remove_build_exactly_the_blocks_the_python_loops_build(ops):
         for s in _SLOTS:
             index.add_slot(s)
     now = 0.0
-    for kind, slot, path, start in ops:
+    for kind, slot, path, start, packed in ops:
         now += 1.0
         results = []
         for index in (native_index, pure_index):
@@ -573,7 +574,8 @@ def test_store_and_remove_build_exactly_the_blocks_the_python_loops_build(ops):
                 if parent is not None and parent not in index:
                     results.append(None)
                     continue
-                chain = index.store(slot, parent, [_KEY[path[:d]] for d in range(start + 1, len(path) + 1)], now)
+                keys = [_KEY[path[:d]] for d in range(start + 1, len(path) + 1)]
+                chain = index.store(slot, parent, array("Q", keys) if packed else keys, now)
                 results.append([b.key for b in chain])
             elif kind == "remove":
                 results.append(index.remove(slot, _KEY[path]))
@@ -613,6 +615,14 @@ def test_store_new_rejects_what_is_not_a_block_chain():
     assert table.store_new(Block, chain[-1], [8, 6, 9], 0, 1, 0.0, leaves, chain) == 1
     assert [b.key for b in chain] == [5, 6, 7, 8] and chain[3].parent is chain[2]
     assert leaves == {chain[3]} and chain[2].children is chain[3]
+    # keys packed as Router.apply hashes them are read in place; other buffers are refused
+    assert table.store_new(Block, chain[3], array("Q", [10, 11]), 0, 1, 0.0, leaves, chain) == 2
+    assert [b.key for b in chain[4:]] == [10, 11] and leaves == {chain[5]}
+    with pytest.raises(TypeError, match="uint64"):
+        table.store_new(Block, None, array("I", [12]), 0, 1, 0.0, leaves, chain)
+    # a parent another slot holds stays that slot's leaf; a second child makes a dict of children
+    assert table.store_new(Block, chain[3], array("Q", [13]), 0, 2, 0.0, leaves, chain) == 1
+    assert leaves == {chain[5], chain[6]} and set(chain[3].children) == {10, 13}
 
 
 @settings(max_examples=200, deadline=None)
@@ -640,6 +650,16 @@ def test_map_pairs_sets_what_the_python_loop_sets(pairs, extra):
             expected[s] = t
     assert mapping.map_pairs(tuple(sources), targets) == sum(1 for s, t in zip(sources, targets) if s != t)
     assert dict(mapping.items()) == expected
+
+
+def test_map_pairs_reads_packed_keys_in_place():
+    mapping = native.module.U64Map()
+    assert mapping.map_pairs(array("Q", [1, 2, 3, 2**64 - 1]), array("Q", [7, 2, 9, 5])) == 3
+    assert mapping.map_pairs((4,), array("Q", [8, 9])) == 1  # a tuple beside an array, zip()'s length
+    assert dict(mapping.items()) == {1: 7, 3: 9, 2**64 - 1: 5, 4: 8}
+    with pytest.raises(TypeError, match="uint64"):
+        mapping.map_pairs(array("i", [1]), [2])
+    assert len(mapping) == 4
 
 
 def test_map_pairs_changes_nothing_when_a_value_is_out_of_range():

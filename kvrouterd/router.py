@@ -58,6 +58,10 @@ RECENT_ACCESS_KEYS = 1 << 17
 #: DEGRADED: one odd event is noise, a stream of them means the router's view is starving.
 REJECTING_AFTER = 3
 
+#: the AccessInfo of blocks no routed request explains; frozen, so one instance serves every event
+#: (building one per stored event cost 8,700 instructions by callgrind, ~270 a block of a 32-block event)
+_NO_ACCESS_INFO = AccessInfo()
+
 #: hybrid KV-cache groups per worker the router tracks (vLLM ``group_idx``)
 MAX_KV_GROUPS = 64
 
@@ -621,7 +625,7 @@ class Router:
         elif parent_key is not None and (found := recent.get(parent_key)) is not None:
             info, first = found[0], found[1] + 1
         else:
-            return AccessInfo()
+            return _NO_ACCESS_INFO
         for offset, key in enumerate(keys, first):
             if key not in recent:  # generated blocks: later chains hang under them
                 recent[key] = (info, offset)
@@ -1020,7 +1024,7 @@ class Router:
 
     def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: Sequence[int], blocks: list[Any],
                       outcome: BatchOutcome, now: float) -> None:
-        info = self._stored_info(parent_key, keys) if self._recent_access else AccessInfo()
+        info = self._stored_info(parent_key, keys) if self._recent_access else _NO_ACCESS_INFO
         self.eviction.on_stored(self.index, worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
 
@@ -1186,7 +1190,7 @@ class Router:
                 deferred.append((key, parent, engine_hash))
                 continue
             stored = index.store(slot, parent, (key,), now)
-            self.eviction.on_stored(index, slot, stored, AccessInfo(), now)
+            self.eviction.on_stored(index, slot, stored, _NO_ACCESS_INFO, now)
             if engine_hash and engine_hash != key:
                 worker.engine_keys[engine_hash] = key
         return deferred

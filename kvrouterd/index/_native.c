@@ -2050,8 +2050,9 @@ error:
 }
 
 /* chain_split(blocks, prio) -> (continued, ends): for a stored chain, the blocks the chain
- * continues from (blocks[i + 1].parent is blocks[i], so block i has a held child) whose key
- * is in the dict `prio`, and the blocks it does not continue from (the last one included).
+ * continues from (blocks[i + 1].parent is blocks[i], so block i has a held child) that are
+ * keys of the dict `prio` (the leaf tracker keys it by Block, hashed by identity: no int is
+ * made per block), and the blocks it does not continue from (the last one included).
  * The per-block loop of the leaf tracker's `stored` hook (policies/eviction/_leaves.py). */
 static PyObject *
 chain_split(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2087,20 +2088,15 @@ chain_split(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         int r;
         if (links) {
-            PyObject *key = IS_BLOCK(b) ? PyLong_FromUnsignedLongLong(BLOCK(b)->key) : PyObject_GetAttrString(b, "key");
-            r = key == NULL ? -1 : PyDict_Contains(prio, key);
-            Py_XDECREF(key);
+            r = PyDict_GET_SIZE(prio) ? PyDict_Contains(prio, b) : 0;
             if (r > 0)
                 r = PyList_Append(continued, b);
         }
         else
             r = PyList_Append(ends, b);
         Py_DECREF(b);
-        if (r < 0) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_AttributeError, "key");
+        if (r < 0)
             goto error_owned;
-        }
     }
     Py_DECREF(blocks);
     PyObject *pair = PyTuple_Pack(2, continued, ends);

@@ -31,22 +31,22 @@ from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 __all__ = ["SortedLeaves", "chain_split", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
 
 
-def chain_split_py(blocks: Sequence[Block], prio: dict[int, Any]) -> tuple[list[Block], list[Block]]:
-    """The blocks a stored chain continues from (``blocks[i + 1].parent is blocks[i]``) whose
-    key is in ``prio``, and the blocks it does not continue from (the last one included)."""
+def chain_split_py(blocks: Sequence[Block], prio: dict[Block, Any]) -> tuple[list[Block], list[Block]]:
+    """The blocks a stored chain continues from (``blocks[i + 1].parent is blocks[i]``) that
+    are in ``prio``, and the blocks it does not continue from (the last one included)."""
     continued: list[Block] = []
     ends: list[Block] = []
     last = len(blocks) - 1
     for i, b in enumerate(blocks):
         if i < last and blocks[i + 1].parent is b:
-            if b.key in prio:
+            if b in prio:
                 continued.append(b)
         else:
             ends.append(b)
     return continued, ends
 
 
-def _chain_split_native(blocks: Sequence[Block], prio: dict[int, Any]) -> tuple[list[Block], list[Block]]:
+def _chain_split_native(blocks: Sequence[Block], prio: dict[Block, Any]) -> tuple[list[Block], list[Block]]:
     if type(blocks) is list and type(prio) is dict:
         return native.module.chain_split(blocks, prio)  # type: ignore[union-attr,no-any-return]
     return chain_split_py(blocks, prio)
@@ -128,7 +128,9 @@ class _Slot:
 
     def __init__(self) -> None:
         self.order: SortedList = SortedList()
-        self.prio: dict[int, Any] = {}
+        #: leaf -> its priority. Keyed by the Block itself (hashed by identity, as the index's
+        #: leaf sets are): a native Block's key would be a new int object at every lookup.
+        self.prio: dict[Block, Any] = {}
 
 
 #: a leaf's priority: ``(index, block, slot) -> comparable``; it reads the block's stats through
@@ -151,16 +153,17 @@ class SortedLeaves:
 
     def _set(self, s: _Slot, index: RadixIndex, slot: int, block: Block) -> None:
         new = self.priority(index, block, slot)
-        old = s.prio.get(block.key, _MISSING)
+        old = s.prio.get(block, _MISSING)
+        key = block.key
         if old is not _MISSING:
             if old == new:
                 return
-            s.order.remove((old, block.key, block))
-        s.prio[block.key] = new
-        s.order.add((new, block.key, block))
+            s.order.remove((old, key, block))
+        s.prio[block] = new
+        s.order.add((new, key, block))
 
     def _drop(self, s: _Slot, block: Block) -> None:
-        old = s.prio.pop(block.key, _MISSING)
+        old = s.prio.pop(block, _MISSING)
         if old is not _MISSING:
             s.order.remove((old, block.key, block))
 
@@ -208,7 +211,7 @@ class SortedLeaves:
         if s is None or not blocks:
             return
         b = blocks[-1]
-        if b.key in s.prio:
+        if b in s.prio:
             self._set(s, index, slot, b)
 
     def removed(self, index: RadixIndex, slot: int, block: Block) -> None:

@@ -628,13 +628,13 @@ def test_store_new_rejects_what_is_not_a_block_chain():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=12))
 def test_chain_split_matches_the_python_loop(shape):
-    # shape[i] = (continues from the previous block, key in prio)
+    # shape[i] = (continues from the previous block, in prio: the leaf tracker keys it by Block)
     from kvrouterd.policies.eviction._leaves import chain_split_py
 
     blocks: list[Block] = []
     for i, (continues, _) in enumerate(shape):
         blocks.append(Block(100 + i, blocks[-1] if continues and blocks else None))
-    prio = {100 + i: 0 for i, (_, in_prio) in enumerate(shape) if in_prio}
+    prio = {blocks[i]: 0 for i, (_, in_prio) in enumerate(shape) if in_prio}
     assert native.module.chain_split(blocks, prio) == chain_split_py(blocks, prio)
 
 

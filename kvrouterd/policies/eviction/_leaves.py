@@ -185,8 +185,9 @@ class SortedLeaves:
             return
         prio = s.prio
         for k in keys:
-            if k in prio:
-                self._set(s, index, slot, index.get(k))  # type: ignore[arg-type]
+            b = index.get(k)
+            if b is not None and b in prio:  # prio is keyed by Block
+                self._set(s, index, slot, b)
 
     # ---- hooks ---------------------------------------------------------------------------
     def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:

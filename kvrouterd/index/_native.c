@@ -1625,6 +1625,26 @@ held_child(BlockObject *parent, PyObject *bit)
         Py_XDECREF(held);
         return r;
     }
+    /* Read in place, stopping at the first child the worker holds: for a Block child whose
+       holders are an int the check is int arithmetic, which runs no Python code (ints are not
+       GC-tracked, so allocating one starts no collection) and so cannot change the dict. A
+       snapshot of every value instead cost 0.6 ms under a block with 65,536 children (a shared
+       system prompt) on each removal of one of them. */
+    Py_ssize_t pos = 0;
+    PyObject *key, *child;
+    while (PyDict_CheckExact(c) && PyLong_CheckExact(bit)) {
+        if (!PyDict_Next(c, &pos, &key, &child))
+            return 0; /* every child read, none held */
+        if (!IS_BLOCK(child) || !PyLong_CheckExact(BLOCK(child)->state->holders))
+            break; /* a child from Python: the snapshot below */
+        PyObject *held = PyNumber_And(BLOCK(child)->state->holders, bit);
+        if (held == NULL)
+            return -1;
+        int r = PyObject_IsTrue(held);
+        Py_DECREF(held);
+        if (r != 0)
+            return r;
+    }
     PyObject *values = PyDict_Values(c); /* a snapshot: the checks below may run Python code */
     if (values == NULL)
         return -1;

@@ -159,8 +159,9 @@ def _set_prompt_estimate(policy, blocks: float) -> None:
     policy._growth_sum, policy._growth_n = blocks, 1
 
 
+@pytest.mark.parametrize("absorb_batch", [1, 64])  # folded as the hooks go, or mostly at ranking
 @pytest.mark.parametrize("seed", range(8))
-def test_the_order_under_random_shifts_matches_a_recompute_from_scratch(cache_of, seed):
+def test_the_order_under_random_shifts_matches_a_recompute_from_scratch(cache_of, monkeypatch, seed, absorb_batch):
     """P - xi/alpha crossing an integer moves every budget. The policy keeps each key's reach,
     which no shift changes, instead of each conversation's split (moving every split held the
     loop 0.5-1.3 s at 16k-65k conversations); the order must be the paper's all the same:
@@ -168,6 +169,9 @@ def test_the_order_under_random_shifts_matches_a_recompute_from_scratch(cache_of
     order computed from scratch."""
     import random
 
+    from kvrouterd.policies.eviction import tlru
+
+    monkeypatch.setattr(tlru, "ABSORB_BATCH", absorb_batch)
     rng = random.Random(seed)
     c = cache_of({"name": "tlru", "latency_threshold_ms": 8.0, "prefill_ms_per_block": 1.0})
     key, tails = 1, set()
@@ -260,6 +264,30 @@ def test_a_budget_shift_visits_no_conversation(cache_of, monkeypatch, conversati
     assert sorted(rescored) == [10**6 + 4]  # s0's new tip; no other leaf changed place
     n = c.index.count(0)
     assert c.rank(n, now=1e6 + 2) == reference_rank(c.policy, c.index, 0, n)
+
+
+def test_new_conversations_are_absorbed_as_they_come_not_all_by_the_next_hint(cache_of, monkeypatch):
+    """Issue #16: 65,536 conversations that arrived between two EvictHints were all walked by
+    the second (~1.5 s on the loop). The hooks fold them in every ABSORB_BATCH, so a hint walks
+    fewer than that many paths however many arrived; the order is unchanged."""
+    from kvrouterd.policies.eviction import _reach, tlru
+
+    c = cache_of(PARAMS)
+    c.store([1, 2, 3], now=0.0)
+    c.rank(1, now=0.5)
+    walked: list[int] = []
+    path = _reach.path_keys
+    monkeypatch.setattr(_reach, "path_keys", lambda tip: (walked.append(tip.key), path(tip))[1])
+    arrivals = 5 * tlru.ABSORB_BATCH + 7
+    for i in range(arrivals):
+        c.access([1, 2, 3], now=1.0 + i, info=conv(f"s{i}"))
+        c.store(list(range(100 + 4 * i, 104 + 4 * i)), now=1.0 + i, parent=3,
+                info=AccessInfo(session_id=f"s{i}", first_offset=3))
+    assert len(walked) >= arrivals - tlru.ABSORB_BATCH  # paid for by the hooks, as they came
+    walked.clear()
+    n = c.index.count(0)
+    assert c.rank(n, now=1e6) == reference_rank(c.policy, c.index, 0, n)
+    assert 0 < len(walked) < tlru.ABSORB_BATCH
 
 
 def test_past_the_bound_a_new_conversation_forgets_only_what_it_must(cache_of, monkeypatch):

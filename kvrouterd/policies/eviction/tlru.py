@@ -253,13 +253,13 @@ class TLRUEviction(EvictionPolicyBase):
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         self._leaves.removed_many(index, slot, blocks)
         tips = self._tips.get(slot)
-        if not tips:
-            return
-        gone: set[int] = set()  # removed before the block at hand: no longer held by then
-        for b in blocks:
-            if b.key in tips:
-                self._tip_removed(slot, b, gone)
-            gone.add(b.key)
+        if tips:
+            gone: set[int] = set()  # removed before the block at hand: no longer held by then
+            for b in blocks:
+                if b.key in tips:
+                    self._tip_removed(slot, b, gone)
+                gone.add(b.key)
+            self._absorb_some(index, slot)  # tips moved: those conversations changed
 
     def _tip_removed(self, slot: int, block: Block, gone: AbstractSet[int]) -> None:
         """Conversations ending at ``block`` now end at its parent, or are gone with it."""

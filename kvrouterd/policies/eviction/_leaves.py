@@ -292,7 +292,7 @@ class LeafOrderPolicy(EvictionPolicyBase):
         self._leaves.accessed(index, slot, blocks)
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
-        self._leaves.removed(index, slot, block)
+        self.on_removed_many(index, slot, (block,))
 
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         self._leaves.removed_many(index, slot, blocks)

@@ -136,13 +136,10 @@ class HybridEviction(EvictionPolicyBase):
             depths[b.key] = d
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
-        self._leaves.removed(index, slot, block)  # first: it re-scores the parent, whose depth is kept
-        depths = self._depth.get(slot)
-        if depths is not None:
-            depths.pop(block.key, None)
+        self.on_removed_many(index, slot, (block,))
 
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
-        self._leaves.removed_many(index, slot, blocks)  # first, as in on_removed
+        self._leaves.removed_many(index, slot, blocks)  # first: it re-scores parents, whose depths are kept
         depths = self._depth.get(slot)
         if depths is not None:
             for b in blocks:

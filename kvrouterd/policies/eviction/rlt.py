@@ -102,10 +102,7 @@ class RLTEviction(EvictionPolicyBase):
         self._leaves.stored(index, slot, blocks)
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
-        self._leaves.removed(index, slot, block)
-        p = self._phases.get(slot)
-        if p is not None:
-            p.marked.discard(block.key)
+        self.on_removed_many(index, slot, (block,))
 
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         self._leaves.removed_many(index, slot, blocks)

@@ -247,8 +247,7 @@ class TLRUEviction(EvictionPolicyBase):
         self._absorb_some(index, slot)
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
-        self._leaves.removed(index, slot, block)
-        self._tip_removed(slot, block, frozenset())
+        self.on_removed_many(index, slot, (block,))
 
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         self._leaves.removed_many(index, slot, blocks)

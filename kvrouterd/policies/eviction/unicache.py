@@ -308,10 +308,7 @@ class UniCacheEviction(EvictionPolicyBase):
         self._leaves.accessed(index, slot, blocks)
 
     def on_removed(self, index: RadixIndex, slot: int, block: Block) -> None:
-        self._leaves.removed(index, slot, block)
-        s = self._slots.get(slot)
-        if s is not None:
-            self._unplace(s, block.key)
+        self.on_removed_many(index, slot, (block,))
 
     def on_removed_many(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         self._leaves.removed_many(index, slot, blocks)

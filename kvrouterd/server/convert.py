@@ -346,25 +346,14 @@ def hash_wire_prompt(split: SplitRoute, block_size: int, max_tokens: int) -> Has
         start, end = prompt.spans[0]
         ids = prompt.data[start:end]
     else:
-        wire = b"".join(_length_delimited(_TOKEN_IDS_FIELD, prompt.data[a:b]) for a, b in prompt.spans)
-        try:
-            ids = _le_u32(pb.RouteRequest.FromString(wire).token_ids)
+        try:  # the whole message: its other fields parsed already, so only the chunks can fail
+            ids = _le_u32(pb.RouteRequest.FromString(prompt.data).token_ids)
         except DecodeError as exc:
             raise InvalidRequest(f"request is not a valid kvrouter.v1.RouteRequest message: {exc}") from None
     tokens = len(ids) // 4
     if tokens > max_tokens:
         return HashedPrompt(tokens, None)
     return HashedPrompt(tokens, chain_keys_array(ids, block_size, seed))
-
-
-def _length_delimited(number: int, payload: bytes) -> bytes:
-    out = bytearray()
-    for value in (number << 3 | 2, len(payload)):
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out) + payload
 
 
 def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse | None = None) -> pb.RouteResponse:

@@ -18,7 +18,7 @@ ROUTER = Router(RouterSettings(block_size=4, max_prompt_tokens=300), ManualClock
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return convert._length_delimited(number, payload)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 def _varint(value: int) -> bytes:

@@ -107,6 +107,10 @@ def check_id(name: str, value: str, limit: int) -> str:
     return value
 
 
+#: the answer to a Route carrying more than one form of its prompt (checked on both Route paths)
+_ONE_PROMPT_FORM = "set exactly one of token_ids, token_ids_le32 and block_keys, not several"
+
+
 def _route_task(msg: pb.RouteRequest, router: Router) -> TaskCategory:
     """The checks after the prompt's form: a known task, ids within limits."""
     task = _TASKS.get(msg.task)
@@ -135,15 +139,15 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         packed = b""
         n_tokens = hashed.tokens
         if n_keys:
-            raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+            raise InvalidRequest(_ONE_PROMPT_FORM)
     elif packed := msg.token_ids_le32:
         if len(tokens) or n_keys:
-            raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+            raise InvalidRequest(_ONE_PROMPT_FORM)
         n_tokens = _packed_count("token_ids_le32", packed)
     else:
         n_tokens = len(tokens)
         if n_tokens and n_keys:
-            raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+            raise InvalidRequest(_ONE_PROMPT_FORM)
         if not n_tokens and not n_keys:
             raise InvalidRequest("the prompt is empty: set token_ids, token_ids_le32 or block_keys")
     task = _route_task(msg, router)
@@ -318,7 +322,7 @@ def check_split(split: SplitRoute, router: Router) -> None:
     """``route_request``'s checks, in its order, as far as they go before the prompt is decoded:
     a request they reject costs no hashing (the size limit is applied while hashing)."""
     if len(split.msg.block_keys):
-        raise InvalidRequest("set exactly one of token_ids, token_ids_le32 and block_keys, not several")
+        raise InvalidRequest(_ONE_PROMPT_FORM)
     if split.prompt.packed:
         _packed_count("token_ids_le32", split.prompt.size)
     _route_task(split.msg, router)

@@ -18,12 +18,8 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,31 +27,19 @@ from typing import Any
 import grpc
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
+from .grpc_bench import _complete_message
+from .serve_process import ServeProcess
 
 ROUTE = "/kvrouter.v1.KVRouter/Route"
 COMPLETE = "/kvrouter.v1.KVRouter/Complete"
 REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
 
 
-def start_daemon(workdir: Path, off_loop_prompt_bytes: int | None = None) -> tuple[subprocess.Popen[str], int]:
+def write_config(workdir: Path, off_loop_prompt_bytes: int | None = None) -> Path:
     config = workdir / "big-prompt.yaml"
     extra = "" if off_loop_prompt_bytes is None else f", off_loop_prompt_bytes: {off_loop_prompt_bytes}"
     config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 16777216%s}\n" % extra)
-    proc = subprocess.Popen([sys.executable, "-m", "kvrouterd", "serve", "--config", str(config),
-                             "--log-format", "json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 60
-    for line in proc.stderr:
-        record = json.loads(line) if line.startswith("{") else {}
-        if record.get("msg") == "serving":
-            # drained from now on, so the daemon never blocks on a full pipe
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, int(record["port"])
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError("kvrouterd serve did not start")
+    return config
 
 
 def _route_bytes(tokens: int, packed: bool, seed: int) -> bytes:
@@ -109,7 +93,7 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             reply = await route(probe_msg)
             out.append(time.perf_counter() - started)
-            await complete(pb.CompleteRequest(request_id=reply.request_id))
+            await complete(_complete_message(reply.request_id))
             await asyncio.sleep(args.interval_ms / 1000)
         return out
 
@@ -120,7 +104,7 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             reply = await hog_route(huge)
             huge_times.append(time.perf_counter() - started)
-            await hog_complete(pb.CompleteRequest(request_id=reply.request_id))
+            await hog_complete(_complete_message(reply.request_id))
 
     await probes(20)  # warm up connections and caches
     quiet = await probes(args.probes)
@@ -154,16 +138,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="the daemon's limits.off_loop_prompt_bytes (default: its default; 0 = hash on the loop)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_daemon(Path(tmp), args.off_loop_prompt_bytes)
+        daemon = ServeProcess(write_config(Path(tmp), args.off_loop_prompt_bytes))
+        daemon.start()
         try:
-            result = asyncio.run(_run(port, args))
+            result = asyncio.run(_run(daemon.port, args))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    result["pid_note"] = f"daemon pid {proc.pid}, client pid {os.getpid()}"
+            daemon.stop()
+    assert daemon.proc is not None
+    result["pid_note"] = f"daemon pid {daemon.proc.pid}, client pid {os.getpid()}"
     print(json.dumps(result))
 
 

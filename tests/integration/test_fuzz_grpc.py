@@ -59,6 +59,7 @@ from hypothesis import strategies as st
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.benchmarks.serve_process import ServeProcess
 from kvrouterd.config import parse_config
 from kvrouterd.index.keys import tokens_to_bytes
 from kvrouterd.router import request_bytes
@@ -419,58 +420,16 @@ class ThreadedDaemon:
                 TALLY.check_spans.append((started, time.monotonic()))
 
 
-class ProcessDaemon:
+class ProcessDaemon(ServeProcess):
     """``kvrouterd serve`` in its own process, as in production (``KVROUTER_FUZZ_DAEMON=process``).
     Its state lives in another process: ``on_loop`` is None and the state checks are skipped."""
 
     on_loop = None
 
     def __init__(self, config: dict, workdir: Path) -> None:
-        self.config_file = workdir / "fuzzed-daemon.yaml"
-        self.config_file.write_text(yaml.safe_dump({"listen": "127.0.0.1:0", **config}))
-        self.port = 0
-        self.metrics_port = 0
-        #: the daemon's WARNING and ERROR lines (stall warnings among them)
-        self.warnings: list[str] = []
-        self.proc: subprocess.Popen[str] | None = None
-        self._reader: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrouterd", "serve", "--config", str(self.config_file), "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stderr is not None
-        deadline = time.monotonic() + 60
-        for line in self.proc.stderr:
-            record = json.loads(line) if line.startswith("{") else {}
-            self.metrics_port = record.get("metrics_port", self.metrics_port)
-            if record.get("msg") == "serving":
-                self.port = record["port"]
-                break
-            if time.monotonic() > deadline:
-                break
-        if not self.port:
-            self.proc.kill()
-            raise RuntimeError("kvrouterd serve did not start")
-        self._reader = threading.Thread(target=self._read_log, name="fuzzed-daemon-log", daemon=True)
-        self._reader.start()
-
-    def _read_log(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for line in self.proc.stderr:  # drained, so the daemon never blocks on a full pipe
-            if '"level": "warning"' in line or '"level": "error"' in line:
-                self.warnings.append(line.strip())
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        if self._reader is not None:
-            self._reader.join(10)
+        config_file = workdir / "fuzzed-daemon.yaml"
+        config_file.write_text(yaml.safe_dump({"listen": "127.0.0.1:0", **config}))
+        super().__init__(config_file)
 
 
 class Prober:

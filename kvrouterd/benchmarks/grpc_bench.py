@@ -208,7 +208,7 @@ async def _stream_load(
     more; without it, one stream message per Route and per Complete, as to an older router.
     ``batch_items_sent`` / ``_received`` are the mean items per stream message each way.
     The batches are cut and framed by the SDK's own functions."""
-    from kvrouter_client._streams import advertised_limit, batch_message, batches
+    from kvrouter_client._streams import advertised_limit, answers, wire_messages
 
     # a RouteStreamRequest is its id (field 1, varint) then the route (field 2): only the id
     # changes, so the route's bytes are encoded once
@@ -241,12 +241,11 @@ async def _stream_load(
             completing: set[int] = set()  # completes awaiting theirs
 
             async def send(out: list[bytes]) -> None:
-                runs = batches(out, limit) if limit else ([payload] for payload in out)
-                for run in runs:
-                    await call.write(run[0] if len(run) == 1 else batch_message(run))
+                for wire, n in wire_messages(out, limit):
+                    await call.write(wire)
                     if record:
                         counts["messages_sent"] += 1
-                        counts["items_sent"] += len(run)
+                        counts["items_sent"] += n
 
             out = []
             for next_id in range(per_stream):
@@ -257,7 +256,7 @@ async def _stream_load(
             while sent_at or completing:
                 reply = await call.read()
                 now = clock()
-                items = reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
+                items = answers(reply)
                 if record:
                     counts["messages_received"] += 1
                     counts["items_received"] += len(items)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -100,6 +100,20 @@ def batches(queued: list[bytes], limit: int) -> Iterator[list[bytes]]:
         yield run
 
 
+def wire_messages(payloads: list[bytes], limit: int) -> Iterator[tuple[bytes, int]]:
+    """What goes on the wire for ``payloads`` (serialised RouteStreamRequests), each message
+    with how many calls it carries: batches of at most ``limit`` bytes (``batches``), a run of
+    one as itself; one message per call when ``limit`` is 0 (no batches advertised)."""
+    runs = batches(payloads, limit) if limit else ([p] for p in payloads)
+    for run in runs:
+        yield (run[0] if len(run) == 1 else batch_message(run)), len(run)
+
+
+def answers(reply: pb.RouteStreamResponse) -> Sequence[pb.RouteStreamResponse]:
+    """The answers a reply carries: a batch's items, or the reply itself."""
+    return reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
+
+
 class _Stream:
     """One RouteStream call, its queue of messages to send and the callers waiting for answers."""
 
@@ -125,7 +139,7 @@ class _Stream:
                 if reply is grpc.aio.EOF:
                     failure = RouterUnavailable("RouteStream: the router ended the stream", grpc.StatusCode.UNAVAILABLE)
                     break
-                for answer in (reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)):
+                for answer in answers(reply):
                     future = waiting.pop(answer.id, None)
                     if future is not None and not future.done():  # None: its caller gave up
                         future.set_result(answer)
@@ -153,10 +167,8 @@ class _Stream:
                 queued, self.queue = self.queue, []
                 # a caller that gave up (deadline) before its message left costs the router nothing
                 payloads = [payload for n, payload in queued if n in self.waiting]
-                limit = self.batch_limit
-                runs = batches(payloads, limit) if limit else ([p] for p in payloads)
-                for run in runs:
-                    await write(run[0] if len(run) == 1 else batch_message(run))
+                for message, _ in wire_messages(payloads, self.batch_limit):
+                    await write(message)
         except grpc.RpcError as exc:  # the write found the call finished
             self._fail(_stream_failure(exc))
         finally:

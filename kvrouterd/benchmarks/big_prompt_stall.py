@@ -29,6 +29,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .grpc_bench import _complete_message
 from .serve_process import ServeProcess
+from .stats import p99
 
 ROUTE = "/kvrouter.v1.KVRouter/Route"
 COMPLETE = "/kvrouter.v1.KVRouter/Complete"
@@ -54,7 +55,7 @@ def _quantiles(latencies: list[float]) -> dict[str, Any]:
     return {
         "probes": len(ordered),
         "p50_ms": round(statistics.median(ordered) * 1e3, 2),
-        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 2),
+        "p99_ms": round(p99(ordered) * 1e3, 2),
         "max_ms": round(ordered[-1] * 1e3, 2),
     }
 

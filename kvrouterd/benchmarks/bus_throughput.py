@@ -258,26 +258,26 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     logging.getLogger("kvrouterd").setLevel(logging.WARNING)
     server = None
-    if not args.nats_url:
-        server = NatsServer(Path(tempfile.mkdtemp(prefix="kvrouterd-bench-nats-")))
-        try:
-            server.start()
-        except RuntimeError as exc:
-            server.stop()
-            shutil.rmtree(server.store_dir, ignore_errors=True)
-            raise SystemExit(f"{exc}; or pass --nats-url") from None
-    url = args.nats_url or server.url  # type: ignore[union-attr]
-    events = Events(args.events, args.blocks_per_event)
-    rows = []
-    nc = await nats.connect(url)
     try:
-        js = nc.jetstream()
-        for feed in args.feed.split(","):
-            run = {"sdk": _sdk_feed, "bridge": _bridge_feed}[feed]
-            rows.append(await run(url, events, args.sample_ms / 1000, js))
+        if not args.nats_url:
+            server = NatsServer(Path(tempfile.mkdtemp(prefix="kvrouterd-bench-nats-")))
+            try:
+                server.start()
+            except RuntimeError as exc:
+                raise SystemExit(f"{exc}; or pass --nats-url") from None
+        url = args.nats_url or server.url  # type: ignore[union-attr]
+        events = Events(args.events, args.blocks_per_event)
+        rows = []
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            for feed in args.feed.split(","):
+                run = {"sdk": _sdk_feed, "bridge": _bridge_feed}[feed]
+                rows.append(await run(url, events, args.sample_ms / 1000, js))
+        finally:
+            await nc.close()
     finally:
-        await nc.close()
-        if server is not None:
+        if server is not None:  # started or not, its store directory goes
             server.stop()
             shutil.rmtree(server.store_dir, ignore_errors=True)
     return rows

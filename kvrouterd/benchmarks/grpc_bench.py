@@ -47,6 +47,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..server.service import STREAM_BATCH_METADATA
+from .stats import p99
 from .workload import BLOCK_SIZE
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -152,7 +153,7 @@ def _summary(latencies: list[float], elapsed: float, reasons: Counter[str]) -> d
     return {
         "rps": len(latencies) / elapsed,  # routed requests/s, each with its Complete sent
         "p50_us": statistics.median(latencies) * 1e6,  # Route latency (its Complete not included)
-        "p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
+        "p99_us": p99(latencies) * 1e6,
         "calls": len(latencies),
         "reasons": dict(reasons),  # the policy's reason for each recorded route
     }

@@ -43,6 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# pip builds and installs the package into a fresh venv: ~1.5 min idle, several on a loaded machine
+@pytest.mark.timeout(900)
 def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) -> None:
     df = parse((ROOT / "Dockerfile").read_text())
     build = df.stage("build")

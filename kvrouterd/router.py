@@ -12,11 +12,13 @@ that raises ``errors.KVRouterError`` leaves the router exactly as it was.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import logging
 import random
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +31,8 @@ from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
 from .policies import registry
 from .policies.base import AccessInfo, EvictionContext, EvictionPolicy, RoutingContext, RoutingPolicy, drop_blocks
+from .policies.eviction._leaves import score_leaves_steps
+from .policies.eviction._release import release_steps
 from .protocols import (
     BatchOutcome,
     CacheMode,
@@ -64,6 +68,14 @@ _NO_ACCESS_INFO = AccessInfo()
 
 #: hybrid KV-cache groups per worker the router tracks (vLLM ``group_idx``)
 MAX_KV_GROUPS = 64
+
+#: a worker holding more blocks than this is cleared (an engine's Cleared, a restart, lost
+#: events) by moving it to a fresh, empty slot at once and dropping the old slot's blocks and
+#: eviction state in steps (``drain_step``); fewer are dropped in place. A 400k-block worker
+#: took 2.3 s to clear in place, all of it on the routing loop (issue #16 item 1).
+CLEAR_IN_PLACE_BLOCKS = 4096
+#: blocks (or eviction-state entries) one step of a drain drops: ~2 ms
+DRAIN_STEP_BLOCKS = 2048
 
 
 #: Completed request ids remembered while replicas share load (each ~100 B): a Dispatch that
@@ -177,6 +189,23 @@ class PrefixHits:
     reachable_blocks: int = 0
 
 
+def _invert_steps(mapping: Any, into: dict[int, int], step: int) -> Iterator[None]:
+    """Add ``key -> engine hash`` to ``into`` for each pair of a worker's ``engine_keys``, at
+    most ``step`` pairs per part. The pairs are read from one copy taken at the first part (a
+    native map's in one C call that makes no int object); between parts the caller may change
+    ``mapping`` and ``into``: a pair removed meanwhile is skipped, one ``into`` has meanwhile wins."""
+    packed = getattr(mapping, "packed_items", None)
+    pairs: Any = memoryview(packed()).cast("Q") if packed is not None else [x for kv in mapping.items() for x in kv]
+    get = mapping.get
+    for start in range(0, len(pairs), 2 * step):
+        part = pairs[start : start + 2 * step]
+        part = part.tolist() if isinstance(part, memoryview) else part
+        for eh, key in zip(part[::2], part[1::2]):
+            if key not in into and get(eh) == key:
+                into[key] = eh
+        yield
+
+
 def _spec_name(spec: Mapping[str, Any] | str) -> str:
     return spec if isinstance(spec, str) else str(spec.get("name", ""))
 
@@ -208,6 +237,11 @@ class Router:
         self._recent_access: dict[int, tuple[AccessInfo, int]] = {}
         #: slot -> our key -> engine hash, kept only for workers that asked for an eviction hint
         self._engine_hash_of: dict[int, dict[int, int]] = {}
+        #: slot -> the steps still building its ``_engine_hash_of`` map (``engine_hash_steps``)
+        self._engine_hash_building: dict[int, Iterator[None]] = {}
+        #: the steps that empty slots no worker routes to any more (cleared workers' old slots);
+        #: the host runs them between calls (``drain_step``), ``apply`` runs one too
+        self._drains: deque[Iterator[int]] = deque()
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
@@ -367,18 +401,46 @@ class Router:
         for rid in [rid for rid, r in self._requests.items() if (f := self.workers.inflight(rid)) and f.worker_id == worker_id]:
             self._forget_request(rid)
         self.workers.remove(worker_id, free_slot=False)
-        self._engine_hash_of.pop(worker.slot, None)
-        for ev in self._eviction_by_name.values():
-            ev.on_cleared(worker.slot)
+        reverse = self._engine_hash_of.pop(worker.slot, None)
+        self._engine_hash_building.pop(worker.slot, None)
         for policy in self._routing.values():
             policy.on_worker_removed(worker)
         log.info("worker removed", extra={"worker_id": worker_id})
-        return worker, self._drop_slot_steps(worker.slot, step)
+        return worker, self._drop_slot_steps(worker.slot, step, reverse)
 
-    def _drop_slot_steps(self, slot: int, step: int) -> Iterator[int]:
+    def _drop_slot_steps(self, slot: int, step: int, reverse: dict[int, int] | None = None) -> Iterator[int]:
+        """Empty a slot no worker routes to: its blocks, then every eviction policy's state for
+        it and its engine-hash map ``reverse``, at most ``step`` of each at a time; then free it.
+        Yields the blocks each part dropped (0 for the parts that release state)."""
         yield from self.index.clear_steps(slot, step)
+        for ev in list(self._eviction_by_name.values()):
+            for _ in ev.clear_steps(slot, step):
+                yield 0
+        if reverse:
+            for _ in release_steps([reverse], step):
+                yield 0
         self.index.drop_slot(slot)
         self.workers.free_slot(slot)
+
+    # ---- draining slots ---------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        """Some cleared worker's old slot still holds blocks or eviction state (``drain_step``)."""
+        return bool(self._drains)
+
+    def drain_step(self) -> bool:
+        """One step of the oldest pending drain; False once none is left."""
+        while self._drains:
+            try:
+                next(self._drains[0])
+                return True
+            except StopIteration:
+                self._drains.popleft()
+        return False
+
+    def drain_all(self) -> None:
+        while self.drain_step():
+            pass
 
     def set_draining(self, worker_id: str, draining: bool) -> Worker:
         worker = self.workers.get(worker_id)
@@ -927,6 +989,8 @@ class Router:
         self.counters["blocks_removed"] += outcome.blocks_removed
         self.counters["orphan_blocks"] += outcome.orphan_blocks
         self.counters["unknown_removals"] += outcome.unknown_removals
+        if self._drains:  # a host that never drains (the simulator) still frees the old slots
+            self.drain_step()
         return outcome
 
     def _gap(self, worker: Worker, outcome: BatchOutcome, lost: int, reason: str) -> None:
@@ -1087,16 +1151,34 @@ class Router:
             outcome.blocks_removed += len(doomed)
 
     def _clear_worker(self, worker: Worker) -> None:
-        self.index.clear(worker.slot)
+        """The worker holds nothing now. A large one moves to a fresh slot at once and its old
+        slot is emptied in steps (``CLEAR_IN_PLACE_BLOCKS``): no routing mask includes the old
+        slot, so the old blocks only count towards ``len(index)`` meanwhile."""
         worker.engine_keys.clear()
         if worker.pages is not None:
             worker.pages.clear()
         if worker.groups is not None:
             worker.groups.clear()
-        self._engine_hash_of.pop(worker.slot, None)
         worker.resync_needed = False
-        for ev in self._eviction_by_name.values():
-            ev.on_cleared(worker.slot)
+        old = worker.slot
+        # a worker that asked for eviction hints keeps its (now empty) engine-hash map current
+        reverse = self._engine_hash_of.get(old)
+        if reverse is not None:
+            self._engine_hash_of[old] = {}
+            self._engine_hash_building.pop(old, None)  # the map was cleared: {} is complete
+        if self.index.count(old) <= CLEAR_IN_PLACE_BLOCKS:
+            self.index.clear(old)
+            for ev in self._eviction_by_name.values():
+                ev.on_cleared(old)
+            return
+        new = self.workers.next_slot()
+        self.index.add_slot(new)
+        self.workers.move(worker, new)  # the old slot stays taken until drained
+        if reverse is not None:
+            self._engine_hash_of[new] = self._engine_hash_of.pop(old)
+        self._drains.append(self._drop_slot_steps(old, DRAIN_STEP_BLOCKS, reverse))
+        log.info("worker cleared: its blocks are dropped from the index in steps", extra={
+            "worker_id": worker.id, "slot": new, "old_slot": old, "blocks": self.index.count(old)})
 
     def reset_events(self, worker_id: str, *, lost: bool) -> Worker:
         """Forget a worker's cached blocks and event sequence, for sources that sequence themselves.
@@ -1132,7 +1214,13 @@ class Router:
         """
         worker = self.workers.get(worker_id)
         bit, slot, index = worker.bit, worker.slot, self.index
-        reverse = {key: eh for eh, key in worker.engine_keys.items()}
+        reverse = self._engine_hash_of.get(slot) if slot not in self._engine_hash_building else None
+        if reverse is None:  # this worker never asked for a hint: its engine hashes, in parts too
+            reverse = {}
+            for _ in _invert_steps(worker.engine_keys, reverse, step):
+                yield []
+                if self.workers.find(worker_id) is not worker or worker.slot != slot:
+                    return
         tops: list[Block] = []
         climbed: set[int] = set()
 
@@ -1153,8 +1241,8 @@ class Router:
             if visited >= step:
                 visited = 0
                 yield []
-                if self.workers.find(worker_id) is not worker:
-                    return
+                if self.workers.find(worker_id) is not worker or worker.slot != slot:
+                    return  # removed, or cleared (moved off the slot being walked)
         # leaves that appeared meanwhile (a removal exposes its parent): climbing them stops
         # at the first block already seen, so this costs what changed
         for leaf in [b for b in index.leaves(slot) if b.key not in climbed]:
@@ -1171,7 +1259,7 @@ class Router:
             if len(out) == step:
                 yield out
                 out = []
-                if self.workers.find(worker_id) is not worker:
+                if self.workers.find(worker_id) is not worker or worker.slot != slot:
                     return
         yield out
 
@@ -1197,6 +1285,23 @@ class Router:
 
     # ---- eviction hints -------------------------------------------------------------
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
+        steps = self.evict_hint_steps(req, pinned_engine_hashes)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def evict_hint_steps(
+        self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = (), step: int | None = None
+    ) -> Generator[None, None, EvictAdvice]:
+        """``evict_hint`` with the work that visits a whole worker done in parts of at most
+        ``step`` entries, yielding between them (None: at once): the worker's first hint builds
+        its engine-hash map (``engine_hash_steps``), and a policy with no order of its own for
+        the worker (one named by a hint, not configured, sees no hooks) scores every leaf
+        (``leaf_priority``). Events the host applies between parts are taken into account as
+        far as blocks that stopped being leaves go; leaves that appeared meanwhile are not
+        offered this time. Raises NotFound if the worker goes away meanwhile."""
         worker = self.workers.get(req.worker_id)
         if req.blocks <= 0:
             raise InvalidRequest("blocks to free must be > 0")
@@ -1204,22 +1309,63 @@ class Router:
         pinned = set(req.pinned_keys)
         for eh in pinned_engine_hashes:
             pinned.add(worker.engine_keys.get(eh, eh))
-        ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id)
+        frozen = frozenset(pinned)
+        scored = None
+        if step is not None:
+            yield from self.engine_hash_steps(worker.id, step)
+            ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id)
+            leaf_priority = getattr(policy, "leaf_priority", None)
+            priority = leaf_priority(ctx) if leaf_priority is not None else None
+            if priority is not None:
+                runs = []
+                for run in score_leaves_steps(ctx, priority, frozen, step):
+                    runs.append(run)
+                    yield
+                worker = self.workers.get(req.worker_id)  # NotFound if it went away meanwhile
+                if worker.slot == ctx.slot:  # else cleared meanwhile: ranked afresh below
+                    scored = heapq.merge(*runs)
+        ctx = EvictionContext(self.index, worker.slot, self.clock.now(), worker.id, scored)
         # never rank more than the worker holds or the configured cap (blocks=2**32-1 would
         # otherwise rank a whole worker on the loop); exhausted still means "nothing more to give"
         wanted = min(req.blocks, self.settings.max_evict_blocks)
-        blocks = policy.rank(ctx, min(wanted, self.index.count(worker.slot)), frozenset(pinned))
+        blocks = policy.rank(ctx, min(wanted, self.index.count(worker.slot)), frozen)
         keys = [b.key for b in blocks]
-        reverse = self._engine_hash_of.get(worker.slot)
-        if reverse is None:
-            # built once, then kept current by the Stored/Removed handlers: later hints are O(k)
-            reverse = self._engine_hash_of[worker.slot] = {v: k for k, v in worker.engine_keys.items()}
+        for _ in self.engine_hash_steps(worker.id):  # what the host did not build in steps
+            pass
+        reverse = self._engine_hash_of[worker.slot]
         return EvictAdvice(
             keys=keys,
             engine_hashes=[reverse.get(k, k) for k in keys],
             exhausted=len(blocks) < wanted,
             policy=policy.name,
         )
+
+    def engine_hash_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[None]:
+        """Build the worker's key -> engine hash map that eviction hints answer with, reading at
+        most ``step`` engine hashes per part; nothing once it is built. Built once per worker,
+        then kept current by the Stored/Removed handlers, so later hints cost O(k); built in one
+        go it held the loop ~185 ms at 400k blocks (issue #16), so a host runs the parts between
+        turns of its loop (the map is in place from the first part: events applied between parts
+        update it, and the parts add only pairs the worker still has)."""
+        worker = self.workers.get(worker_id)
+        slot = worker.slot
+        building = self._engine_hash_building.get(slot)
+        if building is None:
+            if slot in self._engine_hash_of:
+                return iter(())
+            building = self._engine_hash_building[slot] = self._build_engine_hashes(worker, step)
+        return building
+
+    def _build_engine_hashes(self, worker: Worker, step: int) -> Iterator[None]:
+        slot = worker.slot
+        reverse: dict[int, int] = {}
+        self._engine_hash_of[slot] = reverse
+        for _ in _invert_steps(worker.engine_keys, reverse, step):
+            yield
+            if self._engine_hash_of.get(slot) is not reverse:
+                return  # the worker was cleared or removed meanwhile: nothing more to build
+        if self._engine_hash_building.get(slot) is not None:
+            del self._engine_hash_building[slot]
 
     def blocks_to_free(self, worker_id: str, tokens: int) -> int:
         """Blocks needed to free ``tokens`` tokens (rounded up)."""

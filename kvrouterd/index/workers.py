@@ -228,6 +228,18 @@ class WorkerRegistry:
     def free_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
 
+    def move(self, worker: Worker, slot: int) -> None:
+        """Give ``worker`` the free slot ``slot`` (``next_slot()``); its old slot stays taken
+        until ``free_slot``: the host is still dropping the old slot's blocks."""
+        if slot in self._free_slots:
+            self._free_slots.remove(slot)
+        elif slot == self._next_slot:
+            self._next_slot += 1
+        else:
+            raise ValueError(f"slot {slot} is not free")
+        worker.slot = slot
+        self.generation += 1
+
     # ---- load ----------------------------------------------------------------------
     def inflight(self, request_id: str) -> InFlight | None:
         return self._inflight.get(request_id)

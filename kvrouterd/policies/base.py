@@ -10,9 +10,9 @@ and tests drive policies deterministically.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ..index.radix import Block, MatchResult, RadixIndex
 from ..index.workers import Worker
@@ -170,13 +170,17 @@ class AccessInfo:
 class EvictionContext:
     """A worker's cached blocks as an eviction policy sees them (read-only)."""
 
-    __slots__ = ("index", "now", "slot", "worker_id")
+    __slots__ = ("index", "now", "scored", "slot", "worker_id")
 
-    def __init__(self, index: RadixIndex, slot: int, now: float, worker_id: str = "") -> None:
+    def __init__(self, index: RadixIndex, slot: int, now: float, worker_id: str = "",
+                 scored: Iterator[tuple[Any, int, Block]] | None = None) -> None:
         self.index = index
         self.slot = slot
         self.now = now
         self.worker_id = worker_id
+        #: the slot's leaves as ``(priority, key, block)`` ascending, scored by the host in steps
+        #: with the policy's ``leaf_priority`` (None: a policy scoring every leaf does it itself)
+        self.scored = scored
 
     def leaves(self) -> Iterable[Block]:
         return self.index.leaves(self.slot)
@@ -226,6 +230,20 @@ class EvictionPolicy(Protocol):
 
     def on_cleared(self, slot: int) -> None: ...
 
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], Any] | None:
+        """The priority ``rank`` would score every leaf of ``ctx.slot`` with, lowest evicted
+        first, when the policy keeps no order of its own for the slot (built for one hint, it
+        saw no hooks); None when it does. A host scores the leaves with it in steps and passes
+        them sorted as ``ctx.scored`` (``Router.evict_hint_steps``): scoring 25k leaves in one
+        call held the loop 50-300 ms (issue #16)."""
+        ...
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        """``on_cleared`` in parts of at most ``step`` entries, yielding between them, for a
+        slot nothing reads or changes meanwhile (the router moved its worker off it first):
+        a policy's state for a large worker took 10-125 ms to drop at once (issue #16)."""
+        ...
+
 
 def drop_blocks(policy: EvictionPolicy, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
     """``slot`` no longer holds ``blocks`` (distinct, each held by it): tell the policy, then the
@@ -265,3 +283,11 @@ class EvictionPolicyBase:
 
     def on_cleared(self, slot: int) -> None:
         return None
+
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], Any] | None:
+        return None
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        """``on_cleared`` at once: a policy that keeps little per slot need not do better."""
+        self.on_cleared(slot)
+        return iter(())

@@ -290,6 +290,7 @@ class Daemon:
 
     def _reset_events(self, worker_id: str, lost: bool) -> None:
         self.router.reset_events(worker_id, lost=lost)
+        self.service.keep_draining()  # a large worker's old blocks go in steps
 
     def _note_rejected(self, worker_id: str, counts: Mapping[str, int], lost: bool) -> None:
         self.router.note_rejected_events(worker_id, counts, lost_removal=lost)

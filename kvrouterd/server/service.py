@@ -51,6 +51,9 @@ MAX_STREAM_BATCH_ITEMS = 256
 
 #: blocks a removed worker's drain drops between yields to the event loop (~a millisecond)
 DRAIN_STEP_BLOCKS = 2048
+#: entries of work an EvictHint does between yields to the loop where it must visit a whole
+#: worker (its first hint's engine-hash map; a policy ranking without its own order)
+EVICT_STEP_ENTRIES = 4096
 
 
 async def _drain(steps: Iterable[int]) -> None:
@@ -88,6 +91,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.max_message_bytes = max_message_bytes
         #: removed workers whose blocks are still being dropped (strong references to the tasks)
         self._draining: set[asyncio.Task[None]] = set()
+        #: runs the router's drains (cleared workers' old slots: ``Router.drain_step``)
+        self._slot_drain: asyncio.Task[None] | None = None
         #: (model, lora) namespaces engines have stored blocks under (a Route outside all of them
         #: while some exist is a key mismatch, not a cold cache: _check_namespace)
         self.stored_namespaces: set[tuple[str, str]] = set()
@@ -401,6 +406,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             summary.blocks_stored += outcome.blocks_stored
             summary.blocks_removed += outcome.blocks_removed
             summary.gaps_detected += 1 if outcome.gap else 0
+        if self._slot_drain is not None and not self._slot_drain.done():
+            # a Cleared in this stream: answer once the old blocks are gone, as DeregisterWorker does
+            await asyncio.shield(self._slot_drain)
         for worker_id in published:
             worker = self.router.workers.find(worker_id)
             if worker is not None:  # else deregistered meanwhile
@@ -432,7 +440,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
         if outcome.gap or outcome.restarted:
             self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
+        if self.router.draining:
+            self.keep_draining()
         return outcome
+
+    def keep_draining(self) -> None:
+        """Run the router's pending drains (a large cleared worker's old slot, ``Router.drain_step``)
+        in a task that yields to the loop between steps, unless one already does."""
+        if (self._slot_drain is None or self._slot_drain.done()) and self.router.draining:
+            self._slot_drain = asyncio.create_task(self._drain_slots(), name="drop cleared workers' old blocks")
+            self._draining.add(self._slot_drain)
+            self._slot_drain.add_done_callback(self._draining.discard)
+
+    async def _drain_slots(self) -> None:
+        while self.router.drain_step():
+            await asyncio.sleep(0)
 
     def _apply_traced(self, batch: EventBatch, per_event: bool, span: trace.Span | None) -> BatchOutcome:
         try:
@@ -459,7 +481,15 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def EvictHint(self, request: pb.EvictHintRequest, context: grpc.aio.ServicerContext) -> pb.EvictHintResponse:
         try:
             req, pinned_hashes = convert.evict_request(request, self.router)
-            advice = self.router.evict_hint(req, pinned_hashes)
+            # what visits a whole worker runs in steps, the loop serving other calls between them
+            steps = self.router.evict_hint_steps(req, pinned_hashes, EVICT_STEP_ENTRIES)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    advice = done.value
+                    break
+                await asyncio.sleep(0)
         except KVRouterError as exc:
             await _abort(context, exc)
         return pb.EvictHintResponse(
@@ -481,6 +511,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             worker = self.router.add_worker(spec)
         except KVRouterError as exc:
             await _abort(context, exc)
+        self.keep_draining()  # a mode change clears the worker's view: a large one in steps
         self.on_membership_change()
         return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
 

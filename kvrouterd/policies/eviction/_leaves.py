@@ -27,8 +27,9 @@ from sortedcontainers import SortedList
 from ...index import native
 from ...index.radix import Block, Pending, RadixIndex, fold_pending
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
+from ._release import release_steps
 
-__all__ = ["SortedLeaves", "chain_split", "held_child_other_than", "merge_promoting", "rank_leaves_by"]
+__all__ = ["SortedLeaves", "chain_split", "held_child_other_than", "merge_promoting", "rank_leaves_by", "score_leaves_steps"]
 
 
 def chain_split_py(blocks: Sequence[Block], prio: dict[Block, Any]) -> tuple[list[Block], list[Block]]:
@@ -112,7 +113,10 @@ def merge_promoting(
 
 
 def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], priority) -> list[Block]:  # type: ignore[no-untyped-def]
-    """Pop up to ``count`` leaves lowest ``priority(block)`` first, promoting parents as they empty."""
+    """Pop up to ``count`` leaves lowest ``priority(block)`` first, promoting parents as they empty.
+    Leaves the host already scored (``ctx.scored``) are read from there instead."""
+    if ctx.scored is not None:
+        return merge_promoting(ctx, _still_leaves(ctx, ctx.scored), count, pinned, priority)
     heap = [(priority(b), b.key, b) for b in ctx.leaves() if b.key not in pinned]
     heapq.heapify(heap)
 
@@ -121,6 +125,30 @@ def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], pri
             yield heapq.heappop(heap)
 
     return merge_promoting(ctx, drain(), count, pinned, priority)
+
+
+def _still_leaves(ctx: EvictionContext, scored: Iterator[tuple[Any, int, Block]]) -> Iterator[tuple[Any, int, Block]]:
+    """``scored`` without the blocks that stopped being leaves of the slot since they were
+    scored (the host applied events between its steps). Leaves that appeared meanwhile are not
+    in it: the hint is advice about the cache as it was while it was being scored."""
+    bit, get = 1 << ctx.slot, ctx.index.get
+    for entry in scored:
+        b = entry[2]
+        if b.holders & bit and get(entry[1]) is b and not held_child_other_than(b, bit, None):
+            yield entry
+
+
+def score_leaves_steps(ctx: EvictionContext, priority: Callable[[Block], Any], pinned: frozenset[int],
+                       step: int) -> Iterator[list[tuple[Any, int, Block]]]:
+    """The slot's leaves as sorted runs of ``(priority(block), key, block)``, scoring at most
+    ``step`` per part; each part yields the run it made. Merged (``heapq.merge``) they are the
+    order ``rank_leaves_by`` pops; between parts the index may change (``_still_leaves``)."""
+    bit = 1 << ctx.slot
+    leaves = list(ctx.leaves())
+    for start in range(0, len(leaves), step):
+        run = [(priority(b), b.key, b) for b in leaves[start : start + step] if b.holders & bit and b.key not in pinned]
+        run.sort()
+        yield run
 
 
 class _Slot:
@@ -250,6 +278,11 @@ class SortedLeaves:
     def cleared(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
+    def detach(self, slot: int) -> list[Any]:
+        """Forget ``slot`` as ``cleared`` does; its containers, for ``release_steps``."""
+        s = self._slots.pop(slot, None)
+        return [] if s is None else [s.prio, s.order]
+
     # ---- ranking -------------------------------------------------------------------------
     def sorted_view(self, ctx: EvictionContext) -> SortedList | None:
         """The slot's leaves as ``(priority, key, block)`` in order, or None when this tracker
@@ -259,16 +292,20 @@ class SortedLeaves:
             return None
         return s.order
 
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+    def priority_for(self, ctx: EvictionContext) -> Callable[[Block], Any]:
         index, slot, prio = ctx.index, ctx.slot, self.priority
 
         def priority(b: Block) -> Any:
             return prio(index, b, slot)
 
-        s = self._slots.get(ctx.slot)
-        if s is None or len(s.prio) != len(ctx.index.leaves(ctx.slot)):
+        return priority
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        priority = self.priority_for(ctx)
+        order = self.sorted_view(ctx)
+        if order is None:
             return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, iter(s.order), count, pinned, priority)
+        return merge_promoting(ctx, iter(order), count, pinned, priority)
 
 
 _MISSING = object()
@@ -285,6 +322,9 @@ class LeafOrderPolicy(EvictionPolicyBase):
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         return self._leaves.rank(ctx, count, pinned)
 
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], Any] | None:
+        return self._leaves.priority_for(ctx) if self._leaves.sorted_view(ctx) is None else None
+
     def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._leaves.stored(index, slot, blocks)
 
@@ -299,3 +339,6 @@ class LeafOrderPolicy(EvictionPolicyBase):
 
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        return release_steps(self._leaves.detach(slot), step)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +41,7 @@ from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
+from ._release import release_steps
 
 __all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
 
@@ -81,7 +82,7 @@ class HybridEviction(EvictionPolicyBase):
         d = self._depth.get(slot, {}).get(block.key)
         return d if d is not None else block.depth()
 
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+    def _priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[float, float]]:
         slot, now, unit = ctx.slot, ctx.now, self.params.age_unit_s
         by_prefix = self.params.length == "prefix"
         recency, hits = ctx.index.recency, ctx.index.hits
@@ -92,10 +93,17 @@ class HybridEviction(EvictionPolicyBase):
             length = self._length(b, slot) if by_prefix else 1
             return (hybrid_value(1 + hits(b, slot), length, age), last)
 
+        return priority
+
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[float, float]] | None:
+        return self._priority(ctx) if self._leaves.sorted_view(ctx) is None else None
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        priority = self._priority(ctx)
         order = self._leaves.sorted_view(ctx)
         if order is None:
             return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, self._merged(order, now), count, pinned, priority)
+        return merge_promoting(ctx, self._merged(order, ctx.now), count, pinned, priority)
 
     def _merged(self, order, now: float) -> Iterator[tuple[tuple[float, float], int, Block]]:  # type: ignore[no-untyped-def]
         """Leaves by ascending (value, last access, key): a k-way merge of the classes."""
@@ -148,3 +156,6 @@ class HybridEviction(EvictionPolicyBase):
     def on_cleared(self, slot: int) -> None:
         self._leaves.cleared(slot)
         self._depth.pop(slot, None)
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        return release_steps([*self._leaves.detach(slot), self._depth.pop(slot, {})], step)

@@ -29,13 +29,14 @@ a draw is rejection sampling over them (O(log L)), falling back to listing the c
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import SortedLeaves
+from ._release import release_steps
 
 __all__ = ["RLTEviction", "RLTParams"]
 
@@ -113,6 +114,10 @@ class RLTEviction(EvictionPolicyBase):
     def on_cleared(self, slot: int) -> None:
         self._phases.pop(slot, None)
         self._leaves.cleared(slot)
+
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        phase = self._phases.pop(slot, None)
+        return release_steps([*self._leaves.detach(slot), *([phase.marked] if phase is not None else [])], step)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         slot, bit = ctx.slot, 1 << ctx.slot

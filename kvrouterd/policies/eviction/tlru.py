@@ -55,7 +55,7 @@ import itertools
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -65,6 +65,7 @@ from ..registry import register
 from . import _reach
 from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
 from ._reach import NEVER, Trim
+from ._release import release_steps
 
 __all__ = ["CONVERSATION_BYTES", "PATH_BLOCK_BYTES", "TLRUEviction", "TLRUParams"]
 
@@ -283,6 +284,25 @@ class TLRUEviction(EvictionPolicyBase):
         self._trim.pop(slot, None)
         self._leaves.cleared(slot)
 
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        """``on_cleared`` in parts: the slot's conversations are forgotten ``step`` at a time
+        (65,536 at once held the loop ~125 ms), then its trimming state is released."""
+        trim = self._trim.pop(slot, None)
+        detached = [*self._leaves.detach(slot), self._tips.pop(slot, {})]
+        if trim is not None:
+            detached += [trim.reach, trim.shared, trim.contrib]
+        convs = self._convs.get(slot, {})
+        sids = list(convs)
+        for start in range(0, len(sids), step):
+            for sid in sids[start : start + step]:
+                conv = convs.pop(sid, None)
+                if conv is not None:  # else forgotten meanwhile (the conversation bound)
+                    self.session_bytes -= CONVERSATION_BYTES + len(sid) + PATH_BLOCK_BYTES * conv.length
+                    del self._recent[(slot, sid)]
+            yield
+        self.on_cleared(slot)  # what forgetting one meanwhile made again: a little
+        yield from release_steps(detached, step)
+
     # ---- ranking -------------------------------------------------------------------------
     def _trim_state(self, slot: int) -> Trim:
         t = self._trim.get(slot)
@@ -329,13 +349,23 @@ class TLRUEviction(EvictionPolicyBase):
         holds = ctx.index.holds
         return {k for k, reach in t.reach.items() if reach < t.tail and holds(ctx.slot, k)}
 
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        t = self._refresh(ctx.slot, ctx)
+    def _priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[int, float]]:
         index, slot = ctx.index, ctx.slot
 
         def priority(b: Block) -> tuple[int, float]:
             return self._order(index, b, slot)
 
+        return priority
+
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[int, float]] | None:
+        if self._leaves.sorted_view(ctx) is not None:
+            return None
+        self._refresh(ctx.slot, ctx)  # the trimming the scores read, as rank brings it up to date
+        return self._priority(ctx)
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        t = self._refresh(ctx.slot, ctx)
+        priority = self._priority(ctx)
         order = self._leaves.sorted_view(ctx)
         if order is None:
             return rank_leaves_by(ctx, count, pinned, priority)

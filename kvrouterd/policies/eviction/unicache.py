@@ -56,7 +56,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
@@ -64,6 +64,7 @@ from ...protocols import TaskCategory
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
+from ._release import release_steps
 
 __all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "UniCacheParams", "lognormal_cdf"]
 
@@ -321,8 +322,24 @@ class UniCacheEviction(EvictionPolicyBase):
         self._leaves.cleared(slot)
         self._slots.pop(slot, None)
 
+    def clear_steps(self, slot: int, step: int) -> Iterator[None]:
+        s = self._slots.pop(slot, None)
+        own = [] if s is None else [s.queue, s.offset, s.offsets]
+        return release_steps([*self._leaves.detach(slot), *own], step)
+
     # ---- ranking -------------------------------------------------------------------------
+    def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[int, float, float]] | None:
+        return self._priority(ctx) if self._leaves.sorted_view(ctx) is None else None
+
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        priority = self._priority(ctx)
+        order = self._leaves.sorted_view(ctx)
+        if order is None:
+            return rank_leaves_by(ctx, count, pinned, priority)
+        return merge_promoting(ctx, self._heads(order, priority), count, pinned, priority)
+
+    def _priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[int, float, float]]:
+        """Algorithm 1's score of a leaf: evict-first by depth, then weighted queue scores."""
         slot, now, recency = ctx.slot, ctx.now, ctx.index.recency
         s = self._slots.get(slot) or _SlotState(now)
         models = {q: self.gap_model(q) for q in (CHAT, AGENTIC)}
@@ -344,10 +361,7 @@ class UniCacheEviction(EvictionPolicyBase):
                 score = 1.0 - lognormal_cdf(now - last, mu, sigma)
             return (1, s.alpha[queue] * score, last)
 
-        order = self._leaves.sorted_view(ctx)
-        if order is None:
-            return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, self._heads(order, priority), count, pinned, priority)
+        return priority
 
     @staticmethod
     def _heads(order, priority) -> Iterator[tuple[tuple[int, float, float], int, Block]]:  # type: ignore[no-untyped-def]

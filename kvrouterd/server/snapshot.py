@@ -37,6 +37,7 @@ from ..errors import InvalidRequest, KVRouterError
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import Worker
 from ..router import Router
+from ..telemetry.loop_lag import freeze_heap, unfreeze_heap
 from . import convert
 from .convert import pb
 
@@ -229,11 +230,19 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
     if not hasattr(os, "fork"):  # pragma: no cover - POSIX hosts only run the daemon
         return encode_snapshot(router, stream_sequence)
     read_fd, write_fd = os.pipe()
-    # the objects alive now (the index) leave the parent's collections until the child is done:
-    # a full collection walks them all (~1.1 s at 10^6 blocks, measured) and, while the child
-    # shares their pages, writing their GC headers would copy those pages too (the Python
-    # docs' advice for fork: gc.freeze() right before it)
-    gc.freeze()
+    # the objects alive now leave the parent's collections until the child is done (the Python
+    # docs' advice for fork: gc.freeze() right before it): while the child shares their pages, a
+    # full collection in the parent writes every tracked object's GC header and so copies its
+    # page. At 10^6 blocks that collection took 190 ms and copied 16 MB with the native index
+    # (52k tracked objects: its blocks are not tracked), 1.25 s and 94 MB on the pure-Python
+    # one (1.07M), and nothing frozen (docs/operations.md, "Big calls on a huge worker").
+    # The freeze is the process's one heap freeze, counted (loop_lag.freeze_heap): a daemon
+    # froze its start-up heap, and gc.unfreeze() here thawed that too after the first snapshot,
+    # so every later full collection walked the start-up heap again. Counted, this snapshot's
+    # thaw waits for the daemon's: what was alive at the snapshot (the index of then, mostly
+    # untracked native blocks; freed by reference counting as usual when dropped) stays frozen
+    # while the daemon runs, as the start-up heap does.
+    freeze_heap()
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns on fork() with threads (gRPC's, telemetry's): the child runs
@@ -258,7 +267,7 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
                 os.waitpid(pid, 0)
             raise
     finally:
-        gc.unfreeze()
+        unfreeze_heap()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise OSError(f"the snapshot encoder process failed with exit code {code}")

@@ -53,3 +53,28 @@ async def test_a_failed_encoder_is_an_error_and_a_cancelled_one_is_killed(monkey
     with pytest.raises(asyncio.CancelledError):
         await task
     assert time.perf_counter() - started < 5  # the child was killed, not waited for
+
+
+async def test_a_snapshot_leaves_a_daemons_start_up_freeze_in_place() -> None:
+    """The fork's gc freeze is counted with the daemons' (loop_lag.freeze_heap): its thaw once
+    thawed a daemon's start-up heap after the first bus snapshot, so full collections walked it
+    again; alone, the snapshot still thaws what it froze."""
+    import gc
+
+    from kvrouterd.telemetry.loop_lag import freeze_heap, unfreeze_heap
+
+    router = build(2_000)
+    assert gc.get_freeze_count() == 0
+    await encode_snapshot_aside(router, 0)
+    assert gc.get_freeze_count() == 0  # nobody else froze: thawed again
+    start_up = [object()]  # a tracked object of the daemon's start-up heap
+    freeze_heap()  # as a daemon does at start-up
+    try:
+        assert all(o is not start_up for o in gc.get_objects())  # collections no longer see it
+        await encode_snapshot_aside(router, 0)
+        assert gc.get_freeze_count() > 0
+        assert all(o is not start_up for o in gc.get_objects())  # nor after the snapshot
+    finally:
+        unfreeze_heap()
+    assert gc.get_freeze_count() == 0  # the last holder thaws
+    assert any(o is start_up for o in gc.get_objects())

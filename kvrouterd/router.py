@@ -1244,9 +1244,17 @@ class Router:
                 if self.workers.find(worker_id) is not worker or worker.slot != slot:
                     return  # removed, or cleared (moved off the slot being walked)
         # leaves that appeared meanwhile (a removal exposes its parent): climbing them stops
-        # at the first block already seen, so this costs what changed
-        for leaf in [b for b in index.leaves(slot) if b.key not in climbed]:
-            climb(leaf)
+        # at the first block already seen, so this costs what changed, plus a look at each leaf
+        # (in steps too: 25k leaves against a set of 400k keys held the loop ~25 ms)
+        late = list(index.leaves(slot))
+        for start in range(0, len(late), step):
+            for leaf in late[start : start + step]:
+                if leaf.key not in climbed:
+                    climb(leaf)
+            if len(late) > step:
+                yield []
+                if self.workers.find(worker_id) is not worker or worker.slot != slot:
+                    return
         stack, listed = tops, set()
         out: list[tuple[int, int | None, int]] = []
         while stack:

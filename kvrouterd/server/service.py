@@ -53,7 +53,7 @@ MAX_STREAM_BATCH_ITEMS = 256
 DRAIN_STEP_BLOCKS = 2048
 #: entries of work an EvictHint does between yields to the loop where it must visit a whole
 #: worker (its first hint's engine-hash map; a policy ranking without its own order)
-EVICT_STEP_ENTRIES = 4096
+EVICT_STEP_ENTRIES = 1024
 
 
 async def _drain(steps: Iterable[int]) -> None:

@@ -427,17 +427,17 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             # (callgrind), 69 per block of a 512-block batch
             outcome = self._apply_traced(batch, per_event, None)
         if outcome.duplicate:
-            self.metrics.event_batches.add(1, {"outcome": "duplicate"})
+            self.metrics.event_batches.count("duplicate")
             return outcome
-        self.metrics.event_batches.add(1, {"outcome": "applied"})
+        self.metrics.event_batches.count("applied")
         if outcome.blocks_stored:
-            self.metrics.blocks.add(outcome.blocks_stored, {"op": "stored"})
+            self.metrics.blocks.count("stored", outcome.blocks_stored)
             namespaces = self.stored_namespaces
             for ev in batch.events:
                 if type(ev) is Stored and (ev.model, ev.lora) not in namespaces and len(namespaces) < MAX_NAMESPACES:
                     namespaces.add((ev.model, ev.lora))
         if outcome.blocks_removed:
-            self.metrics.blocks.add(outcome.blocks_removed, {"op": "removed"})
+            self.metrics.blocks.count("removed", outcome.blocks_removed)
         if outcome.gap or outcome.restarted:
             self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
         if self.router.draining:
@@ -462,7 +462,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         except KVRouterError as exc:
             if span is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
-            self.metrics.event_batches.add(1, {"outcome": "rejected"})
+            self.metrics.event_batches.count("rejected")
             raise
         if span is not None and span.is_recording():
             annotate_batch(span, batch, outcome)

@@ -7,6 +7,7 @@ import re
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
@@ -93,6 +94,32 @@ async def test_scrape_reports_decisions_prefix_hits_events_and_workers(running):
     _, _, text = await scrape(running)
     assert sample(text, "kvrouter_worker_inflight_requests", worker="a") == inflight["a"] - 1
     assert sample(text, "kvrouter_inflight_requests") == 1
+
+
+async def test_event_batches_and_blocks_are_counted_by_outcome_and_op(running):
+    """kvrouter.events.batches{outcome} and .blocks{op} (plain ints observed at collection):
+    each series appears once something was counted under it, as with an SDK counter."""
+    stub = running.stub
+    await register(stub, "a")
+    _, _, text = await scrape(running)
+    assert "kvrouter_events_batches_total" not in text and "kvrouter_events_blocks_total" not in text
+    prompt = list(range(100, 100 + 3 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [1, 2, 3])]),
+                  pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [1, 2, 3])]))  # a duplicate
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_events_batches_total", outcome="applied") == 1
+    assert sample(text, "kvrouter_events_batches_total", outcome="duplicate") == 1
+    assert sample(text, "kvrouter_events_blocks_total", op="stored") == 3
+    assert 'outcome="rejected"' not in text and 'op="removed"' not in text
+    removed = pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[3, 2]))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=1, events=[removed]))
+    with pytest.raises(grpc.aio.AioRpcError):  # 5 tokens: not whole blocks, the batch is rejected
+        await publish(stub, pb.EventBatch(worker_id="a", sequence=2, events=[stored(list(range(5)), [9])]))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_events_batches_total", outcome="applied") == 2
+    assert sample(text, "kvrouter_events_batches_total", outcome="rejected") == 1
+    assert sample(text, "kvrouter_events_blocks_total", op="stored") == 3
+    assert sample(text, "kvrouter_events_blocks_total", op="removed") == 2
 
 
 async def test_a_worse_pick_is_counted_when_a_policy_ignores_the_cache(running):

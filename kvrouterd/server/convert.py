@@ -439,6 +439,10 @@ def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Wo
     )
 
 
+#: Stored(*every field in order), built natively without the frozen __init__ (index.native)
+_new_stored = native.positional_constructor(Stored)
+
+
 def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
     out: list[CacheEvent] = []
     for i, ev in enumerate(msgs):
@@ -447,14 +451,17 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
             st = ev.stored
             hashes = tuple(st.engine_hashes[:]) if len(st.engine_hashes) else None
             out.append(
-                Stored(
-                    token_ids=_stored_tokens(st, i),
-                    engine_hashes=hashes,
-                    parent_engine_hash=st.parent_engine_hash if st.HasField("parent_engine_hash") else None,
-                    block_size=st.block_size,
-                    model=st.model,
-                    lora=st.lora,
-                    salt=st.cache_salt,
+                _new_stored(
+                    _stored_tokens(st, i),  # token_ids
+                    hashes,  # engine_hashes
+                    st.parent_engine_hash if st.HasField("parent_engine_hash") else None,
+                    st.block_size,
+                    st.model,
+                    st.lora,
+                    None,  # group: one KV-cache group
+                    None,  # group_kind
+                    st.cache_salt,  # salt
+                    None,  # extra_hashes
                 )
             )
         elif kind == "removed":

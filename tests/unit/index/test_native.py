@@ -6,6 +6,7 @@ keys no SDK computes or pick a different worker depending on how the package was
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -23,6 +24,7 @@ from kvrouterd.index import native
 from kvrouterd.index._walk import match_walk_py
 from kvrouterd.index.keys import ROOT_SEED, chain_keys_py, tokens_to_bytes
 from kvrouterd.index.radix import Block, PyBlock, RadixIndex
+from kvrouterd.protocols import Stored
 
 from .test_keys import VECTORS
 
@@ -732,3 +734,63 @@ def test_a_block_outliving_its_index_is_unlinked_from_the_tree():
     leaf = chain[-1]
     del index, chain
     assert leaf.parent is None and leaf.children is None and leaf.key == 13
+
+
+_hash_seqs = st.one_of(st.none(), st.lists(u64, max_size=4).map(tuple))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.one_of(st.binary(max_size=64), st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple)),
+       hashes=_hash_seqs, parent=st.one_of(st.none(), u64), block_size=st.integers(0, 64), model=st.text(max_size=4),
+       lora=st.text(max_size=4), group=st.one_of(st.none(), st.integers(0, 7)), kind=st.one_of(st.none(), st.text(max_size=4)),
+       salt=st.text(max_size=4), extras=_hash_seqs)
+def test_positional_constructor_builds_what_the_dataclass_builds(tokens, hashes, parent, block_size, model, lora, group,
+                                                                 kind, salt, extras):
+    # convert builds every stored event PublishEvents receives this way
+    values = (tokens, hashes, parent, block_size, model, lora, group, kind, salt, extras)
+    built, reference = native.positional_constructor(Stored)(*values), Stored(*values)
+    assert type(built) is Stored
+    assert built == reference and hash(built) == hash(reference) and repr(built) == repr(reference)
+    assert all(getattr(built, f.name) is getattr(reference, f.name) for f in dataclasses.fields(Stored))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.model = "other"  # type: ignore[misc]
+
+
+def test_positional_constructor_refuses_what_it_cannot_build_alike():
+    make = native.positional_constructor(Stored)
+    with pytest.raises(TypeError, match="exactly 10 positional arguments"):
+        make(b"")
+    with pytest.raises(TypeError):
+        make(*range(10), extra=1)
+
+    @dataclasses.dataclass(slots=True, frozen=True)
+    class Checked:
+        x: int
+
+        def __post_init__(self) -> None:
+            raise ValueError("checked")
+
+    @dataclasses.dataclass(frozen=True)
+    class NoSlots:
+        x: int
+
+    @dataclasses.dataclass(slots=True)
+    class Computed:
+        x: int
+        y: int = dataclasses.field(default=0, init=False)
+
+    for cls in (Checked, NoSlots, Computed):
+        with pytest.raises(TypeError, match="not a slotted dataclass"):
+            native.positional_constructor(cls)
+    # the C filler checks the class itself: every member named once, no base class with slots
+    with pytest.raises(TypeError, match="members, 1 names given"):
+        native.module.slots_filler(Stored, ("model",))
+    with pytest.raises(TypeError, match="is not a distinct __slots__ member"):
+        native.module.slots_filler(Stored, ("model",) * 10)
+
+    @dataclasses.dataclass(slots=True, frozen=True)
+    class Sub(Stored):
+        more: int = 0
+
+    with pytest.raises(TypeError, match="deriving from object alone"):
+        native.module.slots_filler(Sub, tuple(f.name for f in dataclasses.fields(Sub)))

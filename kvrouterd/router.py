@@ -25,7 +25,7 @@ from typing import Any
 from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
-from .index.keys import chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
+from .index.keys import ROOT_SEED, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -856,7 +856,7 @@ class Router:
         """Check a Stored event before anything changes: ``(token bytes, engine hashes as an
         array('Q') or None)``. Raises ``RejectedEvent`` (an ``InvalidRequest``) naming why it
         cannot be applied."""
-        page = self._page_size(worker, ev)
+        page = ev.block_size or worker.spec.block_size or self.block_size  # _page_size, once per stored event
         data = ev.token_ids if isinstance(ev.token_ids, bytes) else tokens_to_bytes(ev.token_ids)
         step = page * 4
         if not data or len(data) % step:
@@ -1049,12 +1049,13 @@ class Router:
             assert ev.engine_hashes is not None or not groups.tracking
             if not groups.stored(ev.group, ev.engine_hashes or (), self._engine_hash_held(worker)):
                 return  # a suffix-only group (sliding window): it cannot serve a prefix by itself
-        page = self._page_size(worker, ev)
+        page = ev.block_size or worker.spec.block_size or self.block_size  # _page_size, once per stored event
         if page != self.block_size:
             self._apply_stored_pages(worker, ev, data, page, outcome, now)
             return
         if ev.parent_engine_hash is None:
-            parent_key, seed = None, namespace_seed(ev.model, ev.lora, ev.salt)
+            model, lora, salt = ev.model, ev.lora, ev.salt
+            parent_key, seed = None, namespace_seed(model, lora, salt) if model or lora or salt else ROOT_SEED
         else:
             parent_key = worker.engine_keys.get(ev.parent_engine_hash)
             if parent_key is None and self.index.holds(worker.slot, ev.parent_engine_hash):
@@ -1077,14 +1078,16 @@ class Router:
             map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
             if map_pairs is not None and reverse is None:
                 map_pairs(hashes, keys)
-                self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
-                return
-            for eh, key in zip(hashes, keys):
-                if eh != key:
-                    mapping[eh] = key
-                    if reverse is not None:
-                        reverse[key] = eh
-        self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
+            else:
+                for eh, key in zip(hashes, keys):
+                    if eh != key:
+                        mapping[eh] = key
+                        if reverse is not None:
+                            reverse[key] = eh
+        # _stored_hooks written out: once per stored event
+        info = self._stored_info(parent_key, keys) if self._recent_access else _NO_ACCESS_INFO
+        self.eviction.on_stored(self.index, worker.slot, blocks, info, now)
+        outcome.blocks_stored += len(keys)
 
     def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: Sequence[int], blocks: list[Any],
                       outcome: BatchOutcome, now: float) -> None:

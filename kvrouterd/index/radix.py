@@ -210,8 +210,13 @@ class RadixIndex:
         la = node.last_access
         if type(la) is dict:
             la = la[slot]  # type: ignore[index]
-        up = self._pending_through(node, slot)
-        return up[0] if up is not None and up[0] > la else la  # type: ignore[operator,return-value]
+        # _pending_through written out: the leaf tracker reads this for every stored event's leaf
+        up = self._pending.get(node)
+        if type(up) is dict:
+            up = up.get(slot)  # type: ignore[union-attr]
+        if node.children is not None:
+            up = fold_pending(up, self._pending_below(node, slot))  # type: ignore[arg-type]
+        return up[0] if up is not None and up[0] > la else la  # type: ignore[index,operator,return-value]
 
     def hits(self, node: Block, slot: int) -> int:
         """Later uses of ``node`` by ``slot`` since it was stored (same costs as ``recency``)."""

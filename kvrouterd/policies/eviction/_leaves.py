@@ -55,6 +55,8 @@ def _chain_split_native(blocks: Sequence[Block], prio: dict[Block, Any]) -> tupl
 
 #: chain_split_py, or the same loop in C (``_native.c``) where the extension is built
 chain_split = _chain_split_native if native.module is not None else chain_split_py
+#: the C loop itself, for callers that know their arguments are a list and a dict
+_native_split = native.module.chain_split if native.module is not None else None
 
 
 def held_child_other_than(node: Block, bit: int, exclude: Block | None) -> bool:
@@ -226,12 +228,25 @@ class SortedLeaves:
         # children. Only the chain's parent, its last block and any block the chain does not
         # continue from need the full check. This hook runs for every stored block of every
         # engine event, so the difference is most of its cost.
-        s = self._slot(slot)
-        continued, ends = chain_split(blocks, s.prio)
+        # refresh(index, slot, [blocks[0].parent, *ends]) written out: this runs once per stored
+        # event, where each Python call saved is ~1% of PublishEvents' work per block
+        s = self._slots.get(slot)
+        if s is None:
+            s = self._slots[slot] = _Slot()
+        if _native_split is not None and type(blocks) is list:
+            continued, ends = _native_split(blocks, s.prio)
+        else:
+            continued, ends = chain_split(blocks, s.prio)
         for b in continued:
             self._drop(s, b)
         first = blocks[0].parent
-        self.refresh(index, slot, ends if first is None else [first, *ends])
+        bit = 1 << slot
+        for b in ends if first is None else [first, *ends]:
+            # a block with no children has no held child: no need to look
+            if b.holders & bit and (b.children is None or not held_child_other_than(b, bit, None)):
+                self._set(s, index, slot, b)
+            else:
+                self._drop(s, b)
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last

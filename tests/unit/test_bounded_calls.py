@@ -329,3 +329,22 @@ def test_events_between_the_parts_never_make_a_hint_name_a_gone_block_or_a_paren
         for child in block.iter_children():
             if child.holders >> slot & 1:
                 assert child.key in advice.keys[:n]
+
+
+async def test_export_fills_each_chunk_a_step_of_blocks_at_a_time(monkeypatch):
+    from kvrouterd.server import snapshot as snapshot_module
+
+    r = fleet(chains=200, depth=20)  # 4,000 blocks
+    parts: list[int] = []
+    extend = snapshot_module._extend
+
+    def recording(chunk, part):  # type: ignore[no-untyped-def]
+        parts.append(len(part))
+        extend(chunk, part)
+
+    monkeypatch.setattr(snapshot_module, "_extend", recording)
+    chunks = [c async for c in export_chunks(r, (), max_blocks=1500, step=100)]
+    assert [len(c.keys) for c in chunks] == [1500, 1500, 1000]
+    assert len({k for c in chunks for k in c.keys}) == 4000
+    # a 1,500-block message was never built from its blocks in one call
+    assert max(parts) <= 100 and sum(parts) == 4000

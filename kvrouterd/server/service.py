@@ -49,8 +49,8 @@ STREAM_BATCH_METADATA = "kvrouter-stream-batch"
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
 MAX_STREAM_BATCH_ITEMS = 256
 
-#: blocks a removed worker's drain drops between yields to the event loop (~a millisecond)
-DRAIN_STEP_BLOCKS = 2048
+#: blocks a removed worker's drain drops between yields to the event loop (as router.DRAIN_STEP_BLOCKS)
+DRAIN_STEP_BLOCKS = 512
 #: entries of work an EvictHint does between yields to the loop where it must visit a whole
 #: worker (its first hint's engine-hash map; a policy ranking without its own order)
 EVICT_STEP_ENTRIES = 1024

@@ -2389,6 +2389,594 @@ slots_filler(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)f;
 }
 
+/* ---- an OpenAI request body's prompt, read with the GIL released (ext_proc, issue #16 item 1) --
+ *
+ * openai_prompt(body, chat) -> None | (model_start, model_end, is_text, payload, length)
+ *
+ * What server/openai_prompt.parse_body reads from a body with json.loads, read here from the
+ * bytes without building a Python object per token or character, so a multi-MiB body can be
+ * read on a worker thread while the event loop keeps routing. The whole body is validated first
+ * as strict JSON; then, for /completions (`chat` false), `prompt` as a list of token ids (payload:
+ * little-endian uint32s, length: their count) or a string (payload: its UTF-8 bytes); for
+ * /chat/completions, `messages` rendered as render_messages does, `<|role|>\n{content}\n` per
+ * message (payload: the UTF-8 bytes). A text payload is zero-padded to a multiple of 4 (what
+ * approximate text keys hash) and `length` is the text's own length. model_start/end are the
+ * offsets of the top-level `model` string token, quotes included (-1, -1 when absent): Python
+ * decodes that one small string.
+ *
+ * Returns None whenever json.loads + parse_body might read the body differently, leaving the
+ * answer (or the error) to them: invalid JSON; anything json.loads accepts beyond strict JSON
+ * (NaN, Infinity, UTF-8-encoded surrogates, which its 'surrogatepass' decoding lets through, a
+ * byte-order mark); nesting deeper than OJ_MAX_DEPTH; integers of more than OJ_MAX_DIGITS digits
+ * (Python's int() may refuse them); an escape in a key it must compare; a `\u` escape that
+ * leaves a lone surrogate; and every prompt it does not read itself (a batched or invalid
+ * prompt, a non-text content part, tool_calls, a non-string model...). So where it answers, it
+ * answers exactly as the Python parser would (tests/unit/server/test_openai_prompt.py holds the
+ * two equal), and a body it declines costs what it cost before. */
+#define OJ_MAX_DEPTH 128
+#define OJ_MAX_DIGITS 20
+
+static Py_ssize_t
+oj_ws(const unsigned char *s, Py_ssize_t n, Py_ssize_t i)
+{
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r'))
+        i++;
+    return i;
+}
+
+static int
+oj_hex(unsigned char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* The string token at s[i] == '"': the index after its closing quote, or -1. Strict UTF-8 (no
+ * overlongs, no surrogates, nothing past U+10FFFF), no raw control characters, valid escapes.
+ * *escaped is set when the token holds a backslash. */
+static Py_ssize_t
+oj_string(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, int *escaped)
+{
+    i++;
+    while (i < n) {
+        unsigned char c = s[i];
+        if (c == '"')
+            return i + 1;
+        if (c == '\\') {
+            *escaped = 1;
+            if (i + 1 >= n)
+                return -1;
+            unsigned char e = s[i + 1];
+            if (e == 'u') {
+                if (i + 6 > n)
+                    return -1;
+                for (int k = 2; k < 6; k++)
+                    if (oj_hex(s[i + k]) < 0)
+                        return -1;
+                i += 6;
+            }
+            else if (e == '"' || e == '\\' || e == '/' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
+                i += 2;
+            }
+            else {
+                return -1;
+            }
+            continue;
+        }
+        if (c < 0x20)
+            return -1;
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        Py_ssize_t len;
+        if (c >= 0xC2 && c <= 0xDF)
+            len = 2;
+        else if (c >= 0xE0 && c <= 0xEF)
+            len = 3;
+        else if (c >= 0xF0 && c <= 0xF4)
+            len = 4;
+        else
+            return -1;
+        if (i + len > n)
+            return -1;
+        for (Py_ssize_t k = 1; k < len; k++)
+            if ((s[i + k] & 0xC0) != 0x80)
+                return -1;
+        unsigned char c1 = s[i + 1];
+        if ((c == 0xE0 && c1 < 0xA0) || (c == 0xED && c1 >= 0xA0) || (c == 0xF0 && c1 < 0x90) || (c == 0xF4 && c1 >= 0x90))
+            return -1;
+        i += len;
+    }
+    return -1;
+}
+
+static int
+oj_digit(const unsigned char *s, Py_ssize_t n, Py_ssize_t i)
+{
+    return i < n && s[i] >= '0' && s[i] <= '9';
+}
+
+/* The number token at s[i]: the index after it, or -1. *integer is set when it has neither a
+ * fraction nor an exponent (json.loads makes it an int). */
+static Py_ssize_t
+oj_number(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, int *integer)
+{
+    Py_ssize_t j = i;
+    if (j < n && s[j] == '-')
+        j++;
+    Py_ssize_t digits = j;
+    if (j < n && s[j] == '0')
+        j++;
+    else if (oj_digit(s, n, j))
+        while (oj_digit(s, n, j))
+            j++;
+    else
+        return -1;
+    digits = j - digits;
+    *integer = 1;
+    if (j < n && s[j] == '.') {
+        if (!oj_digit(s, n, ++j))
+            return -1;
+        while (oj_digit(s, n, j))
+            j++;
+        *integer = 0;
+    }
+    if (j < n && (s[j] == 'e' || s[j] == 'E')) {
+        j++;
+        if (j < n && (s[j] == '+' || s[j] == '-'))
+            j++;
+        if (!oj_digit(s, n, j))
+            return -1;
+        while (oj_digit(s, n, j))
+            j++;
+        *integer = 0;
+    }
+    if (*integer && digits > OJ_MAX_DIGITS)
+        return -1;
+    return j;
+}
+
+static Py_ssize_t
+oj_literal(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, const char *word, Py_ssize_t len)
+{
+    return i + len <= n && memcmp(s + i, word, (size_t)len) == 0 ? i + len : -1;
+}
+
+/* The value at s[i] (whitespace skipped): the index after it, or -1. */
+static Py_ssize_t
+oj_value(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, int depth)
+{
+    int flag = 0;
+    if (i >= n)
+        return -1;
+    switch (s[i]) {
+    case '"':
+        return oj_string(s, n, i, &flag);
+    case 't':
+        return oj_literal(s, n, i, "true", 4);
+    case 'f':
+        return oj_literal(s, n, i, "false", 5);
+    case 'n':
+        return oj_literal(s, n, i, "null", 4);
+    case '{':
+    case '[': {
+        unsigned char close = s[i] == '{' ? '}' : ']';
+        if (depth >= OJ_MAX_DEPTH)
+            return -1;
+        i = oj_ws(s, n, i + 1);
+        if (i < n && s[i] == close)
+            return i + 1;
+        for (;;) {
+            if (close == '}') {
+                if (i >= n || s[i] != '"' || (i = oj_string(s, n, i, &flag)) < 0)
+                    return -1;
+                i = oj_ws(s, n, i);
+                if (i >= n || s[i] != ':')
+                    return -1;
+                i = oj_ws(s, n, i + 1);
+            }
+            if ((i = oj_value(s, n, i, depth + 1)) < 0)
+                return -1;
+            i = oj_ws(s, n, i);
+            if (i < n && s[i] == ',')
+                i = oj_ws(s, n, i + 1);
+            else if (i < n && s[i] == close)
+                return i + 1;
+            else
+                return -1;
+        }
+    }
+    default:
+        return oj_number(s, n, i, &flag);
+    }
+}
+
+/* The end of the value at s[i] in JSON oj_value has validated: a cheaper walk than validating
+ * again (strings are scanned for their closing quote only). */
+static Py_ssize_t
+oj_skip(const unsigned char *s, Py_ssize_t i)
+{
+    unsigned char c = s[i];
+    if (c == '"') {
+        for (i++; s[i] != '"'; i++)
+            if (s[i] == '\\')
+                i++;
+        return i + 1;
+    }
+    if (c == '{' || c == '[') {
+        int depth = 0;
+        for (;;) {
+            c = s[i];
+            if (c == '"') {
+                i = oj_skip(s, i);
+                continue;
+            }
+            if (c == '{' || c == '[')
+                depth++;
+            else if ((c == '}' || c == ']') && --depth == 0)
+                return i + 1;
+            i++;
+        }
+    }
+    /* a number or a literal: up to the next delimiter */
+    while (s[i] != ',' && s[i] != '}' && s[i] != ']' && s[i] != ' ' && s[i] != '\t' && s[i] != '\n' && s[i] != '\r')
+        i++;
+    return i;
+}
+
+/* A span of validated JSON: [start, end) of one value, or start = -1 when absent. */
+typedef struct {
+    Py_ssize_t start, end;
+} OJSpan;
+
+/* Whether the key token s[k:...] (at its opening quote) spells `word` with no escape. */
+static int
+oj_key_is(const unsigned char *s, Py_ssize_t k, Py_ssize_t k_end, const char *word)
+{
+    size_t len = strlen(word);
+    return (size_t)(k_end - k) == len + 2 && memcmp(s + k + 1, word, len) == 0;
+}
+
+/* The members of the validated object at s[i] == '{' named in `names` (the last of each, as a
+ * dict keeps it): their value spans in `out`. -1 when a key holds an escape (it might spell one
+ * of the names), else the index after the object. */
+static Py_ssize_t
+oj_members(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, const char *const *names, OJSpan *out, int count)
+{
+    for (int m = 0; m < count; m++)
+        out[m].start = out[m].end = -1;
+    i = oj_ws(s, n, i + 1);
+    if (s[i] == '}')
+        return i + 1;
+    for (;;) {
+        int escaped = 0;
+        Py_ssize_t key = i;
+        i = oj_string(s, n, i, &escaped);
+        if (escaped)
+            return -1;
+        Py_ssize_t key_end = i;
+        Py_ssize_t value = oj_ws(s, n, oj_ws(s, n, i) + 1); /* past the ':' */
+        i = oj_skip(s, value);
+        for (int m = 0; m < count; m++) {
+            if (oj_key_is(s, key, key_end, names[m])) {
+                out[m].start = value;
+                out[m].end = i;
+            }
+        }
+        i = oj_ws(s, n, i);
+        if (s[i] == '}')
+            return i + 1;
+        i = oj_ws(s, n, i + 1); /* past the ',' */
+    }
+}
+
+static Py_ssize_t
+oj_put_utf8(unsigned char *out, Py_ssize_t k, uint32_t cp)
+{
+    if (cp < 0x80) {
+        out[k++] = (unsigned char)cp;
+    }
+    else if (cp < 0x800) {
+        out[k++] = (unsigned char)(0xC0 | (cp >> 6));
+        out[k++] = (unsigned char)(0x80 | (cp & 0x3F));
+    }
+    else if (cp < 0x10000) {
+        out[k++] = (unsigned char)(0xE0 | (cp >> 12));
+        out[k++] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+        out[k++] = (unsigned char)(0x80 | (cp & 0x3F));
+    }
+    else {
+        out[k++] = (unsigned char)(0xF0 | (cp >> 18));
+        out[k++] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
+        out[k++] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+        out[k++] = (unsigned char)(0x80 | (cp & 0x3F));
+    }
+    return k;
+}
+
+static uint32_t
+oj_hex4(const unsigned char *p)
+{
+    return (uint32_t)(oj_hex(p[0]) << 12 | oj_hex(p[1]) << 8 | oj_hex(p[2]) << 4 | oj_hex(p[3]));
+}
+
+/* Appends the text of the validated string token at s[i] to out[*k...] (never more bytes than
+ * the token takes). The index after the token, or -1 for a lone surrogate: json.loads would
+ * keep it in the str, which cannot be encoded as UTF-8. */
+static Py_ssize_t
+oj_unescape(const unsigned char *s, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
+{
+    i++;
+    for (;;) {
+        Py_ssize_t run = i;
+        while (s[i] != '"' && s[i] != '\\')
+            i++;
+        memcpy(out + *k, s + run, (size_t)(i - run));
+        *k += i - run;
+        if (s[i] == '"')
+            return i + 1;
+        unsigned char e = s[i + 1];
+        if (e != 'u') {
+            unsigned char c = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
+            out[(*k)++] = c;
+            i += 2;
+            continue;
+        }
+        uint32_t cp = oj_hex4(s + i + 2);
+        i += 6;
+        if (cp >= 0xDC00 && cp <= 0xDFFF)
+            return -1;
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (s[i] != '\\' || s[i + 1] != 'u')
+                return -1;
+            uint32_t low = oj_hex4(s + i + 2);
+            if (low < 0xDC00 || low > 0xDFFF)
+                return -1;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+            i += 6;
+        }
+        *k = oj_put_utf8(out, *k, cp);
+    }
+}
+
+/* Whether the validated value at s[i:end] is the string "text", spelled without escapes. */
+static int
+oj_is_text(const unsigned char *s, OJSpan v)
+{
+    return v.end - v.start == 6 && memcmp(s + v.start, "\"text\"", 6) == 0;
+}
+
+/* A message's content as render_messages' _content_text reads it: a string, null, or a list
+ * of {"type": "text", "text": str} parts. 0, or -1 for anything else (a part it would render
+ * as canonical JSON, an error). */
+static int
+oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, Py_ssize_t *k)
+{
+    static const char *const part_names[] = {"type", "text"};
+    if (v.start < 0 || s[v.start] == 'n')
+        return 0;
+    if (s[v.start] == '"')
+        return oj_unescape(s, v.start, out, k) < 0 ? -1 : 0;
+    if (s[v.start] != '[')
+        return -1;
+    Py_ssize_t i = oj_ws(s, n, v.start + 1);
+    if (s[i] == ']')
+        return 0;
+    for (;;) {
+        OJSpan part[2];
+        if (s[i] != '{' || (i = oj_members(s, n, i, part_names, part, 2)) < 0)
+            return -1;
+        if (part[0].start < 0 || !oj_is_text(s, part[0]) || part[1].start < 0 || s[part[1].start] != '"')
+            return -1;
+        if (oj_unescape(s, part[1].start, out, k) < 0)
+            return -1;
+        i = oj_ws(s, n, i);
+        if (s[i] == ']')
+            return 0;
+        i = oj_ws(s, n, i + 1);
+    }
+}
+
+/* Whether the validated value at v is one Python finds false (`if calls:`): null, false, "",
+ * [] or {} (a number is left to Python). */
+static int
+oj_falsy(const unsigned char *s, Py_ssize_t n, OJSpan v)
+{
+    if (v.start < 0)
+        return 1;
+    unsigned char c = s[v.start];
+    if (c == 'n' || c == 'f')
+        return 1;
+    if (c == '"')
+        return v.end - v.start == 2;
+    if (c == '[' || c == '{')
+        return s[oj_ws(s, n, v.start + 1)] == (c == '[' ? ']' : '}');
+    return 0;
+}
+
+/* render_messages of the validated array at v: 0, or -1 where it would raise or render
+ * something this reader leaves to it. */
+static int
+oj_render_messages(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, Py_ssize_t *k)
+{
+    static const char *const names[] = {"role", "content", "tool_calls"};
+    if (s[v.start] != '[')
+        return -1;
+    Py_ssize_t i = oj_ws(s, n, v.start + 1);
+    if (s[i] == ']')
+        return -1; /* messages: expected a non-empty list */
+    for (;;) {
+        OJSpan m[3];
+        if (s[i] != '{' || (i = oj_members(s, n, i, names, m, 3)) < 0)
+            return -1;
+        if (m[0].start < 0 || s[m[0].start] != '"' || m[0].end - m[0].start == 2 || !oj_falsy(s, n, m[2]))
+            return -1;
+        out[(*k)++] = '<';
+        out[(*k)++] = '|';
+        if (oj_unescape(s, m[0].start, out, k) < 0)
+            return -1;
+        out[(*k)++] = '|';
+        out[(*k)++] = '>';
+        out[(*k)++] = '\n';
+        if (oj_content(s, n, m[1], out, k) < 0)
+            return -1;
+        out[(*k)++] = '\n';
+        i = oj_ws(s, n, i);
+        if (s[i] == ']')
+            return 0;
+        i = oj_ws(s, n, i + 1);
+    }
+}
+
+/* The validated array at v as token ids (little-endian uint32s into out): their count, or -1
+ * unless it is a non-empty list of integers in [0, 2**32) (-0 is 0, as int("-0") is). */
+static Py_ssize_t
+oj_token_ids(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out)
+{
+    Py_ssize_t i = oj_ws(s, n, v.start + 1), count = 0;
+    if (s[i] == ']')
+        return -1;
+    for (;;) {
+        int integer = 0;
+        Py_ssize_t end = (s[i] == '-' || (s[i] >= '0' && s[i] <= '9')) ? oj_number(s, n, i, &integer) : -1;
+        if (end < 0 || !integer)
+            return -1;
+        Py_ssize_t d = i;
+        if (s[d] == '-') {
+            if (end - d != 2 || s[d + 1] != '0')
+                return -1;
+            d++;
+        }
+        uint64_t t = 0;
+        for (; d < end; d++)
+            t = t * 10 + (uint64_t)(s[d] - '0');
+        if (end - i > 10 || t > 0xFFFFFFFFull)
+            return -1;
+        out[4 * count] = (unsigned char)t;
+        out[4 * count + 1] = (unsigned char)(t >> 8);
+        out[4 * count + 2] = (unsigned char)(t >> 16);
+        out[4 * count + 3] = (unsigned char)(t >> 24);
+        count++;
+        i = oj_ws(s, n, end);
+        if (s[i] == ']')
+            return count;
+        i = oj_ws(s, n, i + 1);
+    }
+}
+
+/* Validates the body as one strict-JSON object and finds its top-level members `model`,
+ * `prompt` and `messages` (the last of each). 0, or -1 where Python must judge the body. */
+static int
+oj_top(const unsigned char *s, Py_ssize_t n, OJSpan *members)
+{
+    static const char *const names[] = {"model", "prompt", "messages"};
+    for (int m = 0; m < 3; m++)
+        members[m].start = members[m].end = -1;
+    Py_ssize_t i = oj_ws(s, n, 0);
+    if (i >= n || s[i] != '{')
+        return -1;
+    i = oj_ws(s, n, i + 1);
+    if (i < n && s[i] == '}')
+        i++;
+    else {
+        for (;;) {
+            int escaped = 0;
+            Py_ssize_t key = i;
+            if (i >= n || s[i] != '"' || (i = oj_string(s, n, i, &escaped)) < 0 || escaped)
+                return -1; /* invalid, or a key that might spell one of the names */
+            Py_ssize_t key_end = i;
+            i = oj_ws(s, n, i);
+            if (i >= n || s[i] != ':')
+                return -1;
+            Py_ssize_t value = oj_ws(s, n, i + 1);
+            if ((i = oj_value(s, n, value, 1)) < 0)
+                return -1;
+            for (int m = 0; m < 3; m++) {
+                if (oj_key_is(s, key, key_end, names[m])) {
+                    members[m].start = value;
+                    members[m].end = i;
+                }
+            }
+            i = oj_ws(s, n, i);
+            if (i < n && s[i] == ',')
+                i = oj_ws(s, n, i + 1);
+            else if (i < n && s[i] == '}') {
+                i++;
+                break;
+            }
+            else
+                return -1;
+        }
+    }
+    if (oj_ws(s, n, i) != n)
+        return -1;
+    return members[0].start >= 0 && s[members[0].start] != '"' ? -1 : 0; /* model: expected a string */
+}
+
+static PyObject *
+openai_prompt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "takes 2 arguments: (body: bytes, chat: bool)");
+        return NULL;
+    }
+    int chat = PyObject_IsTrue(args[1]);
+    if (chat < 0)
+        return NULL;
+    /* the body is immutable and the caller holds it: read without the GIL */
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    OJSpan members[3];
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = oj_top(s, n, members);
+    Py_END_ALLOW_THREADS
+    OJSpan prompt = members[chat ? 2 : 1];
+    if (valid < 0 || prompt.start < 0 || (s[prompt.start] != '"' && s[prompt.start] != '[')
+        || (chat && s[prompt.start] != '['))
+        Py_RETURN_NONE;
+    int ids = !chat && s[prompt.start] == '[';
+    Py_ssize_t span = prompt.end - prompt.start;
+    /* upper bounds: a token id takes at least 2 bytes with its comma; rendered text is never
+     * longer than its JSON (each message's markers are shorter than its braces and keys) */
+    Py_ssize_t cap = ids ? (span / 2 + 1) * 4 : span + 4;
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, cap);
+    if (payload == NULL)
+        return NULL;
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(payload);
+    Py_ssize_t length = 0, size = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (ids) {
+        length = oj_token_ids(s, n, prompt, out);
+        size = length * 4;
+    }
+    else {
+        int ok = chat ? oj_render_messages(s, n, prompt, out, &length) : (oj_unescape(s, prompt.start, out, &length) < 0 ? -1 : 0);
+        if (ok < 0) {
+            length = -1;
+        }
+        else {
+            size = length;
+            while (size % 4)
+                out[size++] = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (length < 0) {
+        Py_DECREF(payload);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&payload, size) < 0)
+        return NULL;
+    return Py_BuildValue("(nnONn)", members[0].start, members[0].end, ids ? Py_False : Py_True, payload, length);
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -2401,6 +2989,9 @@ static PyMethodDef native_methods[] = {
      "chain_split(blocks, prio) -> (continued blocks whose key is in prio, blocks not continued)"},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,
      "match_walk(blocks, keys, slots_mask) -> (overlaps, path), or NotImplemented for masks over 64 bits."},
+    {"openai_prompt", (PyCFunction)(void (*)(void))openai_prompt, METH_FASTCALL,
+     "openai_prompt(body, chat) -> (model_start, model_end, is_text, payload, length) | None: an OpenAI "
+     "body's prompt read with the GIL released; None leaves the body to the Python parser."},
     {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
      "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
     {"slots_filler", (PyCFunction)(void (*)(void))slots_filler, METH_FASTCALL,

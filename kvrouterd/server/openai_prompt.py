@@ -37,6 +37,16 @@ Keys, best source first:
 
 Keys are salted with the body's ``model`` unless ``salt_with_model`` is off, as ``Route``
 salts with its ``model`` field.
+
+:func:`body_keys` is what the endpoint picker calls: ``parse_body`` + ``PromptKeyer.keys`` in
+effect, with the body read by ``_native.openai_prompt`` (``index/_native.c``) when the extension
+is built, the GIL released, so that a multi-MiB body can be read on a worker thread while the
+event loop routes (issue #16 item 1): no Python object per token id or character, the ids kept
+as little-endian bytes and hashed as they are. Where the native reader declines a body (invalid
+JSON, a batched prompt, a non-text content part, tool calls, anything it leaves to Python), the
+Python parser reads it, so answers and errors are the same either way. A tokenizer is called
+through ``encode_batch``, which the ``tokenizers`` library runs with the GIL released
+(``encode`` holds it throughout).
 """
 
 from __future__ import annotations
@@ -49,13 +59,16 @@ from typing import Any, Protocol
 import xxhash
 
 from ..errors import ConfigError, InvalidRequest
-from ..index.keys import ROOT_SEED, chain_keys, namespace_seed, tokens_to_bytes
+from ..index import native
+from ..index.keys import ROOT_SEED, chain_keys, chain_keys_array, namespace_seed, tokens_to_bytes
 
 __all__ = [
+    "BodyKeys",
     "ParsedPrompt",
     "PromptKeyer",
     "PromptKeys",
     "Tokenizer",
+    "body_keys",
     "load_tokenizer",
     "parse_body",
     "render_messages",
@@ -81,17 +94,25 @@ class ParsedPrompt:
 
 @dataclass(slots=True, frozen=True)
 class PromptKeys:
-    keys: list[int]
+    keys: Sequence[int]
     prompt_tokens: int
     source: str  # "token_ids", "tokenizer" or "text"
 
 
-class Tokenizer(Protocol):
-    """The part of ``tokenizers.Tokenizer`` used here."""
+@dataclass(slots=True, frozen=True)
+class BodyKeys:
+    """What routing needs from a body (:func:`body_keys`): its ``model`` and prompt keys."""
 
-    def encode(
-        self, sequence: Any, pair: Any | None = None, is_pretokenized: bool = False, add_special_tokens: bool = True
-    ) -> Any: ...
+    model: str
+    prompt: PromptKeys
+
+
+class Tokenizer(Protocol):
+    """The part of ``tokenizers.Tokenizer`` used here: ``encode_batch`` releases the GIL while
+    it encodes (``encode`` does not), and ``encode_batch_fast``, where the installed version
+    has it, does the same without computing offsets."""
+
+    def encode_batch(self, input: Any, is_pretokenized: bool = False, add_special_tokens: bool = True) -> Any: ...
 
 
 def _endpoint(path: str) -> str | None:
@@ -245,23 +266,56 @@ class PromptKeyer:
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.salt_with_model = salt_with_model
-
-    def _token_keys(self, ids: Sequence[int], model: str) -> list[int]:
-        return chain_keys(tokens_to_bytes(ids), self.block_size, namespace_seed(model))
+        self._encode_batch = None if tokenizer is None else getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     def keys(self, prompt: ParsedPrompt) -> PromptKeys:
-        model = prompt.model if self.salt_with_model else ""
         extra = prompt.extra_tokens + -(-prompt.extra_text_bytes // 4)
         if prompt.token_ids is not None:
-            ids: Sequence[int] = prompt.token_ids
-            source = "token_ids"
-        elif self.tokenizer is not None:
-            assert prompt.text is not None
-            ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.endpoint == "completions").ids
-            source = "tokenizer"
-        else:
-            assert prompt.text is not None
-            keys, n = text_keys(prompt.text, self.block_size, model)
-            return PromptKeys(keys, max(1, n + extra), "text")
+            return self._token_keys(tokens_to_bytes(prompt.token_ids), prompt.model, extra, "token_ids")
+        assert prompt.text is not None
+        if self.tokenizer is not None:
+            return self._tokenized(prompt.text, prompt.endpoint, prompt.model, extra)
+        data = prompt.text.encode()
+        return self._text_keys(data + b"\x00" * (-len(data) % 4), prompt.model, extra)
+
+    def _token_keys(self, token_bytes: bytes, model: str, extra: int, source: str) -> PromptKeys:
+        seed = namespace_seed(model if self.salt_with_model else "")
         # an empty prompt still needs a worker; one token keeps the request valid
-        return PromptKeys(self._token_keys(ids, model), max(1, len(ids) + extra), source)
+        return PromptKeys(chain_keys_array(token_bytes, self.block_size, seed), max(1, len(token_bytes) // 4 + extra), source)
+
+    def _tokenized(self, text: str, endpoint: str, model: str, extra: int) -> PromptKeys:
+        assert self._encode_batch is not None
+        # special tokens for /completions as engines add them; chat text is our own rendering
+        ids = self._encode_batch([text], add_special_tokens=endpoint == "completions")[0].ids
+        return self._token_keys(tokens_to_bytes(ids), model, extra, "tokenizer")
+
+    def _text_keys(self, padded: bytes, model: str, extra: int) -> PromptKeys:
+        """Approximate keys (:func:`text_keys`) of UTF-8 text already zero-padded to 4 bytes."""
+        seed = text_seed(model if self.salt_with_model else "")
+        return PromptKeys(chain_keys_array(padded, self.block_size, seed), max(1, len(padded) // 4 + extra), "text")
+
+
+def body_keys(path: str, body: bytes, keyer: PromptKeyer) -> BodyKeys | None:
+    """The model and keys of an OpenAI body: ``keyer.keys(parse_body(path, body))`` with its
+    ``model``, None for a path without a prompt, the same InvalidRequest for a bad body.
+
+    The body is read natively with the GIL released where it can be (module docstring), so on a
+    worker thread this runs beside the event loop: of a 1M-token ``prompt`` only the hashing of
+    its 4 MiB of ids holds the GIL; with a tokenizer, the encoded ids' list and its conversion
+    (the encoding itself runs without it)."""
+    endpoint = _endpoint(path)
+    if endpoint is None:
+        return None
+    scanned = native.module.openai_prompt(body, endpoint == "chat") if native.module is not None else None
+    if scanned is None:
+        parsed = parse_body(path, body)
+        assert parsed is not None
+        return BodyKeys(parsed.model, keyer.keys(parsed))
+    model_start, model_end, is_text, payload, length = scanned
+    # the one small string Python decodes: the reader checked it is a string token
+    model: str = json.loads(body[model_start:model_end]) if model_start >= 0 else ""
+    if not is_text:
+        return BodyKeys(model, keyer._token_keys(payload, model, 0, "token_ids"))
+    if keyer.tokenizer is not None:
+        return BodyKeys(model, keyer._tokenized(payload[:length].decode(), endpoint, model, 0))
+    return BodyKeys(model, keyer._text_keys(payload, model, 0))

@@ -322,7 +322,7 @@ async def test_completions_token_ids_key_like_the_route_rpc(envoy):
     await s.send(headers_msg("/v1/completions", extra=[("x-request-id", "tok")]))
     await s.send(body_msg(json.dumps({"model": "m", "prompt": tokens}).encode(), True), expect=2)
     req = envoy.router.request("tok")
-    assert req.keys == block_keys(tokens, BS, model="m") and req.prompt_tokens == len(tokens) and req.model == "m"
+    assert list(req.keys) == block_keys(tokens, BS, model="m") and req.prompt_tokens == len(tokens) and req.model == "m"
     await s.close()
 
 

@@ -84,15 +84,15 @@ def test_token_id_prompts_key_exactly_like_route_token_ids():
     parsed = parse_body("/v1/completions", body(model="llama", prompt=tokens))
     pk = PromptKeyer(BS).keys(parsed)
     assert pk.source == "token_ids" and pk.prompt_tokens == len(tokens)
-    assert pk.keys == block_keys(tokens, BS, model="llama")
-    assert PromptKeyer(BS, salt_with_model=False).keys(parsed).keys == block_keys(tokens, BS)
+    assert list(pk.keys) == block_keys(tokens, BS, model="llama")
+    assert list(PromptKeyer(BS, salt_with_model=False).keys(parsed).keys) == block_keys(tokens, BS)
 
 
 def test_batched_completions_key_the_first_prompt_and_count_all():
     first = list(range(2 * BS))
     parsed = parse_body("/v1/completions", body(model="m", prompt=[first, [1, 2, 3], "abcdefgh"]))
     pk = PromptKeyer(BS).keys(parsed)
-    assert pk.keys == block_keys(first, BS, model="m")
+    assert list(pk.keys) == block_keys(first, BS, model="m")
     assert pk.prompt_tokens == 2 * BS + 3 + 2  # 8 bytes of text count as 2 pseudo-tokens
     texts = parse_body("/v1/completions", body(model="m", prompt=["a" * 64, "b"]))
     assert texts.text == "a" * 64 and texts.extra_text_bytes == 1
@@ -140,7 +140,7 @@ def test_local_tokenizer_file_keys_completions_like_engine_tokens(tmp_path):
     pk = keyer.keys(parsed)
     ids = [1] + [2, 3, 4, 5] * 3  # BOS added for /completions, as engines do
     assert pk.source == "tokenizer" and pk.prompt_tokens == 13
-    assert pk.keys == block_keys(ids, 4, model="m")
+    assert list(pk.keys) == block_keys(ids, 4, model="m")
     chat = parse_body("/v1/chat/completions", body(model="m", messages=[{"role": "user", "content": "once upon a time"}]))
     # no special tokens for our chat rendering; '<|user|>' is unknown to this vocabulary
     assert keyer.keys(chat).source == "tokenizer"

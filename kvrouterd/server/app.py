@@ -127,6 +127,8 @@ class Daemon:
         self.service.metrics = self.metrics
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
+        #: the Envoy endpoint picker, once serving (None when ext_proc.enabled is off)
+        self.ext_proc: ExtProcService | None = None
         self.port = 0
         self._maintenance: asyncio.Task[None] | None = None
         #: start() completed (stop() after a failed start closes quietly)
@@ -160,9 +162,12 @@ class Daemon:
         served = [KVROUTER_SERVICE]
         if self.config.ext_proc.enabled:
             # Envoy's ext_proc filter calls this port as its endpoint picker (docs/envoy.md)
-            ExtProcService.from_config(
+            self.ext_proc = ExtProcService.from_config(
                 self.router, self.config.ext_proc, self.tracer, self.metrics, self.admission
-            ).add_to_server(safe)  # type: ignore[arg-type]
+            )
+            # a body as large as a prompt read off the loop by Route is read off the loop too
+            self.ext_proc.off_loop_body_bytes = self.config.limits.off_loop_prompt_bytes
+            self.ext_proc.add_to_server(safe)  # type: ignore[arg-type]
             served.append(EXT_PROC_SERVICE)
         # what reflection.enable_server_reflection does for an aio server (it type-checks the server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(

@@ -12,7 +12,11 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   chunk, or trailers), because the prompt is in the body. A request whose headers end the
   stream (a GET) goes to any eligible worker: the least loaded, nothing committed.
 - The body is parsed as OpenAI JSON (``openai_prompt.py``), keyed, and routed through the
-  same ``Router.route`` as the ``Route`` RPC. The answer to the request headers sets the
+  same ``Router.route`` as the ``Route`` RPC. A body of ``limits.off_loop_prompt_bytes`` or
+  more is read, tokenized and hashed on a worker thread (``openai_prompt.body_keys``: the
+  native reader, the tokenizer's encoding and the hashing release the GIL), so other requests
+  are routed meanwhile; the decision itself then runs on the loop in one step, on the index
+  and fleet as they stand when the keys are ready, exactly as for a small body. The answer to the request headers sets the
   header ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
   the policy's alternative, up to ``ext_proc.max_endpoints``), overwriting any sent by the
   client, plus ``content-length`` and ``clear_route_cache`` as the reference does, **and**
@@ -52,10 +56,12 @@ One span (``kvrouter.ext_proc.route``) per routing decision, annotated like ``Ro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -74,7 +80,7 @@ from ..router import Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision
 from .admission import AdmissionGate
-from .openai_prompt import PromptKeyer, load_tokenizer, parse_body
+from .openai_prompt import BodyKeys, PromptKeyer, body_keys, load_tokenizer
 from .status import http_status, status_code
 
 __all__ = [
@@ -247,6 +253,12 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         #: the daemon's admission queues (None = off): a routed request waits there like Route's
         self.admission = admission
+        #: a body of this many bytes or more is read and keyed on a worker thread (the daemon
+        #: sets limits.off_loop_prompt_bytes; 0 = always on the loop)
+        self.off_loop_body_bytes = 0
+        #: what reads a body into its model and keys (a test wraps it to see the loop serve
+        #: other requests meanwhile)
+        self.key_body: Callable[[str, bytes], BodyKeys | None] = partial(body_keys, keyer=keyer)
 
     @classmethod
     def from_config(
@@ -373,19 +385,26 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             recording = self.tracing and span.is_recording()
             try:
                 candidates = self._candidates(ex)
-                parsed = parse_body(path, body) if body is not None else None
-                if parsed is None:
+                keyed = None
+                if body is not None and self.off_loop_body_bytes and len(body) >= self.off_loop_body_bytes:
+                    keyed = await asyncio.to_thread(self.key_body, path, body)
+                    # the fleet may have changed meanwhile: decide on it as it stands now, in
+                    # one step with the routing below, as for a body keyed on the loop
+                    candidates = self._candidates(ex)
+                elif body is not None:
+                    keyed = self.key_body(path, body)
+                if keyed is None:
                     worker = self._any_worker(candidates)
                     destination = worker.address
                     source, policy, reason = "none", "ext_proc", "no_prompt"
                 else:
-                    pk = self.keyer.keys(parsed)
+                    pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
                     if rid and self.router.request(rid) is not None:
                         rid = ""  # a client-chosen id already in flight: let the router name it
                     req = RouteRequest(
                         request_id=rid, keys=pk.keys, prompt_tokens=pk.prompt_tokens,
-                        model=parsed.model, candidate_workers=candidates,
+                        model=keyed.model, candidate_workers=candidates,
                     )
                     if self.admission is None:
                         result = self.router.route(req, explain=recording)

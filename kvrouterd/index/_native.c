@@ -2752,9 +2752,172 @@ oj_is_text(const unsigned char *s, OJSpan v)
     return v.end - v.start == 6 && memcmp(s + v.start, "\"text\"", 6) == 0;
 }
 
+/* ---- canonical JSON: what _canonical renders (json.dumps, sort_keys=True, separators=(",", ":"),
+ * ensure_ascii=False), for the content parts and tool calls render_messages appends as JSON */
+#define OJ_MAX_SORTED_MEMBERS 64
+
+static const char oj_hexdigits[] = "0123456789abcdef";
+
+/* The string token at s[i] as json.dumps writes the str it decodes to: `"`, `\`, and the
+ * control characters escaped (\b \f \n \r \t, else \u00xx), everything else as UTF-8. The index
+ * after the token, or -1 for a lone surrogate. */
+static Py_ssize_t
+oj_canonical_string(const unsigned char *s, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
+{
+    out[(*k)++] = '"';
+    i++;
+    for (;;) {
+        Py_ssize_t run = i;
+        while (s[i] != '"' && s[i] != '\\')
+            i++;
+        memcpy(out + *k, s + run, (size_t)(i - run));
+        *k += i - run;
+        if (s[i] == '"') {
+            out[(*k)++] = '"';
+            return i + 1;
+        }
+        uint32_t cp;
+        unsigned char e = s[i + 1];
+        if (e != 'u') {
+            cp = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
+            i += 2;
+        }
+        else {
+            cp = oj_hex4(s + i + 2);
+            i += 6;
+            if (cp >= 0xDC00 && cp <= 0xDFFF)
+                return -1;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                if (s[i] != '\\' || s[i + 1] != 'u')
+                    return -1;
+                uint32_t low = oj_hex4(s + i + 2);
+                if (low < 0xDC00 || low > 0xDFFF)
+                    return -1;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                i += 6;
+            }
+        }
+        const char *esc = cp == '"' ? "\\\"" : cp == '\\' ? "\\\\" : cp == '\b' ? "\\b" : cp == '\f' ? "\\f"
+                        : cp == '\n' ? "\\n" : cp == '\r' ? "\\r" : cp == '\t' ? "\\t" : NULL;
+        if (esc != NULL) {
+            out[(*k)++] = (unsigned char)esc[0];
+            out[(*k)++] = (unsigned char)esc[1];
+        }
+        else if (cp < 0x20) {
+            memcpy(out + *k, "\\u00", 4);
+            out[*k + 4] = (unsigned char)oj_hexdigits[cp >> 4];
+            out[*k + 5] = (unsigned char)oj_hexdigits[cp & 15];
+            *k += 6;
+        }
+        else {
+            *k = oj_put_utf8(out, *k, cp);
+        }
+    }
+}
+
+typedef struct {
+    Py_ssize_t key, key_end, value; /* the key token (quotes included) and where its value starts */
+} OJMember;
+
+static int
+oj_key_cmp(const unsigned char *s, const OJMember *a, const OJMember *b)
+{
+    Py_ssize_t la = a->key_end - a->key - 2, lb = b->key_end - b->key - 2;
+    int c = memcmp(s + a->key + 1, s + b->key + 1, (size_t)(la < lb ? la : lb));
+    return c != 0 ? c : (la > lb) - (la < lb);
+}
+
+/* The canonical JSON of the validated value at s[i] into out[*k...] (never longer than the
+ * value's own JSON): the index after the value, or -1 where this leaves it to Python: a float
+ * (its repr is Python's), an object with a duplicate key, an escaped key or more than
+ * OJ_MAX_SORTED_MEMBERS members, a lone surrogate. Keys sort as Python sorts str, by code
+ * point, which is the order of their UTF-8 bytes. */
+static Py_ssize_t
+oj_canonical(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
+{
+    unsigned char c = s[i];
+    if (c == '"')
+        return oj_canonical_string(s, i, out, k);
+    if (c == '[') {
+        out[(*k)++] = '[';
+        i = oj_ws(s, n, i + 1);
+        if (s[i] == ']') {
+            out[(*k)++] = ']';
+            return i + 1;
+        }
+        for (;;) {
+            if ((i = oj_canonical(s, n, i, out, k)) < 0)
+                return -1;
+            i = oj_ws(s, n, i);
+            out[(*k)++] = s[i];
+            if (s[i] == ']')
+                return i + 1;
+            i = oj_ws(s, n, i + 1);
+        }
+    }
+    if (c == '{') {
+        OJMember members[OJ_MAX_SORTED_MEMBERS];
+        int count = 0;
+        i = oj_ws(s, n, i + 1);
+        while (s[i] != '}') {
+            if (count == OJ_MAX_SORTED_MEMBERS)
+                return -1;
+            OJMember *m = &members[count++];
+            int escaped = 0;
+            m->key = i;
+            m->key_end = oj_string(s, n, i, &escaped);
+            if (escaped)
+                return -1;
+            m->value = oj_ws(s, n, oj_ws(s, n, m->key_end) + 1);
+            i = oj_ws(s, n, oj_skip(s, m->value));
+            if (s[i] == ',')
+                i = oj_ws(s, n, i + 1);
+        }
+        Py_ssize_t end = i + 1;
+        for (int a = 1; a < count; a++) { /* insertion sort: a handful of members */
+            OJMember m = members[a];
+            int b = a - 1;
+            for (; b >= 0 && oj_key_cmp(s, &members[b], &m) > 0; b--)
+                members[b + 1] = members[b];
+            members[b + 1] = m;
+        }
+        out[(*k)++] = '{';
+        for (int a = 0; a < count; a++) {
+            if (a > 0 && oj_key_cmp(s, &members[a - 1], &members[a]) == 0)
+                return -1; /* a dict keeps the last value: left to Python */
+            if (a > 0)
+                out[(*k)++] = ',';
+            memcpy(out + *k, s + members[a].key, (size_t)(members[a].key_end - members[a].key));
+            *k += members[a].key_end - members[a].key;
+            out[(*k)++] = ':';
+            if (oj_canonical(s, n, members[a].value, out, k) < 0)
+                return -1;
+        }
+        out[(*k)++] = '}';
+        return end;
+    }
+    if (c == 't' || c == 'f' || c == 'n') {
+        Py_ssize_t len = c == 'f' ? 5 : 4;
+        memcpy(out + *k, s + i, (size_t)len);
+        *k += len;
+        return i + len;
+    }
+    int integer = 0;
+    Py_ssize_t end = oj_number(s, n, i, &integer);
+    if (!integer)
+        return -1;
+    if (end - i == 2 && s[i] == '-' && s[i + 1] == '0') { /* int("-0") is 0 */
+        out[(*k)++] = '0';
+        return end;
+    }
+    memcpy(out + *k, s + i, (size_t)(end - i));
+    *k += end - i;
+    return end;
+}
+
 /* A message's content as render_messages' _content_text reads it: a string, null, or a list
- * of {"type": "text", "text": str} parts. 0, or -1 for anything else (a part it would render
- * as canonical JSON, an error). */
+ * of parts, {"type": "text", "text": str} as its text and any other object as its canonical
+ * JSON. 0, or -1 where it would raise or this leaves it to Python. */
 static int
 oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, Py_ssize_t *k)
 {
@@ -2770,12 +2933,19 @@ oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, P
         return 0;
     for (;;) {
         OJSpan part[2];
+        Py_ssize_t start = i;
         if (s[i] != '{' || (i = oj_members(s, n, i, part_names, part, 2)) < 0)
             return -1;
-        if (part[0].start < 0 || !oj_is_text(s, part[0]) || part[1].start < 0 || s[part[1].start] != '"')
+        if (part[0].start >= 0 && oj_is_text(s, part[0])) {
+            if (part[1].start < 0 || s[part[1].start] != '"' || oj_unescape(s, part[1].start, out, k) < 0)
+                return -1;
+        }
+        else if (part[0].start >= 0 && s[part[0].start] == '"' && memchr(s + part[0].start, '\\', (size_t)(part[0].end - part[0].start))) {
+            return -1; /* a "type" that might spell "text" */
+        }
+        else if (oj_canonical(s, n, start, out, k) < 0) {
             return -1;
-        if (oj_unescape(s, part[1].start, out, k) < 0)
-            return -1;
+        }
         i = oj_ws(s, n, i);
         if (s[i] == ']')
             return 0;
@@ -2784,7 +2954,7 @@ oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, P
 }
 
 /* Whether the validated value at v is one Python finds false (`if calls:`): null, false, "",
- * [] or {} (a number is left to Python). */
+ * [], {} or the integer 0 (a float is left to the canonical rendering, which declines it). */
 static int
 oj_falsy(const unsigned char *s, Py_ssize_t n, OJSpan v)
 {
@@ -2797,7 +2967,8 @@ oj_falsy(const unsigned char *s, Py_ssize_t n, OJSpan v)
         return v.end - v.start == 2;
     if (c == '[' || c == '{')
         return s[oj_ws(s, n, v.start + 1)] == (c == '[' ? ']' : '}');
-    return 0;
+    Py_ssize_t digits = v.start + (c == '-');
+    return v.end - digits == 1 && s[digits] == '0';
 }
 
 /* render_messages of the validated array at v: 0, or -1 where it would raise or render
@@ -2815,7 +2986,7 @@ oj_render_messages(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char
         OJSpan m[3];
         if (s[i] != '{' || (i = oj_members(s, n, i, names, m, 3)) < 0)
             return -1;
-        if (m[0].start < 0 || s[m[0].start] != '"' || m[0].end - m[0].start == 2 || !oj_falsy(s, n, m[2]))
+        if (m[0].start < 0 || s[m[0].start] != '"' || m[0].end - m[0].start == 2)
             return -1;
         out[(*k)++] = '<';
         out[(*k)++] = '|';
@@ -2825,6 +2996,8 @@ oj_render_messages(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char
         out[(*k)++] = '>';
         out[(*k)++] = '\n';
         if (oj_content(s, n, m[1], out, k) < 0)
+            return -1;
+        if (!oj_falsy(s, n, m[2]) && oj_canonical(s, n, m[2].start, out, k) < 0)
             return -1;
         out[(*k)++] = '\n';
         i = oj_ws(s, n, i);

@@ -195,6 +195,24 @@ EDGE_CASES = [
     (CHAT, b'{"messages": {"role": "user"}}'),
     (CHAT, b'{"messages": ["hi"]}'),
     (CHAT, b'{"prompt": "not read on this path"}'),
+    # parts and tool calls rendered as canonical JSON (sorted keys, no spaces, ensure_ascii off)
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "x"}},'
+           b' {"z": [1, -0, true, false, null, "\\u0001\\"\\\\\\/\\u2028\\u007f\\u00e9\\ud83d\\ude00\\b\\f\\n\\r\\t"],'
+           b' "\xc3\xa9": {}, "a": [], "B": {"y": 2, "x": 1}}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "a": 1, "a": 2}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": {"a": 1, "a": 2}}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": {"\\u0061": 1}}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": 1.5}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": "\\udc00"}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": 5, "text": "x"}, {"text": "y"}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [' + b", ".join(b'{"type": "i", "k%d": %d}' % (i, i) for i in range(3))
+           + b', {' + b", ".join(b'"k%03d": %d' % (i, i) for i in range(70)) + b'}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": "call"}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": 7}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": -0}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": true}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": {"a": null}}]}'),
 ]
 
 
@@ -212,6 +230,12 @@ def test_edge_cases_answer_as_the_python_parser_answers(word_tokenizer, path, ra
             {"role": "system", "content": "é" * 30},
             {"role": "user", "content": [{"type": "text", "text": "once upon"}, {"type": "text", "text": " a time"}]},
             {"role": "assistant", "content": None, "tool_calls": []},
+        ]}),
+        (CHAT, {"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO", "detail": "auto"}}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{\"q\": \"é\"}"}}]},
         ]}),
     ],
 )

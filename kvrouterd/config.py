@@ -86,8 +86,9 @@ class LimitsConfig:
     #: largest gRPC message accepted or sent, bytes (a 1M-token prompt is ~4 MiB packed)
     max_message_bytes: int = 16 * 1024 * 1024
     max_prompt_tokens: int = 1 << 20
-    #: a Route whose prompt field takes this many bytes or more (256 KiB: 64k packed tokens) is
-    #: decoded and hashed on a worker thread, so it does not hold up the routing loop; 0 = never
+    #: a Route whose prompt field takes this many bytes or more (256 KiB: 64k packed tokens), and
+    #: an ext_proc request body this large, is decoded (tokenized) and hashed on a worker thread,
+    #: so it does not hold up the routing loop; 0 = never
     off_loop_prompt_bytes: int = 256 * 1024
     #: events per PublishEvents batch
     max_batch_events: int = 65536

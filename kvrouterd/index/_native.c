@@ -2436,6 +2436,48 @@ oj_hex(unsigned char c)
     return -1;
 }
 
+/* Bytes are read 8 at a time where a string is plain: prompts are long runs of ASCII text
+ * between escapes. Each test below is exact about "none of these 8 bytes is special"; when
+ * one may be, the bytes are looked at one by one. */
+static const uint64_t oj_ones = 0x0101010101010101ull, oj_highs = 0x8080808080808080ull;
+
+static inline uint64_t
+oj_has_byte(uint64_t w, unsigned char c)
+{
+    uint64_t x = w ^ (oj_ones * c);
+    return (x - oj_ones) & ~x & oj_highs;
+}
+
+/* The first index >= i (< n) holding '"', '\\', a control character or a non-ASCII byte. */
+static Py_ssize_t
+oj_plain(const unsigned char *s, Py_ssize_t n, Py_ssize_t i)
+{
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        if ((oj_has_byte(w, '"') | oj_has_byte(w, '\\') | ((w - oj_ones * 0x20) & oj_highs) | (w & oj_highs)) != 0)
+            break;
+    }
+    while (i < n && s[i] >= 0x20 && s[i] < 0x80 && s[i] != '"' && s[i] != '\\')
+        i++;
+    return i;
+}
+
+/* The first index >= i (< n) holding '"' or '\\' (in validated JSON, one always follows). */
+static Py_ssize_t
+oj_quote_or_escape(const unsigned char *s, Py_ssize_t n, Py_ssize_t i)
+{
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        if ((oj_has_byte(w, '"') | oj_has_byte(w, '\\')) != 0)
+            break;
+    }
+    while (s[i] != '"' && s[i] != '\\')
+        i++;
+    return i;
+}
+
 /* The string token at s[i] == '"': the index after its closing quote, or -1. Strict UTF-8 (no
  * overlongs, no surrogates, nothing past U+10FFFF), no raw control characters, valid escapes.
  * *escaped is set when the token holds a backslash. */
@@ -2443,7 +2485,7 @@ static Py_ssize_t
 oj_string(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, int *escaped)
 {
     i++;
-    while (i < n) {
+    while ((i = oj_plain(s, n, i)) < n) {
         unsigned char c = s[i];
         if (c == '"')
             return i + 1;
@@ -2600,13 +2642,12 @@ oj_value(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, int depth)
 /* The end of the value at s[i] in JSON oj_value has validated: a cheaper walk than validating
  * again (strings are scanned for their closing quote only). */
 static Py_ssize_t
-oj_skip(const unsigned char *s, Py_ssize_t i)
+oj_skip(const unsigned char *s, Py_ssize_t n, Py_ssize_t i)
 {
     unsigned char c = s[i];
     if (c == '"') {
-        for (i++; s[i] != '"'; i++)
-            if (s[i] == '\\')
-                i++;
+        for (i = oj_quote_or_escape(s, n, i + 1); s[i] != '"'; i = oj_quote_or_escape(s, n, i + 2))
+            ;
         return i + 1;
     }
     if (c == '{' || c == '[') {
@@ -2614,7 +2655,7 @@ oj_skip(const unsigned char *s, Py_ssize_t i)
         for (;;) {
             c = s[i];
             if (c == '"') {
-                i = oj_skip(s, i);
+                i = oj_skip(s, n, i);
                 continue;
             }
             if (c == '{' || c == '[')
@@ -2662,7 +2703,7 @@ oj_members(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, const char *const
             return -1;
         Py_ssize_t key_end = i;
         Py_ssize_t value = oj_ws(s, n, oj_ws(s, n, i) + 1); /* past the ':' */
-        i = oj_skip(s, value);
+        i = oj_skip(s, n, value);
         for (int m = 0; m < count; m++) {
             if (oj_key_is(s, key, key_end, names[m])) {
                 out[m].start = value;
@@ -2710,13 +2751,12 @@ oj_hex4(const unsigned char *p)
  * the token takes). The index after the token, or -1 for a lone surrogate: json.loads would
  * keep it in the str, which cannot be encoded as UTF-8. */
 static Py_ssize_t
-oj_unescape(const unsigned char *s, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
+oj_unescape(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
 {
     i++;
     for (;;) {
         Py_ssize_t run = i;
-        while (s[i] != '"' && s[i] != '\\')
-            i++;
+        i = oj_quote_or_escape(s, n, i);
         memcpy(out + *k, s + run, (size_t)(i - run));
         *k += i - run;
         if (s[i] == '"')
@@ -2762,14 +2802,13 @@ static const char oj_hexdigits[] = "0123456789abcdef";
  * control characters escaped (\b \f \n \r \t, else \u00xx), everything else as UTF-8. The index
  * after the token, or -1 for a lone surrogate. */
 static Py_ssize_t
-oj_canonical_string(const unsigned char *s, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
+oj_canonical_string(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
 {
     out[(*k)++] = '"';
     i++;
     for (;;) {
         Py_ssize_t run = i;
-        while (s[i] != '"' && s[i] != '\\')
-            i++;
+        i = oj_quote_or_escape(s, n, i);
         memcpy(out + *k, s + run, (size_t)(i - run));
         *k += i - run;
         if (s[i] == '"') {
@@ -2837,7 +2876,7 @@ oj_canonical(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *
 {
     unsigned char c = s[i];
     if (c == '"')
-        return oj_canonical_string(s, i, out, k);
+        return oj_canonical_string(s, n, i, out, k);
     if (c == '[') {
         out[(*k)++] = '[';
         i = oj_ws(s, n, i + 1);
@@ -2869,7 +2908,7 @@ oj_canonical(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *
             if (escaped)
                 return -1;
             m->value = oj_ws(s, n, oj_ws(s, n, m->key_end) + 1);
-            i = oj_ws(s, n, oj_skip(s, m->value));
+            i = oj_ws(s, n, oj_skip(s, n, m->value));
             if (s[i] == ',')
                 i = oj_ws(s, n, i + 1);
         }
@@ -2925,7 +2964,7 @@ oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, P
     if (v.start < 0 || s[v.start] == 'n')
         return 0;
     if (s[v.start] == '"')
-        return oj_unescape(s, v.start, out, k) < 0 ? -1 : 0;
+        return oj_unescape(s, n, v.start, out, k) < 0 ? -1 : 0;
     if (s[v.start] != '[')
         return -1;
     Py_ssize_t i = oj_ws(s, n, v.start + 1);
@@ -2937,7 +2976,7 @@ oj_content(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char *out, P
         if (s[i] != '{' || (i = oj_members(s, n, i, part_names, part, 2)) < 0)
             return -1;
         if (part[0].start >= 0 && oj_is_text(s, part[0])) {
-            if (part[1].start < 0 || s[part[1].start] != '"' || oj_unescape(s, part[1].start, out, k) < 0)
+            if (part[1].start < 0 || s[part[1].start] != '"' || oj_unescape(s, n, part[1].start, out, k) < 0)
                 return -1;
         }
         else if (part[0].start >= 0 && s[part[0].start] == '"' && memchr(s + part[0].start, '\\', (size_t)(part[0].end - part[0].start))) {
@@ -2990,7 +3029,7 @@ oj_render_messages(const unsigned char *s, Py_ssize_t n, OJSpan v, unsigned char
             return -1;
         out[(*k)++] = '<';
         out[(*k)++] = '|';
-        if (oj_unescape(s, m[0].start, out, k) < 0)
+        if (oj_unescape(s, n, m[0].start, out, k) < 0)
             return -1;
         out[(*k)++] = '|';
         out[(*k)++] = '>';
@@ -3130,7 +3169,7 @@ openai_prompt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         size = length * 4;
     }
     else {
-        int ok = chat ? oj_render_messages(s, n, prompt, out, &length) : (oj_unescape(s, prompt.start, out, &length) < 0 ? -1 : 0);
+        int ok = chat ? oj_render_messages(s, n, prompt, out, &length) : (oj_unescape(s, n, prompt.start, out, &length) < 0 ? -1 : 0);
         if (ok < 0) {
             length = -1;
         }

@@ -70,7 +70,8 @@ def _words(rng: random.Random) -> list[str]:
 def huge_body(form: str, tokens: int, mib: float, seed: int) -> tuple[str, bytes]:
     rng = random.Random(seed)
     if form == "ids":
-        return "/v1/completions", json.dumps({"model": "m", "prompt": [rng.randrange(128_000) for _ in range(tokens)]}).encode()
+        ids = [rng.randrange(128_000) for _ in range(tokens)]
+        return "/v1/completions", json.dumps({"model": "m", "prompt": ids}).encode()
     if form == "image":  # a content part the native reader leaves to Python (rendered as canonical JSON)
         image = base64.b64encode(rng.randbytes(int(mib * (1 << 20)) * 3 // 4)).decode()
         return "/v1/chat/completions", json.dumps({"model": "m", "messages": [{"role": "user", "content": [

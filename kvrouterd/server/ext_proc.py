@@ -16,8 +16,9 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   more is read, tokenized and hashed on a worker thread (``openai_prompt.body_keys``: the
   native reader, the tokenizer's encoding and the hashing release the GIL), so other requests
   are routed meanwhile; the decision itself then runs on the loop in one step, on the index
-  and fleet as they stand when the keys are ready, exactly as for a small body. The answer to the request headers sets the
-  header ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
+  and fleet as they stand when the keys are ready, exactly as for a small body (docs/envoy.md,
+  "Huge bodies"). The answer to the request headers sets the header
+  ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
   the policy's alternative, up to ``ext_proc.max_endpoints``), overwriting any sent by the
   client, plus ``content-length`` and ``clear_route_cache`` as the reference does, **and**
   the same value in ``dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]``.

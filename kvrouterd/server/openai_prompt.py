@@ -43,8 +43,8 @@ effect, with the body read by ``_native.openai_prompt`` (``index/_native.c``) wh
 is built, the GIL released, so that a multi-MiB body can be read on a worker thread while the
 event loop routes (issue #16 item 1): no Python object per token id or character, the ids kept
 as little-endian bytes and hashed as they are. Where the native reader declines a body (invalid
-JSON, a batched prompt, a non-text content part, tool calls, anything it leaves to Python), the
-Python parser reads it, so answers and errors are the same either way. A tokenizer is called
+JSON, a batched prompt, a float or a duplicate key in a content part, anything else it leaves
+to Python), the Python parser reads it, so answers and errors are the same either way. A tokenizer is called
 through ``encode_batch``, which the ``tokenizers`` library runs with the GIL released
 (``encode`` holds it throughout).
 """
@@ -266,7 +266,10 @@ class PromptKeyer:
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.salt_with_model = salt_with_model
-        self._encode_batch = None if tokenizer is None else getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        #: encode_batch_fast (no offsets) where the installed tokenizers has it
+        self._encode_batch = None if tokenizer is None else getattr(
+            tokenizer, "encode_batch_fast", tokenizer.encode_batch
+        )
 
     def keys(self, prompt: ParsedPrompt) -> PromptKeys:
         extra = prompt.extra_tokens + -(-prompt.extra_text_bytes // 4)
@@ -281,7 +284,8 @@ class PromptKeyer:
     def _token_keys(self, token_bytes: bytes, model: str, extra: int, source: str) -> PromptKeys:
         seed = namespace_seed(model if self.salt_with_model else "")
         # an empty prompt still needs a worker; one token keeps the request valid
-        return PromptKeys(chain_keys_array(token_bytes, self.block_size, seed), max(1, len(token_bytes) // 4 + extra), source)
+        keys = chain_keys_array(token_bytes, self.block_size, seed)
+        return PromptKeys(keys, max(1, len(token_bytes) // 4 + extra), source)
 
     def _tokenized(self, text: str, endpoint: str, model: str, extra: int) -> PromptKeys:
         assert self._encode_batch is not None

@@ -130,7 +130,9 @@ async def test_huge_bodies_are_routed_as_on_the_loop():
                 if i % 2:
                     await s.close()  # completes: some load released, some held
             r = env.router
-            got.append(sorted((w.id, w.inflight_requests, w.pending_prefill_tokens, r.index.count(w.slot)) for w in r.workers))
+            got.append(sorted(
+                (w.id, w.inflight_requests, w.pending_prefill_tokens, r.index.count(w.slot)) for w in r.workers
+            ))
             answers.append(got)
     assert answers[0] == answers[1]
     # cache-aware routing did follow the shared prefixes (the equality is not of empty answers)
@@ -148,7 +150,8 @@ async def test_huge_bodies_are_rejected_as_on_the_loop_and_change_nothing(envoy)
         # not JSON; a bad token id at the end of a valid list; a message without a role
         ("/v1/completions", [ids_body(list(range(5000)))[:-1] + b",]}"], 400),
         ("/v1/completions", [ids_body(list(range(5000)) + [-1])], 400),
-        ("/v1/chat/completions", [json.dumps({"model": "m", "messages": [{"role": "", "content": "x" * 9000}]}).encode()], 400),
+        ("/v1/chat/completions",
+         [json.dumps({"model": "m", "messages": [{"role": "", "content": "x" * 9000}]}).encode()], 400),
     ]
     for path, chunks, status in cases:
         assert sum(map(len, chunks)) >= OFF_LOOP_BYTES

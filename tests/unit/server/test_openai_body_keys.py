@@ -88,11 +88,15 @@ text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40
     ["once upon a time", "é", "\x00", "\U0001f600", "\"\\/\b\f\n\r\t", ""]
 )
 scalars = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | text
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
+anything = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8
+)
 token = st.integers(0, 2**32 - 1) | st.sampled_from([0, 1, 2**32 - 1, 2**32, -1, 7])
 token_list = st.lists(token, min_size=0, max_size=3 * BS + 2)
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
-part = text_part | st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text", "input_audio"]), "text": anything})
+part = text_part | st.fixed_dictionaries(
+    {"type": st.sampled_from(["image_url", "text", "input_audio"]), "text": anything}
+)
 content = st.none() | text | st.lists(text_part, max_size=3) | st.lists(part, max_size=2) | anything
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "", "t\u00e9"]) | anything},
@@ -182,7 +186,8 @@ EDGE_CASES = [
     (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": 0}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": 0.0}]}'),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b", "type": "text"}]}]}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+           b' {"text": "b", "type": "text"}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,x"}}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "te\\u0078t", "text": "a"}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "type": "image"}]}]}'),
@@ -196,7 +201,8 @@ EDGE_CASES = [
     (CHAT, b'{"messages": ["hi"]}'),
     (CHAT, b'{"prompt": "not read on this path"}'),
     # parts and tool calls rendered as canonical JSON (sorted keys, no spaces, ensure_ascii off)
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "x"}},'
+    (CHAT, b'{"messages": [{"role": "user", "content": ['
+           b'{"type": "image_url", "image_url": {"url": "u", "detail": "x"}},'
            b' {"z": [1, -0, true, false, null, "\\u0001\\"\\\\\\/\\u2028\\u007f\\u00e9\\ud83d\\ude00\\b\\f\\n\\r\\t"],'
            b' "\xc3\xa9": {}, "a": [], "B": {"y": 2, "x": 1}}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "a": 1, "a": 2}]}]}'),
@@ -205,7 +211,8 @@ EDGE_CASES = [
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": 1.5}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image", "x": "\\udc00"}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": 5, "text": "x"}, {"text": "y"}]}]}'),
-    (CHAT, b'{"messages": [{"role": "user", "content": [' + b", ".join(b'{"type": "i", "k%d": %d}' % (i, i) for i in range(3))
+    (CHAT, b'{"messages": [{"role": "user", "content": ['
+           + b", ".join(b'{"type": "i", "k%d": %d}' % (i, i) for i in range(3))
            + b', {' + b", ".join(b'"k%03d": %d' % (i, i) for i in range(70)) + b'}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "x", "tool_calls": "call"}]}'),
@@ -232,8 +239,10 @@ def test_edge_cases_answer_as_the_python_parser_answers(word_tokenizer, path, ra
             {"role": "assistant", "content": None, "tool_calls": []},
         ]}),
         (CHAT, {"model": "m", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO", "detail": "auto"}}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO", "detail": "auto"}},
+            ]},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{\"q\": \"é\"}"}}]},
         ]}),

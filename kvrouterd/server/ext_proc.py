@@ -63,6 +63,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -119,7 +120,9 @@ class _Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     subset: tuple[str, ...] | None = None
     response_body_full_duplex: bool = True
-    body: bytearray = field(default_factory=bytearray)
+    #: the request body's chunks as received, and their total size (joined once, when complete)
+    body: list[bytes] = field(default_factory=list)
+    body_size: int = 0
     decided: bool = False
     #: set when the router committed load for this request (to be released by Complete)
     request_id: str = ""
@@ -296,8 +299,10 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
 
     async def _on_message(
         self, ex: _Exchange, msg: ep.ProcessingRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[list[ep.ProcessingResponse], bool]:
-        """Replies to one message, and whether the exchange ended (ImmediateResponse)."""
+    ) -> tuple[Iterable[ep.ProcessingResponse], bool]:
+        """Replies to one message, and whether the exchange ended (ImmediateResponse). The replies
+        may be a generator: built one by one as they are sent, so that echoing a multi-MiB body
+        is not one long step of the loop."""
         if msg.HasField("protocol_config"):
             request_mode = msg.protocol_config.request_body_mode
             if request_mode not in (_FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE):
@@ -322,22 +327,21 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         if kind == "request_body":
             if ex.decided:  # a late chunk after an answer: pass it on unchanged
                 return list(_body_chunks(msg.request_body.body, msg.request_body.end_of_stream)), False
-            ex.body += msg.request_body.body
-            if len(ex.body) > self.settings.max_body_bytes:
+            ex.body.append(msg.request_body.body)
+            ex.body_size += len(msg.request_body.body)
+            if ex.body_size > self.settings.max_body_bytes:
                 return self._reject(ex, Overloaded(
                     f"request body over ext_proc.max_body_bytes={self.settings.max_body_bytes}"
                 )), True
             if msg.request_body.end_of_stream:
-                return await self._decide(ex, bytes(ex.body), context, end_of_stream=True)
+                return await self._decide(ex, b"".join(ex.body), context, end_of_stream=True)
             return [], False
         if kind == "request_trailers":
-            replies: list[ep.ProcessingResponse] = []
-            if not ex.decided:
-                replies, finished = await self._decide(ex, bytes(ex.body), context, end_of_stream=False)
-                if finished:
-                    return replies, True
-            replies.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
-            return replies, False
+            trailers = [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+            if ex.decided:
+                return trailers, False
+            replies, finished = await self._decide(ex, b"".join(ex.body), context, end_of_stream=False)
+            return (replies, True) if finished else (chain(replies, trailers), False)
         if kind == "response_headers":
             return [self._on_response_headers(ex, msg)], False
         if kind == "response_body":
@@ -378,7 +382,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
 
     async def _decide(
         self, ex: _Exchange, body: bytes | None, context: grpc.aio.ServicerContext, *, end_of_stream: bool
-    ) -> tuple[list[ep.ProcessingResponse], bool]:
+    ) -> tuple[Iterable[ep.ProcessingResponse], bool]:
         ex.decided = True
         started = time.perf_counter()
         path = ex.headers.get(":path", "")
@@ -438,10 +442,10 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         if self.metrics is not None:
             self.metrics.decisions.add(1, {"policy": policy, "reason": reason})
             self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
-        replies = [_destination_response(destination, len(body or b""))]
-        if body is not None:
-            replies.extend(_body_chunks(body, end_of_stream))
-        return replies, False
+        answer = [_destination_response(destination, len(body or b""))]
+        if body is None:
+            return answer, False
+        return chain(answer, _body_chunks(body, end_of_stream)), False
 
     # ---- response path ------------------------------------------------------------------
     def _on_response_headers(self, ex: _Exchange, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:

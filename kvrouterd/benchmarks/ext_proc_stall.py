@@ -178,7 +178,7 @@ def _gaps_while(work: Any) -> tuple[float, float]:
         gaps.append(now - last)
         last = now
     worker.join()
-    return max(gaps), sum(g for g in gaps if g > 0.001)
+    return max(gaps, default=0.0), sum(g for g in gaps if g > 0.001)
 
 
 def loop_held(args: argparse.Namespace) -> dict[str, Any]:

@@ -55,7 +55,8 @@ def _chain_split_native(blocks: Sequence[Block], prio: dict[Block, Any]) -> tupl
 
 #: chain_split_py, or the same loop in C (``_native.c``) where the extension is built
 chain_split = _chain_split_native if native.module is not None else chain_split_py
-#: the C loop itself, for callers that know their arguments are a list and a dict
+#: the C loop itself, for callers that know their arguments are a list and a dict (and call it
+#: only while ``chain_split`` is the native one: a test swaps in the reference)
 _native_split = native.module.chain_split if native.module is not None else None
 
 
@@ -233,7 +234,7 @@ class SortedLeaves:
         s = self._slots.get(slot)
         if s is None:
             s = self._slots[slot] = _Slot()
-        if _native_split is not None and type(blocks) is list:
+        if chain_split is _chain_split_native and type(blocks) is list:
             continued, ends = _native_split(blocks, s.prio)
         else:
             continued, ends = chain_split(blocks, s.prio)

@@ -1066,16 +1066,23 @@ class Router:
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
                 return
             seed = parent_key
-        # keys as an array('Q'): the native index and engine-hash map read it in place, with no
-        # int object made per block (the pure-Python path reads it as a sequence of ints)
-        if ev.extra_hashes is None:
-            keys: Sequence[int] = chain_keys_array(data, self.block_size, seed)
+        reverse = self._engine_hash_of.get(worker.slot) if hashes is not None else None
+        if ev.extra_hashes is None and reverse is None:
+            # hashing, storing and the engine-hash map in one native call (RadixIndex.store_hashed)
+            keys: Sequence[int]
+            keys, blocks = self.index.store_hashed(worker.slot, parent_key, data, self.block_size, seed, now,
+                                                   None if hashes is None else worker.engine_keys, hashes)
+            hashes = None  # mapped
         else:
-            keys = chain_keys_with_extras(data, self.block_size, seed, ev.extra_hashes)
-        blocks = self.index.store(worker.slot, parent_key, keys, now)
+            # keys as an array('Q'): the native index and engine-hash map read it in place, with no
+            # int object made per block (the pure-Python path reads it as a sequence of ints)
+            if ev.extra_hashes is None:
+                keys = chain_keys_array(data, self.block_size, seed)
+            else:
+                keys = chain_keys_with_extras(data, self.block_size, seed, ev.extra_hashes)
+            blocks = self.index.store(worker.slot, parent_key, keys, now)
         if hashes is not None:
             mapping = worker.engine_keys
-            reverse = self._engine_hash_of.get(worker.slot)
             map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
             if map_pairs is not None and reverse is None:
                 map_pairs(hashes, keys)

@@ -31,6 +31,7 @@
 static PyObject *holders_name; /* interned "holders" */
 static PyObject *float_zero;   /* 0.0: a new Block's last_access */
 static PyObject *zero;         /* 0: a new Block's hits */
+static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -780,6 +781,41 @@ U64Map_sizeof(U64Table *t, PyObject *unused)
  * s != t (an engine hash that is the block key itself needs no entry); returns how many were
  * set. Each is a list or tuple of ints or an array('Q') (read in place). Both are validated
  * before anything changes. The per-block loop of Router.apply's engine-hash bookkeeping. */
+/* map_pairs' loop over the two open sequences (zip()'s length): how many were set, or -1 */
+static Py_ssize_t
+map_pairs_run(U64Table *t, const U64Keys *src, const U64Keys *dst)
+{
+    Py_ssize_t n = src->n < dst->n ? src->n : dst->n; /* as zip() */
+    uint64_t *pairs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
+    Py_ssize_t set = 0;
+    if (pairs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (u64_keys_get(src, i, &pairs[2 * i]) < 0 || u64_keys_get(dst, i, &pairs[2 * i + 1]) < 0)
+            goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
+        if (key == value)
+            continue;
+        Py_ssize_t at = t_find(t, key);
+        if (at < 0) {
+            if (t_reserve_one(t) < 0)
+                goto error;
+            t_insert(t, key, value);
+        }
+        else
+            T_VAL(t, at) = value;
+        set++;
+    }
+    PyMem_Free(pairs);
+    return set;
+error:
+    PyMem_Free(pairs);
+    return -1;
+}
+
 static PyObject *
 U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -794,35 +830,10 @@ U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         u64_keys_close(&src);
         return NULL;
     }
-    Py_ssize_t n = src.n < dst.n ? src.n : dst.n; /* as zip() */
-    uint64_t *pairs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
-    Py_ssize_t set = 0;
-    if (pairs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (u64_keys_get(&src, i, &pairs[2 * i]) < 0 || u64_keys_get(&dst, i, &pairs[2 * i + 1]) < 0)
-            goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
-        if (key == value)
-            continue;
-        Py_ssize_t at = t_find(t, key);
-        if (at < 0) {
-            if (t_reserve_one(t) < 0)
-                goto done;
-            t_insert(t, key, value);
-        }
-        else
-            T_VAL(t, at) = value;
-        set++;
-    }
-done:
-    PyMem_Free(pairs);
+    Py_ssize_t set = map_pairs_run(t, &src, &dst);
     u64_keys_close(&src);
     u64_keys_close(&dst);
-    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(set);
+    return set < 0 ? NULL : PyLong_FromSsize_t(set);
 }
 
 static PyMethodDef U64Map_methods[] = {
@@ -1534,42 +1545,18 @@ block_link_child(BlockObject *parent, PyObject *key_obj, BlockObject *node)
  * leaves again at once). Returns the index of the first key the table already holds (len(keys)
  * when none). `keys` is a list of ints or an array('Q'); `block_type` is this module's Block
  * (radix.py passes its Block). */
-static PyObject *
-BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+/* store_new's loop over `keys` from `i`: the index of the first key the table holds (keys->n
+ * when none), or -1 with an exception set. Arguments as store_new checks them. */
+static Py_ssize_t
+store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, PyObject *bit, PyObject *now,
+              PyObject *leaves, PyObject *chain)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
-        return NULL;
-    }
-    PyObject *parent = args[1], *bit = args[4], *now = args[5];
-    PyObject *leaves = args[6], *chain = args[7];
-    if (args[0] != (PyObject *)&BlockType) {
-        PyErr_SetString(PyExc_TypeError, "store_new builds kvrouterd.index._native.Block");
-        return NULL;
-    }
-    if (!(PyList_CheckExact(args[2]) || PyObject_CheckBuffer(args[2])) || !PyList_CheckExact(chain)
-        || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
-        PyErr_SetString(PyExc_TypeError, "keys are lists or an array('Q'), chain a list, leaves a set, bit an int");
-        return NULL;
-    }
-    if (parent != Py_None && !IS_BLOCK(parent)) {
-        PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    if (i < 0)
-        i = 0;
-    U64Keys keys;
-    if (u64_keys_open(args[2], &keys, "keys") < 0)
-        return NULL;
     BlockState *run = NULL;  /* the state of the blocks made here (made with the first) */
     BlockObject *last = NULL; /* the run's last block: the one that joins `leaves` */
     Py_INCREF(parent);       /* ours while Python code (a collection's finalizers) may run */
-    for (; i < keys.n; i++) {
+    for (; i < keys->n; i++) {
         uint64_t key;
-        if (u64_keys_get(&keys, i, &key) < 0)
+        if (u64_keys_get(keys, i, &key) < 0)
             goto error;
         if (bt_find(t, key) >= 0)
             break;
@@ -1611,8 +1598,7 @@ BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     Py_XDECREF(run);
     Py_DECREF(parent);
-    u64_keys_close(&keys);
-    return PyLong_FromSsize_t(i);
+    return i;
 error:
     if (last != NULL) { /* as the Python loop would have left it when it stopped here */
         PyObject *type, *value, *tb;
@@ -1623,7 +1609,116 @@ error:
     }
     Py_XDECREF(run);
     Py_DECREF(parent);
+    return -1;
+}
+
+/* store_new's and store_hashed's checks of (block_type, parent, keys?, start?, bit, now, leaves,
+ * chain): 0, or -1 with TypeError. `keys` NULL: not checked (store_hashed hashes its own). */
+static int
+store_args_check(PyObject *block_type, PyObject *parent, PyObject *keys, PyObject *bit, PyObject *leaves, PyObject *chain)
+{
+    if (block_type != (PyObject *)&BlockType) {
+        PyErr_SetString(PyExc_TypeError, "store_new builds kvrouterd.index._native.Block");
+        return -1;
+    }
+    if ((keys != NULL && !(PyList_CheckExact(keys) || PyObject_CheckBuffer(keys))) || !PyList_CheckExact(chain)
+        || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
+        PyErr_SetString(PyExc_TypeError, "keys are lists or an array('Q'), chain a list, leaves a set, bit an int");
+        return -1;
+    }
+    if (parent != Py_None && !IS_BLOCK(parent)) {
+        PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
+        return NULL;
+    }
+    if (store_args_check(args[0], args[1], args[2], args[4], args[6], args[7]) < 0)
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0)
+        i = 0;
+    U64Keys keys;
+    if (u64_keys_open(args[2], &keys, "keys") < 0)
+        return NULL;
+    i = store_new_run(t, args[1], &keys, i, args[4], args[5], args[6], args[7]);
     u64_keys_close(&keys);
+    return i < 0 ? NULL : PyLong_FromSsize_t(i);
+}
+
+/* store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes)
+ *     -> (keys, stored)
+ *
+ * A stored event's native work in one call (issue #12: per stored event, every call from Python
+ * and every object in between is a percent or two of PublishEvents' work): the chain's keys
+ * (chain_keys_packed(data, block_size, seed, -1)), store_new(block_type, parent, keys, 0, bit,
+ * now, leaves, chain), and, when that stored every key and `engine_map` (a U64Map) is given,
+ * engine_map.map_pairs(hashes, keys). Returns the keys as native uint64 bytes and how many
+ * store_new stored; when that is fewer (a key the index holds already), the engine map is
+ * untouched and the caller goes on as RadixIndex.store does from there, then maps the hashes
+ * (radix.py: RadixIndex.store_hashed, the reference). `hashes`, an array('Q') or a list of ints
+ * with one hash per key, is checked before anything changes. */
+static PyObject *
+BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError,
+                        "store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes)");
+        return NULL;
+    }
+    PyObject *engine_map = args[9];
+    if (store_args_check(args[0], args[1], NULL, args[5], args[7], args[8]) < 0)
+        return NULL;
+    if (engine_map != Py_None && !Py_IS_TYPE(engine_map, &U64MapType)) {
+        PyErr_SetString(PyExc_TypeError, "engine_map is None or a U64Map");
+        return NULL;
+    }
+    PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
+    PyObject *raw = chain_keys_packed(NULL, chain_argv, 4);
+    if (raw == NULL)
+        return NULL;
+    U64Keys keys, hashes;
+    keys.seq = hashes.seq = NULL;
+    hashes.view.obj = NULL;
+    if (PyObject_GetBuffer(raw, &keys.view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(raw);
+        return NULL;
+    }
+    keys.n = keys.view.len / (Py_ssize_t)sizeof(uint64_t);
+    if (engine_map != Py_None) {
+        if (u64_keys_open(args[10], &hashes, "hashes") < 0)
+            goto error;
+        if (hashes.n != keys.n) {
+            PyErr_Format(PyExc_ValueError, "%zd engine hashes for %zd blocks", hashes.n, keys.n);
+            goto error;
+        }
+        for (Py_ssize_t i = 0; hashes.seq != NULL && i < hashes.n; i++) { /* ints: each a uint64? */
+            uint64_t unused;
+            if (u64_keys_get(&hashes, i, &unused) < 0)
+                goto error;
+        }
+    }
+    Py_ssize_t stored = store_new_run(t, args[1], &keys, 0, args[5], args[6], args[7], args[8]);
+    if (stored < 0)
+        goto error;
+    if (stored == keys.n && engine_map != Py_None && map_pairs_run((U64Table *)engine_map, &hashes, &keys) < 0)
+        goto error;
+    u64_keys_close(&hashes);
+    u64_keys_close(&keys);
+    return Py_BuildValue("(Nn)", raw, stored);
+error:
+    u64_keys_close(&hashes);
+    u64_keys_close(&keys);
+    Py_DECREF(raw);
     return NULL;
 }
 
@@ -1798,6 +1893,9 @@ static PyMethodDef BlockTable_methods[] = {
     {"__sizeof__", (PyCFunction)BlockTable_sizeof, METH_NOARGS, "bytes used, the table included (not the blocks)"},
     {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
      "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
+    {"store_hashed", (PyCFunction)(void (*)(void))BlockTable_store_hashed, METH_FASTCALL,
+     "store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes) -> "
+     "(keys bytes, stored): a stored event's hashing, store_new and engine-hash map in one call"},
     {"remove_held", (PyCFunction)(void (*)(void))BlockTable_remove_held, METH_FASTCALL,
      "remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove but the count, for a lone leaf; False: not done"},
     {NULL, NULL, 0, NULL},
@@ -3223,7 +3321,8 @@ PyInit__native(void)
     slot_name = PyUnicode_InternFromString("slot");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
-    if (holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
+    minus_one = PyLong_FromLong(-1);
+    if (minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0)
         return NULL;

@@ -50,9 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import native
 from ._walk import match_walk
+from .keys import chain_keys_array
 from .native import block_table
 
 __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pending"]
+
+
+#: the native engine-hash map, which BlockTable.store_hashed fills itself (None: no extension)
+_U64Map = None if native.module is None else native.module.U64Map
 
 
 class PyBlock:
@@ -467,6 +472,39 @@ class RadixIndex:
             parent = node
         self._counts[slot] += added
         return chain
+
+    def store_hashed(self, slot: int, parent_key: int | None, data: bytes, block_size: int, seed: int, now: float,
+                     engine_keys: MutableMapping[int, int] | None = None, hashes: Sequence[int] | None = None,
+                     ) -> tuple[array, list[Block]]:
+        """A stored event's chain from its tokens: ``keys = chain_keys_array(data, block_size, seed)``,
+        ``store(slot, parent_key, keys, now)``, then ``engine_keys[h] = k`` for each pair of
+        ``hashes`` (the publisher's hash of each block) and ``keys`` where ``h != k``. Returns
+        ``(keys, blocks)``.
+
+        Where the extension is built and ``engine_keys`` is None or a native ``U64Map``, the three
+        are one native call (``BlockTable.store_hashed``) while the blocks are new, as they nearly
+        always are; the Python below is the reference it is tested against."""
+        store_hashed = getattr(self._blocks, "store_hashed", None)
+        if store_hashed is not None and (engine_keys is None or type(engine_keys) is _U64Map):
+            parent = None if parent_key is None else self._blocks[parent_key]
+            chain: list[Block] = []
+            raw, stored = store_hashed(self._block, parent, data, block_size, seed, 1 << slot, now, self._leaves[slot],
+                                       chain, engine_keys, hashes)
+            keys = array("Q")
+            keys.frombytes(raw)
+            self._counts[slot] += stored
+            if stored == len(keys):
+                return keys, chain  # the engine hashes are mapped too
+            # a block the index holds already: on from there as store goes (chain[-1] is its parent)
+            chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stored:], now)
+        else:
+            keys = chain_keys_array(data, block_size, seed)
+            chain = self.store(slot, parent_key, keys, now)
+        if engine_keys is not None and hashes is not None:
+            for eh, key in zip(hashes, keys):
+                if eh != key:
+                    engine_keys[eh] = key
+        return keys, chain
 
     def remove(self, slot: int, key: int) -> bool:
         """``slot`` no longer holds ``key``. False (and no change) if it did not."""

@@ -1,7 +1,9 @@
 """Router.apply on the native ingest path and on the pure-Python one: the same result, step by step.
 
-The native path stores a chain's new blocks in C (``BlockTable.store_new``, keys read in place
-from an ``array('Q')``), maps engine hashes in C (``U64Map.map_pairs``), removes lone leaves in C
+The native path hashes a stored chain, stores its new blocks and maps its engine hashes in one C
+call (``BlockTable.store_hashed``), else stores runs of new blocks in C (``BlockTable.store_new``,
+keys read in place from an ``array('Q')``) and maps engine hashes in C (``U64Map.map_pairs``),
+removes lone leaves in C
 (``BlockTable.remove_held``) and splits a stored chain for the leaf tracker in C
 (``chain_split``). The reference is the Python code each of those replaces: a
 ``RadixIndex(pure=True)`` (PyBlocks in a dict), a dict of engine hashes and ``chain_split_py``.
@@ -181,5 +183,7 @@ def test_the_two_sides_really_take_different_paths():
         assert not hasattr(native.index._blocks, "store_new")
         return
     assert hasattr(native.index._blocks, "store_new") and hasattr(native.workers.get("engine").engine_keys, "map_pairs")
+    assert hasattr(native.index._blocks, "store_hashed")
     assert not hasattr(pure.index._blocks, "store_new") and type(pure.workers.get("engine").engine_keys) is dict
+    assert not hasattr(pure.index._blocks, "store_hashed")
     assert _leaves.chain_split is not _leaves.chain_split_py

@@ -621,6 +621,58 @@ def test_store_and_remove_build_exactly_the_blocks_the_python_loops_build(ops):
         assert _snapshot(native_index) == _snapshot(pure_index), (kind, slot, path, start)
 
 
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(_SLOTS), st.integers(0, 3), st.integers(1, 4), st.integers(0, 2)),
+                    min_size=1, max_size=12))
+def test_store_hashed_is_hash_store_and_map_in_one_call(ops):
+    """BlockTable.store_hashed (hash, store_new, map_pairs in C; Python going on from the first
+    block already indexed) against RadixIndex(pure=True).store_hashed, the Python reference."""
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+    maps = {s: (native.u64_map(), {}) for s in _SLOTS}
+    tokens = array("I", range(4 * 6 * 4)).tobytes()  # 6 blocks of 4 tokens
+    now = 0.0
+    for slot, start, n, mapping in ops:
+        now += 1.0
+        data = tokens[start * 16 : (start + n) * 16]
+        hashes = array("Q", [(start + i) * 7 + 1 for i in range(n)])
+        if mapping == 2:  # a publisher whose hash is the block key itself needs no entry
+            hashes[0] = chain_keys_py(data, 4, ROOT_SEED + start)[0]
+        results = []
+        for index, engine_keys in zip((native_index, pure_index), maps[slot]):
+            keys, chain = index.store_hashed(slot, None, data, 4, ROOT_SEED + start, now,
+                                             engine_keys if mapping else None, hashes if mapping else None)
+            results.append((list(keys), [b.key for b in chain], sorted(engine_keys.items())))
+        assert results[0] == results[1]
+        assert results[0][0] == chain_keys_py(data, 4, ROOT_SEED + start)
+        assert _snapshot(native_index) == _snapshot(pure_index)
+
+
+def test_store_hashed_checks_its_arguments_before_changing_anything():
+    table, engine_keys = native.module.BlockTable(), native.module.U64Map()
+    leaves: set = set()
+    chain: list = []
+    data = array("I", range(8)).tobytes()
+    with pytest.raises(ValueError, match="1 engine hashes for 2 blocks"):
+        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, array("Q", [5]))
+    with pytest.raises(OverflowError):
+        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, [5, 2**64])
+    with pytest.raises(TypeError, match="U64Map"):
+        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, {}, array("Q", [5, 6]))
+    with pytest.raises(TypeError, match="parent"):
+        table.store_hashed(Block, object(), data, 4, 1, 1, 0.0, leaves, chain, None, None)
+    with pytest.raises(ValueError, match="block_size"):
+        table.store_hashed(Block, None, data, 0, 1, 1, 0.0, leaves, chain, None, None)
+    assert len(table) == 0 and not leaves and not chain and len(engine_keys) == 0
+    raw, stored = table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, [5, 6])
+    keys = array("Q")
+    keys.frombytes(raw)
+    assert stored == 2 and list(keys) == chain_keys_py(data, 4, 1) == [b.key for b in chain]
+    assert dict(engine_keys.items()) == {5: keys[0], 6: keys[1]}
+
+
 def test_store_new_rejects_what_is_not_a_block_chain():
     table = native.module.BlockTable()
     leaves: set = set()

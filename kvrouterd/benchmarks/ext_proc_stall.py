@@ -10,10 +10,11 @@ headers, a ~2 KB body, the destination answer and the echoed body, then the stre
 which completes the request) and times each until its destination arrives: first with nothing
 else running (quiet), then while a second client sends huge bodies back to back in 64 KiB
 chunks, as Envoy streams them: ``ids``, a ``/v1/completions`` body whose ``prompt`` is
-``--tokens`` token ids; or ``chat``, a ``/v1/chat/completions`` body of two messages holding
-``--mib`` MiB of text (tokenized when ``--tokenizer`` is given, else approximate text keys); or
-``image``, a chat body whose message holds a ``--mib`` MiB base64 image part (read by the
-Python parser: the native reader leaves non-text parts to it).
+``--tokens`` token ids; or ``batch``, the same ids as the first of a batched ``prompt`` (which
+the native reader leaves to ``json.loads``: such a huge body is routed unread); or ``chat``, a
+``/v1/chat/completions`` body of two messages holding ``--mib`` MiB of text (tokenized when
+``--tokenizer`` is given, else approximate text keys); or ``image``, a chat body whose message
+holds a ``--mib`` MiB base64 image part (rendered natively as canonical JSON).
 Prints p50 / p99 / max of the probes per phase as JSON; reports, never asserts.
 
 ``--loop-held`` instead measures in this process how long reading and keying one such body
@@ -42,7 +43,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
@@ -72,6 +72,9 @@ def huge_body(form: str, tokens: int, mib: float, seed: int) -> tuple[str, bytes
     if form == "ids":
         ids = [rng.randrange(128_000) for _ in range(tokens)]
         return "/v1/completions", json.dumps({"model": "m", "prompt": ids}).encode()
+    if form == "batch":  # a batched prompt: the native reader leaves it to json.loads
+        ids = [rng.randrange(128_000) for _ in range(tokens)]
+        return "/v1/completions", json.dumps({"model": "m", "prompt": [ids, ids[:16]]}).encode()
     if form == "image":  # a content part the native reader leaves to Python (rendered as canonical JSON)
         image = base64.b64encode(rng.randbytes(int(mib * (1 << 20)) * 3 // 4)).decode()
         return "/v1/chat/completions", json.dumps({"model": "m", "messages": [{"role": "user", "content": [
@@ -215,7 +218,7 @@ def loop_held(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--form", choices=("ids", "chat", "image"), default="ids")
+    parser.add_argument("--form", choices=("ids", "batch", "chat", "image"), default="ids")
     parser.add_argument("--tokens", type=int, default=1_048_576, help="token ids in an ids body")
     parser.add_argument("--mib", type=float, default=4.0, help="MiB of text in a chat body")
     parser.add_argument("--tokenizer", default="", help="a tokenizer.json for the daemon's ext_proc.tokenizer")

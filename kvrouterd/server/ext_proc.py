@@ -17,7 +17,8 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   native reader, the tokenizer's encoding and the hashing release the GIL), so other requests
   are routed meanwhile; the decision itself then runs on the loop in one step, on the index
   and fleet as they stand when the keys are ready, exactly as for a small body (docs/envoy.md,
-  "Huge bodies"). The answer to the request headers sets the header
+  "Huge bodies"). Such a body that only ``json.loads`` could read (which holds the GIL) is
+  routed unread, to the least-loaded worker (reason ``body_not_read``). The answer to the request headers sets the header
   ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
   the policy's alternative, up to ``ext_proc.max_endpoints``), overwriting any sent by the
   client, plus ``content-length`` and ``clear_route_cache`` as the reference does, **and**
@@ -62,7 +63,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import chain
 
 import grpc
@@ -82,7 +82,7 @@ from ..router import Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision
 from .admission import AdmissionGate
-from .openai_prompt import BodyKeys, PromptKeyer, body_keys, load_tokenizer
+from .openai_prompt import BodyKeys, BodyNotRead, PromptKeyer, body_keys, load_tokenizer
 from .status import http_status, status_code
 
 __all__ = [
@@ -262,7 +262,12 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         self.off_loop_body_bytes = 0
         #: what reads a body into its model and keys (a test wraps it to see the loop serve
         #: other requests meanwhile)
-        self.key_body: Callable[[str, bytes], BodyKeys | None] = partial(body_keys, keyer=keyer)
+        self.key_body: Callable[[str, bytes], BodyKeys | None] = self._key_body
+
+    def _key_body(self, path: str, body: bytes) -> BodyKeys | None:
+        # a body read off the loop that only json.loads could read raises BodyNotRead: that
+        # parser holds the GIL, so reading it on the worker thread would stall routing anyway
+        return body_keys(path, body, self.keyer, unread_from=self.off_loop_body_bytes)
 
     @classmethod
     def from_config(
@@ -390,9 +395,15 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             recording = self.tracing and span.is_recording()
             try:
                 candidates = self._candidates(ex)
-                keyed = None
+                keyed, unread = None, False
                 if body is not None and self.off_loop_body_bytes and len(body) >= self.off_loop_body_bytes:
-                    keyed = await asyncio.to_thread(self.key_body, path, body)
+                    try:
+                        keyed = await asyncio.to_thread(self.key_body, path, body)
+                    except BodyNotRead as exc:
+                        # routed unread, as a request without a prompt: the engine still
+                        # validates it; counted under reason body_not_read
+                        log.debug("ext_proc body not read: %s", exc, extra={"path": path})
+                        unread = True
                     # the fleet may have changed meanwhile: decide on it as it stands now, in
                     # one step with the routing below, as for a body keyed on the loop
                     candidates = self._candidates(ex)
@@ -401,7 +412,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 if keyed is None:
                     worker = self._any_worker(candidates)
                     destination = worker.address
-                    source, policy, reason = "none", "ext_proc", "no_prompt"
+                    policy = "ext_proc"
+                    source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")

@@ -44,7 +44,10 @@ is built, the GIL released, so that a multi-MiB body can be read on a worker thr
 event loop routes (issue #16 item 1): no Python object per token id or character, the ids kept
 as little-endian bytes and hashed as they are. Where the native reader declines a body (invalid
 JSON, a batched prompt, a float or a duplicate key in a content part, anything else it leaves
-to Python), the Python parser reads it, so answers and errors are the same either way. A tokenizer is called
+to Python), the Python parser reads it, so answers and errors are the same either way; except
+that a caller keying off the loop may pass ``unread_from``: a body of that many bytes or more the
+native reader declines raises :class:`BodyNotRead` instead, because ``json.loads`` holds the GIL
+(~70 ms per MiB of token ids) and would stall the loop all the same. A tokenizer is called
 through ``encode_batch``, which the ``tokenizers`` library runs with the GIL released
 (``encode`` holds it throughout).
 """
@@ -64,6 +67,7 @@ from ..index.keys import ROOT_SEED, chain_keys, chain_keys_array, namespace_seed
 
 __all__ = [
     "BodyKeys",
+    "BodyNotRead",
     "ParsedPrompt",
     "PromptKeyer",
     "PromptKeys",
@@ -105,6 +109,11 @@ class BodyKeys:
 
     model: str
     prompt: PromptKeys
+
+
+class BodyNotRead(Exception):
+    """A body of ``unread_from`` bytes or more that only the GIL-holding Python parser could read
+    (:func:`body_keys`): the caller routes it without a prompt rather than stall the loop."""
 
 
 class Tokenizer(Protocol):
@@ -299,19 +308,23 @@ class PromptKeyer:
         return PromptKeys(chain_keys_array(padded, self.block_size, seed), max(1, len(padded) // 4 + extra), "text")
 
 
-def body_keys(path: str, body: bytes, keyer: PromptKeyer) -> BodyKeys | None:
+def body_keys(path: str, body: bytes, keyer: PromptKeyer, unread_from: int = 0) -> BodyKeys | None:
     """The model and keys of an OpenAI body: ``keyer.keys(parse_body(path, body))`` with its
     ``model``, None for a path without a prompt, the same InvalidRequest for a bad body.
 
     The body is read natively with the GIL released where it can be (module docstring), so on a
     worker thread this runs beside the event loop: of a 1M-token ``prompt`` only the hashing of
     its 4 MiB of ids holds the GIL; with a tokenizer, the encoded ids' list and its conversion
-    (the encoding itself runs without it)."""
+    (the encoding itself runs without it). With ``unread_from`` > 0, a body of that many bytes
+    or more that the native reader declines raises :class:`BodyNotRead` (without the extension,
+    every body is read by the Python parser: there is nothing better to fall back to)."""
     endpoint = _endpoint(path)
     if endpoint is None:
         return None
     scanned = native.module.openai_prompt(body, endpoint == "chat") if native.module is not None else None
     if scanned is None:
+        if unread_from and native.module is not None and len(body) >= unread_from:
+            raise BodyNotRead(f"a body of {len(body)} bytes the native reader leaves to json.loads")
         parsed = parse_body(path, body)
         assert parsed is not None
         return BodyKeys(parsed.model, keyer.keys(parsed))

@@ -21,6 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.config import parse_config
+from kvrouterd.index import native
+from kvrouterd.server import openai_prompt
 from kvrouterd.server.app import Daemon
 
 from .test_ext_proc import (  # noqa: F401 - the fixtures the envoy fixture is built from
@@ -42,6 +44,8 @@ from .test_ext_proc import (  # noqa: F401 - the fixtures the envoy fixture is b
 OFF_LOOP_BYTES = 4096
 MAX_TOKENS = 50_000
 LIMITS = {"limits": {"off_loop_prompt_bytes": OFF_LOOP_BYTES, "max_prompt_tokens": MAX_TOKENS}}
+#: the native reader reads bodies with the GIL released; without it, json.loads reads them all
+NATIVE = native.module is not None
 
 
 def ids_body(tokens: list[int], model: str = "m") -> bytes:
@@ -159,9 +163,49 @@ async def test_huge_bodies_are_rejected_as_on_the_loop_and_change_nothing(envoy)
         await s.send(headers_msg(path))
         for chunk in chunks[:-1]:
             assert await s.send(body_msg(chunk, False)) == []
+        if status == 400 and NATIVE:
+            # only json.loads could say what is wrong, holding the GIL: passed on unread, for the
+            # engine to refuse, rather than stall routing (test below)
+            replies = await s.send(body_msg(chunks[-1], True), expect=1 + -(-len(chunks[-1]) // 62_000))
+            destination(replies[0])
+            assert streamed(replies[1:])[0] == chunks[-1]
+            continue
         replies = await s.send(body_msg(chunks[-1], True), expect=1)
         assert immediate_status(replies) == status, (path, status)
         assert b"kvrouterd:" in replies[0].immediate_response.body
     r = envoy.router
     assert r.counters["decisions"] == 0 and len(r.index) == 0
     assert sum(w.inflight_requests for w in r.workers) == 0
+
+
+@pytest.mark.parametrize("daemon_extra", [LIMITS])
+async def test_a_huge_body_only_json_loads_could_read_is_routed_unread(envoy, monkeypatch):
+    """A batched prompt is valid, but the native reader leaves it to ``json.loads``, which holds
+    the GIL (~70 ms per MiB of ids): read off the loop it would stall routing all the same, so a
+    huge one goes to the least loaded worker without a prompt (reason ``body_not_read``). Below
+    ``limits.off_loop_prompt_bytes`` it is read, as are all bodies without the extension."""
+    parsed: list[int] = []
+    real_parse_body = openai_prompt.parse_body
+
+    def counting_parse_body(path: str, body: bytes):  # type: ignore[no-untyped-def]
+        parsed.append(len(body))
+        return real_parse_body(path, body)
+
+    monkeypatch.setattr(openai_prompt, "parse_body", counting_parse_body)
+    small = json.dumps({"model": "m", "prompt": [list(range(100)), list(range(50))]}).encode()
+    huge = json.dumps({"model": "m", "prompt": [list(range(5000)), list(range(50))]}).encode()
+    assert len(small) < OFF_LOOP_BYTES <= len(huge)
+    streams = [(await route_body(envoy, "/v1/completions", body, rid))[0]
+               for rid, body in (("small", small), ("huge", huge))]
+    assert envoy.router.request("small").prompt_tokens == 150
+    assert parsed[0] == len(small)
+    if NATIVE:
+        assert parsed == [len(small)]
+        assert envoy.router.request("huge") is None  # routed unread: nothing committed
+        spans = [sp.attributes for sp in envoy.spans.get_finished_spans() if sp.name == "kvrouter.ext_proc.route"]
+        assert [a["kvrouter.ext_proc.key_source"] for a in spans] == ["token_ids", "unread"]
+    else:
+        assert parsed == [len(small), len(huge)]
+        assert envoy.router.request("huge").prompt_tokens == 5050
+    for stream in streams:
+        await stream.close()

@@ -138,14 +138,25 @@ chain_keys_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * a bytes object (immutable) whose buffer export is held throughout, and the result is allocated
  * before and filled while no other thread can see it. Called from a worker thread, so the loop
  * keeps routing meanwhile. */
+/* Counts the varints of p[0:n]; -1 on one longer than 10 bytes or cut short, as upb refuses
+ * them, so a prompt past the limit (never decoded) that is malformed answers upb's error too
+ * (a RouteStream message is then refused whole, as its parse would have been). Branch-free:
+ * `run` counts the continuation bytes in a row. */
 static Py_ssize_t
 count_varints(const unsigned char *p, Py_ssize_t n)
 {
     Py_ssize_t count = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        count += p[i] < 0x80;
-    return count;
+    unsigned run = 0, bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned more = p[i] >> 7;
+        count += more ^ 1;
+        run = (run + 1) * more;
+        bad |= run >= 10;
+    }
+    return bad || run ? -1 : count;
 }
+
+#define MALFORMED_VARINT "token_ids holds a malformed varint (longer than 10 bytes or cut short)"
 
 /* Decodes the varints of p[0:n] into out; -1 on a varint longer than 10 bytes or cut short. */
 static Py_ssize_t
@@ -226,10 +237,18 @@ wire_prompt_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         tokens = (bounds[1] - bounds[0]) / 4;
     }
     else {
+        Py_ssize_t got = 0;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t s = 0; s < nspans; s++)
-            tokens += count_varints(base + bounds[2 * s], bounds[2 * s + 1] - bounds[2 * s]);
+        for (Py_ssize_t s = 0; s < nspans && got >= 0; s++) {
+            got = count_varints(base + bounds[2 * s], bounds[2 * s + 1] - bounds[2 * s]);
+            tokens += got;
+        }
         Py_END_ALLOW_THREADS
+        if (got < 0) {
+            PyMem_Free(bounds);
+            PyErr_SetString(PyExc_ValueError, MALFORMED_VARINT);
+            return NULL;
+        }
     }
     if (tokens > max_tokens) {
         PyMem_Free(bounds);
@@ -272,7 +291,7 @@ wire_prompt_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyMem_Free(bounds);
     if (malformed) {
         Py_DECREF(keys);
-        PyErr_SetString(PyExc_ValueError, "token_ids holds a malformed varint (longer than 10 bytes or cut short)");
+        PyErr_SetString(PyExc_ValueError, MALFORMED_VARINT);
         return NULL;
     }
     PyObject *result = Py_BuildValue("(nN)", tokens, keys);

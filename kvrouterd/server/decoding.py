@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from ..errors import quote
 from .status import status_message
 
-__all__ = ["SafeRegistrar", "Undecodable", "UndecodableMessage"]
+__all__ = ["SafeRegistrar", "Undecodable", "UndecodableMessage", "describe"]
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -46,7 +46,9 @@ class Undecodable:
         self.message = message
 
 
-def _describe(type_name: str, exc: Exception, size: int) -> str:
+def describe(type_name: str, exc: Exception, size: int) -> str:
+    """Why a request message does not parse, as its caller is told (also for a RouteStream message
+    found malformed off the loop: ``KVRouterService``)."""
     return f"request is not a valid {type_name} message ({size} bytes): {quote(str(exc), 200)}"
 
 
@@ -55,7 +57,7 @@ def _safe_unary_deserializer(deserializer: Callable[[bytes], Any], type_name: st
         try:
             return deserializer(data)
         except (DecodeError, ValueError, TypeError) as exc:  # upb raises DecodeError; others ValueError
-            return Undecodable(_describe(type_name, exc, len(data)))
+            return Undecodable(describe(type_name, exc, len(data)))
 
     return deserialize
 
@@ -65,7 +67,7 @@ def _safe_stream_deserializer(deserializer: Callable[[bytes], Any], type_name: s
         try:
             return deserializer(data)
         except (DecodeError, ValueError, TypeError) as exc:
-            raise UndecodableMessage(_describe(type_name, exc, len(data))) from None
+            raise UndecodableMessage(describe(type_name, exc, len(data))) from None
 
     return deserialize
 

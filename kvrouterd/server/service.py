@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
@@ -26,7 +27,8 @@ from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert
 from .admission import AdmissionGate
-from .convert import pb
+from .convert import STREAM_ROUTE, pb
+from .decoding import UndecodableMessage, describe
 from .snapshot import export_chunks
 from .status import status_code, status_message
 
@@ -54,6 +56,10 @@ DRAIN_STEP_BLOCKS = 512
 #: entries of work an EvictHint does between yields to the loop where it must visit a whole
 #: worker (its first hint's engine-hash map; a policy ranking without its own order)
 EVICT_STEP_ENTRIES = 1024
+
+
+#: the prompts of a RouteStream message that was parsed whole: none
+_NO_PROMPTS: Mapping[int, convert.StreamPrompt] = {}
 
 
 async def _drain(steps: Iterable[int]) -> None:
@@ -102,18 +108,31 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
-        #: a Route whose prompt field takes this many bytes or more is decoded and hashed on a
-        #: worker thread (the daemon sets limits.off_loop_prompt_bytes; 0 = never)
-        self.off_loop_prompt_bytes = 0
+        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute]
+        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream]
+        self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
         self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
 
-    # ---- data path --------------------------------------------------------------------
-    def route_message(self, data: bytes) -> pb.RouteRequest | convert.SplitRoute:
-        """Route's request deserializer (the daemon registers it): a prompt field of
-        ``off_loop_prompt_bytes`` or more stays wire bytes, hashed off the loop by ``Route``."""
-        return convert.route_message(data, self.off_loop_prompt_bytes)
+    @property
+    def off_loop_prompt_bytes(self) -> int:
+        """A Route whose prompt field takes this many bytes or more, and the Routes of a
+        RouteStream message of this many bytes or more, are decoded and hashed on a worker thread
+        (the daemon sets limits.off_loop_prompt_bytes; 0 = never). Setting it sets the two
+        request deserializers the daemon registers, ``route_message`` and ``route_stream_message``."""
+        return self._off_loop_prompt_bytes
 
+    @off_loop_prompt_bytes.setter
+    def off_loop_prompt_bytes(self, value: int) -> None:
+        self._off_loop_prompt_bytes = value
+        #: Route's: a huge prompt stays wire bytes (``SplitRoute``), hashed off the loop by ``Route``
+        self.route_message = convert.deserializer(pb.RouteRequest.FromString, convert.route_message, value)
+        #: RouteStream's: a huge message's Routes' prompts stay wire bytes (``SplitStream``),
+        #: hashed off the loop by ``RouteStream``
+        self.route_stream_message = convert.deserializer(
+            pb.RouteStreamRequest.FromString, convert.route_stream_message, value)
+
+    # ---- data path --------------------------------------------------------------------
     async def Route(self, request: pb.RouteRequest | convert.SplitRoute, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
@@ -217,6 +236,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         so the loop never creates a task; a batch's items are answered together in one batch.
         With queues a Route may wait, so each Route runs in its own task (answers then come out
         of order, a batched one on its own) and the stream ends once all are answered.
+        A message of ``off_loop_prompt_bytes`` or more arrives split (``convert.SplitStream``):
+        its Routes' prompts are hashed on a worker thread first, the next message read after.
         """
         # the advertisement a batching client waits for: batches welcome, up to this many bytes
         await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(self.max_message_bytes)),))
@@ -231,23 +252,26 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
 
-        def admit_later(msg: pb.RouteStreamRequest) -> None:
-            task = asyncio.create_task(self._stream_route_admitted(msg, answer))
+        def admit_later(msg: pb.RouteStreamRequest, prompt: convert.StreamPrompt | None) -> None:
+            task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
 
         try:
             async for msg in request_iterator:
+                prompts = _NO_PROMPTS
+                if type(msg) is convert.SplitStream:
+                    msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
                     if self.admission is None:
-                        await answer(self._stream_route(msg, pb.RouteStreamResponse(id=msg.id)))
+                        await answer(self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE)))
                     else:
-                        admit_later(msg)
+                        admit_later(msg, prompts.get(STREAM_ROUTE))
                 elif kind == "complete":
                     await answer(self._stream_complete(msg, pb.RouteStreamResponse(id=msg.id)))
                 elif kind == "batch":
-                    reply = self._stream_batch(msg, admit_later)
+                    reply = self._stream_batch(msg, admit_later, prompts)
                     if reply is not None:
                         await answer(reply)
                 else:
@@ -258,8 +282,23 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             for task in waiting:  # the caller went away: give up the queued routes
                 task.cancel()
 
+    async def _hash_stream_off_loop(
+        self, split: convert.SplitStream
+    ) -> tuple[pb.RouteStreamRequest, Mapping[int, convert.StreamPrompt]]:
+        """A split RouteStream message's Routes checked, their prompts decoded and hashed on a
+        worker thread, all in one hand-off (the native path releases the GIL), so other calls run
+        meanwhile; their decisions follow on the loop as for a parsed message."""
+        try:
+            hashed = await asyncio.to_thread(convert.hash_stream, split, self.router, self.hash_prompt)
+        except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
+            raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
+        if type(hashed) is pb.RouteStreamRequest:
+            return hashed, _NO_PROMPTS
+        return split.msg, hashed
+
     def _stream_batch(
-        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest], None]
+        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, convert.StreamPrompt | None], None],
+        prompts: Mapping[int, convert.StreamPrompt],
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -273,13 +312,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         reply = pb.RouteStreamResponse()
         answers = reply.batch.items
         queued = self.admission is not None
-        for item in items:
+        for place, item in enumerate(items):
             kind = item.WhichOneof("kind")
             if kind == "route":
                 if queued:
-                    admit_later(item)
+                    admit_later(item, prompts.get(place))
                 else:
-                    self._stream_route(item, answers.add(id=item.id))
+                    self._stream_route(item, answers.add(id=item.id), prompts.get(place))
             elif kind == "complete":
                 self._stream_complete(item, answers.add(id=item.id))
             elif kind == "batch":
@@ -288,9 +327,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 _stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
         return reply if len(answers) else None
 
-    def _stream_route(self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse) -> pb.RouteStreamResponse:
-        """Decide ``msg``'s Route and write the answer (or the error) into ``reply``."""
-        started = _perf_counter()
+    def _stream_route(
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: convert.StreamPrompt | None = None
+    ) -> pb.RouteStreamResponse:
+        """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
+        its prompt when the message was split (``_hash_stream_off_loop``)."""
+        started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
         request = msg.route
         router = self.router
         span = None
@@ -299,13 +341,15 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
                     recording = span.is_recording()
                     try:
-                        result = router.route(convert.route_request(request, router), explain=recording)
+                        req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
+                        result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                result = router.route(convert.route_request(request, router), explain=False)
+                req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
+                result = router.route(req, explain=False)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
         d = result.decision
@@ -316,10 +360,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return reply
 
     async def _stream_route_admitted(
-        self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]]
+        self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
+        prompt: convert.StreamPrompt | None = None,
     ) -> None:
         assert self.admission is not None
-        started = _perf_counter()
+        started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
         request = msg.route
         router = self.router
         timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
@@ -327,7 +372,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
             recording = self.tracing and span.is_recording()
             try:
-                req = convert.route_request(request, router)
+                req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
                 result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
             except KVRouterError as exc:
                 await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))

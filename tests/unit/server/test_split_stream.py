@@ -1,0 +1,221 @@
+"""A RouteStream message split on the wire (``convert.route_stream_message``: its Routes' prompts
+decoded and hashed off the loop) means exactly what upb's parse of the same bytes means: the same
+answer for every Route in it (top level or batch item), the same other fields, or the same error.
+
+Messages are built field by field, as no encoder would: ``route`` given several times (the
+occurrences merge), oneof members switching (the last one wins, discarding earlier ones),
+batches given several times (their items append), unknown fields, both prompt forms, malformed
+token varints, invalid UTF-8 and cut-off messages.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.errors import KVRouterError
+from kvrouterd.router import Router, RouterSettings
+from kvrouterd.server import convert
+from kvrouterd.server.convert import pb
+
+ROUTER = Router(RouterSettings(block_size=4, max_prompt_tokens=300), ManualClock(), random.Random(0))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _int_field(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+token = st.integers(0, 2**64 - 1)  # past 2**32: upb truncates a uint32 to its low bits
+
+
+@st.composite
+def ids_chunk(draw: st.DrawFn) -> bytes:
+    payload = b"".join(map(_varint, draw(st.lists(token, max_size=120))))
+    if draw(st.integers(0, 19)) == 0:  # now and then a varint cut short or eleven bytes long
+        payload += draw(st.sampled_from([b"\x80", b"\xff" * 10 + b"\x01"]))
+    return _field(2, payload)
+
+
+route_field = st.one_of(
+    st.binary(max_size=600).map(lambda b: _field(14, b)),  # packed ids, any length (a multiple of 4 or not)
+    ids_chunk(),
+    st.lists(st.integers(1, 9), min_size=1, max_size=3).map(
+        lambda ks: _field(3, b"".join(k.to_bytes(8, "little") for k in ks))),  # block keys
+    st.sampled_from([0, 2, 99]).map(lambda t: _int_field(8, t)),  # task
+    st.sampled_from(["", "m", "n"]).map(lambda m: _field(5, m.encode())),  # model
+    st.sampled_from(["r1", "r2"]).map(lambda r: _field(1, r.encode())),  # request_id
+    st.sampled_from([b"s", b"t", b"u", b"\xff"]).map(lambda s: _field(7, s)),  # session_id, now and then bad UTF-8
+    st.integers(0, 2**32).map(lambda v: _int_field(31, v)),  # unknown
+)
+route_payload = st.lists(route_field, max_size=5).map(b"".join)
+complete_payload = st.sampled_from(["c1", "c2"]).map(lambda r: pb.CompleteRequest(request_id=r).SerializeToString())
+
+
+def item_field(batch: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.integers(0, 2**64 - 1).map(lambda v: _int_field(1, v)),  # id
+        route_payload.map(lambda p: _field(2, p)),
+        route_payload.map(lambda p: _field(2, p)),  # twice as likely: several of them merge
+        complete_payload.map(lambda p: _field(3, p)),
+        st.floats(0, 1e4).map(lambda t: b"\x21" + struct.pack("<d", t)),  # timeout_ms
+        st.integers(0, 2**32).map(lambda v: _int_field(30, v)),  # unknown
+        batch,
+    )
+
+
+#: a batch inside a batch item (answered with an error) holds a Route or nothing
+nested_batch = route_payload.map(lambda p: _field(5, _field(1, _field(2, p))))
+route_item = st.tuples(st.integers(0, 99).map(lambda v: _int_field(1, v)),
+                       st.lists(route_payload.map(lambda p: _field(2, p)), min_size=1, max_size=2).map(b"".join))
+item = st.one_of(st.lists(item_field(nested_batch), max_size=5).map(b"".join), route_item.map(b"".join))
+batch = st.lists(st.one_of(item.map(lambda i: _field(1, i)), st.just(_int_field(9, 7))), max_size=6).map(
+    lambda fs: _field(5, b"".join(fs)))
+#: anything, a Route (given once or more), or a message whose kind is most likely a batch (the same)
+message = st.one_of(st.lists(item_field(batch), max_size=6).map(b"".join), route_item.map(b"".join),
+                    st.tuples(st.lists(item_field(batch), max_size=3), st.lists(batch, min_size=1, max_size=2)).map(
+                        lambda t: b"".join(t[0] + t[1])))
+
+
+def _route_outcome(route: pb.RouteRequest, prompt: convert.StreamPrompt | None):  # type: ignore[no-untyped-def]
+    try:
+        if prompt is None:
+            req = convert.route_request(route, ROUTER)
+        else:
+            req = convert.split_route_request(route, ROUTER, prompt)
+    except KVRouterError as exc:
+        return type(exc).__name__, str(exc)
+    return (req.request_id, list(req.keys), req.prompt_tokens, req.session_id, req.task, req.model,
+            req.candidate_workers)
+
+
+def _without_prompts(msg: pb.RouteStreamRequest) -> bytes:
+    """Everything but the Routes' token fields, as the message would be answered from."""
+    msg = pb.RouteStreamRequest.FromString(msg.SerializeToString())
+    routes = [msg.route] if msg.WhichOneof("kind") == "route" else [i.route for i in msg.batch.items]
+    for route in routes:
+        route.ClearField("token_ids")
+        route.ClearField("token_ids_le32")
+    return msg.SerializeToString(deterministic=True)
+
+
+def _meaning(msg: pb.RouteStreamRequest, prompts):  # type: ignore[no-untyped-def]
+    """What the handler answers ``msg`` with: each Route's request (or error), the rest as parsed."""
+    kind = msg.WhichOneof("kind")
+    routes = []
+    if kind == "route":
+        routes.append(_route_outcome(msg.route, prompts.get(convert.STREAM_ROUTE)))
+    elif kind == "batch":
+        for place, it in enumerate(msg.batch.items):
+            if it.WhichOneof("kind") == "route":
+                routes.append((place, _route_outcome(it.route, prompts.get(place))))
+    return _without_prompts(msg), routes
+
+
+def _parsed(data: bytes):  # type: ignore[no-untyped-def]
+    try:
+        return _meaning(pb.RouteStreamRequest.FromString(data), {})
+    except DecodeError as exc:
+        return "DecodeError", str(exc)
+
+
+def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
+    """What the daemon makes of ``data``: RouteStream's deserializer, then (for a split message)
+    the worker thread's ``hash_stream``."""
+    try:
+        got = convert.route_stream_message(data, min_prompt_bytes)
+        if type(got) is not convert.SplitStream:
+            return _meaning(got, {}), False
+        hashed = convert.hash_stream(got, ROUTER)
+    except DecodeError as exc:
+        return ("DecodeError", str(exc)), True
+    if type(hashed) is pb.RouteStreamRequest:
+        return _meaning(hashed, {}), True
+    return _meaning(got.msg, hashed), True
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=message, cut=st.integers(0, 3))
+def test_split_stream_message_means_what_the_parse_means(data, cut):
+    if cut == 3 and data:  # cut off inside its last field: malformed framing
+        data = data[:-1]
+    meaning, _ = _split(data, 1)
+    assert meaning == _parsed(data)
+
+
+def _route_item(i: int, **fields) -> pb.RouteStreamRequest:  # type: ignore[no-untyped-def]
+    return pb.RouteStreamRequest(id=i, route=pb.RouteRequest(**fields))
+
+
+def test_huge_batch_items_are_split_under_their_own_places():
+    big = bytes(range(256)) * 16  # 4 KiB packed: 1,024 tokens
+    msg = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=[
+        _route_item(1, token_ids_le32=big, model="m"),
+        pb.RouteStreamRequest(id=2, complete=pb.CompleteRequest(request_id="x")),
+        _route_item(3, block_keys=[1, 2]),  # nothing to hash: parsed as it is
+        _route_item(4, token_ids=list(range(1200)), task=99),  # refused by its checks, not hashed
+    ]))
+    data = msg.SerializeToString()
+    split = convert.route_stream_message(data, 1024)
+    assert type(split) is convert.SplitStream
+    assert sorted(split.routes) == [0, 3]
+    assert split.routes[0].msg.model == "m" and not split.routes[0].msg.token_ids_le32
+    assert [i.id for i in split.msg.batch.items] == [1, 2, 3, 4]
+    prompts = convert.hash_stream(split, ROUTER)
+    assert isinstance(prompts, dict)
+    assert isinstance(prompts[3].hashed, KVRouterError)
+    big_router = Router(RouterSettings(block_size=4, max_prompt_tokens=2000), ManualClock(), random.Random(0))
+    keys = convert.hash_stream(split, big_router)[0].hashed.keys  # type: ignore[index,union-attr]
+    assert list(keys) == list(convert.route_request(msg.batch.items[0].route, big_router).keys)
+    # past the limit: counted, not hashed, answered as the parsed path answers it
+    assert convert.hash_stream(split, ROUTER)[0].hashed.keys is None  # type: ignore[index,union-attr]
+    assert _split(data, 1024)[0] == _parsed(data)
+
+
+@pytest.mark.parametrize("size, limit, split", [(400, 1024, False), (4000, 1024, True), (4000, 0, False)])
+def test_small_messages_are_parsed_whole(size, limit, split):
+    data = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids_le32=bytes(size))).SerializeToString()
+    assert (type(convert.route_stream_message(data, limit)) is convert.SplitStream) is split
+
+
+def test_odd_messages_are_parsed_whole():
+    # a batch big only through block keys, or one of more fields than the walk takes: left to upb
+    keys = pb.RouteStreamRequest(route=pb.RouteRequest(block_keys=list(range(1000)))).SerializeToString()
+    assert type(convert.route_stream_message(keys, 1024)) is pb.RouteStreamRequest
+    many = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=[
+        _route_item(i, token_ids_le32=bytes(8), session_id="s") for i in range(convert.MAX_STREAM_SPLIT_FIELDS // 4)]))
+    assert type(convert.route_stream_message(many.SerializeToString(), 1024)) is pb.RouteStreamRequest
+    # a huge route a later complete discards: upb still reads it, so it is parsed whole
+    discarded = (_field(2, _field(14, bytes(4000))) + _field(3, pb.CompleteRequest(request_id="c").SerializeToString()))
+    assert type(convert.route_stream_message(discarded, 1024)) is pb.RouteStreamRequest
+
+
+def test_malformed_ids_refuse_the_whole_message_with_upbs_error():
+    chunk = b"".join(_varint(t) for t in range(2000)) + b"\x80"  # the last varint cut short
+    for route in (_field(2, chunk), _field(2, chunk) + _int_field(8, 99)):  # valid task or not
+        data = _field(5, _field(1, _int_field(1, 7) + _field(2, route)) + _field(1, _field(2, _field(14, bytes(8)))))
+        split = convert.route_stream_message(data, 1024)
+        assert type(split) is convert.SplitStream
+        with pytest.raises(DecodeError) as err:
+            convert.hash_stream(split, ROUTER)
+        with pytest.raises(DecodeError) as parsed:
+            pb.RouteStreamRequest.FromString(data)
+        assert str(err.value) == str(parsed.value)

@@ -1,14 +1,20 @@
 """Small-Route latency while another client sends huge prompts (issue #16 item 1).
 
-    python -m kvrouterd.benchmarks.big_prompt_stall --tokens 1048576 --probes 300
+    python -m kvrouterd.benchmarks.big_prompt_stall --tokens 1048576 --probes 300 [--via stream]
 
 Runs ``kvrouterd serve`` in its own process (as in production) with ``--workers`` workers
 (event mode, or approximate with ``--mode approximate``), then a probe client sends a small Route
 (+ its Complete) every ``--interval-ms`` and times each Route's round trip: first with nothing
 else running (quiet), then while a second client sends ``--tokens``-token Routes back to back
-(each completed), packed (``token_ids_le32``, as the SDK sends them) or repeated. The huge
-messages are serialized once up front so the client spends no CPU building them. Prints p50 /
-p99 / max of the probes per phase as JSON; reports, never asserts (the machine is shared).
+(each completed), packed (``token_ids_le32``, as the SDK sends them) or repeated, as unary
+Routes or (``--via stream``) as RouteStream messages on one stream per client (``--batch N``:
+each message a batch of N items sharing the tokens). The huge messages are serialized once up
+front so the client spends no CPU building them. Then the hog alone sends ``--cpu-messages``
+more, and the daemon's event-loop thread's CPU time (its main thread's
+``/proc/PID/task/PID/schedstat``, less its idle rate) per huge message is reported as
+``loop_ms_per_huge``: what one such message costs every other call, free of the machine's noise.
+Prints p50 / p99 / max of the probes per phase as JSON; reports, never asserts (the machine is
+shared).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .serve_process import ServeProcess
 from .stats import p99
 
 ROUTE = "/kvrouter.v1.KVRouter/Route"
+ROUTE_STREAM = "/kvrouter.v1.KVRouter/RouteStream"
 COMPLETE = "/kvrouter.v1.KVRouter/Complete"
 REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
 
@@ -43,11 +50,29 @@ def write_config(workdir: Path, off_loop_prompt_bytes: int | None = None) -> Pat
     return config
 
 
-def _route_bytes(tokens: int, packed: bool, seed: int) -> bytes:
+def _route(tokens: int, packed: bool, seed: int) -> pb.RouteRequest:
     rng = random.Random(seed)
     if packed:
-        return pb.RouteRequest(token_ids_le32=rng.randbytes(tokens * 4)).SerializeToString()
-    return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)]).SerializeToString()
+        return pb.RouteRequest(token_ids_le32=rng.randbytes(tokens * 4))
+    return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)])
+
+
+def _route_bytes(tokens: int, packed: bool, seed: int) -> bytes:
+    return _route(tokens, packed, seed).SerializeToString()
+
+
+def _stream_bytes(tokens: int, packed: bool, batch: int) -> bytes:
+    """One RouteStream message carrying ``tokens`` tokens: a Route, or a batch of ``batch`` Routes."""
+    if batch <= 1:
+        return pb.RouteStreamRequest(id=1, route=_route(tokens, packed, 2)).SerializeToString()
+    items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)) for i in range(batch)]
+    return pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
+
+
+def _loop_cpu_s(pid: int) -> float:
+    """CPU time of ``pid``'s main thread, the daemon's event loop (schedstat: nanoseconds on CPU)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
 
 
 def _quantiles(latencies: list[float]) -> dict[str, Any]:
@@ -75,7 +100,29 @@ def _stubs(channel: grpc.aio.Channel) -> tuple[Any, Any]:
     return route, complete
 
 
-async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
+class _StreamHog:
+    """Huge RouteStream messages on one stream, each answered, its Routes then completed on it."""
+
+    def __init__(self, channel: grpc.aio.Channel, message: bytes) -> None:
+        self.call = channel.stream_stream(ROUTE_STREAM, request_serializer=None,
+                                          response_deserializer=pb.RouteStreamResponse.FromString)()
+        self.message = message
+
+    async def send(self) -> None:
+        await self.call.write(self.message)
+        reply = await self.call.read()
+        answers = reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
+        done = [pb.RouteStreamRequest(id=a.id, complete=_complete_message(a.route.request_id)) for a in answers]
+        message = done[0] if len(done) == 1 else pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=done))
+        await self.call.write(message.SerializeToString())
+        await self.call.read()
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.call.read()
+
+
+async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     channel, hog_channel = _channel(port), _channel(port)
     route, complete = _stubs(channel)
     hog_route, hog_complete = _stubs(hog_channel)
@@ -86,7 +133,8 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
         await register(pb.RegisterWorkerRequest(worker=pb.Worker(
             id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=args.capacity_blocks)))
     probe_msg = _route_bytes(args.probe_tokens, True, 1)
-    huge = _route_bytes(args.tokens, args.form == "packed", 2)
+    packed = args.form == "packed"
+    huge = _route_bytes(args.tokens, packed, 2) if args.via == "unary" else _stream_bytes(args.tokens, packed, args.batch)
 
     async def probes(n: int) -> list[float]:
         out = []
@@ -100,12 +148,22 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
 
     huge_times: list[float] = []
 
-    async def hog(stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            started = time.perf_counter()
+    async def huge_one(stream: _StreamHog | None) -> None:
+        started = time.perf_counter()
+        if stream is not None:
+            await stream.send()  # the answer's round trip and its Completes'
+        else:
             reply = await hog_route(huge)
-            huge_times.append(time.perf_counter() - started)
+        huge_times.append(time.perf_counter() - started)
+        if stream is None:
             await hog_complete(_complete_message(reply.request_id))
+
+    async def hog(stop: asyncio.Event) -> None:
+        stream = _StreamHog(hog_channel, huge) if args.via == "stream" else None
+        while not stop.is_set():
+            await huge_one(stream)
+        if stream is not None:
+            await stream.close()
 
     await probes(20)  # warm up connections and caches
     quiet = await probes(args.probes)
@@ -115,12 +173,28 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
     loaded = await probes(args.probes)
     stop.set()
     await asyncio.gather(*hogs)
+    during = list(huge_times)
+    # the loop's CPU per huge message, nothing else running: its idle rate first, then the hog alone
+    idle_from, idle_cpu = time.perf_counter(), _loop_cpu_s(pid)
+    await asyncio.sleep(1.0)
+    idle_rate = (_loop_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_from)
+    stream = _StreamHog(hog_channel, huge) if args.via == "stream" else None
+    await huge_one(stream)  # the stream opened, its first message out of the way
+    started, cpu = time.perf_counter(), _loop_cpu_s(pid)
+    for _ in range(args.cpu_messages):
+        await huge_one(stream)
+    loop_s = _loop_cpu_s(pid) - cpu - idle_rate * (time.perf_counter() - started)
+    if stream is not None:
+        await stream.close()
     await channel.close()
     await hog_channel.close()
     return {
-        "tokens": args.tokens, "form": args.form, "mode": args.mode, "workers": args.workers, "hogs": args.hogs,
+        "tokens": args.tokens, "form": args.form, "via": args.via, "batch": args.batch, "mode": args.mode,
+        "workers": args.workers, "hogs": args.hogs,
         "quiet": _quantiles(quiet), "during_huge_routes": _quantiles(loaded),
-        "huge_route_ms_median": round(statistics.median(huge_times) * 1e3, 2), "huge_routes": len(huge_times),
+        "huge_route_ms_median": round(statistics.median(during) * 1e3, 2), "huge_routes": len(during),
+        "loop_ms_per_huge": round(loop_s / args.cpu_messages * 1e3, 2),
+        "load_average": os.getloadavg(),
     }
 
 
@@ -135,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probes", type=int, default=300)
     parser.add_argument("--probe-tokens", type=int, default=4000)
     parser.add_argument("--interval-ms", type=float, default=5.0)
+    parser.add_argument("--via", choices=("unary", "stream"), default="unary",
+                        help="how huge prompts come: unary Routes, or RouteStream messages (probes are unary)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="--via stream: items per huge message (a batch sharing --tokens), 1 = a plain Route")
+    parser.add_argument("--cpu-messages", type=int, default=30,
+                        help="huge messages sent alone at the end to measure the loop's CPU per message")
     parser.add_argument("--off-loop-prompt-bytes", type=int, default=None,
                         help="the daemon's limits.off_loop_prompt_bytes (default: its default; 0 = hash on the loop)")
     args = parser.parse_args(argv)
@@ -142,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         daemon = ServeProcess(write_config(Path(tmp), args.off_loop_prompt_bytes))
         daemon.start()
         try:
-            result = asyncio.run(_run(daemon.port, args))
+            assert daemon.proc is not None
+            result = asyncio.run(_run(daemon.port, daemon.proc.pid, args))
         finally:
             daemon.stop()
     assert daemon.proc is not None

@@ -341,8 +341,11 @@ class BusEventSource:
                 self.stats.gaps += 1
         if seq >= self._target:
             self.caught_up.set()
-        # what the server had not delivered yet when it sent this one: the stream's end then
-        self._seen_end = max(self._seen_end, seq + msg.metadata.num_pending)
+        # what the server had not delivered yet when it sent this one (the stream's end then),
+        # and what it has delivered that waits in this client behind this one: after a loop or
+        # process that stood still, the whole backlog is here, and the server says 0 for each
+        waiting = self._sub.pending_msgs if self._sub is not None else 0
+        self._seen_end = max(self._seen_end, seq + msg.metadata.num_pending, seq + waiting)
         self._note_lag(self._seen_end - seq)
 
     async def _watch_lag(self) -> None:

@@ -206,7 +206,9 @@ async def test_a_paused_replica_catches_up_and_says_it_was_behind(
         await asyncio.to_thread(r.wait_serving)
     nc = await nats.connect(nats_server.url)
     subject = worker_subject("kvrouter.events", WORKERS[0])
-    n = LAG_WARN_MESSAGES * 3
+    # a backlog the resumed replica cannot apply between two reads of its socket, so the lag
+    # check overdue at SIGCONT sees it behind (3x once sufficed, before ingest got faster)
+    n = LAG_WARN_MESSAGES * 10
     try:
         slow.kill(signal.SIGSTOP)
         for seq in range(n):  # one block per batch, the chain growing from the last

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.server import convert
 
+from ..wire import length_delimited as frame
 from .test_bounded_input import state
 from .test_daemon import BS, publish, register
 
@@ -267,15 +268,3 @@ async def test_huge_stream_routes_wait_in_admission_queues_as_parsed_ones(runnin
     assert await call.read() is grpc.aio.EOF
 
 
-def frame(number: int, payload: bytes) -> bytes:
-    """A length-delimited field, framed by hand (for messages no encoder would send)."""
-    return bytes([number << 3 | 2]) + varint(len(payload)) + payload
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)

@@ -24,24 +24,11 @@ from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server import convert
 from kvrouterd.server.convert import pb
 
+from ...wire import length_delimited as _field
+from ...wire import varint as _varint
+from ...wire import varint_field as _int_field
+
 ROUTER = Router(RouterSettings(block_size=4, max_prompt_tokens=300), ManualClock(), random.Random(0))
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _int_field(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
 
 
 token = st.integers(0, 2**64 - 1)  # past 2**32: upb truncates a uint32 to its low bits

@@ -2867,6 +2867,33 @@ oj_hex4(const unsigned char *p)
 /* Appends the text of the validated string token at s[i] to out[*k...] (never more bytes than
  * the token takes). The index after the token, or -1 for a lone surrogate: json.loads would
  * keep it in the str, which cannot be encoded as UTF-8. */
+/* The code point of the escape at s[*i] (a backslash in a validated string token), *i moved
+ * past it (and past the low half of a surrogate pair); -1 for a lone surrogate, which
+ * json.loads would let through as itself but UTF-8 cannot carry. */
+static int64_t
+oj_escaped(const unsigned char *s, Py_ssize_t *i)
+{
+    unsigned char e = s[*i + 1];
+    if (e != 'u') {
+        *i += 2;
+        return e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
+    }
+    uint32_t cp = oj_hex4(s + *i + 2);
+    *i += 6;
+    if (cp >= 0xDC00 && cp <= 0xDFFF)
+        return -1;
+    if (cp >= 0xD800 && cp <= 0xDBFF) {
+        if (s[*i] != '\\' || s[*i + 1] != 'u')
+            return -1;
+        uint32_t low = oj_hex4(s + *i + 2);
+        if (low < 0xDC00 || low > 0xDFFF)
+            return -1;
+        cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+        *i += 6;
+    }
+    return cp;
+}
+
 static Py_ssize_t
 oj_unescape(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *out, Py_ssize_t *k)
 {
@@ -2878,27 +2905,10 @@ oj_unescape(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned char *o
         *k += i - run;
         if (s[i] == '"')
             return i + 1;
-        unsigned char e = s[i + 1];
-        if (e != 'u') {
-            unsigned char c = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
-            out[(*k)++] = c;
-            i += 2;
-            continue;
-        }
-        uint32_t cp = oj_hex4(s + i + 2);
-        i += 6;
-        if (cp >= 0xDC00 && cp <= 0xDFFF)
+        int64_t cp = oj_escaped(s, &i);
+        if (cp < 0)
             return -1;
-        if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (s[i] != '\\' || s[i + 1] != 'u')
-                return -1;
-            uint32_t low = oj_hex4(s + i + 2);
-            if (low < 0xDC00 || low > 0xDFFF)
-                return -1;
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-            i += 6;
-        }
-        *k = oj_put_utf8(out, *k, cp);
+        *k = oj_put_utf8(out, *k, (uint32_t)cp);
     }
 }
 
@@ -2932,27 +2942,10 @@ oj_canonical_string(const unsigned char *s, Py_ssize_t n, Py_ssize_t i, unsigned
             out[(*k)++] = '"';
             return i + 1;
         }
-        uint32_t cp;
-        unsigned char e = s[i + 1];
-        if (e != 'u') {
-            cp = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
-            i += 2;
-        }
-        else {
-            cp = oj_hex4(s + i + 2);
-            i += 6;
-            if (cp >= 0xDC00 && cp <= 0xDFFF)
-                return -1;
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-                if (s[i] != '\\' || s[i + 1] != 'u')
-                    return -1;
-                uint32_t low = oj_hex4(s + i + 2);
-                if (low < 0xDC00 || low > 0xDFFF)
-                    return -1;
-                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-                i += 6;
-            }
-        }
+        int64_t escaped = oj_escaped(s, &i);
+        if (escaped < 0)
+            return -1;
+        uint32_t cp = (uint32_t)escaped;
         const char *esc = cp == '"' ? "\\\"" : cp == '\\' ? "\\\\" : cp == '\b' ? "\\b" : cp == '\f' ? "\\f"
                         : cp == '\n' ? "\\n" : cp == '\r' ? "\\r" : cp == '\t' ? "\\t" : NULL;
         if (esc != NULL) {

@@ -35,7 +35,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .grpc_bench import _complete_message
 from .serve_process import ServeProcess
-from .stats import p99
+from .stats import latency_summary, quiet_then_loaded
 
 ROUTE = "/kvrouter.v1.KVRouter/Route"
 ROUTE_STREAM = "/kvrouter.v1.KVRouter/RouteStream"
@@ -73,16 +73,6 @@ def _loop_cpu_s(pid: int) -> float:
     """CPU time of ``pid``'s main thread, the daemon's event loop (schedstat: nanoseconds on CPU)."""
     with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
-
-
-def _quantiles(latencies: list[float]) -> dict[str, Any]:
-    ordered = sorted(latencies)
-    return {
-        "probes": len(ordered),
-        "p50_ms": round(statistics.median(ordered) * 1e3, 2),
-        "p99_ms": round(p99(ordered) * 1e3, 2),
-        "max_ms": round(ordered[-1] * 1e3, 2),
-    }
 
 
 def _channel(port: int) -> grpc.aio.Channel:
@@ -165,14 +155,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         if stream is not None:
             await stream.close()
 
-    await probes(20)  # warm up connections and caches
-    quiet = await probes(args.probes)
-    stop = asyncio.Event()
-    hogs = [asyncio.create_task(hog(stop)) for _ in range(args.hogs)]
-    await asyncio.sleep(0.2)
-    loaded = await probes(args.probes)
-    stop.set()
-    await asyncio.gather(*hogs)
+    quiet, loaded = await quiet_then_loaded(probes, hog, args.hogs, args.probes)
     during = list(huge_times)
     # the loop's CPU per huge message, nothing else running: its idle rate first, then the hog alone
     idle_from, idle_cpu = time.perf_counter(), _loop_cpu_s(pid)
@@ -191,7 +174,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "tokens": args.tokens, "form": args.form, "via": args.via, "batch": args.batch, "mode": args.mode,
         "workers": args.workers, "hogs": args.hogs,
-        "quiet": _quantiles(quiet), "during_huge_routes": _quantiles(loaded),
+        "quiet": latency_summary(quiet), "during_huge_routes": latency_summary(loaded),
         "huge_route_ms_median": round(statistics.median(during) * 1e3, 2), "huge_routes": len(during),
         "loop_ms_per_huge": round(loop_s / args.cpu_messages * 1e3, 2),
         "load_average": os.getloadavg(),

@@ -56,7 +56,7 @@ from ..policies import registry
 from .cli import _Steps
 from .grpc_bench import _complete_message
 from .serve_process import ServeProcess
-from .stats import p99
+from .stats import latency_summary
 
 BLOCK_SIZE = 16
 #: what the hostile client asks for: every block there could be
@@ -81,18 +81,6 @@ def write_config(workdir: Path, configured: str, stall_warn_ms: float) -> Path:
 def _channel(port: int) -> grpc.aio.Channel:
     # a connection per client: the probes must not queue behind the hostile calls' bytes
     return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS)
-
-
-def _quantiles(latencies: list[float]) -> dict[str, Any]:
-    if not latencies:
-        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
-    ordered = sorted(latencies)
-    return {
-        "n": len(ordered),
-        "p50_ms": round(statistics.median(ordered) * 1e3, 2),
-        "p99_ms": round(p99(ordered) * 1e3, 2),
-        "max_ms": round(ordered[-1] * 1e3, 2),
-    }
 
 
 class Fleet:
@@ -250,8 +238,8 @@ async def _phase(
     during = [e - s for s, e in spans if any(s < ce and e > cs for cs, ce in calls)]
     return {
         "call_ms": [round((e - s) * 1e3, 2) for s, e in calls],
-        "probes_during": _quantiles(during),
-        "probes_all": _quantiles([e - s for s, e in spans]),
+        "probes_during": latency_summary(during, "n"),
+        "probes_all": latency_summary([e - s for s, e in spans], "n"),
         "loop_lag_bucket_ms": round(_largest_lag_bucket(lag_before, lag_after) * 1e3, 1),
         "watchdog_blocked_ms": _blocked_ms(daemon.warnings[warned:]),
     }

@@ -47,8 +47,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
-from .big_prompt_stall import _channel, _quantiles
+from .big_prompt_stall import _channel
 from .serve_process import ServeProcess
+from .stats import latency_summary, quiet_then_loaded
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
@@ -148,20 +149,13 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
         while not stop.is_set():
             huge_times.append(await _exchange(hog_process, huge))
 
-    await probes(20)  # warm up connections and caches
-    quiet = await probes(args.probes)
-    stop = asyncio.Event()
-    hogs = [asyncio.create_task(hog(stop)) for _ in range(args.hogs)]
-    await asyncio.sleep(0.2)
-    loaded = await probes(args.probes)
-    stop.set()
-    await asyncio.gather(*hogs)
+    quiet, loaded = await quiet_then_loaded(probes, hog, args.hogs, args.probes)
     await channel.close()
     await hog_channel.close()
     return {
         "form": args.form, "body_mib": round(len(body) / (1 << 20), 2), "tokenizer": bool(args.tokenizer),
         "workers": args.workers, "hogs": args.hogs,
-        "quiet": _quantiles(quiet), "during_huge_bodies": _quantiles(loaded),
+        "quiet": latency_summary(quiet), "during_huge_bodies": latency_summary(loaded),
         "huge_answer_ms_median": round(statistics.median(huge_times) * 1e3, 2) if huge_times else None,
         "huge_bodies": len(huge_times), "loadavg": os.getloadavg()[0],
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrouterd.benchmarks.stats import p99
+from kvrouterd.benchmarks.stats import latency_summary, p99
 
 
 def test_p99_interpolates_between_the_nearest_samples():
@@ -16,3 +16,8 @@ def test_p99_interpolates_between_the_nearest_samples():
 def test_p99_of_one_sample_is_that_sample_and_of_none_is_zero():
     assert p99([0.25]) == 0.25
     assert p99([]) == 0.0
+
+
+def test_latency_summary_is_in_milliseconds_and_zero_for_no_probes():
+    assert latency_summary([0.003, 0.001, 0.002]) == {"probes": 3, "p50_ms": 2.0, "p99_ms": 2.98, "max_ms": 3.0}
+    assert latency_summary([], "n") == {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}

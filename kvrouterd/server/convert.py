@@ -561,8 +561,11 @@ def hash_stream(
     return prompts
 
 
-def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt) -> RouteRequest:
-    """``route_request`` of a split RouteStream Route (``msg``), with its prompt from ``hash_stream``."""
+def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None) -> RouteRequest:
+    """``route_request`` of a RouteStream Route (``msg``), with its prompt from ``hash_stream``
+    when its message was split (None: parsed whole)."""
+    if prompt is None:
+        return route_request(msg, router)
     hashed = prompt.hashed
     if isinstance(hashed, KVRouterError):
         raise hashed

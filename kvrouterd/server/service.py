@@ -341,14 +341,14 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
                     recording = span.is_recording()
                     try:
-                        req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
+                        req = convert.split_route_request(request, router, prompt)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
+                req = convert.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
@@ -372,7 +372,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
             recording = self.tracing and span.is_recording()
             try:
-                req = convert.route_request(request, router) if prompt is None else convert.split_route_request(request, router, prompt)
+                req = convert.split_route_request(request, router, prompt)
                 result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
             except KVRouterError as exc:
                 await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))

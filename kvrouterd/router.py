@@ -439,10 +439,6 @@ class Router:
                 self._drains.popleft()
         return False
 
-    def drain_all(self) -> None:
-        while self.drain_step():
-            pass
-
     def set_draining(self, worker_id: str, draining: bool) -> Worker:
         worker = self.workers.get(worker_id)
         if draining:

@@ -55,7 +55,7 @@ MAX_STREAM_BATCH_ITEMS = 256
 DRAIN_STEP_BLOCKS = 512
 #: entries of work an EvictHint does between yields to the loop where it must visit a whole
 #: worker (its first hint's engine-hash map; a policy ranking without its own order)
-EVICT_STEP_ENTRIES = 1024
+EVICT_STEP_ENTRIES = 512
 
 
 #: the prompts of a RouteStream message that was parsed whole: none

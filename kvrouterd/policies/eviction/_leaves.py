@@ -17,10 +17,12 @@ Neither changes the index.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from sortedcontainers import SortedList
 
@@ -29,7 +31,13 @@ from ...index.radix import Block, Pending, RadixIndex, fold_pending
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ._release import release_steps
 
-__all__ = ["SortedLeaves", "chain_split", "held_child_other_than", "merge_promoting", "rank_leaves_by", "score_leaves_steps"]
+__all__ = [
+    "SortedLeaves", "SortedRun", "chain_split", "copy_steps", "guarded", "held_child_other_than", "merge_part",
+    "merge_promoting", "merge_promoting_steps", "rank_leaves_by", "rank_leaves_by_steps", "run_steps",
+    "score_leaves_steps", "still_evictable",
+]
+
+_T = TypeVar("_T")
 
 
 def chain_split_py(blocks: Sequence[Block], prio: dict[Block, Any]) -> tuple[list[Block], list[Block]]:
@@ -74,13 +82,28 @@ def merge_promoting(
     pinned: frozenset[int],
     priority: Callable[[Block], Any],
 ) -> list[Block]:
+    """``merge_promoting_steps`` at once (no part ends early)."""
+    return run_steps(merge_promoting_steps(ctx, ordered, count, pinned, priority, None))
+
+
+def merge_promoting_steps(
+    ctx: EvictionContext,
+    ordered: Iterator[tuple[Any, int, Block]],
+    count: int,
+    pinned: frozenset[int],
+    priority: Callable[[Block], Any],
+    part: int | None,
+) -> Generator[None, None, list[Block]]:
     """Take up to ``count`` blocks from ``ordered`` (leaves, ascending ``(priority, key, block)``),
     merging in parents as their last held child is taken. Pinned blocks are never taken, and
-    a pinned block's ancestors never become leaves.
+    a pinned block's ancestors never become leaves. Yields after every ``part`` entries read
+    from ``ordered`` or parents promoted (None: never), so a host can serve its loop between
+    parts; ``ordered`` must then stay valid across them (a private copy, ``copy_steps``).
 
     A promoted parent is scored as the leaf it becomes once the chosen blocks are removed:
     with the path accesses pending below it folded in (``RadixIndex.as_leaf``), which are
-    carried up as blocks are chosen rather than found again by walking the chosen subtree."""
+    carried up as blocks are chosen rather than found again by walking the chosen subtree.
+    A key read twice (an entry copied again after its priority rose between parts) is taken once."""
     slot = ctx.slot
     bit = 1 << slot
     pending, as_leaf = ctx.index.pending, ctx.index.as_leaf
@@ -89,10 +112,12 @@ def merge_promoting(
     taken: set[int] = set()
     # key of a chosen promoted parent -> the accesses pending in its subtree
     folded: dict[int, Pending | None] = {}
+    work = 0  # entries read and parents scored since the last part ended
     nxt = next(ordered, None)
     while len(chosen) < count:
-        while nxt is not None and nxt[1] in pinned:
+        while nxt is not None and (nxt[1] in pinned or nxt[1] in taken):
             nxt = next(ordered, None)
+            work += 1
         if promoted and (nxt is None or promoted[0][:2] < nxt[:2]):
             _, key, block = heapq.heappop(promoted)
         elif nxt is not None:
@@ -102,8 +127,12 @@ def merge_promoting(
             break
         chosen.append(block)
         taken.add(key)
+        work += 1
+        if part is not None and work >= part:
+            work = 0
+            yield
         parent = block.parent
-        if parent is None or not parent.holders & bit or parent.key in pinned:
+        if parent is None or not parent.holders & bit or parent.key in pinned or parent.key in taken:
             continue
         if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
             up = pending(parent, slot)
@@ -112,14 +141,87 @@ def merge_promoting(
                     up = fold_pending(up, folded[c.key] if c.key in folded else pending(c, slot))
             folded[parent.key] = up
             heapq.heappush(promoted, (priority(as_leaf(parent, slot, up)), parent.key, parent))
+            work += 1
     return chosen
+
+
+def run_steps(steps: Generator[None, None, _T]) -> _T:
+    """What a steps generator returns, run to the end at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+class SortedRun(list):  # type: ignore[type-arg]
+    """A private sorted copy of a policy's leaf order (``copy_steps``), read by the same code that
+    reads the live ``SortedList`` (``bisect_left``, ``islice``), which events may change between
+    the parts of a hint while this stays as it was copied."""
+
+    def bisect_left(self, value: Any) -> int:
+        return bisect.bisect_left(self, value)
+
+    def islice(self, start: int, stop: int) -> Iterator[Any]:
+        return map(self.__getitem__, range(start, stop))
+
+
+def copy_steps(order: SortedList, step: int) -> Generator[None, None, SortedRun]:
+    """``order`` (``(priority, key, block)`` entries, distinct keys) copied ``step`` entries per
+    part, yielding between parts. Each part continues after the last entry copied by value, not
+    position, so events between parts never make the copy unsorted: an entry added or re-scored
+    behind the cursor is missed (the hint is advice about the order as it was being read), one
+    re-scored ahead of it may be copied twice (``merge_promoting_steps`` takes a key once)."""
+    out = SortedRun()
+    cursor: tuple[Any, int] | None = None
+    while True:
+        part = list(itertools.islice(order.irange(minimum=cursor), step))
+        out.extend(part)
+        if len(part) < step:
+            return out
+        prio, key, _ = part[-1]
+        cursor = (prio, key + 1)  # the least value above (prio, key, any block): keys are ints
+        yield
+
+
+def still_evictable(ctx: EvictionContext, ranked: Sequence[Block]) -> list[Block]:
+    """``ranked`` less what events applied while it was ranked in parts made wrong to name: a
+    block the slot no longer holds (or whose key now names another block), and a block that has
+    a held child not named before it (stored below it meanwhile, or a child dropped here). What
+    is left keeps the order, so every held child of a named block is still named before it."""
+    bit, get = 1 << ctx.slot, ctx.index.get
+    kept: list[Block] = []
+    named: set[int] = set()
+    for b in ranked:
+        key = b.key
+        if not b.holders & bit or get(key) is not b:
+            continue
+        if b.children is not None:
+            for c in b.iter_children():
+                if c.holders & bit and c.key not in named:
+                    break
+            else:
+                kept.append(b)
+                named.add(key)
+            continue
+        kept.append(b)
+        named.add(key)
+    return kept
 
 
 def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], priority) -> list[Block]:  # type: ignore[no-untyped-def]
     """Pop up to ``count`` leaves lowest ``priority(block)`` first, promoting parents as they empty.
     Leaves the host already scored (``ctx.scored``) are read from there instead."""
+    return run_steps(rank_leaves_by_steps(ctx, count, pinned, priority, None))
+
+
+def rank_leaves_by_steps(ctx: EvictionContext, count: int, pinned: frozenset[int], priority: Callable[[Block], Any],
+                         step: int | None) -> Generator[None, None, list[Block]]:
+    """``rank_leaves_by`` taking the blocks in parts (``merge_part(step)``) when the host scored
+    the leaves in steps (``ctx.scored``); scoring them here is done at once."""
     if ctx.scored is not None:
-        return merge_promoting(ctx, _still_leaves(ctx, ctx.scored), count, pinned, priority)
+        return (yield from merge_promoting_steps(ctx, _still_leaves(ctx, ctx.scored), count, pinned, priority,
+                                                 merge_part(step)))
     heap = [(priority(b), b.key, b) for b in ctx.leaves() if b.key not in pinned]
     heapq.heapify(heap)
 
@@ -127,7 +229,27 @@ def rank_leaves_by(ctx: EvictionContext, count: int, pinned: frozenset[int], pri
         while heap:
             yield heapq.heappop(heap)
 
-    return merge_promoting(ctx, drain(), count, pinned, priority)
+    return (yield from merge_promoting_steps(ctx, drain(), count, pinned, priority, merge_part(step)))
+
+
+#: a part of a ranking in steps takes ``step // MERGE_DIVISOR`` entries (read or promoted): each
+#: costs a priority, heap operations and a leaf check in Python, about 4 times what scoring a leaf
+#: in ``score_leaves_steps`` costs, so a part is about as long as a scoring part
+MERGE_DIVISOR = 4
+#: copying a policy's own order costs ~50 ns an entry against a few us for scoring or merging one,
+#: so ``copy_steps`` takes this many times ``step`` entries a part
+COPY_FACTOR = 16
+
+
+def merge_part(step: int | None) -> int | None:
+    return None if step is None else max(1, step // MERGE_DIVISOR)
+
+
+def guarded(ctx: EvictionContext, ordered: Iterator[tuple[Any, int, Block]], step: int | None,
+            ) -> Iterator[tuple[Any, int, Block]]:
+    """``ordered`` as ``merge_promoting_steps`` reads it: at once, as it is; in parts (a copy of
+    the order, events between them), without the entries that stopped being leaves meanwhile."""
+    return ordered if step is None else _still_leaves(ctx, ordered)
 
 
 def _still_leaves(ctx: EvictionContext, scored: Iterator[tuple[Any, int, Block]]) -> Iterator[tuple[Any, int, Block]]:
@@ -316,12 +438,26 @@ class SortedLeaves:
 
         return priority
 
-    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
-        priority = self.priority_for(ctx)
+    def view_steps(self, ctx: EvictionContext, step: int | None) -> Generator[None, None, SortedList | SortedRun | None]:
+        """``sorted_view`` as a ranking in parts reads it: the live order at once (``step`` None),
+        else a copy made ``COPY_FACTOR * step`` entries a part (``copy_steps``), which events
+        between the ranking's parts cannot change under it."""
         order = self.sorted_view(ctx)
+        if order is None or step is None:
+            return order
+        return (yield from copy_steps(order, step * COPY_FACTOR))
+
+    def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return run_steps(self.rank_steps(ctx, count, pinned, None))
+
+    def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   ) -> Generator[None, None, list[Block]]:
+        priority = self.priority_for(ctx)
+        order = yield from self.view_steps(ctx, step)
         if order is None:
-            return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, iter(order), count, pinned, priority)
+            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
+        return (yield from merge_promoting_steps(ctx, guarded(ctx, iter(order), step), count, pinned, priority,
+                                                 merge_part(step)))
 
 
 _MISSING = object()
@@ -337,6 +473,10 @@ class LeafOrderPolicy(EvictionPolicyBase):
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         return self._leaves.rank(ctx, count, pinned)
+
+    def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   ) -> Generator[None, None, list[Block]]:
+        return self._leaves.rank_steps(ctx, count, pinned, step)
 
     def leaf_priority(self, ctx: EvictionContext) -> Callable[[Block], Any] | None:
         return self._leaves.priority_for(ctx) if self._leaves.sorted_view(ctx) is None else None

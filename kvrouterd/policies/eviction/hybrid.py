@@ -33,14 +33,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
+from ._leaves import SortedLeaves, guarded, merge_part, merge_promoting_steps, rank_leaves_by_steps, run_steps
 from ._release import release_steps
 
 __all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
@@ -99,11 +99,16 @@ class HybridEviction(EvictionPolicyBase):
         return self._priority(ctx) if self._leaves.sorted_view(ctx) is None else None
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return run_steps(self.rank_steps(ctx, count, pinned, None))
+
+    def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   ) -> Generator[None, None, list[Block]]:
         priority = self._priority(ctx)
-        order = self._leaves.sorted_view(ctx)
+        order = yield from self._leaves.view_steps(ctx, step)
         if order is None:
-            return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, self._merged(order, ctx.now), count, pinned, priority)
+            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
+        return (yield from merge_promoting_steps(ctx, guarded(ctx, self._merged(order, ctx.now), step), count, pinned,
+                                                 priority, merge_part(step)))
 
     def _merged(self, order, now: float) -> Iterator[tuple[tuple[float, float], int, Block]]:  # type: ignore[no-untyped-def]
         """Leaves by ascending (value, last access, key): a k-way merge of the classes."""

@@ -23,19 +23,26 @@ Parameters (``RLTParams``):
 ``rank`` leaves the index untouched; it may start a new phase (policy state only), as the
 algorithm does when it runs out of unmarked leaves. The hooks keep the leaves in key order;
 a draw is rejection sampling over them (O(log L)), falling back to listing the candidates
-(O(L)) only when most leaves are marked.
+(O(L)) only when most leaves are marked. ``rank_steps`` (an ``EvictHint``) draws in parts,
+the host serving its loop between them, each draw reading the leaves as they are then. An
+instance that saw no hooks for the worker (one built for a hint, not the daemon's policy)
+has no order and no marks, so lines 14-15 draw from all its leaves: it lists them in key
+order (so a seed still fixes every draw) in parts too, O(L) per call; the daemon's own
+``rlt`` never does.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import SortedLeaves
+from ._leaves import COPY_FACTOR, SortedLeaves, copy_steps, merge_part, run_steps, score_leaves_steps
 from ._release import release_steps
 
 __all__ = ["RLTEviction", "RLTParams"]
@@ -120,20 +127,40 @@ class RLTEviction(EvictionPolicyBase):
         return release_steps([*self._leaves.detach(slot), *([phase.marked] if phase is not None else [])], step)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return run_steps(self.rank_steps(ctx, count, pinned, None))
+
+    def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   ) -> Generator[None, None, list[Block]]:
+        """Algorithm 1, lines 13-16, ``count`` times; in parts of ``merge_part(step)`` draws when
+        ``step`` is set, the host applying events between them. Each draw reads the leaves as
+        they are then: the hooks' order is indexed afresh, and a candidate that stopped being an
+        evictable leaf meanwhile is drawn again (at once no event comes between draws, so the
+        same seed gives the same blocks either way)."""
         slot, bit = ctx.slot, 1 << ctx.slot
         p = self._phase(slot)
         p.capacity = max(p.capacity, ctx.index.count(slot))
         order = self._leaves.sorted_view(ctx)
-        if order is None:  # this instance missed hooks for the slot: list the leaves
+        leaves: list[Block] = []
+        if order is None and step is None:  # this instance missed hooks for the slot: list the leaves
             leaves = sorted(ctx.leaves(), key=_key)
-            n_base = len(leaves)
-        else:
-            n_base = len(order)
+        elif order is None:
+            leaves = yield from _key_order_steps(ctx, step)
+        part = merge_part(step)
+        get = ctx.index.get
+
+        def n_base() -> int:
+            return len(leaves) if order is None else len(order)
 
         def candidate(i: int) -> Block:
-            if i < n_base:
+            n = n_base()
+            if i < n:
                 return leaves[i] if order is None else order[i][2]
-            return extra[i - n_base]
+            return extra[i - n]
+
+        def evictable(b: Block) -> bool:
+            """Still a leaf of the slot once the blocks taken are gone (events between parts)."""
+            return bool(b.holders & bit) and get(b.key) is b and not any(
+                c.holders & bit and c.key not in taken for c in b.iter_children())
 
         extra: list[Block] = []  # parents that became leaves during this call
         chosen: list[Block] = []
@@ -145,40 +172,61 @@ class RLTEviction(EvictionPolicyBase):
         # of the call, as Algorithm 1 reads.
         pool: list[Block] | None = None
         held_back: list[Block] = []
+        work = 0
         while len(chosen) < count:
+            if part is not None and work >= part:
+                work = 0
+                yield
             block = None
             if pool is None:
-                total = n_base + len(extra)
+                total = n_base() + len(extra)
                 for _ in range(_TRIES if total else 0):
+                    work += 1
                     b = candidate(rng.randrange(total))
                     if b.key not in taken and b.key not in pinned and b.key not in marked:
-                        block = b
-                        break
+                        if step is None or evictable(b):
+                            block = b
+                            break
                 if block is None:
-                    everything = (leaves if order is None else [e[2] for e in order]) + extra
-                    rest = [b for b in everything if b.key not in taken and b.key not in pinned]
-                    pool = [b for b in rest if b.key not in marked]
-                    held_back = [b for b in rest if b.key in marked]
+                    if order is None:
+                        everything = leaves + extra
+                    elif step is None:
+                        everything = [e[2] for e in order] + extra
+                    else:
+                        everything = [e[2] for e in (yield from copy_steps(order, step * COPY_FACTOR))] + extra
+                    pool, held_back = [], []
+                    for start in range(0, len(everything), part or len(everything) or 1):
+                        for b in everything[start : start + (part or len(everything))]:
+                            if b.key not in taken and b.key not in pinned:
+                                (held_back if b.key in marked else pool).append(b)
+                        if part is not None:
+                            yield
             if block is None:
                 assert pool is not None
-                if not pool:
-                    if not held_back:
-                        break
-                    # no unmarked leaf left: a new phase unmarks all but the newest block,
-                    # which is taken only when it is the last evictable leaf
-                    self._new_phase(p)
-                    pool = [b for b in held_back if b.key not in marked]
-                    held_back = [b for b in held_back if b.key in marked]
+                while block is None:
                     if not pool:
-                        pool, held_back = held_back, []
-                i = rng.randrange(len(pool))
-                block = pool[i]
-                pool[i] = pool[-1]
-                pool.pop()
+                        if not held_back:
+                            break
+                        # no unmarked leaf left: a new phase unmarks all but the newest block,
+                        # which is taken only when it is the last evictable leaf
+                        self._new_phase(p)
+                        pool = [b for b in held_back if b.key not in marked]
+                        held_back = [b for b in held_back if b.key in marked]
+                        if not pool:
+                            pool, held_back = held_back, []
+                    i = rng.randrange(len(pool))
+                    b = pool[i]
+                    pool[i] = pool[-1]
+                    pool.pop()
+                    work += 1
+                    if step is None or evictable(b):
+                        block = b
+                if block is None:
+                    break
             chosen.append(block)
             taken.add(block.key)
             parent = block.parent
-            if parent is None or not parent.holders & bit or parent.key in pinned:
+            if parent is None or not parent.holders & bit or parent.key in pinned or parent.key in taken:
                 continue
             if all(not (c.holders & bit) or c.key in taken for c in parent.iter_children()):
                 if pool is None:
@@ -203,3 +251,27 @@ def _no_priority(index: RadixIndex, block: Block, slot: int) -> int:
 
 def _key(b: Block) -> int:
     return b.key
+
+
+def _key_order_steps(ctx: EvictionContext, step: int) -> Generator[None, None, list[Block]]:
+    """The slot's leaves in key order, sorted and merged ``step`` at a time, yielding between parts: listing and sorting 25k leaves at once held
+    the loop 13-46 ms (issue #16). Leaves that stop being leaves meanwhile are drawn and dropped
+    (``rank_steps``); ones that appear meanwhile are not offered this time."""
+    runs = []
+    for run in score_leaves_steps(ctx, _no_score, frozenset(), step):
+        runs.append(run)
+        yield
+    out: list[Block] = []
+    merged = heapq.merge(*runs)
+    while True:
+        part = [e[2] for e in itertools.islice(merged, step)]
+        out.extend(part)
+        if len(part) < step:
+            break
+        yield
+    yield from release_steps(runs, step)  # freeing 25k scored entries at once took ~3 ms
+    return out
+
+
+def _no_score(b: Block) -> int:
+    return 0

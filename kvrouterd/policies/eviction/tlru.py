@@ -55,7 +55,7 @@ import itertools
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -63,7 +63,7 @@ from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from . import _reach
-from ._leaves import SortedLeaves, merge_promoting, rank_leaves_by
+from ._leaves import SortedLeaves, guarded, merge_part, merge_promoting_steps, rank_leaves_by_steps, run_steps
 from ._reach import NEVER, Trim
 from ._release import release_steps
 
@@ -364,9 +364,15 @@ class TLRUEviction(EvictionPolicyBase):
         return self._priority(ctx)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
+        return run_steps(self.rank_steps(ctx, count, pinned, None))
+
+    def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   ) -> Generator[None, None, list[Block]]:
         t = self._refresh(ctx.slot, ctx)
         priority = self._priority(ctx)
-        order = self._leaves.sorted_view(ctx)
+        order = yield from self._leaves.view_steps(ctx, step)
         if order is None:
-            return rank_leaves_by(ctx, count, pinned, priority)
-        return merge_promoting(ctx, _reach.trimmed_first(order, t.tail), count, pinned, priority)
+            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
+        # the tail as of the ranking's start: a copy's trimming runs are split by it
+        return (yield from merge_promoting_steps(ctx, guarded(ctx, _reach.trimmed_first(order, t.tail), step), count,
+                                                 pinned, priority, merge_part(step)))

@@ -127,6 +127,8 @@ def merge_promoting_steps(
             work += 1
         if promoted and (nxt is None or promoted[0][:2] < nxt[:2]):
             _, key, block = heapq.heappop(promoted)
+            if key in taken:  # read from the stream meanwhile (events between parts made it a leaf)
+                continue
         elif nxt is not None:
             _, key, block = nxt
             nxt = next(ordered, None)

@@ -219,7 +219,9 @@ class RLTEviction(EvictionPolicyBase):
                     pool[i] = pool[-1]
                     pool.pop()
                     work += 1
-                    if step is None or evictable(b):
+                    # between parts a parent promoted here may also have become a leaf by events
+                    # and been listed: it is in the pool twice, and taken once
+                    if b.key not in taken and (step is None or evictable(b)):
                         block = b
                 if block is None:
                     break

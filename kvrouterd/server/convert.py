@@ -64,7 +64,9 @@ __all__ = [
     "SplitStream",
     "STREAM_ROUTE",
     "StreamPrompt",
+    "hash_route",
     "hash_stream",
+    "refusal",
     "split_route_request",
     "WirePrompt",
     "hash_wire_prompt",
@@ -229,9 +231,10 @@ class WirePrompt:
 @dataclass(frozen=True, slots=True)
 class SplitRoute:
     """A Route message whose prompt is still wire bytes (``route_message``): ``msg`` holds every
-    other field."""
+    other field, or is None when they do not parse (upb refuses the message; ``refusal`` finds
+    its words off the loop)."""
 
-    msg: pb.RouteRequest
+    msg: pb.RouteRequest | None
     prompt: WirePrompt
 
 
@@ -243,17 +246,21 @@ class HashedPrompt:
 
 
 class _Unsplittable(Exception):
-    """The walk met something only upb should judge (malformed, a group, an unpacked token)."""
+    """The walk met something only upb should judge (a group, an unpacked token, too many fields)."""
 
 
-def _varint(data: bytes, i: int, limit: int = 10) -> tuple[int, int]:
-    """The varint at ``data[i]`` of at most ``limit`` bytes (upb reads tags and lengths as at
-    most 5, other varints as at most 10; longer ones are its error to give)."""
+class _Corrupt(Exception):
+    """upb refuses the field being walked (its framing is broken), whatever follows it."""
+
+
+def _varint(data: bytes, i: int, end: int, limit: int = 10) -> tuple[int, int]:
+    """The varint at ``data[i]`` of at most ``limit`` bytes, ending by ``end`` (upb reads tags and
+    lengths as at most 5, other varints as at most 10; longer ones are corrupt, as is one cut short)."""
     value = shift = 0
-    end = i + limit
+    stop = min(i + limit, end)
     while True:
-        if i >= len(data) or i >= end:
-            raise _Unsplittable
+        if i >= stop:
+            raise _Corrupt
         b = data[i]
         i += 1
         value |= (b & 0x7F) << shift
@@ -267,50 +274,66 @@ _Field = tuple[int, int, int, int, int]
 
 
 def _walk(data: bytes, start: int, end: int, budget: list[int]) -> list[_Field]:
-    """The fields of ``data[start:end]``, each framed as upb reads it, or _Unsplittable for anything
-    upb might refuse or read otherwise (tags or lengths past 32 bits, groups, field 0, a field
-    running past ``end``) or when the walk has used up ``budget[0]`` fields."""
+    """The fields of ``data[start:end]``, each framed as upb reads it, up to the first one upb
+    refuses (a tag or length cut short or too long, a field running past ``end``, field 0, wire
+    type 4, 6 or 7) where ``end`` is the end of ``data``: upb stops there, so from there on the
+    bytes are kept as they are and their error is upb's to give. _Unsplittable for such a field
+    inside a submessage with bytes after it (upb reads a string running past its submessage's
+    end before it finds the overrun: whether the error is "bad UTF-8" depends on those bytes),
+    for anything upb might read otherwise (groups), or when the walk has used up ``budget[0]``
+    fields."""
     fields: list[_Field] = []
     i = start
-    while i < end:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise _Unsplittable
-        at = i
-        tag, i = _varint(data, i, 5)
-        number, wire_type = tag >> 3, tag & 7
-        payload = i
-        if wire_type == 0:
-            _, i = _varint(data, i)
-        elif wire_type == 1:
-            i += 8
-        elif wire_type == 5:
-            i += 4
-        elif wire_type == 2:
-            length, payload = _varint(data, i, 5)
-            i = payload + length
-        else:  # groups, invalid wire types: upb's error message
-            raise _Unsplittable
-        if i > end or number == 0 or tag > 0xFFFFFFFF:
-            raise _Unsplittable
-        fields.append((number, wire_type, at, payload, i))
+    try:
+        while i < end:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise _Unsplittable
+            at = i
+            tag, i = _varint(data, i, end, 5)
+            number, wire_type = tag >> 3, tag & 7
+            payload = i
+            if wire_type == 0:
+                _, i = _varint(data, i, end)
+            elif wire_type == 1:
+                i += 8
+            elif wire_type == 5:
+                i += 4
+            elif wire_type == 2:
+                length, payload = _varint(data, i, end, 5)
+                i = payload + length
+            elif wire_type == 3:  # a group: legal for an unknown field, and upb's to read
+                raise _Unsplittable
+            else:  # an end-group tag outside a group, or no wire type at all
+                raise _Corrupt
+            if i > end or number == 0 or tag > 0xFFFFFFFF:
+                raise _Corrupt
+            fields.append((number, wire_type, at, payload, i))
+    except _Corrupt:
+        if end != len(data):
+            raise _Unsplittable from None
     return fields
 
 
-def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[int, int], ...],
+#: a ``token_ids`` field whose one varint is cut short: what stands in for a prompt's first
+#: malformed chunk in the small message upb is asked for its error (``refusal``)
+_CORRUPT_IDS = b"\x12\x01\x80"
+
+
+def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[int, int], ...], bad: int = -1,
                   ) -> tuple[list[bytes], WirePrompt | None]:
-    """A Route given as ``pieces`` (the fields of each payload of one merged Route message):
-    each payload without its token fields, and where they were; no prompt for a Route that
-    leaves upb to judge (unpacked ids, or both forms: route_request rejects that from the parse).
+    """A Route given as ``pieces`` (the fields of each payload ``route`` of one merged Route
+    message): each payload without its token fields, and where they were; no prompt for a Route
+    that leaves upb to judge (unpacked ids, or both forms: route_request rejects that from the
+    parse). The ``token_ids`` chunk whose payload starts at ``bad`` becomes ``_CORRUPT_IDS``.
 
     Protobuf's rules for the two fields: the last ``token_ids_le32`` wins (a singular field
     given twice), all ``token_ids`` chunks concatenate; an empty payload is no prompt."""
     rests: list[bytes] = []
     packed: tuple[int, int] | None = None
     chunks: list[tuple[int, int]] = []
-    for fields in pieces:
+    for fields, (kept, piece_end) in zip(pieces, route):
         rest: list[bytes] = []
-        kept = fields[0][2] if fields else 0
         for number, wire_type, start, payload, end in fields:
             if number == _TOKEN_IDS_FIELD or number == _TOKEN_IDS_LE32_FIELD:
                 if wire_type != 2:  # unpacked token ids (legal, no encoder sends them) or a mismatch
@@ -320,8 +343,10 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
                 else:
                     packed = (payload, end)
                 rest.append(data[kept:start])
+                if payload == bad:
+                    rest.append(_CORRUPT_IDS)
                 kept = end
-        rest.append(data[kept:fields[-1][4]] if fields else b"")
+        rest.append(data[kept:piece_end])  # past the last field: bytes upb refuses, if any
         rests.append(b"".join(rest))
     has_packed = packed is not None and packed[1] > packed[0]
     has_ids = any(end > start for start, end in chunks)
@@ -333,14 +358,14 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
     return rests, WirePrompt(data, tuple(c for c in chunks if c[1] > c[0]), False, route)
 
 
-def split_route(data: bytes) -> tuple[bytes, WirePrompt] | None:
+def split_route(data: bytes, bad: int = -1) -> tuple[bytes, WirePrompt] | None:
     """``(the message without its token fields, where they were)``; None to leave ``data`` to upb
-    (no prompt in it, or something only upb should judge)."""
+    (no prompt in it, or something only upb should judge). ``bad``: as for ``_route_prompt``."""
     try:
         fields = _walk(data, 0, len(data), [MAX_SPLIT_FIELDS])
     except _Unsplittable:
         return None
-    rests, prompt = _route_prompt(data, [fields], ((0, len(data)),))
+    rests, prompt = _route_prompt(data, [fields], ((0, len(data)),), bad)
     return None if prompt is None else (rests[0], prompt)
 
 
@@ -356,8 +381,10 @@ def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | Split
     rest, prompt = split
     try:
         return SplitRoute(pb.RouteRequest.FromString(rest), prompt)
-    except DecodeError:  # upb's error is about what comes first in the message: let it see all of it
-        return pb.RouteRequest.FromString(data)
+    except DecodeError:
+        if prompt.packed:  # packed ids are any bytes, so upb's first error in the message is the rest's
+            raise
+        return SplitRoute(None, prompt)  # unless a malformed id comes first: read off the loop (``refusal``)
 
 
 # ---- huge prompts on RouteStream: the same split, one level down ------------------------------
@@ -371,12 +398,13 @@ def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | Split
 # fields are kept or skipped. Only two rules are ours, about the parts cut out: the token fields
 # of a merged Route's occurrences combine as in one Route (``_route_prompt``), and only the
 # occurrences upb keeps are cut (an occurrence a later oneof member discards stays whole, so
-# upb still checks it, as it would have; so does a batch item that is itself a batch). Anything
-# odder (malformed framing, groups, a kind field of the wrong wire type, more than
-# MAX_STREAM_SPLIT_FIELDS fields) leaves the message to upb whole: no encoder sends those, and
-# that costs what every message cost before, bounded by limits.max_message_bytes. Token ids
-# that are malformed varints are found while hashing, off the loop; the message is then parsed
-# whole there, so its error is upb's own (``KVRouterService``).
+# upb still checks it, as it would have; so does a batch item that is itself a batch). Framing
+# upb refuses ends the walk of its level, kept as it is for upb to refuse (``_walk``). Anything
+# odder (groups, a kind field of the wrong wire type, more than MAX_STREAM_SPLIT_FIELDS fields)
+# leaves the message to upb whole: no encoder sends those, and that costs what every message
+# cost before, bounded by limits.max_message_bytes. A message upb refuses (its rest, or token
+# ids that are malformed varints, found while hashing off the loop) gets upb's own error
+# without a whole parse (``refusal``).
 
 #: RouteStreamRequest's fields (router.proto): the kind oneof, and RouteStreamRequestBatch.items
 _STREAM_ROUTE_FIELD = 2
@@ -393,10 +421,11 @@ STREAM_ROUTE = -1
 @dataclass(frozen=True, slots=True)
 class SplitStream:
     """A RouteStream message whose Routes' prompts are still wire bytes (``route_stream_message``):
-    ``msg`` holds everything else; ``routes`` the split Routes by place (``STREAM_ROUTE``, or
-    the index of a batch item), each ``SplitRoute.msg`` a part of ``msg``; ``data`` as received."""
+    ``msg`` holds everything else (None: it does not parse, as ``SplitRoute.msg``); ``routes``
+    the split Routes by place (``STREAM_ROUTE``, or the index of a batch item), each
+    ``SplitRoute.msg`` a part of ``msg``; ``data`` as received."""
 
-    msg: pb.RouteStreamRequest
+    msg: pb.RouteStreamRequest | None
     routes: dict[int, SplitRoute]
     data: bytes
 
@@ -442,18 +471,19 @@ def _reframed(data: bytes, fields: list[_Field], start: int, end: int, new: dict
 
 
 def _split_stream_route(data: bytes, fields: list[_Field], kept: list[int], budget: list[int],
-                        new: dict[int, bytes]) -> WirePrompt | None:
+                        new: dict[int, bytes], bad: int) -> WirePrompt | None:
     """Cut the prompt out of a message's ``route`` occurrences ``kept`` (they merge into one Route),
     their new frames into ``new``; None (nothing cut) when that Route has no prompt to split."""
     pieces = [_walk(data, fields[i][3], fields[i][4], budget) for i in kept]
-    rests, prompt = _route_prompt(data, pieces, tuple((fields[i][3], fields[i][4]) for i in kept))
+    rests, prompt = _route_prompt(data, pieces, tuple((fields[i][3], fields[i][4]) for i in kept), bad)
     if prompt is not None:
         for i, rest in zip(kept, rests):
             new[i] = _length_delimited(_STREAM_ROUTE_FIELD, rest)
     return prompt
 
 
-def _split_stream_item(data: bytes, start: int, end: int, budget: list[int]) -> tuple[bytes, WirePrompt | None]:
+def _split_stream_item(data: bytes, start: int, end: int, budget: list[int], bad: int,
+                       ) -> tuple[bytes, WirePrompt | None]:
     """A batch item (a RouteStreamRequest of its own) re-framed without its Route's prompt. An item
     that is itself a batch is not walked: it is answered with an error whatever it holds."""
     fields = _walk(data, start, end, budget)
@@ -461,13 +491,14 @@ def _split_stream_item(data: bytes, start: int, end: int, budget: list[int]) -> 
     if not kept or fields[kept[0]][0] != _STREAM_ROUTE_FIELD:
         return data[start:end], None
     new: dict[int, bytes] = {}
-    prompt = _split_stream_route(data, fields, kept, budget, new)
+    prompt = _split_stream_route(data, fields, kept, budget, new, bad)
     return (data[start:end], None) if prompt is None else (_reframed(data, fields, start, end, new), prompt)
 
 
-def split_stream(data: bytes) -> tuple[bytes, dict[int, WirePrompt]] | None:
+def split_stream(data: bytes, bad: int = -1) -> tuple[bytes, dict[int, WirePrompt]] | None:
     """``(the message without its Routes' token fields, where they were by place)``; None to leave
-    ``data`` to upb whole (no prompt in it, or something only upb should judge)."""
+    ``data`` to upb whole (no prompt in it, or something only upb should judge). ``bad``: as for
+    ``_route_prompt``."""
     budget = [MAX_STREAM_SPLIT_FIELDS]
     prompts: dict[int, WirePrompt] = {}
     try:
@@ -475,7 +506,7 @@ def split_stream(data: bytes) -> tuple[bytes, dict[int, WirePrompt]] | None:
         kept = _kept_kind(fields)
         new: dict[int, bytes] = {}
         if kept and fields[kept[0]][0] == _STREAM_ROUTE_FIELD:
-            prompt = _split_stream_route(data, fields, kept, budget, new)
+            prompt = _split_stream_route(data, fields, kept, budget, new, bad)
             if prompt is not None:
                 prompts[STREAM_ROUTE] = prompt
         elif kept and fields[kept[0]][0] == _STREAM_BATCH_FIELD:
@@ -488,7 +519,7 @@ def split_stream(data: bytes) -> tuple[bytes, dict[int, WirePrompt]] | None:
                         continue  # unknown: kept as it is
                     if wire_type != 2:
                         raise _Unsplittable
-                    rest, prompt = _split_stream_item(data, payload, end, budget)
+                    rest, prompt = _split_stream_item(data, payload, end, budget, bad)
                     if prompt is not None:
                         prompts[item] = prompt
                         items[j] = _length_delimited(_BATCH_ITEMS_FIELD, rest)
@@ -515,8 +546,10 @@ def route_stream_message(data: bytes, min_prompt_bytes: int) -> pb.RouteStreamRe
     rest, prompts = split
     try:
         msg = pb.RouteStreamRequest.FromString(rest)
-    except DecodeError:  # upb's error is about what comes first in the message: let it see all of it
-        return pb.RouteStreamRequest.FromString(data)
+    except DecodeError:
+        if all(p.packed for p in prompts.values()):  # as for a unary Route (``route_message``)
+            raise
+        return SplitStream(None, {place: SplitRoute(None, p) for place, p in prompts.items()}, data)
     items = msg.batch.items
     routes = {place: SplitRoute(msg.route if place == STREAM_ROUTE else items[place].route, prompt)
               for place, prompt in prompts.items()}
@@ -525,40 +558,96 @@ def route_stream_message(data: bytes, min_prompt_bytes: int) -> pb.RouteStreamRe
 
 @dataclass(frozen=True, slots=True)
 class StreamPrompt:
-    """A split RouteStream Route's prompt as hashed off the loop (``hash_stream``), or the error
-    ``route_request``'s checks answer it with; ``seconds``: the hashing, counted in the Route's
-    latency as the parsed path counts its hashing on the loop."""
+    """A split Route's prompt as hashed off the loop (``hash_stream``, ``hash_route``), or the
+    error ``route_request``'s checks answer it with; ``seconds``: the hashing, counted in a
+    RouteStream Route's latency as the parsed path counts its hashing on the loop."""
 
     hashed: HashedPrompt | KVRouterError
     seconds: float
 
 
+def _checked_hash(route: SplitRoute, router: Router, hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt],
+                  ) -> StreamPrompt:
+    """``route_request``'s checks of a split Route (``check_split``), then its prompt hashed. A
+    Route they reject is not hashed, but its ids are still read: malformed ones refuse the whole
+    message, as upb's parse would have (InvalidRequest, what ``hash_wire_prompt`` raises for them)."""
+    try:
+        check_split(route, router)
+    except KVRouterError as exc:  # answered in the Route's own turn (and span), as route_request's
+        if not route.prompt.packed:  # packed bytes are any bytes; varints may be malformed
+            hash_prompt(route, router.block_size, 0)
+        return StreamPrompt(exc, 0.0)
+    started = time.perf_counter()
+    hashed = hash_prompt(route, router.block_size, router.settings.max_prompt_tokens)
+    return StreamPrompt(hashed, time.perf_counter() - started)
+
+
+def hash_route(split: SplitRoute, router: Router,
+               hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt] | None = None) -> StreamPrompt:
+    """A unary Route's ``hash_stream``: its prompt hashed (or the error its checks answer), on a
+    worker thread. Raises upb's DecodeError (``refusal``) for a message upb refuses."""
+    try:
+        if split.msg is not None:
+            return _checked_hash(split, router, hash_prompt or hash_wire_prompt)
+    except InvalidRequest:  # malformed ids (check_split's errors are answered above)
+        pass
+    raise refusal(split.prompt.data, (split.prompt,), pb.RouteRequest)
+
+
 def hash_stream(
     split: SplitStream, router: Router, hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt] | None = None,
-) -> dict[int, StreamPrompt] | pb.RouteStreamRequest:
+) -> dict[int, StreamPrompt]:
     """Check each split Route of a RouteStream message and hash its prompt (``hash_prompt``,
-    default ``hash_wire_prompt``), on a worker thread. A Route its checks reject is not hashed,
-    but its ids are still read: malformed ones refuse the whole message, as upb's parse would
-    have. Malformed ids found: the message is parsed whole here, which raises upb's own
-    DecodeError (or, were upb to accept what the decoder refused, returns it to handle as parsed)."""
+    default ``hash_wire_prompt``), on a worker thread, all in one hand-off (``_checked_hash``).
+    Raises upb's DecodeError (``refusal``) for a message upb refuses."""
     hash_prompt = hash_prompt or hash_wire_prompt
-    block_size = router.block_size
-    limit = router.settings.max_prompt_tokens
-    prompts: dict[int, StreamPrompt] = {}
     try:
-        for place, route in split.routes.items():
-            try:
-                check_split(route, router)
-            except KVRouterError as exc:  # answered in the Route's own turn (and span), as route_request's
-                if not route.prompt.packed:  # packed bytes are any bytes; varints may be malformed
-                    hash_prompt(route, block_size, 0)
-                prompts[place] = StreamPrompt(exc, 0.0)
-                continue
-            started = time.perf_counter()
-            prompts[place] = StreamPrompt(hash_prompt(route, block_size, limit), time.perf_counter() - started)
-    except InvalidRequest:  # what hash_wire_prompt raises for malformed ids (check_split's are caught above)
-        return pb.RouteStreamRequest.FromString(split.data)
-    return prompts
+        if split.msg is not None:
+            return {place: _checked_hash(route, router, hash_prompt) for place, route in split.routes.items()}
+    except InvalidRequest:  # malformed ids (check_split's errors are answered in their Routes' turns)
+        pass
+    raise refusal(split.data, (route.prompt for route in split.routes.values()), pb.RouteStreamRequest)
+
+
+# ---- a huge message upb refuses: its error without a whole parse (issue #16 items 1 and 4) -----
+#
+# A message upb refuses gets upb's own error (``decoding.describe``), as if parsed whole. That
+# parse would hold the GIL for the whole prompt (~45 ms for 13 MiB of token ids, before it meets
+# an error after them), so it is not done: upb stops at a message's first error, and token ids
+# can only be malformed varints ("Wire format was corrupt"). So the message with its prompts cut
+# out (as split), but its first malformed ``token_ids`` chunk standing in as one cut-short varint
+# (``_CORRUPT_IDS``), has the same first error; upb parses that small stand-in instead. The
+# chunks are read by the native decoder, the GIL released (pure Python: by upb, one at a time).
+
+
+def _malformed_ids(data: bytes, start: int, end: int) -> bool:
+    """Whether the packed varints ``data[start:end]`` are malformed, as upb would find them."""
+    if native.module is not None:
+        try:
+            native.module.wire_prompt_keys(data, ((start, end),), False, 1, 0, 0)  # counted only
+        except ValueError:
+            return True
+        return False
+    try:
+        pb.RouteRequest.FromString(_length_delimited(_TOKEN_IDS_FIELD, data[start:end]))
+    except DecodeError:
+        return True
+    return False
+
+
+def refusal(data: bytes, prompts: Iterable[WirePrompt], message: type[pb.RouteRequest] | type[pb.RouteStreamRequest],
+            ) -> DecodeError:
+    """upb's error for ``data``, a split ``message`` (split with ``prompts``) that upb refuses:
+    its rest did not parse, or a prompt holds malformed ids. See the comment above."""
+    bad = next((start for start, end in sorted(span for p in prompts if not p.packed for span in p.spans)
+                if _malformed_ids(data, start, end)), -1)
+    split = split_route(data, bad) if message is pb.RouteRequest else split_stream(data, bad)
+    assert split is not None, "it split before"
+    try:
+        message.FromString(split[0])
+    except DecodeError as exc:
+        return exc
+    raise AssertionError("upb accepted a stand-in built to be refused")
 
 
 def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None) -> RouteRequest:

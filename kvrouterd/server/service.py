@@ -160,15 +160,18 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def _hash_off_loop(
         self, split: convert.SplitRoute, context: grpc.aio.ServicerContext
     ) -> tuple[pb.RouteRequest, convert.HashedPrompt]:
-        """Decode and hash a huge prompt on a worker thread (the native path releases the GIL),
-        so other calls run meanwhile; the decision that follows runs on the loop as for any Route."""
-        router = self.router
+        """Check a huge prompt's Route, decode and hash the prompt on a worker thread (the native
+        path releases the GIL), so other calls run meanwhile; the decision that follows runs on
+        the loop as for any Route. A message upb refuses gets upb's error, as from the deserializer."""
         try:
-            convert.check_split(split, router)
-            hashed = await asyncio.to_thread(self.hash_prompt, split, router.block_size, router.settings.max_prompt_tokens)
-        except KVRouterError as exc:
-            await self._reject(split.msg, context, exc, None)
-        return split.msg, hashed
+            prompt = await asyncio.to_thread(convert.hash_route, split, self.router, self.hash_prompt)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                describe(pb.RouteRequest.DESCRIPTOR.full_name, exc, len(split.prompt.data)))
+        assert split.msg is not None  # else hash_route raised
+        if isinstance(prompt.hashed, KVRouterError):
+            await self._reject(split.msg, context, prompt.hashed, None)
+        return split.msg, prompt.hashed
 
     async def _route(
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, span: trace.Span | None,
@@ -293,8 +296,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             hashed = await asyncio.to_thread(convert.hash_stream, split, self.router, self.hash_prompt)
         except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
             raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
-        if type(hashed) is pb.RouteStreamRequest:
-            return hashed, _NO_PROMPTS
+        assert split.msg is not None  # else hash_stream raised
         return split.msg, hashed
 
     def _stream_batch(

@@ -114,12 +114,20 @@ async def test_huge_prompts_rejected_precisely_and_change_nothing(running):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Route(msg)
         assert (err.value.code(), err.value.details()) == (code, details)
-    # a packed varint chunk cut short inside a token id: field 2, 5,000 bytes, the last one continuing
+    # a packed varint chunk cut short inside a token id: field 2, 5,000 bytes, the last one continuing;
+    # with a task its checks reject, too; valid ids, then a string of bad UTF-8 or a length past the
+    # end: upb's error comes first, in upb's words, as parsed whole
     cut = b"\x12" + bytes([0x88, 0x27]) + b"\x01" * 4999 + b"\x80"
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await running.channel.unary_unary("/kvrouter.v1.KVRouter/Route")(cut)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith("request is not a valid kvrouter.v1.RouteRequest message: ")
+    ids = frame(2, b"\x01" * 5000)
+    for data in (cut, b"\x40\x63" + cut, cut + b"\x40\x63", ids + frame(7, b"\xff"), ids + b"\x3a\x05ab"):
+        assert type(running.daemon.service.route_message(data)) is convert.SplitRoute
+        with pytest.raises(DecodeError) as parsed:
+            pb.RouteRequest.FromString(data)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.channel.unary_unary("/kvrouter.v1.KVRouter/Route")(data)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (f"request is not a valid kvrouter.v1.RouteRequest message ({len(data)} bytes): "
+                                       f"{str(parsed.value)!r}")
     assert state(running) == before
 
 

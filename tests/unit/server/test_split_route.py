@@ -1,10 +1,13 @@
 """A Route split on the wire (``convert.route_message``: its prompt decoded and hashed off the loop)
-means exactly what upb's parse of the same bytes means: the same RouteRequest, or the same error."""
+means exactly what upb's parse of the same bytes means: the same RouteRequest, or the same error
+(the same status and words: upb's for a message it refuses, before any check of ours)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +17,7 @@ from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server import convert
 from kvrouterd.server.convert import pb
 
+from ...wire import CORRUPT_FIELDS
 from ...wire import length_delimited as _field
 from ...wire import varint as _varint
 
@@ -21,42 +25,69 @@ ROUTER = Router(RouterSettings(block_size=4, max_prompt_tokens=300), ManualClock
 
 
 token = st.integers(0, 2**64 - 1)  # past 2**32: upb truncates a uint32 to its low bits
+#: now and then a varint cut short or eleven bytes long, at the end of a token_ids chunk
+bad_varint = st.sampled_from([b"", b"", b"", b"\x80", b"\xff" * 10 + b"\x01", b"\xff" * 10 + b"\x02"])
 extra_fields = st.lists(st.one_of(
     st.binary(max_size=60).map(lambda b: _field(14, b)),  # token_ids_le32 again: the last one wins
-    st.lists(token, max_size=30).map(lambda ts: _field(2, b"".join(map(_varint, ts)))),  # more token_ids chunks
+    st.tuples(st.lists(token, max_size=30), bad_varint).map(  # more token_ids chunks
+        lambda t: _field(2, b"".join(map(_varint, t[0])) + t[1])),
     st.text(max_size=5).map(lambda t: _field(7, t.encode())),  # session_id again
+    st.sampled_from([b"\xff", b"\xc3"]).map(lambda b: _field(7, b)),  # session_id of bad UTF-8
     st.integers(0, 2**32).map(lambda v: bytes([0xF8, 0x01]) + _varint(v)),  # unknown field 31, varint
     st.lists(st.integers(1, 9), max_size=3).map(lambda ks: _field(3, b"".join(k.to_bytes(8, "little") for k in ks))),
+    st.sampled_from([0, 2, 99]).map(lambda t: bytes([0x40]) + _varint(t)),  # task again (99: unknown)
 ), max_size=4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
+    form=st.sampled_from(["packed", "ids", "ids", "both"]),
     packed=st.binary(max_size=1300),
     ids=st.lists(token, max_size=400),
+    ids_end=bad_varint,
     model=st.sampled_from(["", "m"]),
     salt=st.sampled_from(["", "s"]),
     task=st.sampled_from([0, 2, 9]),
     candidates=st.lists(st.sampled_from(["a", "b"]), max_size=3),
     extra=extra_fields,
+    tail=st.one_of(st.just(b""), st.just(b""), st.sampled_from(CORRUPT_FIELDS)),
+    cut=st.integers(0, 5),
 )
-def test_split_route_means_what_the_parse_means(packed, ids, model, salt, task, candidates, extra):
+def test_split_route_means_what_the_parse_means(form, packed, ids, ids_end, model, salt, task, candidates, extra,
+                                                tail, cut):
+    packed = packed if form != "ids" else b""
+    ids = ids if form != "packed" else []
     msg = pb.RouteRequest(token_ids_le32=packed, token_ids=[t & 0xFFFFFFFF for t in ids], model=model,
                           cache_salt=salt, task=task, candidate_workers=candidates, session_id="x")
-    data = msg.SerializeToString() + b"".join(extra)
+    data = msg.SerializeToString()
     if ids:  # the SDK never does, but a varint past 32 bits is legal on the wire: re-encode them
         data = data.replace(_field(2, b"".join(_varint(t & 0xFFFFFFFF) for t in ids)),
-                            _field(2, b"".join(_varint(t) for t in ids)), 1)
-    expected = _outcome(lambda: convert.route_request(pb.RouteRequest.FromString(data), ROUTER))
-    got = convert.route_message(data, 1)
-    if type(got) is convert.SplitRoute:
-        def split_path():  # type: ignore[no-untyped-def]
-            convert.check_split(got, ROUTER)
-            hashed = convert.hash_wire_prompt(got, ROUTER.block_size, ROUTER.settings.max_prompt_tokens)
-            return convert.route_request(got.msg, ROUTER, hashed)
-        assert _outcome(split_path) == expected
-    else:
-        assert _outcome(lambda: convert.route_request(got, ROUTER)) == expected
+                            _field(2, b"".join(_varint(t) for t in ids) + ids_end), 1)
+    data += b"".join(extra) + tail
+    if cut == 5 and data:  # cut off inside its last field
+        data = data[:-1]
+    assert _split(data, 1) == _parsed(data)
+
+
+def _parsed(data: bytes):  # type: ignore[no-untyped-def]
+    try:
+        msg = pb.RouteRequest.FromString(data)
+    except DecodeError as exc:
+        return "DecodeError", str(exc)
+    return _outcome(lambda: convert.route_request(msg, ROUTER))
+
+
+def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
+    """What the daemon makes of ``data``: Route's deserializer, then (for a split Route) the worker
+    thread's ``hash_route``."""
+    try:
+        got = convert.route_message(data, min_prompt_bytes)
+        if type(got) is not convert.SplitRoute:
+            return _outcome(lambda: convert.route_request(got, ROUTER))
+        prompt = convert.hash_route(got, ROUTER)
+    except DecodeError as exc:
+        return "DecodeError", str(exc)
+    return _outcome(lambda: convert.split_route_request(got.msg, ROUTER, prompt))
 
 
 def _outcome(build):  # type: ignore[no-untyped-def]
@@ -66,6 +97,42 @@ def _outcome(build):  # type: ignore[no-untyped-def]
         return type(exc).__name__, str(exc)
     return (req.request_id, list(req.keys), req.prompt_tokens, req.session_id, req.task, req.model,
             req.candidate_workers)
+
+
+@pytest.mark.parametrize("corrupt", CORRUPT_FIELDS)
+def test_framing_the_walk_stops_at_is_framing_upb_refuses(corrupt):
+    # _walk keeps everything from such a field on as it is, for upb to refuse, and cuts no prompt
+    # after it: that is only right if upb refuses the message there whatever follows, at any level
+    prompt = _field(14, bytes(8))
+    assert convert.split_route(corrupt + prompt) is None
+    assert convert.split_route(prompt + corrupt)[0] == corrupt
+    for data in (corrupt + prompt, prompt + corrupt):
+        with pytest.raises(DecodeError):
+            pb.RouteRequest.FromString(data)
+        with pytest.raises(DecodeError):
+            pb.RouteStreamRequest.FromString(_field(2, data) + _field(4, b""))
+
+
+def test_a_refused_huge_message_is_answered_from_a_small_stand_in():
+    # 1M token ids (~2.5 MiB), valid or not, with a field upb refuses after them: upb's words,
+    # from a stand-in of a few bytes (the ids cut out; malformed ones as one cut-short varint)
+    ids = b"".join(_varint(t) for t in range(1 << 20))
+    bad_ids = ids[:-1] + b"\x80"
+    cases = [
+        (_field(2, ids) + _field(7, b"\xff"), False, _field(7, b"\xff")),  # bad UTF-8 after the ids
+        (_field(2, bad_ids) + _field(7, b"\xff"), True, b"\x12\x01\x80" + _field(7, b"\xff")),  # the ids first
+        (_field(2, ids) + b"\x3a\x05ab", False, b"\x3a\x05ab"),  # a length past the end
+        (_field(2, bad_ids) + _field(7, b"s"), True, b"\x12\x01\x80" + _field(7, b"s")),  # only the ids
+    ]
+    for data, malformed, stand_in in cases:
+        split = convert.route_message(data, 1024)
+        assert type(split) is convert.SplitRoute
+        assert convert.split_route(data, 1 + len(_varint(len(ids))) if malformed else -1)[0] == stand_in
+        with pytest.raises(DecodeError) as parsed:
+            pb.RouteRequest.FromString(data)
+        with pytest.raises(DecodeError) as refused:
+            convert.hash_route(split, ROUTER)
+        assert str(refused.value) == str(parsed.value)
 
 
 def test_small_prompts_and_odd_messages_are_parsed_whole():

@@ -8,8 +8,11 @@ Runs ``kvrouterd serve`` in its own process (as in production) with ``--workers`
 else running (quiet), then while a second client sends ``--tokens``-token Routes back to back
 (each completed), packed (``token_ids_le32``, as the SDK sends them) or repeated, as unary
 Routes or (``--via stream``) as RouteStream messages on one stream per client (``--batch N``:
-each message a batch of N items sharing the tokens). The huge messages are serialized once up
-front so the client spends no CPU building them. Then the hog alone sends ``--cpu-messages``
+each message a batch of N items sharing the tokens). ``--malformed tail`` appends a field upb
+refuses (a length past the end) to each huge Route, ``--malformed ids`` (``--form repeated``)
+cuts its last token id short: each is then refused with INVALID_ARGUMENT (on a stream of its
+own for ``--via stream``, as the refusal ends the stream). The huge messages are serialized once
+up front so the client spends no CPU building them. Then the hog alone sends ``--cpu-messages``
 more, and the daemon's event-loop thread's CPU time (its main thread's
 ``/proc/PID/task/PID/schedstat``, less its idle rate) per huge message is reported as
 ``loop_ms_per_huge``: what one such message costs every other call, free of the machine's noise.
@@ -57,16 +60,48 @@ def _route(tokens: int, packed: bool, seed: int) -> pb.RouteRequest:
     return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)])
 
 
-def _route_bytes(tokens: int, packed: bool, seed: int) -> bytes:
-    return _route(tokens, packed, seed).SerializeToString()
+#: a field upb refuses, whatever follows: session_id (7) with a length past the end
+_REFUSED_TAIL = b"\x3a\x05ab"
 
 
-def _stream_bytes(tokens: int, packed: bool, batch: int) -> bytes:
-    """One RouteStream message carrying ``tokens`` tokens: a Route, or a batch of ``batch`` Routes."""
+def _route_bytes(tokens: int, packed: bool, seed: int, malformed: str = "") -> bytes:
+    """A Route of ``tokens`` tokens; ``malformed``: "tail" (a field upb refuses after the prompt),
+    "ids" (its last token id cut short: a repeated prompt's last varint byte continues)."""
+    data = _route(tokens, packed, seed).SerializeToString()
+    if malformed == "tail":
+        return data + _REFUSED_TAIL
+    if malformed == "ids":
+        if packed:
+            raise ValueError("--malformed ids needs --form repeated (packed ids are any bytes)")
+        return data[:-1] + bytes([data[-1] | 0x80])  # token_ids is the Route's only field: it ends the message
+    return data
+
+
+def _framed(number: int, payload: bytes) -> bytes:
+    """A length-delimited field, for messages no encoder would send (``--malformed``)."""
+    out = bytearray()
+    for value in (number << 3 | 2, len(payload)):
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out) + payload
+
+
+def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "") -> bytes:
+    """One RouteStream message carrying ``tokens`` tokens: a Route, or a batch of ``batch`` Routes
+    (``malformed``: the last Route as ``_route_bytes`` makes it)."""
+    if not malformed:
+        if batch <= 1:
+            return pb.RouteStreamRequest(id=1, route=_route(tokens, packed, 2)).SerializeToString()
+        items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)) for i in range(batch)]
+        return pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
     if batch <= 1:
-        return pb.RouteStreamRequest(id=1, route=_route(tokens, packed, 2)).SerializeToString()
-    items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)) for i in range(batch)]
-    return pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
+        return _framed(2, _route_bytes(tokens, packed, 2, malformed))  # RouteStreamRequest.route
+    items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)).SerializeToString()
+             for i in range(batch - 1)]
+    items.append(_framed(2, _route_bytes(tokens // batch, packed, 1 + batch, malformed)))
+    return _framed(5, b"".join(_framed(1, item) for item in items))  # RouteStreamRequest.batch.items
 
 
 def _loop_cpu_s(pid: int) -> float:
@@ -124,7 +159,9 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=args.capacity_blocks)))
     probe_msg = _route_bytes(args.probe_tokens, True, 1)
     packed = args.form == "packed"
-    huge = _route_bytes(args.tokens, packed, 2) if args.via == "unary" else _stream_bytes(args.tokens, packed, args.batch)
+    malformed = args.malformed if args.malformed != "none" else ""
+    huge = (_route_bytes(args.tokens, packed, 2, malformed) if args.via == "unary"
+            else _stream_bytes(args.tokens, packed, args.batch, malformed))
 
     async def probes(n: int) -> list[float]:
         out = []
@@ -138,8 +175,26 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
     huge_times: list[float] = []
 
+    async def refused_one() -> None:
+        try:
+            if args.via == "stream":  # the refusal ends the stream: one of its own each
+                call = hog_channel.stream_stream(ROUTE_STREAM, request_serializer=None)()
+                await call.write(huge)
+                await call.read()
+            else:
+                await hog_route(huge)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            return
+        raise AssertionError("a malformed huge message was answered")
+
     async def huge_one(stream: _StreamHog | None) -> None:
         started = time.perf_counter()
+        if malformed:
+            await refused_one()
+            huge_times.append(time.perf_counter() - started)
+            return
         if stream is not None:
             await stream.send()  # the answer's round trip and its Completes'
         else:
@@ -149,7 +204,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             await hog_complete(_complete_message(reply.request_id))
 
     async def hog(stop: asyncio.Event) -> None:
-        stream = _StreamHog(hog_channel, huge) if args.via == "stream" else None
+        stream = _StreamHog(hog_channel, huge) if args.via == "stream" and not malformed else None
         while not stop.is_set():
             await huge_one(stream)
         if stream is not None:
@@ -161,7 +216,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     idle_from, idle_cpu = time.perf_counter(), _loop_cpu_s(pid)
     await asyncio.sleep(1.0)
     idle_rate = (_loop_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_from)
-    stream = _StreamHog(hog_channel, huge) if args.via == "stream" else None
+    stream = _StreamHog(hog_channel, huge) if args.via == "stream" and not malformed else None
     await huge_one(stream)  # the stream opened, its first message out of the way
     started, cpu = time.perf_counter(), _loop_cpu_s(pid)
     for _ in range(args.cpu_messages):
@@ -173,6 +228,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     await hog_channel.close()
     return {
         "tokens": args.tokens, "form": args.form, "via": args.via, "batch": args.batch, "mode": args.mode,
+        "malformed": args.malformed,
         "workers": args.workers, "hogs": args.hogs,
         "quiet": latency_summary(quiet), "during_huge_routes": latency_summary(loaded),
         "huge_route_ms_median": round(statistics.median(during) * 1e3, 2), "huge_routes": len(during),
@@ -196,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="how huge prompts come: unary Routes, or RouteStream messages (probes are unary)")
     parser.add_argument("--batch", type=int, default=1,
                         help="--via stream: items per huge message (a batch sharing --tokens), 1 = a plain Route")
+    parser.add_argument("--malformed", choices=("none", "tail", "ids"), default="none",
+                        help="huge messages upb refuses: a bad field after the prompt, or (repeated) its last id cut short")
     parser.add_argument("--cpu-messages", type=int, default=30,
                         help="huge messages sent alone at the end to measure the loop's CPU per message")
     parser.add_argument("--off-loop-prompt-bytes", type=int, default=None,

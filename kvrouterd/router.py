@@ -425,6 +425,17 @@ class Router:
 
     # ---- draining slots ---------------------------------------------------------------
     @property
+    def indexed_blocks(self) -> int:
+        """The index's blocks as routing sees them, what operators read (GetStats, the gauge):
+        all but those only retired slots hold, which leave the count at once though they are
+        dropped in steps (a removed worker's slot, ``detach_worker``; a cleared worker's old
+        one, ``drain_step``). Blocks that several retired slots share and no worker holds still
+        count until one of those drains gets to them."""
+        index = self.index
+        live = {w.slot for w in self.workers}
+        return len(index) - sum(index.count_alone(s) for s in index.slots() if s not in live)
+
+    @property
     def draining(self) -> bool:
         """Some cleared worker's old slot still holds blocks or eviction state (``drain_step``)."""
         return bool(self._drains)

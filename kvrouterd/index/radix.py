@@ -151,6 +151,9 @@ class RadixIndex:
         self._block: Any = PyBlock if pure else Block
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
+        #: slot -> blocks it alone holds: what leaves the routable index at once when it is retired
+        #: (``count_alone``); kept where a block gains or loses a holder (``store``, ``_release``)
+        self._alone: dict[int, int] = {}
         #: block -> path accesses pending on it (module docstring): ``(last access, hits)``
         #: while one slot holds the block, else ``{slot: (last, hits)}``. Only blocks that have
         #: some are present; an entry goes when its last holder does (``_drop_stats``).
@@ -162,12 +165,14 @@ class RadixIndex:
             raise ValueError(f"slot {slot} already in use")
         self._leaves[slot] = set()
         self._counts[slot] = 0
+        self._alone[slot] = 0
 
     def drop_slot(self, slot: int) -> int:
         """Forget everything ``slot`` holds and free it; returns the blocks dropped."""
         dropped = self.clear(slot)
         del self._leaves[slot]
         del self._counts[slot]
+        del self._alone[slot]
         return dropped
 
     # ---- queries -------------------------------------------------------------------
@@ -182,6 +187,14 @@ class RadixIndex:
 
     def count(self, slot: int) -> int:
         return self._counts[slot]
+
+    def count_alone(self, slot: int) -> int:
+        """Blocks ``slot`` holds and no other slot does."""
+        return self._alone[slot]
+
+    def slots(self) -> Iterable[int]:
+        """Every slot added and not dropped."""
+        return self._counts.keys()
 
     def holds(self, slot: int, key: int) -> bool:
         node = self._blocks.get(key)
@@ -415,7 +428,7 @@ class RadixIndex:
         bit = 1 << slot
         leaves = self._leaves[slot]
         chain: list[Block] = []
-        added = 0
+        added = alone = 0  # blocks this slot now holds, and of them those it alone holds
         # the native table builds runs of brand-new blocks itself, exactly as the branch below
         store_new = getattr(blocks, "store_new", None)
         i, n = 0, len(keys)
@@ -425,6 +438,7 @@ class RadixIndex:
                 i = store_new(self._block, parent, keys, i, bit, now, leaves, chain)
                 if i > start:
                     added += i - start
+                    alone += i - start
                     parent = chain[-1]
                     if i == n:
                         break
@@ -450,6 +464,7 @@ class RadixIndex:
                 node.holders = bit
                 leaves.add(node)
                 added += 1
+                alone += 1
                 chain.append(node)
                 parent = node
                 continue
@@ -464,13 +479,19 @@ class RadixIndex:
                 else:
                     leaves.add(node)
                 self._add_stats(node, slot, now)
-                node.holders |= bit
+                holders = node.holders
+                if not holders:  # a gap's block nobody held: now this slot's alone
+                    alone += 1
+                elif not holders & (holders - 1):  # its one holder no longer holds it alone
+                    self._alone[holders.bit_length() - 1] -= 1
+                node.holders = holders | bit
                 added += 1
                 if parent is not None and parent.holders & bit:
                     leaves.discard(parent)
             chain.append(node)
             parent = node
         self._counts[slot] += added
+        self._alone[slot] += alone
         return chain
 
     def store_hashed(self, slot: int, parent_key: int | None, data: bytes, block_size: int, seed: int, now: float,
@@ -493,6 +514,7 @@ class RadixIndex:
             keys = array("Q")
             keys.frombytes(raw)
             self._counts[slot] += stored
+            self._alone[slot] += stored  # brand-new blocks
             if stored == len(keys):
                 return keys, chain  # the engine hashes are mapped too
             # a block the index holds already: on from there as store goes (chain[-1] is its parent)
@@ -516,6 +538,7 @@ class RadixIndex:
         remove_held = getattr(self._blocks, "remove_held", None)
         if remove_held is not None and remove_held(node, bit, self._leaves[slot], self._pending):
             self._counts[slot] -= 1
+            self._alone[slot] -= 1  # it did: the slot was the block's only holder
             return True
         parent = node.parent
         held_parent = parent is not None and parent.holders & bit
@@ -559,7 +582,12 @@ class RadixIndex:
 
     def _release(self, node: Block, slot: int, bit: int) -> None:
         self._drop_stats(node, slot)
-        node.holders &= ~bit
+        holders = node.holders & ~bit
+        node.holders = holders
+        if not holders:
+            self._alone[slot] -= 1
+        elif not holders & (holders - 1):  # its one holder left holds it alone now
+            self._alone[holders.bit_length() - 1] += 1
 
     def _prune(self, node: Block | None) -> None:
         """Delete blocks nobody holds and nothing hangs under, walking up."""

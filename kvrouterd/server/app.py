@@ -123,7 +123,7 @@ class Daemon:
         self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
-        self.metrics = Metrics(self.meter_provider, lambda: len(self.router.index), self.service.worker_modes)
+        self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes)
         self.service.metrics = self.metrics
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

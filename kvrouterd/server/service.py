@@ -607,7 +607,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router
         return pb.GetStatsResponse(
-            indexed_blocks=len(r.index),
+            indexed_blocks=r.indexed_blocks,
             workers=[self._worker_message(w) for w in r.workers],
             default_routing_policy=r.default_routing,
             default_eviction_policy=r.eviction.name,

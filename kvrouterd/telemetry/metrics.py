@@ -242,7 +242,7 @@ class Metrics:
             for worker_id, mode, state, cached in worker_modes():
                 yield Observation(cached, {"worker": worker_id, "mode": mode, "state": state})
 
-        meter.create_observable_gauge("kvrouter.index.blocks", [_index], description="blocks in the global index")
+        meter.create_observable_gauge("kvrouter.index.blocks", [_index], description="blocks in the global index that routing sees (a removed worker's go at once)")
         meter.create_observable_gauge(
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )

@@ -134,6 +134,8 @@ class IndexMachine(RuleBasedStateMachine):
     def counts_leaves_and_membership_agree(self):
         for s in range(SLOTS):
             assert self.index.count(s) == len(self.ref.held[s])
+            others = set().union(*(self.ref.held[t] for t in range(SLOTS) if t != s))
+            assert self.index.count_alone(s) == len(self.ref.held[s] - others)
             assert {PATH_OF[b.key] for b in self.index.leaves(s)} == self.ref.leaves(s)
             assert {PATH_OF[b.key] for b in self.index.blocks_of(s)} == self.ref.held[s]
 

@@ -591,7 +591,7 @@ def hash_route(split: SplitRoute, router: Router,
             return _checked_hash(split, router, hash_prompt or hash_wire_prompt)
     except InvalidRequest:  # malformed ids (check_split's errors are answered above)
         pass
-    raise refusal(split.prompt.data, (split.prompt,), pb.RouteRequest)
+    raise refusal(split.prompt.data, (split.prompt,), pb.RouteRequest, split.msg is not None)
 
 
 def hash_stream(
@@ -606,7 +606,8 @@ def hash_stream(
             return {place: _checked_hash(route, router, hash_prompt) for place, route in split.routes.items()}
     except InvalidRequest:  # malformed ids (check_split's errors are answered in their Routes' turns)
         pass
-    raise refusal(split.data, (route.prompt for route in split.routes.values()), pb.RouteStreamRequest)
+    raise refusal(split.data, (route.prompt for route in split.routes.values()), pb.RouteStreamRequest,
+                  split.msg is not None)
 
 
 # ---- a huge message upb refuses: its error without a whole parse (issue #16 items 1 and 4) -----
@@ -636,11 +637,13 @@ def _malformed_ids(data: bytes, start: int, end: int) -> bool:
 
 
 def refusal(data: bytes, prompts: Iterable[WirePrompt], message: type[pb.RouteRequest] | type[pb.RouteStreamRequest],
-            ) -> DecodeError:
+            ids_refused: bool) -> DecodeError:
     """upb's error for ``data``, a split ``message`` (split with ``prompts``) that upb refuses:
-    its rest did not parse, or a prompt holds malformed ids. See the comment above."""
-    bad = next((start for start, end in sorted(span for p in prompts if not p.packed for span in p.spans)
-                if _malformed_ids(data, start, end)), -1)
+    its rest did not parse, or (``ids_refused``) the decoder found malformed ids in a prompt,
+    then the last chunk is not read again if no other is. See the comment above."""
+    chunks = sorted(span for p in prompts if not p.packed for span in p.spans)
+    last = chunks.pop() if ids_refused and chunks else (-1, -1)
+    bad = next((start for start, end in chunks if _malformed_ids(data, start, end)), last[0])
     split = split_route(data, bad) if message is pb.RouteRequest else split_stream(data, bad)
     assert split is not None, "it split before"
     try:

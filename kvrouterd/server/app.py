@@ -157,7 +157,8 @@ class Daemon:
         # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT
         self.service.off_loop_prompt_bytes = self.config.limits.off_loop_prompt_bytes
         safe = SafeRegistrar(server, {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
-                                      "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message})
+                                      "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
+                                      "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]

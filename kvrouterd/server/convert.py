@@ -53,6 +53,7 @@ __all__ = [
     "load_delta",
     "marker_delta",
     "event_batch",
+    "event_batch_message",
     "evict_request",
     "pb",
     "route_message",
@@ -857,13 +858,34 @@ def event_batch(msg: pb.EventBatch, max_events: int, max_id_length: int = 256) -
     return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))
 
 
-def event_batch_bytes(data: bytes, max_events: int) -> EventBatch:
+#: EventBatch and Removed built as _new_stored builds Stored
+_new_batch = native.positional_constructor(EventBatch)
+_new_removed = native.positional_constructor(Removed)
+#: the native reader of a plain EventBatch message (None on the pure-Python path)
+_read_event_batch = getattr(native.module, "read_event_batch", None)
+
+
+def event_batch_message(data: bytes, max_events: int, max_id_length: int) -> EventBatch | pb.EventBatch:
+    """``PublishEvents``' request deserializer: ``event_batch``'s batch for ``data``, read natively
+    from the bytes where the message has the plain form protobuf encoders write and nothing in it
+    is refused; otherwise (or without the extension) the parsed message, for ``event_batch`` to
+    convert or refuse. Parsing then converting costs ~290 ns a stored block of the bench's 32-block
+    events, reading natively ~80 (``_native.c``: read_event_batch, which says what it leaves to
+    protobuf; most of the rest is the engine hashes' ints, which the core events hold)."""
+    if _read_event_batch is not None:
+        batch = _read_event_batch(data, max_events, max_id_length, _new_batch, _new_stored, _new_removed, Cleared)
+        if batch is not None:
+            return batch  # type: ignore[no-any-return]
+    return pb.EventBatch.FromString(data)
+
+
+def event_batch_bytes(data: bytes, max_events: int, max_id_length: int = 256) -> EventBatch:
     """An ``EventBatch`` message as read from the event bus (serialized, as ``PublishEvents`` sends it)."""
     try:
-        msg = pb.EventBatch.FromString(data)
+        msg = event_batch_message(data, max_events, max_id_length)
     except DecodeError as exc:
         raise InvalidRequest(f"event batch does not parse: {exc}") from None
-    return event_batch(msg, max_events)
+    return msg if isinstance(msg, EventBatch) else event_batch(msg, max_events, max_id_length)
 
 
 def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:

@@ -433,14 +433,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return reply
 
     # ---- engines ----------------------------------------------------------------------
+    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch:
+        """PublishEvents' request deserializer, which the daemon registers: a plain message read
+        natively into its core batch, anything else parsed (``convert.event_batch_message``)."""
+        return convert.event_batch_message(data, self.max_batch_events, self.router.settings.max_id_length)
+
     async def PublishEvents(
-        self, request_iterator: AsyncIterator[pb.EventBatch], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch], context: grpc.aio.ServicerContext
     ) -> pb.PublishEventsResponse:
         summary = pb.PublishEventsResponse(router_epoch=self.epoch)
         published: dict[str, None] = {}  # workers named, in order
         async for msg in request_iterator:
             try:
-                batch = convert.event_batch(msg, self.max_batch_events, self.router.settings.max_id_length)
+                # the daemon's deserializer (event_batch_message) has read a plain message already
+                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(
+                    msg, self.max_batch_events, self.router.settings.max_id_length)
                 outcome = self.apply_batch(batch)
             except KVRouterError as exc:
                 # earlier batches of the stream stay applied; this one changed nothing

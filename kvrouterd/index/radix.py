@@ -151,8 +151,9 @@ class RadixIndex:
         self._block: Any = PyBlock if pure else Block
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
-        #: slot -> blocks it alone holds: what leaves the routable index at once when it is retired
-        #: (``count_alone``); kept where a block gains or loses a holder (``store``, ``_release``)
+        #: slot bit (1 << slot) -> blocks that slot alone holds: what leaves the routable index at
+        #: once when the slot is retired (``count_alone``); kept where a block gains or loses a
+        #: holder (``store``, ``_release``), keyed by bit as a lone holder's bit is its holders
         self._alone: dict[int, int] = {}
         #: block -> path accesses pending on it (module docstring): ``(last access, hits)``
         #: while one slot holds the block, else ``{slot: (last, hits)}``. Only blocks that have
@@ -165,14 +166,14 @@ class RadixIndex:
             raise ValueError(f"slot {slot} already in use")
         self._leaves[slot] = set()
         self._counts[slot] = 0
-        self._alone[slot] = 0
+        self._alone[1 << slot] = 0
 
     def drop_slot(self, slot: int) -> int:
         """Forget everything ``slot`` holds and free it; returns the blocks dropped."""
         dropped = self.clear(slot)
         del self._leaves[slot]
         del self._counts[slot]
-        del self._alone[slot]
+        del self._alone[1 << slot]
         return dropped
 
     # ---- queries -------------------------------------------------------------------
@@ -190,7 +191,7 @@ class RadixIndex:
 
     def count_alone(self, slot: int) -> int:
         """Blocks ``slot`` holds and no other slot does."""
-        return self._alone[slot]
+        return self._alone[1 << slot]
 
     def slots(self) -> Iterable[int]:
         """Every slot added and not dropped."""
@@ -429,6 +430,7 @@ class RadixIndex:
         leaves = self._leaves[slot]
         chain: list[Block] = []
         added = alone = 0  # blocks this slot now holds, and of them those it alone holds
+        alone_by_bit = self._alone
         # the native table builds runs of brand-new blocks itself, exactly as the branch below
         store_new = getattr(blocks, "store_new", None)
         i, n = 0, len(keys)
@@ -483,7 +485,7 @@ class RadixIndex:
                 if not holders:  # a gap's block nobody held: now this slot's alone
                     alone += 1
                 elif not holders & (holders - 1):  # its one holder no longer holds it alone
-                    self._alone[holders.bit_length() - 1] -= 1
+                    alone_by_bit[holders] -= 1
                 node.holders = holders | bit
                 added += 1
                 if parent is not None and parent.holders & bit:
@@ -491,7 +493,7 @@ class RadixIndex:
             chain.append(node)
             parent = node
         self._counts[slot] += added
-        self._alone[slot] += alone
+        alone_by_bit[bit] += alone
         return chain
 
     def store_hashed(self, slot: int, parent_key: int | None, data: bytes, block_size: int, seed: int, now: float,
@@ -514,7 +516,7 @@ class RadixIndex:
             keys = array("Q")
             keys.frombytes(raw)
             self._counts[slot] += stored
-            self._alone[slot] += stored  # brand-new blocks
+            self._alone[1 << slot] += stored  # brand-new blocks
             if stored == len(keys):
                 return keys, chain  # the engine hashes are mapped too
             # a block the index holds already: on from there as store goes (chain[-1] is its parent)
@@ -538,7 +540,7 @@ class RadixIndex:
         remove_held = getattr(self._blocks, "remove_held", None)
         if remove_held is not None and remove_held(node, bit, self._leaves[slot], self._pending):
             self._counts[slot] -= 1
-            self._alone[slot] -= 1  # it did: the slot was the block's only holder
+            self._alone[bit] -= 1  # it did: the slot was the block's only holder
             return True
         parent = node.parent
         held_parent = parent is not None and parent.holders & bit
@@ -585,9 +587,9 @@ class RadixIndex:
         holders = node.holders & ~bit
         node.holders = holders
         if not holders:
-            self._alone[slot] -= 1
+            self._alone[bit] -= 1
         elif not holders & (holders - 1):  # its one holder left holds it alone now
-            self._alone[holders.bit_length() - 1] += 1
+            self._alone[holders] += 1
 
     def _prune(self, node: Block | None) -> None:
         """Delete blocks nobody holds and nothing hangs under, walking up."""

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
+from ..server.convert import length_delimited
 from .grpc_bench import _complete_message
 from .serve_process import ServeProcess
 from .stats import latency_summary, quiet_then_loaded
@@ -77,17 +78,6 @@ def _route_bytes(tokens: int, packed: bool, seed: int, malformed: str = "") -> b
     return data
 
 
-def _framed(number: int, payload: bytes) -> bytes:
-    """A length-delimited field, for messages no encoder would send (``--malformed``)."""
-    out = bytearray()
-    for value in (number << 3 | 2, len(payload)):
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out) + payload
-
-
 def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "") -> bytes:
     """One RouteStream message carrying ``tokens`` tokens: a Route, or a batch of ``batch`` Routes
     (``malformed``: the last Route as ``_route_bytes`` makes it)."""
@@ -97,11 +87,11 @@ def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "") ->
         items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)) for i in range(batch)]
         return pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
     if batch <= 1:
-        return _framed(2, _route_bytes(tokens, packed, 2, malformed))  # RouteStreamRequest.route
+        return length_delimited(2, _route_bytes(tokens, packed, 2, malformed))  # RouteStreamRequest.route
     items = [pb.RouteStreamRequest(id=1 + i, route=_route(tokens // batch, packed, 2 + i)).SerializeToString()
              for i in range(batch - 1)]
-    items.append(_framed(2, _route_bytes(tokens // batch, packed, 1 + batch, malformed)))
-    return _framed(5, b"".join(_framed(1, item) for item in items))  # RouteStreamRequest.batch.items
+    items.append(length_delimited(2, _route_bytes(tokens // batch, packed, 1 + batch, malformed)))
+    return length_delimited(5, b"".join(length_delimited(1, item) for item in items))  # RouteStreamRequest.batch.items
 
 
 def _loop_cpu_s(pid: int) -> float:

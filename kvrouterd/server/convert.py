@@ -54,6 +54,7 @@ __all__ = [
     "marker_delta",
     "event_batch",
     "event_batch_message",
+    "length_delimited",
     "evict_request",
     "pb",
     "route_message",
@@ -431,8 +432,8 @@ class SplitStream:
     data: bytes
 
 
-def _length_delimited(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: a cut-out Route's new frame (its length changed)."""
+def length_delimited(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: a cut-out Route's new frame (its length changed)."""
     out = bytearray()
     for value in (number << 3 | 2, len(payload)):
         while value >= 0x80:
@@ -479,7 +480,7 @@ def _split_stream_route(data: bytes, fields: list[_Field], kept: list[int], budg
     rests, prompt = _route_prompt(data, pieces, tuple((fields[i][3], fields[i][4]) for i in kept), bad)
     if prompt is not None:
         for i, rest in zip(kept, rests):
-            new[i] = _length_delimited(_STREAM_ROUTE_FIELD, rest)
+            new[i] = length_delimited(_STREAM_ROUTE_FIELD, rest)
     return prompt
 
 
@@ -523,10 +524,10 @@ def split_stream(data: bytes, bad: int = -1) -> tuple[bytes, dict[int, WirePromp
                     rest, prompt = _split_stream_item(data, payload, end, budget, bad)
                     if prompt is not None:
                         prompts[item] = prompt
-                        items[j] = _length_delimited(_BATCH_ITEMS_FIELD, rest)
+                        items[j] = length_delimited(_BATCH_ITEMS_FIELD, rest)
                     item += 1
                 if items:
-                    new[i] = _length_delimited(_STREAM_BATCH_FIELD,
+                    new[i] = length_delimited(_STREAM_BATCH_FIELD,
                                                _reframed(data, batch, fields[i][3], fields[i][4], items))
     except _Unsplittable:
         return None
@@ -631,7 +632,7 @@ def _malformed_ids(data: bytes, start: int, end: int) -> bool:
             return True
         return False
     try:
-        pb.RouteRequest.FromString(_length_delimited(_TOKEN_IDS_FIELD, data[start:end]))
+        pb.RouteRequest.FromString(length_delimited(_TOKEN_IDS_FIELD, data[start:end]))
     except DecodeError:
         return True
     return False

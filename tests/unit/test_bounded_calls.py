@@ -19,6 +19,7 @@ from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server.snapshot import export_chunks
 
 from ..invariants import check_router_invariants
+from ..steps import run_in_parts
 
 BS = 4
 
@@ -282,16 +283,6 @@ def test_a_first_hints_engine_hash_map_is_built_in_parts_and_stays_right_across_
     assert list(r.engine_hash_steps("w")) == []  # built: later hints pay nothing
 
 
-def _run(steps):  # type: ignore[no-untyped-def]
-    parts = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return parts, done.value
-        parts += 1
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfu", "hybrid", "tlru", "unicache"])
 def test_a_hint_for_a_policy_without_its_own_order_scores_the_leaves_in_parts(policy):
     """The daemon's policy is rlt, so the hinted one saw no hooks and scores every leaf: the host
@@ -304,7 +295,7 @@ def test_a_hint_for_a_policy_without_its_own_order_scores_the_leaves_in_parts(po
 
     at_once = build().evict_hint(EvictRequest("w", 4294967295, policy=policy))
     r = build()
-    parts, advice = _run(r.evict_hint_steps(EvictRequest("w", 4294967295, policy=policy), step=8))
+    parts, advice = run_in_parts(r.evict_hint_steps(EvictRequest("w", 4294967295, policy=policy), step=8))
     assert parts >= 60 // 8  # 60 leaves, 8 scored per part
     assert advice == at_once and len(advice.keys) == 50
 
@@ -319,7 +310,7 @@ def test_events_between_the_parts_never_make_a_hint_name_a_gone_block_or_a_paren
     # chain 0 loses its last block and chain 1 grows below its last: neither tail is a leaf now
     r.apply(EventBatch("w", 40, (Removed((3,)),
                                  Stored(token_ids=list(range(10_000, 10_000 + 4 * BS)), engine_hashes=(1001, 1002, 1003, 9999)))))
-    _, advice = _run(steps)
+    _, advice = run_in_parts(steps)
     assert 3 not in advice.engine_hashes
     slot = r.workers.get("w").slot
     for n, key in enumerate(advice.keys):

@@ -26,6 +26,8 @@ from kvrouterd.protocols import (
 )
 from kvrouterd.router import Router, RouterSettings
 
+from ..steps import run_in_parts
+
 BS = 4
 POLICIES = registry.names("eviction")
 
@@ -78,16 +80,6 @@ class Fleet:
         return sorted(reverse[b.key] for b in self.router.index.blocks_of(w.slot))
 
 
-def _run(steps):  # type: ignore[no-untyped-def]
-    parts = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return parts, done.value
-        parts += 1
-
-
 def _request(fleet: Fleet, blocks: int, policy: str, pinned_share: float) -> tuple[EvictRequest, tuple[int, ...]]:
     held = fleet.held()
     pinned = tuple(eh for eh in held if fleet.rng.random() < pinned_share)
@@ -104,7 +96,7 @@ def test_in_parts_the_answer_is_the_one_given_at_once(seed, policy, own, step, b
     at_once, in_parts = Fleet(configured, seed), Fleet(configured, seed)
     req, pinned = _request(at_once, blocks, policy, pinned_share)
     expected = at_once.router.evict_hint(req, pinned)
-    _, advice = _run(in_parts.router.evict_hint_steps(req, pinned, step))
+    _, advice = run_in_parts(in_parts.router.evict_hint_steps(req, pinned, step))
     assert advice == expected
     assert not set(advice.engine_hashes) & set(pinned)
 
@@ -116,7 +108,7 @@ def test_every_policy_takes_its_blocks_in_parts(policy, own):
     fleet = Fleet(policy if own else ("lru" if policy != "lru" else "lfu"), seed=3, prompts=120)
     held = len(fleet.held())
     step = 8
-    parts, advice = _run(fleet.router.evict_hint_steps(EvictRequest("w", held + 1, policy=policy), (), step))
+    parts, advice = run_in_parts(fleet.router.evict_hint_steps(EvictRequest("w", held + 1, policy=policy), (), step))
     parts_ranking = held // (step // MERGE_DIVISOR)  # each part takes at most step // MERGE_DIVISOR blocks
     assert len(advice.keys) == held and advice.exhausted
     assert parts >= parts_ranking
@@ -248,7 +240,7 @@ def test_a_worker_cleared_between_parts_is_ranked_where_it_is_now(monkeypatch, p
     fleet.apply(Cleared())
     fleet.store([5_000_000, 5_000_001])
     assert fleet.router.workers.get("w").slot != old
-    _, advice = _run(steps)
+    _, advice = run_in_parts(steps)
     assert advice.engine_hashes == [5_000_001, 5_000_000] and advice.exhausted
 
 
@@ -258,4 +250,4 @@ def test_a_worker_removed_between_parts_ends_the_hint_with_not_found():
     next(steps)
     fleet.router.remove_worker("w")
     with pytest.raises(NotFound):
-        _run(steps)
+        run_in_parts(steps)

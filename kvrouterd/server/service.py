@@ -22,7 +22,7 @@ from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
 from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
-from ..router import Router, RouteResult
+from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
 from . import convert
@@ -51,8 +51,6 @@ STREAM_BATCH_METADATA = "kvrouter-stream-batch"
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
 MAX_STREAM_BATCH_ITEMS = 256
 
-#: blocks a removed worker's drain drops between yields to the event loop (as router.DRAIN_STEP_BLOCKS)
-DRAIN_STEP_BLOCKS = 512
 #: entries of work an EvictHint does between yields to the loop: its first hint's engine-hash
 #: map, the leaves a policy without its own order scores, the ranking (``Router.evict_hint_steps``);
 #: ~1-2 ms a part idle at 512 (scoring a leaf costs 1.5-3 us in Python)

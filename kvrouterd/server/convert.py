@@ -816,12 +816,9 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
             st = ev.stored
             hashes = st.engine_hashes
             hashes = tuple(hashes[:]) if len(hashes) else None
-            packed = st.token_ids_le32
-            if not packed or len(packed) % 4 or len(st.token_ids):
-                packed = _stored_tokens(st, i)  # repeated token ids, or a malformed event (the error)
             out.append(
                 _new_stored(
-                    packed,  # token_ids
+                    _stored_tokens(st, i),  # token_ids
                     hashes,  # engine_hashes
                     st.parent_engine_hash if st.HasField("parent_engine_hash") else None,
                     st.block_size,

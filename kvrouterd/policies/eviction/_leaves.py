@@ -205,13 +205,7 @@ def still_evictable(ctx: EvictionContext, ranked: Sequence[Block]) -> list[Block
         key = b.key
         if not b.holders & bit or get(key) is not b:
             continue
-        if b.children is not None:
-            for c in b.iter_children():
-                if c.holders & bit and c.key not in named:
-                    break
-            else:
-                kept.append(b)
-                named.add(key)
+        if b.children is not None and any(c.holders & bit and c.key not in named for c in b.iter_children()):
             continue
         kept.append(b)
         named.add(key)
@@ -460,12 +454,18 @@ class SortedLeaves:
         return run_steps(self.rank_steps(ctx, count, pinned, None))
 
     def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
+                   priority: Callable[[Block], Any] | None = None,
+                   arrange: Callable[[Any], Iterator[tuple[Any, int, Block]]] = iter,
                    ) -> Generator[None, None, list[Block]]:
-        priority = self.priority_for(ctx)
+        """Take up to ``count`` blocks in parts (``merge_promoting_steps``) from the kept order,
+        read through ``arrange`` (a policy's merge of its classes, its trimmed first, ...), or
+        from the leaves scored by ``priority`` (default ``priority_for``) where it has no order."""
+        if priority is None:
+            priority = self.priority_for(ctx)
         order = yield from self.view_steps(ctx, step)
         if order is None:
             return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
-        return (yield from merge_promoting_steps(ctx, guarded(ctx, iter(order), step), count, pinned, priority,
+        return (yield from merge_promoting_steps(ctx, guarded(ctx, arrange(order), step), count, pinned, priority,
                                                  merge_part(step)))
 
 

@@ -40,7 +40,7 @@ from typing import Literal
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import SortedLeaves, guarded, merge_part, merge_promoting_steps, rank_leaves_by_steps, run_steps
+from ._leaves import SortedLeaves, run_steps
 from ._release import release_steps
 
 __all__ = ["HybridEviction", "HybridParams", "hybrid_value"]
@@ -103,12 +103,8 @@ class HybridEviction(EvictionPolicyBase):
 
     def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
                    ) -> Generator[None, None, list[Block]]:
-        priority = self._priority(ctx)
-        order = yield from self._leaves.view_steps(ctx, step)
-        if order is None:
-            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
-        return (yield from merge_promoting_steps(ctx, guarded(ctx, self._merged(order, ctx.now), step), count, pinned,
-                                                 priority, merge_part(step)))
+        return self._leaves.rank_steps(ctx, count, pinned, step, self._priority(ctx),
+                                       lambda order: self._merged(order, ctx.now))
 
     def _merged(self, order, now: float) -> Iterator[tuple[tuple[float, float], int, Block]]:  # type: ignore[no-untyped-def]
         """Leaves by ascending (value, last access, key): a k-way merge of the classes."""

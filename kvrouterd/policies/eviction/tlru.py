@@ -63,7 +63,7 @@ from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
 from . import _reach
-from ._leaves import SortedLeaves, guarded, merge_part, merge_promoting_steps, rank_leaves_by_steps, run_steps
+from ._leaves import SortedLeaves, run_steps
 from ._reach import NEVER, Trim
 from ._release import release_steps
 
@@ -369,10 +369,6 @@ class TLRUEviction(EvictionPolicyBase):
     def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
                    ) -> Generator[None, None, list[Block]]:
         t = self._refresh(ctx.slot, ctx)
-        priority = self._priority(ctx)
-        order = yield from self._leaves.view_steps(ctx, step)
-        if order is None:
-            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
         # the tail as of the ranking's start: a copy's trimming runs are split by it
-        return (yield from merge_promoting_steps(ctx, guarded(ctx, _reach.trimmed_first(order, t.tail), step), count,
-                                                 pinned, priority, merge_part(step)))
+        return self._leaves.rank_steps(ctx, count, pinned, step, self._priority(ctx),
+                                       lambda order: _reach.trimmed_first(order, t.tail))

@@ -63,7 +63,7 @@ from ...index.radix import Block, RadixIndex
 from ...protocols import TaskCategory
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
 from ..registry import register
-from ._leaves import SortedLeaves, guarded, merge_part, merge_promoting_steps, rank_leaves_by_steps, run_steps
+from ._leaves import SortedLeaves, run_steps
 from ._release import release_steps
 
 __all__ = ["AGENTIC", "CHAT", "EVICT_FIRST", "STRUCTURAL", "UniCacheEviction", "UniCacheParams", "lognormal_cdf"]
@@ -337,11 +337,7 @@ class UniCacheEviction(EvictionPolicyBase):
     def rank_steps(self, ctx: EvictionContext, count: int, pinned: frozenset[int], step: int | None,
                    ) -> Generator[None, None, list[Block]]:
         priority = self._priority(ctx)
-        order = yield from self._leaves.view_steps(ctx, step)
-        if order is None:
-            return (yield from rank_leaves_by_steps(ctx, count, pinned, priority, step))
-        return (yield from merge_promoting_steps(ctx, guarded(ctx, self._heads(order, priority), step), count, pinned,
-                                                 priority, merge_part(step)))
+        return self._leaves.rank_steps(ctx, count, pinned, step, priority, lambda order: self._heads(order, priority))
 
     def _priority(self, ctx: EvictionContext) -> Callable[[Block], tuple[int, float, float]]:
         """Algorithm 1's score of a leaf: evict-first by depth, then weighted queue scores."""

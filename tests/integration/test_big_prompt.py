@@ -38,23 +38,29 @@ def daemon_config() -> dict:
     return {"limits": {"off_loop_prompt_bytes": OFF_LOOP_BYTES, "max_prompt_tokens": MAX_TOKENS}}
 
 
-async def test_small_route_answered_while_a_huge_prompt_is_hashed(running):
-    stub = running.stub
-    await register(stub, "a")
-    await register(stub, "b")
-    service = running.daemon.service
+def hash_after_probe(service, what: str) -> tuple[threading.Event, threading.Event]:  # type: ignore[no-untyped-def]
+    """Make ``service`` hash a huge prompt only once a probe Route has been answered meanwhile:
+    (the hashing started, the probe answered: the test sets it)."""
     real_hash = service.hash_prompt
     hashing = threading.Event()
     probe_answered = threading.Event()
 
-    def hash_after_probe(split, block_size, max_tokens):  # type: ignore[no-untyped-def]
+    def gated(split, block_size, max_tokens):  # type: ignore[no-untyped-def]
         hashing.set()
-        # the probe below must be answered while this hash is in progress: were the hash on
-        # the loop, the probe could not run and this wait would time out
-        assert probe_answered.wait(30), "no Route was answered while a huge prompt was being hashed"
+        # the probe must be answered while this hash is in progress: were the hash on the
+        # loop, the probe could not run and this wait would time out
+        assert probe_answered.wait(30), f"no Route was answered while {what} was being hashed"
         return real_hash(split, block_size, max_tokens)
 
-    service.hash_prompt = hash_after_probe
+    service.hash_prompt = gated
+    return hashing, probe_answered
+
+
+async def test_small_route_answered_while_a_huge_prompt_is_hashed(running):
+    stub = running.stub
+    await register(stub, "a")
+    await register(stub, "b")
+    hashing, probe_answered = hash_after_probe(running.daemon.service, "a huge prompt")
     huge = asyncio.ensure_future(stub.Route(pb.RouteRequest(token_ids_le32=le32(list(range(40_000))), request_id="huge")))
     assert await asyncio.to_thread(hashing.wait, 30)
     probe = await stub.Route(pb.RouteRequest(token_ids=list(range(4 * BS)), request_id="probe"))
@@ -146,18 +152,7 @@ async def test_small_route_answered_while_a_huge_stream_message_is_hashed(runnin
     stub = running.stub
     await register(stub, "a")
     await register(stub, "b")
-    service = running.daemon.service
-    real_hash = service.hash_prompt
-    hashing = threading.Event()
-    probe_answered = threading.Event()
-
-    def hash_after_probe(split, block_size, max_tokens):  # type: ignore[no-untyped-def]
-        hashing.set()
-        # as for a unary Route: the probe must be answered while this hash is in progress
-        assert probe_answered.wait(30), "no Route was answered while a huge stream message was being hashed"
-        return real_hash(split, block_size, max_tokens)
-
-    service.hash_prompt = hash_after_probe
+    hashing, probe_answered = hash_after_probe(running.daemon.service, "a huge stream message")
     huge_call = stub.RouteStream()
     await huge_call.write(stream_route(7, token_ids_le32=le32(list(range(40_000))), request_id="huge"))
     assert await asyncio.to_thread(hashing.wait, 30)

@@ -69,6 +69,7 @@ __all__ = [
     "hash_route",
     "hash_stream",
     "refusal",
+    "Refused",
     "split_route_request",
     "WirePrompt",
     "hash_wire_prompt",
@@ -208,8 +209,8 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
 #: RouteRequest's prompt fields (router.proto)
 _TOKEN_IDS_FIELD = 2
 _TOKEN_IDS_LE32_FIELD = 14
-#: top-level fields walked before a message is left to upb whole: RouteRequest has 14, plus
-#: up to 64 candidate workers; a message of many tiny fields must not cost a Python loop per field
+#: top-level fields walked before a huge message is refused: RouteRequest has 14, plus up to
+#: 64 candidate workers; a message of many tiny fields must not cost a Python loop per field
 MAX_SPLIT_FIELDS = 256
 
 
@@ -218,12 +219,15 @@ class WirePrompt:
     """Where a Route's token ids lie in the received message: the one ``token_ids_le32``
     payload (``packed``), or the packed-varint ``token_ids`` chunks in order. ``route``: where
     the Route message itself lies in ``data`` (a RouteStream message's ``route`` field may come
-    in several pieces, which merge), read whole by the pure-Python path."""
+    in several pieces, which merge), read whole by the pure-Python path. ``both``: the Route
+    set ``token_ids_le32`` too (cut out as well): its checks refuse it, its chunks are still
+    read for malformed ids, which upb would refuse first."""
 
     data: bytes
     spans: tuple[tuple[int, int], ...]
     packed: bool
     route: tuple[tuple[int, int], ...]
+    both: bool = False
 
     @property
     def size(self) -> int:
@@ -248,7 +252,19 @@ class HashedPrompt:
 
 
 class _Unsplittable(Exception):
-    """The walk met something only upb should judge (a group, an unpacked token, too many fields)."""
+    """The walk met an encoding it does not read (``reason``: which): a group, unpacked token ids,
+    more fields than its budget, ... (see "odd encodings" below). ``message_id``: a RouteStream
+    message's id, when its top level was walked whole before (else None: unknown)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.message_id: int | None = None
+
+
+#: the reason a walk that used up its budget gives (its caller says how many fields that is)
+_TOO_MANY_FIELDS = "more fields than the walk takes"
+_UNPACKED_IDS = "unpacked token_ids (a field per id)"
 
 
 class _Corrupt(Exception):
@@ -275,7 +291,7 @@ def _varint(data: bytes, i: int, end: int, limit: int = 10) -> tuple[int, int]:
 _Field = tuple[int, int, int, int, int]
 
 
-def _walk(data: bytes, start: int, end: int, budget: list[int]) -> list[_Field]:
+def _walk(data: bytes, start: int, end: int, budget: list[int], route: bool = False) -> list[_Field]:
     """The fields of ``data[start:end]``, each framed as upb reads it, up to the first one upb
     refuses (a tag or length cut short or too long, a field running past ``end``, field 0, wire
     type 4, 6 or 7) where ``end`` is the end of ``data``: upb stops there, so from there on the
@@ -283,14 +299,16 @@ def _walk(data: bytes, start: int, end: int, budget: list[int]) -> list[_Field]:
     inside a submessage with bytes after it (upb reads a string running past its submessage's
     end before it finds the overrun: whether the error is "bad UTF-8" depends on those bytes),
     for anything upb might read otherwise (groups), or when the walk has used up ``budget[0]``
-    fields."""
+    fields (``route``: of a RouteRequest, whose unpacked token ids, if any, are then the reason)."""
     fields: list[_Field] = []
     i = start
     try:
         while i < end:
             budget[0] -= 1
             if budget[0] < 0:
-                raise _Unsplittable
+                if route and any(f[0] == _TOKEN_IDS_FIELD and f[1] == 0 for f in fields):
+                    raise _Unsplittable(_UNPACKED_IDS)
+                raise _Unsplittable(_TOO_MANY_FIELDS)
             at = i
             tag, i = _varint(data, i, end, 5)
             number, wire_type = tag >> 3, tag & 7
@@ -305,7 +323,7 @@ def _walk(data: bytes, start: int, end: int, budget: list[int]) -> list[_Field]:
                 length, payload = _varint(data, i, end, 5)
                 i = payload + length
             elif wire_type == 3:  # a group: legal for an unknown field, and upb's to read
-                raise _Unsplittable
+                raise _Unsplittable(f"a group (field {number}, wire type 3)")
             else:  # an end-group tag outside a group, or no wire type at all
                 raise _Corrupt
             if i > end or number == 0 or tag > 0xFFFFFFFF:
@@ -313,8 +331,17 @@ def _walk(data: bytes, start: int, end: int, budget: list[int]) -> list[_Field]:
             fields.append((number, wire_type, at, payload, i))
     except _Corrupt:
         if end != len(data):
-            raise _Unsplittable from None
+            raise _Unsplittable("a field protobuf cannot frame inside a submessage, with bytes after it") from None
     return fields
+
+
+def _check_token_field(number: int, wire_type: int) -> None:
+    """_Unsplittable unless a token field (``token_ids``, ``token_ids_le32``) is length-delimited:
+    unpacked token ids (legal, no encoder sends them: a field per id) or a mismatch."""
+    if wire_type != 2:
+        raise _Unsplittable(_UNPACKED_IDS if number == _TOKEN_IDS_FIELD and wire_type == 0
+                            else f"{'token_ids' if number == _TOKEN_IDS_FIELD else 'token_ids_le32'} "
+                                 f"of wire type {wire_type}")
 
 
 #: a ``token_ids`` field whose one varint is cut short: what stands in for a prompt's first
@@ -326,8 +353,9 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
                   ) -> tuple[list[bytes], WirePrompt | None]:
     """A Route given as ``pieces`` (the fields of each payload ``route`` of one merged Route
     message): each payload without its token fields, and where they were; no prompt for a Route
-    that leaves upb to judge (unpacked ids, or both forms: route_request rejects that from the
-    parse). The ``token_ids`` chunk whose payload starts at ``bad`` becomes ``_CORRUPT_IDS``.
+    without one. Both forms: the ids, ``WirePrompt.both``. _Unsplittable for token ids not in a
+    field of their own (unpacked ``token_ids``, one field per id, or either field of another wire
+    type). The ``token_ids`` chunk whose payload starts at ``bad`` becomes ``_CORRUPT_IDS``.
 
     Protobuf's rules for the two fields: the last ``token_ids_le32`` wins (a singular field
     given twice), all ``token_ids`` chunks concatenate; an empty payload is no prompt."""
@@ -338,8 +366,7 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
         rest: list[bytes] = []
         for number, wire_type, start, payload, end in fields:
             if number == _TOKEN_IDS_FIELD or number == _TOKEN_IDS_LE32_FIELD:
-                if wire_type != 2:  # unpacked token ids (legal, no encoder sends them) or a mismatch
-                    return [], None
+                _check_token_field(number, wire_type)
                 if number == _TOKEN_IDS_FIELD:
                     chunks.append((payload, end))
                 else:
@@ -352,32 +379,80 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
         rests.append(b"".join(rest))
     has_packed = packed is not None and packed[1] > packed[0]
     has_ids = any(end > start for start, end in chunks)
-    if has_packed == has_ids:  # no prompt, or both forms
+    if not has_packed and not has_ids:
         return [], None
-    if has_packed:
+    if not has_ids:
         assert packed is not None
         return rests, WirePrompt(data, (packed,), True, route)
-    return rests, WirePrompt(data, tuple(c for c in chunks if c[1] > c[0]), False, route)
+    return rests, WirePrompt(data, tuple(c for c in chunks if c[1] > c[0]), False, route, has_packed)
+
+
+# ---- odd encodings of huge messages: refused, not parsed whole (issue #16 items 1 and 4) -------
+#
+# upb never releases the GIL, so a huge message it parses whole holds the loop for as long as
+# it has fields and varints: 37-75 ms for a 14.6 MiB Route of 4M unpacked token ids, 140 ms for
+# a RouteStream complete of 7M fields. So at or above limits.off_loop_prompt_bytes no Route or
+# RouteStream message is parsed whole: the walk reads every message in it upb would parse (a
+# RouteStream message's completes and the occurrences a later oneof member discards too, within
+# the same field budget) and cuts the prompts out, or refuses the message with INVALID_ARGUMENT
+# when it meets an encoding it does not read: unpacked token ids, a group, more fields than
+# MAX_SPLIT_FIELDS (Route) or MAX_STREAM_SPLIT_FIELDS (RouteStream, every level together), a
+# kind or batch items field of another wire type, a batch inside a batch item, framing upb
+# refuses inside a submessage with bytes after it (upb's error there depends on those bytes),
+# or off_loop_prompt_bytes of token ids left in Routes a later oneof member discards. No
+# encoder writes any of those. What the walk finds first answers, even where upb would refuse
+# the message for something else too (finding that out is the whole parse avoided): such a
+# message gets this refusal, INVALID_ARGUMENT either way. Below off_loop_prompt_bytes upb
+# parses every message whole, as before (~1 ms at 256 KiB).
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A huge Route or RouteStream message in an encoding the split does not read, as its
+    deserializer hands it over: ``message``, INVALID_ARGUMENT's. ``id``: a RouteStream message's
+    id, to answer it on the stream with (None for a unary Route, or when the walk refused the
+    message's top level, so its id is unknown: the stream then ends with the error)."""
+
+    id: int | None
+    message: str
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+
+
+def _odd_encoding(message: type[pb.RouteRequest] | type[pb.RouteStreamRequest], size: int, min_prompt_bytes: int,
+                  reason: str) -> str:
+    return (f"{message.DESCRIPTOR.name} of {_size(size)} is encoded in a form the router reads only below "
+            f"limits.off_loop_prompt_bytes ({min_prompt_bytes} bytes): {reason}; encode it as protobuf encoders do "
+            "(token_ids packed, as every proto3 encoder writes them, or token_ids_le32)")
 
 
 def split_route(data: bytes, bad: int = -1) -> tuple[bytes, WirePrompt] | None:
-    """``(the message without its token fields, where they were)``; None to leave ``data`` to upb
-    (no prompt in it, or something only upb should judge). ``bad``: as for ``_route_prompt``."""
+    """``(the message without its token fields, where they were)``; None when it has no prompt
+    (upb reads it whole: every field it has was walked, at most MAX_SPLIT_FIELDS). ``bad``: as
+    for ``_route_prompt``. _Unsplittable for an encoding the walk does not read."""
     try:
-        fields = _walk(data, 0, len(data), [MAX_SPLIT_FIELDS])
-    except _Unsplittable:
-        return None
+        fields = _walk(data, 0, len(data), [MAX_SPLIT_FIELDS], True)
+    except _Unsplittable as exc:
+        if exc.reason == _TOO_MANY_FIELDS:
+            raise _Unsplittable(f"more than {MAX_SPLIT_FIELDS} fields") from None
+        raise
     rests, prompt = _route_prompt(data, [fields], ((0, len(data)),), bad)
     return None if prompt is None else (rests[0], prompt)
 
 
-def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | SplitRoute:
+def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | SplitRoute | Refused:
     """A Route's request as received: parsed, or split (``SplitRoute``) when its prompt takes
-    ``min_prompt_bytes`` (``limits.off_loop_prompt_bytes``; 0 = never) or more on the wire.
-    Raises DecodeError for bytes that do not parse."""
+    ``min_prompt_bytes`` (``limits.off_loop_prompt_bytes``; 0 = never) or more on the wire, or
+    ``Refused`` when a message of that size is in an encoding the split does not read (see
+    "odd encodings" below). Raises DecodeError for bytes that do not parse."""
     if not min_prompt_bytes or len(data) < min_prompt_bytes:
         return pb.RouteRequest.FromString(data)
-    split = split_route(data)
+    try:
+        split = split_route(data)
+    except _Unsplittable as exc:
+        return Refused(None, _odd_encoding(pb.RouteRequest, len(data), min_prompt_bytes, exc.reason))
     if split is None or split[1].size < min_prompt_bytes:
         return pb.RouteRequest.FromString(data)
     rest, prompt = split
@@ -400,20 +475,19 @@ def route_message(data: bytes, min_prompt_bytes: int) -> pb.RouteRequest | Split
 # fields are kept or skipped. Only two rules are ours, about the parts cut out: the token fields
 # of a merged Route's occurrences combine as in one Route (``_route_prompt``), and only the
 # occurrences upb keeps are cut (an occurrence a later oneof member discards stays whole, so
-# upb still checks it, as it would have; so does a batch item that is itself a batch). Framing
-# upb refuses ends the walk of its level, kept as it is for upb to refuse (``_walk``). Anything
-# odder (groups, a kind field of the wrong wire type, more than MAX_STREAM_SPLIT_FIELDS fields)
-# leaves the message to upb whole: no encoder sends those, and that costs what every message
-# cost before, bounded by limits.max_message_bytes. A message upb refuses (its rest, or token
-# ids that are malformed varints, found while hashing off the loop) gets upb's own error
-# without a whole parse (``refusal``).
+# upb still checks it, as it would have; it and every complete are walked all the same, so
+# their fields count, ``_Walk.skim``). Framing upb refuses ends the walk of its level, kept as
+# it is for upb to refuse (``_walk``). Anything odder is refused (see "odd encodings" above). A
+# message upb refuses (its rest, or token ids that are malformed varints, found while hashing
+# off the loop) gets upb's own error without a whole parse (``refusal``).
 
 #: RouteStreamRequest's fields (router.proto): the kind oneof, and RouteStreamRequestBatch.items
 _STREAM_ROUTE_FIELD = 2
+_STREAM_COMPLETE_FIELD = 3
 _STREAM_KIND_FIELDS = frozenset((2, 3, 5))
 _STREAM_BATCH_FIELD = 5
 _BATCH_ITEMS_FIELD = 1
-#: fields walked in one RouteStream message, at every level, before it is left to upb whole: a
+#: fields walked in one RouteStream message, at every level, before a huge one is refused: a
 #: batch of 256 items (MAX_STREAM_BATCH_ITEMS) of ~10 fields each, with room to spare
 MAX_STREAM_SPLIT_FIELDS = 4096
 #: the place of a stream message's own Route among ``SplitStream.routes`` (batch items: 0, 1, ...)
@@ -451,12 +525,15 @@ def _kept_kind(fields: list[_Field]) -> list[int]:
     for i, (number, wire_type, *_) in enumerate(fields):
         if number in _STREAM_KIND_FIELDS:
             if wire_type != 2:  # upb would take it as an unknown field: too odd to follow
-                raise _Unsplittable
+                raise _Unsplittable(f"a {_KIND_NAMES[number]} field of wire type {wire_type}")
             if number != kind:
                 kept.clear()
                 kind = number
             kept.append(i)
     return kept
+
+
+_KIND_NAMES = {_STREAM_ROUTE_FIELD: "route", _STREAM_COMPLETE_FIELD: "complete", _STREAM_BATCH_FIELD: "batch"}
 
 
 def _reframed(data: bytes, fields: list[_Field], start: int, end: int, new: dict[int, bytes]) -> bytes:
@@ -472,56 +549,124 @@ def _reframed(data: bytes, fields: list[_Field], start: int, end: int, new: dict
     return b"".join(out)
 
 
-def _split_stream_route(data: bytes, fields: list[_Field], kept: list[int], budget: list[int],
-                        new: dict[int, bytes], bad: int) -> WirePrompt | None:
-    """Cut the prompt out of a message's ``route`` occurrences ``kept`` (they merge into one Route),
-    their new frames into ``new``; None (nothing cut) when that Route has no prompt to split."""
-    pieces = [_walk(data, fields[i][3], fields[i][4], budget) for i in kept]
-    rests, prompt = _route_prompt(data, pieces, tuple((fields[i][3], fields[i][4]) for i in kept), bad)
-    if prompt is not None:
-        for i, rest in zip(kept, rests):
-            new[i] = length_delimited(_STREAM_ROUTE_FIELD, rest)
-    return prompt
+class _Walk:
+    """One RouteStream message's walk: the fields it may still take (``budget``, shared by every
+    level) and the token-id bytes left in for upb to parse (``uncut``, at most ``most_uncut``)."""
+
+    __slots__ = ("data", "budget", "uncut", "most_uncut", "bad")
+
+    def __init__(self, data: bytes, most_uncut: int, bad: int) -> None:
+        self.data = data
+        self.budget = [MAX_STREAM_SPLIT_FIELDS]
+        self.uncut = 0
+        self.most_uncut = most_uncut
+        self.bad = bad
+
+    def fields(self, start: int, end: int, route: bool = False) -> list[_Field]:
+        return _walk(self.data, start, end, self.budget, route)
+
+    def skim(self, number: int, start: int, end: int) -> None:
+        """Walk a kind field's payload that upb parses as it is (a complete, an occurrence a later
+        oneof member discards, a batch of those): its fields are counted, and so are the bytes of
+        its Routes' token ids, which upb would decode on the loop."""
+        fields = self.fields(start, end, number == _STREAM_ROUTE_FIELD)
+        if number == _STREAM_ROUTE_FIELD:
+            for field, wire_type, _, payload, after in fields:
+                if field == _TOKEN_IDS_FIELD or field == _TOKEN_IDS_LE32_FIELD:
+                    _check_token_field(field, wire_type)
+                    if field == _TOKEN_IDS_FIELD:
+                        self.uncut += after - payload
+            if 0 <= self.most_uncut <= self.uncut:
+                raise _Unsplittable(f"{self.uncut} bytes of token ids in routes that a later route, complete or "
+                                    "batch field of their message discards")
+        elif number == _STREAM_BATCH_FIELD:
+            for field, wire_type, _, payload, after in fields:
+                if field == _BATCH_ITEMS_FIELD:
+                    if wire_type != 2:
+                        raise _Unsplittable(f"batch items of wire type {wire_type}")
+                    item, _ = self.item_fields(payload, after)
+                    self.kinds(item, [])
+
+    def kinds(self, fields: list[_Field], kept: list[int]) -> None:
+        """Skim every kind occurrence of ``fields`` but the ``kept`` Route or batch occurrences
+        (their caller walks those: a kept Route's prompt is cut)."""
+        walked = set(kept) if kept and fields[kept[0]][0] != _STREAM_COMPLETE_FIELD else set()
+        for i, (number, _, _, payload, after) in enumerate(fields):
+            if number in _STREAM_KIND_FIELDS and i not in walked:
+                self.skim(number, payload, after)
+
+    def item_fields(self, start: int, end: int) -> tuple[list[_Field], list[int]]:
+        """A batch item's fields, and which make up its kind; a batch in it is refused (upb would
+        parse all it holds, just to answer the item with an error)."""
+        fields = self.fields(start, end)
+        if any(number == _STREAM_BATCH_FIELD for number, *_ in fields):
+            raise _Unsplittable("a batch inside a batch item")
+        return fields, _kept_kind(fields)
+
+    def route(self, fields: list[_Field], kept: list[int], new: dict[int, bytes]) -> WirePrompt | None:
+        """Cut the prompt out of a message's ``route`` occurrences ``kept`` (they merge into one
+        Route), their new frames into ``new``; None (nothing cut) when that Route has no prompt."""
+        data = self.data
+        pieces = [self.fields(fields[i][3], fields[i][4], True) for i in kept]
+        rests, prompt = _route_prompt(data, pieces, tuple((fields[i][3], fields[i][4]) for i in kept), self.bad)
+        if prompt is not None:
+            for i, rest in zip(kept, rests):
+                new[i] = length_delimited(_STREAM_ROUTE_FIELD, rest)
+        return prompt
+
+    def item(self, start: int, end: int) -> tuple[bytes, WirePrompt | None]:
+        """A kept batch's item (a RouteStreamRequest of its own) re-framed without its Route's prompt."""
+        data = self.data
+        fields, kept = self.item_fields(start, end)
+        self.kinds(fields, kept)
+        if not kept or fields[kept[0]][0] != _STREAM_ROUTE_FIELD:
+            return data[start:end], None
+        new: dict[int, bytes] = {}
+        prompt = self.route(fields, kept, new)
+        return (data[start:end], None) if prompt is None else (_reframed(data, fields, start, end, new), prompt)
 
 
-def _split_stream_item(data: bytes, start: int, end: int, budget: list[int], bad: int,
-                       ) -> tuple[bytes, WirePrompt | None]:
-    """A batch item (a RouteStreamRequest of its own) re-framed without its Route's prompt. An item
-    that is itself a batch is not walked: it is answered with an error whatever it holds."""
-    fields = _walk(data, start, end, budget)
-    kept = _kept_kind(fields)
-    if not kept or fields[kept[0]][0] != _STREAM_ROUTE_FIELD:
-        return data[start:end], None
-    new: dict[int, bytes] = {}
-    prompt = _split_stream_route(data, fields, kept, budget, new, bad)
-    return (data[start:end], None) if prompt is None else (_reframed(data, fields, start, end, new), prompt)
+def _stream_id(data: bytes, fields: list[_Field]) -> int:
+    """A RouteStreamRequest's id from its walked top level: the last varint field 1 (upb keeps
+    the low 64 bits; a field 1 of another wire type is an unknown field to it)."""
+    value = 0
+    for number, wire_type, _, payload, _ in fields:
+        if number == 1 and wire_type == 0:
+            value = _varint(data, payload, len(data))[0] & 0xFFFFFFFFFFFFFFFF
+    return value
 
 
-def split_stream(data: bytes, bad: int = -1) -> tuple[bytes, dict[int, WirePrompt]] | None:
-    """``(the message without its Routes' token fields, where they were by place)``; None to leave
-    ``data`` to upb whole (no prompt in it, or something only upb should judge). ``bad``: as for
-    ``_route_prompt``."""
-    budget = [MAX_STREAM_SPLIT_FIELDS]
+def split_stream(data: bytes, bad: int = -1, most_uncut: int = -1) -> tuple[bytes, dict[int, WirePrompt]] | None:
+    """``(the message without its Routes' token fields, where they were by place)``; None when it
+    has no prompt (upb reads it whole: every message in it was walked, at most
+    MAX_STREAM_SPLIT_FIELDS fields, with fewer than ``most_uncut`` bytes of token ids left in;
+    -1: any). ``bad``: as for ``_route_prompt``. _Unsplittable for an encoding the walk does not
+    read (its ``message_id`` set when the top level was walked)."""
+    walk = _Walk(data, most_uncut, bad)
     prompts: dict[int, WirePrompt] = {}
     try:
-        fields = _walk(data, 0, len(data), budget)
+        fields = walk.fields(0, len(data))
+    except _Unsplittable as exc:
+        raise _stream_unsplittable(exc) from None
+    try:
         kept = _kept_kind(fields)
+        walk.kinds(fields, kept)
         new: dict[int, bytes] = {}
         if kept and fields[kept[0]][0] == _STREAM_ROUTE_FIELD:
-            prompt = _split_stream_route(data, fields, kept, budget, new, bad)
+            prompt = walk.route(fields, kept, new)
             if prompt is not None:
                 prompts[STREAM_ROUTE] = prompt
         elif kept and fields[kept[0]][0] == _STREAM_BATCH_FIELD:
             item = 0  # the items of every kept batch occurrence append, in order
             for i in kept:
-                batch = _walk(data, fields[i][3], fields[i][4], budget)
+                batch = walk.fields(fields[i][3], fields[i][4])
                 items: dict[int, bytes] = {}
                 for j, (number, wire_type, _, payload, end) in enumerate(batch):
                     if number != _BATCH_ITEMS_FIELD:
                         continue  # unknown: kept as it is
                     if wire_type != 2:
-                        raise _Unsplittable
-                    rest, prompt = _split_stream_item(data, payload, end, budget, bad)
+                        raise _Unsplittable(f"batch items of wire type {wire_type}")
+                    rest, prompt = walk.item(payload, end)
                     if prompt is not None:
                         prompts[item] = prompt
                         items[j] = length_delimited(_BATCH_ITEMS_FIELD, rest)
@@ -529,20 +674,32 @@ def split_stream(data: bytes, bad: int = -1) -> tuple[bytes, dict[int, WirePromp
                 if items:
                     new[i] = length_delimited(_STREAM_BATCH_FIELD,
                                                _reframed(data, batch, fields[i][3], fields[i][4], items))
-    except _Unsplittable:
-        return None
+    except _Unsplittable as exc:
+        exc = _stream_unsplittable(exc)
+        exc.message_id = _stream_id(data, fields)
+        raise exc from None
     if not prompts:
         return None
     return _reframed(data, fields, 0, len(data), new), prompts
 
 
-def route_stream_message(data: bytes, min_prompt_bytes: int) -> pb.RouteStreamRequest | SplitStream:
+def _stream_unsplittable(exc: _Unsplittable) -> _Unsplittable:
+    if exc.reason == _TOO_MANY_FIELDS:
+        return _Unsplittable(f"more than {MAX_STREAM_SPLIT_FIELDS} fields")
+    return exc
+
+
+def route_stream_message(data: bytes, min_prompt_bytes: int) -> pb.RouteStreamRequest | SplitStream | Refused:
     """A RouteStream message as received: parsed, or split (``SplitStream``) when it takes
     ``min_prompt_bytes`` (``limits.off_loop_prompt_bytes``; 0 = never) or more and its Routes'
-    prompts together do too. Raises DecodeError for bytes that do not parse."""
+    prompts together do too, or ``Refused`` when a message of that size is in an encoding the
+    split does not read. Raises DecodeError for bytes that do not parse."""
     if not min_prompt_bytes or len(data) < min_prompt_bytes:
         return pb.RouteStreamRequest.FromString(data)
-    split = split_stream(data)
+    try:
+        split = split_stream(data, most_uncut=min_prompt_bytes)
+    except _Unsplittable as exc:
+        return Refused(exc.message_id, _odd_encoding(pb.RouteStreamRequest, len(data), min_prompt_bytes, exc.reason))
     if split is None or sum(p.size for p in split[1].values()) < min_prompt_bytes:
         return pb.RouteStreamRequest.FromString(data)
     rest, prompts = split
@@ -684,7 +841,7 @@ def deserializer(parse: Callable[[bytes], _M], split: Callable[[bytes, int], _M 
 def check_split(split: SplitRoute, router: Router) -> None:
     """``route_request``'s checks, in its order, as far as they go before the prompt is decoded:
     a request they reject costs no hashing (the size limit is applied while hashing)."""
-    if len(split.msg.block_keys):
+    if split.prompt.both or len(split.msg.block_keys):
         raise InvalidRequest(_ONE_PROMPT_FORM)
     if split.prompt.packed:
         _packed_count("token_ids_le32", split.prompt.size)

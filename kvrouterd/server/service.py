@@ -107,8 +107,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
-        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute]
-        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream]
+        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute | convert.Refused]
+        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream | convert.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
         self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
@@ -117,8 +117,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def off_loop_prompt_bytes(self) -> int:
         """A Route whose prompt field takes this many bytes or more, and the Routes of a
         RouteStream message of this many bytes or more, are decoded and hashed on a worker thread
-        (the daemon sets limits.off_loop_prompt_bytes; 0 = never). Setting it sets the two
-        request deserializers the daemon registers, ``route_message`` and ``route_stream_message``."""
+        (the daemon sets limits.off_loop_prompt_bytes; 0 = never); a message of this size in an
+        encoding the split does not read is refused, not parsed whole on the loop. Setting it sets
+        the two request deserializers the daemon registers, ``route_message`` and ``route_stream_message``."""
         return self._off_loop_prompt_bytes
 
     @off_loop_prompt_bytes.setter
@@ -132,11 +133,15 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             pb.RouteStreamRequest.FromString, convert.route_stream_message, value)
 
     # ---- data path --------------------------------------------------------------------
-    async def Route(self, request: pb.RouteRequest | convert.SplitRoute, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+    async def Route(self, request: pb.RouteRequest | convert.SplitRoute | convert.Refused,
+                    context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
         hashed = None
-        if type(request) is convert.SplitRoute:
+        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (convert.route_message)
+            if type(request) is convert.Refused:
+                self._note_refused(request)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             request, hashed = await self._hash_off_loop(request, context)
         if self.tracing:
             with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
@@ -205,6 +210,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             span.set_attribute("rpc.grpc.status_code", code.value[0])
         return code
 
+    def _note_refused(self, refused: convert.Refused) -> None:
+        """A huge message in an encoding the split does not read (``convert.Refused``): counted
+        and logged as a rejected Route (its message tells what was found)."""
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        self.metrics.route_errors.add(1, {"code": code.name})
+        log.info("route rejected: %s", refused.message, extra={"code": code.name})
+
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:
             self._complete(request)
@@ -239,7 +251,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         With queues a Route may wait, so each Route runs in its own task (answers then come out
         of order, a batched one on its own) and the stream ends once all are answered.
         A message of ``off_loop_prompt_bytes`` or more arrives split (``convert.SplitStream``):
-        its Routes' prompts are hashed on a worker thread first, the next message read after.
+        its Routes' prompts are hashed on a worker thread first, the next message read after. One
+        in an encoding the split does not read (``convert.Refused``) is answered INVALID_ARGUMENT
+        under its id, and the stream goes on.
         """
         # the advertisement a batching client waits for: batches welcome, up to this many bytes
         await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(self.max_message_bytes)),))
@@ -262,7 +276,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             async for msg in request_iterator:
                 prompts = _NO_PROMPTS
-                if type(msg) is convert.SplitStream:
+                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (convert.route_stream_message)
+                    if type(msg) is convert.Refused:
+                        self._note_refused(msg)
+                        if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
+                            raise UndecodableMessage(msg.message)
+                        await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
+                        continue
                     msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "route":

@@ -21,6 +21,7 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.server import convert
 
 from ..wire import length_delimited as frame
+from ..wire import varint, varint_field
 from .test_bounded_input import state
 from .test_daemon import BS, publish, register
 
@@ -271,3 +272,53 @@ async def test_huge_stream_routes_wait_in_admission_queues_as_parsed_ones(runnin
     assert await call.read() is grpc.aio.EOF
 
 
+
+
+# ---- huge messages in an encoding the split does not read: refused, never parsed whole -----------
+
+
+def odd_message(type_name: str, size: int, reason: str) -> str:
+    return (f"{type_name} of {size} bytes is encoded in a form the router reads only below "
+            f"limits.off_loop_prompt_bytes ({OFF_LOOP_BYTES} bytes): {reason}; encode it as protobuf encoders do "
+            "(token_ids packed, as every proto3 encoder writes them, or token_ids_le32)")
+
+
+async def test_huge_odd_messages_refused_precisely_the_stream_survives_and_nothing_changes(running):
+    stub = running.stub
+    await register(stub, "a")
+    before = state(running)
+    unpacked = b"".join(b"\x10" + varint(t) for t in range(3000))  # 3,000 token ids, a field each: ~8.7 KB
+    assert len(unpacked) >= OFF_LOOP_BYTES
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.channel.unary_unary("/kvrouter.v1.KVRouter/Route")(unpacked)
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, odd_message("RouteRequest", len(unpacked), "unpacked token_ids (a field per id)"))
+    assert state(running) == before
+
+    # on a stream: answered under the message's id, and the stream goes on
+    call = running.channel.stream_stream("/kvrouter.v1.KVRouter/RouteStream")()
+    odd = varint_field(1, 41) + frame(2, unpacked)
+    await call.write(odd)
+    reply = pb.RouteStreamResponse.FromString(await call.read())
+    assert (reply.id, reply.error.code, reply.error.message) == (
+        41, grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        odd_message("RouteStreamRequest", len(odd), "unpacked token_ids (a field per id)"))
+    assert state(running) == before
+    await call.write(stream_route(42, token_ids=list(range(4 * BS)), request_id="after").SerializeToString())
+    reply = pb.RouteStreamResponse.FromString(await call.read())
+    assert (reply.id, reply.route.request_id, reply.route.worker_id, reply.route.prompt_blocks) == (42, "after", "a", 4)
+    await call.write(pb.RouteStreamRequest(id=43, complete=pb.CompleteRequest(request_id="after")).SerializeToString())
+    assert pb.RouteStreamResponse.FromString(await call.read()).WhichOneof("kind") == "complete"
+    # one whose top level is odd has no id to be answered under: the stream ends, as for bytes
+    # that do not parse
+    group = b"\xfb\x01\xfc\x01" + frame(2, unpacked)
+    await call.write(group)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, odd_message("RouteStreamRequest", len(group), "a group (field 31, wire type 3)"))
+    assert state(running) == before
+
+    # and a normal Route after all that
+    resp = await stub.Route(pb.RouteRequest(token_ids=list(range(4 * BS)), request_id="normal"))
+    assert (resp.request_id, resp.worker_id, resp.prompt_blocks) == ("normal", "a", 4)

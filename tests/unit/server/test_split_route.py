@@ -1,6 +1,8 @@
 """A Route split on the wire (``convert.route_message``: its prompt decoded and hashed off the loop)
 means exactly what upb's parse of the same bytes means: the same RouteRequest, or the same error
-(the same status and words: upb's for a message it refuses, before any check of ours)."""
+(the same status and words: upb's for a message it refuses, before any check of ours). A huge
+Route in an encoding the split does not read (unpacked token ids, a group, too many fields) is
+refused instead (``convert.Refused``), also where upb would refuse it for something else."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ extra_fields = st.lists(st.one_of(
     st.integers(0, 2**32).map(lambda v: bytes([0xF8, 0x01]) + _varint(v)),  # unknown field 31, varint
     st.lists(st.integers(1, 9), max_size=3).map(lambda ks: _field(3, b"".join(k.to_bytes(8, "little") for k in ks))),
     st.sampled_from([0, 2, 99]).map(lambda t: bytes([0x40]) + _varint(t)),  # task again (99: unknown)
+    # now and then an encoding the split refuses: an unpacked token id, a group (unknown field 31)
+    st.sampled_from([b"\x10\x05", b"\x10\x85\x01", b"\xfb\x01\x08\x01\xfc\x01"]),
 ), max_size=4)
 
 
@@ -66,7 +70,31 @@ def test_split_route_means_what_the_parse_means(form, packed, ids, ids_end, mode
     data += b"".join(extra) + tail
     if cut == 5 and data:  # cut off inside its last field
         data = data[:-1]
-    assert _split(data, 1) == _parsed(data)
+    reason = _odd(data)
+    if reason is None:
+        assert _split(data, 1) == _parsed(data)
+    else:  # refused, whether upb would refuse it too or not
+        assert _split(data, 1) == ("Refused", odd(len(data), 1, reason).message)
+        assert _split(data, len(data) + 1) == _parsed(data)  # below the threshold: parsed whole, as ever
+
+
+def _odd(data: bytes) -> str | None:
+    """Why the split refuses ``data`` at its threshold, by the rule: its top-level fields as upb
+    frames them (up to the first it refuses: what follows is upb's to judge) hold a group, more
+    than MAX_SPLIT_FIELDS fields, or a token field not length-delimited."""
+    try:
+        fields = convert._walk(data, 0, len(data), [len(data)])
+    except convert._Unsplittable as exc:  # a group
+        return exc.reason
+    wire_types = {(number, wire_type) for number, wire_type, *_ in fields}
+    if len(fields) > convert.MAX_SPLIT_FIELDS:
+        return "unpacked token_ids (a field per id)" if (2, 0) in wire_types else f"more than {convert.MAX_SPLIT_FIELDS} fields"
+    for number, wire_type, *_ in fields:  # the first token field that is not length-delimited
+        if number in (2, 14) and wire_type != 2:
+            if (number, wire_type) == (2, 0):
+                return "unpacked token_ids (a field per id)"
+            return f"{'token_ids' if number == 2 else 'token_ids_le32'} of wire type {wire_type}"
+    return None
 
 
 def _parsed(data: bytes):  # type: ignore[no-untyped-def]
@@ -82,6 +110,9 @@ def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
     thread's ``hash_route``."""
     try:
         got = convert.route_message(data, min_prompt_bytes)
+        if type(got) is convert.Refused:
+            assert got.id is None
+            return "Refused", got.message
         if type(got) is not convert.SplitRoute:
             return _outcome(lambda: convert.route_request(got, ROUTER))
         prompt = convert.hash_route(got, ROUTER)
@@ -135,17 +166,54 @@ def test_a_refused_huge_message_is_answered_from_a_small_stand_in():
         assert str(refused.value) == str(parsed.value)
 
 
-def test_small_prompts_and_odd_messages_are_parsed_whole():
+def test_small_prompts_are_parsed_whole():
     small = pb.RouteRequest(token_ids_le32=bytes(400)).SerializeToString()
     assert type(convert.route_message(small, 1024)) is pb.RouteRequest
     big = pb.RouteRequest(token_ids_le32=bytes(4000)).SerializeToString()
     assert type(convert.route_message(big, 1024)) is convert.SplitRoute
     assert type(convert.route_message(big, 0)) is pb.RouteRequest  # 0: off
-    # a prompt of unpacked token ids (each its own tag) or thousands of fields: left to upb
-    unpacked = b"".join(bytes([0x10]) + _varint(t) for t in range(2000))
-    assert type(convert.route_message(unpacked, 1024)) is pb.RouteRequest
-    many = b"".join(_field(7, b"x") for _ in range(convert.MAX_SPLIT_FIELDS)) + _field(14, bytes(4000))
-    assert type(convert.route_message(many, 1024)) is pb.RouteRequest
-    # big only through block keys: nothing to hash
+    # big only through block keys: nothing to hash, a field upb reads in one go
     keys = pb.RouteRequest(block_keys=list(range(1000))).SerializeToString()
     assert type(convert.route_message(keys, 1024)) is pb.RouteRequest
+
+
+def odd(size: int, limit: int, reason: str) -> convert.Refused:
+    return convert.Refused(None, (
+        f"RouteRequest of {size} bytes is encoded in a form the router reads only below "
+        f"limits.off_loop_prompt_bytes ({limit} bytes): {reason}; encode it as protobuf encoders do "
+        "(token_ids packed, as every proto3 encoder writes them, or token_ids_le32)"))
+
+
+#: a prompt of unpacked token ids (each its own tag), thousands of fields, a group: encodings upb
+#: would parse field by field on the loop, holding it for as long as the message is long
+ODD_ROUTES = [
+    (b"".join(bytes([0x10]) + _varint(t) for t in range(2000)), "unpacked token_ids (a field per id)"),
+    (_field(14, bytes(4000)) + b"\x15" + bytes(4), "token_ids of wire type 5"),
+    (_field(2, bytes(4000)) + b"\x70\x01", "token_ids_le32 of wire type 0"),
+    (b"".join(_field(7, b"x") for _ in range(convert.MAX_SPLIT_FIELDS)) + _field(14, bytes(4000)),
+     f"more than {convert.MAX_SPLIT_FIELDS} fields"),
+    (_field(14, bytes(4000)) + b"\xfb\x01" + _field(1, b"x") + b"\xfc\x01", "a group (field 31, wire type 3)"),
+]
+
+
+@pytest.mark.parametrize("data, reason", ODD_ROUTES)
+def test_huge_odd_messages_are_refused_and_small_ones_parsed_whole(data, reason):
+    assert convert.route_message(data, 1024) == odd(len(data), 1024, reason)
+    assert convert.route_message(data, len(data)) == odd(len(data), len(data), reason)  # at the threshold
+    below = convert.route_message(data, len(data) + 1)
+    assert type(below) is pb.RouteRequest and below == pb.RouteRequest.FromString(data)
+
+
+def test_odd_messages_refused_say_their_size_in_mib():
+    data = b"".join(bytes([0x10]) + _varint(t) for t in range(1 << 19))  # ~1.5 MiB
+    assert convert.route_message(data, 1024).message.startswith(
+        f"RouteRequest of {len(data) / 2**20:.1f} MiB is encoded in a form the router reads only below")
+
+
+def test_both_prompt_forms_are_split_and_refused_by_the_checks():
+    # huge token_ids beside token_ids_le32: both cut out (upb would decode the ids on the loop),
+    # answered with route_request's own words
+    data = pb.RouteRequest(token_ids=list(range(3000)), token_ids_le32=bytes(8)).SerializeToString()
+    split = convert.route_message(data, 1024)
+    assert type(split) is convert.SplitRoute and split.prompt.both
+    assert _split(data, 1024) == _parsed(data) == ("InvalidRequest", convert._ONE_PROMPT_FORM)

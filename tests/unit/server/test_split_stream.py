@@ -5,7 +5,11 @@ answer for every Route in it (top level or batch item), the same other fields, o
 Messages are built field by field, as no encoder would: ``route`` given several times (the
 occurrences merge), oneof members switching (the last one wins, discarding earlier ones),
 batches given several times (their items append), unknown fields, both prompt forms, malformed
-token varints, invalid UTF-8, framing upb refuses at any level, and cut-off messages.
+token varints, invalid UTF-8, framing upb refuses at any level, and cut-off messages. A huge
+message in an encoding the split does not read is refused instead (``convert.Refused``), also
+where upb would refuse it for something else: unpacked token ids, groups, kind fields of
+another wire type, a batch in a batch item, framing upb refuses inside a submessage with bytes
+after it, token ids in Routes a later oneof member discards (``_odd``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ route_field = st.one_of(
     st.sampled_from([b"s", b"t", b"u", b"\xff"]).map(lambda s: _field(7, s)),  # session_id, now and then bad UTF-8
     st.integers(0, 2**32).map(lambda v: _int_field(31, v)),  # unknown
     st.sampled_from(CORRUPT_FIELDS),  # framing upb refuses: the walk of this Route stops there
+    st.sampled_from([b"\x10\x05", b"\xfb\x01\x08\x01\xfc\x01"]),  # odd: an unpacked token id, a group
 )
 route_payload = st.lists(route_field, max_size=5).map(b"".join)
 complete_payload = st.sampled_from(["c1", "c2"]).map(lambda r: pb.CompleteRequest(request_id=r).SerializeToString())
@@ -67,6 +72,7 @@ def item_field(batch: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
         complete_payload.map(lambda p: _field(3, p)),
         st.floats(0, 1e4).map(lambda t: b"\x21" + struct.pack("<d", t)),  # timeout_ms
         st.integers(0, 2**32).map(lambda v: _int_field(30, v)),  # unknown
+        st.sampled_from([_int_field(3, 1), b"\xf3\x01\xf4\x01"]),  # odd: a complete as a varint, a group
         batch,
     )
 
@@ -131,6 +137,8 @@ def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
     the worker thread's ``hash_stream``."""
     try:
         got = convert.route_stream_message(data, min_prompt_bytes)
+        if type(got) is convert.Refused:
+            return ("Refused", got.id, got.message), False
         if type(got) is not convert.SplitStream:
             return _meaning(got, {}), False
         hashed = convert.hash_stream(got, ROUTER)
@@ -142,7 +150,8 @@ def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
 @settings(max_examples=400, deadline=None)
 @given(data=message, cut=st.integers(0, 3), tail=st.sampled_from(CORRUPT_FIELDS))
 # a string running past its Route's end: upb reads on into the next Route, finds bad UTF-8 there
-# or not (here not: "corrupt"), so what follows a Route refused inside must stay as it is
+# or not (here not: "corrupt"), so what follows a Route refused inside must stay as it is (now:
+# refused, as framing upb refuses inside a submessage with bytes after it)
 @example(data=b"\x08\x00\x12\x04:\x05ab\x12\x06r\x01\x00\xf8\x01\x00", cut=0, tail=b"")
 def test_split_stream_message_means_what_the_parse_means(data, cut, tail):
     if cut == 3 and data:  # cut off inside its last field: malformed framing
@@ -150,7 +159,82 @@ def test_split_stream_message_means_what_the_parse_means(data, cut, tail):
     elif cut == 2:  # framing upb refuses after the whole message
         data += tail
     meaning, _ = _split(data, 1)
-    assert meaning == _parsed(data)
+    if not _odd(data, 1):
+        assert meaning == _parsed(data)
+        return
+    # refused, whether upb would refuse it too or not; under its id when its top level was read
+    kind, message_id, message = meaning
+    assert kind == "Refused"
+    assert message.startswith(f"RouteStreamRequest of {len(data)} bytes is encoded in a form the router reads "
+                              "only below limits.off_loop_prompt_bytes (1 bytes): ")
+    try:
+        top = convert._walk(data, 0, len(data), [len(data)])
+    except convert._Unsplittable:
+        assert message_id is None
+    else:
+        assert message_id == convert._stream_id(data, top)
+        parsed = _parsed(data)
+        if parsed[0] != "DecodeError":
+            assert message_id == pb.RouteStreamRequest.FromString(data).id
+    assert _split(data, len(data) + 1)[0] == _parsed(data)  # below the threshold: parsed whole, as ever
+
+
+class _Odd(Exception):
+    pass
+
+
+def _odd(data: bytes, threshold: int) -> bool:
+    """Whether the split refuses ``data`` at ``threshold``, by the rule, checked as a whole
+    rather than as the walk meets it: every message upb would parse in it (as framed by
+    ``convert._walk``, which stops at the first field upb refuses when nothing follows: the
+    rest is upb's to judge) holds no group, no framing upb refuses with bytes after it, no token
+    field that is not length-delimited, no kind or items field of another wire type, no batch in
+    a batch item; there are at most MAX_STREAM_SPLIT_FIELDS fields in all; and the token ids in
+    the Routes upb parses but which are not cut out (discarded by a later oneof member, or in a
+    batch so discarded) take fewer than ``threshold`` bytes."""
+    fields_seen = [0]
+    uncut = [0]
+
+    def fields(start: int, end: int) -> list:
+        try:
+            out = convert._walk(data, start, end, [len(data)])
+        except convert._Unsplittable as exc:
+            raise _Odd from exc
+        fields_seen[0] += len(out)
+        return out
+
+    def route(start: int, end: int, cut: bool) -> None:
+        for number, wire_type, _, payload, after in fields(start, end):
+            if number in (2, 14) and wire_type != 2:
+                raise _Odd
+            if number == 2 and not cut:
+                uncut[0] += after - payload
+
+    def message(start: int, end: int, item: bool, discarded: bool) -> None:
+        top = fields(start, end)
+        kinds = [(i, f) for i, f in enumerate(top) if f[0] in (2, 3, 5)]
+        if any(f[1] != 2 for _, f in kinds) or (item and kinds and any(f[0] == 5 for _, f in kinds)):
+            raise _Odd
+        last = kinds[-1][1][0] if kinds else 0
+        run_start = next((i for i, f in reversed(kinds) if f[0] != last), -1)  # the last switch of member
+        for i, (number, _, _, payload, after) in kinds:
+            kept = i > run_start and not discarded
+            if number == 2:
+                route(payload, after, kept)
+            elif number == 3:
+                fields(payload, after)
+            else:
+                for n, wire_type, _, p, a in fields(payload, after):
+                    if n == 1:
+                        if wire_type != 2:
+                            raise _Odd
+                        message(p, a, True, not kept)
+
+    try:
+        message(0, len(data), False, False)
+    except _Odd:
+        return True
+    return fields_seen[0] > convert.MAX_STREAM_SPLIT_FIELDS or uncut[0] >= threshold
 
 
 def _route_item(i: int, **fields) -> pb.RouteStreamRequest:  # type: ignore[no-untyped-def]
@@ -188,16 +272,48 @@ def test_small_messages_are_parsed_whole(size, limit, split):
     assert (type(convert.route_stream_message(data, limit)) is convert.SplitStream) is split
 
 
-def test_odd_messages_are_parsed_whole():
-    # a batch big only through block keys, or one of more fields than the walk takes: left to upb
+def test_huge_messages_without_prompts_are_parsed_whole():
+    # big only through block keys, or through a Route a later complete discards whose token ids are
+    # packed bytes: every field of them walked, nothing upb reads field by field
     keys = pb.RouteStreamRequest(route=pb.RouteRequest(block_keys=list(range(1000)))).SerializeToString()
     assert type(convert.route_stream_message(keys, 1024)) is pb.RouteStreamRequest
-    many = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=[
-        _route_item(i, token_ids_le32=bytes(8), session_id="s") for i in range(convert.MAX_STREAM_SPLIT_FIELDS // 4)]))
-    assert type(convert.route_stream_message(many.SerializeToString(), 1024)) is pb.RouteStreamRequest
-    # a huge route a later complete discards: upb still reads it, so it is parsed whole
     discarded = (_field(2, _field(14, bytes(4000))) + _field(3, pb.CompleteRequest(request_id="c").SerializeToString()))
     assert type(convert.route_stream_message(discarded, 1024)) is pb.RouteStreamRequest
+
+
+def _stream_odd(size: int, reason: str) -> str:
+    return (f"RouteStreamRequest of {size} bytes is encoded in a form the router reads only below "
+            f"limits.off_loop_prompt_bytes (1024 bytes): {reason}; encode it as protobuf encoders do "
+            "(token_ids packed, as every proto3 encoder writes them, or token_ids_le32)")
+
+
+ids_4k = b"".join(_varint(t) for t in range(1000, 3000))  # 4,000 bytes of packed token ids
+ODD_STREAM_MESSAGES = [
+    # (message, its id as refused: None when the top level is what is odd, reason)
+    (pb.RouteStreamRequest(id=9, batch=pb.RouteStreamRequestBatch(items=[
+        _route_item(i, token_ids_le32=bytes(8), session_id="s") for i in range(convert.MAX_STREAM_SPLIT_FIELDS // 4)])
+     ).SerializeToString(), 9, f"more than {convert.MAX_STREAM_SPLIT_FIELDS} fields"),
+    (_int_field(1, 3) + _field(3, _field(1, b"") * 5000), 3, f"more than {convert.MAX_STREAM_SPLIT_FIELDS} fields"),
+    (_int_field(1, 4) + _field(2, b"".join(_int_field(2, t) for t in range(2000))), 4,
+     "unpacked token_ids (a field per id)"),
+    (_int_field(1, 5) + _field(2, _field(14, bytes(4000)) + _int_field(2, 7)), 5, "unpacked token_ids (a field per id)"),
+    (_int_field(1, 6) + _field(2, _field(2, ids_4k)) + _field(3, b""), 6,
+     "4000 bytes of token ids in routes that a later route, complete or batch field of their message discards"),
+    (_int_field(1, 7) + _field(5, _field(1, _field(5, _field(1, _field(2, _field(14, bytes(4000))))))), 7,
+     "a batch inside a batch item"),
+    (_int_field(1, 8) + _field(2, _field(14, bytes(4000))) + _int_field(3, 1), 8, "a complete field of wire type 0"),
+    (_int_field(1, 10) + _field(2, _field(14, bytes(4000)) + b"\x3a\x05ab") + _int_field(4, 1), 10,
+     "a field protobuf cannot frame inside a submessage, with bytes after it"),
+    (b"\xfb\x01\xfc\x01" + _int_field(1, 11) + _field(2, _field(14, bytes(4000))), None,
+     "a group (field 31, wire type 3)"),
+]
+
+
+@pytest.mark.parametrize("data, message_id, reason", ODD_STREAM_MESSAGES)
+def test_huge_odd_messages_are_refused_and_small_ones_parsed_whole(data, message_id, reason):
+    assert convert.route_stream_message(data, 1024) == convert.Refused(message_id, _stream_odd(len(data), reason))
+    # below the threshold upb parses it whole, as ever
+    assert _split(data, len(data) + 1)[0] == _parsed(data)
 
 
 def test_malformed_ids_refuse_the_whole_message_with_upbs_error():

@@ -299,15 +299,14 @@ def _walk(data: bytes, start: int, end: int, budget: list[int], route: bool = Fa
     inside a submessage with bytes after it (upb reads a string running past its submessage's
     end before it finds the overrun: whether the error is "bad UTF-8" depends on those bytes),
     for anything upb might read otherwise (groups), or when the walk has used up ``budget[0]``
-    fields (``route``: of a RouteRequest, whose unpacked token ids, if any, are then the reason)."""
+    fields, or (``route``: the fields of a RouteRequest) at a token field that is not
+    length-delimited (``_check_token_field``)."""
     fields: list[_Field] = []
     i = start
     try:
         while i < end:
             budget[0] -= 1
             if budget[0] < 0:
-                if route and any(f[0] == _TOKEN_IDS_FIELD and f[1] == 0 for f in fields):
-                    raise _Unsplittable(_UNPACKED_IDS)
                 raise _Unsplittable(_TOO_MANY_FIELDS)
             at = i
             tag, i = _varint(data, i, end, 5)
@@ -328,6 +327,8 @@ def _walk(data: bytes, start: int, end: int, budget: list[int], route: bool = Fa
                 raise _Corrupt
             if i > end or number == 0 or tag > 0xFFFFFFFF:
                 raise _Corrupt
+            if route and (number == _TOKEN_IDS_FIELD or number == _TOKEN_IDS_LE32_FIELD):
+                _check_token_field(number, wire_type)  # at the first unpacked id, not after 256 fields of them
             fields.append((number, wire_type, at, payload, i))
     except _Corrupt:
         if end != len(data):
@@ -352,10 +353,10 @@ _CORRUPT_IDS = b"\x12\x01\x80"
 def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[int, int], ...], bad: int = -1,
                   ) -> tuple[list[bytes], WirePrompt | None]:
     """A Route given as ``pieces`` (the fields of each payload ``route`` of one merged Route
-    message): each payload without its token fields, and where they were; no prompt for a Route
-    without one. Both forms: the ids, ``WirePrompt.both``. _Unsplittable for token ids not in a
-    field of their own (unpacked ``token_ids``, one field per id, or either field of another wire
-    type). The ``token_ids`` chunk whose payload starts at ``bad`` becomes ``_CORRUPT_IDS``.
+    message, walked with ``route``: their token fields are length-delimited): each payload
+    without its token fields, and where they were; no prompt for a Route without one. Both forms:
+    the ids, ``WirePrompt.both``. The ``token_ids`` chunk whose payload starts at ``bad`` becomes
+    ``_CORRUPT_IDS``.
 
     Protobuf's rules for the two fields: the last ``token_ids_le32`` wins (a singular field
     given twice), all ``token_ids`` chunks concatenate; an empty payload is no prompt."""
@@ -364,9 +365,8 @@ def _route_prompt(data: bytes, pieces: list[list[_Field]], route: tuple[tuple[in
     chunks: list[tuple[int, int]] = []
     for fields, (kept, piece_end) in zip(pieces, route):
         rest: list[bytes] = []
-        for number, wire_type, start, payload, end in fields:
+        for number, _, start, payload, end in fields:
             if number == _TOKEN_IDS_FIELD or number == _TOKEN_IDS_LE32_FIELD:
-                _check_token_field(number, wire_type)
                 if number == _TOKEN_IDS_FIELD:
                     chunks.append((payload, end))
                 else:
@@ -572,10 +572,8 @@ class _Walk:
         fields = self.fields(start, end, number == _STREAM_ROUTE_FIELD)
         if number == _STREAM_ROUTE_FIELD:
             for field, wire_type, _, payload, after in fields:
-                if field == _TOKEN_IDS_FIELD or field == _TOKEN_IDS_LE32_FIELD:
-                    _check_token_field(field, wire_type)
-                    if field == _TOKEN_IDS_FIELD:
-                        self.uncut += after - payload
+                if field == _TOKEN_IDS_FIELD:  # length-delimited: the walk refused any other
+                    self.uncut += after - payload
             if 0 <= self.most_uncut <= self.uncut:
                 raise _Unsplittable(f"{self.uncut} bytes of token ids in routes that a later route, complete or "
                                     "batch field of their message discards")

@@ -79,22 +79,59 @@ def test_split_route_means_what_the_parse_means(form, packed, ids, ids_end, mode
 
 
 def _odd(data: bytes) -> str | None:
-    """Why the split refuses ``data`` at its threshold, by the rule: its top-level fields as upb
-    frames them (up to the first it refuses: what follows is upb's to judge) hold a group, more
-    than MAX_SPLIT_FIELDS fields, or a token field not length-delimited."""
-    try:
-        fields = convert._walk(data, 0, len(data), [len(data)])
-    except convert._Unsplittable as exc:  # a group
-        return exc.reason
-    wire_types = {(number, wire_type) for number, wire_type, *_ in fields}
-    if len(fields) > convert.MAX_SPLIT_FIELDS:
-        return "unpacked token_ids (a field per id)" if (2, 0) in wire_types else f"more than {convert.MAX_SPLIT_FIELDS} fields"
-    for number, wire_type, *_ in fields:  # the first token field that is not length-delimited
+    """Why the split refuses ``data`` at its threshold, by the rule: of its top-level fields as
+    upb frames them (up to the first it refuses: what follows is upb's to judge), the first that
+    is a group or a token field not length-delimited, within MAX_SPLIT_FIELDS; else more fields
+    than that."""
+    for i, (number, wire_type) in enumerate(_framed(data)):
+        if i == convert.MAX_SPLIT_FIELDS:
+            return f"more than {convert.MAX_SPLIT_FIELDS} fields"
+        if wire_type == 3:
+            return f"a group (field {number}, wire type 3)"
         if number in (2, 14) and wire_type != 2:
             if (number, wire_type) == (2, 0):
                 return "unpacked token_ids (a field per id)"
             return f"{'token_ids' if number == 2 else 'token_ids_le32'} of wire type {wire_type}"
     return None
+
+
+def _framed(data: bytes):  # type: ignore[no-untyped-def]
+    """(number, wire type) of each top-level field, as upb frames them, up to the first it refuses
+    or a group (whose end only upb finds)."""
+    i = 0
+    while i < len(data):
+        tag, i = _read_varint(data, i, 5)
+        if tag is None or tag >> 3 == 0 or tag > 0xFFFFFFFF or tag & 7 in (4, 6, 7):
+            return
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            value, i = _read_varint(data, i, 10)
+            if value is None:
+                return
+        elif wire_type in (1, 5):
+            i += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            length, i = _read_varint(data, i, 5)
+            if length is None:
+                return
+            i += length
+        if i > len(data):
+            return
+        yield number, wire_type
+        if wire_type == 3:
+            return
+
+
+def _read_varint(data: bytes, i: int, most: int):  # type: ignore[no-untyped-def]
+    """(value, next) of the varint at ``data[i]``, (None, i) when cut short or longer than ``most`` bytes."""
+    value = 0
+    for k in range(most):
+        if i + k >= len(data):
+            return None, i
+        value |= (data[i + k] & 0x7F) << (7 * k)
+        if data[i + k] < 0x80:
+            return value, i + k + 1
+    return None, i
 
 
 def _parsed(data: bytes):  # type: ignore[no-untyped-def]

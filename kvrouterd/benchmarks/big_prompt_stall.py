@@ -6,12 +6,14 @@ Runs ``kvrouterd serve`` in its own process (as in production) with ``--workers`
 (event mode, or approximate with ``--mode approximate``), then a probe client sends a small Route
 (+ its Complete) every ``--interval-ms`` and times each Route's round trip: first with nothing
 else running (quiet), then while a second client sends ``--tokens``-token Routes back to back
-(each completed), packed (``token_ids_le32``, as the SDK sends them) or repeated, as unary
+(each completed), packed (``token_ids_le32``, as the SDK sends them), repeated, or unpacked
+(``token_ids`` with a field per id, as no encoder writes them: a huge one is refused), as unary
 Routes or (``--via stream``) as RouteStream messages on one stream per client (``--batch N``:
 each message a batch of N items sharing the tokens). ``--malformed tail`` appends a field upb
 refuses (a length past the end) to each huge Route, ``--malformed ids`` (``--form repeated``)
 cuts its last token id short: each is then refused with INVALID_ARGUMENT (on a stream of its
-own for ``--via stream``, as the refusal ends the stream). The huge messages are serialized once
+own for ``--via stream``, as the refusal ends the stream). ``answers`` counts how the huge
+messages were answered (routed, or refused with INVALID_ARGUMENT). The huge messages are serialized once
 up front so the client spends no CPU building them. Then the hog alone sends ``--cpu-messages``
 more, and the daemon's event-loop thread's CPU time (its main thread's
 ``/proc/PID/task/PID/schedstat``, less its idle rate) per huge message is reported as
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -61,14 +64,29 @@ def _route(tokens: int, packed: bool, seed: int) -> pb.RouteRequest:
     return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)])
 
 
+def _unpacked_route(tokens: int, seed: int) -> bytes:
+    """A Route whose token ids are unpacked, a ``token_ids`` field (number 2, varint) per id."""
+    rng = random.Random(seed)
+    out = bytearray()
+    for _ in range(tokens):
+        value = rng.getrandbits(17)
+        out.append(0x10)
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out)
+
+
 #: a field upb refuses, whatever follows: session_id (7) with a length past the end
 _REFUSED_TAIL = b"\x3a\x05ab"
 
 
-def _route_bytes(tokens: int, packed: bool, seed: int, malformed: str = "") -> bytes:
-    """A Route of ``tokens`` tokens; ``malformed``: "tail" (a field upb refuses after the prompt),
-    "ids" (its last token id cut short: a repeated prompt's last varint byte continues)."""
-    data = _route(tokens, packed, seed).SerializeToString()
+def _route_bytes(tokens: int, packed: bool, seed: int, malformed: str = "", unpacked: bool = False) -> bytes:
+    """A Route of ``tokens`` tokens (``unpacked``: its ids a field each); ``malformed``: "tail" (a
+    field upb refuses after the prompt), "ids" (its last token id cut short: a repeated prompt's
+    last varint byte continues)."""
+    data = _unpacked_route(tokens, seed) if unpacked else _route(tokens, packed, seed).SerializeToString()
     if malformed == "tail":
         return data + _REFUSED_TAIL
     if malformed == "ids":
@@ -78,9 +96,21 @@ def _route_bytes(tokens: int, packed: bool, seed: int, malformed: str = "") -> b
     return data
 
 
-def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "") -> bytes:
+def _stream_id(value: int) -> bytes:
+    return pb.RouteStreamRequest(id=value).SerializeToString()  # RouteStreamRequest.id alone
+
+
+def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "", unpacked: bool = False) -> bytes:
     """One RouteStream message carrying ``tokens`` tokens: a Route, or a batch of ``batch`` Routes
-    (``malformed``: the last Route as ``_route_bytes`` makes it)."""
+    (``malformed``: the last Route as ``_route_bytes`` makes it; ``unpacked``: every Route's ids a field each)."""
+    if unpacked:
+        if batch <= 1:
+            return _stream_id(1) + length_delimited(2, _route_bytes(tokens, packed, 2, malformed, True))
+        items = [_stream_id(1 + i) + length_delimited(2, _route_bytes(tokens // batch, packed, 2 + i, "", True))
+                 for i in range(batch - 1)]
+        items.append(_stream_id(batch) + length_delimited(2, _route_bytes(tokens // batch, packed, 1 + batch,
+                                                                          malformed, True)))
+        return length_delimited(5, b"".join(length_delimited(1, item) for item in items))
     if not malformed:
         if batch <= 1:
             return pb.RouteStreamRequest(id=1, route=_route(tokens, packed, 2)).SerializeToString()
@@ -118,15 +148,21 @@ def _stubs(channel: grpc.aio.Channel) -> tuple[Any, Any]:
 class _StreamHog:
     """Huge RouteStream messages on one stream, each answered, its Routes then completed on it."""
 
-    def __init__(self, channel: grpc.aio.Channel, message: bytes) -> None:
+    def __init__(self, channel: grpc.aio.Channel, message: bytes, answers: collections.Counter[str]) -> None:
         self.call = channel.stream_stream(ROUTE_STREAM, request_serializer=None,
                                           response_deserializer=pb.RouteStreamResponse.FromString)()
         self.message = message
+        self.answers = answers
 
     async def send(self) -> None:
         await self.call.write(self.message)
         reply = await self.call.read()
         answers = reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
+        if any(a.WhichOneof("kind") == "error" for a in answers):  # refused (an unpacked prompt): nothing to complete
+            assert all(a.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for a in answers), answers
+            self.answers["refused"] += 1
+            return
+        self.answers["routed"] += 1
         done = [pb.RouteStreamRequest(id=a.id, complete=_complete_message(a.route.request_id)) for a in answers]
         message = done[0] if len(done) == 1 else pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=done))
         await self.call.write(message.SerializeToString())
@@ -149,9 +185,11 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=args.capacity_blocks)))
     probe_msg = _route_bytes(args.probe_tokens, True, 1)
     packed = args.form == "packed"
+    unpacked = args.form == "unpacked"
     malformed = args.malformed if args.malformed != "none" else ""
-    huge = (_route_bytes(args.tokens, packed, 2, malformed) if args.via == "unary"
-            else _stream_bytes(args.tokens, packed, args.batch, malformed))
+    huge = (_route_bytes(args.tokens, packed, 2, malformed, unpacked) if args.via == "unary"
+            else _stream_bytes(args.tokens, packed, args.batch, malformed, unpacked))
+    answers: collections.Counter[str] = collections.Counter()
 
     async def probes(n: int) -> list[float]:
         out = []
@@ -166,6 +204,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     huge_times: list[float] = []
 
     async def refused_one() -> None:
+        answers["refused"] += 1
         try:
             if args.via == "stream":  # the refusal ends the stream: one of its own each
                 call = hog_channel.stream_stream(ROUTE_STREAM, request_serializer=None)()
@@ -187,14 +226,22 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             return
         if stream is not None:
             await stream.send()  # the answer's round trip and its Completes'
-        else:
+            huge_times.append(time.perf_counter() - started)
+            return
+        try:
             reply = await hog_route(huge)
+        except grpc.aio.AioRpcError as exc:  # an unpacked prompt, refused
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not unpacked:
+                raise
+            answers["refused"] += 1
+            huge_times.append(time.perf_counter() - started)
+            return
+        answers["routed"] += 1
         huge_times.append(time.perf_counter() - started)
-        if stream is None:
-            await hog_complete(_complete_message(reply.request_id))
+        await hog_complete(_complete_message(reply.request_id))
 
     async def hog(stop: asyncio.Event) -> None:
-        stream = _StreamHog(hog_channel, huge) if args.via == "stream" and not malformed else None
+        stream = _StreamHog(hog_channel, huge, answers) if args.via == "stream" and not malformed else None
         while not stop.is_set():
             await huge_one(stream)
         if stream is not None:
@@ -206,7 +253,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     idle_from, idle_cpu = time.perf_counter(), _loop_cpu_s(pid)
     await asyncio.sleep(1.0)
     idle_rate = (_loop_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_from)
-    stream = _StreamHog(hog_channel, huge) if args.via == "stream" and not malformed else None
+    stream = _StreamHog(hog_channel, huge, answers) if args.via == "stream" and not malformed else None
     await huge_one(stream)  # the stream opened, its first message out of the way
     started, cpu = time.perf_counter(), _loop_cpu_s(pid)
     for _ in range(args.cpu_messages):
@@ -222,6 +269,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers, "hogs": args.hogs,
         "quiet": latency_summary(quiet), "during_huge_routes": latency_summary(loaded),
         "huge_route_ms_median": round(statistics.median(during) * 1e3, 2), "huge_routes": len(during),
+        "answers": dict(answers),
         "loop_ms_per_huge": round(loop_s / args.cpu_messages * 1e3, 2),
         "load_average": os.getloadavg(),
     }
@@ -230,7 +278,8 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens per huge prompt")
-    parser.add_argument("--form", choices=("packed", "repeated"), default="packed")
+    parser.add_argument("--form", choices=("packed", "repeated", "unpacked"), default="packed",
+                        help="the huge prompts' token ids: token_ids_le32, token_ids packed, or token_ids a field per id")
     parser.add_argument("--mode", choices=("events", "approximate"), default="events")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--capacity-blocks", type=int, default=0)

@@ -389,9 +389,12 @@ t_alloc(U64Table *t, Py_ssize_t capacity)
     return 0;
 }
 
-/* slot of `key`, or -1 */
+/* The slot of `key`, or, when it is absent, ~f (negative) for the free slot f that ended the
+ * search: where linear probing puts `key` (no tombstones, so the first free slot is the place).
+ * One probe run answers both the lookup and the insert that follows a miss (issue #12: every
+ * engine hash a stored event maps is a miss, and at loads up to 0.8 a miss's run is long). */
 static inline Py_ssize_t
-t_find(const U64Table *t, uint64_t key)
+t_probe(const U64Table *t, uint64_t key)
 {
     Py_ssize_t i = t_home(key, t->capacity);
     while (t_used(t, i)) {
@@ -400,22 +403,52 @@ t_find(const U64Table *t, uint64_t key)
         if (++i == t->capacity)
             i = 0;
     }
-    return -1;
+    return ~i;
+}
+
+/* slot of `key`, or -1 */
+static inline Py_ssize_t
+t_find(const U64Table *t, uint64_t key)
+{
+    Py_ssize_t i = t_probe(t, key);
+    return i < 0 ? -1 : i;
+}
+
+/* the first free slot from `i` on (cyclically), read from the occupancy bitmap a word (64 slots)
+ * at a time; the table must have one */
+static inline Py_ssize_t
+t_free_from(const U64Table *t, Py_ssize_t i)
+{
+    for (;;) {
+        uint64_t free = ~t->used[i >> 6] >> (i & 63);
+        if (free) {
+            i += __builtin_ctzll(free);
+            if (i < t->capacity)
+                return i;
+            i = 0; /* the last word's bits past the capacity are no slots */
+            continue;
+        }
+        i = (i | 63) + 1;
+        if (i >= t->capacity)
+            i = 0;
+    }
+}
+
+/* fill the free slot i */
+static inline void
+t_place(U64Table *t, Py_ssize_t i, uint64_t key, uint64_t value)
+{
+    t->used[i >> 6] |= 1ULL << (i & 63);
+    T_KEY(t, i) = key;
+    T_VAL(t, i) = value;
+    t->size++;
 }
 
 /* put `key` (known absent) into a free slot; the table must have one */
 static void
 t_insert(U64Table *t, uint64_t key, uint64_t value)
 {
-    Py_ssize_t i = t_home(key, t->capacity);
-    while (t_used(t, i)) {
-        if (++i == t->capacity)
-            i = 0;
-    }
-    t->used[i >> 6] |= 1ULL << (i & 63);
-    T_KEY(t, i) = key;
-    T_VAL(t, i) = value;
-    t->size++;
+    t_place(t, t_free_from(t, t_home(key, t->capacity)), key, value);
 }
 
 static int
@@ -433,12 +466,23 @@ t_resize(U64Table *t, Py_ssize_t capacity)
     return 0;
 }
 
-/* room for one more entry (grows by half past load 0.8) */
+/* t[key] = value, in one probe run unless the table grows (by half past load 0.8); 0, or -1
+ * (MemoryError, nothing changed) */
 static int
-t_reserve_one(U64Table *t)
+t_set(U64Table *t, uint64_t key, uint64_t value)
 {
-    if ((t->size + 1) * 5 > t->capacity * 4)
-        return t_resize(t, t->capacity + t->capacity / 2);
+    Py_ssize_t at = t_probe(t, key);
+    if (at >= 0) {
+        T_VAL(t, at) = value;
+        return 0;
+    }
+    if ((t->size + 1) * 5 > t->capacity * 4) { /* the free slot found moves with the resize */
+        if (t_resize(t, t->capacity + t->capacity / 2) < 0)
+            return -1;
+        t_insert(t, key, value);
+        return 0;
+    }
+    t_place(t, ~at, key, value);
     return 0;
 }
 
@@ -633,15 +677,7 @@ U64Map_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
     uint64_t value;
     if (t_key_strict(keyobj, &key) < 0 || t_key_strict(valueobj, &value) < 0)
         return -1;
-    Py_ssize_t i = t_find(t, key);
-    if (i >= 0) {
-        T_VAL(t, i) = value;
-        return 0;
-    }
-    if (t_reserve_one(t) < 0)
-        return -1;
-    t_insert(t, key, value);
-    return 0;
+    return t_set(t, key, value);
 }
 
 /* slot of `keyobj`, -1 if absent (or not a possible key), -2 on error */
@@ -818,14 +854,8 @@ map_pairs_run(U64Table *t, const U64Keys *src, const U64Keys *dst)
         uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
         if (key == value)
             continue;
-        Py_ssize_t at = t_find(t, key);
-        if (at < 0) {
-            if (t_reserve_one(t) < 0)
-                goto error;
-            t_insert(t, key, value);
-        }
-        else
-            T_VAL(t, at) = value;
+        if (t_set(t, key, value) < 0)
+            goto error;
         set++;
     }
     PyMem_Free(pairs);
@@ -1201,16 +1231,17 @@ bt_alloc(BlockTable *t, Py_ssize_t capacity)
     return 0;
 }
 
-/* slot of `key`, or -1 */
+/* The slot of `key` (u64_mix(key) is `mixed`), or, when it is absent, ~f (negative) for the free
+ * slot f that ended the search, where `key` goes (as t_probe: one run for a miss and its insert) */
 static inline Py_ssize_t
-bt_find(const BlockTable *t, uint64_t key)
+bt_probe(const BlockTable *t, uint64_t key, uint64_t mixed)
 {
-    uint64_t mixed = u64_mix(key), tag = BT_TAG(mixed);
+    uint64_t tag = BT_TAG(mixed);
     Py_ssize_t i = home_of_mixed(mixed, t->capacity);
     for (;;) {
         uint64_t e = t->slots[i];
         if (e == 0)
-            return -1;
+            return ~i;
         if ((e & ~BT_ADDR_MASK) == tag && BT_BLOCK(e)->key == key)
             return i;
         if (++i == t->capacity)
@@ -1218,11 +1249,18 @@ bt_find(const BlockTable *t, uint64_t key)
     }
 }
 
-/* put `b` (its key known absent) into a free slot; the table must have one */
-static void
-bt_insert(BlockTable *t, BlockObject *b)
+/* slot of `key`, or -1 */
+static inline Py_ssize_t
+bt_find(const BlockTable *t, uint64_t key)
 {
-    uint64_t mixed = u64_mix(b->key);
+    Py_ssize_t i = bt_probe(t, key, u64_mix(key));
+    return i < 0 ? -1 : i;
+}
+
+/* put `b` (its key known absent; u64_mix(key) is `mixed`) into a free slot; the table must have one */
+static void
+bt_insert(BlockTable *t, BlockObject *b, uint64_t mixed)
+{
     Py_ssize_t i = home_of_mixed(mixed, t->capacity);
     while (t->slots[i]) {
         if (++i == t->capacity)
@@ -1232,6 +1270,11 @@ bt_insert(BlockTable *t, BlockObject *b)
     t->size++;
 }
 
+/* How many occupied slots ahead bt_resize asks for a Block's key. A table's blocks lie in hash
+ * order, so each key it reads is a cache miss of its own (issue #12: the growth was a third of
+ * a stored block's misses); asked for this far ahead, they are fetched side by side. */
+#define BT_RESIZE_PREFETCH 16
+
 static int
 bt_resize(BlockTable *t, Py_ssize_t capacity)
 {
@@ -1240,10 +1283,38 @@ bt_resize(BlockTable *t, Py_ssize_t capacity)
         *t = old;
         return -1;
     }
-    for (Py_ssize_t i = 0; i < old.capacity; i++)
-        if (old.slots[i])
-            bt_insert(t, BT_BLOCK(old.slots[i])); /* references move with the blocks */
+    for (Py_ssize_t i = 0; i < old.capacity; i++) {
+        if (i + BT_RESIZE_PREFETCH < old.capacity && old.slots[i + BT_RESIZE_PREFETCH])
+            __builtin_prefetch(&BT_BLOCK(old.slots[i + BT_RESIZE_PREFETCH])->key);
+        if (old.slots[i]) {
+            BlockObject *b = BT_BLOCK(old.slots[i]);
+            bt_insert(t, b, u64_mix(b->key)); /* references move with the blocks */
+        }
+    }
     table_free(old.slots, old.table_bytes);
+    return 0;
+}
+
+/* `b` (key known absent) goes into the table, which takes over the caller's reference. `at` is
+ * bt_probe's answer for the key on the table as it is (~ the free slot), or 0 when not known. */
+static int
+bt_add_at(BlockTable *t, BlockObject *b, uint64_t mixed, Py_ssize_t at)
+{
+    if ((uintptr_t)b & ~BT_ADDR_MASK) {
+        PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
+        return -1;
+    }
+    if ((t->size + 1) * 5 > t->capacity * 4) { /* grows by half past load 0.8: the free slot moves */
+        if (bt_resize(t, t->capacity + t->capacity / 2) < 0)
+            return -1;
+        at = 0;
+    }
+    if (at < 0) {
+        t->slots[~at] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+        t->size++;
+    }
+    else
+        bt_insert(t, b, mixed);
     return 0;
 }
 
@@ -1251,14 +1322,7 @@ bt_resize(BlockTable *t, Py_ssize_t capacity)
 static int
 bt_add(BlockTable *t, BlockObject *b)
 {
-    if ((uintptr_t)b & ~BT_ADDR_MASK) {
-        PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
-        return -1;
-    }
-    if ((t->size + 1) * 5 > t->capacity * 4 && bt_resize(t, t->capacity + t->capacity / 2) < 0)
-        return -1;
-    bt_insert(t, b);
-    return 0;
+    return bt_add_at(t, b, u64_mix(b->key), 0);
 }
 
 /* remove the entry in slot i, shifting later members of its probe run back (no tombstones);
@@ -1577,14 +1641,18 @@ store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i
         uint64_t key;
         if (u64_keys_get(keys, i, &key) < 0)
             goto error;
-        if (bt_find(t, key) >= 0)
+        uint64_t mixed = u64_mix(key);
+        Py_ssize_t at = bt_probe(t, key, mixed);
+        if (at >= 0)
             break;
         if (run == NULL && (run = state_new(bit, now, zero)) == NULL)
             goto error;
         BlockObject *node = block_alloc(key, parent, run);
         if (node == NULL)
             goto error;
-        if (bt_add(t, node) < 0) { /* nothing ran since bt_find: the key is still absent */
+        /* no Python code ran since bt_probe (neither allocation is the collector's): the key is
+         * still absent and `at` still its free slot */
+        if (bt_add_at(t, node, mixed, at) < 0) {
             Py_DECREF(node);
             goto error;
         }

@@ -217,6 +217,35 @@ def test_u64map_dense_growth_keeps_every_entry():
     assert all(m[k] == k * 7 for k in range(1, 100_000, 2)) and not any(k in m for k in range(0, 100_000, 2))
 
 
+def _home(key: int, capacity: int) -> int:
+    """_native.c's t_home: murmur3's fmix64 of the key, scaled to the capacity."""
+    mask = 2**64 - 1
+    key ^= key >> 33
+    key = key * 0xFF51AFD7ED558CCD & mask
+    key ^= key >> 33
+    key = key * 0xC4CEB9FE1A85EC53 & mask
+    key ^= key >> 33
+    return key * capacity >> 64
+
+
+def test_u64map_probe_runs_wrap_past_the_last_slot_through_a_resize():
+    # Seven keys whose home is the last slot both of a new map (8 slots) and of the 12 it grows
+    # to at the seventh: each run wraps to slot 0, and in the 12-slot table the free slots are
+    # searched a bitmap word at a time, whose bits past slot 11 are no slots.
+    keys = [k for k in range(200_000) if _home(k, 8) == 7 and _home(k, 12) == 11][:7]
+    assert len(keys) == 7
+    m = native.module.U64Map()
+    for n, k in enumerate(keys, 1):
+        m[k] = k + 1
+        assert len(m) == n and all(m[j] == j + 1 for j in keys[:n])
+    # grown once, to 12 slots: (12 pairs + a bitmap word) in place of (8 pairs + a word)
+    assert m.__sizeof__() - native.module.U64Map().__sizeof__() == (12 - 8) * 16
+    assert 0 not in m and 2**64 - 1 not in m
+    for k in keys[::2]:  # deletion shifts the wrapped run back across the end
+        del m[k]
+    assert sorted(m.items()) == sorted((k, k + 1) for k in keys[1::2])
+
+
 def test_u64map_errors_are_a_dicts_errors():
     m = native.module.U64Map()
     with pytest.raises(KeyError):

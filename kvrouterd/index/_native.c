@@ -324,7 +324,12 @@ typedef struct {
 #define TABLE_MIN_CAPACITY 8
 /* Tables this large are mmap'ed: a freed one goes back to the OS at once. From the heap, the
  * tables a growing map leaves behind stayed resident (glibc raises its mmap threshold after the
- * first free), which doubled a map's RSS at 10^6 entries. */
+ * first free), which doubled a map's RSS at 10^6 entries.
+ * They are populated when mapped (MAP_POPULATE): a table is filled by a rehash the moment it
+ * exists, at load >= 0.53 of 8- or 16-byte slots, so every page is written at once anyway, and
+ * one call faulting them all in costs about half of a trap per page (issue #12: on a 2-core VM,
+ * ~3.4 us a page by trap against ~1.6 populated, and growth maps a table's size three times
+ * over; a fresh index's ingest spent a quarter of its time there). */
 #define TABLE_MMAP_BYTES (1 << 20)
 
 static void *
@@ -332,7 +337,7 @@ table_alloc(size_t bytes)
 {
     if (bytes < TABLE_MMAP_BYTES)
         return PyMem_Calloc(1, bytes);
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     return p == MAP_FAILED ? NULL : p; /* zero-filled */
 }
 

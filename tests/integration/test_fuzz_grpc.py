@@ -66,6 +66,7 @@ from kvrouterd.router import request_bytes
 from kvrouterd.server.app import Daemon
 
 from ..invariants import check_router_invariants
+from ..wire import length_delimited, varint
 
 EXAMPLES = int(os.environ.get("KVROUTER_FUZZ_EXAMPLES", "50"))
 # a long run asked for by name takes as long as it takes (minutes); CI's bounded one keeps the
@@ -187,6 +188,22 @@ stream_message = st.recursive(
                             st.lists(inner, max_size=4)),
     max_leaves=6,
 )
+
+
+def _unpacked_ids(n: int) -> bytes:
+    """``n`` token ids as RouteRequest.token_ids, unpacked: a field (tag 0x10) each."""
+    return b"".join(b"\x10" + varint(t) for t in range(n))
+
+
+#: messages of limits.off_loop_prompt_bytes (256 KiB) or more in encodings the split does not read,
+#: each refused with INVALID_ARGUMENT (a RouteStream one answered on the stream): unpacked ids,
+#: a complete of 100k fields, a group before a huge prompt
+ODD_HUGE = [
+    ("raw:Route", _unpacked_ids(100_000)),
+    ("raw:RouteStream", b"\x08\x07" + length_delimited(2, _unpacked_ids(100_000))),
+    ("raw:RouteStream", b"\x08\x08" + length_delimited(3, b"\x0a\x00" * 150_000)),
+    ("raw:Route", b"\xfb\x01\xfc\x01" + length_delimited(14, bytes(300_000))),
+]
 RAW_METHODS = ["Route", "Complete", "RouteStream", "EvictHint", "RegisterWorker", "DeregisterWorker", "ListWorkers",
                "ReportLoad", "PublishEvents", "GetStats", "ExportIndex"]
 
@@ -203,6 +220,7 @@ hostile_call = st.one_of(
                                                 max_blocks_per_chunk=st.sampled_from([0, 1, 2**32 - 1]))),
     st.tuples(st.just("ListWorkers"), st.just(pb.ListWorkersRequest())),
     st.tuples(st.sampled_from(RAW_METHODS).map(lambda m: "raw:" + m), st.binary(max_size=64)),
+    st.sampled_from(ODD_HUGE),
 )
 
 

@@ -13,7 +13,7 @@ each message a batch of N items sharing the tokens). ``--malformed tail`` append
 refuses (a length past the end) to each huge Route, ``--malformed ids`` (``--form repeated``)
 cuts its last token id short: each is then refused with INVALID_ARGUMENT (on a stream of its
 own for ``--via stream``, as the refusal ends the stream). ``answers`` counts how the huge
-messages were answered (routed, or refused with INVALID_ARGUMENT). The huge messages are serialized once
+messages were answered (routed, or refused: the status's name). The huge messages are serialized once
 up front so the client spends no CPU building them. Then the hog alone sends ``--cpu-messages``
 more, and the daemon's event-loop thread's CPU time (its main thread's
 ``/proc/PID/task/PID/schedstat``, less its idle rate) per huge message is reported as
@@ -124,6 +124,11 @@ def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "", un
     return length_delimited(5, b"".join(length_delimited(1, item) for item in items))  # RouteStreamRequest.batch.items
 
 
+#: how an unpacked prompt may be refused: its encoding, or (a router that parses it whole, then
+#: counts it) its size over max_prompt_tokens
+_REFUSALS = {code.value[0]: code.name for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)}
+
+
 def _loop_cpu_s(pid: int) -> float:
     """CPU time of ``pid``'s main thread, the daemon's event loop (schedstat: nanoseconds on CPU)."""
     with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
@@ -158,9 +163,10 @@ class _StreamHog:
         await self.call.write(self.message)
         reply = await self.call.read()
         answers = reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
-        if any(a.WhichOneof("kind") == "error" for a in answers):  # refused (an unpacked prompt): nothing to complete
-            assert all(a.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for a in answers), answers
-            self.answers["refused"] += 1
+        errors = {a.error.code for a in answers if a.WhichOneof("kind") == "error"}
+        if errors:  # refused (an unpacked prompt, or one over max_prompt_tokens): nothing to complete
+            assert errors <= set(_REFUSALS), answers
+            self.answers[_REFUSALS[min(errors)]] += 1
             return
         self.answers["routed"] += 1
         done = [pb.RouteStreamRequest(id=a.id, complete=_complete_message(a.route.request_id)) for a in answers]
@@ -204,7 +210,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     huge_times: list[float] = []
 
     async def refused_one() -> None:
-        answers["refused"] += 1
+        answers["INVALID_ARGUMENT"] += 1
         try:
             if args.via == "stream":  # the refusal ends the stream: one of its own each
                 call = hog_channel.stream_stream(ROUTE_STREAM, request_serializer=None)()
@@ -230,10 +236,10 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             return
         try:
             reply = await hog_route(huge)
-        except grpc.aio.AioRpcError as exc:  # an unpacked prompt, refused
-            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not unpacked:
+        except grpc.aio.AioRpcError as exc:  # an unpacked prompt, refused (or over max_prompt_tokens)
+            if exc.code().value[0] not in _REFUSALS or not unpacked:
                 raise
-            answers["refused"] += 1
+            answers[exc.code().name] += 1
             huge_times.append(time.perf_counter() - started)
             return
         answers["routed"] += 1

@@ -29,6 +29,7 @@ CORRUPT_FIELDS = (
     b"\x80\x80\x80\x80\x80\x01",  # a tag of six bytes
     b"\x88\x80\x80\x80\x10\x00",  # a tag past 32 bits
     b"\x00\x00",  # field 0
+    b"\x03",  # field 0 as a group
     bytes([9 << 3 | 4]),  # an end-group tag outside a group
     bytes([9 << 3 | 6, 0]),  # wire types 6 and 7 do not exist
     bytes([9 << 3 | 7, 0]),

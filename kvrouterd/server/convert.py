@@ -321,7 +321,7 @@ def _walk(data: bytes, start: int, end: int, budget: list[int], route: bool = Fa
             elif wire_type == 2:
                 length, payload = _varint(data, i, end, 5)
                 i = payload + length
-            elif wire_type == 3:  # a group: legal for an unknown field, and upb's to read
+            elif wire_type == 3 and number:  # a group: legal for an unknown field, but read field by field
                 raise _Unsplittable(f"a group (field {number}, wire type 3)")
             else:  # an end-group tag outside a group, or no wire type at all
                 raise _Corrupt

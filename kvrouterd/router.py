@@ -26,6 +26,7 @@ from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
 from .index.keys import ROOT_SEED, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
+from .index.native import u64_array
 from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -890,7 +891,7 @@ class Router:
             # callers are checked here, before anything changes). Packing them checks the range
             # in C, and the native engine-hash map then reads them without an int per hash.
             try:
-                packed = array("Q", hashes)
+                packed = u64_array(hashes)
             except OverflowError:
                 raise RejectedEvent("hash_range", f"worker {worker.id!r}: engine hashes must be between 0 and 2**64 - 1") from None
         if ev.group is not None and not 0 <= ev.group < MAX_KV_GROUPS:

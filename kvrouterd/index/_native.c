@@ -32,6 +32,7 @@ static PyObject *holders_name; /* interned "holders" */
 static PyObject *float_zero;   /* 0.0: a new Block's last_access */
 static PyObject *zero;         /* 0: a new Block's hits */
 static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
+static PyObject *array_q_zero; /* array('Q', [0]): u64_array repeats it into its result */
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -3719,6 +3720,50 @@ openai_prompt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnONn)", members[0].start, members[0].end, ids ? Py_False : Py_True, payload, length);
 }
 
+_Static_assert(sizeof(unsigned long) == sizeof(uint64_t), "PyLong_AsUnsignedLong reads a uint64");
+
+/* u64_array(values) -> array('Q') | None
+ *
+ * array('Q', values) for a tuple or list of ints. Router._prepare_stored packs every stored
+ * event's engine hashes so (the range check before a batch changes anything), and array's
+ * generic per-item conversion cost ~130 instructions a hash (issue #12). OverflowError for a
+ * value outside [0, 2**64), as array('Q') raises; None for anything else (another iterable, an
+ * item that is not exactly an int: a bool, a float), which the caller hands to array('Q')
+ * itself, so its errors stay array's. */
+static PyObject *
+u64_array(PyObject *module, PyObject *values)
+{
+    if (!PyTuple_CheckExact(values) && !PyList_CheckExact(values))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values);
+    /* array's own repeat makes an array of n without array()'s argument parsing (~1,600
+     * instructions an array) */
+    PyObject *packed = PySequence_Repeat(array_q_zero, n);
+    if (packed == NULL)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(packed, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(packed);
+        return NULL;
+    }
+    uint64_t *out = view.buf;
+    PyObject **items = PySequence_Fast_ITEMS(values); /* reading exact ints runs no Python code */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v;
+        if (!PyLong_CheckExact(items[i]) || ((v = PyLong_AsUnsignedLong(items[i])) == (unsigned long)-1 && PyErr_Occurred())) {
+            int error = PyErr_Occurred() != NULL;
+            PyBuffer_Release(&view);
+            Py_DECREF(packed);
+            if (error)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        out[i] = (uint64_t)v; /* a loop over the int's digits */
+    }
+    PyBuffer_Release(&view);
+    return packed;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -3739,6 +3784,8 @@ static PyMethodDef native_methods[] = {
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared) -> "
      "an EventBatch message's core batch, or None for convert.event_batch to read it"},
+    {"u64_array", (PyCFunction)u64_array, METH_O,
+     "u64_array(values) -> array('Q') | None: array('Q', values) for a tuple or list of ints, else None"},
     {"slots_filler", (PyCFunction)(void (*)(void))slots_filler, METH_FASTCALL,
      "slots_filler(cls, names) -> filler: filler(*values) is cls(*values) for a class whose __init__ only stores them"},
     {NULL, NULL, 0, NULL},
@@ -3757,7 +3804,12 @@ PyInit__native(void)
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
     minus_one = PyLong_FromLong(-1);
-    if (minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL)
+        return NULL;
+    array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
+    Py_DECREF(array_module);
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0)
         return NULL;

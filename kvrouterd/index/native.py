@@ -1,6 +1,7 @@
 """Whether the native fast path (``_native.c``: block-key hashing and the match walk) is in use.
 
-It also provides ``U64Map``, the compact engine-hash -> key map (``u64_map``), and a cheap
+It also provides ``U64Map``, the compact engine-hash -> key map (``u64_map``), a fast
+``array('Q', ...)`` for engine hashes (``u64_array``), and a cheap
 constructor for frozen slotted dataclasses built on every event (``positional_constructor``).
 
 The extension is built by ``pip install`` when a C compiler is present and is optional: without
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, MutableMapping
+from array import array
+from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["DISABLE_ENV", "block_table", "disabled", "module", "positional_constructor", "status", "u64_map"]
+__all__ = ["DISABLE_ENV", "block_table", "disabled", "module", "positional_constructor", "status", "u64_array", "u64_map"]
 
 T = TypeVar("T")
 
@@ -50,6 +52,17 @@ def u64_map() -> MutableMapping[int, int]:
     if module is not None:
         return module.U64Map()  # type: ignore[no-any-return]
     return {}
+
+
+def u64_array(values: Iterable[int]) -> array:
+    """``array('Q', values)``, raising what it raises (OverflowError for a value outside
+    0 <= x < 2**64). Natively for a tuple or list of ints: ~10 ns an item instead of array's
+    ~65, for the engine hashes of every stored event (``Router._prepare_stored``)."""
+    if module is not None:
+        packed = module.u64_array(values)
+        if packed is not None:
+            return packed  # type: ignore[no-any-return]
+    return array("Q", values)
 
 
 def block_table() -> MutableMapping[int, Any]:

@@ -246,6 +246,31 @@ def test_u64map_probe_runs_wrap_past_the_last_slot_through_a_resize():
     assert sorted(m.items()) == sorted((k, k + 1) for k in keys[1::2])
 
 
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.one_of(u64, st.integers(-(2**70), 2**70), st.booleans(), st.floats(0, 10), st.text(max_size=1)),
+                       max_size=40), as_tuple=st.booleans())
+def test_u64_array_is_array_q(values, as_tuple):
+    """What Router._prepare_stored packs engine hashes with: array('Q', values) itself, or its
+    error (OverflowError out of range, TypeError for a float or a str), natively for ints."""
+    seq = tuple(values) if as_tuple else values
+    try:
+        expected: array | type[Exception] = array("Q", seq)
+    except (OverflowError, TypeError) as exc:
+        expected = type(exc)
+    if isinstance(expected, array):
+        packed = native.u64_array(seq)
+        assert type(packed) is array and packed.typecode == "Q" and packed == expected
+    else:
+        with pytest.raises(expected):
+            native.u64_array(seq)
+    # the native half answers for tuples and lists of ints (in order: an item that is no int
+    # before any out of range leaves the sequence to array)
+    if all(type(v) is int for v in seq) and expected is not OverflowError:
+        assert native.module.u64_array(seq) == expected
+    elif seq and type(seq[0]) is not int:
+        assert native.module.u64_array(seq) is None
+
+
 def test_u64map_errors_are_a_dicts_errors():
     m = native.module.U64Map()
     with pytest.raises(KeyError):

@@ -2346,6 +2346,769 @@ error:
     return NULL;
 }
 
+/* ---- LeafOrder: one worker slot's leaves, sorted by a numeric priority ------------------------
+ *
+ * The leaf tracker's container (policies/eviction/_leaves.py, SortedLeaves; its pure reference is
+ * PyLeafOrder there) for a priority that is a real number, as lru's recency is: the leaves as
+ * entries (priority: double, key: uint64, Block) in ascending (priority, key) order, and a table
+ * from a Block's address to its priority (a leaf is found by its Block, as the reference's dict
+ * keyed by Block finds it). The order is sortedcontainers' two-level SortedList in C: runs of at
+ * most 2 * LEAF_LOAD entries, with each run's greatest (priority, key) beside it, so an insert or
+ * a removal bisects the runs, then one run, and moves the tail of that run only. lru's new leaves
+ * are the most recent, so they are appended to the last run; evictions take the oldest first.
+ *
+ * It holds Blocks only, which are outside the cycle collector and never refer to a LeafOrder,
+ * so it is no collector object either: a full collection does not visit its 400k leaves.
+ *
+ * `stored` is the tracker's hook for a stored chain (the work PublishEvents does per event for
+ * lru) in one call: the chain's split (chain_split above), the ends' leaf checks and their
+ * priorities, read through the policy's Python callable. */
+
+#define LEAF_LOAD 256 /* a run is split past 2 * LEAF_LOAD entries, merged below LEAF_LOAD / 4 */
+
+typedef struct {
+    double prio;
+    uint64_t key;
+    BlockObject *block; /* a strong reference */
+} LeafEntry;
+
+typedef struct {
+    LeafEntry *e;
+    Py_ssize_t len, cap;
+    double max_prio; /* e[len - 1]'s (prio, key): runs are never empty */
+    uint64_t max_key;
+} LeafRun;
+
+typedef struct {
+    PyObject_HEAD
+    LeafRun *runs;
+    Py_ssize_t nruns, runs_cap;
+    Py_ssize_t size;
+    uint64_t version; /* changes with every insert and removal: an iterator checks it */
+    U64Table where;   /* a Block's address -> its priority's bits (only the table fields are used) */
+} LeafOrder;
+
+static PyTypeObject LeafOrderType, LeafOrderIterType;
+
+static inline int
+leaf_less(double pa, uint64_t ka, double pb, uint64_t kb)
+{
+    return pa < pb || (pa == pb && ka < kb);
+}
+
+static inline uint64_t
+leaf_addr(BlockObject *b)
+{
+    return (uint64_t)(uintptr_t)b;
+}
+
+static inline uint64_t
+prio_bits(double p)
+{
+    uint64_t u;
+    memcpy(&u, &p, sizeof u);
+    return u;
+}
+
+static inline double
+bits_prio(uint64_t u)
+{
+    double p;
+    memcpy(&p, &u, sizeof p);
+    return p;
+}
+
+/* the first run whose greatest entry is >= (p, k), or > (p, k) if `after`; nruns if none */
+static Py_ssize_t
+lo_run_at(const LeafOrder *o, double p, uint64_t k, int after)
+{
+    Py_ssize_t lo = 0, hi = o->nruns;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        const LeafRun *r = &o->runs[mid];
+        if (after ? !leaf_less(p, k, r->max_prio, r->max_key) : leaf_less(r->max_prio, r->max_key, p, k))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* the first entry of `r` that is >= (p, k), or > (p, k) if `after`; r->len if none */
+static Py_ssize_t
+run_at(const LeafRun *r, double p, uint64_t k, int after)
+{
+    Py_ssize_t lo = 0, hi = r->len;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        const LeafEntry *e = &r->e[mid];
+        if (after ? !leaf_less(p, k, e->prio, e->key) : leaf_less(e->prio, e->key, p, k))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* room for `n` entries in `r`; 0 or -1 (MemoryError, nothing changed) */
+static int
+run_reserve(LeafRun *r, Py_ssize_t n)
+{
+    if (n <= r->cap)
+        return 0;
+    Py_ssize_t cap = r->cap ? r->cap : 8;
+    while (cap < n)
+        cap *= 2;
+    LeafEntry *e = PyMem_Realloc(r->e, (size_t)cap * sizeof(LeafEntry));
+    if (e == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->e = e;
+    r->cap = cap;
+    return 0;
+}
+
+/* an empty run at position i of the runs; 0 or -1 (MemoryError, nothing changed) */
+static int
+lo_add_run(LeafOrder *o, Py_ssize_t i)
+{
+    if (o->nruns == o->runs_cap) {
+        Py_ssize_t cap = o->runs_cap ? o->runs_cap * 2 : 4;
+        LeafRun *runs = PyMem_Realloc(o->runs, (size_t)cap * sizeof(LeafRun));
+        if (runs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        o->runs = runs;
+        o->runs_cap = cap;
+    }
+    memmove(&o->runs[i + 1], &o->runs[i], (size_t)(o->nruns - i) * sizeof(LeafRun));
+    o->runs[i] = (LeafRun){NULL, 0, 0, 0.0, 0};
+    o->nruns++;
+    return 0;
+}
+
+/* run i (emptied) freed and taken out of the runs */
+static void
+lo_del_run(LeafOrder *o, Py_ssize_t i)
+{
+    PyMem_Free(o->runs[i].e);
+    memmove(&o->runs[i], &o->runs[i + 1], (size_t)(o->nruns - i - 1) * sizeof(LeafRun));
+    o->nruns--;
+}
+
+static inline void
+run_set_max(LeafRun *r)
+{
+    r->max_prio = r->e[r->len - 1].prio;
+    r->max_key = r->e[r->len - 1].key;
+}
+
+/* run i, past 2 * LEAF_LOAD entries, as two; on MemoryError it stays one (still in order) */
+static void
+lo_split(LeafOrder *o, Py_ssize_t i)
+{
+    if (lo_add_run(o, i + 1) < 0) {
+        PyErr_Clear(); /* a long run is slower to change, not wrong */
+        return;
+    }
+    LeafRun *r = &o->runs[i], *upper = &o->runs[i + 1];
+    Py_ssize_t half = r->len / 2;
+    if (run_reserve(upper, r->len - half) < 0) {
+        PyErr_Clear();
+        lo_del_run(o, i + 1);
+        return;
+    }
+    memcpy(upper->e, &r->e[half], (size_t)(r->len - half) * sizeof(LeafEntry));
+    upper->len = r->len - half;
+    r->len = half;
+    run_set_max(upper);
+    run_set_max(r);
+}
+
+/* (p, b) into the order (not the table); 0 or -1 (MemoryError, nothing changed) */
+static int
+lo_insert(LeafOrder *o, double p, BlockObject *b)
+{
+    uint64_t k = b->key;
+    if (o->nruns == 0 && lo_add_run(o, 0) < 0)
+        return -1;
+    Py_ssize_t i = lo_run_at(o, p, k, 0);
+    if (i == o->nruns)
+        i--; /* past every entry: the end of the last run */
+    LeafRun *r = &o->runs[i];
+    if (run_reserve(r, r->len + 1) < 0) {
+        if (r->len == 0)
+            lo_del_run(o, i);
+        return -1;
+    }
+    Py_ssize_t j = run_at(r, p, k, 0);
+    memmove(&r->e[j + 1], &r->e[j], (size_t)(r->len - j) * sizeof(LeafEntry));
+    r->e[j] = (LeafEntry){p, k, (BlockObject *)Py_NewRef(b)};
+    r->len++;
+    if (j == r->len - 1)
+        run_set_max(r);
+    o->size++;
+    o->version++;
+    if (r->len > 2 * LEAF_LOAD)
+        lo_split(o, i);
+    return 0;
+}
+
+/* the entry (p, b) out of the order (not the table), its reference returned to the caller;
+ * NULL (SystemError) if it is not there, which the table says it is */
+static BlockObject *
+lo_take(LeafOrder *o, double p, BlockObject *b)
+{
+    uint64_t k = b->key;
+    Py_ssize_t i = lo_run_at(o, p, k, 0);
+    LeafRun *r = i < o->nruns ? &o->runs[i] : NULL;
+    Py_ssize_t j = r != NULL ? run_at(r, p, k, 0) : 0;
+    if (r == NULL || j == r->len || r->e[j].block != b) {
+        PyErr_SetString(PyExc_SystemError, "LeafOrder: a leaf in its table is missing from its order");
+        return NULL;
+    }
+    memmove(&r->e[j], &r->e[j + 1], (size_t)(r->len - j - 1) * sizeof(LeafEntry));
+    r->len--;
+    o->size--;
+    o->version++;
+    if (r->len == 0) {
+        lo_del_run(o, i);
+        return b;
+    }
+    if (j == r->len)
+        run_set_max(r);
+    if (r->len < LEAF_LOAD / 4 && o->nruns > 1) {
+        /* a short run joins a neighbour when the two fit in one (else it stays, and goes
+         * when it empties) */
+        Py_ssize_t a = i + 1 < o->nruns ? i : i - 1;
+        LeafRun *low = &o->runs[a], *high = &o->runs[a + 1];
+        if (low->len + high->len <= 2 * LEAF_LOAD) {
+            if (run_reserve(low, low->len + high->len) < 0)
+                PyErr_Clear(); /* left apart: still in order */
+            else {
+                memcpy(&low->e[low->len], high->e, (size_t)high->len * sizeof(LeafEntry));
+                low->len += high->len;
+                run_set_max(low);
+                high->len = 0;
+                lo_del_run(o, a + 1);
+            }
+        }
+    }
+    return b;
+}
+
+/* Room for one more leaf in the table, kept at most half full (doubling past that): most lookups
+ * in `stored` are for blocks that are not there (the chain's new blocks), and a linear probe for a
+ * missing key looks at ~13 slots at U64Map's load of 0.8 against ~2.5 at 0.5. */
+static int
+lo_reserve_one(U64Table *t)
+{
+    if ((t->size + 1) * 2 > t->capacity)
+        return t_resize(t, t->capacity * 2);
+    return 0;
+}
+
+/* b's priority into *p: 1 if b is in the order, else 0 */
+static inline int
+lo_get(const LeafOrder *o, BlockObject *b, double *p)
+{
+    Py_ssize_t t = t_find(&o->where, leaf_addr(b));
+    if (t < 0)
+        return 0;
+    *p = bits_prio(T_VAL(&o->where, t));
+    return 1;
+}
+
+/* b at priority p, as a new leaf or re-scored (the reference's SortedLeaves._set); 0 or -1.
+ * On MemoryError a re-scored b is left out of both (its slot then ranks from the index:
+ * SortedLeaves.sorted_view sees fewer leaves than the index has). */
+static int
+lo_put(LeafOrder *o, BlockObject *b, double p)
+{
+    if (Py_IS_NAN(p)) {
+        PyErr_SetString(PyExc_ValueError, "a leaf's priority is a number, not NaN");
+        return -1;
+    }
+    uint64_t addr = leaf_addr(b);
+    Py_ssize_t t = t_find(&o->where, addr);
+    if (t >= 0) {
+        double old = bits_prio(T_VAL(&o->where, t));
+        if (old == p)
+            return 0;
+        BlockObject *taken = lo_take(o, old, b); /* its reference keeps b alive until re-inserted */
+        if (taken == NULL)
+            return -1;
+        int r = lo_insert(o, p, b);
+        Py_DECREF(taken);
+        if (r < 0) {
+            t_erase(&o->where, t_find(&o->where, addr));
+            return -1;
+        }
+        T_VAL(&o->where, t_find(&o->where, addr)) = prio_bits(p);
+        return 0;
+    }
+    if (lo_reserve_one(&o->where) < 0 || lo_insert(o, p, b) < 0)
+        return -1;
+    t_insert(&o->where, addr, prio_bits(p));
+    return 0;
+}
+
+/* b out of the order if it is in (the reference's SortedLeaves._drop); 0 or -1 */
+static int
+lo_drop(LeafOrder *o, BlockObject *b)
+{
+    Py_ssize_t t = t_find(&o->where, leaf_addr(b));
+    if (t < 0)
+        return 0;
+    double old = bits_prio(T_VAL(&o->where, t));
+    t_erase(&o->where, t);
+    BlockObject *taken = lo_take(o, old, b);
+    if (taken == NULL)
+        return -1;
+    Py_DECREF(taken);
+    return 0;
+}
+
+/* the runs, detached from the order already: their references dropped, their memory freed */
+static void
+lo_free_runs(LeafRun *runs, Py_ssize_t nruns)
+{
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        for (Py_ssize_t j = 0; j < runs[i].len; j++)
+            Py_DECREF(runs[i].e[j].block);
+        PyMem_Free(runs[i].e);
+    }
+    PyMem_Free(runs);
+}
+
+/* every entry out, the table emptied; 0 or -1 (MemoryError: the empty table was not made) */
+static int
+lo_clear(LeafOrder *o)
+{
+    if (t_reset(&o->where) < 0)
+        return -1;
+    LeafRun *runs = o->runs;
+    Py_ssize_t nruns = o->nruns;
+    o->runs = NULL;
+    o->nruns = o->runs_cap = o->size = 0;
+    o->version++;
+    lo_free_runs(runs, nruns); /* last: the order is whole (empty) while blocks are freed */
+    return 0;
+}
+
+static PyObject *
+LeafOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    LeafOrder *o = (LeafOrder *)type->tp_alloc(type, 0); /* zero-filled */
+    if (o == NULL)
+        return NULL;
+    if (t_alloc(&o->where, TABLE_MIN_CAPACITY) < 0) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    return (PyObject *)o;
+}
+
+static void
+LeafOrder_dealloc(LeafOrder *o)
+{
+    lo_free_runs(o->runs, o->nruns);
+    table_free(o->where.table, o->where.table_bytes);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static Py_ssize_t
+LeafOrder_len(LeafOrder *o)
+{
+    return o->size;
+}
+
+static int
+leaf_block_arg(PyObject *obj)
+{
+    if (IS_BLOCK(obj))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "a LeafOrder holds native Blocks, not %.100s", Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* a priority as a double; -1 with an error set when it is no real number */
+static int
+leaf_prio_arg(PyObject *obj, double *p)
+{
+    if (PyFloat_CheckExact(obj)) {
+        *p = PyFloat_AS_DOUBLE(obj);
+        return 0;
+    }
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a LeafOrder's priorities are real numbers, not %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *p = PyFloat_AsDouble(obj);
+    return *p == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* put(block, priority): block a leaf at priority (re-scored if it is one) */
+static PyObject *
+LeafOrder_put(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    double p;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put(block, priority)");
+        return NULL;
+    }
+    if (leaf_block_arg(args[0]) < 0 || leaf_prio_arg(args[1], &p) < 0 || lo_put(o, BLOCK(args[0]), p) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* drop(block): block no leaf here (nothing if it is none) */
+static PyObject *
+LeafOrder_drop(LeafOrder *o, PyObject *block)
+{
+    if (IS_BLOCK(block) && lo_drop(o, BLOCK(block)) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* holds(block) -> bool */
+static PyObject *
+LeafOrder_holds(LeafOrder *o, PyObject *block)
+{
+    double p;
+    return PyBool_FromLong(IS_BLOCK(block) && lo_get(o, BLOCK(block), &p));
+}
+
+/* get(block, default=None): its priority */
+static PyObject *
+LeafOrder_get(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    double p;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(block, default=None)");
+        return NULL;
+    }
+    if (IS_BLOCK(args[0]) && lo_get(o, BLOCK(args[0]), &p))
+        return PyFloat_FromDouble(p);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *
+leaf_entry_tuple(const LeafEntry *e)
+{
+    PyObject *p = PyFloat_FromDouble(e->prio), *k = PyLong_FromUnsignedLongLong(e->key);
+    PyObject *t = p != NULL && k != NULL ? PyTuple_Pack(3, p, k, (PyObject *)e->block) : NULL;
+    Py_XDECREF(p);
+    Py_XDECREF(k);
+    return t;
+}
+
+/* part(after, n) -> list: up to n entries (priority, key, block) in order, those above `after`
+ * ((priority, key), or None: from the first); copy_steps' cursor by value */
+static PyObject *
+LeafOrder_part(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "part(after: tuple[float, int] | None, n: int)");
+        return NULL;
+    }
+    Py_ssize_t n = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "part: n must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t i = 0, j = 0;
+    if (args[0] != Py_None) {
+        double p;
+        uint64_t k;
+        if (!PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2) {
+            PyErr_SetString(PyExc_TypeError, "part: after is None or (priority, key)");
+            return NULL;
+        }
+        if (leaf_prio_arg(PyTuple_GET_ITEM(args[0], 0), &p) < 0 || t_key_strict(PyTuple_GET_ITEM(args[0], 1), &k) < 0)
+            return NULL;
+        i = lo_run_at(o, p, k, 1);
+        j = i < o->nruns ? run_at(&o->runs[i], p, k, 1) : 0;
+    }
+    /* the entries first, their objects after: making objects may run a collection, whose
+     * finalizers could change the order meanwhile */
+    Py_ssize_t count = 0;
+    for (Py_ssize_t a = i, b = j; a < o->nruns && count < n; a++, b = 0)
+        count += Py_MIN(o->runs[a].len - b, n - count);
+    LeafEntry *snap = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(LeafEntry));
+    if (snap == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t got = 0;
+    for (; i < o->nruns && got < count; i++, j = 0) {
+        Py_ssize_t take = Py_MIN(o->runs[i].len - j, count - got);
+        memcpy(&snap[got], &o->runs[i].e[j], (size_t)take * sizeof(LeafEntry));
+        got += take;
+    }
+    for (Py_ssize_t a = 0; a < count; a++)
+        Py_INCREF(snap[a].block);
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t a = 0; a < count && out != NULL; a++) {
+        PyObject *t = leaf_entry_tuple(&snap[a]);
+        if (t == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, a, t);
+    }
+    for (Py_ssize_t a = 0; a < count; a++)
+        Py_DECREF(snap[a].block);
+    PyMem_Free(snap);
+    return out;
+}
+
+static PyObject *
+LeafOrder_clear(LeafOrder *o, PyObject *unused)
+{
+    if (lo_clear(o) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LeafOrder_sizeof(LeafOrder *o, PyObject *unused)
+{
+    size_t bytes = sizeof(LeafOrder) + o->where.table_bytes + (size_t)o->runs_cap * sizeof(LeafRun);
+    for (Py_ssize_t i = 0; i < o->nruns; i++)
+        bytes += (size_t)o->runs[i].cap * sizeof(LeafEntry);
+    return PyLong_FromSize_t(bytes);
+}
+
+/* Whether slot `slot` (its bit `bit`, an int, for slots past 63) holds b: 1, 0, or -1. Holders
+ * are an int (Block's setter), read without running Python code. */
+static inline int
+leaf_held(BlockObject *b, int slot, PyObject *bit)
+{
+    PyObject *holders = b->state->holders;
+    if (slot < 64)
+        return (int)((PyLong_AsUnsignedLongLongMask(holders) >> slot) & 1); /* its low 64 bits */
+    PyObject *held = PyNumber_And(holders, bit);
+    if (held == NULL)
+        return -1;
+    int r = PyObject_IsTrue(held);
+    Py_DECREF(held);
+    return r;
+}
+
+/* Whether b is a leaf of the slot: held, and no child held (held_child_other_than(b, bit, None)) */
+static int
+leaf_is_leaf(BlockObject *b, int slot, PyObject *bit)
+{
+    int r = leaf_held(b, slot, bit);
+    if (r <= 0)
+        return r;
+    PyObject *c = b->children;
+    if (c == Py_None)
+        return 1;
+    if (IS_BLOCK(c))
+        return (r = leaf_held(BLOCK(c), slot, bit)) < 0 ? -1 : !r;
+    Py_ssize_t pos = 0;
+    PyObject *k, *child;
+    while (PyDict_Next(c, &pos, &k, &child)) { /* runs no Python code: nothing changes the dict */
+        if (!IS_BLOCK(child)) {
+            PyErr_SetString(PyExc_TypeError, "a native Block's children are native Blocks");
+            return -1;
+        }
+        if ((r = leaf_held(BLOCK(child), slot, bit)) != 0)
+            return r < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+/* stored(index, slot, blocks, priority): the leaf tracker's hook for a chain the slot just stored
+ * (SortedLeaves.stored; PyLeafOrder.stored is the reference). A block the chain continues from
+ * (its successor is its child) has a held child now: dropped. The chain's parent, its last block
+ * and any block it does not continue from become leaves at priority(index, block, slot) if they
+ * are leaves, else are dropped. */
+static PyObject *
+LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "stored(index, slot, blocks, priority)");
+        return NULL;
+    }
+    PyObject *index = args[0], *slotobj = args[1], *priority = args[3];
+    int overflow;
+    long slot = PyLong_Check(slotobj) ? PyLong_AsLongAndOverflow(slotobj, &overflow) : -1;
+    if (slot < 0 || overflow) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "stored: slot is an int >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[2], "stored: blocks is a sequence of Blocks");
+    if (seq == NULL)
+        return NULL;
+    /* our own references to the blocks: the priority is Python code, which could change the list */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nends = 0;
+    BlockObject *stack[2 * 64 + 1], **items = stack;
+    PyObject *bit = NULL, *result = NULL;
+    BlockObject *parent = NULL; /* the chain's parent, if a Block: ours too */
+    if (n > 64 && (items = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(BlockObject *))) == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    BlockObject **ends = items + n; /* the parent (if a Block) and the ends, borrowed from items */
+    Py_ssize_t owned = 0;
+    for (; owned < n; owned++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(seq, owned);
+        if (leaf_block_arg(b) < 0)
+            goto done;
+        items[owned] = (BlockObject *)Py_NewRef(b);
+    }
+    if (n == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (slot >= 64) {
+        PyObject *one = PyLong_FromLong(1);
+        bit = one == NULL ? NULL : PyNumber_Lshift(one, slotobj);
+        Py_XDECREF(one);
+        if (bit == NULL)
+            goto done;
+    }
+    if (IS_BLOCK(items[0]->parent))
+        ends[nends++] = parent = (BlockObject *)Py_NewRef(items[0]->parent);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 1 < n && items[i + 1]->parent == (PyObject *)items[i]) {
+            if (lo_drop(o, items[i]) < 0)
+                goto done;
+        }
+        else
+            ends[nends++] = items[i];
+    }
+    for (Py_ssize_t i = 0; i < nends; i++) {
+        BlockObject *b = ends[i];
+        int leaf = leaf_is_leaf(b, (int)slot, bit);
+        if (leaf < 0)
+            goto done;
+        if (!leaf) {
+            if (lo_drop(o, b) < 0)
+                goto done;
+            continue;
+        }
+        PyObject *call[3] = {index, (PyObject *)b, slotobj};
+        PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
+        double p;
+        int r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
+        Py_XDECREF(prio);
+        if (r < 0 || lo_put(o, b, p) < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(bit);
+    Py_XDECREF(parent);
+    for (Py_ssize_t i = 0; i < owned; i++)
+        Py_DECREF(items[i]);
+    if (items != stack)
+        PyMem_Free(items);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* ---- its iterator: (priority, key, block) in order; a change to the order meanwhile raises */
+typedef struct {
+    PyObject_HEAD
+    LeafOrder *order; /* NULL once exhausted */
+    Py_ssize_t run, pos;
+    uint64_t version;
+} LeafOrderIter;
+
+static PyObject *
+LeafOrder_iter(LeafOrder *o)
+{
+    LeafOrderIter *it = PyObject_New(LeafOrderIter, &LeafOrderIterType);
+    if (it == NULL)
+        return NULL;
+    it->order = (LeafOrder *)Py_NewRef(o);
+    it->run = it->pos = 0;
+    it->version = o->version;
+    return (PyObject *)it;
+}
+
+static void
+LeafOrderIter_dealloc(LeafOrderIter *it)
+{
+    Py_XDECREF(it->order);
+    PyObject_Free(it);
+}
+
+static PyObject *
+LeafOrderIter_next(LeafOrderIter *it)
+{
+    LeafOrder *o = it->order;
+    if (o == NULL)
+        return NULL;
+    if (o->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "LeafOrder changed during iteration");
+        return NULL;
+    }
+    if (it->run >= o->nruns) {
+        Py_CLEAR(it->order);
+        return NULL;
+    }
+    const LeafRun *r = &o->runs[it->run];
+    PyObject *t = leaf_entry_tuple(&r->e[it->pos]);
+    if (t != NULL && ++it->pos == r->len) {
+        it->run++;
+        it->pos = 0;
+    }
+    return t;
+}
+
+static PyTypeObject LeafOrderIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native._LeafOrderIterator",
+    .tp_basicsize = sizeof(LeafOrderIter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)LeafOrderIter_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)LeafOrderIter_next,
+};
+
+static PyMethodDef LeafOrder_methods[] = {
+    {"put", (PyCFunction)(void (*)(void))LeafOrder_put, METH_FASTCALL,
+     "put(block, priority): block is a leaf at priority (a real number; re-scored if it was one)"},
+    {"drop", (PyCFunction)LeafOrder_drop, METH_O, "drop(block): block is no leaf (nothing if it was none)"},
+    {"holds", (PyCFunction)LeafOrder_holds, METH_O, "holds(block) -> bool: whether block is a leaf here"},
+    {"get", (PyCFunction)(void (*)(void))LeafOrder_get, METH_FASTCALL, "get(block, default=None): its priority"},
+    {"part", (PyCFunction)(void (*)(void))LeafOrder_part, METH_FASTCALL,
+     "part(after, n) -> list: up to n entries (priority, key, block) above after ((priority, key) or None)"},
+    {"stored", (PyCFunction)(void (*)(void))LeafOrder_stored, METH_FASTCALL,
+     "stored(index, slot, blocks, priority): the leaf tracker's hook for a stored chain"},
+    {"clear", (PyCFunction)LeafOrder_clear, METH_NOARGS, "drop every leaf"},
+    {"__sizeof__", (PyCFunction)LeafOrder_sizeof, METH_NOARGS, "bytes used, its tables included (not the blocks)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods LeafOrder_as_sequence = {
+    .sq_length = (lenfunc)LeafOrder_len,
+};
+
+static PyTypeObject LeafOrderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.LeafOrder",
+    .tp_doc = "LeafOrder(): a worker slot's leaves (native Blocks) sorted by (priority: float, key).",
+    .tp_basicsize = sizeof(LeafOrder),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = LeafOrder_new,
+    .tp_dealloc = (destructor)LeafOrder_dealloc,
+    .tp_as_sequence = &LeafOrder_as_sequence,
+    .tp_iter = (getiterfunc)LeafOrder_iter,
+    .tp_methods = LeafOrder_methods,
+};
+
 static PyObject *slot_name; /* interned "slot" */
 
 /* Where instances of `type` hold attribute `name` as a plain `__slots__` member (an object
@@ -3811,7 +4574,7 @@ PyInit__native(void)
     Py_DECREF(array_module);
     if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
-        || PyType_Ready(&SlotsFillerType) < 0)
+        || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
         return NULL;
     state_zero = state_new(zero, float_zero, zero);
     if (state_zero == NULL)
@@ -3821,7 +4584,8 @@ PyInit__native(void)
         return NULL;
     if (PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
         || PyModule_AddObjectRef(module, "Block", (PyObject *)&BlockType) < 0
-        || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0) {
+        || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0
+        || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

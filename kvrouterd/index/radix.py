@@ -160,6 +160,12 @@ class RadixIndex:
         #: some are present; an entry goes when its last holder does (``_drop_stats``).
         self._pending: dict[Block, Pending | dict[int, Pending]] = {}
 
+    @property
+    def native_blocks(self) -> bool:
+        """Whether this index's blocks are the extension's ``Block`` (what native containers of
+        blocks, such as the leaf tracker's ``LeafOrder``, hold)."""
+        return self._block is not PyBlock
+
     # ---- slots ---------------------------------------------------------------------
     def add_slot(self, slot: int) -> None:
         if slot in self._counts:

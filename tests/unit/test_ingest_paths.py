@@ -4,9 +4,10 @@ The native path hashes a stored chain, stores its new blocks and maps its engine
 call (``BlockTable.store_hashed``), else stores runs of new blocks in C (``BlockTable.store_new``,
 keys read in place from an ``array('Q')``) and maps engine hashes in C (``U64Map.map_pairs``),
 removes lone leaves in C
-(``BlockTable.remove_held``) and splits a stored chain for the leaf tracker in C
-(``chain_split``). The reference is the Python code each of those replaces: a
-``RadixIndex(pure=True)`` (PyBlocks in a dict), a dict of engine hashes and ``chain_split_py``.
+(``BlockTable.remove_held``) and keeps the default policy's (``lru``) leaves in C
+(``LeafOrder``: its stored hook is one C call). The reference is the Python code each of those
+replaces: a ``RadixIndex(pure=True)`` (PyBlocks in a dict), whose leaves go in ``PyLeafOrder``,
+a dict of engine hashes and ``chain_split_py``.
 Two routers get the same random batches of Stored / Removed / Cleared events (chains from the
 root and continuing a parent, shared prefixes, unknown parents, removals of any block, engine
 hashes or our keys as hashes); after every batch they must agree on the outcome, every block
@@ -187,3 +188,7 @@ def test_the_two_sides_really_take_different_paths():
     assert not hasattr(pure.index._blocks, "store_new") and type(pure.workers.get("engine").engine_keys) is dict
     assert not hasattr(pure.index._blocks, "store_hashed")
     assert _leaves.chain_split is not _leaves.chain_split_py
+    for router in (native, pure):
+        router.apply(EventBatch("sdk", 0, (_event("sdk", ("stored", 0, 0, 2)),)))
+    assert type(native.eviction._leaves._slots[native.workers.get("sdk").slot]) is _leaves.LeafOrder
+    assert type(pure.eviction._leaves._slots[pure.workers.get("sdk").slot]) is _leaves.PyLeafOrder

@@ -175,21 +175,21 @@ class SortedRun(list):  # type: ignore[type-arg]
         return map(self.__getitem__, range(start, stop))
 
 
-def copy_steps(order: SortedList, step: int) -> Generator[None, None, SortedRun]:
+def copy_steps(order: LeafOrder | PyLeafOrder, step: int) -> Generator[None, None, SortedRun]:
     """``order`` (``(priority, key, block)`` entries, distinct keys) copied ``step`` entries per
     part, yielding between parts. Each part continues after the last entry copied by value, not
-    position, so events between parts never make the copy unsorted: an entry added or re-scored
-    behind the cursor is missed (the hint is advice about the order as it was being read), one
-    re-scored ahead of it may be copied twice (``merge_promoting_steps`` takes a key once)."""
+    position (``part``), so events between parts never make the copy unsorted: an entry added or
+    re-scored behind the cursor is missed (the hint is advice about the order as it was being
+    read), one re-scored ahead of it may be copied twice (``merge_promoting_steps`` takes a key once)."""
     out = SortedRun()
     cursor: tuple[Any, int] | None = None
     while True:
-        part = list(itertools.islice(order.irange(minimum=cursor), step))
+        part = order.part(cursor, step)
         out.extend(part)
         if len(part) < step:
             return out
         prio, key, _ = part[-1]
-        cursor = (prio, key + 1)  # the least value above (prio, key, any block): keys are ints
+        cursor = (prio, key)
         yield
 
 
@@ -279,59 +279,117 @@ def score_leaves_steps(ctx: EvictionContext, priority: Callable[[Block], Any], p
         yield run
 
 
-class _Slot:
-    __slots__ = ("order", "prio")
-
-    def __init__(self) -> None:
-        self.order: SortedList = SortedList()
-        #: leaf -> its priority. Keyed by the Block itself (hashed by identity, as the index's
-        #: leaf sets are): a native Block's key would be a new int object at every lookup.
-        self.prio: dict[Block, Any] = {}
-
-
 #: a leaf's priority: ``(index, block, slot) -> comparable``; it reads the block's stats through
 #: the index, which keeps the accesses pending on it (``RadixIndex.recency``/``hits``)
 Priority = Callable[[RadixIndex, Block, int], Any]
 
 
-class SortedLeaves:
-    """Per-slot leaves sorted by ``priority(index, block, slot)``; see the module docstring."""
+class PyLeafOrder(SortedList):
+    """A slot's leaves as ``(priority, key, block)`` in order (a ``SortedList``) and each leaf's
+    priority by Block (``prio``, hashed by identity as the index's leaf sets are: a native
+    Block's key would be a new int object at every lookup). The reference of the native
+    ``LeafOrder`` (``_native.c``), which has the same methods below for priorities that are real
+    numbers; any other priority (a tuple) is kept here."""
 
-    def __init__(self, priority: Priority) -> None:
-        self.priority = priority
-        self._slots: dict[int, _Slot] = {}
+    def __init__(self) -> None:
+        super().__init__()
+        self.prio: dict[Block, Any] = {}
 
-    def _slot(self, slot: int) -> _Slot:
-        s = self._slots.get(slot)
-        if s is None:
-            s = self._slots[slot] = _Slot()
-        return s
-
-    def _set(self, s: _Slot, index: RadixIndex, slot: int, block: Block) -> None:
-        new = self.priority(index, block, slot)
-        old = s.prio.get(block, _MISSING)
+    def put(self, block: Block, priority: Any) -> None:
+        """``block`` is a leaf at ``priority`` (re-scored if it was one)."""
+        old = self.prio.get(block, _MISSING)
         key = block.key
         if old is not _MISSING:
-            if old == new:
+            if old == priority:
                 return
-            s.order.remove((old, key, block))
-        s.prio[block] = new
-        s.order.add((new, key, block))
+            self.remove((old, key, block))
+        self.prio[block] = priority
+        self.add((priority, key, block))
 
-    def _drop(self, s: _Slot, block: Block) -> None:
-        old = s.prio.pop(block, _MISSING)
+    def drop(self, block: Block) -> None:
+        """``block`` is no leaf (nothing if it was none)."""
+        old = self.prio.pop(block, _MISSING)
         if old is not _MISSING:
-            s.order.remove((old, block.key, block))
+            self.remove((old, block.key, block))
+
+    def holds(self, block: Block) -> bool:
+        return block in self.prio
+
+    def get(self, block: Block, default: Any = None) -> Any:
+        """``block``'s priority."""
+        return self.prio.get(block, default)
+
+    def part(self, after: tuple[Any, int] | None, n: int) -> list[tuple[Any, int, Block]]:
+        """Up to ``n`` entries in order, those above ``after`` (``(priority, key)``; None: from the
+        first). ``(priority, key + 1)`` is the least value above every ``(priority, key, block)``."""
+        return list(itertools.islice(self.irange(minimum=None if after is None else (after[0], after[1] + 1)), n))
+
+    def clear(self) -> None:
+        super().clear()
+        self.prio.clear()
+
+    def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], priority: Priority) -> None:
+        """The leaf tracker's hook for a chain ``slot`` just stored (``SortedLeaves.stored``)."""
+        # A block whose successor in the stored chain is its child has a held child now, so it
+        # is no leaf: drop it (a no-op for the usual brand-new block) without scanning its
+        # children. Only the chain's parent, its last block and any block the chain does not
+        # continue from need the full check. This hook runs for every stored block of every
+        # engine event, so the difference is most of its cost.
+        prio = self.prio
+        if chain_split is _chain_split_native and type(blocks) is list:
+            continued, ends = _native_split(blocks, prio)
+        else:
+            continued, ends = chain_split(blocks, prio)
+        for b in continued:
+            self.drop(b)
+        first = blocks[0].parent
+        bit = 1 << slot
+        for b in ends if first is None else [first, *ends]:
+            # a block with no children has no held child: no need to look
+            if b.holders & bit and (b.children is None or not held_child_other_than(b, bit, None)):
+                self.put(b, priority(index, b, slot))
+            else:
+                self.drop(b)
+
+
+#: the native container of a slot's leaves by a numeric priority (``_native.c``), or None
+LeafOrder = None if native.module is None else native.module.LeafOrder
+
+
+def leaf_order(index: RadixIndex, numeric: bool) -> LeafOrder | PyLeafOrder:
+    """An empty container for a slot's leaves: the native ``LeafOrder`` for a ``numeric``
+    priority (a float or an int: what it keeps as a double) over the extension's Blocks, else the
+    reference ``PyLeafOrder`` (any priority, any Block)."""
+    if numeric and LeafOrder is not None and index.native_blocks:
+        return LeafOrder()
+    return PyLeafOrder()
+
+
+class SortedLeaves:
+    """Per-slot leaves sorted by ``priority(index, block, slot)``; see the module docstring.
+    ``numeric``: the priority is always a real number (lru's recency), so a slot's leaves are
+    kept in the native ``LeafOrder`` where the index's Blocks are native (``leaf_order``)."""
+
+    def __init__(self, priority: Priority, numeric: bool = False) -> None:
+        self.priority = priority
+        self.numeric = numeric
+        self._slots: dict[int, LeafOrder | PyLeafOrder] = {}
+
+    def _slot(self, index: RadixIndex, slot: int) -> LeafOrder | PyLeafOrder:
+        s = self._slots.get(slot)
+        if s is None:
+            s = self._slots[slot] = leaf_order(index, self.numeric)
+        return s
 
     def refresh(self, index: RadixIndex, slot: int, blocks: Iterable[Block], exclude: Block | None = None) -> None:
         """Recompute leaf status and priority of ``blocks`` (``exclude``: a child being removed)."""
-        s = self._slot(slot)
+        s = self._slot(index, slot)
         bit = 1 << slot
         for b in blocks:
             if b.holders & bit and not held_child_other_than(b, bit, exclude):
-                self._set(s, index, slot, b)
+                s.put(b, self.priority(index, b, slot))
             else:
-                self._drop(s, b)
+                s.drop(b)
 
     def rescore(self, index: RadixIndex, slot: int, keys: Iterable[int]) -> None:
         """Recompute the priority of those of ``keys`` that are leaves of ``slot`` (what the
@@ -339,40 +397,21 @@ class SortedLeaves:
         s = self._slots.get(slot)
         if s is None:
             return
-        prio = s.prio
         for k in keys:
             b = index.get(k)
-            if b is not None and b in prio:  # prio is keyed by Block
-                self._set(s, index, slot, b)
+            if b is not None and s.holds(b):
+                s.put(b, self.priority(index, b, slot))
 
     # ---- hooks ---------------------------------------------------------------------------
     def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
+        """``slot`` stored the chain ``blocks`` (``EvictionPolicy.on_stored``): one call into its
+        container (natively, the whole hook in C: it runs for every stored engine event)."""
         if not blocks:
             return
-        # A block whose successor in the stored chain is its child has a held child now, so it
-        # is no leaf: drop it (a no-op for the usual brand-new block) without scanning its
-        # children. Only the chain's parent, its last block and any block the chain does not
-        # continue from need the full check. This hook runs for every stored block of every
-        # engine event, so the difference is most of its cost.
-        # refresh(index, slot, [blocks[0].parent, *ends]) written out: this runs once per stored
-        # event, where each Python call saved is ~1% of PublishEvents' work per block
         s = self._slots.get(slot)
         if s is None:
-            s = self._slots[slot] = _Slot()
-        if chain_split is _chain_split_native and type(blocks) is list:
-            continued, ends = _native_split(blocks, s.prio)
-        else:
-            continued, ends = chain_split(blocks, s.prio)
-        for b in continued:
-            self._drop(s, b)
-        first = blocks[0].parent
-        bit = 1 << slot
-        for b in ends if first is None else [first, *ends]:
-            # a block with no children has no held child: no need to look
-            if b.holders & bit and (b.children is None or not held_child_other_than(b, bit, None)):
-                self._set(s, index, slot, b)
-            else:
-                self._drop(s, b)
+            s = self._slots[slot] = leaf_order(index, self.numeric)
+        s.stored(index, slot, blocks, self.priority)
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last
@@ -381,13 +420,12 @@ class SortedLeaves:
         if s is None or not blocks:
             return
         b = blocks[-1]
-        if b in s.prio:
-            self._set(s, index, slot, b)
+        if s.holds(b):
+            s.put(b, self.priority(index, b, slot))
 
     def removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         """Called before the index drops ``block`` from ``slot``."""
-        s = self._slot(slot)
-        self._drop(s, block)
+        self._slot(index, slot).drop(block)
         if block.parent is not None:
             self.refresh(index, slot, (block.parent,), exclude=block)
 
@@ -398,13 +436,13 @@ class SortedLeaves:
         go (the index moves their pending accesses up to it), so only parents that stay are
         re-scored, each once, where per block a chain removed leaf first would make each of its
         blocks a leaf and then drop it again."""
-        s = self._slot(slot)
+        s = self._slot(index, slot)
         if len(blocks) == 1:
             self.removed(index, slot, blocks[0])
             return
         gone = {b.key for b in blocks}
         for b in blocks:
-            self._drop(s, b)
+            s.drop(b)
         bit = 1 << slot
         seen: set[int] = set()
         for b in blocks:
@@ -414,7 +452,7 @@ class SortedLeaves:
             seen.add(parent.key)
             # it held b, so it was no leaf: it is one now unless a child it keeps is held
             if not any(c.holders & bit and c.key not in gone for c in parent.iter_children()):
-                self._set(s, index, slot, parent)
+                s.put(parent, self.priority(index, parent, slot))
 
     def cleared(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -422,16 +460,21 @@ class SortedLeaves:
     def detach(self, slot: int) -> list[Any]:
         """Forget ``slot`` as ``cleared`` does; its containers, for ``release_steps``."""
         s = self._slots.pop(slot, None)
-        return [] if s is None else [s.prio, s.order]
+        if s is None:
+            return []
+        # a PyLeafOrder's dict of leaves goes a part at a time, its SortedList at once; a native
+        # LeafOrder at once too (one array of entries per ~256-512 leaves, no object per entry)
+        return [s.prio, s] if isinstance(s, PyLeafOrder) else [s]
 
     # ---- ranking -------------------------------------------------------------------------
-    def sorted_view(self, ctx: EvictionContext) -> SortedList | None:
-        """The slot's leaves as ``(priority, key, block)`` in order, or None when this tracker
-        has not seen every hook for the slot (the caller must then rank from the index)."""
+    def sorted_view(self, ctx: EvictionContext) -> LeafOrder | PyLeafOrder | None:
+        """The slot's leaves as ``(priority, key, block)`` in order (iterated; a PyLeafOrder is
+        also read as the SortedList it is), or None when this tracker has not seen every hook for
+        the slot (the caller must then rank from the index)."""
         s = self._slots.get(ctx.slot)
-        if s is None or len(s.prio) != len(ctx.index.leaves(ctx.slot)):
+        if s is None or len(s) != len(ctx.index.leaves(ctx.slot)):
             return None
-        return s.order
+        return s
 
     def priority_for(self, ctx: EvictionContext) -> Callable[[Block], Any]:
         index, slot, prio = ctx.index, ctx.slot, self.priority
@@ -441,7 +484,8 @@ class SortedLeaves:
 
         return priority
 
-    def view_steps(self, ctx: EvictionContext, step: int | None) -> Generator[None, None, SortedList | SortedRun | None]:
+    def view_steps(self, ctx: EvictionContext, step: int | None,
+                   ) -> Generator[None, None, LeafOrder | PyLeafOrder | SortedRun | None]:
         """``sorted_view`` as a ranking in parts reads it: the live order at once (``step`` None),
         else a copy made ``COPY_FACTOR * step`` entries a part (``copy_steps``), which events
         between the ranking's parts cannot change under it."""
@@ -476,9 +520,9 @@ class LeafOrderPolicy(EvictionPolicyBase):
     """An eviction policy that is a fixed priority over leaves (LRU, LFU): the hooks keep a
     SortedLeaves current and ``rank`` reads it."""
 
-    def __init__(self, params: object, rng: random.Random, priority: Priority) -> None:
+    def __init__(self, params: object, rng: random.Random, priority: Priority, numeric: bool = False) -> None:
         super().__init__(params, rng)
-        self._leaves = SortedLeaves(priority)
+        self._leaves = SortedLeaves(priority, numeric)
 
     def rank(self, ctx: EvictionContext, count: int, pinned: frozenset[int]) -> list[Block]:
         return self._leaves.rank(ctx, count, pinned)

@@ -7,7 +7,8 @@ or last reused by a request routed to that worker. Ties break on the smaller key
 order is deterministic. No parameters.
 
 The policy keeps each worker's leaves sorted by recency, updated by the hooks, so ranking k
-blocks costs O(k log L) for L leaves; without the hooks (a policy built just for one
+blocks costs O(k log L) for L leaves (in the extension's ``LeafOrder`` where it is built, the
+stored hook one C call per event: ``_leaves.SortedLeaves``); without the hooks (a policy built just for one
 ``EvictHint``) it heapifies the leaves instead (``_leaves.rank_leaves_by``). Either way
 ``rank`` does not change the index.
 """
@@ -30,4 +31,4 @@ _recency = RadixIndex.recency
 @register("eviction", "lru")
 class LRUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
-        super().__init__(params, rng, _recency)
+        super().__init__(params, rng, _recency, numeric=True)  # a float: kept natively (LeafOrder)

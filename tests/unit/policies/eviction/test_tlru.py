@@ -247,8 +247,8 @@ def test_a_budget_shift_visits_no_conversation(cache_of, monkeypatch, conversati
     path = _reach.path_keys
     monkeypatch.setattr(_reach, "path_keys", lambda tip: (walked.append(tip.key), path(tip))[1])
     leaves = c.policy._leaves
-    set_ = leaves._set
-    monkeypatch.setattr(leaves, "_set", lambda s, index, slot, b: (rescored.append(b.key), set_(s, index, slot, b)))
+    score = leaves.priority  # what the tracker calls for each leaf it places or re-scores
+    monkeypatch.setattr(leaves, "priority", lambda index, b, slot: (rescored.append(b.key), score(index, b, slot))[1])
     move = _reach.move
     monkeypatch.setattr(_reach, "move", lambda t, old, new, changed: (move(t, old, new, changed), moved.append(len(changed))))
 

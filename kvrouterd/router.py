@@ -18,7 +18,7 @@ import logging
 import random
 from array import array
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
 from .index.keys import ROOT_SEED, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
-from .index.native import u64_array
+from .index.native import u64_array, u64_map
 from .index.pages import PageChains
 from .index.radix import Block, RadixIndex
 from .index.workers import MAX_WORKERS, InFlight, Worker, WorkerRegistry, WorkerSpec
@@ -191,7 +191,7 @@ class PrefixHits:
     reachable_blocks: int = 0
 
 
-def _invert_steps(mapping: Any, into: dict[int, int], step: int) -> Iterator[None]:
+def _invert_steps(mapping: Any, into: MutableMapping[int, int], step: int) -> Iterator[None]:
     """Add ``key -> engine hash`` to ``into`` for each pair of a worker's ``engine_keys``, at
     most ``step`` pairs per part. The pairs are read from one copy taken at the first part (a
     native map's in one C call that makes no int object); between parts the caller may change
@@ -238,7 +238,7 @@ class Router:
         #: oldest dropped first. Filled only for event-mode workers whose policy reads metadata.
         self._recent_access: dict[int, tuple[AccessInfo, int]] = {}
         #: slot -> our key -> engine hash, kept only for workers that asked for an eviction hint
-        self._engine_hash_of: dict[int, dict[int, int]] = {}
+        self._engine_hash_of: dict[int, MutableMapping[int, int]] = {}
         #: slot -> the steps still building its ``_engine_hash_of`` map (``engine_hash_steps``)
         self._engine_hash_building: dict[int, Iterator[None]] = {}
         #: the steps that empty slots no worker routes to any more (cleared workers' old slots);
@@ -410,7 +410,7 @@ class Router:
         log.info("worker removed", extra={"worker_id": worker_id})
         return worker, self._drop_slot_steps(worker.slot, step, reverse)
 
-    def _drop_slot_steps(self, slot: int, step: int, reverse: dict[int, int] | None = None) -> Iterator[int]:
+    def _drop_slot_steps(self, slot: int, step: int, reverse: MutableMapping[int, int] | None = None) -> Iterator[int]:
         """Empty a slot no worker routes to: its blocks, then every eviction policy's state for
         it and its engine-hash map ``reverse``, at most ``step`` of each at a time; then free it.
         Yields the blocks each part dropped (0 for the parts that release state)."""
@@ -1183,7 +1183,7 @@ class Router:
         # a worker that asked for eviction hints keeps its (now empty) engine-hash map current
         reverse = self._engine_hash_of.get(old)
         if reverse is not None:
-            self._engine_hash_of[old] = {}
+            self._engine_hash_of[old] = u64_map()
             self._engine_hash_building.pop(old, None)  # the map was cleared: {} is complete
         if self.index.count(old) <= CLEAR_IN_PLACE_BLOCKS:
             self.index.clear(old)
@@ -1235,7 +1235,7 @@ class Router:
         bit, slot, index = worker.bit, worker.slot, self.index
         reverse = self._engine_hash_of.get(slot) if slot not in self._engine_hash_building else None
         if reverse is None:  # this worker never asked for a hint: its engine hashes, in parts too
-            reverse = {}
+            reverse = u64_map(len(worker.engine_keys))  # sized ahead: see _build_engine_hashes
             for _ in _invert_steps(worker.engine_keys, reverse, step):
                 yield []
                 if self.workers.find(worker_id) is not worker or worker.slot != slot:
@@ -1419,9 +1419,13 @@ class Router:
 
     def _build_engine_hashes(self, worker: Worker, step: int) -> Iterator[None]:
         slot = worker.slot
-        reverse: dict[int, int] = {}
+        # a native map sized for what the worker holds: a dict (or a map left to grow) rehashed
+        # everything it held inside one part, 10-23 ms at 350k entries (issue #16 item 1). Its
+        # table (~12 MiB at 400k) is mapped in a part of its own, before the pairs are copied,
+        # with room for an eighth more (blocks the worker stores while the parts run).
+        reverse = u64_map(len(worker.engine_keys) * 9 // 8)
         self._engine_hash_of[slot] = reverse
-        for _ in _invert_steps(worker.engine_keys, reverse, step):
+        for _ in itertools.chain((None,), _invert_steps(worker.engine_keys, reverse, step)):
             yield
             if self._engine_hash_of.get(slot) is not reverse:
                 return  # the worker was cleared or removed meanwhile: nothing more to build

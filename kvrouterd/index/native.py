@@ -45,12 +45,13 @@ def _load() -> tuple[ModuleType | None, str]:
 module, status = _load()
 
 
-def u64_map() -> MutableMapping[int, int]:
+def u64_map(expected: int = 0) -> MutableMapping[int, int]:
     """An empty map of uint64 -> uint64: the native U64Map (~24 bytes an entry) or a dict
     (~77). Both raise OverflowError/TypeError for keys or values outside 0 <= x < 2**64 only
-    in the native case, so callers validate ranges first."""
+    in the native case, so callers validate ranges first. ``expected``: entries the native map
+    takes before its table first grows (a dict cannot be sized ahead)."""
     if module is not None:
-        return module.U64Map()  # type: ignore[no-any-return]
+        return module.U64Map(expected)  # type: ignore[no-any-return]
     return {}
 
 

@@ -1184,7 +1184,7 @@ class Router:
         reverse = self._engine_hash_of.get(old)
         if reverse is not None:
             self._engine_hash_of[old] = u64_map()
-            self._engine_hash_building.pop(old, None)  # the map was cleared: {} is complete
+            self._engine_hash_building.pop(old, None)  # the map was cleared: an empty one is complete
         if self.index.count(old) <= CLEAR_IN_PLACE_BLOCKS:
             self.index.clear(old)
             for ev in self._eviction_by_name.values():

@@ -336,6 +336,11 @@ def _walk(data: bytes, start: int, end: int, budget: list[int], route: bool = Fa
     return fields
 
 
+def _budget_named(exc: _Unsplittable, budget: int) -> _Unsplittable:
+    """``exc`` with a used-up walk budget's reason naming the budget (``_walk`` sees only what is left)."""
+    return _Unsplittable(f"more than {budget} fields") if exc.reason == _TOO_MANY_FIELDS else exc
+
+
 def _check_token_field(number: int, wire_type: int) -> None:
     """_Unsplittable unless a token field (``token_ids``, ``token_ids_le32``) is length-delimited:
     unpacked token ids (legal, no encoder sends them: a field per id) or a mismatch."""
@@ -435,9 +440,7 @@ def split_route(data: bytes, bad: int = -1) -> tuple[bytes, WirePrompt] | None:
     try:
         fields = _walk(data, 0, len(data), [MAX_SPLIT_FIELDS], True)
     except _Unsplittable as exc:
-        if exc.reason == _TOO_MANY_FIELDS:
-            raise _Unsplittable(f"more than {MAX_SPLIT_FIELDS} fields") from None
-        raise
+        raise _budget_named(exc, MAX_SPLIT_FIELDS) from None
     rests, prompt = _route_prompt(data, [fields], ((0, len(data)),), bad)
     return None if prompt is None else (rests[0], prompt)
 
@@ -645,7 +648,7 @@ def split_stream(data: bytes, bad: int = -1, most_uncut: int = -1) -> tuple[byte
     try:
         fields = walk.fields(0, len(data))
     except _Unsplittable as exc:
-        raise _stream_unsplittable(exc) from None
+        raise _budget_named(exc, MAX_STREAM_SPLIT_FIELDS) from None
     try:
         kept = _kept_kind(fields)
         walk.kinds(fields, kept)
@@ -673,18 +676,12 @@ def split_stream(data: bytes, bad: int = -1, most_uncut: int = -1) -> tuple[byte
                     new[i] = length_delimited(_STREAM_BATCH_FIELD,
                                                _reframed(data, batch, fields[i][3], fields[i][4], items))
     except _Unsplittable as exc:
-        exc = _stream_unsplittable(exc)
+        exc = _budget_named(exc, MAX_STREAM_SPLIT_FIELDS)
         exc.message_id = _stream_id(data, fields)
         raise exc from None
     if not prompts:
         return None
     return _reframed(data, fields, 0, len(data), new), prompts
-
-
-def _stream_unsplittable(exc: _Unsplittable) -> _Unsplittable:
-    if exc.reason == _TOO_MANY_FIELDS:
-        return _Unsplittable(f"more than {MAX_STREAM_SPLIT_FIELDS} fields")
-    return exc
 
 
 def route_stream_message(data: bytes, min_prompt_bytes: int) -> pb.RouteStreamRequest | SplitStream | Refused:

@@ -406,12 +406,8 @@ class SortedLeaves:
     def stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``slot`` stored the chain ``blocks`` (``EvictionPolicy.on_stored``): one call into its
         container (natively, the whole hook in C: it runs for every stored engine event)."""
-        if not blocks:
-            return
-        s = self._slots.get(slot)
-        if s is None:
-            s = self._slots[slot] = leaf_order(index, self.numeric)
-        s.stored(index, slot, blocks, self.priority)
+        if blocks:
+            self._slot(index, slot).stored(index, slot, blocks, self.priority)
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last

@@ -92,6 +92,14 @@ class LimitsConfig:
     off_loop_prompt_bytes: int = 256 * 1024
     #: events per PublishEvents batch
     max_batch_events: int = 65536
+    #: bytes of one event batch (a PublishEvents message, an event-bus message); a longer one is
+    #: RESOURCE_EXHAUSTED before it is parsed. A batch is read and applied in one turn of the
+    #: routing loop, so this bounds how long it holds routing (docs/operations.md, "Limits")
+    max_event_batch_bytes: int = 512 * 1024
+    #: blocks of one event batch: stored pages (tokens // the event's block size) or engine
+    #: hashes if more, plus removed engine hashes, each event counting at least 8 (its own
+    #: cost); more is RESOURCE_EXHAUSTED before any engine hash is read. The SDK splits under both
+    max_batch_blocks: int = 4096
     max_concurrent_streams: int = 1024
     #: seconds after which a routed request that never completed stops counting as load
     inflight_timeout_s: float = 300.0
@@ -324,11 +332,14 @@ class Config:
                                         ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
                 if len(value) > limit:
                     raise ConfigError(f"workers[{i}].{fname}: {len(value)} characters, over the limits.max_*_length of {limit}")
-        for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_concurrent_streams",
+        for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
+                      "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
                       "max_inflight_bytes", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 raise ConfigError(f"limits.{fname}: must be > 0")
+        if lim.max_batch_blocks < 8:
+            raise ConfigError("limits.max_batch_blocks: must be >= 8, what one event counts at least")
         if lim.max_message_bytes < 4096:
             raise ConfigError("limits.max_message_bytes: must be >= 4096")
         if lim.inflight_timeout_s <= 0:

@@ -3358,10 +3358,10 @@ slots_filler(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- PublishEvents' EventBatch read from its wire bytes (issue #12) ---------------------------
  *
- * read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared)
- *     -> new_batch(worker_id, sequence, events) | None
+ * read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared,
+ *                  max_blocks, block_size, event_blocks) -> new_batch(worker_id, sequence, events) | None
  *
- * What server/convert.py: event_batch(EventBatch.FromString(data), max_events, max_id_length) makes
+ * What server/convert.py: event_batch(EventBatch.FromString(data), limits) makes
  * of a batch, read straight from the bytes: the reference parses every event into upb messages,
  * then reads each field back through a Python attribute and makes an int per engine hash twice
  * (a list, then a tuple): ~290 ns a stored block of the bench's 32-block events, a third of the
@@ -3381,8 +3381,11 @@ slots_filler(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * empty or too long worker_id, a sequence above 2**63-1, more than max_events events, a
  * CacheEvent with no event, a stored event with both token fields, a token_ids_le32 whose length
  * is not a multiple of 4); a stored event with neither token field (convert's empty tokens, which
- * the Router refuses); and a block_size or token id varint above 2**32-1 (upb keeps its low 32
- * bits). Token ids come as the bytes of token_ids_le32, or from packed token_ids as little-endian
+ * the Router refuses); a block_size or token id varint above 2**32-1 (upb keeps its low 32
+ * bits); and a batch of more than max_blocks blocks (convert's batch_blocks: each event counts
+ * its pages, tokens // (its block_size or the router's block_size), or its engine hashes if more,
+ * and at least event_blocks), found by counting each event before any of its ints is made, so an oversized
+ * batch costs at most max_blocks blocks' work here before the reference refuses it. Token ids come as the bytes of token_ids_le32, or from packed token_ids as little-endian
  * uint32s (convert's _le_u32). */
 typedef struct {
     const unsigned char *p, *end;
@@ -3509,11 +3512,23 @@ wire_u32_le(WireReader w, int *plain)
 
 typedef struct {
     PyObject *new_stored, *new_removed, *new_cleared;
+    /* blocks the batch may still carry (max_blocks less those read so far), and the router's
+     * block size, which a stored event without its own block_size counts in, and the least an
+     * event counts (its own cost, whatever it carries) */
+    Py_ssize_t blocks_left, block_size, event_blocks;
 } EventMakers;
+
+/* Count an event's blocks (at least event_blocks) against the batch's budget: 0, or -1 when they do not fit. */
+static inline int
+take_blocks(EventMakers *make, Py_ssize_t blocks)
+{
+    make->blocks_left -= blocks > make->event_blocks ? blocks : make->event_blocks;
+    return make->blocks_left < 0 ? -1 : 0;
+}
 
 /* A StoredBlocks payload as new_stored(...); NULL with an error set, or NULL and *plain cleared. */
 static PyObject *
-wire_stored(WireReader w, const EventMakers *make, int *plain)
+wire_stored(WireReader w, EventMakers *make, int *plain)
 {
     enum { PARENT = 1, HASHES = 2, TOKENS = 3, BLOCK_SIZE = 4, MODEL = 5, LORA = 6, SALT = 7, LE32 = 8 };
     WireReader payload[9] = {{NULL, NULL}};
@@ -3538,6 +3553,11 @@ wire_stored(WireReader w, const EventMakers *make, int *plain)
     Py_ssize_t packed = payload[LE32].end - payload[LE32].p, repeated = payload[TOKENS].end - payload[TOKENS].p;
     if ((packed == 0) == (repeated == 0) || packed % 4)
         goto other; /* both token fields or neither, or a malformed packed one: convert's error */
+    Py_ssize_t tokens = packed ? packed / 4 : count_varints(payload[TOKENS].p, repeated);
+    Py_ssize_t hashes = count_varints(payload[HASHES].p, payload[HASHES].end - payload[HASHES].p);
+    Py_ssize_t pages = tokens < 0 ? 0 : tokens / (block_size ? (Py_ssize_t)block_size : make->block_size);
+    if (tokens < 0 || hashes < 0 || take_blocks(make, pages > hashes ? pages : hashes) < 0)
+        goto other; /* a malformed varint (upb's error), or over the budget (convert's) */
     if (packed)
         values[0] = PyBytes_FromStringAndSize((const char *)payload[LE32].p, packed);
     else
@@ -3576,7 +3596,7 @@ other:
 
 /* A CacheEvent payload as a core event; NULL with an error set, or NULL and *plain cleared. */
 static PyObject *
-wire_event(WireReader w, const EventMakers *make, int *plain)
+wire_event(WireReader w, EventMakers *make, int *plain)
 {
     uint32_t kind = 0;
     WireReader payload = {NULL, NULL};
@@ -3605,6 +3625,11 @@ wire_event(WireReader w, const EventMakers *make, int *plain)
                 return NULL;
             }
         }
+        Py_ssize_t n = count_varints(hashes_payload.p, hashes_payload.end - hashes_payload.p);
+        if (n < 0 || take_blocks(make, n) < 0) {
+            *plain = 0;
+            return NULL;
+        }
         hashes = wire_u64_tuple(hashes_payload, plain);
         if (hashes == NULL || !*plain) {
             Py_XDECREF(hashes);
@@ -3615,7 +3640,7 @@ wire_event(WireReader w, const EventMakers *make, int *plain)
         Py_DECREF(hashes);
         return removed;
     }
-    if (kind == 3 && payload.p == payload.end)
+    if (kind == 3 && payload.p == payload.end && take_blocks(make, 1) == 0)
         return PyObject_Vectorcall(make->new_cleared, NULL, 0, NULL);
     *plain = 0; /* no event set, or an AllBlocksCleared with fields */
     return NULL;
@@ -3624,15 +3649,23 @@ wire_event(WireReader w, const EventMakers *make, int *plain)
 static PyObject *
 read_event_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
+    if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, "
-                                         "new_removed, new_cleared) takes 7 arguments");
+                                         "new_removed, new_cleared, max_blocks, block_size, event_blocks) takes 10 "
+                                         "arguments");
         return NULL;
     }
     Py_ssize_t max_events = PyLong_AsSsize_t(args[1]), max_id_length = PyLong_AsSsize_t(args[2]);
-    if ((max_events == -1 || max_id_length == -1) && PyErr_Occurred())
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[7]), block_size = PyLong_AsSsize_t(args[8]);
+    Py_ssize_t event_blocks = PyLong_AsSsize_t(args[9]);
+    if ((max_events == -1 || max_id_length == -1 || max_blocks == -1 || block_size == -1 || event_blocks == -1)
+        && PyErr_Occurred())
         return NULL;
-    EventMakers make = {args[4], args[5], args[6]};
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "read_event_batch: block_size must be > 0");
+        return NULL;
+    }
+    EventMakers make = {args[4], args[5], args[6], max_blocks, block_size, event_blocks};
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -4558,7 +4591,8 @@ static PyMethodDef native_methods[] = {
     {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
      "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
-     "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared) -> "
+     "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
+     "block_size, event_blocks) -> "
      "an EventBatch message's core batch, or None for convert.event_batch to read it"},
     {"u64_array", (PyCFunction)u64_array, METH_O,
      "u64_array(values) -> array('Q') | None: array('Q', values) for a tuple or list of ints, else None"},

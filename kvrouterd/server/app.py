@@ -106,7 +106,8 @@ class Daemon:
         #: the TLS files being watched (None without TLS)
         self.certificates: CertificateFiles | None = None
         self.service = KVRouterService(
-            self.router, self.tracer, None, config.limits.max_batch_events, config.limits.max_message_bytes  # type: ignore[arg-type]
+            self.router, self.tracer, None, config.limits.max_batch_events, config.limits.max_message_bytes,  # type: ignore[arg-type]
+            max_event_batch_bytes=config.limits.max_event_batch_bytes, max_batch_blocks=config.limits.max_batch_blocks,
         )
         self.admission = AdmissionGate(self.router, config.admission) if config.admission.enabled else None
         self.service.admission = self.admission
@@ -261,7 +262,7 @@ class Daemon:
 
         self.bus = BusEventSource(
             self.config.events.bus,
-            decode=lambda data: convert.event_batch_bytes(data, max_events),
+            decode=lambda data: convert.event_batch_bytes(data, self.service.batch_limits),
             apply=apply,
             # what `kvrouterd bridge` publishes: the calls its ZMQ source made, replayed here
             bridged=BridgedEvents(lambda batch: self.service.apply_batch(batch, per_event=True),

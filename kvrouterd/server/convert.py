@@ -44,6 +44,10 @@ from ..protocols import (
 from ..router import Router, RouteResult
 
 __all__ = [
+    "EVENT_BLOCKS",
+    "BatchLimits",
+    "BatchTooLarge",
+    "batch_blocks",
     "check_id",
     "check_split",
     "completion",
@@ -53,6 +57,7 @@ __all__ = [
     "load_delta",
     "marker_delta",
     "event_batch",
+    "event_batch_bytes",
     "event_batch_message",
     "length_delimited",
     "evict_request",
@@ -997,14 +1002,92 @@ def _events(msgs: Iterable[pb.CacheEvent]) -> tuple[CacheEvent, ...]:
 MAX_EVENT_SEQUENCE = 2**63 - 1
 
 
-def event_batch(msg: pb.EventBatch, max_events: int, max_id_length: int = 256) -> EventBatch:
+# ---- how much one event batch may carry (issue #16 items 1 and 3) ------------------------------
+#
+# A batch is read, converted and applied in one turn of the event loop (grpc.aio runs the
+# deserializer on the loop, and upb and the native reader hold the GIL, so a thread would not
+# help): one PublishEvents message of 219k blocks held the loop 23-35 ms reading natively,
+# 84-97 ms parsing on the reference path, then 66-100 ms applying. So its size is bounded
+# twice, and more is RESOURCE_EXHAUSTED before the work: its bytes (``limits.max_event_batch_bytes``,
+# on len(data) before any parsing: bounds what upb parses) and its blocks
+# (``limits.max_batch_blocks``, ``batch_blocks``: bounds the ints made and what the router
+# applies; counted before a hash is read). The SDK splits what it sends under both.
+#
+# An event costs more than a block by itself (natively ~6.5 us to convert and apply a one-block
+# stored event, ~0.26 us a block of a long one; a removal ~1.1 us, a clear ~2.7 us), so every
+# event counts at least EVENT_BLOCKS: without that, 4,096 one-block events held the loop 27 ms.
+# 8, not the ~25 the costs suggest: the SDK's batches of up to 512 small events (its default
+# max_batch_events, before it cut batches to the limits) still fit the default 4,096, and 512
+# one-block events hold the loop ~3.5 ms.
+
+#: the least one event counts against limits.max_batch_blocks (the SDK counts the same)
+EVENT_BLOCKS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """What one event batch may carry (config ``limits``); ``block_size``: the router's, which
+    a stored event without its own block_size counts its blocks in."""
+
+    max_events: int
+    max_id_length: int
+    max_bytes: int
+    max_blocks: int
+    block_size: int
+
+    def too_many_bytes(self, size: int) -> str:
+        return (f"event batch of {size} bytes exceeds limits.max_event_batch_bytes={self.max_bytes}: "
+                f"split the batch; the kvrouter_client SDK does")
+
+    def too_many_blocks(self) -> str:
+        return (f"event batch carries more than limits.max_batch_blocks={self.max_blocks} blocks (stored pages "
+                f"and removed hashes; each event counts at least {EVENT_BLOCKS}): split the batch; the kvrouter_client "
+                f"SDK does")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTooLarge:
+    """A PublishEvents message over ``limits.max_event_batch_bytes``, as its deserializer hands it
+    over, unparsed: ``message`` is RESOURCE_EXHAUSTED's (the handler aborts with it)."""
+
+    size: int
+    message: str
+
+
+def batch_blocks(msg: pb.EventBatch, block_size: int, limit: int) -> int:
+    """The blocks of a batch, as ``limits.max_batch_blocks`` counts them, up to the first count
+    over ``limit`` (then the rest is not looked at): a stored event counts its pages,
+    ``tokens // (its block_size or the router's block_size)``, or its engine hashes if they are
+    more (what the reader makes an int of); a removed event its engine hashes; every event at
+    least ``EVENT_BLOCKS``, so the limit bounds the events a batch converts too. The native reader
+    (``read_event_batch``) counts the same way."""
+    total = 0
+    for ev in msg.events:
+        kind = ev.WhichOneof("event")
+        if kind == "stored":
+            st = ev.stored
+            tokens = len(st.token_ids_le32) // 4 or len(st.token_ids)
+            blocks = max(tokens // (st.block_size or block_size), len(st.engine_hashes))
+        elif kind == "removed":
+            blocks = len(ev.removed.engine_hashes)
+        else:
+            blocks = 1
+        total += blocks if blocks > EVENT_BLOCKS else EVENT_BLOCKS
+        if total > limit:
+            break
+    return total
+
+
+def event_batch(msg: pb.EventBatch, limits: BatchLimits) -> EventBatch:
     if not msg.worker_id:
         raise InvalidRequest("event batch without worker_id")
-    check_id("worker_id", msg.worker_id, max_id_length)
+    check_id("worker_id", msg.worker_id, limits.max_id_length)
     if msg.sequence > MAX_EVENT_SEQUENCE:
         raise InvalidRequest(f"event batch sequence {msg.sequence} is above 2**63-1 (batches count +1 from 0)")
-    if len(msg.events) > max_events:
-        raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={max_events}")
+    if len(msg.events) > limits.max_events:
+        raise Overloaded(f"event batch of {len(msg.events)} events exceeds max_batch_events={limits.max_events}")
+    if batch_blocks(msg, limits.block_size, limits.max_blocks) > limits.max_blocks:
+        raise Overloaded(limits.too_many_blocks())
     return EventBatch(worker_id=msg.worker_id, sequence=msg.sequence, events=_events(msg.events))
 
 
@@ -1015,27 +1098,36 @@ _new_removed = native.positional_constructor(Removed)
 _read_event_batch = getattr(native.module, "read_event_batch", None)
 
 
-def event_batch_message(data: bytes, max_events: int, max_id_length: int) -> EventBatch | pb.EventBatch:
-    """``PublishEvents``' request deserializer: ``event_batch``'s batch for ``data``, read natively
+def event_batch_message(data: bytes, limits: BatchLimits) -> EventBatch | pb.EventBatch | BatchTooLarge:
+    """``PublishEvents``' request deserializer: ``BatchTooLarge`` for a message over
+    ``limits.max_bytes`` (nothing parsed); else ``event_batch``'s batch for ``data``, read natively
     from the bytes where the message has the plain form protobuf encoders write and nothing in it
     is refused; otherwise (or without the extension) the parsed message, for ``event_batch`` to
     convert or refuse. Parsing then converting costs ~290 ns a stored block of the bench's 32-block
     events, reading natively ~80 (``_native.c``: read_event_batch, which says what it leaves to
-    protobuf; most of the rest is the engine hashes' ints, which the core events hold)."""
+    protobuf; most of the rest is the engine hashes' ints, which the core events hold). A batch
+    over ``limits.max_blocks`` is left to the reference too, which refuses it: the reader stops
+    at the first event past the limit, before making its ints."""
+    if len(data) > limits.max_bytes:
+        return BatchTooLarge(len(data), limits.too_many_bytes(len(data)))
     if _read_event_batch is not None:
-        batch = _read_event_batch(data, max_events, max_id_length, _new_batch, _new_stored, _new_removed, Cleared)
+        batch = _read_event_batch(data, limits.max_events, limits.max_id_length, _new_batch, _new_stored, _new_removed,
+                                  Cleared, limits.max_blocks, limits.block_size, EVENT_BLOCKS)
         if batch is not None:
             return batch  # type: ignore[no-any-return]
     return pb.EventBatch.FromString(data)
 
 
-def event_batch_bytes(data: bytes, max_events: int, max_id_length: int = 256) -> EventBatch:
-    """An ``EventBatch`` message as read from the event bus (serialized, as ``PublishEvents`` sends it)."""
+def event_batch_bytes(data: bytes, limits: BatchLimits) -> EventBatch:
+    """An ``EventBatch`` message as read from the event bus (serialized, as ``PublishEvents`` sends
+    it), under the same limits."""
     try:
-        msg = event_batch_message(data, max_events, max_id_length)
+        msg = event_batch_message(data, limits)
     except DecodeError as exc:
         raise InvalidRequest(f"event batch does not parse: {exc}") from None
-    return msg if isinstance(msg, EventBatch) else event_batch(msg, max_events, max_id_length)
+    if type(msg) is BatchTooLarge:
+        raise Overloaded(msg.message)
+    return msg if isinstance(msg, EventBatch) else event_batch(msg, limits)  # type: ignore[arg-type]
 
 
 def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:

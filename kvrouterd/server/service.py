@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
+from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
@@ -80,7 +81,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoRet
 class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def __init__(
         self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
-        max_message_bytes: int = 4 * 1024 * 1024,
+        max_message_bytes: int = 4 * 1024 * 1024, *,
+        max_event_batch_bytes: int = LimitsConfig.max_event_batch_bytes,
+        max_batch_blocks: int = LimitsConfig.max_batch_blocks,
     ) -> None:
         self.router = router
         #: None when tracing is off
@@ -92,6 +95,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
         self.max_batch_events = max_batch_events
+        #: what one PublishEvents batch may carry (``convert.BatchLimits``)
+        self.batch_limits = convert.BatchLimits(max_batch_events, router.settings.max_id_length, max_event_batch_bytes,
+                                                max_batch_blocks, router.block_size)
         #: the server's limit on a received message (what RouteStream advertises to batching clients)
         self.max_message_bytes = max_message_bytes
         #: removed workers whose blocks are still being dropped (strong references to the tasks)
@@ -451,21 +457,26 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return reply
 
     # ---- engines ----------------------------------------------------------------------
-    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch:
+    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch | convert.BatchTooLarge:
         """PublishEvents' request deserializer, which the daemon registers: a plain message read
-        natively into its core batch, anything else parsed (``convert.event_batch_message``)."""
-        return convert.event_batch_message(data, self.max_batch_events, self.router.settings.max_id_length)
+        natively into its core batch, one over the byte limit left unparsed, anything else parsed
+        (``convert.event_batch_message``)."""
+        return convert.event_batch_message(data, self.batch_limits)
 
     async def PublishEvents(
-        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch | convert.BatchTooLarge],
+        context: grpc.aio.ServicerContext,
     ) -> pb.PublishEventsResponse:
         summary = pb.PublishEventsResponse(router_epoch=self.epoch)
         published: dict[str, None] = {}  # workers named, in order
         async for msg in request_iterator:
+            if type(msg) is convert.BatchTooLarge:
+                # refused unparsed (no worker to name); earlier batches of the stream stay applied
+                log.warning("event batch rejected: %s", msg.message)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
             try:
                 # the daemon's deserializer (event_batch_message) has read a plain message already
-                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(
-                    msg, self.max_batch_events, self.router.settings.max_id_length)
+                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, self.batch_limits)
                 outcome = self.apply_batch(batch)
             except KVRouterError as exc:
                 # earlier batches of the stream stay applied; this one changed nothing

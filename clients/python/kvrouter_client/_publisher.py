@@ -8,6 +8,10 @@
 
 Delivery. Events are recorded without waiting, batched (up to ``max_batch_events`` events or
 ``linger_s`` seconds) and numbered 0, 1, 2, ... per publisher, the router's per-worker sequence.
+Every batch is cut to fit the router's limits on one batch (``max_event_batch_bytes``,
+``max_batch_blocks``: pass the router's if it lowered them): a long stored chain becomes several
+chained ones in consecutive batches, which leave the router's index as the whole chain would
+(``_batches``).
 Batches go over ``PublishEvents`` client streams; a stream is closed every ``ack_interval_s``
 (or on ``flush()``) and its summary acknowledges everything written on it. Until then each
 batch stays buffered, and after a failure (router down, restarted, network) the publisher
@@ -55,6 +59,14 @@ from typing import Any
 
 import grpc
 
+from ._batches import (
+    DEFAULT_MAX_BATCH_BLOCKS,
+    DEFAULT_MAX_EVENT_BATCH_BYTES,
+    BatchLimits,
+    check_limits,
+    check_stored_fits,
+    pack_batches,
+)
 from ._channel import TLS, channel_options, open_aio_channel
 from ._client import DEFAULT_TIMEOUT_S
 from ._errors import RouterRejected, RouterUnavailable, from_rpc_error
@@ -96,6 +108,8 @@ class EventPublisher:
         block_size: int = 16,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_batch_events: int = 512,
+        max_event_batch_bytes: int = DEFAULT_MAX_EVENT_BATCH_BYTES,
+        max_batch_blocks: int = DEFAULT_MAX_BATCH_BLOCKS,
         linger_s: float = 0.005,
         ack_interval_s: float = 0.5,
         max_buffered_batches: int = 10_000,
@@ -127,6 +141,9 @@ class EventPublisher:
         self.block_size = block_size
         self.timeout = timeout
         self.max_batch_events = max_batch_events
+        #: what one batch may carry: the router's limits (events are cut to fit, ``_batches``)
+        self.batch_limits = BatchLimits(max_batch_events, max_batch_blocks, max_event_batch_bytes)
+        check_limits(self.batch_limits, block_size, worker_id)
         self.linger_s = linger_s
         self.ack_interval_s = ack_interval_s
         self.max_buffered_batches = max_buffered_batches
@@ -179,6 +196,7 @@ class EventPublisher:
         ev = Stored(list(token_ids), None if engine_hashes is None else list(engine_hashes), parent_engine_hash,
                     model, lora)
         validate_stored(ev, self.block_size)
+        check_stored_fits(ev, self.block_size, self.batch_limits, self.worker_id)
         self._record(ev)
 
     def removed(self, engine_hashes: Sequence[int]) -> None:
@@ -212,12 +230,15 @@ class EventPublisher:
         self._pending = []
 
     def _append_batch(self, events: Sequence[Event]) -> None:
-        seq = self._next_seq
-        self._next_seq += 1
-        msg = pb.EventBatch(worker_id=self.worker_id, sequence=seq, timestamp=time.time(),
-                            events=[event_to_pb(e, self.block_size) for e in events])
-        self._buffer.append((seq, msg))
-        self.stats.batches_sealed += 1
+        """Number and buffer ``events`` as one batch, or as consecutive ones where they do not
+        fit the router's limits on one (``pack_batches``)."""
+        for part in pack_batches(events, self.block_size, self.batch_limits, self.worker_id):
+            seq = self._next_seq
+            self._next_seq += 1
+            msg = pb.EventBatch(worker_id=self.worker_id, sequence=seq, timestamp=time.time(),
+                                events=[event_to_pb(e, self.block_size) for e in part])
+            self._buffer.append((seq, msg))
+            self.stats.batches_sealed += 1
 
     def _overflow(self) -> None:
         dropped = sum(len(msg.events) for _, msg in self._buffer) + len(self._pending)
@@ -245,12 +266,12 @@ class EventPublisher:
             try:
                 for ev in self.snapshot():
                     validate_stored(ev, self.block_size)
+                    check_stored_fits(ev, self.block_size, self.batch_limits, self.worker_id)
                     events.append(ev)
             except Exception:  # a broken snapshot must not stop the publisher; Cleared alone is consistent
                 log.exception("snapshot failed; resyncing with Cleared only", extra={"worker_id": self.worker_id})
                 events = [Cleared()]
-        for i in range(0, len(events), self.max_batch_events):
-            self._append_batch(events[i : i + self.max_batch_events])
+        self._append_batch(events)  # in as many batches as the limits need
         self._needs_resync = False
         self.stats.resyncs += 1
 

@@ -61,6 +61,7 @@ import msgspec
 import xxhash
 
 from ..errors import InvalidRequest
+from ..index import native
 from ..index.keys import tokens_to_bytes
 from ..protocols import CacheEvent, Cleared, Removed, Stored
 
@@ -216,8 +217,10 @@ def decode_event(raw: Any, model: str = "", lora_ids: Mapping[int, str] = _NO_LO
 
 
 def _stored(f: Mapping[str, Any], hashes: tuple[int, ...], model: str, lora_ids: Mapping[int, str]) -> Stored:
+    tokens = f.get("token_ids")
     return _stored_from(
-        hashes, f.get("token_ids"), f.get("parent_block_hash"), f.get("block_size"), f.get("lora_name"),
+        # token bytes are the typed path's reading of an int array; msgpack bin is not token ids
+        hashes, None if isinstance(tokens, (bytes, bytearray)) else tokens, f.get("parent_block_hash"), f.get("block_size"), f.get("lora_name"),
         f.get("lora_id"), f.get("group_idx"), f.get("kv_cache_spec_kind"), f.get("cache_salt"), f.get("extra_keys"),
         model, lora_ids,
     )
@@ -228,13 +231,16 @@ def _stored_from(
     kind: Any, cache_salt: Any, extras: Any, model: str, lora_ids: Mapping[int, str],
 ) -> Stored:
     """A GPU ``BlockStored``'s fields, from either decoder, checked and turned into ``Stored``."""
-    if not isinstance(tokens, (list, tuple)) or not tokens:
+    if not isinstance(tokens, (list, tuple, bytes)) or not tokens:
         # without tokens we cannot compute our keys; the router would reject it anyway
         raise MalformedPayload("BlockStored without token_ids")
-    try:
-        token_bytes = tokens_to_bytes(tokens)  # array("I") checks each id is an int in range, in C
-    except (TypeError, OverflowError):
-        raise MalformedPayload("BlockStored token_ids must be integers in [0, 2**32)") from None
+    if type(tokens) is bytes:
+        token_bytes = tokens  # the typed path's, read natively (_typed_tokens)
+    else:
+        try:
+            token_bytes = tokens_to_bytes(tokens)  # array("I") checks each id is an int in range, in C
+        except (TypeError, OverflowError):
+            raise MalformedPayload("BlockStored token_ids must be integers in [0, 2**32)") from None
     block_size = block_size or 0
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
         raise MalformedPayload(f"BlockStored block_size must be a non-negative int, got {block_size!r}")
@@ -315,6 +321,12 @@ def _group(value: object) -> int | None:
 _Hash = int | bytes
 
 
+#: a BlockStored's token ids stay undecoded msgpack in the Structs: msgspec would make an int
+#: object per token (~90 ns a token with the packing), and a step that prefills a 1M-token
+#: prompt stores all of them in one event, decoded in one turn of the routing loop (issue #16)
+_NO_TOKENS = msgspec.Raw()
+
+
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
     ts: float | None
     events: list[msgspec.Raw]
@@ -324,7 +336,7 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
 class _ArrayStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None = None
-    token_ids: list[int] | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS  # read by _typed_tokens
     block_size: int | None = None
     lora_id: int | None = None
     medium: str | None = None
@@ -347,7 +359,7 @@ class _ArrayCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCle
 class _MapStored(msgspec.Struct, gc=False, tag="BlockStored"):
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None = None
-    token_ids: list[int] | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS  # read by _typed_tokens
     block_size: int | None = None
     lora_id: int | None = None
     medium: str | None = None
@@ -383,15 +395,40 @@ def _typed_event(raw: msgspec.Raw) -> Any:
     # msgpack array: fixarray 0x90-0x9f, array16 0xdc, array32 0xdd; map: 0x80-0x8f, 0xde, 0xdf
     decoder = _ARRAY_EVENT if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD) else _MAP_EVENT
     try:
-        return decoder.decode(raw)
+        ev = decoder.decode(raw)
+        if isinstance(ev, _STORED_TYPES):
+            ev.token_ids = _typed_tokens(ev.token_ids)
+        return ev
     except msgspec.DecodeError:  # ValidationError included
         return None
 
 
+_TOKEN_LIST = msgspec.msgpack.Decoder(list[int] | None)
+_native_uint32s = getattr(native.module, "msgpack_uint32s", None)
+
+
+def _typed_tokens(raw: msgspec.Raw) -> bytes | list[int] | None:
+    """A typed BlockStored's token ids: little-endian uint32 bytes read natively from the msgpack
+    array, else what ``token_ids: list[int] | None`` decodes to (raising msgspec's error for what
+    that type does not describe), so every event keeps its path and its checks."""
+    if not raw:
+        return None  # the field is absent
+    if _native_uint32s is not None:
+        packed = _native_uint32s(raw)
+        if packed is not None:
+            return packed  # type: ignore[no-any-return]
+    return _TOKEN_LIST.decode(raw)  # type: ignore[no-any-return]
+
+
 def _typed_hashes(values: list[int | bytes]) -> tuple[int, ...]:
-    # msgspec checked every int is within int64..uint64: only negatives (SGLang) need masking
-    if values and all(type(h) is int for h in values) and min(values) >= 0:
-        return tuple(values)
+    # msgspec checked every int is within int64..uint64: only negatives (SGLang) need masking.
+    # min() finds both in C: it raises TypeError where bytes and ints mix, and comparing a
+    # bytes minimum with 0 does too
+    try:
+        if min(values) >= 0:
+            return tuple(values)
+    except (TypeError, ValueError):  # ValueError: no hashes
+        pass
     return tuple(normalize_hash(h) for h in values)
 
 

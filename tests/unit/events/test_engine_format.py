@@ -225,7 +225,9 @@ def test_text_that_is_not_utf8_costs_only_its_own_event():
 # ---- the typed (msgspec) decoder agrees with the generic one on every input ----------------
 _hash = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=9), st.booleans(), st.floats(allow_nan=False))
 _maybe = st.one_of(st.none(), st.integers(-3, 9), st.text(max_size=4), st.booleans(), st.binary(max_size=2))
-_tokens = st.one_of(st.none(), st.lists(st.integers(-1, 2**32), max_size=12), st.lists(st.text(max_size=1), max_size=2))
+_tokens = st.one_of(st.none(), st.lists(st.integers(-1, 2**32), max_size=12), st.lists(st.text(max_size=1), max_size=2),
+                    st.lists(st.integers(-(2**63), 2**64 - 1), max_size=3), st.lists(st.booleans(), max_size=2),
+                    st.binary(max_size=8), st.integers(0, 3))
 _medium = st.one_of(st.none(), st.sampled_from(["GPU", "gpu", "CPU", "disk"]), st.integers(0, 2))
 _stored_fields = st.fixed_dictionaries(
     {"block_hashes": st.lists(_hash, max_size=3), "token_ids": _tokens},

@@ -308,37 +308,94 @@ wire_prompt_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * grows by half when the load would pass 0.8, so the load stays between 0.53 and 0.8: 16.125
  * bytes per slot, about 24 per entry, where a dict spends ~41 per entry plus an int object
  * per key. Keys are mixed (murmur3's fmix64) first: sequential keys must not cluster.
+ *
+ * Growth is incremental (issue #16 item 1: re-inserting every entry inside the one call that
+ * crossed the load took ~10 ms at 350k entries, and the global BlockTable below pays the same
+ * for millions). The full array stays as `old` beside a larger `cur`; every insert and delete
+ * then moves the entries of at most MIGRATE_SLOTS old slots into `cur`, and lookups read `cur`
+ * first, then `old`. A key is in exactly one of the two. The old array is emptied from the end
+ * of its probe runs: the walk goes down from a free slot, so the slot above the one it looks at
+ * is always free (free at the start, or emptied by the walk), and an entry there is the last of
+ * its run, which leaves without shifting any other entry back: `old` stays a valid linear-probing
+ * array that lookups and deletes (backward shift, which never crosses the free slots above the
+ * walk) use as before. Every insert moves MIGRATE_SLOTS slots and the next growth is 0.4 x the
+ * old capacity inserts away (0.5 x for LeafOrder's half-full table, which doubles), so a
+ * migration is always over before the next one starts (2.5 slots an insert would do).
+ *
+ * The kernel's share is paced too. A new array of TABLE_MMAP_BYTES or more is mapped ahead, as
+ * `next`, once the load passes 0.75 (sparse: 0.45), and populated a chunk at a time as inserts
+ * and deletes go by, at a pace that has it done halfway to the load that grows the table
+ * (TablePace). Mapped at the growth itself, the migration's and the new entries' first writes
+ * faulted its pages in by trap, two faults a page (a read maps the zero page first): ~8 ms in
+ * each of the first calls after a growth at 10^6 blocks; MAP_POPULATE instead is one call of
+ * ~25-50 ms for a 64 MiB array (~3 us a page on this 2-core VM under load, issue #12). The old
+ * array, once empty, is unmapped a chunk at a time the same way: unmapping 27 MB at once took
+ * ~5-7 ms (~0.7-1 us a page). __sizeof__ counts the pages held: next's populated part, what is
+ * left of the old mapping.
  */
+/* A mapping populated (a table's next array) or unmapped (an emptied old one) a chunk at a time:
+ * every insert or delete earns `step` bytes, done in whole TABLE_CHUNKs. */
 typedef struct {
-    PyObject_HEAD
+    char *base;    /* NULL: nothing under way */
+    size_t bytes;  /* the mapping's length */
+    size_t done;   /* bytes populated / unmapped so far, from the start */
+    size_t credit; /* bytes earned and not done yet */
+    size_t step;   /* bytes an insert or delete earns */
+} TablePace;
+
+typedef struct {
     uint64_t *entries; /* capacity (key, value) pairs */
     uint64_t *used;    /* bitmap over slots */
     Py_ssize_t capacity;
     Py_ssize_t size;
-    void *table; /* entries and used, one allocation */
+    void *table; /* entries and used, one allocation; NULL: no array */
     size_t table_bytes;
+} U64Slots;
+
+/* a growing uint64 -> uint64 table: U64Map's and LeafOrder's */
+typedef struct {
+    U64Slots cur;      /* where new entries go */
+    U64Slots old;      /* the smaller array being emptied into cur (old.table NULL when none) */
+    U64Slots next;     /* the array the next growth takes, mapped ahead (next.table NULL when none) */
+    Py_ssize_t cursor; /* the old slot the migration looked at last; it goes on below it */
+    TablePace fill;    /* next's mapping, being populated */
+    TablePace drain;   /* an emptied old array's mapping, being unmapped */
+    int sparse;        /* kept at most half full, doubling (LeafOrder), rather than 0.8 growing by half */
+} U64Store;
+
+typedef struct {
+    PyObject_HEAD
+    U64Store s;
 } U64Table;
 
-#define T_KEY(t, i) ((t)->entries[2 * (size_t)(i)])
-#define T_VAL(t, i) ((t)->entries[2 * (size_t)(i) + 1])
+#define T_KEY(a, i) ((a)->entries[2 * (size_t)(i)])
+#define T_VAL(a, i) ((a)->entries[2 * (size_t)(i) + 1])
 
 #define TABLE_MIN_CAPACITY 8
+/* Old slots a growing table empties into its new array per insert or delete: enough that a
+ * migration ends long before the next growth (see above; a probe that misses in the new array
+ * reads the old one too until then), small enough that a call storing 512 blocks moves at most
+ * ~13k entries of 16k slots (~1 ms, each of a BlockTable's a Block's key read from memory). */
+#define MIGRATE_SLOTS 32
 /* Tables this large are mmap'ed: a freed one goes back to the OS at once. From the heap, the
  * tables a growing map leaves behind stayed resident (glibc raises its mmap threshold after the
- * first free), which doubled a map's RSS at 10^6 entries.
- * They are populated when mapped (MAP_POPULATE): a table is filled by a rehash the moment it
- * exists, at load >= 0.53 of 8- or 16-byte slots, so every page is written at once anyway, and
- * one call faulting them all in costs about half of a trap per page (issue #12: on a 2-core VM,
- * ~3.4 us a page by trap against ~1.6 populated, and growth maps a table's size three times
- * over; a fresh index's ingest spent a quarter of its time there). */
+ * first free), which doubled a map's RSS at 10^6 entries. */
 #define TABLE_MMAP_BYTES (1 << 20)
+/* a mapping is populated or unmapped in chunks this large (~0.2 ms a chunk): a system call has a
+ * cost of its own (populating page by page took ~4-8 us a page, ~3 us a page in chunks) */
+#define TABLE_CHUNK (256 << 10)
+/* bytes of an emptied old array unmapped per insert or delete (a chunk every 256): a 27 MB array
+ * is gone ~27k inserts later, long before the next growth (0.4 x its capacity) */
+#define TABLE_DRAIN_STEP 1024
 
+/* `bytes` zero-filled: from the heap below TABLE_MMAP_BYTES, else mmap'ed, and populated at once
+ * when `populate` (a table sized ahead for a count it will be filled to in the next parts) */
 static void *
-table_alloc(size_t bytes)
+table_alloc(size_t bytes, int populate)
 {
     if (bytes < TABLE_MMAP_BYTES)
         return PyMem_Calloc(1, bytes);
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0), -1, 0);
     return p == MAP_FAILED ? NULL : p; /* zero-filled */
 }
 
@@ -351,6 +408,70 @@ table_free(void *table, size_t bytes)
         PyMem_Free(table);
     else
         munmap(table, bytes);
+}
+
+/* start pacing the mapping `base` (`bytes` long): `step` bytes an insert or delete */
+static void
+pace_start(TablePace *p, void *base, size_t bytes, size_t step)
+{
+    *p = (TablePace){(char *)base, bytes, 0, 0, step ? step : 1};
+}
+
+/* One insert's or delete's share of `p` (all of what is left when `all`): populated
+ * (MADV_POPULATE_WRITE, or where Linux lacks it (< 5.14) a write a page, the same faults) or,
+ * when `unmap`, unmapped. Done, the pace ends (base NULL). */
+static void
+pace_run(TablePace *p, int unmap, int all)
+{
+    if (p->base == NULL)
+        return;
+    p->credit += all ? p->bytes : p->step;
+    while (p->done < p->bytes && (p->credit >= TABLE_CHUNK || p->done + p->credit >= p->bytes)) {
+        size_t n = p->bytes - p->done < TABLE_CHUNK ? p->bytes - p->done : TABLE_CHUNK;
+        char *at = p->base + p->done;
+        if (unmap)
+            munmap(at, n); /* the length rounds up to the mapping's last page */
+        else {
+#ifdef MADV_POPULATE_WRITE
+            if (madvise(at, n, MADV_POPULATE_WRITE) < 0)
+#endif
+                for (size_t off = 0; off < n; off += 4096)
+                    *(volatile char *)(at + off) = 0; /* zero already: only the fault matters */
+        }
+        p->done += n;
+        p->credit = p->credit > n ? p->credit - n : 0;
+    }
+    if (p->done >= p->bytes)
+        p->base = NULL;
+}
+
+/* bytes a pace still holds: what is left to unmap of a drain */
+static inline size_t
+pace_left(const TablePace *p)
+{
+    return p->base == NULL ? 0 : p->bytes - p->done;
+}
+
+/* The array `table` (`bytes` long) is empty and no longer read: heap memory freed now, a mapping
+ * unmapped by `drain` in steps (what an earlier drain left, if any, at once: it never has any
+ * by then, as the steps are far ahead of the growths). */
+static void
+table_retire(TablePace *drain, void *table, size_t bytes)
+{
+    if (bytes < TABLE_MMAP_BYTES) {
+        table_free(table, bytes);
+        return;
+    }
+    pace_run(drain, 1, 1);
+    pace_start(drain, table, bytes, TABLE_DRAIN_STEP);
+}
+
+/* the populate pace of a next array of `bytes` mapped `window` inserts before the growth needs
+ * it: done halfway there */
+static inline size_t
+fill_step(size_t bytes, Py_ssize_t window)
+{
+    return 2 * bytes / (size_t)(window > 1 ? window : 1) + 1;
 }
 
 static inline uint64_t
@@ -371,28 +492,36 @@ t_home(uint64_t key, Py_ssize_t capacity)
 }
 
 static inline int
-t_used(const U64Table *t, Py_ssize_t i)
+t_used(const U64Slots *a, Py_ssize_t i)
 {
-    return (int)((t->used[i >> 6] >> (i & 63)) & 1);
+    return (int)((a->used[i >> 6] >> (i & 63)) & 1);
 }
 
+/* `a` an empty array of `capacity` slots; 0, or -1 (MemoryError, `a` untouched) */
 static int
-t_alloc(U64Table *t, Py_ssize_t capacity)
+t_alloc(U64Slots *a, Py_ssize_t capacity, int populate)
 {
     size_t words = ((size_t)capacity + 63) / 64;
     size_t bytes = ((size_t)capacity * 2 + words) * sizeof(uint64_t);
-    uint64_t *table = table_alloc(bytes);
+    uint64_t *table = table_alloc(bytes, populate);
     if (table == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    t->table = table;
-    t->table_bytes = bytes;
-    t->entries = table;
-    t->used = table + 2 * (size_t)capacity;
-    t->capacity = capacity;
-    t->size = 0;
+    a->table = table;
+    a->table_bytes = bytes;
+    a->entries = table;
+    a->used = table + 2 * (size_t)capacity;
+    a->capacity = capacity;
+    a->size = 0;
     return 0;
+}
+
+static void
+t_free(U64Slots *a)
+{
+    table_free(a->table, a->table_bytes);
+    *a = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
 }
 
 /* The slot of `key`, or, when it is absent, ~f (negative) for the free slot f that ended the
@@ -400,13 +529,13 @@ t_alloc(U64Table *t, Py_ssize_t capacity)
  * One probe run answers both the lookup and the insert that follows a miss (issue #12: every
  * engine hash a stored event maps is a miss, and at loads up to 0.8 a miss's run is long). */
 static inline Py_ssize_t
-t_probe(const U64Table *t, uint64_t key)
+t_probe(const U64Slots *a, uint64_t key)
 {
-    Py_ssize_t i = t_home(key, t->capacity);
-    while (t_used(t, i)) {
-        if (T_KEY(t, i) == key)
+    Py_ssize_t i = t_home(key, a->capacity);
+    while (t_used(a, i)) {
+        if (T_KEY(a, i) == key)
             return i;
-        if (++i == t->capacity)
+        if (++i == a->capacity)
             i = 0;
     }
     return ~i;
@@ -414,106 +543,302 @@ t_probe(const U64Table *t, uint64_t key)
 
 /* slot of `key`, or -1 */
 static inline Py_ssize_t
-t_find(const U64Table *t, uint64_t key)
+t_find(const U64Slots *a, uint64_t key)
 {
-    Py_ssize_t i = t_probe(t, key);
+    Py_ssize_t i = t_probe(a, key);
     return i < 0 ? -1 : i;
 }
 
 /* the first free slot from `i` on (cyclically), read from the occupancy bitmap a word (64 slots)
- * at a time; the table must have one */
+ * at a time; the array must have one */
 static inline Py_ssize_t
-t_free_from(const U64Table *t, Py_ssize_t i)
+t_free_from(const U64Slots *a, Py_ssize_t i)
 {
     for (;;) {
-        uint64_t free = ~t->used[i >> 6] >> (i & 63);
+        uint64_t free = ~a->used[i >> 6] >> (i & 63);
         if (free) {
             i += __builtin_ctzll(free);
-            if (i < t->capacity)
+            if (i < a->capacity)
                 return i;
             i = 0; /* the last word's bits past the capacity are no slots */
             continue;
         }
         i = (i | 63) + 1;
-        if (i >= t->capacity)
+        if (i >= a->capacity)
             i = 0;
     }
 }
 
 /* fill the free slot i */
 static inline void
-t_place(U64Table *t, Py_ssize_t i, uint64_t key, uint64_t value)
+t_place(U64Slots *a, Py_ssize_t i, uint64_t key, uint64_t value)
 {
-    t->used[i >> 6] |= 1ULL << (i & 63);
-    T_KEY(t, i) = key;
-    T_VAL(t, i) = value;
-    t->size++;
+    a->used[i >> 6] |= 1ULL << (i & 63);
+    T_KEY(a, i) = key;
+    T_VAL(a, i) = value;
+    a->size++;
 }
 
-/* put `key` (known absent) into a free slot; the table must have one */
+/* put `key` (known absent) into a free slot; the array must have one */
 static void
-t_insert(U64Table *t, uint64_t key, uint64_t value)
+t_insert(U64Slots *a, uint64_t key, uint64_t value)
 {
-    t_place(t, t_free_from(t, t_home(key, t->capacity)), key, value);
-}
-
-static int
-t_resize(U64Table *t, Py_ssize_t capacity)
-{
-    U64Table old = *t;
-    if (t_alloc(t, capacity) < 0) {
-        *t = old;
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < old.capacity; i++)
-        if (t_used(&old, i))
-            t_insert(t, T_KEY(&old, i), T_VAL(&old, i));
-    table_free(old.table, old.table_bytes);
-    return 0;
-}
-
-/* t[key] = value, in one probe run unless the table grows (by half past load 0.8); 0, or -1
- * (MemoryError, nothing changed) */
-static int
-t_set(U64Table *t, uint64_t key, uint64_t value)
-{
-    Py_ssize_t at = t_probe(t, key);
-    if (at >= 0) {
-        T_VAL(t, at) = value;
-        return 0;
-    }
-    if ((t->size + 1) * 5 > t->capacity * 4) { /* the free slot found moves with the resize */
-        if (t_resize(t, t->capacity + t->capacity / 2) < 0)
-            return -1;
-        t_insert(t, key, value);
-        return 0;
-    }
-    t_place(t, ~at, key, value);
-    return 0;
+    t_place(a, t_free_from(a, t_home(key, a->capacity)), key, value);
 }
 
 /* remove the entry in slot i, shifting later members of its probe run back (no tombstones) */
 static void
-t_erase(U64Table *t, Py_ssize_t i)
+t_erase(U64Slots *a, Py_ssize_t i)
 {
-    Py_ssize_t cap = t->capacity;
+    Py_ssize_t cap = a->capacity;
     Py_ssize_t j = i;
     for (;;) {
         if (++j == cap)
             j = 0;
-        if (!t_used(t, j))
+        if (!t_used(a, j))
             break;
-        Py_ssize_t home = t_home(T_KEY(t, j), cap);
+        Py_ssize_t home = t_home(T_KEY(a, j), cap);
         /* entry j may fill the hole at i unless its home lies cyclically in (i, j] */
         int home_in_range = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (home_in_range)
             continue;
-        T_KEY(t, i) = T_KEY(t, j);
-        T_VAL(t, i) = T_VAL(t, j);
+        T_KEY(a, i) = T_KEY(a, j);
+        T_VAL(a, i) = T_VAL(a, j);
         i = j;
     }
-    t->used[i >> 6] &= ~(1ULL << (i & 63));
-    t->size--;
+    a->used[i >> 6] &= ~(1ULL << (i & 63));
+    a->size--;
+}
+
+static inline Py_ssize_t
+us_len(const U64Store *s)
+{
+    return s->cur.size + s->old.size;
+}
+
+/* an empty store of `capacity` slots; 0 or -1 (MemoryError) */
+static int
+us_init(U64Store *s, Py_ssize_t capacity, int sparse, int populate)
+{
+    s->old = s->next = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
+    s->cursor = 0;
+    s->fill = s->drain = (TablePace){NULL, 0, 0, 0, 0};
+    s->sparse = sparse;
+    return t_alloc(&s->cur, capacity, populate);
+}
+
+static void
+us_free(U64Store *s)
+{
+    t_free(&s->cur);
+    t_free(&s->old);
+    t_free(&s->next);
+    s->fill.base = NULL;
+    pace_run(&s->drain, 1, 1);
+}
+
+/* The migration's next `budget` old slots, going down from the cursor (cyclically): an entry in
+ * one is the last of its probe run (the slot above is free) and moves to cur. The old array is
+ * retired once empty. Every step paces the next array's populating and an old mapping's unmapping. */
+static void
+us_step(U64Store *s, Py_ssize_t budget)
+{
+    U64Slots *old = &s->old;
+    pace_run(&s->drain, 1, 0);
+    if (old->table == NULL) {
+        pace_run(&s->fill, 0, 0);
+        return;
+    }
+    Py_ssize_t c = s->cursor; /* the slots below c are next */
+    while (budget > 0) {
+        if (c == 0)
+            c = old->capacity;
+        /* slots [lo, c) of the bitmap word of slot c - 1, entries highest first: each is then
+         * the last of its run */
+        Py_ssize_t base = (c - 1) & ~(Py_ssize_t)63, lo = c - budget > base ? c - budget : base;
+        uint64_t bits = old->used[base >> 6];
+        if (c - base < 64)
+            bits &= (1ULL << (c - base)) - 1;
+        bits &= ~((1ULL << (lo - base)) - 1);
+        while (bits) {
+            int b = 63 - __builtin_clzll(bits);
+            bits &= ~(1ULL << b);
+            old->used[base >> 6] &= ~(1ULL << b);
+            t_insert(&s->cur, T_KEY(old, base + b), T_VAL(old, base + b));
+            if (--old->size == 0) {
+                table_retire(&s->drain, old->table, old->table_bytes);
+                *old = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
+                return;
+            }
+        }
+        budget -= c - lo;
+        c = lo;
+    }
+    s->cursor = c;
+}
+
+/* an insert's or delete's step, when there is one to take (inline: most have none) */
+static inline void
+us_tick(U64Store *s)
+{
+    if (s->old.table != NULL || s->fill.base != NULL || s->drain.base != NULL)
+        us_step(s, MIGRATE_SLOTS);
+}
+
+static inline Py_ssize_t
+us_next_capacity(const U64Store *s)
+{
+    return s->sparse ? s->cur.capacity * 2 : s->cur.capacity + s->cur.capacity / 2;
+}
+
+/* Start growing: cur becomes the old array of a migration into `next` (mapped now if it was not
+ * yet, and populated whatever of it is not yet), 1.5 (sparse: 2) times its size. 0, or -1
+ * (MemoryError, nothing changed). */
+static int
+us_grow(U64Store *s)
+{
+    /* Steps keep pace with inserts (MIGRATE_SLOTS), so a migration is over before the next
+     * growth; were one not, it would end here, all at once. */
+    us_step(s, PY_SSIZE_T_MAX);
+    if (s->next.table == NULL && t_alloc(&s->next, us_next_capacity(s), 0) < 0)
+        return -1;
+    pace_run(&s->fill, 0, 1); /* done already when mapped ahead */
+    s->old = s->cur;
+    s->cur = s->next;
+    s->next = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
+    Py_ssize_t e = s->old.capacity - 1; /* the walk starts below a free slot (the load is < 1) */
+    while (t_used(&s->old, e))
+        e--;
+    s->cursor = e;
+    if (s->old.size == 0)
+        t_free(&s->old);
+    return 0;
+}
+
+/* us_make_room past the load that maps the next array ahead */
+static int
+us_make_room_slow(U64Store *s, Py_ssize_t n)
+{
+    Py_ssize_t cap = s->cur.capacity;
+    Py_ssize_t grows_at = s->sparse ? cap / 2 + 1 : cap * 4 / 5 + 1; /* the first n that grows it */
+    if (n >= grows_at)
+        return us_grow(s);
+    if (s->next.table == NULL && s->old.table == NULL) {
+        Py_ssize_t next = us_next_capacity(s);
+        if (((size_t)next * 2 + ((size_t)next + 63) / 64) * sizeof(uint64_t) >= TABLE_MMAP_BYTES) {
+            if (t_alloc(&s->next, next, 0) < 0)
+                PyErr_Clear(); /* no error: the growth tries again */
+            else
+                pace_start(&s->fill, s->next.table, s->next.table_bytes, fill_step(s->next.table_bytes, grows_at - n));
+        }
+    }
+    return 0;
+}
+
+/* Room for `n` entries: 0, or -1 (MemoryError, nothing changed). Past the load that maps the
+ * next array ahead, that is done (it failing is no error: the growth tries again). */
+static inline int
+us_make_room(U64Store *s, Py_ssize_t n)
+{
+    Py_ssize_t cap = s->cur.capacity;
+    if (s->sparse ? n * 20 > cap * 9 : n * 4 > cap * 3)
+        return us_make_room_slow(s, n);
+    return 0;
+}
+
+/* room for one more entry: 0, or -1 (MemoryError, nothing changed) */
+static inline int
+us_reserve(U64Store *s)
+{
+    return us_make_room(s, us_len(s) + 1);
+}
+
+/* the value of `key`, or NULL: read where it is, cur or old */
+static inline uint64_t *
+us_find(const U64Store *s, uint64_t key)
+{
+    Py_ssize_t i = t_find(&s->cur, key);
+    if (i >= 0)
+        return &T_VAL(&s->cur, i);
+    if (s->old.table != NULL && (i = t_find(&s->old, key)) >= 0)
+        return &T_VAL(&s->old, i);
+    return NULL;
+}
+
+/* `key` (known absent) -> value, after us_reserve made room */
+static void
+us_add(U64Store *s, uint64_t key, uint64_t value)
+{
+    t_insert(&s->cur, key, value);
+    us_tick(s);
+}
+
+/* s[key] = value, in one probe run of cur (and one of old while growing); 0, or -1 (MemoryError,
+ * nothing changed) */
+static int
+us_set(U64Store *s, uint64_t key, uint64_t value)
+{
+    Py_ssize_t at = t_probe(&s->cur, key);
+    if (at >= 0) {
+        T_VAL(&s->cur, at) = value;
+        return 0;
+    }
+    if (s->old.table != NULL) {
+        Py_ssize_t i = t_find(&s->old, key);
+        if (i >= 0) {
+            T_VAL(&s->old, i) = value;
+            return 0;
+        }
+    }
+    Py_ssize_t cap = s->cur.capacity;
+    if (us_make_room(s, us_len(s) + 1) < 0)
+        return -1;
+    if (s->cur.capacity != cap) /* it grew: the free slot found moved */
+        us_add(s, key, value);
+    else {
+        t_place(&s->cur, ~at, key, value);
+        us_tick(s);
+    }
+    return 0;
+}
+
+/* `key` out, its value into *value (if not NULL): 1, or 0 when absent */
+static int
+us_remove(U64Store *s, uint64_t key, uint64_t *value)
+{
+    U64Slots *a = &s->cur;
+    Py_ssize_t i = t_find(a, key);
+    if (i < 0 && s->old.table != NULL) {
+        a = &s->old;
+        i = t_find(a, key);
+    }
+    if (i < 0)
+        return 0;
+    if (value != NULL)
+        *value = T_VAL(a, i);
+    t_erase(a, i);
+    us_tick(s);
+    return 1;
+}
+
+/* the bytes the store holds: its arrays, next's populated part, what is left of a drained mapping */
+static size_t
+us_bytes(const U64Store *s)
+{
+    size_t next = s->next.table == NULL ? 0 : s->fill.base != NULL ? s->fill.done : s->next.table_bytes;
+    return s->cur.table_bytes + s->old.table_bytes + next + pace_left(&s->drain);
+}
+
+/* empty, back to the minimum size: 0, or -1 (MemoryError, nothing changed) */
+static int
+us_reset(U64Store *s)
+{
+    U64Slots empty;
+    if (t_alloc(&empty, TABLE_MIN_CAPACITY, 0) < 0)
+        return -1;
+    us_free(s);
+    s->cur = empty;
+    return 0;
 }
 
 /* 0 and *out set; 1 if `obj` is an int outside [0, 2**64) (so never a key); -1 on error */
@@ -607,24 +932,13 @@ u64_keys_close(U64Keys *keys)
     Py_CLEAR(keys->seq);
 }
 
-/* reset to an empty minimum-size table */
-static int
-t_reset(U64Table *t)
-{
-    U64Table old = *t;
-    if (t_alloc(t, TABLE_MIN_CAPACITY) < 0)
-        return -1;
-    table_free(old.table, old.table_bytes);
-    return 0;
-}
-
 static PyObject *
 U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    /* U64Map(expected=0): room for `expected` entries before the table first grows. A map
-     * filled from a known count in parts between turns of the loop (the reverse engine-hash
-     * map of EvictHint and ExportIndex) would otherwise rehash everything it holds at each
-     * growth inside one part: ~10 ms at 350k entries (issue #16 item 1). */
+    /* U64Map(expected=0): room for `expected` entries before the table first grows, populated
+     * now. A map filled from a known count in parts between turns of the loop (the reverse
+     * engine-hash map of EvictHint and ExportIndex) then neither migrates nor faults pages in
+     * inside its parts (issue #16 item 1). */
     static char *kwlist[] = {"expected", NULL};
     Py_ssize_t expected = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:U64Map", kwlist, &expected))
@@ -633,14 +947,14 @@ U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "U64Map(expected): expected must be >= 0 and fit in memory");
         return NULL;
     }
-    /* t_set grows the table when an entry would take its load past 0.8 */
+    /* us_set grows the table when an entry would take its load past 0.8 */
     Py_ssize_t capacity = expected + expected / 4 + 1;
     if (capacity < TABLE_MIN_CAPACITY)
         capacity = TABLE_MIN_CAPACITY;
     U64Table *t = (U64Table *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
-    if (t_alloc(t, capacity) < 0) {
+    if (us_init(&t->s, capacity, 0, 1) < 0) {
         Py_DECREF(t);
         return NULL;
     }
@@ -650,29 +964,35 @@ U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 U64Map_dealloc(U64Table *t)
 {
-    table_free(t->table, t->table_bytes);
+    us_free(&t->s);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
 static Py_ssize_t
 U64Map_len(U64Table *t)
 {
-    return t->size;
+    return us_len(&t->s);
+}
+
+/* the value of `keyobj`, NULL if absent (or not a possible key); -1 in *err on error */
+static uint64_t *
+t_lookup(U64Table *t, PyObject *keyobj, int *err)
+{
+    uint64_t key;
+    int r = t_key(keyobj, &key);
+    *err = r < 0;
+    return r == 0 ? us_find(&t->s, key) : NULL;
 }
 
 static PyObject *
 U64Map_subscript(U64Table *t, PyObject *keyobj)
 {
-    uint64_t key;
-    int r = t_key(keyobj, &key);
-    if (r < 0)
-        return NULL;
-    if (r == 0) {
-        Py_ssize_t i = t_find(t, key);
-        if (i >= 0)
-            return PyLong_FromUnsignedLongLong(T_VAL(t, i));
-    }
-    PyErr_SetObject(PyExc_KeyError, keyobj);
+    int err;
+    uint64_t *value = t_lookup(t, keyobj, &err);
+    if (value != NULL)
+        return PyLong_FromUnsignedLongLong(*value);
+    if (!err)
+        PyErr_SetObject(PyExc_KeyError, keyobj);
     return NULL;
 }
 
@@ -684,36 +1004,24 @@ U64Map_ass_subscript(U64Table *t, PyObject *keyobj, PyObject *valueobj)
         int r = t_key(keyobj, &key);
         if (r < 0)
             return -1;
-        Py_ssize_t i = r == 0 ? t_find(t, key) : -1;
-        if (i < 0) {
+        if (r == 1 || !us_remove(&t->s, key, NULL)) {
             PyErr_SetObject(PyExc_KeyError, keyobj);
             return -1;
         }
-        t_erase(t, i);
         return 0;
     }
     uint64_t value;
     if (t_key_strict(keyobj, &key) < 0 || t_key_strict(valueobj, &value) < 0)
         return -1;
-    return t_set(t, key, value);
-}
-
-/* slot of `keyobj`, -1 if absent (or not a possible key), -2 on error */
-static Py_ssize_t
-t_lookup(U64Table *t, PyObject *keyobj)
-{
-    uint64_t key;
-    int r = t_key(keyobj, &key);
-    if (r < 0)
-        return -2;
-    return r == 0 ? t_find(t, key) : -1;
+    return us_set(&t->s, key, value);
 }
 
 static int
 U64Map_contains(U64Table *t, PyObject *keyobj)
 {
-    Py_ssize_t i = t_lookup(t, keyobj);
-    return i == -2 ? -1 : i >= 0;
+    int err;
+    uint64_t *value = t_lookup(t, keyobj, &err);
+    return err ? -1 : value != NULL;
 }
 
 /* get(key, default=None) */
@@ -724,11 +1032,12 @@ U64Map_get(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
         return NULL;
     }
-    Py_ssize_t i = t_lookup(t, args[0]);
-    if (i == -2)
+    int err;
+    uint64_t *value = t_lookup(t, args[0], &err);
+    if (err)
         return NULL;
-    if (i >= 0)
-        return PyLong_FromUnsignedLongLong(T_VAL(t, i));
+    if (value != NULL)
+        return PyLong_FromUnsignedLongLong(*value);
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
@@ -740,13 +1049,15 @@ U64Map_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
         return NULL;
     }
-    Py_ssize_t i = t_lookup(t, args[0]);
-    if (i == -2)
+    uint64_t key;
+    int r = t_key(args[0], &key);
+    if (r < 0)
         return NULL;
-    if (i >= 0) {
-        PyObject *value = PyLong_FromUnsignedLongLong(T_VAL(t, i));
+    uint64_t *found = r == 0 ? us_find(&t->s, key) : NULL;
+    if (found != NULL) {
+        PyObject *value = PyLong_FromUnsignedLongLong(*found); /* first: a MemoryError changes nothing */
         if (value != NULL)
-            t_erase(t, i);
+            us_remove(&t->s, key, NULL);
         return value;
     }
     if (nargs == 2)
@@ -758,9 +1069,28 @@ U64Map_pop(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 U64Map_clear(U64Table *t, PyObject *unused)
 {
-    if (t_reset(t) < 0)
+    if (us_reset(&t->s) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* every (key, value) pair into dst (room for us_len(s) pairs), cur's in slot order, then old's */
+static void
+us_copy_pairs(const U64Store *s, uint64_t *dst)
+{
+    const U64Slots *arrays[2] = {&s->cur, &s->old};
+    Py_ssize_t n = 0;
+    for (int k = 0; k < 2; k++) {
+        const U64Slots *a = arrays[k];
+        Py_ssize_t end = n + a->size;
+        for (Py_ssize_t i = 0; i < a->capacity && n < end; i++) {
+            if (!t_used(a, i))
+                continue;
+            dst[2 * n] = T_KEY(a, i);
+            dst[2 * n + 1] = T_VAL(a, i);
+            n++;
+        }
+    }
 }
 
 /* a list of keys (which = 0), values (1) or (key, value) tuples (2), in slot order */
@@ -769,18 +1099,11 @@ t_list(U64Table *t, int which)
 {
     /* Snapshot the entries first: building the int objects allocates, and a collection's
      * finalizers could change the map meanwhile. */
-    Py_ssize_t size = t->size;
-    uint64_t *snap = PyMem_Malloc((size_t)(size ? size : 1) * 2 * sizeof(uint64_t));
+    Py_ssize_t n = us_len(&t->s);
+    uint64_t *snap = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(uint64_t));
     if (snap == NULL)
         return PyErr_NoMemory();
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->capacity && n < size; i++) {
-        if (!t_used(t, i))
-            continue;
-        snap[2 * n] = T_KEY(t, i);
-        snap[2 * n + 1] = T_VAL(t, i);
-        n++;
-    }
+    us_copy_pairs(&t->s, snap);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *item = NULL;
@@ -814,18 +1137,10 @@ t_list(U64Table *t, int which)
 static PyObject *
 U64Map_packed_items(U64Table *t, PyObject *unused)
 {
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * sizeof(uint64_t)) * t->size);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * sizeof(uint64_t)) * us_len(&t->s));
     if (out == NULL)
         return NULL;
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->capacity && n < t->size; i++) {
-        if (!t_used(t, i))
-            continue;
-        dst[2 * n] = T_KEY(t, i);
-        dst[2 * n + 1] = T_VAL(t, i);
-        n++;
-    }
+    us_copy_pairs(&t->s, (uint64_t *)PyBytes_AS_STRING(out));
     return out;
 }
 
@@ -847,7 +1162,14 @@ U64Map_iter(U64Table *t)
 static PyObject *
 U64Map_sizeof(U64Table *t, PyObject *unused)
 {
-    return PyLong_FromSize_t(sizeof(U64Table) + t->table_bytes);
+    return PyLong_FromSize_t(sizeof(U64Table) + us_bytes(&t->s));
+}
+
+/* growth_pending: entries still in the array a growth is moving out of (0 when not growing) */
+static PyObject *
+U64Map_growth_pending(U64Table *t, void *unused)
+{
+    return PyLong_FromSsize_t(t->s.old.size);
 }
 
 /* map_pairs(sources, targets) -> int: self[s] = t for each pair of the two sequences where
@@ -872,7 +1194,7 @@ map_pairs_run(U64Table *t, const U64Keys *src, const U64Keys *dst)
         uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
         if (key == value)
             continue;
-        if (t_set(t, key, value) < 0)
+        if (us_set(&t->s, key, value) < 0)
             goto error;
         set++;
     }
@@ -902,6 +1224,12 @@ U64Map_map_pairs(U64Table *t, PyObject *const *args, Py_ssize_t nargs)
     u64_keys_close(&dst);
     return set < 0 ? NULL : PyLong_FromSsize_t(set);
 }
+
+static PyGetSetDef U64Map_getset[] = {
+    {"growth_pending", (getter)U64Map_growth_pending, NULL,
+     "entries still to move out of the smaller array while the table grows (0: not growing)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyMethodDef U64Map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
@@ -939,6 +1267,7 @@ static PyTypeObject U64MapType = {
     .tp_as_sequence = &U64Map_as_sequence,
     .tp_iter = (getiterfunc)U64Map_iter,
     .tp_methods = U64Map_methods,
+    .tp_getset = U64Map_getset,
 };
 
 /* ---- Block: one node of RadixIndex ----------------------------------------------------------
@@ -1212,13 +1541,23 @@ static PyTypeObject BlockType = {
  * compares the tag and reads a Block's key only when they agree (once in 65,536 otherwise), so
  * a lookup still touches one cache line of the table per probe run, plus the Block it finds.
  * 0 is a free slot. The table owns a reference to every Block in it, and a Block is kept under
- * its own key only. */
+ * its own key only. It grows incrementally as U64Store does (above): at 4M blocks one growth
+ * re-inserted ~3.5M Blocks, each one's key a cache miss, inside a single stored event. */
 typedef struct {
-    PyObject_HEAD
-    uint64_t *slots;
+    uint64_t *slots; /* NULL: no array */
     Py_ssize_t capacity;
     Py_ssize_t size;
     size_t table_bytes;
+} BTSlots;
+
+typedef struct {
+    PyObject_HEAD
+    BTSlots cur;       /* where new blocks go */
+    BTSlots old;       /* while growing: the smaller array being emptied into cur (else slots NULL) */
+    BTSlots next;      /* the array the next growth takes, mapped ahead (else slots NULL) */
+    Py_ssize_t cursor; /* the old slot the migration looked at last; it goes on below it */
+    TablePace fill;    /* next's mapping, being populated */
+    TablePace drain;   /* an emptied old array's mapping, being unmapped */
 } BlockTable;
 
 static PyTypeObject BlockTableType;
@@ -1234,88 +1573,152 @@ home_of_mixed(uint64_t mixed, Py_ssize_t capacity)
     return (Py_ssize_t)(((unsigned __int128)mixed * (uint64_t)capacity) >> 64);
 }
 
+/* `a` an empty array of `capacity` slots; 0, or -1 (MemoryError, `a` untouched) */
 static int
-bt_alloc(BlockTable *t, Py_ssize_t capacity)
+bt_alloc(BTSlots *a, Py_ssize_t capacity)
 {
     size_t bytes = (size_t)capacity * sizeof(uint64_t);
-    uint64_t *slots = table_alloc(bytes);
+    uint64_t *slots = table_alloc(bytes, 0);
     if (slots == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    t->slots = slots;
-    t->table_bytes = bytes;
-    t->capacity = capacity;
-    t->size = 0;
+    a->slots = slots;
+    a->table_bytes = bytes;
+    a->capacity = capacity;
+    a->size = 0;
     return 0;
+}
+
+static void
+bt_free(BTSlots *a)
+{
+    table_free(a->slots, a->table_bytes);
+    *a = (BTSlots){NULL, 0, 0, 0};
+}
+
+static inline Py_ssize_t
+bt_len(const BlockTable *t)
+{
+    return t->cur.size + t->old.size;
 }
 
 /* The slot of `key` (u64_mix(key) is `mixed`), or, when it is absent, ~f (negative) for the free
  * slot f that ended the search, where `key` goes (as t_probe: one run for a miss and its insert) */
 static inline Py_ssize_t
-bt_probe(const BlockTable *t, uint64_t key, uint64_t mixed)
+bt_probe(const BTSlots *a, uint64_t key, uint64_t mixed)
 {
     uint64_t tag = BT_TAG(mixed);
-    Py_ssize_t i = home_of_mixed(mixed, t->capacity);
+    Py_ssize_t i = home_of_mixed(mixed, a->capacity);
     for (;;) {
-        uint64_t e = t->slots[i];
+        uint64_t e = a->slots[i];
         if (e == 0)
             return ~i;
         if ((e & ~BT_ADDR_MASK) == tag && BT_BLOCK(e)->key == key)
             return i;
-        if (++i == t->capacity)
+        if (++i == a->capacity)
             i = 0;
     }
 }
 
-/* slot of `key`, or -1 */
-static inline Py_ssize_t
+/* the slot holding `key`, in cur or (while growing) old, or NULL */
+static inline uint64_t *
 bt_find(const BlockTable *t, uint64_t key)
 {
-    Py_ssize_t i = bt_probe(t, key, u64_mix(key));
-    return i < 0 ? -1 : i;
+    uint64_t mixed = u64_mix(key);
+    Py_ssize_t i = bt_probe(&t->cur, key, mixed);
+    if (i >= 0)
+        return &t->cur.slots[i];
+    if (t->old.slots != NULL && (i = bt_probe(&t->old, key, mixed)) >= 0)
+        return &t->old.slots[i];
+    return NULL;
 }
 
-/* put `b` (its key known absent; u64_mix(key) is `mixed`) into a free slot; the table must have one */
+/* put `b` (its key known absent; u64_mix(key) is `mixed`) into a free slot; the array must have one */
 static void
-bt_insert(BlockTable *t, BlockObject *b, uint64_t mixed)
+bt_insert(BTSlots *a, BlockObject *b, uint64_t mixed)
 {
-    Py_ssize_t i = home_of_mixed(mixed, t->capacity);
-    while (t->slots[i]) {
-        if (++i == t->capacity)
+    Py_ssize_t i = home_of_mixed(mixed, a->capacity);
+    while (a->slots[i]) {
+        if (++i == a->capacity)
             i = 0;
     }
-    t->slots[i] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
-    t->size++;
+    a->slots[i] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+    a->size++;
 }
 
-/* How many occupied slots ahead bt_resize asks for a Block's key. A table's blocks lie in hash
+/* How many old slots ahead a migration asks for a Block's key. A table's blocks lie in hash
  * order, so each key it reads is a cache miss of its own (issue #12: the growth was a third of
  * a stored block's misses); asked for this far ahead, they are fetched side by side. */
 #define BT_RESIZE_PREFETCH 16
 
-static int
-bt_resize(BlockTable *t, Py_ssize_t capacity)
+/* The migration's next `budget` old slots, as us_step: going down, each block found is the last
+ * of its probe run and moves to cur with no shift; old is freed once empty. */
+static void
+bt_step(BlockTable *t, Py_ssize_t budget)
 {
-    BlockTable old = *t;
-    if (bt_alloc(t, capacity) < 0) {
-        *t = old;
-        return -1;
+    BTSlots *old = &t->old;
+    pace_run(&t->drain, 1, 0);
+    if (old->slots == NULL) {
+        pace_run(&t->fill, 0, 0);
+        return;
     }
-    for (Py_ssize_t i = 0; i < old.capacity; i++) {
-        if (i + BT_RESIZE_PREFETCH < old.capacity && old.slots[i + BT_RESIZE_PREFETCH])
-            __builtin_prefetch(&BT_BLOCK(old.slots[i + BT_RESIZE_PREFETCH])->key);
-        if (old.slots[i]) {
-            BlockObject *b = BT_BLOCK(old.slots[i]);
-            bt_insert(t, b, u64_mix(b->key)); /* references move with the blocks */
+    Py_ssize_t c = t->cursor; /* the slots below c are next */
+    while (budget > 0) {
+        if (c == 0)
+            c = old->capacity;
+        Py_ssize_t lo = c > budget ? c - budget : 0;
+        for (Py_ssize_t i = c - 1; i >= lo; i--) {
+            if (i >= BT_RESIZE_PREFETCH && old->slots[i - BT_RESIZE_PREFETCH])
+                __builtin_prefetch(&BT_BLOCK(old->slots[i - BT_RESIZE_PREFETCH])->key);
+            uint64_t e = old->slots[i];
+            if (e) {
+                old->slots[i] = 0;
+                BlockObject *b = BT_BLOCK(e);
+                bt_insert(&t->cur, b, u64_mix(b->key)); /* the reference moves with the block */
+                if (--old->size == 0) {
+                    table_retire(&t->drain, old->slots, old->table_bytes);
+                    *old = (BTSlots){NULL, 0, 0, 0};
+                    return;
+                }
+            }
         }
+        budget -= c - lo;
+        c = lo;
     }
-    table_free(old.slots, old.table_bytes);
+    t->cursor = c;
+}
+
+/* an insert's or delete's step, when there is one to take */
+static inline void
+bt_tick(BlockTable *t)
+{
+    if (t->old.slots != NULL || t->fill.base != NULL || t->drain.base != NULL)
+        bt_step(t, MIGRATE_SLOTS);
+}
+
+/* Start growing by half, as us_grow: 0, or -1 (MemoryError, nothing changed) */
+static int
+bt_grow(BlockTable *t)
+{
+    bt_step(t, PY_SSIZE_T_MAX); /* over already when the steps keep pace (they do: U64Store) */
+    if (t->next.slots == NULL && bt_alloc(&t->next, t->cur.capacity + t->cur.capacity / 2) < 0)
+        return -1;
+    pace_run(&t->fill, 0, 1); /* done already when mapped ahead */
+    t->old = t->cur;
+    t->cur = t->next;
+    t->next = (BTSlots){NULL, 0, 0, 0};
+    Py_ssize_t e = t->old.capacity - 1; /* the walk starts below a free slot (the load is < 1) */
+    while (t->old.slots[e])
+        e--;
+    t->cursor = e;
+    if (t->old.size == 0)
+        bt_free(&t->old);
     return 0;
 }
 
 /* `b` (key known absent) goes into the table, which takes over the caller's reference. `at` is
- * bt_probe's answer for the key on the table as it is (~ the free slot), or 0 when not known. */
+ * bt_probe's answer for the key on cur as it is (~ the free slot), or 0 when not known. */
 static int
 bt_add_at(BlockTable *t, BlockObject *b, uint64_t mixed, Py_ssize_t at)
 {
@@ -1323,17 +1726,30 @@ bt_add_at(BlockTable *t, BlockObject *b, uint64_t mixed, Py_ssize_t at)
         PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
         return -1;
     }
-    if ((t->size + 1) * 5 > t->capacity * 4) { /* grows by half past load 0.8: the free slot moves */
-        if (bt_resize(t, t->capacity + t->capacity / 2) < 0)
-            return -1;
-        at = 0;
+    Py_ssize_t n = bt_len(t) + 1, cap = t->cur.capacity;
+    if (n * 4 > cap * 3) {
+        Py_ssize_t grows_at = cap * 4 / 5 + 1; /* grows by half past load 0.8: the free slot moves */
+        if (n >= grows_at) {
+            if (bt_grow(t) < 0)
+                return -1;
+            at = 0;
+        }
+        else if (t->next.slots == NULL && t->old.slots == NULL
+                 && (size_t)(cap + cap / 2) * sizeof(uint64_t) >= TABLE_MMAP_BYTES) {
+            /* past load 0.75: the next array mapped ahead, populated by the steps (as U64Store) */
+            if (bt_alloc(&t->next, cap + cap / 2) < 0)
+                PyErr_Clear(); /* no error: the growth tries again */
+            else
+                pace_start(&t->fill, t->next.slots, t->next.table_bytes, fill_step(t->next.table_bytes, grows_at - n));
+        }
     }
     if (at < 0) {
-        t->slots[~at] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
-        t->size++;
+        t->cur.slots[~at] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+        t->cur.size++;
     }
     else
-        bt_insert(t, b, mixed);
+        bt_insert(&t->cur, b, mixed);
+    bt_tick(t);
     return 0;
 }
 
@@ -1344,18 +1760,18 @@ bt_add(BlockTable *t, BlockObject *b)
     return bt_add_at(t, b, u64_mix(b->key), 0);
 }
 
-/* remove the entry in slot i, shifting later members of its probe run back (no tombstones);
- * returns the removed Block, whose reference passes to the caller */
+/* remove the entry in slot i of `a`, shifting later members of its probe run back (no
+ * tombstones); returns the removed Block, whose reference passes to the caller */
 static BlockObject *
-bt_erase(BlockTable *t, Py_ssize_t i)
+bt_erase(BTSlots *a, Py_ssize_t i)
 {
-    BlockObject *removed = BT_BLOCK(t->slots[i]);
-    Py_ssize_t cap = t->capacity;
+    BlockObject *removed = BT_BLOCK(a->slots[i]);
+    Py_ssize_t cap = a->capacity;
     Py_ssize_t j = i;
     for (;;) {
         if (++j == cap)
             j = 0;
-        uint64_t e = t->slots[j];
+        uint64_t e = a->slots[j];
         if (e == 0)
             break;
         Py_ssize_t home = home_of_mixed(u64_mix(BT_BLOCK(e)->key), cap);
@@ -1363,24 +1779,34 @@ bt_erase(BlockTable *t, Py_ssize_t i)
         int home_in_range = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (home_in_range)
             continue;
-        t->slots[i] = e;
+        a->slots[i] = e;
         i = j;
     }
-    t->slots[i] = 0;
-    t->size--;
+    a->slots[i] = 0;
+    a->size--;
     return removed;
 }
 
-/* Break the parent <-> children cycles of every block in `t` (each one's parent and children
+/* the block in `slot` (bt_find's answer) out of the table, its reference passed to the caller */
+static BlockObject *
+bt_take(BlockTable *t, uint64_t *slot)
+{
+    BTSlots *a = slot >= t->cur.slots && slot < t->cur.slots + t->cur.capacity ? &t->cur : &t->old;
+    BlockObject *removed = bt_erase(a, slot - a->slots);
+    bt_tick(t);
+    return removed;
+}
+
+/* Break the parent <-> children cycles of every block in `a` (each one's parent and children
  * become None): blocks are not collected as cycles, so a released index would leak its tree.
  * The table keeps every block alive meanwhile, so this frees at most children dicts. */
 static void
-bt_unlink(BlockTable *t)
+bt_unlink(BTSlots *a)
 {
-    for (Py_ssize_t i = 0; i < t->capacity; i++) {
-        if (!t->slots[i])
+    for (Py_ssize_t i = 0; i < a->capacity; i++) {
+        if (!a->slots[i])
             continue;
-        BlockObject *b = BT_BLOCK(t->slots[i]);
+        BlockObject *b = BT_BLOCK(a->slots[i]);
         PyObject *parent = b->parent, *children = b->children;
         b->parent = Py_NewRef(Py_None);
         b->children = Py_NewRef(Py_None);
@@ -1389,16 +1815,21 @@ bt_unlink(BlockTable *t)
     }
 }
 
-/* unlink and release every block of a table no longer reachable from Python */
+/* unlink and release every block of the arrays of a table no longer reachable from Python */
 static void
-bt_release(BlockTable *old)
+bt_release(BTSlots *cur, BTSlots *old)
 {
-    bt_unlink(old);
-    for (Py_ssize_t i = 0; i < old->capacity; i++)
-        if (old->slots[i])
-            Py_DECREF(BT_BLOCK(old->slots[i]));
-    table_free(old->slots, old->table_bytes);
-    old->slots = NULL;
+    BTSlots *arrays[2] = {cur, old};
+    for (int k = 0; k < 2; k++)
+        if (arrays[k]->slots != NULL)
+            bt_unlink(arrays[k]);
+    for (int k = 0; k < 2; k++) {
+        BTSlots *a = arrays[k];
+        for (Py_ssize_t i = 0; a->slots != NULL && i < a->capacity; i++)
+            if (a->slots[i])
+                Py_DECREF(BT_BLOCK(a->slots[i]));
+        bt_free(a);
+    }
 }
 
 static PyObject *
@@ -1408,10 +1839,10 @@ BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
         return NULL;
     }
-    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
+    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0); /* zeroed: no old array */
     if (t == NULL)
         return NULL;
-    if (bt_alloc(t, TABLE_MIN_CAPACITY) < 0) {
+    if (bt_alloc(&t->cur, TABLE_MIN_CAPACITY) < 0) {
         Py_DECREF(t);
         return NULL;
     }
@@ -1421,37 +1852,37 @@ BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 BlockTable_dealloc(BlockTable *t)
 {
-    if (t->slots != NULL)
-        bt_release(t);
+    bt_release(&t->cur, &t->old);
+    bt_free(&t->next);
+    pace_run(&t->drain, 1, 1);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
 static Py_ssize_t
 BlockTable_len(BlockTable *t)
 {
-    return t->size;
+    return bt_len(t);
 }
 
-/* slot of `keyobj`, -1 if absent (or not a possible key), -2 on error */
-static Py_ssize_t
-bt_lookup(BlockTable *t, PyObject *keyobj)
+/* the slot of `keyobj`, NULL if absent (or not a possible key); *err set on error */
+static uint64_t *
+bt_lookup(BlockTable *t, PyObject *keyobj, int *err)
 {
     uint64_t key;
     int r = t_key(keyobj, &key);
-    if (r < 0)
-        return -2;
-    return r == 0 ? bt_find(t, key) : -1;
+    *err = r < 0;
+    return r == 0 ? bt_find(t, key) : NULL;
 }
 
 static PyObject *
 BlockTable_subscript(BlockTable *t, PyObject *keyobj)
 {
-    Py_ssize_t i = bt_lookup(t, keyobj);
-    if (i == -2)
-        return NULL;
-    if (i >= 0)
-        return Py_NewRef(BT_BLOCK(t->slots[i]));
-    PyErr_SetObject(PyExc_KeyError, keyobj);
+    int err;
+    uint64_t *slot = bt_lookup(t, keyobj, &err);
+    if (slot != NULL)
+        return Py_NewRef(BT_BLOCK(*slot));
+    if (!err)
+        PyErr_SetObject(PyExc_KeyError, keyobj);
     return NULL;
 }
 
@@ -1459,14 +1890,15 @@ static int
 BlockTable_ass_subscript(BlockTable *t, PyObject *keyobj, PyObject *value)
 {
     if (value == NULL) {
-        Py_ssize_t i = bt_lookup(t, keyobj);
-        if (i == -2)
+        int err;
+        uint64_t *slot = bt_lookup(t, keyobj, &err);
+        if (err)
             return -1;
-        if (i < 0) {
+        if (slot == NULL) {
             PyErr_SetObject(PyExc_KeyError, keyobj);
             return -1;
         }
-        Py_DECREF(bt_erase(t, i));
+        Py_DECREF(bt_take(t, slot));
         return 0;
     }
     uint64_t key;
@@ -1480,14 +1912,14 @@ BlockTable_ass_subscript(BlockTable *t, PyObject *keyobj, PyObject *value)
         PyErr_SetString(PyExc_ValueError, "a Block is kept under its own key");
         return -1;
     }
-    Py_ssize_t i = bt_find(t, key);
-    if (i >= 0) {
+    uint64_t *slot = bt_find(t, key);
+    if (slot != NULL) {
         if ((uintptr_t)value & ~BT_ADDR_MASK) {
             PyErr_SetString(PyExc_SystemError, "a Block's address does not fit in 48 bits");
             return -1;
         }
-        BlockObject *old = BT_BLOCK(t->slots[i]);
-        t->slots[i] = (t->slots[i] & ~BT_ADDR_MASK) | (uint64_t)(uintptr_t)Py_NewRef(value);
+        BlockObject *old = BT_BLOCK(*slot);
+        *slot = (*slot & ~BT_ADDR_MASK) | (uint64_t)(uintptr_t)Py_NewRef(value);
         Py_DECREF(old);
         return 0;
     }
@@ -1502,8 +1934,9 @@ BlockTable_ass_subscript(BlockTable *t, PyObject *keyobj, PyObject *value)
 static int
 BlockTable_contains(BlockTable *t, PyObject *keyobj)
 {
-    Py_ssize_t i = bt_lookup(t, keyobj);
-    return i == -2 ? -1 : i >= 0;
+    int err;
+    uint64_t *slot = bt_lookup(t, keyobj, &err);
+    return err ? -1 : slot != NULL;
 }
 
 /* get(key, default=None) */
@@ -1514,11 +1947,12 @@ BlockTable_get(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
         return NULL;
     }
-    Py_ssize_t i = bt_lookup(t, args[0]);
-    if (i == -2)
+    int err;
+    uint64_t *slot = bt_lookup(t, args[0], &err);
+    if (err)
         return NULL;
-    if (i >= 0)
-        return Py_NewRef(BT_BLOCK(t->slots[i]));
+    if (slot != NULL)
+        return Py_NewRef(BT_BLOCK(*slot));
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
@@ -1530,11 +1964,12 @@ BlockTable_pop(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
         return NULL;
     }
-    Py_ssize_t i = bt_lookup(t, args[0]);
-    if (i == -2)
+    int err;
+    uint64_t *slot = bt_lookup(t, args[0], &err);
+    if (err)
         return NULL;
-    if (i >= 0)
-        return (PyObject *)bt_erase(t, i);
+    if (slot != NULL)
+        return (PyObject *)bt_take(t, slot);
     if (nargs == 2)
         return Py_NewRef(args[1]);
     PyErr_SetObject(PyExc_KeyError, args[0]);
@@ -1544,26 +1979,36 @@ BlockTable_pop(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 BlockTable_clear(BlockTable *t, PyObject *unused)
 {
-    BlockTable old = *t;
-    if (bt_alloc(t, TABLE_MIN_CAPACITY) < 0)
+    BTSlots cur = t->cur, old = t->old, empty;
+    if (bt_alloc(&empty, TABLE_MIN_CAPACITY) < 0)
         return NULL;
-    bt_release(&old); /* out of the table first: what releasing frees cannot see it half-done */
+    t->cur = empty;
+    t->old = (BTSlots){NULL, 0, 0, 0};
+    bt_free(&t->next);
+    t->fill.base = NULL;
+    pace_run(&t->drain, 1, 1);
+    bt_release(&cur, &old); /* out of the table first: what releasing frees cannot see it half-done */
     Py_RETURN_NONE;
 }
 
-/* a list of keys (which = 0), blocks (1) or (key, block) tuples (2), in slot order */
+/* a list of keys (which = 0), blocks (1) or (key, block) tuples (2): cur's in slot order, then old's */
 static PyObject *
 bt_list(BlockTable *t, int which)
 {
     /* Own the blocks first: building the lists allocates, and a collection's finalizers could
      * change the table meanwhile. */
-    Py_ssize_t n = 0;
-    BlockObject **snap = PyMem_Malloc((size_t)(t->size ? t->size : 1) * sizeof(BlockObject *));
+    Py_ssize_t n = 0, size = bt_len(t);
+    BlockObject **snap = PyMem_Malloc((size_t)(size ? size : 1) * sizeof(BlockObject *));
     if (snap == NULL)
         return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < t->capacity && n < t->size; i++)
-        if (t->slots[i])
-            snap[n++] = (BlockObject *)Py_NewRef(BT_BLOCK(t->slots[i]));
+    const BTSlots *arrays[2] = {&t->cur, &t->old};
+    for (int k = 0; k < 2; k++) {
+        const BTSlots *a = arrays[k];
+        Py_ssize_t end = n + a->size;
+        for (Py_ssize_t i = 0; i < a->capacity && n < end; i++)
+            if (a->slots[i])
+                snap[n++] = (BlockObject *)Py_NewRef(BT_BLOCK(a->slots[i]));
+    }
     PyObject *out = PyList_New(n);
     for (Py_ssize_t k = 0; k < n; k++) {
         if (out != NULL) {
@@ -1601,10 +2046,24 @@ BlockTable_iter(BlockTable *t)
     return it;
 }
 
+/* growth_pending: blocks still in the array a growth is moving out of (0 when not growing) */
+static PyObject *
+BlockTable_growth_pending(BlockTable *t, void *unused)
+{
+    return PyLong_FromSsize_t(t->old.size);
+}
+
+static PyGetSetDef BlockTable_getset[] = {
+    {"growth_pending", (getter)BlockTable_growth_pending, NULL,
+     "blocks still to move out of the smaller array while the table grows (0: not growing)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyObject *
 BlockTable_sizeof(BlockTable *t, PyObject *unused)
 {
-    return PyLong_FromSize_t(sizeof(BlockTable) + t->table_bytes);
+    size_t next = t->next.slots == NULL ? 0 : t->fill.base != NULL ? t->fill.done : t->next.table_bytes;
+    return PyLong_FromSize_t(sizeof(BlockTable) + t->cur.table_bytes + t->old.table_bytes + next + pace_left(&t->drain));
 }
 
 /* ---- RadixIndex.store's loop over brand-new blocks ----------------------------------------
@@ -1661,8 +2120,8 @@ store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i
         if (u64_keys_get(keys, i, &key) < 0)
             goto error;
         uint64_t mixed = u64_mix(key);
-        Py_ssize_t at = bt_probe(t, key, mixed);
-        if (at >= 0)
+        Py_ssize_t at = bt_probe(&t->cur, key, mixed);
+        if (at >= 0 || (t->old.slots != NULL && bt_probe(&t->old, key, mixed) >= 0))
             break;
         if (run == NULL && (run = state_new(bit, now, zero)) == NULL)
             goto error;
@@ -1897,12 +2356,12 @@ bt_prune(BlockTable *t, BlockObject *node)
             Py_DECREF(node);
             return held < 0 ? -1 : 0;
         }
-        Py_ssize_t i = bt_find(t, node->key);
-        if (i < 0 || BT_BLOCK(t->slots[i]) != node) { /* already pruned through another path */
+        uint64_t *slot = bt_find(t, node->key);
+        if (slot == NULL || BT_BLOCK(*slot) != node) { /* already pruned through another path */
             Py_DECREF(node);
             return 0;
         }
-        Py_DECREF(bt_erase(t, i)); /* the table's reference; ours keeps it alive */
+        Py_DECREF(bt_take(t, slot)); /* the table's reference; ours keeps it alive */
         PyObject *parent = node->parent;
         if (parent != Py_None) {
             BlockObject *p = BLOCK(parent);
@@ -2027,6 +2486,7 @@ static PyTypeObject BlockTableType = {
     .tp_as_sequence = &BlockTable_as_sequence,
     .tp_iter = (getiterfunc)BlockTable_iter,
     .tp_methods = BlockTable_methods,
+    .tp_getset = BlockTable_getset,
 };
 
 static PyObject *match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active);
@@ -2216,9 +2676,22 @@ match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active)
 static inline void
 walk_prefetch_block(const BlockTable *t, uint64_t key)
 {
-    uint64_t e = t->slots[home_of_mixed(u64_mix(key), t->capacity)];
+    uint64_t mixed = u64_mix(key);
+    uint64_t e = t->cur.slots[home_of_mixed(mixed, t->cur.capacity)];
+    if (!e && t->old.slots != NULL) /* growing: the block may not have moved yet */
+        e = t->old.slots[home_of_mixed(mixed, t->old.capacity)];
     if (e)
         __builtin_prefetch(BT_BLOCK(e));
+}
+
+/* the home slot of `key` on its way into cache, in both arrays while the table grows */
+static inline void
+walk_prefetch_slot(const BlockTable *t, uint64_t key)
+{
+    uint64_t mixed = u64_mix(key);
+    __builtin_prefetch(&t->cur.slots[home_of_mixed(mixed, t->cur.capacity)]);
+    if (t->old.slots != NULL)
+        __builtin_prefetch(&t->old.slots[home_of_mixed(mixed, t->old.capacity)]);
 }
 
 static PyObject *
@@ -2234,21 +2707,21 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned
     }
     /* pass 1: the blocks present, up to the first key the index does not have */
     for (Py_ssize_t i = 0; i < nkeys && i < WALK_AHEAD; i++) {
-        __builtin_prefetch(&t->slots[home_of_mixed(u64_mix(keys[i]), t->capacity)]);
+        walk_prefetch_slot(t, keys[i]);
         if (i == WALK_BLOCK_AHEAD)
             for (Py_ssize_t k = 0; k < WALK_BLOCK_AHEAD && k < nkeys; k++)
                 walk_prefetch_block(t, keys[k]);
     }
     for (; found < nkeys; found++) {
         if (found + WALK_AHEAD < nkeys)
-            __builtin_prefetch(&t->slots[home_of_mixed(u64_mix(keys[found + WALK_AHEAD]), t->capacity)]);
+            walk_prefetch_slot(t, keys[found + WALK_AHEAD]);
         if (found + WALK_BLOCK_AHEAD < nkeys)
             walk_prefetch_block(t, keys[found + WALK_BLOCK_AHEAD]);
-        Py_ssize_t slot = bt_find(t, keys[found]);
-        if (slot < 0)
+        uint64_t *slot = bt_find(t, keys[found]);
+        if (slot == NULL)
             break;
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
-        nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(t->slots[slot]));
+        nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(*slot));
     }
     /* Every slot that holds the first block gets an entry, so the dict is made at its final size:
      * filled from empty, 64 slots cost four resizes (3.3k of the walk's 54k instructions). */
@@ -2398,7 +2871,11 @@ typedef struct {
     Py_ssize_t nruns, runs_cap;
     Py_ssize_t size;
     uint64_t version; /* changes with every insert and removal: an iterator checks it */
-    U64Table where;   /* a Block's address -> its priority's bits (only the table fields are used) */
+    /* a Block's address -> its priority's bits, kept at most half full (sparse: doubling past
+     * that): most lookups in `stored` are for blocks that are not there (the chain's new
+     * blocks), and a linear probe for a missing key looks at ~13 slots at U64Map's load of 0.8
+     * against ~2.5 at 0.5. It grows incrementally as U64Map does. */
+    U64Store where;
 } LeafOrder;
 
 static PyTypeObject LeafOrderType, LeafOrderIterType;
@@ -2612,25 +3089,14 @@ lo_take(LeafOrder *o, double p, BlockObject *b)
     return b;
 }
 
-/* Room for one more leaf in the table, kept at most half full (doubling past that): most lookups
- * in `stored` are for blocks that are not there (the chain's new blocks), and a linear probe for a
- * missing key looks at ~13 slots at U64Map's load of 0.8 against ~2.5 at 0.5. */
-static int
-lo_reserve_one(U64Table *t)
-{
-    if ((t->size + 1) * 2 > t->capacity)
-        return t_resize(t, t->capacity * 2);
-    return 0;
-}
-
 /* b's priority into *p: 1 if b is in the order, else 0 */
 static inline int
 lo_get(const LeafOrder *o, BlockObject *b, double *p)
 {
-    Py_ssize_t t = t_find(&o->where, leaf_addr(b));
-    if (t < 0)
+    const uint64_t *bits = us_find(&o->where, leaf_addr(b));
+    if (bits == NULL)
         return 0;
-    *p = bits_prio(T_VAL(&o->where, t));
+    *p = bits_prio(*bits);
     return 1;
 }
 
@@ -2645,9 +3111,9 @@ lo_put(LeafOrder *o, BlockObject *b, double p)
         return -1;
     }
     uint64_t addr = leaf_addr(b);
-    Py_ssize_t t = t_find(&o->where, addr);
-    if (t >= 0) {
-        double old = bits_prio(T_VAL(&o->where, t));
+    const uint64_t *bits = us_find(&o->where, addr);
+    if (bits != NULL) {
+        double old = bits_prio(*bits);
         if (old == p)
             return 0;
         BlockObject *taken = lo_take(o, old, b); /* its reference keeps b alive until re-inserted */
@@ -2656,15 +3122,15 @@ lo_put(LeafOrder *o, BlockObject *b, double p)
         int r = lo_insert(o, p, b);
         Py_DECREF(taken);
         if (r < 0) {
-            t_erase(&o->where, t_find(&o->where, addr));
+            us_remove(&o->where, addr, NULL);
             return -1;
         }
-        T_VAL(&o->where, t_find(&o->where, addr)) = prio_bits(p);
+        *us_find(&o->where, addr) = prio_bits(p);
         return 0;
     }
-    if (lo_reserve_one(&o->where) < 0 || lo_insert(o, p, b) < 0)
+    if (us_reserve(&o->where) < 0 || lo_insert(o, p, b) < 0)
         return -1;
-    t_insert(&o->where, addr, prio_bits(p));
+    us_add(&o->where, addr, prio_bits(p));
     return 0;
 }
 
@@ -2672,11 +3138,10 @@ lo_put(LeafOrder *o, BlockObject *b, double p)
 static int
 lo_drop(LeafOrder *o, BlockObject *b)
 {
-    Py_ssize_t t = t_find(&o->where, leaf_addr(b));
-    if (t < 0)
+    uint64_t bits;
+    if (!us_remove(&o->where, leaf_addr(b), &bits))
         return 0;
-    double old = bits_prio(T_VAL(&o->where, t));
-    t_erase(&o->where, t);
+    double old = bits_prio(bits);
     BlockObject *taken = lo_take(o, old, b);
     if (taken == NULL)
         return -1;
@@ -2700,7 +3165,7 @@ lo_free_runs(LeafRun *runs, Py_ssize_t nruns)
 static int
 lo_clear(LeafOrder *o)
 {
-    if (t_reset(&o->where) < 0)
+    if (us_reset(&o->where) < 0)
         return -1;
     LeafRun *runs = o->runs;
     Py_ssize_t nruns = o->nruns;
@@ -2721,7 +3186,7 @@ LeafOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     LeafOrder *o = (LeafOrder *)type->tp_alloc(type, 0); /* zero-filled */
     if (o == NULL)
         return NULL;
-    if (t_alloc(&o->where, TABLE_MIN_CAPACITY) < 0) {
+    if (us_init(&o->where, TABLE_MIN_CAPACITY, 1, 0) < 0) {
         Py_DECREF(o);
         return NULL;
     }
@@ -2732,7 +3197,7 @@ static void
 LeafOrder_dealloc(LeafOrder *o)
 {
     lo_free_runs(o->runs, o->nruns);
-    table_free(o->where.table, o->where.table_bytes);
+    us_free(&o->where);
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
@@ -2892,11 +3357,24 @@ LeafOrder_clear(LeafOrder *o, PyObject *unused)
 static PyObject *
 LeafOrder_sizeof(LeafOrder *o, PyObject *unused)
 {
-    size_t bytes = sizeof(LeafOrder) + o->where.table_bytes + (size_t)o->runs_cap * sizeof(LeafRun);
+    size_t bytes = sizeof(LeafOrder) + us_bytes(&o->where) + (size_t)o->runs_cap * sizeof(LeafRun);
     for (Py_ssize_t i = 0; i < o->nruns; i++)
         bytes += (size_t)o->runs[i].cap * sizeof(LeafEntry);
     return PyLong_FromSize_t(bytes);
 }
+
+/* growth_pending: leaves whose table entries a growth has still to move (0 when not growing) */
+static PyObject *
+LeafOrder_growth_pending(LeafOrder *o, void *unused)
+{
+    return PyLong_FromSsize_t(o->where.old.size);
+}
+
+static PyGetSetDef LeafOrder_getset[] = {
+    {"growth_pending", (getter)LeafOrder_growth_pending, NULL,
+     "leaves still to move out of the smaller table while it grows (0: not growing)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 /* Whether slot `slot` (its bit `bit`, an int, for slots past 63) holds b: 1, 0, or -1. Holders
  * are an int (Block's setter), read without running Python code. */
@@ -3120,6 +3598,7 @@ static PyTypeObject LeafOrderType = {
     .tp_as_sequence = &LeafOrder_as_sequence,
     .tp_iter = (getiterfunc)LeafOrder_iter,
     .tp_methods = LeafOrder_methods,
+    .tp_getset = LeafOrder_getset,
 };
 
 static PyObject *slot_name; /* interned "slot" */
@@ -4747,7 +5226,9 @@ PyInit__native(void)
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
+    /* old slots a growing table empties per insert or delete: the tests' bound on a call's work */
+    if (PyModule_AddIntConstant(module, "MIGRATE_SLOTS", MIGRATE_SLOTS) < 0
+        || PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
         || PyModule_AddObjectRef(module, "Block", (PyObject *)&BlockType) < 0
         || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0
         || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0) {

@@ -3917,16 +3917,12 @@ wire_tag(WireReader *w, uint32_t *field, unsigned *type)
 
 enum { WIRE_VARINT = 0, WIRE_FIXED64 = 1, WIRE_LEN = 2 };
 
-/* The packed uint64s of `w` as a tuple of ints (NULL with an error set), or Py_None with
- * *plain cleared when a varint is malformed. An empty payload is an empty tuple. */
+/* The packed uint64s of `w`, n of them (its count_varints, which the caller counted against the
+ * batch's budget, >= 0), as a tuple of ints (NULL with an error set), or Py_None with *plain
+ * cleared when a varint is malformed. An empty payload is an empty tuple. */
 static PyObject *
-wire_u64_tuple(WireReader w, int *plain)
+wire_u64_tuple(WireReader w, Py_ssize_t n, int *plain)
 {
-    Py_ssize_t n = count_varints(w.p, w.end - w.p);
-    if (n < 0) {
-        *plain = 0;
-        Py_RETURN_NONE;
-    }
     PyObject *out = PyTuple_New(n);
     if (out == NULL)
         return NULL;
@@ -4044,7 +4040,7 @@ wire_stored(WireReader w, EventMakers *make, int *plain)
     if (values[0] == NULL)
         goto done;
     if (payload[HASHES].p != payload[HASHES].end) {
-        values[1] = wire_u64_tuple(payload[HASHES], plain);
+        values[1] = wire_u64_tuple(payload[HASHES], hashes, plain);
         if (values[1] == NULL || !*plain)
             goto done;
     }
@@ -4109,7 +4105,7 @@ wire_event(WireReader w, EventMakers *make, int *plain)
             *plain = 0;
             return NULL;
         }
-        hashes = wire_u64_tuple(hashes_payload, plain);
+        hashes = wire_u64_tuple(hashes_payload, n, plain);
         if (hashes == NULL || !*plain) {
             Py_XDECREF(hashes);
             return NULL;

@@ -14,14 +14,18 @@ refuses). Medians of ``--runs``; run it with KVROUTERD_PURE_PYTHON=1 for the pur
 ``probe`` (over gRPC, ``kvrouterd serve`` in its own process with its default limits): a probe
 client sends a small Route every ``--interval-ms`` and times its round trip, first alone, then
 while an SDK ``EventPublisher`` pushes one Stored chain of ``--blocks`` blocks (cut by the SDK
-into batches under the limits), again and again (each round a fresh worker). Prints tables;
-reports, never asserts (the machine is shared).
+into batches under the limits), again and again (each round a fresh worker). A probe's round
+trip also holds whatever else the shared machine did, so two figures from inside the daemon
+follow: the stalls its watchdog logged (``loop_stall_warn_ms: 10``; ``cpu_ms``: how much of a
+stall the loop thread was on a CPU, the rest was other processes), and the loop thread's CPU
+per batch while one more chain is published alone. Prints tables; reports, never asserts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -149,11 +153,11 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
         print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
 
 
-async def _probe_run(port: int, args: argparse.Namespace) -> dict[str, Any]:
+async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     import grpc
     from kvrouter_client import EventPublisher
 
-    from .big_prompt_stall import _channel, _route_bytes, _stubs
+    from .big_prompt_stall import _channel, _loop_cpu_s, _route_bytes, _stubs
     from .grpc_bench import _complete_message
 
     channel = _channel(port)
@@ -180,29 +184,42 @@ async def _probe_run(port: int, args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(args.interval_ms / 1000)
         return out
 
+    n = 0
+
+    async def publish_chain() -> float:
+        """Publish the chain as a fresh worker, then deregister it; the daemon loop's CPU seconds
+        from the first event recorded to the last batch acknowledged."""
+        nonlocal n
+        n += 1
+        started = time.perf_counter()
+        async with EventPublisher(f"127.0.0.1:{port}", f"gpu-{n}", block_size=BLOCK_SIZE, timeout=30.0,
+                                  probe_interval_s=0, options=[("grpc.max_send_message_length", 64 << 20)]) as pub:
+            await pub.register(f"127.0.0.1:{8000 + n}", capacity_blocks=1 << 22)
+            cpu = _loop_cpu_s(pid)
+            pub.stored(chain, engine_hashes=hashes)
+            if not await pub.flush(timeout=120):
+                raise RuntimeError(f"the chain was not acknowledged: {pub.stats}")
+            cpu = _loop_cpu_s(pid) - cpu
+            batches.append(pub.stats.batches_sealed)
+            await pub.deregister()
+        rounds.append(time.perf_counter() - started)
+        return cpu
+
     async def publisher(stop: asyncio.Event) -> None:
-        n = 0
         while not stop.is_set():
-            n += 1
-            started = time.perf_counter()
-            async with EventPublisher(f"127.0.0.1:{port}", f"gpu-{n}", block_size=BLOCK_SIZE, timeout=30.0,
-                                      probe_interval_s=0, options=[("grpc.max_send_message_length", 64 << 20)]) as pub:
-                await pub.register(f"127.0.0.1:{8000 + n}", capacity_blocks=1 << 22)
-                pub.stored(chain, engine_hashes=hashes)
-                if not await pub.flush(timeout=120):
-                    raise RuntimeError(f"the chain was not acknowledged: {pub.stats}")
-                batches.append(pub.stats.batches_sealed)
-                await pub.deregister()
-            rounds.append(time.perf_counter() - started)
+            await publish_chain()
 
     try:
         quiet, loaded = await quiet_then_loaded(probes, publisher, 1, args.probes)
     except grpc.aio.AioRpcError as exc:
         raise RuntimeError(f"probe failed: {exc.code().name} {exc.details()}") from None
+    # the loop's CPU for one chain, nothing else running (its deregistration's drain apart)
+    loop_s = await publish_chain()
     await channel.close()
     return {"quiet": latency_summary(quiet), "loaded": latency_summary(loaded),
             "chains": len(rounds), "batches_per_chain": batches[0] if batches else 0,
-            "chain_s_median": round(statistics.median(rounds), 2) if rounds else 0.0}
+            "chain_s_median": round(statistics.median(rounds), 2) if rounds else 0.0,
+            "loop_ms_per_batch": round(loop_s * 1e3 / max(batches[-1], 1), 2)}
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,13 +227,19 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "event-batch-stall.yaml"
-        config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 33554432}\n")
+        config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 33554432}\n"
+                          "telemetry: {loop_stall_warn_ms: 10}\n")
         daemon = ServeProcess(config)
         daemon.start()
         try:
-            return asyncio.run(_probe_run(daemon.port, args))
+            assert daemon.proc is not None
+            result = asyncio.run(_probe_run(daemon.port, daemon.proc.pid, args))
         finally:
             daemon.stop()
+    stalls = [json.loads(line) for line in daemon.warnings if '"blocked_ms"' in line]
+    result["stalls"] = [{"blocked_ms": s["blocked_ms"], "cpu_ms": s.get("cpu_ms", 0.0),
+                         "running": s.get("msg", "")[:160]} for s in stalls]
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, f"small Routes, alone then while the SDK publishes {args.blocks}-block chains "
                       f"({result['chains']} chains of {result['batches_per_chain']} batches, "
                       f"{result['chain_s_median']} s each; load {os.getloadavg()[0]:.2f})")
+    print(f"daemon loop's CPU per batch (receive, read, apply), one chain alone: {result['loop_ms_per_batch']} ms")
+    if result["stalls"]:
+        print_table(result["stalls"], "stalls the daemon's watchdog logged (>= 10 ms; cpu_ms: the loop thread on a CPU)")
+    else:
+        print("stalls the daemon's watchdog logged (>= 10 ms): none")
 
 
 if __name__ == "__main__":

@@ -110,3 +110,23 @@ def test_token_ids_sent_as_msgpack_bin_are_not_token_ids():
         batch = decode_payload(payload)
         assert batch.events == () and batch.rejected == {"malformed_stored": 1}
         assert batch == _decode_generic(payload, "", {})
+
+
+def test_vllm_stores_whose_blocks_have_no_extra_keys_take_the_typed_path(monkeypatch):
+    """vLLM sends extra_keys with an entry per block, None where a block has none: those
+    stores are read typed (no int per token), and decode as the generic decoder reads them."""
+    from kvrouterd.events import engine_format
+
+    generic_events = []
+    real = engine_format.decode_event
+    monkeypatch.setattr(engine_format, "decode_event", lambda ev, *a: generic_events.append(ev) or real(ev, *a))
+    tokens = list(range(100, 108))
+    plain = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": tokens, "block_size": 4,
+             "medium": "GPU", "lora_name": None, "extra_keys": [None, None], "group_idx": 0}
+    with_image = {**plain, "block_hashes": [3, 4], "parent_block_hash": 2, "extra_keys": [None, [["img", 0]]]}
+    payload = msgpack.packb([1.0, [plain, with_image], 0])
+    batch = decode_payload(payload)
+    assert [ev["block_hashes"] for ev in generic_events] == [[3, 4]]  # only the store with extras
+    assert batch == _decode_generic(payload, "", {})
+    assert batch.events[0].token_ids == array("I", tokens).tobytes() and batch.events[0].extra_hashes is None
+    assert batch.events[1].extra_hashes is not None

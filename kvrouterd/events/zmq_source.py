@@ -24,6 +24,12 @@ Sequencing is owned here, not by ``Router.apply``:
 The router sees each worker's batches numbered 0, 1, 2, ... by us after ``reset(worker,
 lost=False)`` at start, so its own gap and restart checks never fire a second time.
 
+A batch of more than ``max_part_blocks`` blocks (a step that prefilled a long prompt at once:
+a 1M-token prompt is one ``BlockStored`` of 62.5k blocks) is handed over as consecutive router
+batches, its parts (``events.parts``), with the loop free for routing between them; the
+engine's batch is still sequenced, digested and replayed as one. A worker removed or reset
+between two parts gets none of the rest (``SubscriberStats.parts_abandoned``).
+
 Connections: ZMQ reconnects on its own with exponential backoff (``reconnect_ivl_ms`` up to
 ``reconnect_ivl_max_ms``). An endpoint that delivers nothing for ``silence_s`` is shown as
 silent (idle engines are silent too, so this is a status, not an error) and its socket is
@@ -35,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 from urllib.parse import unquote
@@ -50,6 +56,7 @@ from ..errors import ConfigError, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload, peek_timestamp
 from .nats_bus import NatsBusConfig
+from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks, split_events
 
 __all__ = [
     "END_SEQ",
@@ -251,6 +258,10 @@ class SubscriberStats:
     restarts: int = 0
     skipped_events: int = 0
     rejected_events: int = 0  # undecodable events or events the router could not apply
+    parts: int = 0  # router batches applied as parts of longer engine batches (events.parts)
+    #: engine batches whose later parts were not applied: the worker was removed or reset, or
+    #: the subscriber stopped, between two parts
+    parts_abandoned: int = 0
     resyncs: int = 0  # views rebuilt by replay from 0 after a lost removal
     run_checks: int = 0  # replays asked to tell a restart the sequence hid (after a disconnect)
     subscriber_restarts: int = 0  # the subscriber task died and was started again
@@ -275,9 +286,18 @@ class EndpointSubscriber:
         ctx: zmq.asyncio.Context,
         clock: Clock,
         rejected: RejectedFn | None = None,
+        *,
+        max_part_blocks: int = MAX_PART_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         endpoint.validate()
+        if max_part_blocks < 1 or block_size < 1:
+            raise ConfigError(f"max_part_blocks and block_size must be >= 1, got {max_part_blocks}, {block_size}")
         self.endpoint = endpoint
+        #: an engine batch of more blocks is applied in parts of at most this many (events.parts)
+        self.max_part_blocks = max_part_blocks
+        #: the router's block size: where a chain of other-sized pages may be cut
+        self.block_size = block_size
         self.config = config
         self._apply_fn = apply
         self._reset_fn = reset
@@ -397,7 +417,7 @@ class EndpointSubscriber:
         expected = self._expected
         if expected is None:
             if seq == 0 or not self.config.replay_on_join:
-                self._accept(seq, payload)
+                await self._accept_all(seq, payload)
             else:
                 await self._recover(0, seq, payload, why="join")
         elif seq == expected:
@@ -409,8 +429,8 @@ class EndpointSubscriber:
                 self._dup_lo = self._dup_hi = 0
                 self._tier_clear()
                 await self._recover(0, seq, payload, why="unseen restart")
-            else:
-                self._accept(seq, payload)
+            elif (rest := self._accept(seq, payload)) is not None:
+                await self._apply_rest(rest)
         elif seq > expected:
             self.stats.gaps += 1
             log.warning(
@@ -427,7 +447,7 @@ class EndpointSubscriber:
             self._dup_lo = self._dup_hi = 0
             self._tier_clear()
             if seq == 0:
-                self._accept(seq, payload)
+                await self._accept_all(seq, payload)
             else:
                 await self._recover(0, seq, payload, why="restart")
         if self._needs_resync:
@@ -482,7 +502,7 @@ class EndpointSubscriber:
             for rseq, rpayload in replayed:
                 if rseq >= upto:
                     break
-                self._accept(rseq, rpayload)
+                await self._accept_all(rseq, rpayload)
         finally:
             self._rebuilding = False
         self.stats.resyncs += 1
@@ -497,7 +517,7 @@ class EndpointSubscriber:
             for rseq, rpayload in replayed:
                 if rseq != nxt:
                     break  # a hole inside the replay: stop at the last contiguous batch
-                self._accept(rseq, rpayload)
+                await self._accept_all(rseq, rpayload)
                 nxt = rseq + 1
         if nxt > seq:
             self.stats.replays_ok += 1
@@ -507,7 +527,7 @@ class EndpointSubscriber:
             return
         if nxt == seq:
             self.stats.replays_ok += 1
-            self._accept(seq, payload)
+            await self._accept_all(seq, payload)
             return
         self.stats.replays_failed += 1
         self.stats.desyncs += 1
@@ -517,10 +537,17 @@ class EndpointSubscriber:
             extra={"worker_id": self.worker_id},
         )
         self._reset(lost=True)
-        self._accept(seq, payload)
+        await self._accept_all(seq, payload)
 
-    def _accept(self, seq: int, payload: bytes) -> None:
-        """Decode one in-order batch and hand it to the router."""
+    async def _accept_all(self, seq: int, payload: bytes) -> None:
+        """``_accept``, then the batch's later parts if it has any (off the common path)."""
+        if (rest := self._accept(seq, payload)) is not None:
+            await self._apply_rest(rest)
+
+    def _accept(self, seq: int, payload: bytes) -> Iterator[tuple[CacheEvent, ...]] | None:
+        """Decode one in-order batch and hand it to the router. A batch of more than
+        ``max_part_blocks`` blocks is applied in its first part here; the later parts are
+        returned, for ``_apply_rest`` (the batch is sequenced and digested as one either way)."""
         self._expected = seq + 1
         self.stats.last_sequence = seq
         self.stats.last_batch_at = self._clock.now()
@@ -531,8 +558,8 @@ class EndpointSubscriber:
             self.stats.malformed += 1
             log.warning("malformed KV-event batch %d skipped: %s", seq, exc, extra={"worker_id": self.worker_id})
             self._count_rejected({"malformed_batch": 1}, lost_removal=True)  # a whole step: removals too
-            return
-        self._handoff(decoded)
+            return None
+        return self._handoff(decoded)
 
     def _count_rejected(self, rejected: Mapping[str, int], lost_removal: bool) -> None:
         self.stats.rejected_events += sum(rejected.values())
@@ -544,7 +571,7 @@ class EndpointSubscriber:
         if lost_removal and not self._rebuilding:
             self._needs_resync = True
 
-    def _handoff(self, decoded: DecodedBatch) -> None:
+    def _handoff(self, decoded: DecodedBatch) -> Iterator[tuple[CacheEvent, ...]] | None:
         stats = self.stats
         if decoded.timestamp:
             self._last_ts = decoded.timestamp
@@ -563,17 +590,54 @@ class EndpointSubscriber:
         if self._pending_clear:
             events = (Cleared(), *events)
         if not events:
-            return
+            return None
+        parts: Iterator[tuple[CacheEvent, ...]] | None = None
+        if len(events) > self.max_part_blocks or batch_blocks(events, self.block_size) > self.max_part_blocks:
+            parts = split_events(events, self.max_part_blocks, self.block_size)
+            events = next(parts)
         try:
             outcome = self._apply_fn(EventBatch(self.worker_id, self._router_seq, events))
         except KVRouterError as exc:
             stats.rejected += 1
             log.warning("KV-event batch rejected by the router: %s", exc, extra={"worker_id": self.worker_id})
-            return
+            return None
         stats.rejected_events += sum(outcome.rejected.values())
         self._router_seq += 1
         self._pending_clear = False
         stats.batches_applied += 1
+        if parts is not None:
+            stats.parts += 1
+        return parts
+
+    async def _apply_rest(self, parts: Iterator[tuple[CacheEvent, ...]]) -> None:
+        """The later parts of an engine batch, each as the next router batch, the loop free
+        for other work before each. The worker removed or reset meanwhile (the router refuses
+        the part, or finds it out of sequence) or the subscriber stopped: the remaining parts
+        are dropped, counted and logged once (a reset clears or rebuilds the view anyway)."""
+        stats = self.stats
+        for events in parts:
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                stats.parts_abandoned += 1
+                log.info("subscriber stopped between the parts of a KV-event batch; the rest is not applied",
+                         extra={"worker_id": self.worker_id})
+                raise
+            try:
+                outcome = self._apply_fn(EventBatch(self.worker_id, self._router_seq, events))
+            except KVRouterError as exc:
+                why = str(exc)
+            else:
+                stats.rejected_events += sum(outcome.rejected.values())
+                self._router_seq += 1
+                stats.parts += 1
+                if not (outcome.duplicate or outcome.gap or outcome.restarted):
+                    continue
+                why = "the router's sequence for the worker changed (it was reset or registered again)"
+            stats.parts_abandoned += 1
+            log.warning("the rest of a KV-event batch applied in parts is dropped: %s", why,
+                        extra={"worker_id": self.worker_id})
+            return
 
     def _reset(self, lost: bool) -> None:
         try:
@@ -649,7 +713,9 @@ class ZmqEventSource:
 
     ``apply(batch)``, ``reset(worker_id, lost)`` and ``rejected(worker_id, counts, lost_removal)``
     are supplied by the host; the daemon passes ``Router.apply`` (per event, wrapped for
-    telemetry), ``Router.reset_events`` and ``Router.note_rejected_events``.
+    telemetry), ``Router.reset_events`` and ``Router.note_rejected_events``. An engine batch of
+    more than ``max_part_blocks`` blocks reaches ``apply`` as consecutive parts (``events.parts``:
+    ``block_size`` is the router's, where chains of other-sized pages may be cut).
     """
 
     def __init__(
@@ -660,9 +726,16 @@ class ZmqEventSource:
         clock: Clock | None = None,
         ctx: zmq.asyncio.Context | None = None,
         rejected: RejectedFn | None = None,
+        *,
+        max_part_blocks: int = MAX_PART_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         config.validate()
+        if max_part_blocks < 1 or block_size < 1:
+            raise ConfigError(f"max_part_blocks and block_size must be >= 1, got {max_part_blocks}, {block_size}")
         self.config = config
+        self.max_part_blocks = max_part_blocks
+        self.block_size = block_size
         self._apply = apply
         self._reset = reset
         self._rejected = rejected
@@ -681,7 +754,8 @@ class ZmqEventSource:
         return sub
 
     def _new_subscriber(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
-        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock, self._rejected)
+        sub = EndpointSubscriber(endpoint, self.config, self._apply, self._reset, self._ctx, self._clock, self._rejected,
+                                 max_part_blocks=self.max_part_blocks, block_size=self.block_size)
         self.subscribers[endpoint.worker_id] = sub
         return sub
 

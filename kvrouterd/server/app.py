@@ -235,6 +235,7 @@ class Daemon:
                 apply=lambda batch: self.service.apply_batch(batch, per_event=True),
                 reset=self._reset_events,
                 rejected=self._note_rejected,
+                block_size=self.router.block_size,  # a huge engine batch is applied in parts (events.parts)
             )
             self.ops_metrics.add_event_source(self.events.stats)
         self.service.on_membership_change = self._membership_changed

@@ -54,6 +54,7 @@ import msgpack
 from ..errors import BusUnavailable, InvalidRequest, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
 from .nats_bus import BRIDGE_HEADER, NatsBusConfig, connect, ensure_stream, worker_subject
+from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks
 from .zmq_source import ZmqEventsConfig, ZmqEventSource, _WorkerLike
 
 __all__ = [
@@ -291,6 +292,8 @@ class BusBridge:
         *,
         max_pending: int = DEFAULT_MAX_PENDING,
         publish_timeout_s: float = 5.0,
+        max_part_blocks: int = MAX_PART_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if not events.bus.enabled:
             raise BusUnavailable("kvrouterd bridge needs events.bus (kind: nats, url: ...) to publish into")
@@ -301,8 +304,12 @@ class BusBridge:
         self.publish_timeout_s = publish_timeout_s
         self.stats = BridgeStats()
         self.run_id = uuid.uuid4().hex[:12]
-        self.source = ZmqEventSource(events, apply=self._on_batch, reset=self._on_reset, rejected=self._on_rejected)
-        self._queue: deque[tuple[str, str, bytes]] = deque()  # (worker, subject, body)
+        self.source = ZmqEventSource(events, apply=self._on_batch, reset=self._on_reset, rejected=self._on_rejected,
+                                     max_part_blocks=max_part_blocks, block_size=block_size)
+        #: blocks one message may carry: a replica applies a message in one turn of its loop
+        self.max_message_blocks = max_part_blocks
+        self.block_size = block_size
+        self._queue: deque[tuple[str, str, bytes, int]] = deque()  # (worker, subject, body, blocks)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -349,7 +356,7 @@ class BusBridge:
             self._lose(wid, f"bridge queue full ({self.max_pending} calls)")
             return BatchOutcome(applied=True)
         self.stats.batches += 1
-        self._enqueue(wid, encode_batch(batch))
+        self._enqueue(wid, encode_batch(batch), batch_blocks(batch.events, self.block_size))
         return BatchOutcome(applied=True)
 
     def _lose(self, worker_id: str, why: str) -> None:
@@ -373,8 +380,8 @@ class BusBridge:
         self.stats.rejections += 1
         self._enqueue(worker_id, encode_rejected(worker_id, counts, lost_removal))
 
-    def _enqueue(self, worker_id: str, body: bytes) -> None:
-        self._queue.append((worker_id, worker_subject(self.bus.subject_prefix, worker_id), body))
+    def _enqueue(self, worker_id: str, body: bytes, blocks: int = 0) -> None:
+        self._queue.append((worker_id, worker_subject(self.bus.subject_prefix, worker_id), body, blocks))
         self.stats.pending = len(self._queue)
         self._idle.clear()
         self._wake.set()
@@ -399,21 +406,26 @@ class BusBridge:
                 self._resubscribe_overflowed()
 
     def _take(self) -> list[tuple[str, bytes]]:
-        """The queue's head as one message per worker, each within the server's payload limit."""
+        """The queue's head as one message per worker, each within the server's payload limit
+        and, past its first call, ``max_message_blocks``: a replica applies a message in one
+        turn of its loop, so the parts of a huge engine batch go out one a message, as the
+        source made them (``events.parts``), while small batches still travel together."""
         limit = max(4096, int(getattr(self._nc, "max_payload", 1 << 20)) - 4096)  # room for headers
         groups: dict[str, tuple[str, list[bytes]]] = {}
         sizes: dict[str, int] = {}
+        blocks: dict[str, int] = {}
         while self._queue and sum(len(calls) for _, calls in groups.values()) < MAX_CALLS_PER_ROUND:
-            wid, subject, body = self._queue[0]
+            wid, subject, body, n = self._queue[0]
             if len(body) > limit:
                 self._queue.popleft()
                 self._lose(wid, f"a call of {len(body)} bytes exceeds the NATS server's max_payload")
                 continue
-            if sizes.get(wid, 0) + len(body) > limit:
+            if sizes.get(wid, 0) + len(body) > limit or (wid in blocks and blocks[wid] + n > self.max_message_blocks):
                 break  # this worker's message is full: the rest waits for the next round
             self._queue.popleft()
             groups.setdefault(wid, (subject, []))[1].append(body)
             sizes[wid] = sizes.get(wid, 0) + len(body)
+            blocks[wid] = blocks.get(wid, 0) + n
         return [(subject, message(calls)) for subject, calls in groups.values()]
 
     async def _publish(self, subject: str, body: bytes) -> None:

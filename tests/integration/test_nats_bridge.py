@@ -21,8 +21,10 @@ from kvrouterd.clock import ManualClock
 from kvrouterd.config import parse_config
 from kvrouterd.errors import BusUnavailable, ConfigError
 from kvrouterd.events import ZmqEndpoint, ZmqEventsConfig, ZmqEventSource
+from kvrouterd.events.bridge import decode_bridged
+from kvrouterd.events.parts import MAX_PART_BLOCKS, batch_blocks
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, WorkerState
+from kvrouterd.protocols import CacheMode, EventBatch, WorkerState
 from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server.app import Daemon
 from kvrouterd.server.bridge import BridgeProcess
@@ -265,6 +267,50 @@ async def test_a_full_bridge_queue_degrades_the_worker_then_resyncs_it(fleet: Fl
         assert w.gaps >= 1  # told it lost events ...
         assert w.state is WorkerState.READY  # ... and rebuilt by the resubscribe's replay
         assert fleet.blocks(d.router) == fleet.blocks(fleet.reference)
+
+
+async def test_a_huge_engine_batch_crosses_the_bus_in_parts_each_within_the_message_limits(
+        fleet: Fleet, nats_server: NatsServer) -> None:
+    """A 20,000-block BlockStored (one vLLM step that prefilled a 320k-token prompt) is 1.4 MB as
+    one bridged call, over NATS's max_payload: it goes out as the source's parts, one message
+    each, and every replica applies them to the view a direct subscriber has."""
+    import nats
+
+    engine = fleet.add_engine("gpu-0", VLLM_026)
+    await fleet.start()
+    prefix = parse_config(fleet.config()).events.bus.subject_prefix
+    nc = await nats.connect(nats_server.url)
+    seen: list[bytes] = []
+
+    async def on_message(msg: Any) -> None:
+        seen.append(msg.data)
+
+    await nc.subscribe(f"{prefix}.>", cb=on_message)
+    try:
+        cache = Cache(engine, VLLM_026, random.Random(17), 1)
+        await cache.store(20_000)
+        await cache.store(3)
+        await fleet.settle()
+        await nc.flush()
+        await until(lambda: sum(isinstance(c, EventBatch) for m in seen for c in decode_bridged(m, 1 << 20)) == 6,
+                    what="the parts seen on the bus")
+        max_payload = nc.max_payload
+    finally:
+        await nc.close()
+    batches = [[c for c in decode_bridged(m, 1 << 20) if isinstance(c, EventBatch)] for m in seen]
+    # the first batch (a Cleared before 20,000 blocks) in 5 parts, then the 3-block batch
+    assert [b.sequence for m in batches for b in m] == list(range(6))
+    for data, message_batches in zip(seen, batches):
+        assert len(data) <= max_payload
+        assert sum(batch_blocks(b.events, BS) for b in message_batches) <= MAX_PART_BLOCKS
+    expected = fleet.blocks(fleet.reference)
+    assert len(expected["gpu-0"]) == 20_003
+    for d in fleet.replicas:
+        assert fleet.blocks(d.router) == expected
+        assert d.router.workers.get("gpu-0").state is WorkerState.READY
+    assert_no_gaps_on_replicas(fleet)
+    assert fleet.bridge is not None and fleet.bridge.bridge.stats.lost_resets == 0
+    assert fleet.bridge.bridge.source.stats()["gpu-0"].parts == 5
 
 
 async def test_the_bridge_needs_a_reachable_bus() -> None:

@@ -19,7 +19,9 @@ the bridge could not replay reaches every replica as DEGRADED instead of vanishi
 
 Wire: JetStream messages on the worker's subject, with the header ``Kvrouter-Bridge: 1`` and
 a msgpack body: the list of that worker's calls queued since the last message, in call order
-(``encode_*`` / ``message`` / ``decode_bridged``), within the server's ``max_payload``. Not the
+(``encode_*`` / ``message`` / ``decode_bridged``), within the server's ``max_payload`` and, past
+its first call, ``max_message_blocks``: a replica applies a message in one turn of its loop, so a
+huge engine batch travels as the parts the source cut it into (``events.parts``). Not the
 protobuf ``EventBatch``: engine events carry fields it does not (hybrid KV groups, vLLM's
 multimodal extra keys), and the resets and rejection counts have no protobuf form. Message ids
 (``Nats-Msg-Id``: ``bridge.<run>.<n>``) let the stream drop a publish retried after a NATS

@@ -106,11 +106,12 @@ class BridgeProcess:
 
         def per_engine(_: CallbackOptions) -> Iterable[Observation]:
             for wid, st in self.bridge.source.stats().items():
-                for kind in ("gaps", "replays_ok", "replays_failed", "desyncs", "restarts"):
+                for kind in ("gaps", "replays_ok", "replays_failed", "desyncs", "restarts", "parts_abandoned"):
                     yield Observation(getattr(st, kind), {"worker": wid, "kind": kind})
 
         meter.create_observable_counter("kvrouter.bridge.engine_events", [per_engine],
-                                        description="per engine: gaps, replays, desyncs (lost beyond replay), restarts")
+                                        description="per engine: gaps, replays, desyncs (lost beyond replay), restarts, batches "
+                                                    "whose later parts were dropped (worker removed or reset meanwhile)")
 
     async def stop(self) -> None:
         if self._discovery_task is not None:

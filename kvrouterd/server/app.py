@@ -235,7 +235,8 @@ class Daemon:
                 apply=lambda batch: self.service.apply_batch(batch, per_event=True),
                 reset=self._reset_events,
                 rejected=self._note_rejected,
-                block_size=self.router.block_size,  # a huge engine batch is applied in parts (events.parts)
+                # an engine batch of more blocks is applied in parts, the loop free between them
+                max_part_blocks=self.config.limits.max_batch_blocks, block_size=self.router.block_size,
             )
             self.ops_metrics.add_event_source(self.events.stats)
         self.service.on_membership_change = self._membership_changed

@@ -42,7 +42,8 @@ class BridgeProcess:
         if not config.events.bus.enabled:
             raise ConfigError("kvrouterd bridge: events.bus.kind must be 'nats' (the bridge publishes into the bus)")
         self.config = config
-        self.bridge = BusBridge(config.events, max_pending=max_pending, block_size=config.block_size)
+        self.bridge = BusBridge(config.events, max_pending=max_pending, max_part_blocks=config.limits.max_batch_blocks,
+                                block_size=config.block_size)
         self.workers: dict[str, WorkerSpec] = {w.id: w.to_spec(config.block_size) for w in config.workers}
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None

@@ -199,3 +199,16 @@ async def test_a_subscriber_stopped_between_parts_ends_cleanly_and_counts_it(wir
     assert len(host.calls) == 2 and sub.stats.parts == 2
     assert sum("subscriber stopped between the parts" in r.getMessage() for r in caplog.records) == 1
     assert not any(r.levelno >= logging.ERROR for r in caplog.records)  # cancelled, not failed
+
+
+async def test_the_daemon_cuts_engine_batches_at_its_limits_max_batch_blocks():
+    from kvrouterd.config import parse_config
+    from kvrouterd.server.app import Daemon
+
+    daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "block_size": 32, "limits": {"max_batch_blocks": 512}}))
+    await daemon.start()
+    try:
+        assert daemon.events is not None
+        assert (daemon.events.max_part_blocks, daemon.events.block_size) == (512, 32)
+    finally:
+        await daemon.stop(grace=0)

@@ -467,7 +467,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch | convert.BatchTooLarge],
         context: grpc.aio.ServicerContext,
     ) -> pb.PublishEventsResponse:
-        summary = pb.PublishEventsResponse(router_epoch=self.epoch)
+        limits = self.batch_limits
+        summary = pb.PublishEventsResponse(router_epoch=self.epoch, max_event_batch_bytes=limits.max_bytes,
+                                           max_batch_blocks=limits.max_blocks)
         published: dict[str, None] = {}  # workers named, in order
         async for msg in request_iterator:
             if type(msg) is convert.BatchTooLarge:

@@ -9,13 +9,14 @@ chained parts, and the router's index ends exactly as the whole chain applied at
 
 from __future__ import annotations
 
+import asyncio
 import random
 from array import array
 
 import grpc
 import pytest
 
-from kvrouter_client import EventPublisher, keys
+from kvrouter_client import EventPublisher, Stored as SdkStored, keys
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.config import LimitsConfig
 from kvrouterd.protocols import EventBatch, Stored
@@ -126,3 +127,37 @@ async def test_the_sdk_splits_a_long_chain_into_the_index_the_whole_chain_makes(
     sdk, ref = index_state(router, "sdk"), index_state(router, "ref")
     assert sdk == ref
     assert sdk[3] == (len(root) + len(chain)) // BS  # every router block of both chains
+
+
+LOW = {"max_event_batch_bytes": 16384, "max_batch_blocks": 64}
+
+
+@pytest.mark.parametrize("daemon_config", [{"limits": LOW}])
+@pytest.mark.parametrize("learned", ["before publishing", "from a refusal"])
+async def test_the_sdk_adopts_a_routers_lower_limits(running, learned):
+    """A router with limits below the SDK's defaults says so in every PublishEvents answer: a
+    publisher that read them (its register() reads the router's answer before it streams) cuts
+    under them from its first batch; one that wrote a batch first has it refused, reads them,
+    and resyncs (Cleared + snapshot) cut under them. Either way the whole chain arrives."""
+    rng = random.Random(7)
+    chain = [rng.randrange(2**32) for _ in range(1000 * BS)]
+    hashes = list(range(1, 1001))
+    target = f"127.0.0.1:{running.daemon.port}"
+    async with EventPublisher(target, "w", block_size=BS, timeout=5.0, probe_interval_s=0,
+                              snapshot=lambda: [SdkStored(chain, hashes)]) as pub:
+        if learned == "before publishing":
+            await pub.register("w.local:8000", capacity_blocks=1 << 20)
+            for _ in range(500):  # the publisher's task reads the router's answer after register()
+                if pub.router_epoch:
+                    break
+                await asyncio.sleep(0.01)
+        else:
+            await register(running, "w")
+        pub.stored(chain, engine_hashes=hashes)
+        assert await pub.flush(timeout=30)
+        assert (pub.batch_limits.max_bytes, pub.batch_limits.max_blocks) == (16384, 64)
+        assert pub.stats.rejected == (0 if learned == "before publishing" else 1)
+        assert pub.stats.batches_sealed >= 1000 // 64
+    worker = running.router.workers.get("w")
+    assert running.router.index.count(worker.slot) == 1000
+    assert dict(worker.engine_keys.items()).keys() == set(hashes)

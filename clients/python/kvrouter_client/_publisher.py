@@ -287,7 +287,8 @@ class EventPublisher:
         self._resync()
 
     def _on_answer(self, summary: pb.PublishEventsResponse) -> None:
-        """Act on a PublishEvents answer: the router's epoch and this worker's resync flag."""
+        """Act on a PublishEvents answer: the router's batch limits, its epoch and this worker's resync flag."""
+        self._adopt_limits(summary.max_event_batch_bytes, summary.max_batch_blocks)
         epoch = summary.router_epoch
         if not epoch:
             return  # a router that predates epochs: its sequence rules alone apply
@@ -305,6 +306,25 @@ class EventPublisher:
                 return
         if mine is not None and mine.resync_needed:
             self._resync_for_router(f"router says its view is incomplete after batch {mine.last_sequence}")
+
+    def _adopt_limits(self, max_bytes: int, max_blocks: int) -> None:
+        """Cut later batches under the router's limits where they are lower than ours (0: a router
+        that does not say). Batches already cut stay as they are: one the router refuses is
+        handled as any refused batch, by a resync, which is cut under the new limits."""
+        ours = self.batch_limits
+        limits = BatchLimits(ours.max_events, min(ours.max_blocks, max_blocks or ours.max_blocks),
+                             min(ours.max_bytes, max_bytes or ours.max_bytes))
+        if limits == ours:
+            return
+        try:
+            check_limits(limits, self.block_size, self.worker_id)
+        except ValueError as exc:
+            log.error("the router's batch limits (%d bytes, %d blocks) cannot be used: %s", max_bytes, max_blocks, exc,
+                      extra={"worker_id": self.worker_id})
+            return
+        log.info("cutting event batches under the router's limits: %d bytes, %d blocks", limits.max_bytes,
+                 limits.max_blocks, extra={"worker_id": self.worker_id})
+        self.batch_limits = limits
 
     @property
     def router_epoch(self) -> int:
@@ -335,6 +355,8 @@ class EventPublisher:
                 self.stats.last_error = str(err)
                 if isinstance(err, RouterRejected) and err.code is not grpc.StatusCode.NOT_FOUND:
                     self.stats.rejected += 1
+                    if err.code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._events_need_router:
+                        self._check_epoch = True  # a batch over the router's limits: read them before resending
                     log.error("router rejected an event batch (%s); resyncing", err, extra={"worker_id": self.worker_id})
                     self._drop_for_resync(sum(len(m.events) for _, m in self._buffer) + len(self._pending))
                 else:

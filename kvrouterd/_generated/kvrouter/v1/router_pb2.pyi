@@ -342,7 +342,7 @@ class EventBatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class PublishEventsResponse(_message.Message):
-    __slots__ = ("batches_applied", "batches_duplicate", "gaps_detected", "blocks_stored", "blocks_removed", "router_epoch", "workers")
+    __slots__ = ("batches_applied", "batches_duplicate", "gaps_detected", "blocks_stored", "blocks_removed", "router_epoch", "workers", "max_event_batch_bytes", "max_batch_blocks")
     BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     GAPS_DETECTED_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,8 @@ class PublishEventsResponse(_message.Message):
     BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     ROUTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVENT_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     batches_applied: int
     batches_duplicate: int
     gaps_detected: int
@@ -357,7 +359,9 @@ class PublishEventsResponse(_message.Message):
     blocks_removed: int
     router_epoch: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSequence]
-    def __init__(self, batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., router_epoch: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSequence, _Mapping]]] = ...) -> None: ...
+    max_event_batch_bytes: int
+    max_batch_blocks: int
+    def __init__(self, batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps_detected: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., router_epoch: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSequence, _Mapping]]] = ..., max_event_batch_bytes: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerSequence(_message.Message):
     __slots__ = ("worker_id", "last_sequence", "resync_needed")

@@ -641,6 +641,13 @@ us_free(U64Store *s)
  * one is the last of its probe run (the slot above is free) and moves to cur. The old array is
  * retired once empty. Every step paces the next array's populating and an old mapping's unmapping. */
 static void
+us_retire_old(U64Store *s)
+{
+    table_retire(&s->drain, s->old.table, s->old.table_bytes);
+    s->old = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
+}
+
+static void
 us_step(U64Store *s, Py_ssize_t budget)
 {
     U64Slots *old = &s->old;
@@ -649,6 +656,13 @@ us_step(U64Store *s, Py_ssize_t budget)
         pace_run(&s->fill, 0, 0);
         return;
     }
+    if (old->size == 0) { /* emptied by deletes (us_remove retires it; this is the backstop) */
+        us_retire_old(s);
+        return;
+    }
+    /* one pass over the old slots finds every entry left: a walk never takes more */
+    if (budget > old->capacity)
+        budget = old->capacity;
     Py_ssize_t c = s->cursor; /* the slots below c are next */
     while (budget > 0) {
         if (c == 0)
@@ -666,8 +680,7 @@ us_step(U64Store *s, Py_ssize_t budget)
             old->used[base >> 6] &= ~(1ULL << b);
             t_insert(&s->cur, T_KEY(old, base + b), T_VAL(old, base + b));
             if (--old->size == 0) {
-                table_retire(&s->drain, old->table, old->table_bytes);
-                *old = (U64Slots){NULL, NULL, 0, 0, NULL, 0};
+                us_retire_old(s);
                 return;
             }
         }
@@ -700,6 +713,8 @@ us_grow(U64Store *s)
     /* Steps keep pace with inserts (MIGRATE_SLOTS), so a migration is over before the next
      * growth; were one not, it would end here, all at once. */
     us_step(s, PY_SSIZE_T_MAX);
+    if (s->old.table != NULL) /* that pass visited every old slot: none holds an entry now */
+        us_retire_old(s);
     if (s->next.table == NULL && t_alloc(&s->next, us_next_capacity(s), 0) < 0)
         return -1;
     pace_run(&s->fill, 0, 1); /* done already when mapped ahead */
@@ -817,6 +832,8 @@ us_remove(U64Store *s, uint64_t key, uint64_t *value)
     if (value != NULL)
         *value = T_VAL(a, i);
     t_erase(a, i);
+    if (a == &s->old && a->size == 0)
+        us_retire_old(s); /* its last entry deleted before the walk reached it: the migration is over */
     us_tick(s);
     return 1;
 }
@@ -943,7 +960,8 @@ U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t expected = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:U64Map", kwlist, &expected))
         return NULL;
-    if (expected < 0 || expected > PY_SSIZE_T_MAX / 8) {
+    /* a slot takes 16 bytes and there are 1.25 per entry: past this the byte count would wrap */
+    if (expected < 0 || expected > PY_SSIZE_T_MAX / 32) {
         PyErr_SetString(PyExc_ValueError, "U64Map(expected): expected must be >= 0 and fit in memory");
         return NULL;
     }
@@ -1655,6 +1673,13 @@ bt_insert(BTSlots *a, BlockObject *b, uint64_t mixed)
 /* The migration's next `budget` old slots, as us_step: going down, each block found is the last
  * of its probe run and moves to cur with no shift; old is freed once empty. */
 static void
+bt_retire_old(BlockTable *t)
+{
+    table_retire(&t->drain, t->old.slots, t->old.table_bytes);
+    t->old = (BTSlots){NULL, 0, 0, 0};
+}
+
+static void
 bt_step(BlockTable *t, Py_ssize_t budget)
 {
     BTSlots *old = &t->old;
@@ -1663,6 +1688,13 @@ bt_step(BlockTable *t, Py_ssize_t budget)
         pace_run(&t->fill, 0, 0);
         return;
     }
+    if (old->size == 0) { /* emptied by deletes (bt_take retires it; this is the backstop) */
+        bt_retire_old(t);
+        return;
+    }
+    /* one pass over the old slots finds every block left: a walk never takes more */
+    if (budget > old->capacity)
+        budget = old->capacity;
     Py_ssize_t c = t->cursor; /* the slots below c are next */
     while (budget > 0) {
         if (c == 0)
@@ -1677,8 +1709,7 @@ bt_step(BlockTable *t, Py_ssize_t budget)
                 BlockObject *b = BT_BLOCK(e);
                 bt_insert(&t->cur, b, u64_mix(b->key)); /* the reference moves with the block */
                 if (--old->size == 0) {
-                    table_retire(&t->drain, old->slots, old->table_bytes);
-                    *old = (BTSlots){NULL, 0, 0, 0};
+                    bt_retire_old(t);
                     return;
                 }
             }
@@ -1702,6 +1733,8 @@ static int
 bt_grow(BlockTable *t)
 {
     bt_step(t, PY_SSIZE_T_MAX); /* over already when the steps keep pace (they do: U64Store) */
+    if (t->old.slots != NULL) /* that pass visited every old slot: none holds a block now */
+        bt_retire_old(t);
     if (t->next.slots == NULL && bt_alloc(&t->next, t->cur.capacity + t->cur.capacity / 2) < 0)
         return -1;
     pace_run(&t->fill, 0, 1); /* done already when mapped ahead */
@@ -1793,6 +1826,8 @@ bt_take(BlockTable *t, uint64_t *slot)
 {
     BTSlots *a = slot >= t->cur.slots && slot < t->cur.slots + t->cur.capacity ? &t->cur : &t->old;
     BlockObject *removed = bt_erase(a, slot - a->slots);
+    if (a == &t->old && a->size == 0)
+        bt_retire_old(t); /* its last block taken before the walk reached it: the migration is over */
     bt_tick(t);
     return removed;
 }

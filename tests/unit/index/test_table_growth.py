@@ -309,3 +309,66 @@ def test_a_leaf_order_grows_its_table_incrementally():
     assert seen_growing > 0 and len(order) == len(blocks)
     entries = order.part(None, len(blocks))
     assert [(p, k) for p, k, _ in entries] == sorted((float(i % 97), b.key) for i, b in enumerate(blocks))
+
+
+def _new_u64map():
+    return native.module.U64Map(718)  # 898 slots: the walk's last step can leave one old slot
+
+
+def _put_u64(table, key, i):
+    table[key] = i
+
+
+def _new_block_table():
+    return native.module.BlockTable()
+
+
+def _put_block(table, key, i):
+    table[key] = native.module.Block(key, None)
+
+
+def _one_entry_left_to_move(new, put, seeds=range(200)):
+    """A table mid-migration with one entry left in its old array, the keys inserted and that
+    entry's key: iteration lists the new array's entries, then the old one's."""
+    import random
+
+    for seed in seeds:
+        rng = random.Random(seed)
+        keys = [rng.getrandbits(64) for _ in range(3000)]
+        table = new()
+        for n, key in enumerate(keys, 1):
+            put(table, key, n - 1)
+            if table.growth_pending == 1 and n > 100:
+                return table, keys[:n], list(table.keys())[-1]
+    raise AssertionError("no insert sequence left one entry in the old array")
+
+
+@pytest.mark.parametrize(("new", "put"), [(_new_u64map, _put_u64), (_new_block_table, _put_block)], ids=["U64Map", "BlockTable"])
+def test_a_delete_that_empties_the_old_array_ends_the_migration(new, put):
+    """Review of d617e8a: deleting the old array's last entry before the walk reached it left an
+    empty old array behind, never freed, and the next growth then walked it forever with the GIL
+    held (a publisher choosing engine hashes could do it on purpose). The delete now ends the
+    migration, and the table keeps growing and answering exactly."""
+    table, keys, last = _one_entry_left_to_move(new, put)
+    growing = table.__sizeof__()
+    table.pop(last)
+    assert table.growth_pending == 0
+    assert table.__sizeof__() < growing  # the emptied old array is released
+    expected = {k: i for i, k in enumerate(keys) if k != last}
+    n = len(keys)
+    for i in range(n, n + 1500):  # past the next growth and into the one after
+        key = (0x9E3779B97F4A7C15 * (i + 7)) % 2**64
+        put(table, key, i)
+        expected[key] = i
+    assert len(table) == len(expected) and table.growth_pending >= 0
+    assert sorted(table.keys()) == sorted(expected)
+    if isinstance(table, native.module.U64Map):
+        assert all(table[k] == v for k, v in expected.items())
+
+
+@pytest.mark.parametrize("expected", [915_187_302_881_714_300, 2**62, 2**63 - 1])
+def test_a_u64map_sized_past_memory_is_refused_not_wrapped(expected):
+    """Review of d617e8a: U64Map(expected)'s byte count wrapped for expected near 2**60, so a
+    2 KB table stood for 10**18 slots and the first insert wrote past it."""
+    with pytest.raises((ValueError, MemoryError)):
+        native.module.U64Map(expected)

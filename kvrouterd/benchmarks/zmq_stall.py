@@ -41,13 +41,16 @@ TOPIC = b"kv"
 
 
 def payload(tokens: int, seed: int) -> bytes:
-    """One vLLM batch (map-encoded events, as vLLM >= 0.24) storing ``tokens`` tokens from the root."""
+    """One vLLM batch (map-encoded events, as vLLM >= 0.24) storing ``tokens`` tokens from the root,
+    with the fields current vLLM sends: ``extra_keys`` one entry per block (None for plain text),
+    the KV cache group and its kind."""
     rng = random.Random(seed)
     blocks = tokens // BS
     ids = [rng.randrange(150_000) for _ in range(blocks * BS)]
     base = rng.getrandbits(62)
     event = {"type": "BlockStored", "block_hashes": list(range(base, base + blocks)), "parent_block_hash": None,
-             "token_ids": ids, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+             "token_ids": ids, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [None] * blocks, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
     return msgpack.packb([time.time(), [event], 0])
 
 

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def length_delimited(number: int, payload: bytes) -> bytes:
-    """Field ``number`` of wire type 2 (bytes, string, message, packed)."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+# a varint, and field ``number`` of wire type 2 (bytes, string, message, packed)
+from kvrouterd.server.convert import length_delimited as length_delimited
+from kvrouterd.server.convert import varint as varint
 
 
 def varint_field(number: int, value: int) -> bytes:

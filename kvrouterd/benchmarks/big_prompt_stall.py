@@ -179,6 +179,19 @@ class _StreamHog:
         await self.call.read()
 
 
+async def probe_routes(route: Any, complete: Any, probe_msg: bytes, n: int, interval_ms: float) -> list[float]:
+    """``n`` small Routes (each completed) one after another, ``interval_ms`` apart: their round
+    trips, seconds."""
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        reply = await route(probe_msg)
+        out.append(time.perf_counter() - started)
+        await complete(_complete_message(reply.request_id))
+        await asyncio.sleep(interval_ms / 1000)
+    return out
+
+
 async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     channel, hog_channel = _channel(port), _channel(port)
     route, complete = _stubs(channel)
@@ -198,14 +211,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     answers: collections.Counter[str] = collections.Counter()
 
     async def probes(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            started = time.perf_counter()
-            reply = await route(probe_msg)
-            out.append(time.perf_counter() - started)
-            await complete(_complete_message(reply.request_id))
-            await asyncio.sleep(args.interval_ms / 1000)
-        return out
+        return await probe_routes(route, complete, probe_msg, n, args.interval_ms)
 
     huge_times: list[float] = []
 

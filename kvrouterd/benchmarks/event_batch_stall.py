@@ -43,18 +43,10 @@ from ..protocols import CacheMode, EventBatch
 from ..router import Router, RouterSettings
 from ..server import convert
 from ..server.convert import length_delimited, pb
+from ..server.convert import varint as _varint
 from .stats import latency_summary, quiet_then_loaded
 
 BLOCK_SIZE = 16
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _batch(sequence: int, *events: bytes) -> bytes:
@@ -157,8 +149,7 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
     import grpc
     from kvrouter_client import EventPublisher
 
-    from .big_prompt_stall import _channel, _loop_cpu_s, _route_bytes, _stubs
-    from .grpc_bench import _complete_message
+    from .big_prompt_stall import _channel, _loop_cpu_s, _route_bytes, _stubs, probe_routes
 
     channel = _channel(port)
     route, complete = _stubs(channel)
@@ -175,14 +166,7 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
     batches: list[int] = []
 
     async def probes(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            started = time.perf_counter()
-            reply = await route(probe_msg)
-            out.append(time.perf_counter() - started)
-            await complete(_complete_message(reply.request_id))
-            await asyncio.sleep(args.interval_ms / 1000)
-        return out
+        return await probe_routes(route, complete, probe_msg, n, args.interval_ms)
 
     n = 0
 

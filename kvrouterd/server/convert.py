@@ -60,6 +60,7 @@ __all__ = [
     "event_batch_bytes",
     "event_batch_message",
     "length_delimited",
+    "varint",
     "evict_request",
     "pb",
     "route_message",
@@ -514,15 +515,19 @@ class SplitStream:
     data: bytes
 
 
+def varint(value: int) -> bytes:
+    """A protobuf varint (``value`` >= 0)."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def length_delimited(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field: a cut-out Route's new frame (its length changed)."""
-    out = bytearray()
-    for value in (number << 3 | 2, len(payload)):
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def _kept_kind(fields: list[_Field]) -> list[int]:

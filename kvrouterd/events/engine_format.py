@@ -410,18 +410,31 @@ _ONE_FORM_BATCHES = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder
 
 
 def _typed_event(raw: msgspec.Raw) -> Any:
-    """The event's Struct, or None when the Structs do not describe it (the generic path then
-    decodes it, and says what is wrong if anything is)."""
+    """The event's Struct, ready for ``_from_typed``, or None when the Structs do not describe it
+    (the generic path then decodes it, and says what is wrong if anything is)."""
     first = memoryview(raw)[0]
     # msgpack array: fixarray 0x90-0x9f, array16 0xdc, array32 0xdd; map: 0x80-0x8f, 0xde, 0xdf
     decoder = _ARRAY_EVENT if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD) else _MAP_EVENT
     try:
         ev = decoder.decode(raw)
-        if isinstance(ev, _STORED_TYPES):
-            ev.token_ids = _typed_tokens(ev.token_ids)
-        return ev
     except msgspec.DecodeError:  # ValidationError included
         return None
+    return ev if _ready(ev) else None
+
+
+def _ready(ev: Any) -> bool:
+    """Ready a decoded event Struct for ``_from_typed`` (a store's token ids read, ``_typed_tokens``),
+    or False where only the generic decoder reads it as it must be read: extra keys are hashed from
+    their msgpack re-encoding, which only the generic objects reproduce exactly (msgspec decodes
+    extension types differently), and token ids ``list[int]`` does not describe."""
+    if isinstance(ev, _STORED_TYPES):
+        if _has_extra_keys(ev.extra_keys):
+            return False
+        try:
+            ev.token_ids = _typed_tokens(ev.token_ids)
+        except msgspec.DecodeError:  # ValidationError included
+            return False
+    return True
 
 
 _TOKEN_LIST = msgspec.msgpack.Decoder(list[int] | None)
@@ -499,9 +512,7 @@ def decode_payload(payload: bytes, model: str = "", lora_ids: Mapping[int, str] 
     batch = _Collector()
     for i, raw in enumerate(envelope.events):
         typed = _typed_event(raw)
-        if typed is None or (isinstance(typed, _STORED_TYPES) and _has_extra_keys(typed.extra_keys)):
-            # extra keys are hashed from their msgpack re-encoding, which only the generic
-            # objects reproduce exactly (msgspec decodes extension types differently)
+        if typed is None:
             try:
                 generic = msgpack.unpackb(raw, raw=False, strict_map_key=False)
             except Exception as exc:  # e.g. text that is not UTF-8: this event only
@@ -512,10 +523,7 @@ def decode_payload(payload: bytes, model: str = "", lora_ids: Mapping[int, str] 
             except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
                 batch.reject(i, _event_kind(generic), exc)
             continue
-        try:
-            batch.add(_from_typed(typed, model, lora_ids))
-        except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
-            batch.reject(i, _kind_of_typed(typed), exc)
+        batch.add_typed(i, typed, model, lora_ids)
     return batch.result(envelope.ts, envelope.data_parallel_rank)
 
 
@@ -529,20 +537,11 @@ def _decode_one_form(payload: bytes, model: str, lora_ids: Mapping[int, str]) ->
             envelope = decoder.decode(payload)
         except msgspec.DecodeError:  # ValidationError included
             continue
-        try:
-            for ev in envelope.events:
-                if isinstance(ev, _STORED_TYPES):
-                    if _has_extra_keys(ev.extra_keys):
-                        return None
-                    ev.token_ids = _typed_tokens(ev.token_ids)
-        except msgspec.DecodeError:
+        if not all(_ready(ev) for ev in envelope.events):
             return None
         batch = _Collector()
         for i, ev in enumerate(envelope.events):
-            try:
-                batch.add(_from_typed(ev, model, lora_ids))
-            except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
-                batch.reject(i, _kind_of_typed(ev), exc)
+            batch.add_typed(i, ev, model, lora_ids)
         return batch.result(envelope.ts, envelope.data_parallel_rank)
     return None
 
@@ -566,6 +565,13 @@ class _Collector:
             self.tiers.append(decoded)
         else:
             self.gpu.append(decoded)
+
+    def add_typed(self, i: int, ev: Any, model: str, lora_ids: Mapping[int, str]) -> None:
+        """Event ``i``, a Struct ``_ready`` passed: added, or counted by why it cannot be."""
+        try:
+            self.add(_from_typed(ev, model, lora_ids))
+        except (MalformedPayload, TypeError, ValueError, UnicodeError) as exc:
+            self.reject(i, _kind_of_typed(ev), exc)
 
     def reject(self, i: int, kind: str, exc: Exception) -> None:
         # one bad event must not cost the others (a vLLM batch is a whole scheduler

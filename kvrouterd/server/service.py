@@ -94,7 +94,6 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         #: called after RegisterWorker/DeregisterWorker (the daemon re-syncs ZMQ subscribers)
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
-        self.max_batch_events = max_batch_events
         #: what one PublishEvents batch may carry (``convert.BatchLimits``)
         self.batch_limits = convert.BatchLimits(max_batch_events, router.settings.max_id_length, max_event_batch_bytes,
                                                 max_batch_blocks, router.block_size)
@@ -478,7 +477,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
             try:
                 # the daemon's deserializer (event_batch_message) has read a plain message already
-                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, self.batch_limits)
+                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, limits)
                 outcome = self.apply_batch(batch)
             except KVRouterError as exc:
                 # earlier batches of the stream stay applied; this one changed nothing

@@ -94,7 +94,7 @@ class LimitsConfig:
     max_batch_events: int = 65536
     #: bytes of one event batch (a PublishEvents message, an event-bus message); a longer one is
     #: RESOURCE_EXHAUSTED before it is parsed. A batch is read and applied in one turn of the
-    #: routing loop, so this bounds how long it holds routing (docs/operations.md, "Limits")
+    #: routing loop, so this bounds how long it holds routing (docs/operations/limits.md, "Limits")
     max_event_batch_bytes: int = 512 * 1024
     #: blocks of one event batch: stored pages (tokens // the event's block size) or engine
     #: hashes if more, plus removed engine hashes, each event counting at least 8 (its own

@@ -252,7 +252,7 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
     # full collection in the parent writes every tracked object's GC header and so copies its
     # page. At 10^6 blocks that collection took 190 ms and copied 16 MB with the native index
     # (52k tracked objects: its blocks are not tracked), 1.25 s and 94 MB on the pure-Python
-    # one (1.07M), and nothing frozen (docs/operations.md, "Big calls on a huge worker").
+    # one (1.07M), and nothing frozen (docs/operations/limits.md, "Big calls on a huge worker").
     # The freeze is the process's one heap freeze, counted (loop_lag.freeze_heap): a daemon
     # froze its start-up heap, and gc.unfreeze() here thawed that too after the first snapshot,
     # so every later full collection walked the start-up heap again. Counted, this snapshot's

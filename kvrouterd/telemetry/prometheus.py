@@ -7,7 +7,7 @@ over a parallel set of ``prometheus_client`` instruments because the service alr
 every decision through OTel. Per Route, ``Metrics.route_decided`` (an int bump behind an
 ObservableCounter and a queued latency, recorded in batches; see telemetry.metrics) costs
 0.3 us with no reader and 6.2 us with this reader, in process with warm caches; the SDK's
-own counter add + histogram record cost 11.0 and 24.7 us (recipe in docs/operations.md), and
+own counter add + histogram record cost 11.0 and 24.7 us (recipe in docs/operations/observe.md), and
 prometheus_client 2.7-7.2 us, which would add to the OTel cost, not replace it.
 
 Besides the service's instruments (``kvrouter_decisions_total{policy,reason}``,

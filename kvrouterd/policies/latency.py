@@ -60,7 +60,7 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``pending_model`` = "drain": how pending prefill tokens are estimated (see ``pending_tokens``).
 
 ``kvrouterd sim cluster`` fills every ``prefill_*``/``power_*`` field a policy's spec leaves
-unset with its engines' values (``sim.cluster.profiled_spec``), as DualMap profiles the GPU
+unset with its engines' values (``sim.policy_specs.profiled_spec``), as DualMap profiles the GPU
 it routes to.
 """
 

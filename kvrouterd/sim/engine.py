@@ -135,7 +135,7 @@ class EngineParams:
 
     def latency_fields(self) -> dict[str, Any]:
         """This engine's cost model as ``LatencyParams`` fields: what a router that profiled
-        it would configure (``sim.cluster.profiled_spec``)."""
+        it would configure (``sim.policy_specs.profiled_spec``)."""
         return {name: getattr(self, name) for name in LATENCY_FIELDS}
 
     def decode_step_seconds(self, decoding: int) -> float:

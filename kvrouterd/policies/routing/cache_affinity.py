@@ -7,15 +7,21 @@ reuse" (section 3.2, A.1.1), so m requests sharing a prefix reach a hit rate of
 ``max(0, 1 - 1/m)`` (section 2.3): only the first misses. It ignores load entirely, so a hot
 prefix piles onto one worker.
 
-- A prompt some candidate holds a prefix of goes to the one holding the longest (ties to
-  fewer pending prefill tokens, then the lower slot): reason ``longest_prefix``.
-- A prompt no candidate holds any block of (``cold_placement: prefix_hash``, the paper's) is
-  placed by its prompt-aware function: its first ``key_tokens`` tokens (DualMap's own partial
-  prefix, 2 x 512) hashed onto a consistent-hash ring of the workers (``hash_ring``, ring
-  f1), so every request with that prefix lands on the same worker even before any engine
-  reports caching it: reason ``prefix_hash``. ``cold_placement: least_loaded`` sends it to
-  the worker with the fewest pending prefill tokens instead (reason ``cold_least_loaded``),
-  kvrouterd's earlier variant, which scatters a burst of one new prefix in events mode.
+A prompt's *key* is its first ``key_tokens`` tokens (DualMap's own partial prefix, 2 x 512;
+all its full blocks if shorter): the prefix whose m requests the paper's hit-rate argument
+counts (section 2.3).
+
+- A prompt whose whole key some candidate holds goes to the one holding the longest prefix
+  (ties to fewer pending prefill tokens, then the lower slot): reason ``longest_prefix``.
+- A prompt whose key no candidate holds is cold (``cold_placement: prefix_hash``, the
+  paper's): its key is hashed onto a consistent-hash ring of the workers (``hash_ring``,
+  ring f1), so every request with that key lands on the same worker even before any engine
+  reports caching it: reason ``prefix_hash``. A cached prefix shorter than the key does not
+  make a prompt warm: on the Mooncake conversation trace every prompt starts with the same
+  512-token block, and following it would send the whole trace to the first prompt's
+  worker. ``cold_placement: least_loaded`` sends a prompt no candidate holds any block of to
+  the fewest pending prefill tokens instead (reason ``cold_least_loaded``), kvrouterd's
+  earlier variant, whose events-mode races spread a shared prefix over several workers.
 - A prompt without a full block goes to the fewest pending prefill tokens (``no_prefix``).
 
 Parameters:
@@ -63,24 +69,29 @@ class CacheAffinityPolicy(RoutingPolicyBase):
         super().__init__(params, rng)  # type: ignore[arg-type]
         self.ring = DualHashRing(params.virtual_nodes)
 
+    def key_blocks(self, ctx: RoutingContext) -> int:
+        """Blocks in the prompt's key: its first ``key_tokens`` tokens, at most the prompt."""
+        return min(len(ctx.request.keys), max(1, self.params.key_tokens // ctx.block_size))
+
     def hashed_worker(self, ctx: RoutingContext) -> str | None:
-        """The candidate the prompt's prefix hashes to (None: no full block, or none on the ring)."""
-        keys = ctx.request.keys
-        if not keys:
+        """The candidate the prompt's key hashes to (None: no full block, or none on the ring)."""
+        blocks = self.key_blocks(ctx)
+        if not blocks:
             return None
-        key_blocks = max(1, self.params.key_tokens // ctx.block_size)
         by_id = {w.id for w in ctx.candidates}
         # block keys chain their predecessors, so the key of the prefix's last block names it
-        return self.ring.first(keys[min(len(keys), key_blocks) - 1], 0, by_id.__contains__)
+        return self.ring.first(ctx.request.keys[blocks - 1], 0, by_id.__contains__)
 
     def select(self, ctx: RoutingContext) -> Decision:
         candidates = ctx.candidates
         chosen = min(candidates, key=lambda w: (-ctx.overlap(w), w.pending_prefill_tokens, w.slot))
-        if ctx.overlap(chosen) > 0:
-            reason = "longest_prefix"
-        elif not ctx.request.keys:
+        least_loaded = self.params.cold_placement == "least_loaded"
+        if not ctx.request.keys:
             reason = "no_prefix"
-        elif self.params.cold_placement == "least_loaded":
+        elif ctx.overlap(chosen) >= (1 if least_loaded else self.key_blocks(ctx)):
+            reason = "longest_prefix"
+        elif least_loaded:
+            chosen = min(candidates, key=lambda w: (w.pending_prefill_tokens, w.slot))
             reason = "cold_least_loaded"
         else:
             hashed = self.hashed_worker(ctx)

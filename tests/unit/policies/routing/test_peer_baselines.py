@@ -115,6 +115,18 @@ def test_cache_affinity_places_a_cold_prompt_by_its_prefix_hash_whatever_the_loa
         assert router.decide(request(prompt(20 + group, 1024, 9)))[0].worker_id == d.worker_id
 
 
+def test_cache_affinity_a_shared_system_prompt_shorter_than_the_key_does_not_pull_everything() -> None:
+    # every conversation opens with the same 512 tokens (32 blocks, the key is 64): once one
+    # worker caches them, a new conversation is still placed by its own key's hash
+    router, _ = make_router({"name": "cache_affinity"}, ["a", "b", "c", "d"])
+    first = router.route(request(prompt(40, 512, 0, 1024)))
+    picks = [router.route(request(prompt(40, 512, s, 1024))).decision for s in range(1, 25)]
+    assert {d.reason for d in picks} == {"prefix_hash"} and len({d.worker_id for d in picks}) > 2
+    # the next turn of a conversation holds its whole key where it went: it follows it there
+    again = router.route(request(prompt(40, 512, 0, 1024) + list(range(90_000, 90_064)))).decision
+    assert (again.worker_id, again.reason) == (first.worker.id, "longest_prefix")
+
+
 def test_cache_affinity_least_loaded_variant_spreads_cold_prompts() -> None:
     router, _ = make_router({"name": "cache_affinity", "cold_placement": "least_loaded"}, ["a", "b"])
     first = router.route(request(prompt(30, 1024, 0)))

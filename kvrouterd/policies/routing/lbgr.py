@@ -41,8 +41,7 @@ the same run.
 **One time unit (``engine_ms_per_1k``).** Every term of ``E_i`` is a time and is compared
 with an observed latency, so all are held in ms: one unit of the alphas' scale is
 ``engine_ms_per_1k / alpha_miss_ms_per_1k`` ms, ``engine_ms_per_1k`` being the engines' real
-prefill time per 1k uncached tokens (what a router that profiled them knows; ``sim`` fills it
-in from the engines' cost model, ``sim.policy_specs.profiled_spec``). The alphas then set only
+prefill time per 1k uncached tokens (what a router that profiled them knows). The alphas then set only
 the relative cost of a cached and an uncached token, and the residual target's floor (the
 published router's 1, the cost of one uncached token at alpha_miss = 1000 per 1k) is one
 uncached token's time. Decisions are then the same whatever scale the alphas are written in
@@ -50,7 +49,9 @@ uncached token's time. Decisions are then the same whatever scale the alphas are
 literal mix, where the paper's alpha_miss = 1000 means 1 ms per uncached token, 10-40x slower
 than a real prefill: its ``Cost + P`` then dwarfs every observed latency, the floored
 residual never moves, and LBGR is ``Cost + P`` alone; written in real ms (alpha_miss = 40,
-docs/results.md section 2) the same code lets the residual learn from completions and decide.
+docs/results.md section 2) or with the unit known, the residual learns from completions and
+decides, and per worker it herds on their late feedback (measured in
+``sim.policy_specs.profiled_spec``'s docstring; ``residual_scope: fleet`` does not).
 The load feature of the residual is ``P_i`` in 1k-token prefill times, so a fit does not
 depend on the scale either.
 

@@ -592,9 +592,9 @@ def sweep(cfg: Config, workload_for: Callable[[int, float | None], Workload], se
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        return m.parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ints(text: str) -> list[int]:
@@ -609,7 +609,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (implies --workload mooncake)")
     w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
     w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
-                   help="request rates to sweep, req/s (trace: timestamps rescaled; default: as recorded / generator default)")
+                   help="request rates to sweep, req/s, each a number or a grid LO:HI:STEP (e.g. 14:20:0.5) (trace: "
+                        "timestamps rescaled; default: as recorded / generator default)")
     w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds (workload, router, engines)")
     w.add_argument("--limit", type=int, default=0, help="use the first N requests")
     w.add_argument("--max-input-tokens", type=int, default=0, help="cap trace prompts at N tokens (0 = no cap)")

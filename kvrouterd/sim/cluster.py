@@ -390,7 +390,7 @@ class Simulation:
 
     def _step_done(self, i: int, now: float) -> None:
         engine = self.engines[i]
-        tpot = self.settings.engine.tpot_ms / 1000.0
+        tpot = self.settings.engine.decode_step_seconds(1)
         batched = self.settings.engine.decode_model == "batched"
         for job in engine.finish_step(now):
             if not batched:
@@ -650,12 +650,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
     e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")
     e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
-                   help="batched: decoding runs in the engine's steps beside prefill chunks (interference)")
+                   help=f"batched: decoding runs in the engine's steps beside prefill chunks (interference); constant: "
+                        f"tpot per token beside the engine (default {d.decode_model})")
     e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
-                   help="batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1))")
-    e.add_argument("--decode-kv", action="store_true",
+                   help=f"batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1)) (default "
+                        f"{d.decode_batch_slope}: KV reads at an 8k context, see sim.engine)")
+    e.add_argument("--decode-kv", action=argparse.BooleanOptionalAction, default=d.decode_kv,
                    help="batched: generated tokens take KV blocks; when none is free, evict, else preempt the newest "
-                        "decoding request (vLLM's recompute) instead of waiting")
+                        "decoding request (vLLM's recompute) instead of waiting (default on)")
+    e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens,
+                   help=f"prefill chunks also pay attention to the context before them, costing a token's linear "
+                        f"layers per this many context tokens (default {d.attention_context_tokens:.0f}, "
+                        f"Llama-3.1-8B's FLOP ratio; 0 = chunks priced alone)")
+    e.add_argument("--hardware-speed", type=float, default=d.hardware_speed,
+                   help="divides every compute time, prefill and decode (2 = a GPU twice as fast; default 1)")
     e.add_argument("--cache-decode", action="store_true",
                    help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
@@ -730,7 +738,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                           max_running=args.max_running, prefill_model=args.prefill_model,
                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
                           cache_decode=args.cache_decode, decode_model=args.decode_model,
-                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv)
+                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv,
+                          attention_context_tokens=args.attention_context_tokens, hardware_speed=args.hardware_speed)
     settings = ClusterSettings(
         workers=args.workers, engine=engine,
         cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,

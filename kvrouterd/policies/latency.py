@@ -47,6 +47,11 @@ one chunk, with nothing cached, has no earlier context and costs exactly the fit
 turn after a 4k cached prefix costs 13% more than the fit; a 131,072-token prompt in
 8,192-token chunks (vLLM's budget) costs 2.93x the sixteen chunks priced alone (5.5 s of fit
 plus 10.7 s of attention to earlier chunks). 0 turns the term off (per-chunk pricing).
+What this assumes: attention at the linear layers' FLOP rate. The fit itself hints attention
+may be cheaper on short prompts: its cost per token grows 3.8% from 1k to 8k tokens, a third
+of the 11.6% FLOP parity predicts for attention within the prompt (ratio ~94k tokens, which
+would give 1.6x at 128k); at long context FlashAttention-class kernels run near GEMM rates,
+so FLOP parity is kept, matching the 2-3x issue #27 expects.
 
 **Decode cost.** UniCache (section 3.2) found TPOT "relatively small ... but high variance
 across settings" with no stable parametric fit, and models it as a batch-independent

@@ -36,7 +36,7 @@ import yaml
 from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
-from .events.zmq_source import ZmqEventsConfig
+from .events.zmq_config import ZmqEventsConfig
 from .index.workers import WorkerSpec, is_host_port
 from .protocols import CacheMode
 

@@ -6,8 +6,10 @@ sequencing, replay and reconnection. Only this package knows the engines' wire l
 
 from __future__ import annotations
 
+from .endpoints import ZmqEndpoint, rank_endpoint
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_event, decode_payload, normalize_hash
-from .zmq_source import EndpointSubscriber, SubscriberStats, ZmqEndpoint, ZmqEventsConfig, ZmqEventSource, rank_endpoint
+from .zmq_config import ZmqEventsConfig
+from .zmq_source import EndpointSubscriber, SubscriberStats, ZmqEventSource
 
 __all__ = [
     "DecodedBatch",

@@ -43,8 +43,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
-from urllib.parse import unquote
+from typing import Protocol
 
 import xxhash
 import zmq
@@ -54,18 +53,16 @@ from zmq.utils.monitor import recv_monitor_message
 from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, CacheMode, Cleared, EventBatch
+from .endpoints import ZmqEndpoint
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload, peek_timestamp
-from .nats_bus import NatsBusConfig
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks, split_events
+from .zmq_config import ZmqEventsConfig
 
 __all__ = [
     "END_SEQ",
     "EndpointSubscriber",
     "SubscriberStats",
-    "ZmqEndpoint",
     "ZmqEventSource",
-    "ZmqEventsConfig",
-    "rank_endpoint",
 ]
 
 log = logging.getLogger("kvrouterd.events.zmq")
@@ -85,161 +82,6 @@ RejectedFn = Callable[[str, Mapping[str, int], bool], object]
 #: Least seconds between two rebuilds of a worker's view by replay after a lost removal,
 #: so an engine that keeps sending an undecodable removal cannot keep us replaying.
 RESYNC_MIN_INTERVAL_S = 30.0
-
-
-@dataclass(frozen=True)
-class ZmqEventsConfig:
-    """Settings shared by every ZMQ subscriber."""
-
-    #: topic prefix to subscribe to ("" = every topic; vLLM's default topic is "")
-    topic: str = ""
-    #: seconds without a batch before an endpoint is shown as silent and its socket recreated
-    silence_s: float = 30.0
-    #: seconds to wait for each replay reply frame before giving the replay up
-    replay_timeout_s: float = 2.0
-    #: upper bound on batches accepted from one replay
-    replay_max_batches: int = 100_000
-    #: on first contact with a running engine, replay from sequence 0 to recover its cache
-    replay_on_join: bool = True
-    #: "ignore" drops events for non-GPU tiers; "track" keeps their blocks per tier, apart
-    other_media: Literal["ignore", "track"] = "ignore"
-    #: ZMQ reconnect backoff (the library doubles the interval up to the max)
-    reconnect_ivl_ms: int = 100
-    reconnect_ivl_max_ms: int = 10_000
-    #: adapter names of vLLM 0.11's lora_id-only events ({"7": "sql-adapter"}); a stored
-    #: event with an id not listed is rejected (unknown_lora_id) rather than keyed wrongly
-    lora_ids: dict[str, str] = field(default_factory=dict)
-    #: a shared event stream for many replicas (NATS JetStream; events.nats_bus, docs/deploy.md)
-    bus: NatsBusConfig = field(default_factory=NatsBusConfig)
-    #: hosts and networks a worker's kv_events_endpoint may name (events.endpoints; "@worker" =
-    #: the host of the worker's own address). ipc:// and inproc:// need an entry of their own
-    allowed_endpoints: list[str] = field(default_factory=lambda: ["@worker"])
-
-    @property
-    def allow_list(self):  # type: ignore[no-untyped-def] # -> EndpointAllowList
-        from .endpoints import EndpointAllowList
-
-        return EndpointAllowList.parse(self.allowed_endpoints)
-
-    @property
-    def lora_names(self) -> dict[int, str]:
-        return {int(k): v for k, v in self.lora_ids.items()}
-
-    def validate(self) -> None:
-        self.bus.validate()
-        _ = self.allow_list  # a bad entry fails here, naming it
-        if self.silence_s <= 0:
-            raise ConfigError(f"events.silence_s must be > 0, got {self.silence_s}")
-        if self.replay_timeout_s <= 0:
-            raise ConfigError(f"events.replay_timeout_s must be > 0, got {self.replay_timeout_s}")
-        if self.replay_max_batches <= 0:
-            raise ConfigError(f"events.replay_max_batches must be > 0, got {self.replay_max_batches}")
-        if self.other_media not in ("ignore", "track"):
-            raise ConfigError(f"events.other_media must be 'ignore' or 'track', got {self.other_media!r}")
-        if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
-            raise ConfigError("events.reconnect_ivl_ms must be > 0 and <= reconnect_ivl_max_ms")
-        for lora_id, name in self.lora_ids.items():
-            if not str(lora_id).isdigit() or not name:
-                raise ConfigError(f"events.lora_ids: {lora_id!r}: keys are vLLM lora ids (integers), values adapter names")
-
-
-@dataclass(frozen=True)
-class ZmqEndpoint:
-    """One engine publisher as the engine was configured, and the router worker it feeds.
-
-    ``endpoint`` / ``replay_endpoint`` are the engine's base addresses (``tcp://host:5557``);
-    ``dp_rank`` selects the rank, which publishes on port + rank. ``model`` salts the keys of
-    stored blocks (engines do not send it), matching the ``model`` of route requests.
-    """
-
-    worker_id: str
-    endpoint: str
-    replay_endpoint: str = ""
-    dp_rank: int = 0
-    model: str = ""
-
-    def validate(self) -> None:
-        if not self.worker_id:
-            raise ConfigError("zmq endpoint: worker_id must not be empty")
-        if self.dp_rank < 0:
-            raise ConfigError(f"zmq endpoint {self.worker_id!r}: dp_rank must be >= 0")
-        if not self.endpoint:
-            raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
-        for name in ("endpoint", "replay_endpoint"):
-            value = getattr(self, name)
-            if value:
-                _check_address(self.worker_id, name, value, self.dp_rank)
-
-    @classmethod
-    def parse(cls, worker_id: str, spec: str, model: str = "") -> ZmqEndpoint:
-        """An endpoint from a worker's ``kv_events_endpoint`` string, so config and
-        RegisterWorker can say everything in one field::
-
-            tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5600&dp_rank=1&model=llama-3-8b
-
-        ``replay``, ``dp_rank`` and ``model`` are optional (``model`` defaults to ``model``).
-        """
-        address, _, query = spec.partition("?")
-        params: dict[str, str] = {}
-        for part in filter(None, query.split("&")):
-            key, sep, value = part.partition("=")
-            if not sep or key not in ("replay", "dp_rank", "model"):
-                raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: unknown parameter {part!r} "
-                                  "(known: replay, dp_rank, model)")
-            params[key] = unquote(value)
-        rank = params.get("dp_rank", "0")
-        if not rank.isdigit():
-            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, got {rank!r}")
-        endpoint = cls(worker_id, address, params.get("replay", ""), int(rank), params.get("model", model))
-        endpoint.validate()
-        return endpoint
-
-    @property
-    def pub_address(self) -> str:
-        return rank_endpoint(self.endpoint, self.dp_rank)
-
-    @property
-    def replay_address(self) -> str:
-        return rank_endpoint(self.replay_endpoint, self.dp_rank) if self.replay_endpoint else ""
-
-
-#: ZMQ transports an engine publisher can use; anything else (http://, udp://, ...) is refused
-#: at start or at RegisterWorker instead of failing later inside the subscriber
-ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
-
-
-def _check_address(worker_id: str, name: str, value: str, dp_rank: int) -> None:
-    scheme, sep, rest = value.partition("://")
-    where = f"worker {worker_id!r}: kv_events_endpoint {name} {_quote(value)}"
-    if not sep or scheme not in ZMQ_SCHEMES:
-        raise ConfigError(f"{where}: must be tcp://HOST:PORT (or ipc:// / inproc://)")
-    if scheme != "tcp":
-        if not rest:
-            raise ConfigError(f"{where}: names no path")
-        return
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host or not port.isdigit():
-        raise ConfigError(f"{where}: must be tcp://HOST:PORT with a numeric port")
-    if host.startswith("[") != host.endswith("]") or host in ("*", "[*]"):
-        raise ConfigError(f"{where}: must name the engine's host (not the * it binds to)")
-    if not 1 <= int(port) + dp_rank <= 65535:
-        raise ConfigError(f"{where}: port {port} + dp_rank {dp_rank} is outside 1-65535")
-
-
-def _quote(value: str, limit: int = 120) -> str:
-    return repr(value if len(value) <= limit else value[:limit] + "...")
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """The address data-parallel rank ``rank`` uses: tcp port + rank, else a ``_dp{rank}`` suffix."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"cannot offset {endpoint!r} by rank {rank}: no numeric port")
-        return f"{host}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
 
 
 @dataclass

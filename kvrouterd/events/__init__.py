@@ -1,15 +1,18 @@
 """Engine KV-event adapters: vLLM / SGLang publishers over ZMQ into the router's vocabulary.
 
-``engine_format`` decodes msgpack payloads (pure); ``zmq_source`` owns the sockets,
-sequencing, replay and reconnection. Only this package knows the engines' wire layouts.
+``engine_format`` decodes msgpack payloads (pure); ``endpoints`` parses and allows the
+addresses; ``sequencing`` orders each endpoint's batches (replay, restarts, hand-off);
+``zmq_source`` owns the sockets and reconnection. Only this package knows the engines' wire
+layouts.
 """
 
 from __future__ import annotations
 
 from .endpoints import ZmqEndpoint, rank_endpoint
 from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_event, decode_payload, normalize_hash
+from .sequencing import SubscriberStats
 from .zmq_config import ZmqEventsConfig
-from .zmq_source import EndpointSubscriber, SubscriberStats, ZmqEventSource
+from .zmq_source import EndpointSubscriber, ZmqEventSource
 
 __all__ = [
     "DecodedBatch",

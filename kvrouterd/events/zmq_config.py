@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
+from .bus_config import NatsBusConfig
 from .endpoints import EndpointAllowList
-from .nats_bus import NatsBusConfig
 
 __all__ = ["ZmqEventsConfig"]
 

@@ -45,7 +45,8 @@ from ..clock import Clock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch
 from .endpoints import ZmqEndpoint
-from .engine_format import DecodedBatch, MalformedPayload, TierEvent, decode_payload, peek_timestamp
+from .engine_event import MalformedPayload, TierEvent
+from .engine_format import DecodedBatch, decode_payload, peek_timestamp
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks, split_events
 from .zmq_config import ZmqEventsConfig
 

@@ -45,6 +45,12 @@ class ServeProcess:
         self._reader = threading.Thread(target=self._read_log, name="kvrouterd-serve-log", daemon=True)
         self._reader.start()
 
+    @property
+    def pid(self) -> int:
+        """The daemon's process id (its main thread's, the event loop's, too)."""
+        assert self.proc is not None, "start() first"
+        return self.proc.pid
+
     def _read_log(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:

@@ -39,7 +39,6 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..server.convert import length_delimited, varint
 from . import harness
-from .harness import ROUTE_STREAM, complete_message
 from .stats import latency_summary
 
 
@@ -117,7 +116,7 @@ class _StreamHog:
     """Huge RouteStream messages on one stream, each answered, its Routes then completed on it."""
 
     def __init__(self, channel: grpc.aio.Channel, message: bytes, answers: collections.Counter[str]) -> None:
-        self.call = channel.stream_stream(ROUTE_STREAM, request_serializer=None,
+        self.call = channel.stream_stream(harness.ROUTE_STREAM, request_serializer=None,
                                           response_deserializer=pb.RouteStreamResponse.FromString)()
         self.message = message
         self.answers = answers
@@ -132,7 +131,7 @@ class _StreamHog:
             self.answers[_REFUSALS[min(errors)]] += 1
             return
         self.answers["routed"] += 1
-        done = [pb.RouteStreamRequest(id=a.id, complete=complete_message(a.route.request_id)) for a in answers]
+        done = [pb.RouteStreamRequest(id=a.id, complete=harness.complete_message(a.route.request_id)) for a in answers]
         message = done[0] if len(done) == 1 else pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=done))
         await self.call.write(message.SerializeToString())
         await self.call.read()
@@ -165,7 +164,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         answers["INVALID_ARGUMENT"] += 1
         try:
             if args.via == "stream":  # the refusal ends the stream: one of its own each
-                call = hog_channel.stream_stream(ROUTE_STREAM, request_serializer=None)()
+                call = hog_channel.stream_stream(harness.ROUTE_STREAM, request_serializer=None)()
                 await call.write(huge)
                 await call.read()
             else:
@@ -196,7 +195,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             return
         answers["routed"] += 1
         huge_times.append(time.perf_counter() - started)
-        await hog_complete(complete_message(reply.request_id))
+        await hog_complete(harness.complete_message(reply.request_id))
 
     async def hog(stop: asyncio.Event) -> None:
         stream = _StreamHog(hog_channel, huge, answers) if args.via == "stream" and not malformed else None

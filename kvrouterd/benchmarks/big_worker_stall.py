@@ -53,7 +53,6 @@ from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..policies import registry
 from . import harness
 from .cli import _Steps
-from .harness import complete_message
 from .serve_process import ServeProcess
 from .stats import latency_summary
 
@@ -136,7 +135,7 @@ class Fleet:
         async def one(n: int, tokens: bytes) -> None:
             async with sem:
                 reply = await stub.Route(pb.RouteRequest(token_ids_le32=tokens, session_id=f"conversation-{n}"))
-                await stub.Complete(complete_message(reply.request_id))
+                await stub.Complete(harness.complete_message(reply.request_id))
 
         await asyncio.gather(*(one(n, t) for n, (_, t) in enumerate(self.prompts)))
 
@@ -175,7 +174,7 @@ async def _phase(
     probe_msg = harness.packed_route(256, 7)
     for _ in range(10):  # connection and caches warm
         reply = await stub.Route(probe_msg)
-        await stub.Complete(complete_message(reply.request_id))
+        await stub.Complete(harness.complete_message(reply.request_id))
     spans: list[tuple[float, float]] = []  # the probes' (start, end)
     calls: list[tuple[float, float]] = []
     done = asyncio.Event()
@@ -192,7 +191,7 @@ async def _phase(
             reply = await stub.Route(probe_msg)
             spans.append((t0, time.perf_counter()))
             try:
-                await stub.Complete(complete_message(reply.request_id))
+                await stub.Complete(harness.complete_message(reply.request_id))
             except grpc.aio.AioRpcError as exc:  # routed to the worker deregistered meanwhile
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise

@@ -42,7 +42,6 @@ from ..server import convert
 from ..server.convert import length_delimited
 from ..server.convert import varint as _varint
 from . import harness
-from .harness import print_table
 from .stats import latency_summary
 
 BLOCK_SIZE = 16
@@ -211,17 +210,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     path = "native" if native.module is not None else "pure Python"
     if args.what == "hold":
-        print_table(hold(args.runs), f"one PublishEvents message at the default limits ({path}; medians of "
-                                     f"{args.runs}; load {os.getloadavg()[0]:.2f})")
+        harness.print_table(hold(args.runs), f"one PublishEvents message at the default limits ({path}; medians of "
+                                             f"{args.runs}; load {os.getloadavg()[0]:.2f})")
         return
     result = probe(args)
     rows = [{"phase": phase, **result[phase]} for phase in ("quiet", "loaded")]
-    print_table(rows, f"small Routes, alone then while the SDK publishes {args.blocks}-block chains "
-                      f"({result['chains']} chains of {result['batches_per_chain']} batches, "
-                      f"{result['chain_s_median']} s each; load {os.getloadavg()[0]:.2f})")
+    harness.print_table(rows, f"small Routes, alone then while the SDK publishes {args.blocks}-block chains "
+                              f"({result['chains']} chains of {result['batches_per_chain']} batches, "
+                              f"{result['chain_s_median']} s each; load {os.getloadavg()[0]:.2f})")
     print(f"daemon loop's CPU per batch (receive, read, apply), one chain alone: {result['loop_ms_per_batch']} ms")
     if result["stalls"]:
-        print_table(result["stalls"], "stalls the daemon's watchdog logged (>= 10 ms; cpu_ms: the loop thread on a CPU)")
+        harness.print_table(result["stalls"],
+                            "stalls the daemon's watchdog logged (>= 10 ms; cpu_ms: the loop thread on a CPU)")
     else:
         print("stalls the daemon's watchdog logged (>= 10 ms): none")
 

@@ -91,7 +91,7 @@ def packed_route(tokens: int, seed: int) -> pb.RouteRequest:
 
 
 async def register_worker(channel: grpc.aio.Channel, worker_id: str, address: str, *,
-                          mode: int = pb.CACHE_STATE_MODE_EVENTS, capacity_blocks: int = 0) -> None:
+                          mode: pb.CacheStateMode = pb.CACHE_STATE_MODE_EVENTS, capacity_blocks: int = 0) -> None:
     """RegisterWorker ``worker_id`` at ``address`` (event-driven unless ``mode`` says otherwise)."""
     register = channel.unary_unary(REGISTER, request_serializer=pb.RegisterWorkerRequest.SerializeToString,
                                    response_deserializer=pb.RegisterWorkerResponse.FromString)
@@ -100,7 +100,7 @@ async def register_worker(channel: grpc.aio.Channel, worker_id: str, address: st
 
 
 async def register_workers(channel: grpc.aio.Channel, count: int, *,
-                           mode: int = pb.CACHE_STATE_MODE_EVENTS, capacity_blocks: int = 0) -> None:
+                           mode: pb.CacheStateMode = pb.CACHE_STATE_MODE_EVENTS, capacity_blocks: int = 0) -> None:
     """Workers ``gpu-0`` .. ``gpu-<count - 1>`` at ``127.0.0.1:8000`` and up."""
     for w in range(count):
         await register_worker(channel, f"gpu-{w}", f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=capacity_blocks)

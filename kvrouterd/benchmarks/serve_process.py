@@ -1,5 +1,5 @@
-"""``kvrouterd serve`` in a process of its own, as in production: what the big-prompt stall
-benchmark measures and the fuzz test's out-of-process mode attacks."""
+"""``kvrouterd serve`` in a process of its own, as in production: what the stall benchmarks
+measure (through ``harness.daemon``) and the fuzz test's out-of-process mode attacks."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
-from ..server.convert import length_delimited, varint
+from ..server.wire import length_delimited, varint
 from . import harness
 from .stats import latency_summary
 

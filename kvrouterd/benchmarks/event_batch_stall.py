@@ -39,8 +39,8 @@ from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, EventBatch
 from ..router import Router, RouterSettings
 from ..server import convert
-from ..server.convert import length_delimited
-from ..server.convert import varint as _varint
+from ..server.wire import length_delimited
+from ..server.wire import varint as _varint
 from . import harness
 from .stats import latency_summary
 

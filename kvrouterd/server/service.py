@@ -26,12 +26,13 @@ from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_batch, annotate_decision
-from . import convert
+from . import convert, off_loop
 from .admission import AdmissionGate
-from .convert import STREAM_ROUTE, pb
+from .convert import pb
 from .decoding import UndecodableMessage, describe
 from .snapshot import export_chunks
 from .status import status_code, status_message
+from .wire import STREAM_ROUTE
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
@@ -59,7 +60,7 @@ EVICT_STEP_ENTRIES = 512
 
 
 #: the prompts of a RouteStream message that was parsed whole: none
-_NO_PROMPTS: Mapping[int, convert.StreamPrompt] = {}
+_NO_PROMPTS: Mapping[int, off_loop.StreamPrompt] = {}
 
 
 async def _drain(steps: Iterable[int]) -> None:
@@ -112,11 +113,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
-        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute | convert.Refused]
-        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream | convert.Refused]
+        self.route_message: Callable[[bytes], pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused]
+        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | off_loop.SplitStream | off_loop.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
-        self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
+        self.hash_prompt: Callable[[off_loop.SplitRoute, int, int], convert.HashedPrompt] = off_loop.hash_wire_prompt
 
     @property
     def off_loop_prompt_bytes(self) -> int:
@@ -131,20 +132,20 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def off_loop_prompt_bytes(self, value: int) -> None:
         self._off_loop_prompt_bytes = value
         #: Route's: a huge prompt stays wire bytes (``SplitRoute``), hashed off the loop by ``Route``
-        self.route_message = convert.deserializer(pb.RouteRequest.FromString, convert.route_message, value)
+        self.route_message = off_loop.deserializer(pb.RouteRequest.FromString, off_loop.route_message, value)
         #: RouteStream's: a huge message's Routes' prompts stay wire bytes (``SplitStream``),
         #: hashed off the loop by ``RouteStream``
-        self.route_stream_message = convert.deserializer(
-            pb.RouteStreamRequest.FromString, convert.route_stream_message, value)
+        self.route_stream_message = off_loop.deserializer(
+            pb.RouteStreamRequest.FromString, off_loop.route_stream_message, value)
 
     # ---- data path --------------------------------------------------------------------
-    async def Route(self, request: pb.RouteRequest | convert.SplitRoute | convert.Refused,
+    async def Route(self, request: pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
         hashed = None
-        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (convert.route_message)
-            if type(request) is convert.Refused:
+        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (off_loop.route_message)
+            if type(request) is off_loop.Refused:
                 self._note_refused(request)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             request, hashed = await self._hash_off_loop(request, context)
@@ -166,13 +167,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return convert.route_response(result, router.block_size)
 
     async def _hash_off_loop(
-        self, split: convert.SplitRoute, context: grpc.aio.ServicerContext
+        self, split: off_loop.SplitRoute, context: grpc.aio.ServicerContext
     ) -> tuple[pb.RouteRequest, convert.HashedPrompt]:
         """Check a huge prompt's Route, decode and hash the prompt on a worker thread (the native
         path releases the GIL), so other calls run meanwhile; the decision that follows runs on
         the loop as for any Route. A message upb refuses gets upb's error, as from the deserializer."""
         try:
-            prompt = await asyncio.to_thread(convert.hash_route, split, self.router, self.hash_prompt)
+            prompt = await asyncio.to_thread(off_loop.hash_route, split, self.router, self.hash_prompt)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 describe(pb.RouteRequest.DESCRIPTOR.full_name, exc, len(split.prompt.data)))
@@ -215,8 +216,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             span.set_attribute("rpc.grpc.status_code", code.value[0])
         return code
 
-    def _note_refused(self, refused: convert.Refused) -> None:
-        """A huge message in an encoding the split does not read (``convert.Refused``): counted
+    def _note_refused(self, refused: off_loop.Refused) -> None:
+        """A huge message in an encoding the split does not read (``off_loop.Refused``): counted
         and logged as a rejected Route (its message tells what was found)."""
         code = grpc.StatusCode.INVALID_ARGUMENT
         self.metrics.route_errors.add(1, {"code": code.name})
@@ -255,9 +256,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         so the loop never creates a task; a batch's items are answered together in one batch.
         With queues a Route may wait, so each Route runs in its own task (answers then come out
         of order, a batched one on its own) and the stream ends once all are answered.
-        A message of ``off_loop_prompt_bytes`` or more arrives split (``convert.SplitStream``):
+        A message of ``off_loop_prompt_bytes`` or more arrives split (``off_loop.SplitStream``):
         its Routes' prompts are hashed on a worker thread first, the next message read after. One
-        in an encoding the split does not read (``convert.Refused``) is answered INVALID_ARGUMENT
+        in an encoding the split does not read (``off_loop.Refused``) is answered INVALID_ARGUMENT
         under its id, and the stream goes on.
         """
         # the advertisement a batching client waits for: batches welcome, up to this many bytes
@@ -273,7 +274,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
 
-        def admit_later(msg: pb.RouteStreamRequest, prompt: convert.StreamPrompt | None) -> None:
+        def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
             task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
@@ -281,8 +282,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             async for msg in request_iterator:
                 prompts = _NO_PROMPTS
-                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (convert.route_stream_message)
-                    if type(msg) is convert.Refused:
+                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (off_loop.route_stream_message)
+                    if type(msg) is off_loop.Refused:
                         self._note_refused(msg)
                         if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
                             raise UndecodableMessage(msg.message)
@@ -310,21 +311,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 task.cancel()
 
     async def _hash_stream_off_loop(
-        self, split: convert.SplitStream
-    ) -> tuple[pb.RouteStreamRequest, Mapping[int, convert.StreamPrompt]]:
+        self, split: off_loop.SplitStream
+    ) -> tuple[pb.RouteStreamRequest, Mapping[int, off_loop.StreamPrompt]]:
         """A split RouteStream message's Routes checked, their prompts decoded and hashed on a
         worker thread, all in one hand-off (the native path releases the GIL), so other calls run
         meanwhile; their decisions follow on the loop as for a parsed message."""
         try:
-            hashed = await asyncio.to_thread(convert.hash_stream, split, self.router, self.hash_prompt)
+            hashed = await asyncio.to_thread(off_loop.hash_stream, split, self.router, self.hash_prompt)
         except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
             raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
         assert split.msg is not None  # else hash_stream raised
         return split.msg, hashed
 
     def _stream_batch(
-        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, convert.StreamPrompt | None], None],
-        prompts: Mapping[int, convert.StreamPrompt],
+        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, off_loop.StreamPrompt | None], None],
+        prompts: Mapping[int, off_loop.StreamPrompt],
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -354,7 +355,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return reply if len(answers) else None
 
     def _stream_route(
-        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: convert.StreamPrompt | None = None
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None
     ) -> pb.RouteStreamResponse:
         """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
         its prompt when the message was split (``_hash_stream_off_loop``)."""
@@ -367,14 +368,14 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
                     recording = span.is_recording()
                     try:
-                        req = convert.split_route_request(request, router, prompt)
+                        req = off_loop.split_route_request(request, router, prompt)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = convert.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
@@ -387,7 +388,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
-        prompt: convert.StreamPrompt | None = None,
+        prompt: off_loop.StreamPrompt | None = None,
     ) -> None:
         assert self.admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
@@ -398,7 +399,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
             recording = self.tracing and span.is_recording()
             try:
-                req = convert.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt)
                 result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
             except KVRouterError as exc:
                 await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))

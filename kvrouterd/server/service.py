@@ -1,5 +1,7 @@
 """The kvrouter.v1.KVRouter gRPC servicer: converts, calls the Router, records telemetry.
 
+Here are the gateways' data path (Route, Complete, RouteStream) and the control plane; the
+engines' calls (PublishEvents, ReportLoad, EvictHint) are its base ``engine_calls.EngineCalls``.
 All handlers run on the daemon's single event loop and call the synchronous Router
 directly, so decisions and event application never interleave mid-operation.
 """
@@ -22,16 +24,17 @@ from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
-from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
+from ..protocols import CacheMode
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
-from ..telemetry.tracing import annotate_batch, annotate_decision
+from ..telemetry.tracing import annotate_decision
 from . import convert, off_loop
 from .admission import AdmissionGate
 from .convert import pb
 from .decoding import UndecodableMessage, describe
+from .engine_calls import MAX_NAMESPACES, EngineCalls
 from .snapshot import export_chunks
-from .status import status_code, status_message
+from .status import abort, status_code, status_message
 from .wire import STREAM_ROUTE
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
@@ -41,10 +44,6 @@ log = logging.getLogger("kvrouterd.server")
 _perf_counter = time.perf_counter
 
 
-#: (model, lora) namespaces remembered for the key-mismatch warning: names come from clients,
-#: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
-MAX_NAMESPACES = 1024
-
 #: RouteStream's initial response metadata: this router takes batched stream messages (the
 #: value: the most bytes one message may have, limits.max_message_bytes); clients batch only then
 STREAM_BATCH_METADATA = "kvrouter-stream-batch"
@@ -52,11 +51,6 @@ STREAM_BATCH_METADATA = "kvrouter-stream-batch"
 #: most items in one RouteStream batch: a batch is handled in one turn of the event loop, so the
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
 MAX_STREAM_BATCH_ITEMS = 256
-
-#: entries of work an EvictHint does between yields to the loop: its first hint's engine-hash
-#: map, the leaves a policy without its own order scores, the ranking (``Router.evict_hint_steps``);
-#: ~1-2 ms a part idle at 512 (scoring a leaf costs 1.5-3 us in Python)
-EVICT_STEP_ENTRIES = 512
 
 
 #: the prompts of a RouteStream message that was parsed whole: none
@@ -74,12 +68,7 @@ def _stream_invalid(reply: pb.RouteStreamResponse, message: str) -> pb.RouteStre
     return reply
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    await context.abort(status_code(exc), status_message(exc))
-    raise AssertionError("unreachable")  # pragma: no cover - abort raises
-
-
-class KVRouterService(router_pb2_grpc.KVRouterServicer):
+class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def __init__(
         self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
         max_message_bytes: int = 4 * 1024 * 1024, *,
@@ -205,7 +194,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
     ) -> NoReturn:
         self._note_rejection(request, exc, span)
-        await _abort(context, exc)
+        await abort(context, exc)
 
     def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
         code = status_code(exc)
@@ -227,7 +216,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             self._complete(request)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
@@ -456,132 +445,6 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         reply.complete.SetInParent()
         return reply
 
-    # ---- engines ----------------------------------------------------------------------
-    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch | convert.BatchTooLarge:
-        """PublishEvents' request deserializer, which the daemon registers: a plain message read
-        natively into its core batch, one over the byte limit left unparsed, anything else parsed
-        (``convert.event_batch_message``)."""
-        return convert.event_batch_message(data, self.batch_limits)
-
-    async def PublishEvents(
-        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch | convert.BatchTooLarge],
-        context: grpc.aio.ServicerContext,
-    ) -> pb.PublishEventsResponse:
-        limits = self.batch_limits
-        summary = pb.PublishEventsResponse(router_epoch=self.epoch, max_event_batch_bytes=limits.max_bytes,
-                                           max_batch_blocks=limits.max_blocks)
-        published: dict[str, None] = {}  # workers named, in order
-        async for msg in request_iterator:
-            if type(msg) is convert.BatchTooLarge:
-                # refused unparsed (no worker to name); earlier batches of the stream stay applied
-                log.warning("event batch rejected: %s", msg.message)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
-            try:
-                # the daemon's deserializer (event_batch_message) has read a plain message already
-                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, limits)
-                outcome = self.apply_batch(batch)
-            except KVRouterError as exc:
-                # earlier batches of the stream stay applied; this one changed nothing
-                log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
-                await _abort(context, exc)
-            published[batch.worker_id] = None
-            if outcome.duplicate:
-                summary.batches_duplicate += 1
-                continue
-            summary.batches_applied += 1
-            summary.blocks_stored += outcome.blocks_stored
-            summary.blocks_removed += outcome.blocks_removed
-            summary.gaps_detected += 1 if outcome.gap else 0
-        if self._slot_drain is not None and not self._slot_drain.done():
-            # a Cleared in this stream: answer once the old blocks are gone, as DeregisterWorker does
-            await asyncio.shield(self._slot_drain)
-        for worker_id in published:
-            worker = self.router.workers.find(worker_id)
-            if worker is not None:  # else deregistered meanwhile
-                summary.workers.add(worker_id=worker_id, last_sequence=worker.last_sequence,
-                                    resync_needed=worker.resync_needed)
-        return summary
-
-    def apply_batch(self, batch: EventBatch, per_event: bool = False) -> BatchOutcome:
-        """Apply one engine batch with its span and metrics: the gRPC stream and the ZMQ
-        subscribers both come through here (ZMQ engine batches event by event: ``Router.apply``)."""
-        if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
-                outcome = self._apply_traced(batch, per_event, span)
-        else:
-            # no span when tracing is off: entering even the no-op one costs 35,400 instructions
-            # (callgrind), 69 per block of a 512-block batch
-            outcome = self._apply_traced(batch, per_event, None)
-        if outcome.duplicate:
-            self.metrics.event_batches.count("duplicate")
-            return outcome
-        self.metrics.event_batches.count("applied")
-        if outcome.blocks_stored:
-            self.metrics.blocks.count("stored", outcome.blocks_stored)
-            namespaces = self.stored_namespaces
-            for ev in batch.events:
-                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces and len(namespaces) < MAX_NAMESPACES:
-                    namespaces.add((ev.model, ev.lora))
-        if outcome.blocks_removed:
-            self.metrics.blocks.count("removed", outcome.blocks_removed)
-        if outcome.gap or outcome.restarted:
-            self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
-        if self.router.draining:
-            self.keep_draining()
-        return outcome
-
-    def keep_draining(self) -> None:
-        """Run the router's pending drains (a large cleared worker's old slot, ``Router.drain_step``)
-        in a task that yields to the loop between steps, unless one already does."""
-        if (self._slot_drain is None or self._slot_drain.done()) and self.router.draining:
-            self._slot_drain = asyncio.create_task(self._drain_slots(), name="drop cleared workers' old blocks")
-            self._draining.add(self._slot_drain)
-            self._slot_drain.add_done_callback(self._draining.discard)
-
-    async def _drain_slots(self) -> None:
-        while self.router.drain_step():
-            await asyncio.sleep(0)
-
-    def _apply_traced(self, batch: EventBatch, per_event: bool, span: trace.Span | None) -> BatchOutcome:
-        try:
-            outcome = self.router.apply(batch, per_event=per_event)
-        except KVRouterError as exc:
-            if span is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
-            self.metrics.event_batches.count("rejected")
-            raise
-        if span is not None and span.is_recording():
-            annotate_batch(span, batch, outcome)
-        return outcome
-
-    async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
-        try:
-            convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
-            self.router.report_load(
-                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
-            )
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.ReportLoadResponse()
-
-    async def EvictHint(self, request: pb.EvictHintRequest, context: grpc.aio.ServicerContext) -> pb.EvictHintResponse:
-        try:
-            req, pinned_hashes = convert.evict_request(request, self.router)
-            # what visits a whole worker runs in steps, the loop serving other calls between them
-            steps = self.router.evict_hint_steps(req, pinned_hashes, EVICT_STEP_ENTRIES)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    advice = done.value
-                    break
-                await asyncio.sleep(0)
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.EvictHintResponse(
-            keys=advice.keys, engine_hashes=advice.engine_hashes, exhausted=advice.exhausted, policy=advice.policy
-        )
-
     # ---- control plane ------------------------------------------------------------------
     async def RegisterWorker(
         self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -596,7 +459,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 check_worker_endpoints(self.allowed_endpoints, spec.id, spec.address, spec.kv_events_endpoint)
             worker = self.router.add_worker(spec)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.keep_draining()  # a mode change clears the worker's view: a large one in steps
         self.on_membership_change()
         return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
@@ -608,7 +471,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
             drained = self.forget_worker(request.worker_id)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.on_membership_change()
         # answer once the blocks are gone; a caller that gives up does not stop the drain
         await asyncio.shield(drained)
@@ -640,7 +503,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             async for chunk in export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk):
                 yield chunk
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router

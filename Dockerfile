@@ -21,8 +21,9 @@
 # multi-architecture index, so a rebuild gets the same base.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 # Optional extras of the kvrouterd package baked into the image ("" = none). "tokenizer" lets
-# the Envoy ext_proc path tokenize prompts with a mounted tokenizer.json.
-ARG KVROUTERD_EXTRAS=tokenizer
+# the Envoy ext_proc path tokenize prompts with a mounted tokenizer.json; "discovery" installs
+# the Kubernetes client that discovery.kubernetes (the chart's pod discovery) runs on.
+ARG KVROUTERD_EXTRAS=tokenizer,discovery
 
 FROM ${PYTHON_IMAGE} AS build
 ARG KVROUTERD_EXTRAS

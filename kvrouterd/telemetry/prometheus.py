@@ -128,7 +128,8 @@ class MetricsEndpoint:
         try:
             self._server = server_class((self.host, self.port), _Quiet)
         except OSError as exc:
-            raise ConfigError(f"metrics.listen: cannot bind {self.host}:{self.port}: {exc.strerror}") from None
+            reason = (exc.strerror or str(exc)).lower()  # "address already in use", as in kvrouterd's other lines
+            raise ConfigError(f"metrics.listen: cannot bind {self.host}:{self.port}: {reason}") from None
         self._server.set_app(_only_metrics(make_wsgi_app(served)))
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvrouterd-metrics", daemon=True)

@@ -90,7 +90,7 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``prefill_chunk_tokens`` = 8192: the engines' chunked-prefill budget, which bounds a chunk.
 
 ``kvrouterd sim cluster`` fills every ``prefill_*``/``power_*`` field a policy's spec leaves
-unset with its engines' values (``sim.cluster.profiled_spec``), as DualMap profiles the GPU
+unset with its engines' values (``sim.policy_specs.profiled_spec``), as DualMap profiles the GPU
 it routes to.
 """
 

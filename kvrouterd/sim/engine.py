@@ -163,7 +163,7 @@ class EngineParams:
 
     def latency_fields(self) -> dict[str, Any]:
         """This engine's cost model as ``LatencyParams`` fields: what a router that profiled
-        it would configure (``sim.cluster.profiled_spec``), its times scaled by ``hardware_speed``."""
+        it would configure (``sim.policy_specs.profiled_spec``), its times scaled by ``hardware_speed``."""
         fields = {name: getattr(self, name) for name in LATENCY_FIELDS if name != "prefill_chunk_tokens"}
         for name in ("prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms"):
             fields[name] /= self.hardware_speed  # a power law's a scales every time it gives

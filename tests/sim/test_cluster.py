@@ -15,9 +15,10 @@ from kvrouterd.config import Config
 from kvrouterd.errors import ConfigError
 from kvrouterd.policies import registry
 from kvrouterd.protocols import CacheMode, TaskCategory, WorkerState
-from kvrouterd.sim.cluster import ClusterSettings, Simulation, policy_spec, simulate
+from kvrouterd.sim.cluster import ClusterSettings, Simulation, simulate
 from kvrouterd.sim.engine import PER_CHUNK, EngineParams
 from kvrouterd.sim.metrics import cv, goodput, percentile
+from kvrouterd.sim.policy_specs import policy_spec
 from kvrouterd.sim.workloads import SimRequest, Workload, build_workload, gsp
 
 

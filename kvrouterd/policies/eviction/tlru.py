@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
-from ..registry import register
 from . import _reach
 from ._leaves import SortedLeaves, run_steps
 from ._reach import NEVER, Trim
@@ -110,7 +109,6 @@ class _Conversation:
         self.ended = False
 
 
-@register("eviction", "tlru", TLRUParams)
 class TLRUEviction(EvictionPolicyBase):
     params: TLRUParams
     #: ask the router to pass routed requests' metadata with engine Stored events

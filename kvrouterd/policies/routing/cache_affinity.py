@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from ...protocols import Decision
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 __all__ = ["CacheAffinityPolicy"]
 
 
-@register("routing", "cache_affinity")
 class CacheAffinityPolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = min(ctx.candidates, key=lambda w: (-ctx.overlap(w), w.pending_prefill_tokens, w.slot))

@@ -27,7 +27,6 @@ from typing import Literal
 from ...protocols import Decision
 from .._scan import scan_candidates
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,6 @@ class CacheAwareParams:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
 
 
-@register("routing", "cache_aware", CacheAwareParams)
 class CacheAwarePolicy(RoutingPolicyBase):
     params: CacheAwareParams
 

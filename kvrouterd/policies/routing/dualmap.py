@@ -83,7 +83,6 @@ from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
 from ..latency import LatencyModel, LatencyParams
-from ..registry import register
 from .hash_ring import DualHashRing
 from .prefix_hotness import PrefixHotness, key_path
 
@@ -152,7 +151,6 @@ class _View:
     overloaded: bool
 
 
-@register("routing", "dualmap", DualMapParams)
 class DualMapPolicy(RoutingPolicyBase):
     params: DualMapParams
 

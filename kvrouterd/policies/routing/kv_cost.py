@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 __all__ = ["KVCostParams", "KVCostPolicy"]
 
@@ -46,7 +45,6 @@ def _request_blocks(request: RouteRequest, block_size: int) -> int:
     return -(-(request.prompt_tokens + max(request.expected_output_tokens, 0)) // block_size)
 
 
-@register("routing", "kv_cost", KVCostParams)
 class KVCostPolicy(RoutingPolicyBase):
     params: KVCostParams
 

@@ -72,7 +72,6 @@ from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
 from ..latency import RecursiveLeastSquares
-from ..registry import register
 
 __all__ = ["LBGRParams", "LBGRPolicy"]
 
@@ -166,7 +165,6 @@ class _Dispatched:
     base: float  # Cost + P at decision time: the part of the estimate that is not learned
 
 
-@register("routing", "lbgr", LBGRParams)
 class LBGRPolicy(RoutingPolicyBase):
     params: LBGRParams
 

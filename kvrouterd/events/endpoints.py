@@ -1,4 +1,8 @@
-"""Which KV-event endpoints the daemon may connect to: ``events.allowed_endpoints``.
+"""A worker's KV-event endpoint: the addresses the subscriber dials, and whether it may.
+
+``ZmqEndpoint`` is a worker's ``kv_events_endpoint`` parsed (publisher, replay, data-parallel
+rank, model; ``rank_endpoint`` is where a rank publishes); ``EndpointAllowList`` is
+``events.allowed_endpoints``, which decides whether the daemon may dial them.
 
 A worker's ``kv_events_endpoint`` makes the daemon's ZMQ subscriber dial it (a SUB socket
 and a replay DEALER). RegisterWorker is open unless auth is on, so without a rule any caller
@@ -33,10 +37,14 @@ import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from ..errors import ConfigError, Forbidden, InvalidRequest, quote
 
-__all__ = ["WORKER_HOST", "EndpointAllowList", "check_worker_endpoints", "endpoint_host"]
+__all__ = [
+    "WORKER_HOST", "ZMQ_SCHEMES", "EndpointAllowList", "ZmqEndpoint", "check_worker_endpoints", "endpoint_host",
+    "rank_endpoint",
+]
 
 #: the allow-list entry standing for the host of the worker's own address
 WORKER_HOST = "@worker"
@@ -141,11 +149,108 @@ class EndpointAllowList:
                         f"({', '.join(map(repr, self.entries)) or 'empty: no endpoint is allowed'})")
 
 
+@dataclass(frozen=True)
+class ZmqEndpoint:
+    """One engine publisher as the engine was configured, and the router worker it feeds.
+
+    ``endpoint`` / ``replay_endpoint`` are the engine's base addresses (``tcp://host:5557``);
+    ``dp_rank`` selects the rank, which publishes on port + rank. ``model`` salts the keys of
+    stored blocks (engines do not send it), matching the ``model`` of route requests.
+    """
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str = ""
+    dp_rank: int = 0
+    model: str = ""
+
+    def validate(self) -> None:
+        if not self.worker_id:
+            raise ConfigError("zmq endpoint: worker_id must not be empty")
+        if self.dp_rank < 0:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: dp_rank must be >= 0")
+        if not self.endpoint:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                _check_address(self.worker_id, name, value, self.dp_rank)
+
+    @classmethod
+    def parse(cls, worker_id: str, spec: str, model: str = "") -> ZmqEndpoint:
+        """An endpoint from a worker's ``kv_events_endpoint`` string, so config and
+        RegisterWorker can say everything in one field::
+
+            tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5600&dp_rank=1&model=llama-3-8b
+
+        ``replay``, ``dp_rank`` and ``model`` are optional (``model`` defaults to ``model``).
+        """
+        address, _, query = spec.partition("?")
+        params: dict[str, str] = {}
+        for part in filter(None, query.split("&")):
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("replay", "dp_rank", "model"):
+                raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: unknown parameter {part!r} "
+                                  "(known: replay, dp_rank, model)")
+            params[key] = unquote(value)
+        rank = params.get("dp_rank", "0")
+        if not rank.isdigit():
+            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, got {rank!r}")
+        endpoint = cls(worker_id, address, params.get("replay", ""), int(rank), params.get("model", model))
+        endpoint.validate()
+        return endpoint
+
+    @property
+    def pub_address(self) -> str:
+        return rank_endpoint(self.endpoint, self.dp_rank)
+
+    @property
+    def replay_address(self) -> str:
+        return rank_endpoint(self.replay_endpoint, self.dp_rank) if self.replay_endpoint else ""
+
+
+#: ZMQ transports an engine publisher can use; anything else (http://, udp://, ...) is refused
+#: at start or at RegisterWorker instead of failing later inside the subscriber
+ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def _check_address(worker_id: str, name: str, value: str, dp_rank: int) -> None:
+    scheme, sep, rest = value.partition("://")
+    where = f"worker {worker_id!r}: kv_events_endpoint {name} {_quote(value)}"
+    if not sep or scheme not in ZMQ_SCHEMES:
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT (or ipc:// / inproc://)")
+    if scheme != "tcp":
+        if not rest:
+            raise ConfigError(f"{where}: names no path")
+        return
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT with a numeric port")
+    if host.startswith("[") != host.endswith("]") or host in ("*", "[*]"):
+        raise ConfigError(f"{where}: must name the engine's host (not the * it binds to)")
+    if not 1 <= int(port) + dp_rank <= 65535:
+        raise ConfigError(f"{where}: port {port} + dp_rank {dp_rank} is outside 1-65535")
+
+
+def _quote(value: str, limit: int = 120) -> str:
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The address data-parallel rank ``rank`` uses: tcp port + rank, else a ``_dp{rank}`` suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"cannot offset {endpoint!r} by rank {rank}: no numeric port")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
 def check_worker_endpoints(allow: EndpointAllowList, worker_id: str, address: str, kv_events_endpoint: str) -> None:
     """A worker's ``kv_events_endpoint`` as the subscriber will dial it: malformed is
     InvalidRequest, a publisher or replay address the allow-list refuses is Forbidden."""
-    from .zmq_source import ZmqEndpoint
-
     try:
         endpoint = ZmqEndpoint.parse(worker_id, kv_events_endpoint)
     except ConfigError as exc:

@@ -140,7 +140,7 @@ def _piece(ev: CacheEvent, start: int, end: int, block_size: int) -> CacheEvent:
     if extras is not None:
         extras = extras[start:end]
         if not any(extras):
-            extras = None  # as engine_format says "no extras" (the keys are the same)
+            extras = None  # as engine_event says "no extras" (the keys are the same)
     return Stored(
         token_ids=ev.token_ids[start * width : end * width],
         engine_hashes=ev.engine_hashes[start:end],

@@ -396,19 +396,21 @@ class RadixIndex:
         chain: list[Block] = []
         added = alone = 0  # blocks this slot now holds, and of them those it alone holds
         alone_by_bit = self._alone
-        # the native table builds runs of brand-new blocks itself, exactly as the branch below
-        store_new = getattr(blocks, "store_new", None)
+        # the native table runs this loop itself (BlockTable.store_chain), up to a block it
+        # leaves to the loop below: one filling a gap above blocks the slot holds (_settle)
+        store_chain = getattr(blocks, "store_chain", None)
         i, n = 0, len(keys)
         while i < n:
-            if store_new is not None:
+            if store_chain is not None:
                 start = i
-                i = store_new(self._block, parent, keys, i, bit, now, leaves, chain)
+                i, stored, stored_alone = store_chain(self._block, parent, keys, i, slot, now, leaves, chain,
+                                                      self._pending, alone_by_bit)
+                added += stored
+                alone += stored_alone
                 if i > start:
-                    added += i - start
-                    alone += i - start
                     parent = chain[-1]
-                    if i == n:
-                        break
+                if i == n:
+                    break
             key = keys[i]
             i += 1
             node = blocks.get(key)
@@ -470,25 +472,28 @@ class RadixIndex:
         ``(keys, blocks)``.
 
         Where the extension is built and ``engine_keys`` is None or a native ``U64Map``, the three
-        are one native call (``BlockTable.store_hashed``) while the blocks are new, as they nearly
-        always are; the Python below is the reference it is tested against."""
+        are one native call (``BlockTable.store_hashed``) unless a block fills a gap above blocks
+        the slot holds (``store``); the Python below is the reference it is tested against."""
         store_hashed = getattr(self._blocks, "store_hashed", None)
         if store_hashed is not None and (engine_keys is None or type(engine_keys) is _U64Map):
             parent = None if parent_key is None else self._blocks[parent_key]
             chain: list[Block] = []
-            raw, stored = store_hashed(self._block, parent, data, block_size, seed, 1 << slot, now, self._leaves[slot],
-                                       chain, engine_keys, hashes)
+            raw, stop, stored, stored_alone = store_hashed(self._block, parent, data, block_size, seed, slot, now,
+                                                           self._leaves[slot], chain, self._pending, self._alone,
+                                                           engine_keys, hashes)
             keys = array("Q")
             keys.frombytes(raw)
             self._counts[slot] += stored
-            self._alone[1 << slot] += stored  # brand-new blocks
-            if stored == len(keys):
+            self._alone[1 << slot] += stored_alone
+            if stop == len(keys):
                 return keys, chain  # the engine hashes are mapped too
-            # a block the index holds already: on from there as store goes (chain[-1] is its parent)
-            chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stored:], now)
-        else:
-            keys = chain_keys_array(data, block_size, seed)
-            chain = self.store(slot, parent_key, keys, now)
+            # a block left to store's loop: on from there as store goes (chain[-1] is its parent)
+            chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stop:], now)
+            if engine_keys is not None and hashes is not None:
+                engine_keys.map_pairs(hashes, keys)  # type: ignore[attr-defined]  # the loop below, in C
+            return keys, chain
+        keys = chain_keys_array(data, block_size, seed)
+        chain = self.store(slot, parent_key, keys, now)
         if engine_keys is not None and hashes is not None:
             for eh, key in zip(hashes, keys):
                 if eh != key:

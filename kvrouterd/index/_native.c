@@ -1561,7 +1561,18 @@ static PyTypeObject BlockType = {
  * a lookup still touches one cache line of the table per probe run, plus the Block it finds.
  * 0 is a free slot. The table owns a reference to every Block in it, and a Block is kept under
  * its own key only. It grows incrementally as U64Store does (above): at 4M blocks one growth
- * re-inserted ~3.5M Blocks, each one's key a cache miss, inside a single stored event. */
+ * re-inserted ~3.5M Blocks, each one's key a cache miss, inside a single stored event.
+ *
+ * Unlike U64Store it never holds two whole arrays in memory (issue #30 item 4: at 4M blocks the
+ * next array, mapped and populated ahead, and the current one were 25 bytes a block beside the
+ * Block's 48, 75 in all). A slot's home is monotonic in the key's hash (home_of_mixed), so the
+ * migration, walking the old array down, fills the new one from its top down, and a new array
+ * is mapped at the growth and faulted in page by page as it fills. The old array is released as
+ * the walk leaves it (MADV_DONTNEED: what is left below reads as before, what is released reads
+ * as free slots), and a block whose home in the old array the walk has not reached goes into the
+ * old array, which the walk then moves, so the new array's low pages are not touched before the
+ * walk gets there. Memory thus passes from the old array's bytes to the new one's without holding
+ * both: at most 8 bytes per slot of the larger, 15 a block past a growth (1.5 x at load 0.8). */
 typedef struct {
     uint64_t *slots; /* NULL: no array */
     Py_ssize_t capacity;
@@ -1573,9 +1584,10 @@ typedef struct {
     PyObject_HEAD
     BTSlots cur;       /* where new blocks go */
     BTSlots old;       /* while growing: the smaller array being emptied into cur (else slots NULL) */
-    BTSlots next;      /* the array the next growth takes, mapped ahead (else slots NULL) */
     Py_ssize_t cursor; /* the old slot the migration looked at last; it goes on below it */
-    TablePace fill;    /* next's mapping, being populated */
+    Py_ssize_t top;    /* the free old slot the migration started below: slots [cursor, top] are empty */
+    int wrapped;       /* the walk passed slot 0 and goes on from the old array's end down to `top` */
+    size_t released;   /* old's bytes from here up to `top` are released (a page boundary; 0: none) */
     TablePace drain;   /* an emptied old array's mapping, being unmapped */
 } BlockTable;
 
@@ -1680,15 +1692,30 @@ bt_retire_old(BlockTable *t)
     t->old = (BTSlots){NULL, 0, 0, 0};
 }
 
+/* Release (MADV_DONTNEED) the old array's pages the walk has emptied, in TABLE_CHUNK steps: every
+ * slot of [cursor, top] is free, and a released page reads as zeros, free slots, so a probe that
+ * ends there still ends there. Before the walk wraps, and only for a mapped array. */
+static void
+bt_release_behind(BlockTable *t)
+{
+    BTSlots *old = &t->old;
+    if (t->wrapped || old->table_bytes < TABLE_MMAP_BYTES)
+        return;
+    size_t page = 4096, lo = ((size_t)t->cursor * sizeof(uint64_t) + page - 1) & ~(page - 1);
+    size_t hi = t->released ? t->released : ((size_t)(t->top + 1) * sizeof(uint64_t)) & ~(page - 1);
+    if (lo >= hi || hi - lo < TABLE_CHUNK)
+        return;
+    madvise((char *)old->slots + lo, hi - lo, MADV_DONTNEED);
+    t->released = lo;
+}
+
 static void
 bt_step(BlockTable *t, Py_ssize_t budget)
 {
     BTSlots *old = &t->old;
     pace_run(&t->drain, 1, 0);
-    if (old->slots == NULL) {
-        pace_run(&t->fill, 0, 0);
+    if (old->slots == NULL)
         return;
-    }
     if (old->size == 0) { /* emptied by deletes (bt_take retires it; this is the backstop) */
         bt_retire_old(t);
         return;
@@ -1698,8 +1725,10 @@ bt_step(BlockTable *t, Py_ssize_t budget)
         budget = old->capacity;
     Py_ssize_t c = t->cursor; /* the slots below c are next */
     while (budget > 0) {
-        if (c == 0)
+        if (c == 0) {
             c = old->capacity;
+            t->wrapped = 1;
+        }
         Py_ssize_t lo = c > budget ? c - budget : 0;
         for (Py_ssize_t i = c - 1; i >= lo; i--) {
             if (i >= BT_RESIZE_PREFETCH && old->slots[i - BT_RESIZE_PREFETCH])
@@ -1719,13 +1748,14 @@ bt_step(BlockTable *t, Py_ssize_t budget)
         c = lo;
     }
     t->cursor = c;
+    bt_release_behind(t);
 }
 
 /* an insert's or delete's step, when there is one to take */
 static inline void
 bt_tick(BlockTable *t)
 {
-    if (t->old.slots != NULL || t->fill.base != NULL || t->drain.base != NULL)
+    if (t->old.slots != NULL || t->drain.base != NULL)
         bt_step(t, MIGRATE_SLOTS);
 }
 
@@ -1736,19 +1766,38 @@ bt_grow(BlockTable *t)
     bt_step(t, PY_SSIZE_T_MAX); /* over already when the steps keep pace (they do: U64Store) */
     if (t->old.slots != NULL) /* that pass visited every old slot: none holds a block now */
         bt_retire_old(t);
-    if (t->next.slots == NULL && bt_alloc(&t->next, t->cur.capacity + t->cur.capacity / 2) < 0)
+    BTSlots next;
+    if (bt_alloc(&next, t->cur.capacity + t->cur.capacity / 2) < 0)
         return -1;
-    pace_run(&t->fill, 0, 1); /* done already when mapped ahead */
     t->old = t->cur;
-    t->cur = t->next;
-    t->next = (BTSlots){NULL, 0, 0, 0};
+    t->cur = next;
     Py_ssize_t e = t->old.capacity - 1; /* the walk starts below a free slot (the load is < 1) */
     while (t->old.slots[e])
         e--;
-    t->cursor = e;
+    t->cursor = t->top = e;
+    t->wrapped = 0;
+    t->released = 0;
     if (t->old.size == 0)
         bt_free(&t->old);
     return 0;
+}
+
+/* While growing, the free old slot where a block whose old home the walk has not reached goes
+ * (its probe run ends below the cursor, before the walk wraps), so that the walk moves it; else
+ * -1: it goes into the new array. */
+static inline Py_ssize_t
+bt_old_place(const BlockTable *t, uint64_t mixed)
+{
+    const BTSlots *old = &t->old;
+    if (old->slots == NULL || t->wrapped)
+        return -1;
+    Py_ssize_t i = home_of_mixed(mixed, old->capacity);
+    while (i < t->cursor) {
+        if (old->slots[i] == 0)
+            return i;
+        i++;
+    }
+    return -1;
 }
 
 /* `b` (key known absent) goes into the table, which takes over the caller's reference. `at` is
@@ -1761,23 +1810,17 @@ bt_add_at(BlockTable *t, BlockObject *b, uint64_t mixed, Py_ssize_t at)
         return -1;
     }
     Py_ssize_t n = bt_len(t) + 1, cap = t->cur.capacity;
-    if (n * 4 > cap * 3) {
-        Py_ssize_t grows_at = cap * 4 / 5 + 1; /* grows by half past load 0.8: the free slot moves */
-        if (n >= grows_at) {
-            if (bt_grow(t) < 0)
-                return -1;
-            at = 0;
-        }
-        else if (t->next.slots == NULL && t->old.slots == NULL
-                 && (size_t)(cap + cap / 2) * sizeof(uint64_t) >= TABLE_MMAP_BYTES) {
-            /* past load 0.75: the next array mapped ahead, populated by the steps (as U64Store) */
-            if (bt_alloc(&t->next, cap + cap / 2) < 0)
-                PyErr_Clear(); /* no error: the growth tries again */
-            else
-                pace_start(&t->fill, t->next.slots, t->next.table_bytes, fill_step(t->next.table_bytes, grows_at - n));
-        }
+    if (n >= cap * 4 / 5 + 1) { /* grows by half past load 0.8: the free slot moves */
+        if (bt_grow(t) < 0)
+            return -1;
+        at = 0;
     }
-    if (at < 0) {
+    Py_ssize_t in_old = bt_old_place(t, mixed);
+    if (in_old >= 0) {
+        t->old.slots[in_old] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+        t->old.size++;
+    }
+    else if (at < 0) {
         t->cur.slots[~at] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
         t->cur.size++;
     }
@@ -1889,7 +1932,6 @@ static void
 BlockTable_dealloc(BlockTable *t)
 {
     bt_release(&t->cur, &t->old);
-    bt_free(&t->next);
     pace_run(&t->drain, 1, 1);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -2020,8 +2062,6 @@ BlockTable_clear(BlockTable *t, PyObject *unused)
         return NULL;
     t->cur = empty;
     t->old = (BTSlots){NULL, 0, 0, 0};
-    bt_free(&t->next);
-    t->fill.base = NULL;
     pace_run(&t->drain, 1, 1);
     bt_release(&cur, &old); /* out of the table first: what releasing frees cannot see it half-done */
     Py_RETURN_NONE;
@@ -2098,8 +2138,8 @@ static PyGetSetDef BlockTable_getset[] = {
 static PyObject *
 BlockTable_sizeof(BlockTable *t, PyObject *unused)
 {
-    size_t next = t->next.slots == NULL ? 0 : t->fill.base != NULL ? t->fill.done : t->next.table_bytes;
-    return PyLong_FromSize_t(sizeof(BlockTable) + t->cur.table_bytes + t->old.table_bytes + next + pace_left(&t->drain));
+    size_t released = t->old.slots == NULL || !t->released ? 0 : ((size_t)(t->top + 1) * sizeof(uint64_t) & ~(size_t)4095) - t->released;
+    return PyLong_FromSize_t(sizeof(BlockTable) + t->cur.table_bytes + t->old.table_bytes - released + pace_left(&t->drain));
 }
 
 /* ---- ints as CPython stores them -------------------------------------------------------------

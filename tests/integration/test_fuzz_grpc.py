@@ -236,8 +236,8 @@ def snapshot(router: Any) -> tuple:
         for w in router.workers if w.id != PROBE
     )
     counters = tuple(sorted((k, v) for k, v in router.counters.items() if k != "decisions"))
-    inflight = sorted(rid for rid in router._requests if router.workers.inflight(rid).worker_id != PROBE)
-    own_bytes = sum(request_bytes(router._requests[rid]) for rid in inflight)
+    inflight = sorted(rid for rid in router._ledger.requests if router.workers.inflight(rid).worker_id != PROBE)
+    own_bytes = sum(request_bytes(router._ledger.requests[rid]) for rid in inflight)
     return workers, len(router.index), counters, tuple(inflight), own_bytes
 
 

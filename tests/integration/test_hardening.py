@@ -37,7 +37,7 @@ async def test_evict_hint_pinning_more_than_the_cap_is_resource_exhausted_and_ra
     await register(running.stub, "big")
     tokens = list(range(10 * BS))
     running.router.apply(EventBatch("big", 0, (Stored(token_ids=tokens, engine_hashes=tuple(range(1, 11))),)))
-    before = dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)
+    before = dict(running.router._engine_hashes.by_slot), running.router.index.count(running.router.workers.get("big").slot)
     over = pb.EvictHintRequest(worker_id="big", blocks=5, pinned_keys=range(600),
                                pinned_engine_hashes=[1, 2, 3, *range(1000, 1398)],
                                policy=policy if policy != "lru" else "")
@@ -46,7 +46,7 @@ async def test_evict_hint_pinning_more_than_the_cap_is_resource_exhausted_and_ra
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.details() == "600 pinned_keys and 401 pinned_engine_hashes exceed limits.max_evict_pinned=1000"
     # nothing ranked: the reverse engine-hash map a first hint builds is not there
-    assert (dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)) == before
+    assert (dict(running.router._engine_hashes.by_slot), running.router.index.count(running.router.workers.get("big").slot)) == before
     # at the cap the hint is answered, pins honoured (engine hashes 1-3 are the first blocks)
     del over.pinned_engine_hashes[-1]
     resp = await running.stub.EvictHint(over)

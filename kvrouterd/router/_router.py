@@ -294,7 +294,7 @@ class Router:
         (``EventApplier.apply`` states the sequence rules), then one step of a pending drain."""
         outcome = self._events.apply(batch, per_event=per_event)
         # a host that never drains (the simulator) still frees the old slots; a duplicate does not
-        if outcome.applied and self._slots.draining:
+        if outcome.applied and self._slots.pending:
             self.drain_step()
         return outcome
 

@@ -42,14 +42,11 @@ class EngineHashMaps:
     """The reverse maps by slot, and the steps still building some of them."""
 
     def __init__(self) -> None:
-        #: slot -> our key -> engine hash, kept only for workers that asked for an eviction hint
+        #: slot -> our key -> engine hash, kept only for workers that asked for an eviction hint;
+        #: the Stored / Removed handlers read and update it (complete or still being built)
         self.by_slot: dict[int, MutableMapping[int, int]] = {}
         #: slot -> the steps still building its map (``steps``)
         self._building: dict[int, Iterator[None]] = {}
-
-    def get(self, slot: int) -> MutableMapping[int, int] | None:
-        """The slot's map, complete or still being built; None if its worker never asked."""
-        return self.by_slot.get(slot)
 
     def built(self, slot: int) -> MutableMapping[int, int] | None:
         """The slot's map once it is complete; None while none is, or it is still being built."""

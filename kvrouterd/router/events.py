@@ -269,7 +269,7 @@ class EventApplier:
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
                 return
             seed = parent_key
-        reverse = self._hashes.get(worker.slot) if hashes is not None else None
+        reverse = self._hashes.by_slot.get(worker.slot) if hashes is not None else None
         if ev.extra_hashes is None and reverse is None:
             # hashing, storing and the engine-hash map in one native call (RadixIndex.store_hashed)
             keys: Sequence[int]
@@ -335,7 +335,7 @@ class EventApplier:
         mapping = worker.engine_keys
         slot = worker.slot
         index = self._shared.index
-        reverse = self._hashes.get(slot)
+        reverse = self._hashes.by_slot.get(slot)
         groups, pages = worker.groups, worker.pages
         group = ev.group if ev.group is None or 0 <= ev.group < MAX_KV_GROUPS else None
         held = self._engine_hash_held(worker) if groups is not None else None

@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Mu
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .bounds import MAX_OUTPUT_TOKENS, MAX_REPORTED_REQUESTS, check_completion, check_range
 from .clock import Clock
 from .errors import ConfigError, InvalidRequest, NoEligibleWorker, NotFound, Overloaded, RejectedEvent, UnknownPolicy, quote
 from .index.groups import GroupPresence
@@ -461,8 +462,8 @@ class Router:
         return worker
 
     def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
-        if queued < 0 or running < 0:
-            raise InvalidRequest("queued_requests and running_requests must be >= 0")
+        check_range("queued_requests", queued, 0, MAX_REPORTED_REQUESTS)
+        check_range("running_requests", running, 0, MAX_REPORTED_REQUESTS)
         if not 0.0 <= kv_utilization <= 1.0:
             raise InvalidRequest(f"kv_utilization must be in [0, 1], got {kv_utilization}")
         worker = self.workers.get(worker_id)
@@ -510,6 +511,7 @@ class Router:
             )
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
+        check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
         s = self.settings
         limit = s.max_id_length
         if (len(req.request_id) > limit or len(req.session_id) > limit or len(req.model) > limit
@@ -706,6 +708,7 @@ class Router:
     def complete(self, completion: Completion) -> InFlight:
         """Stop charging a routed request, tell its policy how it went. Raises NotFound for a
         request not in flight here (see ``complete_anywhere`` when replicas share load)."""
+        check_completion(completion)  # before anything changes: a fit reads its numbers
         entry = self._finish(completion)
         if self.on_completed is not None:
             self._note_completed(completion.request_id)
@@ -719,6 +722,7 @@ class Router:
         comes, and published like any completion (None is returned); an id that already
         completed raises NotFound, as a second Complete does on one replica."""
         rid = completion.request_id
+        check_completion(completion)
         if self.on_completed is None or self.workers.inflight(rid) is not None:
             return self.complete(completion)
         if rid in self._completed:

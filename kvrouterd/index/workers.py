@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
+from ..bounds import MAX_CAPACITY_BLOCKS
 from ..errors import Conflict, InvalidRequest, NotFound, quote
 from ..protocols import CacheMode, WorkerState
 from .groups import GroupPresence
@@ -50,8 +51,9 @@ class WorkerSpec:
             raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
         if not 0 <= self.block_size <= MAX_PAGE_SIZE:
             raise InvalidRequest(f"worker {self.id!r}: block_size must be in [0, {MAX_PAGE_SIZE}], got {self.block_size}")
-        if self.capacity_blocks < 0:
-            raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be >= 0")
+        if not 0 <= self.capacity_blocks <= MAX_CAPACITY_BLOCKS:
+            raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be in [0, {MAX_CAPACITY_BLOCKS}] "
+                                 f"(0 = unknown), got {self.capacity_blocks}")
 
 
 def is_host_port(address: str) -> bool:

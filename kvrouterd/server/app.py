@@ -126,6 +126,7 @@ class Daemon:
         self._discovery_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes)
         self.service.metrics = self.metrics
+        self.service.call_errors.metrics = self.metrics
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         #: the Envoy endpoint picker, once serving (None when ext_proc.enabled is off)
@@ -155,11 +156,13 @@ class Daemon:
         if self.config.tls.enabled:
             creds, self.certificates = server_credentials(self.config.tls)
         server = grpc.aio.server(options=self._server_options(), interceptors=interceptors)
-        # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT
+        # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT,
+        # a handler bug INTERNAL, and every refused or failed call is counted and logged sampled
         self.service.off_loop_prompt_bytes = self.config.limits.off_loop_prompt_bytes
-        safe = SafeRegistrar(server, {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
-                                      "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
-                                      "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
+        safe = SafeRegistrar(server, self.service.call_errors,
+                             {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
+                              "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
+                              "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]
@@ -170,6 +173,7 @@ class Daemon:
             )
             # a body as large as a prompt read off the loop by Route is read off the loop too
             self.ext_proc.off_loop_body_bytes = self.config.limits.off_loop_prompt_bytes
+            self.ext_proc.call_errors = self.service.call_errors
             self.ext_proc.add_to_server(safe)  # type: ignore[arg-type]
             served.append(EXT_PROC_SERVICE)
         # what reflection.enable_server_reflection does for an aio server (it type-checks the server)
@@ -388,6 +392,7 @@ class Daemon:
             await asyncio.sleep(interval)
             # route latencies are queued per call and recorded here in one warm loop (telemetry.metrics)
             self.metrics.flush()
+            self.service.call_errors.flush()  # the "suppressed K" lines of intervals that ended
             try:
                 self.router.tick()
                 if self.admission is not None:

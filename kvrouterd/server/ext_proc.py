@@ -75,6 +75,7 @@ from google.protobuf import struct_pb2
 from opentelemetry import trace
 
 from ..config import ExtProcConfig
+from ..decimals import parse_decimal
 from ..errors import ConfigError, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 from ..index.workers import Worker
 from ..protocols import Completion, RouteRequest
@@ -464,10 +465,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         now = self.router.clock.now()
         ex.response_headers_at = now
         headers = _header_map(msg.response_headers.headers)
-        try:
-            ex.status = int(headers.get(":status", "0"))
-        except ValueError:
-            ex.status = 0
+        ex.status = parse_decimal(headers.get(":status", "")) or 0  # HTTP status: three ASCII digits
         value = _metadata_value(msg.metadata_context, DESTINATION_ENDPOINT_NAMESPACE, DESTINATION_ENDPOINT_SERVED_KEY)
         served = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
         ex.served = served or headers.get(DESTINATION_ENDPOINT_SERVED_KEY, "") or _upstream_address(msg)

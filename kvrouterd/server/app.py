@@ -492,6 +492,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", metavar="NAME", help="default routing policy (see `kvrouterd policies`)")
     parser.add_argument("--eviction-policy", metavar="NAME", help="eviction policy for hints and approximate mode")
     parser.add_argument("--block-size", type=decimal_arg, metavar="TOKENS", help="tokens per KV block (default 16)")
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
+                        help="serve Prometheus /metrics on HOST:PORT (default: off; metrics.listen)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log threshold (default info)")
     parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each (default text)")
     parser.add_argument("--grace", type=number_arg, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
@@ -503,6 +505,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         "routing.name": args.routing_policy,
         "eviction.name": args.eviction_policy,
         "block_size": args.block_size,
+        "metrics.listen": args.metrics_listen,
         "telemetry.log_level": args.log_level,
         "telemetry.log_format": args.log_format,
     }

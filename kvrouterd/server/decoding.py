@@ -82,7 +82,7 @@ def wrap_handler(
     handler: grpc.RpcMethodHandler, deserializer: Callable[[bytes], Any] | None = None
 ) -> grpc.RpcMethodHandler:
     """The same handler, answering INVALID_ARGUMENT for request messages that do not parse.
-    ``deserializer`` replaces the handler's own (Route's splits huge prompts: ``convert.route_message``)."""
+    ``deserializer`` replaces the handler's own (Route's splits huge prompts: ``off_loop.route_message``)."""
     name = _type_name(handler.request_deserializer)
     deserializer = deserializer or handler.request_deserializer
     if deserializer is None:

@@ -66,14 +66,14 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from opentelemetry import trace
 
+from .._generated.envoy.config.core.v3 import base_pb2
+from .._generated.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from .._generated.envoy.type.v3 import http_status_pb2
 from ..config import ExtProcConfig
 from ..decimals import parse_decimal
 from ..errors import ConfigError, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded

@@ -1,5 +1,7 @@
 """The kvrouter.v1.KVRouter gRPC servicer: converts, calls the Router, records telemetry.
 
+Here are the gateways' data path (Route, Complete, RouteStream) and the control plane; the
+engines' calls (PublishEvents, ReportLoad, EvictHint) are its base ``engine_calls.EngineCalls``.
 All handlers run on the daemon's single event loop and call the synchronous Router
 directly, so decisions and event application never interleave mid-operation.
 """
@@ -22,16 +24,18 @@ from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
-from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
+from ..protocols import CacheMode
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
-from ..telemetry.tracing import annotate_batch, annotate_decision
-from . import convert
+from ..telemetry.tracing import annotate_decision, decision_span
+from . import convert, off_loop
 from .admission import AdmissionGate
-from .convert import STREAM_ROUTE, pb
+from .convert import pb
 from .decoding import UndecodableMessage, describe
+from .engine_calls import MAX_NAMESPACES, EngineCalls
 from .snapshot import export_chunks
-from .status import status_code, status_message
+from .status import abort, status_code, status_message
+from .wire import STREAM_ROUTE
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
@@ -39,10 +43,6 @@ log = logging.getLogger("kvrouterd.server")
 
 _perf_counter = time.perf_counter
 
-
-#: (model, lora) namespaces remembered for the key-mismatch warning: names come from clients,
-#: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
-MAX_NAMESPACES = 1024
 
 #: RouteStream's initial response metadata: this router takes batched stream messages (the
 #: value: the most bytes one message may have, limits.max_message_bytes); clients batch only then
@@ -52,14 +52,9 @@ STREAM_BATCH_METADATA = "kvrouter-stream-batch"
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
 MAX_STREAM_BATCH_ITEMS = 256
 
-#: entries of work an EvictHint does between yields to the loop: its first hint's engine-hash
-#: map, the leaves a policy without its own order scores, the ranking (``Router.evict_hint_steps``);
-#: ~1-2 ms a part idle at 512 (scoring a leaf costs 1.5-3 us in Python)
-EVICT_STEP_ENTRIES = 512
-
 
 #: the prompts of a RouteStream message that was parsed whole: none
-_NO_PROMPTS: Mapping[int, convert.StreamPrompt] = {}
+_NO_PROMPTS: Mapping[int, off_loop.StreamPrompt] = {}
 
 
 async def _drain(steps: Iterable[int]) -> None:
@@ -73,12 +68,7 @@ def _stream_invalid(reply: pb.RouteStreamResponse, message: str) -> pb.RouteStre
     return reply
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    await context.abort(status_code(exc), status_message(exc))
-    raise AssertionError("unreachable")  # pragma: no cover - abort raises
-
-
-class KVRouterService(router_pb2_grpc.KVRouterServicer):
+class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def __init__(
         self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
         max_message_bytes: int = 4 * 1024 * 1024, *,
@@ -112,11 +102,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
-        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute | convert.Refused]
-        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream | convert.Refused]
+        self.route_message: Callable[[bytes], pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused]
+        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | off_loop.SplitStream | off_loop.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
-        self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
+        self.hash_prompt: Callable[[off_loop.SplitRoute, int, int], convert.HashedPrompt] = off_loop.hash_wire_prompt
 
     @property
     def off_loop_prompt_bytes(self) -> int:
@@ -131,25 +121,25 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def off_loop_prompt_bytes(self, value: int) -> None:
         self._off_loop_prompt_bytes = value
         #: Route's: a huge prompt stays wire bytes (``SplitRoute``), hashed off the loop by ``Route``
-        self.route_message = convert.deserializer(pb.RouteRequest.FromString, convert.route_message, value)
+        self.route_message = off_loop.deserializer(pb.RouteRequest.FromString, off_loop.route_message, value)
         #: RouteStream's: a huge message's Routes' prompts stay wire bytes (``SplitStream``),
         #: hashed off the loop by ``RouteStream``
-        self.route_stream_message = convert.deserializer(
-            pb.RouteStreamRequest.FromString, convert.route_stream_message, value)
+        self.route_stream_message = off_loop.deserializer(
+            pb.RouteStreamRequest.FromString, off_loop.route_stream_message, value)
 
     # ---- data path --------------------------------------------------------------------
-    async def Route(self, request: pb.RouteRequest | convert.SplitRoute | convert.Refused,
+    async def Route(self, request: pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
         hashed = None
-        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (convert.route_message)
-            if type(request) is convert.Refused:
+        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (off_loop.route_message)
+            if type(request) is off_loop.Refused:
                 self._note_refused(request)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             request, hashed = await self._hash_off_loop(request, context)
         if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            with decision_span(self.tracer) as span:
                 result = await self._route(request, context, span, hashed)
         elif self.admission is not None:
             result = await self._route(request, context, None, hashed)
@@ -166,13 +156,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return convert.route_response(result, router.block_size)
 
     async def _hash_off_loop(
-        self, split: convert.SplitRoute, context: grpc.aio.ServicerContext
+        self, split: off_loop.SplitRoute, context: grpc.aio.ServicerContext
     ) -> tuple[pb.RouteRequest, convert.HashedPrompt]:
         """Check a huge prompt's Route, decode and hash the prompt on a worker thread (the native
         path releases the GIL), so other calls run meanwhile; the decision that follows runs on
         the loop as for any Route. A message upb refuses gets upb's error, as from the deserializer."""
         try:
-            prompt = await asyncio.to_thread(convert.hash_route, split, self.router, self.hash_prompt)
+            prompt = await asyncio.to_thread(off_loop.hash_route, split, self.router, self.hash_prompt)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 describe(pb.RouteRequest.DESCRIPTOR.full_name, exc, len(split.prompt.data)))
@@ -204,7 +194,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
     ) -> NoReturn:
         self._note_rejection(request, exc, span)
-        await _abort(context, exc)
+        await abort(context, exc)
 
     def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
         code = status_code(exc)
@@ -215,8 +205,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             span.set_attribute("rpc.grpc.status_code", code.value[0])
         return code
 
-    def _note_refused(self, refused: convert.Refused) -> None:
-        """A huge message in an encoding the split does not read (``convert.Refused``): counted
+    def _note_refused(self, refused: off_loop.Refused) -> None:
+        """A huge message in an encoding the split does not read (``off_loop.Refused``): counted
         and logged as a rejected Route (its message tells what was found)."""
         code = grpc.StatusCode.INVALID_ARGUMENT
         self.metrics.route_errors.add(1, {"code": code.name})
@@ -226,7 +216,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             self._complete(request)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
@@ -255,9 +245,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         so the loop never creates a task; a batch's items are answered together in one batch.
         With queues a Route may wait, so each Route runs in its own task (answers then come out
         of order, a batched one on its own) and the stream ends once all are answered.
-        A message of ``off_loop_prompt_bytes`` or more arrives split (``convert.SplitStream``):
+        A message of ``off_loop_prompt_bytes`` or more arrives split (``off_loop.SplitStream``):
         its Routes' prompts are hashed on a worker thread first, the next message read after. One
-        in an encoding the split does not read (``convert.Refused``) is answered INVALID_ARGUMENT
+        in an encoding the split does not read (``off_loop.Refused``) is answered INVALID_ARGUMENT
         under its id, and the stream goes on.
         """
         # the advertisement a batching client waits for: batches welcome, up to this many bytes
@@ -273,7 +263,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
 
-        def admit_later(msg: pb.RouteStreamRequest, prompt: convert.StreamPrompt | None) -> None:
+        def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
             task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
@@ -281,8 +271,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             async for msg in request_iterator:
                 prompts = _NO_PROMPTS
-                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (convert.route_stream_message)
-                    if type(msg) is convert.Refused:
+                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (off_loop.route_stream_message)
+                    if type(msg) is off_loop.Refused:
                         self._note_refused(msg)
                         if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
                             raise UndecodableMessage(msg.message)
@@ -310,21 +300,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 task.cancel()
 
     async def _hash_stream_off_loop(
-        self, split: convert.SplitStream
-    ) -> tuple[pb.RouteStreamRequest, Mapping[int, convert.StreamPrompt]]:
+        self, split: off_loop.SplitStream
+    ) -> tuple[pb.RouteStreamRequest, Mapping[int, off_loop.StreamPrompt]]:
         """A split RouteStream message's Routes checked, their prompts decoded and hashed on a
         worker thread, all in one hand-off (the native path releases the GIL), so other calls run
         meanwhile; their decisions follow on the loop as for a parsed message."""
         try:
-            hashed = await asyncio.to_thread(convert.hash_stream, split, self.router, self.hash_prompt)
+            hashed = await asyncio.to_thread(off_loop.hash_stream, split, self.router, self.hash_prompt)
         except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
             raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
         assert split.msg is not None  # else hash_stream raised
         return split.msg, hashed
 
     def _stream_batch(
-        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, convert.StreamPrompt | None], None],
-        prompts: Mapping[int, convert.StreamPrompt],
+        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, off_loop.StreamPrompt | None], None],
+        prompts: Mapping[int, off_loop.StreamPrompt],
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -354,7 +344,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return reply if len(answers) else None
 
     def _stream_route(
-        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: convert.StreamPrompt | None = None
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None
     ) -> pb.RouteStreamResponse:
         """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
         its prompt when the message was split (``_hash_stream_off_loop``)."""
@@ -364,17 +354,17 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         span = None
         try:
             if self.tracing:
-                with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                with decision_span(self.tracer) as span:
                     recording = span.is_recording()
                     try:
-                        req = convert.split_route_request(request, router, prompt)
+                        req = off_loop.split_route_request(request, router, prompt)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = convert.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
@@ -387,7 +377,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
-        prompt: convert.StreamPrompt | None = None,
+        prompt: off_loop.StreamPrompt | None = None,
     ) -> None:
         assert self.admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
@@ -395,10 +385,10 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         router = self.router
         timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
         reply = pb.RouteStreamResponse(id=msg.id)
-        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+        with decision_span(self.tracer) as span:
             recording = self.tracing and span.is_recording()
             try:
-                req = convert.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt)
                 result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
             except KVRouterError as exc:
                 await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
@@ -455,132 +445,6 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         reply.complete.SetInParent()
         return reply
 
-    # ---- engines ----------------------------------------------------------------------
-    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch | convert.BatchTooLarge:
-        """PublishEvents' request deserializer, which the daemon registers: a plain message read
-        natively into its core batch, one over the byte limit left unparsed, anything else parsed
-        (``convert.event_batch_message``)."""
-        return convert.event_batch_message(data, self.batch_limits)
-
-    async def PublishEvents(
-        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch | convert.BatchTooLarge],
-        context: grpc.aio.ServicerContext,
-    ) -> pb.PublishEventsResponse:
-        limits = self.batch_limits
-        summary = pb.PublishEventsResponse(router_epoch=self.epoch, max_event_batch_bytes=limits.max_bytes,
-                                           max_batch_blocks=limits.max_blocks)
-        published: dict[str, None] = {}  # workers named, in order
-        async for msg in request_iterator:
-            if type(msg) is convert.BatchTooLarge:
-                # refused unparsed (no worker to name); earlier batches of the stream stay applied
-                log.warning("event batch rejected: %s", msg.message)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
-            try:
-                # the daemon's deserializer (event_batch_message) has read a plain message already
-                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, limits)
-                outcome = self.apply_batch(batch)
-            except KVRouterError as exc:
-                # earlier batches of the stream stay applied; this one changed nothing
-                log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
-                await _abort(context, exc)
-            published[batch.worker_id] = None
-            if outcome.duplicate:
-                summary.batches_duplicate += 1
-                continue
-            summary.batches_applied += 1
-            summary.blocks_stored += outcome.blocks_stored
-            summary.blocks_removed += outcome.blocks_removed
-            summary.gaps_detected += 1 if outcome.gap else 0
-        if self._slot_drain is not None and not self._slot_drain.done():
-            # a Cleared in this stream: answer once the old blocks are gone, as DeregisterWorker does
-            await asyncio.shield(self._slot_drain)
-        for worker_id in published:
-            worker = self.router.workers.find(worker_id)
-            if worker is not None:  # else deregistered meanwhile
-                summary.workers.add(worker_id=worker_id, last_sequence=worker.last_sequence,
-                                    resync_needed=worker.resync_needed)
-        return summary
-
-    def apply_batch(self, batch: EventBatch, per_event: bool = False) -> BatchOutcome:
-        """Apply one engine batch with its span and metrics: the gRPC stream and the ZMQ
-        subscribers both come through here (ZMQ engine batches event by event: ``Router.apply``)."""
-        if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
-                outcome = self._apply_traced(batch, per_event, span)
-        else:
-            # no span when tracing is off: entering even the no-op one costs 35,400 instructions
-            # (callgrind), 69 per block of a 512-block batch
-            outcome = self._apply_traced(batch, per_event, None)
-        if outcome.duplicate:
-            self.metrics.event_batches.count("duplicate")
-            return outcome
-        self.metrics.event_batches.count("applied")
-        if outcome.blocks_stored:
-            self.metrics.blocks.count("stored", outcome.blocks_stored)
-            namespaces = self.stored_namespaces
-            for ev in batch.events:
-                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces and len(namespaces) < MAX_NAMESPACES:
-                    namespaces.add((ev.model, ev.lora))
-        if outcome.blocks_removed:
-            self.metrics.blocks.count("removed", outcome.blocks_removed)
-        if outcome.gap or outcome.restarted:
-            self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
-        if self.router.draining:
-            self.keep_draining()
-        return outcome
-
-    def keep_draining(self) -> None:
-        """Run the router's pending drains (a large cleared worker's old slot, ``Router.drain_step``)
-        in a task that yields to the loop between steps, unless one already does."""
-        if (self._slot_drain is None or self._slot_drain.done()) and self.router.draining:
-            self._slot_drain = asyncio.create_task(self._drain_slots(), name="drop cleared workers' old blocks")
-            self._draining.add(self._slot_drain)
-            self._slot_drain.add_done_callback(self._draining.discard)
-
-    async def _drain_slots(self) -> None:
-        while self.router.drain_step():
-            await asyncio.sleep(0)
-
-    def _apply_traced(self, batch: EventBatch, per_event: bool, span: trace.Span | None) -> BatchOutcome:
-        try:
-            outcome = self.router.apply(batch, per_event=per_event)
-        except KVRouterError as exc:
-            if span is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
-            self.metrics.event_batches.count("rejected")
-            raise
-        if span is not None and span.is_recording():
-            annotate_batch(span, batch, outcome)
-        return outcome
-
-    async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
-        try:
-            convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
-            self.router.report_load(
-                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
-            )
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.ReportLoadResponse()
-
-    async def EvictHint(self, request: pb.EvictHintRequest, context: grpc.aio.ServicerContext) -> pb.EvictHintResponse:
-        try:
-            req, pinned_hashes = convert.evict_request(request, self.router)
-            # what visits a whole worker runs in steps, the loop serving other calls between them
-            steps = self.router.evict_hint_steps(req, pinned_hashes, EVICT_STEP_ENTRIES)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    advice = done.value
-                    break
-                await asyncio.sleep(0)
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.EvictHintResponse(
-            keys=advice.keys, engine_hashes=advice.engine_hashes, exhausted=advice.exhausted, policy=advice.policy
-        )
-
     # ---- control plane ------------------------------------------------------------------
     async def RegisterWorker(
         self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -595,7 +459,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 check_worker_endpoints(self.allowed_endpoints, spec.id, spec.address, spec.kv_events_endpoint)
             worker = self.router.add_worker(spec)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.keep_draining()  # a mode change clears the worker's view: a large one in steps
         self.on_membership_change()
         return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
@@ -607,7 +471,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
             drained = self.forget_worker(request.worker_id)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.on_membership_change()
         # answer once the blocks are gone; a caller that gives up does not stop the drain
         await asyncio.shield(drained)
@@ -639,7 +503,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             async for chunk in export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk):
                 yield chunk
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router

@@ -93,8 +93,8 @@ def test_the_healthcheck_reads_only_ascii_process_ids(tmp_path: Path):
 
 
 def test_an_envoy_status_header_is_ascii():
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from kvrouterd._generated.envoy.config.core.v3 import base_pb2
+    from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
     from kvrouterd.server.ext_proc import ExtProcService, _Exchange
 

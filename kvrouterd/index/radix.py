@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from . import native
@@ -64,8 +64,9 @@ class MatchResult:
 
     __slots__ = ("overlaps", "path")
 
-    def __init__(self, overlaps: dict[int, int], path: list[Block]) -> None:
-        #: slot -> number of leading request blocks that slot holds (only slots > 0)
+    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
+        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
+        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
         self.overlaps = overlaps
         #: the request's blocks present in the index, up to the deepest match
         self.path = path

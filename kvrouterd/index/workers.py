@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from ..bounds import MAX_CAPACITY_BLOCKS
+from ..decimals import parse_decimal
 from ..errors import Conflict, InvalidRequest, NotFound, quote
 from ..protocols import CacheMode, WorkerState
 from .groups import GroupPresence
@@ -58,8 +59,9 @@ class WorkerSpec:
 
 def is_host_port(address: str) -> bool:
     """``host:port`` or ``[v6]:port`` with a port in 1-65535."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    host, colon, digits = address.rpartition(":")
+    port = parse_decimal(digits)
+    if not colon or not host or port is None or not 1 <= port <= 65535:
         return False
     if host.startswith("["):
         return host.endswith("]") and len(host) > 2

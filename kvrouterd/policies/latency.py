@@ -27,13 +27,39 @@ of prefilling them one by one and ``8^(b-c)`` = 94.5% of one request as long as 
 (``c > 1``: a longer prompt costs more per token), and an 8,192-token request 346 ms, 5.5%
 above the linear default.
 
+**Attention over earlier context** (``attention_context_tokens``). The fits above were measured
+on prompts prefilled from scratch in one piece, so they price a chunk's attention to itself
+but not to the tokens before it: a chunk of ``n`` new tokens that follows ``p`` tokens already
+in the KV cache (a cached prefix, which is not recomputed but is attended to, or the prompt's
+earlier chunks) also computes ``n * p`` query-key pairs the fit never saw. ``PrefillCost``
+prices them on top of the fit: ``attention_ms = token_ms * n * p / attention_context_tokens``,
+where ``token_ms`` is the fit's cost of one token (batch 1, at 1k tokens: 40.7 ms / 1k for
+``H100_LLAMA31_8B``, ``ms_per_1k / 1000`` for the linear model, intercept excluded) and
+``attention_context_tokens`` is the context length at which one token's attention costs as much
+as its linear layers. From FLOP counts per token (Kaplan et al. 2020, "Scaling Laws for Neural
+Language Models", Table 1: ``2 N`` for the ``N`` parameters of the linear layers and ``2 *
+n_layer * n_ctx * d_attn`` for the attention logits; Hoffmann et al. 2022, "Training
+Compute-Optimal LLMs", appendix F, counts the value reduction alike, so ``4 * n_layer *
+d_model * context`` in all): for Llama-3.1-8B (N = 8.03e9, 32 layers, d_model 4096) that is
+``2 * 8.03e9 / (4 * 32 * 4096)`` = 30,632 tokens (``LLAMA31_8B_ATTENTION_TOKENS``), assuming
+attention FLOPs run as fast as the fit's linear ones. What it gives: a prompt short enough for
+one chunk, with nothing cached, has no earlier context and costs exactly the fit; a 1k-token
+turn after a 4k cached prefix costs 13% more than the fit; a 131,072-token prompt in
+8,192-token chunks (vLLM's budget) costs 2.93x the sixteen chunks priced alone (5.5 s of fit
+plus 10.7 s of attention to earlier chunks). 0 turns the term off (per-chunk pricing).
+What this assumes: attention at the linear layers' FLOP rate. The fit itself hints attention
+may be cheaper on short prompts: its cost per token grows 3.8% from 1k to 8k tokens, a third
+of the 11.6% FLOP parity predicts for attention within the prompt (ratio ~94k tokens, which
+would give 1.6x at 128k); at long context FlashAttention-class kernels run near GEMM rates,
+so FLOP parity is kept, matching the 2-3x issue #27 expects.
+
 **Decode cost.** UniCache (section 3.2) found TPOT "relatively small ... but high variance
 across settings" with no stable parametric fit, and models it as a batch-independent
 constant, its measured mean; the simulated engines do the same (``tpot_ms``, 20 ms, our
-assumption for an 8B model since the mean is not published), or with ``--decode-model
-batched`` charge a decode step ``tpot_ms * (1 + slope * (D - 1))`` for D decoding requests
-(slope 0 by default: no paper gives one). Routing here estimates TTFT only, so no policy
-needs a decode model.
+assumption for an 8B model since the mean is not published) with ``--decode-model
+constant``; by default they run decoding in their steps and charge a decode step ``tpot_ms *
+(1 + slope * (D - 1))`` for D decoding requests (``sim.engine`` derives the slope). Routing here
+estimates TTFT only, so no policy needs a decode model.
 
 Queueing delay ``T_q`` is the prefill time of the worker's pending prefill tokens (the
 uncached tokens of requests routed to it and not yet completed), treated as one batch of
@@ -58,6 +84,10 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``calibration_forgetting`` = 0.992: RLS forgetting factor (LBGR's value).
 - ``calibration_min_samples`` = 8: samples before calibrated coefficients replace the prior.
 - ``pending_model`` = "drain": how pending prefill tokens are estimated (see ``pending_tokens``).
+- ``attention_context_tokens`` = 0.0: attention over earlier context (see above; 0 = off, the
+  daemon's default; ``kvrouterd sim cluster`` sets its engines' 30,632). ``ttft_ms`` prices the
+  request's own attention to its cached prefix and its earlier chunks, not that of the queue.
+- ``prefill_chunk_tokens`` = 8192: the engines' chunked-prefill budget, which bounds a chunk.
 
 ``kvrouterd sim cluster`` fills every ``prefill_*``/``power_*`` field a policy's spec leaves
 unset with its engines' values (``sim.policy_specs.profiled_spec``), as DualMap profiles the GPU
@@ -77,8 +107,8 @@ from ..index.workers import Worker
 from ..protocols import Completion, Decision, RouteRequest
 from .base import RoutingContext, RoutingPolicyBase
 
-__all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LatencyModel", "LatencyParams", "PowerLaw",
-           "RecursiveLeastSquares", "power_law_ms"]
+__all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LLAMA31_8B_ATTENTION_TOKENS", "LatencyModel",
+           "LatencyParams", "PowerLaw", "PrefillCost", "RecursiveLeastSquares", "attended_pairs", "power_law_ms"]
 
 # Tracked dispatches awaiting their Complete; beyond this the oldest are forgotten (a caller
 # that never completes must not grow memory without bound).
@@ -142,7 +172,57 @@ H100_LLAMA31_8B = PowerLaw(a_ms=0.0359, b=0.991, c=1.018)
 A100_LLAMA32_1B = PowerLaw(a_ms=0.0556, b=0.992, c=1.034)
 #: the LatencyParams fields that describe the hardware (what ``sim cluster`` takes from its engines)
 LATENCY_FIELDS = ("prefill_model", "prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b",
-                  "power_c")
+                  "power_c", "attention_context_tokens", "prefill_chunk_tokens")
+#: Llama-3.1-8B: context at which a token's attention FLOPs equal its linear layers',
+#: 2 * params / (4 * layers * d_model) (see the module docstring)
+LLAMA31_8B_ATTENTION_TOKENS = 2 * 8.03e9 / (4 * 32 * 4096)
+#: the prompt length at which the attention term takes the fit's cost of one token
+_ATTENTION_REF_TOKENS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Compute time of one prefill step: the fitted model (``power_law`` or ``linear``) for its
+    new tokens, plus their attention to the context before each request's chunk. The simulated
+    engines time their steps with it and ``LatencyModel`` estimates with it, so the two agree."""
+
+    model: Literal["linear", "power_law"]
+    ms_per_1k: float
+    intercept_ms: float
+    a_ms: float
+    b: float
+    c: float
+    attention_context_tokens: float = 0.0
+    _pair_ms: float = field(init=False, repr=False, compare=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.attention_context_tokens > 0:
+            ref = _ATTENTION_REF_TOKENS
+            token_ms = (self.ms_per_1k / 1000.0 if self.model == "linear"
+                        else power_law_ms(self.a_ms, self.b, self.c, ref, 1) / ref)
+            object.__setattr__(self, "_pair_ms", token_ms / self.attention_context_tokens)
+
+    def ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
+        """Time of ``tokens`` new tokens over ``batch`` requests whose tokens attend to
+        ``attended`` (new token, earlier token) pairs outside their own chunk."""
+        if tokens <= 0:
+            return 0.0
+        if self.model == "linear":
+            base = self.intercept_ms + self.ms_per_1k * tokens / 1000.0
+        else:
+            base = power_law_ms(self.a_ms, self.b, self.c, tokens, batch)
+        return base + self._pair_ms * attended if attended > 0 else base
+
+
+def attended_pairs(new_tokens: int, context_tokens: int, chunk_tokens: int) -> int:
+    """(new token, earlier token) pairs outside a chunk when ``new_tokens`` are prefilled after
+    ``context_tokens`` already in the cache, ``chunk_tokens`` at a time: every new token attends
+    to the context, and each chunk to the chunks before it."""
+    if new_tokens <= 0:
+        return 0
+    full, rest = divmod(new_tokens, max(chunk_tokens, 1))
+    chunk = max(chunk_tokens, 1)
+    return new_tokens * max(context_tokens, 0) + chunk * chunk * full * (full - 1) // 2 + rest * full * chunk
 
 
 @dataclass(frozen=True)
@@ -168,6 +248,10 @@ class LatencyParams:
         default="drain",
         metadata={"help": "pending prefill tokens: drained at the model's prefill rate, or every uncompleted request's"},
     )
+    attention_context_tokens: float = field(default=0.0, metadata={
+        "help": "context length at which a token's attention costs as much as its linear layers (prices "
+                "attention to a cached prefix and earlier chunks; 0 = off)"})
+    prefill_chunk_tokens: int = field(default=8192, metadata={"help": "the engines' chunked-prefill budget, tokens"})
 
     def validate(self) -> None:
         for name in ("prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b", "power_c"):
@@ -187,6 +271,10 @@ class LatencyParams:
             raise ValueError(f"calibration_min_samples must be >= 1, got {self.calibration_min_samples}")
         if self.pending_model not in ("drain", "inflight"):
             raise ValueError(f"pending_model must be 'drain' or 'inflight', got {self.pending_model!r}")
+        if self.attention_context_tokens < 0:
+            raise ValueError(f"attention_context_tokens must be >= 0, got {self.attention_context_tokens}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
 
 
 class RecursiveLeastSquares:
@@ -264,6 +352,7 @@ class LatencyModel:
             state = _POWER_STATE
         self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting, bounds=state)
         self._prior = tuple(prior)
+        self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
 
@@ -291,29 +380,42 @@ class LatencyModel:
         return (math.exp(_clip(theta[0], -_LOG_A_RANGE, _LOG_A_RANGE)), _clip(theta[1], 0.0, 2.0),
                 _clip(theta[2], 0.5, 2.0))
 
+    def _cost(self, coefficients: tuple[float, ...]) -> PrefillCost:
+        p = self.params
+        if p.prefill_model == "linear":
+            per_1k, intercept = coefficients
+            return PrefillCost("linear", per_1k, intercept, p.power_a_ms, p.power_b, p.power_c,
+                               p.attention_context_tokens)
+        a, b, c = coefficients
+        return PrefillCost("power_law", p.prefill_ms_per_1k_tokens, p.prefill_intercept_ms, a, b, c,
+                           p.attention_context_tokens)
+
+    def cost(self) -> PrefillCost:
+        """The prefill cost function under the current coefficients."""
+        return self._cost(self.coefficients()) if self.calibrated else self._prior_cost
+
     # ---- estimates --------------------------------------------------------------------
-    def prefill_ms(self, tokens: float, batch: int = 1) -> float:
-        """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests."""
-        if tokens <= 0:
-            return 0.0
-        if self.params.prefill_model == "linear":
-            per_1k, intercept = self.coefficients()
-            return intercept + per_1k * tokens / 1000.0
-        a, b, c = self.coefficients()
-        return power_law_ms(a, b, c, tokens, batch)
+    def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
+        """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests whose tokens
+        attend to ``attended`` earlier-context pairs (``attended_pairs``)."""
+        return self.cost().ms(tokens, batch, attended)
 
     def queue_ms(self, pending_tokens: int, inflight: int = 1) -> float:
         """T_q: time to clear ``pending_tokens`` of prefill already routed to a worker."""
         return self.prefill_ms(pending_tokens, max(inflight, 1))
 
-    def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0) -> float:
-        """T_q + T_c for a request with ``uncached_tokens`` to prefill behind ``pending_tokens``
-        of ``inflight`` requests.
+    def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0, cached_tokens: int = 0) -> float:
+        """T_q + T_c for a request with ``uncached_tokens`` to prefill after ``cached_tokens`` of
+        cached prefix, behind ``pending_tokens`` of ``inflight`` requests.
 
         Estimated as the prefill time of all that work as one batch, the same quantity the
-        calibration fits, so T_c is ``ttft_ms - queue_ms`` (the intercept is counted once).
+        calibration fits, so T_c is ``ttft_ms - queue_ms`` (the intercept is counted once),
+        plus the request's attention to its prefix and earlier chunks (``attention_context_tokens``).
         """
-        return self.prefill_ms(pending_tokens + uncached_tokens, max(inflight, 0) + 1)
+        p = self.params
+        attended = (attended_pairs(uncached_tokens, cached_tokens, p.prefill_chunk_tokens)
+                    if p.attention_context_tokens > 0 else 0)
+        return self.prefill_ms(pending_tokens + uncached_tokens, max(inflight, 0) + 1, attended)
 
     def tokens_within(self, budget_ms: float) -> int:
         """Prefill tokens one worker clears within ``budget_ms`` (DualMap's ttft_slo_threshold)."""

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
+from ..decimals import decimal_arg, number_arg, parse_decimal
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.bridge import BridgedEvents
@@ -469,10 +470,12 @@ class Daemon:
 
 def bind_problem(listen: str) -> str:
     """Why gRPC could not bind ``listen`` (its own message only says that it failed)."""
-    host, _, port = listen.rpartition(":")
+    host, _, digits = listen.rpartition(":")
     host = host.strip("[]")
+    if (port := parse_decimal(digits)) is None:
+        return f"{digits!r} is not a port number"
     try:
-        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, ValueError) as exc:
         return f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
     for family, kind, proto, _, address in infos:
@@ -493,10 +496,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: the embedded defaults)")
     parser.add_argument("--routing-policy", metavar="NAME", help="default routing policy (see `kvrouterd policies`)")
     parser.add_argument("--eviction-policy", metavar="NAME", help="eviction policy for hints and approximate mode")
-    parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 16)")
+    parser.add_argument("--block-size", type=decimal_arg, metavar="TOKENS", help="tokens per KV block (default 16)")
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
+                        help="serve Prometheus /metrics on HOST:PORT (default: off; metrics.listen)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log threshold (default info)")
     parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each (default text)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
+    parser.add_argument("--grace", type=number_arg, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -505,6 +510,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         "routing.name": args.routing_policy,
         "eviction.name": args.eviction_policy,
         "block_size": args.block_size,
+        "metrics.listen": args.metrics_listen,
         "telemetry.log_level": args.log_level,
         "telemetry.log_format": args.log_format,
     }

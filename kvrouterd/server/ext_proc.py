@@ -66,15 +66,16 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from opentelemetry import trace
 
+from .._generated.envoy.config.core.v3 import base_pb2
+from .._generated.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from .._generated.envoy.type.v3 import http_status_pb2
 from ..config import ExtProcConfig
+from ..decimals import parse_decimal
 from ..errors import ConfigError, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 from ..index.workers import Worker
 from ..protocols import Completion, RouteRequest
@@ -471,10 +472,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         now = self.router.clock.now()
         ex.response_headers_at = now
         headers = _header_map(msg.response_headers.headers)
-        try:
-            ex.status = int(headers.get(":status", "0"))
-        except ValueError:
-            ex.status = 0
+        ex.status = parse_decimal(headers.get(":status", "")) or 0  # HTTP status: three ASCII digits
         value = _metadata_value(msg.metadata_context, DESTINATION_ENDPOINT_NAMESPACE, DESTINATION_ENDPOINT_SERVED_KEY)
         served = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
         ex.served = served or headers.get(DESTINATION_ENDPOINT_SERVED_KEY, "") or _upstream_address(msg)

@@ -28,7 +28,7 @@ from ..index.workers import MAX_WORKERS, is_host_port
 from ..protocols import CacheMode
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
-from ..telemetry.tracing import annotate_decision
+from ..telemetry.tracing import annotate_decision, decision_span
 from . import convert, off_loop
 from .admission import AdmissionGate
 from .call_errors import CallErrors
@@ -138,7 +138,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             request, hashed = await self._hash_off_loop(request, context)
         if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            with decision_span(self.tracer) as span:
                 result = await self._route(request, context, span, hashed)
         elif self.admission is not None:
             result = await self._route(request, context, None, hashed)
@@ -348,7 +348,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         span = None
         try:
             if self.tracing:
-                with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                with decision_span(self.tracer) as span:
                     recording = span.is_recording()
                     try:
                         req = off_loop.split_route_request(request, router, prompt)
@@ -395,7 +395,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         router = self.router
         reply = pb.RouteStreamResponse(id=msg.id)
         try:
-            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            with decision_span(self.tracer) as span:
                 recording = self.tracing and span.is_recording()
                 try:
                     check_range("timeout_ms", msg.timeout_ms, 0.0, MAX_LATENCY_MS)

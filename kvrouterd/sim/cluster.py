@@ -301,7 +301,7 @@ class Simulation:
 
     def _step_done(self, i: int, now: float) -> None:
         engine = self.engines[i]
-        tpot = self.settings.engine.tpot_ms / 1000.0
+        tpot = self.settings.engine.decode_step_seconds(1)
         batched = self.settings.engine.decode_model == "batched"
         for job in engine.finish_step(now):
             if not batched:

@@ -35,6 +35,7 @@ from typing import Any, TextIO
 from ..config import Config, load_config
 from ..errors import ConfigError, KVRouterError
 from ..protocols import CacheMode
+from . import metrics as m
 from . import report
 from .cluster import ClusterSettings, simulate
 from .engine import EngineParams
@@ -106,9 +107,9 @@ def sweep(cfg: Config, workload_for: Callable[[int, float | None], Workload], se
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        return m.parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ints(text: str) -> list[int]:
@@ -123,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (implies --workload mooncake)")
     w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
     w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
-                   help="request rates to sweep, req/s (trace: timestamps rescaled; default: as recorded / generator default)")
+                   help="request rates to sweep, req/s, each a number or a grid LO:HI:STEP (e.g. 14:20:0.5) (trace: "
+                        "timestamps rescaled; default: as recorded / generator default)")
     w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds (workload, router, engines)")
     w.add_argument("--limit", type=int, default=0, help="use the first N requests")
     w.add_argument("--max-input-tokens", type=int, default=0, help="cap trace prompts at N tokens (0 = no cap)")
@@ -163,12 +165,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
     e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")
     e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
-                   help="batched: decoding runs in the engine's steps beside prefill chunks (interference)")
+                   help=f"batched: decoding runs in the engine's steps beside prefill chunks (interference); constant: "
+                        f"tpot per token beside the engine (default {d.decode_model})")
     e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
-                   help="batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1))")
-    e.add_argument("--decode-kv", action="store_true",
+                   help=f"batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1)) (default "
+                        f"{d.decode_batch_slope}: KV reads at an 8k context, see sim.engine)")
+    e.add_argument("--decode-kv", action=argparse.BooleanOptionalAction, default=d.decode_kv,
                    help="batched: generated tokens take KV blocks; when none is free, evict, else preempt the newest "
-                        "decoding request (vLLM's recompute) instead of waiting")
+                        "decoding request (vLLM's recompute) instead of waiting (default on)")
+    e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens,
+                   help=f"prefill chunks also pay attention to the context before them, costing a token's linear "
+                        f"layers per this many context tokens (default {d.attention_context_tokens:.0f}, "
+                        f"Llama-3.1-8B's FLOP ratio; 0 = chunks priced alone)")
+    e.add_argument("--hardware-speed", type=float, default=d.hardware_speed,
+                   help="divides every compute time, prefill and decode (2 = a GPU twice as fast; default 1)")
     e.add_argument("--cache-decode", action="store_true",
                    help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
@@ -243,7 +253,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                           max_running=args.max_running, prefill_model=args.prefill_model,
                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
                           cache_decode=args.cache_decode, decode_model=args.decode_model,
-                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv)
+                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv,
+                          attention_context_tokens=args.attention_context_tokens, hardware_speed=args.hardware_speed)
     settings = ClusterSettings(
         workers=args.workers, engine=engine,
         cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,

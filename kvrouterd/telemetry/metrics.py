@@ -51,6 +51,9 @@ log = logging.getLogger("kvrouterd.telemetry")
 ROUTE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+#: the Route rejections the alerts and the dashboard watch (server/status.py maps errors to them)
+ROUTE_ERROR_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT", "NOT_FOUND")
+
 #: TTFT and end-to-end times run from tens of ms to minutes
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -236,6 +239,10 @@ class Metrics:
             "kvrouter.decisions", [self._collecting], description="routing decisions by policy and reason"
         )
         self.route_errors = meter.create_counter("kvrouter.route.errors", description="Route calls rejected, by gRPC code")
+        # exported at zero from the start: a counter first seen at 1 hides that rejection from
+        # rate() and increase(), so the shed alert and the dashboard would miss the first burst
+        for code in ROUTE_ERROR_CODES:
+            self.route_errors.add(0, {"code": code})
         # every call (and RouteStream item) a handler refused or failed, by RPC (server.call_errors)
         self.rejected_calls = PairCount("rpc", "code")
         meter.create_observable_counter(

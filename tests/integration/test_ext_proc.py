@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from kvrouterd._generated.envoy.config.core.v3 import base_pb2
+from kvrouterd._generated.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -328,3 +328,22 @@ async def test_internal_errors_and_rejections_are_exported_by_rpc(running, monke
     assert sample(text, "kvrouter_rpc_rejected_total", rpc="Route", code="INVALID_ARGUMENT") == 3
     assert sample(text, "kvrouter_rpc_rejected_total", rpc="DeregisterWorker", code="NOT_FOUND") == 1
     assert sample(text, "kvrouter_internal_errors_total", rpc="Route") == 2
+
+
+async def test_collection_runs_on_the_event_loop_thread_not_the_http_servers(running):
+    import threading
+
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    seen: list[int] = []
+
+    class Probe:
+        def collect(self):
+            seen.append(threading.get_ident())
+            yield GaugeMetricFamily("probe", "where collection ran", value=1)
+
+    running.daemon.metrics_endpoint.registry.register(Probe())
+    seen.clear()  # registering collected once, here
+    status, _, text = await scrape(running)
+    assert status == 200 and "probe 1.0" in text
+    assert seen == [threading.get_ident()]  # the loop's thread: router state is read between its updates

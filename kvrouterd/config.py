@@ -9,15 +9,15 @@ Example (every key optional)::
     listen: 0.0.0.0:50051
     block_size: 16
     routing: {name: cache_aware, cache_threshold: 0.3}
-    extra_routing: [{name: least_loaded}]     # policies a request may name
-    eviction: {name: lru}
+    extra_routing: [least_loaded]     # policies a request may name; a bare name = default parameters
+    eviction: lru
     workers:
       - {id: gpu-0, address: 10.0.0.5:8000, capacity_blocks: 20000, mode: events}
     limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
     telemetry: {traces: none}
 
 The policy sections are validated through the policy registry, so a typo in a policy
-parameter fails here too.
+parameter fails here too. Loading reports every wrong field at once (``ConfigError.problems``).
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .decimals import parse_decimal, parse_number
 from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
-from .events.zmq_source import ZmqEventsConfig
+from .events.zmq_config import ZmqEventsConfig
 from .index.workers import WorkerSpec, is_host_port
 from .protocols import CacheMode
 
@@ -94,7 +95,7 @@ class LimitsConfig:
     max_batch_events: int = 65536
     #: bytes of one event batch (a PublishEvents message, an event-bus message); a longer one is
     #: RESOURCE_EXHAUSTED before it is parsed. A batch is read and applied in one turn of the
-    #: routing loop, so this bounds how long it holds routing (docs/operations.md, "Limits")
+    #: routing loop, so this bounds how long it holds routing (docs/operations/limits.md, "Limits")
     max_event_batch_bytes: int = 512 * 1024
     #: blocks of one event batch: stored pages (tokens // the event's block size) or engine
     #: hashes if more, plus removed engine hashes, each event counting at least 8 (its own
@@ -236,8 +237,9 @@ class AuthConfig:
 
 
 def _is_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+    host, sep, digits = value.rpartition(":")
+    port = parse_decimal(digits)
+    return bool(sep and host and port is not None and 0 <= port <= 65535)
 
 
 @dataclass(frozen=True)
@@ -289,84 +291,89 @@ class Config:
     warm_timeout_s: float = 30.0
 
     def validate(self) -> None:
+        """Raise one ConfigError listing every wrong field (``problems``), or return."""
+        if problems := self.problems():
+            raise ConfigError(*problems)
+
+    def problems(self) -> list[str]:
+        """Every wrong field, each as ``field: what is wrong``, in the file's order."""
         from .policies import registry
 
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
+        out: list[str] = []
+
+        def check(call: Callable[[], object], prefix: str = "") -> None:
+            try:
+                call()
+            except ConfigError as exc:
+                out.extend(prefix + p for p in exc.problems)
+            except KVRouterError as exc:
+                out.append(prefix + str(exc))
+
+        if not _is_host_port(self.listen):
+            out.append(f"listen: expected HOST:PORT, got {self.listen!r}")
         if not 1 <= self.block_size <= 4096:
-            raise ConfigError(f"block_size: must be in [1, 4096], got {self.block_size}")
-        for name, spec in (("routing", self.routing), ("eviction", self.eviction)):
-            try:
-                registry.build(name, spec)  # type: ignore[arg-type]
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
+            out.append(f"block_size: must be in [1, 4096], got {self.block_size}")
+        check(lambda: registry.build("routing", self.routing), "routing: ")  # type: ignore[arg-type]
         for i, spec in enumerate(self.extra_routing):
-            try:
-                registry.build("routing", spec)
-            except ConfigError as exc:
-                raise ConfigError(f"extra_routing[{i}]: {exc}") from None
-        self.events.validate()  # before the workers: their endpoints are checked against its allow-list
+            check(lambda spec=spec: registry.build("routing", spec), f"extra_routing[{i}]: ")  # type: ignore[misc]
+        check(lambda: registry.build("eviction", self.eviction), "eviction: ")  # type: ignore[arg-type]
+        check(self.events.validate)  # before the workers: their endpoints are checked against its allow-list
         allow = self.events.allow_list
         lim = self.limits
         seen: set[str] = set()
         for i, w in enumerate(self.workers):
             if not w.id:
-                raise ConfigError(f"workers[{i}].id: must not be empty")
-            if w.id in seen:
-                raise ConfigError(f"workers[{i}].id: duplicate worker id {w.id!r}")
+                out.append(f"workers[{i}].id: must not be empty")
+            elif w.id in seen:
+                out.append(f"workers[{i}].id: duplicate worker id {w.id!r}")
             seen.add(w.id)
             if not w.address:
-                raise ConfigError(f"workers[{i}].address: must not be empty")
-            if not is_host_port(w.address):
-                raise ConfigError(f"workers[{i}].address: {w.address!r} must be HOST:PORT (IPv6 as [ADDR]:PORT)")
-            if w.kv_events_endpoint:
-                try:
-                    check_worker_endpoints(allow, w.id, w.address, w.kv_events_endpoint)
-                except KVRouterError as exc:
-                    raise ConfigError(f"workers[{i}].kv_events_endpoint: {exc}") from None
+                out.append(f"workers[{i}].address: must not be empty")
+            elif not is_host_port(w.address):
+                out.append(f"workers[{i}].address: {w.address!r} must be HOST:PORT (IPv6 as [ADDR]:PORT)")
+            elif w.kv_events_endpoint:
+                check(lambda w=w: check_worker_endpoints(allow, w.id, w.address, w.kv_events_endpoint),  # type: ignore[misc]
+                      f"workers[{i}].kv_events_endpoint: ")
             if w.capacity_blocks < 0:
-                raise ConfigError(f"workers[{i}].capacity_blocks: must be >= 0")
+                out.append(f"workers[{i}].capacity_blocks: must be >= 0")
             for fname, value, limit in (("id", w.id, lim.max_id_length), ("address", w.address, lim.max_address_length),
                                         ("kv_events_endpoint", w.kv_events_endpoint, lim.max_address_length),
                                         ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
                 if len(value) > limit:
-                    raise ConfigError(f"workers[{i}].{fname}: {len(value)} characters, over the limits.max_*_length of {limit}")
+                    out.append(f"workers[{i}].{fname}: {len(value)} characters, over the limits.max_*_length of {limit}")
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
                       "max_inflight_bytes", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
-                raise ConfigError(f"limits.{fname}: must be > 0")
-        if lim.max_batch_blocks < 8:
-            raise ConfigError("limits.max_batch_blocks: must be >= 8, what one event counts at least")
-        if lim.max_message_bytes < 4096:
-            raise ConfigError("limits.max_message_bytes: must be >= 4096")
+                out.append(f"limits.{fname}: must be > 0")
+        if 0 < lim.max_batch_blocks < 8:
+            out.append("limits.max_batch_blocks: must be >= 8, what one event counts at least")
+        if 0 < lim.max_message_bytes < 4096:
+            out.append("limits.max_message_bytes: must be >= 4096")
         if lim.inflight_timeout_s <= 0:
-            raise ConfigError("limits.inflight_timeout_s: must be > 0")
+            out.append("limits.inflight_timeout_s: must be > 0")
         if lim.off_loop_prompt_bytes < 0:
-            raise ConfigError("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
+            out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
         if self.default_ttft_slo_ms <= 0:
-            raise ConfigError("default_ttft_slo_ms: must be > 0")
+            out.append("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
-            raise ConfigError("telemetry.loop_stall_warn_ms: must be 0 (off) or in [10, 60000]")
+            out.append("telemetry.loop_stall_warn_ms: must be 0 (off) or in [10, 60000]")
         if not 0 < self.tick_interval_s <= 10:
-            raise ConfigError("tick_interval_s: must be in (0, 10]")
+            out.append("tick_interval_s: must be in (0, 10]")
         if self.admission.max_inflight < 0:
-            raise ConfigError("admission.max_inflight: must be >= 0 (0 = off)")
+            out.append("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
-            raise ConfigError("admission.max_wait_s: must be > 0")
-        self.discovery.validate()
-        self.ext_proc.validate()
-        self.metrics.validate()
-        self.tls.validate()
-        self.auth.validate()
+            out.append("admission.max_wait_s: must be > 0")
+        for section in (self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
+            check(section.validate)
         if self.reload_interval_s < 0:
-            raise ConfigError("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
+            out.append("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
         if self.warm_from and not _is_host_port(self.warm_from):
-            raise ConfigError(f"warm_from: expected HOST:PORT or empty, got {self.warm_from!r}")
+            out.append(f"warm_from: expected HOST:PORT or empty, got {self.warm_from!r}")
         if self.warm_timeout_s <= 0:
-            raise ConfigError("warm_timeout_s: must be > 0")
+            out.append("warm_timeout_s: must be > 0")
+        return out
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings
@@ -397,12 +404,15 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _convert(t: Any, value: Any, where: str) -> Any:
+def _convert(t: Any, value: Any, where: str, problems: list[str]) -> Any:
+    """``value`` as type ``t``. A wrong leaf raises ConfigError; inside a list, mapping or
+    section each wrong entry is added to ``problems`` and left out (its default applies), so
+    one load reports every wrong field."""
     origin = typing.get_origin(t)
     if dataclasses.is_dataclass(t):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(t, value, where)
+        return _build(t, value, where, problems)
     if origin is Literal:
         allowed = typing.get_args(t)
         if value not in allowed:
@@ -412,12 +422,15 @@ def _convert(t: Any, value: Any, where: str) -> Any:
         (item_t,) = typing.get_args(t)
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_convert(item_t, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [v for v in (_entry(item_t, v, f"{where}[{i}]", problems) for i, v in enumerate(value)) if v is not _BAD]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         key_t, val_t = typing.get_args(t)
-        return {str(k): (v if val_t is Any else _convert(val_t, v, f"{where}.{k}")) for k, v in value.items()}
+        if val_t is Any:
+            return {str(k): v for k, v in value.items()}
+        converted = {str(k): _entry(val_t, v, f"{where}.{k}", problems) for k, v in value.items()}
+        return {k: v for k, v in converted.items() if v is not _BAD}
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{where}: unsupported union type")  # pragma: no cover - schema bug
     if t is bool:
@@ -427,17 +440,16 @@ def _convert(t: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if t is int:
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        if isinstance(value, str) and (number := parse_decimal(value.strip(), signed=True)) is not None:
+            return number
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if t is float:
         if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            if (real := parse_number(value.strip())) is None:
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            return real
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -448,21 +460,33 @@ def _convert(t: Any, value: Any, where: str) -> Any:
     return value
 
 
-def _build(cls: Any, data: Mapping[str, Any], where: str = "") -> Any:
+#: a wrong entry, left out of its container
+_BAD = object()
+
+
+def _entry(t: Any, value: Any, where: str, problems: list[str]) -> Any:
+    try:
+        return _convert(t, value, where, problems)
+    except ConfigError as exc:
+        problems += exc.problems
+        return _BAD
+
+
+def _build(cls: Any, data: Mapping[str, Any], where: str, problems: list[str]) -> Any:
+    """A ``cls`` from ``data``: unknown and wrong keys go to ``problems`` (a wrong one takes
+    its default); a missing required one raises, since there is no default to take."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     prefix = f"{where}." if where else ""
-    for key in data:
-        if key not in fields:
-            raise ConfigError(f"{prefix}{key}: unknown setting; known: {', '.join(sorted(fields))}")
-    kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    problems += [f"{prefix}{key}: unknown setting; known: {', '.join(sorted(fields))}" for key in data if key not in fields]
+    converted = {k: _entry(hints[k], v, f"{prefix}{k}", problems) for k, v in data.items() if k in fields}
     missing = [
-        name for name, f in fields.items()
-        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        f"{prefix}{name}: required" for name, f in fields.items()
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
     ]
     if missing:
-        raise ConfigError(f"{prefix}{missing[0]}: required")
-    return cls(**kwargs)
+        raise ConfigError(*missing)
+    return cls(**{k: v for k, v in converted.items() if v is not _BAD})
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -509,15 +533,31 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _expand_policy_names(data: dict[str, Any]) -> None:
+    """``routing: cache_aware`` is ``routing: {name: cache_aware}``; so for eviction and each
+    extra_routing entry (a policy with its default parameters)."""
+    for key in ("routing", "eviction"):
+        if isinstance(data.get(key), str):
+            data[key] = {"name": data[key]}
+    if isinstance(data.get("extra_routing"), list):
+        data["extra_routing"] = [{"name": s} if isinstance(s, str) else s for s in data["extra_routing"]]
+
+
 def parse_config(data: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None) -> Config:
     """A validated Config from a mapping (as loaded from YAML) and dotted-path overrides."""
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError("the config file must hold a mapping at the top level")
     merged: dict[str, Any] = _merge({}, data or {})
+    _expand_policy_names(merged)
     for dotted, value in (overrides or {}).items():
         _set_path(merged, dotted, value)
-    cfg = _build(Config, merged)
-    cfg.validate()
+    problems: list[str] = []
+    cfg = _build(Config, merged, "", problems)
+    # the values' own checks run on what was read, wrong entries at their defaults, so a
+    # type error and a range error elsewhere are reported together
+    problems += cfg.problems()
+    if problems:
+        raise ConfigError(*problems)
     return cfg
 
 
@@ -549,7 +589,7 @@ def load_config(
     try:
         cfg = parse_config(data, merged_overrides)
     except ConfigError as exc:
-        raise ConfigError(_name_variable(str(exc), from_env, env)) from None
+        raise ConfigError(*(_name_variable(p, from_env, env) for p in exc.problems)) from None
     _reject_unknown_variables(env, cfg)
     return cfg
 

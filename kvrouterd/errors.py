@@ -51,7 +51,15 @@ class KVRouterError(Exception):
 
 
 class ConfigError(KVRouterError):
-    """A configuration value is wrong; the message names the field."""
+    """A configuration value is wrong; the message names the field.
+
+    Several may be raised at once (``ConfigError(*problems)``, one line each): config loading
+    reports every wrong field, not the first, and ``problems`` holds them one per entry.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems: list[str] = list(problems)
 
 
 class BusUnavailable(ConfigError):

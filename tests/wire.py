@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 # a varint, and field ``number`` of wire type 2 (bytes, string, message, packed)
-from kvrouterd.server.convert import length_delimited as length_delimited
-from kvrouterd.server.convert import varint as varint
+from kvrouterd.server.wire import length_delimited as length_delimited
+from kvrouterd.server.wire import varint as varint
 
 
 def varint_field(number: int, value: int) -> bytes:
@@ -12,7 +12,7 @@ def varint_field(number: int, value: int) -> bytes:
     return varint(number << 3) + varint(value)
 
 
-#: fields upb refuses for their framing alone (the split walk stops at each: ``convert._walk``);
+#: fields upb refuses for their framing alone (the split walk stops at each: ``wire._walk``);
 #: each is refused wherever it stands, the last field of a message or inside a submessage
 CORRUPT_FIELDS = (
     b"\x80",  # a tag cut short

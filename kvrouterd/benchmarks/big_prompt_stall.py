@@ -31,51 +31,34 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
-from ..server.convert import length_delimited
-from .grpc_bench import _complete_message
-from .serve_process import ServeProcess
-from .stats import latency_summary, quiet_then_loaded
-
-ROUTE = "/kvrouter.v1.KVRouter/Route"
-ROUTE_STREAM = "/kvrouter.v1.KVRouter/RouteStream"
-COMPLETE = "/kvrouter.v1.KVRouter/Complete"
-REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
+from ..server.wire import length_delimited, varint
+from . import harness
+from .stats import latency_summary
 
 
-def write_config(workdir: Path, off_loop_prompt_bytes: int | None = None) -> Path:
-    config = workdir / "big-prompt.yaml"
+def config_yaml(off_loop_prompt_bytes: int | None = None) -> str:
+    """The daemon's config: 16 MiB messages, ``limits.off_loop_prompt_bytes`` when given."""
     extra = "" if off_loop_prompt_bytes is None else f", off_loop_prompt_bytes: {off_loop_prompt_bytes}"
-    config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 16777216%s}\n" % extra)
-    return config
+    return "listen: 127.0.0.1:0\nlimits: {max_message_bytes: 16777216%s}\n" % extra
 
 
 def _route(tokens: int, packed: bool, seed: int) -> pb.RouteRequest:
-    rng = random.Random(seed)
     if packed:
-        return pb.RouteRequest(token_ids_le32=rng.randbytes(tokens * 4))
+        return harness.packed_route(tokens, seed)
+    rng = random.Random(seed)
     return pb.RouteRequest(token_ids=[rng.getrandbits(17) for _ in range(tokens)])
 
 
 def _unpacked_route(tokens: int, seed: int) -> bytes:
     """A Route whose token ids are unpacked, a ``token_ids`` field (number 2, varint) per id."""
     rng = random.Random(seed)
-    out = bytearray()
-    for _ in range(tokens):
-        value = rng.getrandbits(17)
-        out.append(0x10)
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out)
+    return b"".join(b"\x10" + varint(rng.getrandbits(17)) for _ in range(tokens))
 
 
 #: a field upb refuses, whatever follows: session_id (7) with a length past the end
@@ -129,32 +112,11 @@ def _stream_bytes(tokens: int, packed: bool, batch: int, malformed: str = "", un
 _REFUSALS = {code.value[0]: code.name for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)}
 
 
-def _loop_cpu_s(pid: int) -> float:
-    """CPU time of ``pid``'s main thread, the daemon's event loop (schedstat: nanoseconds on CPU)."""
-    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
-
-
-def _channel(port: int) -> grpc.aio.Channel:
-    # a connection of its own (no shared subchannel): the probe must not queue behind the huge
-    # messages on one HTTP/2 connection, which would measure the client's socket, not the daemon
-    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
-
-
-def _stubs(channel: grpc.aio.Channel) -> tuple[Any, Any]:
-    route = channel.unary_unary(ROUTE, request_serializer=None, response_deserializer=pb.RouteResponse.FromString)
-    complete = channel.unary_unary(COMPLETE, request_serializer=pb.CompleteRequest.SerializeToString,
-                                   response_deserializer=pb.CompleteResponse.FromString)
-    return route, complete
-
-
 class _StreamHog:
     """Huge RouteStream messages on one stream, each answered, its Routes then completed on it."""
 
     def __init__(self, channel: grpc.aio.Channel, message: bytes, answers: collections.Counter[str]) -> None:
-        self.call = channel.stream_stream(ROUTE_STREAM, request_serializer=None,
+        self.call = channel.stream_stream(harness.ROUTE_STREAM, request_serializer=None,
                                           response_deserializer=pb.RouteStreamResponse.FromString)()
         self.message = message
         self.answers = answers
@@ -169,7 +131,7 @@ class _StreamHog:
             self.answers[_REFUSALS[min(errors)]] += 1
             return
         self.answers["routed"] += 1
-        done = [pb.RouteStreamRequest(id=a.id, complete=_complete_message(a.route.request_id)) for a in answers]
+        done = [pb.RouteStreamRequest(id=a.id, complete=harness.complete_message(a.route.request_id)) for a in answers]
         message = done[0] if len(done) == 1 else pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=done))
         await self.call.write(message.SerializeToString())
         await self.call.read()
@@ -179,29 +141,12 @@ class _StreamHog:
         await self.call.read()
 
 
-async def probe_routes(route: Any, complete: Any, probe_msg: bytes, n: int, interval_ms: float) -> list[float]:
-    """``n`` small Routes (each completed) one after another, ``interval_ms`` apart: their round
-    trips, seconds."""
-    out = []
-    for _ in range(n):
-        started = time.perf_counter()
-        reply = await route(probe_msg)
-        out.append(time.perf_counter() - started)
-        await complete(_complete_message(reply.request_id))
-        await asyncio.sleep(interval_ms / 1000)
-    return out
-
-
 async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    channel, hog_channel = _channel(port), _channel(port)
-    route, complete = _stubs(channel)
-    hog_route, hog_complete = _stubs(hog_channel)
-    register = channel.unary_unary(REGISTER, request_serializer=pb.RegisterWorkerRequest.SerializeToString,
-                                   response_deserializer=pb.RegisterWorkerResponse.FromString)
+    channel, hog_channel = harness.channel(port), harness.channel(port)
+    route, complete = harness.route_calls(channel)
+    hog_route, hog_complete = harness.route_calls(hog_channel)
     mode = pb.CACHE_STATE_MODE_EVENTS if args.mode == "events" else pb.CACHE_STATE_MODE_APPROXIMATE
-    for w in range(args.workers):
-        await register(pb.RegisterWorkerRequest(worker=pb.Worker(
-            id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=mode, capacity_blocks=args.capacity_blocks)))
+    await harness.register_workers(channel, args.workers, mode=mode, capacity_blocks=args.capacity_blocks)
     probe_msg = _route_bytes(args.probe_tokens, True, 1)
     packed = args.form == "packed"
     unpacked = args.form == "unpacked"
@@ -211,7 +156,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     answers: collections.Counter[str] = collections.Counter()
 
     async def probes(n: int) -> list[float]:
-        return await probe_routes(route, complete, probe_msg, n, args.interval_ms)
+        return await harness.probe_routes(route, complete, probe_msg, n, args.interval_ms)
 
     huge_times: list[float] = []
 
@@ -219,7 +164,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         answers["INVALID_ARGUMENT"] += 1
         try:
             if args.via == "stream":  # the refusal ends the stream: one of its own each
-                call = hog_channel.stream_stream(ROUTE_STREAM, request_serializer=None)()
+                call = hog_channel.stream_stream(harness.ROUTE_STREAM, request_serializer=None)()
                 await call.write(huge)
                 await call.read()
             else:
@@ -250,7 +195,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             return
         answers["routed"] += 1
         huge_times.append(time.perf_counter() - started)
-        await hog_complete(_complete_message(reply.request_id))
+        await hog_complete(harness.complete_message(reply.request_id))
 
     async def hog(stop: asyncio.Event) -> None:
         stream = _StreamHog(hog_channel, huge, answers) if args.via == "stream" and not malformed else None
@@ -259,18 +204,18 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         if stream is not None:
             await stream.close()
 
-    quiet, loaded = await quiet_then_loaded(probes, hog, args.hogs, args.probes)
+    quiet, loaded = await harness.quiet_then_loaded(probes, hog, args.hogs, args.probes)
     during = list(huge_times)
     # the loop's CPU per huge message, nothing else running: its idle rate first, then the hog alone
-    idle_from, idle_cpu = time.perf_counter(), _loop_cpu_s(pid)
+    idle_from, idle_cpu = time.perf_counter(), harness.loop_cpu_s(pid)
     await asyncio.sleep(1.0)
-    idle_rate = (_loop_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_from)
+    idle_rate = (harness.loop_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_from)
     stream = _StreamHog(hog_channel, huge, answers) if args.via == "stream" and not malformed else None
     await huge_one(stream)  # the stream opened, its first message out of the way
-    started, cpu = time.perf_counter(), _loop_cpu_s(pid)
+    started, cpu = time.perf_counter(), harness.loop_cpu_s(pid)
     for _ in range(args.cpu_messages):
         await huge_one(stream)
-    loop_s = _loop_cpu_s(pid) - cpu - idle_rate * (time.perf_counter() - started)
+    loop_s = harness.loop_cpu_s(pid) - cpu - idle_rate * (time.perf_counter() - started)
     if stream is not None:
         await stream.close()
     await channel.close()
@@ -288,7 +233,7 @@ async def _run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens per huge prompt")
     parser.add_argument("--form", choices=("packed", "repeated", "unpacked"), default="packed",
                         help="the huge prompts' token ids: token_ids_le32, token_ids packed, or token_ids a field per id")
@@ -296,9 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--capacity-blocks", type=int, default=0)
     parser.add_argument("--hogs", type=int, default=1, help="clients sending huge prompts back to back")
-    parser.add_argument("--probes", type=int, default=300)
-    parser.add_argument("--probe-tokens", type=int, default=4000)
-    parser.add_argument("--interval-ms", type=float, default=5.0)
+    harness.add_probe_arguments(parser)
     parser.add_argument("--via", choices=("unary", "stream"), default="unary",
                         help="how huge prompts come: unary Routes, or RouteStream messages (probes are unary)")
     parser.add_argument("--batch", type=int, default=1,
@@ -310,16 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--off-loop-prompt-bytes", type=int, default=None,
                         help="the daemon's limits.off_loop_prompt_bytes (default: its default; 0 = hash on the loop)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        daemon = ServeProcess(write_config(Path(tmp), args.off_loop_prompt_bytes))
-        daemon.start()
-        try:
-            assert daemon.proc is not None
-            result = asyncio.run(_run(daemon.port, daemon.proc.pid, args))
-        finally:
-            daemon.stop()
-    assert daemon.proc is not None
-    result["pid_note"] = f"daemon pid {daemon.proc.pid}, client pid {os.getpid()}"
+    with harness.daemon(config_yaml(args.off_loop_prompt_bytes), "big-prompt") as daemon:
+        result = asyncio.run(_run(daemon.port, daemon.pid, args))
+    result["pid_note"] = f"daemon pid {daemon.pid}, client pid {os.getpid()}"
     print(json.dumps(result))
 
 

@@ -40,12 +40,10 @@ import random
 import re
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from array import array
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -53,34 +51,30 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..policies import registry
+from . import harness
 from .cli import _Steps
-from .grpc_bench import _complete_message
 from .serve_process import ServeProcess
 from .stats import latency_summary
 
 BLOCK_SIZE = 16
 #: what the hostile client asks for: every block there could be
 ALL_BLOCKS = 4294967295
-_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
-            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 _LAG_BUCKET = re.compile(r'^kvrouter_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 
 
-def write_config(workdir: Path, configured: str, stall_warn_ms: float) -> Path:
-    config = workdir / "big-worker.yaml"
-    config.write_text(
+def config_yaml(configured: str, stall_warn_ms: float) -> str:
+    """The daemon's config: metrics served, ``configured`` eviction, the watchdog at ``stall_warn_ms``."""
+    return (
         "listen: 127.0.0.1:0\n"
         "metrics: {listen: 127.0.0.1:0}\n"
         f"eviction: {{name: {configured}}}\n"
         f"telemetry: {{loop_stall_warn_ms: {stall_warn_ms:g}}}\n"
         "limits: {max_message_bytes: 67108864}\n"
     )
-    return config
 
 
 def _channel(port: int) -> grpc.aio.Channel:
-    # a connection per client: the probes must not queue behind the hostile calls' bytes
-    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS)
+    return harness.channel(port, 256 << 20)  # room for whatever a call about a huge worker sends or answers
 
 
 class Fleet:
@@ -129,10 +123,7 @@ class Fleet:
         await stub.PublishEvents(one())
 
     async def register(self, channel: grpc.aio.Channel, worker: str) -> None:
-        stub = router_pb2_grpc.KVRouterStub(channel)
-        w = int(worker.split("-")[1])
-        await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
-            id=worker, address=f"127.0.0.1:{8000 + w}", mode=pb.CACHE_STATE_MODE_EVENTS)))
+        await harness.register_worker(channel, worker, f"127.0.0.1:{8000 + int(worker.split('-')[1])}")
         self.sequence[worker] = 0
 
     async def converse(self, channel: grpc.aio.Channel) -> None:
@@ -144,7 +135,7 @@ class Fleet:
         async def one(n: int, tokens: bytes) -> None:
             async with sem:
                 reply = await stub.Route(pb.RouteRequest(token_ids_le32=tokens, session_id=f"conversation-{n}"))
-                await stub.Complete(_complete_message(reply.request_id))
+                await stub.Complete(harness.complete_message(reply.request_id))
 
         await asyncio.gather(*(one(n, t) for n, (_, t) in enumerate(self.prompts)))
 
@@ -172,16 +163,6 @@ def _largest_lag_bucket(before: dict[float, float], after: dict[float, float]) -
     return largest
 
 
-def _blocked_ms(lines: list[str]) -> float:
-    out = 0.0
-    for line in lines:
-        try:
-            out = max(out, float(json.loads(line).get("blocked_ms", 0.0)))
-        except ValueError:
-            continue
-    return out
-
-
 async def _phase(
     daemon: ServeProcess, probes: int, call: Callable[[], Awaitable[Any]], repeat: bool
 ) -> dict[str, Any]:
@@ -190,10 +171,10 @@ async def _phase(
     round trip overlapped a call, and the calls' latencies."""
     channel = _channel(daemon.port)
     stub = router_pb2_grpc.KVRouterStub(channel)
-    probe_msg = pb.RouteRequest(token_ids_le32=random.Random(7).randbytes(256 * 4))
+    probe_msg = harness.packed_route(256, 7)
     for _ in range(10):  # connection and caches warm
         reply = await stub.Route(probe_msg)
-        await stub.Complete(_complete_message(reply.request_id))
+        await stub.Complete(harness.complete_message(reply.request_id))
     spans: list[tuple[float, float]] = []  # the probes' (start, end)
     calls: list[tuple[float, float]] = []
     done = asyncio.Event()
@@ -210,7 +191,7 @@ async def _phase(
             reply = await stub.Route(probe_msg)
             spans.append((t0, time.perf_counter()))
             try:
-                await stub.Complete(_complete_message(reply.request_id))
+                await stub.Complete(harness.complete_message(reply.request_id))
             except grpc.aio.AioRpcError as exc:  # routed to the worker deregistered meanwhile
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -235,13 +216,14 @@ async def _phase(
     await asyncio.sleep(0.25)  # the heartbeat after a stall reports it
     lag_after = await _lag_buckets(daemon.metrics_port)
     await channel.close()
+    stalls = harness.watchdog_stalls(daemon.warnings[warned:])
     during = [e - s for s, e in spans if any(s < ce and e > cs for cs, ce in calls)]
     return {
         "call_ms": [round((e - s) * 1e3, 2) for s, e in calls],
         "probes_during": latency_summary(during, "n"),
         "probes_all": latency_summary([e - s for s, e in spans], "n"),
         "loop_lag_bucket_ms": round(_largest_lag_bucket(lag_before, lag_after) * 1e3, 1),
-        "watchdog_blocked_ms": _blocked_ms(daemon.warnings[warned:]),
+        "watchdog_blocked_ms": max((float(s["blocked_ms"]) for s in stalls), default=0.0),
     }
 
 
@@ -252,8 +234,7 @@ async def _round(daemon: ServeProcess, fleet: Fleet, args: argparse.Namespace, s
     target = fleet.workers[0]
     if not loaded:
         # an empty worker beside the loaded ones, so the probes are routed while gpu-0 is gone
-        await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
-            id="spare", address="127.0.0.1:7999", mode=pb.CACHE_STATE_MODE_EVENTS)))
+        await harness.register_worker(control, "spare", "127.0.0.1:7999")
         for worker in fleet.workers:
             await fleet.register(control, worker)
         step(f"loading {args.blocks:,} blocks over {len(fleet.workers)} worker(s)")
@@ -300,20 +281,18 @@ async def _round(daemon: ServeProcess, fleet: Fleet, args: argparse.Namespace, s
     return out
 
 
-def _median_row(rounds: list[dict[str, Any]]) -> dict[str, float]:
-    def med(values: list[float]) -> float:
-        return round(statistics.median(values), 2)
-
+def _figures(phase: dict[str, Any]) -> dict[str, float]:
+    """One round's figures for one call kind, as the table gives their medians."""
     return {
-        "call_ms": med([statistics.median(r["call_ms"]) for r in rounds]),
-        "call_ms_max": med([max(r["call_ms"]) for r in rounds]),
-        "calls": med([len(r["call_ms"]) for r in rounds]),
-        "probes_during": med([r["probes_during"]["n"] for r in rounds]),
-        "p50_ms": med([r["probes_during"]["p50_ms"] for r in rounds]),
-        "p99_ms": med([r["probes_during"]["p99_ms"] for r in rounds]),
-        "max_ms": med([r["probes_during"]["max_ms"] for r in rounds]),
-        "loop_lag_bucket_ms": med([r["loop_lag_bucket_ms"] for r in rounds]),
-        "watchdog_blocked_ms": med([r["watchdog_blocked_ms"] for r in rounds]),
+        "call_ms": statistics.median(phase["call_ms"]),
+        "call_ms_max": max(phase["call_ms"]),
+        "calls": len(phase["call_ms"]),
+        "probes_during": phase["probes_during"]["n"],
+        "p50_ms": phase["probes_during"]["p50_ms"],
+        "p99_ms": phase["probes_during"]["p99_ms"],
+        "max_ms": phase["probes_during"]["max_ms"],
+        "loop_lag_bucket_ms": phase["loop_lag_bucket_ms"],
+        "watchdog_blocked_ms": phase["watchdog_blocked_ms"],
     }
 
 
@@ -327,20 +306,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_before": os.getloadavg(),
     }
     rounds: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        daemon = ServeProcess(write_config(Path(tmp), args.configured, args.stall_warn_ms))
-        step("starting kvrouterd serve")
-        daemon.start()
-        try:
+    step("starting kvrouterd serve")
+    try:
+        with harness.daemon(config_yaml(args.configured, args.stall_warn_ms), "big-worker") as daemon:
             for r in range(args.rounds):
                 step(f"round {r + 1}/{args.rounds}")
                 rounds.append(asyncio.run(_round(daemon, fleet, args, step, loaded=r > 0)))
-        finally:
-            daemon.stop()
-            step.close()
+    finally:
+        step.close()
     result["loadavg_after"] = os.getloadavg()
     result["rounds_raw"] = rounds
-    result["median"] = {kind: _median_row([r[kind] for r in rounds]) for kind in rounds[0]}
+    result["median"] = {kind: harness.medians([_figures(r[kind]) for r in rounds]) for kind in rounds[0]}
     return result
 
 
@@ -350,7 +326,6 @@ def table(result: dict[str, Any]) -> str:
     for kind, m in result["median"].items():
         rows.append((kind, f"{m['call_ms']:.1f}", f"{m['calls']:.0f}", f"{m['probes_during']:.0f}", f"{m['p50_ms']:.2f}",
                      f"{m['p99_ms']:.2f}", f"{m['max_ms']:.2f}", f"{m['loop_lag_bucket_ms']:g}", f"{m['watchdog_blocked_ms']:g}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
         f"\nkvrouterd big-worker stall: {result['blocks']:,} blocks over {result['workers']} worker(s) "
         f"(chains of {result['chain_blocks']}), {result['sessions']:,} conversations, eviction "
@@ -358,10 +333,7 @@ def table(result: dict[str, Any]) -> str:
         f"load average before {', '.join(f'{x:.2f}' for x in result['loadavg_before'])}, "
         f"after {', '.join(f'{x:.2f}' for x in result['loadavg_after'])}",
     ]
-    for n, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
-        if n == 0:
-            lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    lines += harness.table_lines(rows, right_from=1, rule=True)
     lines.append("call ms: the call's median latency; probes: small Routes whose round trip overlapped a call, "
                  "their p50/p99/max; loop lag: the largest lag-histogram bucket counted (10 Hz heartbeat); "
                  "watchdog: the largest stall it warned about (0: none)")
@@ -369,7 +341,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--blocks", type=int, default=400_000, help="blocks held by all workers together")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--chain", type=int, default=16, help="blocks per stored chain (a prompt's worth)")

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from .harness import table_lines
 from .nats_server import NatsServer
 
 BLOCK_SIZE = 16
@@ -292,8 +293,7 @@ COLUMNS = (("feed", "feed"), ("events", "events"), ("blocks", "blocks"), ("messa
 
 def table(rows: list[dict[str, Any]]) -> str:
     cells = [[h for _, h in COLUMNS]] + [[str(r[k]) for k, _ in COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells)
+    return "\n".join(table_lines(cells, right_from=0))
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@
 
 Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-token prompt,
 64 workers, 10^6 indexed blocks: hash + match + policy, untraced, as Route makes it with the
-daemon's default config), ``grpc_route_vs_trivial_ratio``
+daemon's default config; ``route_decision_us_median_256w`` and ``..._1024w`` the same over 256
+and 1,024 workers, where holder sets are wider than 64 bits), ``grpc_route_vs_trivial_ratio``
 (daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
 ``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
 RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round;
@@ -156,14 +157,14 @@ def run(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else max(1, args.rounds)
     from ..index import native
 
-    steps = {"decision": 2, "grpc": rounds, "ingest": 1, "memory": 1}
+    steps = {"decision": 4, "grpc": rounds, "ingest": 1, "memory": 1}
     _progress = _Steps(sum(steps[stage] for stage in set(stages)))
     result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16,
                                  "native": native.module is not None}
     rows: list[tuple[str, str]] = [("block keys, match walk, engine-hash map", native.status)]
 
     if "decision" in stages:
-        for workers in (8, 64):
+        for workers in (8, 64, 256, 1024):
             _progress(f"decision cost: {workers} workers, {blocks:,} blocks")
             d = decision_cost(workers, blocks, repeats=300 if args.quick else 2000)
             result[f"decision_{workers}w"] = d
@@ -171,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(("  of which hashing 250 blocks", f"{d['hash_us_median']:.1f} us"))
             rows.append((f"  route + complete cycle, {workers} workers", f"{d['route_complete_us_median']:.1f} us"))
         result["route_decision_us_median"] = result["decision_64w"]["decision_us_median"]  # type: ignore[index]
+        for workers in (256, 1024):
+            result[f"route_decision_us_median_{workers}w"] = result[f"decision_{workers}w"]["decision_us_median"]  # type: ignore[index]
 
     if "grpc" in stages:
         from .grpc_bench import route_throughput

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from ..clock import ManualClock
@@ -42,9 +39,10 @@ from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, EventBatch
 from ..router import Router, RouterSettings
 from ..server import convert
-from ..server.convert import length_delimited, pb
-from ..server.convert import varint as _varint
-from .stats import latency_summary, quiet_then_loaded
+from ..server.wire import length_delimited
+from ..server.wire import varint as _varint
+from . import harness
+from .stats import latency_summary
 
 BLOCK_SIZE = 16
 
@@ -136,29 +134,14 @@ def hold(runs: int) -> list[dict[str, Any]]:
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    print(title)
-    cols = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
-
-
 async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     import grpc
     from kvrouter_client import EventPublisher
 
-    from .big_prompt_stall import _channel, _loop_cpu_s, _route_bytes, _stubs, probe_routes
-
-    channel = _channel(port)
-    route, complete = _stubs(channel)
-    register = channel.unary_unary("/kvrouter.v1.KVRouter/RegisterWorker",
-                                   request_serializer=pb.RegisterWorkerRequest.SerializeToString,
-                                   response_deserializer=pb.RegisterWorkerResponse.FromString)
-    await register(pb.RegisterWorkerRequest(worker=pb.Worker(id="probe-target", address="127.0.0.1:9000",
-                                                             mode=pb.CACHE_STATE_MODE_EVENTS, capacity_blocks=1 << 22)))
-    probe_msg = _route_bytes(args.probe_tokens, True, 1)
+    channel = harness.channel(port)
+    route, complete = harness.route_calls(channel)
+    await harness.register_worker(channel, "probe-target", "127.0.0.1:9000", capacity_blocks=1 << 22)
+    probe_msg = harness.packed_route(args.probe_tokens, 1).SerializeToString()
     rng = random.Random(2)
     chain = [rng.getrandbits(17) for _ in range(args.blocks * BLOCK_SIZE)]
     hashes = list(range(1, args.blocks + 1))
@@ -166,7 +149,7 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
     batches: list[int] = []
 
     async def probes(n: int) -> list[float]:
-        return await probe_routes(route, complete, probe_msg, n, args.interval_ms)
+        return await harness.probe_routes(route, complete, probe_msg, n, args.interval_ms)
 
     n = 0
 
@@ -179,11 +162,11 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
         async with EventPublisher(f"127.0.0.1:{port}", f"gpu-{n}", block_size=BLOCK_SIZE, timeout=30.0,
                                   probe_interval_s=0, options=[("grpc.max_send_message_length", 64 << 20)]) as pub:
             await pub.register(f"127.0.0.1:{8000 + n}", capacity_blocks=1 << 22)
-            cpu = _loop_cpu_s(pid)
+            cpu = harness.loop_cpu_s(pid)
             pub.stored(chain, engine_hashes=hashes)
             if not await pub.flush(timeout=120):
                 raise RuntimeError(f"the chain was not acknowledged: {pub.stats}")
-            cpu = _loop_cpu_s(pid) - cpu
+            cpu = harness.loop_cpu_s(pid) - cpu
             batches.append(pub.stats.batches_sealed)
             await pub.deregister()
         rounds.append(time.perf_counter() - started)
@@ -194,7 +177,7 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
             await publish_chain()
 
     try:
-        quiet, loaded = await quiet_then_loaded(probes, publisher, 1, args.probes)
+        quiet, loaded = await harness.quiet_then_loaded(probes, publisher, 1, args.probes)
     except grpc.aio.AioRpcError as exc:
         raise RuntimeError(f"probe failed: {exc.code().name} {exc.details()}") from None
     # the loop's CPU for one chain, nothing else running (its deregistration's drain apart)
@@ -207,49 +190,38 @@ async def _probe_run(port: int, pid: int, args: argparse.Namespace) -> dict[str,
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
-    from .serve_process import ServeProcess
-
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "event-batch-stall.yaml"
-        config.write_text("listen: 127.0.0.1:0\nlimits: {max_message_bytes: 33554432}\n"
-                          "telemetry: {loop_stall_warn_ms: 10}\n")
-        daemon = ServeProcess(config)
-        daemon.start()
-        try:
-            assert daemon.proc is not None
-            result = asyncio.run(_probe_run(daemon.port, daemon.proc.pid, args))
-        finally:
-            daemon.stop()
-    stalls = [json.loads(line) for line in daemon.warnings if '"blocked_ms"' in line]
+    config = "listen: 127.0.0.1:0\nlimits: {max_message_bytes: 33554432}\ntelemetry: {loop_stall_warn_ms: 10}\n"
+    with harness.daemon(config, "event-batch-stall") as daemon:
+        result = asyncio.run(_probe_run(daemon.port, daemon.pid, args))
+    stalls = harness.watchdog_stalls(daemon.warnings)
     result["stalls"] = [{"blocked_ms": s["blocked_ms"], "cpu_ms": s.get("cpu_ms", 0.0),
                          "running": s.get("msg", "")[:160]} for s in stalls]
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     h = sub.add_parser("hold", help="one message's loop hold, in process")
     h.add_argument("--runs", type=int, default=5)
     p = sub.add_parser("probe", help="Route stalls while the SDK publishes a long chain")
     p.add_argument("--blocks", type=int, default=219_000)
-    p.add_argument("--probes", type=int, default=300)
-    p.add_argument("--probe-tokens", type=int, default=4000)
-    p.add_argument("--interval-ms", type=float, default=5.0)
+    harness.add_probe_arguments(p)
     args = parser.parse_args(argv)
     path = "native" if native.module is not None else "pure Python"
     if args.what == "hold":
-        print_table(hold(args.runs), f"one PublishEvents message at the default limits ({path}; medians of "
-                                     f"{args.runs}; load {os.getloadavg()[0]:.2f})")
+        harness.print_table(hold(args.runs), f"one PublishEvents message at the default limits ({path}; medians of "
+                                             f"{args.runs}; load {os.getloadavg()[0]:.2f})")
         return
     result = probe(args)
     rows = [{"phase": phase, **result[phase]} for phase in ("quiet", "loaded")]
-    print_table(rows, f"small Routes, alone then while the SDK publishes {args.blocks}-block chains "
-                      f"({result['chains']} chains of {result['batches_per_chain']} batches, "
-                      f"{result['chain_s_median']} s each; load {os.getloadavg()[0]:.2f})")
+    harness.print_table(rows, f"small Routes, alone then while the SDK publishes {args.blocks}-block chains "
+                              f"({result['chains']} chains of {result['batches_per_chain']} batches, "
+                              f"{result['chain_s_median']} s each; load {os.getloadavg()[0]:.2f})")
     print(f"daemon loop's CPU per batch (receive, read, apply), one chain alone: {result['loop_ms_per_batch']} ms")
     if result["stalls"]:
-        print_table(result["stalls"], "stalls the daemon's watchdog logged (>= 10 ms; cpu_ms: the loop thread on a CPU)")
+        harness.print_table(result["stalls"],
+                            "stalls the daemon's watchdog logged (>= 10 ms; cpu_ms: the loop thread on a CPU)")
     else:
         print("stalls the daemon's watchdog logged (>= 10 ms): none")
 

@@ -36,32 +36,26 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvrouterd._generated.envoy.config.core.v3 import base_pb2
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from .._generated.kvrouter.v1 import router_pb2 as pb
-from .big_prompt_stall import _channel
-from .serve_process import ServeProcess
-from .stats import latency_summary, quiet_then_loaded
+from . import harness
+from .stats import latency_summary
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-REGISTER = "/kvrouter.v1.KVRouter/RegisterWorker"
 CHUNK = 64 * 1024
 
 
-def write_config(workdir: Path, off_loop_prompt_bytes: int | None, tokenizer: str) -> Path:
-    config = workdir / "ext-proc-stall.yaml"
+def config_yaml(off_loop_prompt_bytes: int | None, tokenizer: str) -> str:
+    """The daemon's config: ``limits.off_loop_prompt_bytes`` and ``ext_proc.tokenizer`` when given."""
     limits = "" if off_loop_prompt_bytes is None else f"limits: {{off_loop_prompt_bytes: {off_loop_prompt_bytes}}}\n"
     ext = f"ext_proc: {{tokenizer: {json.dumps(tokenizer)}}}\n" if tokenizer else ""
-    config.write_text("listen: 127.0.0.1:0\n" + limits + ext)
-    return config
+    return "listen: 127.0.0.1:0\n" + limits + ext
 
 
 def _words(rng: random.Random) -> list[str]:
@@ -119,16 +113,12 @@ async def _exchange(process: Any, messages: list[ep.ProcessingRequest]) -> float
 
 
 async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
-    channel, hog_channel = _channel(port), _channel(port)
+    channel, hog_channel = harness.channel(port), harness.channel(port)
     process = channel.stream_stream(PROCESS, request_serializer=ep.ProcessingRequest.SerializeToString,
                                     response_deserializer=ep.ProcessingResponse.FromString)
     hog_process = hog_channel.stream_stream(PROCESS, request_serializer=ep.ProcessingRequest.SerializeToString,
                                             response_deserializer=ep.ProcessingResponse.FromString)
-    register = channel.unary_unary(REGISTER, request_serializer=pb.RegisterWorkerRequest.SerializeToString,
-                                   response_deserializer=pb.RegisterWorkerResponse.FromString)
-    for w in range(args.workers):
-        await register(pb.RegisterWorkerRequest(worker=pb.Worker(
-            id=f"gpu-{w}", address=f"127.0.0.1:{8000 + w}", mode=pb.CACHE_STATE_MODE_EVENTS)))
+    await harness.register_workers(channel, args.workers)
     rng = random.Random(1)
     words = _words(rng)
     probe = _messages("/v1/chat/completions", json.dumps({"model": "m", "messages": [
@@ -137,11 +127,7 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
     huge = _messages(path, body)
 
     async def probes(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            out.append(await _exchange(process, probe))
-            await asyncio.sleep(args.interval_ms / 1000)
-        return out
+        return await harness.probe_loop(lambda: _exchange(process, probe), n, args.interval_ms)
 
     huge_times: list[float] = []
 
@@ -149,7 +135,7 @@ async def _run(port: int, args: argparse.Namespace) -> dict[str, Any]:
         while not stop.is_set():
             huge_times.append(await _exchange(hog_process, huge))
 
-    quiet, loaded = await quiet_then_loaded(probes, hog, args.hogs, args.probes)
+    quiet, loaded = await harness.quiet_then_loaded(probes, hog, args.hogs, args.probes)
     await channel.close()
     await hog_channel.close()
     return {
@@ -189,37 +175,31 @@ def loop_held(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         body_keys(path, body, keyer)
         on_loop = time.perf_counter() - started
-        held = _gaps_while(lambda: body_keys(path, body, keyer))
+        max_gap, held = _gaps_while(lambda: body_keys(path, body, keyer))
         # the control: GIL-free work of the same length (sha256 releases the GIL), so the gaps
         # it leaves are the machine's (no core free), not the GIL's
         started = time.perf_counter()
         hashlib.sha256(filler).digest()
         per_pass = time.perf_counter() - started
         passes = max(1, round(on_loop / per_pass))
-        control = _gaps_while(lambda: [hashlib.sha256(filler).digest() for _ in range(passes)])
-        rounds.append((on_loop, *held, *control))
-
-    def med(i: int) -> float:
-        return round(statistics.median(r[i] for r in rounds) * 1e3, 1)
-
+        control_max_gap, control_held = _gaps_while(lambda: [hashlib.sha256(filler).digest() for _ in range(passes)])
+        rounds.append({"on_loop_ms": on_loop * 1e3, "max_gap_ms": max_gap * 1e3, "held_ms": held * 1e3,
+                       "control_max_gap_ms": control_max_gap * 1e3, "control_held_ms": control_held * 1e3})
     return {
         "form": args.form, "body_mib": round(len(body) / (1 << 20), 2), "tokenizer": bool(args.tokenizer),
-        "on_loop_ms": med(0), "max_gap_ms": med(1), "held_ms": med(2),
-        "control_max_gap_ms": med(3), "control_held_ms": med(4),
-        "rounds": args.rounds, "loadavg": os.getloadavg()[0],
+        **harness.medians(rounds, digits=1), "rounds": args.rounds, "loadavg": os.getloadavg()[0],
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--form", choices=("ids", "batch", "chat", "image"), default="ids")
     parser.add_argument("--tokens", type=int, default=1_048_576, help="token ids in an ids body")
     parser.add_argument("--mib", type=float, default=4.0, help="MiB of text in a chat body")
     parser.add_argument("--tokenizer", default="", help="a tokenizer.json for the daemon's ext_proc.tokenizer")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--hogs", type=int, default=1, help="clients sending huge bodies back to back")
-    parser.add_argument("--probes", type=int, default=300)
-    parser.add_argument("--interval-ms", type=float, default=5.0)
+    harness.add_probe_arguments(parser, probe_tokens=False)
     parser.add_argument("--off-loop-prompt-bytes", type=int, default=None,
                         help="the daemon's limits.off_loop_prompt_bytes (default: its default; 0 = key on the loop)")
     parser.add_argument("--loop-held", action="store_true", help="measure body_keys in this process instead")
@@ -228,13 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.loop_held:
         print(json.dumps(loop_held(args)))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        daemon = ServeProcess(write_config(Path(tmp), args.off_loop_prompt_bytes, args.tokenizer))
-        daemon.start()
-        try:
-            result = asyncio.run(_run(daemon.port, args))
-        finally:
-            daemon.stop()
+    with harness.daemon(config_yaml(args.off_loop_prompt_bytes, args.tokenizer), "ext-proc-stall") as daemon:
+        result = asyncio.run(_run(daemon.port, args))
     print(json.dumps(result))
 
 

@@ -47,6 +47,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..server.service import STREAM_BATCH_METADATA
+from .harness import complete_message
 from .stats import p99
 from .workload import BLOCK_SIZE
 
@@ -143,11 +144,6 @@ class ServerProcess:
             os.unlink(self._tmp.name)
 
 
-def _complete_message(request_id: str) -> pb.CompleteRequest:
-    """What the SDK's ``RouterClient.complete(result)`` sends with its defaults."""
-    return pb.CompleteRequest(request_id=request_id, cached_tokens=-1, success=True)
-
-
 def _summary(latencies: list[float], elapsed: float, reasons: Counter[str]) -> dict[str, Any]:
     latencies.sort()
     return {
@@ -174,7 +170,7 @@ async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: flo
             response_deserializer=pb.CompleteResponse.FromString,
         )
         for _ in range(50):  # warm up the connection and the server's caches
-            await complete(_complete_message((await route(payload)).request_id))
+            await complete(complete_message((await route(payload)).request_id))
         latencies: list[float] = []
         reasons: Counter[str] = Counter()
         end = time.perf_counter() + seconds
@@ -188,7 +184,7 @@ async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: flo
                 routed = await route(payload)
                 latencies.append(clock() - t0)
                 reasons[routed.reason] += 1
-                await complete(_complete_message(routed.request_id))
+                await complete(complete_message(routed.request_id))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(inflight)))
@@ -218,8 +214,8 @@ async def _stream_load(
     def message(n: int) -> bytes:
         return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
 
-    def complete_message(n: int, request_id: str) -> bytes:
-        return pb.RouteStreamRequest(id=n, complete=_complete_message(request_id)).SerializeToString()
+    def complete_item(n: int, request_id: str) -> bytes:
+        return pb.RouteStreamRequest(id=n, complete=complete_message(request_id)).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
         open_stream = channel.stream_stream(
             "/kvrouter.v1.KVRouter/RouteStream",
@@ -276,7 +272,7 @@ async def _stream_load(
                         latencies.append(now - t0)
                         reasons[item.route.reason] += 1
                     completing.add(next_id)
-                    out.append(complete_message(next_id, item.route.request_id))
+                    out.append(complete_item(next_id, item.route.request_id))
                     next_id += 1
                     if now < end:
                         sent_at[next_id] = now

@@ -1,5 +1,5 @@
-"""``kvrouterd serve`` in a process of its own, as in production: what the big-prompt stall
-benchmark measures and the fuzz test's out-of-process mode attacks."""
+"""``kvrouterd serve`` in a process of its own, as in production: what the stall benchmarks
+measure (through ``harness.daemon``) and the fuzz test's out-of-process mode attacks."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ class ServeProcess:
             raise RuntimeError("kvrouterd serve did not start")
         self._reader = threading.Thread(target=self._read_log, name="kvrouterd-serve-log", daemon=True)
         self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id (its main thread's, the event loop's, too)."""
+        assert self.proc is not None, "start() first"
+        return self.proc.pid
 
     def _read_log(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None

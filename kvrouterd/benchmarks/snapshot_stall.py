@@ -12,7 +12,6 @@ asserts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,6 +25,7 @@ from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
 from ..router import Router, RouterSettings
 from ..server.snapshot import encode_snapshot, encode_snapshot_aside
+from . import harness
 from .stats import p99
 
 BLOCK_SIZE = 16
@@ -124,7 +124,7 @@ async def measure(blocks: int, interval_ms: float, runs: int) -> dict[str, objec
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--interval-ms", type=float, default=2.0, help="one Route every this many ms")
     parser.add_argument("--runs", type=int, default=3)

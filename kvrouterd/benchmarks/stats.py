@@ -1,15 +1,13 @@
-"""What the stall benchmarks share: one definition of a latency percentile, one summary of a
-run of probes, and one way to probe quiet and then under a hostile load, so their figures can
-be set side by side."""
+"""The benchmarks' latency figures: one definition of a percentile and one summary of a run of
+probes, so their figures can be set side by side (the probing itself is ``harness``')."""
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["latency_summary", "p99", "quiet_then_loaded"]
+__all__ = ["latency_summary", "p99"]
 
 
 def p99(values: Sequence[float]) -> float:
@@ -31,20 +29,3 @@ def latency_summary(latencies: Sequence[float], count_key: str = "probes") -> di
         "p99_ms": round(p99(ordered) * 1e3, 2),
         "max_ms": round(ordered[-1] * 1e3, 2),
     }
-
-
-async def quiet_then_loaded(
-    probes: Callable[[int], Awaitable[list[float]]], hog: Callable[[asyncio.Event], Awaitable[None]],
-    hogs: int, n: int,
-) -> tuple[list[float], list[float]]:
-    """``n`` probes alone, then ``n`` more while ``hogs`` copies of ``hog`` run until told to stop
-    (after 20 warm-up probes, and 0.2 s for the hogs to get going)."""
-    await probes(20)  # warm up connections and caches
-    quiet = await probes(n)
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(hog(stop)) for _ in range(hogs)]
-    await asyncio.sleep(0.2)
-    loaded = await probes(n)
-    stop.set()
-    await asyncio.gather(*tasks)
-    return quiet, loaded

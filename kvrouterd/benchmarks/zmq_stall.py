@@ -35,6 +35,7 @@ from ..index import native
 from ..index.workers import WorkerSpec
 from ..protocols import BatchOutcome, CacheMode, EventBatch
 from ..router import Router, RouterSettings
+from .harness import medians
 
 BS = 16
 TOPIC = b"kv"
@@ -128,7 +129,7 @@ def main() -> None:
         out[str(tokens)] = {
             "payload_mb": round(len(data) / 1e6, 1),
             "decode_ms": round(statistics.median(decode), 1),
-            **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
+            **medians(runs),
             "loop_max_ms_each": [round(r["loop_max_ms"], 1) for r in runs],
         }
     print(json.dumps(out, indent=1))

@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 
-__all__ = ["SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
+__all__ = ["CLIENT_EXTRA", "SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
+
+#: the package extra that installs the Kubernetes client discovery runs on (kvrouterd[discovery])
+CLIENT_EXTRA = "discovery"
 
 #: where Kubernetes mounts a pod's service-account token, CA bundle and namespace
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -35,8 +40,8 @@ _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
 def _check_port(value: str, where: str, allow_empty: bool) -> None:
     if value == "" and allow_empty:
         return
-    if value.isdigit():
-        if not 1 <= int(value) <= 65535:
+    if (number := parse_decimal(value)) is not None:
+        if not 1 <= number <= 65535:
             raise ConfigError(f"{where}: port number must be in [1, 65535], got {value}")
         return
     if not _PORT_NAME.match(value):
@@ -78,6 +83,10 @@ class KubernetesDiscoveryConfig:
         if self.enabled and not self.label_selector.strip():
             # an empty selector would turn every pod in the namespace into a worker
             raise ConfigError(f"{where}.label_selector: required when discovery is enabled")
+        if self.enabled and find_spec("kubernetes_asyncio") is None:
+            # an optional dependency: a daemon without discovery should not carry the client
+            raise ConfigError(f"{where}.enabled: needs the {CLIENT_EXTRA!r} extra, which installs kubernetes_asyncio "
+                              f"(pip install 'kvrouterd[{CLIENT_EXTRA}]'; the container image has it)")
         _check_port(self.port, f"{where}.port", allow_empty=False)
         _check_port(self.kv_events_port, f"{where}.kv_events_port", allow_empty=True)
         _check_port(self.kv_replay_port, f"{where}.kv_replay_port", allow_empty=True)

@@ -55,9 +55,11 @@ import msgpack
 
 from ..errors import BusUnavailable, InvalidRequest, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
-from .nats_bus import BRIDGE_HEADER, NatsBusConfig, connect, ensure_stream, worker_subject
+from .bus_config import NatsBusConfig
+from .nats_bus import BRIDGE_HEADER, connect, ensure_stream, worker_subject
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks
-from .zmq_source import ZmqEventsConfig, ZmqEventSource, _WorkerLike
+from .zmq_config import ZmqEventsConfig
+from .zmq_source import ZmqEventSource, _WorkerLike
 
 __all__ = [
     "BRIDGE_HEADER",

@@ -1,4 +1,8 @@
-"""Which KV-event endpoints the daemon may connect to: ``events.allowed_endpoints``.
+"""A worker's KV-event endpoint: the addresses the subscriber dials, and whether it may.
+
+``ZmqEndpoint`` is a worker's ``kv_events_endpoint`` parsed (publisher, replay, data-parallel
+rank, model; ``rank_endpoint`` is where a rank publishes); ``EndpointAllowList`` is
+``events.allowed_endpoints``, which decides whether the daemon may dial them.
 
 A worker's ``kv_events_endpoint`` makes the daemon's ZMQ subscriber dial it (a SUB socket
 and a replay DEALER). RegisterWorker is open unless auth is on, so without a rule any caller
@@ -19,7 +23,9 @@ against the allow-list before the worker is added. Entries:
     case-insensitively. ``*`` allows every tcp host.
 ``ipc:///run/engines/*``, ``inproc://*``
     ``ipc://`` / ``inproc://`` endpoints whose path matches the pattern. Without such an entry
-    they are refused: an ipc endpoint names a file on the daemon's own machine.
+    they are refused: an ipc endpoint names a file on the daemon's own machine. An ipc path is
+    matched normalised (``/run/engines/./a`` is ``/run/engines/a``), and one with a ``..``
+    segment is refused whatever the list says: ``DIR/*`` would otherwise admit ``DIR/../x``.
 
 An endpoint nothing allows is refused with ``errors.Forbidden`` (PERMISSION_DENIED over
 gRPC; a config-file worker fails start-up; a discovered pod is logged and not routed to).
@@ -30,13 +36,19 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import posixpath
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import unquote
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError, Forbidden, InvalidRequest, quote
 
-__all__ = ["WORKER_HOST", "EndpointAllowList", "check_worker_endpoints", "endpoint_host"]
+__all__ = [
+    "WORKER_HOST", "ZMQ_SCHEMES", "EndpointAllowList", "ZmqEndpoint", "check_worker_endpoints", "endpoint_host",
+    "rank_endpoint",
+]
 
 #: the allow-list entry standing for the host of the worker's own address
 WORKER_HOST = "@worker"
@@ -90,7 +102,10 @@ class EndpointAllowList:
             if entry == WORKER_HOST:
                 worker = True
             elif entry.startswith("ipc://"):
-                ipc.append(entry[len("ipc://"):] or "*")
+                pattern = entry[len("ipc://"):] or "*"
+                if _climbs(pattern):
+                    raise ConfigError(f"{where}[{i}]: {entry!r}: an ipc:// pattern must not contain '..'")
+                ipc.append(posixpath.normpath(pattern))
             elif entry.startswith("inproc://"):
                 inproc.append(entry[len("inproc://"):] or "*")
             elif "://" in entry:
@@ -104,7 +119,7 @@ class EndpointAllowList:
                 try:
                     networks.append(ipaddress.ip_network(entry.strip("[]"), strict=True))
                 except ValueError as exc:
-                    if "/" in entry or entry.replace(".", "").isdigit() or ":" in entry:
+                    if "/" in entry or parse_decimal(entry.replace(".", "")) is not None or ":" in entry:
                         raise ConfigError(f"{where}[{i}]: {entry!r} is not a network: {exc}") from None
                     hosts.append(entry.lower().rstrip("."))  # one host name, matched exactly
         return cls(tuple(entries), tuple(networks), tuple(hosts), tuple(ipc), tuple(inproc), worker)
@@ -116,6 +131,14 @@ class EndpointAllowList:
         where = f"worker {worker_id!r}: {name} {quote(endpoint)}"
         if scheme in ("ipc", "inproc"):
             patterns = self.ipc_patterns if scheme == "ipc" else self.inproc_patterns
+            if scheme == "ipc":
+                # libzmq dials the path as written and the kernel resolves it, so "DIR/*"
+                # would admit "DIR/../x": "." and "//" are normalised away before matching,
+                # and ".." is refused (normalising it is wrong past a symlink: the kernel
+                # reads DIR/link/../x as the link target's parent's x, not DIR/x)
+                if _climbs(path):
+                    raise Forbidden(f"{where}: an ipc:// path must not contain '..'")
+                path = posixpath.normpath(path)
             if any(fnmatch.fnmatchcase(path, p) for p in patterns):
                 return
             raise Forbidden(f"{where}: {scheme}:// endpoints are refused unless events.allowed_endpoints lists "
@@ -141,11 +164,116 @@ class EndpointAllowList:
                         f"({', '.join(map(repr, self.entries)) or 'empty: no endpoint is allowed'})")
 
 
+@dataclass(frozen=True)
+class ZmqEndpoint:
+    """One engine publisher as the engine was configured, and the router worker it feeds.
+
+    ``endpoint`` / ``replay_endpoint`` are the engine's base addresses (``tcp://host:5557``);
+    ``dp_rank`` selects the rank, which publishes on port + rank. ``model`` salts the keys of
+    stored blocks (engines do not send it), matching the ``model`` of route requests.
+    """
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str = ""
+    dp_rank: int = 0
+    model: str = ""
+
+    def validate(self) -> None:
+        if not self.worker_id:
+            raise ConfigError("zmq endpoint: worker_id must not be empty")
+        if self.dp_rank < 0:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: dp_rank must be >= 0")
+        if not self.endpoint:
+            raise ConfigError(f"zmq endpoint {self.worker_id!r}: endpoint must not be empty")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                _check_address(self.worker_id, name, value, self.dp_rank)
+
+    @classmethod
+    def parse(cls, worker_id: str, spec: str, model: str = "") -> ZmqEndpoint:
+        """An endpoint from a worker's ``kv_events_endpoint`` string, so config and
+        RegisterWorker can say everything in one field::
+
+            tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:5600&dp_rank=1&model=llama-3-8b
+
+        ``replay``, ``dp_rank`` and ``model`` are optional (``model`` defaults to ``model``).
+        """
+        address, _, query = spec.partition("?")
+        params: dict[str, str] = {}
+        for part in filter(None, query.split("&")):
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("replay", "dp_rank", "model"):
+                raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: unknown parameter {part!r} "
+                                  "(known: replay, dp_rank, model)")
+            params[key] = unquote(value)
+        rank = parse_decimal(params.get("dp_rank", "0"))
+        if rank is None:
+            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, "
+                              f"got {params['dp_rank']!r}")
+        endpoint = cls(worker_id, address, params.get("replay", ""), rank, params.get("model", model))
+        endpoint.validate()
+        return endpoint
+
+    @property
+    def pub_address(self) -> str:
+        return rank_endpoint(self.endpoint, self.dp_rank)
+
+    @property
+    def replay_address(self) -> str:
+        return rank_endpoint(self.replay_endpoint, self.dp_rank) if self.replay_endpoint else ""
+
+
+#: ZMQ transports an engine publisher can use; anything else (http://, udp://, ...) is refused
+#: at start or at RegisterWorker instead of failing later inside the subscriber
+ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def _check_address(worker_id: str, name: str, value: str, dp_rank: int) -> None:
+    scheme, sep, rest = value.partition("://")
+    where = f"worker {worker_id!r}: kv_events_endpoint {name} {_quote(value)}"
+    if not sep or scheme not in ZMQ_SCHEMES:
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT (or ipc:// / inproc://)")
+    if scheme != "tcp":
+        if not rest:
+            raise ConfigError(f"{where}: names no path")
+        return
+    host, colon, digits = rest.rpartition(":")
+    port = parse_decimal(digits)
+    if not colon or not host or port is None:
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT with a numeric port")
+    if host.startswith("[") != host.endswith("]") or host in ("*", "[*]"):
+        raise ConfigError(f"{where}: must name the engine's host (not the * it binds to)")
+    if not 1 <= port + dp_rank <= 65535:
+        raise ConfigError(f"{where}: port {port} + dp_rank {dp_rank} is outside 1-65535")
+
+
+def _climbs(path: str) -> bool:
+    """Whether an ipc path has a ``..`` segment (which can lead out of any directory)."""
+    return ".." in path.split("/")
+
+
+def _quote(value: str, limit: int = 120) -> str:
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The address data-parallel rank ``rank`` uses: tcp port + rank, else a ``_dp{rank}`` suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, digits = endpoint.rpartition(":")
+        port = parse_decimal(digits)
+        if not sep or port is None:
+            raise ConfigError(f"cannot offset {endpoint!r} by rank {rank}: no numeric port")
+        return f"{host}:{port + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
 def check_worker_endpoints(allow: EndpointAllowList, worker_id: str, address: str, kv_events_endpoint: str) -> None:
     """A worker's ``kv_events_endpoint`` as the subscriber will dial it: malformed is
     InvalidRequest, a publisher or replay address the allow-list refuses is Forbidden."""
-    from .zmq_source import ZmqEndpoint
-
     try:
         endpoint = ZmqEndpoint.parse(worker_id, kv_events_endpoint)
     except ConfigError as exc:

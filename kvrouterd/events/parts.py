@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "MAX_PART_BLOCKS", "batch_blocks", "event_block
 
 #: Blocks one part of an engine batch may carry: applying 4,096 stored blocks of a long chain
 #: takes ~0.6-1 ms natively and ~5.5 ms in pure Python on the 2-core VM, more in the part where
-#: a table doubles (docs/operations.md, "Huge engine batches (ZMQ)"). The daemon and the bridge
+#: a table doubles (docs/operations/limits.md, "Huge engine batches (ZMQ)"). The daemon and the bridge
 #: pass ``limits.max_batch_blocks`` (the same default), the limit of a PublishEvents batch
 MAX_PART_BLOCKS = 4096
 #: the router's block size when a host does not say (the daemon passes its own)
@@ -140,7 +140,7 @@ def _piece(ev: CacheEvent, start: int, end: int, block_size: int) -> CacheEvent:
     if extras is not None:
         extras = extras[start:end]
         if not any(extras):
-            extras = None  # as engine_format says "no extras" (the keys are the same)
+            extras = None  # as engine_event says "no extras" (the keys are the same)
     return Stored(
         token_ids=ev.token_ids[start * width : end * width],
         engine_hashes=ev.engine_hashes[start:end],

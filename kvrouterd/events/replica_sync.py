@@ -36,39 +36,22 @@ import collections
 import contextlib
 import datetime
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BusUnavailable, ConfigError, KVRouterError
+from ..errors import BusUnavailable, KVRouterError
+from .bus_config import NatsBusConfig, ReplicaSyncConfig
+from .nats_bus import connect
 
-__all__ = ["ReplicaSync", "ReplicaSyncConfig", "SyncStats"]
+__all__ = ["ReplicaSync", "SyncStats"]
 
 log = logging.getLogger("kvrouterd.events.replica_sync")
 
 #: extra history the load stream keeps beyond the in-flight timeout (slow starts, clock skew)
 HISTORY_MARGIN_S = 60.0
-
-
-@dataclass(frozen=True)
-class ReplicaSyncConfig:
-    """``events.bus.replica_sync``: share in-flight load and approximate prefixes over the bus."""
-
-    #: on by default whenever the bus is (events.bus.kind: nats)
-    enabled: bool = True
-    #: JetStream stream holding the load deltas; created on first use if missing
-    stream: str = "KVROUTER_LOAD"
-    #: the one subject every replica publishes its deltas on
-    subject: str = "kvrouter.load"
-
-    def validate(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_\-]+", self.stream):
-            raise ConfigError(f"events.bus.replica_sync.stream: letters, digits, '_' and '-' only, got {self.stream!r}")
-        if not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*", self.subject):
-            raise ConfigError(f"events.bus.replica_sync.subject: dot-separated tokens, got {self.subject!r}")
 
 
 @dataclass
@@ -101,7 +84,7 @@ class ReplicaSync:
 
     def __init__(
         self,
-        bus: Any,  # NatsBusConfig (its module imports ours for the config class)
+        bus: NatsBusConfig,
         window_s: float,
         decode: Callable[[bytes, float], tuple[str, object | None]],
         apply: Callable[[object, bool], None],
@@ -133,8 +116,6 @@ class ReplicaSync:
         """Connect and make sure the load stream exists. Raises ``BusUnavailable``."""
         from nats.js.api import StorageType, StreamConfig
         from nats.js.errors import NotFoundError
-
-        from .nats_bus import connect
 
         async def reconnected() -> None:
             self.stats.reconnects += 1

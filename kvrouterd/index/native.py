@@ -73,7 +73,7 @@ def block_table() -> MutableMapping[int, Any]:
     entry instead of a dict's ~41 plus an int object per key, and read by the native match walk
     with its memory latency overlapped) or a dict. Keys outside 0 <= key < 2**64 are rejected
     with OverflowError by the native table; block keys are xxh3-64 values, so never are. The
-    native table grows incrementally, the dict all at once (docs/operations.md, "The native
+    native table grows incrementally, the dict all at once (docs/operations/performance.md, "The native
     tables grow without a stall")."""
     if module is not None:
         return module.BlockTable()  # type: ignore[no-any-return]

@@ -29,9 +29,8 @@ move every Block to a larger allocator size class (+16 bytes per indexed block).
 whatever reads a block's stats goes through the index (``recency``, ``hits``, ``pending``),
 and eviction hooks are handed it.
 
-Where the extension is built, ``Block`` is its C twin (``_native.c``): the same attributes and
-methods in 64 bytes, key stored inline, outside the cycle collector. The Python class below is
-the reference (``PyBlock``), used by the pure-Python path and by ``RadixIndex(pure=True)``.
+The tree's node is ``Block`` (``index.block``): the extension's C twin where it is built, else
+the Python reference ``PyBlock``, which ``RadixIndex(pure=True)`` uses always.
 
 For every slot the index keeps the set of its *leaves*: held blocks with no child held by
 the same worker. Eviction candidates are exactly these (a parent becomes evictable when its
@@ -44,12 +43,12 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
-
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 from . import native
 from ._walk import match_walk
+from .block import Block, PyBlock
 from .keys import chain_keys_array
 from .native import block_table
 
@@ -60,54 +59,14 @@ __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pen
 _U64Map = None if native.module is None else native.module.U64Map
 
 
-class PyBlock:
-    """One cached block. ``children`` is None, a single Block, or a dict key -> Block."""
-
-    __slots__ = ("children", "hits", "holders", "key", "last_access", "parent")
-
-    def __init__(self, key: int, parent: PyBlock | None) -> None:
-        self.key = key
-        self.parent = parent
-        self.children: None | PyBlock | dict[int, PyBlock] = None
-        self.holders = 0
-        self.last_access: float | dict[int, float] = 0.0
-        self.hits: int | dict[int, int] = 0
-
-    def iter_children(self) -> Iterator[PyBlock]:
-        c = self.children
-        if c is None:
-            return iter(())
-        if type(c) is not dict:
-            return iter((c,))
-        return iter(c.values())
-
-    def depth(self) -> int:
-        """Blocks from the root to this one, inclusive (block 0 has depth 1)."""
-        d = 0
-        node: PyBlock | None = self
-        while node is not None:
-            d += 1
-            node = node.parent
-        return d
-
-    def __repr__(self) -> str:
-        return f"Block({self.key:#x}, holders={self.holders:#b})"
-
-
-if TYPE_CHECKING:
-    Block = PyBlock
-else:
-    #: the index's node type: the C twin where the extension is built, else the Python class
-    Block = PyBlock if native.module is None else native.module.Block
-
-
 class MatchResult:
     """Longest cached prefix per worker slot, found in one walk."""
 
     __slots__ = ("overlaps", "path")
 
-    def __init__(self, overlaps: dict[int, int], path: list[Block]) -> None:
-        #: slot -> number of leading request blocks that slot holds (only slots > 0)
+    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
+        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
+        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
         self.overlaps = overlaps
         #: the request's blocks present in the index, up to the deepest match
         self.path = path

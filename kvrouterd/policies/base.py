@@ -23,12 +23,17 @@ __all__ = [
     "EvictionContext",
     "EvictionPolicy",
     "EvictionPolicyBase",
+    "NoParams",
     "RoutingContext",
     "RoutingPolicy",
     "RoutingPolicyBase",
     "drop_blocks",
 ]
 
+
+@dataclass(frozen=True)
+class NoParams:
+    """For policies without parameters."""
 
 class RoutingContext:
     """One request and the workers it may go to, with their cache overlap and load."""

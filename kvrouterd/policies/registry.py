@@ -1,13 +1,19 @@
 """One registry of policies, used by config validation, the daemon and the simulator alike.
 
-    @register("routing", "round_robin", RoundRobinParams)
-    class RoundRobin(RoutingPolicyBase): ...
+    register("routing", "round_robin", NoParams)(RoundRobinPolicy)
 
     build("routing", {"name": "cache_aware", "cache_threshold": 0.5}, rng)
 
 Params are frozen dataclasses whose fields carry defaults and ``metadata={"help": ...}``;
 a ``validate()`` method checks ranges. A bad name, field or value raises ConfigError naming
 the policy and the field.
+
+Imports run one way: the registry imports no policy. Each policy package lists its policies
+(``routing.POLICIES``, ``eviction.POLICIES``: name, class, Params) and
+``kvrouterd/policies/__init__.py`` registers those lists, so the table is full once anything
+under ``kvrouterd.policies`` is imported. Policy modules never import the registry to
+register themselves; ``compose`` imports it only as a client, to build its two inner
+policies by name.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 from ..errors import ConfigError
+from .base import NoParams
 
 __all__ = ["Kind", "NoParams", "build", "build_params", "describe", "names", "policy_class", "register"]
 
@@ -29,12 +36,9 @@ _REGISTRY: dict[tuple[str, str], tuple[type, type]] = {}
 T = TypeVar("T")
 
 
-@dataclasses.dataclass(frozen=True)
-class NoParams:
-    """For policies without parameters."""
-
-
 def register(kind: Kind, name: str, params: type = NoParams) -> Callable[[type[T]], type[T]]:
+    """Enter a class in the table as ``name`` with its Params and set its ``name``:
+    ``register(kind, name, Params)(cls)``, or as a decorator on a class outside this package."""
     if kind not in _KINDS:
         raise ValueError(f"unknown policy kind {kind!r}")
     if not dataclasses.is_dataclass(params):
@@ -50,18 +54,11 @@ def register(kind: Kind, name: str, params: type = NoParams) -> Callable[[type[T
     return decorate
 
 
-def _ensure_loaded() -> None:
-    # Importing the packages runs their @register decorators.
-    from . import eviction, routing  # noqa: F401
-
-
 def names(kind: Kind) -> list[str]:
-    _ensure_loaded()
     return sorted(n for k, n in _REGISTRY if k == kind)
 
 
 def _lookup(kind: Kind, name: str) -> tuple[type, type]:
-    _ensure_loaded()
     try:
         return _REGISTRY[(kind, name)]
     except KeyError:

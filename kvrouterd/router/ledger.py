@@ -16,6 +16,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ..bounds import check_completion
 from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index.radix import Block
 from ..index.workers import InFlight, Worker
@@ -230,6 +231,7 @@ class LoadLedger:
     def complete(self, completion: Completion) -> InFlight:
         """Stop charging a routed request, tell its policy how it went. Raises NotFound for a
         request not in flight here (see ``complete_anywhere`` when replicas share load)."""
+        check_completion(completion)  # before anything changes: a fit reads its numbers
         entry = self._finish(completion)
         if self.on_completed is not None:
             self._note_completed(completion.request_id)
@@ -243,6 +245,7 @@ class LoadLedger:
         comes, and published like any completion (None is returned); an id that already
         completed raises NotFound, as a second Complete does on one replica."""
         rid = completion.request_id
+        check_completion(completion)
         if self.on_completed is None or self._shared.workers.inflight(rid) is not None:
             return self.complete(completion)
         if rid in self._completed:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..bounds import MAX_REPORTED_REQUESTS, check_range
 from ..errors import InvalidRequest, Overloaded, quote
 from ..index.workers import Worker, WorkerSpec
 from ..protocols import WorkerState
@@ -118,8 +119,8 @@ class Membership:
         return worker
 
     def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
-        if queued < 0 or running < 0:
-            raise InvalidRequest("queued_requests and running_requests must be >= 0")
+        check_range("queued_requests", queued, 0, MAX_REPORTED_REQUESTS)
+        check_range("running_requests", running, 0, MAX_REPORTED_REQUESTS)
         if not 0.0 <= kv_utilization <= 1.0:
             raise InvalidRequest(f"kv_utilization must be in [0, 1], got {kv_utilization}")
         worker = self._shared.workers.get(worker_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, Overloaded, quote
 from ..index.keys import chain_keys_array, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
@@ -71,6 +72,7 @@ class Selector:
             )
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
+        check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
         limit = s.max_id_length
         if (len(req.request_id) > limit or len(req.session_id) > limit or len(req.model) > limit
                 or len(req.policy) > limit):

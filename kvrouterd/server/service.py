@@ -1,5 +1,7 @@
 """The kvrouter.v1.KVRouter gRPC servicer: converts, calls the Router, records telemetry.
 
+Here are the gateways' data path (Route, Complete, RouteStream) and the control plane; the
+engines' calls (PublishEvents, ReportLoad, EvictHint) are its base ``engine_calls.EngineCalls``.
 All handlers run on the daemon's single event loop and call the synchronous Router
 directly, so decisions and event application never interleave mid-operation.
 """
@@ -18,20 +20,24 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
+from ..bounds import MAX_LATENCY_MS, check_range
 from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
-from ..protocols import BatchOutcome, CacheMode, EventBatch, Stored
+from ..protocols import CacheMode
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
-from ..telemetry.tracing import annotate_batch, annotate_decision
-from . import convert
+from ..telemetry.tracing import annotate_decision, decision_span
+from . import convert, off_loop
 from .admission import AdmissionGate
-from .convert import STREAM_ROUTE, pb
+from .call_errors import CallErrors
+from .convert import pb
 from .decoding import UndecodableMessage, describe
+from .engine_calls import MAX_NAMESPACES, EngineCalls
 from .snapshot import export_chunks
-from .status import status_code, status_message
+from .status import abort, status_code, status_message
+from .wire import STREAM_ROUTE
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
@@ -39,10 +45,6 @@ log = logging.getLogger("kvrouterd.server")
 
 _perf_counter = time.perf_counter
 
-
-#: (model, lora) namespaces remembered for the key-mismatch warning: names come from clients,
-#: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
-MAX_NAMESPACES = 1024
 
 #: RouteStream's initial response metadata: this router takes batched stream messages (the
 #: value: the most bytes one message may have, limits.max_message_bytes); clients batch only then
@@ -52,14 +54,9 @@ STREAM_BATCH_METADATA = "kvrouter-stream-batch"
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
 MAX_STREAM_BATCH_ITEMS = 256
 
-#: entries of work an EvictHint does between yields to the loop: its first hint's engine-hash
-#: map, the leaves a policy without its own order scores, the ranking (``Router.evict_hint_steps``);
-#: ~1-2 ms a part idle at 512 (scoring a leaf costs 1.5-3 us in Python)
-EVICT_STEP_ENTRIES = 512
-
 
 #: the prompts of a RouteStream message that was parsed whole: none
-_NO_PROMPTS: Mapping[int, convert.StreamPrompt] = {}
+_NO_PROMPTS: Mapping[int, off_loop.StreamPrompt] = {}
 
 
 async def _drain(steps: Iterable[int]) -> None:
@@ -67,18 +64,7 @@ async def _drain(steps: Iterable[int]) -> None:
         await asyncio.sleep(0)
 
 
-def _stream_invalid(reply: pb.RouteStreamResponse, message: str) -> pb.RouteStreamResponse:
-    reply.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    reply.error.message = message
-    return reply
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    await context.abort(status_code(exc), status_message(exc))
-    raise AssertionError("unreachable")  # pragma: no cover - abort raises
-
-
-class KVRouterService(router_pb2_grpc.KVRouterServicer):
+class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def __init__(
         self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
         max_message_bytes: int = 4 * 1024 * 1024, *,
@@ -94,6 +80,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         #: called after RegisterWorker/DeregisterWorker (the daemon re-syncs ZMQ subscribers)
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
+        #: every refused or failed call and stream item, counted and logged sampled (the daemon's
+        #: handler wrappers report to it too)
+        self.call_errors = CallErrors(metrics)
         #: what one PublishEvents batch may carry (``convert.BatchLimits``)
         self.batch_limits = convert.BatchLimits(max_batch_events, router.settings.max_id_length, max_event_batch_bytes,
                                                 max_batch_blocks, router.block_size)
@@ -112,11 +101,11 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self.epoch = secrets.randbits(64) or 1
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
-        self.route_message: Callable[[bytes], pb.RouteRequest | convert.SplitRoute | convert.Refused]
-        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | convert.SplitStream | convert.Refused]
+        self.route_message: Callable[[bytes], pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused]
+        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | off_loop.SplitStream | off_loop.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
-        self.hash_prompt: Callable[[convert.SplitRoute, int, int], convert.HashedPrompt] = convert.hash_wire_prompt
+        self.hash_prompt: Callable[[off_loop.SplitRoute, int, int], convert.HashedPrompt] = off_loop.hash_wire_prompt
 
     @property
     def off_loop_prompt_bytes(self) -> int:
@@ -131,25 +120,25 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
     def off_loop_prompt_bytes(self, value: int) -> None:
         self._off_loop_prompt_bytes = value
         #: Route's: a huge prompt stays wire bytes (``SplitRoute``), hashed off the loop by ``Route``
-        self.route_message = convert.deserializer(pb.RouteRequest.FromString, convert.route_message, value)
+        self.route_message = off_loop.deserializer(pb.RouteRequest.FromString, off_loop.route_message, value)
         #: RouteStream's: a huge message's Routes' prompts stay wire bytes (``SplitStream``),
         #: hashed off the loop by ``RouteStream``
-        self.route_stream_message = convert.deserializer(
-            pb.RouteStreamRequest.FromString, convert.route_stream_message, value)
+        self.route_stream_message = off_loop.deserializer(
+            pb.RouteStreamRequest.FromString, off_loop.route_stream_message, value)
 
     # ---- data path --------------------------------------------------------------------
-    async def Route(self, request: pb.RouteRequest | convert.SplitRoute | convert.Refused,
+    async def Route(self, request: pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         started = _perf_counter()
         router = self.router
         hashed = None
-        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (convert.route_message)
-            if type(request) is convert.Refused:
+        if type(request) is not pb.RouteRequest:  # a huge message: split, or refused (off_loop.route_message)
+            if type(request) is off_loop.Refused:
                 self._note_refused(request)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             request, hashed = await self._hash_off_loop(request, context)
         if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+            with decision_span(self.tracer) as span:
                 result = await self._route(request, context, span, hashed)
         elif self.admission is not None:
             result = await self._route(request, context, None, hashed)
@@ -166,13 +155,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         return convert.route_response(result, router.block_size)
 
     async def _hash_off_loop(
-        self, split: convert.SplitRoute, context: grpc.aio.ServicerContext
+        self, split: off_loop.SplitRoute, context: grpc.aio.ServicerContext
     ) -> tuple[pb.RouteRequest, convert.HashedPrompt]:
         """Check a huge prompt's Route, decode and hash the prompt on a worker thread (the native
         path releases the GIL), so other calls run meanwhile; the decision that follows runs on
         the loop as for any Route. A message upb refuses gets upb's error, as from the deserializer."""
         try:
-            prompt = await asyncio.to_thread(convert.hash_route, split, self.router, self.hash_prompt)
+            prompt = await asyncio.to_thread(off_loop.hash_route, split, self.router, self.hash_prompt)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 describe(pb.RouteRequest.DESCRIPTOR.full_name, exc, len(split.prompt.data)))
@@ -204,39 +193,33 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
     ) -> NoReturn:
         self._note_rejection(request, exc, span)
-        await _abort(context, exc)
+        await abort(context, exc)
 
     def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
+        """Count a refused Route; its log line is the call's (``call_errors``, sampled)."""
         code = status_code(exc)
         self.metrics.route_errors.add(1, {"code": code.name})
-        log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
         if span is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
             span.set_attribute("rpc.grpc.status_code", code.value[0])
         return code
 
-    def _note_refused(self, refused: convert.Refused) -> None:
-        """A huge message in an encoding the split does not read (``convert.Refused``): counted
-        and logged as a rejected Route (its message tells what was found)."""
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        self.metrics.route_errors.add(1, {"code": code.name})
-        log.info("route rejected: %s", refused.message, extra={"code": code.name})
+    def _note_refused(self, refused: off_loop.Refused) -> None:
+        """A huge message in an encoding the split does not read (``off_loop.Refused``): counted
+        as a rejected Route (its message tells what was found)."""
+        self.metrics.route_errors.add(1, {"code": grpc.StatusCode.INVALID_ARGUMENT.name})
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:
             self._complete(request)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
-        try:
-            completion = convert.completion(request, self.router.settings.max_id_length)
-            entry = self.router.complete_anywhere(completion)
-        except KVRouterError as exc:
-            log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
-            raise
+        completion = convert.completion(request, self.router.settings.max_id_length)
+        entry = self.router.complete_anywhere(completion)
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
             # completion is published, so every replica releases the load when the Dispatch
@@ -255,9 +238,9 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         so the loop never creates a task; a batch's items are answered together in one batch.
         With queues a Route may wait, so each Route runs in its own task (answers then come out
         of order, a batched one on its own) and the stream ends once all are answered.
-        A message of ``off_loop_prompt_bytes`` or more arrives split (``convert.SplitStream``):
+        A message of ``off_loop_prompt_bytes`` or more arrives split (``off_loop.SplitStream``):
         its Routes' prompts are hashed on a worker thread first, the next message read after. One
-        in an encoding the split does not read (``convert.Refused``) is answered INVALID_ARGUMENT
+        in an encoding the split does not read (``off_loop.Refused``) is answered INVALID_ARGUMENT
         under its id, and the stream goes on.
         """
         # the advertisement a batching client waits for: batches welcome, up to this many bytes
@@ -273,7 +256,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
 
-        def admit_later(msg: pb.RouteStreamRequest, prompt: convert.StreamPrompt | None) -> None:
+        def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
             task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
@@ -281,12 +264,12 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         try:
             async for msg in request_iterator:
                 prompts = _NO_PROMPTS
-                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (convert.route_stream_message)
-                    if type(msg) is convert.Refused:
+                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (off_loop.route_stream_message)
+                    if type(msg) is off_loop.Refused:
                         self._note_refused(msg)
                         if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
                             raise UndecodableMessage(msg.message)
-                        await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
+                        await answer(self._stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
                         continue
                     msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
@@ -302,7 +285,8 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                     if reply is not None:
                         await answer(reply)
                 else:
-                    await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), "message carries neither route nor complete"))
+                    await answer(self._stream_invalid(pb.RouteStreamResponse(id=msg.id),
+                                                      "message carries neither route nor complete"))
             if waiting:
                 await asyncio.gather(*waiting)
         finally:
@@ -310,21 +294,21 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 task.cancel()
 
     async def _hash_stream_off_loop(
-        self, split: convert.SplitStream
-    ) -> tuple[pb.RouteStreamRequest, Mapping[int, convert.StreamPrompt]]:
+        self, split: off_loop.SplitStream
+    ) -> tuple[pb.RouteStreamRequest, Mapping[int, off_loop.StreamPrompt]]:
         """A split RouteStream message's Routes checked, their prompts decoded and hashed on a
         worker thread, all in one hand-off (the native path releases the GIL), so other calls run
         meanwhile; their decisions follow on the loop as for a parsed message."""
         try:
-            hashed = await asyncio.to_thread(convert.hash_stream, split, self.router, self.hash_prompt)
+            hashed = await asyncio.to_thread(off_loop.hash_stream, split, self.router, self.hash_prompt)
         except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
             raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
         assert split.msg is not None  # else hash_stream raised
         return split.msg, hashed
 
     def _stream_batch(
-        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, convert.StreamPrompt | None], None],
-        prompts: Mapping[int, convert.StreamPrompt],
+        self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, off_loop.StreamPrompt | None], None],
+        prompts: Mapping[int, off_loop.StreamPrompt],
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -332,7 +316,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         if not items or len(items) > MAX_STREAM_BATCH_ITEMS:
             # refused whole, before any item is handled
             why = "the batch is empty" if not items else f"a batch holds at most {MAX_STREAM_BATCH_ITEMS} items, not {len(items)}"
-            return _stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
+            return self._stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
         self.metrics.stream_batches.add(1)
         self.metrics.stream_batch_items.add(len(items))
         reply = pb.RouteStreamResponse()
@@ -348,13 +332,13 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             elif kind == "complete":
                 self._stream_complete(item, answers.add(id=item.id))
             elif kind == "batch":
-                _stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
+                self._stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
             else:
-                _stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
+                self._stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
         return reply if len(answers) else None
 
     def _stream_route(
-        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: convert.StreamPrompt | None = None
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None
     ) -> pb.RouteStreamResponse:
         """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
         its prompt when the message was split (``_hash_stream_off_loop``)."""
@@ -364,60 +348,81 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         span = None
         try:
             if self.tracing:
-                with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
+                with decision_span(self.tracer) as span:
                     recording = span.is_recording()
                     try:
-                        req = convert.split_route_request(request, router, prompt)
+                        req = off_loop.split_route_request(request, router, prompt)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = convert.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
+            d = result.decision
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            if not d.overlap_blocks and self.stored_namespaces:
+                self._check_namespace(request)
+            convert.route_response(result, router.block_size, into=reply.route)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
-        d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
-        if not d.overlap_blocks and self.stored_namespaces:
-            self._check_namespace(request)
-        convert.route_response(result, router.block_size, into=reply.route)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            return self._stream_internal(reply, exc)
+        return reply
+
+    def _stream_internal(self, reply: pb.RouteStreamResponse, exc: Exception) -> pb.RouteStreamResponse:
+        """An item that raised what no handler expected: INTERNAL for it alone (the API's promise:
+        each item is answered as its unary call would be), counted and logged by ``call_errors``."""
+        reply.error.code = grpc.StatusCode.INTERNAL.value[0]
+        reply.error.message = self.call_errors.internal("RouteStream", exc)
+        return reply
+
+    def _stream_invalid(self, reply: pb.RouteStreamResponse, message: str) -> pb.RouteStreamResponse:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        reply.error.code = code.value[0]
+        reply.error.message = message
+        self.call_errors.rejected("RouteStream", code.name, message)
         return reply
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
-        prompt: convert.StreamPrompt | None = None,
+        prompt: off_loop.StreamPrompt | None = None,
     ) -> None:
         assert self.admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
         request = msg.route
         router = self.router
-        timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
         reply = pb.RouteStreamResponse(id=msg.id)
-        with self.tracer.start_as_current_span("kvrouter.route", record_exception=False) as span:
-            recording = self.tracing and span.is_recording()
-            try:
-                req = convert.split_route_request(request, router, prompt)
-                result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
-            except KVRouterError as exc:
-                await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
-                return
-            except TimeoutError:
-                # what a unary caller's expired deadline would have ended with; the queue entry is gone
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-                self.metrics.route_errors.add(1, {"code": code.name})
-                reply.error.code = code.value[0]
-                reply.error.message = f"not admitted within {msg.timeout_ms:g} ms"
-                await answer(reply)
-                return
-            if recording:
-                annotate_decision(span, result, router.block_size)
-        d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
-        if not d.overlap_blocks and self.stored_namespaces:
-            self._check_namespace(request)
-        convert.route_response(result, router.block_size, into=reply.route)
+        try:
+            with decision_span(self.tracer) as span:
+                recording = self.tracing and span.is_recording()
+                try:
+                    check_range("timeout_ms", msg.timeout_ms, 0.0, MAX_LATENCY_MS)
+                    timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
+                    req = off_loop.split_route_request(request, router, prompt)
+                    result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
+                except KVRouterError as exc:
+                    await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
+                    return
+                except TimeoutError:
+                    # what a unary caller's expired deadline would have ended with; the queue entry is gone
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED
+                    self.metrics.route_errors.add(1, {"code": code.name})
+                    reply.error.code = code.value[0]
+                    reply.error.message = f"not admitted within {msg.timeout_ms:g} ms"
+                    self.call_errors.rejected("RouteStream", code.name, reply.error.message)
+                    await answer(reply)
+                    return
+                if recording:
+                    annotate_decision(span, result, router.block_size)
+            d = result.decision
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            if not d.overlap_blocks and self.stored_namespaces:
+                self._check_namespace(request)
+            convert.route_response(result, router.block_size, into=reply.route)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            self._stream_internal(reply, exc)
         await answer(reply)
 
     def _check_namespace(self, request: pb.RouteRequest) -> None:
@@ -443,143 +448,22 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
         code = self._note_rejection(msg.route, exc, span)
         reply.error.code = code.value[0]
         reply.error.message = status_message(exc)
+        self.call_errors.rejected("RouteStream", code.name, reply.error.message)
         return reply
 
     def _stream_complete(self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse) -> pb.RouteStreamResponse:
         try:
             self._complete(msg.complete)
         except KVRouterError as exc:
-            reply.error.code = status_code(exc).value[0]
+            code = status_code(exc)
+            reply.error.code = code.value[0]
             reply.error.message = status_message(exc)
+            self.call_errors.rejected("RouteStream", code.name, reply.error.message)
             return reply
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            return self._stream_internal(reply, exc)
         reply.complete.SetInParent()
         return reply
-
-    # ---- engines ----------------------------------------------------------------------
-    def event_batch_message(self, data: bytes) -> EventBatch | pb.EventBatch | convert.BatchTooLarge:
-        """PublishEvents' request deserializer, which the daemon registers: a plain message read
-        natively into its core batch, one over the byte limit left unparsed, anything else parsed
-        (``convert.event_batch_message``)."""
-        return convert.event_batch_message(data, self.batch_limits)
-
-    async def PublishEvents(
-        self, request_iterator: AsyncIterator[pb.EventBatch | EventBatch | convert.BatchTooLarge],
-        context: grpc.aio.ServicerContext,
-    ) -> pb.PublishEventsResponse:
-        limits = self.batch_limits
-        summary = pb.PublishEventsResponse(router_epoch=self.epoch, max_event_batch_bytes=limits.max_bytes,
-                                           max_batch_blocks=limits.max_blocks)
-        published: dict[str, None] = {}  # workers named, in order
-        async for msg in request_iterator:
-            if type(msg) is convert.BatchTooLarge:
-                # refused unparsed (no worker to name); earlier batches of the stream stay applied
-                log.warning("event batch rejected: %s", msg.message)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
-            try:
-                # the daemon's deserializer (event_batch_message) has read a plain message already
-                batch = msg if isinstance(msg, EventBatch) else convert.event_batch(msg, limits)
-                outcome = self.apply_batch(batch)
-            except KVRouterError as exc:
-                # earlier batches of the stream stay applied; this one changed nothing
-                log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
-                await _abort(context, exc)
-            published[batch.worker_id] = None
-            if outcome.duplicate:
-                summary.batches_duplicate += 1
-                continue
-            summary.batches_applied += 1
-            summary.blocks_stored += outcome.blocks_stored
-            summary.blocks_removed += outcome.blocks_removed
-            summary.gaps_detected += 1 if outcome.gap else 0
-        if self._slot_drain is not None and not self._slot_drain.done():
-            # a Cleared in this stream: answer once the old blocks are gone, as DeregisterWorker does
-            await asyncio.shield(self._slot_drain)
-        for worker_id in published:
-            worker = self.router.workers.find(worker_id)
-            if worker is not None:  # else deregistered meanwhile
-                summary.workers.add(worker_id=worker_id, last_sequence=worker.last_sequence,
-                                    resync_needed=worker.resync_needed)
-        return summary
-
-    def apply_batch(self, batch: EventBatch, per_event: bool = False) -> BatchOutcome:
-        """Apply one engine batch with its span and metrics: the gRPC stream and the ZMQ
-        subscribers both come through here (ZMQ engine batches event by event: ``Router.apply``)."""
-        if self.tracing:
-            with self.tracer.start_as_current_span("kvrouter.events.apply") as span:
-                outcome = self._apply_traced(batch, per_event, span)
-        else:
-            # no span when tracing is off: entering even the no-op one costs 35,400 instructions
-            # (callgrind), 69 per block of a 512-block batch
-            outcome = self._apply_traced(batch, per_event, None)
-        if outcome.duplicate:
-            self.metrics.event_batches.count("duplicate")
-            return outcome
-        self.metrics.event_batches.count("applied")
-        if outcome.blocks_stored:
-            self.metrics.blocks.count("stored", outcome.blocks_stored)
-            namespaces = self.stored_namespaces
-            for ev in batch.events:
-                if type(ev) is Stored and (ev.model, ev.lora) not in namespaces and len(namespaces) < MAX_NAMESPACES:
-                    namespaces.add((ev.model, ev.lora))
-        if outcome.blocks_removed:
-            self.metrics.blocks.count("removed", outcome.blocks_removed)
-        if outcome.gap or outcome.restarted:
-            self.metrics.gaps.add(1, {"worker": batch.worker_id, "kind": "gap" if outcome.gap else "restart"})
-        if self.router.draining:
-            self.keep_draining()
-        return outcome
-
-    def keep_draining(self) -> None:
-        """Run the router's pending drains (a large cleared worker's old slot, ``Router.drain_step``)
-        in a task that yields to the loop between steps, unless one already does."""
-        if (self._slot_drain is None or self._slot_drain.done()) and self.router.draining:
-            self._slot_drain = asyncio.create_task(self._drain_slots(), name="drop cleared workers' old blocks")
-            self._draining.add(self._slot_drain)
-            self._slot_drain.add_done_callback(self._draining.discard)
-
-    async def _drain_slots(self) -> None:
-        while self.router.drain_step():
-            await asyncio.sleep(0)
-
-    def _apply_traced(self, batch: EventBatch, per_event: bool, span: trace.Span | None) -> BatchOutcome:
-        try:
-            outcome = self.router.apply(batch, per_event=per_event)
-        except KVRouterError as exc:
-            if span is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
-            self.metrics.event_batches.count("rejected")
-            raise
-        if span is not None and span.is_recording():
-            annotate_batch(span, batch, outcome)
-        return outcome
-
-    async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
-        try:
-            convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
-            self.router.report_load(
-                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
-            )
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.ReportLoadResponse()
-
-    async def EvictHint(self, request: pb.EvictHintRequest, context: grpc.aio.ServicerContext) -> pb.EvictHintResponse:
-        try:
-            req, pinned_hashes = convert.evict_request(request, self.router)
-            # what visits a whole worker runs in steps, the loop serving other calls between them
-            steps = self.router.evict_hint_steps(req, pinned_hashes, EVICT_STEP_ENTRIES)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    advice = done.value
-                    break
-                await asyncio.sleep(0)
-        except KVRouterError as exc:
-            await _abort(context, exc)
-        return pb.EvictHintResponse(
-            keys=advice.keys, engine_hashes=advice.engine_hashes, exhausted=advice.exhausted, policy=advice.policy
-        )
 
     # ---- control plane ------------------------------------------------------------------
     async def RegisterWorker(
@@ -595,7 +479,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
                 check_worker_endpoints(self.allowed_endpoints, spec.id, spec.address, spec.kv_events_endpoint)
             worker = self.router.add_worker(spec)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.keep_draining()  # a mode change clears the worker's view: a large one in steps
         self.on_membership_change()
         return pb.RegisterWorkerResponse(worker=self._worker_message(worker))
@@ -607,7 +491,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
             drained = self.forget_worker(request.worker_id)
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         self.on_membership_change()
         # answer once the blocks are gone; a caller that gives up does not stop the drain
         await asyncio.shield(drained)
@@ -639,7 +523,7 @@ class KVRouterService(router_pb2_grpc.KVRouterServicer):
             async for chunk in export_chunks(self.router, tuple(request.worker_ids), request.max_blocks_per_chunk):
                 yield chunk
         except KVRouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router

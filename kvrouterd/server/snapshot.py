@@ -252,7 +252,7 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
     # full collection in the parent writes every tracked object's GC header and so copies its
     # page. At 10^6 blocks that collection took 190 ms and copied 16 MB with the native index
     # (52k tracked objects: its blocks are not tracked), 1.25 s and 94 MB on the pure-Python
-    # one (1.07M), and nothing frozen (docs/operations.md, "Big calls on a huge worker").
+    # one (1.07M), and nothing frozen (docs/operations/limits.md, "Big calls on a huge worker").
     # The freeze is the process's one heap freeze, counted (loop_lag.freeze_heap): a daemon
     # froze its start-up heap, and gc.unfreeze() here thawed that too after the first snapshot,
     # so every later full collection walked the start-up heap again. Counted, this snapshot's
@@ -333,6 +333,14 @@ def _frames(data: bytes) -> Iterator[bytes]:
         pos += n
 
 
+def _json_int(value: object) -> int:
+    """A header number as encode_snapshot writes it: a JSON integer, never a string or a
+    float that int() would also read ("٣" is 3 to int())."""
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
 async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tuple[int, WarmResult]:
     """Load a snapshot written by ``encode_snapshot``; returns the stream sequence to follow
     the event stream after. Workers it names that the router lacks are registered; each
@@ -348,9 +356,9 @@ async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tupl
     try:
         header = json.loads(frames[0])
         chunks = [pb.IndexChunk.FromString(f) for f in frames[1:]]
-        stream_sequence = int(header["stream_sequence"])
-        sequences = {str(k): int(v) for k, v in header["sequences"].items()}
-        block_size = int(header["block_size"])
+        stream_sequence = _json_int(header["stream_sequence"])
+        sequences = {str(k): _json_int(v) for k, v in header["sequences"].items()}
+        block_size = _json_int(header["block_size"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidRequest(f"snapshot does not parse: {exc}") from None
     if stream_sequence > stream_end:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 from ..errors import Conflict, Forbidden, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 
-__all__ = ["MAX_STATUS_MESSAGE_BYTES", "http_status", "status_code", "status_message"]
+__all__ = ["MAX_STATUS_MESSAGE_BYTES", "abort", "http_status", "status_code", "status_message"]
 
 #: longest status message sent, UTF-8 bytes. It travels percent-encoded in the grpc-message
 #: trailer, and clients refuse trailers over 8 KiB (16 KiB hard): an unbounded message turns
@@ -40,6 +42,12 @@ def status_code(exc: KVRouterError) -> grpc.StatusCode:
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
+    """End a gRPC call with ``exc``'s status and message."""
+    await context.abort(status_code(exc), status_message(exc))
+    raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
 
 def http_status(exc: KVRouterError) -> int:

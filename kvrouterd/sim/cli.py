@@ -13,7 +13,7 @@ import importlib
 #: name -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
 SIM_COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("kvrouterd.sim.cache", "replay a trace into one cache and report its hit ratio"),
-    "cluster": ("kvrouterd.sim.cluster", "simulate engines behind the router: compare routing x eviction pairs"),
+    "cluster": ("kvrouterd.sim.cluster_cli", "simulate engines behind the router: compare routing x eviction pairs"),
     "reproduce": ("kvrouterd.sim.reproduce", "regenerate every table of docs/results.md: paper, ours, verdict"),
 }
 

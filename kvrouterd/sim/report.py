@@ -15,15 +15,13 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .metrics import goodput, percentile
+from .results import RunResult
 
 #: SLO attainment a rate must reach to count toward goodput (metrics.goodput's default)
 GOODPUT_ATTAINMENT = 0.9
-
-if TYPE_CHECKING:
-    from .cluster import RunResult
 
 __all__ = ["build", "markdown", "table", "write", "write_cache"]
 

@@ -42,7 +42,8 @@ from typing import Any
 
 from ..errors import ConfigError, KVRouterError
 from . import cache as sim_cache
-from . import cluster
+from . import cluster, cluster_cli
+from .engine import EngineParams
 from .experiments import ROWS, Measure, Row, verdict
 from .metrics import goodput, percentile
 
@@ -128,7 +129,7 @@ def _tokens(row_run: str, traces: Path) -> tuple[str, list[str]]:
 
 def _cluster_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, add_help=False)
-    (cluster if prog == "cluster" else sim_cache).add_arguments(parser)
+    (cluster_cli if prog == "cluster" else sim_cache).add_arguments(parser)
     return parser
 
 
@@ -157,7 +158,7 @@ def expand(row_run: str, traces: Path, quick: bool = False, prefill_model: str =
         spec = spec if isinstance(spec, dict) else {"name": spec}
         base, _ = _strip(tokens, ("--eviction", "--eviction-param"))
         return [Unit("cache", tuple(base), "", json.dumps(spec, sort_keys=True), None, 0, quick)]
-    p = cluster.plan(args)
+    p = cluster_cli.plan(args)
     base, _ = _strip(tokens, _PER_RUN_OPTIONS)
     if quick:
         base = _quick_base(base)
@@ -194,7 +195,7 @@ def run_unit(unit: Unit) -> Digest:
     routing, eviction = json.loads(unit.routing), json.loads(unit.eviction)
     tokens = [*unit.base, "--routing", routing["name"], "--eviction", eviction["name"], "--seeds", str(unit.seed),
               *(["--rate", repr(unit.rate)] if unit.rate else []), *_sets(routing), *_sets(eviction)]
-    p = cluster.plan(_parse("cluster", tokens))
+    p = cluster_cli.plan(_parse("cluster", tokens))
     key = (unit.base, unit.seed, unit.rate)
     wl = _WORKLOADS.get(key)
     if wl is None:
@@ -412,7 +413,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "../shared/traces/mooncake_conversation_trace.jsonl beside the repository)")
     parser.add_argument("--prefill-model", choices=["power_law", "linear"], default="",
                         help="the engines' (and so the policies') prefill cost model in every sim cluster run "
-                             f"(default: sim cluster's, {cluster.EngineParams().prefill_model})")
+                             f"(default: sim cluster's, {EngineParams().prefill_model})")
     parser.add_argument("--out", type=Path, help="write report.md and results.json here")
     parser.add_argument("--list", action="store_true", help="list the rows and their commands; run nothing")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors (the report goes to --out)")
@@ -429,7 +430,7 @@ def select(only: str) -> list[Row]:
     return chosen
 
 
-def _execute(units: Sequence[Unit], jobs: int, progress: cluster._Progress) -> dict[Unit, Digest]:
+def _execute(units: Sequence[Unit], jobs: int, progress: cluster_cli._Progress) -> dict[Unit, Digest]:
     digests: dict[Unit, Digest] = {}
     if jobs <= 1:
         for u in units:
@@ -474,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
         units = list(dict.fromkeys(u for us in per_run.values() for u in us))
         show = sys.stderr if sys.stderr.isatty() and not args.quiet else None
         started, cpu0 = time.perf_counter(), time.process_time()
-        digests = _execute(units, args.jobs, cluster._Progress(len(units), show))
+        digests = _execute(units, args.jobs, cluster_cli._Progress(len(units), show))
         wall = time.perf_counter() - started
         tables = {run_args: Table(us, digests) for run_args, us in per_run.items()}
         results = [evaluate(row, tables) for row in rows]
@@ -485,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
             "units": len(units), "wall_s": wall, "cpu_s": sum(d.cpu_s for d in digests.values()),
             "sim_wall_s": sum(d.wall_s for d in digests.values()),
             "jobs": args.jobs, "quick": args.quick, "process_cpu_s": time.process_time() - cpu0,
-            "prefill_model": args.prefill_model or cluster.EngineParams().prefill_model}
+            "prefill_model": args.prefill_model or EngineParams().prefill_model}
     text = markdown(rows, results, tables, meta)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

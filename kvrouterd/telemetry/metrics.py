@@ -42,13 +42,17 @@ from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
 
-__all__ = ["DecisionCounter", "LabelledCount", "Metrics", "RouteLatency", "build_meter_provider", "drop_series"]
+__all__ = ["DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency", "build_meter_provider",
+           "drop_series"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
 #: decisions take tens of microseconds to a few ms: the SDK's default buckets (0, 5, 10, ...) are for ms
 ROUTE_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
+
+#: the Route rejections the alerts and the dashboard watch (server/status.py maps errors to them)
+ROUTE_ERROR_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT", "NOT_FOUND")
 
 #: TTFT and end-to-end times run from tens of ms to minutes
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -159,6 +163,23 @@ class LabelledCount:
             yield Observation(n, {label: value})
 
 
+class PairCount:
+    """A counter with two labels, as ``LabelledCount`` is with one (``kvrouter.rpc.rejected{rpc,code}``)."""
+
+    def __init__(self, first: str, second: str) -> None:
+        self.labels = (first, second)
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def count(self, first: str, second: str, amount: int = 1) -> None:
+        key = (first, second)
+        self.counts[key] = self.counts.get(key, 0) + amount
+
+    def observe(self, _: CallbackOptions) -> Iterable[Observation]:
+        a, b = self.labels
+        for (x, y), n in self.counts.copy().items():
+            yield Observation(n, {a: x, b: y})
+
+
 class RouteLatency:
     """``kvrouter.route.duration{policy}``: values queued per Route, recorded by ``flush``.
 
@@ -218,6 +239,21 @@ class Metrics:
             "kvrouter.decisions", [self._collecting], description="routing decisions by policy and reason"
         )
         self.route_errors = meter.create_counter("kvrouter.route.errors", description="Route calls rejected, by gRPC code")
+        # exported at zero from the start: a counter first seen at 1 hides that rejection from
+        # rate() and increase(), so the shed alert and the dashboard would miss the first burst
+        for code in ROUTE_ERROR_CODES:
+            self.route_errors.add(0, {"code": code})
+        # every call (and RouteStream item) a handler refused or failed, by RPC (server.call_errors)
+        self.rejected_calls = PairCount("rpc", "code")
+        meter.create_observable_counter(
+            "kvrouter.rpc.rejected", [self.rejected_calls.observe],
+            description="calls and RouteStream items refused with a status other than OK/INTERNAL, by rpc and code",
+        )
+        self.internal_errors = LabelledCount("rpc")
+        meter.create_observable_counter(
+            "kvrouter.internal_errors", [self.internal_errors.observe],
+            description="unexpected exceptions in handlers (answered INTERNAL and logged), by rpc",
+        )
         self.route_latency = RouteLatency(
             meter.create_histogram(
                 "kvrouter.route.duration", unit="s", description="time to decide a Route (hash + match + policy)",

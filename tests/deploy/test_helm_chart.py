@@ -10,6 +10,7 @@ the ConfigMap carries is loaded by kvrouterd's own config loader.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import re
@@ -118,12 +119,10 @@ def test_chart_yaml_is_a_valid_v2_application_chart(chart: helm.Chart) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_helm_lint_is_clean(case: Path | None) -> None:
-    # Schema validation is left to the render below (the path `helm install` takes): helm lint
-    # coalesces user values without honouring a null that deletes a default (helm/helm#7756),
-    # so it would reject discovery.yaml's `minAvailable: null`, which install accepts.
+    # with values.schema.json enforced, as `helm lint --strict -f FILE` in a user's CI
     for kube_version in KUBE_VERSIONS:
         report = helm.lint(CHART, case_values(case), strict=True, namespace=NAMESPACE,
-                           kube_version="v" + kube_version, skip_schema_validation=case is not None)
+                           kube_version="v" + kube_version, skip_schema_validation=False)
         findings = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
         assert not findings and not report["errors"], (kube_version, findings, report["errors"])
 
@@ -392,21 +391,83 @@ def test_discovery_rbac_is_read_only_on_pods_and_only_with_discovery(chart: helm
     assert deployment(on)["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
 
 
+# several replicas: the PodDisruptionBudget and the autoscaler need them, and they the headless Service
+SEVERAL = {"replicaCount": 2, "service": {"headless": True}}
+
+
 @pytest.mark.parametrize(
-    ("kind", "switch"),
+    ("kind", "switch", "context"),
     [
-        ("ServiceMonitor", {"metrics": {"serviceMonitor": {"enabled": True}}}),
-        ("PrometheusRule", {"metrics": {"prometheusRule": {"enabled": True}}}),
-        ("PodDisruptionBudget", {"podDisruptionBudget": {"enabled": True}}),
-        ("HorizontalPodAutoscaler", {"autoscaling": {"enabled": True}}),
-        ("NetworkPolicy", {"networkPolicy": {"enabled": True}}),
+        ("ServiceMonitor", {"metrics": {"serviceMonitor": {"enabled": True}}}, {}),
+        ("PrometheusRule", {"metrics": {"prometheusRule": {"enabled": True}}}, {}),
+        ("PodDisruptionBudget", {"podDisruptionBudget": {"enabled": True}}, SEVERAL),
+        ("HorizontalPodAutoscaler", {"autoscaling": {"enabled": True, "minReplicas": 2}}, SEVERAL),
+        ("NetworkPolicy", {"networkPolicy": {"enabled": True}}, {}),
     ],
 )
-def test_optional_objects_follow_their_switch(chart: helm.Chart, kind: str, switch: dict[str, Any]) -> None:
+def test_optional_objects_follow_their_switch(chart: helm.Chart, kind: str, switch: dict[str, Any],
+                                              context: dict[str, Any]) -> None:
     section = next(iter(switch))
     off = json.loads(json.dumps(switch).replace("true", "false"))
-    assert not by_kind(manifests(chart, off), kind), section
-    assert len(by_kind(manifests(chart, switch), kind)) == 1, section
+    assert not by_kind(manifests(chart, {**context, **off}), kind), section
+    assert len(by_kind(manifests(chart, {**context, **switch}), kind)) == 1, section
+
+
+def test_no_disruption_budget_over_a_single_replica(chart: helm.Chart) -> None:
+    # minAvailable 1 over one pod would block every node drain
+    assert not by_kind(manifests(chart, None), "PodDisruptionBudget")
+    assert not by_kind(manifests(chart, {"autoscaling": {"enabled": True, "minReplicas": 1}, **SEVERAL}),
+                       "PodDisruptionBudget")
+    (pdb,) = by_kind(manifests(chart, SEVERAL), "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
+
+
+def test_the_documented_pdb_switch_lints_clean_with_the_schema() -> None:
+    # docs/deploy.md: "maxUnavailable: 1" alone switches the budget (no null for minAvailable)
+    values = {**SEVERAL, "podDisruptionBudget": {"maxUnavailable": 1}}
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, skip_schema_validation=False)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    with helm.Chart.load(CHART) as c:
+        (pdb,) = by_kind(manifests(c, values), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+
+
+def test_one_replica_by_default_and_several_only_with_a_consistent_topology(chart: helm.Chart) -> None:
+    assert chart.values["replicaCount"] == 1
+    assert deployment(manifests(chart, None))["spec"]["replicas"] == 1
+    for fine in ({"replicaCount": 3, "service": {"headless": True}},
+                 {"replicaCount": 3, "eventBus": {"enabled": True, "url": "nats://nats:4222"}},
+                 {"autoscaling": {"enabled": True, "maxReplicas": 1}}):
+        chart.validate_schema(fine)
+    with pytest.raises(helm.HelmValuesError, match="each replica keeps its own index"):
+        chart.validate_schema({"replicaCount": 3})
+    # the reason is not Helm's alone: the Python jsonschema validator refuses the same values
+    assert chart.schema is not None
+    defaults = chart.merge_values({"replicaCount": 3})
+    errors = list(jsonschema.Draft7Validator(chart.schema).iter_errors(defaults))
+    assert errors and "more than one replica needs eventBus.enabled or service.headless" in str(errors[0].context)
+
+
+def test_auth_is_on_by_default_with_a_generated_token_secret(chart: helm.Chart, tmp_path: Path) -> None:
+    docs = manifests(chart, None)
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "kvr-kvrouterd-auth"
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    (volume,) = [v for v in deployment(docs)["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
+    assert volume["secret"]["secretName"] == "kvr-kvrouterd-auth"
+    path = tmp_path / "config.yaml"
+    path.write_text(rendered_config(docs))
+    auth = load_config(path, environ={}).auth
+    assert auth.token_file == "/etc/kvrouterd/auth/token"
+    assert {"PublishEvents", "RegisterWorker", "DeregisterWorker"} <= set(auth.protect)
+    # an upgrade keeps the token engines already hold: the template reads the live Secret back
+    # (`lookup`, which an offline render cannot exercise) before it generates one
+    template = (CHART / "templates" / "auth-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+    # a named Secret replaces the generated one; auth off renders none
+    assert not by_kind(manifests(chart, {"auth": {"secretName": "mine"}}), "Secret")
+    assert not by_kind(manifests(chart, {"auth": {"enabled": False}}), "Secret")
 
 
 def test_the_grafana_dashboard_configmap_follows_its_switch(chart: helm.Chart) -> None:

@@ -18,7 +18,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
-from kvrouterd.server import convert
+from kvrouterd.server import convert, off_loop
 
 from ..wire import length_delimited as frame
 from ..wire import varint, varint_field
@@ -84,11 +84,11 @@ async def test_huge_prompts_route_as_parsed_ones(running):
     for msg in (pb.RouteRequest(token_ids_le32=le32(prompt + tail), model="m", lora="l", cache_salt="s"),
                 pb.RouteRequest(token_ids=prompt + tail, model="m", lora="l", cache_salt="s")):
         data = msg.SerializeToString()
-        assert type(running.daemon.service.route_message(data)) is convert.SplitRoute
+        assert type(running.daemon.service.route_message(data)) is off_loop.SplitRoute
         # the same RouteRequest as the parsed path builds, so the same decision for the same index
-        split = convert.route_message(data, OFF_LOOP_BYTES)
-        assert isinstance(split, convert.SplitRoute)
-        hashed = convert.hash_wire_prompt(split, router.block_size, MAX_TOKENS)
+        split = off_loop.route_message(data, OFF_LOOP_BYTES)
+        assert isinstance(split, off_loop.SplitRoute)
+        hashed = off_loop.hash_wire_prompt(split, router.block_size, MAX_TOKENS)
         assert convert.route_request(split.msg, router, hashed) == convert.route_request(msg, router)
         resp = await stub.Route(msg)
         assert (resp.worker_id, resp.matched_blocks, resp.prompt_blocks) == ("b", 1500, 2048)
@@ -127,7 +127,7 @@ async def test_huge_prompts_rejected_precisely_and_change_nothing(running):
     cut = b"\x12" + bytes([0x88, 0x27]) + b"\x01" * 4999 + b"\x80"
     ids = frame(2, b"\x01" * 5000)
     for data in (cut, b"\x40\x63" + cut, cut + b"\x40\x63", ids + frame(7, b"\xff"), ids + b"\x3a\x05ab"):
-        assert type(running.daemon.service.route_message(data)) is convert.SplitRoute
+        assert type(running.daemon.service.route_message(data)) is off_loop.SplitRoute
         with pytest.raises(DecodeError) as parsed:
             pb.RouteRequest.FromString(data)
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -187,7 +187,7 @@ async def test_huge_batch_items_answered_under_their_own_ids(running):
     )
     data = msg.SerializeToString()
     split = running.daemon.service.route_stream_message(data)
-    assert type(split) is convert.SplitStream and sorted(split.routes) == [0, 2, 3, 4]
+    assert type(split) is off_loop.SplitStream and sorted(split.routes) == [0, 2, 3, 4]
     before = state(running)
     call = stub.RouteStream()
     await call.write(msg)
@@ -208,7 +208,7 @@ async def test_huge_batch_items_answered_under_their_own_ids(running):
     assert spans[3].status.status_code.name == "ERROR"  # one span per Route, rejected ones included
     # the decisions are the parsed path's: the same requests (same keys) as route_request builds
     for place, item in ((0, msg.batch.items[0]), (2, msg.batch.items[2])):
-        hashed = convert.hash_wire_prompt(split.routes[place], router.block_size, MAX_TOKENS)
+        hashed = off_loop.hash_wire_prompt(split.routes[place], router.block_size, MAX_TOKENS)
         assert convert.route_request(split.routes[place].msg, router, hashed) == convert.route_request(item.route, router)
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
@@ -237,7 +237,7 @@ async def test_huge_stream_prompts_rejected_as_parsed_ones_and_change_nothing(ru
     # is refused as its parse would be, INVALID_ARGUMENT with upb's words, and the stream ends
     route = frame(2, b"\x01" * (MAX_TOKENS + 1) + b"\x80")  # token_ids, the last varint cut short
     data = frame(5, frame(1, b"\x08\x05" + frame(2, route)) + frame(1, stream_route(6, token_ids=[1]).SerializeToString()))
-    assert type(running.daemon.service.route_stream_message(data)) is convert.SplitStream
+    assert type(running.daemon.service.route_stream_message(data)) is off_loop.SplitStream
     with pytest.raises(DecodeError) as parsed:
         pb.RouteStreamRequest.FromString(data)
     call = running.channel.stream_stream("/kvrouter.v1.KVRouter/RouteStream")()
@@ -258,7 +258,7 @@ async def test_huge_stream_routes_wait_in_admission_queues_as_parsed_ones(runnin
     await register(stub, "a")
     msg = stream_batch(stream_route(21, token_ids_le32=le32(list(range(8000))), request_id="first"),
                        stream_route(22, token_ids=list(range(9000)), request_id="second", session_id="s"))
-    assert type(running.daemon.service.route_stream_message(msg.SerializeToString())) is convert.SplitStream
+    assert type(running.daemon.service.route_stream_message(msg.SerializeToString())) is off_loop.SplitStream
     call = stub.RouteStream()
     await call.write(msg)
     first = await call.read()  # admitted at once, answered on its own

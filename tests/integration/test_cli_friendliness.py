@@ -153,3 +153,35 @@ def test_policies_lists_a_summary_per_policy_and_json(capsys):
 def test_status_defaults_to_the_default_listen_address():
     args = build_parser().parse_args(["status"])
     assert args.target == admin.DEFAULT_TARGET == load_config(environ={}).listen
+
+
+def test_config_check_lists_every_bad_field(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("block_size: 0\nrouting: cache_aware\nlimits: {max_prompt_tokens: many}\nlisten: nope\n")
+    assert main(["config", "check", str(bad)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"kvrouterd: {bad}: 3 configuration errors:"
+    assert [line.split(":")[0].strip() for line in err[1:]] == ["limits.max_prompt_tokens", "listen", "block_size"]
+
+
+def test_config_check_refuses_what_serve_refuses_at_start(tmp_path):
+    # the values are fine; the files serve reads before it listens are not there
+    for text, field in (("auth: {token_file: %s/missing-token}\n" % tmp_path, "auth.token_file"),
+                        ("tls: {cert_file: %s/tls.crt, key_file: %s/tls.key}\n" % (tmp_path, tmp_path), "tls")):
+        path = tmp_path / "config.yaml"
+        path.write_text(text)
+        assert load_config(path, environ={})  # loading alone passes: `config show` and the chart tests load pod paths
+        check = kvrouterd_cli("config", "check", str(path))
+        serve = kvrouterd_cli("serve", "--config", str(path), "--listen", "127.0.0.1:0")
+        assert check.returncode == serve.returncode == 2, (check.stderr, serve.stdout)
+        assert f"  {field}" in check.stderr and field in serve.stdout + serve.stderr
+    path.write_text("auth: {token_file: %s/token}\n" % tmp_path)
+    (tmp_path / "token").write_text("s3cret\n")
+    assert kvrouterd_cli("config", "check", str(path)).returncode == 0
+
+
+def test_serve_takes_the_metrics_listener_as_a_flag(tmp_path, capsys):
+    assert main(["config", "show", "--metrics-listen", "127.0.0.1:9464"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metrics"]["listen"] == "127.0.0.1:9464"
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--metrics-listen", "0.0.0.0:9464"]).metrics_listen == "0.0.0.0:9464"

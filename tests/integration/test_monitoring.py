@@ -1,7 +1,9 @@
 """The chart's alerts and Grafana dashboard query only series a real kvrouterd exports.
 
-A daemon is driven until every family it exports has a series (routes, a rejected route, event
-batches with a gap, replays, a rejected event, completions), then scraped over HTTP. Every
+A ``kvrouterd serve`` process is driven until every family it exports has a series (routes, a
+rejected route, event batches with a gap, a ZMQ worker's replay counters, an event its wire
+could not apply, completions with TTFT and cached tokens, a Route under an unknown model), then
+scraped over HTTP on loopback. Every
 PromQL expression of the rendered PrometheusRule and of the dashboard is parsed with
 ``promql-parser`` and each metric it selects must be in that scrape, with every label it
 matches on or groups by either on that metric or added by Prometheus at scrape time.
@@ -9,8 +11,13 @@ matches on or groups by either on that metric or added by Prometheus at scrape t
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +29,10 @@ import yaml
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 
+from kvrouterd.telemetry.metrics import ROUTE_ERROR_CODES
+
 from .test_daemon import BS, publish, register, stored
-from .test_metrics_endpoint import scrape
+from .test_metrics_endpoint import sample, scrape
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvrouterd"
 RELEASE, NAMESPACE = "kvr", "llm"
@@ -135,15 +144,6 @@ def problems(expr: str, series: dict[str, set[str]]) -> list[str]:
     return found
 
 
-async def test_alerts_and_dashboard_query_what_the_daemon_exports(running) -> None:
-    series = {**await scrape_everything(running), **PROMETHEUS_SERIES}
-    rules = alert_rules()
-    queries = [(r["alert"], r["expr"]) for r in rules] + list(dashboard_queries(dashboard()))
-    assert len(queries) > 20
-    bad = {where: p for where, expr in queries if (p := problems(expr, series))}
-    assert not bad, bad
-
-
 async def test_the_checker_catches_a_misspelt_metric_or_label(running) -> None:
     series = {**await scrape_everything(running), **PROMETHEUS_SERIES}
     assert problems('sum by (worker) (rate(kvrouter_worker_event_gaps_total{job="x"}[5m]))', series) == []
@@ -182,3 +182,95 @@ def test_the_dashboard_configmap_carries_the_dashboard_file() -> None:
     for panel in dash["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+
+
+# ---- a real daemon process ----------------------------------------------------------------
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def _drive_a_daemon_process(tmp_path: Path) -> dict[str, set[str]]:
+    """`kvrouterd serve` as a process, metrics on loopback, after events (SDK and ZMQ wire),
+    a Route, its Complete with the engine's TTFT and cached tokens, a rejected Route, an event
+    the engine wire could not apply and a Route under a model no engine stored: its scrape."""
+    import grpc
+    import msgpack
+    import zmq
+
+    from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+
+    from .test_serve_cli import free_port, wait_serving
+    from .test_zmq_events import TOPIC
+
+    grpc_port, metrics_port = free_port(), free_port()
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.PUB)
+    engine.setsockopt(zmq.LINGER, 0)
+    zmq_port = engine.bind_to_random_port("tcp://127.0.0.1")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
+        "workers": [{"id": "z", "address": "127.0.0.1:8000", "mode": "events",
+                     "kv_events_endpoint": f"tcp://127.0.0.1:{zmq_port}"}],
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "kvrouterd", "serve", "--config", str(config),
+                             "--listen", f"127.0.0.1:{grpc_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(f"127.0.0.1:{grpc_port}")
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = router_pb2_grpc.KVRouterStub(channel)
+            for wid in ("a", "b"):
+                stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
+                    id=wid, address=f"{wid}.local:8000", capacity_blocks=10_000, mode=pb.CACHE_STATE_MODE_EVENTS)))
+            prompt = list(range(100, 100 + 4 * BS))
+            stub.PublishEvents(iter([
+                pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [1, 2, 3, 4])]),
+                pb.EventBatch(worker_id="b", sequence=3, events=[]),  # a gap on b
+            ]))
+            routed = stub.Route(pb.RouteRequest(token_ids=prompt))
+            stub.Complete(pb.CompleteRequest(request_id=routed.request_id, success=True, ttft_ms=120.0, e2e_ms=900.0,
+                                             cached_tokens=3 * BS))
+            with pytest.raises(grpc.RpcError):
+                stub.Route(pb.RouteRequest(token_ids=prompt, policy="no_such_policy"))
+            stub.Route(pb.RouteRequest(token_ids=prompt, model="a-model-no-engine-stored"))
+        # a store whose engine hashes do not match its pages, until the subscriber has joined
+        bad_store = {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None,
+                     "token_ids": list(range(BS)), "block_size": BS, "lora_id": None, "medium": None,
+                     "lora_name": None, "group_idx": 0}
+        deadline = time.monotonic() + 20
+        for seq in itertools.count():
+            engine.send_multipart([TOPIC, seq.to_bytes(8, "big"), msgpack.packb([float(seq), [bad_store], 0])])
+            series = exported(_get(f"http://127.0.0.1:{metrics_port}/metrics"))
+            if "kvrouter_worker_events_rejected_total" in series or time.monotonic() > deadline:
+                return series
+            time.sleep(0.2)
+        raise AssertionError("unreachable")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        engine.close()
+        ctx.term()
+
+
+def test_every_panel_and_alert_reads_a_series_a_daemon_process_exports(tmp_path: Path) -> None:
+    series = {**_drive_a_daemon_process(tmp_path), **PROMETHEUS_SERIES}
+    queries = [(r["alert"], r["expr"]) for r in alert_rules()] + list(dashboard_queries(dashboard()))
+    assert len(queries) > 20
+    bad = {where: p for where, expr in queries if (p := problems(expr, series))}
+    assert not bad, bad
+    # the KPIs users compare across routers are on the dashboard
+    exprs = "\n".join(expr for _, expr in dashboard_queries(dashboard()))
+    for kpi in ("kvrouter_request_ttft_seconds_bucket", "kvrouter_completed_cached_tokens_total",
+                "kvrouter_completed_prompt_tokens_total", "kvrouter_route_namespace_misses_total",
+                "kvrouter_event_loop_lag_seconds_bucket"):
+        assert kpi in exprs, kpi
+
+
+async def test_route_errors_are_exported_at_zero_before_any_rejection(running) -> None:  # type: ignore[no-untyped-def]
+    # rate() and increase() never see a counter's first value: a series born at 1 would hide
+    # the first burst of shed Routes from the alert
+    _, _, text = await scrape(running)
+    for code in ROUTE_ERROR_CODES:
+        assert sample(text, "kvrouter_route_errors_total", code=code) == 0

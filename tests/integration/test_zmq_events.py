@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.events import ZmqEndpoint, ZmqEventsConfig, ZmqEventSource
-from kvrouterd.events.zmq_source import END_SEQ
+from kvrouterd.events.sequencing import END_SEQ
 from kvrouterd.index.keys import block_keys
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, WorkerState

@@ -88,7 +88,7 @@ class _Terminal:
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_sweep_progress_bar_only_on_a_terminal(tty):
-    from kvrouterd.sim.cluster import _Progress
+    from kvrouterd.sim.cluster_cli import _Progress
 
     out = _Terminal(tty)
     bar = _Progress(2, out)  # type: ignore[arg-type]

@@ -13,8 +13,9 @@ import pytest
 from kvrouterd.config import Config
 from kvrouterd.errors import ConfigError
 from kvrouterd.policies import registry
-from kvrouterd.sim.cluster import ClusterSettings, Simulation, policy_spec, simulate
+from kvrouterd.sim.cluster import ClusterSettings, Simulation, simulate
 from kvrouterd.sim.engine import EngineParams
+from kvrouterd.sim.policy_specs import policy_spec
 from kvrouterd.sim.workloads import build_workload
 
 CAPACITY = 160

@@ -99,3 +99,40 @@ def test_a_config_workers_endpoint_outside_the_allow_list_fails_start_up():
     assert cfg.events.allow_list.networks
     parse_config({"workers": [{**worker, "kv_events_endpoint": "ipc:///tmp/e.sock"}],
                   "events": {"allowed_endpoints": ["ipc:///tmp/*"]}})
+
+
+# ---- shorthand policy names and every problem at once (issue #29 item 11) ----------------
+
+def test_a_bare_policy_name_is_that_policy_with_its_defaults() -> None:
+    from kvrouterd.config import parse_config
+
+    cfg = parse_config({"routing": "least_loaded", "eviction": "lru", "extra_routing": ["cache_aware", {"name": "round_robin"}]})
+    assert cfg.routing == {"name": "least_loaded"} and cfg.eviction == {"name": "lru"}
+    assert cfg.extra_routing == [{"name": "cache_aware"}, {"name": "round_robin"}]
+    # a variable naming another policy replaces the shorthand as it replaces a mapping
+    assert parse_config({"routing": "least_loaded"}, {"routing.name": "cache_aware"}).routing == {"name": "cache_aware"}
+    with pytest.raises(ConfigError, match="routing: .*no_such"):
+        parse_config({"routing": "no_such"})
+
+
+def test_every_wrong_field_is_reported_not_the_first() -> None:
+    from kvrouterd.config import parse_config
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({
+            "listen": "nope",
+            "block_size": 0,
+            "limits": {"max_prompt_tokens": "many", "inflight_timeout_s": 0, "bogus": 1},
+            "workers": [{"id": "a", "address": "x"}, {"id": "a", "address": "h:1", "capacity_blocks": -1}, {"id": "b"}],
+            "telemetry": {"traces": "jaeger"},
+        })
+    fields = [p.split(":")[0] for p in info.value.problems]
+    assert sorted(fields) == sorted([
+        "limits.bogus", "limits.max_prompt_tokens", "workers[2].address", "telemetry.traces", "listen", "block_size",
+        "workers[0].address", "workers[1].id", "workers[1].capacity_blocks", "limits.inflight_timeout_s",
+    ])
+    assert str(info.value) == "\n".join(info.value.problems)
+    # one problem reads as before
+    with pytest.raises(ConfigError) as one:
+        parse_config({"block_size": 0})
+    assert one.value.problems == [str(one.value)] == ["block_size: must be in [1, 4096], got 0"]

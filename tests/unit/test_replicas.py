@@ -1,4 +1,4 @@
-"""Router replicas that share no state agree on DualMap's candidate pairs (docs/operations.md)."""
+"""Router replicas that share no state agree on DualMap's candidate pairs (docs/operations/replicas.md)."""
 
 from __future__ import annotations
 

@@ -79,6 +79,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
+The Secret holding the accepted control-RPC token(s): auth.secretName, or the one the chart
+generates (templates/auth-secret.yaml).
+*/}}
+{{- define "kvrouterd.authSecretName" -}}
+{{- .Values.auth.secretName | default (printf "%s-auth" (include "kvrouterd.fullname" . | trunc 58 | trimSuffix "-")) }}
+{{- end }}
+
+{{/*
 The kvrouterd config file: .Values.config, plus the sections the chart owns because they name
 ports or files it mounts (metrics listener, TLS and auth-token paths) and the event bus switch
 (events.bus kind and url from eventBus). The listen address is passed as a flag, which wins

@@ -1,5 +1,27 @@
-"""Eviction policies; importing this package registers them all."""
+"""Eviction policies: ``POLICIES`` lists every one by the name configs and the registry use.
 
-from . import hybrid, lfu, lru, rlt, tlru, unicache
+``kvrouterd/policies/__init__.py`` hands this list to the registry; a policy module does not
+register itself. A new policy is one module here and one line below.
+"""
 
-__all__ = ["hybrid", "lfu", "lru", "rlt", "tlru", "unicache"]
+from __future__ import annotations
+
+from ..base import NoParams
+from .hybrid import HybridEviction, HybridParams
+from .lfu import LFUEviction
+from .lru import LRUEviction
+from .rlt import RLTEviction, RLTParams
+from .tlru import TLRUEviction, TLRUParams
+from .unicache import UniCacheEviction, UniCacheParams
+
+__all__ = ["POLICIES"]
+
+#: (name, policy class, Params dataclass), one per eviction policy
+POLICIES: tuple[tuple[str, type, type], ...] = (
+    ("hybrid", HybridEviction, HybridParams),
+    ("lfu", LFUEviction, NoParams),
+    ("lru", LRUEviction, NoParams),
+    ("rlt", RLTEviction, RLTParams),
+    ("tlru", TLRUEviction, TLRUParams),
+    ("unicache", UniCacheEviction, UniCacheParams),
+)

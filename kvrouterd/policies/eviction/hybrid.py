@@ -39,7 +39,6 @@ from typing import Literal
 
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
-from ..registry import register
 from ._leaves import SortedLeaves, run_steps
 from ._release import release_steps
 
@@ -64,7 +63,6 @@ def hybrid_value(usage: int, length: int, age: float) -> float:
     return usage * length / (1.0 + age)
 
 
-@register("eviction", "hybrid", HybridParams)
 class HybridEviction(EvictionPolicyBase):
     params: HybridParams
 

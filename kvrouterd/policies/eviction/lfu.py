@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 
 from ...index.radix import Block, RadixIndex
-from ..registry import register
 from ._leaves import LeafOrderPolicy
 
 __all__ = ["LFUEviction", "lfu_priority"]
@@ -27,7 +26,6 @@ def lfu_priority(index: RadixIndex, block: Block, slot: int) -> tuple[int, float
     return (1 + index.hits(block, slot), index.recency(block, slot))
 
 
-@register("eviction", "lfu")
 class LFUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
         super().__init__(params, rng, lfu_priority)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 
 from ...index.radix import RadixIndex
-from ..registry import register
 from ._leaves import LeafOrderPolicy, rank_leaves_by
 
 __all__ = ["LRUEviction", "rank_leaves_by"]
@@ -28,7 +27,6 @@ __all__ = ["LRUEviction", "rank_leaves_by"]
 _recency = RadixIndex.recency
 
 
-@register("eviction", "lru")
 class LRUEviction(LeafOrderPolicy):
     def __init__(self, params: object, rng: random.Random) -> None:
         super().__init__(params, rng, _recency, numeric=True)  # a float: kept natively (LeafOrder)

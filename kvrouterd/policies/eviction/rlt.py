@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from ...index.native import u64_map
 from ...index.radix import Block, RadixIndex
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
-from ..registry import register
 from ._leaves import COPY_FACTOR, SortedLeaves, copy_steps, merge_part, run_steps, score_leaves_steps
 from ._release import release_steps
 
@@ -71,7 +70,6 @@ class _Phase:
         self.capacity = 0
 
 
-@register("eviction", "rlt", RLTParams)
 class RLTEviction(EvictionPolicyBase):
     params: RLTParams
 

@@ -62,7 +62,6 @@ from dataclasses import dataclass, field
 from ...index.radix import Block, RadixIndex
 from ...protocols import TaskCategory
 from ..base import AccessInfo, EvictionContext, EvictionPolicyBase
-from ..registry import register
 from ._leaves import SortedLeaves, run_steps
 from ._release import release_steps
 
@@ -141,7 +140,6 @@ class _SlotState:
         self.max_offset = 0
 
 
-@register("eviction", "unicache", UniCacheParams)
 class UniCacheEviction(EvictionPolicyBase):
     params: UniCacheParams
     #: ask the router to pass routed requests' metadata with engine Stored events

@@ -31,7 +31,7 @@ from typing import Any
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import build, build_params, policy_class, register
+from ..registry import build, build_params, policy_class  # a client: builds its two policies by name
 
 __all__ = ["ComposeParams", "ComposePolicy"]
 
@@ -57,7 +57,6 @@ class ComposeParams:
                              "(it has no candidate_ids); use dualmap")
 
 
-@register("routing", "compose", ComposeParams)
 class ComposePolicy(RoutingPolicyBase):
     params: ComposeParams
 

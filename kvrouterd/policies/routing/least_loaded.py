@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from ...protocols import Decision
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 
-@register("routing", "least_loaded")
 class LeastLoadedPolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = min(

@@ -13,12 +13,10 @@ from __future__ import annotations
 from ...protocols import Decision
 from ..base import RoutingContext
 from ..latency import CalibratedRoutingPolicy, LatencyModel, LatencyParams
-from ..registry import register
 
 __all__ = ["MinTTFTPolicy"]
 
 
-@register("routing", "min_ttft", LatencyParams)
 class MinTTFTPolicy(CalibratedRoutingPolicy):
     params: LatencyParams
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from ...protocols import Decision
 from ..base import RoutingContext
 from ..latency import CalibratedRoutingPolicy, LatencyModel, LatencyParams
-from ..registry import register
 
 __all__ = ["PrebleParams", "PreblePolicy"]
 
@@ -35,7 +34,6 @@ class PrebleParams(LatencyParams):
             raise ValueError(f"hit_threshold must be in [0, 1], got {self.hit_threshold}")
 
 
-@register("routing", "preble", PrebleParams)
 class PreblePolicy(CalibratedRoutingPolicy):
     params: PrebleParams
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from ...protocols import Decision
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 
-@register("routing", "random")
 class RandomPolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = ctx.candidates[self.rng.randrange(len(ctx.candidates))]

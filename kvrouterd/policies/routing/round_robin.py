@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from ...protocols import Decision
 from ..base import RoutingContext, RoutingPolicyBase
-from ..registry import register
 
 
-@register("routing", "round_robin")
 class RoundRobinPolicy(RoutingPolicyBase):
     def __init__(self, params: object, rng: object) -> None:
         super().__init__(params, rng)  # type: ignore[arg-type]

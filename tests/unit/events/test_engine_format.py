@@ -7,16 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouterd.events.engine_format import (
-    DecodedBatch,
-    MalformedPayload,
-    TierEvent,
-    UnmappedLora,
-    _decode_generic,
-    decode_event,
-    decode_payload,
-    normalize_hash,
-)
+from kvrouterd.events.engine_event import MalformedPayload, TierEvent, UnmappedLora, decode_event, normalize_hash
+from kvrouterd.events.engine_format import DecodedBatch, _decode_generic, decode_payload
 from kvrouterd.index.keys import tokens_to_bytes
 from kvrouterd.protocols import Cleared, Removed, Stored
 

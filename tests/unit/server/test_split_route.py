@@ -1,8 +1,8 @@
-"""A Route split on the wire (``convert.route_message``: its prompt decoded and hashed off the loop)
+"""A Route split on the wire (``off_loop.route_message``: its prompt decoded and hashed off the loop)
 means exactly what upb's parse of the same bytes means: the same RouteRequest, or the same error
 (the same status and words: upb's for a message it refuses, before any check of ours). A huge
 Route in an encoding the split does not read (unpacked token ids, a group, too many fields) is
-refused instead (``convert.Refused``), also where upb would refuse it for something else."""
+refused instead (``off_loop.Refused``), also where upb would refuse it for something else."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvrouterd.clock import ManualClock
 from kvrouterd.errors import KVRouterError
 from kvrouterd.router import Router, RouterSettings
-from kvrouterd.server import convert
+from kvrouterd.server import convert, off_loop, wire
 from kvrouterd.server.convert import pb
 
 from ...wire import CORRUPT_FIELDS
@@ -84,8 +84,8 @@ def _odd(data: bytes) -> str | None:
     is a group or a token field not length-delimited, within MAX_SPLIT_FIELDS; else more fields
     than that."""
     for i, (number, wire_type) in enumerate(_framed(data)):
-        if i == convert.MAX_SPLIT_FIELDS:
-            return f"more than {convert.MAX_SPLIT_FIELDS} fields"
+        if i == wire.MAX_SPLIT_FIELDS:
+            return f"more than {wire.MAX_SPLIT_FIELDS} fields"
         if wire_type == 3:
             return f"a group (field {number}, wire type 3)"
         if number in (2, 14) and wire_type != 2:
@@ -146,16 +146,16 @@ def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
     """What the daemon makes of ``data``: Route's deserializer, then (for a split Route) the worker
     thread's ``hash_route``."""
     try:
-        got = convert.route_message(data, min_prompt_bytes)
-        if type(got) is convert.Refused:
+        got = off_loop.route_message(data, min_prompt_bytes)
+        if type(got) is off_loop.Refused:
             assert got.id is None
             return "Refused", got.message
-        if type(got) is not convert.SplitRoute:
+        if type(got) is not off_loop.SplitRoute:
             return _outcome(lambda: convert.route_request(got, ROUTER))
-        prompt = convert.hash_route(got, ROUTER)
+        prompt = off_loop.hash_route(got, ROUTER)
     except DecodeError as exc:
         return "DecodeError", str(exc)
-    return _outcome(lambda: convert.split_route_request(got.msg, ROUTER, prompt))
+    return _outcome(lambda: off_loop.split_route_request(got.msg, ROUTER, prompt))
 
 
 def _outcome(build):  # type: ignore[no-untyped-def]
@@ -172,8 +172,8 @@ def test_framing_the_walk_stops_at_is_framing_upb_refuses(corrupt):
     # _walk keeps everything from such a field on as it is, for upb to refuse, and cuts no prompt
     # after it: that is only right if upb refuses the message there whatever follows, at any level
     prompt = _field(14, bytes(8))
-    assert convert.split_route(corrupt + prompt) is None
-    assert convert.split_route(prompt + corrupt)[0] == corrupt
+    assert wire.split_route(corrupt + prompt) is None
+    assert wire.split_route(prompt + corrupt)[0] == corrupt
     for data in (corrupt + prompt, prompt + corrupt):
         with pytest.raises(DecodeError):
             pb.RouteRequest.FromString(data)
@@ -193,29 +193,29 @@ def test_a_refused_huge_message_is_answered_from_a_small_stand_in():
         (_field(2, bad_ids) + _field(7, b"s"), True, b"\x12\x01\x80" + _field(7, b"s")),  # only the ids
     ]
     for data, malformed, stand_in in cases:
-        split = convert.route_message(data, 1024)
-        assert type(split) is convert.SplitRoute
-        assert convert.split_route(data, 1 + len(_varint(len(ids))) if malformed else -1)[0] == stand_in
+        split = off_loop.route_message(data, 1024)
+        assert type(split) is off_loop.SplitRoute
+        assert wire.split_route(data, 1 + len(_varint(len(ids))) if malformed else -1)[0] == stand_in
         with pytest.raises(DecodeError) as parsed:
             pb.RouteRequest.FromString(data)
         with pytest.raises(DecodeError) as refused:
-            convert.hash_route(split, ROUTER)
+            off_loop.hash_route(split, ROUTER)
         assert str(refused.value) == str(parsed.value)
 
 
 def test_small_prompts_are_parsed_whole():
     small = pb.RouteRequest(token_ids_le32=bytes(400)).SerializeToString()
-    assert type(convert.route_message(small, 1024)) is pb.RouteRequest
+    assert type(off_loop.route_message(small, 1024)) is pb.RouteRequest
     big = pb.RouteRequest(token_ids_le32=bytes(4000)).SerializeToString()
-    assert type(convert.route_message(big, 1024)) is convert.SplitRoute
-    assert type(convert.route_message(big, 0)) is pb.RouteRequest  # 0: off
+    assert type(off_loop.route_message(big, 1024)) is off_loop.SplitRoute
+    assert type(off_loop.route_message(big, 0)) is pb.RouteRequest  # 0: off
     # big only through block keys: nothing to hash, a field upb reads in one go
     keys = pb.RouteRequest(block_keys=list(range(1000))).SerializeToString()
-    assert type(convert.route_message(keys, 1024)) is pb.RouteRequest
+    assert type(off_loop.route_message(keys, 1024)) is pb.RouteRequest
 
 
-def odd(size: int, limit: int, reason: str) -> convert.Refused:
-    return convert.Refused(None, (
+def odd(size: int, limit: int, reason: str) -> off_loop.Refused:
+    return off_loop.Refused(None, (
         f"RouteRequest of {size} bytes is encoded in a form the router reads only below "
         f"limits.off_loop_prompt_bytes ({limit} bytes): {reason}; encode it as protobuf encoders do "
         "(token_ids packed, as every proto3 encoder writes them, or token_ids_le32)"))
@@ -227,23 +227,23 @@ ODD_ROUTES = [
     (b"".join(bytes([0x10]) + _varint(t) for t in range(2000)), "unpacked token_ids (a field per id)"),
     (_field(14, bytes(4000)) + b"\x15" + bytes(4), "token_ids of wire type 5"),
     (_field(2, bytes(4000)) + b"\x70\x01", "token_ids_le32 of wire type 0"),
-    (b"".join(_field(7, b"x") for _ in range(convert.MAX_SPLIT_FIELDS)) + _field(14, bytes(4000)),
-     f"more than {convert.MAX_SPLIT_FIELDS} fields"),
+    (b"".join(_field(7, b"x") for _ in range(wire.MAX_SPLIT_FIELDS)) + _field(14, bytes(4000)),
+     f"more than {wire.MAX_SPLIT_FIELDS} fields"),
     (_field(14, bytes(4000)) + b"\xfb\x01" + _field(1, b"x") + b"\xfc\x01", "a group (field 31, wire type 3)"),
 ]
 
 
 @pytest.mark.parametrize("data, reason", ODD_ROUTES)
 def test_huge_odd_messages_are_refused_and_small_ones_parsed_whole(data, reason):
-    assert convert.route_message(data, 1024) == odd(len(data), 1024, reason)
-    assert convert.route_message(data, len(data)) == odd(len(data), len(data), reason)  # at the threshold
-    below = convert.route_message(data, len(data) + 1)
+    assert off_loop.route_message(data, 1024) == odd(len(data), 1024, reason)
+    assert off_loop.route_message(data, len(data)) == odd(len(data), len(data), reason)  # at the threshold
+    below = off_loop.route_message(data, len(data) + 1)
     assert type(below) is pb.RouteRequest and below == pb.RouteRequest.FromString(data)
 
 
 def test_odd_messages_refused_say_their_size_in_mib():
     data = b"".join(bytes([0x10]) + _varint(t) for t in range(1 << 19))  # ~1.5 MiB
-    assert convert.route_message(data, 1024).message.startswith(
+    assert off_loop.route_message(data, 1024).message.startswith(
         f"RouteRequest of {len(data) / 2**20:.1f} MiB is encoded in a form the router reads only below")
 
 
@@ -251,6 +251,6 @@ def test_both_prompt_forms_are_split_and_refused_by_the_checks():
     # huge token_ids beside token_ids_le32: both cut out (upb would decode the ids on the loop),
     # answered with route_request's own words
     data = pb.RouteRequest(token_ids=list(range(3000)), token_ids_le32=bytes(8)).SerializeToString()
-    split = convert.route_message(data, 1024)
-    assert type(split) is convert.SplitRoute and split.prompt.both
+    split = off_loop.route_message(data, 1024)
+    assert type(split) is off_loop.SplitRoute and split.prompt.both
     assert _split(data, 1024) == _parsed(data) == ("InvalidRequest", convert._ONE_PROMPT_FORM)

@@ -1,4 +1,4 @@
-"""A RouteStream message split on the wire (``convert.route_stream_message``: its Routes' prompts
+"""A RouteStream message split on the wire (``off_loop.route_stream_message``: its Routes' prompts
 decoded and hashed off the loop) means exactly what upb's parse of the same bytes means: the same
 answer for every Route in it (top level or batch item), the same other fields, or the same error.
 
@@ -6,7 +6,7 @@ Messages are built field by field, as no encoder would: ``route`` given several 
 occurrences merge), oneof members switching (the last one wins, discarding earlier ones),
 batches given several times (their items append), unknown fields, both prompt forms, malformed
 token varints, invalid UTF-8, framing upb refuses at any level, and cut-off messages. A huge
-message in an encoding the split does not read is refused instead (``convert.Refused``), also
+message in an encoding the split does not read is refused instead (``off_loop.Refused``), also
 where upb would refuse it for something else: unpacked token ids, groups, kind fields of
 another wire type, a batch in a batch item, framing upb refuses inside a submessage with bytes
 after it, token ids in Routes a later oneof member discards (``_odd``).
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kvrouterd.clock import ManualClock
 from kvrouterd.errors import KVRouterError
 from kvrouterd.router import Router, RouterSettings
-from kvrouterd.server import convert
+from kvrouterd.server import convert, off_loop, wire
 from kvrouterd.server.convert import pb
 
 from ...wire import CORRUPT_FIELDS
@@ -90,12 +90,12 @@ message = st.one_of(st.lists(item_field(batch), max_size=6).map(b"".join), route
                         lambda t: b"".join(t[0] + t[1])))
 
 
-def _route_outcome(route: pb.RouteRequest, prompt: convert.StreamPrompt | None):  # type: ignore[no-untyped-def]
+def _route_outcome(route: pb.RouteRequest, prompt: off_loop.StreamPrompt | None):  # type: ignore[no-untyped-def]
     try:
         if prompt is None:
             req = convert.route_request(route, ROUTER)
         else:
-            req = convert.split_route_request(route, ROUTER, prompt)
+            req = off_loop.split_route_request(route, ROUTER, prompt)
     except KVRouterError as exc:
         return type(exc).__name__, str(exc)
     return (req.request_id, list(req.keys), req.prompt_tokens, req.session_id, req.task, req.model,
@@ -117,7 +117,7 @@ def _meaning(msg: pb.RouteStreamRequest, prompts):  # type: ignore[no-untyped-de
     kind = msg.WhichOneof("kind")
     routes = []
     if kind == "route":
-        routes.append(_route_outcome(msg.route, prompts.get(convert.STREAM_ROUTE)))
+        routes.append(_route_outcome(msg.route, prompts.get(wire.STREAM_ROUTE)))
     elif kind == "batch":
         for place, it in enumerate(msg.batch.items):
             if it.WhichOneof("kind") == "route":
@@ -136,12 +136,12 @@ def _split(data: bytes, min_prompt_bytes: int):  # type: ignore[no-untyped-def]
     """What the daemon makes of ``data``: RouteStream's deserializer, then (for a split message)
     the worker thread's ``hash_stream``."""
     try:
-        got = convert.route_stream_message(data, min_prompt_bytes)
-        if type(got) is convert.Refused:
+        got = off_loop.route_stream_message(data, min_prompt_bytes)
+        if type(got) is off_loop.Refused:
             return ("Refused", got.id, got.message), False
-        if type(got) is not convert.SplitStream:
+        if type(got) is not off_loop.SplitStream:
             return _meaning(got, {}), False
-        hashed = convert.hash_stream(got, ROUTER)
+        hashed = off_loop.hash_stream(got, ROUTER)
     except DecodeError as exc:
         return ("DecodeError", str(exc)), True
     return _meaning(got.msg, hashed), True
@@ -168,11 +168,11 @@ def test_split_stream_message_means_what_the_parse_means(data, cut, tail):
     assert message.startswith(f"RouteStreamRequest of {len(data)} bytes is encoded in a form the router reads "
                               "only below limits.off_loop_prompt_bytes (1 bytes): ")
     try:
-        top = convert._walk(data, 0, len(data), [len(data)])
-    except convert._Unsplittable:
+        top = wire._walk(data, 0, len(data), [len(data)])
+    except wire.Unsplittable:
         assert message_id is None
     else:
-        assert message_id == convert._stream_id(data, top)
+        assert message_id == wire._stream_id(data, top)
         parsed = _parsed(data)
         if parsed[0] != "DecodeError":
             assert message_id == pb.RouteStreamRequest.FromString(data).id
@@ -186,7 +186,7 @@ class _Odd(Exception):
 def _odd(data: bytes, threshold: int) -> bool:
     """Whether the split refuses ``data`` at ``threshold``, by the rule, checked as a whole
     rather than as the walk meets it: every message upb would parse in it (as framed by
-    ``convert._walk``, which stops at the first field upb refuses when nothing follows: the
+    ``wire._walk``, which stops at the first field upb refuses when nothing follows: the
     rest is upb's to judge) holds no group, no framing upb refuses with bytes after it, no token
     field that is not length-delimited, no kind or items field of another wire type, no batch in
     a batch item; there are at most MAX_STREAM_SPLIT_FIELDS fields in all; and the token ids in
@@ -197,8 +197,8 @@ def _odd(data: bytes, threshold: int) -> bool:
 
     def fields(start: int, end: int) -> list:
         try:
-            out = convert._walk(data, start, end, [len(data)])
-        except convert._Unsplittable as exc:
+            out = wire._walk(data, start, end, [len(data)])
+        except wire.Unsplittable as exc:
             raise _Odd from exc
         fields_seen[0] += len(out)
         return out
@@ -234,7 +234,7 @@ def _odd(data: bytes, threshold: int) -> bool:
         message(0, len(data), False, False)
     except _Odd:
         return True
-    return fields_seen[0] > convert.MAX_STREAM_SPLIT_FIELDS or uncut[0] >= threshold
+    return fields_seen[0] > wire.MAX_STREAM_SPLIT_FIELDS or uncut[0] >= threshold
 
 
 def _route_item(i: int, **fields) -> pb.RouteStreamRequest:  # type: ignore[no-untyped-def]
@@ -250,35 +250,35 @@ def test_huge_batch_items_are_split_under_their_own_places():
         _route_item(4, token_ids=list(range(1200)), task=99),  # refused by its checks, not hashed
     ]))
     data = msg.SerializeToString()
-    split = convert.route_stream_message(data, 1024)
-    assert type(split) is convert.SplitStream
+    split = off_loop.route_stream_message(data, 1024)
+    assert type(split) is off_loop.SplitStream
     assert sorted(split.routes) == [0, 3]
     assert split.routes[0].msg.model == "m" and not split.routes[0].msg.token_ids_le32
     assert [i.id for i in split.msg.batch.items] == [1, 2, 3, 4]
-    prompts = convert.hash_stream(split, ROUTER)
+    prompts = off_loop.hash_stream(split, ROUTER)
     assert isinstance(prompts, dict)
     assert isinstance(prompts[3].hashed, KVRouterError)
     big_router = Router(RouterSettings(block_size=4, max_prompt_tokens=2000), ManualClock(), random.Random(0))
-    keys = convert.hash_stream(split, big_router)[0].hashed.keys  # type: ignore[index,union-attr]
+    keys = off_loop.hash_stream(split, big_router)[0].hashed.keys  # type: ignore[index,union-attr]
     assert list(keys) == list(convert.route_request(msg.batch.items[0].route, big_router).keys)
     # past the limit: counted, not hashed, answered as the parsed path answers it
-    assert convert.hash_stream(split, ROUTER)[0].hashed.keys is None  # type: ignore[index,union-attr]
+    assert off_loop.hash_stream(split, ROUTER)[0].hashed.keys is None  # type: ignore[index,union-attr]
     assert _split(data, 1024)[0] == _parsed(data)
 
 
 @pytest.mark.parametrize("size, limit, split", [(400, 1024, False), (4000, 1024, True), (4000, 0, False)])
 def test_small_messages_are_parsed_whole(size, limit, split):
     data = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids_le32=bytes(size))).SerializeToString()
-    assert (type(convert.route_stream_message(data, limit)) is convert.SplitStream) is split
+    assert (type(off_loop.route_stream_message(data, limit)) is off_loop.SplitStream) is split
 
 
 def test_huge_messages_without_prompts_are_parsed_whole():
     # big only through block keys, or through a Route a later complete discards whose token ids are
     # packed bytes: every field of them walked, nothing upb reads field by field
     keys = pb.RouteStreamRequest(route=pb.RouteRequest(block_keys=list(range(1000)))).SerializeToString()
-    assert type(convert.route_stream_message(keys, 1024)) is pb.RouteStreamRequest
+    assert type(off_loop.route_stream_message(keys, 1024)) is pb.RouteStreamRequest
     discarded = (_field(2, _field(14, bytes(4000))) + _field(3, pb.CompleteRequest(request_id="c").SerializeToString()))
-    assert type(convert.route_stream_message(discarded, 1024)) is pb.RouteStreamRequest
+    assert type(off_loop.route_stream_message(discarded, 1024)) is pb.RouteStreamRequest
 
 
 def _stream_odd(size: int, reason: str) -> str:
@@ -291,9 +291,9 @@ ids_4k = b"".join(_varint(t) for t in range(1000, 3000))  # 4,000 bytes of packe
 ODD_STREAM_MESSAGES = [
     # (message, its id as refused: None when the top level is what is odd, reason)
     (pb.RouteStreamRequest(id=9, batch=pb.RouteStreamRequestBatch(items=[
-        _route_item(i, token_ids_le32=bytes(8), session_id="s") for i in range(convert.MAX_STREAM_SPLIT_FIELDS // 4)])
-     ).SerializeToString(), 9, f"more than {convert.MAX_STREAM_SPLIT_FIELDS} fields"),
-    (_int_field(1, 3) + _field(3, _field(1, b"") * 5000), 3, f"more than {convert.MAX_STREAM_SPLIT_FIELDS} fields"),
+        _route_item(i, token_ids_le32=bytes(8), session_id="s") for i in range(wire.MAX_STREAM_SPLIT_FIELDS // 4)])
+     ).SerializeToString(), 9, f"more than {wire.MAX_STREAM_SPLIT_FIELDS} fields"),
+    (_int_field(1, 3) + _field(3, _field(1, b"") * 5000), 3, f"more than {wire.MAX_STREAM_SPLIT_FIELDS} fields"),
     (_int_field(1, 4) + _field(2, b"".join(_int_field(2, t) for t in range(2000))), 4,
      "unpacked token_ids (a field per id)"),
     (_int_field(1, 5) + _field(2, _field(14, bytes(4000)) + _int_field(2, 7)), 5, "unpacked token_ids (a field per id)"),
@@ -311,7 +311,7 @@ ODD_STREAM_MESSAGES = [
 
 @pytest.mark.parametrize("data, message_id, reason", ODD_STREAM_MESSAGES)
 def test_huge_odd_messages_are_refused_and_small_ones_parsed_whole(data, message_id, reason):
-    assert convert.route_stream_message(data, 1024) == convert.Refused(message_id, _stream_odd(len(data), reason))
+    assert off_loop.route_stream_message(data, 1024) == off_loop.Refused(message_id, _stream_odd(len(data), reason))
     # below the threshold upb parses it whole, as ever
     assert _split(data, len(data) + 1)[0] == _parsed(data)
 
@@ -320,10 +320,10 @@ def test_malformed_ids_refuse_the_whole_message_with_upbs_error():
     chunk = b"".join(_varint(t) for t in range(2000)) + b"\x80"  # the last varint cut short
     for route in (_field(2, chunk), _field(2, chunk) + _int_field(8, 99)):  # valid task or not
         data = _field(5, _field(1, _int_field(1, 7) + _field(2, route)) + _field(1, _field(2, _field(14, bytes(8)))))
-        split = convert.route_stream_message(data, 1024)
-        assert type(split) is convert.SplitStream
+        split = off_loop.route_stream_message(data, 1024)
+        assert type(split) is off_loop.SplitStream
         with pytest.raises(DecodeError) as err:
-            convert.hash_stream(split, ROUTER)
+            off_loop.hash_stream(split, ROUTER)
         with pytest.raises(DecodeError) as parsed:
             pb.RouteStreamRequest.FromString(data)
         assert str(err.value) == str(parsed.value)

@@ -1,0 +1,300 @@
+"""Simulate a cluster of engines behind the daemon's own router, on a trace or a generator.
+
+    kvrouterd sim cluster --trace conversation_trace.jsonl --workers 8 --rate 10 \\
+        --routing cache_aware,least_loaded --eviction lru --capacity-fraction 0.3 --out report/
+
+The router is the daemon's: ``Router(cfg.router_settings(), clock, rng)`` built from the same
+``kvrouterd.config`` Config (``--config``, the daemon's YAML) through the same policy
+registry, with the routing and eviction names swapped in per run. Only the edges differ:
+the workload is the request source, ``SimEngine``s (``sim.engine``) serve and publish
+Stored/Removed events into ``Router.apply`` (``--cache-mode events``, optionally delayed or
+lost) or the router models their caches itself (``approximate``), a ``ManualClock`` moves
+from event to event, and ``Router.tick`` runs at the config's ``tick_interval_s``.
+Completions report the observed TTFT and end-to-end latency back through
+``Router.complete``, as a gateway would.
+
+Policy parameters come from the config file: a run of routing policy NAME uses the config's
+``routing`` spec if its name is NAME, else an ``extra_routing`` entry named NAME, else the
+policy's defaults (likewise ``eviction``); ``--set NAME.FIELD=VALUE`` overrides one field.
+
+One command sweeps every routing x eviction pair over ``--rate``s and ``--seeds`` and writes
+one report (``--out DIR``: report.md, results.json, PNG plots; ``--json`` prints the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..config import Config, load_config
+from ..errors import ConfigError, KVRouterError
+from ..protocols import CacheMode
+from . import metrics as m
+from . import report
+from .cluster import ClusterSettings, simulate
+from .engine import EngineParams
+from .policy_specs import policy_spec
+from .results import RunResult
+from .workloads import GENERATORS, Workload, build_workload
+
+__all__ = ["ClusterPlan", "add_arguments", "plan", "run", "sweep"]
+
+
+# ---- sweeps ---------------------------------------------------------------------------------
+
+class _Progress:
+    """A tqdm progress bar on stderr: runs done (fractional within the current run) and its label.
+    Off when ``out`` is None or not a terminal, so logs and CI output stay clean."""
+
+    def __init__(self, total: int, out: TextIO | None) -> None:
+        from tqdm import tqdm
+
+        self.total, self.done, self.label = total, 0, ""
+        self.out = out
+        self._bar = tqdm(total=total, unit="run", file=out, disable=out is None or not out.isatty(),
+                         bar_format="{l_bar}{bar}| {n:.1f}/{total} runs [{elapsed}<{remaining}]", dynamic_ncols=True)
+
+    def start(self, label: str) -> None:
+        self.label = label
+        self._bar.set_description_str(label[:60], refresh=False)
+        self.update(0.0)
+
+    def update(self, frac: float) -> None:
+        self._bar.n = self.done + frac
+        if frac == 0.0:
+            self._bar.refresh()
+        else:
+            self._bar.update(0)  # redraws at tqdm's own pace (mininterval)
+
+    def finish_run(self) -> None:
+        self.done += 1
+        if self.label:
+            self._bar.set_description_str(self.label[:60], refresh=False)
+        self.update(0.0)
+        if self.done == self.total:
+            self._bar.close()
+
+
+def sweep(cfg: Config, workload_for: Callable[[int, float | None], Workload], settings: ClusterSettings,
+          routings: Sequence[Mapping[str, Any]], evictions: Sequence[Mapping[str, Any]], rates: Sequence[float | None],
+          seeds: Sequence[int], capacity_for: Callable[[Workload], int] | None = None,
+          out: TextIO | None = sys.stderr) -> list[RunResult]:
+    """Every routing x eviction pair at every rate and seed, one fresh router per run."""
+    bar = _Progress(len(routings) * len(evictions) * len(rates) * len(seeds), out)
+    results = []
+    for rate in rates:
+        for seed in seeds:
+            wl = workload_for(seed, rate)
+            s = settings
+            if capacity_for is not None:
+                s = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, capacity_blocks=capacity_for(wl)))
+            for r_spec in routings:
+                for e_spec in evictions:
+                    bar.start(f"{r_spec['name']}+{e_spec['name']} rate={rate or 'trace'} seed={seed}")
+                    results.append(simulate(cfg, wl, s, routing=r_spec, eviction=e_spec, seed=seed, rate=rate or 0.0,
+                                            progress=bar.update))
+                    bar.finish_run()
+    return results
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def _floats(text: str) -> list[float]:
+    try:
+        return m.parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (implies --workload mooncake)")
+    w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
+    w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
+                   help="request rates to sweep, req/s, each a number or a grid LO:HI:STEP (e.g. 14:20:0.5) (trace: "
+                        "timestamps rescaled; default: as recorded / generator default)")
+    w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds (workload, router, engines)")
+    w.add_argument("--limit", type=int, default=0, help="use the first N requests")
+    w.add_argument("--max-input-tokens", type=int, default=0, help="cap trace prompts at N tokens (0 = no cap)")
+    w.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="generator parameter (e.g. order=round_robin, prefix_ratio=0.7), repeatable")
+    p = parser.add_argument_group("policies")
+    p.add_argument("--config", type=Path, help="the daemon's YAML config (policy parameters, tick interval, SLO)")
+    p.add_argument("--routing", default="", metavar="NAME[,NAME..]", help="routing policies (default: the config's)")
+    p.add_argument("--eviction", default="", metavar="NAME[,NAME..]", help="eviction policies (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="POLICY.FIELD=VALUE",
+                   help="override one policy parameter (JSON value), repeatable")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--workers", type=int, default=8, help="simulated engine workers (default 8)")
+    cap = c.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-blocks", type=int, default=None, help="KV cache per worker, blocks (0 = unbounded)")
+    cap.add_argument("--capacity-fraction", type=float, default=None,
+                     help="cluster KV cache as a share of the workload's distinct prompt blocks, split over workers")
+    c.add_argument("--cache-mode", choices=["events", "approximate"], default="events",
+                   help="how the router learns the caches: engine KV events, or its own prediction (default events)")
+    c.add_argument("--event-delay-ms", type=float, default=0.0, help="delay before an engine's KV events reach the router, ms")
+    c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
+    c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+    c.add_argument("--session-end", action="store_true",
+                   help="the last request of each session completes with session_ended (end-aware eviction)")
+    c.add_argument("--load-report-ms", type=float, default=0.0,
+                   help="engines send ReportLoad (queue, running, KV use) this often; 0 = never")
+    c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
+                   help="the daemon's admission queue mode: at most N routed, uncompleted requests per worker, "
+                        "the rest wait in the router (DualMap migrates them, A.1.2); 0 = off")
+    e = parser.add_argument_group("engines")
+    d = EngineParams()
+    e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
+                   help=f"engine step-time model, which policies that estimate time also use unless their spec "
+                        f"sets it (default {d.prefill_model}: UniCache's H100 fit, a*batch^b*(L/batch)^c)")
+    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens,
+                   help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
+    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")
+    e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
+                   help=f"batched: decoding runs in the engine's steps beside prefill chunks (interference); constant: "
+                        f"tpot per token beside the engine (default {d.decode_model})")
+    e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
+                   help=f"batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1)) (default "
+                        f"{d.decode_batch_slope}: KV reads at an 8k context, see sim.engine)")
+    e.add_argument("--decode-kv", action=argparse.BooleanOptionalAction, default=d.decode_kv,
+                   help="batched: generated tokens take KV blocks; when none is free, evict, else preempt the newest "
+                        "decoding request (vLLM's recompute) instead of waiting (default on)")
+    e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens,
+                   help=f"prefill chunks also pay attention to the context before them, costing a token's linear "
+                        f"layers per this many context tokens (default {d.attention_context_tokens:.0f}, "
+                        f"Llama-3.1-8B's FLOP ratio; 0 = chunks priced alone)")
+    e.add_argument("--hardware-speed", type=float, default=d.hardware_speed,
+                   help="divides every compute time, prefill and decode (2 = a GPU twice as fast; default 1)")
+    e.add_argument("--cache-decode", action="store_true",
+                   help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
+    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help=f"prefill tokens per engine step, the chunked-prefill budget (default {d.max_batch_tokens})")
+    e.add_argument("--max-running", type=int, default=d.max_running,
+                   help=f"requests an engine runs at once (default {d.max_running}, vLLM's max_num_seqs)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print every number as JSON")
+    o.add_argument("--out", type=Path, help="write report.md, results.json and PNG plots here")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+@dataclass
+class ClusterPlan:
+    """What a ``sim cluster`` command line asks for, ready to run (``sweep``) or to split into
+    single runs (``sim reproduce``): one workload per (seed, rate), the policies, the fleet."""
+
+    cfg: Config
+    workload_name: str
+    workload_for: Callable[[int, float | None], Workload]
+    settings: ClusterSettings
+    routings: list[dict[str, Any]]
+    evictions: list[dict[str, Any]]
+    rates: list[float | None]
+    seeds: list[int]
+    capacity_for: Callable[[Workload], int] | None
+    meta: dict[str, Any]
+
+    def settings_for(self, wl: Workload) -> ClusterSettings:
+        """The fleet for one workload (``--capacity-fraction`` sizes caches from the workload)."""
+        if self.capacity_for is None:
+            return self.settings
+        engine = dataclasses.replace(self.settings.engine, capacity_blocks=self.capacity_for(wl))
+        return dataclasses.replace(self.settings, engine=engine)
+
+
+def plan(args: argparse.Namespace) -> ClusterPlan:
+    """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
+    cfg = load_config(args.config, environ={})
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in _kv(args.set, "--set"):
+        policy, dot, fname = key.partition(".")
+        if not dot:
+            raise ConfigError(f"--set expects POLICY.FIELD=VALUE, got {key!r}")
+        overrides.setdefault(policy, {})[fname] = value
+    routing_names = [n for n in args.routing.split(",") if n] or [cfg.routing["name"]]
+    eviction_names = [n for n in args.eviction.split(",") if n] or [cfg.eviction["name"]]
+    unused = sorted(set(overrides) - set(routing_names) - set(eviction_names))
+    if unused:
+        raise ConfigError(f"--set names policy {unused[0]!r}, which is not in --routing or --eviction")
+    routings = [policy_spec(cfg, "routing", n, overrides) for n in routing_names]
+    evictions = [policy_spec(cfg, "eviction", n, overrides) for n in eviction_names]
+    if not args.workload and not args.trace:
+        raise ConfigError("give --trace FILE or --workload NAME")
+    name: str = args.workload or "mooncake"
+    wparams = dict(_kv(args.workload_param, "--workload-param"))
+    engine = EngineParams(capacity_blocks=args.capacity_blocks or 0, max_batch_tokens=args.max_batch_tokens,
+                          max_running=args.max_running, prefill_model=args.prefill_model,
+                          prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, tpot_ms=args.tpot_ms,
+                          cache_decode=args.cache_decode, decode_model=args.decode_model,
+                          decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv,
+                          attention_context_tokens=args.attention_context_tokens, hardware_speed=args.hardware_speed)
+    settings = ClusterSettings(
+        workers=args.workers, engine=engine,
+        cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
+        event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
+        warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
+        signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight)
+    settings.validate()
+    capacity_for = None
+    if args.capacity_fraction is not None:
+        frac = args.capacity_fraction
+        if not 0 < frac:
+            raise ConfigError(f"--capacity-fraction must be > 0, got {frac}")
+        workers = args.workers
+        capacity_for = lambda wl: max(1, int(frac * wl.unique_blocks() / workers))  # noqa: E731
+
+    def workload_for(seed: int, rate: float | None) -> Workload:
+        return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,
+                              max_input_tokens=args.max_input_tokens, **dict(wparams))
+
+    meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "capacity_fraction": args.capacity_fraction}
+    return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
+                       list(args.seeds), capacity_for, meta)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        p = plan(args)
+        results = sweep(p.cfg, p.workload_for, p.settings, p.routings, p.evictions, p.rates, p.seeds,
+                        p.capacity_for, out=None if args.quiet else sys.stderr)
+    except (KVRouterError, ValueError, OSError) as exc:
+        print(f"kvrouterd sim cluster: {exc}", file=sys.stderr)
+        return 2
+    meta = dict(p.meta, command="kvrouterd sim cluster " + " ".join(sys.argv[3:]))
+    doc = report.build(results, meta)
+    if args.out:
+        report.write(doc, results, args.out)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(report.table(doc))
+    return 0

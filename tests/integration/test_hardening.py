@@ -6,8 +6,8 @@ import logging
 
 import grpc
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.protocols import EventBatch, Stored

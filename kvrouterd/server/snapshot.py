@@ -68,28 +68,43 @@ async def export_chunks(
 
     The walk visits at most ``step`` blocks between yields to the event loop, so exporting a
     worker of a million blocks never holds up a Route (``Router.export_steps`` says what
-    events applied meanwhile do to the export)."""
+    events applied meanwhile do to the export). A worker deregistered meanwhile ends its part
+    where it was: the chunks already sent stay sent, the other workers follow."""
     size = max_blocks or DEFAULT_CHUNK_BLOCKS
     workers = [router.workers.get(w) for w in worker_ids] if worker_ids else list(router.workers)
     for worker in workers:
         if router.workers.find(worker.id) is not worker:
             continue  # removed while earlier chunks were being sent
-        # the chunk is filled a step's blocks at a time: building a 65,536-block message from a
-        # list in one call held the loop ~50-150 ms (issue #16)
-        chunk, filled, sent = pb.IndexChunk(), 0, False
-        for blocks in router.export_steps(worker.id, step):
-            while blocks:
-                take, blocks = blocks[: size - filled], blocks[size - filled :]
-                _extend(chunk, take)
-                filled += len(take)
-                if filled == size:
-                    yield _finish(router, worker, chunk)
-                    chunk, filled, sent = pb.IndexChunk(), 0, True
-            await asyncio.sleep(0)
-        if router.workers.find(worker.id) is not worker:
-            continue
-        if filled or not sent:
-            yield _finish(router, worker, chunk)
+        for chunk in _worker_chunks(router, worker, size, step):
+            if chunk is None:
+                await asyncio.sleep(0)
+            else:
+                yield chunk
+            # checked after every pause, before the walk goes on: a removed worker's slot is
+            # freed once its blocks are dropped (a deregistration waits for that), and reading
+            # it then answered KeyError(slot) (issue #28 item 4)
+            if router.workers.find(worker.id) is not worker:
+                break
+
+
+def _worker_chunks(router: Router, worker: Worker, size: int, step: int) -> Iterator[pb.IndexChunk | None]:
+    """One worker's chunks of at most ``size`` blocks, and None after each step of the walk
+    (where the host yields to its loop). The caller checks the worker is still registered
+    after each item, before asking for the next."""
+    # the chunk is filled a step's blocks at a time: building a 65,536-block message from a
+    # list in one call held the loop ~50-150 ms (issue #16)
+    chunk, filled, sent = pb.IndexChunk(), 0, False
+    for blocks in router.export_steps(worker.id, step):
+        while blocks:
+            take, blocks = blocks[: size - filled], blocks[size - filled :]
+            _extend(chunk, take)
+            filled += len(take)
+            if filled == size:
+                yield _finish(router, worker, chunk)
+                chunk, filled, sent = pb.IndexChunk(), 0, True
+        yield None
+    if filled or not sent:
+        yield _finish(router, worker, chunk)
 
 
 def _extend(chunk: pb.IndexChunk, part: list[tuple[int, int | None, int]]) -> None:

@@ -264,14 +264,20 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "next_page_token")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
     __slots__ = ("worker_id", "queued_requests", "running_requests", "kv_utilization")
@@ -378,7 +384,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps", "events_rejected")
+    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps", "events_rejected", "worker_count")
     class DecisionsByPolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +407,7 @@ class GetStatsResponse(_message.Message):
     EVENT_BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EVENT_GAPS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_COUNT_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     default_routing_policy: str
@@ -409,7 +416,8 @@ class GetStatsResponse(_message.Message):
     event_batches_applied: int
     event_gaps: int
     events_rejected: _containers.ScalarMap[str, int]
-    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., events_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    worker_count: int
+    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., events_rejected: _Optional[_Mapping[str, int]] = ..., worker_count: _Optional[int] = ...) -> None: ...
 
 class ExportIndexRequest(_message.Message):
     __slots__ = ("worker_ids", "max_blocks_per_chunk")
@@ -420,18 +428,24 @@ class ExportIndexRequest(_message.Message):
     def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., max_blocks_per_chunk: _Optional[int] = ...) -> None: ...
 
 class IndexChunk(_message.Message):
-    __slots__ = ("worker", "keys", "parent_keys", "roots", "engine_hashes")
+    __slots__ = ("worker", "keys", "parent_keys", "roots", "engine_hashes", "unheld_keys", "unheld_parent_keys", "unheld_roots")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     ROOTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_ROOTS_FIELD_NUMBER: _ClassVar[int]
     worker: Worker
     keys: _containers.RepeatedScalarFieldContainer[int]
     parent_keys: _containers.RepeatedScalarFieldContainer[int]
     roots: _containers.RepeatedScalarFieldContainer[bool]
     engine_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    unheld_keys: _containers.RepeatedScalarFieldContainer[int]
+    unheld_parent_keys: _containers.RepeatedScalarFieldContainer[int]
+    unheld_roots: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., unheld_keys: _Optional[_Iterable[int]] = ..., unheld_parent_keys: _Optional[_Iterable[int]] = ..., unheld_roots: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LoadDelta(_message.Message):
     __slots__ = ("replica_id", "dispatched", "completed")

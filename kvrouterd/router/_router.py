@@ -320,14 +320,19 @@ class Router:
         parents before children (a chain's top names a parent this worker does not hold)."""
         return self._advice.export_blocks(worker_id)
 
-    def export_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[list[tuple[int, int | None, int]]]:
-        """``export_blocks`` in parts, each after visiting at most ``step`` blocks (``Advisor.export_steps``)."""
-        return self._advice.export_steps(worker_id, step)
+    def export_steps(
+        self, worker_id: str, step: int = 1 << 62, unheld: list[tuple[int, int | None]] | None = None
+    ) -> Iterator[list[tuple[int, int | None, int]]]:
+        """``export_blocks`` in parts, each after visiting at most ``step`` blocks, with the
+        blocks nobody holds that they hang under put in ``unheld`` (``Advisor.export_steps``)."""
+        return self._advice.export_steps(worker_id, step, unheld)
 
-    def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
-        """Store exported blocks (parents first); returns those whose parent is not in yet
-        (``Advisor.import_blocks``)."""
-        return self._advice.import_blocks(worker_id, blocks)
+    def import_blocks(
+        self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]], unheld: Mapping[int, int | None] | None = None
+    ) -> list[tuple[int, int | None, int]]:
+        """Store exported blocks (parents first), putting back the ``unheld`` blocks above them;
+        returns those whose parent is not in yet (``Advisor.import_blocks``)."""
+        return self._advice.import_blocks(worker_id, blocks, unheld)
 
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
         return self._advice.evict_hint(req, pinned_engine_hashes)

@@ -104,6 +104,23 @@ async def test_removal_by_engine_hash_and_block_keys_input(running):
     assert resp.matched_blocks == 5
 
 
+async def test_indexed_blocks_leaves_out_a_block_no_worker_holds(running):
+    """An engine evicts a chain's middle block: the index keeps it, held by none, so the block
+    under it is matched again once the engine stores it anew, but routing never hits it, and
+    GetStats counted it (issue #28 item 13: 3 indexed against 2 cached)."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(7000, 7000 + 3 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [41, 42, 43])]),
+                  pb.EventBatch(worker_id="a", sequence=1, events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[42]))]))
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    assert [w.cached_blocks for w in stats.workers] == [2] and stats.indexed_blocks == 2
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 1
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=2, events=[stored(prompt[BS : 2 * BS], [42], parent=41)]))
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 3
+    assert (await stub.GetStats(pb.GetStatsRequest())).indexed_blocks == 3
+
+
 async def test_sequence_gap_degrades_until_cleared(running):
     stub = running.stub
     await register(stub, "a")

@@ -10,6 +10,7 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
 
+from ..invariants import index_state
 from .test_daemon import BS, publish, register, stored
 
 
@@ -89,3 +90,26 @@ async def test_a_worker_deregistered_mid_export_ends_its_part_and_the_export_fin
     a_keys = 1 + sum(len(c.keys) for c in rest if c.worker.id == "a")
     assert a_keys < 4000  # the export stopped at the deregistration, not at the end of the worker
     assert sum(len(c.keys) for c in rest if c.worker.id == "b") == 3
+
+
+async def test_a_warmed_replica_keeps_what_hangs_under_an_evicted_first_block(running):
+    """The engine evicted a chain's first block and kept the rest: the replica skipped the rest
+    as unreachable and, once the engine stored the first block again, matched 1 block where its
+    peer matched 10 (issue #28 item 12)."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(3000, 3000 + 10 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, list(range(1, 11)))]),
+                  pb.EventBatch(worker_id="a", sequence=1, events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[1]))]))
+    replica = Daemon(parse_config({"listen": "127.0.0.1:0", "warm_from": f"127.0.0.1:{running.daemon.port}"}), seed=2)
+    port = await replica.start()
+    try:
+        assert index_state(replica.router) == index_state(running.router)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            rstub = router_pb2_grpc.KVRouterStub(ch)
+            for s in (stub, rstub):  # the engine computes the first block again
+                await publish(s, pb.EventBatch(worker_id="a", sequence=2, events=[stored(prompt[:BS], [1])]))
+                assert (await s.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 10
+        assert index_state(replica.router) == index_state(running.router)
+    finally:
+        await replica.stop(grace=0.1)

@@ -115,28 +115,32 @@ def drop_series(provider: MeterProvider, instruments: Iterable[object], key: str
 
 
 class DecisionCounter:
-    """``kvrouter.decisions{policy,reason}``: cumulative ints, observed at collection time.
+    """``kvrouter.decisions{policy,reason[,pool]}``: cumulative ints, observed at collection time.
 
-    ``count`` is the hot path (one dict update); ``add`` keeps the SDK Counter's signature for
-    callers that pass an attribute dict.
+    ``pool`` is the model pool a request was placed in (``Decision.pool``): a model some worker
+    declares, so its values are bounded by configuration, never by what clients send; requests
+    placed in the whole fleet carry no ``pool`` label, as before pools existed. ``count`` is the
+    hot path (one dict update); ``add`` keeps the SDK Counter's signature for callers that pass
+    an attribute dict.
     """
 
     def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
+        self.counts: dict[tuple[str, str, str], int] = {}
 
-    def count(self, policy: str, reason: str) -> None:
-        key = (policy, reason)
+    def count(self, policy: str, reason: str, pool: str = "") -> None:
+        key = (policy, reason, pool)
         counts = self.counts
         counts[key] = counts.get(key, 0) + 1
 
     def add(self, amount: int, attributes: Mapping[str, str]) -> None:
-        key = (attributes["policy"], attributes["reason"])
+        key = (attributes["policy"], attributes["reason"], attributes.get("pool", ""))
         self.counts[key] = self.counts.get(key, 0) + amount
 
     def observe(self, _: CallbackOptions) -> Iterable[Observation]:
         # copy: an exporter thread (OTLP) may collect while the event loop counts
-        for (policy, reason), n in self.counts.copy().items():
-            yield Observation(n, {"policy": policy, "reason": reason})
+        for (policy, reason, pool), n in self.counts.copy().items():
+            yield Observation(n, {"policy": policy, "reason": reason, "pool": pool} if pool
+                              else {"policy": policy, "reason": reason})
 
 
 class LabelledCount:
@@ -351,7 +355,7 @@ class Metrics:
         """Record queued route latencies (the daemon calls this on its maintenance tick)."""
         self.route_latency.flush()
 
-    def route_decided(self, policy: str, reason: str, seconds: float) -> None:
-        """One successful Route: count the decision, record how long it took."""
-        self.decisions.count(policy, reason)
+    def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "") -> None:
+        """One successful Route: count the decision (in its model pool), record how long it took."""
+        self.decisions.count(policy, reason, pool)
         self.route_latency.observe(seconds, policy)

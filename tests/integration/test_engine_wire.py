@@ -457,7 +457,7 @@ async def test_an_adapter_whose_blocks_a_vllm_worker_stores_is_loaded_there_and_
     await applied(source, 0)
     assert list(router.workers.get("w").loras) == ["sql-lora"]
     assert router.index.match(block_keys(tokens, BS, MODEL, "sql-lora"), 1 << router.workers.get("w").slot).overlaps
-    router.route(RouteRequest("busy", [7], BS, model=MODEL, lora="other"))  # loads "other" on one worker
+    router.route(RouteRequest("busy", [7], BS, model=MODEL, lora="other"))  # one request in flight, "other" loaded
     result = router.route(RouteRequest("r", block_keys(prompt(500, BS), BS, MODEL, "sql-lora"), BS, model=MODEL,
                                        lora="sql-lora"))
     assert result.worker.id == "w" and result.decision.lora_placement == "loaded"

@@ -15,6 +15,7 @@ from kvrouterd.protocols import Completion, EventBatch, RouteRequest, Stored, Wo
 from kvrouterd.router import Router, RouterSettings
 from kvrouterd.router.pools import MAX_TRACKED_LORAS
 from kvrouterd.server.status import http_status, status_code
+from kvrouterd.telemetry.tracing import annotate_decision
 
 BS = 4
 
@@ -228,3 +229,19 @@ def test_register_checks_pool_names_against_the_id_limit() -> None:
     with pytest.raises(InvalidRequest, match="max_loras"):
         r.add_worker(spec("w", max_loras=100_000))
     assert len(r.workers) == 0
+
+
+def test_the_decision_span_carries_the_pool_and_the_adapters_placement() -> None:
+    class Span:
+        attributes: dict = {}
+
+        def set_attributes(self, attrs: dict) -> None:
+            self.attributes = attrs
+
+    r = router(spec("a1", "A"))
+    span = Span()
+    annotate_decision(span, r.route(req(1, "A", "sql")), BS)  # type: ignore[arg-type]
+    assert span.attributes["kvrouter.pool"] == "A"
+    assert (span.attributes["kvrouter.lora"], span.attributes["kvrouter.lora.placement"]) == ("sql", "free_slot")
+    annotate_decision(span, r.route(req(2)), BS)  # type: ignore[arg-type]
+    assert "kvrouter.pool" not in span.attributes and "kvrouter.lora" not in span.attributes

@@ -149,9 +149,9 @@ class DecisionCounter:
         for (policy, reason, pool), n in pooled.items():
             unpooled[(policy, reason)] -= n
             yield Observation(n, {"policy": policy, "reason": reason, "pool": pool})
-        only_pooled = {(policy, reason) for policy, reason, _ in pooled}
+        has_pooled = {(policy, reason) for policy, reason, _ in pooled}
         for (policy, reason), n in unpooled.items():
-            if n or (policy, reason) not in only_pooled:
+            if n or (policy, reason) not in has_pooled:
                 yield Observation(n, {"policy": policy, "reason": reason})
 
 

@@ -122,17 +122,21 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # one line per flag: what each one means in depth is in docs/simulator.md
     w = parser.add_argument_group("workload")
-    w.add_argument("--trace", type=Path, metavar="FILE", help="Mooncake-format JSONL trace (implies --workload mooncake)")
-    w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
+    w.add_argument("--trace", type=Path, metavar="FILE",
+                   help="Mooncake-format JSONL trace (implies --workload mooncake)")
+    names = ["mooncake", *GENERATORS]
+    w.add_argument("--workload", choices=names, metavar="NAME", help=f"{', '.join(names[:-1])} or {names[-1]}")
     w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
                    help="request rates in req/s: a list or a grid LO:HI:STEP (default: the workload's)")
     w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds of workload, router and engines")
     w.add_argument("--limit", type=int, default=0, metavar="N", help="use only the first N requests")
-    w.add_argument("--max-input-tokens", type=int, default=0, metavar="N", help="cap trace prompts at N tokens (0 = no cap)")
+    w.add_argument("--max-input-tokens", type=int, default=0, metavar="N",
+                   help="cap trace prompts at N tokens (0 = no cap)")
     w.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
                    help="generator parameter, e.g. prefix_ratio=0.7 (repeatable)")
     p = parser.add_argument_group("policies")
-    p.add_argument("--config", type=Path, metavar="FILE", help="the daemon's YAML config (policy parameters, tick, SLO)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="the daemon's YAML config (policy parameters, tick, SLO)")
     p.add_argument("--routing", default="", metavar="NAME[,NAME..]", help="routing policies (default: the config's)")
     p.add_argument("--eviction", default="", metavar="NAME[,NAME..]", help="eviction policies (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="POLICY.FIELD=VALUE",
@@ -172,10 +176,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--decode-kv", action=argparse.BooleanOptionalAction, default=d.decode_kv,
                    help="batched: generated tokens take KV blocks, preempting when full (default on)")
     e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens, metavar="N",
-                   help=f"attention costs a token per N context tokens (default {d.attention_context_tokens:.0f}; 0 = off)")
+                   help=f"attention costs a token per N context tokens "
+                        f"(default {d.attention_context_tokens:.0f}; 0 = off)")
     e.add_argument("--hardware-speed", type=float, default=d.hardware_speed, metavar="X",
                    help="divide every compute time by X (default 1)")
-    e.add_argument("--cache-decode", action="store_true", help="engines cache the blocks generated tokens fill, as vLLM does")
+    e.add_argument("--cache-decode", action="store_true",
+                   help="engines cache the blocks generated tokens fill, as vLLM does")
     e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, metavar="N",
                    help=f"prefill tokens per engine step (default {d.max_batch_tokens})")
     e.add_argument("--max-running", type=int, default=d.max_running, metavar="N",

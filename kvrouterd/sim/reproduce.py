@@ -214,7 +214,8 @@ def run_unit(unit: Unit) -> Digest:
     return Digest([r.ttft_s for r in recs], sum(r.hit_blocks for r in recs), sum(r.prompt_blocks for r in recs),
                   sum(1 for r in recs if r.ttft_s <= slo_s), len(recs), result.counters.get("unfinished", 0),
                   time.perf_counter() - started, time.process_time() - cpu, result.counters.get("migrations", 0),
-                  result.counters.get("decode_bottleneck_decisions", 0), result.counters.get("decode_bottleneck_moves", 0),
+                  result.counters.get("decode_bottleneck_decisions", 0),
+                  result.counters.get("decode_bottleneck_moves", 0),
                   capacity_blocks=result.capacity_blocks, block_tokens=result.block_tokens)
 
 

@@ -21,6 +21,7 @@ from google.protobuf.json_format import MessageToDict
 
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
+from .decimals import number_arg
 
 __all__ = ["add_arguments", "fetch_stats", "format_stats", "run"]
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, where serve listens)",
     )
     parser.add_argument("--json", action="store_true", help="print the GetStats response as JSON")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    parser.add_argument("--timeout", type=number_arg, default=5.0, help="seconds to wait for the answer (default 5)")
     parser.add_argument("--ca-file", metavar="FILE", help="connect with TLS, trusting this CA bundle")
     parser.add_argument("--cert-file", metavar="FILE", help="client certificate for mutual TLS")
     parser.add_argument("--key-file", metavar="FILE", help="client private key for mutual TLS")

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .decimals import parse_decimal, parse_number
 from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
@@ -236,8 +237,9 @@ class AuthConfig:
 
 
 def _is_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+    host, sep, digits = value.rpartition(":")
+    port = parse_decimal(digits)
+    return bool(sep and host and port is not None and 0 <= port <= 65535)
 
 
 @dataclass(frozen=True)
@@ -307,8 +309,7 @@ class Config:
             except KVRouterError as exc:
                 out.append(prefix + str(exc))
 
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        if not _is_host_port(self.listen):
             out.append(f"listen: expected HOST:PORT, got {self.listen!r}")
         if not 1 <= self.block_size <= 4096:
             out.append(f"block_size: must be in [1, 4096], got {self.block_size}")
@@ -439,17 +440,16 @@ def _convert(t: Any, value: Any, where: str, problems: list[str]) -> Any:
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if t is int:
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        if isinstance(value, str) and (number := parse_decimal(value.strip(), signed=True)) is not None:
+            return number
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if t is float:
         if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            if (real := parse_number(value.strip())) is None:
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            return real
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

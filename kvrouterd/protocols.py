@@ -1,7 +1,7 @@
 """The core's vocabulary: what flows from the edges into the router and back out.
 
 Edges (gRPC, ZMQ adapters, the simulator) convert their wire types into these slotted
-dataclasses; nothing inside ``index/``, ``policies/`` or ``router.py`` sees protobuf or msgpack.
+dataclasses; nothing inside ``index/``, ``policies/`` or ``router/`` sees protobuf or msgpack.
 """
 
 from __future__ import annotations

@@ -35,6 +35,6 @@ def check_router_invariants(router: Router) -> None:
         assert {b.key for b in index.leaves(w.slot)} <= held_keys, w.id
         assert w.inflight_requests >= 0 and w.pending_prefill_tokens >= 0, w.id
     assert sum(w.inflight_requests for w in router.workers) == router.workers.inflight_count
-    requests = router._requests
+    requests = router._ledger.requests
     assert router.inflight_bytes == sum(request_bytes(r) for r in requests.values())
     assert all(router.workers.inflight(rid) is not None for rid in requests)

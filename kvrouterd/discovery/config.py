@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 
 __all__ = ["CLIENT_EXTRA", "SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
@@ -39,8 +40,8 @@ _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
 def _check_port(value: str, where: str, allow_empty: bool) -> None:
     if value == "" and allow_empty:
         return
-    if value.isdigit():
-        if not 1 <= int(value) <= 65535:
+    if (number := parse_decimal(value)) is not None:
+        if not 1 <= number <= 65535:
             raise ConfigError(f"{where}: port number must be in [1, 65535], got {value}")
         return
     if not _PORT_NAME.match(value):

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..decimals import parse_decimal
 from ..index.workers import WorkerSpec
 from ..protocols import CacheMode
 from .config import KubernetesDiscoveryConfig
@@ -44,8 +45,8 @@ def _host(ip: str) -> str:
 
 
 def _resolve_port(pod: Mapping[str, Any], port: str) -> int | None:
-    if port.isdigit():
-        return int(port)
+    if (number := parse_decimal(port)) is not None:
+        return number
     for container in pod.get("spec", {}).get("containers", []) or []:
         for p in container.get("ports", []) or []:
             if p.get("name") == port and isinstance(p.get("containerPort"), int):
@@ -93,8 +94,8 @@ def pod_worker_spec(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig, bloc
     capacity = cfg.capacity_blocks
     raw = annotations.get(CAPACITY_ANNOTATION)
     if raw is not None:
-        if str(raw).isdigit():
-            capacity = int(raw)
+        if (blocks := parse_decimal(str(raw))) is not None:
+            capacity = blocks
         else:
             log.warning("pod %s: annotation %s=%r is not a block count; using %d", name, CAPACITY_ANNOTATION, raw,
                         capacity)

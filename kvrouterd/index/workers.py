@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
+from ..bounds import MAX_CAPACITY_BLOCKS
+from ..decimals import parse_decimal
 from ..errors import Conflict, InvalidRequest, NotFound, quote
 from ..protocols import CacheMode, WorkerState
 from .groups import GroupPresence
@@ -50,14 +52,16 @@ class WorkerSpec:
             raise InvalidRequest(f"worker {self.id!r}: address must not be empty")
         if not 0 <= self.block_size <= MAX_PAGE_SIZE:
             raise InvalidRequest(f"worker {self.id!r}: block_size must be in [0, {MAX_PAGE_SIZE}], got {self.block_size}")
-        if self.capacity_blocks < 0:
-            raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be >= 0")
+        if not 0 <= self.capacity_blocks <= MAX_CAPACITY_BLOCKS:
+            raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be in [0, {MAX_CAPACITY_BLOCKS}] "
+                                 f"(0 = unknown), got {self.capacity_blocks}")
 
 
 def is_host_port(address: str) -> bool:
     """``host:port`` or ``[v6]:port`` with a port in 1-65535."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    host, colon, digits = address.rpartition(":")
+    port = parse_decimal(digits)
+    if not colon or not host or port is None or not 1 <= port <= 65535:
         return False
     if host.startswith("["):
         return host.endswith("]") and len(host) > 2

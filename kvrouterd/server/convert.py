@@ -25,6 +25,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
+from ..bounds import check_completion
 from ..errors import InvalidRequest, Overloaded, quote
 from ..index import native
 from ..index.workers import Worker, WorkerSpec
@@ -237,9 +238,7 @@ def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
         raise InvalidRequest("request_id is required")
     if max_id_length:
         check_id("request_id", msg.request_id, max_id_length)
-    if msg.ttft_ms < 0 or msg.e2e_ms < 0:
-        raise InvalidRequest("ttft_ms and e2e_ms must be >= 0")
-    return Completion(
+    done = Completion(
         request_id=msg.request_id,
         ttft_ms=msg.ttft_ms,
         e2e_ms=msg.e2e_ms,
@@ -248,6 +247,8 @@ def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
         success=msg.success,
         session_ended=msg.session_ended,
     )
+    check_completion(done)  # the Router checks again; a replica's delta is refused here, at its edge
+    return done
 
 
 def worker_spec(msg: pb.Worker) -> WorkerSpec:

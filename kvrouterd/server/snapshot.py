@@ -333,6 +333,14 @@ def _frames(data: bytes) -> Iterator[bytes]:
         pos += n
 
 
+def _json_int(value: object) -> int:
+    """A header number as encode_snapshot writes it: a JSON integer, never a string or a
+    float that int() would also read ("٣" is 3 to int())."""
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
 async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tuple[int, WarmResult]:
     """Load a snapshot written by ``encode_snapshot``; returns the stream sequence to follow
     the event stream after. Workers it names that the router lacks are registered; each
@@ -348,9 +356,9 @@ async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tupl
     try:
         header = json.loads(frames[0])
         chunks = [pb.IndexChunk.FromString(f) for f in frames[1:]]
-        stream_sequence = int(header["stream_sequence"])
-        sequences = {str(k): int(v) for k, v in header["sequences"].items()}
-        block_size = int(header["block_size"])
+        stream_sequence = _json_int(header["stream_sequence"])
+        sequences = {str(k): _json_int(v) for k, v in header["sequences"].items()}
+        block_size = _json_int(header["block_size"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidRequest(f"snapshot does not parse: {exc}") from None
     if stream_sequence > stream_end:

@@ -8,7 +8,7 @@ table), ``results.json`` and ``hit_ratio_vs_capacity.png``.
 
 The cache is the daemon's own: a ``Router`` with one approximate-mode worker of
 ``--capacity-blocks`` blocks, whose cache model is the real ``RadixIndex`` plus the named
-eviction policy built by the policy registry (``Router._record_access``). Each trace line is
+eviction policy built by the policy registry (``LoadLedger._record_access``). Each trace line is
 one request, replayed in file order:
 
 1. look up: the request's leading blocks already cached are its hits (a prefix hit: a block

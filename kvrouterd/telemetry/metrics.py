@@ -42,7 +42,8 @@ from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
 
-__all__ = ["DecisionCounter", "LabelledCount", "Metrics", "RouteLatency", "build_meter_provider", "drop_series"]
+__all__ = ["DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency", "build_meter_provider",
+           "drop_series"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
@@ -162,6 +163,23 @@ class LabelledCount:
             yield Observation(n, {label: value})
 
 
+class PairCount:
+    """A counter with two labels, as ``LabelledCount`` is with one (``kvrouter.rpc.rejected{rpc,code}``)."""
+
+    def __init__(self, first: str, second: str) -> None:
+        self.labels = (first, second)
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def count(self, first: str, second: str, amount: int = 1) -> None:
+        key = (first, second)
+        self.counts[key] = self.counts.get(key, 0) + amount
+
+    def observe(self, _: CallbackOptions) -> Iterable[Observation]:
+        a, b = self.labels
+        for (x, y), n in self.counts.copy().items():
+            yield Observation(n, {a: x, b: y})
+
+
 class RouteLatency:
     """``kvrouter.route.duration{policy}``: values queued per Route, recorded by ``flush``.
 
@@ -225,6 +243,17 @@ class Metrics:
         # rate() and increase(), so the shed alert and the dashboard would miss the first burst
         for code in ROUTE_ERROR_CODES:
             self.route_errors.add(0, {"code": code})
+        # every call (and RouteStream item) a handler refused or failed, by RPC (server.call_errors)
+        self.rejected_calls = PairCount("rpc", "code")
+        meter.create_observable_counter(
+            "kvrouter.rpc.rejected", [self.rejected_calls.observe],
+            description="calls and RouteStream items refused with a status other than OK/INTERNAL, by rpc and code",
+        )
+        self.internal_errors = LabelledCount("rpc")
+        meter.create_observable_counter(
+            "kvrouter.internal_errors", [self.internal_errors.observe],
+            description="unexpected exceptions in handlers (answered INTERNAL and logged), by rpc",
+        )
         self.route_latency = RouteLatency(
             meter.create_histogram(
                 "kvrouter.route.duration", unit="s", description="time to decide a Route (hash + match + policy)",

@@ -38,6 +38,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import BatchOutcome, CacheMode, Decision, EventBatch
 from ..router import RouteResult
@@ -291,10 +292,10 @@ def _peer(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
     peer = context.peer() or ""  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678", "unix:..."
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        host, _, port = address.rpartition(":")
+        host, _, digits = address.rpartition(":")
         span.set_attribute("network.peer.address", host.strip("[]"))
-        if port.isdigit():
-            span.set_attribute("network.peer.port", int(port))
+        if (port := parse_decimal(digits)) is not None:
+            span.set_attribute("network.peer.port", port)
 
 
 def _finish(span: trace.Span, context: grpc.aio.ServicerContext) -> None:

@@ -274,6 +274,33 @@ async def test_a_restart_the_sequence_hides_is_caught_by_the_replay_after_a_reco
     assert router.workers.get("w").state is WorkerState.READY
 
 
+@pytest.mark.parametrize("wire", ALL_ENGINES, ids=lambda w: w.name)
+async def test_a_restart_that_published_more_batches_than_expected_is_not_replayed_as_a_gap(
+        env: Env, wire: EngineWire) -> None:
+    """Issue #28 item 11: the new run published more batches than we expect while we were
+    disconnected, so its first live batch looks like an ordinary gap. Replaying the missing
+    range of the new run onto the old view would keep the old run's blocks as false hits and
+    never apply the new run's first batches."""
+    router, source, start = env
+    engine = await start(wire)
+    old = [prompt(1000 * i, BS) for i in range(3)]
+    for i, tokens in enumerate(old):
+        await publish(engine, wire, wire.stored(_pages(wire, 1000 * (i + 1), tokens), tokens))
+    await applied(source, 2)
+    await _restart_on_same_port(engine)
+    new = [prompt(50_000 + 1000 * i, BS) for i in range(6)]
+    for i in range(5):  # sequences 0-4 of the new run, published while nobody is connected
+        await publish(engine, wire, wire.stored(_pages(wire, 90_000 + 1000 * i, new[i]), new[i]), drop=True)
+    await engine.wait_subscribed()
+    await publish(engine, wire, wire.stored(_pages(wire, 99_000, new[5]), new[5]))  # sequence 5: we expect 3
+    sub = source.subscribers["w"]
+    await until(lambda: sub.stats.last_sequence == 5)
+    assert sub.stats.restarts == 1 and sub.stats.run_checks == 1
+    assert all(matched(router, p) == 0 for p in old)  # no false hit on the old run's blocks
+    assert all(matched(router, p) == 1 for p in new)  # every batch of the new run, 0 included
+    assert router.workers.get("w").state is WorkerState.READY
+
+
 async def test_a_reconnect_without_a_restart_changes_nothing(env: Env) -> None:
     router, source, start = env
     wire = VLLM_026

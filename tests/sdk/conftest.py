@@ -37,6 +37,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.require_registration = False
         #: reject (INVALID_ARGUMENT) the first batch with this sequence number, once
         self.reject_sequence: int | None = None
+        #: end the next PublishEvents streams, one each, with these codes at their first batch
+        self.fail_streams: list[grpc.StatusCode] = []
         #: False plays a router that predates RouteStream (UNIMPLEMENTED)
         self.streams_supported = True
         #: RouteStream calls opened (including refused ones)
@@ -135,6 +137,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         summary = pb.PublishEventsResponse()
         n = 0
         async for batch in request_iterator:
+            if self.fail_streams:
+                await context.abort(self.fail_streams.pop(0), "fake fails this stream")
             if self.break_stream_after is not None and n >= self.break_stream_after:
                 self.break_stream_after = None
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake connection drop")

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from ._channel import TLS
+from ._decimals import parse_decimal
 from ._publisher import EventPublisher
 from ._types import CacheMode, EvictAdvice, PublisherStats, WorkerInfo
 
@@ -41,10 +42,11 @@ DEFAULT_RESOLVE_INTERVAL_S = 30.0
 
 def resolve_all(target: str) -> list[str]:
     """Every ``ip:port`` a ``host:port`` resolves to (IPv6 in brackets), sorted, without duplicates."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    host, sep, digits = target.rpartition(":")
+    port = parse_decimal(digits)
+    if not sep or not host or port is None:
         raise ValueError(f"expected host:port, got {target!r}")
-    infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     found = set()
     for family, _, _, _, address in infos:
         ip = address[0]

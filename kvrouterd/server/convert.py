@@ -19,7 +19,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -45,9 +44,7 @@ from ..protocols import (
     WorkerState,
 )
 from ..router import Router, RouteResult
-
-if TYPE_CHECKING:  # a type only: off_loop imports this module
-    from .off_loop import SplitRoute
+from .wire import WirePrompt
 
 __all__ = [
     "EVENT_BLOCKS",
@@ -205,14 +202,15 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
     )
 
 
-def check_split(split: SplitRoute, router: Router) -> None:
-    """``route_request``'s checks, in its order, as far as they go before the prompt is decoded:
-    a request they reject costs no hashing (the size limit is applied while hashing)."""
-    if split.prompt.both or len(split.msg.block_keys):
+def check_split(prompt: WirePrompt, msg: pb.RouteRequest, router: Router) -> None:
+    """``route_request``'s checks of a split Route (``prompt`` cut out of ``msg`` by ``wire``), in
+    its order, as far as they go before the prompt is decoded: a request they reject costs no
+    hashing (the size limit is applied while hashing)."""
+    if prompt.both or len(msg.block_keys):
         raise InvalidRequest(_ONE_PROMPT_FORM)
-    if split.prompt.packed:
-        _packed_count("token_ids_le32", split.prompt.size)
-    _route_task(split.msg, router)
+    if prompt.packed:
+        _packed_count("token_ids_le32", prompt.size)
+    _route_task(msg, router)
 
 
 def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse | None = None) -> pb.RouteResponse:

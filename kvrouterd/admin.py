@@ -37,7 +37,7 @@ _STATE = {pb.WORKER_STATE_READY: "ready", pb.WORKER_STATE_DEGRADED: "degraded", 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
-        help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, serve's default listen address)",
+        help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, where serve listens)",
     )
     parser.add_argument("--json", action="store_true", help="print the GetStats response as JSON")
     parser.add_argument("--timeout", type=number_arg, default=5.0, help="seconds to wait for the answer (default 5)")

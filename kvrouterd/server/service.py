@@ -150,7 +150,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
@@ -362,7 +362,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 req = off_loop.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
@@ -418,7 +418,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if recording:
                     annotate_decision(span, result, router.block_size)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)

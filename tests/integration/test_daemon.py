@@ -173,7 +173,7 @@ async def test_evict_hint_over_grpc(running):
         ("Route", pb.RouteRequest(), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, block_keys=[1]), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
-        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.NOT_FOUND),
         ("Route", pb.RouteRequest(token_ids=[1] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
         ("Complete", pb.CompleteRequest(request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
         ("EvictHint", pb.EvictHintRequest(worker_id="ghost", blocks=1), grpc.StatusCode.NOT_FOUND),

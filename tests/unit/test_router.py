@@ -89,8 +89,27 @@ def test_candidate_subset_restricts_the_choice():
     for _ in range(4):
         r = router.route(req(router, list(range(32)), candidate_workers=("w2",)))
         assert r.worker.id == "w2"
-    with pytest.raises(NoEligibleWorker):
+    with pytest.raises(NotFound, match="'ghost'"):
         router.route(req(router, list(range(32)), candidate_workers=("ghost",)))
+
+
+def test_unknown_candidates_are_the_callers_mistake_and_ineligible_known_ones_an_outage():
+    """Issue #29 item 10: a typo in candidate_workers answered UNAVAILABLE, which clients fail
+    open on, so every request went to the fallback unseen. NOT_FOUND names the unknown ids;
+    UNAVAILABLE is left for known candidates that cannot take a request now."""
+    router, _ = make(n=2)
+    with pytest.raises(NotFound, match="names no registered worker: 'gpu-9', 'gpu-10'") as unknown:
+        router.route(req(router, list(range(32)), candidate_workers=("gpu-9", "gpu-10")))
+    assert not isinstance(unknown.value, NoEligibleWorker)
+    # an unknown id beside a known one is passed over (a caller's list may lag a worker that left)
+    assert router.route(req(router, list(range(32)), candidate_workers=("gone", "w1"))).worker.id == "w1"
+    router.set_draining("w1", True)
+    with pytest.raises(NoEligibleWorker, match=r"'gone', 'w1'\) is eligible \('gone' not registered\)"):
+        router.route(req(router, list(range(32)), candidate_workers=("gone", "w1")))
+    # a router with no worker yet (just restarted) knows no id: an outage, not a typo
+    empty, _ = make(n=0)
+    with pytest.raises(NoEligibleWorker):
+        empty.route(req(empty, list(range(32)), candidate_workers=("w0",)))
 
 
 def test_draining_workers_get_no_new_requests():

@@ -22,8 +22,9 @@ Fallback when the router is unreachable (UNAVAILABLE or DEADLINE_EXCEEDED, which
 ``RouterUnavailable``; with a ``fallback`` callable the client fails open: it calls
 ``fallback(request)`` with the ``RouteRequest`` it tried and returns its ``(worker_id,
 worker_address)`` as a ``RouteResult`` with ``fallback=True`` (``complete()`` of such a result
-does nothing, since the router never saw it). Rejections (bad input, over a limit) always
-raise ``RouterRejected``: failing open would hide a bug.
+does nothing, since the router never saw it). Rejections (bad input, a model or
+``candidate_workers`` no registered worker has, over a limit) always raise ``RouterRejected``:
+failing open would hide a bug.
 """
 
 from __future__ import annotations

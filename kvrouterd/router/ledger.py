@@ -5,8 +5,8 @@ to compute, the request itself) until its Complete, or until ``inflight_timeout_
 comes; the ledger keeps each in-flight request and bounds their bytes
 (``limits.max_inflight_bytes``). Routing touches the chosen worker's matched prefix for the
 eviction policy and, for an approximate-mode worker (no KV events), assumes the rest of the
-prompt cached, evicting to its modelled capacity, as SGLang's approximate cache-aware router
-does. Replicas sharing load (``events.replica_sync``) apply each other's Dispatch and Complete
+prompt cached, evicting to its modelled capacity (a hard bound after every decision), as
+SGLang's approximate cache-aware router does. Replicas sharing load (``events.replica_sync``) apply each other's Dispatch and Complete
 messages here, matched by request id as Dynamo's router replica sync does.
 """
 
@@ -201,21 +201,39 @@ class LoadLedger:
             return []
         assert info is not None
         self._assume_cached(worker, req.keys, overlap, info, now)
-        capacity = worker.spec.capacity_blocks or shared.settings.approximate_capacity_blocks
+        capacity = self._capacity(worker)
         excess = index.count(slot) - capacity if capacity else 0
         if excess <= 0:
             return []
         ctx_e = EvictionContext(index, slot, now, worker.id)
-        victims = eviction.rank(ctx_e, excess, frozenset(req.keys))
+        victims = eviction.rank(ctx_e, excess, frozenset(req.keys[:capacity]))
         drop_blocks(eviction, index, slot, victims)
+        excess -= len(victims)
+        if excess > 0:
+            # the prompt's own blocks were all that could go (a held block above one of them is
+            # no leaf while it stays): capacity is a hard bound, so the ranking takes them too
+            more = eviction.rank(EvictionContext(index, slot, now, worker.id), excess, frozenset())
+            drop_blocks(eviction, index, slot, more)
+            victims += more
         shared.counters["approx_evicted"] += len(victims)
         return [block.key for block in victims]
 
+    def _capacity(self, worker: Worker) -> int:
+        """Blocks an approximate-mode worker's modelled cache holds at most (0: unbounded)."""
+        return worker.spec.capacity_blocks or self._shared.settings.approximate_capacity_blocks
+
     def _assume_cached(self, worker: Worker, keys: Sequence[int], overlap: int, info: AccessInfo, now: float) -> None:
-        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``)."""
+        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``), as
+        far as its capacity goes: a prompt longer than the cache leaves its first blocks there
+        (what a later request can reuse), never more blocks than the cache holds (issue #28
+        item 7: 4,375 blocks were kept against 500)."""
         index, eviction = self._shared.index, self._shared.policies.eviction
+        capacity = self._capacity(worker)
+        end = min(len(keys), capacity) if capacity else len(keys)
+        if end <= overlap:
+            return
         parent = keys[overlap - 1] if overlap else None
-        stored = index.store(worker.slot, parent, keys[overlap:], now)
+        stored = index.store(worker.slot, parent, keys[overlap:end], now)
         eviction.on_stored(index, worker.slot, stored, replace(info, first_offset=overlap), now)
 
     def _forget_assumed(self, worker: Worker, keys: Iterable[int]) -> None:

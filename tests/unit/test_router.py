@@ -76,6 +76,31 @@ def test_approximate_worker_cache_is_bounded_by_its_capacity():
     assert router.index.match(last.keys, 1).overlap(0) == 8
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "tlru", "unicache", "hybrid", "rlt"])
+def test_approximate_capacity_is_a_hard_bound_after_every_decision(eviction):
+    # issue #28 item 7: a prompt longer than the modelled cache was kept whole (4,375 blocks
+    # against 500), and the prompt's own blocks were never evicted to make room
+    capacity = 20
+    router, _ = make(mode=CacheMode.APPROXIMATE, n=1, capacity=capacity, eviction={"name": eviction})
+    prompts = [list(range(i * 1000, i * 1000 + n * BS)) for i, n in enumerate([8, 60, 19, 21, 45, 3, 20, 200])]
+    for tokens in prompts + prompts[::-1]:
+        r = router.route(req(router, tokens))
+        assert router.index.count(0) <= capacity
+        router.complete(Completion(r.request.request_id))
+    # the long prompt's first blocks are what stays cached of it
+    longest = req(router, prompts[-1])
+    router.route(longest)
+    assert router.index.count(0) == capacity
+    assert router.index.match(longest.keys, 1).overlap(0) == capacity
+    # block keys a client sends need not chain: here the prompt's first block is the cache's
+    # deepest, so every other block held is above the prompt's and no leaf while they stay;
+    # the bound holds all the same, by evicting the prompt's own blocks
+    keys = router.keys_for_tokens(prompts[1])
+    router.route(RouteRequest("again", keys, len(keys) * BS))
+    router.route(RouteRequest("odd", [keys[capacity - 1], 7, 8], 3 * BS))
+    assert router.index.count(0) == capacity
+
+
 def test_request_may_name_a_policy_and_unknown_ones_are_refused():
     router, _ = make()
     r = router.route(req(router, list(range(32)), policy="round_robin"))

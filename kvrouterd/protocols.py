@@ -147,6 +147,10 @@ class RouteRequest:
     policy: str = ""
     candidate_workers: tuple[str, ...] = ()
     model: str = ""
+    #: who sent it, as the host names its callers (the daemon: the gRPC peer, one client
+    #: connection); requests in flight are bounded per client (``limits.max_inflight_per_client``).
+    #: "" = not bounded by client (the simulator, in-process callers)
+    client: str = ""
 
 
 @dataclass(slots=True)

@@ -130,8 +130,12 @@ class RouterMachine(RuleBasedStateMachine):
                 end = max(start + page, min(ev[3], len(tokens)) // page * page)
                 if end > len(tokens):
                     continue
-                hashes = None if page == 1 and ev[1] % 2 else tuple(self.engine_hash(ev[1], e) for e in range(start + page, end + 1, page))
-                parent = (self.engine_hash(ev[1], start) if hashes is not None else self.keys(ev[1], start)[-1]) if start else None
+                hashes = None  # the publisher uses our keys as its hashes (odd prompts, 1-token pages)
+                if page > 1 or not ev[1] % 2:
+                    hashes = tuple(self.engine_hash(ev[1], e) for e in range(start + page, end + 1, page))
+                parent = None
+                if start:
+                    parent = self.engine_hash(ev[1], start) if hashes is not None else self.keys(ev[1], start)[-1]
                 batch.append(Stored(tuple(tokens[start:end]), hashes, parent_engine_hash=parent))
             elif ev[0] == "remove":
                 end = min(ev[2], len(BASES[ev[1]]))

@@ -22,6 +22,11 @@ and ~8 next Routes one batch of answers asks for), cut and framed by the SDK's o
 The same keys with ``_one_per_message`` after ``grpc_stream_route`` / ``grpc_trivial_stream`` /
 ``grpc_stream`` are the load sending one message per Route and per Complete, as the SDK does
 with a router without batches (and as every streamed figure before 2026-11-24 was measured),
+``sdk_client_cpu_us_per_route`` (the gateway's own CPU per Route + Complete through the SDK's
+``RouterClient``, 64 in flight, its default streams and batching, the prompt a list of ints as
+tokenizers return it; the load runs in this process, the daemon in its own; median of rounds) and
+``sdk_client_cpu_us_per_route_packed`` (the same with the prompt already an ``array('I')``, so
+without packing the list),
 ``ingest_events_per_s`` (stored block events/s through PublishEvents into the index, tokens packed
 as the SDK sends them; ``ingest_events_per_s_repeated_tokens`` with the repeated field),
 ``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
@@ -202,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
         for load, key, label in (("stream_8x8", "", "coalesced as the SDK does"),
                                  ("stream_8x8_single", "_one_per_message", "one message per call")):
             _stream_figures(runs, mid, load, key, label, result, rows)
+        for load, key, label in (("sdk_64", "", "prompt a list"), ("sdk_64_packed", "_packed", "prompt an array('I')")):
+            cpu = [x["daemon"][load]["client_cpu_us_per_call"] for x in runs]
+            result[f"sdk_client_cpu_us_per_route{key}"] = statistics.median(cpu)
+            rows.append((f"SDK RouterClient (+ complete), 64 in flight, {label}", _load_figures(mid["daemon"][load])))
+            rows.append(("  gateway CPU per Route + Complete, us (median of rounds)", _median_of_rounds(cpu)))
         for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream coalesced"),
                             ("stream_8x8_single", "RouteStream one per message")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))

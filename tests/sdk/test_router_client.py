@@ -344,6 +344,23 @@ async def test_a_prompt_given_as_an_array_stays_the_callers(fake_server):
     assert fake_server.fake.routes[1].token_ids_le32 == array("I", range(64)).tobytes()
 
 
+async def test_each_call_keeps_its_own_deadline_on_a_shared_stream(fake_server):
+    async with RouterClient(fake_server.target, timeout=5.0, streams=1) as client:
+        for _ in range(50):  # answered calls do not pile up in the stream's deadline queue
+            await client.route([1] * 16)
+        (stream,) = client._streams._streams  # type: ignore[union-attr]
+        assert stream is not None and len(stream.deadlines) <= 1
+        fake_server.fake.route_delay = 1.0
+        loop = asyncio.get_running_loop()
+        patient = asyncio.create_task(client.route([1] * 16))
+        started = loop.time()
+        # sooner than the call before it on the same stream: it still ends at its own deadline
+        with pytest.raises(RouterUnavailable, match="DEADLINE_EXCEEDED"):
+            await client.route([1] * 16, timeout=0.2)
+        assert loop.time() - started < 0.8
+        assert (await patient).worker_id == "w1"  # the slow answer is within its 5 s
+
+
 async def test_a_cancelled_call_raises_cancelled_and_leaves_nothing_waiting(fake_server):
     fake_server.fake.route_delay = 0.5
     async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -183,6 +184,12 @@ class _Stream:
         self.failure: BaseException | None = None
         # kept: asyncio.get_running_loop() costs a getpid() system call, several a call otherwise
         self.loop = asyncio.get_running_loop()
+        #: (deadline, id, what, timeout) of calls sent, in deadline order: one timer per stream
+        #: (``_expire_due``) fails those still waiting at their deadline, where a timer per call
+        #: cost ~1.6 us to arm and cancel. Answered calls leave from the front as calls are added
+        self.deadlines: deque[tuple[float, int, str, float]] = deque()
+        self.deadline_timer: asyncio.TimerHandle | None = None
+        self.deadline_at = 0.0  # when deadline_timer fires
         self.reader = self.loop.create_task(self._read())
 
     async def _read(self) -> None:
@@ -245,11 +252,48 @@ class _Stream:
             self.writer = self.loop.create_task(self._write())
         return future
 
+    def expire_at(self, n: int, timeout: float, what: str) -> asyncio.TimerHandle | None:
+        """Fail call ``n`` with DEADLINE_EXCEEDED if it is still waiting ``timeout`` s from now.
+        Returns the timer the caller must cancel when done, if the call needed one of its own."""
+        when = self.loop.time() + timeout
+        deadlines, waiting = self.deadlines, self.waiting
+        while deadlines and deadlines[0][1] not in waiting:  # answered (calls finish about in order)
+            deadlines.popleft()
+        if deadlines and when < deadlines[-1][0]:
+            # sooner than a call before it (a shorter per-call timeout): a timer of its own
+            return self.loop.call_at(when, _expire, waiting[n], what, timeout)
+        deadlines.append((when, n, what, timeout))
+        if self.deadline_timer is None or when < self.deadline_at:  # the timer may be a gone call's
+            self._arm(when)
+        return None
+
+    def _arm(self, when: float) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+        self.deadline_timer = self.loop.call_at(when, self._expire_due)
+        self.deadline_at = when
+
+    def _expire_due(self) -> None:
+        now = self.loop.time()
+        deadlines, waiting = self.deadlines, self.waiting
+        while deadlines and deadlines[0][0] <= now:
+            _, n, what, timeout = deadlines.popleft()
+            future = waiting.get(n)
+            if future is not None:
+                _expire(future, what, timeout)
+        # the next no sooner than a millisecond on (the loop's timers have that resolution): a
+        # deadline is kept late by at most that, never early
+        self.deadline_timer = None
+        if deadlines:
+            self._arm(max(deadlines[0][0], now + 0.001))
+
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
         if self.writer is not None:
             self.writer.cancel()
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
 
 
 def _stream_failure(exc: grpc.RpcError) -> BaseException:
@@ -306,7 +350,7 @@ class RouteStreams:
             future = stream.submit(n, item)
             # the deadline fails the future itself: cheaper than wait_for's wrapping future and
             # callbacks, and a cancelled caller still cancels the future it awaits
-            timer = stream.loop.call_later(timeout, _expire, future, what, timeout)
+            timer = stream.expire_at(n, timeout, what)
             reply = await future
         except StreamsUnsupported:
             self.unsupported = True

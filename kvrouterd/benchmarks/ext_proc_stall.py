@@ -41,8 +41,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvrouterd._generated.envoy.config.core.v3 import base_pb2
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from . import harness
 from .stats import latency_summary

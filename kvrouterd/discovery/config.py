@@ -10,6 +10,8 @@ Example::
         kv_events_port: "5557"  # set: the pod publishes KV events (events mode) at tcp://IP:5557
         kv_replay_port: "5558"  # optional: its replay endpoint, tcp://IP:5558
         capacity_blocks: 20000  # per pod; the pod annotation kvrouterd.io/capacity-blocks wins
+        model_label: llm-d.ai/model   # the pod's model pool (llm-d's label; "" = not read)
+        role_label: llm-d.ai/role     # prefill, decode or both (llm-d's label; "" = not read)
 
 Kept apart from ``config.py`` so the loader only learns one field; the section is built by
 the same generic loader (unknown keys and bad values fail naming ``discovery.kubernetes.*``).
@@ -19,10 +21,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 
-__all__ = ["SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
+__all__ = ["CLIENT_EXTRA", "SERVICE_ACCOUNT_DIR", "DiscoveryConfig", "KubernetesDiscoveryConfig"]
+
+#: the package extra that installs the Kubernetes client discovery runs on (kvrouterd[discovery])
+CLIENT_EXTRA = "discovery"
 
 #: where Kubernetes mounts a pod's service-account token, CA bundle and namespace
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -35,8 +42,8 @@ _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
 def _check_port(value: str, where: str, allow_empty: bool) -> None:
     if value == "" and allow_empty:
         return
-    if value.isdigit():
-        if not 1 <= int(value) <= 65535:
+    if (number := parse_decimal(value)) is not None:
+        if not 1 <= number <= 65535:
             raise ConfigError(f"{where}: port number must be in [1, 65535], got {value}")
         return
     if not _PORT_NAME.match(value):
@@ -58,6 +65,11 @@ class KubernetesDiscoveryConfig:
     kv_replay_port: str = ""
     #: KV capacity per pod in blocks, unless the pod's ``kvrouterd.io/capacity-blocks`` annotation says
     capacity_blocks: int = 0
+    #: pod label naming the model the pod serves, as llm-d's charts set it and InferencePools select
+    #: on; the annotation ``kvrouterd.io/models`` (full names, comma-separated) wins; "" = not read
+    model_label: str = "llm-d.ai/model"
+    #: pod label naming its role, ``prefill``, ``decode`` or ``both`` (llm-d's); "" = not read
+    role_label: str = "llm-d.ai/role"
     #: prefixed to the pod name to form the worker id (avoids clashes with static workers)
     id_prefix: str = ""
     #: only pods whose Ready condition is True are workers (a starting engine gets no traffic)
@@ -78,6 +90,10 @@ class KubernetesDiscoveryConfig:
         if self.enabled and not self.label_selector.strip():
             # an empty selector would turn every pod in the namespace into a worker
             raise ConfigError(f"{where}.label_selector: required when discovery is enabled")
+        if self.enabled and find_spec("kubernetes_asyncio") is None:
+            # an optional dependency: a daemon without discovery should not carry the client
+            raise ConfigError(f"{where}.enabled: needs the {CLIENT_EXTRA!r} extra, which installs kubernetes_asyncio "
+                              f"(pip install 'kvrouterd[{CLIENT_EXTRA}]'; the container image has it)")
         _check_port(self.port, f"{where}.port", allow_empty=False)
         _check_port(self.kv_events_port, f"{where}.kv_events_port", allow_empty=True)
         _check_port(self.kv_replay_port, f"{where}.kv_replay_port", allow_empty=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from .bus_config import NatsBusConfig
 from .endpoints import EndpointAllowList
@@ -52,7 +53,13 @@ class ZmqEventsConfig:
 
     @property
     def lora_names(self) -> dict[int, str]:
-        return {int(k): v for k, v in self.lora_ids.items()}
+        names: dict[int, str] = {}
+        for key, name in self.lora_ids.items():
+            lora_id = parse_decimal(str(key))
+            if lora_id is None or not name:
+                raise ConfigError(f"events.lora_ids: {key!r}: keys are vLLM lora ids (integers), values adapter names")
+            names[lora_id] = name
+        return names
 
     def validate(self) -> None:
         self.bus.validate()
@@ -67,6 +74,4 @@ class ZmqEventsConfig:
             raise ConfigError(f"events.other_media must be 'ignore' or 'track', got {self.other_media!r}")
         if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
             raise ConfigError("events.reconnect_ivl_ms must be > 0 and <= reconnect_ivl_max_ms")
-        for lora_id, name in self.lora_ids.items():
-            if not str(lora_id).isdigit() or not name:
-                raise ConfigError(f"events.lora_ids: {lora_id!r}: keys are vLLM lora ids (integers), values adapter names")
+        _ = self.lora_names  # a bad key fails here, naming it

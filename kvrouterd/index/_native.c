@@ -2524,56 +2524,412 @@ static PyTypeObject BlockTableType = {
     .tp_getset = BlockTable_getset,
 };
 
-static PyObject *match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active);
-static PyObject *match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active);
+/* ---- Overlaps: the match walk's result, slot -> depth ----------------------------------------
+ *
+ * What radix.py's MatchResult.overlaps holds: for each worker slot of the mask that holds the
+ * request's first block, the number of leading blocks it holds. The pure walk (_walk.py) builds a
+ * dict; here it is a read-only mapping over a flat array indexed by slot, so the walk writes one
+ * uint32 per matched slot instead of making two ints and a dict entry (a 64-entry dict was ~30%
+ * of the walk's instructions, and at 1,024 workers the dict alone costs more than a decision
+ * should), and prefix_scan reads a candidate's depth by its slot number. `get`, `[]`, `in` and
+ * `len` are answered from the array; everything else a dict offers (iteration, items(), ==,
+ * repr) goes through an equal dict made on first use, in the pure walk's insertion order (by
+ * depth, then slot), which `order` keeps. It holds only ints: no cycle-collector object. */
+typedef struct {
+    PyObject_VAR_HEAD /* ob_size: width + the order's capacity, the uint32s in data */
+    Py_ssize_t width; /* data[0 .. width) is each slot's depth, 0 for a slot without an entry */
+    Py_ssize_t count; /* entries so far; their slots are data[width .. width + count), in order */
+    PyObject *dict;   /* the same entries as a dict, made on first need; NULL until then */
+    uint32_t data[1];
+} OverlapsObject;
 
-/* Record overlaps[slot] = depth for every set bit of `bits`, lowest slot first. */
-static int
-set_overlaps(PyObject *overlaps, unsigned long long bits, Py_ssize_t depth)
+static PyTypeObject OverlapsType;
+
+/* an Overlaps without entries for slots below `width`, room for `capacity` of them in order */
+static OverlapsObject *
+overlaps_new(Py_ssize_t width, Py_ssize_t capacity)
 {
-    if (!bits)
-        return 0;
-    PyObject *value = PyLong_FromSsize_t(depth);
-    if (value == NULL)
-        return -1;
-    while (bits) {
-        int slot = __builtin_ctzll(bits);
-        PyObject *k = PyLong_FromLong(slot);
-        if (k == NULL || PyDict_SetItem(overlaps, k, value) < 0) {
-            Py_XDECREF(k);
-            Py_DECREF(value);
+    if (width < 0 || capacity < 0 || width > (PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(uint32_t) - 64) - capacity) {
+        PyErr_SetString(PyExc_OverflowError, "match result too large");
+        return NULL;
+    }
+    OverlapsObject *o = PyObject_NewVar(OverlapsObject, &OverlapsType, width + capacity);
+    if (o == NULL)
+        return NULL;
+    o->width = width;
+    o->count = 0;
+    o->dict = NULL;
+    memset(o->data, 0, (size_t)width * sizeof(uint32_t));
+    return o;
+}
+
+static void
+Overlaps_dealloc(OverlapsObject *o)
+{
+    Py_CLEAR(o->dict);
+    PyObject_Free(o);
+}
+
+/* the depth of `slot` (0: no entry) */
+static inline uint32_t
+overlaps_depth(const OverlapsObject *o, long long slot)
+{
+    return slot >= 0 && slot < o->width ? o->data[slot] : 0;
+}
+
+/* the entries as a dict (borrowed), made on the first call */
+static PyObject *
+overlaps_dict(OverlapsObject *o)
+{
+    if (o->dict != NULL)
+        return o->dict;
+    PyObject *d = _PyDict_NewPresized(o->count);
+    if (d == NULL)
+        return NULL;
+    const uint32_t *order = o->data + o->width;
+    for (Py_ssize_t i = 0; i < o->count; i++) {
+        PyObject *k = PyLong_FromUnsignedLong(order[i]);
+        PyObject *v = k == NULL ? NULL : PyLong_FromUnsignedLong(o->data[order[i]]);
+        int r = v == NULL ? -1 : PyDict_SetItem(d, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (r < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    o->dict = d;
+    return d;
+}
+
+/* the depth of `key` as a new int, NULL with no error when it has no entry, NULL with an error */
+static PyObject *
+overlaps_lookup(OverlapsObject *o, PyObject *key)
+{
+    if (PyLong_CheckExact(key)) {
+        int overflow;
+        long long slot = PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (slot == -1 && PyErr_Occurred())
+            return NULL;
+        uint32_t depth = overflow ? 0 : overlaps_depth(o, slot);
+        return depth ? PyLong_FromUnsignedLong(depth) : NULL;
+    }
+    /* anything else equal to an int slot (True, 3.0, an int subclass) finds it as a dict would */
+    PyObject *d = overlaps_dict(o);
+    if (d == NULL)
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    return v == NULL ? NULL : Py_NewRef(v);
+}
+
+static Py_ssize_t
+Overlaps_length(OverlapsObject *o)
+{
+    return o->count;
+}
+
+static PyObject *
+Overlaps_subscript(OverlapsObject *o, PyObject *key)
+{
+    PyObject *v = overlaps_lookup(o, key);
+    if (v == NULL && !PyErr_Occurred()) {
+        PyObject *args = PyTuple_Pack(1, key); /* a tuple key is not taken for the arguments */
+        if (args != NULL) {
+            PyErr_SetObject(PyExc_KeyError, args);
+            Py_DECREF(args);
+        }
+    }
+    return v;
+}
+
+static int
+Overlaps_contains(OverlapsObject *o, PyObject *key)
+{
+    PyObject *v = overlaps_lookup(o, key);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_DECREF(v);
+    return 1;
+}
+
+static PyObject *
+Overlaps_get(OverlapsObject *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(slot, default=None)");
+        return NULL;
+    }
+    PyObject *v = overlaps_lookup(o, args[0]);
+    if (v == NULL && !PyErr_Occurred())
+        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    return v;
+}
+
+/* keys(), values(), items(): the dict's views (the entries never change) */
+static PyObject *
+Overlaps_view(OverlapsObject *o, const char *name)
+{
+    PyObject *d = overlaps_dict(o);
+    return d == NULL ? NULL : PyObject_CallMethod(d, name, NULL);
+}
+
+static PyObject *Overlaps_keys(OverlapsObject *o, PyObject *unused) { return Overlaps_view(o, "keys"); }
+static PyObject *Overlaps_values(OverlapsObject *o, PyObject *unused) { return Overlaps_view(o, "values"); }
+static PyObject *Overlaps_items(OverlapsObject *o, PyObject *unused) { return Overlaps_view(o, "items"); }
+
+static PyObject *
+Overlaps_iter(OverlapsObject *o)
+{
+    PyObject *d = overlaps_dict(o);
+    return d == NULL ? NULL : PyObject_GetIter(d);
+}
+
+static PyObject *
+Overlaps_richcompare(OverlapsObject *o, PyObject *other, int op)
+{
+    if (op != Py_EQ && op != Py_NE)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *d = overlaps_dict(o);
+    if (d == NULL)
+        return NULL;
+    if (Py_IS_TYPE(other, &OverlapsType)) {
+        other = overlaps_dict((OverlapsObject *)other);
+        if (other == NULL)
+            return NULL;
+    }
+    return PyObject_RichCompare(d, other, op);
+}
+
+static PyObject *
+Overlaps_repr(OverlapsObject *o)
+{
+    PyObject *d = overlaps_dict(o);
+    return d == NULL ? NULL : PyObject_Repr(d);
+}
+
+static PyMethodDef Overlaps_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Overlaps_get, METH_FASTCALL, "get(slot, default=None): the slot's depth, or default"},
+    {"keys", (PyCFunction)Overlaps_keys, METH_NOARGS, "the slots with an entry, in the pure walk's order"},
+    {"values", (PyCFunction)Overlaps_values, METH_NOARGS, "their depths"},
+    {"items", (PyCFunction)Overlaps_items, METH_NOARGS, "(slot, depth) pairs"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods Overlaps_as_mapping = {
+    .mp_length = (lenfunc)Overlaps_length,
+    .mp_subscript = (binaryfunc)Overlaps_subscript,
+};
+
+static PySequenceMethods Overlaps_as_sequence = {
+    .sq_contains = (objobjproc)Overlaps_contains,
+};
+
+static PyTypeObject OverlapsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.Overlaps",
+    .tp_doc = "The match walk's slot -> depth mapping (read-only; equal to the pure walk's dict).",
+    .tp_basicsize = offsetof(OverlapsObject, data),
+    .tp_itemsize = sizeof(uint32_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Overlaps_dealloc,
+    .tp_repr = (reprfunc)Overlaps_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_as_mapping = &Overlaps_as_mapping,
+    .tp_as_sequence = &Overlaps_as_sequence,
+    .tp_richcompare = (richcmpfunc)Overlaps_richcompare,
+    .tp_iter = (getiterfunc)Overlaps_iter,
+    .tp_methods = Overlaps_methods,
+};
+
+/* ---- the walk over holder sets of any width ------------------------------------------------
+ *
+ * A block's holders are an int bitmask over slots (radix.py), as wide as its highest holder's
+ * slot: 1,024 workers make 1,024-bit ints. The walk keeps the slots still matching as the
+ * mask's CPython digits (PyLong_SHIFT bits each, least significant first) and reads each
+ * block's holders digits in place, so no int is converted or made per block; only the digits
+ * between the lowest and the highest slot still matching are visited (`lo`, `hi`), so once the
+ * matching slots sit in one digit, a block costs what a 64-bit mask did, whatever the fleet's
+ * size. (CPython >= 3.11 stores an int so: longintrepr.h, included by Python.h.) */
+
+/* The int `v`'s magnitude as CPython stores it: its digit count with the digits in *d, or -1
+ * when `v` is negative (the caller intersects those the slow way). */
+static inline Py_ssize_t
+long_digits(PyObject *v, const digit **d)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyLongObject *l = (PyLongObject *)v;
+    uintptr_t tag = l->long_value.lv_tag; /* digits << 3 | sign (0 positive, 1 zero, 2 negative) */
+    *d = l->long_value.ob_digit;
+    return (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
+#else
+    Py_ssize_t size = Py_SIZE(v); /* negative for a negative int */
+    *d = ((PyLongObject *)v)->ob_digit;
+    return size < 0 ? -1 : size;
+#endif
+}
+
+#define WALK_STACK_DIGITS 160 /* 4,800 slots: MAX_WORKERS (4,096) without an allocation */
+
+typedef struct {
+    PyObject *mask;      /* the slots_mask int (borrowed): what a negative holders is cut to */
+    digit *act;          /* the slots still matching, as the mask's digits */
+    Py_ssize_t lo, hi;   /* act's digits below lo and from hi on are 0 */
+    OverlapsObject *out; /* made once the first block has narrowed the slots; NULL before */
+    digit act_stack[WALK_STACK_DIGITS];
+} Walk;
+
+static void
+walk_release(Walk *w)
+{
+    if (w->act != w->act_stack)
+        PyMem_Free(w->act);
+    Py_CLEAR(w->out);
+}
+
+/* w ready to walk `mask` (a non-negative int, checked by the caller); 0, or -1 with MemoryError */
+static int
+walk_init(Walk *w, PyObject *mask)
+{
+    const digit *d;
+    Py_ssize_t n = long_digits(mask, &d);
+    w->mask = mask;
+    w->out = NULL;
+    w->act = w->act_stack;
+    if (n > WALK_STACK_DIGITS) {
+        w->act = PyMem_New(digit, (size_t)n);
+        if (w->act == NULL) {
+            PyErr_NoMemory();
             return -1;
         }
-        Py_DECREF(k);
+    }
+    memcpy(w->act, d, (size_t)n * sizeof(digit));
+    w->lo = 0;
+    w->hi = n; /* CPython keeps no leading zero digit */
+    return 0;
+}
+
+/* Give every slot of `bits` (digit `i` of the mask) the entry `depth`, lowest slot first. Each
+ * slot gets at most one (it leaves the walk's slots as it does), and is below `out`'s width and
+ * within its capacity, both measured on the slots the first block left (walk_first). */
+static inline void
+walk_record(Walk *w, digit bits, Py_ssize_t i, Py_ssize_t depth)
+{
+    OverlapsObject *o = w->out;
+    uint32_t *order = o->data + o->width;
+    Py_ssize_t base = i * PyLong_SHIFT;
+    while (bits) {
+        Py_ssize_t slot = base + __builtin_ctz(bits);
+        o->data[slot] = (uint32_t)depth;
+        order[o->count++] = (uint32_t)slot;
         bits &= bits - 1;
     }
-    Py_DECREF(value);
-    return 0;
 }
 
-/* One block of a walk at `depth`: intersect `*active` with the block's holders (`holders_obj`,
- * a new reference, consumed), recording `depth` as the overlap of every slot that drops out.
- * 1: no slot is left and the walk ends; 0: go on; -1: error. */
+/* One block of a walk at `depth`: intersect the slots still matching with the block's holders
+ * (an int, borrowed), recording `depth` as the overlap of every slot that drops out (none at
+ * depth 0: a slot without the first block has no entry). 1: the last slots dropped out here and
+ * the walk ends; 0: go on (also with no slot at all: an empty mask walks every block present,
+ * as the pure walk does); -1: error. Runs no Python code and allocates nothing for a non-negative int.
+ *
+ * Most blocks drop no slot, so a first loop only asks whether any drops out: branch-free over
+ * the digits, which the compiler vectorizes (1,024 slots are 35 digits). */
 static int
-walk_step(PyObject *overlaps, unsigned long long *active, PyObject *holders_obj, Py_ssize_t depth)
+walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
 {
-    /* only the low 64 bits can intersect `active` */
-    unsigned long long holders = PyLong_AsUnsignedLongLongMask(holders_obj);
-    Py_DECREF(holders_obj);
-    if (holders == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    unsigned long long still = *active & holders;
-    if (still != *active) {
-        if (depth && set_overlaps(overlaps, *active ^ still, depth) < 0)
+    const digit *h;
+    Py_ssize_t hn = long_digits(holders, &h);
+    PyObject *cut = NULL;
+    if (hn < 0) { /* two's complement: every bit above its digits is set; cut to the mask */
+        cut = PyNumber_And(w->mask, holders);
+        if (cut == NULL)
             return -1;
-        *active = still;
-        if (!still)
-            return 1;
+        hn = long_digits(cut, &h);
     }
-    return 0;
+    digit *act = w->act;
+    Py_ssize_t lo = w->lo, hi = w->hi;
+    Py_ssize_t both = hn < hi ? hn : hi; /* digits of act from `both` on meet zeros */
+    digit dropped = 0;
+    for (Py_ssize_t i = lo; i < both; i++)
+        dropped |= act[i] & ~h[i];
+    int ends = 0;
+    if (dropped || both < hi) {
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            digit a = act[i];
+            digit still = i < both ? a & h[i] : 0;
+            if (still != a) {
+                if (depth)
+                    walk_record(w, a ^ still, i, depth);
+                act[i] = still;
+            }
+        }
+        while (lo < hi && !act[lo])
+            lo++;
+        while (hi > lo && !act[hi - 1])
+            hi--;
+        w->lo = lo;
+        w->hi = hi;
+        ends = lo == hi;
+    }
+    Py_XDECREF(cut);
+    return ends;
 }
 
-/* match_walk(blocks: dict, keys: sequence, slots_mask: int) -> (overlaps, path) | NotImplemented */
+/* After the first block: the result, as wide as the highest slot left and with room for all
+ * of them. 0, or -1 with an error. */
+static int
+walk_first(Walk *w)
+{
+    Py_ssize_t width = 0, capacity = 0;
+    for (Py_ssize_t i = w->lo; i < w->hi; i++)
+        capacity += __builtin_popcount(w->act[i]);
+    if (w->lo < w->hi) {
+        Py_ssize_t top = w->hi - 1;
+        if (top > ((Py_ssize_t)UINT32_MAX - 32) / PyLong_SHIFT) {
+            PyErr_SetString(PyExc_OverflowError, "slots_mask holds a slot of 2**32 or more");
+            return -1;
+        }
+        width = top * PyLong_SHIFT + (Py_ssize_t)(32 - __builtin_clz(w->act[top]));
+    }
+    w->out = overlaps_new(width, capacity);
+    return w->out == NULL ? -1 : 0;
+}
+
+/* The walk ended at `depth` (blocks matched): the slots left hold them all. The result (a new
+ * reference), made empty if no block matched. */
+static PyObject *
+walk_finish(Walk *w, Py_ssize_t depth)
+{
+    if (w->out == NULL) {
+        w->out = overlaps_new(0, 0);
+        if (w->out == NULL)
+            return NULL;
+    }
+    if (depth)
+        for (Py_ssize_t i = w->lo; i < w->hi; i++)
+            walk_record(w, w->act[i], i, depth);
+    PyObject *out = (PyObject *)w->out;
+    w->out = NULL;
+    return out;
+}
+
+static PyObject *match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w);
+static PyObject *match_walk_table_seq(BlockTable *t, PyObject *seq, Walk *w);
+
+/* holders of a block found in a dict of blocks (a new reference to an int), or NULL */
+static PyObject *
+holders_of(PyObject *node)
+{
+    if (IS_BLOCK(node))
+        return Py_NewRef(BLOCK(node)->state->holders);
+    PyObject *h = PyObject_GetAttr(node, holders_name);
+    if (h == NULL || PyLong_Check(h))
+        return h;
+    Py_SETREF(h, PyNumber_Index(h)); /* what `active & holders` would make of it */
+    return h;
+}
+
+/* match_walk(blocks: dict | BlockTable, keys: sequence, slots_mask: int) -> (overlaps, path)
+ * `overlaps` is an Overlaps (above), equal to the pure walk's dict (_walk.py: match_walk_py). */
 static PyObject *
 match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2591,14 +2947,18 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "slots_mask must be an int");
         return NULL;
     }
-    unsigned long long active = PyLong_AsUnsignedLongLong(args[2]);
-    if (active == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return NULL;
-        /* wider than 64 bits (or negative): Python's unbounded ints handle it */
-        PyErr_Clear();
-        Py_RETURN_NOTIMPLEMENTED;
+    const digit *unused;
+    if (long_digits(args[2], &unused) < 0) {
+        PyErr_SetString(PyExc_ValueError, "slots_mask must be >= 0");
+        return NULL;
     }
+    Walk *w = PyMem_Malloc(sizeof(Walk)); /* ~2 kB: not on the C stack */
+    if (w == NULL)
+        return PyErr_NoMemory();
+    PyObject *mask = Py_NewRef(args[2]); /* ours while a foreign holders attribute runs code */
+    PyObject *result = NULL;
+    if (walk_init(w, mask) < 0)
+        goto done;
 
     if (is_table && PyObject_CheckBuffer(args[1])) {
         /* array('Q') / numpy uint64 keys (Route's path): read in place, no int objects */
@@ -2615,62 +2975,66 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (view.ndim > 1 || view.itemsize != 8 || (code != 'Q' && code != 'L') || !native_order) {
             PyBuffer_Release(&view);
             PyErr_SetString(PyExc_TypeError, "buffer keys must be one-dimensional native-endian uint64 (array('Q'))");
-            return NULL;
+            goto done;
         }
-        PyObject *result = match_walk_table((BlockTable *)blocks, (const uint64_t *)view.buf, view.len / 8, active);
+        result = match_walk_table((BlockTable *)blocks, (const uint64_t *)view.buf, view.len / 8, w);
         PyBuffer_Release(&view);
-        return result;
+        goto done;
     }
 as_sequence:;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
-        return NULL;
+        goto done;
     if (is_table) {
-        PyObject *result = match_walk_table_seq((BlockTable *)blocks, seq, active);
+        result = match_walk_table_seq((BlockTable *)blocks, seq, w);
         Py_DECREF(seq);
-        return result;
+        goto done;
     }
-    PyObject *overlaps = PyDict_New();
     PyObject *path = PyList_New(0);
-    if (overlaps == NULL || path == NULL)
-        goto error;
-
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (path == NULL)
+        goto seq_done;
     Py_ssize_t depth = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *node = PyDict_GetItemWithError(blocks, items[i]); /* borrowed */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        if (depth >= (Py_ssize_t)UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "a match of 2**32 blocks or more");
+            goto seq_error;
+        }
+        PyObject *node = PyDict_GetItemWithError(blocks, PySequence_Fast_GET_ITEM(seq, i)); /* borrowed */
         if (node == NULL) {
             if (PyErr_Occurred())
-                goto error;
+                goto seq_error;
             break;
         }
         /* owned from here: any allocation may run a collection whose finalizers change `blocks` */
         Py_INCREF(node);
-        PyObject *holders_obj = IS_BLOCK(node) ? Py_NewRef(BLOCK(node)->state->holders) : PyObject_GetAttr(node, holders_name);
-        int step = holders_obj == NULL ? -1 : walk_step(overlaps, &active, holders_obj, depth);
+        PyObject *holders = holders_of(node);
+        int step = holders == NULL ? -1 : walk_step(w, holders, depth);
+        Py_XDECREF(holders);
+        if (step >= 0 && depth == 0 && walk_first(w) < 0)
+            step = -1;
         if (step == 0 && PyList_Append(path, node) < 0)
             step = -1;
         Py_DECREF(node);
         if (step < 0)
-            goto error;
+            goto seq_error;
         if (step > 0)
             break;
         depth++;
     }
-    if (depth && set_overlaps(overlaps, active, depth) < 0)
-        goto error;
-    Py_DECREF(seq);
-    PyObject *result = PyTuple_Pack(2, overlaps, path);
+    PyObject *overlaps = walk_finish(w, depth);
+    if (overlaps == NULL)
+        goto seq_error;
+    result = PyTuple_Pack(2, overlaps, path);
     Py_DECREF(overlaps);
+seq_error:
     Py_DECREF(path);
-    return result;
-
-error:
+seq_done:
     Py_DECREF(seq);
-    Py_XDECREF(overlaps);
-    Py_XDECREF(path);
-    return NULL;
+done:
+    walk_release(w);
+    PyMem_Free(w);
+    Py_DECREF(mask);
+    return result;
 }
 
 /* ---- the match walk over a BlockTable, with the memory latency overlapped -----------------
@@ -2686,7 +3050,7 @@ error:
 
 /* keys given as int objects: converted, up to the first that can't be a key (outside uint64) */
 static PyObject *
-match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active)
+match_walk_table_seq(BlockTable *t, PyObject *seq, Walk *w)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -2703,7 +3067,7 @@ match_walk_table_seq(BlockTable *t, PyObject *seq, unsigned long long active)
         if (r == 1)
             break;
     }
-    PyObject *result = match_walk_table(t, keys, nkeys, active);
+    PyObject *result = match_walk_table(t, keys, nkeys, w);
     PyMem_Free(keys);
     return result;
 }
@@ -2730,8 +3094,10 @@ walk_prefetch_slot(const BlockTable *t, uint64_t key)
 }
 
 static PyObject *
-match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned long long active)
+match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
 {
+    if (nkeys > (Py_ssize_t)UINT32_MAX) /* depths are uint32 */
+        nkeys = (Py_ssize_t)UINT32_MAX;
     Py_ssize_t found = 0;
     BlockObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(BlockObject *));
     PyObject *overlaps = NULL;
@@ -2758,28 +3124,20 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, unsigned
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
         nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(*slot));
     }
-    /* Every slot that holds the first block gets an entry, so the dict is made at its final size:
-     * filled from empty, 64 slots cost four resizes (3.3k of the walk's 54k instructions). */
-    Py_ssize_t entries = 0;
-    if (found) {
-        unsigned long long first = PyLong_AsUnsignedLongLongMask(nodes[0]->state->holders);
-        if (first == (unsigned long long)-1 && PyErr_Occurred())
-            goto error;
-        entries = __builtin_popcountll(active & first);
-    }
-    overlaps = _PyDict_NewPresized(entries);
-    if (overlaps == NULL)
-        goto error;
-    /* pass 2: intersect holder masks along the path */
+    /* pass 2: intersect holder sets along the path. Nothing here runs Python code (Overlaps is no
+     * collector object, so making it runs no collection): the Blocks' states stay as read. */
     Py_ssize_t depth = 0;
     for (; depth < found; depth++) {
-        int step = walk_step(overlaps, &active, Py_NewRef(nodes[depth]->state->holders), depth);
+        int step = walk_step(w, nodes[depth]->state->holders, depth);
+        if (step >= 0 && depth == 0 && walk_first(w) < 0)
+            step = -1;
         if (step < 0)
             goto error;
         if (step > 0)
             break;
     }
-    if (depth && set_overlaps(overlaps, active, depth) < 0)
+    overlaps = walk_finish(w, depth);
+    if (overlaps == NULL)
         goto error;
     path = PyList_New(depth);
     if (path == NULL)
@@ -3670,6 +4028,51 @@ member_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
     return PyObject_GetAttr(obj, name);
 }
 
+/* The exact int `v` as a long long into *out: 0, or 1 when it does not fit. A candidate's slot
+ * and load are nearly always one digit, read here without a call (a third of the scan's time
+ * over 1,024 candidates went to the three conversions). */
+static inline int
+exact_long(PyObject *v, long long *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (_PyLong_IsCompact((PyLongObject *)v)) {
+        *out = (long long)_PyLong_CompactValue((PyLongObject *)v);
+        return 0;
+    }
+#else
+    Py_ssize_t size = Py_SIZE(v); /* digits, negative for a negative int; 0 has digit[0] == 0 */
+    if (size >= -1 && size <= 1) {
+        *out = size * (long long)((PyLongObject *)v)->ob_digit[0];
+        return 0;
+    }
+#endif
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    return overflow;
+}
+
+/* The depth of the candidate in slot `slot` (an exact int) into *depth: from the walk's Overlaps
+ * `by_slot` when not NULL, else looked up in the dict `overlaps` (0 when absent). 0; 1 when the
+ * dict's value is not an int of at most 64 bits (the caller runs the reference); -1 on error. */
+static inline int
+scan_depth(PyObject *overlaps, OverlapsObject *by_slot, PyObject *slot, long long *depth)
+{
+    int overflow;
+    *depth = 0;
+    if (by_slot != NULL) {
+        long long s;
+        *depth = exact_long(slot, &s) ? 0 : overlaps_depth(by_slot, s);
+        return 0;
+    }
+    PyObject *found = PyDict_GetItemWithError(overlaps, slot); /* borrowed */
+    if (found == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyLong_CheckExact(found))
+        return 1;
+    *depth = PyLong_AsLongLongAndOverflow(found, &overflow);
+    return overflow ? 1 : 0;
+}
+
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
  *
  * One pass over a routing decision's candidates, the reference being policies/_scan.py:
@@ -3679,9 +4082,9 @@ member_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
  * `load_name`. Reading two attributes and a dict per candidate here costs a sixth of the
  * bytecode loop it replaces, on every Route over every worker; the attributes are read as
  * `__slots__` members where the candidates' class has them (member_offset: 35k -> 15k
- * instructions at 64 workers). NotImplemented (the caller runs the Python reference) when
- * `overlaps` is not a dict, a slot is not an int, or a depth or load is not an int of at most
- * 64 bits. */
+ * instructions at 64 workers). The match walk's Overlaps is read by slot number, a dict by
+ * lookup. NotImplemented (the caller runs the Python reference) when `overlaps` is neither, a
+ * slot is not an int, or a depth or load is not an int of at most 64 bits. */
 static PyObject *
 prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -3694,7 +4097,8 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "load_name must be a str");
         return NULL;
     }
-    if (!PyDict_Check(overlaps))
+    OverlapsObject *by_slot = Py_IS_TYPE(overlaps, &OverlapsType) ? (OverlapsObject *)overlaps : NULL;
+    if (by_slot == NULL && !PyDict_Check(overlaps))
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
     if (seq == NULL)
@@ -3725,19 +4129,13 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(slot);
             goto python;
         }
-        PyObject *found = PyDict_GetItemWithError(overlaps, slot); /* borrowed */
+        long long depth;
+        int got = scan_depth(overlaps, by_slot, slot, &depth);
         Py_DECREF(slot);
-        long long depth = 0;
-        int overflow = 0;
-        if (found != NULL) {
-            if (!PyLong_CheckExact(found))
-                goto python;
-            depth = PyLong_AsLongLongAndOverflow(found, &overflow);
-            if (overflow)
-                goto python;
-        }
-        else if (PyErr_Occurred())
+        if (got < 0)
             goto error;
+        if (got > 0)
+            goto python;
         PyObject *load_obj = member_get(item, load_at, load_name);
         if (load_obj == NULL)
             goto error;
@@ -3745,7 +4143,8 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(load_obj);
             goto python;
         }
-        long long load = PyLong_AsLongLongAndOverflow(load_obj, &overflow);
+        long long load;
+        int overflow = exact_long(load_obj, &load);
         Py_DECREF(load_obj);
         if (overflow)
             goto python;
@@ -5209,7 +5608,8 @@ static PyMethodDef native_methods[] = {
     {"chain_split", (PyCFunction)(void (*)(void))chain_split, METH_FASTCALL,
      "chain_split(blocks, prio) -> (continued blocks whose key is in prio, blocks not continued)"},
     {"match_walk", (PyCFunction)(void (*)(void))match_walk, METH_FASTCALL,
-     "match_walk(blocks, keys, slots_mask) -> (overlaps, path), or NotImplemented for masks over 64 bits."},
+     "match_walk(blocks, keys, slots_mask) -> (overlaps: Overlaps, path): each slot's longest prefix held, "
+     "for masks of any width."},
     {"openai_prompt", (PyCFunction)(void (*)(void))openai_prompt, METH_FASTCALL,
      "openai_prompt(body, chat) -> (model_start, model_end, is_text, payload, length) | None: an OpenAI "
      "body's prompt read with the GIL released; None leaves the body to the Python parser."},
@@ -5249,7 +5649,7 @@ PyInit__native(void)
     Py_DECREF(array_module);
     if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
-        || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
+        || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
         return NULL;
     state_zero = state_new(zero, float_zero, zero);
     if (state_zero == NULL)
@@ -5262,7 +5662,8 @@ PyInit__native(void)
         || PyModule_AddObjectRef(module, "U64Map", (PyObject *)&U64MapType) < 0
         || PyModule_AddObjectRef(module, "Block", (PyObject *)&BlockType) < 0
         || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0
-        || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0) {
+        || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0
+        || PyModule_AddObjectRef(module, "Overlaps", (PyObject *)&OverlapsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -2,7 +2,8 @@
 
 This is on every Route's path (about a third of a decision at 250 blocks), so it lives on
 its own where the native fast path (``_native``, built from ``_native.c`` when a compiler is
-available) can replace it; both implementations are held to the same results by tests.
+available) can replace it, for any number of worker slots; both implementations are held to the
+same results by tests. The native one answers with an ``Overlaps`` mapping instead of a dict.
 """
 
 from __future__ import annotations
@@ -49,15 +50,10 @@ def match_walk_py(blocks: Mapping[int, Any], keys: Sequence[int], slots_mask: in
     return overlaps, path
 
 
-def _match_walk_native(blocks: Mapping[int, Any], keys: Sequence[int], slots_mask: int) -> tuple[dict[int, int], list[Any]]:
-    result = _native_walk(blocks, keys, slots_mask)
-    if result is NotImplemented:  # more than 64 worker slots: Python's ints have no width limit
-        return match_walk_py(blocks, keys, slots_mask)
-    return result  # type: ignore[no-any-return]
-
-
 if native.module is not None:
-    _native_walk = native.module.match_walk
-    match_walk = _match_walk_native
+    # the native walk returns its overlaps as an ``Overlaps``: a read-only mapping over an array
+    # indexed by slot, equal to (and iterating like) the dict above, for masks of any width
+    Mapping.register(native.module.Overlaps)
+    match_walk = native.module.match_walk
 else:
     match_walk = match_walk_py

@@ -27,13 +27,39 @@ of prefilling them one by one and ``8^(b-c)`` = 94.5% of one request as long as 
 (``c > 1``: a longer prompt costs more per token), and an 8,192-token request 346 ms, 5.5%
 above the linear default.
 
+**Attention over earlier context** (``attention_context_tokens``). The fits above were measured
+on prompts prefilled from scratch in one piece, so they price a chunk's attention to itself
+but not to the tokens before it: a chunk of ``n`` new tokens that follows ``p`` tokens already
+in the KV cache (a cached prefix, which is not recomputed but is attended to, or the prompt's
+earlier chunks) also computes ``n * p`` query-key pairs the fit never saw. ``PrefillCost``
+prices them on top of the fit: ``attention_ms = token_ms * n * p / attention_context_tokens``,
+where ``token_ms`` is the fit's cost of one token (batch 1, at 1k tokens: 40.7 ms / 1k for
+``H100_LLAMA31_8B``, ``ms_per_1k / 1000`` for the linear model, intercept excluded) and
+``attention_context_tokens`` is the context length at which one token's attention costs as much
+as its linear layers. From FLOP counts per token (Kaplan et al. 2020, "Scaling Laws for Neural
+Language Models", Table 1: ``2 N`` for the ``N`` parameters of the linear layers and ``2 *
+n_layer * n_ctx * d_attn`` for the attention logits; Hoffmann et al. 2022, "Training
+Compute-Optimal LLMs", appendix F, counts the value reduction alike, so ``4 * n_layer *
+d_model * context`` in all): for Llama-3.1-8B (N = 8.03e9, 32 layers, d_model 4096) that is
+``2 * 8.03e9 / (4 * 32 * 4096)`` = 30,632 tokens (``LLAMA31_8B_ATTENTION_TOKENS``), assuming
+attention FLOPs run as fast as the fit's linear ones. What it gives: a prompt short enough for
+one chunk, with nothing cached, has no earlier context and costs exactly the fit; a 1k-token
+turn after a 4k cached prefix costs 13% more than the fit; a 131,072-token prompt in
+8,192-token chunks (vLLM's budget) costs 2.93x the sixteen chunks priced alone (5.5 s of fit
+plus 10.7 s of attention to earlier chunks). 0 turns the term off (per-chunk pricing).
+What this assumes: attention at the linear layers' FLOP rate. The fit itself hints attention
+may be cheaper on short prompts: its cost per token grows 3.8% from 1k to 8k tokens, a third
+of the 11.6% FLOP parity predicts for attention within the prompt (ratio ~94k tokens, which
+would give 1.6x at 128k); at long context FlashAttention-class kernels run near GEMM rates,
+so FLOP parity is kept, matching the 2-3x issue #27 expects.
+
 **Decode cost.** UniCache (section 3.2) found TPOT "relatively small ... but high variance
 across settings" with no stable parametric fit, and models it as a batch-independent
 constant, its measured mean; the simulated engines do the same (``tpot_ms``, 20 ms, our
-assumption for an 8B model since the mean is not published), or with ``--decode-model
-batched`` charge a decode step ``tpot_ms * (1 + slope * (D - 1))`` for D decoding requests
-(slope 0 by default: no paper gives one). Routing here estimates TTFT only, so no policy
-needs a decode model.
+assumption for an 8B model since the mean is not published) with ``--decode-model
+constant``; by default they run decoding in their steps and charge a decode step ``tpot_ms *
+(1 + slope * (D - 1))`` for D decoding requests (``sim.engine`` derives the slope). Routing here
+estimates TTFT only, so no policy needs a decode model.
 
 Queueing delay ``T_q`` is the prefill time of the worker's pending prefill tokens (the
 uncached tokens of requests routed to it and not yet completed), treated as one batch of
@@ -58,6 +84,10 @@ Parameters (``LatencyParams``, inherited by the Params of every policy using the
 - ``calibration_forgetting`` = 0.992: RLS forgetting factor (LBGR's value).
 - ``calibration_min_samples`` = 8: samples before calibrated coefficients replace the prior.
 - ``pending_model`` = "drain": how pending prefill tokens are estimated (see ``pending_tokens``).
+- ``attention_context_tokens`` = 0.0: attention over earlier context (see above; 0 = off, the
+  daemon's default; ``kvrouterd sim cluster`` sets its engines' 30,632). ``ttft_ms`` prices the
+  request's own attention to its cached prefix and its earlier chunks, not that of the queue.
+- ``prefill_chunk_tokens`` = 8192: the engines' chunked-prefill budget, which bounds a chunk.
 
 ``kvrouterd sim cluster`` fills every ``prefill_*``/``power_*`` field a policy's spec leaves
 unset with its engines' values (``sim.policy_specs.profiled_spec``), as DualMap profiles the GPU
@@ -68,15 +98,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..bounds import MAX_LATENCY_MS
 from ..index.workers import Worker
 from ..protocols import Completion, Decision, RouteRequest
 from .base import RoutingContext, RoutingPolicyBase
 
-__all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LatencyModel", "LatencyParams", "PowerLaw",
-           "RecursiveLeastSquares", "power_law_ms"]
+__all__ = ["A100_LLAMA32_1B", "H100_LLAMA31_8B", "LATENCY_FIELDS", "LLAMA31_8B_ATTENTION_TOKENS", "LatencyModel",
+           "LatencyParams", "PowerLaw", "PrefillCost", "RecursiveLeastSquares", "attended_pairs", "power_law_ms"]
 
 # Tracked dispatches awaiting their Complete; beyond this the oldest are forgotten (a caller
 # that never completes must not grow memory without bound).
@@ -85,6 +117,18 @@ _MAX_TRACKED = 200_000
 _LOG_MAX_TOKENS = 40.0
 # a calibrated power law's a stays within e^+-20 ms
 _LOG_A_RANGE = 20.0
+# Physical bounds on the linear model as used: prefill never costs less than 1 us or more than
+# 10^4 s per 1k tokens (a diverged fit in sim cluster reached 5.4e6 ms, inside), and never waits
+# more than a day before its first token
+_PER_1K_RANGE = (1e-3, 1e7)
+_INTERCEPT_RANGE = (0.0, MAX_LATENCY_MS)
+# Where the fits' state may wander (wider than the coefficients used, so a sane run never meets
+# them: a fit that drifts out and back behaves as before), so one sample never makes it inf/NaN
+_LINEAR_STATE = ((-_PER_1K_RANGE[1], _PER_1K_RANGE[1]), (-MAX_LATENCY_MS, MAX_LATENCY_MS))
+_POWER_STATE = ((-1000.0, 1000.0), (-1000.0, 1000.0), (-1000.0, 1000.0))
+# a calibration sample beyond these is not a measurement: dropped
+_MAX_SAMPLE_TOKENS = 1 << 40
+_MAX_SAMPLE_BATCH = 1 << 20
 
 
 def _clip(x: float, lo: float, hi: float) -> float:
@@ -128,7 +172,57 @@ H100_LLAMA31_8B = PowerLaw(a_ms=0.0359, b=0.991, c=1.018)
 A100_LLAMA32_1B = PowerLaw(a_ms=0.0556, b=0.992, c=1.034)
 #: the LatencyParams fields that describe the hardware (what ``sim cluster`` takes from its engines)
 LATENCY_FIELDS = ("prefill_model", "prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b",
-                  "power_c")
+                  "power_c", "attention_context_tokens", "prefill_chunk_tokens")
+#: Llama-3.1-8B: context at which a token's attention FLOPs equal its linear layers',
+#: 2 * params / (4 * layers * d_model) (see the module docstring)
+LLAMA31_8B_ATTENTION_TOKENS = 2 * 8.03e9 / (4 * 32 * 4096)
+#: the prompt length at which the attention term takes the fit's cost of one token
+_ATTENTION_REF_TOKENS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Compute time of one prefill step: the fitted model (``power_law`` or ``linear``) for its
+    new tokens, plus their attention to the context before each request's chunk. The simulated
+    engines time their steps with it and ``LatencyModel`` estimates with it, so the two agree."""
+
+    model: Literal["linear", "power_law"]
+    ms_per_1k: float
+    intercept_ms: float
+    a_ms: float
+    b: float
+    c: float
+    attention_context_tokens: float = 0.0
+    _pair_ms: float = field(init=False, repr=False, compare=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.attention_context_tokens > 0:
+            ref = _ATTENTION_REF_TOKENS
+            token_ms = (self.ms_per_1k / 1000.0 if self.model == "linear"
+                        else power_law_ms(self.a_ms, self.b, self.c, ref, 1) / ref)
+            object.__setattr__(self, "_pair_ms", token_ms / self.attention_context_tokens)
+
+    def ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
+        """Time of ``tokens`` new tokens over ``batch`` requests whose tokens attend to
+        ``attended`` (new token, earlier token) pairs outside their own chunk."""
+        if tokens <= 0:
+            return 0.0
+        if self.model == "linear":
+            base = self.intercept_ms + self.ms_per_1k * tokens / 1000.0
+        else:
+            base = power_law_ms(self.a_ms, self.b, self.c, tokens, batch)
+        return base + self._pair_ms * attended if attended > 0 else base
+
+
+def attended_pairs(new_tokens: int, context_tokens: int, chunk_tokens: int) -> int:
+    """(new token, earlier token) pairs outside a chunk when ``new_tokens`` are prefilled after
+    ``context_tokens`` already in the cache, ``chunk_tokens`` at a time: every new token attends
+    to the context, and each chunk to the chunks before it."""
+    if new_tokens <= 0:
+        return 0
+    full, rest = divmod(new_tokens, max(chunk_tokens, 1))
+    chunk = max(chunk_tokens, 1)
+    return new_tokens * max(context_tokens, 0) + chunk * chunk * full * (full - 1) // 2 + rest * full * chunk
 
 
 @dataclass(frozen=True)
@@ -154,8 +248,15 @@ class LatencyParams:
         default="drain",
         metadata={"help": "pending prefill tokens: drained at the model's prefill rate, or every uncompleted request's"},
     )
+    attention_context_tokens: float = field(default=0.0, metadata={
+        "help": "context length at which a token's attention costs as much as its linear layers (prices "
+                "attention to a cached prefix and earlier chunks; 0 = off)"})
+    prefill_chunk_tokens: int = field(default=8192, metadata={"help": "the engines' chunked-prefill budget, tokens"})
 
     def validate(self) -> None:
+        for name in ("prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b", "power_c"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.prefill_ms_per_1k_tokens <= 0:
             raise ValueError(f"prefill_ms_per_1k_tokens must be > 0, got {self.prefill_ms_per_1k_tokens}")
         if self.prefill_intercept_ms < 0:
@@ -170,6 +271,10 @@ class LatencyParams:
             raise ValueError(f"calibration_min_samples must be >= 1, got {self.calibration_min_samples}")
         if self.pending_model not in ("drain", "inflight"):
             raise ValueError(f"pending_model must be 'drain' or 'inflight', got {self.pending_model!r}")
+        if self.attention_context_tokens < 0:
+            raise ValueError(f"attention_context_tokens must be >= 0, got {self.attention_context_tokens}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
 
 
 class RecursiveLeastSquares:
@@ -178,13 +283,22 @@ class RecursiveLeastSquares:
     ``forgetting`` < 1 discounts old samples (weight ``forgetting^age``). The covariance is
     not inflated further once its trace exceeds its initial value, so long runs of
     uninformative samples cannot wind it up into instability.
+
+    Samples come from clients, so no sample can break the fit: one that is not finite, or
+    whose update would leave theta or the covariance non-finite, is dropped (not counted), and
+    theta is held within ``bounds`` (per coefficient ``(low, high)``; None = unbounded) after
+    every update.
     """
 
-    __slots__ = ("_max_trace", "_p", "forgetting", "samples", "theta")
+    __slots__ = ("_bounds", "_max_trace", "_p", "forgetting", "samples", "theta")
 
-    def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4) -> None:
+    def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4,
+                 bounds: Sequence[tuple[float, float]] | None = None) -> None:
         n = len(theta)
-        self.theta = list(theta)
+        if bounds is not None and len(bounds) != n:
+            raise ValueError(f"{len(bounds)} bounds for {n} coefficients")
+        self._bounds = tuple(bounds) if bounds is not None else None
+        self.theta = list(theta) if bounds is None else [_clip(t, lo, hi) for t, (lo, hi) in zip(theta, bounds)]
         self._p = [[initial_variance if r == c else 0.0 for c in range(n)] for r in range(n)]
         self.forgetting = forgetting
         self._max_trace = initial_variance * n
@@ -194,20 +308,28 @@ class RecursiveLeastSquares:
         return sum(t * v for t, v in zip(self.theta, x))
 
     def update(self, x: list[float], y: float) -> float:
-        """Fold in one sample; returns the prior error ``y - theta . x``."""
+        """Fold in one sample; returns the prior error ``y - theta . x`` (NaN for a sample
+        dropped as not finite)."""
+        if not (math.isfinite(y) and all(map(math.isfinite, x))):
+            return math.nan
         p, n = self._p, len(x)
         px = [sum(p[r][c] * x[c] for c in range(n)) for r in range(n)]
         denom = self.forgetting + sum(x[r] * px[r] for r in range(n))
         error = y - self.predict(x)
-        if denom <= 0 or not math.isfinite(error):
+        if not denom > 0 or not math.isfinite(denom) or not math.isfinite(error):
             return error
         gain = [v / denom for v in px]
-        self.theta = [t + g * error for t, g in zip(self.theta, gain)]
+        theta = [t + g * error for t, g in zip(self.theta, gain)]
         lam = self.forgetting
         if sum(p[i][i] for i in range(n)) > self._max_trace:
             lam = 1.0
         # P is symmetric, so x^T P = (P x)^T
-        self._p = [[(p[r][c] - gain[r] * px[c]) / lam for c in range(n)] for r in range(n)]
+        new_p = [[(p[r][c] - gain[r] * px[c]) / lam for c in range(n)] for r in range(n)]
+        if not (all(map(math.isfinite, theta)) and all(math.isfinite(v) for row in new_p for v in row)):
+            return error  # an overflow: the sample is dropped, the fit stays where it was
+        if self._bounds is not None:
+            theta = [_clip(t, lo, hi) for t, (lo, hi) in zip(theta, self._bounds)]
+        self.theta, self._p = theta, new_p
         self.samples += 1
         return error
 
@@ -224,10 +346,13 @@ class LatencyModel:
         self.params = params
         if params.prefill_model == "linear":
             prior = [params.prefill_ms_per_1k_tokens, params.prefill_intercept_ms]
+            state = _LINEAR_STATE
         else:
             prior = [math.log(params.power_a_ms), params.power_b, params.power_c]
-        self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting)
+            state = _POWER_STATE
+        self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting, bounds=state)
         self._prior = tuple(prior)
+        self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
 
@@ -244,8 +369,9 @@ class LatencyModel:
         """(ms_per_1k, intercept_ms) or (a_ms, b, c) as currently used."""
         theta = self._fit.theta if self.calibrated else list(self._prior)
         if self.params.prefill_model == "linear":
-            # a fit can wander non-physical on degenerate data; never let prefill cost vanish
-            return (max(theta[0], 1e-3), max(theta[1], 0.0))
+            # a fit can wander non-physical on degenerate data (or a client's outliers): never let
+            # prefill cost vanish, or grow past any hardware's
+            return (_clip(theta[0], *_PER_1K_RANGE), _clip(theta[1], *_INTERCEPT_RANGE))
         # Samples whose TTFT is mostly queueing the tokens do not explain can drive the log-space
         # fit anywhere (in sim reproduce one reached a = e^710 ms and overflowed): hold it to
         # physical ranges around the published fits (b, c ~ 1): a prefill's cost grows with its
@@ -254,37 +380,51 @@ class LatencyModel:
         return (math.exp(_clip(theta[0], -_LOG_A_RANGE, _LOG_A_RANGE)), _clip(theta[1], 0.0, 2.0),
                 _clip(theta[2], 0.5, 2.0))
 
+    def _cost(self, coefficients: tuple[float, ...]) -> PrefillCost:
+        p = self.params
+        if p.prefill_model == "linear":
+            per_1k, intercept = coefficients
+            return PrefillCost("linear", per_1k, intercept, p.power_a_ms, p.power_b, p.power_c,
+                               p.attention_context_tokens)
+        a, b, c = coefficients
+        return PrefillCost("power_law", p.prefill_ms_per_1k_tokens, p.prefill_intercept_ms, a, b, c,
+                           p.attention_context_tokens)
+
+    def cost(self) -> PrefillCost:
+        """The prefill cost function under the current coefficients."""
+        return self._cost(self.coefficients()) if self.calibrated else self._prior_cost
+
     # ---- estimates --------------------------------------------------------------------
-    def prefill_ms(self, tokens: float, batch: int = 1) -> float:
-        """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests."""
-        if tokens <= 0:
-            return 0.0
-        if self.params.prefill_model == "linear":
-            per_1k, intercept = self.coefficients()
-            return intercept + per_1k * tokens / 1000.0
-        a, b, c = self.coefficients()
-        return power_law_ms(a, b, c, tokens, batch)
+    def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
+        """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests whose tokens
+        attend to ``attended`` earlier-context pairs (``attended_pairs``)."""
+        return self.cost().ms(tokens, batch, attended)
 
     def queue_ms(self, pending_tokens: int, inflight: int = 1) -> float:
         """T_q: time to clear ``pending_tokens`` of prefill already routed to a worker."""
         return self.prefill_ms(pending_tokens, max(inflight, 1))
 
-    def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0) -> float:
-        """T_q + T_c for a request with ``uncached_tokens`` to prefill behind ``pending_tokens``
-        of ``inflight`` requests.
+    def ttft_ms(self, uncached_tokens: int, pending_tokens: int, inflight: int = 0, cached_tokens: int = 0) -> float:
+        """T_q + T_c for a request with ``uncached_tokens`` to prefill after ``cached_tokens`` of
+        cached prefix, behind ``pending_tokens`` of ``inflight`` requests.
 
         Estimated as the prefill time of all that work as one batch, the same quantity the
-        calibration fits, so T_c is ``ttft_ms - queue_ms`` (the intercept is counted once).
+        calibration fits, so T_c is ``ttft_ms - queue_ms`` (the intercept is counted once),
+        plus the request's attention to its prefix and earlier chunks (``attention_context_tokens``).
         """
-        return self.prefill_ms(pending_tokens + uncached_tokens, max(inflight, 0) + 1)
+        p = self.params
+        attended = (attended_pairs(uncached_tokens, cached_tokens, p.prefill_chunk_tokens)
+                    if p.attention_context_tokens > 0 else 0)
+        return self.prefill_ms(pending_tokens + uncached_tokens, max(inflight, 0) + 1, attended)
 
     def tokens_within(self, budget_ms: float) -> int:
         """Prefill tokens one worker clears within ``budget_ms`` (DualMap's ttft_slo_threshold)."""
-        if budget_ms <= 0:
+        if not budget_ms > 0:  # NaN too
             return 0
         if self.params.prefill_model == "linear":
             per_1k, intercept = self.coefficients()
-            return max(0, int((budget_ms - intercept) * 1000.0 / per_1k))
+            # capped as the power law's inverse is: an infinite budget is not infinite tokens
+            return int(_clip((budget_ms - intercept) * 1000.0 / per_1k, 0.0, math.exp(_LOG_MAX_TOKENS)))
         a, b, c = self.coefficients()
         return PowerLaw(a, b, c).tokens_within(budget_ms)
 
@@ -336,14 +476,17 @@ class LatencyModel:
     def observe_completion(self, request_id: str, ttft_ms: float) -> bool:
         """Use a completed request's observed TTFT as a sample; False if it gave none."""
         seen = self._tracked.pop(request_id, None)
-        if seen is None or ttft_ms <= 0 or not self.params.calibrate:
+        if seen is None or not 0 < ttft_ms <= MAX_LATENCY_MS or not self.params.calibrate:
             return False
         self.observe(seen[0], seen[1], ttft_ms)
         return True
 
     def observe(self, tokens_ahead: int, batch: int, ttft_ms: float) -> None:
-        """One calibration sample: ``tokens_ahead`` prefill tokens took ``ttft_ms``."""
-        if tokens_ahead <= 0 or ttft_ms <= 0:
+        """One calibration sample: ``tokens_ahead`` prefill tokens took ``ttft_ms``. A sample no
+        real prefill could produce (not finite, over a day, more tokens than any cache) is
+        dropped: the Router refuses such completions, and the fit does not rely on it."""
+        if not (0 < tokens_ahead <= _MAX_SAMPLE_TOKENS and 0 < ttft_ms <= MAX_LATENCY_MS
+                and batch <= _MAX_SAMPLE_BATCH):
             return
         if self.params.prefill_model == "linear":
             self._fit.update([tokens_ahead / 1000.0, 1.0], ttft_ms)

@@ -19,25 +19,36 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
   policy cannot free enough (everything pinned) the request and those behind it wait. Each
   step prefills up to ``max_batch_tokens`` tokens over the admitted requests in order, at
   most ``max_running`` requests run at once.
-- **Time.** A step lasts the prefill time of its tokens: ``power_law`` (the default,
-  ``a * batch^b * (tokens / batch)^c``, through ``policies.latency.power_law_ms``, the very
-  function the routers' latency model evaluates) or ``linear``
-  (``intercept + ms_per_1k * tokens / 1000``, ``--prefill-model linear``). The power-law
-  defaults are UniCache's fit for Llama-3.1-8B on an H100 (``policies.latency.H100_LLAMA31_8B``,
-  appendix A.1, Fig. 14: ``3.59e-5 s * BS^0.991 * L^1.018``, ~40.7 ms per 1k tokens at batch
-  1; the linear default of 40 ms per 1k is that fit at batch 1; the calibration is documented
-  in ``policies.latency``). Decoding costs a constant
-  ``tpot_ms`` per output token, independent of batch (UniCache section 3 models TPOT as a
-  constant measured mean; it does not publish the value, 20 ms is our assumption for an 8B
-  model). A request's first token comes when its last prefill chunk completes. With
-  ``decode_model = "batched"`` (``--decode-model batched``) decoding runs in the engine's own
-  steps instead, as in vLLM/Sarathi chunked prefill: every step generates one token for each
-  request past its first token and lasts the prefill time of its chunk plus
-  ``tpot_ms * (1 + decode_batch_slope * (D - 1))`` for its D decoding requests, so decodes
-  slow prefill (TTFT) and prefill chunks slow decodes (TPOT). The slope is not in the papers
-  (UniCache models TPOT as a batch-independent constant): 0 keeps a decode step's cost
-  independent of D, leaving only the interference.
-- **KV memory pressure from decoding** (``decode_kv``, batched only): each request's
+- **Time.** A step lasts the prefill time of its tokens, ``policies.latency.PrefillCost``, the
+  very function the routers' latency model evaluates: ``power_law`` (the default,
+  ``a * batch^b * (tokens / batch)^c``) or ``linear`` (``intercept + ms_per_1k * tokens /
+  1000``, ``--prefill-model linear``), plus the attention of each chunk's tokens to the context
+  before it (its request's cached prefix, attended but not recomputed, and earlier chunks):
+  ``token_ms * sum(chunk * context) / attention_context_tokens``. The power-law defaults are
+  UniCache's fit for Llama-3.1-8B on an H100 (``policies.latency.H100_LLAMA31_8B``, appendix
+  A.1, Fig. 14: ``3.59e-5 s * BS^0.991 * L^1.018``, ~40.7 ms per 1k tokens at batch 1; the
+  linear default of 40 ms per 1k is that fit at batch 1); ``attention_context_tokens`` =
+  30,632 is Llama-3.1-8B's from FLOP counts, so a single-chunk prompt with nothing cached costs
+  the fit and a 128k-token prompt 2.9x its chunks priced alone (``--attention-context-tokens
+  0``: per-chunk pricing, the model before issue #27; calibration and sources in
+  ``policies.latency``). ``hardware_speed`` divides every compute time, prefill and decode
+  (``--hardware-speed 2``: a GPU twice as fast), so the ratio of an SLO to prefill times can
+  match a paper's setup; the routers' profiled model (``latency_fields``) is scaled alike.
+  A request's first token comes when its last prefill chunk completes.
+- **Decoding** (``decode_model``). ``batched`` (the default) runs it in the engine's own steps,
+  as vLLM/Sarathi chunked prefill does: every step generates one token for each request past
+  its first token and lasts the prefill time of its chunk plus ``tpot_ms * (1 +
+  decode_batch_slope * (D - 1))`` for its D decoding requests, so decodes slow prefill (TTFT)
+  and prefill chunks slow decodes (TPOT). ``tpot_ms`` = 20 ms is our assumption for an 8B
+  model (UniCache section 3 models TPOT as a constant measured mean it does not publish). The
+  slope is not in the papers; 0.02 is derived from memory traffic: a decode step reads the
+  weights once (16 GB for Llama-3.1-8B in bf16) and each request's KV (2 x 32 layers x 8 KV
+  heads x 128 dims x 2 bytes = 128 KiB per token, 1 GiB at an 8k-token context): at H100's
+  3.35 TB/s one more request at 8k context adds ~0.32 ms, 0.02 x tpot_ms after the ~20%
+  bandwidth real kernels leave unused. ``constant`` (``--decode-model constant``, UniCache's
+  model) charges ``tpot_ms`` per output token beside the engine, never slowing prefill.
+- **KV memory pressure from decoding** (``decode_kv``, on by default, batched only:
+  ``--no-decode-kv`` turns it off): each request's
   generated tokens take KV blocks as they fill them (counted in ``reserved``); before a step,
   a decoding request whose next token starts a block claims one, evicting an unpinned cached
   block through the policy if the cache is full, else **preempting** the newest decoding
@@ -53,9 +64,12 @@ Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 Parameters (``EngineParams``): ``capacity_blocks`` = 0, ``max_batch_tokens`` = 8192 (vLLM's
 chunked-prefill default budget), ``max_running`` = 256 (vLLM's max_num_seqs),
 ``prefill_model`` = "power_law", ``prefill_ms_per_1k_tokens`` = 40.0, ``prefill_intercept_ms`` =
-0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018, ``tpot_ms`` = 20.0,
-``cache_decode`` = False, ``decode_model`` = "constant", ``decode_batch_slope`` = 0.0,
-``decode_kv`` = False.
+0.0, ``power_a_ms`` = 0.0359, ``power_b`` = 0.991, ``power_c`` = 1.018,
+``attention_context_tokens`` = 30632 (``LLAMA31_8B_ATTENTION_TOKENS``), ``hardware_speed`` =
+1.0, ``tpot_ms`` = 20.0, ``cache_decode`` = False, ``decode_model`` = "batched",
+``decode_batch_slope`` = 0.02, ``decode_kv`` = True. ``PER_CHUNK`` holds the pricing before
+issue #27 (no attention to earlier context, constant decoding, no decode KV), for tests and
+results that pin it.
 """
 
 from __future__ import annotations
@@ -65,16 +79,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from ..index.radix import RadixIndex
 from ..policies import registry
 from ..policies.base import AccessInfo, EvictionContext, drop_blocks
-from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, power_law_ms
+from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, LLAMA31_8B_ATTENTION_TOKENS, PrefillCost
 from ..protocols import CacheEvent, Removed, Stored
 from .workloads import SimRequest
 
-__all__ = ["EngineParams", "Job", "SimEngine"]
+__all__ = ["PER_CHUNK", "EngineParams", "Job", "SimEngine"]
 
 
 @dataclass(frozen=True)
@@ -88,15 +103,19 @@ class EngineParams:
     power_a_ms: float = field(default=H100_LLAMA31_8B.a_ms, metadata={"help": "power law: a, in ms"})
     power_b: float = field(default=H100_LLAMA31_8B.b, metadata={"help": "power law: batch exponent b"})
     power_c: float = field(default=H100_LLAMA31_8B.c, metadata={"help": "power law: length exponent c"})
+    attention_context_tokens: float = field(default=LLAMA31_8B_ATTENTION_TOKENS, metadata={
+        "help": "context at which a token's attention to earlier context costs as much as its linear layers "
+                "(0 = per-chunk pricing)"})
+    hardware_speed: float = field(default=1.0, metadata={"help": "divides every compute time (2 = twice as fast)"})
     tpot_ms: float = field(default=20.0, metadata={"help": "ms per output token after the first"})
     cache_decode: bool = field(default=False, metadata={
         "help": "cache a finished request's generated tokens (the full blocks they fill), as vLLM does"})
-    decode_model: Literal["constant", "batched"] = field(default="constant", metadata={
+    decode_model: Literal["constant", "batched"] = field(default="batched", metadata={
         "help": "constant: tpot_ms per token beside the engine, never slowing prefill; batched: decode runs in the "
                 "engine's steps, one token per decoding request per step, and shares each step with prefill"})
-    decode_batch_slope: float = field(default=0.0, metadata={
+    decode_batch_slope: float = field(default=0.02, metadata={
         "help": "batched: a decode step of D requests lasts tpot_ms * (1 + slope * (D - 1))"})
-    decode_kv: bool = field(default=False, metadata={
+    decode_kv: bool = field(default=True, metadata={
         "help": "batched: generated tokens take KV blocks; a decode step that finds no room evicts, else "
                 "preempts the newest decoding request (vLLM's recompute) instead of waiting"})
 
@@ -115,6 +134,10 @@ class EngineParams:
             raise ValueError(f"prefill_intercept_ms must be >= 0, got {self.prefill_intercept_ms}")
         if self.power_a_ms <= 0 or self.power_c <= 0:
             raise ValueError("power_a_ms and power_c must be > 0")
+        if self.attention_context_tokens < 0:
+            raise ValueError(f"attention_context_tokens must be >= 0, got {self.attention_context_tokens}")
+        if not self.hardware_speed > 0:
+            raise ValueError(f"hardware_speed must be > 0, got {self.hardware_speed}")
         if self.tpot_ms < 0:
             raise ValueError(f"tpot_ms must be >= 0, got {self.tpot_ms}")
         if self.decode_model not in ("constant", "batched"):
@@ -123,26 +146,42 @@ class EngineParams:
             raise ValueError(f"decode_batch_slope must be >= 0, got {self.decode_batch_slope}")
         if self.decode_model == "batched" and self.tpot_ms <= 0:
             raise ValueError("decode_model batched needs tpot_ms > 0 (a decode step must take time)")
-        if self.decode_kv and self.decode_model != "batched":
-            raise ValueError("decode_kv needs decode_model batched (decode blocks are claimed step by step)")
+        # decode_kv with constant decoding does nothing: its generated tokens never enter the engine
 
-    def step_seconds(self, tokens: int, batch: int) -> float:
-        """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests."""
-        if self.prefill_model == "linear":
-            return (self.prefill_intercept_ms + self.prefill_ms_per_1k_tokens * tokens / 1000.0) / 1000.0
-        # the routers' LatencyModel evaluates the same function with the same fit
-        return power_law_ms(self.power_a_ms, self.power_b, self.power_c, tokens, batch) / 1000.0
+    def step_seconds(self, tokens: int, batch: int, attended: float = 0.0) -> float:
+        """Duration of one prefill step of ``tokens`` tokens over ``batch`` requests whose tokens
+        attend to ``attended`` (new token, earlier-context token) pairs outside their chunks."""
+        return self.prefill_cost.ms(tokens, batch, attended) / 1000.0
+
+    @cached_property
+    def prefill_cost(self) -> PrefillCost:
+        """The step-time function, built from ``latency_fields`` so that a router profiling
+        these engines evaluates the very same one."""
+        f = self.latency_fields()
+        return PrefillCost(f["prefill_model"], f["prefill_ms_per_1k_tokens"], f["prefill_intercept_ms"],
+                           f["power_a_ms"], f["power_b"], f["power_c"], f["attention_context_tokens"])
 
     def latency_fields(self) -> dict[str, Any]:
         """This engine's cost model as ``LatencyParams`` fields: what a router that profiled
-        it would configure (``sim.policy_specs.profiled_spec``)."""
-        return {name: getattr(self, name) for name in LATENCY_FIELDS}
+        it would configure (``sim.policy_specs.profiled_spec``), its times scaled by ``hardware_speed``."""
+        fields = {name: getattr(self, name) for name in LATENCY_FIELDS if name != "prefill_chunk_tokens"}
+        for name in ("prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms"):
+            fields[name] /= self.hardware_speed  # a power law's a scales every time it gives
+        fields["prefill_chunk_tokens"] = self.max_batch_tokens
+        return fields
 
     def decode_step_seconds(self, decoding: int) -> float:
-        """Decode share of one step generating a token for each of ``decoding`` requests."""
+        """Decode share of one step generating a token for each of ``decoding`` requests (with
+        ``decoding`` = 1, the constant model's time per token)."""
         if decoding <= 0:
             return 0.0
-        return self.tpot_ms * (1.0 + self.decode_batch_slope * (decoding - 1)) / 1000.0
+        return self.tpot_ms * (1.0 + self.decode_batch_slope * (decoding - 1)) / 1000.0 / self.hardware_speed
+
+
+#: the engines' pricing before issue #27: chunks priced alone (no attention to earlier
+#: context), decoding beside the engine at a constant tpot, generated tokens taking no KV
+PER_CHUNK: dict[str, Any] = {"attention_context_tokens": 0.0, "decode_model": "constant", "decode_batch_slope": 0.0,
+                             "decode_kv": False}
 
 
 class Job:
@@ -151,6 +190,7 @@ class Job:
     __slots__ = (
         "admitted_at",
         "cached",
+        "context_end",
         "decode_blocks",
         "first_hit_blocks",
         "preemptions",
@@ -181,6 +221,9 @@ class Job:
         #: prefix-hit blocks at the first admission (what the request's metrics report)
         self.first_hit_blocks = 0
         self.remaining = 0
+        #: tokens in the request's context once its prefill completes (its prompt, and what a
+        #: preempted request had generated): a chunk follows ``context_end - remaining`` of them
+        self.context_end = 0
         self.reserved = 0
         self.pinned: list[int] = []
         self.cached = True
@@ -239,11 +282,13 @@ class SimEngine:
         """Admit what fits and start a prefill step; its duration, or None if idle."""
         budget = self.params.max_batch_tokens
         step: list[tuple[Job, int]] = []
+        attended = 0  # (new token, earlier-context token) pairs: each chunk attends to what precedes it
         for job in self.prefilling:
             if budget <= 0:
                 break
             chunk = min(job.remaining, budget)
             step.append((job, chunk))
+            attended += chunk * max(job.context_end - job.remaining, 0)
             budget -= chunk
         while budget > 0 and self.waiting and self.running < self.params.max_running:
             job = self.waiting[0]
@@ -253,6 +298,7 @@ class SimEngine:
             self.prefilling.append(job)
             chunk = min(job.remaining, budget)
             step.append((job, chunk))
+            attended += chunk * max(job.context_end - job.remaining, 0)
             budget -= chunk
         if self.params.decode_kv and self.decoding:
             self._claim_decode_blocks(now)
@@ -262,7 +308,7 @@ class SimEngine:
         self._step = step
         self._step_decodes = decodes
         self.busy = True
-        prefill = self.params.step_seconds(self.params.max_batch_tokens - budget, len(step)) if step else 0.0
+        prefill = self.params.step_seconds(self.params.max_batch_tokens - budget, len(step), attended) if step else 0.0
         # a mixed step (Sarathi/vLLM chunked prefill) carries the decodes and the prefill chunk
         return prefill + self.params.decode_step_seconds(decodes)
 
@@ -352,6 +398,7 @@ class SimEngine:
         # a preempted request recomputes its prompt's missing part and what it had generated
         generated = req.output_tokens - job.tokens_left if job.preemptions else 0
         job.remaining = max(1, req.input_tokens - hit * self.block_tokens) + generated
+        job.context_end = max(req.input_tokens, 1) + generated
         job.admitted_at = now
         self.pending_tokens += job.remaining - job.est_uncached
         self.running += 1

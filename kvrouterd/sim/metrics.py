@@ -14,7 +14,11 @@ Definitions (all over the requests after the warm-up):
   prefill tokens, sampled at a fixed interval, averaged over samples whose mean is > 0.
 - **decision time**: wall time of ``Router.route`` (routing) and of the engines' eviction
   ``rank`` calls, in microseconds.
-- **goodput** (a sweep over rates): the highest swept rate whose attainment is >= 90%.
+- **goodput** (a sweep over rates), also called capacity: the highest swept rate whose
+  attainment is >= 90%, so its resolution is the sweep's. ``--rate LO:HI:STEP`` sweeps a grid
+  (``rate_grid``; issue #27 measures capacity in 0.5 req/s steps, e.g. ``--rate 14:20:0.5``).
+  Every grid rate is run rather than bisected: attainment need not fall monotonically with
+  rate (seeds, eviction), and a grid is what "highest rate with >= 90%" means.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestRecord", "cv", "goodput", "percentile", "summarize"]
+__all__ = ["RequestRecord", "cv", "goodput", "parse_rates", "percentile", "rate_grid", "summarize"]
 
 
 @dataclass(slots=True)
@@ -142,3 +146,34 @@ def goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> float
     """Highest rate among ``(rate, attainment)`` points with attainment >= target (0 if none)."""
     ok = [rate for rate, att in points if att >= target]
     return max(ok) if ok else 0.0
+
+
+def rate_grid(lo: float, hi: float, step: float) -> list[float]:
+    """``lo``, ``lo + step``, ... up to ``hi`` inclusive, each rounded to 6 decimals so that
+    0.1 + 0.2 steps do not drift (14:20:0.5 gives 14.0, 14.5, ..., 20.0)."""
+    if not step > 0:
+        raise ValueError(f"rate step must be > 0, got {step}")
+    if hi < lo:
+        raise ValueError(f"rate range {lo}:{hi} runs backwards")
+    n = math.floor((hi - lo) / step + 1e-9)
+    return [round(lo + i * step, 6) for i in range(n + 1)]
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"4,8,12"`` or grids ``"14:20:0.5"`` (``rate_grid``), mixed, in order, duplicates once."""
+    rates: dict[float, None] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        try:
+            values = [float(x) for x in parts]
+        except ValueError:
+            raise ValueError(f"expected a rate or LO:HI:STEP, got {item!r}") from None
+        if len(values) == 1:
+            rates[values[0]] = None
+        elif len(values) == 3:
+            rates.update(dict.fromkeys(rate_grid(*values)))
+        else:
+            raise ValueError(f"expected a rate or LO:HI:STEP, got {item!r}")
+    return list(rates)

@@ -43,15 +43,25 @@ def profiled_spec(kind: str, spec: Mapping[str, Any], engine: EngineParams, bloc
     as DualMap's does its profiled GPU (section 3.2):
 
     - a policy whose Params are ``LatencyParams`` (dualmap, min_ttft, preble) gets the
-      engines' ``prefill_model`` and its coefficients (``EngineParams.latency_fields``);
+      engines' ``prefill_model`` and its coefficients (``EngineParams.latency_fields``) and
+      ``calibrate: false``: every time-estimating policy judges workers by the same fixed
+      profile, as DualMap does by default. Left on, min-TTFT's and Preble's online fit
+      misjudged workers under queueing (docs/results.md, 10.2), so a comparison measured
+      the fit, not the policy; a spec (config or ``--set``) may still turn it on;
     - ``tlru`` gets ``alpha`` (``prefill_ms_per_block``) as the engines' cost per block of a
       prompt that just meets its threshold ``xi``: ``xi / (tokens prefilled in xi / block)``
       (T-LRU section 1: ``xi / alpha`` uncached blocks meet the threshold); under the linear
       model that is exactly ``ms_per_1k * block_tokens / 1000``;
     - ``compose`` passes both of its inner policies through the same.
 
-    LBGR's Cost (Eq. 5) is left alone: its ``alpha`` is the paper's per-1k-token unit
-    (appendix A), not a profiled time, and its residual learns the rest.
+    LBGR is left in the paper's per-1k-token unit read as ms (``engine_ms_per_1k`` unset), as
+    the published router runs: there its residual stays at its floor and LBGR is Cost + P.
+    Given the engines' speed (``--set lbgr.engine_ms_per_1k=40``) its per-worker residual
+    learns in real ms from completions that arrive seconds late and herds (Mooncake
+    conversation, 8 workers, cache 30%, 3,000 requests, 15 req/s: SLO 30.1% against 97.1%;
+    97.4% with ``residual_scope: fleet``), so profiling it would measure that flaw, not the
+    knowledge. Policies that estimate no time (cache_aware, dynamo, llm_d, kv_cost,
+    cache_affinity, least_loaded) need nothing.
     """
     out = dict(spec)
     name = out["name"]
@@ -60,6 +70,7 @@ def profiled_spec(kind: str, spec: Mapping[str, Any], engine: EngineParams, bloc
     if issubclass(params, LatencyParams):
         for key in LATENCY_FIELDS:
             out.setdefault(key, hardware[key])
+        out.setdefault("calibrate", False)
     if kind == "eviction" and name == "tlru" and "prefill_ms_per_block" not in out:
         xi = float(out.get("latency_threshold_ms", TLRUParams().latency_threshold_ms))
         model = LatencyModel(LatencyParams(**hardware, calibrate=False))

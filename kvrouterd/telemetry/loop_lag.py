@@ -25,6 +25,15 @@ protobuf parse, say) it cannot run, and a stall made of a single such call is re
 sampled, saying so. A loop held for ``HUNG_S`` is logged by the watchdog at once, since it may
 never run again to say so. Warnings are coalesced to one per ``WARN_EVERY_S``; the
 histogram counts every stall.
+
+A stall the loop thread spent mostly *waiting for a CPU* (runnable, not running: the
+kernel's run-queue wait in ``/proc/thread-self/schedstat``, which a CPU-throttled pod's
+threads accumulate too) is the machine, not the code: it is counted in
+``kvrouter_event_loop_starved_stalls_total`` and ``kvrouter_event_loop_cpu_wait_seconds_total``
+and logged at INFO at most once per ``STARVED_LOG_EVERY_S``, so a busy node does not fill the
+log with warnings. A loop that blocked (a slow call, a blocking syscall, the GIL held
+elsewhere) still gets its WARNING. Where the kernel does not report run-queue waits, every
+stall is a WARNING as before.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from collections import Counter, deque
 from types import FrameType
 from typing import Any
 
+from opentelemetry import metrics
 from opentelemetry.metrics import Histogram
 from opentelemetry.sdk.metrics import MeterProvider
 
@@ -55,6 +65,12 @@ HEARTBEAT_S = 0.1
 HUNG_S = 5.0
 #: at most one stall warning per this many seconds (the rest are counted into the next one)
 WARN_EVERY_S = 1.0
+#: at most one INFO line about CPU-starved stalls per this many seconds (the metric counts each)
+STARVED_LOG_EVERY_S = 60.0
+#: a stall is CPU-starved when the loop thread waited for a CPU at least this share of it
+STARVED_SHARE = 0.5
+#: the calling thread's scheduler statistics: ns on a CPU, ns waiting on a run queue, time slices
+_SCHEDSTAT = "/proc/thread-self/schedstat"
 #: frames of the loop thread's stack quoted in a warning, innermost first
 STACK_DEPTH = 6
 #: gc pauses queued between two heartbeats before the oldest are dropped (and counted)
@@ -147,10 +163,28 @@ class LoopMonitor:
         self._stopping = threading.Event()
         self._last_warning = 0.0
         self._unwarned = 0
+        self.starved_stalls: metrics.Counter = meter.create_counter(
+            "kvrouter.event_loop.starved_stalls",
+            description="event loop stalls past telemetry.loop_stall_warn_ms spent mostly waiting for a CPU",
+        )
+        self.cpu_wait: metrics.Counter = meter.create_counter(
+            "kvrouter.event_loop.cpu_wait", unit="s",
+            description="seconds the event loop thread waited for a CPU during those stalls",
+        )
+        #: CPU-starved stalls (logged at INFO), and those since the last INFO line
+        self.starved = 0
+        self._starved_unlogged = 0
+        self._last_starved_log = -math.inf
+        self._schedstat = -1
+        self._waited_before = 0.0
 
     def start(self) -> None:
         """Watch the running loop (call from a coroutine on it)."""
         self._loop_thread = threading.get_ident()
+        try:  # opened on the loop thread, so it keeps reading that thread's statistics
+            self._schedstat = os.open(_SCHEDSTAT, os.O_RDONLY)
+        except OSError:
+            self._schedstat = -1
         self._due = time.perf_counter() + HEARTBEAT_S
         gc.callbacks.append(self._on_gc)
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat(), name="kvrouterd-loop-monitor")
@@ -171,7 +205,19 @@ class LoopMonitor:
         if self._watchdog is not None:
             await asyncio.to_thread(self._watchdog.join, 5)
             self._watchdog = None
+        if self._schedstat >= 0:
+            os.close(self._schedstat)
+            self._schedstat = -1
         self._record_pauses()
+
+    def _cpu_wait_s(self) -> float | None:
+        """Seconds the loop thread has waited on a run queue (runnable, no CPU), or None if unknown."""
+        if self._schedstat < 0:
+            return None
+        try:
+            return int(os.pread(self._schedstat, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
 
     # ---- on the loop ------------------------------------------------------------------------
 
@@ -179,6 +225,8 @@ class LoopMonitor:
         clock, cpu = time.perf_counter, time.thread_time  # the heartbeat runs on the loop thread
         while True:
             started_cpu = cpu()
+            if self.warn_after_s > 0:
+                self._waited_before = self._cpu_wait_s() or 0.0
             self._due = due = clock() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
             lag = max(0.0, clock() - due)
@@ -207,6 +255,10 @@ class LoopMonitor:
             # only this stall's samples: an earlier, shorter one may have left some
             samples = self._samples if self._sampled_due == due else []
             self._samples = []
+        waited = self._cpu_wait_s()
+        if waited is not None and waited - self._waited_before >= STARVED_SHARE * lag:
+            self._starved(lag, waited - self._waited_before, cpu_s)
+            return
         now = time.monotonic()
         if now - self._last_warning < WARN_EVERY_S:
             self._unwarned += 1
@@ -227,6 +279,25 @@ class LoopMonitor:
             lag * 1000, self.warn_after_s * 1000, running, gc_s * 1000, gcs, cpu_s * 1000,
             (lag + HEARTBEAT_S) * 1000, more,
             extra={"blocked_ms": round(lag * 1000, 1), "gc_ms": round(gc_s * 1000, 1), "cpu_ms": round(cpu_s * 1000, 1)},
+        )
+
+    def _starved(self, lag: float, waited_s: float, cpu_s: float) -> None:
+        """The loop thread was runnable but got no CPU for most of the stall: count it, say so at INFO now and then."""
+        self.starved += 1
+        self.starved_stalls.add(1)
+        self.cpu_wait.add(waited_s)
+        now = time.monotonic()
+        if now - self._last_starved_log < STARVED_LOG_EVERY_S:
+            self._starved_unlogged += 1
+            return
+        self._last_starved_log = now
+        more = f"; {self._starved_unlogged} more such stalls since the last report" if self._starved_unlogged else ""
+        self._starved_unlogged = 0
+        log.info(
+            "event loop delayed %.0f ms waiting for a CPU (%.0f ms of it runnable with no CPU free, %.0f ms on a CPU): "
+            "the node or the pod's CPU limit, not a blocking call%s",
+            lag * 1000, waited_s * 1000, cpu_s * 1000, more,
+            extra={"blocked_ms": round(lag * 1000, 1), "cpu_wait_ms": round(waited_s * 1000, 1)},
         )
 
     # ---- elsewhere ------------------------------------------------------------------------

@@ -34,24 +34,33 @@ they cost nothing per request:
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
   collector's ``process_resident_memory_bytes`` etc.
 
-The HTTP server runs on the daemon's event loop (not prometheus_client's thread server) so
-a scrape reads router state between, never during, the loop's updates.
+HTTP is prometheus_client's own: its WSGI app (content negotiation, gzip, ``name[]``
+filters) on the threaded wsgiref server its ``start_http_server`` uses, with only
+``/metrics`` answered (anything else is a 404 naming it). The app runs on the server's
+thread, but collection does not: the registry it serves holds one collector that runs the
+real collection on the daemon's event loop and waits for it, so a scrape reads router state
+between, never during, the loop's updates (the callbacks iterate live dicts).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import choose_encoder
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import CacheMode
 
@@ -59,77 +68,86 @@ __all__ = ["MetricsEndpoint", "OpsMetrics", "register_ops_metrics"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
-#: largest request head accepted, bytes (a scrape's is a few hundred)
-_MAX_HEAD = 8192
-_READ_TIMEOUT_S = 5.0
+#: seconds a scrape waits for the event loop to collect (a loop blocked that long fails the scrape)
+COLLECT_TIMEOUT_S = 10.0
 
 EventStats = Callable[[], Mapping[str, Any]]
+
+
+class _OnLoop(Collector):
+    """Collects ``registry`` on ``loop`` for a caller on another thread (the HTTP server's)."""
+
+    def __init__(self, registry: CollectorRegistry, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry, self.loop = registry, loop
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not collect (from the loop, it would wait on itself)
+
+    def collect(self) -> Iterable[Metric]:
+        done: asyncio.Future[list[Metric]] = asyncio.run_coroutine_threadsafe(self._collect(), self.loop)  # type: ignore[assignment]
+        return done.result(COLLECT_TIMEOUT_S)
+
+    async def _collect(self) -> list[Metric]:
+        return list(self.registry.collect())
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        pass  # a scrape every few seconds is not news
+
+
+def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
+    """prometheus_client's app answers on any path; ours only on /metrics, so a typo is visible."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes] | list[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"metrics are at /metrics\n"]
+        return app(environ, start_response)  # type: ignore[no-any-return]
+
+    return serve
 
 
 class MetricsEndpoint:
     """A private Prometheus registry fed by a PrometheusMetricReader, served over HTTP."""
 
     def __init__(self, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        self.host, self.port = host.strip("[]"), int(port)
+        host, _, digits = listen.rpartition(":")
+        port = parse_decimal(digits)
+        if port is None:
+            raise ConfigError(f"metrics.listen: expected HOST:PORT, got {listen!r}")
+        self.host, self.port = host.strip("[]"), port
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         self.reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
-        self._server: asyncio.base_events.Server | None = None
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with :0)."""
+        served = CollectorRegistry(auto_describe=False)
+        served.register(_OnLoop(self.registry, asyncio.get_running_loop()))
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
         try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=_MAX_HEAD)
+            self._server = server_class((self.host, self.port), _Quiet)
         except OSError as exc:
-            raise ConfigError(f"metrics.listen: cannot bind {self.host}:{self.port}: {exc.strerror}") from None
-        self.port = self._server.sockets[0].getsockname()[1]
+            reason = (exc.strerror or str(exc)).lower()  # "address already in use", as in kvrouterd's other lines
+            raise ConfigError(f"metrics.listen: cannot bind {self.host}:{self.port}: {reason}") from None
+        self._server.set_app(_only_metrics(make_wsgi_app(served)))
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvrouterd-metrics", daemon=True)
+        self._thread.start()
         log.info("metrics endpoint serving", extra={"metrics_port": self.port})
         return self.port
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            # shutdown blocks until serve_forever's poll notices (up to half a second), and a
+            # scrape in progress may be waiting for this loop: wait off the loop
+            await asyncio.to_thread(self._server.shutdown)
+            self._server.server_close()
             self._server = None
-
-    def render(self, accept: str = "") -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept)
-        return encoder(self.registry), content_type
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            status, body, ctype = self._respond(head.decode("latin-1"))
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            pass  # a client that hung up or sent garbage gets nothing
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    def _respond(self, head: str) -> tuple[str, bytes, str]:
-        request_line, *header_lines = head.split("\r\n")
-        parts = request_line.split(" ")
-        if len(parts) != 3:
-            return "400 Bad Request", b"bad request line\n", "text/plain"
-        method, target, _ = parts
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", b"only GET\n", "text/plain"
-        if target.split("?", 1)[0] != "/metrics":
-            return "404 Not Found", b"metrics are at /metrics\n", "text/plain"
-        accept = ""
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "accept":
-                accept = value.strip()
-        body, ctype = self.render(accept)
-        return "200 OK", (b"" if method == "HEAD" else body), ctype
 
 
 class OpsMetrics:

@@ -8,24 +8,28 @@ candidate of a decision without one attribute per worker.
 
 Exporters are configured the standard OpenTelemetry way: ``OTEL_TRACES_EXPORTER``
 (``otlp``, ``console`` or ``none``) wins over the config's ``telemetry.traces``, and
-``OTEL_SERVICE_NAME`` over ``telemetry.service_name``; the OTLP exporter reads
-``OTEL_EXPORTER_OTLP_*``. Off by default.
+``OTEL_SERVICE_NAME`` over ``telemetry.service_name``. The OTLP exporter speaks the protocol
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` or else ``OTEL_EXPORTER_OTLP_PROTOCOL`` names (``grpc``,
+the default of OpenTelemetry's Python SDK, or ``http/protobuf``) and reads the other
+``OTEL_EXPORTER_OTLP_*`` variables itself. Off by default.
 
 With tracing on, :class:`ServerSpans` (a grpc.aio server interceptor) opens one SERVER span
 per RPC with the ``rpc.*`` semantic-convention attributes, continuing the caller's trace from
 the W3C ``traceparent``/``tracestate`` (and ``baggage``) in its gRPC metadata through the
 OpenTelemetry propagation API (``OTEL_PROPAGATORS`` picks the formats). ``kvrouter.route``
-and the other spans are its children, so a gateway's trace runs on into the router. With
-tracing off the interceptor is not installed: Route pays nothing.
+and the other spans are its children, so a gateway's trace runs on into the router. Health
+checks and reflection get no span (``OTEL_PYTHON_GRPC_EXCLUDED_SERVICES``, the variable
+OpenTelemetry's gRPC instrumentation reads, replaces that list; empty = trace every service).
+With tracing off the interceptor is not installed: Route pays nothing.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -34,14 +38,27 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import BatchOutcome, CacheMode, Decision, EventBatch
 from ..router import RouteResult
 
-__all__ = ["ServerSpans", "annotate_batch", "annotate_decision", "build_tracer_provider", "exporter_name", "service_name"]
+__all__ = [
+    "ServerSpans", "annotate_batch", "annotate_decision", "build_exporter", "build_tracer_provider",
+    "decision_span", "exporter_name", "otlp_protocol", "service_name", "untraced_services",
+]
 
 #: the exporters OTEL_TRACES_EXPORTER / telemetry.traces may name
 EXPORTERS = ("otlp", "console", "none")
+#: the OTLP protocols the spec's OTEL_EXPORTER_OTLP_*PROTOCOL may name that Python has exporters for
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+#: services whose calls get no SERVER span unless OTEL_PYTHON_GRPC_EXCLUDED_SERVICES says otherwise:
+#: kubelet probes and grpcurl's reflection would otherwise flood the trace backend
+UNTRACED_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+)
 
 
 def service_name(configured: str, environ: Mapping[str, str] | None = None) -> str:
@@ -57,6 +74,45 @@ def exporter_name(configured: str, environ: Mapping[str, str] | None = None) -> 
     return name.split(",")[0].strip()
 
 
+def otlp_protocol(environ: Mapping[str, str] | None = None) -> str:
+    """The OTLP protocol for traces: the per-signal variable wins over the general one (the spec's order)."""
+    env = os.environ if environ is None else environ
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = env.get(variable, "").strip()
+        if not value:
+            continue
+        if value not in OTLP_PROTOCOLS:
+            raise ConfigError(f"{variable}: unsupported OTLP protocol {value!r} (one of {', '.join(OTLP_PROTOCOLS)})")
+        return value
+    return "grpc"
+
+
+def build_exporter(configured_exporter: str) -> SpanExporter | None:
+    """The exporter ``OTEL_TRACES_EXPORTER`` / ``telemetry.traces`` names, or None when tracing is off.
+
+    Everything that can fail about it fails here, as a ConfigError, so ``config check`` (which
+    builds it and shuts it down) refuses what ``serve`` would crash on: an unknown name or
+    protocol, an exporter package that does not import, a malformed ``OTEL_EXPORTER_OTLP_*`` value.
+    """
+    name = exporter_name(configured_exporter)
+    if name not in EXPORTERS and name:
+        source = "OTEL_TRACES_EXPORTER" if os.environ.get("OTEL_TRACES_EXPORTER", "").strip() else "telemetry.traces"
+        raise ConfigError(f"{source}: unknown traces exporter {name!r} (one of {', '.join(EXPORTERS)})")
+    if name in ("", "none"):
+        return None
+    if name == "console":
+        return ConsoleSpanExporter()
+    protocol = otlp_protocol()
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+        return OTLPSpanExporter()
+    except Exception as exc:  # ImportError from a broken install, ValueError from a malformed variable
+        raise ConfigError(f"traces exporter otlp ({protocol}) cannot be built: {type(exc).__name__}: {exc}") from exc
+
+
 def build_tracer_provider(
     service_name: str,
     configured_exporter: str,
@@ -66,22 +122,32 @@ def build_tracer_provider(
 
     ``exporter`` (tests) is attached with a synchronous processor so spans are visible at once.
     """
-    name = exporter_name(configured_exporter)
-    if exporter is None and name not in EXPORTERS and name:
-        source = "OTEL_TRACES_EXPORTER" if os.environ.get("OTEL_TRACES_EXPORTER", "").strip() else "telemetry.traces"
-        raise ConfigError(f"{source}: unknown traces exporter {name!r} (one of {', '.join(EXPORTERS)})")
-    if exporter is None and name in ("", "none"):
-        return None
+    if exporter is None:
+        built = build_exporter(configured_exporter)
+        if built is None:
+            return None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    elif name == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    elif name == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        provider.add_span_processor(BatchSpanProcessor(built))
     return provider
+
+
+def untraced_services(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The services whose calls get no SERVER span (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    if "OTEL_PYTHON_GRPC_EXCLUDED_SERVICES" not in env:
+        return frozenset(UNTRACED_SERVICES)
+    return frozenset(s.strip() for s in env["OTEL_PYTHON_GRPC_EXCLUDED_SERVICES"].split(",") if s.strip())
+
+
+@contextmanager
+def decision_span(tracer: trace.Tracer, name: str = "kvrouter.route") -> Iterator[trace.Span]:
+    """The span of one decision. A rejection sets its status from the error the client gets;
+    the abort that carries that error out must not overwrite it with ``AbortError: Locally aborted.``"""
+    with tracer.start_as_current_span(name, record_exception=False, set_status_on_exception=False) as span:
+        yield span
 
 
 def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) -> None:
@@ -119,6 +185,11 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         attrs["kvrouter.session_id"] = req.session_id
     if req.model:
         attrs["gen_ai.request.model"] = req.model
+    if d.pool:
+        attrs["kvrouter.pool"] = d.pool
+    if d.lora_placement:
+        attrs["kvrouter.lora"] = req.lora or req.model  # OpenAI bodies name the adapter in ``model``
+        attrs["kvrouter.lora.placement"] = d.lora_placement
     for k, v in d.attributes.items():
         attrs[f"kvrouter.policy.{k}"] = v
     span.set_attributes(attrs)  # type: ignore[arg-type]
@@ -153,10 +224,18 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     Attributes follow the OpenTelemetry RPC conventions: ``rpc.system`` = grpc,
     ``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code``, and ``network.peer.address``.
     The span's name is ``package.Service/Method``.
+
+    Why not ``opentelemetry-instrumentation-grpc``'s aio server interceptor (0.66b2): it names
+    the span ``/package.Service/Method`` (the conventions drop the slash), writes the deprecated
+    ``net.peer.ip``/``net.peer.port`` (the port as a string) and ``net.peer.name`` instead of
+    ``network.peer.*``, leaves ``rpc.grpc.status_code`` at 0 when a handler raises (the client
+    gets UNKNOWN), and prefixes the status description with the code's repr, so a span no longer
+    carries the message the client got. tests/integration/test_tracing.py pins each of these.
     """
 
-    def __init__(self, tracer: trace.Tracer) -> None:
+    def __init__(self, tracer: trace.Tracer, untraced: frozenset[str] | None = None) -> None:
         self.tracer = tracer
+        self.untraced = untraced_services() if untraced is None else untraced
 
     async def intercept_service(
         self,
@@ -168,6 +247,8 @@ class ServerSpans(grpc.aio.ServerInterceptor):
             return handler
         full_method = handler_call_details.method  # "/kvrouter.v1.KVRouter/Route"
         service, _, method = full_method.lstrip("/").rpartition("/")
+        if service in self.untraced:
+            return handler
         carrier = _metadata_getter(handler_call_details.invocation_metadata)
         span_args = {
             "name": f"{service}/{method}",
@@ -216,17 +297,15 @@ def _peer(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
     peer = context.peer() or ""  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678", "unix:..."
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        host, _, port = address.rpartition(":")
+        host, _, digits = address.rpartition(":")
         span.set_attribute("network.peer.address", host.strip("[]"))
-        if port.isdigit():
-            span.set_attribute("network.peer.port", int(port))
+        if (port := parse_decimal(digits)) is not None:
+            span.set_attribute("network.peer.port", port)
 
 
 def _finish(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
     code = context.code()
     if code is None:  # the handler returned normally: OK, or it raised (grpc maps that to UNKNOWN)
-        import sys
-
         code = grpc.StatusCode.UNKNOWN if sys.exc_info()[0] not in (None, GeneratorExit) else grpc.StatusCode.OK
     if isinstance(code, int):
         number = code

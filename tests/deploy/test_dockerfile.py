@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .dockerfile import Dockerfile, DockerIgnore, context_files, env_pairs, exec_form, healthcheck, parse
 
@@ -74,7 +75,9 @@ def test_installs_the_wheel_built_from_this_checkout(df: Dockerfile) -> None:
     runs = [r.args for r in df.stage("build").all("RUN")]
     assert any(re.search(r"pip wheel --no-deps --wheel-dir (\S+) \.$", r) for r in runs)
     installs = [r for r in runs if " pip install " in r]
-    assert installs and all(re.search(r'pip install "\$\(echo /\S+/kvrouterd-\*\.whl\)[^"]*"$', r) for r in installs)
+    # ... with every dependency at the version the lock pins
+    assert installs and all(re.search(r'pip install --constraint constraints\.txt "\$\(echo /\S+/kvrouterd-\*\.whl\)[^"]*"$', r)
+                            for r in installs)
     # the extras are optional features of the same wheel, declared in pyproject.toml
     extras = df.stage("build").all("ARG")
     assert [a.args for a in extras] == ["KVROUTERD_EXTRAS"]
@@ -165,3 +168,38 @@ def test_copied_sources_are_in_the_build_context_and_nothing_else_is(df: Dockerf
     assert "pyproject.toml" in files and "kvrouterd/cli.py" in files
     leaked = [f for f in files if f.startswith((".git/", ".venv/", "tests/", "helm/")) or "__pycache__" in f]
     assert not leaked, leaked[:5]
+
+
+def test_the_lock_pins_every_dependency_the_image_installs_within_pyproject_bounds(df: Dockerfile) -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    assert any("constraints.txt" in c.args.split()[:-1] for c in df.stage("build").all("COPY"))
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"]]
+    for extra, deps in project["optional-dependencies"].items():
+        if extra != "dev":  # every extra the image may be built with
+            wanted += deps
+    for spec in map(Requirement, wanted):
+        name = canonicalize_name(spec.name)
+        assert name in pins, f"{spec.name} is not in constraints.txt: run `make constraints`"
+        assert spec.specifier.contains(pins[name], prereleases=True), f"{spec} but constraints.txt pins {pins[name]}"
+
+
+def test_the_image_serves_metrics_where_its_header_and_expose_say(df: Dockerfile) -> None:
+    """The header's `docker run -p 9464:9464` reaches /metrics: the image's own config listens there."""
+    env = {}
+    for e in df.final.all("ENV"):
+        env.update(env_pairs(e.args))
+    (write,) = [r.args for r in df.final.all("RUN") if env["KVROUTERD_CONFIG"] in r.args]
+    text = re.search(r"printf '([^']*)' > " + re.escape(env["KVROUTERD_CONFIG"]), write).group(1)
+    config = yaml.safe_load(text.encode().decode("unicode_escape"))
+    host, _, port = config["metrics"]["listen"].rpartition(":")
+    assert host == "0.0.0.0" and port in {p.split("/")[0] for e in df.final.all("EXPOSE") for p in e.args.split()}
+    header = (ROOT / "Dockerfile").read_text().split("\nFROM")[0]
+    assert f"-p {port}:{port} kvrouterd" in header

@@ -4,9 +4,12 @@ SLOW (about 25 s with a warm pip cache; it reuses the machine's pip cache): the 
 stage's COPY and RUN instructions (but its apt-get of a C compiler: this machine has one) are replayed with /wheels and /opt/kvrouterd mapped into a
 temporary directory and the stage's ARGs set to their defaults: copy the sources the
 Dockerfile copies, build the wheel, create a fresh virtualenv, install the wheel with its
-dependencies and default extras, run ``kvrouterd --help``. Then the
-installed daemon is started as the image's CMD starts it and the image's HEALTHCHECK command
-is run against it, and SIGTERM must stop it cleanly.
+dependencies and default extras, run ``kvrouterd --help``. What got installed must be
+exactly what constraints.txt pins. Then the installed daemon is started as the image's CMD
+starts it and the image's HEALTHCHECK command is run against it, and SIGTERM must stop it
+cleanly; started again with OTLP configured, its decision spans must reach a real OTLP
+receiver (tests/otlp.py); and with the runtime stage's own config file, it serves /metrics
+on the port the image's header publishes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
-from .dockerfile import exec_form, healthcheck, parse
+from tests.otlp import check_daemon_exports_decision_spans, otel_env, running_receiver
+
+from .dockerfile import env_pairs, exec_form, healthcheck, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,8 +89,17 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
                             "print(kvrouterd.__file__); print(m.version('kvrouterd'))")],
                            env=env, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
     assert where[0].startswith(str(venv)) and where[1] == version
-    # the default extras came along (ext_proc's local tokenizer)
-    subprocess.run([str(py), "-c", "import tokenizers"], env=env, check=True, cwd=tmp_path)
+    # the default extras came along (ext_proc's local tokenizer, discovery's Kubernetes client)
+    subprocess.run([str(py), "-c", "import tokenizers, kubernetes_asyncio"], env=env, check=True, cwd=tmp_path)
+    # every installed distribution at the version the lock pins: the install resolved from it
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    pins = {name.lower().replace("_", "-"): version for name, version in pins.items()}
+    frozen = subprocess.run([str(py), "-m", "pip", "freeze", "--all", "--exclude", "kvrouterd"], env=env,
+                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
+    installed = {n.lower().replace("_", "-"): v for n, _, v in (line.partition("==") for line in frozen)}
+    unpinned = {n: v for n, v in installed.items() if pins.get(n) != v and n not in ("pip", "setuptools", "wheel")}
+    assert not unpinned, f"installed but not at constraints.txt's version: {unpinned}"
 
     # the image's CMD, with the port moved to a free one; then the image's HEALTHCHECK
     port = _free_port()
@@ -112,3 +127,21 @@ def test_dockerfile_install_steps_produce_a_working_kvrouterd(tmp_path: Path) ->
             daemon.kill()
             daemon.wait()
 
+    # tracing to a real OTLP receiver, configured as the chart's otel.endpoint does
+    with running_receiver() as receiver:
+        check_daemon_exports_decision_spans([str(venv / "bin" / "kvrouterd")], {**env, **otel_env(receiver, "grpc")},
+                                            receiver, "grpc", cwd=tmp_path)
+
+    # the runtime stage's config file and ENV: /metrics where the header's `-p 9464:9464` points
+    runtime_env = {}
+    for e in df.final.all("ENV"):
+        runtime_env.update(env_pairs(e.args))
+    etc = tmp_path / "etc" / "kvrouterd"
+    for r in df.final.all("RUN"):
+        if "/etc/kvrouterd" in r.args:
+            cmd = r.args.replace("/etc/kvrouterd", str(etc))
+            subprocess.run(["bash", "-euo", "pipefail", "-c", cmd], check=True, cwd=tmp_path)
+    config_file = runtime_env["KVROUTERD_CONFIG"].replace("/etc/kvrouterd", str(etc))
+    shown = subprocess.run([str(venv / "bin" / "kvrouterd"), "config", "show"], capture_output=True, text=True,
+                           env={**env, "KVROUTERD_CONFIG": config_file}, check=True, cwd=tmp_path).stdout
+    assert yaml.safe_load(shown)["metrics"]["listen"] == "0.0.0.0:9464"

@@ -255,3 +255,36 @@ async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_pr
     assert {reason for _, reason in counted} == {"prefix_match"}
     assert sum(counted.values()) > result["calls"]
     assert result["reasons"] == {"prefix_match": result["calls"]}
+
+
+async def test_an_item_that_raises_gets_its_own_internal_error_and_the_stream_goes_on(running, monkeypatch):
+    """Issue #28 item 3: one item raising an unexpected exception ended the whole stream UNKNOWN."""
+    await setup(running.stub)
+    router = running.router
+    route_for_real = router.route
+
+    def failing_route(req, explain=True):  # type: ignore[no-untyped-def]
+        if req.request_id.startswith("boom"):
+            raise OverflowError("cannot convert float infinity to integer")
+        return route_for_real(req, explain=explain)
+
+    monkeypatch.setattr(router, "route", failing_route)
+    call = running.stub.RouteStream()
+    await call.write(route(1, token_ids=PROMPT, request_id="boom-1"))
+    reply = await call.read()
+    assert reply.id == 1 and reply.WhichOneof("kind") == "error"
+    assert reply.error.code == grpc.StatusCode.INTERNAL.value[0] and "OverflowError" in reply.error.message
+    batch = pb.RouteStreamRequest(id=9, batch=pb.RouteStreamRequestBatch(items=[
+        route(2, token_ids=PROMPT, request_id="ok-2"), route(3, token_ids=PROMPT, request_id="boom-3"),
+        complete(4, request_id="ok-2", ttft_ms=5.0)]))
+    await call.write(batch)
+    reply = await call.read()
+    items = {item.id: item for item in reply.batch.items}
+    assert items[2].WhichOneof("kind") == "route" and items[4].WhichOneof("kind") == "complete"
+    assert items[3].error.code == grpc.StatusCode.INTERNAL.value[0]
+    await call.write(route(5, token_ids=PROMPT, request_id="ok-5"))
+    assert (await call.read()).WhichOneof("kind") == "route"
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert (await call.code()) == grpc.StatusCode.OK
+    assert running.daemon.service.call_errors.internal_count("RouteStream") == 2

@@ -14,7 +14,7 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.config import parse_config
 from kvrouterd.errors import ConfigError
 from kvrouterd.server.app import Daemon
-from kvrouterd.telemetry.tracing import build_tracer_provider, service_name
+from kvrouterd.telemetry.tracing import UNTRACED_SERVICES, build_tracer_provider, service_name, untraced_services
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -115,3 +115,33 @@ def test_unknown_traces_exporter_is_a_config_error_naming_the_variable(monkeypat
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_typo")
     with pytest.raises(ConfigError, match="^OTEL_TRACES_EXPORTER: unknown traces exporter 'zipkin_typo'"):
         build_tracer_provider("kvrouterd", "none")
+
+
+async def test_a_rejected_route_span_carries_the_status_the_client_got(running):
+    running.spans.clear()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.Route(pb.RouteRequest(token_ids=list(range(64))))  # no workers
+    await server_spans(running)
+    (route,) = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
+    assert route.status.status_code is StatusCode.ERROR and route.status.description == err.value.details()
+    assert route.attributes["rpc.grpc.status_code"] == err.value.code().value[0]
+
+
+async def test_health_checks_and_reflection_get_no_span(running):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    running.spans.clear()
+    await health_pb2_grpc.HealthStub(running.channel).Check(health_pb2.HealthCheckRequest())
+    reflection = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+    async for _ in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+        pass
+    await running.stub.ListWorkers(pb.ListWorkersRequest())
+    await server_spans(running)
+    assert [s.name for s in running.spans.get_finished_spans()] == ["kvrouter.v1.KVRouter/ListWorkers"]
+
+
+def test_excluded_services_follow_the_instrumentation_variable():
+    assert untraced_services({}) == set(UNTRACED_SERVICES)
+    assert untraced_services({"OTEL_PYTHON_GRPC_EXCLUDED_SERVICES": ""}) == set()
+    assert untraced_services({"OTEL_PYTHON_GRPC_EXCLUDED_SERVICES": " a.B , c.D"}) == {"a.B", "c.D"}

@@ -169,6 +169,24 @@ async def test_list_workers(fake_server):
     assert w.id == "w" and w.address == "a:1" and w.mode == 1
 
 
+async def test_list_workers_pages_through_them_all(fake_server):
+    """A router answers ListWorkers a page at a time (issue #28 item 8: one reply of a large
+    fleet passed gRPC's 4 MiB default): both clients follow next_page_token to the end."""
+    fake = fake_server.fake
+    fake.list_page_size = 3
+    for i in range(8):
+        fake.registered[f"w{i}"] = pb.Worker(id=f"w{i}", address=f"a:{i}")
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        assert [w.id for w in await client.list_workers()] == [f"w{i}" for i in range(8)]
+    assert [r.page_token for r in fake.list_requests] == ["", "3", "6"]
+
+    def listed() -> list[str]:
+        with SyncRouterClient(fake_server.target, timeout=2.0) as sync:
+            return [w.id for w in sync.list_workers()]
+
+    assert await asyncio.to_thread(listed) == [f"w{i}" for i in range(8)]
+
+
 # ---- the RouteStream pool -------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from kvrouterd.errors import ConfigError
 from kvrouterd.policies import registry
 from kvrouterd.protocols import CacheMode, TaskCategory, WorkerState
 from kvrouterd.sim.cluster import ClusterSettings, Simulation, simulate
-from kvrouterd.sim.engine import EngineParams
+from kvrouterd.sim.engine import PER_CHUNK, EngineParams
 from kvrouterd.sim.metrics import cv, goodput, percentile
 from kvrouterd.sim.policy_specs import policy_spec
 from kvrouterd.sim.workloads import SimRequest, Workload, build_workload, gsp
@@ -107,8 +107,9 @@ def test_approximate_mode_needs_no_events_and_still_finds_prefixes():
 # ---- hand-checkable metrics ------------------------------------------------------------
 
 def one_worker(requests: list[SimRequest], slo_ms: float = 5.0) -> Simulation:
-    """Block 4 tokens, 1 ms per prefill token, 10 ms per output token, unbounded cache."""
-    engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0)
+    """Block 4 tokens, 1 ms per prefill token, 10 ms per output token, unbounded cache; chunks
+    priced alone and decoding beside the engine (``PER_CHUNK``), so every time is by hand."""
+    engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, **PER_CHUNK)
     return Simulation(Config(), Workload("t", 4, requests), ClusterSettings(workers=1, engine=engine, slo_ms=slo_ms),
                       routing="round_robin", eviction="lru")
 
@@ -175,19 +176,27 @@ def test_policy_spec_takes_params_from_config_and_overrides():
 
 # ---- golden ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("prefill_model", "p50_ms"), [("power_law", 34.383), ("linear", 30.234)])
-def test_golden_small_gsp_run(prefill_model, p50_ms):
+@pytest.mark.parametrize(("pricing", "prefill_model", "p50_ms", "evicted"), [
+    ("default", "power_law", 70.510, [130, 105, 137]),
+    ("default", "linear", 67.435, [130, 105, 137]),
+    ("per_chunk", "power_law", 34.383, [128, 104, 136]),
+    ("per_chunk", "linear", 30.234, [128, 104, 136]),
+])
+def test_golden_small_gsp_run(pricing, prefill_model, p50_ms, evicted):
     """Numbers pinned from this simulator; a change means the engine model or LRU changed.
-    The linear model's numbers are those it gave when it was the default."""
+    ``per_chunk`` keeps the numbers of the pricing before issue #27 (its linear ones are those
+    it gave when linear was the default); the default pricing's TTFT is about twice as long
+    here because decode steps now share the engine with prefill."""
     wl = small_gsp(7, order="round_robin")
     s = settings(3, 200)
-    s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, prefill_model=prefill_model))
+    engine = dataclasses.replace(s.engine, prefill_model=prefill_model, **(PER_CHUNK if pricing == "per_chunk" else {}))
+    s = dataclasses.replace(s, engine=engine)
     rr = simulate(Config(), wl, s, routing="round_robin", eviction="lru", seed=7)
     ca = simulate(Config(), wl, s, routing="cache_aware", eviction="lru", seed=7)
     assert rr.summary.requests == 80
     assert rr.summary.hit_ratio == pytest.approx(0.3125)
     assert rr.summary.ttft_ms["p50"] == pytest.approx(p50_ms, abs=1e-3)
-    assert [e["evicted_blocks"] for e in rr.engine_stats] == [128, 104, 136]
+    assert [e["evicted_blocks"] for e in rr.engine_stats] == evicted
     # cache affinity keeps each group's prefix on one worker: more hits than rotating
     assert ca.summary.hit_ratio > rr.summary.hit_ratio
 
@@ -269,8 +278,10 @@ def _decode_run(cache_decode: bool, eviction: str = "lru", capacity: int = 0) ->
     # turn 2 sends the history back: 0, 1, 10, 11 and its own block 2
     a = SimRequest(0.0, 8, 8, (0, 1), "s", TaskCategory.CHAT, (10, 11))
     b = SimRequest(1.0, 20, 1, (0, 1, 10, 11, 2), "s", TaskCategory.CHAT, ())
+    # generated tokens take no KV while decoding (PER_CHUNK): what is tested is where the answer
+    # is cached once done, in caches too small to hold a running request's answer as well
     engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, cache_decode=cache_decode,
-                          capacity_blocks=capacity)
+                          capacity_blocks=capacity, **PER_CHUNK)
     return Simulation(Config(), Workload("t", 4, [a, b]), ClusterSettings(workers=1, engine=engine, slo_ms=5.0),
                       routing="round_robin", eviction=eviction)
 
@@ -333,9 +344,10 @@ def test_admission_queue_caps_inflight_and_every_request_still_finishes():
 
 
 def test_dualmap_migrates_queued_requests_within_their_pair_in_the_simulator():
-    # Zipf-hot tool prompts at 150 req/s on 8 workers, at most 32 in flight each
-    wl = build_workload("toolagent", 0, 150.0, requests=600)
-    s = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000, admission_max_inflight=32)
+    # Zipf-hot tool prompts at 80 req/s on 8 workers, at most 16 in flight each (decode steps
+    # sharing the engine overload hot pairs at lower rates than constant decoding did)
+    wl = build_workload("toolagent", 0, 80.0, requests=600)
+    s = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000, admission_max_inflight=16)
     sim = CappedSimulation(Config(), wl, s, routing="dualmap", eviction="lru", seed=0)
     moves = []
     apply = sim.admission.apply
@@ -431,9 +443,14 @@ def test_decode_kv_preempts_the_newest_request_when_the_cache_is_full_and_it_rec
     assert second.arrival_s + second.e2e_s > first.arrival_s + first.e2e_s
 
 
-def test_decode_kv_needs_the_batched_decode_model():
-    with pytest.raises(ValueError, match="decode_kv needs"):
-        EngineParams(decode_kv=True).validate()
+def test_decode_kv_has_nothing_to_do_with_constant_decoding():
+    # on by default, it must not refuse --decode-model constant: those tokens never enter the engine
+    wl = small_gsp(2)
+    runs = [simulate(Config(), wl, ClusterSettings(workers=2, engine=EngineParams(
+        capacity_blocks=60, decode_model="constant", decode_kv=kv)), routing="round_robin", eviction="lru", seed=2)
+        for kv in (True, False)]
+    assert fingerprint(runs[0]) == fingerprint(runs[1])
+    assert sum(e["preempted"] for e in runs[0].engine_stats) == 0
 
 
 # ---- one cost model for engines and routers ----------------------------------------------

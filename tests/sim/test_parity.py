@@ -152,13 +152,13 @@ async def test_daemon_with_admission_queues_replaying_the_sim_log_admits_the_sam
 
 @pytest.mark.slow
 async def test_daemon_replaying_dualmaps_migrations_moves_the_same_requests():
-    # Zipf-hot tool prompts at 150 req/s on 8 workers, at most 32 in flight each: the traffic
+    # Zipf-hot tool prompts at 80 req/s on 8 workers, at most 16 in flight each: the traffic
     # of the simulator's migration test, where both candidates of hot prefixes overload
     cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": "dualmap"},
-                        "admission": {"max_inflight": 32}})
-    wl = build_workload("toolagent", 0, 150.0, requests=600)
+                        "admission": {"max_inflight": 16}})
+    wl = build_workload("toolagent", 0, 80.0, requests=600)
     settings = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000.0, load_report_interval_s=0.1,
-                               admission_max_inflight=32)
+                               admission_max_inflight=16)
     sim = Simulation(cfg, wl, settings, routing="dualmap", eviction="lru", seed=0, record=True)
     result = sim.run()
     assert result.counters["migrations"] > 0 and result.counters["unfinished"] == 0

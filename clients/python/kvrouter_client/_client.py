@@ -150,6 +150,12 @@ def _complete_request(
     )
 
 
+def _last_page(resp: pb.ListWorkersResponse, token: str) -> bool:
+    """No page after ``resp`` (a router from before pages answers everything at once, with no
+    token; one that repeats the token would loop)."""
+    return not resp.next_page_token or resp.next_page_token == token
+
+
 def _fallback_result(req: pb.RouteRequest, fallback: FallbackFn | None, exc: grpc.RpcError) -> RouteResult:
     return _fail_open(req, fallback, from_rpc_error(exc, "Route"))
 
@@ -279,11 +285,18 @@ class RouterClient:
         return True
 
     async def list_workers(self, timeout: float | None = None) -> list[WorkerInfo]:
-        try:
-            resp = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout or self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "ListWorkers") from None
-        return [WorkerInfo.from_pb(w) for w in resp.workers]
+        """Every worker, in id order, a ``ListWorkers`` page at a time (``timeout`` per page)."""
+        workers: list[WorkerInfo] = []
+        token = ""
+        while True:
+            try:
+                resp = await self._stub.ListWorkers(pb.ListWorkersRequest(page_token=token), timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, "ListWorkers") from None
+            workers += [WorkerInfo.from_pb(w) for w in resp.workers]
+            if _last_page(resp, token):
+                return workers
+            token = resp.next_page_token
 
     async def close(self) -> None:
         if self._streams is not None:
@@ -375,11 +388,18 @@ class SyncRouterClient:
         return True
 
     def list_workers(self, timeout: float | None = None) -> list[WorkerInfo]:
-        try:
-            resp = self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout or self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "ListWorkers") from None
-        return [WorkerInfo.from_pb(w) for w in resp.workers]
+        """Every worker, in id order, a ``ListWorkers`` page at a time (``timeout`` per page)."""
+        workers: list[WorkerInfo] = []
+        token = ""
+        while True:
+            try:
+                resp = self._stub.ListWorkers(pb.ListWorkersRequest(page_token=token), timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, "ListWorkers") from None
+            workers += [WorkerInfo.from_pb(w) for w in resp.workers]
+            if _last_page(resp, token):
+                return workers
+            token = resp.next_page_token
 
     def close(self) -> None:
         if self._own_channel:

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from ._decimals import parse_decimal
 from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error, from_status
 from ._generated.kvrouter.v1 import router_pb2 as pb
 
@@ -120,11 +121,8 @@ def batch_message(items: list[bytes]) -> bytes:
 def advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
     """The batch size in bytes this stream may send: 0 unless the router advertises batches."""
     value = metadata.get(BATCH_METADATA) if metadata is not None else None
-    try:
-        limit = int(value) if value is not None else 0
-    except ValueError:
-        return 0
-    return max(0, min(limit, MAX_BATCH_BYTES))
+    limit = parse_decimal(value) if isinstance(value, str) else None
+    return min(limit, MAX_BATCH_BYTES) if limit is not None else 0
 
 
 def batches(queued: list[bytes], limit: int) -> Iterator[list[bytes]]:

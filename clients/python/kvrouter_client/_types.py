@@ -42,6 +42,15 @@ class CacheMode(enum.IntEnum):
     APPROXIMATE = 2
 
 
+class WorkerRole(enum.IntEnum):
+    """A worker's part in a disaggregated pool (mirrors kvrouter.v1.WorkerRole)."""
+
+    UNSPECIFIED = 0
+    BOTH = 1
+    PREFILL = 2
+    DECODE = 3
+
+
 class WorkerState(enum.IntEnum):
     UNSPECIFIED = 0
     READY = 1
@@ -97,6 +106,13 @@ class WorkerInfo:
     inflight_requests: int
     pending_prefill_tokens: int
     kv_events_endpoint: str
+    #: base models served (empty = any), adapters it can load (empty = any of its models'),
+    #: adapters loaded at once (0 = unknown), its role, and the adapters the router believes loaded
+    models: tuple[str, ...] = ()
+    loras: tuple[str, ...] = ()
+    max_loras: int = 0
+    role: WorkerRole = WorkerRole.BOTH
+    loaded_loras: tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, msg: pb.Worker) -> WorkerInfo:
@@ -112,6 +128,11 @@ class WorkerInfo:
             inflight_requests=msg.inflight_requests,
             pending_prefill_tokens=msg.pending_prefill_tokens,
             kv_events_endpoint=msg.kv_events_endpoint,
+            models=tuple(msg.models),
+            loras=tuple(msg.loras),
+            max_loras=msg.max_loras,
+            role=WorkerRole(msg.role) if msg.role in WorkerRole._value2member_map_ else WorkerRole.UNSPECIFIED,
+            loaded_loras=tuple(msg.loaded_loras),
         )
 
 

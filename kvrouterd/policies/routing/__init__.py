@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from ..base import NoParams
 from ..latency import LatencyParams
-from .cache_affinity import CacheAffinityPolicy
+from .cache_affinity import CacheAffinityParams, CacheAffinityPolicy
 from .cache_aware import CacheAwareParams, CacheAwarePolicy
 from .compose import ComposeParams, ComposePolicy
 from .dualmap import DualMapParams, DualMapPolicy
+from .dynamo import DynamoParams, DynamoPolicy
 from .kv_cost import KVCostParams, KVCostPolicy
 from .lbgr import LBGRParams, LBGRPolicy
 from .least_loaded import LeastLoadedPolicy
+from .llm_d import LlmDParams, LlmDPolicy
 from .min_ttft import MinTTFTPolicy
 from .preble import PrebleParams, PreblePolicy
 from .random import RandomPolicy
@@ -24,13 +26,15 @@ __all__ = ["POLICIES"]
 
 #: (name, policy class, Params dataclass), one per routing policy
 POLICIES: tuple[tuple[str, type, type], ...] = (
-    ("cache_affinity", CacheAffinityPolicy, NoParams),
+    ("cache_affinity", CacheAffinityPolicy, CacheAffinityParams),
     ("cache_aware", CacheAwarePolicy, CacheAwareParams),
     ("compose", ComposePolicy, ComposeParams),
     ("dualmap", DualMapPolicy, DualMapParams),
+    ("dynamo", DynamoPolicy, DynamoParams),
     ("kv_cost", KVCostPolicy, KVCostParams),
     ("lbgr", LBGRPolicy, LBGRParams),
     ("least_loaded", LeastLoadedPolicy, NoParams),
+    ("llm_d", LlmDPolicy, LlmDParams),
     ("min_ttft", MinTTFTPolicy, LatencyParams),
     ("preble", PreblePolicy, PrebleParams),
     ("random", RandomPolicy, NoParams),

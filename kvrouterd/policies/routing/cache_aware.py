@@ -1,32 +1,61 @@
-"""``cache_aware``: SGLang router's cache-aware policy (sgl-router / SGLang model gateway).
+"""``cache_aware``: SGLang's gateway cache-aware policy (sgl-router, now lightseekorg/smg).
 
-Per request:
-1. The cluster is *imbalanced* when ``max_load - min_load > balance_abs_threshold`` **and**
-   ``max_load > balance_rel_threshold * min_load`` over the eligible workers. Then the
-   least-loaded worker wins (reason ``imbalanced``).
-2. Otherwise the worker with the longest cached prefix wins if its match rate
-   (matched prompt tokens / prompt tokens) exceeds ``cache_threshold`` (reason
-   ``prefix_match``; ties go to the less loaded worker).
-3. Otherwise the least-loaded worker wins (reason ``low_match``); ties go to the worker
-   holding fewer cached blocks, which has the most room for a new prefix (SGLang picks the
-   smallest tree).
+Source: lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` (``select_worker``,
+``is_imbalanced``, ``select_worker_event_driven``, ``score_overlap``,
+``select_worker_with_tokens``), defaults from the gateway's command line
+(``model_gateway/src/main.rs``, what ``smg`` runs with unless told otherwise). Read to learn,
+not copied. Per request, over the eligible workers, load being each worker's in-flight
+requests:
 
-Parameters (defaults are SGLang's current ones):
-- ``cache_threshold`` = 0.3: minimum match rate for cache affinity, in [0, 1].
+1. *Imbalanced* when ``max_load - min_load > balance_abs_threshold`` **and**
+   ``max_load > balance_rel_threshold * min_load``, or when reported KV use trips a trigger
+   (hottest worker above ``overload_token_usage_threshold``, or hottest minus coolest above
+   ``balance_token_usage_threshold``; both off at 1.0). Then the least-loaded worker wins
+   (reason ``imbalanced``).
+2. Otherwise, how the cache decides depends on what the gateway knows of it
+   (``match_rule``):
+   - ``overlap`` (SGLang's event-driven mode, KV events from the engines): the worker with
+     the most cached prefix blocks wins whatever the match rate (reason ``prefix_match``;
+     ties to the lower load, then the smaller cache), or, when no worker holds any block,
+     the least-loaded (reason ``no_overlap``).
+   - ``threshold`` (SGLang's approximate tree, no events): the worker with the longest
+     cached prefix wins if its match rate (matched prompt tokens / prompt tokens) exceeds
+     ``cache_threshold`` (reason ``prefix_match``; ties to the less loaded: SGLang takes the
+     tenant that last touched the matched node, which the index does not record per
+     request), else the least-loaded (reason ``low_match``).
+   - ``auto`` (the default): ``overlap`` when every candidate's cache is known from engine
+     events (``CacheMode.EVENTS``), ``threshold`` otherwise, as SGLang picks its mode.
+
+"Least-loaded" is SGLang's ``min_load_idx``: the fewest in-flight requests, ties to the
+worker this policy has sent fewer requests to (SGLang's ``processed`` count, issue #1714),
+then the lower slot. The prefix tree is the router's index: SGLang's own approximate tree
+(evicted every ``eviction_interval`` = 120 s down to ``max_tree_size`` = 67,108,864 nodes)
+has no counterpart here, as the router keeps one index for every policy.
+
+Parameters (SGLang's gateway defaults):
+
+- ``cache_threshold`` = 0.3: minimum match rate for cache affinity (``threshold``), in [0, 1].
 - ``balance_abs_threshold`` = 64: absolute load spread that can mark imbalance.
 - ``balance_rel_threshold`` = 1.5: relative load spread that can mark imbalance (>= 1).
+- ``balance_token_usage_threshold`` = 1.0, ``overload_token_usage_threshold`` = 1.0: the KV
+  triggers on ``ReportLoad``'s kv_utilization, in [0, 1]; 1.0 never trips.
+- ``match_rule`` = "auto": "auto", "overlap" or "threshold" (above).
 - ``load_metric`` = "requests": load is in-flight requests, as in SGLang; "prefill_tokens"
   uses pending uncached prefill tokens instead (then size the absolute threshold in tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ...protocols import Decision
+from ...index.workers import Worker
+from ...protocols import CacheMode, Decision
 from .._scan import scan_candidates
 from ..base import RoutingContext, RoutingPolicyBase
+
+__all__ = ["CacheAwareParams", "CacheAwarePolicy"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +63,15 @@ class CacheAwareParams:
     cache_threshold: float = field(default=0.3, metadata={"help": "minimum prefix match rate for cache affinity"})
     balance_abs_threshold: float = field(default=64, metadata={"help": "load spread (absolute) that can mark imbalance"})
     balance_rel_threshold: float = field(default=1.5, metadata={"help": "load spread (max/min) that can mark imbalance"})
+    balance_token_usage_threshold: float = field(
+        default=1.0, metadata={"help": "reported KV-use spread that marks imbalance (1.0 = off)"}
+    )
+    overload_token_usage_threshold: float = field(
+        default=1.0, metadata={"help": "reported KV use of the hottest worker that marks imbalance (1.0 = off)"}
+    )
+    match_rule: Literal["auto", "overlap", "threshold"] = field(
+        default="auto", metadata={"help": "cache rule: most cached blocks (events), match-rate threshold, or by mode"}
+    )
     load_metric: Literal["requests", "prefill_tokens"] = field(
         default="requests", metadata={"help": "what load means: in-flight requests or pending prefill tokens"}
     )
@@ -45,10 +83,41 @@ class CacheAwareParams:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
         if self.balance_rel_threshold < 1.0:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+        for name in ("balance_token_usage_threshold", "overload_token_usage_threshold"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.match_rule not in ("auto", "overlap", "threshold"):
+            raise ValueError(f"match_rule must be 'auto', 'overlap' or 'threshold', got {self.match_rule!r}")
 
 
 class CacheAwarePolicy(RoutingPolicyBase):
     params: CacheAwareParams
+
+    def __init__(self, params: CacheAwareParams, rng: object) -> None:
+        super().__init__(params, rng)  # type: ignore[arg-type]
+        #: requests this policy sent to each worker (SGLang's ``processed``: min-load ties)
+        self._processed: dict[str, int] = {}
+
+    def _least_loaded(self, candidates: Sequence[Worker], min_i: int, min_load: int, load_attr: str) -> int:
+        """SGLang's min_load_idx: fewest in-flight, then fewest processed, then lower slot."""
+        ties = [i for i, w in enumerate(candidates) if getattr(w, load_attr) == min_load]
+        if len(ties) == 1:
+            return min_i
+        processed = self._processed
+        return min(ties, key=lambda i: (processed.get(candidates[i].id, 0), i))
+
+    def _kv_imbalanced(self, candidates: Sequence[Worker]) -> bool:
+        p = self.params
+        if p.balance_token_usage_threshold >= 1.0 and p.overload_token_usage_threshold >= 1.0:
+            return False
+        usage = [w.kv_utilization for w in candidates]
+        return max(usage) > p.overload_token_usage_threshold or max(usage) - min(usage) > p.balance_token_usage_threshold
+
+    def _rule(self, candidates: Sequence[Worker]) -> str:
+        rule = self.params.match_rule
+        if rule != "auto":
+            return rule
+        return "overlap" if all(w.mode is CacheMode.EVENTS for w in candidates) else "threshold"
 
     def select(self, ctx: RoutingContext) -> Decision:
         p = self.params
@@ -58,26 +127,49 @@ class CacheAwarePolicy(RoutingPolicyBase):
         # longest match, ties to the less loaded, then the lower slot (candidates are slot-ordered);
         # and the load spread: one pass, in C where the extension is built (policies/_scan.py)
         best_i, best_depth, min_i, min_load, max_load = scan_candidates(candidates, overlaps, load_attr)
-        imbalanced = (max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
+        imbalanced = ((max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
+                      ) or self._kv_imbalanced(candidates)
         prompt_tokens = max(ctx.request.prompt_tokens, 1)
         match_rate = min(1.0, best_depth * ctx.block_size / prompt_tokens)
+        rule = self._rule(candidates)
 
-        loads: list[int] = []
-        if ctx.explain or not (imbalanced or match_rate > p.cache_threshold):
-            loads = [getattr(w, load_attr) for w in candidates]
         if imbalanced:
-            chosen, reason = candidates[min_i], "imbalanced"
+            i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "imbalanced"
+        elif rule == "overlap":
+            if best_depth > 0:
+                i, reason = self._most_overlap(ctx, best_i, best_depth, load_attr), "prefix_match"
+            else:
+                i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "no_overlap"
         elif match_rate > p.cache_threshold:
-            chosen, reason = candidates[best_i], "prefix_match"
+            i, reason = best_i, "prefix_match"
         else:
-            i = min(range(len(candidates)), key=lambda i: (loads[i], ctx.cached_blocks(candidates[i]), i))
-            chosen, reason = candidates[i], "low_match"
+            i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "low_match"
+        chosen = candidates[i]
         if not ctx.explain:
             # nobody will read the record (an unsampled trace): the choice alone. Its attributes
             # are for the span only, and rounding a float is a decimal conversion (~0.5 us)
             return Decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0))
         scored = [
-            ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens, load=float(loads[i]))
-            for i, w in enumerate(candidates)
+            ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens,
+                          load=float(getattr(w, load_attr)))
+            for w in candidates
         ]
-        return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced))
+        return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced),
+                           match_rule=rule)
+
+    def _most_overlap(self, ctx: RoutingContext, best_i: int, best_depth: int, load_attr: str) -> int:
+        """score_overlap: most cached blocks, then lower load, then the smaller cache."""
+        candidates = ctx.candidates
+        load = getattr(candidates[best_i], load_attr)
+        overlaps = ctx.match.overlaps
+        ties = [i for i, w in enumerate(candidates)
+                if overlaps.get(w.slot, 0) == best_depth and getattr(w, load_attr) == load]
+        if len(ties) == 1:
+            return best_i
+        return min(ties, key=lambda i: (ctx.cached_blocks(candidates[i]), i))
+
+    def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
+        self._processed[decision.worker_id] = self._processed.get(decision.worker_id, 0) + 1
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self._processed.pop(worker.id, None)

@@ -1,4 +1,4 @@
-"""``kv_cost``: Dynamo's KV-router cost (the "Dynamo" of DualMap sections 2.2 and B).
+"""``kv_cost``: Dynamo's KV-router cost as DualMap describes it (DualMap sections 2.2 and B).
 
 For each worker: ``cost = overlap_weight * prefill_blocks + active_blocks`` where
 ``prefill_blocks`` are the prompt blocks the worker would compute (uncached tokens / block
@@ -8,7 +8,16 @@ Lower is better. With ``temperature`` = 0 the cheapest worker wins (ties broken 
 Dynamo does); above 0 a worker is sampled with probability proportional to
 ``exp(-c / temperature)``, ``c`` the cost min-max normalised to [0, 1] over the candidates.
 
-Parameters (Dynamo's defaults):
+This is the paper's simplified form, kept for its experiments. Dynamo's current router
+differs (audited against ai-dynamo/dynamo ``lib/kv-router/src/scheduling/selector/default.rs``
+and ``config.rs``): its prefill term also counts the prefill tokens already in flight on the
+worker, ``(active_prefill_tokens + prompt) / block - cached blocks``; its active blocks count
+prompt blocks only (``router_track_output_blocks: false``), a block shared by two active
+requests once (``router_assume_kv_reuse: true``), and only the request's blocks not already
+active there; ``overlap_score_weight`` is deprecated for ``overlap_score_credit`` (in [0, 1])
+and ``prefill_load_scale``. The ``dynamo`` policy follows that source; compare against it.
+
+Parameters (the paper's reading of Dynamo's defaults):
 
 - ``overlap_weight`` = 1.0: weight of prefill blocks; 0 ignores caches (pure load balance).
 - ``temperature`` = 0.0: softmax sampling temperature (0 = argmin).

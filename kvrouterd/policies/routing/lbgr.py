@@ -5,8 +5,9 @@ For each worker ``i`` the latency of a request ``q`` is estimated as (Eq. 4)
     E_i = Cost_i + P_i + theta_i . phi_i
 
 - ``Cost_i = alpha_cached * h + alpha_miss * (|q| - h)`` (Eq. 5), ``h`` the cached prompt
-  tokens the global index reports for ``i``. Costs are in ms per 1k tokens (appendix A:
-  0 and 1000 ms), the paper's "per-1k-token unit".
+  tokens the global index reports for ``i``. The alphas are per 1k tokens in the paper's
+  "per-1k-token unit" (appendix A: 0 and 1000), where 1000 stands for the time an engine
+  takes to prefill 1k uncached tokens.
 - ``P_i`` is the queue-load estimate: the cost of each request routed to ``i`` is added on
   dispatch (Eq. 6) and every ``decay_interval_s`` all loads are multiplied by ``rho``
   (31/32 every 20 ms). The host calls ``tick(now)`` about every 20 ms; the number of elapsed
@@ -16,7 +17,8 @@ For each worker ``i`` the latency of a request ``q`` is estimated as (Eq. 4)
 - ``theta_i . phi_i`` is a per-worker residual learned from each completion against the
   target ``observed - Cost_i - P_i``, both terms as they were at dispatch (line 13). The
   paper's text (section 4.2, appendix A) describes a 4-dimensional linear regression,
-  ``phi = (h, |q| - h, P_i, 1)`` (tokens in thousands, ``P_i`` in seconds), fitted by
+  ``phi = (h, |q| - h, P_i, 1)`` (tokens in thousands, ``P_i`` in seconds; here in 1k-token
+  prefill times, seconds at the default scale), fitted by
   recursive least squares with forgetting 0.992. The authors' published router
   (fzwark/KVRouting, ``sgl-router/src/router.rs``, ``EtaOnline3D``), which produced the
   paper's numbers, learns only the bias of that regression (its ``learn_mask`` enables
@@ -36,6 +38,23 @@ cancel the load term and can only make a worker look slower than ``Cost + P`` sa
 late feedback steers traffic away from a worker that was slow, never onto one: 99.8% on
 the same run.
 
+**One time unit (``engine_ms_per_1k``).** Every term of ``E_i`` is a time and is compared
+with an observed latency, so all are held in ms: one unit of the alphas' scale is
+``engine_ms_per_1k / alpha_miss_ms_per_1k`` ms, ``engine_ms_per_1k`` being the engines' real
+prefill time per 1k uncached tokens (what a router that profiled them knows). The alphas then set only
+the relative cost of a cached and an uncached token, and the residual target's floor (the
+published router's 1, the cost of one uncached token at alpha_miss = 1000 per 1k) is one
+uncached token's time. Decisions are then the same whatever scale the alphas are written in
+(1000 per 1k or 1 per 1k). Unset (0), one unit is read as one ms, the published router's
+literal mix, where the paper's alpha_miss = 1000 means 1 ms per uncached token, 10-40x slower
+than a real prefill: its ``Cost + P`` then dwarfs every observed latency, the floored
+residual never moves, and LBGR is ``Cost + P`` alone; written in real ms (alpha_miss = 40,
+docs/results.md section 2) or with the unit known, the residual learns from completions and
+decides, and per worker it herds on their late feedback (measured in
+``sim.policy_specs.profiled_spec``'s docstring; ``residual_scope: fleet`` does not).
+The load feature of the residual is ``P_i`` in 1k-token prefill times, so a fit does not
+depend on the scale either.
+
 The request goes to ``argmin_i E_i`` (ties to the lower slot).
 
 **Target.** The paper regresses end-to-end latency; its runs generate 4 output tokens by
@@ -48,13 +67,15 @@ default target is therefore ``ttft``; ``target: e2e`` follows the paper literall
 Parameters:
 
 - ``alpha_cached_ms_per_1k`` = 0.0, ``alpha_miss_ms_per_1k`` = 1000.0 (appendix A).
+- ``engine_ms_per_1k`` = 0.0: the engines' prefill ms per 1k uncached tokens, which fixes the
+  alphas' unit in ms (0: one unit is one ms, the published router's reading).
 - ``decay_rho`` = 0.96875 (31/32), ``decay_interval_s`` = 0.02 (appendix A).
 - ``learning_rule`` = "rls"; ``forgetting`` = 0.992 (appendix A); ``rls_initial_variance``
   = 1e6 (the published router's P0); ``nlms_step`` = 0.5 (for ``nlms``).
 - ``features`` = ("bias",): the learned features, any non-empty subset of hit, miss, load,
   bias, in any order (the published router learns the bias alone; see above).
-- ``residual_target`` = "penalty": ``max(1 ms, observed - Cost - P)`` as the published router
-  computes it, or "signed" (``observed - Cost - P``, the paper's text).
+- ``residual_target`` = "penalty": ``max(one uncached token's time, observed - Cost - P)`` as
+  the published router computes it, or "signed" (``observed - Cost - P``, the paper's text).
 - ``target`` = "ttft": "ttft" or "e2e" (see above).
 - ``residual_scope`` = "worker": one ``theta_i`` per worker as in the paper; "fleet" shares
   one model, so a worker that stops being chosen cannot keep a stale correction.
@@ -68,6 +89,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ...bounds import MAX_LATENCY_MS
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
@@ -77,14 +99,22 @@ __all__ = ["LBGRParams", "LBGRPolicy"]
 
 FEATURES = ("hit", "miss", "load", "bias")
 _MAX_TRACKED = 200_000
-#: the published router's floor on the residual target (``y_resid.max(1.0)``), ms
-_PENALTY_FLOOR_MS = 1.0
+#: every learned coefficient (ms per 1k tokens, per second of load, or ms) and every residual
+#: stays within a day's worth of ms: a client's outlier moves the estimate only that far
+_RESIDUAL_RANGE = (-MAX_LATENCY_MS, MAX_LATENCY_MS)
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return x if lo <= x <= hi else (hi if x > hi else lo)
 
 
 @dataclass(frozen=True)
 class LBGRParams:
     alpha_cached_ms_per_1k: float = field(default=0.0, metadata={"help": "service cost of cached tokens, ms per 1k"})
     alpha_miss_ms_per_1k: float = field(default=1000.0, metadata={"help": "service cost of uncached tokens, ms per 1k"})
+    engine_ms_per_1k: float = field(
+        default=0.0, metadata={"help": "engines' prefill ms per 1k uncached tokens: the alphas' unit (0 = 1 ms)"}
+    )
     decay_rho: float = field(default=31 / 32, metadata={"help": "queue-load decay factor per interval, in (0, 1]"})
     decay_interval_s: float = field(default=0.02, metadata={"help": "queue-load decay interval, s"})
     learning_rule: Literal["rls", "nlms", "none"] = field(
@@ -98,7 +128,7 @@ class LBGRParams:
     )
     residual_target: Literal["penalty", "signed"] = field(
         default="penalty",
-        metadata={"help": "residual target: max(1 ms, observed - Cost - P) (published router) or signed (paper text)"},
+        metadata={"help": "residual target: max(floor, observed - Cost - P) (published router) or signed (paper text)"},
     )
     target: Literal["ttft", "e2e"] = field(default="ttft", metadata={"help": "latency the estimate predicts"})
     residual_scope: Literal["worker", "fleet"] = field(
@@ -108,6 +138,10 @@ class LBGRParams:
     def validate(self) -> None:
         if self.alpha_cached_ms_per_1k < 0 or self.alpha_miss_ms_per_1k < 0:
             raise ValueError("alpha_cached_ms_per_1k and alpha_miss_ms_per_1k must be >= 0")
+        if self.engine_ms_per_1k < 0:
+            raise ValueError(f"engine_ms_per_1k must be >= 0, got {self.engine_ms_per_1k}")
+        if self.engine_ms_per_1k > 0 and self.alpha_miss_ms_per_1k <= 0:
+            raise ValueError("alpha_miss_ms_per_1k must be > 0 when engine_ms_per_1k is set (it defines the unit)")
         if not 0.0 < self.decay_rho <= 1.0:
             raise ValueError(f"decay_rho must be in (0, 1], got {self.decay_rho}")
         if self.decay_interval_s <= 0:
@@ -138,7 +172,10 @@ class _NLMS:
     def update(self, x: list[float], y: float) -> float:
         error = y - self.predict(x)
         norm = 1e-6 + sum(v * v for v in x)
-        self.theta = [t + self.step * error * v / norm for t, v in zip(self.theta, x)]
+        theta = [t + self.step * error * v / norm for t, v in zip(self.theta, x)]
+        if not all(map(math.isfinite, theta)):
+            return error  # dropped, as RecursiveLeastSquares drops a sample that overflows
+        self.theta = [_clip(t, *_RESIDUAL_RANGE) for t in theta]
         self.samples += 1
         return error
 
@@ -176,6 +213,13 @@ class LBGRPolicy(RoutingPolicyBase):
         self._step = 0
         self._inflight: OrderedDict[str, _Dispatched] = OrderedDict()
         self._feature_index = tuple(FEATURES.index(f) for f in params.features)
+        #: ms per unit of the alphas' scale (see "One time unit")
+        self.unit_ms = params.engine_ms_per_1k / params.alpha_miss_ms_per_1k if params.engine_ms_per_1k > 0 else 1.0
+        #: one uncached token's time, ms: the floor of the residual target (the published
+        #: router's ``y_resid.max(1.0)`` at alpha_miss = 1000 per 1k)
+        self.floor_ms = self.unit_ms * params.alpha_miss_ms_per_1k / 1000.0
+        #: ms to prefill 1k uncached tokens, the unit of the load feature
+        self._k_tokens_ms = self.unit_ms * params.alpha_miss_ms_per_1k or 1000.0
 
     # ---- queue load -----------------------------------------------------------------
     def _steps_at(self, now: float) -> int:
@@ -207,7 +251,8 @@ class LBGRPolicy(RoutingPolicyBase):
         if learner is None:
             n = len(self.params.features)
             if self.params.learning_rule == "rls":
-                learner = RecursiveLeastSquares([0.0] * n, self.params.forgetting, self.params.rls_initial_variance)
+                learner = RecursiveLeastSquares([0.0] * n, self.params.forgetting, self.params.rls_initial_variance,
+                                                bounds=[_RESIDUAL_RANGE] * n)
             else:
                 learner = _NLMS(n, self.params.nlms_step)
         return learner
@@ -217,7 +262,9 @@ class LBGRPolicy(RoutingPolicyBase):
         p = self.params
         factor = p.decay_rho ** (self._steps_at(ctx.now) - self._step)
         prompt, bs = ctx.prompt_tokens, ctx.block_size
-        per_hit, per_miss = p.alpha_cached_ms_per_1k / 1000.0, p.alpha_miss_ms_per_1k / 1000.0
+        unit = self.unit_ms / 1000.0
+        per_hit, per_miss = p.alpha_cached_ms_per_1k * unit, p.alpha_miss_ms_per_1k * unit
+        k_tokens_ms = self._k_tokens_ms
         index = self._feature_index
         learners = self._learners if p.learning_rule != "none" else {}
         loads = self._load
@@ -227,11 +274,11 @@ class LBGRPolicy(RoutingPolicyBase):
             hit = min(prompt, ctx.overlap(w) * bs)
             miss = prompt - hit
             load = loads.get(w.id, 0.0) * factor
-            values = (hit / 1000.0, miss / 1000.0, load / 1000.0, 1.0)
+            values = (hit / 1000.0, miss / 1000.0, load / k_tokens_ms, 1.0)
             phi = [values[i] for i in index]
             learner = learners.get(w.id if fleet is None else fleet)  # an unseen worker has theta = 0
-            out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load,
-                                 learner.predict(phi) if learner is not None else 0.0, phi))
+            residual = _clip(learner.predict(phi), *_RESIDUAL_RANGE) if learner is not None else 0.0
+            out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load, residual, phi))
         return out
 
     def select(self, ctx: RoutingContext) -> Decision:
@@ -273,14 +320,14 @@ class LBGRPolicy(RoutingPolicyBase):
         remaining = record.cost * self.params.decay_rho ** (self._step - record.step)
         self._load[record.worker_id] = max(0.0, self._load[record.worker_id] - remaining)
         observed = completion.ttft_ms if self.params.target == "ttft" else completion.e2e_ms
-        if not completion.success or observed <= 0:
+        if not completion.success or not 0 < observed <= MAX_LATENCY_MS:  # NaN too: no sample
             return
         key = record.worker_id if self.params.residual_scope == "worker" else ""
         learner = self._learner(key)
         if learner is not None:
-            residual = observed - record.base
+            residual = _clip(observed - record.base, *_RESIDUAL_RANGE)
             if self.params.residual_target == "penalty":
-                residual = max(_PENALTY_FLOOR_MS, residual)
+                residual = max(self.floor_ms, residual)
             learner.update(record.phi, residual)
             self._learners[key] = learner
 

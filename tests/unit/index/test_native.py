@@ -117,7 +117,7 @@ def _key(path: tuple[int, ...]) -> int:
 )
 def test_native_walk_equals_python(stores, removals, query, mask_slots, extra):
     """Same overlaps (values and insertion order), same path objects, for masks of up to 70
-    slots (wider than 64 falls back to Python inside the native entry point)."""
+    slots (either side of 64)."""
     index = RadixIndex()
     for slot in range(70):
         index.add_slot(slot)
@@ -130,19 +130,106 @@ def test_native_walk_equals_python(stores, removals, query, mask_slots, extra):
     for s in mask_slots:
         mask |= 1 << s
     keys = [_key(tuple(query[: i + 1])) for i in range(len(query))] + extra
-    expected = match_walk_py(index._blocks, keys, mask)
-    # the index's own BlockTable (prefetching walk; keys as ints or read in place from an
-    # array('Q')) and a plain dict of the same blocks
-    for blocks, ks in ((index._blocks, keys), (index._blocks, array("Q", keys)), (dict(index._blocks.items()), keys)):
-        result = native.module.match_walk(blocks, ks, mask)
-        if mask >= 1 << 64:
-            assert result is NotImplemented
-            from kvrouterd.index._walk import match_walk
+    _assert_walks_agree(index, keys, mask)
 
-            result = match_walk(blocks, ks, mask)
-        overlaps, path = result
-        assert list(overlaps.items()) == list(expected[0].items())
-        assert len(path) == len(expected[1]) and all(a is b for a, b in zip(path, expected[1], strict=True))
+
+def _assert_walks_agree(index: RadixIndex, keys: list[int], mask: int) -> None:
+    """The native walk over the index's own BlockTable (prefetching; keys as ints or read in
+    place from an array('Q')) and over a plain dict of the same blocks answers what the Python
+    walk does: equal overlaps, read every way a dict is, and the same path objects."""
+    expected, expected_path = match_walk_py(index._blocks, keys, mask)
+    for blocks, ks in ((index._blocks, keys), (index._blocks, array("Q", keys)), (dict(index._blocks.items()), keys)):
+        overlaps, path = native.module.match_walk(blocks, ks, mask)
+        assert list(overlaps.items()) == list(expected.items())
+        assert overlaps == expected and len(overlaps) == len(expected) and dict(overlaps) == expected
+        for slot in {*expected, -1, 0, 1, 63, 64, 1023, 1 << 70}:
+            assert overlaps.get(slot, 0) == expected.get(slot, 0) and (slot in overlaps) == (slot in expected)
+        assert len(path) == len(expected_path) and all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
+WIDE = 1024  # workers: slot numbers up to 1,023, ints of 35 CPython digits
+wide_slots = st.one_of(st.integers(0, WIDE - 1), st.integers(64, WIDE - 1), st.sampled_from([63, 64, 959, 960, WIDE - 1]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear"]), wide_slots, chains), max_size=40),
+    query=chains,
+    mask_slots=st.one_of(st.just(frozenset(range(WIDE))), st.frozensets(wide_slots, max_size=200)),
+    loads=st.lists(st.integers(0, 3), min_size=WIDE, max_size=WIDE),
+)
+def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_slots, loads):
+    """1,024 workers, most above slot 63: random stores, removes and clears, then a match. The
+    native walk's overlaps equal the pure walk's, and the policy's scan over them (native, reading
+    the Overlaps by slot) picks what the Python scan picks from the pure dict."""
+    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py
+
+    index = RadixIndex()
+    for slot in range(WIDE):
+        index.add_slot(slot)
+    for op, slot, choices in ops:
+        keys = [_key(tuple(choices[: i + 1])) for i in range(len(choices))]
+        if op == "store":
+            index.store(slot, None, keys, 1.0)
+        elif op == "remove":
+            index.remove(slot, keys[-1])
+        else:
+            index.clear(slot)
+    mask = sum(1 << s for s in mask_slots)
+    keys = [_key(tuple(query[: i + 1])) for i in range(len(query))]
+    _assert_walks_agree(index, keys, mask)
+    if not mask_slots:
+        return
+    candidates = [_Candidate(s, loads[s]) for s in sorted(mask_slots)]
+    native_overlaps = index.match(keys, mask).overlaps
+    pure_overlaps, _ = match_walk_py(index._blocks, keys, mask)
+    assert type(native_overlaps) is native.module.Overlaps
+    want = scan_candidates_py(candidates, pure_overlaps, "pending_prefill_tokens")
+    assert scan_candidates(candidates, native_overlaps, "pending_prefill_tokens") == want
+
+
+class _Candidate:
+    __slots__ = ("pending_prefill_tokens", "slot")
+
+    def __init__(self, slot: int, load: int) -> None:
+        self.slot, self.pending_prefill_tokens = slot, load
+
+
+def test_overlaps_reads_like_the_dict_it_equals():
+    index = RadixIndex()
+    for slot in (3, 100, 700):
+        index.add_slot(slot)
+    index.store(700, None, [1, 2, 3], 0.0)
+    index.store(3, None, [1], 0.0)
+    index.store(100, None, [1, 2], 0.0)
+    overlaps = index.match([1, 2, 3], (1 << 3) | (1 << 100) | (1 << 700)).overlaps
+    assert list(overlaps) == [3, 100, 700] and list(overlaps.values()) == [1, 2, 3]
+    assert overlaps == {3: 1, 100: 2, 700: 3} and repr(overlaps) == "{3: 1, 100: 2, 700: 3}"
+    assert overlaps[700] == 3 and overlaps.get(True) is None  # True is slot 1: no entry
+    assert overlaps.get(3.0) == 1 and 3.0 in overlaps  # equal keys find it, as in a dict
+    with pytest.raises(KeyError):
+        overlaps[4]
+    with pytest.raises(KeyError):
+        overlaps[(1, 2)]
+    with pytest.raises(TypeError):
+        hash(overlaps)
+    assert index.match([9], 1 << 3).overlaps == {}
+
+
+@pytest.mark.parametrize("holders", [-1, -(1 << 64), -(1 << 100) - 5, ~(1 << 200)])
+def test_native_walk_reads_a_negative_holders_as_python_does(holders):
+    """Never set by the index, but an int all the same: ``&`` reads it in two's complement."""
+    blocks = {1: Block(1, None), 2: Block(2, None)}
+    blocks[1].holders, blocks[2].holders = holders, (1 << 300) | 5
+    for mask in (0b111, (1 << 300) | (1 << 200) | 1, 1 << 64):
+        overlaps, path = native.module.match_walk(blocks, [1, 2], mask)
+        expected, expected_path = match_walk_py(blocks, [1, 2], mask)
+        assert list(overlaps.items()) == list(expected.items()) and path == expected_path
+
+
+def test_native_walk_rejects_a_negative_mask():
+    with pytest.raises(ValueError):
+        native.module.match_walk(native.module.BlockTable(), [1], -1)
 
 
 def test_native_walk_uses_slot_63():
@@ -250,7 +337,7 @@ def test_u64map_probe_runs_wrap_past_the_last_slot_through_a_resize():
 @given(values=st.lists(st.one_of(u64, st.integers(-(2**70), 2**70), st.booleans(), st.floats(0, 10), st.text(max_size=1)),
                        max_size=40), as_tuple=st.booleans())
 def test_u64_array_is_array_q(values, as_tuple):
-    """What Router._prepare_stored packs engine hashes with: array('Q', values) itself, or its
+    """What EventApplier._prepare_stored packs engine hashes with: array('Q', values) itself, or its
     error (OverflowError out of range, TypeError for a float or a str), natively for ints."""
     seq = tuple(values) if as_tuple else values
     try:

@@ -7,7 +7,7 @@ import random
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies import registry
-from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
+from kvrouterd.protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
 
 BS = 16
@@ -61,12 +61,36 @@ def test_cache_aware_prefers_the_prefix_holder_above_the_threshold():
 
 
 def test_cache_aware_below_threshold_goes_to_least_loaded():
-    router = fleet({"name": "cache_aware", "cache_threshold": 0.5})
+    # SGLang's approximate-tree rule (no KV events): the match rate must clear the threshold
+    router = fleet({"name": "cache_aware", "cache_threshold": 0.5, "match_rule": "threshold"})
     tokens = list(range(10 * BS))
     cache(router, "w2", tokens[: 4 * BS])  # 40%: not enough
     router.route(prompt(router, list(range(9000, 9100))))  # load w0 with one request
     d = router.route(prompt(router, tokens)).decision
-    assert d.reason == "low_match" and d.worker_id == "w1"  # w1 idle and holds nothing (w2 is fuller)
+    # w1 and w2 are idle and were sent nothing: SGLang's min_load_idx takes the lower index
+    assert d.reason == "low_match" and d.worker_id == "w1"
+
+
+def test_cache_aware_with_engine_events_follows_any_overlap():
+    # SGLang's event-driven rule (select_worker_event_driven): the most cached blocks win
+    # whatever the match rate; with none anywhere, the least loaded
+    router = fleet({"name": "cache_aware", "cache_threshold": 0.5})
+    tokens = list(range(10 * BS))
+    cache(router, "w2", tokens[: 4 * BS])  # 40%: below the threshold, still the holder
+    d = router.route(prompt(router, tokens)).decision
+    assert (d.worker_id, d.reason, d.attributes["match_rule"]) == ("w2", "prefix_match", "overlap")
+    cold = router.route(prompt(router, list(range(50_000, 50_000 + 4 * BS)))).decision
+    assert (cold.worker_id, cold.reason) == ("w0", "no_overlap")
+
+
+def test_cache_aware_min_load_ties_go_to_the_worker_sent_fewer_requests():
+    router = fleet({"name": "cache_aware", "match_rule": "threshold"})
+    picks = [router.route(prompt(router, list(range(i * 1000, i * 1000 + 2 * BS)))) for i in range(3)]
+    for res in picks:  # all complete: equal load again, but w0..w2 were each sent one
+        router.complete_anywhere(Completion(request_id=res.request.request_id, ttft_ms=1.0, e2e_ms=2.0))
+    router.route(prompt(router, list(range(9000, 9000 + 2 * BS))))  # w0: 1 in flight, 2 sent
+    res = router.route(prompt(router, list(range(8000, 8000 + 2 * BS))))
+    assert res.worker.id == "w1" and res.decision.reason == "low_match"
 
 
 def test_cache_aware_imbalance_overrides_affinity():
@@ -92,7 +116,8 @@ def test_cache_aware_decides_alike_explained_or_not():
     rng = random.Random(11)
     reasons = set()
     for trial in range(60):
-        router = fleet({"name": "cache_aware", "balance_abs_threshold": 3}, n=rng.randint(1, 8))
+        rule = ("threshold", "overlap")[trial % 2]
+        router = fleet({"name": "cache_aware", "balance_abs_threshold": 3, "match_rule": rule}, n=rng.randint(1, 8))
         tokens = list(range(trial * 1000, trial * 1000 + 20 * BS))
         for w in range(len(router.workers)):
             depth = rng.choice((0, 0, 3, 8, 14, 20))
@@ -106,9 +131,10 @@ def test_cache_aware_decides_alike_explained_or_not():
         quiet, _, _ = router.decide(prompt(router, tokens), explain=False)
         assert (quiet.worker_id, quiet.reason, quiet.overlap_blocks, quiet.policy) == (
             loud.worker_id, loud.reason, loud.overlap_blocks, loud.policy)
-        assert set(loud.attributes) == {"match_rate", "imbalanced"} and len(loud.candidates) == len(router.workers)
+        assert set(loud.attributes) == {"match_rate", "imbalanced", "match_rule"}
+        assert len(loud.candidates) == len(router.workers)
         reasons.add(loud.reason)
-    assert reasons == {"prefix_match", "low_match", "imbalanced"}
+    assert reasons == {"prefix_match", "low_match", "no_overlap", "imbalanced"}
 
 
 def test_registry_params_reach_the_policy():

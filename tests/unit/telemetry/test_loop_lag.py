@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
 from kvrouterd.telemetry.loop_lag import LoopMonitor
@@ -84,3 +86,63 @@ async def test_a_stall_just_past_the_threshold_is_sampled_and_named() -> None:
     assert monitor.stalls == 3
     assert named and all(s.startswith("hold_just_past_the_threshold (") for s in named), named
     assert loop_lag.HEARTBEAT_S >= monitor._period == 0.05 and monitor._sample_after_s == 0.05
+
+
+def _starved_monitor(waits: list[float | None]):
+    """A monitor whose run-queue wait readings are ``waits``, one per stall, and its metric reader."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    monitor = LoopMonitor(MeterProvider(metric_readers=[reader]), warn_after_s=0.05)
+    readings = iter(waits)
+    monitor._cpu_wait_s = lambda: next(readings)  # type: ignore[method-assign]
+    return monitor, reader
+
+
+def _sums(reader) -> dict[str, float]:
+    data = reader.get_metrics_data()
+    if data is None:  # nothing recorded
+        return {}
+    return {m.name: sum(p.value for p in m.data.data_points)
+            for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name.startswith("kvrouter.event_loop.") and hasattr(m.data, "is_monotonic")}
+
+
+def test_a_stall_spent_waiting_for_a_cpu_is_counted_and_said_once_at_info(caplog) -> None:
+    from collections import Counter
+
+    monitor, reader = _starved_monitor([0.2, 0.25, 0.3])
+    with caplog.at_level("INFO", logger="kvrouterd.telemetry"):
+        for _ in range(3):  # 200-300 ms of a 300 ms stall runnable with no CPU: the node, not the code
+            monitor._stalled(0.3, 0.01, 0.0, Counter(), 0.0)
+    assert monitor.starved == 3 == monitor.stalls
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # rate-limited: one line per minute
+    assert "waiting for a CPU" in caplog.records[0].getMessage()
+    assert _sums(reader) == pytest.approx({"kvrouter.event_loop.starved_stalls": 3, "kvrouter.event_loop.cpu_wait": 0.75})
+
+
+@pytest.mark.parametrize("waited", [0.01, None])  # on a CPU, or the kernel does not say
+def test_a_stall_not_spent_waiting_for_a_cpu_stays_a_warning(caplog, waited) -> None:
+    from collections import Counter
+
+    monitor, reader = _starved_monitor([waited])
+    with caplog.at_level("INFO", logger="kvrouterd.telemetry"):
+        monitor._stalled(0.3, 0.29, 0.0, Counter(), 0.0)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and monitor.starved == 0
+    assert _sums(reader).get("kvrouter.event_loop.starved_stalls", 0) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel reports no run-queue waits")
+async def test_a_blocking_sleep_on_the_loop_is_not_mistaken_for_cpu_starvation(caplog) -> None:
+    monitor = LoopMonitor(MeterProvider(), warn_after_s=0.05)
+    monitor.start()
+    try:
+        assert monitor._cpu_wait_s() is not None
+        await asyncio.sleep(0.15)
+        with caplog.at_level("INFO", logger="kvrouterd.telemetry"):
+            hold_the_loop()  # asleep, not runnable: no run-queue wait
+            await asyncio.sleep(0.2)
+    finally:
+        await monitor.stop()
+    assert monitor.stalls >= 1 and monitor.starved == 0
+    assert any(r.levelname == "WARNING" and "event loop blocked" in r.getMessage() for r in caplog.records)

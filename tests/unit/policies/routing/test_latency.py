@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from kvrouterd.policies.latency import A100_LLAMA32_1B, H100_LLAMA31_8B, LatencyModel, LatencyParams
+from kvrouterd.policies.latency import (
+    A100_LLAMA32_1B,
+    H100_LLAMA31_8B,
+    LLAMA31_8B_ATTENTION_TOKENS,
+    LatencyModel,
+    LatencyParams,
+    PrefillCost,
+    attended_pairs,
+)
 from kvrouterd.sim.engine import EngineParams
 
 
@@ -136,3 +144,78 @@ def test_power_law_queue_estimate_counts_the_batch_discount() -> None:
     assert plain.ttft_ms(100, 7900, 1) > plain.ttft_ms(100, 7900, 7)
     linear = LatencyModel(LatencyParams(calibrate=False))
     assert linear.ttft_ms(100, 7900, 1) == linear.ttft_ms(100, 7900, 7)
+
+
+# ---- attention over earlier context ---------------------------------------------------------
+
+def _h100(attention: float = LLAMA31_8B_ATTENTION_TOKENS) -> PrefillCost:
+    fit = H100_LLAMA31_8B
+    return PrefillCost("power_law", 40.0, 0.0, fit.a_ms, fit.b, fit.c, attention)
+
+
+def _chunked_ms(cost: PrefillCost, tokens: int, cached: int = 0, chunk: int = 8192) -> float:
+    """A prompt prefilled alone, ``chunk`` tokens a step, after ``cached`` cached tokens."""
+    total, done = 0.0, 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        total += cost.ms(n, 1, n * (cached + done))
+        done += n
+    return total
+
+
+def test_llama_attention_ratio_comes_from_its_flop_counts() -> None:
+    # 2 * params per token for the linear layers, 4 * layers * d_model per context token for attention
+    assert LLAMA31_8B_ATTENTION_TOKENS == pytest.approx(2 * 8.03e9 / (4 * 32 * 4096))
+    assert 30_000 < LLAMA31_8B_ATTENTION_TOKENS < 31_000
+
+
+@pytest.mark.parametrize("tokens", [1, 512, 4096, 8192])
+def test_a_prompt_in_one_chunk_with_nothing_cached_costs_exactly_the_fit(tokens: int) -> None:
+    assert _chunked_ms(_h100(), tokens) == H100_LLAMA31_8B.prefill_ms(tokens)
+    linear = PrefillCost("linear", 40.0, 5.0, 1.0, 1.0, 1.0, LLAMA31_8B_ATTENTION_TOKENS)
+    assert linear.ms(tokens) == 5.0 + 40.0 * tokens / 1000.0
+    assert _h100(0.0).ms(tokens, 3, 1e9) == H100_LLAMA31_8B.prefill_ms(tokens, 3)  # 0 = off, whatever is attended
+
+
+def test_a_128k_prompt_costs_two_to_three_times_its_chunks_priced_alone() -> None:
+    ratio = _chunked_ms(_h100(), 131_072) / _chunked_ms(_h100(0.0), 131_072)
+    assert 2.0 <= ratio <= 3.0
+    assert ratio == pytest.approx(2.93, abs=0.01)  # the docstring's number
+
+
+def test_context_cost_grows_with_context_and_with_new_tokens() -> None:
+    cost = _h100()
+    by_context = [_chunked_ms(cost, 1000, cached) for cached in (0, 1000, 4000, 16_000, 64_000)]
+    assert by_context == sorted(by_context) and len(set(by_context)) == len(by_context)
+    assert by_context[2] / by_context[0] == pytest.approx(1.13, abs=0.005)  # the docstring's 4k-prefix turn
+    by_tokens = [_chunked_ms(cost, n) for n in (1000, 8192, 8193, 20_000, 65_536)]
+    assert by_tokens == sorted(by_tokens) and len(set(by_tokens)) == len(by_tokens)
+    # cached tokens are attended, not recomputed: a hit is still far cheaper than prefilling them
+    assert _chunked_ms(cost, 1000, 15_000) < _chunked_ms(cost, 16_000)
+
+
+@pytest.mark.parametrize(("new", "cached", "chunk"), [(0, 5, 8), (7, 0, 8), (8, 3, 8), (29, 11, 8), (100, 0, 1)])
+def test_attended_pairs_counts_each_chunk_against_what_precedes_it(new: int, cached: int, chunk: int) -> None:
+    brute = sum(min(chunk, new - start) * (cached + start) for start in range(0, new, chunk))
+    assert attended_pairs(new, cached, chunk) == brute
+
+
+def test_ttft_estimate_prices_the_requests_own_context_only_when_told() -> None:
+    plain = LatencyModel(LatencyParams(prefill_model="power_law", calibrate=False))
+    aware = LatencyModel(LatencyParams(prefill_model="power_law", calibrate=False,
+                                       attention_context_tokens=LLAMA31_8B_ATTENTION_TOKENS, prefill_chunk_tokens=8192))
+    assert aware.ttft_ms(4000, 0, 0) == plain.ttft_ms(4000, 0, 0)  # one chunk, nothing cached
+    assert aware.ttft_ms(4000, 0, 0, cached_tokens=60_000) > aware.ttft_ms(4000, 0, 0)
+    assert plain.ttft_ms(4000, 0, 0, cached_tokens=60_000) == plain.ttft_ms(4000, 0, 0)
+    # alone, a long prompt's estimate is its chunked prefill time (the queue adds its fit)
+    cost = aware.cost()
+    assert aware.ttft_ms(50_000, 0, 0, cached_tokens=3000) == pytest.approx(_chunked_ms(cost, 50_000, 3000), rel=0.02)
+    assert aware.ttft_ms(50_000, 10_000, 2, 3000) - aware.ttft_ms(50_000, 0, 0, 3000) == pytest.approx(
+        plain.ttft_ms(50_000, 10_000, 2) - plain.ttft_ms(50_000, 0, 0))
+
+
+def test_attention_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="attention_context_tokens"):
+        LatencyParams(attention_context_tokens=-1.0).validate()
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        LatencyParams(prefill_chunk_tokens=0).validate()

@@ -1,0 +1,113 @@
+"""``llm_d``: llm-d's default scheduling profile, its three scorers and the max-score picker.
+
+Source: llm-d/llm-d-inference-scheduler (now the llm-d router), read to learn, not copied:
+``pkg/epp/config/loader/defaults.go`` (``loadDefaultConfig``: the "default" profile with
+``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2, ``prefix-cache-scorer``
+weight 3; ``ensureSchedulingLayer`` adds ``max-score-picker``), the scorers under
+``pkg/epp/framework/plugins/scheduling/scorer/`` (``queuedepth/queue.go``,
+``kvcacheutilization/kvcache_utilization.go``, ``prefix/plugin.go``), the sum in
+``pkg/epp/scheduling/scheduler_profile.go`` (``runScorerPlugins``: each score clamped to
+[0, 1] and multiplied by its weight) and ``picker/maxscore/picker.go`` (shuffle, then the
+highest total; ``maxNumOfEndpoints`` 1). Each scorer gives a worker a score in [0, 1]:
+
+- queue: ``(max_q - q) / (max_q - min_q)`` over the candidates, ``q`` the worker's waiting
+  requests; 1 for every worker when all queues are equal.
+- KV-cache utilisation: ``1 - kv_utilization``.
+- prefix cache: matched prompt blocks / prompt blocks (0 for a prompt without a full block).
+
+The request goes to the highest ``queue_weight * queue + kv_cache_weight * kv + prefix_weight
+* prefix``; ties are broken uniformly at random (the picker shuffles before a stable sort).
+
+Inputs, and what is approximated:
+
+- ``q`` is the engine's reported waiting queue (``ReportLoad``'s queued requests, llm-d's
+  ``vllm:num_requests_waiting`` scraped every 50 ms, ``datalayer/runtime.go``) plus the
+  requests waiting for the worker in the router's admission queue. An engine that never
+  reports scores 1 like every other: in ``sim cluster`` pass ``--load-report-ms 50``.
+- ``kv_utilization`` is the engine's reported KV-cache use (``ReportLoad``), 0 until reported.
+- The prefix match is the router's index (engine events, or routing-time placement in
+  approximate mode). llm-d's default producer (``approx-prefix-cache-producer``) learns only
+  from its own routing decisions, an LRU of ``lruCapacityPerServer`` blocks per server
+  (31,250, or the engine's reported cache size with ``autoTune``); the router's index is that
+  view in approximate mode and a truer one with engine events.
+
+Parameters (llm-d's defaults):
+
+- ``queue_weight`` = 2.0, ``kv_cache_weight`` = 2.0, ``prefix_weight`` = 3.0 (each >= 0,
+  not all 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...index.workers import Worker
+from ...protocols import Decision
+from ..base import RoutingContext, RoutingPolicyBase
+
+__all__ = ["LlmDParams", "LlmDPolicy"]
+
+
+@dataclass(frozen=True)
+class LlmDParams:
+    queue_weight: float = field(default=2.0, metadata={"help": "weight of the queue scorer"})
+    kv_cache_weight: float = field(default=2.0, metadata={"help": "weight of the KV-cache-utilisation scorer"})
+    prefix_weight: float = field(default=3.0, metadata={"help": "weight of the prefix-cache scorer"})
+
+    def validate(self) -> None:
+        for name in ("queue_weight", "kv_cache_weight", "prefix_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.queue_weight + self.kv_cache_weight + self.prefix_weight == 0:
+            raise ValueError("queue_weight, kv_cache_weight and prefix_weight must not all be 0")
+
+
+def _clamp(score: float) -> float:
+    return 0.0 if score < 0 else 1.0 if score > 1 else score
+
+
+@dataclass(slots=True)
+class LlmDScores:
+    """One worker's three scorer outputs and their weighted sum."""
+
+    worker: Worker
+    queue: float
+    kv_cache: float
+    prefix: float
+    total: float
+
+
+class LlmDPolicy(RoutingPolicyBase):
+    params: LlmDParams
+
+    @staticmethod
+    def waiting(worker: Worker) -> int:
+        """Requests waiting for ``worker``: the engine's queue plus the router's admission queue."""
+        return worker.reported_queue + worker.queued_requests
+
+    def scores(self, ctx: RoutingContext) -> list[LlmDScores]:
+        """Every candidate's scores, without changing state."""
+        p = self.params
+        queues = [self.waiting(w) for w in ctx.candidates]
+        lo, hi = min(queues), max(queues)
+        blocks = ctx.prompt_blocks
+        out = []
+        for w, q in zip(ctx.candidates, queues):
+            queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
+            kv = _clamp(1.0 - w.kv_utilization)
+            prefix = _clamp(ctx.overlap(w) / blocks) if blocks else 0.0
+            total = p.queue_weight * _clamp(queue) + p.kv_cache_weight * kv + p.prefix_weight * prefix
+            out.append(LlmDScores(w, queue, kv, prefix, total))
+        return out
+
+    def select(self, ctx: RoutingContext) -> Decision:
+        rows = self.scores(ctx)
+        top = max(r.total for r in rows)
+        best = [r for r in rows if r.total == top]
+        pick = best[self.rng.randrange(len(best))] if len(best) > 1 else best[0]
+        scored = []
+        if ctx.explain:
+            scored = [ctx.candidate(r.worker, r.total, queue_score=round(r.queue, 4), kv_cache_score=round(r.kv_cache, 4),
+                                    prefix_score=round(r.prefix, 4)) for r in rows]
+        return self.decide(ctx, pick.worker, "max_score", scored, score=round(pick.total, 4),
+                           prefix_score=round(pick.prefix, 4))

@@ -1,5 +1,9 @@
 """Workers and the load the router has committed to them.
 
+A worker may declare the models it serves (its model pool), the LoRA adapters it can load,
+how many it holds loaded at once and its prefill/decode role; ``Worker.loras`` is which
+adapters the router believes are loaded there (``router.pools`` keeps it).
+
 Load has two sources: what the router itself dispatched (in-flight requests and their
 uncached prefill tokens, committed on Route and released on Complete or after a timeout)
 and what the engine last reported (queue, running requests, KV utilisation). Policies read
@@ -15,12 +19,13 @@ from dataclasses import dataclass, field
 from ..bounds import MAX_CAPACITY_BLOCKS
 from ..decimals import parse_decimal
 from ..errors import Conflict, InvalidRequest, NotFound, quote
-from ..protocols import CacheMode, WorkerState
+from ..protocols import CacheMode, WorkerRole, WorkerState
 from .groups import GroupPresence
 from .native import u64_map
 from .pages import PageChains
 
-__all__ = ["MAX_WORKERS", "Entry", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec", "is_host_port"]
+__all__ = ["MAX_LORAS", "MAX_POOL_NAMES", "MAX_WORKERS", "Entry", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec",
+           "is_host_port"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
@@ -29,6 +34,12 @@ MAX_WORKERS = 4096
 #: Largest engine page (``block_size``) a worker may declare; engines use 1 to 256 tokens.
 #: Pages need not match the router's blocks: ``index.pages`` re-chunks them.
 MAX_PAGE_SIZE = 65536
+
+#: Most models, and most adapters, one worker may declare (each list separately).
+MAX_POOL_NAMES = 256
+
+#: Largest ``max_loras`` a worker may declare (vLLM's default is 1; fleets run 4 to 64).
+MAX_LORAS = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +53,13 @@ class WorkerSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     mode: CacheMode = CacheMode.APPROXIMATE
     kv_events_endpoint: str = ""
+    #: base models the worker serves (its model pool); () = any model, as before pools existed
+    models: tuple[str, ...] = ()
+    #: LoRA adapters it can load; () = any adapter of a model it serves (run-time loading)
+    loras: tuple[str, ...] = ()
+    #: most adapters the engine holds loaded at once (vLLM ``--max-loras``); 0 = unknown
+    max_loras: int = 0
+    role: WorkerRole = WorkerRole.BOTH
 
     def validate(self, router_block_size: int) -> None:
         if not self.id:
@@ -55,6 +73,14 @@ class WorkerSpec:
         if not 0 <= self.capacity_blocks <= MAX_CAPACITY_BLOCKS:
             raise InvalidRequest(f"worker {self.id!r}: capacity_blocks must be in [0, {MAX_CAPACITY_BLOCKS}] "
                                  f"(0 = unknown), got {self.capacity_blocks}")
+        for name, names in (("models", self.models), ("loras", self.loras)):
+            if len(names) > MAX_POOL_NAMES:
+                raise InvalidRequest(f"worker {self.id!r}: {len(names)} {name}, at most {MAX_POOL_NAMES}")
+            if "" in names:
+                raise InvalidRequest(f"worker {self.id!r}: {name} must not contain an empty name")
+        if not 0 <= self.max_loras <= MAX_LORAS:
+            raise InvalidRequest(f"worker {self.id!r}: max_loras must be in [0, {MAX_LORAS}] (0 = unknown), "
+                                 f"got {self.max_loras}")
 
 
 def is_host_port(address: str) -> bool:
@@ -80,6 +106,7 @@ class Worker:
         "inflight_requests",
         "kv_utilization",
         "last_sequence",
+        "loras",
         "pages",
         "pending_prefill_tokens",
         "queued_prefill_tokens",
@@ -129,6 +156,8 @@ class Worker:
         #: created on first use (``index.pages``, ``index.groups``)
         self.pages: PageChains | None = None
         self.groups: GroupPresence | None = None
+        #: LoRA adapters believed loaded, least recently used first (``router.pools`` keeps it)
+        self.loras: dict[str, None] = {}
         self.registered_at = now
 
     @property

@@ -49,7 +49,7 @@ def request_bytes(req: RouteRequest) -> int:
     keys = req.keys
     per_key = 8 if isinstance(keys, array) else 40
     size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
-            + len(req.model) + len(req.policy) + len(req.client))
+            + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
     if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
         size += sum(len(c) + 56 for c in req.candidate_workers)
     return size
@@ -62,8 +62,8 @@ def request_bytes(req: RouteRequest) -> int:
 #: #28 item 6). Its fields: the request's, with what it costs (``request_bytes``) at ``_SIZE``
 #: and its candidate workers last, from ``_CANDIDATES`` on.
 PackedRequest = tuple[Any, ...]
-_SIZE = 10
-_CANDIDATES = 12
+_SIZE = 11
+_CANDIDATES = 13
 
 
 def pack_request(req: RouteRequest, size: int) -> PackedRequest:
@@ -79,11 +79,11 @@ def pack_request(req: RouteRequest, size: int) -> PackedRequest:
         kept = tuple(keys)
     return (str(req.request_id), kept, int(req.prompt_tokens), str(req.session_id), int(req.task),
             float(req.ttft_slo_ms), int(req.expected_output_tokens), str(req.policy), str(req.model),
-            str(req.client), size, listed, *map(str, req.candidate_workers))
+            str(req.lora), str(req.client), size, listed, *map(str, req.candidate_workers))
 
 
 def unpack_request(packed: PackedRequest) -> RouteRequest:
-    rid, keys, prompt, session, task, slo, output, policy, model, client, _, listed = packed[:_CANDIDATES]
+    rid, keys, prompt, session, task, slo, output, policy, model, lora, client, _, listed = packed[:_CANDIDATES]
     if type(keys) is bytes:
         keys = array("Q", keys)
         if listed:
@@ -91,7 +91,7 @@ def unpack_request(packed: PackedRequest) -> RouteRequest:
     else:
         keys = list(keys)
     return RouteRequest(rid, keys, prompt, session, _TASKS.get(task, task), slo, output, policy, packed[_CANDIDATES:],
-                        model, client)
+                        model=model, lora=lora, client=client)
 
 
 #: a task category by number (kept as an int: an enum member is an object the collector tracks)

@@ -1,5 +1,9 @@
 """Deciding: a request checked whole, the eligible workers it may go to, their cached prefixes, and the policy's choice.
 
+The eligible workers are those not draining, then those serving the request's model pool,
+then the caller's ``candidate_workers``, then, for a LoRA request, the best tiers of adapter
+residency (``pools``: these filters run before the policy, so every policy benefits).
+
 One walk of the index (``RadixIndex.match``) gives every candidate's cached prefix; the
 routing policy the request names picks from them (``RoutingPolicy.select``, side-effect free)
 and returns a ``Decision`` with each term of its cost; the load ledger commits it afterwards
@@ -20,6 +24,7 @@ from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
 from .ledger import LoadLedger
+from .pools import Pools, placement
 from .shared import Shared
 
 __all__ = ["MAX_TTFT_SLO_MS", "Selector"]
@@ -32,9 +37,10 @@ class Selector:
     """Validates requests and asks the policy; keeps the eligible workers, sorted by slot with
     their routing mask, until the registry's generation changes."""
 
-    def __init__(self, shared: Shared, ledger: LoadLedger) -> None:
+    def __init__(self, shared: Shared, ledger: LoadLedger, pools: Pools) -> None:
         self._shared = shared
         self._ledger = ledger
+        self._pools = pools
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
@@ -75,8 +81,8 @@ class Selector:
         check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
         limit = s.max_id_length
         if (len(req.request_id) > limit or len(req.session_id) > limit or len(req.model) > limit
-                or len(req.policy) > limit):
-            for name in ("request_id", "session_id", "model", "policy"):
+                or len(req.policy) > limit or len(req.lora) > limit):
+            for name in ("request_id", "session_id", "model", "lora", "policy"):
                 value = getattr(req, name)
                 if len(value) > limit:
                     raise InvalidRequest(f"{name} {quote(value)} is longer than limits.max_id_length={limit}")
@@ -97,6 +103,7 @@ class Selector:
         self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
         candidates, mask = self._eligible()
+        candidates, mask, pool, adapter = self._pools.restrict(req, candidates, mask)
         if req.candidate_workers:
             wanted = set(req.candidate_workers)
             candidates = [w for w in candidates if w.id in wanted]
@@ -106,10 +113,16 @@ class Selector:
         if not candidates:
             if req.candidate_workers:
                 shown = ", ".join(map(repr, req.candidate_workers[:8])) + (", ..." if len(req.candidate_workers) > 8 else "")
-                raise NoEligibleWorker(f"none of the requested workers ({shown}) is registered and eligible")
+                serving = f" and serves model {quote(req.model)}" if pool else ""
+                raise NoEligibleWorker(f"none of the requested workers ({shown}) is registered and eligible{serving}")
             raise NoEligibleWorker("no eligible worker is registered")
+        if adapter:
+            candidates, mask = self._pools.lora_stage(adapter, candidates, mask)
         now = shared.clock.now()
         match = shared.index.match(req.keys, mask)
         ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain)
         decision = policy.select(ctx)
+        decision.pool = pool
+        if adapter:
+            decision.lora_placement = placement(shared.workers.get(decision.worker_id), adapter)
         return decision, ctx, policy

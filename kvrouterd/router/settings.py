@@ -50,6 +50,10 @@ class RouterSettings:
     #: most characters all workers' descriptions (ids, addresses, endpoints, labels) may total,
     #: so ListWorkers and GetStats still fit in one message; 0 = no limit
     max_workers_description_length: int = 0
+    #: what loading a LoRA adapter costs, in requests of load: a worker without the adapter is
+    #: a candidate for it only when the least loaded worker holding it has this many more
+    #: requests (twice this when it would evict another adapter); ``router.pools``
+    lora_load_cost: float = 2.0
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -65,6 +69,8 @@ class RouterSettings:
         for name in ("max_id_length", "max_address_length", "max_labels_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
+            raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
         for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",
                      "max_workers_description_length"):
             if getattr(self, name) < 0:

@@ -422,6 +422,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     destination = worker.address
                     policy = "ext_proc"
                     source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
+                    pool = ""
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
@@ -446,6 +447,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                         endpoints.append(alt.address)
                     destination = ",".join(endpoints[: self.settings.max_endpoints])
                     source, policy, reason = pk.source, result.decision.policy, result.decision.reason
+                    pool = result.decision.pool
                     if recording:
                         annotate_decision(span, result, self.router.block_size)
             except KVRouterError as exc:
@@ -460,7 +462,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     "kvrouter.ext_proc.subset_size": -1 if ex.subset is None else len(ex.subset),
                 })
         if self.metrics is not None:
-            self.metrics.decisions.add(1, {"policy": policy, "reason": reason})
+            self.metrics.decisions.add(1, {"policy": policy, "reason": reason, "pool": pool})
             self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
         answer = [_destination_response(destination, len(body or b""))]
         if body is None:

@@ -165,7 +165,7 @@ def _checked_hash(route: SplitRoute, router: Router, hash_prompt: Callable[[Spli
     Route they reject is not hashed, but its ids are still read: malformed ones refuse the whole
     message, as upb's parse would have (InvalidRequest, what ``hash_wire_prompt`` raises for them)."""
     try:
-        check_split(route, router)
+        check_split(route.prompt, route.msg, router)
     except KVRouterError as exc:  # answered in the Route's own turn (and span), as route_request's
         if not route.prompt.packed:  # packed bytes are any bytes; varints may be malformed
             hash_prompt(route, router.block_size, 0)

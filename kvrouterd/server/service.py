@@ -38,6 +38,7 @@ from .engine_calls import MAX_NAMESPACES, EngineCalls
 from .snapshot import export_chunks
 from .status import abort, status_code, status_message
 from .wire import STREAM_ROUTE
+from .worker_pages import PAGE_BYTES, worker_page
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
@@ -150,7 +151,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
@@ -366,7 +367,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 req = off_loop.split_route_request(request, router, prompt, client)
                 result = router.route(req, explain=False)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
@@ -422,7 +423,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if recording:
                     annotate_decision(span, result, router.block_size)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
@@ -515,7 +516,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return task
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(workers=[self._worker_message(w) for w in self.router.workers])
+        try:
+            workers, token = worker_page(self.router.workers, self._worker_message, request.page_size,
+                                         request.page_token, self._page_bytes)
+        except KVRouterError as exc:
+            await abort(context, exc)
+        return pb.ListWorkersResponse(workers=workers, next_page_token=token)
 
     async def ExportIndex(
         self, request: pb.ExportIndexRequest, context: grpc.aio.ServicerContext
@@ -532,9 +538,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router
+        # a summary: ListWorkers pages through the rest
+        first, _ = worker_page(r.workers, self._worker_message, max_bytes=self._page_bytes)
         return pb.GetStatsResponse(
             indexed_blocks=r.indexed_blocks,
-            workers=[self._worker_message(w) for w in r.workers],
+            workers=first,
+            worker_count=len(r.workers),
             default_routing_policy=r.default_routing,
             default_eviction_policy=r.eviction.name,
             decisions_by_policy=dict(r.decisions_by_policy),
@@ -542,6 +551,11 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             event_gaps=r.counters["gaps"],
             events_rejected=_sum_by_reason(w.events_rejected for w in r.workers),
         )
+
+    @property
+    def _page_bytes(self) -> int:
+        """A page of workers' most bytes: room beside it for the rest of a reply the daemon may send."""
+        return min(PAGE_BYTES, self.max_message_bytes // 2)
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
         return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)

@@ -68,7 +68,7 @@ def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
         tokens = list(range(i, i + 5 * BS))
         keys = router.keys_for_tokens(tokens) if i % 2 else list(router.keys_for_tokens(tokens))  # array or list
         r = RouteRequest(f"r{i}", keys, len(tokens), session_id=f"s{i}", task=TaskCategory(i % 3), ttft_slo_ms=9.5,
-                         candidate_workers=("w0", "w1"), model="m", client="peer-a")
+                         candidate_workers=("w0", "w1"), model="m", lora=f"adapter-{i % 2}", client="peer-a")
         sent.append(RouteRequest(**{f: getattr(r, f) for f in r.__slots__}))
         router.route(r)
     gc.collect()  # the collector stops tracking a tuple of untracked things at its first pass over it

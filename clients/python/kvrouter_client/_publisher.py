@@ -91,6 +91,7 @@ from ._types import (
     Removed,
     Stored,
     WorkerInfo,
+    WorkerRole,
     event_to_pb,
     validate_stored,
 )
@@ -627,16 +628,25 @@ class EventPublisher:
         labels: Mapping[str, str] | None = None,
         mode: CacheMode = CacheMode.EVENTS,
         kv_events_endpoint: str = "",
+        models: Sequence[str] = (),
+        loras: Sequence[str] = (),
+        max_loras: int = 0,
+        role: WorkerRole = WorkerRole.BOTH,
         timeout: float | None = None,
     ) -> WorkerInfo:
-        """Register (or update) this worker; ``address`` is where gateways send its requests.
-        Remembered: after a router restart the publisher registers the worker again by itself."""
+        """Register (or update) this worker; ``address`` is where gateways send its requests;
+        ``models`` its model pool (empty = any model), ``loras`` the adapters it can load,
+        ``max_loras`` how many it holds at once (vLLM ``--max-loras``), ``role`` its part in a
+        disaggregated pool. Remembered: after a router restart the publisher registers the
+        worker again by itself."""
         worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
                            block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
-                           kv_events_endpoint=kv_events_endpoint)
+                           kv_events_endpoint=kv_events_endpoint, models=list(models), loras=list(loras),
+                           max_loras=max_loras, role=int(role))
         resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
         self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels, "mode": mode,
-                              "kv_events_endpoint": kv_events_endpoint, "timeout": timeout}
+                              "kv_events_endpoint": kv_events_endpoint, "models": models, "loras": loras,
+                              "max_loras": max_loras, "role": role, "timeout": timeout}
         if self._events_need_router and not self._router_epoch:
             self._check_epoch = True  # learn the epoch now, so a restart right after is noticed
             self._wake.set()
@@ -647,11 +657,17 @@ class EventPublisher:
         self._reregister = False
         await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
 
-    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None) -> None:
-        """The engine's own view of its load (queue, running requests, KV use in [0, 1])."""
-        await self._unary("ReportLoad", pb.ReportLoadRequest(
+    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None,
+                          loaded_loras: Sequence[str] | None = None) -> None:
+        """The engine's own view of its load (queue, running requests, KV use in [0, 1]) and, when
+        given, the LoRA adapters loaded now (None = not reported; ``[]`` = none loaded)."""
+        msg = pb.ReportLoadRequest(
             worker_id=self.worker_id, queued_requests=queued, running_requests=running, kv_utilization=kv_utilization,
-        ), timeout)
+        )
+        if loaded_loras is not None:
+            msg.loaded_loras.SetInParent()
+            msg.loaded_loras.names.extend(loaded_loras)
+        await self._unary("ReportLoad", msg, timeout)
 
     async def evict_hint(
         self,

@@ -77,6 +77,19 @@ class IndexMachine(RuleBasedStateMachine):
         held = sorted(self.ref.held[slot])
         return held[pick % len(held)] if held else None
 
+    @rule(slot=st.integers(0, SLOTS - 1), path=st.sampled_from([p for p in PATHS if len(p) > 1]))
+    def store_under_unheld(self, slot, path):
+        # a replica importing a peer's index: the blocks above one it stores that nobody held
+        # on the peer (an engine evicted a chain's first blocks) are put back held by no slot
+        top = len(path) - 1
+        while top > 0 and KEY[path[:top]] not in self.index:
+            top -= 1
+        for d in range(top + 1, len(path)):
+            self.index.add_unheld(KEY[path[:d]], KEY[path[:d - 1]] if d > 1 else None)
+        self.now += 1
+        self.index.store(slot, KEY[path[:-1]], [KEY[path]], self.now)
+        self.ref.hold(slot, path, self.now)
+
     @rule(slot=st.integers(0, SLOTS - 1), pick=st.integers(0, 1 << 16), dt=st.sampled_from([0.0, 1.0]))
     def touch_path(self, slot, pick, dt):
         # the held chain ending at a held block, from where the slot's chain starts (a
@@ -156,6 +169,10 @@ class IndexMachine(RuleBasedStateMachine):
             parent = block.parent
             if parent is not None:
                 assert any(c is block for c in parent.iter_children())
+
+    @invariant()
+    def unheld_counts_the_blocks_no_slot_holds(self):
+        assert self.index.unheld == sum(not self.index.get(k).holders for k in list(self.index._blocks))
 
     @invariant()
     def pending_accesses_only_on_held_blocks(self):

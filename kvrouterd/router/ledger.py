@@ -244,7 +244,8 @@ class LoadLedger:
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
         slot = worker.slot
-        approximate = worker.mode is CacheMode.APPROXIMATE and overlap < len(req.keys)
+        modelled = worker.mode is CacheMode.APPROXIMATE
+        approximate = modelled and overlap < len(req.keys)
         info = None
         if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
             info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
@@ -254,10 +255,13 @@ class LoadLedger:
             eviction.on_accessed(index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
             self._recent.remember(req)
-        if not approximate:
+        if not modelled:
             return []
-        assert info is not None
-        self._assume_cached(worker, req.keys, overlap, info, now)
+        if approximate:
+            assert info is not None
+            self._assume_cached(worker, req.keys, overlap, info, now)
+        # checked after every decision, a full hit's too: Stored events an engine sends for an
+        # approximate-mode worker are applied, and may leave it over its capacity
         capacity = self._capacity(worker)
         excess = index.count(slot) - capacity if capacity else 0
         if excess <= 0:

@@ -146,6 +146,11 @@ class LimitsConfig:
     #: ids), Routes waiting in admission queues included; a Route that would go over is
     #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
+    #: most routed, not completed requests one client (one gRPC connection: its peer address
+    #: and port; all its RouteStreams with it) may hold; a Route over it is RESOURCE_EXHAUSTED
+    #: until it completes some or they expire, so one client that never calls Complete cannot
+    #: fill the in-flight table for everyone
+    max_inflight_per_client: int = 16384
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)
     approximate_capacity_blocks: int = 262144
@@ -380,7 +385,7 @@ class Config:
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
-                      "max_inflight_bytes", "approximate_capacity_blocks"):
+                      "max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 out.append(f"limits.{fname}: must be > 0")
         if 0 < lim.max_batch_blocks < 8:
@@ -429,6 +434,7 @@ class Config:
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,
             max_inflight_bytes=self.limits.max_inflight_bytes,
+            max_inflight_per_client=self.limits.max_inflight_per_client,
             approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,

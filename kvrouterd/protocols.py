@@ -161,6 +161,10 @@ class RouteRequest:
     model: str = ""
     #: the LoRA adapter the request runs with ("" = the base model)
     lora: str = ""
+    #: who sent it, as the host names its callers (the daemon: the gRPC peer, one client
+    #: connection); requests in flight are bounded per client (``limits.max_inflight_per_client``).
+    #: "" = not bounded by client (the simulator, in-process callers)
+    client: str = ""
 
 
 @dataclass(slots=True)

@@ -41,6 +41,9 @@ class RouterSettings:
     #: most bytes the in-flight table may hold (``Router.inflight_bytes``); 0 = no limit (the
     #: simulator), the daemon's config always sets one
     max_inflight_bytes: int = 0
+    #: most requests in flight per client (``RouteRequest.client``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_per_client: int = 0
     #: modelled cache size of an approximate-mode worker without ``capacity_blocks``; 0 = such a
     #: worker's model is unbounded (the simulator's "infinite cache"), the daemon always sets one
     approximate_capacity_blocks: int = 0
@@ -68,6 +71,7 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
             raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
-        for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):
+        for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",
+                     "max_workers_description_length"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

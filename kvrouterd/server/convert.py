@@ -146,8 +146,10 @@ class HashedPrompt:
     keys: array | None
 
 
-def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None) -> RouteRequest:
-    """A RouteRequest with block keys, from token ids or from caller-computed keys.
+def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+                  client: str = "") -> RouteRequest:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
+    names who sent it (the gRPC peer: ``RouteRequest.client``).
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
@@ -199,6 +201,7 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
         lora=msg.lora,
+        client=client,
     )
 
 

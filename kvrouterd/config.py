@@ -13,6 +13,9 @@ Example (every key optional)::
     eviction: lru
     workers:
       - {id: gpu-0, address: 10.0.0.5:8000, capacity_blocks: 20000, mode: events}
+      - {id: gpu-1, address: 10.0.0.6:8000, models: [meta-llama/Llama-3.1-8B-Instruct],
+         loras: [sql-lora, chat-lora], max_loras: 4}
+    lora: {load_cost_requests: 2}
     limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
     telemetry: {traces: none}
 
@@ -33,12 +36,13 @@ from typing import Any, Literal
 
 import yaml
 
+from .decimals import parse_decimal, parse_number
 from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
 from .events.zmq_config import ZmqEventsConfig
-from .index.workers import WorkerSpec, is_host_port
-from .protocols import CacheMode
+from .index.workers import MAX_LORAS, MAX_POOL_NAMES, WorkerSpec, is_host_port
+from .protocols import CacheMode, WorkerRole
 
 __all__ = [
     "ENV_PREFIX",
@@ -46,6 +50,7 @@ __all__ = [
     "Config",
     "ExtProcConfig",
     "LimitsConfig",
+    "LoraConfig",
     "MetricsConfig",
     "TelemetryConfig",
     "TlsConfig",
@@ -68,6 +73,14 @@ class WorkerConfig:
     #: the engine's page size in tokens when it is not the router's block_size (SGLang's
     #: default page is 1 token; vLLM may run 32 or 64): its events are re-chunked
     block_size: int = 0
+    #: base models served (its model pool); empty = any model
+    models: list[str] = field(default_factory=list)
+    #: LoRA adapters it can load; empty = any adapter of a model it serves
+    loras: list[str] = field(default_factory=list)
+    #: most adapters loaded at once (vLLM --max-loras); 0 = unknown
+    max_loras: int = 0
+    #: prefill, decode or both (an aggregated worker)
+    role: Literal["both", "prefill", "decode"] = "both"
 
     def to_spec(self, block_size: int) -> WorkerSpec:
         return WorkerSpec(
@@ -78,7 +91,21 @@ class WorkerConfig:
             labels=dict(self.labels),
             mode=CacheMode.EVENTS if self.mode == "events" else CacheMode.APPROXIMATE,
             kv_events_endpoint=self.kv_events_endpoint,
+            models=tuple(self.models),
+            loras=tuple(self.loras),
+            max_loras=self.max_loras,
+            role=WorkerRole[self.role.upper()],
         )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA-aware routing (README "Model pools and LoRA adapters", ``router/pools.py``)."""
+
+    #: what loading an adapter costs, in requests of load: a worker without the adapter takes
+    #: its requests only once every worker holding it has this many more in flight (twice this
+    #: when loading it would evict another adapter)
+    load_cost_requests: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +146,11 @@ class LimitsConfig:
     #: ids), Routes waiting in admission queues included; a Route that would go over is
     #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
+    #: most routed, not completed requests one client (one gRPC connection: its peer address
+    #: and port; all its RouteStreams with it) may hold; a Route over it is RESOURCE_EXHAUSTED
+    #: until it completes some or they expire, so one client that never calls Complete cannot
+    #: fill the in-flight table for everyone
+    max_inflight_per_client: int = 16384
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)
     approximate_capacity_blocks: int = 262144
@@ -236,8 +268,9 @@ class AuthConfig:
 
 
 def _is_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+    host, sep, digits = value.rpartition(":")
+    port = parse_decimal(digits)
+    return bool(sep and host and port is not None and 0 <= port <= 65535)
 
 
 @dataclass(frozen=True)
@@ -263,6 +296,7 @@ class Config:
     eviction: dict[str, Any] = field(default_factory=lambda: {"name": "lru"})
     default_ttft_slo_ms: float = 5000.0
     workers: list[WorkerConfig] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -307,8 +341,7 @@ class Config:
             except KVRouterError as exc:
                 out.append(prefix + str(exc))
 
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        if not _is_host_port(self.listen):
             out.append(f"listen: expected HOST:PORT, got {self.listen!r}")
         if not 1 <= self.block_size <= 4096:
             out.append(f"block_size: must be in [1, 4096], got {self.block_size}")
@@ -335,6 +368,15 @@ class Config:
                       f"workers[{i}].kv_events_endpoint: ")
             if w.capacity_blocks < 0:
                 out.append(f"workers[{i}].capacity_blocks: must be >= 0")
+            for fname, names in (("models", w.models), ("loras", w.loras)):
+                if len(names) > MAX_POOL_NAMES:
+                    out.append(f"workers[{i}].{fname}: {len(names)} names, at most {MAX_POOL_NAMES}")
+                for name in names:
+                    if not name or len(name) > lim.max_id_length:
+                        out.append(f"workers[{i}].{fname}: {name!r} must be 1 to limits.max_id_length="
+                                   f"{lim.max_id_length} characters")
+            if not 0 <= w.max_loras <= MAX_LORAS:
+                out.append(f"workers[{i}].max_loras: must be in [0, {MAX_LORAS}] (0 = unknown)")
             for fname, value, limit in (("id", w.id, lim.max_id_length), ("address", w.address, lim.max_address_length),
                                         ("kv_events_endpoint", w.kv_events_endpoint, lim.max_address_length),
                                         ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
@@ -343,7 +385,7 @@ class Config:
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
-                      "max_inflight_bytes", "approximate_capacity_blocks"):
+                      "max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 out.append(f"limits.{fname}: must be > 0")
         if 0 < lim.max_batch_blocks < 8:
@@ -354,6 +396,8 @@ class Config:
             out.append("limits.inflight_timeout_s: must be > 0")
         if lim.off_loop_prompt_bytes < 0:
             out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
+        if not 0 <= self.lora.load_cost_requests <= 1e6:
+            out.append(f"lora.load_cost_requests: must be in [0, 1e6], got {self.lora.load_cost_requests}")
         if self.default_ttft_slo_ms <= 0:
             out.append("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
@@ -390,10 +434,12 @@ class Config:
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,
             max_inflight_bytes=self.limits.max_inflight_bytes,
+            max_inflight_per_client=self.limits.max_inflight_per_client,
             approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
+            lora_load_cost=self.lora.load_cost_requests,
         )
 
 
@@ -439,17 +485,16 @@ def _convert(t: Any, value: Any, where: str, problems: list[str]) -> Any:
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if t is int:
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        if isinstance(value, str) and (number := parse_decimal(value.strip(), signed=True)) is not None:
+            return number
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if t is float:
         if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            if (real := parse_number(value.strip())) is None:
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            return real
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

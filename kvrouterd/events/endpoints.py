@@ -23,7 +23,9 @@ against the allow-list before the worker is added. Entries:
     case-insensitively. ``*`` allows every tcp host.
 ``ipc:///run/engines/*``, ``inproc://*``
     ``ipc://`` / ``inproc://`` endpoints whose path matches the pattern. Without such an entry
-    they are refused: an ipc endpoint names a file on the daemon's own machine.
+    they are refused: an ipc endpoint names a file on the daemon's own machine. An ipc path is
+    matched normalised (``/run/engines/./a`` is ``/run/engines/a``), and one with a ``..``
+    segment is refused whatever the list says: ``DIR/*`` would otherwise admit ``DIR/../x``.
 
 An endpoint nothing allows is refused with ``errors.Forbidden`` (PERMISSION_DENIED over
 gRPC; a config-file worker fails start-up; a discovered pod is logged and not routed to).
@@ -34,11 +36,13 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import posixpath
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError, Forbidden, InvalidRequest, quote
 
 __all__ = [
@@ -98,7 +102,10 @@ class EndpointAllowList:
             if entry == WORKER_HOST:
                 worker = True
             elif entry.startswith("ipc://"):
-                ipc.append(entry[len("ipc://"):] or "*")
+                pattern = entry[len("ipc://"):] or "*"
+                if _climbs(pattern):
+                    raise ConfigError(f"{where}[{i}]: {entry!r}: an ipc:// pattern must not contain '..'")
+                ipc.append(posixpath.normpath(pattern))
             elif entry.startswith("inproc://"):
                 inproc.append(entry[len("inproc://"):] or "*")
             elif "://" in entry:
@@ -112,7 +119,7 @@ class EndpointAllowList:
                 try:
                     networks.append(ipaddress.ip_network(entry.strip("[]"), strict=True))
                 except ValueError as exc:
-                    if "/" in entry or entry.replace(".", "").isdigit() or ":" in entry:
+                    if "/" in entry or parse_decimal(entry.replace(".", "")) is not None or ":" in entry:
                         raise ConfigError(f"{where}[{i}]: {entry!r} is not a network: {exc}") from None
                     hosts.append(entry.lower().rstrip("."))  # one host name, matched exactly
         return cls(tuple(entries), tuple(networks), tuple(hosts), tuple(ipc), tuple(inproc), worker)
@@ -124,6 +131,14 @@ class EndpointAllowList:
         where = f"worker {worker_id!r}: {name} {quote(endpoint)}"
         if scheme in ("ipc", "inproc"):
             patterns = self.ipc_patterns if scheme == "ipc" else self.inproc_patterns
+            if scheme == "ipc":
+                # libzmq dials the path as written and the kernel resolves it, so "DIR/*"
+                # would admit "DIR/../x": "." and "//" are normalised away before matching,
+                # and ".." is refused (normalising it is wrong past a symlink: the kernel
+                # reads DIR/link/../x as the link target's parent's x, not DIR/x)
+                if _climbs(path):
+                    raise Forbidden(f"{where}: an ipc:// path must not contain '..'")
+                path = posixpath.normpath(path)
             if any(fnmatch.fnmatchcase(path, p) for p in patterns):
                 return
             raise Forbidden(f"{where}: {scheme}:// endpoints are refused unless events.allowed_endpoints lists "
@@ -193,10 +208,11 @@ class ZmqEndpoint:
                 raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: unknown parameter {part!r} "
                                   "(known: replay, dp_rank, model)")
             params[key] = unquote(value)
-        rank = params.get("dp_rank", "0")
-        if not rank.isdigit():
-            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, got {rank!r}")
-        endpoint = cls(worker_id, address, params.get("replay", ""), int(rank), params.get("model", model))
+        rank = parse_decimal(params.get("dp_rank", "0"))
+        if rank is None:
+            raise ConfigError(f"worker {worker_id!r}: kv_events_endpoint: dp_rank must be an integer, "
+                              f"got {params['dp_rank']!r}")
+        endpoint = cls(worker_id, address, params.get("replay", ""), rank, params.get("model", model))
         endpoint.validate()
         return endpoint
 
@@ -223,13 +239,19 @@ def _check_address(worker_id: str, name: str, value: str, dp_rank: int) -> None:
         if not rest:
             raise ConfigError(f"{where}: names no path")
         return
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host or not port.isdigit():
+    host, colon, digits = rest.rpartition(":")
+    port = parse_decimal(digits)
+    if not colon or not host or port is None:
         raise ConfigError(f"{where}: must be tcp://HOST:PORT with a numeric port")
     if host.startswith("[") != host.endswith("]") or host in ("*", "[*]"):
         raise ConfigError(f"{where}: must name the engine's host (not the * it binds to)")
-    if not 1 <= int(port) + dp_rank <= 65535:
+    if not 1 <= port + dp_rank <= 65535:
         raise ConfigError(f"{where}: port {port} + dp_rank {dp_rank} is outside 1-65535")
+
+
+def _climbs(path: str) -> bool:
+    """Whether an ipc path has a ``..`` segment (which can lead out of any directory)."""
+    return ".." in path.split("/")
 
 
 def _quote(value: str, limit: int = 120) -> str:
@@ -241,10 +263,11 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     if rank == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
+        host, sep, digits = endpoint.rpartition(":")
+        port = parse_decimal(digits)
+        if not sep or port is None:
             raise ConfigError(f"cannot offset {endpoint!r} by rank {rank}: no numeric port")
-        return f"{host}:{int(port) + rank}"
+        return f"{host}:{port + rank}"
     return f"{endpoint}_dp{rank}"
 
 

@@ -17,6 +17,10 @@ Sequencing is owned here, not by ``Router.apply``:
 * A drop in the number is an engine restart: its cache is empty, so the next batch we hand
   over starts with ``Cleared`` (which also ends a DEGRADED state). If we missed the first
   batches of the new run we replay from 0.
+* A restart can also hide behind a number that goes on (the connection dropped, and the new
+  run reached or passed our number meanwhile): after a disconnect, the first batch at or past
+  the expected number (in order or a gap) is checked against the engine's replay of our last
+  batch first; another payload is another run, replayed from 0.
 * Joining a running engine (first number > 0) replays from 0 when ``replay_on_join``;
   if the engine no longer buffers that far back, the worker is degraded as above.
 
@@ -183,16 +187,19 @@ class EndpointSequencer:
                 await self._accept_all(seq, payload)
             else:
                 await self._recover(0, seq, payload, why="join")
+        elif seq >= expected and await self._restarted_unseen(payload):
+            # checked on the gap path too: a new run that published more batches than we
+            # expected while we were away looks like a gap, and replaying the missing range
+            # of the new run onto the old view would keep the old run's blocks
+            self.stats.restarts += 1
+            log.warning("engine restart detected by replay although the sequence went on (%d after %d)", seq,
+                        expected - 1, extra={"worker_id": self.worker_id})
+            self._pending_clear = True
+            self._dup_lo = self._dup_hi = 0
+            self._tier_clear()
+            await self._recover(0, seq, payload, why="unseen restart")
         elif seq == expected:
-            if await self._restarted_unseen(payload):
-                self.stats.restarts += 1
-                log.warning("engine restart detected by replay although the sequence continued (%d)", seq,
-                            extra={"worker_id": self.worker_id})
-                self._pending_clear = True
-                self._dup_lo = self._dup_hi = 0
-                self._tier_clear()
-                await self._recover(0, seq, payload, why="unseen restart")
-            elif (rest := self._accept(seq, payload)) is not None:
+            if (rest := self._accept(seq, payload)) is not None:
                 await self._apply_rest(rest)
         elif seq > expected:
             self.stats.gaps += 1
@@ -217,14 +224,15 @@ class EndpointSequencer:
             await self._resync()
 
     async def _restarted_unseen(self, payload: bytes) -> bool:
-        """Whether the engine restarted since our last batch although its sequence continued.
+        """Whether the engine restarted since our last batch although its sequence went on
+        (to the number we expect, or past it: a gap).
 
         Checked only when something on the wire says it may have: the connection dropped
         since that batch, or this batch's timestamp is earlier than it. The engine's replay
         of our last sequence number is compared with what we applied under it: another
         payload means another run. Without a replay endpoint, or once the engine no longer
-        buffers that batch, a restart of exactly as many batches stays undetectable
-        (docs/engine-events.md)."""
+        buffers that batch, a restart that published at least as many batches as we had seen
+        stays undetectable (docs/engine-events.md)."""
         ts = peek_timestamp(payload)
         went_back = ts is not None and self._last_ts is not None and ts < self._last_ts
         if not (self._verify_pending or went_back) or self._last_digest is None:

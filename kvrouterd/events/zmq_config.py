@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from .bus_config import NatsBusConfig
 from .endpoints import EndpointAllowList
@@ -34,7 +35,9 @@ class ZmqEventsConfig:
     replay_on_join: bool = True
     #: "ignore" drops events for non-GPU tiers; "track" keeps their blocks per tier, apart
     other_media: Literal["ignore", "track"] = "ignore"
-    #: ZMQ reconnect backoff (the library doubles the interval up to the max)
+    #: ZMQ reconnect backoff (the library doubles the interval up to the max); also the bounds
+    #: of the daemon's own waits before recreating a silent socket or restarting a failed
+    #: subscriber (retry.py: doubling, each shortened by up to 20% at random)
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 10_000
     #: adapter names of vLLM 0.11's lora_id-only events ({"7": "sql-adapter"}); a stored
@@ -52,7 +55,13 @@ class ZmqEventsConfig:
 
     @property
     def lora_names(self) -> dict[int, str]:
-        return {int(k): v for k, v in self.lora_ids.items()}
+        names: dict[int, str] = {}
+        for key, name in self.lora_ids.items():
+            lora_id = parse_decimal(str(key))
+            if lora_id is None or not name:
+                raise ConfigError(f"events.lora_ids: {key!r}: keys are vLLM lora ids (integers), values adapter names")
+            names[lora_id] = name
+        return names
 
     def validate(self) -> None:
         self.bus.validate()
@@ -67,6 +76,4 @@ class ZmqEventsConfig:
             raise ConfigError(f"events.other_media must be 'ignore' or 'track', got {self.other_media!r}")
         if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
             raise ConfigError("events.reconnect_ivl_ms must be > 0 and <= reconnect_ivl_max_ms")
-        for lora_id, name in self.lora_ids.items():
-            if not str(lora_id).isdigit() or not name:
-                raise ConfigError(f"events.lora_ids: {lora_id!r}: keys are vLLM lora ids (integers), values adapter names")
+        _ = self.lora_names  # a bad key fails here, naming it

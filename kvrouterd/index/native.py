@@ -60,7 +60,7 @@ def u64_map(expected: int = 0) -> MutableMapping[int, int]:
 def u64_array(values: Iterable[int]) -> array:
     """``array('Q', values)``, raising what it raises (OverflowError for a value outside
     0 <= x < 2**64). Natively for a tuple or list of ints: ~10 ns an item instead of array's
-    ~65, for the engine hashes of every stored event (``Router._prepare_stored``)."""
+    ~65, for the engine hashes of every stored event (``EventApplier._prepare_stored``)."""
     if module is not None:
         packed = module.u64_array(values)
         if packed is not None:

@@ -98,9 +98,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..bounds import MAX_LATENCY_MS
 from ..index.workers import Worker
 from ..protocols import Completion, Decision, RouteRequest
 from .base import RoutingContext, RoutingPolicyBase
@@ -115,6 +117,18 @@ _MAX_TRACKED = 200_000
 _LOG_MAX_TOKENS = 40.0
 # a calibrated power law's a stays within e^+-20 ms
 _LOG_A_RANGE = 20.0
+# Physical bounds on the linear model as used: prefill never costs less than 1 us or more than
+# 10^4 s per 1k tokens (a diverged fit in sim cluster reached 5.4e6 ms, inside), and never waits
+# more than a day before its first token
+_PER_1K_RANGE = (1e-3, 1e7)
+_INTERCEPT_RANGE = (0.0, MAX_LATENCY_MS)
+# Where the fits' state may wander (wider than the coefficients used, so a sane run never meets
+# them: a fit that drifts out and back behaves as before), so one sample never makes it inf/NaN
+_LINEAR_STATE = ((-_PER_1K_RANGE[1], _PER_1K_RANGE[1]), (-MAX_LATENCY_MS, MAX_LATENCY_MS))
+_POWER_STATE = ((-1000.0, 1000.0), (-1000.0, 1000.0), (-1000.0, 1000.0))
+# a calibration sample beyond these is not a measurement: dropped
+_MAX_SAMPLE_TOKENS = 1 << 40
+_MAX_SAMPLE_BATCH = 1 << 20
 
 
 def _clip(x: float, lo: float, hi: float) -> float:
@@ -240,6 +254,9 @@ class LatencyParams:
     prefill_chunk_tokens: int = field(default=8192, metadata={"help": "the engines' chunked-prefill budget, tokens"})
 
     def validate(self) -> None:
+        for name in ("prefill_ms_per_1k_tokens", "prefill_intercept_ms", "power_a_ms", "power_b", "power_c"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.prefill_ms_per_1k_tokens <= 0:
             raise ValueError(f"prefill_ms_per_1k_tokens must be > 0, got {self.prefill_ms_per_1k_tokens}")
         if self.prefill_intercept_ms < 0:
@@ -266,13 +283,22 @@ class RecursiveLeastSquares:
     ``forgetting`` < 1 discounts old samples (weight ``forgetting^age``). The covariance is
     not inflated further once its trace exceeds its initial value, so long runs of
     uninformative samples cannot wind it up into instability.
+
+    Samples come from clients, so no sample can break the fit: one that is not finite, or
+    whose update would leave theta or the covariance non-finite, is dropped (not counted), and
+    theta is held within ``bounds`` (per coefficient ``(low, high)``; None = unbounded) after
+    every update.
     """
 
-    __slots__ = ("_max_trace", "_p", "forgetting", "samples", "theta")
+    __slots__ = ("_bounds", "_max_trace", "_p", "forgetting", "samples", "theta")
 
-    def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4) -> None:
+    def __init__(self, theta: list[float], forgetting: float, initial_variance: float = 1e4,
+                 bounds: Sequence[tuple[float, float]] | None = None) -> None:
         n = len(theta)
-        self.theta = list(theta)
+        if bounds is not None and len(bounds) != n:
+            raise ValueError(f"{len(bounds)} bounds for {n} coefficients")
+        self._bounds = tuple(bounds) if bounds is not None else None
+        self.theta = list(theta) if bounds is None else [_clip(t, lo, hi) for t, (lo, hi) in zip(theta, bounds)]
         self._p = [[initial_variance if r == c else 0.0 for c in range(n)] for r in range(n)]
         self.forgetting = forgetting
         self._max_trace = initial_variance * n
@@ -282,20 +308,28 @@ class RecursiveLeastSquares:
         return sum(t * v for t, v in zip(self.theta, x))
 
     def update(self, x: list[float], y: float) -> float:
-        """Fold in one sample; returns the prior error ``y - theta . x``."""
+        """Fold in one sample; returns the prior error ``y - theta . x`` (NaN for a sample
+        dropped as not finite)."""
+        if not (math.isfinite(y) and all(map(math.isfinite, x))):
+            return math.nan
         p, n = self._p, len(x)
         px = [sum(p[r][c] * x[c] for c in range(n)) for r in range(n)]
         denom = self.forgetting + sum(x[r] * px[r] for r in range(n))
         error = y - self.predict(x)
-        if denom <= 0 or not math.isfinite(error):
+        if not denom > 0 or not math.isfinite(denom) or not math.isfinite(error):
             return error
         gain = [v / denom for v in px]
-        self.theta = [t + g * error for t, g in zip(self.theta, gain)]
+        theta = [t + g * error for t, g in zip(self.theta, gain)]
         lam = self.forgetting
         if sum(p[i][i] for i in range(n)) > self._max_trace:
             lam = 1.0
         # P is symmetric, so x^T P = (P x)^T
-        self._p = [[(p[r][c] - gain[r] * px[c]) / lam for c in range(n)] for r in range(n)]
+        new_p = [[(p[r][c] - gain[r] * px[c]) / lam for c in range(n)] for r in range(n)]
+        if not (all(map(math.isfinite, theta)) and all(math.isfinite(v) for row in new_p for v in row)):
+            return error  # an overflow: the sample is dropped, the fit stays where it was
+        if self._bounds is not None:
+            theta = [_clip(t, lo, hi) for t, (lo, hi) in zip(theta, self._bounds)]
+        self.theta, self._p = theta, new_p
         self.samples += 1
         return error
 
@@ -312,9 +346,11 @@ class LatencyModel:
         self.params = params
         if params.prefill_model == "linear":
             prior = [params.prefill_ms_per_1k_tokens, params.prefill_intercept_ms]
+            state = _LINEAR_STATE
         else:
             prior = [math.log(params.power_a_ms), params.power_b, params.power_c]
-        self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting)
+            state = _POWER_STATE
+        self._fit = RecursiveLeastSquares(prior, params.calibration_forgetting, bounds=state)
         self._prior = tuple(prior)
         self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
@@ -333,8 +369,9 @@ class LatencyModel:
         """(ms_per_1k, intercept_ms) or (a_ms, b, c) as currently used."""
         theta = self._fit.theta if self.calibrated else list(self._prior)
         if self.params.prefill_model == "linear":
-            # a fit can wander non-physical on degenerate data; never let prefill cost vanish
-            return (max(theta[0], 1e-3), max(theta[1], 0.0))
+            # a fit can wander non-physical on degenerate data (or a client's outliers): never let
+            # prefill cost vanish, or grow past any hardware's
+            return (_clip(theta[0], *_PER_1K_RANGE), _clip(theta[1], *_INTERCEPT_RANGE))
         # Samples whose TTFT is mostly queueing the tokens do not explain can drive the log-space
         # fit anywhere (in sim reproduce one reached a = e^710 ms and overflowed): hold it to
         # physical ranges around the published fits (b, c ~ 1): a prefill's cost grows with its
@@ -382,11 +419,12 @@ class LatencyModel:
 
     def tokens_within(self, budget_ms: float) -> int:
         """Prefill tokens one worker clears within ``budget_ms`` (DualMap's ttft_slo_threshold)."""
-        if budget_ms <= 0:
+        if not budget_ms > 0:  # NaN too
             return 0
         if self.params.prefill_model == "linear":
             per_1k, intercept = self.coefficients()
-            return max(0, int((budget_ms - intercept) * 1000.0 / per_1k))
+            # capped as the power law's inverse is: an infinite budget is not infinite tokens
+            return int(_clip((budget_ms - intercept) * 1000.0 / per_1k, 0.0, math.exp(_LOG_MAX_TOKENS)))
         a, b, c = self.coefficients()
         return PowerLaw(a, b, c).tokens_within(budget_ms)
 
@@ -438,14 +476,17 @@ class LatencyModel:
     def observe_completion(self, request_id: str, ttft_ms: float) -> bool:
         """Use a completed request's observed TTFT as a sample; False if it gave none."""
         seen = self._tracked.pop(request_id, None)
-        if seen is None or ttft_ms <= 0 or not self.params.calibrate:
+        if seen is None or not 0 < ttft_ms <= MAX_LATENCY_MS or not self.params.calibrate:
             return False
         self.observe(seen[0], seen[1], ttft_ms)
         return True
 
     def observe(self, tokens_ahead: int, batch: int, ttft_ms: float) -> None:
-        """One calibration sample: ``tokens_ahead`` prefill tokens took ``ttft_ms``."""
-        if tokens_ahead <= 0 or ttft_ms <= 0:
+        """One calibration sample: ``tokens_ahead`` prefill tokens took ``ttft_ms``. A sample no
+        real prefill could produce (not finite, over a day, more tokens than any cache) is
+        dropped: the Router refuses such completions, and the fit does not rely on it."""
+        if not (0 < tokens_ahead <= _MAX_SAMPLE_TOKENS and 0 < ttft_ms <= MAX_LATENCY_MS
+                and batch <= _MAX_SAMPLE_BATCH):
             return
         if self.params.prefill_model == "linear":
             self._fit.update([tokens_ahead / 1000.0, 1.0], ttft_ms)

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
+from ..decimals import decimal_arg, number_arg, parse_decimal
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, InvalidRequest, KVRouterError
 from ..events.bridge import BridgedEvents
@@ -126,6 +127,7 @@ class Daemon:
         self._discovery_task: asyncio.Task[None] | None = None
         self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes)
         self.service.metrics = self.metrics
+        self.service.call_errors.metrics = self.metrics
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         #: the Envoy endpoint picker, once serving (None when ext_proc.enabled is off)
@@ -155,11 +157,13 @@ class Daemon:
         if self.config.tls.enabled:
             creds, self.certificates = server_credentials(self.config.tls)
         server = grpc.aio.server(options=self._server_options(), interceptors=interceptors)
-        # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT
+        # every service registers through this, so bytes that do not parse answer INVALID_ARGUMENT,
+        # a handler bug INTERNAL, and every refused or failed call is counted and logged sampled
         self.service.off_loop_prompt_bytes = self.config.limits.off_loop_prompt_bytes
-        safe = SafeRegistrar(server, {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
-                                      "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
-                                      "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
+        safe = SafeRegistrar(server, self.service.call_errors,
+                             {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
+                              "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
+                              "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]
@@ -170,6 +174,7 @@ class Daemon:
             )
             # a body as large as a prompt read off the loop by Route is read off the loop too
             self.ext_proc.off_loop_body_bytes = self.config.limits.off_loop_prompt_bytes
+            self.ext_proc.call_errors = self.service.call_errors
             self.ext_proc.add_to_server(safe)  # type: ignore[arg-type]
             served.append(EXT_PROC_SERVICE)
         # what reflection.enable_server_reflection does for an aio server (it type-checks the server)
@@ -388,6 +393,7 @@ class Daemon:
             await asyncio.sleep(interval)
             # route latencies are queued per call and recorded here in one warm loop (telemetry.metrics)
             self.metrics.flush()
+            self.service.call_errors.flush()  # the "suppressed K" lines of intervals that ended
             try:
                 self.router.tick()
                 if self.admission is not None:
@@ -464,10 +470,12 @@ class Daemon:
 
 def bind_problem(listen: str) -> str:
     """Why gRPC could not bind ``listen`` (its own message only says that it failed)."""
-    host, _, port = listen.rpartition(":")
+    host, _, digits = listen.rpartition(":")
     host = host.strip("[]")
+    if (port := parse_decimal(digits)) is None:
+        return f"{digits!r} is not a port number"
     try:
-        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, ValueError) as exc:
         return f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
     for family, kind, proto, _, address in infos:
@@ -488,12 +496,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: the embedded defaults)")
     parser.add_argument("--routing-policy", metavar="NAME", help="default routing policy (see `kvrouterd policies`)")
     parser.add_argument("--eviction-policy", metavar="NAME", help="eviction policy for hints and approximate mode")
-    parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 16)")
+    parser.add_argument("--block-size", type=decimal_arg, metavar="TOKENS", help="tokens per KV block (default 16)")
     parser.add_argument("--metrics-listen", metavar="HOST:PORT",
                         help="serve Prometheus /metrics on HOST:PORT (default: off; metrics.listen)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log threshold (default info)")
     parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each (default text)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
+    parser.add_argument("--grace", type=number_arg, default=5.0, help="seconds to drain in-flight RPCs on shutdown")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from ..config import Config, load_config
+from ..decimals import decimal_arg
 from ..discovery import KubernetesDiscovery
 from ..errors import ConfigError, KVRouterError
 from ..events.bridge import DEFAULT_MAX_PENDING, BusBridge
@@ -141,7 +142,7 @@ class BridgeProcess:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="the replicas' YAML config file (workers, events, events.bus)")
-    parser.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
+    parser.add_argument("--max-pending", type=decimal_arg, default=DEFAULT_MAX_PENDING, metavar="N",
                         help=f"calls queued for NATS before a worker is dropped and resynced (default {DEFAULT_MAX_PENDING})")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log threshold (default info)")
     parser.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")

@@ -11,7 +11,6 @@ Router draining are dropped in steps by ``keep_draining``.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,9 +26,6 @@ from .convert import pb
 from .status import abort, status_message
 
 __all__ = ["EVICT_STEP_ENTRIES", "MAX_NAMESPACES", "EngineCalls"]
-
-log = logging.getLogger("kvrouterd.server")
-
 
 #: (model, lora) namespaces remembered for the key-mismatch warning: names come from clients,
 #: so the sets are capped (past the cap the check is off; a fleet serves a handful of models)
@@ -72,7 +68,7 @@ class EngineCalls:
         async for msg in request_iterator:
             if type(msg) is convert.BatchTooLarge:
                 # refused unparsed (no worker to name); earlier batches of the stream stay applied
-                log.warning("event batch rejected: %s", msg.message)
+                # (counted and logged, sampled, as every refused call is: call_errors)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg.message)
             try:
                 # the daemon's deserializer (event_batch_message) has read a plain message already
@@ -80,7 +76,6 @@ class EngineCalls:
                 outcome = self.apply_batch(batch)
             except KVRouterError as exc:
                 # earlier batches of the stream stay applied; this one changed nothing
-                log.warning("event batch rejected: %s", exc, extra={"worker_id": msg.worker_id})
                 await abort(context, exc)
             published[batch.worker_id] = None
             if outcome.duplicate:
@@ -155,8 +150,10 @@ class EngineCalls:
     async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         try:
             convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
+            loaded = request.loaded_loras.names if request.HasField("loaded_loras") else None
             self.router.report_load(
-                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
+                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization,
+                None if loaded is None else list(loaded),
             )
         except KVRouterError as exc:
             await abort(context, exc)

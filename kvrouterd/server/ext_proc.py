@@ -28,7 +28,12 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
 - Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
   ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, a comma-separated string,
   or a list whose elements are comma-separated; a bare IP allows every port on that host)
-  restricts the pick to workers with those addresses; none eligible -> 503.
+  restricts the pick to workers with those addresses; none eligible -> 503. Unlike a
+  ``Route`` whose ``candidate_workers`` are all unknown (NOT_FOUND, the caller's mistake), a
+  hint that names no registered worker is 503 too: the proxy builds it from the endpoints it
+  has (the pool's ready pods), so an address the router does not know is a pod that has not
+  registered yet, or one that just left, not a typo; the protocol's answer when no endpoint
+  of the subset can be picked is 503, as the reference picker's.
 - Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
   ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
   setting, instead of both sides waiting for each other.
@@ -75,6 +80,7 @@ from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from .._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from .._generated.envoy.type.v3 import http_status_pb2
 from ..config import ExtProcConfig
+from ..decimals import parse_decimal
 from ..errors import ConfigError, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
 from ..index.workers import Worker
 from ..protocols import Completion, RouteRequest
@@ -82,8 +88,9 @@ from ..router import Router
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision
 from .admission import AdmissionGate
+from .call_errors import CallErrors
 from .openai_prompt import BodyKeys, BodyNotRead, PromptKeyer, body_keys, load_tokenizer
-from .status import http_status, status_code
+from .status import http_status, status_code, status_message
 
 __all__ = [
     "BODY_CHUNK_BYTES",
@@ -255,6 +262,9 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         self.tracing = tracer is not None
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = metrics
+        #: where a refused request is counted and logged, sampled (the daemon sets its ledger;
+        #: None = not counted, logged at debug)
+        self.call_errors: CallErrors | None = None
         #: the daemon's admission queues (None = off): a routed request waits there like Route's
         self.admission = admission
         #: a body of this many bytes or more is read and keyed on a worker thread (the daemon
@@ -364,7 +374,10 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         if span is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             span.set_attribute("http.response.status_code", http_status(exc))
-        log.info("ext_proc request rejected: %s", exc, extra={"status": http_status(exc), "path": ex.headers.get(":path", "")})
+        if self.call_errors is not None:  # sampled: one client can send thousands a second
+            self.call_errors.rejected("Process", code.name, f"HTTP {http_status(exc)}: {status_message(exc)}")
+        else:
+            log.debug("ext_proc request rejected: %s", exc, extra={"status": http_status(exc)})
         return [_immediate(exc)]
 
     # ---- request path -------------------------------------------------------------------
@@ -414,6 +427,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     destination = worker.address
                     policy = "ext_proc"
                     source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
+                    pool = ""
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
@@ -438,6 +452,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                         endpoints.append(alt.address)
                     destination = ",".join(endpoints[: self.settings.max_endpoints])
                     source, policy, reason = pk.source, result.decision.policy, result.decision.reason
+                    pool = result.decision.pool
                     if recording:
                         annotate_decision(span, result, self.router.block_size)
             except KVRouterError as exc:
@@ -452,7 +467,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     "kvrouter.ext_proc.subset_size": -1 if ex.subset is None else len(ex.subset),
                 })
         if self.metrics is not None:
-            self.metrics.decisions.add(1, {"policy": policy, "reason": reason})
+            self.metrics.decisions.add(1, {"policy": policy, "reason": reason, "pool": pool})
             self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
         answer = [_destination_response(destination, len(body or b""))]
         if body is None:
@@ -464,10 +479,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         now = self.router.clock.now()
         ex.response_headers_at = now
         headers = _header_map(msg.response_headers.headers)
-        try:
-            ex.status = int(headers.get(":status", "0"))
-        except ValueError:
-            ex.status = 0
+        ex.status = parse_decimal(headers.get(":status", "")) or 0  # HTTP status: three ASCII digits
         value = _metadata_value(msg.metadata_context, DESTINATION_ENDPOINT_NAMESPACE, DESTINATION_ENDPOINT_SERVED_KEY)
         served = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
         ex.served = served or headers.get(DESTINATION_ENDPOINT_SERVED_KEY, "") or _upstream_address(msg)

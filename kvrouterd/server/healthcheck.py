@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config
+from ..decimals import decimal_arg, parse_decimal
 from ..errors import ConfigError
 
 __all__ = ["DaemonProcess", "dial_address", "find_daemon", "main", "read_daemon"]
@@ -80,7 +81,7 @@ def find_daemon(proc: Path = Path("/proc")) -> DaemonProcess | None:
     """PID 1 when it is the daemon (the image's ENTRYPOINT), else the first ``kvrouterd serve`` found."""
     if (daemon := read_daemon(1, proc)) is not None:
         return daemon
-    pids = sorted(int(p.name) for p in proc.iterdir() if p.name.isdigit() and int(p.name) not in (1, os.getpid()))
+    pids = sorted(pid for p in proc.iterdir() if (pid := parse_decimal(p.name)) is not None and pid not in (1, os.getpid()))
     for pid in pids:
         if (daemon := read_daemon(pid, proc)) is not None:
             return daemon
@@ -129,7 +130,7 @@ def check(cfg: Config, ca_file: str | None = None, server_name: str | None = Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvrouterd.server.healthcheck", description=__doc__.split("\n")[0])
-    parser.add_argument("--pid", type=int, help="the daemon's process id (default: found in /proc)")
+    parser.add_argument("--pid", type=decimal_arg, help="the daemon's process id (default: found in /proc)")
     parser.add_argument("--ca-file", help="verify the server certificate against this CA (default: see above)")
     parser.add_argument("--server-name", help="the name the server certificate must carry (default: the dialled host)")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from .._generated.kvrouter.v1 import router_pb2_grpc
+from ..bounds import MAX_LATENCY_MS, check_range
 from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
@@ -30,12 +31,14 @@ from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision, decision_span
 from . import convert, off_loop
 from .admission import AdmissionGate
+from .call_errors import CallErrors
 from .convert import pb
 from .decoding import UndecodableMessage, describe
 from .engine_calls import MAX_NAMESPACES, EngineCalls
 from .snapshot import export_chunks
 from .status import abort, status_code, status_message
 from .wire import STREAM_ROUTE
+from .worker_pages import PAGE_BYTES, worker_page
 
 __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
 
@@ -62,12 +65,6 @@ async def _drain(steps: Iterable[int]) -> None:
         await asyncio.sleep(0)
 
 
-def _stream_invalid(reply: pb.RouteStreamResponse, message: str) -> pb.RouteStreamResponse:
-    reply.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    reply.error.message = message
-    return reply
-
-
 class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def __init__(
         self, router: Router, tracer: trace.Tracer | None, metrics: Metrics, max_batch_events: int,
@@ -84,6 +81,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         #: called after RegisterWorker/DeregisterWorker (the daemon re-syncs ZMQ subscribers)
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
+        #: every refused or failed call and stream item, counted and logged sampled (the daemon's
+        #: handler wrappers report to it too)
+        self.call_errors = CallErrors(metrics)
         #: what one PublishEvents batch may carry (``convert.BatchLimits``)
         self.batch_limits = convert.BatchLimits(max_batch_events, router.settings.max_id_length, max_event_batch_bytes,
                                                 max_batch_blocks, router.block_size)
@@ -146,11 +146,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         else:
             # the common case, kept flat: no span, no queue, no inner coroutine
             try:
-                result = router.route(convert.route_request(request, router, hashed), explain=False)
+                req = convert.route_request(request, router, hashed, context.peer() or "")
+                result = router.route(req, explain=False)
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
@@ -178,7 +179,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         router = self.router
         recording = span is not None and span.is_recording()
         try:
-            req = convert.route_request(request, router, hashed)
+            req = convert.route_request(request, router, hashed, (context.peer() or "") if context is not None else "")
             if self.admission is None:
                 result = router.route(req, explain=recording)
             else:
@@ -197,9 +198,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         await abort(context, exc)
 
     def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
+        """Count a refused Route; its log line is the call's (``call_errors``, sampled)."""
         code = status_code(exc)
         self.metrics.route_errors.add(1, {"code": code.name})
-        log.info("route rejected: %s", exc, extra={"request_id": request.request_id, "code": code.name})
         if span is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, status_message(exc)))
             span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -207,10 +208,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     def _note_refused(self, refused: off_loop.Refused) -> None:
         """A huge message in an encoding the split does not read (``off_loop.Refused``): counted
-        and logged as a rejected Route (its message tells what was found)."""
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        self.metrics.route_errors.add(1, {"code": code.name})
-        log.info("route rejected: %s", refused.message, extra={"code": code.name})
+        as a rejected Route (its message tells what was found)."""
+        self.metrics.route_errors.add(1, {"code": grpc.StatusCode.INVALID_ARGUMENT.name})
 
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         try:
@@ -221,12 +220,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
-        try:
-            completion = convert.completion(request, self.router.settings.max_id_length)
-            entry = self.router.complete_anywhere(completion)
-        except KVRouterError as exc:
-            log.info("complete rejected: %s", exc, extra={"request_id": request.request_id, "code": status_code(exc).name})
-            raise
+        completion = convert.completion(request, self.router.settings.max_id_length)
+        entry = self.router.complete_anywhere(completion)
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
             # completion is published, so every replica releases the load when the Dispatch
@@ -262,9 +257,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
+        client = context.peer() or ""  # in-flight requests are bounded per client (RouteRequest.client)
 
         def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
-            task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
+            task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt, client))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
 
@@ -276,23 +272,26 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                         self._note_refused(msg)
                         if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
                             raise UndecodableMessage(msg.message)
-                        await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
+                        await answer(self._stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
                         continue
                     msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
                     if self.admission is None:
-                        await answer(self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE)))
+                        reply = self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE),
+                                                   client)
+                        await answer(reply)
                     else:
                         admit_later(msg, prompts.get(STREAM_ROUTE))
                 elif kind == "complete":
                     await answer(self._stream_complete(msg, pb.RouteStreamResponse(id=msg.id)))
                 elif kind == "batch":
-                    reply = self._stream_batch(msg, admit_later, prompts)
+                    reply = self._stream_batch(msg, admit_later, prompts, client)
                     if reply is not None:
                         await answer(reply)
                 else:
-                    await answer(_stream_invalid(pb.RouteStreamResponse(id=msg.id), "message carries neither route nor complete"))
+                    await answer(self._stream_invalid(pb.RouteStreamResponse(id=msg.id),
+                                                      "message carries neither route nor complete"))
             if waiting:
                 await asyncio.gather(*waiting)
         finally:
@@ -314,7 +313,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     def _stream_batch(
         self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, off_loop.StreamPrompt | None], None],
-        prompts: Mapping[int, off_loop.StreamPrompt],
+        prompts: Mapping[int, off_loop.StreamPrompt], client: str = "",
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -322,7 +321,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         if not items or len(items) > MAX_STREAM_BATCH_ITEMS:
             # refused whole, before any item is handled
             why = "the batch is empty" if not items else f"a batch holds at most {MAX_STREAM_BATCH_ITEMS} items, not {len(items)}"
-            return _stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
+            return self._stream_invalid(pb.RouteStreamResponse(id=msg.id), why)
         self.metrics.stream_batches.add(1)
         self.metrics.stream_batch_items.add(len(items))
         reply = pb.RouteStreamResponse()
@@ -334,17 +333,18 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if queued:
                     admit_later(item, prompts.get(place))
                 else:
-                    self._stream_route(item, answers.add(id=item.id), prompts.get(place))
+                    self._stream_route(item, answers.add(id=item.id), prompts.get(place), client)
             elif kind == "complete":
                 self._stream_complete(item, answers.add(id=item.id))
             elif kind == "batch":
-                _stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
+                self._stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
             else:
-                _stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
+                self._stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
         return reply if len(answers) else None
 
     def _stream_route(
-        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None,
+        client: str = "",
     ) -> pb.RouteStreamResponse:
         """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
         its prompt when the message was split (``_hash_stream_off_loop``)."""
@@ -357,57 +357,78 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 with decision_span(self.tracer) as span:
                     recording = span.is_recording()
                     try:
-                        req = off_loop.split_route_request(request, router, prompt)
+                        req = off_loop.split_route_request(request, router, prompt, client)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = off_loop.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt, client)
                 result = router.route(req, explain=False)
+            d = result.decision
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
+            if not d.overlap_blocks and self.stored_namespaces:
+                self._check_namespace(request)
+            convert.route_response(result, router.block_size, into=reply.route)
         except KVRouterError as exc:
             return self._stream_route_error(msg, exc, None, reply)
-        d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
-        if not d.overlap_blocks and self.stored_namespaces:
-            self._check_namespace(request)
-        convert.route_response(result, router.block_size, into=reply.route)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            return self._stream_internal(reply, exc)
+        return reply
+
+    def _stream_internal(self, reply: pb.RouteStreamResponse, exc: Exception) -> pb.RouteStreamResponse:
+        """An item that raised what no handler expected: INTERNAL for it alone (the API's promise:
+        each item is answered as its unary call would be), counted and logged by ``call_errors``."""
+        reply.error.code = grpc.StatusCode.INTERNAL.value[0]
+        reply.error.message = self.call_errors.internal("RouteStream", exc)
+        return reply
+
+    def _stream_invalid(self, reply: pb.RouteStreamResponse, message: str) -> pb.RouteStreamResponse:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        reply.error.code = code.value[0]
+        reply.error.message = message
+        self.call_errors.rejected("RouteStream", code.name, message)
         return reply
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
-        prompt: off_loop.StreamPrompt | None = None,
+        prompt: off_loop.StreamPrompt | None = None, client: str = "",
     ) -> None:
         assert self.admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
         request = msg.route
         router = self.router
-        timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
         reply = pb.RouteStreamResponse(id=msg.id)
-        with decision_span(self.tracer) as span:
-            recording = self.tracing and span.is_recording()
-            try:
-                req = off_loop.split_route_request(request, router, prompt)
-                result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
-            except KVRouterError as exc:
-                await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
-                return
-            except TimeoutError:
-                # what a unary caller's expired deadline would have ended with; the queue entry is gone
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-                self.metrics.route_errors.add(1, {"code": code.name})
-                reply.error.code = code.value[0]
-                reply.error.message = f"not admitted within {msg.timeout_ms:g} ms"
-                await answer(reply)
-                return
-            if recording:
-                annotate_decision(span, result, router.block_size)
-        d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started)
-        if not d.overlap_blocks and self.stored_namespaces:
-            self._check_namespace(request)
-        convert.route_response(result, router.block_size, into=reply.route)
+        try:
+            with decision_span(self.tracer) as span:
+                recording = self.tracing and span.is_recording()
+                try:
+                    check_range("timeout_ms", msg.timeout_ms, 0.0, MAX_LATENCY_MS)
+                    timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
+                    req = off_loop.split_route_request(request, router, prompt, client)
+                    result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
+                except KVRouterError as exc:
+                    await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
+                    return
+                except TimeoutError:
+                    # what a unary caller's expired deadline would have ended with; the queue entry is gone
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED
+                    self.metrics.route_errors.add(1, {"code": code.name})
+                    reply.error.code = code.value[0]
+                    reply.error.message = f"not admitted within {msg.timeout_ms:g} ms"
+                    self.call_errors.rejected("RouteStream", code.name, reply.error.message)
+                    await answer(reply)
+                    return
+                if recording:
+                    annotate_decision(span, result, router.block_size)
+            d = result.decision
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
+            if not d.overlap_blocks and self.stored_namespaces:
+                self._check_namespace(request)
+            convert.route_response(result, router.block_size, into=reply.route)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            self._stream_internal(reply, exc)
         await answer(reply)
 
     def _check_namespace(self, request: pb.RouteRequest) -> None:
@@ -433,15 +454,20 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         code = self._note_rejection(msg.route, exc, span)
         reply.error.code = code.value[0]
         reply.error.message = status_message(exc)
+        self.call_errors.rejected("RouteStream", code.name, reply.error.message)
         return reply
 
     def _stream_complete(self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse) -> pb.RouteStreamResponse:
         try:
             self._complete(msg.complete)
         except KVRouterError as exc:
-            reply.error.code = status_code(exc).value[0]
+            code = status_code(exc)
+            reply.error.code = code.value[0]
             reply.error.message = status_message(exc)
+            self.call_errors.rejected("RouteStream", code.name, reply.error.message)
             return reply
+        except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+            return self._stream_internal(reply, exc)
         reply.complete.SetInParent()
         return reply
 
@@ -490,7 +516,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return task
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(workers=[self._worker_message(w) for w in self.router.workers])
+        try:
+            workers, token = worker_page(self.router.workers, self._worker_message, request.page_size,
+                                         request.page_token, self._page_bytes)
+        except KVRouterError as exc:
+            await abort(context, exc)
+        return pb.ListWorkersResponse(workers=workers, next_page_token=token)
 
     async def ExportIndex(
         self, request: pb.ExportIndexRequest, context: grpc.aio.ServicerContext
@@ -507,9 +538,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         r = self.router
+        # a summary: ListWorkers pages through the rest
+        first, _ = worker_page(r.workers, self._worker_message, max_bytes=self._page_bytes)
         return pb.GetStatsResponse(
             indexed_blocks=r.indexed_blocks,
-            workers=[self._worker_message(w) for w in r.workers],
+            workers=first,
+            worker_count=len(r.workers),
             default_routing_policy=r.default_routing,
             default_eviction_policy=r.eviction.name,
             decisions_by_policy=dict(r.decisions_by_policy),
@@ -517,6 +551,11 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             event_gaps=r.counters["gaps"],
             events_rejected=_sum_by_reason(w.events_rejected for w in r.workers),
         )
+
+    @property
+    def _page_bytes(self) -> int:
+        """A page of workers' most bytes: room beside it for the rest of a reply the daemon may send."""
+        return min(PAGE_BYTES, self.max_message_bytes // 2)
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
         return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)

@@ -60,6 +60,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import CacheMode
 
@@ -111,8 +112,11 @@ class MetricsEndpoint:
     """A private Prometheus registry fed by a PrometheusMetricReader, served over HTTP."""
 
     def __init__(self, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        self.host, self.port = host.strip("[]"), int(port)
+        host, _, digits = listen.rpartition(":")
+        port = parse_decimal(digits)
+        if port is None:
+            raise ConfigError(f"metrics.listen: expected HOST:PORT, got {listen!r}")
+        self.host, self.port = host.strip("[]"), port
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         self.reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)

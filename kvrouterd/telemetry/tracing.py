@@ -38,6 +38,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 
+from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import BatchOutcome, CacheMode, Decision, EventBatch
 from ..router import RouteResult
@@ -184,6 +185,11 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         attrs["kvrouter.session_id"] = req.session_id
     if req.model:
         attrs["gen_ai.request.model"] = req.model
+    if d.pool:
+        attrs["kvrouter.pool"] = d.pool
+    if d.lora_placement:
+        attrs["kvrouter.lora"] = req.lora or req.model  # OpenAI bodies name the adapter in ``model``
+        attrs["kvrouter.lora.placement"] = d.lora_placement
     for k, v in d.attributes.items():
         attrs[f"kvrouter.policy.{k}"] = v
     span.set_attributes(attrs)  # type: ignore[arg-type]
@@ -291,10 +297,10 @@ def _peer(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
     peer = context.peer() or ""  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678", "unix:..."
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        host, _, port = address.rpartition(":")
+        host, _, digits = address.rpartition(":")
         span.set_attribute("network.peer.address", host.strip("[]"))
-        if port.isdigit():
-            span.set_attribute("network.peer.port", int(port))
+        if (port := parse_decimal(digits)) is not None:
+            span.set_attribute("network.peer.port", port)
 
 
 def _finish(span: trace.Span, context: grpc.aio.ServicerContext) -> None:

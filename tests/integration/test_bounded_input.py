@@ -128,3 +128,43 @@ def test_the_log_formatters_cut_a_huge_message_and_field():
     for formatter in (TextFormatter(), JsonFormatter()):
         line = formatter.format(record)
         assert len(line) < 4096 and "(1000000 characters)" in line
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"ttft_ms": 1e308}, "ttft_ms"), ({"ttft_ms": float("inf")}, "ttft_ms"), ({"e2e_ms": float("nan")}, "e2e_ms"),
+    ({"output_tokens": 4294967295}, "output_tokens"), ({"cached_tokens": 2**63 - 1}, "cached_tokens"),
+])
+@pytest.mark.parametrize("policy", ["min_ttft", "preble"])
+async def test_absurd_completions_are_refused_and_cannot_poison_the_latency_model(running, policy, fields, named):
+    """Issue #28 item 1: eight such Completes were accepted, then every min_ttft/preble Route
+    answered UNKNOWN (OverflowError) for every client."""
+    await register(running.stub, "a")
+    await register(running.stub, "b")
+    for i in range(8):
+        rid = f"poison-{i}"
+        await running.stub.Route(pb.RouteRequest(token_ids=list(range(i, i + 4 * BS)), request_id=rid, policy=policy))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Complete(pb.CompleteRequest(request_id=rid, **{"ttft_ms": 50.0, **fields}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in err.value.details(), err.value
+        await running.stub.Complete(pb.CompleteRequest(request_id=rid, ttft_ms=50.0))  # a sane one is taken
+    reply = await running.stub.Route(pb.RouteRequest(token_ids=list(range(4 * BS)), policy=policy))
+    assert reply.worker_id in ("a", "b") and reply.estimated_ttft_ms < 1e6
+
+
+async def test_absurd_reported_counts_are_refused_naming_the_field(running):
+    await register(running.stub, "a")
+    before = state(running)
+    calls = [
+        (running.stub.ReportLoad(pb.ReportLoadRequest(worker_id="a", queued_requests=4294967295)), "queued_requests"),
+        (running.stub.ReportLoad(pb.ReportLoadRequest(worker_id="a", running_requests=4294967295)), "running_requests"),
+        (running.stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS)), expected_output_tokens=4294967295)),
+         "expected_output_tokens"),
+        (running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="b", address="h:1",
+                                                                               capacity_blocks=2**64 - 1))),
+         "capacity_blocks"),
+    ]
+    for call, named in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in err.value.details(), err.value
+    assert state(running) == before

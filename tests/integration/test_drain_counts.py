@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from kvrouterd import router as router_module
+from kvrouterd.router import slots as router_slots
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.server import service as service_module
 
@@ -31,8 +31,8 @@ def daemon_config():
 @pytest.fixture
 def small_steps(monkeypatch):
     # a worker of 400 blocks is cleared by the slot move, drained 50 blocks a step
-    monkeypatch.setattr(router_module, "CLEAR_IN_PLACE_BLOCKS", 100)
-    monkeypatch.setattr(router_module, "DRAIN_STEP_BLOCKS", 50)
+    monkeypatch.setattr(router_slots, "CLEAR_IN_PLACE_BLOCKS", 100)
+    monkeypatch.setattr(router_slots, "DRAIN_STEP_BLOCKS", 50)
     monkeypatch.setattr(service_module, "DRAIN_STEP_BLOCKS", 50)
 
 

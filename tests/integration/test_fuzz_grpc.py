@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
@@ -89,7 +89,11 @@ WORKER_IDS = ["w0", "w1", "w2", "w3"]
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
-ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
+#: every float, the ones that broke the daemon drawn often (issue #28 item 1: ttft_ms=1e308)
+EXTREME_FLOATS = [1e308, -1e308, math.inf, -math.inf, math.nan, 5e-324, -0.0, 4294967295.0, 86_400_000.0, 86_400_001.0]
+ANY_FLOAT = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64), st.sampled_from(EXTREME_FLOATS))
+#: the policies with an online fit a client's Complete feeds
+LATENCY_POLICIES = ["min_ttft", "preble", "dualmap", "lbgr"]
 huge = st.sampled_from([257, 1025, 5_000, 100_000, 1_000_000]).map(lambda n: "x" * n)
 odd_text = st.text(st.characters(codec="utf-8"), max_size=40)
 ident = st.one_of(st.sampled_from(WORKER_IDS), st.just(""), odd_text, huge)
@@ -144,6 +148,34 @@ def route(draw: Any) -> pb.RouteRequest:
 
 complete = st.builds(pb.CompleteRequest, request_id=request_id, ttft_ms=ANY_FLOAT, e2e_ms=ANY_FLOAT, cached_tokens=I64,
                      output_tokens=U32, success=st.booleans(), session_ended=st.booleans())
+
+
+def attack(tag: int, n: int, policy: str, field: str, value: float, batched: bool) -> list[tuple[str, Any]]:
+    """Issue #28 item 1's attack: ``n`` Routes to ``policy``, a Complete of each reporting
+    ``field=value`` (the other numbers sane), then a Route to every latency policy; as unary
+    calls, or all in one RouteStream batch (where a failing item used to end the stream)."""
+    prompt = list(range(tag % 1000, tag % 1000 + 4 * BS))
+    routes = [pb.RouteRequest(request_id=f"poison-{tag}-{i}", token_ids=prompt, policy=policy) for i in range(n)]
+    completes = [pb.CompleteRequest(request_id=r.request_id, **{"ttft_ms": 50.0, "e2e_ms": 900.0, field: value},
+                                    success=True) for r in routes]
+    victims = [pb.RouteRequest(token_ids=prompt, policy=p) for p in LATENCY_POLICIES]
+    if not batched:
+        return [*(("Route", r) for r in routes), *(("Complete", c) for c in completes), *(("Route", v) for v in victims)]
+    items = [*(pb.RouteStreamRequest(id=i, route=r) for i, r in enumerate(routes)),
+             *(pb.RouteStreamRequest(id=100 + i, complete=c) for i, c in enumerate(completes)),
+             *(pb.RouteStreamRequest(id=200 + i, route=v) for i, v in enumerate(victims))]
+    return [("RouteStream", pb.RouteStreamRequest(id=9, batch=pb.RouteStreamRequestBatch(items=items)))]
+
+
+#: one hostile value in one field of every Complete of an attack
+hostile_report = st.one_of(
+    st.tuples(st.sampled_from(["ttft_ms", "e2e_ms"]), ANY_FLOAT),
+    st.tuples(st.just("output_tokens"), st.sampled_from([4294967295, 2**24 + 1])),
+    st.tuples(st.just("cached_tokens"), st.sampled_from([-2, 2**63 - 1, -(2**63)])))
+# fresh ids (a refused Complete leaves its Route in flight), enough Completes to calibrate a fit
+poisoning = st.builds(lambda tag, n, policy, report, batched: attack(tag, n, policy, *report, batched),
+                      st.integers(0, 2**48), st.integers(8, 10), st.sampled_from(LATENCY_POLICIES), hostile_report,
+                      st.booleans())
 
 
 @st.composite
@@ -236,8 +268,8 @@ def snapshot(router: Any) -> tuple:
         for w in router.workers if w.id != PROBE
     )
     counters = tuple(sorted((k, v) for k, v in router.counters.items() if k != "decisions"))
-    inflight = sorted(rid for rid in router._requests if router.workers.inflight(rid).worker_id != PROBE)
-    own_bytes = sum(request_bytes(router._requests[rid]) for rid in inflight)
+    inflight = sorted(rid for rid in router._ledger.requests if router.workers.inflight(rid).worker_id != PROBE)
+    own_bytes = sum(request_bytes(router.request(rid)) for rid in inflight)
     return workers, len(router.index), counters, tuple(inflight), own_bytes
 
 
@@ -463,16 +495,19 @@ class Prober:
         root = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.fuzz_probe", "--port", str(port), "--worker", PROBE,
-             "--out", str(out)], cwd=root, stdout=subprocess.PIPE, text=True)
+             "--out", str(out), "--policies", ",".join(["", *LATENCY_POLICIES])], cwd=root, stdout=subprocess.PIPE,
+            text=True)
         assert self.proc.stdout is not None
         # a SIGTERM before its handler is installed would kill it without a report
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the prober did not start")
 
-    def stop(self) -> list[tuple[float, float]]:
+    def stop(self) -> tuple[list[tuple[float, float]], dict[str, int]]:
+        """The probe Routes' (started, seconds), and how many ended with each status."""
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
-        return [tuple(t) for t in json.loads(self.out.read_text())]  # type: ignore[misc]
+        found = json.loads(self.out.read_text())
+        return [tuple(t) for t in found["timings"]], found["statuses"]  # type: ignore[misc]
 
 
 class Fuzzed:
@@ -516,7 +551,7 @@ async def fuzzed(tmp_path: Path) -> Any:
             yield f
     finally:
         try:
-            probes = prober.stop() if prober is not None else []
+            probes, probe_statuses = prober.stop() if prober is not None else ([], {})
             metrics = scrape_loop_metrics(daemon.metrics_port) if REPORT else {}
         finally:
             daemon.stop()
@@ -526,12 +561,18 @@ async def fuzzed(tmp_path: Path) -> Any:
                 stalls = [w for w in daemon.warnings if "event loop blocked" in w]
                 metrics["stall_warnings"] = {"count": len(stalls), "first": stalls[:10]}
             with open(REPORT, "w") as out:
-                json.dump(TALLY.report(probes, metrics), out, indent=2)
+                json.dump({**TALLY.report(probes, metrics), "probe_route_statuses": probe_statuses}, out, indent=2)
+        # the innocent client's Routes, over every latency policy, never failed for the fuzzer's calls
+        assert not {c for c in probe_statuses if c in {n.name for n in NEVER}}, probe_statuses
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=not REPORT, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(calls=st.lists(hostile_call, min_size=1, max_size=5))
+@given(calls=st.lists(st.one_of(hostile_call.map(lambda call: [call]), poisoning), min_size=1, max_size=5).map(
+    lambda groups: [call for group in groups for call in group]))
+# the attack exactly as the issue reports it, unary and batched, in every run
+@example(calls=attack(1, 8, "min_ttft", "ttft_ms", 1e308, batched=False))
+@example(calls=attack(2, 8, "preble", "ttft_ms", 1e308, batched=True))
 async def test_hostile_calls_get_precise_statuses_keep_invariants_and_rejections_change_nothing(fuzzed, calls):
     on_loop = fuzzed.daemon.on_loop
     for method, message in calls:

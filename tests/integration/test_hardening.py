@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvrouterd._generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.protocols import EventBatch, Stored
+from kvrouterd.server.call_errors import LOG_BURST
+from kvrouterd.server.ext_proc import ExtProcService
 
 from .test_daemon import BS, register
 
 
 @pytest.fixture
 def daemon_config() -> dict:
-    return {"limits": {"max_evict_blocks": 100, "max_evict_pinned": 1000}, "extra_routing": [{"name": "dualmap"}, {"name": "min_ttft"}]}
+    return {"limits": {"max_evict_blocks": 100, "max_evict_pinned": 1000}, "extra_routing": [{"name": "dualmap"}, {"name": "min_ttft"}],
+            "ext_proc": {"enabled": True}}
 
 
 async def test_evict_hint_for_four_billion_blocks_answers_the_cap(running):
@@ -37,7 +44,7 @@ async def test_evict_hint_pinning_more_than_the_cap_is_resource_exhausted_and_ra
     await register(running.stub, "big")
     tokens = list(range(10 * BS))
     running.router.apply(EventBatch("big", 0, (Stored(token_ids=tokens, engine_hashes=tuple(range(1, 11))),)))
-    before = dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)
+    before = dict(running.router._engine_hashes.by_slot), running.router.index.count(running.router.workers.get("big").slot)
     over = pb.EvictHintRequest(worker_id="big", blocks=5, pinned_keys=range(600),
                                pinned_engine_hashes=[1, 2, 3, *range(1000, 1398)],
                                policy=policy if policy != "lru" else "")
@@ -46,7 +53,7 @@ async def test_evict_hint_pinning_more_than_the_cap_is_resource_exhausted_and_ra
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.details() == "600 pinned_keys and 401 pinned_engine_hashes exceed limits.max_evict_pinned=1000"
     # nothing ranked: the reverse engine-hash map a first hint builds is not there
-    assert (dict(running.router._engine_hash_of), running.router.index.count(running.router.workers.get("big").slot)) == before
+    assert (dict(running.router._engine_hashes.by_slot), running.router.index.count(running.router.workers.get("big").slot)) == before
     # at the cap the hint is answered, pins honoured (engine hashes 1-3 are the first blocks)
     del over.pinned_engine_hashes[-1]
     resp = await running.stub.EvictHint(over)
@@ -117,3 +124,88 @@ async def test_a_discovered_pod_outside_the_allow_list_is_not_routed_to(running)
     running.daemon._discovered(WorkerSpec("pod-b", "10.1.0.7:8000", mode=CacheMode.EVENTS,
                                           kv_events_endpoint="tcp://10.1.0.7:5557"))
     assert "pod-b" in running.router.workers and "pod-b" in running.daemon.events.subscribers
+
+
+class Boom(RuntimeError):
+    """What a handler bug raises in these tests."""
+
+
+def _explode(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+    raise Boom("a bug, not the caller's fault")
+
+
+async def _call(running, rpc: str):  # type: ignore[no-untyped-def]
+    stub = running.stub
+    if rpc == "Route":
+        await stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS))))
+    elif rpc == "GetStats":
+        await stub.GetStats(pb.GetStatsRequest())
+    elif rpc == "ExportIndex":
+        async for _ in stub.ExportIndex(pb.ExportIndexRequest()):
+            pass
+    elif rpc == "PublishEvents":
+        await stub.PublishEvents(iter([pb.EventBatch(worker_id="a", sequence=0)]))
+    elif rpc == "Process":
+        async for _ in ep_grpc.ExternalProcessorStub(running.channel).Process(iter([ep.ProcessingRequest()])):
+            pass
+
+
+#: rpc -> (object, attribute) whose call the test makes raise
+_BUGS = {"Route": ("router", "route"), "GetStats": ("router class", "indexed_blocks"), "ExportIndex": ("router", "export_steps"),
+         "PublishEvents": ("router", "apply"), "Process": ("ext_proc", "_on_message")}
+
+
+@pytest.mark.parametrize("rpc", list(_BUGS))
+async def test_an_unexpected_exception_is_internal_counted_and_logged_once_with_its_traceback(running, rpc, monkeypatch, caplog):
+    """Issue #28 item 5: every handler bug was a bare UNKNOWN with no log line of ours."""
+    await register(running.stub, "a")
+    owner, name = _BUGS[rpc]
+    if owner == "router":
+        monkeypatch.setattr(running.router, name, _explode)
+    elif owner == "router class":  # a property
+        monkeypatch.setattr(type(running.router), name, property(_explode))
+    else:
+        monkeypatch.setattr(ExtProcService, name, _explode)
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _call(running, rpc)
+        assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+        assert "Boom" in err.value.details() and len(err.value.details()) < 200
+    assert running.daemon.service.call_errors.internal_count(rpc) == 3
+    ours = [r for r in caplog.records if r.name.startswith("kvrouterd") and r.levelno >= logging.ERROR]
+    assert len(ours) == 3 and all(r.exc_info and r.exc_info[0] is Boom for r in ours), ours
+    assert not [r for r in caplog.records if r.name.startswith("grpc")]  # not logged twice
+
+
+async def test_internal_errors_are_logged_rate_limited(running, monkeypatch, caplog):
+    await register(running.stub, "a")
+    monkeypatch.setattr(running.router, "route", _explode)
+    caplog.set_level(logging.INFO)
+    for _ in range(LOG_BURST + 20):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _call(running, "Route")
+    assert running.daemon.service.call_errors.internal_count("Route") == LOG_BURST + 20
+    assert len([r for r in caplog.records if r.name.startswith("kvrouterd") and r.exc_info]) == LOG_BURST
+
+
+async def test_rejections_are_counted_and_logged_sampled(running, caplog):
+    """Issue #28 item 9: every rejected call was an INFO line (~500 B), unbounded."""
+    caplog.set_level(logging.INFO)
+    for i in range(300):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await running.stub.Route(pb.RouteRequest(request_id=f"r{i}"))  # no prompt
+    call = running.stub.RouteStream()
+    for i in range(50):
+        await call.write(pb.RouteStreamRequest(id=i, complete=pb.CompleteRequest(request_id=f"never-{i}")))
+        assert (await call.read()).error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    await call.done_writing()
+    ledger = running.daemon.service.call_errors
+    assert ledger.rejected_count("Route", "INVALID_ARGUMENT") == 300
+    assert ledger.rejected_count("RouteStream", "NOT_FOUND") == 50
+    lines = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(lines) == 2 * LOG_BURST, [r.getMessage() for r in lines]
+    ledger.flush(now=float("inf"))  # the interval is over: one summary per key
+    summaries = [r.getMessage() for r in caplog.records if "suppressed" in r.getMessage()]
+    assert sorted(summaries) == sorted([f"Route INVALID_ARGUMENT: suppressed {300 - LOG_BURST} more rejections",
+                                        f"RouteStream NOT_FOUND: suppressed {50 - LOG_BURST} more rejections"])

@@ -306,6 +306,30 @@ async def test_route_stream_batches_and_their_items_are_counted(running):
     assert sample(text, "kvrouter_route_stream_batch_items_total") == 3
 
 
+async def test_internal_errors_and_rejections_are_exported_by_rpc(running, monkeypatch):
+    """Issue #28 items 5 and 9: ``kvrouter_internal_errors_total{rpc}`` and
+    ``kvrouter_rpc_rejected_total{rpc,code}``."""
+    await register(running.stub, "a")
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await running.stub.Route(pb.RouteRequest())  # no prompt
+    with pytest.raises(grpc.aio.AioRpcError):
+        await running.stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="ghost"))
+
+    def broken(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise ZeroDivisionError("a handler bug")
+
+    monkeypatch.setattr(running.router, "route", broken)
+    for _ in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS))))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_rpc_rejected_total", rpc="Route", code="INVALID_ARGUMENT") == 3
+    assert sample(text, "kvrouter_rpc_rejected_total", rpc="DeregisterWorker", code="NOT_FOUND") == 1
+    assert sample(text, "kvrouter_internal_errors_total", rpc="Route") == 2
+
+
 async def test_collection_runs_on_the_event_loop_thread_not_the_http_servers(running):
     import threading
 

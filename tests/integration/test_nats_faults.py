@@ -273,6 +273,13 @@ async def test_a_replica_is_not_serving_while_it_waits_for_the_bus(nats_server: 
                 status = (await check(health_pb2.HealthCheckRequest(service=""), timeout=2)).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
                 await asyncio.sleep(0.1)
+            # as docs/deploy.md says: not ready, but alive (a liveness probe must not kill it)
+            ready = (await check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2)).status
+            alive = (await check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)).status
+            assert (ready, alive) == (health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING)
+            with pytest.raises(grpc.aio.AioRpcError) as unlisted:
+                await check(health_pb2.HealthCheckRequest(service="kvrouter.v1.KVRouter"), timeout=2)
+            assert unlisted.value.code() == grpc.StatusCode.NOT_FOUND
             nats_server.proc.send_signal(signal.SIGCONT)
             await starting
             status = (await check(health_pb2.HealthCheckRequest(service=""), timeout=2)).status

@@ -11,8 +11,13 @@ documented sequence rules: DEGRADED until it sends Cleared.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +25,7 @@ from kvrouter_client import EventPublisher, FanOutPublisher, NatsEventPublisher,
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+from kvrouterd.benchmarks.serve_process import ServeProcess
 from kvrouterd.config import parse_config
 from kvrouterd.protocols import WorkerState
 from kvrouterd.server.app import Daemon
@@ -323,3 +329,66 @@ async def test_a_worker_an_operator_deregistered_stays_deregistered(port):
     finally:
         await pub.close(timeout=0.2)
         await d.stop(grace=0)
+
+
+async def served_blocks(port: int, worker_id: str) -> tuple[int, int]:
+    """(state, cached blocks) of a worker, as ListWorkers tells any client."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        workers = (await router_pb2_grpc.KVRouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)).workers
+    worker = next((w for w in workers if w.id == worker_id), None)
+    return (worker.state, worker.cached_blocks) if worker is not None else (pb.WORKER_STATE_UNSPECIFIED, 0)
+
+
+async def test_a_killed_router_is_a_broken_connection_not_a_rejection_and_its_successor_is_resynced_at_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue #28 item 14. The daemon, in its own process, is killed (SIGKILL) under the SDK
+    publisher's stream of the engine's 10^5 blocks. A broken connection is not the router
+    refusing a batch: nothing is counted as rejected and the buffer is kept (the client-side
+    INTERNAL a write in flight can end with is covered in tests/sdk). A daemon started again
+    on the same port is found as soon as it listens, not after the publisher's grown backoff,
+    and the worker is READY with the engine's whole cache; the time from SERVING is printed
+    (speed is reported, not asserted). The SDK's default delivery settings throughout."""
+    port = free_port()
+    config = tmp_path / "kvrouterd.yaml"
+    config.write_text(json.dumps({"listen": f"127.0.0.1:{port}", "block_size": BS, "workers": [
+        {"id": "gpu", "address": "gpu.local:8000", "capacity_blocks": 1_000_000, "mode": "events"}]}))
+    first, second = ServeProcess(config), ServeProcess(config)
+    await asyncio.to_thread(first.start)
+    engine = Engine()
+    pub = EventPublisher(f"127.0.0.1:{port}", "gpu", block_size=BS, snapshot=engine.snapshot)
+    await pub.start()
+    caplog.set_level(logging.WARNING, logger="kvrouter_client")
+    try:
+        engine.store(pub, 1_000_000, 8)
+        assert await pub.flush(timeout=10)
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGSTOP)  # frozen, it acknowledges nothing: the stream stays open
+        for i in range(100):
+            engine.store(pub, 4000 * i, 1000)  # 10^5 blocks: ~25 batches of 512 KiB
+        written = -1
+        while written != pub.stats.batches_written:
+            written = pub.stats.batches_written
+            await asyncio.sleep(0.3)
+        first.proc.kill()  # with the stream open: it breaks under the publisher
+        await asyncio.to_thread(first.proc.wait)
+        await eventually(lambda: pub.stats.reconnects >= 1)
+        engine.store(pub, 1_100_000, 8)  # the engine goes on while the router is down: buffered
+        await asyncio.sleep(2.0)  # down long enough for a backoff to grow
+
+        await asyncio.to_thread(second.start)  # returns once it reports SERVING
+        serving = time.monotonic()
+        while await served_blocks(port, "gpu") != (pb.WORKER_STATE_READY, engine.blocks):
+            await asyncio.sleep(0.01)
+        ready_s = time.monotonic() - serving
+        print(f"READY with {engine.blocks} blocks {ready_s:.2f}s after SERVING")  # the report's number
+        assert pub.stats.rejected == 0 and pub.stats.events_dropped == 0 and pub.stats.overflows == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        assert pub.stats.router_restarts == 1 and pub.stats.resyncs_requested == 1
+        assert await pub.flush(timeout=10)
+        await route_matches(port, engine, "gpu")
+    finally:
+        await pub.close(timeout=0.5)
+        for daemon in (first, second):
+            if daemon.proc is not None and daemon.proc.poll() is None:
+                daemon.proc.kill()
+                daemon.proc.wait()

@@ -97,5 +97,6 @@ def test_json_logs_carry_the_request_id_of_a_rejected_call():
     import json
 
     records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-    (rejected,) = [r for r in records if r["msg"].startswith("route rejected")]
+    (rejected,) = [r for r in records if r["msg"].startswith("Route rejected")]
     assert rejected["request_id"] == "req-42" and rejected["code"] == "UNAVAILABLE" and rejected["level"] == "info"
+    assert rejected["rpc"] == "Route"

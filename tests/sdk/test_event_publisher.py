@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
 from kvrouter_client import EventPublisher, Stored, keys
@@ -154,6 +157,55 @@ async def test_a_rejected_batch_resyncs_instead_of_resending_forever(fake_server
     events = fake.applied_events("gpu-0")
     assert kinds(events) == ["stored", "cleared", "stored"] and list(events[2].stored.engine_hashes) == [42]
     assert pub.stats.resyncs == 1
+
+
+async def test_one_internal_is_a_broken_connection_not_a_rejection(fake_server):
+    """Issue #28 item 14: gRPC's client side ends a stream INTERNAL when a write was in flight
+    as the connection died (a killed router). That is no refusal: the batches stay buffered
+    and are resent, nothing is dropped or counted as rejected."""
+    fake = fake_server.fake
+    fake.fail_streams = [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN]
+    async with publisher(fake_server, max_batch_events=1, linger_s=0.0, snapshot=lambda: []) as pub:
+        for i in range(4):
+            pub.stored(toks(10 * i), engine_hashes=[i])
+        assert await pub.flush(timeout=10)
+    assert [b.sequence for b in fake.applied] == [0, 1, 2, 3]
+    assert pub.stats.rejected == 0 and pub.stats.events_dropped == 0 and pub.stats.resyncs == 0
+    assert pub.stats.reconnects == 2
+
+
+async def test_an_internal_answered_twice_over_a_working_connection_is_the_routers_refusal(fake_server):
+    """The router's own INTERNAL (a bug it hits on this batch) repeats on the next stream:
+    resending would fail forever, so it is a rejection, resynced like any other."""
+    fake = fake_server.fake
+    fake.fail_streams = [grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL]
+    async with publisher(fake_server, max_batch_events=1, linger_s=0.0,
+                         snapshot=lambda: [Stored(toks(0), engine_hashes=[7])]) as pub:
+        pub.stored(toks(0), engine_hashes=[7])
+        await until(lambda: pub.stats.rejected == 1)
+        assert await pub.flush(timeout=10)
+    assert kinds(fake.applied_events("gpu-0")) == ["cleared", "stored"] and pub.stats.resyncs == 1
+
+
+async def test_a_router_back_after_a_long_outage_is_used_at_once_not_after_the_grown_backoff(fake_server):
+    """Issue #28 item 14: the publisher's backoff grew while the router was away (here it may
+    reach 30 s); once the router listens again the channel connects within
+    CONNECT_BACKOFF_MAX_S (0.5 s) and the publisher goes on as soon as it has."""
+    await fake_server.stop()
+    pub = publisher(fake_server, max_batch_events=1, linger_s=0.0, reconnect_initial_s=0.1, reconnect_max_s=30.0)
+    await pub.start()
+    try:
+        pub.stored(toks(0), engine_hashes=[1])
+        await asyncio.sleep(3.0)  # a backoff doubling from 0.1 s is at 3.2 s by now
+        await fake_server.start()
+        loop = asyncio.get_running_loop()
+        back = loop.time()
+        assert await pub.flush(timeout=10)
+        resumed_s = loop.time() - back
+    finally:
+        await pub.close()
+    assert resumed_s < 2.0, resumed_s  # was ~3 s: the grown backoff
+    assert [b.sequence for b in fake_server.fake.applied] == [0]
 
 
 async def test_an_unregistered_worker_keeps_its_events_until_registered(fake_server):

@@ -169,11 +169,11 @@ def _conversations(r: Router, chains: int, depth: int) -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "hybrid", "rlt", "tlru", "unicache"])
 def test_clearing_a_large_worker_moves_it_to_an_empty_slot_and_drains_the_old_one_in_steps(monkeypatch, policy):
-    from kvrouterd import router as router_module
+    from kvrouterd.router import slots as router_slots
     from kvrouterd.protocols import Cleared
 
-    monkeypatch.setattr(router_module, "CLEAR_IN_PLACE_BLOCKS", 50)
-    monkeypatch.setattr(router_module, "DRAIN_STEP_BLOCKS", 16)
+    monkeypatch.setattr(router_slots, "CLEAR_IN_PLACE_BLOCKS", 50)
+    monkeypatch.setattr(router_slots, "DRAIN_STEP_BLOCKS", 16)
     r = Router(RouterSettings(block_size=BS, eviction={"name": policy}), ManualClock(), random.Random(0))
     r.add_worker(WorkerSpec(id="w", address="w:1", mode=CacheMode.EVENTS))
     for c in range(20):
@@ -238,13 +238,13 @@ def test_tlru_forgets_a_cleared_slots_conversations_a_part_at_a_time():
 async def test_publish_events_with_a_cleared_large_worker_yields_to_the_loop(monkeypatch):
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from kvrouterd import router as router_module
+    from kvrouterd.router import slots as router_slots
     from kvrouterd.protocols import Cleared
     from kvrouterd.server.service import KVRouterService
     from kvrouterd.telemetry.metrics import Metrics
 
-    monkeypatch.setattr(router_module, "CLEAR_IN_PLACE_BLOCKS", 100)
-    monkeypatch.setattr(router_module, "DRAIN_STEP_BLOCKS", 100)
+    monkeypatch.setattr(router_slots, "CLEAR_IN_PLACE_BLOCKS", 100)
+    monkeypatch.setattr(router_slots, "DRAIN_STEP_BLOCKS", 100)
     r = fleet(chains=200, depth=20)  # 4,000 blocks
     service = KVRouterService(r, None, Metrics(MeterProvider(), lambda: len(r.index), lambda: ()), 65536)
     ticks = 0
@@ -274,7 +274,7 @@ def test_a_first_hints_engine_hash_map_is_built_in_parts_and_stays_right_across_
     next(parts)
     # a native map is sized for the worker ahead (with room for blocks stored meanwhile): its
     # table never grows inside a part, where rehashing 350k entries held the loop ~10 ms
-    table_bytes = sys.getsizeof(r._engine_hash_of[worker.slot])
+    table_bytes = sys.getsizeof(r._engine_hashes.by_slot[worker.slot])
     # the map is in place and partial; events between parts keep it current
     r.apply(EventBatch("w", 30, (Removed((1001, 1002, 5008)),
                                  Stored(token_ids=list(range(900_000, 900_000 + 2 * BS)), engine_hashes=(77, 78)))))
@@ -283,9 +283,9 @@ def test_a_first_hints_engine_hash_map_is_built_in_parts_and_stays_right_across_
         n += 1
     assert n >= 30 * 8 // 16
     expected = {key: eh for eh, key in worker.engine_keys.items()}
-    assert dict(r._engine_hash_of[worker.slot].items()) == expected
+    assert dict(r._engine_hashes.by_slot[worker.slot].items()) == expected
     if native.module is not None:
-        assert sys.getsizeof(r._engine_hash_of[worker.slot]) == table_bytes
+        assert sys.getsizeof(r._engine_hashes.by_slot[worker.slot]) == table_bytes
     assert 77 in expected.values() and 1001 not in expected.values()
     assert list(r.engine_hash_steps("w")) == []  # built: later hints pay nothing
 
@@ -296,8 +296,8 @@ def test_a_hint_for_a_policy_without_its_own_order_scores_the_leaves_in_parts(po
     runs that in parts, and the answer is the one the hint computed at once gives."""
     def build() -> Router:
         r = fleet(chains=60, depth=4, max_evict_blocks=50)
-        r.eviction = r._eviction_by_name["rlt"] = r.eviction_policy("rlt")
-        del r._eviction_by_name["lru"]
+        r.eviction = r._policies.eviction_by_name["rlt"] = r.eviction_policy("rlt")
+        del r._policies.eviction_by_name["lru"]
         return r
 
     at_once = build().evict_hint(EvictRequest("w", 4294967295, policy=policy))
@@ -309,8 +309,8 @@ def test_a_hint_for_a_policy_without_its_own_order_scores_the_leaves_in_parts(po
 
 def test_events_between_the_parts_never_make_a_hint_name_a_gone_block_or_a_parent_first():
     r = fleet(chains=40, depth=3, max_evict_blocks=1000)
-    r.eviction = r._eviction_by_name["rlt"] = r.eviction_policy("rlt")
-    del r._eviction_by_name["lru"]
+    r.eviction = r._policies.eviction_by_name["rlt"] = r.eviction_policy("rlt")
+    del r._policies.eviction_by_name["lru"]
     steps = r.evict_hint_steps(EvictRequest("w", 4294967295, policy="lfu"), step=4)
     next(steps)
     next(steps)

@@ -1,6 +1,6 @@
 """The pure core must stay pure: no grpc, zmq, opentelemetry, asyncio or wire types.
 
-The simulator and the tests drive index/, policies/ and router.py deterministically; an
+The simulator and the tests drive index/, policies/ and router/ deterministically; an
 import of I/O machinery there would quietly break that.
 """
 
@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "kvrouterd"
 CORE = [
     *sorted((PKG / "index").rglob("*.py")),
     *sorted((PKG / "policies").rglob("*.py")),
-    PKG / "router.py",
+    *sorted((PKG / "router").rglob("*.py")),
     PKG / "admission.py",
     PKG / "protocols.py",
     PKG / "errors.py",

@@ -228,9 +228,9 @@ def test_events_between_parts_never_make_the_answer_wrong(seed, policy, own, ste
 @pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("policy", ["lru", "hybrid", "rlt"])
 def test_a_worker_cleared_between_parts_is_ranked_where_it_is_now(monkeypatch, policy, own):
-    from kvrouterd import router as router_module
+    from kvrouterd.router import slots as router_slots
 
-    monkeypatch.setattr(router_module, "CLEAR_IN_PLACE_BLOCKS", 50)  # cleared by moving it to a fresh slot
+    monkeypatch.setattr(router_slots, "CLEAR_IN_PLACE_BLOCKS", 50)  # cleared by moving it to a fresh slot
     fleet = Fleet(policy if own else "lfu", seed=1, prompts=60)
     list(fleet.router.engine_hash_steps("w"))  # built: the parts below are the ranking's
     old = fleet.router.workers.get("w").slot

@@ -85,7 +85,7 @@ def _router(pure: bool) -> tuple[Router, _Recorder]:
         router.index = RadixIndex(pure=True)
     recorder = _Recorder(router.eviction)
     router.eviction = recorder  # type: ignore[assignment]
-    router._eviction_by_name[recorder.policy.name] = recorder  # type: ignore[assignment]
+    router._policies.eviction_by_name[recorder.policy.name] = recorder  # type: ignore[assignment]
     for wid in ("engine", "sdk"):  # engine hashes of its own / our keys as its hashes
         worker = router.add_worker(WorkerSpec(wid, "h:1", mode=CacheMode.EVENTS))
         if pure:

@@ -15,8 +15,13 @@ chained ones in consecutive batches, which leave the router's index as the whole
 Batches go over ``PublishEvents`` client streams; a stream is closed every ``ack_interval_s``
 (or on ``flush()``) and its summary acknowledges everything written on it. Until then each
 batch stays buffered, and after a failure (router down, restarted, network) the publisher
-reconnects with exponential backoff and resends every unacknowledged batch; the router
-ignores numbers it already applied, so nothing is lost or applied twice.
+reconnects and resends every unacknowledged batch; the router ignores numbers it already
+applied, so nothing is lost or applied twice. A broken connection is waited out on the
+channel itself: gRPC retries the connection every ``reconnect_initial_s`` growing up to
+``CONNECT_BACKOFF_MAX_S`` (0.5 s), and the publisher goes on the moment it is up again, first
+reading the router's epoch (the router may have restarted behind the broken connection).
+``reconnect_initial_s`` .. ``reconnect_max_s`` bound the backoff between streams the router
+ended with an error while connected (NOT_FOUND, ...), by the SDK's schedule (``_backoff``).
 
 Overflow. At most ``max_buffered_batches`` batches are held. Beyond that the buffer is
 dropped, the overflow is reported (log, ``stats.overflows``, ``on_overflow(events_dropped)``),
@@ -27,6 +32,10 @@ resyncs the worker. Without a ``snapshot`` the router's view restarts empty and 
 later events. A batch the router rejects (bad input, over a limit) is handled the same way,
 since resending it would fail forever. NOT_FOUND (this worker is not registered yet) is not a
 rejection: engines often start before they register, so the batches stay buffered and retried.
+Nor is a connection that broke: gRPC's client side ends the stream UNAVAILABLE, or INTERNAL
+when a write was in flight, statuses no router sent. An INTERNAL or UNKNOWN (which a router
+also answers for a bug of its own) therefore counts as a rejection only when the next stream,
+over a working connection, ends the same way.
 
 A publisher numbers from 0, which the router reads as an engine restart (it clears this
 worker's view): create one per engine process lifetime, not one per connection. Batch 0 is
@@ -39,8 +48,9 @@ and, per worker the stream named, whether its view needs a resync. The view does
 router restart, a warm-up from a peer or a re-registration (the router never saw this
 publisher's earlier batches) and after a gap; the publisher then sends ``Cleared`` plus
 ``snapshot()`` by itself, numbered right after the last batch it wrote (the numbers of
-buffered batches the snapshot supersedes are reused). An idle publisher sends an empty
-stream every ``probe_interval_s`` to read the epoch; a new one means the router restarted:
+buffered batches the snapshot supersedes are reused). A publisher sends an empty stream to
+read the epoch whenever its connection comes back after breaking, and while idle every
+``probe_interval_s`` (0: neither); a new epoch means the router restarted:
 the worker is registered again (if this publisher registered it) and resynced. A NOT_FOUND
 is checked the same way, so a worker an operator deregistered stays deregistered while the
 router runs.
@@ -67,7 +77,8 @@ from ._batches import (
     check_stored_fits,
     pack_batches,
 )
-from ._channel import TLS, channel_options, open_aio_channel
+from ._backoff import Backoff
+from ._channel import CONNECT_BACKOFF_MAX_S, TLS, channel_options, open_aio_channel
 from ._client import DEFAULT_TIMEOUT_S
 from ._errors import RouterRejected, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
@@ -81,6 +92,7 @@ from ._types import (
     Removed,
     Stored,
     WorkerInfo,
+    WorkerRole,
     event_to_pb,
     validate_stored,
 )
@@ -91,6 +103,11 @@ log = logging.getLogger("kvrouter_client.publisher")
 
 #: the engine's current GPU cache as Stored chains, parents before children
 SnapshotFn = Callable[[], Iterable[Stored]]
+
+#: what gRPC's client side also ends a stream with when the connection under it dies (a write
+#: in flight fails inside gRPC's core: INTERNAL "Internal error from Core"), and a router with a
+#: bug of its own: a rejection only if a second stream ends the same way
+_TRANSPORT_OR_ROUTER = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class EventPublisher:
@@ -151,12 +168,13 @@ class EventPublisher:
         self.on_overflow = on_overflow
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        self._backoff = Backoff(reconnect_initial_s, reconnect_max_s)
         #: seconds of idleness between two reads of the router's epoch (0 = never probe)
         self.probe_interval_s = probe_interval_s
         self._own_channel = channel is None and bool(target)
         self._channel = channel or (open_aio_channel(
-            target, channel_options(options, reconnect_initial_s, reconnect_max_s), tls, token, token_file)
-            if target else None)
+            target, channel_options(options, reconnect_initial_s, min(reconnect_max_s, CONNECT_BACKOFF_MAX_S)), tls,
+            token, token_file) if target else None)
         self._stub = router_pb2_grpc.KVRouterStub(self._channel) if self._channel is not None else None
         self.stats = PublisherStats()
         self._pending: list[Event] = []
@@ -180,6 +198,9 @@ class EventPublisher:
         self._wake = asyncio.Event()
         self._acked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        #: INTERNAL or UNKNOWN if the last stream ended so (a broken connection, or the router's own)
+        self._ambiguous_failure: grpc.StatusCode | None = None
 
     # ---- recording (never blocks) -----------------------------------------------------------
     def stored(
@@ -336,10 +357,18 @@ class EventPublisher:
         """Start delivering in the background (``async with`` does this)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"kvrouter-publisher-{self.worker_id}")
+        if self._watch is None and self._events_need_router and self._channel is not None and self.probe_interval_s:
+            self._watch = asyncio.create_task(self._watch_connection(), name=f"kvrouter-connection-{self.worker_id}")
 
     async def _run(self) -> None:
-        backoff = self.reconnect_initial_s
+        # Hand-written, not a retry library's loop: after a failure with the connection down
+        # it waits for the connection to come back (gRPC's connect backoff, 0.5 s at most),
+        # not a time, and such a wait does not grow the backoff, which only the router's own
+        # errors over a working connection do; and the loop is the delivery loop itself (wait
+        # for work, probe, register, stream), not one call retried.
+        failures = 0  # in a row while connected; the backoff's attempt number
         while True:
+            backoff = self._backoff.delay(failures + 1)  # the wait should this round fail
             idle = not await self._wait_for_work(self._probe_after())
             try:
                 if idle or self._check_epoch:
@@ -348,22 +377,27 @@ class EventPublisher:
                     await self._register_again()
                 if self._buffer or self._pending or self._needs_resync:
                     await self._stream()
-                backoff = self.reconnect_initial_s
+                failures = 0
+                self._ambiguous_failure = None
                 continue
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc, "PublishEvents")
                 self.stats.last_error = str(err)
-                if isinstance(err, RouterRejected) and err.code is not grpc.StatusCode.NOT_FOUND:
+                if self._rejection(err):
                     self.stats.rejected += 1
                     if err.code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._events_need_router:
                         self._check_epoch = True  # a batch over the router's limits: read them before resending
                     log.error("router rejected an event batch (%s); resyncing", err, extra={"worker_id": self.worker_id})
                     self._drop_for_resync(sum(len(m.events) for _, m in self._buffer) + len(self._pending))
                 else:
-                    if err.code is grpc.StatusCode.NOT_FOUND and self._events_need_router:
-                        self._check_epoch = True  # a restarted router forgot us, or an operator removed us
+                    if self._events_need_router and (err.code is grpc.StatusCode.NOT_FOUND
+                                                     or (self.probe_interval_s and not self._connected())):
+                        # NOT_FOUND: a restarted router forgot us, or an operator removed us; a
+                        # broken connection: the router may have restarted behind it
+                        self._check_epoch = True
                     self.stats.reconnects += 1
-                    log.warning("cannot publish (%s); retrying in %.2fs", err, backoff,
+                    log.warning("cannot publish (%s); retrying %s", err,
+                                "once connected" if not self._connected() else f"in {backoff:.2f}s",
                                 extra={"worker_id": self.worker_id})
             except RouterRejected as err:  # registering again was refused: the engine must decide
                 self._reregister = False
@@ -381,8 +415,64 @@ class EventPublisher:
                 self.stats.reconnects += 1
                 self.stats.last_error = f"PublishEvents: {exc!r}"
                 log.exception("event stream failed", extra={"worker_id": self.worker_id})
+            if await self._until_connected():
+                continue  # the connection was down and is up again: go on at once
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.reconnect_max_s)
+            failures += 1
+
+    def _rejection(self, err: Exception) -> bool:
+        """Whether a failed stream was the router refusing what we sent (resending fails again)
+        rather than a broken connection, a worker not registered yet, or a router going away."""
+        ambiguous = isinstance(err, RouterRejected) and err.code in _TRANSPORT_OR_ROUTER and self._events_need_router
+        before, self._ambiguous_failure = self._ambiguous_failure, err.code if ambiguous else None
+        if not isinstance(err, RouterRejected) or err.code is grpc.StatusCode.NOT_FOUND:
+            return False
+        if ambiguous:  # the same twice in a row, the connection still up: the router's own answer
+            return before is err.code and self._connected()
+        return True
+
+    def _connected(self) -> bool:
+        return self._channel is None or self._channel.get_state() is grpc.ChannelConnectivity.READY
+
+    async def _until_connected(self) -> bool:
+        """After a failure with the connection down: wait until gRPC has it up again (it retries
+        every CONNECT_BACKOFF_MAX_S at most) rather than sleeping a backoff that may have grown
+        while the router was away. True once connected; False at once if the connection is up
+        (the router itself ended the stream) or events do not go over it, or after
+        ``reconnect_max_s`` without a connection (the caller then tries a stream anyway)."""
+        channel = self._channel
+        if channel is None or not self._events_need_router:
+            return False
+        state = channel.get_state(try_to_connect=True)
+        if state is grpc.ChannelConnectivity.READY:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_max_s
+        while state is not grpc.ChannelConnectivity.READY:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(channel.wait_for_state_change(state), remaining)
+            state = channel.get_state(try_to_connect=True)
+        return True
+
+    async def _watch_connection(self) -> None:
+        """Read the router's epoch whenever the connection comes back after it broke, so an idle
+        publisher resyncs a restarted router as soon as it is reachable (not one probe_interval_s
+        later). Asking for the state with try_to_connect also has gRPC reconnect an idle channel.
+        Runs only while probing is on (probe_interval_s > 0)."""
+        assert self._channel is not None
+        was_up = False
+        state = self._channel.get_state(try_to_connect=False)
+        while True:
+            up = state is grpc.ChannelConnectivity.READY
+            if up and not was_up and self._router_epoch:
+                self._check_epoch = True
+                self._wake.set()
+            was_up = up
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=self._router_epoch != 0)
 
     async def _wait_for_work(self, timeout: float | None) -> bool:
         """Wait until there is something to do (True) or ``timeout`` seconds pass idle (False)."""
@@ -522,6 +612,11 @@ class EventPublisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         if self._own_channel and self._channel is not None:
             await self._channel.close()
 
@@ -541,16 +636,25 @@ class EventPublisher:
         labels: Mapping[str, str] | None = None,
         mode: CacheMode = CacheMode.EVENTS,
         kv_events_endpoint: str = "",
+        models: Sequence[str] = (),
+        loras: Sequence[str] = (),
+        max_loras: int = 0,
+        role: WorkerRole = WorkerRole.BOTH,
         timeout: float | None = None,
     ) -> WorkerInfo:
-        """Register (or update) this worker; ``address`` is where gateways send its requests.
-        Remembered: after a router restart the publisher registers the worker again by itself."""
+        """Register (or update) this worker; ``address`` is where gateways send its requests;
+        ``models`` its model pool (empty = any model), ``loras`` the adapters it can load,
+        ``max_loras`` how many it holds at once (vLLM ``--max-loras``), ``role`` its part in a
+        disaggregated pool. Remembered: after a router restart the publisher registers the
+        worker again by itself."""
         worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
                            block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
-                           kv_events_endpoint=kv_events_endpoint)
+                           kv_events_endpoint=kv_events_endpoint, models=list(models), loras=list(loras),
+                           max_loras=max_loras, role=int(role))
         resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
         self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels, "mode": mode,
-                              "kv_events_endpoint": kv_events_endpoint, "timeout": timeout}
+                              "kv_events_endpoint": kv_events_endpoint, "models": models, "loras": loras,
+                              "max_loras": max_loras, "role": role, "timeout": timeout}
         if self._events_need_router and not self._router_epoch:
             self._check_epoch = True  # learn the epoch now, so a restart right after is noticed
             self._wake.set()
@@ -561,11 +665,17 @@ class EventPublisher:
         self._reregister = False
         await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
 
-    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None) -> None:
-        """The engine's own view of its load (queue, running requests, KV use in [0, 1])."""
-        await self._unary("ReportLoad", pb.ReportLoadRequest(
+    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None,
+                          loaded_loras: Sequence[str] | None = None) -> None:
+        """The engine's own view of its load (queue, running requests, KV use in [0, 1]) and, when
+        given, the LoRA adapters loaded now (None = not reported; ``[]`` = none loaded)."""
+        msg = pb.ReportLoadRequest(
             worker_id=self.worker_id, queued_requests=queued, running_requests=running, kv_utilization=kv_utilization,
-        ), timeout)
+        )
+        if loaded_loras is not None:
+            msg.loaded_loras.SetInParent()
+            msg.loaded_loras.names.extend(loaded_loras)
+        await self._unary("ReportLoad", msg, timeout)
 
     async def evict_hint(
         self,

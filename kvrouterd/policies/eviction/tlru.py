@@ -66,7 +66,7 @@ from ._leaves import SortedLeaves, run_steps
 from ._reach import NEVER, Trim
 from ._release import release_steps
 
-__all__ = ["CONVERSATION_BYTES", "PATH_BLOCK_BYTES", "TLRUEviction", "TLRUParams"]
+__all__ = ["CONVERSATION_BYTES", "MAX_TAIL_BLOCKS", "PATH_BLOCK_BYTES", "TLRUEviction", "TLRUParams", "trim_tail"]
 
 #: changed conversations a hook lets wait before it folds them into the blocks' reach: a
 #: hook pays at most this many paths at once, an EvictHint at most this many too
@@ -76,6 +76,19 @@ ABSORB_BATCH = 64
 CONVERSATION_BYTES = 400
 #: per block of a conversation's latest path: its key in a trimming list (a pointer and an int)
 PATH_BLOCK_BYTES = 40
+#: the most blocks at the end of a history ``trim_tail`` calls safe to evict: more than any
+#: conversation holds, so the bound never changes a ranking, only keeps the number an int
+MAX_TAIL_BLOCKS = 1 << 40
+
+
+def trim_tail(next_prompt_blocks: float, latency_threshold_ms: float, prefill_ms_per_block: float) -> int:
+    """How many blocks at the end of each history lie beyond its TEL-safe budget,
+    ``max(0, -floor(P - xi/alpha))`` (section 1, footnote 2), as an int in [0, MAX_TAIL_BLOCKS]
+    whatever the floats: a tiny alpha makes xi/alpha infinite, and ``floor`` of that raises."""
+    excess = next_prompt_blocks - latency_threshold_ms / prefill_ms_per_block if prefill_ms_per_block > 0 else -math.inf
+    if math.isnan(excess):
+        return 0
+    return max(0, -math.floor(min(max(excess, -MAX_TAIL_BLOCKS), 0.0)))
 
 
 @dataclass(frozen=True)
@@ -91,10 +104,12 @@ class TLRUParams:
     def validate(self) -> None:
         if self.max_sessions < 1 or self.max_session_bytes < CONVERSATION_BYTES:
             raise ValueError(f"max_sessions must be >= 1 and max_session_bytes >= {CONVERSATION_BYTES}")
-        if self.latency_threshold_ms < 0:
-            raise ValueError(f"latency_threshold_ms must be >= 0, got {self.latency_threshold_ms}")
-        if not self.prefill_ms_per_block > 0:
-            raise ValueError(f"prefill_ms_per_block must be > 0, got {self.prefill_ms_per_block}")
+        if not 0 <= self.latency_threshold_ms < math.inf:
+            raise ValueError(f"latency_threshold_ms must be a finite number >= 0, got {self.latency_threshold_ms}")
+        if not 0 < self.prefill_ms_per_block < math.inf:
+            raise ValueError(f"prefill_ms_per_block must be a finite number > 0, got {self.prefill_ms_per_block}")
+        if not math.isfinite(self.next_prompt_blocks):
+            raise ValueError(f"next_prompt_blocks must be a finite number, got {self.next_prompt_blocks}")
 
 
 class _Conversation:
@@ -313,7 +328,7 @@ class TLRUEviction(EvictionPolicyBase):
         p = self.params
         # budget = L + P - xi/alpha and depths are integers, so "depth > budget" only depends
         # on L + floor(P - xi/alpha) (see Trim): a shift is this one assignment
-        t.tail = max(0, -math.floor(self.next_prompt_estimate() - p.latency_threshold_ms / p.prefill_ms_per_block))
+        t.tail = trim_tail(self.next_prompt_estimate(), p.latency_threshold_ms, p.prefill_ms_per_block)
         if t.dirty:
             self._absorb(ctx.index, slot, t)
         return t

@@ -79,6 +79,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ...bounds import MAX_LATENCY_MS
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
@@ -336,8 +337,10 @@ class DualMapPolicy(RoutingPolicyBase):
         self.latency.observe_completion(completion.request_id, completion.ttft_ms)
         if worker is None:
             return
-        # the first token came e2e - ttft before the completion; it dates the prefill
-        decode_s = max(0.0, completion.e2e_ms - completion.ttft_ms) / 1000.0 if completion.e2e_ms > 0 else 0.0
+        # the first token came e2e - ttft before the completion; it dates the prefill (a
+        # duration no request takes, or no number at all, dates it at the completion)
+        e2e, ttft = completion.e2e_ms, completion.ttft_ms
+        decode_s = max(0.0, e2e - ttft) / 1000.0 if 0 < e2e <= MAX_LATENCY_MS and 0 <= ttft <= e2e else 0.0
         first_token = now - decode_s
         if first_token > self._last_prefill.get(worker.id, float("-inf")):
             self._last_prefill[worker.id] = first_token

@@ -89,6 +89,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ...bounds import MAX_LATENCY_MS
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
@@ -98,6 +99,13 @@ __all__ = ["LBGRParams", "LBGRPolicy"]
 
 FEATURES = ("hit", "miss", "load", "bias")
 _MAX_TRACKED = 200_000
+#: every learned coefficient (ms per 1k tokens, per second of load, or ms) and every residual
+#: stays within a day's worth of ms: a client's outlier moves the estimate only that far
+_RESIDUAL_RANGE = (-MAX_LATENCY_MS, MAX_LATENCY_MS)
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return x if lo <= x <= hi else (hi if x > hi else lo)
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,10 @@ class _NLMS:
     def update(self, x: list[float], y: float) -> float:
         error = y - self.predict(x)
         norm = 1e-6 + sum(v * v for v in x)
-        self.theta = [t + self.step * error * v / norm for t, v in zip(self.theta, x)]
+        theta = [t + self.step * error * v / norm for t, v in zip(self.theta, x)]
+        if not all(map(math.isfinite, theta)):
+            return error  # dropped, as RecursiveLeastSquares drops a sample that overflows
+        self.theta = [_clip(t, *_RESIDUAL_RANGE) for t in theta]
         self.samples += 1
         return error
 
@@ -240,7 +251,8 @@ class LBGRPolicy(RoutingPolicyBase):
         if learner is None:
             n = len(self.params.features)
             if self.params.learning_rule == "rls":
-                learner = RecursiveLeastSquares([0.0] * n, self.params.forgetting, self.params.rls_initial_variance)
+                learner = RecursiveLeastSquares([0.0] * n, self.params.forgetting, self.params.rls_initial_variance,
+                                                bounds=[_RESIDUAL_RANGE] * n)
             else:
                 learner = _NLMS(n, self.params.nlms_step)
         return learner
@@ -265,8 +277,8 @@ class LBGRPolicy(RoutingPolicyBase):
             values = (hit / 1000.0, miss / 1000.0, load / k_tokens_ms, 1.0)
             phi = [values[i] for i in index]
             learner = learners.get(w.id if fleet is None else fleet)  # an unseen worker has theta = 0
-            out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load,
-                                 learner.predict(phi) if learner is not None else 0.0, phi))
+            residual = _clip(learner.predict(phi), *_RESIDUAL_RANGE) if learner is not None else 0.0
+            out.append(_Estimate(hit, per_hit * hit + per_miss * miss, load, residual, phi))
         return out
 
     def select(self, ctx: RoutingContext) -> Decision:
@@ -308,12 +320,12 @@ class LBGRPolicy(RoutingPolicyBase):
         remaining = record.cost * self.params.decay_rho ** (self._step - record.step)
         self._load[record.worker_id] = max(0.0, self._load[record.worker_id] - remaining)
         observed = completion.ttft_ms if self.params.target == "ttft" else completion.e2e_ms
-        if not completion.success or observed <= 0:
+        if not completion.success or not 0 < observed <= MAX_LATENCY_MS:  # NaN too: no sample
             return
         key = record.worker_id if self.params.residual_scope == "worker" else ""
         learner = self._learner(key)
         if learner is not None:
-            residual = observed - record.base
+            residual = _clip(observed - record.base, *_RESIDUAL_RANGE)
             if self.params.residual_target == "penalty":
                 residual = max(self.floor_ms, residual)
             learner.update(record.phi, residual)

@@ -84,3 +84,36 @@ def test_the_bridge_dials_a_discovered_pod_only_if_the_allow_list_allows_it():
     bridge._discovered(WorkerSpec("a", "10.1.0.7:8000", mode=CacheMode.EVENTS, kv_events_endpoint="tcp://10.1.0.8:5557"))
     bridge._discovered(WorkerSpec("b", "10.1.0.7:8000", mode=CacheMode.EVENTS, kv_events_endpoint="tcp://10.1.0.7:5557"))
     assert set(bridge.workers) == {"b"}
+
+
+def test_an_ipc_pattern_admits_no_path_that_climbs_out_of_its_directory():
+    """Issue #28 item 10: ``ipc://DIR/*`` admitted ``ipc://DIR/../x`` (``*`` matches ``/``), and
+    the daemon really dialled outside DIR."""
+    allow = EndpointAllowList.parse(["ipc:///run/engines/*"])
+    for path in ("/run/engines/../x", "/run/engines/a/../../x", "/run/engines/..", "/run/engines/../engines/a"):
+        with pytest.raises(Forbidden, match=r"must not contain '\.\.'"):
+            allow.check("w", "h:1", f"ipc://{path}")
+    with pytest.raises(Forbidden, match="replay"):  # the replay address too, percent-encoded or not
+        check_worker_endpoints(allow, "w", "h:1", "ipc:///run/engines/a?replay=ipc:///run/engines/%2E%2E/b")
+    # "." and "//" are normalised before matching: the same file, the same answer
+    allow.check("w", "h:1", "ipc:///run/engines/./vllm-0.sock")
+    allow.check("w", "h:1", "ipc:///run//engines/vllm-0.sock")
+    with pytest.raises(Forbidden):
+        allow.check("w", "h:1", "ipc:///run/engines/./../x")
+    with pytest.raises(ConfigError, match=r"events.allowed_endpoints\[0\].*'\.\.'"):
+        EndpointAllowList.parse(["ipc:///run/engines/../*"])
+    assert EndpointAllowList.parse(["ipc:///run/./engines/*"]).ipc_patterns == ("/run/engines/*",)
+
+
+@pytest.mark.parametrize("spec", [
+    "tcp://10.0.0.5:5557?dp_rank=²",  # isdigit() is true, int() raises: was an uncaught ValueError
+    "tcp://10.0.0.5:5557?dp_rank=١",  # Arabic-Indic 1: int() reads it
+    "tcp://10.0.0.5:5557?dp_rank=%20",
+    "tcp://10.0.0.5:5557?dp_rank=1_0",
+    "tcp://10.0.0.5:٥٥٥٧",  # the subscriber then failed forever: libzmq dials ASCII ports only
+    "tcp://10.0.0.5:5557?replay=tcp://10.0.0.5:٥٥٥٨",
+    "tcp://10.0.0.5:²",
+])
+def test_numbers_in_an_endpoint_are_ascii_digits_only(spec):
+    with pytest.raises(InvalidRequest, match="dp_rank must be an integer|numeric port"):
+        check_worker_endpoints(EndpointAllowList.parse(["*"]), "w", "10.0.0.5:8000", spec)

@@ -337,7 +337,7 @@ def test_u64map_probe_runs_wrap_past_the_last_slot_through_a_resize():
 @given(values=st.lists(st.one_of(u64, st.integers(-(2**70), 2**70), st.booleans(), st.floats(0, 10), st.text(max_size=1)),
                        max_size=40), as_tuple=st.booleans())
 def test_u64_array_is_array_q(values, as_tuple):
-    """What Router._prepare_stored packs engine hashes with: array('Q', values) itself, or its
+    """What EventApplier._prepare_stored packs engine hashes with: array('Q', values) itself, or its
     error (OverflowError out of range, TypeError for a float or a str), natively for ints."""
     seq = tuple(values) if as_tuple else values
     try:

@@ -47,7 +47,7 @@ class FixedPair(RoutingPolicyBase):
 
 def make() -> tuple[Router, AdmissionGate]:
     router = Router(RouterSettings(block_size=4, routing={"name": "round_robin"}), ManualClock())
-    router._routing["round_robin"] = FixedPair(PairParams(), random.Random(0))
+    router._policies.routing["round_robin"] = FixedPair(PairParams(), random.Random(0))
     for wid in ("a", "b", "c"):
         router.add_worker(WorkerSpec(wid, f"{wid}:1", mode=CacheMode.EVENTS))
     return router, AdmissionGate(router, AdmissionConfig(max_inflight=1, max_wait_s=5))

@@ -1,0 +1,487 @@
+"""The load ledger: which requests are in flight where, what they cost, and what routing them leaves in the cache model.
+
+A committed decision charges its worker (``WorkerRegistry.commit``: the prefill tokens still
+to compute, the request itself) until its Complete, or until ``inflight_timeout_s`` if none
+comes; the ledger keeps each in-flight request, packed where the garbage collector does not
+walk it (``pack_request``), and bounds their bytes (``limits.max_inflight_bytes``) and how
+many one client holds (``limits.max_inflight_per_client``). Routing touches the chosen
+worker's matched prefix for the eviction policy and, for an approximate-mode worker (no KV
+events), assumes the rest of the prompt cached, evicting to its modelled capacity (a hard
+bound after every decision), as SGLang's approximate cache-aware router does. Replicas
+sharing load (``events.replica_sync``) apply each other's Dispatch and Complete messages
+here, matched by request id as Dynamo's router replica sync does.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from dataclasses import dataclass, replace
+
+from ..bounds import check_completion
+from ..errors import InvalidRequest, NotFound, Overloaded
+from ..index.radix import Block
+from ..index.workers import InFlight, Worker
+from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
+from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
+from .access import RecentAccess
+from .shared import Shared
+
+__all__ = [
+    "INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PackedRequest", "PrefixHits", "RouteResult",
+    "pack_request", "request_bytes", "unpack_request",
+]
+
+#: Completed request ids remembered while replicas share load (each ~100 B): a Dispatch that
+#: arrives after its request's completion (a Complete sent to another replica overtook it) is
+#: then not charged. Entries also go after ``inflight_timeout_s``.
+MAX_COMPLETED_IDS = 1 << 18
+
+#: bytes an in-flight request costs besides its block keys and ids (RouteRequest, InFlight,
+#: dict and deque entries); an estimate, so ``limits.max_inflight_bytes`` bounds real memory
+INFLIGHT_ENTRY_BYTES = 512
+
+
+def request_bytes(req: RouteRequest) -> int:
+    """What ``req`` costs in the in-flight table: keys as stored (8 bytes in an ``array('Q')``,
+    ~40 as Python ints in a list), its strings, the entry overhead."""
+    keys = req.keys
+    per_key = 8 if isinstance(keys, array) else 40
+    size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
+            + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
+    if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
+        size += sum(len(c) + 56 for c in req.candidate_workers)
+    return size
+
+
+#: a routed request as the ledger keeps it while in flight (``pack_request``): one flat tuple of
+#: strs, ints, a float and bytes, which the garbage collector stops tracking at its first pass
+#: over it (a tuple inside it would keep it tracked until a later pass). As RouteRequests and
+#: their keys' arrays, 60k requests in flight made every full collection take 45-93 ms (issue
+#: #28 item 6). Its fields: the request's, with what it costs (``request_bytes``) at ``_SIZE``
+#: and its candidate workers last, from ``_CANDIDATES`` on.
+PackedRequest = tuple[Any, ...]
+_SIZE = 11
+_CANDIDATES = 13
+
+
+def pack_request(req: RouteRequest, size: int) -> PackedRequest:
+    """``req`` as the ledger keeps it; ``unpack_request`` gives an equal RouteRequest back."""
+    keys = req.keys
+    # the keys' uint64s as bytes (an array is tracked by the collector, a tuple of ints nested in
+    # the entry would keep it tracked a pass longer); a list's are read back as a list
+    listed = type(keys) is not array or keys.typecode != "Q"
+    kept: bytes | tuple[int, ...]
+    try:
+        kept = (array("Q", keys) if listed else keys).tobytes()
+    except (OverflowError, TypeError):  # not uint64s (an in-process caller's): kept as they are
+        kept = tuple(keys)
+    return (str(req.request_id), kept, int(req.prompt_tokens), str(req.session_id), int(req.task),
+            float(req.ttft_slo_ms), int(req.expected_output_tokens), str(req.policy), str(req.model),
+            str(req.lora), str(req.client), size, listed, *map(str, req.candidate_workers))
+
+
+def unpack_request(packed: PackedRequest) -> RouteRequest:
+    rid, keys, prompt, session, task, slo, output, policy, model, lora, client, _, listed = packed[:_CANDIDATES]
+    if type(keys) is bytes:
+        keys = array("Q", keys)
+        if listed:
+            keys = keys.tolist()
+    else:
+        keys = list(keys)
+    return RouteRequest(rid, keys, prompt, session, _TASKS.get(task, task), slo, output, policy, packed[_CANDIDATES:],
+                        model=model, lora=lora, client=client)
+
+
+#: a task category by number (kept as an int: an enum member is an object the collector tracks)
+_TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
+
+
+@dataclass(slots=True)
+class RouteResult:
+    """A committed decision and the worker it names."""
+
+    decision: Decision
+    worker: Worker
+    request: RouteRequest
+    alternative: Worker | None
+    #: approximate mode: keys the eviction dropped from the worker's cache model to make room
+    evicted: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class PrefixHits:
+    """How close one policy's decisions came to the best cached prefix among their candidates.
+
+    ``best``: the chosen worker held the longest cached prefix any candidate held;
+    ``worse``: another candidate held a longer one; ``no_prefix``: no candidate held any.
+    ``achieved_blocks / reachable_blocks`` is the block-weighted share.
+    """
+
+    best: int = 0
+    worse: int = 0
+    no_prefix: int = 0
+    achieved_blocks: int = 0
+    reachable_blocks: int = 0
+
+
+class LoadLedger:
+    """In-flight requests and their bytes, completions, and what routing commits."""
+
+    def __init__(self, shared: Shared, recent: RecentAccess) -> None:
+        self._shared = shared
+        self._recent = recent
+        #: request id -> the routed request, packed (``pack_request``), while in flight: read it
+        #: through ``request``, never change it, outside
+        self.requests: dict[str, PackedRequest] = {}
+        #: client -> its requests in flight (only clients with some; ``RouteRequest.client``)
+        self.by_client: dict[str, int] = {}
+        #: what the requests in ``requests`` cost (``request_bytes``), against max_inflight_bytes
+        self.inflight_bytes = 0
+        #: what requests waiting in an admission queue hold (``hold_waiting``): their keys and
+        #: ids are as much memory as an in-flight request's, so they count against the same budget
+        self.waiting_bytes = 0
+        self._request_counter = 0
+        #: replica sync (``events.replica_sync``): the host publishes every local commit and
+        #: completion through these and applies the other replicas' with ``apply_dispatch`` /
+        #: ``apply_completion``. None (the default): this router is alone.
+        self.on_committed: Callable[[RouteResult], None] | None = None
+        self.on_completed: Callable[[Completion], None] | None = None
+        #: request id -> when it completed (kept only while ``on_completed`` is set)
+        self._completed: dict[str, float] = {}
+        self.decisions_by_policy: dict[str, int] = {}
+        #: policy -> achieved vs reachable prefix overlap of its decisions
+        self.prefix_hits: dict[str, PrefixHits] = {}
+
+    def new_request_id(self) -> str:
+        self._request_counter += 1
+        return f"kvr-{self._request_counter:x}-{self._shared.rng.getrandbits(32):08x}"
+
+    def check_admissible(self, req: RouteRequest) -> None:
+        """The ledger's part of validating a request: its id is not in flight, and its bytes
+        fit ``limits.max_inflight_bytes`` beside those in flight and waiting."""
+        s = self._shared.settings
+        if req.request_id and req.request_id in self.requests:
+            raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+        limit = s.max_inflight_per_client
+        if limit and req.client and self.by_client.get(req.client, 0) >= limit:
+            raise Overloaded(
+                f"this client already has {limit} routed, not completed requests, limits.max_inflight_per_client: "
+                "complete requests (or let them expire after limits.inflight_timeout_s) first"
+            )
+        if s.max_inflight_bytes and self.inflight_bytes + self.waiting_bytes + request_bytes(req) > s.max_inflight_bytes:
+            waiting = f" and {self.waiting_bytes} bytes of requests waiting for admission" if self.waiting_bytes else ""
+            raise Overloaded(
+                f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests{waiting}; "
+                f"this one ({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={s.max_inflight_bytes}: "
+                "complete requests (or let them expire) first"
+            )
+
+    def hold_waiting(self, req: RouteRequest) -> int:
+        """Count ``req``, decided and about to wait in an admission queue, against
+        ``max_inflight_bytes``; returns the bytes charged, for ``release_waiting``."""
+        held = request_bytes(req)
+        self.waiting_bytes += held
+        return held
+
+    def release_waiting(self, held: int) -> None:
+        """A waiting request left its queue (admitted, shed, cancelled): release its bytes."""
+        self.waiting_bytes -= held
+
+    def commit(self, decision: Decision, ctx: RoutingContext, policy: RoutingPolicy) -> RouteResult:
+        """Commit a decision from ``decide`` made in this same step (nothing may change in between)."""
+        shared = self._shared
+        req = ctx.request
+        if not req.request_id:
+            req.request_id = self.new_request_id()
+        worker = shared.workers.get(decision.worker_id)
+        overlap = ctx.overlap(worker)
+        decision.overlap_blocks = overlap
+        self._count_prefix_hit(decision.policy, overlap, len(ctx.match.path))
+        shared.workers.commit(
+            InFlight(
+                request_id=req.request_id,
+                worker_id=worker.id,
+                prefill_tokens=ctx.uncached_tokens(worker),
+                prompt_tokens=req.prompt_tokens,
+                overlap_blocks=overlap,
+                started_at=ctx.now,
+                policy=decision.policy,
+            )
+        )
+        self._keep(req)
+        evicted = self._record_access(worker, req, ctx, overlap)
+        policy.on_dispatch(decision, ctx)
+        shared.counters["decisions"] += 1
+        self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
+        alternative = shared.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
+        result = RouteResult(decision, worker, req, alternative, evicted)
+        if self.on_committed is not None:
+            self._completed.pop(req.request_id, None)  # a reused id is in flight again
+            self.on_committed(result)
+        return result
+
+    def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
+        """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
+        hits = self.prefix_hits.get(policy)
+        if hits is None:
+            hits = self.prefix_hits[policy] = PrefixHits()
+        if not reachable:
+            hits.no_prefix += 1
+            return
+        if overlap >= reachable:
+            hits.best += 1
+        else:
+            hits.worse += 1
+        hits.achieved_blocks += overlap
+        hits.reachable_blocks += reachable
+
+    def _record_access(self, worker: Worker, req: RouteRequest, ctx: RoutingContext, overlap: int) -> list[int]:
+        """The chosen worker reuses its matched prefix; in approximate mode it also caches the
+        rest. Returns the keys evicted from an approximate worker's model to make room."""
+        shared = self._shared
+        index, eviction = shared.index, shared.policies.eviction
+        now = ctx.now
+        slot = worker.slot
+        modelled = worker.mode is CacheMode.APPROXIMATE
+        approximate = modelled and overlap < len(req.keys)
+        info = None
+        if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
+            info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
+        if overlap:
+            matched = ctx.match.path[:overlap]
+            index.touch_path(slot, matched, now)
+            eviction.on_accessed(index, slot, matched, info, now)
+        if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
+            self._recent.remember(req)
+        if not modelled:
+            return []
+        if approximate:
+            assert info is not None
+            self._assume_cached(worker, req.keys, overlap, info, now)
+        # checked after every decision, a full hit's too: Stored events an engine sends for an
+        # approximate-mode worker are applied, and may leave it over its capacity
+        capacity = self._capacity(worker)
+        excess = index.count(slot) - capacity if capacity else 0
+        if excess <= 0:
+            return []
+        ctx_e = EvictionContext(index, slot, now, worker.id)
+        victims = eviction.rank(ctx_e, excess, frozenset(req.keys[:capacity]))
+        drop_blocks(eviction, index, slot, victims)
+        excess -= len(victims)
+        if excess > 0:
+            # the prompt's own blocks were all that could go (a held block above one of them is
+            # no leaf while it stays): capacity is a hard bound, so the ranking takes them too
+            more = eviction.rank(EvictionContext(index, slot, now, worker.id), excess, frozenset())
+            drop_blocks(eviction, index, slot, more)
+            victims += more
+        shared.counters["approx_evicted"] += len(victims)
+        return [block.key for block in victims]
+
+    def _capacity(self, worker: Worker) -> int:
+        """Blocks an approximate-mode worker's modelled cache holds at most (0: unbounded)."""
+        return worker.spec.capacity_blocks or self._shared.settings.approximate_capacity_blocks
+
+    def _assume_cached(self, worker: Worker, keys: Sequence[int], overlap: int, info: AccessInfo, now: float) -> None:
+        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``), as
+        far as its capacity goes: a prompt longer than the cache leaves its first blocks there
+        (what a later request can reuse), never more blocks than the cache holds (issue #28
+        item 7: 4,375 blocks were kept against 500)."""
+        index, eviction = self._shared.index, self._shared.policies.eviction
+        capacity = self._capacity(worker)
+        end = min(len(keys), capacity) if capacity else len(keys)
+        if end <= overlap:
+            return
+        parent = keys[overlap - 1] if overlap else None
+        stored = index.store(worker.slot, parent, keys[overlap:end], now)
+        eviction.on_stored(index, worker.slot, stored, replace(info, first_offset=overlap), now)
+
+    def _forget_assumed(self, worker: Worker, keys: Iterable[int]) -> None:
+        """Another replica's eviction dropped ``keys`` from its model of an approximate worker."""
+        index, slot = self._shared.index, worker.slot
+        doomed: dict[int, Block] = {}  # distinct held blocks, in order
+        for key in keys:
+            block = index.get(key)
+            if block is not None and block.holders >> slot & 1:
+                doomed[key] = block
+        drop_blocks(self._shared.policies.eviction, index, slot, list(doomed.values()))
+
+    def complete(self, completion: Completion) -> InFlight:
+        """Stop charging a routed request, tell its policy how it went. Raises NotFound for a
+        request not in flight here (see ``complete_anywhere`` when replicas share load)."""
+        check_completion(completion)  # before anything changes: a fit reads its numbers
+        entry = self._finish(completion)
+        if self.on_completed is not None:
+            self._note_completed(completion.request_id)
+            self.on_completed(completion)
+        return entry
+
+    def complete_anywhere(self, completion: Completion) -> InFlight | None:
+        """``complete`` for replicas sharing load, where a Complete may reach this replica
+        before the Dispatch of the replica that routed it (the gateway is faster than the
+        bus). An id not in flight here is remembered, so its Dispatch charges nothing when it
+        comes, and published like any completion (None is returned); an id that already
+        completed raises NotFound, as a second Complete does on one replica."""
+        rid = completion.request_id
+        check_completion(completion)
+        if self.on_completed is None or self._shared.workers.inflight(rid) is not None:
+            return self.complete(completion)
+        if rid in self._completed:
+            raise NotFound(f"request {rid!r} already completed")
+        self._note_completed(rid)
+        self.on_completed(completion)
+        return None
+
+    def _note_completed(self, request_id: str) -> None:
+        completed = self._completed
+        completed.pop(request_id, None)  # re-inserted at the end: the dict stays in time order
+        completed[request_id] = self._shared.clock.now()
+        if len(completed) > MAX_COMPLETED_IDS:
+            del completed[next(iter(completed))]
+
+    def _finish(self, completion: Completion) -> InFlight:
+        shared = self._shared
+        entry = shared.workers.release(completion.request_id)
+        req = self.forget_request(completion.request_id)
+        worker = shared.workers.find(entry.worker_id)
+        now = shared.clock.now()
+        policy = shared.policies.routing.get(entry.policy)
+        if policy is not None:
+            policy.on_complete(worker, req, completion, now)
+        if completion.session_ended and req is not None and req.session_id:
+            # end-aware eviction (T-LRU section 4): a finished conversation's tail goes first
+            for eviction in shared.policies.eviction_by_name.values():
+                end_session = getattr(eviction, "end_session", None)
+                if end_session is not None:
+                    end_session(req.session_id)
+        return entry
+
+    def _keep(self, req: RouteRequest) -> None:
+        """Put a routed request in the table (packed), counting its bytes and its client's requests."""
+        size = request_bytes(req)
+        self.requests[req.request_id] = pack_request(req, size)
+        self.inflight_bytes += size
+        if req.client:
+            self.by_client[req.client] = self.by_client.get(req.client, 0) + 1
+
+    def forget_request(self, request_id: str) -> RouteRequest | None:
+        """Drop a request from the table, its bytes from ``inflight_bytes`` and it from its
+        client's count; returns it."""
+        packed = self.requests.pop(request_id, None)
+        if packed is None:
+            return None
+        self.inflight_bytes -= packed[_SIZE]
+        req = unpack_request(packed)
+        if req.client:
+            left = self.by_client[req.client] - 1
+            if left:
+                self.by_client[req.client] = left
+            else:
+                del self.by_client[req.client]
+        return req
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker is being removed: forget the requests in flight on it."""
+        workers = self._shared.workers
+        for rid in [rid for rid in self.requests if workers.inflight_worker(rid) == worker_id]:
+            self.forget_request(rid)
+
+    def request(self, request_id: str) -> RouteRequest | None:
+        """The routed request ``request_id`` while it is in flight (an equal copy of it)."""
+        packed = self.requests.get(request_id)
+        return None if packed is None else unpack_request(packed)
+
+    def expire_inflight(self) -> list[InFlight]:
+        """Stop charging requests whose completion never came (caller crashed, lost Complete)."""
+        shared = self._shared
+        cutoff = shared.clock.now() - shared.settings.inflight_timeout_s
+        expired = shared.workers.expire(cutoff)
+        for entry in expired:
+            self.forget_request(entry.request_id)
+        shared.counters["inflight_expired"] += len(expired)
+        completed = self._completed
+        while completed:
+            rid = next(iter(completed))
+            if completed[rid] >= cutoff:
+                break
+            del completed[rid]
+        return expired
+
+    # ---- replica sync -----------------------------------------------------------------
+    def apply_dispatch(self, dispatch: Dispatch, *, own: bool = False) -> bool:
+        """Another replica committed ``dispatch``: charge its load here too, and for an
+        approximate-mode worker assume the routed prefix cached (and the blocks that replica
+        evicted gone), as it did. Returns whether load was charged.
+
+        A Dispatch whose request already completed (its Complete reached some replica first)
+        charges nothing. ``own``: this replica published it (read back in stream order): the
+        load is already charged, but the approximate prefix is re-applied, so that every
+        replica ends on the stream's order of stores and evictions, whatever order each saw
+        them in locally. Dispatches name workers by id; one this replica does not know is
+        counted and ignored (Dynamo's router replica sync works the same way, by request id).
+        """
+        shared = self._shared
+        worker = shared.workers.find(dispatch.worker_id)
+        if worker is None:
+            shared.counters["remote_unknown_workers"] += 1
+            return False
+        now = shared.clock.now()
+        charged = False
+        rid = dispatch.request_id
+        if not own:
+            if rid in self._completed:
+                shared.counters["remote_late_dispatches"] += 1
+            elif shared.workers.inflight(rid) is None:
+                shared.workers.commit(InFlight(
+                    request_id=rid, worker_id=worker.id, prefill_tokens=dispatch.prefill_tokens,
+                    prompt_tokens=dispatch.prompt_tokens, overlap_blocks=dispatch.overlap_blocks,
+                    # expiry order follows arrival (InFlight entries are queued as committed): an
+                    # old Dispatch expires at most its delivery lag late
+                    started_at=now - max(0.0, dispatch.age_s), policy=dispatch.policy,
+                ))
+                # counted, never refused: routed elsewhere
+                self._keep(RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
+                                        task=dispatch.task))
+                shared.counters["remote_dispatches"] += 1
+                charged = True
+        if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
+            self._apply_assumed(worker, dispatch, own, now)
+        return charged
+
+    def _apply_assumed(self, worker: Worker, dispatch: Dispatch, own: bool, now: float) -> None:
+        keys, slot, index = dispatch.keys, worker.slot, self._shared.index
+        if own:
+            # already applied when routed: restore only what another replica's eviction took
+            # meanwhile (no touch: the access was counted once)
+            held = 0
+            while held < len(keys) and index.holds(slot, keys[held]):
+                held += 1
+            if held < len(keys):
+                self._assume_cached(worker, keys, held, AccessInfo(prompt_tokens=dispatch.prompt_tokens), now)
+        else:
+            match = index.match(keys, worker.bit)
+            overlap = match.overlap(slot)
+            info = AccessInfo(session_id=dispatch.session_id, task=int(dispatch.task), prompt_tokens=dispatch.prompt_tokens)
+            if overlap:
+                matched = match.path[:overlap]
+                index.touch_path(slot, matched, now)
+                self._shared.policies.eviction.on_accessed(index, slot, matched, info, now)
+            if overlap < len(keys):
+                self._assume_cached(worker, keys, overlap, info, now)
+        self._forget_assumed(worker, dispatch.evicted)
+
+    def apply_completion(self, completion: Completion, *, own: bool = False) -> InFlight | None:
+        """A Complete another replica received: release the load here and tell the policy, as
+        ``complete`` does, without publishing it again. An unknown id is remembered (its
+        Dispatch may still be on the way). Returns the released entry, if any."""
+        if own:
+            return None
+        rid = completion.request_id
+        if self._shared.workers.inflight(rid) is None:
+            self._note_completed(rid)
+            return None
+        entry = self._finish(completion)
+        self._note_completed(rid)
+        self._shared.counters["remote_completions"] += 1
+        return entry

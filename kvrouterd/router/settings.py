@@ -1,0 +1,77 @@
+"""What the router core needs from the configuration (``RouterSettings``), checked at start-up.
+
+``config.py`` builds it from the ``router:`` and ``limits:`` sections; the simulator builds it
+directly. Every part of the router reads it through ``Shared.settings``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["RouterSettings"]
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router core needs from the configuration."""
+
+    block_size: int = 16
+    routing: Mapping[str, Any] = field(default_factory=lambda: {"name": "cache_aware"})
+    #: extra routing policies requests may name, besides the default one
+    extra_routing: Sequence[Mapping[str, Any]] = ()
+    eviction: Mapping[str, Any] = field(default_factory=lambda: {"name": "lru"})
+    #: a request not completed within this many seconds stops counting as load
+    inflight_timeout_s: float = 300.0
+    max_prompt_tokens: int = 1 << 20
+    #: default TTFT objective for policies that use one, ms
+    default_ttft_slo_ms: float = 5000.0
+    #: most blocks one EvictHint ranks: ranking costs grow with the answer, and the call runs
+    #: on the routing loop (an engine wanting more asks again after evicting these)
+    max_evict_blocks: int = 1024
+    #: most pinned keys and engine hashes one eviction hint may list together
+    max_evict_pinned: int = 65536
+    #: client-chosen sizes (config ``limits.*``): ids, worker addresses and labels, characters
+    max_id_length: int = 256
+    max_address_length: int = 1024
+    max_labels_length: int = 16384
+    #: most bytes the in-flight table may hold (``Router.inflight_bytes``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_bytes: int = 0
+    #: most requests in flight per client (``RouteRequest.client``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_per_client: int = 0
+    #: modelled cache size of an approximate-mode worker without ``capacity_blocks``; 0 = such a
+    #: worker's model is unbounded (the simulator's "infinite cache"), the daemon always sets one
+    approximate_capacity_blocks: int = 0
+    #: most characters all workers' descriptions (ids, addresses, endpoints, labels) may total,
+    #: so ListWorkers and GetStats still fit in one message; 0 = no limit
+    max_workers_description_length: int = 0
+    #: what loading a LoRA adapter costs, in requests of load: a worker without the adapter is
+    #: a candidate for it only when the least loaded worker holding it has this many more
+    #: requests (twice this when it would evict another adapter); ``router.pools``
+    lora_load_cost: float = 2.0
+
+    def validate(self) -> None:
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"block_size must be in [1, 4096], got {self.block_size}")
+        if self.inflight_timeout_s <= 0:
+            raise ConfigError(f"inflight_timeout_s must be > 0, got {self.inflight_timeout_s}")
+        if self.max_prompt_tokens <= 0:
+            raise ConfigError(f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
+        if self.max_evict_blocks <= 0:
+            raise ConfigError(f"max_evict_blocks must be > 0, got {self.max_evict_blocks}")
+        if self.max_evict_pinned <= 0:
+            raise ConfigError(f"max_evict_pinned must be > 0, got {self.max_evict_pinned}")
+        for name in ("max_id_length", "max_address_length", "max_labels_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
+            raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
+        for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",
+                     "max_workers_description_length"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

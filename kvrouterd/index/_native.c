@@ -2171,8 +2171,9 @@ long_digits(PyObject *v, const digit **d)
  * keys the index lacks become new Blocks (engines report blocks they just computed, so most
  * are), and a key it has, another worker's block or one this worker stored again, gains the
  * worker as a holder or is touched, exactly as the loop does it. Only a block that fills a gap
- * above blocks the worker already holds (whose pending accesses the loop settles first) or whose
- * fields are not the shapes the index gives them is left to the Python loop: the call stops
+ * above blocks the worker already holds (whose pending accesses the loop settles first), one
+ * nobody holds (the loop counts those: RadixIndex.unheld) or one whose fields are not the
+ * shapes the index gives them is left to the Python loop: the call stops
  * there, the loop does that one and calls again. Before, every block another worker held took
  * the Python loop: 8 workers storing 64-block chains with 32-block shared prefixes cost ~6,100
  * instructions a stored block. */
@@ -2263,10 +2264,11 @@ static int held_child(BlockObject *parent, PyObject *bit);
 /* `node`, a block the table holds, stored by the slot as RadixIndex.store's loop does it: the
  * slot touches it if it holds it (RadixIndex.touch), else joins its holders with fresh stats
  * (RadixIndex._add_stats, the count of blocks one slot alone holds, the slot's leaves). 1 done;
- * 0 left to the Python loop with nothing changed (a gap above blocks the slot holds, or fields
- * not in the shapes the index gives them); -1 on error. `node` and `parent` are the caller's. */
+ * 0 left to the Python loop with nothing changed (a gap above blocks the slot holds, a block
+ * nobody holds, or fields not in the shapes the index gives them); -1 on error. `node` is the
+ * caller's. */
 static int
-store_existing(StoreRun *r, BlockObject *node, PyObject *parent)
+store_existing(StoreRun *r, BlockObject *node)
 {
     PyObject *holders = node->state->holders;
     int has, count = holders_read(holders, r->slot, &has);
@@ -2315,7 +2317,9 @@ store_existing(StoreRun *r, BlockObject *node, PyObject *parent)
     PyObject *new_la = NULL, *new_hits = NULL, *up = NULL, *new_up = NULL, *alone_left = NULL, *joined = NULL;
     int done = -1;
     count = holders_read(holders, r->slot, &has);
-    if (count < 0 || has) {
+    /* a block nobody holds (a gap an engine's eviction left) is the Python loop's: it counts
+     * such blocks (RadixIndex.unheld), which this call does not return */
+    if (count <= 0 || has) {
         done = 0;
         goto out;
     }
@@ -2328,7 +2332,7 @@ store_existing(StoreRun *r, BlockObject *node, PyObject *parent)
         if ((alone_left = PyNumber_Subtract(n_alone, one)) == NULL)
             goto out;
     }
-    if (count > 0 && !PyDict_CheckExact(la)) { /* a second holder: the stats become dicts by slot */
+    if (!PyDict_CheckExact(la)) { /* a second holder: the stats become dicts by slot */
         PyObject *first = PyLong_FromSsize_t(holders_top(holders));
         if (first == NULL)
             goto out;
@@ -2350,7 +2354,7 @@ store_existing(StoreRun *r, BlockObject *node, PyObject *parent)
         if (!ok)
             goto out;
     }
-    else if (count > 0 && !PyDict_CheckExact(hits)) {
+    else if (!PyDict_CheckExact(hits)) {
         done = 0;
         goto out;
     }
@@ -2361,28 +2365,24 @@ store_existing(StoreRun *r, BlockObject *node, PyObject *parent)
     /* no failure past here but a dict or set entry's memory */
     if (PySet_Add(r->leaves, (PyObject *)node) < 0)
         goto out;
-    if (count == 0) { /* nothing is pending on a block nobody held */
-        Py_SETREF(st->last_access, Py_NewRef(r->now));
-        Py_SETREF(st->hits, Py_NewRef(zero));
-        r->alone_n++;
-    }
-    else {
-        if (new_la != NULL) {
-            Py_SETREF(st->last_access, Py_NewRef(new_la));
-            Py_SETREF(st->hits, Py_NewRef(new_hits));
-            if (new_up != NULL && PyDict_SetItem(r->pending, (PyObject *)node, new_up) < 0)
-                goto out;
-        }
-        if (PyDict_SetItem(st->last_access, r->slot_obj, r->now) < 0 || PyDict_SetItem(st->hits, r->slot_obj, zero) < 0)
-            goto out;
-        if (alone_left != NULL && PyDict_SetItem(r->alone, holders, alone_left) < 0)
+    if (new_la != NULL) {
+        Py_SETREF(st->last_access, Py_NewRef(new_la));
+        Py_SETREF(st->hits, Py_NewRef(new_hits));
+        if (new_up != NULL && PyDict_SetItem(r->pending, (PyObject *)node, new_up) < 0)
             goto out;
     }
+    if (PyDict_SetItem(st->last_access, r->slot_obj, r->now) < 0 || PyDict_SetItem(st->hits, r->slot_obj, zero) < 0)
+        goto out;
+    if (alone_left != NULL && PyDict_SetItem(r->alone, holders, alone_left) < 0)
+        goto out;
     Py_SETREF(st->holders, Py_NewRef(joined));
     r->added++;
-    if (parent != Py_None) {
-        int held = holders_has(BLOCK(parent)->state->holders, r->slot, r->bit);
-        if (held < 0 || (held && PySet_Discard(r->leaves, parent) < 0))
+    /* the block's own parent stops being a leaf: the chain's previous block only when the keys
+     * chain (RadixIndex.store's docstring: Route stores keys a client sent, in any order) */
+    PyObject *above = node->parent;
+    if (above != Py_None) {
+        int held = holders_has(BLOCK(above)->state->holders, r->slot, r->bit);
+        if (held < 0 || (held && PySet_Discard(r->leaves, above) < 0))
             goto out;
     }
     done = 1;
@@ -2407,7 +2407,9 @@ out:
  * key's parent. The blocks of one call share one state (copy on write). `leaves` ends as the
  * Python loop leaves it, one block at a time: a run of new blocks' first parent leaves it if the
  * slot holds it, and only the run's last block joins it (each new block is the parent of the
- * next, so every other one joins and leaves again at once). */
+ * next, so every other one joins and leaves again at once). A block the table has takes its
+ * own tree parent out, which is the chain's previous block only when the keys chain (Route
+ * stores keys a client sent: issue #28 item 2). */
 static Py_ssize_t
 store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, StoreRun *r)
 {
@@ -2423,14 +2425,24 @@ store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, St
         if (at >= 0 || (t->old.slots != NULL && (at_old = bt_probe(&t->old, key, mixed)) >= 0)) {
             BlockObject *node = BT_BLOCK(at >= 0 ? t->cur.slots[at] : t->old.slots[at_old]);
             Py_INCREF(node);
-            int done = store_existing(r, node, parent);
+            /* the open run's last block joins the leaves now, as the loop left it: a block the
+             * table has is never its child when the keys chain (it is new), and when they do not
+             * (keys a client sent: a repeated key, one under another parent) it stays a leaf
+             * unless `node` is its child (store_existing takes `node`'s own parent out) */
+            if (last != NULL) {
+                if (PySet_Add(r->leaves, (PyObject *)last) < 0) {
+                    Py_DECREF(node);
+                    goto error;
+                }
+                last = NULL;
+            }
+            int done = store_existing(r, node);
             if (done <= 0) {
                 Py_DECREF(node);
                 if (done < 0)
                     goto error;
-                break; /* the Python loop's: `last` joins the leaves below, as it would have */
+                break; /* the Python loop's */
             }
-            last = NULL; /* it left the leaves: `node`, held now, is its child */
             if (PyList_Append(r->chain, (PyObject *)node) < 0) {
                 Py_DECREF(node);
                 goto error;

@@ -416,7 +416,8 @@ class RadixIndex:
         added = alone = 0  # blocks this slot now holds, and of them those it alone holds
         alone_by_bit = self._alone
         # the native table runs this loop itself (BlockTable.store_chain), up to a block it
-        # leaves to the loop below: one filling a gap above blocks the slot holds (_settle)
+        # leaves to the loop below: one filling a gap above blocks the slot holds (_settle),
+        # or one nobody holds (self._unheld)
         store_chain = getattr(blocks, "store_chain", None)
         i, n = 0, len(keys)
         while i < n:
@@ -496,7 +497,8 @@ class RadixIndex:
 
         Where the extension is built and ``engine_keys`` is None or a native ``U64Map``, the three
         are one native call (``BlockTable.store_hashed``) unless a block fills a gap above blocks
-        the slot holds (``store``); the Python below is the reference it is tested against."""
+        the slot holds or nobody holds it (``store``); the Python below is the reference it is
+        tested against."""
         store_hashed = getattr(self._blocks, "store_hashed", None)
         if store_hashed is not None and (engine_keys is None or type(engine_keys) is _U64Map):
             parent = None if parent_key is None else self._blocks[parent_key]

@@ -688,7 +688,8 @@ def _pure_index() -> RadixIndex:
 
 
 def _snapshot(index: RadixIndex) -> dict:
-    """Everything the index stores, by key: tree links, holders, stats, pending, leaves, counts."""
+    """Everything the index stores, by key: tree links, holders, stats, pending, leaves, counts,
+    and how many blocks nobody holds."""
     def children(b):  # type: ignore[no-untyped-def]
         c = b.children
         if c is None:
@@ -708,6 +709,7 @@ def _snapshot(index: RadixIndex) -> dict:
         "blocks": blocks,
         "leaves": {s: sorted(b.key for b in index.leaves(s)) for s in _SLOTS},
         "counts": {s: index.count(s) for s in _SLOTS},
+        "unheld": index.unheld,
     }
 
 
@@ -789,6 +791,106 @@ def test_store_hashed_is_hash_store_and_map_in_one_call(ops):
         assert results[0] == results[1]
         assert results[0][0] == chain_keys_py(data, 4, ROOT_SEED + start)
         assert _snapshot(native_index) == _snapshot(pure_index)
+
+
+def _assert_slots_agree_with_their_blocks(index: RadixIndex) -> None:
+    """Each slot's count and leaves are those of the blocks holding its bit (a leaf: no held child)."""
+    for s in _SLOTS:
+        held = [index._blocks[k] for k in index._blocks if index._blocks[k].holders >> s & 1]
+        assert index.count(s) == len(held)
+        assert {b.key for b in index.leaves(s)} == {
+            b.key for b in held if not any(c.holders >> s & 1 for c in b.iter_children())}
+
+
+# Block keys a client sent (Route stores them for an approximate-mode worker) need not chain:
+# a key twice, a block the tree has under another parent, a new block after a held one. Each
+# case stores [1, 2, 3, 4] on slot 0 first (2 under 1, ...), then these (slot, parent, keys).
+_KEYS_A_CLIENT_SENT = {
+    "a key twice": [(1, None, [9, 9])],
+    "a key twice, held already": [(0, None, [9, 9])],
+    "a new block, then one under another parent": [(1, None, [9, 2, 3])],
+    "the same, on the slot holding it": [(0, None, [9, 2])],
+    "held blocks out of order, then a repeat": [(0, None, [1, 4]), (0, None, [3, 3, 1])],
+    "a held block under a new one, then new blocks": [(1, None, [1]), (1, None, [9, 1, 10, 11])],
+    "a run, an existing block, a run": [(1, 4, [9, 10, 2, 11, 12])],
+    "a block its own parent's key": [(1, 2, [2, 9, 2])],
+    "slot 70, past the first digit": [(70, None, [9, 2]), (70, 3, [9, 9, 4])],
+}
+
+
+@pytest.mark.parametrize("stores", _KEYS_A_CLIENT_SENT.values(), ids=_KEYS_A_CLIENT_SENT.keys())
+@pytest.mark.parametrize("packed", [False, True])
+def test_store_of_keys_that_do_not_chain_builds_what_the_python_loop_builds(stores, packed):
+    # store_chain kept the chain's previous block as the parent an existing block took out of
+    # the leaves, and dropped the open run's last block from them: a held block lost from its
+    # slot's leaves outlives the slot (issue #28 item 2), and the capacity count runs over
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+        index.store(0, None, [1, 2, 3, 4], now=0.0)
+    for now, (slot, parent, keys) in enumerate(stores, start=1):
+        chains = [[b.key for b in index.store(slot, parent, array("Q", keys) if packed else keys, float(now))]
+                  for index in (native_index, pure_index)]
+        assert chains[0] == chains[1]
+        assert _snapshot(native_index) == _snapshot(pure_index)
+        _assert_slots_agree_with_their_blocks(native_index)
+    for s in _SLOTS:  # a slot's blocks are all reached through its leaves
+        assert native_index.clear(s) == pure_index.clear(s)
+    assert len(native_index) == len(pure_index) == 0
+
+
+def test_store_hashed_of_a_chain_whose_blocks_sit_under_other_parents_builds_what_python_builds():
+    # an event's chain naming blocks a client's keys stored elsewhere in the tree: store_hashed
+    # runs store_chain's loop, so the same rule holds there
+    data = array("I", range(4 * 4)).tobytes()  # 4 blocks of 4 tokens
+    k = chain_keys_py(data, 4, ROOT_SEED)
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+        index.store(0, None, [k[2], k[1]], now=0.0)  # k[1] under k[2], both roots' chain
+        index.store(1, None, [k[3]], now=1.0)
+    for slot in (1, 0):
+        results = []
+        for index in (native_index, pure_index):
+            keys, chain = index.store_hashed(slot, None, data, 4, ROOT_SEED, 2.0)
+            results.append((list(keys), [b.key for b in chain]))
+        assert results[0] == results[1]
+        assert _snapshot(native_index) == _snapshot(pure_index)
+        _assert_slots_agree_with_their_blocks(native_index)
+
+
+_ANY_KEYS = (1, 2, 3, 9, _KEY[(0,)], _KEY[(0, 1)])  # small and 64-bit keys
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear"]), st.sampled_from(_SLOTS),
+                              st.one_of(st.none(), st.sampled_from(_ANY_KEYS)),
+                              st.lists(st.sampled_from(_ANY_KEYS), min_size=1, max_size=6), st.booleans()),
+                    min_size=1, max_size=25))
+def test_store_of_any_key_sequence_builds_what_the_python_loop_builds(ops):
+    """Keys in any order, repeated, naming blocks under other parents (a client's block keys),
+    stored by store_chain against RadixIndex(pure=True)'s Python loop."""
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+    for now, (kind, slot, parent, keys, packed) in enumerate(ops):
+        results = []
+        for index in (native_index, pure_index):
+            if kind == "store":
+                if parent is not None and parent not in index:
+                    continue
+                chain = index.store(slot, parent, array("Q", keys) if packed else keys, float(now))
+                results.append([b.key for b in chain])
+            elif kind == "remove":
+                results.append(index.remove(slot, keys[0]))
+            else:
+                results.append(index.clear(slot))
+        assert not results or results[0] == results[1]
+        assert _snapshot(native_index) == _snapshot(pure_index), (kind, slot, parent, keys)
+        _assert_slots_agree_with_their_blocks(native_index)
 
 
 def test_store_hashed_checks_its_arguments_before_changing_anything():

@@ -266,16 +266,21 @@ class DualMapPolicy(RoutingPolicyBase):
         return _View(w, ctx.overlap(w), load, uncached, ttft, own, stall, over, over or stall > 0, roomy)
 
     # ---- candidates -----------------------------------------------------------------------
+    def _hash_pair(self, by_id: dict[str, Worker], path: list[tuple[int, int]]) -> tuple[str, str | None] | None:
+        if len(by_id) < 2 or not path:
+            return None
+        try:
+            return self.ring.pair(path[-1][1], by_id.__contains__)
+        except LookupError:
+            return None
+
     def _plan(self, ctx: RoutingContext, by_id: dict[str, Worker],
               path: list[tuple[int, int]]) -> tuple[str, tuple[str, str | None] | None]:
         """How the request finds its candidates: ("hash", its pair), ("remembered", (the
         remembered worker, the first other of its pair)), ("cold", None) for a fleet-wide
         placement, or ("", None) when it has no pair."""
-        if len(by_id) < 2 or not path:
-            return "", None
-        try:
-            pair = self.ring.pair(path[-1][1], by_id.__contains__)
-        except LookupError:
+        pair = self._hash_pair(by_id, path)
+        if pair is None:
             return "", None
         if self.params.cold_placement == "pair":
             return "hash", pair
@@ -289,10 +294,12 @@ class DualMapPolicy(RoutingPolicyBase):
         return "hash", pair
 
     def candidate_ids(self, ctx: RoutingContext) -> list[str]:
-        """The workers DualMap would choose between for ``ctx`` (its pair, or every candidate
-        for a prompt placed fleet-wide), for a policy that scores them instead (``compose``)."""
+        """The hashed pair DualMap would choose between for ``ctx`` (every candidate when it
+        has none), for a policy that scores them instead (``compose``). The pair, not a
+        fleet-wide placement: compose's decisions are its own, so this policy never sees
+        them to remember a placement."""
         by_id = {w.id: w for w in ctx.candidates}
-        _, pair = self._plan(ctx, by_id, self.key_path(ctx.request.keys, ctx.block_size))
+        pair = self._hash_pair(by_id, self.key_path(ctx.request.keys, ctx.block_size))
         if pair is None:
             return list(by_id)
         return [wid for wid in pair if wid is not None]

@@ -37,7 +37,7 @@ class DualMapParams(LatencyParams):
         default=3.0, metadata={"help": "no prefill completed for this long with work queued = overloaded (0 = off)"}
     )
     decode_bottleneck_gate: Literal["paper", "guarded"] = field(
-        default="guarded", metadata={"help": "A.7 as written, or also gated on reported KV use and the longest "
+        default="paper", metadata={"help": "A.7 as written, or also gated on reported KV use and the longest "
                                              "prefill in flight"})
     decode_bottleneck_kv: float = field(
         default=0.95, metadata={"help": "guarded A.7: reported KV use, in [0, 1], below which a worker is not stuck"})
@@ -87,6 +87,5 @@ class DualMapParams(LatencyParams):
 class DualMapPaperParams(DualMapParams):
     """DualMap as the paper states it: every departure above switched off."""
 
-    decode_bottleneck_gate: Literal["paper", "guarded"] = "paper"
     slo_switch: Literal["paper", "guarded"] = "paper"
     cold_placement: Literal["pair", "fleet"] = "pair"

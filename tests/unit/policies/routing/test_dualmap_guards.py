@@ -17,6 +17,7 @@ from .helpers import BLOCK, complete, make_router, prompt, request
 
 SMALL = {"name": "dualmap", "segment_tokens": 64}
 PAPER = {"name": "dualmap_paper", "segment_tokens": 64}
+GATED = {**SMALL, "decode_bottleneck_gate": "guarded"}
 
 
 # ---- the guarded SLO switch ---------------------------------------------------------------
@@ -160,7 +161,7 @@ def _long_prefill(spec: dict):  # type: ignore[no-untyped-def]
     return router, clock, home
 
 
-@pytest.mark.parametrize("spec,flag_at_4s", [(SMALL, False), (PAPER, True)])
+@pytest.mark.parametrize("spec,flag_at_4s", [(GATED, False), (SMALL, True), (PAPER, True)])
 def test_the_decode_bottleneck_rule_does_not_trip_on_a_long_prefill(spec: dict, flag_at_4s: bool) -> None:
     router, clock, home = _long_prefill(spec)
     clock.advance(4.0)  # past T = 3 s, but within T + the 2.8 s the long prompt takes
@@ -174,7 +175,7 @@ def test_the_decode_bottleneck_rule_does_not_trip_on_a_long_prefill(spec: dict, 
 
 
 def test_the_guarded_decode_bottleneck_rule_needs_saturated_kv_from_a_reporting_worker() -> None:
-    router, clock, home = _long_prefill(SMALL)
+    router, clock, home = _long_prefill(GATED)
     clock.advance(10.0)
     router.report_load(home, queued=1, running=2, kv_utilization=0.5)  # memory to spare
     assert router.decide(request(prompt(2, 70_000, 2)))[0].attributes["decode_bottlenecked"] == 0

@@ -37,7 +37,10 @@ throughout):
   ``switch_headroom`` to spare and whose TTFT saving exceeds the extra prefill the switch
   costs the fleet; otherwise it stays (``rule=slo_hold``). The two thresholds (leave above
   the SLO budget, arrive only below ``1 - switch_headroom`` of it) are a hysteresis band: a
-  switch cannot push its target to the edge where it would start switching in turn.
+  switch cannot push its target to the edge where it would start switching in turn. On the
+  Mooncake trace (8 workers, 30% cache, ``sim cluster``) the guard alone raised capacity
+  from 7.5 to 8.0 req/s and attainment at 10 req/s from 40% to 67%; the band's width (0 or
+  0.2) moved no rate by more than 1.5 points there: the saving test does most of the work.
   Load is pending prefill tokens as the latency model estimates them (``pending_model``).
   "Overloaded" is, with ``slo_test=static_threshold`` (the paper's implementation), pending
   tokens plus the request's uncached tokens above the *ttft_slo_threshold*: the tokens a

@@ -35,7 +35,11 @@ throughout):
   requests met the SLO 17.5% of the time at +10% past capacity). ``slo_switch=guarded``
   (default) switches only to a candidate that is predicted to meet the SLO with
   ``switch_headroom`` to spare and whose TTFT saving exceeds the extra prefill the switch
-  costs the fleet; otherwise it stays (``rule=slo_hold``). The two thresholds (leave above
+  costs the fleet, divided by 1 + the requests with the same hash key in the hotness
+  window (the recompute puts the prefix on both candidates, and a prefix many requests
+  share then splits between them: on the tool/agent workload, charging it in full to one
+  request held hot tool prompts on one worker and cut capacity from 24 to 20-22 req/s);
+  otherwise it stays (``rule=slo_hold``). The two thresholds (leave above
   the SLO budget, arrive only below ``1 - switch_headroom`` of it) are a hysteresis band: a
   switch cannot push its target to the edge where it would start switching in turn. On the
   Mooncake trace (8 workers, 30% cache, ``sim cluster``) the guard alone raised capacity
@@ -257,17 +261,20 @@ class DualMapPolicy(RoutingPolicyBase):
         if second is None:
             return self._decision(ctx, first, None, "single_candidate", [first], path, slo, threshold, how)
         home = first if how == "remembered" else None
-        chosen, rule = self._choose(first, second, home, stalls=True)
+        # requests with this key in the hotness window: the traffic a switched prefix serves
+        reuses = self.hotness.count(path[-1][1])
+        chosen, rule = self._choose(first, second, home, reuses, stalls=True)
         # A.7's effect: what the rule would have chosen with no worker flagged
         flagged = int(first.bottleneck_ms > 0) + int(second.bottleneck_ms > 0)
-        moved = int(flagged > 0 and self._choose(first, second, home, stalls=False)[0] is not chosen)
+        moved = int(flagged > 0 and self._choose(first, second, home, reuses, stalls=False)[0] is not chosen)
         other = second if chosen is first else first
         return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold, how,
                               decode_bottlenecked=flagged, decode_bottleneck_moved=moved)
 
-    def _choose(self, first: _View, second: _View, home: _View | None, stalls: bool) -> tuple[_View, str]:
+    def _choose(self, first: _View, second: _View, home: _View | None, reuses: int,
+                stalls: bool) -> tuple[_View, str]:
         """Section 3.2's choice between the pair; ``home`` (a remembered placement) is preferred
-        when reuse ties; ``stalls=False`` ignores A.7's flags."""
+        when reuse ties; ``reuses`` is the key's recent traffic; ``stalls=False`` ignores A.7's flags."""
         def stalled(v: _View) -> bool:
             return stalls and v.bottleneck_ms > 0
 
@@ -287,8 +294,11 @@ class DualMapPolicy(RoutingPolicyBase):
         other = second if preferred is first else first
         if self.params.slo_switch == "guarded":
             # only to a candidate with room under the SLO, and only if the TTFT it saves
-            # exceeds the extra prefill the fleet does for it (a cache hit recomputed)
-            if other.roomy and not stalled(other) and ttft(preferred) - ttft(other) > other.own_ms - preferred.own_ms:
+            # exceeds the extra prefill the fleet does for it (a cache hit recomputed), shared
+            # by the key's recent requests: the prefix then sits on both candidates and later
+            # requests split between them, so a shared tool prompt repays it, a one-off not
+            extra = (other.own_ms - preferred.own_ms) / (1 + reuses)
+            if other.roomy and not stalled(other) and ttft(preferred) - ttft(other) > extra:
                 return other, "slo_switch"
             return preferred, "slo_hold"
         if self.params.switch_to == "min_ttft":

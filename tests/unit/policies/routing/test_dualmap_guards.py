@@ -51,15 +51,16 @@ def test_guarded_switch_goes_to_an_other_candidate_with_room() -> None:
 
 
 def test_guarded_switch_needs_the_saving_to_exceed_the_recompute() -> None:
-    # threshold 10,000 tokens. home: 9,000 queued + 1,096 uncached = 10,096, over; the other:
-    # idle, roomy, but it recomputes all 7,000 tokens. The switch would save 3,096 tokens of
-    # this request's wait and cost the fleet 5,904 tokens of prefill: it holds
-    router, _ = make_router({**SMALL, "slo_threshold_tokens": 10_000}, ["a", "b"])
+    # threshold 9,000 tokens. home: 8,000 queued + 1,096 uncached = 9,096, over; the other:
+    # idle, roomy (7,000 <= 7,200), but it recomputes all 7,000 tokens: 5,904 more than home,
+    # shared with the one earlier request of this key, 2,952 each. The switch would save
+    # 2,096 tokens of this request's wait: it holds
+    router, _ = make_router({**SMALL, "slo_threshold_tokens": 9_000}, ["a", "b"])
     tokens = lambda i: prompt(6, 5_904, i, 1_096)  # noqa: E731
     first = router.route(request(tokens(0)))
     complete(router, first.request.request_id)
     home = first.worker.id
-    router.note_admission_queue(home, 3, 9_000)
+    router.note_admission_queue(home, 3, 8_000)
     d = router.decide(request(tokens(1)))[0]
     terms = {c.worker_id: c.terms for c in d.candidates}
     assert terms[home]["overloaded"] == 1.0 and terms[home]["uncached_tokens"] == 1_096
@@ -67,6 +68,27 @@ def test_guarded_switch_needs_the_saving_to_exceed_the_recompute() -> None:
     # with a longer queue at home the saving outweighs the recompute
     router.note_admission_queue(home, 3, 14_000)
     d = router.decide(request(tokens(1)))[0]
+    assert d.attributes["rule"] == "slo_switch" and d.worker_id != home
+
+
+def test_a_prefix_many_requests_share_repays_its_recompute_sooner() -> None:
+    # the same hold as above, but the key has had 3 more requests in the window: the
+    # recompute is shared by 5 (1,181 tokens each) and the 2,096-token saving pays for it
+    router, _ = make_router({**SMALL, "slo_threshold_tokens": 9_000}, ["a", "b"])
+    tokens = lambda i: prompt(6, 5_904, i, 1_096)  # noqa: E731
+    for i in range(4):
+        res = router.route(request(tokens(i)))
+        complete(router, res.request.request_id)
+    policy = router.routing_policy()
+    assert isinstance(policy, DualMapPolicy)
+    home = res.worker.id
+    assert policy.hotness.count(policy.key_path(request(tokens(0)).keys, BLOCK)[-1][1]) == 4
+    for w in router.workers:
+        router.note_admission_queue(w.id, 0, 0)
+    router.note_admission_queue(home, 3, 8_000)
+    d = router.decide(request(tokens(9)))[0]
+    # the setup leaves the other candidate without the prefix
+    assert sorted(c.overlap_blocks for c in d.candidates) == [0, 5_904 // BLOCK]
     assert d.attributes["rule"] == "slo_switch" and d.worker_id != home
 
 

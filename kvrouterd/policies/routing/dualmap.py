@@ -15,7 +15,8 @@ throughout):
   blocks: ``segment_tokens / block_size`` blocks per segment (at least 1).
 - **Cold prompts** (beyond the paper, ``cold_placement=fleet``): a prompt no eligible worker
   holds any block of goes to the worker with the lowest estimated TTFT in the whole fleet
-  (not overloaded first), as the baselines place it, instead of the lighter of its pair
+  (not overloaded first), as the baselines place it (tool/agent: capacity 24 -> 26+ req/s;
+  Mooncake, where few prompts are cold: unchanged at 7.5), instead of the lighter of its pair
   (``cold_placement=pair``, the paper). The choice is remembered (``placement_memory``:
   prefix key -> worker, longest prefix within the base key, ``placement_memory_entries``,
   ``placement_memory_ttl_s`` after last use, dropped when the worker leaves), and a later
@@ -33,18 +34,21 @@ throughout):
   the prompt). Near saturation both candidates are over the SLO and each switch turns a hit
   into a full recompute, adding the load that triggers the next switch (issue #27: switched
   requests met the SLO 17.5% of the time at +10% past capacity). ``slo_switch=guarded``
-  (default) switches only to a candidate that is predicted to meet the SLO with
+  (opt-in) switches only to a candidate that is predicted to meet the SLO with
   ``switch_headroom`` to spare and whose TTFT saving exceeds the extra prefill the switch
   costs the fleet, divided by 1 + the requests with the same hash key in the hotness
   window (the recompute puts the prefix on both candidates, and a prefix many requests
   share then splits between them: on the tool/agent workload, charging it in full to one
   request held hot tool prompts on one worker and cut capacity from 24 to 20-22 req/s);
-  otherwise it stays (``rule=slo_hold``). The two thresholds (leave above
+  otherwise it stays (``rule=slo_hold``). It is not the default: on the tool/agent workload
+  (DualMap's Table 1 shape) it cut capacity from 24 to 22 req/s, with fleet placement from
+  26+ to 20. There both candidates of a warm tool prompt are often over the threshold, and
+  the paper's switch, recomputing the prompt once on the other, lets the pair share it. The two thresholds (leave above
   the SLO budget, arrive only below ``1 - switch_headroom`` of it) are a hysteresis band: a
   switch cannot push its target to the edge where it would start switching in turn. On the
   Mooncake trace (8 workers, 30% cache, ``sim cluster``) the guard alone raised capacity
   from 7.5 to 8.0 req/s and attainment at 10 req/s from 40% to 67%; the band's width (0 or
-  0.2) moved no rate by more than 1.5 points there: the saving test does most of the work.
+  0.2) moved no rate by more than 1.5 points there.
   Load is pending prefill tokens as the latency model estimates them (``pending_model``).
   "Overloaded" is, with ``slo_test=static_threshold`` (the paper's implementation), pending
   tokens plus the request's uncached tokens above the *ttft_slo_threshold*: the tokens a
@@ -84,8 +88,8 @@ Parameters (defaults from the paper unless noted; latency-model ones in ``polici
 - ``default_ttft_slo_ms`` = 5000: SLO for requests without one (the paper's 5 s).
 - ``slo_test`` = "static_threshold"; ``slo_threshold_tokens`` = 0 (derive from the model).
 - ``switch_to`` = "min_ttft": the paper switch's target (above).
-- ``slo_switch`` = "guarded" (paper: "paper"); ``switch_headroom`` = 0.2: the band below the
-  SLO a switch target must be in (ours: about the drain model's error near saturation).
+- ``slo_switch`` = "paper" (see above); ``switch_headroom`` = 0.2 (guarded only): the band
+  below the SLO a switch target must be in.
 - ``cold_placement`` = "fleet" (paper: "pair"); ``placement_memory_entries`` = 65536,
   ``placement_memory_ttl_s`` = 600.
 - ``decode_bottleneck_s`` = 3.0: A.7's T (0 disables); ``decode_bottleneck_gate`` =

@@ -47,7 +47,7 @@ class DualMapParams(LatencyParams):
                           "included (A.5, A.6), or the one with fewer pending tokens (3.2's summary)"},
     )
     slo_switch: Literal["paper", "guarded"] = field(
-        default="guarded", metadata={"help": "switch whenever the preferred candidate is overloaded (paper), or only "
+        default="paper", metadata={"help": "switch whenever the preferred candidate is overloaded (paper), or only "
                                              "to one that meets the SLO with headroom and saves more than it recomputes"})
     switch_headroom: float = field(
         default=0.2, metadata={"help": "guarded switch: a target must be within (1 - this) of the SLO, in [0, 1)"})
@@ -87,5 +87,6 @@ class DualMapParams(LatencyParams):
 class DualMapPaperParams(DualMapParams):
     """DualMap as the paper states it: every departure above switched off."""
 
+    decode_bottleneck_gate: Literal["paper", "guarded"] = "paper"
     slo_switch: Literal["paper", "guarded"] = "paper"
     cold_placement: Literal["pair", "fleet"] = "pair"

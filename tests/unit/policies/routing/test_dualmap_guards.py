@@ -18,6 +18,7 @@ from .helpers import BLOCK, complete, make_router, prompt, request
 SMALL = {"name": "dualmap", "segment_tokens": 64}
 PAPER = {"name": "dualmap_paper", "segment_tokens": 64}
 GATED = {**SMALL, "decode_bottleneck_gate": "guarded"}
+GUARDED = {**SMALL, "slo_switch": "guarded"}
 
 
 # ---- the guarded SLO switch ---------------------------------------------------------------
@@ -37,7 +38,7 @@ def _home_overloaded(spec: dict, other_queue: int, home_queue: int = 600, thresh
 
 def test_guarded_switch_holds_when_the_other_candidate_cannot_meet_the_slo() -> None:
     # the other: 450 queued + 192 to prefill = 642 tokens > the 500 a worker clears in the SLO
-    d, home, other = _home_overloaded(SMALL, other_queue=450)
+    d, home, other = _home_overloaded(GUARDED, other_queue=450)
     assert d.attributes["rule"] == "slo_hold" and d.worker_id == home
     assert d.attributes["both_overloaded"] == 1  # the host may still migrate queued requests
     # the paper's rule trades the hit for a recompute that misses the SLO as well
@@ -46,7 +47,7 @@ def test_guarded_switch_holds_when_the_other_candidate_cannot_meet_the_slo() -> 
 
 
 def test_guarded_switch_goes_to_an_other_candidate_with_room() -> None:
-    d, home, other = _home_overloaded(SMALL, other_queue=0)
+    d, home, other = _home_overloaded(GUARDED, other_queue=0)
     assert d.attributes["rule"] == "slo_switch" and d.worker_id == other
 
 
@@ -55,7 +56,7 @@ def test_guarded_switch_needs_the_saving_to_exceed_the_recompute() -> None:
     # idle, roomy (7,000 <= 7,200), but it recomputes all 7,000 tokens: 5,904 more than home,
     # shared with the one earlier request of this key, 2,952 each. The switch would save
     # 2,096 tokens of this request's wait: it holds
-    router, _ = make_router({**SMALL, "slo_threshold_tokens": 9_000}, ["a", "b"])
+    router, _ = make_router({**GUARDED, "slo_threshold_tokens": 9_000}, ["a", "b"])
     tokens = lambda i: prompt(6, 5_904, i, 1_096)  # noqa: E731
     first = router.route(request(tokens(0)))
     complete(router, first.request.request_id)
@@ -74,7 +75,7 @@ def test_guarded_switch_needs_the_saving_to_exceed_the_recompute() -> None:
 def test_a_prefix_many_requests_share_repays_its_recompute_sooner() -> None:
     # the same hold as above, but the key has had 3 more requests in the window: the
     # recompute is shared by 5 (1,181 tokens each) and the 2,096-token saving pays for it
-    router, _ = make_router({**SMALL, "slo_threshold_tokens": 9_000}, ["a", "b"])
+    router, _ = make_router({**GUARDED, "slo_threshold_tokens": 9_000}, ["a", "b"])
     tokens = lambda i: prompt(6, 5_904, i, 1_096)  # noqa: E731
     for i in range(4):
         res = router.route(request(tokens(i)))
@@ -96,7 +97,7 @@ def test_a_prefix_many_requests_share_repays_its_recompute_sooner() -> None:
 def test_switch_hysteresis_a_target_near_the_slo_receives_no_switch(headroom: float, switches: bool) -> None:
     # threshold 1,000 tokens; the other would be at 700 + 192 = 892: within the SLO but inside
     # the 20% band below it, where one more switch would make it the next overloaded worker
-    spec = {**SMALL, "switch_headroom": headroom}
+    spec = {**GUARDED, "switch_headroom": headroom}
     d, home, other = _home_overloaded(spec, other_queue=700, home_queue=1_500, threshold=1_000)
     assert (d.worker_id == other) is switches
     assert d.attributes["rule"] == ("slo_switch" if switches else "slo_hold")

@@ -190,6 +190,7 @@ class EventApplier:
         self._note_rejections(worker, rejected, stores_applied, stores_rejected)
         counters["batches_applied"] += 1
         worker.batches_applied += 1
+        worker.last_event_at = now
         counters["blocks_stored"] += outcome.blocks_stored
         counters["blocks_removed"] += outcome.blocks_removed
         counters["orphan_blocks"] += outcome.orphan_blocks

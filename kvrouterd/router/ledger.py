@@ -8,6 +8,12 @@ eviction policy and, for an approximate-mode worker (no KV events), assumes the 
 prompt cached, evicting to its modelled capacity, as SGLang's approximate cache-aware router
 does. Replicas sharing load (``events.replica_sync``) apply each other's Dispatch and Complete
 messages here, matched by request id as Dynamo's router replica sync does.
+
+A disaggregated request (``router.disagg``) charges two workers: its decode worker under its
+own id (no prefill tokens: its KV arrives by transfer) and its prefill worker under
+``prefill_hop_id(id)`` with the tokens to prefill. A Complete with ``prefill_done`` releases
+the prefill hop alone (the gateway saw the prefill answer, or the first token); the request's
+Complete releases whatever is still charged.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ..index.workers import InFlight, Worker
 from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest
 from .access import RecentAccess
+from .disagg import prefill_hop_id
 from .shared import Shared
 
 __all__ = ["INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PrefixHits", "RouteResult", "request_bytes"]
@@ -59,6 +66,8 @@ class RouteResult:
     alternative: Worker | None
     #: approximate mode: keys the eviction dropped from the worker's cache model to make room
     evicted: Sequence[int] = ()
+    #: the prefill hop's worker of a disaggregated decision (``decision.prefill``), else None
+    prefill_worker: Worker | None = None
 
 
 @dataclass(slots=True)
@@ -145,7 +154,8 @@ class LoadLedger:
             InFlight(
                 request_id=req.request_id,
                 worker_id=worker.id,
-                prefill_tokens=ctx.uncached_tokens(worker),
+                # a disaggregated request's decode worker receives its KV: it prefills nothing
+                prefill_tokens=0 if decision.prefill is not None else ctx.uncached_tokens(worker),
                 prompt_tokens=req.prompt_tokens,
                 overlap_blocks=overlap,
                 started_at=ctx.now,
@@ -164,6 +174,23 @@ class LoadLedger:
             self._completed.pop(req.request_id, None)  # a reused id is in flight again
             self.on_committed(result)
         return result
+
+    def commit_prefill_hop(self, result: RouteResult, worker: Worker, ctx: RoutingContext, policy: RoutingPolicy) -> None:
+        """Charge a committed disaggregated request's prefill hop to ``worker`` (``ctx``: that
+        worker alone, under the hop's id, from ``Disaggregation.hop_context``), which now
+        caches the prompt as it computes it; its policy sees the dispatch."""
+        hop = result.decision.prefill
+        assert hop is not None
+        req = ctx.request
+        self._shared.workers.commit(InFlight(
+            request_id=req.request_id, worker_id=worker.id, prefill_tokens=hop.uncached_tokens,
+            prompt_tokens=req.prompt_tokens, overlap_blocks=hop.overlap_blocks, started_at=ctx.now,
+            policy=result.decision.policy,
+        ))
+        self._record_access(worker, req, ctx, ctx.overlap(worker))
+        policy.on_dispatch(Decision(worker.id, result.decision.policy, hop.reason, hop.candidates,
+                                    overlap_blocks=hop.overlap_blocks), ctx)
+        result.prefill_worker = worker
 
     def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
         """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
@@ -261,9 +288,36 @@ class LoadLedger:
         if len(completed) > MAX_COMPLETED_IDS:
             del completed[next(iter(completed))]
 
+    def release_prefill(self, completion: Completion) -> InFlight | None:
+        """Release a request's prefill hop before its Complete (``completion.prefill_done``);
+        None when none is charged (aggregated, released already, expired). Raises NotFound
+        for a request not in flight here."""
+        check_completion(completion)
+        rid = completion.request_id
+        if self._shared.workers.inflight(rid) is None:
+            raise NotFound(f"request {rid!r} is not in flight (unknown, completed or expired)")
+        return self._release_hop(completion)
+
+    def _release_hop(self, completion: Completion) -> InFlight | None:
+        shared = self._shared
+        hop = shared.workers.inflight(prefill_hop_id(completion.request_id))
+        if hop is None:
+            return None
+        shared.workers.release(hop.request_id)
+        policy = shared.policies.routing.get(hop.policy)
+        if policy is not None:
+            # the hop's own record, under the hop's id (a policy keeping per-request state
+            # releases the hop's, not the request's); its latency is the prefill's
+            ms = completion.prefill_ms + completion.kv_transfer_ms
+            policy.on_complete(shared.workers.find(hop.worker_id), None,
+                               Completion(hop.request_id, ttft_ms=ms, e2e_ms=ms, success=completion.success),
+                               shared.clock.now())
+        return hop
+
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
         entry = shared.workers.release(completion.request_id)
+        self._release_hop(completion)
         req = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()

@@ -12,7 +12,34 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["RouterSettings"]
+__all__ = ["PD_MODES", "DisaggregationSettings", "RouterSettings"]
+
+#: how a prefill/decode pool routes (``router.disagg``): two hops only when it pays, always, never
+PD_MODES = ("conditional", "always", "never")
+
+
+@dataclass(frozen=True)
+class DisaggregationSettings:
+    """Prefill/decode routing (config ``disaggregation:``; ``router.disagg`` states the rules).
+
+    The defaults come from ``kvrouterd sim cluster --pd`` on the Mooncake conversation trace
+    and a long-context multi-turn workload (docs/results.md, "Prefill/decode disaggregation")."""
+
+    #: conditional, always or never (never: the decode workers prefill every request themselves)
+    mode: str = "conditional"
+    #: prefill on the decode worker when it would compute at most this many prompt tokens (its
+    #: uncached suffix): a transfer's fixed cost and a second queue outweigh so small a prefill
+    local_prefill_max_uncached_tokens: int = 1024
+    #: prefill on the decode worker when the chosen prefill worker already has this many
+    #: prompt tokens to compute (routed and queued in the router); 0 = never for this reason
+    prefill_busy_tokens: int = 65536
+
+    def validate(self) -> None:
+        if self.mode not in PD_MODES:
+            raise ConfigError(f"disaggregation.mode must be one of {', '.join(PD_MODES)}, got {self.mode!r}")
+        for name in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens"):
+            if not 0 <= getattr(self, name) <= 1 << 30:
+                raise ConfigError(f"disaggregation.{name} must be in [0, 2**30], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,7 @@ class RouterSettings:
     #: a candidate for it only when the least loaded worker holding it has this many more
     #: requests (twice this when it would evict another adapter); ``router.pools``
     lora_load_cost: float = 2.0
+    disaggregation: DisaggregationSettings = field(default_factory=DisaggregationSettings)
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -68,6 +96,7 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
             raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
+        self.disaggregation.validate()
         for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

@@ -16,6 +16,7 @@ Example (every key optional)::
       - {id: gpu-1, address: 10.0.0.6:8000, models: [meta-llama/Llama-3.1-8B-Instruct],
          loras: [sql-lora, chat-lora], max_loras: 4}
     lora: {load_cost_requests: 2}
+    disaggregation: {mode: conditional, local_prefill_max_uncached_tokens: 1024}
     limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
     telemetry: {traces: none}
 
@@ -106,6 +107,20 @@ class LoraConfig:
     #: its requests only once every worker holding it has this many more in flight (twice this
     #: when loading it would evict another adapter)
     load_cost_requests: float = 2.0
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode pools (README "Prefill/decode disaggregation", ``router/disagg.py``);
+    the defaults are ``router.settings.DisaggregationSettings``'s, from the simulator."""
+
+    #: conditional: two hops only when they pay; always; never: decode workers prefill everything
+    mode: Literal["conditional", "always", "never"] = "conditional"
+    #: the decode worker prefills a request itself when at most this many prompt tokens are not
+    #: in its cache (a short prompt counts the same way)
+    local_prefill_max_uncached_tokens: int = 1024
+    #: ... or when the chosen prefill worker already has this many prompt tokens to compute; 0 = off
+    prefill_busy_tokens: int = 65536
 
 
 @dataclass(frozen=True)
@@ -292,6 +307,7 @@ class Config:
     default_ttft_slo_ms: float = 5000.0
     workers: list[WorkerConfig] = field(default_factory=list)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -393,6 +409,9 @@ class Config:
             out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
         if not 0 <= self.lora.load_cost_requests <= 1e6:
             out.append(f"lora.load_cost_requests: must be in [0, 1e6], got {self.lora.load_cost_requests}")
+        for fname in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens"):
+            if not 0 <= getattr(self.disaggregation, fname) <= 1 << 30:
+                out.append(f"disaggregation.{fname}: must be in [0, 2**30], got {getattr(self.disaggregation, fname)}")
         if self.default_ttft_slo_ms <= 0:
             out.append("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
@@ -415,6 +434,7 @@ class Config:
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings
+        from .router.settings import DisaggregationSettings
 
         return RouterSettings(
             block_size=self.block_size,
@@ -434,6 +454,7 @@ class Config:
             max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
             lora_load_cost=self.lora.load_cost_requests,
+            disaggregation=DisaggregationSettings(**dataclasses.asdict(self.disaggregation)),
         )
 
 

@@ -93,10 +93,14 @@ class Disaggregation:
             self._gen = workers.generation
         return self._any_prefill
 
-    def split(self, candidates: list[Worker]) -> tuple[list[Worker], list[Worker]] | None:
-        """``(prefill, decode)`` workers of a P/D pool, None when ``candidates`` has no prefill
-        worker. Raises ``NoEligibleWorker`` when it has only prefill workers (none decodes)."""
+    def split(self, candidates: list[Worker], pool: list[Worker]) -> tuple[list[Worker], list[Worker]] | None:
+        """``(prefill, decode)`` workers of a P/D pool, None when neither ``candidates`` nor,
+        when those name no prefill worker, the request's whole ``pool`` (before its
+        ``candidate_workers``) has one. Raises ``NoEligibleWorker`` when ``candidates`` are all
+        prefill workers (none decodes)."""
         prefill = [w for w in candidates if w.spec.role is WorkerRole.PREFILL]
+        if not prefill and pool is not candidates:
+            prefill = [w for w in pool if w.spec.role is WorkerRole.PREFILL]
         if not prefill:
             return None
         decode = [w for w in candidates if w.spec.role is not WorkerRole.PREFILL]

@@ -110,6 +110,8 @@ class Selector:
         policy = shared.policies.routing_policy(req.policy)
         candidates, mask = self._eligible()
         candidates, mask, pool, adapter = self._pools.restrict(req, candidates, mask)
+        pd = self._disagg.active()
+        pool_prefill = candidates
         if req.candidate_workers:
             wanted = set(req.candidate_workers)
             candidates = [w for w in candidates if w.id in wanted]
@@ -124,7 +126,9 @@ class Selector:
             raise NoEligibleWorker("no eligible worker is registered")
         if adapter:
             candidates, mask = self._pools.lora_stage(adapter, candidates, mask)
-        hops = self._disagg.split(candidates) if self._disagg.active() else None
+        # candidate_workers that name no prefill worker bound the decode hop alone (admission
+        # queues pin the decode worker a request waited for); the pool's prefill workers remain
+        hops = self._disagg.split(candidates, pool_prefill) if pd else None
         if hops is not None:
             decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
         else:

@@ -125,7 +125,8 @@ class Daemon:
         self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
-        self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes)
+        self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes,
+                               lambda: self.router.decode_workers_without_events())
         self.service.metrics = self.metrics
         self.service.call_errors.metrics = self.metrics
         self.health = health.aio.HealthServicer()

@@ -150,7 +150,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
         if not d.overlap_blocks and self.stored_namespaces:
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
@@ -220,6 +220,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
         completion = convert.completion(request, self.router.settings.max_id_length)
+        if completion.prefill_done:
+            # the prefill hop alone (router.disagg); the request's own Complete follows
+            self.router.release_prefill(completion)
+            return
         entry = self.router.complete_anywhere(completion)
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
@@ -362,7 +366,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 req = off_loop.split_route_request(request, router, prompt)
                 result = router.route(req, explain=False)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
@@ -418,7 +422,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if recording:
                     annotate_decision(span, result, router.block_size)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
             if not d.overlap_blocks and self.stored_namespaces:
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
@@ -553,7 +557,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return min(PAGE_BYTES, self.max_message_bytes // 2)
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
-        return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)
+        router = self.router
+        return convert.worker_message(worker, router.index.count(worker.slot), router.block_size, router.clock.now())
 
     def worker_modes(self):  # type: ignore[no-untyped-def]
         """(id, mode, state, cached blocks) per worker, for the metrics gauges."""

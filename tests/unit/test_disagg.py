@@ -171,3 +171,16 @@ def test_bad_disaggregation_settings_fail_at_start() -> None:
         RouterSettings(disaggregation=DisaggregationSettings(mode="sometimes")).validate()
     with pytest.raises(ConfigError, match="local_prefill_max_uncached_tokens"):
         RouterSettings(disaggregation=DisaggregationSettings(local_prefill_max_uncached_tokens=-1)).validate()
+
+
+def test_candidate_workers_naming_only_a_decode_worker_keep_the_pools_prefill_workers() -> None:
+    # what an admission queue does: the request waited for d2, and is routed to it alone
+    r = pd_fleet()
+    pinned = req("r1", prompt(1))
+    pinned.candidate_workers = ("d2",)
+    result = r.route(pinned)
+    assert result.worker.id == "d2" and result.decision.pd_reason == "remote_prefill"
+    both = req("r2", prompt(2))
+    both.candidate_workers = ("d1", "p2")
+    result = r.route(both)
+    assert (result.worker.id, result.prefill_worker.id if result.prefill_worker else None) == ("d1", "p2")

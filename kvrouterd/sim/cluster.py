@@ -215,6 +215,10 @@ class Simulation:
             self.log.append(("events", now, batch, None))
         self.router.apply(batch)
 
+    def _deliver(self, obj: Any, now: float) -> None:
+        """Something sent earlier arrives: a delayed event batch (``sim.pd`` adds KV transfers)."""
+        self._apply(obj, now)
+
     def _kick(self, i: int, now: float) -> None:
         engine = self.engines[i]
         if engine.busy:
@@ -407,7 +411,7 @@ class Simulation:
                 elif kind == _FINISH:
                     self._finish(obj[0], obj[1], t)
                 else:
-                    self._apply(obj, t)
+                    self._deliver(obj, t)
             else:
                 self._arrive(n, t)
                 n += 1

@@ -186,10 +186,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"prefill tokens per engine step (default {d.max_batch_tokens})")
     e.add_argument("--max-running", type=int, default=d.max_running, metavar="N",
                    help=f"requests an engine runs at once (default {d.max_running})")
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/simulator.md, sim/pd.py)")
+    pd.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
+                    help="compare aggregated, always and conditional P/D routing on P prefill + D decode engines")
+    pd.add_argument("--pd-local-tokens", type=_ints, default=None, metavar="N[,N..]",
+                    help="conditional runs' local-prefill thresholds (default: the config's)")
+    pd.add_argument("--kv-bytes-per-token", type=int, default=131072, metavar="B",
+                    help="KV bytes a prompt token moves (default: Llama-3.1-8B bf16, 128 KiB)")
+    pd.add_argument("--kv-link-gbps", type=float, default=200.0, metavar="G", help="KV transfer link, Gb/s (default 200)")
+    pd.add_argument("--kv-transfer-latency-ms", type=float, default=1.0, metavar="MS", help="fixed cost of a transfer")
+    pd.add_argument("--tbt-slo-ms", type=float, default=100.0, metavar="MS", help="time-between-tokens SLO for goodput")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print every number as JSON")
     o.add_argument("--out", type=Path, metavar="DIR", help="write report.md, results.json and PNG plots here")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _pd_split(text: str) -> tuple[int, int]:
+    p, sep, d = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected P:D (prefill and decode workers), got {text!r}")
+    return int(p), int(d)
 
 
 def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
@@ -283,6 +300,10 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pd is not None:
+        from . import pd
+
+        return pd.run(args, plan)
     try:
         p = plan(args)
         results = sweep(p.cfg, p.workload_for, p.settings, p.routings, p.evictions, p.rates, p.seeds,

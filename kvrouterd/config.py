@@ -121,6 +121,8 @@ class DisaggregationConfig:
     local_prefill_max_uncached_tokens: int = 1024
     #: ... or when the chosen prefill worker already has this many prompt tokens to compute; 0 = off
     prefill_busy_tokens: int = 65536
+    #: either only while the decode worker's own prompt work (this request's included) stays within this
+    decode_busy_tokens: int = 8192
 
 
 @dataclass(frozen=True)
@@ -409,7 +411,7 @@ class Config:
             out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
         if not 0 <= self.lora.load_cost_requests <= 1e6:
             out.append(f"lora.load_cost_requests: must be in [0, 1e6], got {self.lora.load_cost_requests}")
-        for fname in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens"):
+        for fname in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens", "decode_busy_tokens"):
             if not 0 <= getattr(self.disaggregation, fname) <= 1 << 30:
                 out.append(f"disaggregation.{fname}: must be in [0, 2**30], got {getattr(self.disaggregation, fname)}")
         if self.default_ttft_slo_ms <= 0:

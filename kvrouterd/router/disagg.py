@@ -24,6 +24,12 @@ Route then answers both hops (``Decision.prefill``):
      tokens to compute (routed and queued in this router), reason ``prefill_saturated``, as
      Dynamo's prefill-busy threshold does: its queue would cost more than prefilling on a
      decode worker interleaved with decoding.
+   Either way only while the decode worker's own prompt work (routed and queued prefill
+   tokens, plus this one's) stays within ``decode_busy_tokens``: decode workers are the
+   fewer, and prefills piled on one stall every request decoding there (their time between
+   tokens) and then everything behind them, as the simulator showed on Mooncake. Past it the
+   prefill hop is taken anyway, reason ``decode_busy``; Dynamo gates its bypass on the decode
+   worker's load the same way (``decode_gate_allows_bypass`` in the file above).
 3. **The prefill hop** otherwise (reason ``remote_prefill``): the policy picks among the
    prefill workers, KV-aware, since the prefix cache that saves prefill work is theirs.
    SGLang's gateway picks its pair the same way, one policy per role
@@ -124,19 +130,23 @@ class Disaggregation:
         if s.mode == "never":
             decision.pd_reason = "never"
             return decision, ctx
-        if s.mode == "conditional" and uncached <= s.local_prefill_max_uncached_tokens:
+        conditional = s.mode == "conditional"
+        room = worker.pending_prefill_tokens + worker.queued_prefill_tokens + uncached <= s.decode_busy_tokens
+        if conditional and uncached <= s.local_prefill_max_uncached_tokens and room:
             decision.pd_reason = "decode_cached" + suffix
             return decision, ctx
         pctx = self._context(req, prefill, now, explain)
         chosen = policy.select(pctx)
         pworker = shared.workers.get(chosen.worker_id)
         busy = pworker.pending_prefill_tokens + pworker.queued_prefill_tokens
-        if s.mode == "conditional" and s.prefill_busy_tokens and busy >= s.prefill_busy_tokens:
+        if conditional and s.prefill_busy_tokens and busy >= s.prefill_busy_tokens and room:
             decision.pd_reason = "prefill_saturated" + suffix
             return decision, ctx
         decision.prefill = PrefillHop(pworker.id, pctx.overlap(pworker), pctx.uncached_tokens(pworker),
                                       chosen.reason, chosen.candidates if explain else [])
-        decision.pd_reason = "remote_prefill" + suffix
+        local_wanted = conditional and (uncached <= s.local_prefill_max_uncached_tokens
+                                        or (s.prefill_busy_tokens and busy >= s.prefill_busy_tokens))
+        decision.pd_reason = ("decode_busy" if local_wanted else "remote_prefill") + suffix
         return decision, ctx
 
     def hop_context(self, decision: Decision, ctx: RoutingContext) -> tuple[Worker, RoutingContext]:

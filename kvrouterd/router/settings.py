@@ -33,11 +33,14 @@ class DisaggregationSettings:
     #: prefill on the decode worker when the chosen prefill worker already has this many
     #: prompt tokens to compute (routed and queued in the router); 0 = never for this reason
     prefill_busy_tokens: int = 65536
+    #: ... but only while the decode worker's own prompt work (routed and queued prefill tokens,
+    #: this request's included) stays within this: past it the prefill hop is taken anyway
+    decode_busy_tokens: int = 8192
 
     def validate(self) -> None:
         if self.mode not in PD_MODES:
             raise ConfigError(f"disaggregation.mode must be one of {', '.join(PD_MODES)}, got {self.mode!r}")
-        for name in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens"):
+        for name in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens", "decode_busy_tokens"):
             if not 0 <= getattr(self, name) <= 1 << 30:
                 raise ConfigError(f"disaggregation.{name} must be in [0, 2**30], got {getattr(self, name)}")
 

@@ -118,6 +118,7 @@ class PdSimulation(Simulation):
         self._hops: dict[int, _Hop] = {}
         self._prefill_jobs: set[Job] = set()
         self.reasons: Counter[str] = Counter()
+        self.remote = 0
         self.transfer_ms: list[float] = []
 
     def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float) -> None:
@@ -126,6 +127,7 @@ class PdSimulation(Simulation):
         if d.prefill is None or result.prefill_worker is None:
             super()._dispatch(n, rr, result, now, route_us)
             return
+        self.remote += 1
         if self.log is not None:
             self.log.append(("route", now, rr, result.worker.id))
         req = self.workload.requests[n]
@@ -202,7 +204,7 @@ def row(sim: PdSimulation, label: str, rate: float, seed: int) -> dict[str, Any]
         "tbt_p99_ms": m.percentile(tbts, 99) * 1000.0,
         "ttft_attainment": result.summary.slo_attainment, "both_attainment": both / len(records) if records else 0.0,
         "goodput_rps": both / span, "hit_ratio": result.summary.hit_ratio,
-        "remote_share": sim.reasons.get("remote_prefill", 0) / total,
+        "remote_share": sim.remote / total,
         "transfer_p50_ms": m.percentile(sim.transfer_ms, 50) if sim.transfer_ms else 0.0,
         "reasons": dict(sim.reasons), "unfinished": result.counters.get("unfinished", 0),
     }

@@ -308,7 +308,7 @@ class Metrics:
         self.pd_decisions = LabelledCount("reason")
         meter.create_observable_counter(
             "kvrouter.pd.decisions", [self.pd_decisions.observe],
-            description="Routes in prefill/decode pools by reason: remote_prefill, decode_cached, prefill_saturated, never "
+            description="Routes in prefill/decode pools by reason: remote_prefill, decode_busy, decode_cached, prefill_saturated, never "
                         "(+decode_cache_unknown when the decode worker's cache could not be read)",
         )
         meter.create_observable_gauge(

@@ -184,3 +184,15 @@ def test_candidate_workers_naming_only_a_decode_worker_keep_the_pools_prefill_wo
     both.candidate_workers = ("d1", "p2")
     result = r.route(both)
     assert (result.worker.id, result.prefill_worker.id if result.prefill_worker else None) == ("d1", "p2")
+
+
+def test_a_busy_decode_worker_takes_the_prefill_hop_even_for_a_cached_prompt() -> None:
+    pd = DisaggregationSettings(local_prefill_max_uncached_tokens=16 * BS, decode_busy_tokens=20 * BS)
+    r = Router(RouterSettings(block_size=BS, disaggregation=pd), ManualClock())
+    for s in (spec("p1", WorkerRole.PREFILL), spec("d1", WorkerRole.DECODE)):
+        r.add_worker(s)
+    assert r.route(req("r1", prompt(1))).decision.pd_reason == "decode_cached"  # 16 blocks local: d1 has 64 tokens
+    second = r.route(req("r2", prompt(2))).decision
+    assert (second.pd_reason, second.prefill is not None) == ("decode_busy", True)  # 128 > 80: not on d1
+    r.complete(Completion("r1"))
+    assert r.route(req("r3", prompt(3))).decision.pd_reason == "decode_cached"

@@ -48,6 +48,7 @@ __all__ = [
     "ExtProcConfig",
     "LimitsConfig",
     "MetricsConfig",
+    "SpeculativeConfig",
     "TelemetryConfig",
     "TlsConfig",
     "WorkerConfig",
@@ -257,6 +258,34 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative indexing (``router/speculative.py``): a prompt routed to an events-mode
+    worker counts as cached there at once, until its engine's Stored confirms it or ``ttl_s``
+    passes, so follow-ups sharing its prefix find it while the prefill still runs."""
+
+    #: seconds a routed prompt's blocks count as cached before their Stored events arrive;
+    #: 0 = off. It should cover queueing plus prefill of a long prompt near capacity: a TTFT
+    #: objective's worth (the default SLO is 5 s) with room for the events' journey
+    ttl_s: float = 10.0
+    #: most blocks claimed that way on one worker (65,536 blocks: 1M tokens at 16 a block),
+    #: and on all workers together (~100 B each); the oldest claims give way first
+    max_blocks_per_worker: int = 1 << 16
+    max_blocks: int = 1 << 19
+
+    def validate(self) -> None:
+        from .router.settings import MAX_SPECULATIVE_TTL_S
+
+        problems = []
+        if not 0 <= self.ttl_s <= MAX_SPECULATIVE_TTL_S:
+            problems.append(f"speculative.ttl_s: must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), got {self.ttl_s}")
+        for name in ("max_blocks_per_worker", "max_blocks"):
+            if getattr(self, name) <= 0:
+                problems.append(f"speculative.{name}: must be > 0, got {getattr(self, name)}")
+        if problems:
+            raise ConfigError(*problems)
+
+
+@dataclass(frozen=True)
 class Config:
     listen: str = "127.0.0.1:50051"
     block_size: int = 16
@@ -268,6 +297,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: routed prompts counted as cached on events-mode workers before their engines store them
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     #: vLLM / SGLang ZMQ KV-event subscribers (workers declare kv_events_endpoint); docs/engine-events.md
     events: ZmqEventsConfig = field(default_factory=ZmqEventsConfig)
     #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
@@ -365,7 +396,7 @@ class Config:
             out.append("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
             out.append("admission.max_wait_s: must be > 0")
-        for section in (self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
+        for section in (self.speculative, self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
             check(section.validate)
         if self.reload_interval_s < 0:
             out.append("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
@@ -395,6 +426,9 @@ class Config:
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
+            speculative_ttl_s=self.speculative.ttl_s,
+            speculative_max_blocks_per_worker=self.speculative.max_blocks_per_worker,
+            speculative_max_blocks=self.speculative.max_blocks,
         )
 
 

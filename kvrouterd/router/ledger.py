@@ -24,6 +24,7 @@ from ..policies.base import AccessInfo, EvictionContext, RoutingContext, Routing
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest
 from .access import RecentAccess
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PrefixHits", "RouteResult", "request_bytes"]
 
@@ -80,9 +81,10 @@ class PrefixHits:
 class LoadLedger:
     """In-flight requests and their bytes, completions, and what routing commits."""
 
-    def __init__(self, shared: Shared, recent: RecentAccess) -> None:
+    def __init__(self, shared: Shared, recent: RecentAccess, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._recent = recent
+        self._speculative = speculative
         #: request id -> the routed request, while in flight (read it, never change it, outside)
         self.requests: dict[str, RouteRequest] = {}
         #: what the requests in ``requests`` cost (``request_bytes``), against max_inflight_bytes
@@ -187,9 +189,11 @@ class LoadLedger:
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
         slot = worker.slot
-        approximate = worker.mode is CacheMode.APPROXIMATE and overlap < len(req.keys)
+        uncached = overlap < len(req.keys)
+        approximate = worker.mode is CacheMode.APPROXIMATE and uncached
+        speculative = uncached and worker.mode is CacheMode.EVENTS and self._speculative.enabled
         info = None
-        if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
+        if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
         if overlap:
             matched = ctx.match.path[:overlap]
@@ -197,6 +201,9 @@ class LoadLedger:
             eviction.on_accessed(index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
             self._recent.remember(req)
+        if speculative:
+            assert info is not None
+            self._speculative.claim(worker, req.request_id, req.keys, overlap, info, now)
         if not approximate:
             return []
         assert info is not None
@@ -267,6 +274,10 @@ class LoadLedger:
         req = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
+        if completion.success:
+            self._speculative.completed(completion.request_id)
+        else:
+            self._speculative.failed(completion.request_id)
         policy = shared.policies.routing.get(entry.policy)
         if policy is not None:
             policy.on_complete(worker, req, completion, now)
@@ -286,8 +297,11 @@ class LoadLedger:
         return req
 
     def forget_worker(self, worker_id: str) -> None:
-        """The worker is being removed: forget the requests in flight on it."""
+        """The worker is being removed: forget the requests in flight on it, and its claims."""
         workers = self._shared.workers
+        worker = workers.find(worker_id)
+        if worker is not None:
+            self._speculative.forget_worker(worker)
         for rid in [rid for rid, r in self.requests.items() if (f := workers.inflight(rid)) and f.worker_id == worker_id]:
             self.forget_request(rid)
 
@@ -349,7 +363,20 @@ class LoadLedger:
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
             self._apply_assumed(worker, dispatch, own, now)
+        elif dispatch.keys and not own and self._speculative.enabled:
+            self._claim_remote(worker, dispatch, now)
         return charged
+
+    def _claim_remote(self, worker: Worker, dispatch: Dispatch, now: float) -> None:
+        """Another replica routed this prompt to an events-mode worker: claim its blocks here
+        too, from when it was routed, so this replica's next decision sees them as that one's
+        does (the engine's Stored confirms them on every replica alike)."""
+        keys = dispatch.keys
+        overlap = self._shared.index.match(keys, worker.bit).overlap(worker.slot)
+        if overlap < len(keys):
+            info = AccessInfo(session_id=dispatch.session_id, task=int(dispatch.task), prompt_tokens=dispatch.prompt_tokens)
+            self._speculative.claim(worker, dispatch.request_id, keys, overlap, info, now,
+                                    since=now - max(0.0, dispatch.age_s))
 
     def _apply_assumed(self, worker: Worker, dispatch: Dispatch, own: bool, now: float) -> None:
         keys, slot, index = dispatch.keys, worker.slot, self._shared.index

@@ -12,7 +12,11 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["RouterSettings"]
+__all__ = ["MAX_SPECULATIVE_TTL_S", "RouterSettings"]
+
+#: longest a block may count as cached before its engine stores it, s: past a few minutes the
+#: request it came from has timed out (``inflight_timeout_s``) or the engine does not cache it
+MAX_SPECULATIVE_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,12 @@ class RouterSettings:
     #: most characters all workers' descriptions (ids, addresses, endpoints, labels) may total,
     #: so ListWorkers and GetStats still fit in one message; 0 = no limit
     max_workers_description_length: int = 0
+    #: seconds a routed prompt's blocks count as cached on its events-mode worker before the
+    #: engine's Stored confirms them (config ``speculative.ttl_s``, ``router.speculative``); 0 = off, the blocks count only once stored
+    speculative_ttl_s: float = 0.0
+    #: most blocks claimed that way on one worker, and on all together (the oldest claims go first)
+    speculative_max_blocks_per_worker: int = 1 << 16
+    speculative_max_blocks: int = 1 << 19
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -60,6 +70,12 @@ class RouterSettings:
         if self.max_evict_pinned <= 0:
             raise ConfigError(f"max_evict_pinned must be > 0, got {self.max_evict_pinned}")
         for name in ("max_id_length", "max_address_length", "max_labels_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.speculative_ttl_s <= MAX_SPECULATIVE_TTL_S:
+            raise ConfigError(f"speculative_ttl_s must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), "
+                              f"got {self.speculative_ttl_s}")
+        for name in ("speculative_max_blocks_per_worker", "speculative_max_blocks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):

@@ -147,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how the router learns the caches: engine KV events, or its own prediction (default events)")
     c.add_argument("--event-delay-ms", type=float, default=0.0, help="delay before an engine's KV events reach the router, ms")
     c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    c.add_argument("--speculative-ttl-s", type=float, default=None, metavar="S",
+                   help="events mode: a routed prompt counts as cached on its worker until its Stored events "
+                        "arrive or S seconds pass (config speculative.ttl_s, which is the default); 0 = off")
     c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
     c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
     c.add_argument("--session-end", action="store_true",
@@ -232,6 +235,9 @@ class ClusterPlan:
 def plan(args: argparse.Namespace) -> ClusterPlan:
     """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
     cfg = load_config(args.config, environ={})
+    if args.speculative_ttl_s is not None:
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(cfg.speculative, ttl_s=args.speculative_ttl_s))
+        cfg.speculative.validate()
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in _kv(args.set, "--set"):
         policy, dot, fname = key.partition(".")
@@ -275,7 +281,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                               max_input_tokens=args.max_input_tokens, **dict(wparams))
 
     meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
-            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
+            "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)

@@ -193,9 +193,10 @@ class Completion:
 class Dispatch:
     """A routing decision another router replica committed (replica sync on the event bus).
 
-    ``keys`` / ``evicted`` are set for approximate-mode workers only: the routed prompt's block
+    ``keys`` / ``evicted`` are set for approximate-mode workers: the routed prompt's block
     keys the worker is now assumed to cache, and the blocks the routing replica's eviction
-    dropped from its model of that worker. ``age_s``: how long ago it was committed, so every
+    dropped from its model of that worker. With speculative indexing on, ``keys`` is set for an
+    events-mode worker too: the receiver claims them until the engine's Stored confirms them. ``age_s``: how long ago it was committed, so every
     replica expires a lost request at about the same time."""
 
     request_id: str

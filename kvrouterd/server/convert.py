@@ -457,8 +457,12 @@ def event_batch_bytes(data: bytes, limits: BatchLimits) -> EventBatch:
     return msg if isinstance(msg, EventBatch) else event_batch(msg, limits)  # type: ignore[arg-type]
 
 
-def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:
-    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync."""
+def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int, speculative: bool = False) -> bytes:
+    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync.
+
+    The prompt's keys go with it for an approximate-mode worker (the other replicas assume
+    them cached, as this one did) and, with ``speculative`` indexing on, for an events-mode one
+    (they claim them until the engine's Stored, which every replica receives, confirms them)."""
     req = result.request
     msg = pb.Dispatched(
         request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
@@ -468,6 +472,8 @@ def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) 
     if result.worker.mode is CacheMode.APPROXIMATE:
         msg.keys.extend(req.keys)
         msg.evicted_keys.extend(result.evicted)
+    elif speculative and result.decision.overlap_blocks < len(req.keys):
+        msg.keys.extend(req.keys)
     return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
 
 

@@ -86,7 +86,10 @@ async def test_scrape_reports_decisions_prefix_hits_events_and_workers(running):
     for wid, n in inflight.items():
         assert sample(text, "kvrouter_worker_inflight_requests", worker=wid) == n
     assert sample(text, "kvrouter_inflight_requests") == 2
-    assert sample(text, "kvrouter_index_blocks") == 6
+    # 6 stored blocks, and the routed prompts' blocks no engine stored yet (speculative.ttl_s is
+    # on by default): r1's last 2 on a, r2's 4 wherever it went
+    assert sample(text, "kvrouter_index_blocks") == 6 + 2 + 4
+    assert sample(text, "kvrouter_speculative_live_blocks") == 2 + 4
     assert sample(text, "process_resident_memory_bytes") > 0
 
     # a completion releases the in-flight gauges by the next scrape
@@ -120,6 +123,27 @@ async def test_event_batches_and_blocks_are_counted_by_outcome_and_op(running):
     assert sample(text, "kvrouter_events_batches_total", outcome="rejected") == 1
     assert sample(text, "kvrouter_events_blocks_total", op="stored") == 3
     assert sample(text, "kvrouter_events_blocks_total", op="removed") == 2
+
+
+async def test_speculative_blocks_are_counted_by_how_they_ended(running):
+    """kvrouter.speculative.blocks{outcome} and .live_blocks: a routed prompt's blocks count as
+    cached until its engine's Stored confirms them, or a failed request drops them."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(100, 100 + 4 * BS))
+    r1 = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_speculative_live_blocks") == 4
+    # the engine stores 3 of the 4 so far (chunked prefill)
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt[: 3 * BS], [1, 2, 3])]))
+    r2 = await stub.Route(pb.RouteRequest(token_ids=list(range(5000, 5000 + 2 * BS))))
+    await stub.Complete(pb.CompleteRequest(request_id=r2.request_id, success=False))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="confirmed") == 3
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="dropped") == 2
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="expired") == 0
+    assert sample(text, "kvrouter_speculative_live_blocks") == 1
+    assert r1.worker_id == "a"
 
 
 async def test_a_worse_pick_is_counted_when_a_policy_ignores_the_cache(running):

@@ -65,7 +65,7 @@ class Router:
         self._events = EventApplier(shared, self._engine_hashes, self._slots, recent, self._speculative)
         self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots)
         self._advice = Advisor(shared, self._engine_hashes, self._speculative)
-        self._selector = Selector(shared, self._ledger)
+        self._selector = Selector(shared, self._ledger, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
 from .ledger import LoadLedger
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["MAX_TTFT_SLO_MS", "Selector"]
 
@@ -32,9 +33,10 @@ class Selector:
     """Validates requests and asks the policy; keeps the eligible workers, sorted by slot with
     their routing mask, until the registry's generation changes."""
 
-    def __init__(self, shared: Shared, ledger: LoadLedger) -> None:
+    def __init__(self, shared: Shared, ledger: LoadLedger, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._ledger = ledger
+        self._speculative = speculative
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
@@ -110,6 +112,7 @@ class Selector:
             raise NoEligibleWorker("no eligible worker is registered")
         now = shared.clock.now()
         match = shared.index.match(req.keys, mask)
-        ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain)
+        claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
+        ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed)
         decision = policy.select(ctx)
         return decision, ctx, policy

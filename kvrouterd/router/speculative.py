@@ -27,7 +27,7 @@ and drops them, the facade expires them before each decision.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ..index.radix import Block
@@ -98,6 +98,38 @@ class SpeculativeBlocks:
         return frozenset(on.table) if on is not None else frozenset()
 
     # ---- routing ---------------------------------------------------------------------
+    def claimed(self, candidates: Iterable[Worker], keys: Sequence[int], overlaps: Mapping[int, int]) -> dict[int, int]:
+        """slot -> how many blocks at the end of its matched prefix are only claimed, for the
+        candidates that have some (``RoutingContext.claimed``). An engine admits a request
+        against what it has computed, so one admitted while the claimed prefix is still being
+        prefilled computes it again: policies price those blocks as uncached."""
+        out: dict[int, int] = {}
+        workers = self._workers
+        for w in candidates:
+            overlap = overlaps.get(w.slot, 0)
+            on = workers.get(w.id) if overlap else None
+            if on is None or not on.table:
+                continue
+            table, i = on.table, overlap - 1
+            while i >= 0 and keys[i] in table:
+                i -= 1
+            if i < overlap - 1:
+                out[w.slot] = overlap - 1 - i
+        return out
+
+    def claimed_in(self, worker: Worker, keys: Sequence[int], overlap: int) -> int:
+        """How many of the first ``overlap`` of ``keys`` (a matched prefix) are only claimed on
+        ``worker``: the end of the prefix, as ``_take_over`` walks it. An engine admits a
+        request against what it has computed, so one that starts while the claimed prefix is
+        still being prefilled computes it again: the ledger charges those blocks as load."""
+        on = self._workers.get(worker.id)
+        if on is None or not on.table:
+            return 0
+        table, i = on.table, overlap - 1
+        while i >= 0 and keys[i] in table:
+            i -= 1
+        return overlap - 1 - i
+
     def claim(self, worker: Worker, request_id: str, keys: Sequence[int], overlap: int, info: AccessInfo,
               now: float, since: float | None = None) -> None:
         """``worker``, holding the first ``overlap`` of ``keys``, was sent the prompt at

@@ -50,6 +50,22 @@ def test_a_second_route_with_the_same_prefix_sees_the_first_before_any_stored():
     assert router.speculative.live == 10 and router.speculative.live_on(first.worker.id) == 10
 
 
+def test_claimed_blocks_place_a_follow_up_but_are_priced_as_uncached_until_stored():
+    """An engine admits a request against what it has computed: one admitted while the claimed
+    prefix is still being prefilled computes it again, so policies and the load see its cost."""
+    router, _ = make(n=4)
+    first = router.route(req(router, PROMPT))
+    follow = PROMPT + list(range(1000, 1000 + 2 * BS))
+    _, ctx, _ = router.decide(req(router, follow))
+    assert ctx.overlap(first.worker) == 8 and ctx.claimed == {first.worker.slot: 8}
+    assert ctx.uncached_tokens(first.worker) == len(follow)
+    router.apply(stored(first.worker.id, 0, PROMPT[: 6 * BS]))
+    _, ctx, _ = router.decide(req(router, follow))
+    assert ctx.claimed == {first.worker.slot: 2} and ctx.uncached_tokens(first.worker) == len(follow) - 6 * BS
+    second = router.route(req(router, follow))
+    assert second.worker.pending_prefill_tokens == len(PROMPT) + len(follow) - 6 * BS
+
+
 def test_off_by_default_in_router_settings_and_for_approximate_workers():
     router, _ = make(speculative_ttl_s=0.0)
     router.route(req(router, PROMPT))

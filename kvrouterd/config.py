@@ -264,9 +264,12 @@ class SpeculativeConfig:
     passes, so follow-ups sharing its prefix find it while the prefill still runs."""
 
     #: seconds a routed prompt's blocks count as cached before their Stored events arrive;
-    #: 0 = off. It should cover queueing plus prefill of a long prompt near capacity: a TTFT
-    #: objective's worth (the default SLO is 5 s) with room for the events' journey
-    ttl_s: float = 10.0
+    #: 0 = off (the default). 10 s covers queueing plus prefill of a long prompt near capacity:
+    #: twice the default TTFT objective, past which the request has missed it anyway. Off by
+    #: default because it helps load-balancing prefix policies (cache_aware: 6.5 -> 7.5 req/s
+    #: on Mooncake in the simulator) and hurts DualMap, whose hashed pair then piles a hot
+    #: prefix on one worker (toolagent: 65 -> 50 req/s); docs/operations/configure.md
+    ttl_s: float = 0.0
     #: most blocks claimed that way on one worker (65,536 blocks: 1M tokens at 16 a block),
     #: and on all workers together (~100 B each); the oldest claims give way first
     max_blocks_per_worker: int = 1 << 16

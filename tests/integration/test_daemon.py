@@ -138,8 +138,9 @@ async def test_approximate_mode_learns_from_its_own_decisions(running):
     assert workers[first.worker_id].cached_blocks == 65
 
 
+@pytest.mark.parametrize("daemon_config", [{"speculative": {"ttl_s": 10}}])
 async def test_events_mode_sees_a_routed_prompt_before_its_engine_stores_it(running):
-    """Speculative indexing (config speculative.ttl_s, on by default): a follow-up routed before
+    """Speculative indexing (config speculative.ttl_s): a follow-up routed before
     the first prompt's Stored events arrive lands beside it; the events then confirm the blocks."""
     stub = running.stub
     for wid in ("a", "b", "c"):

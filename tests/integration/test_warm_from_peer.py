@@ -42,9 +42,7 @@ async def test_new_replica_warms_from_a_peer_and_routes_like_it(running):
             # engine hashes came along: the engine's removal by its own hash applies on the replica
             await publish(rstub, pb.EventBatch(worker_id="a", sequence=0,
                                                events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[10]))]))
-            # 9 left of the 10 stored, beside the Route's last 2 blocks, speculative (speculative.ttl_s)
-            assert replica.router.speculative.live_on("a") == 2
-            assert replica.router.index.count(replica.router.workers.get("a").slot) == 9 + 2
+            assert replica.router.index.count(replica.router.workers.get("a").slot) == 9
     finally:
         await replica.stop(grace=0.1)
 

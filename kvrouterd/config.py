@@ -13,6 +13,9 @@ Example (every key optional)::
     eviction: lru
     workers:
       - {id: gpu-0, address: 10.0.0.5:8000, capacity_blocks: 20000, mode: events}
+      - {id: gpu-1, address: 10.0.0.6:8000, models: [meta-llama/Llama-3.1-8B-Instruct],
+         loras: [sql-lora, chat-lora], max_loras: 4}
+    lora: {load_cost_requests: 2}
     limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
     telemetry: {traces: none}
 
@@ -38,8 +41,8 @@ from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
 from .events.zmq_config import ZmqEventsConfig
-from .index.workers import WorkerSpec, is_host_port
-from .protocols import CacheMode
+from .index.workers import MAX_LORAS, MAX_POOL_NAMES, WorkerSpec, is_host_port
+from .protocols import CacheMode, WorkerRole
 
 __all__ = [
     "ENV_PREFIX",
@@ -47,6 +50,7 @@ __all__ = [
     "Config",
     "ExtProcConfig",
     "LimitsConfig",
+    "LoraConfig",
     "MetricsConfig",
     "SpeculativeConfig",
     "TelemetryConfig",
@@ -70,6 +74,14 @@ class WorkerConfig:
     #: the engine's page size in tokens when it is not the router's block_size (SGLang's
     #: default page is 1 token; vLLM may run 32 or 64): its events are re-chunked
     block_size: int = 0
+    #: base models served (its model pool); empty = any model
+    models: list[str] = field(default_factory=list)
+    #: LoRA adapters it can load; empty = any adapter of a model it serves
+    loras: list[str] = field(default_factory=list)
+    #: most adapters loaded at once (vLLM --max-loras); 0 = unknown
+    max_loras: int = 0
+    #: prefill, decode or both (an aggregated worker)
+    role: Literal["both", "prefill", "decode"] = "both"
 
     def to_spec(self, block_size: int) -> WorkerSpec:
         return WorkerSpec(
@@ -80,7 +92,21 @@ class WorkerConfig:
             labels=dict(self.labels),
             mode=CacheMode.EVENTS if self.mode == "events" else CacheMode.APPROXIMATE,
             kv_events_endpoint=self.kv_events_endpoint,
+            models=tuple(self.models),
+            loras=tuple(self.loras),
+            max_loras=self.max_loras,
+            role=WorkerRole[self.role.upper()],
         )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA-aware routing (README "Model pools and LoRA adapters", ``router/pools.py``)."""
+
+    #: what loading an adapter costs, in requests of load: a worker without the adapter takes
+    #: its requests only once every worker holding it has this many more in flight (twice this
+    #: when loading it would evict another adapter)
+    load_cost_requests: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +147,11 @@ class LimitsConfig:
     #: ids), Routes waiting in admission queues included; a Route that would go over is
     #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
+    #: most routed, not completed requests one client (one gRPC connection: its peer address
+    #: and port; all its RouteStreams with it) may hold; a Route over it is RESOURCE_EXHAUSTED
+    #: until it completes some or they expire, so one client that never calls Complete cannot
+    #: fill the in-flight table for everyone
+    max_inflight_per_client: int = 16384
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)
     approximate_capacity_blocks: int = 262144
@@ -297,6 +328,7 @@ class Config:
     eviction: dict[str, Any] = field(default_factory=lambda: {"name": "lru"})
     default_ttft_slo_ms: float = 5000.0
     workers: list[WorkerConfig] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -370,6 +402,15 @@ class Config:
                       f"workers[{i}].kv_events_endpoint: ")
             if w.capacity_blocks < 0:
                 out.append(f"workers[{i}].capacity_blocks: must be >= 0")
+            for fname, names in (("models", w.models), ("loras", w.loras)):
+                if len(names) > MAX_POOL_NAMES:
+                    out.append(f"workers[{i}].{fname}: {len(names)} names, at most {MAX_POOL_NAMES}")
+                for name in names:
+                    if not name or len(name) > lim.max_id_length:
+                        out.append(f"workers[{i}].{fname}: {name!r} must be 1 to limits.max_id_length="
+                                   f"{lim.max_id_length} characters")
+            if not 0 <= w.max_loras <= MAX_LORAS:
+                out.append(f"workers[{i}].max_loras: must be in [0, {MAX_LORAS}] (0 = unknown)")
             for fname, value, limit in (("id", w.id, lim.max_id_length), ("address", w.address, lim.max_address_length),
                                         ("kv_events_endpoint", w.kv_events_endpoint, lim.max_address_length),
                                         ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
@@ -378,7 +419,7 @@ class Config:
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
-                      "max_inflight_bytes", "approximate_capacity_blocks"):
+                      "max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 out.append(f"limits.{fname}: must be > 0")
         if 0 < lim.max_batch_blocks < 8:
@@ -389,6 +430,8 @@ class Config:
             out.append("limits.inflight_timeout_s: must be > 0")
         if lim.off_loop_prompt_bytes < 0:
             out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
+        if not 0 <= self.lora.load_cost_requests <= 1e6:
+            out.append(f"lora.load_cost_requests: must be in [0, 1e6], got {self.lora.load_cost_requests}")
         if self.default_ttft_slo_ms <= 0:
             out.append("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
@@ -425,6 +468,7 @@ class Config:
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,
             max_inflight_bytes=self.limits.max_inflight_bytes,
+            max_inflight_per_client=self.limits.max_inflight_per_client,
             approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,
@@ -432,6 +476,7 @@ class Config:
             speculative_ttl_s=self.speculative.ttl_s,
             speculative_max_blocks_per_worker=self.speculative.max_blocks_per_worker,
             speculative_max_blocks=self.speculative.max_blocks,
+            lora_load_cost=self.lora.load_cost_requests,
         )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "RouteRequest",
     "Stored",
     "TaskCategory",
+    "WorkerRole",
     "WorkerState",
 ]
 
@@ -52,6 +53,17 @@ class CacheMode(enum.IntEnum):
 
     EVENTS = 1
     APPROXIMATE = 2
+
+
+class WorkerRole(enum.IntEnum):
+    """What a worker does in a disaggregated pool. Mirrors kvrouter.v1.WorkerRole (same numbers).
+
+    Routing by role (a prefill hop, a decode hop) builds on this; until then every role is
+    routed to alike."""
+
+    BOTH = 1
+    PREFILL = 2
+    DECODE = 3
 
 
 class WorkerState(enum.IntEnum):
@@ -147,6 +159,12 @@ class RouteRequest:
     policy: str = ""
     candidate_workers: tuple[str, ...] = ()
     model: str = ""
+    #: the LoRA adapter the request runs with ("" = the base model)
+    lora: str = ""
+    #: who sent it, as the host names its callers (the daemon: the gRPC peer, one client
+    #: connection); requests in flight are bounded per client (``limits.max_inflight_per_client``).
+    #: "" = not bounded by client (the simulator, in-process callers)
+    client: str = ""
 
 
 @dataclass(slots=True)
@@ -173,6 +191,12 @@ class Decision:
     alternative_worker_id: str = ""
     estimated_ttft_ms: float = 0.0
     attributes: dict[str, float | int | str] = field(default_factory=dict)
+    #: the model pool the request was placed in: the declared model it asked for ("" = the
+    #: whole fleet: no model asked, or no worker declares models); set by the router, not policies
+    pool: str = ""
+    #: for a LoRA request, how its adapter stood on the chosen worker: "loaded", "free_slot"
+    #: (it loads it into a free slot) or "swap" (it evicts another adapter); "" otherwise
+    lora_placement: str = ""
 
 
 @dataclass(slots=True, frozen=True)

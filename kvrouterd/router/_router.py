@@ -3,8 +3,8 @@
 Each job lives in its own part, which owns its state: ``events`` applies engines' cache
 events to the index, ``ledger`` keeps the in-flight load, ``membership`` the workers,
 ``slots`` empties retired index slots in steps, ``advice`` answers eviction hints and
-exports or imports a worker's blocks, ``selector`` decides, and ``policy_table`` holds the
-policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
+exports or imports a worker's blocks, ``pools`` keeps model pools and LoRA adapter
+residency, ``selector`` decides, and ``policy_table`` holds the policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
 counters) and call each other through the few references the facade hands them. Hosts see
 only the facade, whose methods delegate, one call each.
 """
@@ -38,6 +38,7 @@ from .events import EventApplier
 from .ledger import LoadLedger, PrefixHits, RouteResult
 from .membership import Membership
 from .policy_table import PolicyTable
+from .pools import Pools
 from .selector import Selector
 from .settings import RouterSettings
 from .shared import Shared, log
@@ -63,9 +64,10 @@ class Router:
         self._speculative = SpeculativeBlocks(shared)
         self._ledger = LoadLedger(shared, recent, self._speculative)
         self._events = EventApplier(shared, self._engine_hashes, self._slots, recent, self._speculative)
-        self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots)
+        self._pools = Pools(shared)
+        self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots, self._pools)
         self._advice = Advisor(shared, self._engine_hashes, self._speculative)
-        self._selector = Selector(shared, self._ledger, self._speculative)
+        self._selector = Selector(shared, self._ledger, self._pools, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
     @property
@@ -172,8 +174,11 @@ class Router:
     def set_draining(self, worker_id: str, draining: bool) -> Worker:
         return self._membership.set_draining(worker_id, draining)
 
-    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
-        self._membership.report_load(worker_id, queued, running, kv_utilization)
+    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float,
+                    loaded_loras: Sequence[str] | None = None) -> None:
+        """What an engine reports about itself; ``loaded_loras`` (None = not reported) replaces
+        the adapters the router believes it has loaded (``Membership.report_load``)."""
+        self._membership.report_load(worker_id, queued, running, kv_utilization, loaded_loras)
 
     def note_admission_queue(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
         """The host's admission queue for ``worker_id`` now holds ``requests`` waiting
@@ -274,8 +279,17 @@ class Router:
         self._ledger.release_waiting(held)
 
     def commit(self, decision: Decision, ctx: RoutingContext, policy: RoutingPolicy) -> RouteResult:
-        """Commit a decision from ``decide`` made in this same step (nothing may change in between)."""
-        return self._ledger.commit(decision, ctx, policy)
+        """Commit a decision from ``decide`` made in this same step (nothing may change in between);
+        the chosen worker now holds the request's adapter, if any (``Pools.note_loaded``)."""
+        result = self._ledger.commit(decision, ctx, policy)
+        if decision.lora_placement:
+            self._pools.note_loaded(result.worker, self._pools.wanted(ctx.request)[1])
+        return result
+
+    # ---- model pools (``pools``) -----------------------------------------------------------
+    def pool_label(self, req: RouteRequest) -> str:
+        """The pool ``req`` counts under in metrics (``Pools.pool_label``)."""
+        return self._pools.pool_label(req)
 
     def complete(self, completion: Completion) -> InFlight:
         """Stop charging a routed request, tell its policy how it went (``LoadLedger.complete``)."""
@@ -305,6 +319,8 @@ class Router:
         """Apply one batch of cache events for a worker, in publisher order
         (``EventApplier.apply`` states the sequence rules), then one step of a pending drain."""
         outcome = self._events.apply(batch, per_event=per_event)
+        if outcome.applied:
+            self._pools.note_events(batch)  # an adapter whose blocks the worker stores is loaded there
         # a host that never drains (the simulator) still frees the old slots; a duplicate does not
         if outcome.applied and self._slots.pending:
             self.drain_step()
@@ -332,14 +348,19 @@ class Router:
         parents before children (a chain's top names a parent this worker does not hold)."""
         return self._advice.export_blocks(worker_id)
 
-    def export_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[list[tuple[int, int | None, int]]]:
-        """``export_blocks`` in parts, each after visiting at most ``step`` blocks (``Advisor.export_steps``)."""
-        return self._advice.export_steps(worker_id, step)
+    def export_steps(
+        self, worker_id: str, step: int = 1 << 62, unheld: list[tuple[int, int | None]] | None = None
+    ) -> Iterator[list[tuple[int, int | None, int]]]:
+        """``export_blocks`` in parts, each after visiting at most ``step`` blocks, with the
+        blocks nobody holds that they hang under put in ``unheld`` (``Advisor.export_steps``)."""
+        return self._advice.export_steps(worker_id, step, unheld)
 
-    def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
-        """Store exported blocks (parents first); returns those whose parent is not in yet
-        (``Advisor.import_blocks``)."""
-        return self._advice.import_blocks(worker_id, blocks)
+    def import_blocks(
+        self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]], unheld: Mapping[int, int | None] | None = None
+    ) -> list[tuple[int, int | None, int]]:
+        """Store exported blocks (parents first), putting back the ``unheld`` blocks above them;
+        returns those whose parent is not in yet (``Advisor.import_blocks``)."""
+        return self._advice.import_blocks(worker_id, blocks, unheld)
 
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
         return self._advice.evict_hint(req, pinned_engine_hashes)

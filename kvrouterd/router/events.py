@@ -267,6 +267,10 @@ class EventApplier:
             parent_key = worker.engine_keys.get(ev.parent_engine_hash)
             if parent_key is None and index.holds(worker.slot, ev.parent_engine_hash):
                 parent_key = ev.parent_engine_hash  # publisher uses our keys as its hashes
+            elif parent_key is not None and index.get(parent_key) is None:
+                # the map still names a block the router dropped itself: an approximate-mode
+                # worker's modelled eviction (capacity) leaves the engine's hashes mapped
+                parent_key = None
             if parent_key is None:
                 outcome.orphan_blocks += len(data) // (block_size * 4)
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})

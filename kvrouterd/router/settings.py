@@ -45,6 +45,9 @@ class RouterSettings:
     #: most bytes the in-flight table may hold (``Router.inflight_bytes``); 0 = no limit (the
     #: simulator), the daemon's config always sets one
     max_inflight_bytes: int = 0
+    #: most requests in flight per client (``RouteRequest.client``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_per_client: int = 0
     #: modelled cache size of an approximate-mode worker without ``capacity_blocks``; 0 = such a
     #: worker's model is unbounded (the simulator's "infinite cache"), the daemon always sets one
     approximate_capacity_blocks: int = 0
@@ -57,6 +60,10 @@ class RouterSettings:
     #: most blocks claimed that way on one worker, and on all together (the oldest claims go first)
     speculative_max_blocks_per_worker: int = 1 << 16
     speculative_max_blocks: int = 1 << 19
+    #: what loading a LoRA adapter costs, in requests of load: a worker without the adapter is
+    #: a candidate for it only when the least loaded worker holding it has this many more
+    #: requests (twice this when it would evict another adapter); ``router.pools``
+    lora_load_cost: float = 2.0
 
     def validate(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -75,9 +82,9 @@ class RouterSettings:
         if not 0 <= self.speculative_ttl_s <= MAX_SPECULATIVE_TTL_S:
             raise ConfigError(f"speculative_ttl_s must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), "
                               f"got {self.speculative_ttl_s}")
-        for name in ("speculative_max_blocks_per_worker", "speculative_max_blocks"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):
+        if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
+            raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
+        for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",
+                     "max_workers_description_length"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

@@ -28,7 +28,12 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
 - Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
   ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, a comma-separated string,
   or a list whose elements are comma-separated; a bare IP allows every port on that host)
-  restricts the pick to workers with those addresses; none eligible -> 503.
+  restricts the pick to workers with those addresses; none eligible -> 503. Unlike a
+  ``Route`` whose ``candidate_workers`` are all unknown (NOT_FOUND, the caller's mistake), a
+  hint that names no registered worker is 503 too: the proxy builds it from the endpoints it
+  has (the pool's ready pods), so an address the router does not know is a pod that has not
+  registered yet, or one that just left, not a typo; the protocol's answer when no endpoint
+  of the subset can be picked is 503, as the reference picker's.
 - Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
   ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
   setting, instead of both sides waiting for each other.
@@ -422,6 +427,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     destination = worker.address
                     policy = "ext_proc"
                     source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
+                    pool = ""
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
@@ -446,6 +452,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                         endpoints.append(alt.address)
                     destination = ",".join(endpoints[: self.settings.max_endpoints])
                     source, policy, reason = pk.source, result.decision.policy, result.decision.reason
+                    pool = result.decision.pool
                     if recording:
                         annotate_decision(span, result, self.router.block_size)
             except KVRouterError as exc:
@@ -460,7 +467,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     "kvrouter.ext_proc.subset_size": -1 if ex.subset is None else len(ex.subset),
                 })
         if self.metrics is not None:
-            self.metrics.decisions.add(1, {"policy": policy, "reason": reason})
+            self.metrics.decisions.add(1, {"policy": policy, "reason": reason, "pool": pool})
             self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
         answer = [_destination_response(destination, len(body or b""))]
         if body is None:

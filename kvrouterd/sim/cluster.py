@@ -433,7 +433,8 @@ class Simulation:
                   "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable,
                   "preempted": e.preempted} for e in self.engines]
         return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,
-                         self.settings.engine.capacity_blocks, summary, done, wall, counters, stats)
+                         self.settings.engine.capacity_blocks, self.workload.block_tokens, summary, done, wall,
+                         counters, stats)
 
 
 def simulate(cfg: Config, workload: Workload, settings: ClusterSettings, *, routing: str | Mapping[str, Any],

@@ -115,28 +115,44 @@ def drop_series(provider: MeterProvider, instruments: Iterable[object], key: str
 
 
 class DecisionCounter:
-    """``kvrouter.decisions{policy,reason}``: cumulative ints, observed at collection time.
+    """``kvrouter.decisions{policy,reason[,pool]}``: cumulative ints, observed at collection time.
 
-    ``count`` is the hot path (one dict update); ``add`` keeps the SDK Counter's signature for
-    callers that pass an attribute dict.
+    ``counts`` holds every decision by policy and reason; ``pooled`` those placed in a model pool
+    (``Decision.pool``: a model some worker declares, so its values are bounded by configuration,
+    never by what clients send), which are observed with a ``pool`` label, the rest without one,
+    as before pools existed. ``count`` is the hot path (a dict update, two in a pool); ``add``
+    keeps the SDK Counter's signature for callers that pass an attribute dict.
     """
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
+        self.pooled: dict[tuple[str, str, str], int] = {}
 
-    def count(self, policy: str, reason: str) -> None:
+    def count(self, policy: str, reason: str, pool: str = "", amount: int = 1) -> None:
         key = (policy, reason)
         counts = self.counts
-        counts[key] = counts.get(key, 0) + 1
+        counts[key] = counts.get(key, 0) + amount
+        if pool:
+            pooled = self.pooled
+            pkey = (policy, reason, pool)
+            pooled[pkey] = pooled.get(pkey, 0) + amount
 
     def add(self, amount: int, attributes: Mapping[str, str]) -> None:
-        key = (attributes["policy"], attributes["reason"])
-        self.counts[key] = self.counts.get(key, 0) + amount
+        self.count(attributes["policy"], attributes["reason"], attributes.get("pool", ""), amount)
 
     def observe(self, _: CallbackOptions) -> Iterable[Observation]:
-        # copy: an exporter thread (OTLP) may collect while the event loop counts
-        for (policy, reason), n in self.counts.copy().items():
-            yield Observation(n, {"policy": policy, "reason": reason})
+        # copies: an exporter thread (OTLP) may collect while the event loop counts. ``pooled``
+        # first: ``count`` adds to ``counts`` before ``pooled``, so the later copy of ``counts``
+        # holds every pooled decision of the earlier one and no remainder goes negative
+        pooled = self.pooled.copy()
+        unpooled = self.counts.copy()
+        for (policy, reason, pool), n in pooled.items():
+            unpooled[(policy, reason)] -= n
+            yield Observation(n, {"policy": policy, "reason": reason, "pool": pool})
+        has_pooled = {(policy, reason) for policy, reason, _ in pooled}
+        for (policy, reason), n in unpooled.items():
+            if n or (policy, reason) not in has_pooled:
+                yield Observation(n, {"policy": policy, "reason": reason})
 
 
 class LabelledCount:
@@ -367,7 +383,7 @@ class Metrics:
         """Record queued route latencies (the daemon calls this on its maintenance tick)."""
         self.route_latency.flush()
 
-    def route_decided(self, policy: str, reason: str, seconds: float) -> None:
-        """One successful Route: count the decision, record how long it took."""
-        self.decisions.count(policy, reason)
+    def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "") -> None:
+        """One successful Route: count the decision (in its model pool), record how long it took."""
+        self.decisions.count(policy, reason, pool)
         self.route_latency.observe(seconds, policy)

@@ -391,6 +391,8 @@ async def test_buffered_or_streamed_request_bodies_are_refused_with_a_clear_erro
 
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"]])
 async def test_subset_hint_with_no_eligible_worker_is_503(envoy, subset):
+    """An address no worker has is 503, not a Route's NOT_FOUND (issue #29 item 10): the proxy
+    lists the pool's ready pods, and one the router does not know has not registered yet."""
     s = envoy.open()
     await s.send(headers_msg("/v1/chat/completions", subset=subset))
     assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
@@ -544,3 +546,22 @@ async def test_admission_queue_timeout_is_shed_with_429(envoy):
     await second.send(headers_msg("/v1/chat/completions", subset=ONE))
     assert immediate_status(await second.send(body_msg(chat_body("second " * 50), True), expect=1)) == 429
     await first.close()
+
+
+POOLED = [{"id": "a", "address": "10.0.1.1:8000", "models": ["A"]},
+          {"id": "b", "address": "10.0.1.2:8000", "models": ["B"], "loras": ["sql-lora"]}]
+
+
+@pytest.mark.parametrize("worker_list", [POOLED])
+async def test_a_body_goes_to_its_models_pool_and_a_model_nobody_serves_is_404(envoy):
+    """Issue #31 item 1: the body's ``model`` picks the pool; naming an adapter asks for it."""
+    for model, address in (("B", "10.0.1.2:8000"), ("A", "10.0.1.1:8000"), ("sql-lora", "10.0.1.2:8000")):
+        s = envoy.open()
+        await s.send(headers_msg("/v1/chat/completions"))
+        replies = await s.send(body_msg(chat_body("hello", model), True), expect=2)
+        assert destination(replies[0])[0] == address
+        await s.close()
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions"))
+    replies = await s.send(body_msg(chat_body("hello", "C"), True), expect=1)
+    assert immediate_status(replies) == 404 and "'C'" in replies[0].immediate_response.body.decode()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ._generated.kvrouter.v1 import router_pb2 as pb
-from .keys import tokens_to_bytes
+from .keys import le32_array
 
 __all__ = [
     "CacheMode",
@@ -39,6 +40,15 @@ class CacheMode(enum.IntEnum):
     UNSPECIFIED = 0
     EVENTS = 1
     APPROXIMATE = 2
+
+
+class WorkerRole(enum.IntEnum):
+    """A worker's part in a disaggregated pool (mirrors kvrouter.v1.WorkerRole)."""
+
+    UNSPECIFIED = 0
+    BOTH = 1
+    PREFILL = 2
+    DECODE = 3
 
 
 class WorkerState(enum.IntEnum):
@@ -96,6 +106,13 @@ class WorkerInfo:
     inflight_requests: int
     pending_prefill_tokens: int
     kv_events_endpoint: str
+    #: base models served (empty = any), adapters it can load (empty = any of its models'),
+    #: adapters loaded at once (0 = unknown), its role, and the adapters the router believes loaded
+    models: tuple[str, ...] = ()
+    loras: tuple[str, ...] = ()
+    max_loras: int = 0
+    role: WorkerRole = WorkerRole.BOTH
+    loaded_loras: tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, msg: pb.Worker) -> WorkerInfo:
@@ -111,6 +128,11 @@ class WorkerInfo:
             inflight_requests=msg.inflight_requests,
             pending_prefill_tokens=msg.pending_prefill_tokens,
             kv_events_endpoint=msg.kv_events_endpoint,
+            models=tuple(msg.models),
+            loras=tuple(msg.loras),
+            max_loras=msg.max_loras,
+            role=WorkerRole(msg.role) if msg.role in WorkerRole._value2member_map_ else WorkerRole.UNSPECIFIED,
+            loaded_loras=tuple(msg.loaded_loras),
         )
 
 
@@ -159,8 +181,14 @@ Event = Stored | Removed | Cleared
 def packed_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as the wire's ``token_ids_le32`` (little-endian uint32 bytes), which the router
     hashes as they are. Raises ValueError for an id outside [0, 2**32), as the repeated field did."""
+    return packed_array(tokens).tobytes()
+
+
+def packed_array(tokens: Sequence[int]) -> array:
+    """``packed_tokens`` as an array whose buffer holds those bytes, without copying them out
+    (``tokens`` itself when it is an ``array('I')``: see ``keys.le32_array``)."""
     try:
-        return tokens_to_bytes(tokens)
+        return le32_array(tokens)
     except OverflowError:
         raise ValueError("token ids must be in [0, 2**32)") from None
 

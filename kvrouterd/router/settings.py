@@ -82,6 +82,9 @@ class RouterSettings:
         if not 0 <= self.speculative_ttl_s <= MAX_SPECULATIVE_TTL_S:
             raise ConfigError(f"speculative_ttl_s must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), "
                               f"got {self.speculative_ttl_s}")
+        for name in ("speculative_max_blocks_per_worker", "speculative_max_blocks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
             raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
         for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",

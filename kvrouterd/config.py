@@ -53,6 +53,7 @@ __all__ = [
     "LimitsConfig",
     "LoraConfig",
     "MetricsConfig",
+    "SpeculativeConfig",
     "TelemetryConfig",
     "TlsConfig",
     "WorkerConfig",
@@ -163,6 +164,11 @@ class LimitsConfig:
     #: ids), Routes waiting in admission queues included; a Route that would go over is
     #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
+    #: most routed, not completed requests one client (one gRPC connection: its peer address
+    #: and port; all its RouteStreams with it) may hold; a Route over it is RESOURCE_EXHAUSTED
+    #: until it completes some or they expire, so one client that never calls Complete cannot
+    #: fill the in-flight table for everyone
+    max_inflight_per_client: int = 16384
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)
     approximate_capacity_blocks: int = 262144
@@ -300,6 +306,37 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative indexing (``router/speculative.py``): a prompt routed to an events-mode
+    worker counts as cached there at once, until its engine's Stored confirms it or ``ttl_s``
+    passes, so follow-ups sharing its prefix find it while the prefill still runs."""
+
+    #: seconds a routed prompt's blocks count as cached before their Stored events arrive;
+    #: 0 = off (the default). 10 s covers queueing plus prefill of a long prompt near capacity:
+    #: twice the default TTFT objective, past which the request has missed it anyway. Off by
+    #: default because it helps load-balancing prefix policies (cache_aware: 6.5 -> 7.5 req/s
+    #: on Mooncake in the simulator) and hurts DualMap, whose hashed pair then piles a hot
+    #: prefix on one worker (toolagent: 65 -> 50 req/s); docs/operations/configure.md
+    ttl_s: float = 0.0
+    #: most blocks claimed that way on one worker (65,536 blocks: 1M tokens at 16 a block),
+    #: and on all workers together (~100 B each); the oldest claims give way first
+    max_blocks_per_worker: int = 1 << 16
+    max_blocks: int = 1 << 19
+
+    def validate(self) -> None:
+        from .router.settings import MAX_SPECULATIVE_TTL_S
+
+        problems = []
+        if not 0 <= self.ttl_s <= MAX_SPECULATIVE_TTL_S:
+            problems.append(f"speculative.ttl_s: must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), got {self.ttl_s}")
+        for name in ("max_blocks_per_worker", "max_blocks"):
+            if getattr(self, name) <= 0:
+                problems.append(f"speculative.{name}: must be > 0, got {getattr(self, name)}")
+        if problems:
+            raise ConfigError(*problems)
+
+
+@dataclass(frozen=True)
 class Config:
     listen: str = "127.0.0.1:50051"
     block_size: int = 16
@@ -313,6 +350,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: routed prompts counted as cached on events-mode workers before their engines store them
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     #: vLLM / SGLang ZMQ KV-event subscribers (workers declare kv_events_endpoint); docs/engine-events.md
     events: ZmqEventsConfig = field(default_factory=ZmqEventsConfig)
     #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
@@ -398,7 +437,7 @@ class Config:
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
-                      "max_inflight_bytes", "approximate_capacity_blocks"):
+                      "max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 out.append(f"limits.{fname}: must be > 0")
         if 0 < lim.max_batch_blocks < 8:
@@ -424,7 +463,7 @@ class Config:
             out.append("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
             out.append("admission.max_wait_s: must be > 0")
-        for section in (self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
+        for section in (self.speculative, self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
             check(section.validate)
         if self.reload_interval_s < 0:
             out.append("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
@@ -451,10 +490,14 @@ class Config:
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,
             max_inflight_bytes=self.limits.max_inflight_bytes,
+            max_inflight_per_client=self.limits.max_inflight_per_client,
             approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
+            speculative_ttl_s=self.speculative.ttl_s,
+            speculative_max_blocks_per_worker=self.speculative.max_blocks_per_worker,
+            speculative_max_blocks=self.speculative.max_blocks,
             lora_load_cost=self.lora.load_cost_requests,
             disaggregation=DisaggregationSettings(**dataclasses.asdict(self.disaggregation)),
         )

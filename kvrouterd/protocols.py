@@ -162,6 +162,10 @@ class RouteRequest:
     model: str = ""
     #: the LoRA adapter the request runs with ("" = the base model)
     lora: str = ""
+    #: who sent it, as the host names its callers (the daemon: the gRPC peer, one client
+    #: connection); requests in flight are bounded per client (``limits.max_inflight_per_client``).
+    #: "" = not bounded by client (the simulator, in-process callers)
+    client: str = ""
 
 
 @dataclass(slots=True)
@@ -240,9 +244,10 @@ class Completion:
 class Dispatch:
     """A routing decision another router replica committed (replica sync on the event bus).
 
-    ``keys`` / ``evicted`` are set for approximate-mode workers only: the routed prompt's block
+    ``keys`` / ``evicted`` are set for approximate-mode workers: the routed prompt's block
     keys the worker is now assumed to cache, and the blocks the routing replica's eviction
-    dropped from its model of that worker. ``age_s``: how long ago it was committed, so every
+    dropped from its model of that worker. With speculative indexing on, ``keys`` is set for an
+    events-mode worker too: the receiver claims them until the engine's Stored confirms them. ``age_s``: how long ago it was committed, so every
     replica expires a lost request at about the same time."""
 
     request_id: str

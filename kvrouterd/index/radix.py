@@ -396,7 +396,14 @@ class RadixIndex:
         """``slot`` now holds the chain ``keys`` hanging under ``parent_key`` (None = root).
 
         Blocks already held are touched instead. Returns the chain's blocks. Raises
-        KeyError if ``parent_key`` is not in the index (nothing is changed then). ``keys`` as
+        KeyError if ``parent_key`` is not in the index (nothing is changed then).
+
+        A block already indexed stays under the parent it has, which is the chain's previous
+        block whenever the keys were hashed from tokens. Route takes block keys from clients as
+        they come (an approximate-mode worker then stores them), so they may name blocks of
+        other prompts, out of order: leaves are kept by the tree's links, never the chain's,
+        or a held block would be lost from its slot's leaves and outlive its slot (issue #28
+        item 2: ``KeyError(1 << slot)`` once the slot was dropped). ``keys`` as
         an ``array('Q')`` is read in place by the native table (no int object per key).
         """
         blocks = self._blocks
@@ -466,8 +473,11 @@ class RadixIndex:
                     alone_by_bit[holders] -= 1
                 node.holders = holders | bit
                 added += 1
-                if parent is not None and parent.holders & bit:
-                    leaves.discard(parent)
+                # the block's own parent stops being a leaf, which need not be the chain's
+                # previous block (see the docstring: keys a client sent)
+                above = node.parent
+                if above is not None and above.holders & bit:
+                    leaves.discard(above)
             chain.append(node)
             parent = node
         self._counts[slot] += added

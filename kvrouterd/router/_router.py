@@ -45,6 +45,7 @@ from .selector import Selector
 from .settings import RouterSettings
 from .shared import Shared, log
 from .slots import RetiredSlots
+from .speculative import SpeculativeBlocks
 
 __all__ = ["Router"]
 
@@ -62,13 +63,14 @@ class Router:
         recent = RecentAccess(settings.block_size)
         self._engine_hashes = EngineHashMaps()
         self._slots = RetiredSlots(shared)
-        self._ledger = LoadLedger(shared, recent)
-        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent)
+        self._speculative = SpeculativeBlocks(shared)
+        self._ledger = LoadLedger(shared, recent, self._speculative)
+        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent, self._speculative)
         self._pools = Pools(shared)
         self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots, self._pools)
-        self._advice = Advisor(shared, self._engine_hashes)
+        self._advice = Advisor(shared, self._engine_hashes, self._speculative)
         self._disagg = Disaggregation(shared)
-        self._selector = Selector(shared, self._ledger, self._pools, self._disagg)
+        self._selector = Selector(shared, self._ledger, self._pools, self._disagg, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
     @property
@@ -147,8 +149,10 @@ class Router:
         return changed
 
     def tick(self) -> None:
-        """Periodic work for time-driven policies (load decay, hotness windows)."""
-        self._policies.tick(self.clock.now())
+        """Periodic work: time-driven policies (load decay, hotness windows), speculative blocks' expiry."""
+        now = self.clock.now()
+        self._speculative.expire(now)
+        self._policies.tick(now)
 
     # ---- membership (``membership``, ``slots``) -------------------------------------------
     def add_worker(self, spec: WorkerSpec) -> Worker:
@@ -211,13 +215,21 @@ class Router:
         """Select a worker without committing anything (used by ``route`` and dry runs).
 
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        Speculative blocks past their TTL leave the index first, so the match sees none.
         """
+        self._speculative.expire(self.clock.now())
         return self._selector.decide(req, explain)
 
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)
         return self.commit(decision, ctx, policy)
+
+    @property
+    def speculative(self) -> SpeculativeBlocks:
+        """Routed prompts' blocks counted as cached before their engines store them: ``live``
+        blocks now, ``outcomes`` of those that ended (``router.speculative``)."""
+        return self._speculative
 
     # ---- the load ledger (``ledger``) -------------------------------------------------------
     @property

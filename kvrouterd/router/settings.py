@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["PD_MODES", "DisaggregationSettings", "RouterSettings"]
+__all__ = ["MAX_SPECULATIVE_TTL_S", "PD_MODES", "DisaggregationSettings", "RouterSettings"]
 
 #: how a prefill/decode pool routes (``router.disagg``): two hops only when it pays, always, never
 PD_MODES = ("conditional", "always", "never")
@@ -44,6 +44,10 @@ class DisaggregationSettings:
             if not 0 <= getattr(self, name) <= 1 << 30:
                 raise ConfigError(f"disaggregation.{name} must be in [0, 2**30], got {getattr(self, name)}")
 
+#: longest a block may count as cached before its engine stores it, s: past a few minutes the
+#: request it came from has timed out (``inflight_timeout_s``) or the engine does not cache it
+MAX_SPECULATIVE_TTL_S = 600.0
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -71,12 +75,21 @@ class RouterSettings:
     #: most bytes the in-flight table may hold (``Router.inflight_bytes``); 0 = no limit (the
     #: simulator), the daemon's config always sets one
     max_inflight_bytes: int = 0
+    #: most requests in flight per client (``RouteRequest.client``); 0 = no limit (the
+    #: simulator), the daemon's config always sets one
+    max_inflight_per_client: int = 0
     #: modelled cache size of an approximate-mode worker without ``capacity_blocks``; 0 = such a
     #: worker's model is unbounded (the simulator's "infinite cache"), the daemon always sets one
     approximate_capacity_blocks: int = 0
     #: most characters all workers' descriptions (ids, addresses, endpoints, labels) may total,
     #: so ListWorkers and GetStats still fit in one message; 0 = no limit
     max_workers_description_length: int = 0
+    #: seconds a routed prompt's blocks count as cached on its events-mode worker before the
+    #: engine's Stored confirms them (config ``speculative.ttl_s``, ``router.speculative``); 0 = off, the blocks count only once stored
+    speculative_ttl_s: float = 0.0
+    #: most blocks claimed that way on one worker, and on all together (the oldest claims go first)
+    speculative_max_blocks_per_worker: int = 1 << 16
+    speculative_max_blocks: int = 1 << 19
     #: what loading a LoRA adapter costs, in requests of load: a worker without the adapter is
     #: a candidate for it only when the least loaded worker holding it has this many more
     #: requests (twice this when it would evict another adapter); ``router.pools``
@@ -97,9 +110,16 @@ class RouterSettings:
         for name in ("max_id_length", "max_address_length", "max_labels_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.speculative_ttl_s <= MAX_SPECULATIVE_TTL_S:
+            raise ConfigError(f"speculative_ttl_s must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), "
+                              f"got {self.speculative_ttl_s}")
+        for name in ("speculative_max_blocks_per_worker", "speculative_max_blocks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.lora_load_cost <= 1e6:  # also NaN
             raise ConfigError(f"lora.load_cost_requests must be in [0, 1e6], got {self.lora_load_cost}")
         self.disaggregation.validate()
-        for name in ("max_inflight_bytes", "approximate_capacity_blocks", "max_workers_description_length"):
+        for name in ("max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks",
+                     "max_workers_description_length"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")

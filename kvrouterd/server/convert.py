@@ -146,8 +146,10 @@ class HashedPrompt:
     keys: array | None
 
 
-def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None) -> RouteRequest:
-    """A RouteRequest with block keys, from token ids or from caller-computed keys.
+def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+                  client: str = "") -> RouteRequest:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
+    names who sent it (the gRPC peer: ``RouteRequest.client``).
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
@@ -199,6 +201,7 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
         lora=msg.lora,
+        client=client,
     )
 
 
@@ -488,8 +491,12 @@ def event_batch_bytes(data: bytes, limits: BatchLimits) -> EventBatch:
     return msg if isinstance(msg, EventBatch) else event_batch(msg, limits)  # type: ignore[arg-type]
 
 
-def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:
-    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync."""
+def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int, speculative: bool = False) -> bytes:
+    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync.
+
+    The prompt's keys go with it for an approximate-mode worker (the other replicas assume
+    them cached, as this one did) and, with ``speculative`` indexing on, for an events-mode one
+    (they claim them until the engine's Stored, which every replica receives, confirms them)."""
     req = result.request
     msg = pb.Dispatched(
         request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
@@ -499,6 +506,8 @@ def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) 
     if result.worker.mode is CacheMode.APPROXIMATE:
         msg.keys.extend(req.keys)
         msg.evicted_keys.extend(result.evicted)
+    elif speculative and result.decision.overlap_blocks < len(req.keys):
+        msg.keys.extend(req.keys)
     return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
 
 

@@ -35,7 +35,12 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
 - Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
   ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, a comma-separated string,
   or a list whose elements are comma-separated; a bare IP allows every port on that host)
-  restricts the pick to workers with those addresses; none eligible -> 503.
+  restricts the pick to workers with those addresses; none eligible -> 503. Unlike a
+  ``Route`` whose ``candidate_workers`` are all unknown (NOT_FOUND, the caller's mistake), a
+  hint that names no registered worker is 503 too: the proxy builds it from the endpoints it
+  has (the pool's ready pods), so an address the router does not know is a pod that has not
+  registered yet, or one that just left, not a typo; the protocol's answer when no endpoint
+  of the subset can be picked is 503, as the reference picker's.
 - Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
   ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
   setting, instead of both sides waiting for each other.

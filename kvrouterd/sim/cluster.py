@@ -428,6 +428,8 @@ class Simulation:
         summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
         counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done),
                         admission_queued=self.queued_requests, migrations=self.migrations)
+        for outcome, blocks in router.speculative.outcomes.items():  # claimed blocks, by how they ended
+            counters[f"speculative_{outcome}"] = blocks
         for policy_counts in router.policy_counters().values():  # e.g. DualMap's A.7 rule firing
             for key, count in policy_counts.items():
                 counters[key] = counters.get(key, 0) + count

@@ -155,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0, metavar="P", help="probability that an event batch is lost")
     c.add_argument("--slo-ms", type=float, default=0.0, metavar="MS", help="TTFT SLO (default: the config's)")
     c.add_argument("--warmup", type=int, default=0, metavar="N", help="leading requests left out of the metrics")
+    c.add_argument("--speculative-ttl-s", type=float, default=None, metavar="S",
+                   help="events mode: a routed prompt counts as cached until its Stored events or S seconds")
     c.add_argument("--session-end", action="store_true",
                    help="mark each session's last request session_ended (end-aware eviction)")
     c.add_argument("--load-report-ms", type=float, default=0.0, metavar="MS",
@@ -250,6 +252,9 @@ class ClusterPlan:
 def plan(args: argparse.Namespace) -> ClusterPlan:
     """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
     cfg = load_config(args.config, environ={})
+    if args.speculative_ttl_s is not None:
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(cfg.speculative, ttl_s=args.speculative_ttl_s))
+        cfg.speculative.validate()
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in _kv(args.set, "--set"):
         policy, dot, fname = key.partition(".")
@@ -293,7 +298,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                               max_input_tokens=args.max_input_tokens, **dict(wparams))
 
     meta = {"workload": name, "limit": args.limit, "workers": args.workers, "cache_mode": args.cache_mode,
-            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
+            "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)

@@ -248,6 +248,7 @@ class Metrics:
         provider: MeterProvider,
         index_blocks: Callable[[], int],
         worker_modes: Callable[[], Iterable[tuple[str, str, str, int]]],
+        speculative: Callable[[], tuple[Mapping[str, int], int]] | None = None,
         decode_workers_without_events: Callable[[], int] = lambda: 0,
     ) -> None:
         meter = provider.get_meter("kvrouterd")
@@ -314,6 +315,21 @@ class Metrics:
         meter.create_observable_gauge(
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )
+        if speculative is not None:
+            # ``router.speculative``: (outcome -> blocks that ended so, blocks claimed now)
+            def _speculative_ended(_: CallbackOptions) -> Iterable[Observation]:
+                for outcome, blocks in speculative()[0].items():
+                    yield Observation(blocks, {"outcome": outcome})
+
+            meter.create_observable_counter(
+                "kvrouter.speculative.blocks", [_speculative_ended],
+                description="blocks of routed prompts counted as cached before their Stored events, by how that ended: "
+                            "confirmed by Stored, expired (speculative.ttl_s), dropped (Removed/Cleared, failed request, bound)",
+            )
+            meter.create_observable_gauge(
+                "kvrouter.speculative.live_blocks", [lambda _: [Observation(speculative()[1])]],
+                description="blocks of routed prompts counted as cached now and not yet confirmed by Stored events",
+            )
 
         self.provider = provider
         # counted per batch message only, so single stream messages pay nothing

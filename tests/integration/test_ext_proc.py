@@ -391,6 +391,8 @@ async def test_buffered_or_streamed_request_bodies_are_refused_with_a_clear_erro
 
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"]])
 async def test_subset_hint_with_no_eligible_worker_is_503(envoy, subset):
+    """An address no worker has is 503, not a Route's NOT_FOUND (issue #29 item 10): the proxy
+    lists the pool's ready pods, and one the router does not know has not registered yet."""
     s = envoy.open()
     await s.send(headers_msg("/v1/chat/completions", subset=subset))
     assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503

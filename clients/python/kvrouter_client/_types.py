@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ._generated.kvrouter.v1 import router_pb2 as pb
-from .keys import tokens_to_bytes
+from .keys import le32_array
 
 __all__ = [
     "CacheMode",
@@ -203,8 +204,14 @@ Event = Stored | Removed | Cleared
 def packed_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as the wire's ``token_ids_le32`` (little-endian uint32 bytes), which the router
     hashes as they are. Raises ValueError for an id outside [0, 2**32), as the repeated field did."""
+    return packed_array(tokens).tobytes()
+
+
+def packed_array(tokens: Sequence[int]) -> array:
+    """``packed_tokens`` as an array whose buffer holds those bytes, without copying them out
+    (``tokens`` itself when it is an ``array('I')``: see ``keys.le32_array``)."""
     try:
-        return tokens_to_bytes(tokens)
+        return le32_array(tokens)
     except OverflowError:
         raise ValueError("token ids must be in [0, 2**32)") from None
 

@@ -1,3 +1,5 @@
+"""``python -m kvrouterd``: the same command line as the ``kvrouterd`` script."""
+
 import sys
 
 from .cli import main

@@ -5,8 +5,10 @@
     kvrouterd status --target router:50051 --json
     kvrouterd status --target router:50051 --ca-file ca.crt [--cert-file c.crt --key-file c.key]
 
-It calls the daemon's ``GetStats`` RPC once. Exit status 0 on success, 1 when the daemon
-cannot be reached or refuses the call (the gRPC status is printed), 2 on bad arguments.
+It calls the daemon's ``GetStats`` RPC, and, when that lists only the first of many workers
+(their descriptions can pass gRPC's 4 MiB default reply limit), ``ListWorkers`` a page at a
+time for all of them. Exit status 0 on success, 1 when the daemon cannot be reached or refuses
+a call (the gRPC status is printed), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from .decimals import number_arg
 
-__all__ = ["add_arguments", "fetch_stats", "format_stats", "run"]
+__all__ = ["add_arguments", "fetch_stats", "format_stats", "list_workers", "run"]
 
 #: serve's default listen address
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -35,7 +37,7 @@ _STATE = {pb.WORKER_STATE_READY: "ready", pb.WORKER_STATE_DEGRADED: "degraded", 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=DEFAULT_TARGET, metavar="HOST:PORT",
-        help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, serve's default listen address)",
+        help=f"the daemon's gRPC address (default {DEFAULT_TARGET}, where serve listens)",
     )
     parser.add_argument("--json", action="store_true", help="print the GetStats response as JSON")
     parser.add_argument("--timeout", type=number_arg, default=5.0, help="seconds to wait for the answer (default 5)")
@@ -59,9 +61,28 @@ def fetch_stats(args: argparse.Namespace) -> pb.GetStatsResponse:
         token = Path(args.token_file).read_text().splitlines()[0].strip()
         metadata = [("authorization", f"Bearer {token}")]
     with _channel(args) as channel:
-        return router_pb2_grpc.KVRouterStub(channel).GetStats(
-            pb.GetStatsRequest(), timeout=args.timeout, metadata=metadata
-        )
+        stub = router_pb2_grpc.KVRouterStub(channel)
+        stats: pb.GetStatsResponse = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=metadata)
+        if stats.worker_count > len(stats.workers):  # a summary of a large fleet: the rest comes in pages
+            workers = list_workers(stub, args.timeout, metadata)
+            del stats.workers[:]
+            stats.workers.extend(workers)
+        return stats
+
+
+def list_workers(
+    stub: router_pb2_grpc.KVRouterStub, timeout: float, metadata: list[tuple[str, str]] | None = None
+) -> list[pb.Worker]:
+    """Every worker, a ``ListWorkers`` page at a time (a page answers in well under 4 MiB)."""
+    workers: list[pb.Worker] = []
+    token = ""
+    while True:
+        page = stub.ListWorkers(pb.ListWorkersRequest(page_token=token), timeout=timeout, metadata=metadata)
+        workers.extend(page.workers)
+        # a daemon from before pages answers everything with no token; a repeated one would loop
+        if not page.next_page_token or page.next_page_token == token:
+            return workers
+        token = page.next_page_token
 
 
 def format_stats(stats: pb.GetStatsResponse, target: str = "") -> str:

@@ -17,17 +17,23 @@ import re
 import sys
 from collections.abc import Sequence
 
-__all__ = ["SUBCOMMANDS", "main"]
+__all__ = ["SUBCOMMANDS", "add_command", "main"]
 
-#: name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvrouterd.server.app", "run the gRPC daemon"),
-    "bridge": ("kvrouterd.server.bridge", "read ZMQ engine events once, republish them on the NATS bus (events.bus)"),
-    "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory"),
-    "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters"),
-    "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies"),
-    "status": ("kvrouterd.admin", "show a running daemon's workers, modes and index size"),
-    "config": ("kvrouterd.config_cli", "check a config file, or print the effective config"),
+#: name -> (module, one-line help, the page that explains the details). Each module has
+#: add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("kvrouterd.server.app", "run the gRPC daemon", "docs/deploy.md, docs/operations/configure.md"),
+    "bridge": ("kvrouterd.server.bridge", "read ZMQ engine events once, republish them on the NATS bus (events.bus)",
+               "docs/deploy.md (ZMQ engines on the bus)"),
+    "bench": ("kvrouterd.benchmarks.cli", "benchmarks: decision cost, gRPC throughput, ingest rate, memory",
+              "docs/operations/performance.md"),
+    "policies": ("kvrouterd.policies.cli", "list routing and eviction policies with their parameters",
+                 "README.md (Policies)"),
+    "sim": ("kvrouterd.sim.cli", "offline simulation with the daemon's own policies", "docs/simulator.md"),
+    "status": ("kvrouterd.admin", "show a running daemon's workers, modes and index size",
+               "docs/operations/observe.md (Inspecting a running daemon)"),
+    "config": ("kvrouterd.config_cli", "check a config file, or print the effective config",
+               "docs/operations/configure.md (Checking a config file)"),
 }
 
 #: reST markup in the docstrings that become help text: ``literal``, :role:`target`, `ref`_, trailing ::
@@ -61,6 +67,37 @@ def _strip_markup(parser: argparse.ArgumentParser) -> None:
                 _strip_markup(child)
 
 
+def _examples(doc: str | None) -> list[str]:
+    """The example command lines of a module docstring: its indented lines that start with
+    ``kvrouterd``, with their backslash continuations."""
+    examples: list[str] = []
+    continued = False
+    for line in (doc or "").splitlines():
+        text = line.strip()
+        if line.startswith("    ") and (text.startswith("kvrouterd ") or continued):
+            examples.append(("      " if continued else "  ") + text)
+            continued = text.endswith("\\")
+        else:
+            continued = False
+    return examples
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, module: str, help_text: str, docs_page: str,
+                dest: str = "_module") -> argparse.ArgumentParser:
+    """A subcommand's parser, with its module's arguments. Help stays short: one line saying what
+    the command does, the examples from the module docstring and the page with the details (the
+    docstring's paragraphs are written for readers of the code). ``dest`` keeps the module to run."""
+    mod = importlib.import_module(module)
+    examples = _examples(mod.__doc__)
+    epilog = ["examples:", *examples, ""] if examples else []
+    p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                       epilog="\n".join([*epilog, f"Details: {docs_page}"]),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_arguments(p)
+    p.set_defaults(**{dest: mod})
+    return p
+
+
 def _version() -> str:
     from . import __version__
 
@@ -76,12 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(p)
-        p.set_defaults(_module=mod)
+    for name, (module, help_text, docs_page) in SUBCOMMANDS.items():
+        add_command(sub, name, module, help_text, docs_page)
     _strip_markup(parser)
     return parser
 

@@ -13,6 +13,10 @@ Example (every key optional)::
     eviction: lru
     workers:
       - {id: gpu-0, address: 10.0.0.5:8000, capacity_blocks: 20000, mode: events}
+      - {id: gpu-1, address: 10.0.0.6:8000, models: [meta-llama/Llama-3.1-8B-Instruct],
+         loras: [sql-lora, chat-lora], max_loras: 4}
+    lora: {load_cost_requests: 2}
+    disaggregation: {mode: conditional, local_prefill_max_uncached_tokens: 1024}
     limits: {max_message_bytes: 16777216, max_prompt_tokens: 1048576}
     telemetry: {traces: none}
 
@@ -38,8 +42,8 @@ from .discovery.config import DiscoveryConfig
 from .errors import ConfigError, KVRouterError
 from .events.endpoints import check_worker_endpoints
 from .events.zmq_config import ZmqEventsConfig
-from .index.workers import WorkerSpec, is_host_port
-from .protocols import CacheMode
+from .index.workers import MAX_LORAS, MAX_POOL_NAMES, WorkerSpec, is_host_port
+from .protocols import CacheMode, WorkerRole
 
 __all__ = [
     "ENV_PREFIX",
@@ -47,7 +51,9 @@ __all__ = [
     "Config",
     "ExtProcConfig",
     "LimitsConfig",
+    "LoraConfig",
     "MetricsConfig",
+    "SpeculativeConfig",
     "TelemetryConfig",
     "TlsConfig",
     "WorkerConfig",
@@ -69,6 +75,14 @@ class WorkerConfig:
     #: the engine's page size in tokens when it is not the router's block_size (SGLang's
     #: default page is 1 token; vLLM may run 32 or 64): its events are re-chunked
     block_size: int = 0
+    #: base models served (its model pool); empty = any model
+    models: list[str] = field(default_factory=list)
+    #: LoRA adapters it can load; empty = any adapter of a model it serves
+    loras: list[str] = field(default_factory=list)
+    #: most adapters loaded at once (vLLM --max-loras); 0 = unknown
+    max_loras: int = 0
+    #: prefill, decode or both (an aggregated worker)
+    role: Literal["both", "prefill", "decode"] = "both"
 
     def to_spec(self, block_size: int) -> WorkerSpec:
         return WorkerSpec(
@@ -79,7 +93,37 @@ class WorkerConfig:
             labels=dict(self.labels),
             mode=CacheMode.EVENTS if self.mode == "events" else CacheMode.APPROXIMATE,
             kv_events_endpoint=self.kv_events_endpoint,
+            models=tuple(self.models),
+            loras=tuple(self.loras),
+            max_loras=self.max_loras,
+            role=WorkerRole[self.role.upper()],
         )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA-aware routing (README "Model pools and LoRA adapters", ``router/pools.py``)."""
+
+    #: what loading an adapter costs, in requests of load: a worker without the adapter takes
+    #: its requests only once every worker holding it has this many more in flight (twice this
+    #: when loading it would evict another adapter)
+    load_cost_requests: float = 2.0
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode pools (README "Prefill/decode disaggregation", ``router/disagg.py``);
+    the defaults are ``router.settings.DisaggregationSettings``'s, from the simulator."""
+
+    #: conditional: two hops only when they pay; always; never: decode workers prefill everything
+    mode: Literal["conditional", "always", "never"] = "conditional"
+    #: the decode worker prefills a request itself when at most this many prompt tokens are not
+    #: in its cache (a short prompt counts the same way)
+    local_prefill_max_uncached_tokens: int = 1024
+    #: ... or when the chosen prefill worker already has this many prompt tokens to compute; 0 = off
+    prefill_busy_tokens: int = 65536
+    #: either only while the decode worker's own prompt work (this request's included) stays within this
+    decode_busy_tokens: int = 8192
 
 
 @dataclass(frozen=True)
@@ -120,6 +164,11 @@ class LimitsConfig:
     #: ids), Routes waiting in admission queues included; a Route that would go over is
     #: RESOURCE_EXHAUSTED until requests complete or expire
     max_inflight_bytes: int = 256 * 1024 * 1024
+    #: most routed, not completed requests one client (one gRPC connection: its peer address
+    #: and port; all its RouteStreams with it) may hold; a Route over it is RESOURCE_EXHAUSTED
+    #: until it completes some or they expire, so one client that never calls Complete cannot
+    #: fill the in-flight table for everyone
+    max_inflight_per_client: int = 16384
     #: cache size, in blocks, modelled for an approximate-mode worker registered without
     #: capacity_blocks (its modelled cache would otherwise grow without bound)
     approximate_capacity_blocks: int = 262144
@@ -257,6 +306,37 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative indexing (``router/speculative.py``): a prompt routed to an events-mode
+    worker counts as cached there at once, until its engine's Stored confirms it or ``ttl_s``
+    passes, so follow-ups sharing its prefix find it while the prefill still runs."""
+
+    #: seconds a routed prompt's blocks count as cached before their Stored events arrive;
+    #: 0 = off (the default). 10 s covers queueing plus prefill of a long prompt near capacity:
+    #: twice the default TTFT objective, past which the request has missed it anyway. Off by
+    #: default because it helps load-balancing prefix policies (cache_aware: 6.5 -> 7.5 req/s
+    #: on Mooncake in the simulator) and hurts DualMap, whose hashed pair then piles a hot
+    #: prefix on one worker (toolagent: 65 -> 50 req/s); docs/operations/configure.md
+    ttl_s: float = 0.0
+    #: most blocks claimed that way on one worker (65,536 blocks: 1M tokens at 16 a block),
+    #: and on all workers together (~100 B each); the oldest claims give way first
+    max_blocks_per_worker: int = 1 << 16
+    max_blocks: int = 1 << 19
+
+    def validate(self) -> None:
+        from .router.settings import MAX_SPECULATIVE_TTL_S
+
+        problems = []
+        if not 0 <= self.ttl_s <= MAX_SPECULATIVE_TTL_S:
+            problems.append(f"speculative.ttl_s: must be in [0, {MAX_SPECULATIVE_TTL_S:.0f}] (0 = off), got {self.ttl_s}")
+        for name in ("max_blocks_per_worker", "max_blocks"):
+            if getattr(self, name) <= 0:
+                problems.append(f"speculative.{name}: must be > 0, got {getattr(self, name)}")
+        if problems:
+            raise ConfigError(*problems)
+
+
+@dataclass(frozen=True)
 class Config:
     listen: str = "127.0.0.1:50051"
     block_size: int = 16
@@ -265,9 +345,13 @@ class Config:
     eviction: dict[str, Any] = field(default_factory=lambda: {"name": "lru"})
     default_ttft_slo_ms: float = 5000.0
     workers: list[WorkerConfig] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: routed prompts counted as cached on events-mode workers before their engines store them
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     #: vLLM / SGLang ZMQ KV-event subscribers (workers declare kv_events_endpoint); docs/engine-events.md
     events: ZmqEventsConfig = field(default_factory=ZmqEventsConfig)
     #: engine pods found through the Kubernetes API (see kvrouterd/discovery/config.py)
@@ -336,6 +420,15 @@ class Config:
                       f"workers[{i}].kv_events_endpoint: ")
             if w.capacity_blocks < 0:
                 out.append(f"workers[{i}].capacity_blocks: must be >= 0")
+            for fname, names in (("models", w.models), ("loras", w.loras)):
+                if len(names) > MAX_POOL_NAMES:
+                    out.append(f"workers[{i}].{fname}: {len(names)} names, at most {MAX_POOL_NAMES}")
+                for name in names:
+                    if not name or len(name) > lim.max_id_length:
+                        out.append(f"workers[{i}].{fname}: {name!r} must be 1 to limits.max_id_length="
+                                   f"{lim.max_id_length} characters")
+            if not 0 <= w.max_loras <= MAX_LORAS:
+                out.append(f"workers[{i}].max_loras: must be in [0, {MAX_LORAS}] (0 = unknown)")
             for fname, value, limit in (("id", w.id, lim.max_id_length), ("address", w.address, lim.max_address_length),
                                         ("kv_events_endpoint", w.kv_events_endpoint, lim.max_address_length),
                                         ("labels", "".join(k + v for k, v in w.labels.items()), lim.max_labels_length)):
@@ -344,7 +437,7 @@ class Config:
         for fname in ("max_message_bytes", "max_prompt_tokens", "max_batch_events", "max_event_batch_bytes",
                       "max_batch_blocks", "max_concurrent_streams",
                       "max_evict_blocks", "max_evict_pinned", "max_id_length", "max_address_length", "max_labels_length",
-                      "max_inflight_bytes", "approximate_capacity_blocks"):
+                      "max_inflight_bytes", "max_inflight_per_client", "approximate_capacity_blocks"):
             if getattr(lim, fname) <= 0:
                 out.append(f"limits.{fname}: must be > 0")
         if 0 < lim.max_batch_blocks < 8:
@@ -355,6 +448,11 @@ class Config:
             out.append("limits.inflight_timeout_s: must be > 0")
         if lim.off_loop_prompt_bytes < 0:
             out.append("limits.off_loop_prompt_bytes: must be >= 0 (0 = hash every prompt on the loop)")
+        if not 0 <= self.lora.load_cost_requests <= 1e6:
+            out.append(f"lora.load_cost_requests: must be in [0, 1e6], got {self.lora.load_cost_requests}")
+        for fname in ("local_prefill_max_uncached_tokens", "prefill_busy_tokens", "decode_busy_tokens"):
+            if not 0 <= getattr(self.disaggregation, fname) <= 1 << 30:
+                out.append(f"disaggregation.{fname}: must be in [0, 2**30], got {getattr(self.disaggregation, fname)}")
         if self.default_ttft_slo_ms <= 0:
             out.append("default_ttft_slo_ms: must be > 0")
         if self.telemetry.loop_stall_warn_ms != 0 and not 10 <= self.telemetry.loop_stall_warn_ms <= 60_000:
@@ -365,7 +463,7 @@ class Config:
             out.append("admission.max_inflight: must be >= 0 (0 = off)")
         if self.admission.max_wait_s <= 0:
             out.append("admission.max_wait_s: must be > 0")
-        for section in (self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
+        for section in (self.speculative, self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
             check(section.validate)
         if self.reload_interval_s < 0:
             out.append("reload_interval_s: must be >= 0 (0 = reload only on SIGHUP)")
@@ -377,6 +475,7 @@ class Config:
 
     def router_settings(self):  # type: ignore[no-untyped-def]
         from .router import RouterSettings
+        from .router.settings import DisaggregationSettings
 
         return RouterSettings(
             block_size=self.block_size,
@@ -391,10 +490,16 @@ class Config:
             max_address_length=self.limits.max_address_length,
             max_labels_length=self.limits.max_labels_length,
             max_inflight_bytes=self.limits.max_inflight_bytes,
+            max_inflight_per_client=self.limits.max_inflight_per_client,
             approximate_capacity_blocks=self.limits.approximate_capacity_blocks,
             # half a message: ListWorkers / GetStats add state, counters and framing per worker
             max_workers_description_length=self.limits.max_message_bytes // 2,
             default_ttft_slo_ms=self.default_ttft_slo_ms,
+            speculative_ttl_s=self.speculative.ttl_s,
+            speculative_max_blocks_per_worker=self.speculative.max_blocks_per_worker,
+            speculative_max_blocks=self.speculative.max_blocks,
+            lora_load_cost=self.lora.load_cost_requests,
+            disaggregation=DisaggregationSettings(**dataclasses.asdict(self.disaggregation)),
         )
 
 

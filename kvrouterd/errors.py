@@ -7,6 +7,7 @@
     │   ├── UnknownPolicy        names a policy not built   -> INVALID_ARGUMENT
     │   └── RejectedEvent        one cache event the router cannot apply (``reason``)
     ├── NotFound                 unknown worker / request   -> NOT_FOUND
+    │   └── UnknownModel         a model (or LoRA adapter) no registered worker serves
     ├── Forbidden                well-formed, refused by policy (an event
     │                            endpoint outside events.allowed_endpoints) -> PERMISSION_DENIED
     ├── Conflict                 state forbids the call     -> FAILED_PRECONDITION
@@ -30,6 +31,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "RejectedEvent",
+    "UnknownModel",
     "UnknownPolicy",
     "quote",
 ]
@@ -84,6 +86,14 @@ class RejectedEvent(InvalidRequest):
 
 class NotFound(KVRouterError):
     """A worker or request id the router does not know."""
+
+
+class UnknownModel(NotFound):
+    """A Route names a model (or adapter) that no registered worker serves, draining or not.
+
+    NOT_FOUND rather than FAILED_PRECONDITION: the name is what is wrong, as an OpenAI server
+    answers 404 "model does not exist"; retrying will not help until a worker serving it
+    registers. Known workers that serve it but are all draining are ``NoEligibleWorker``."""
 
 
 class Forbidden(KVRouterError):

@@ -16,8 +16,10 @@ def check_router_invariants(router: Router) -> None:
     owned = 0
     for w in router.workers:
         owned |= 1 << w.slot
+    unheld = 0
     for key in list(index._blocks):
         block = index.get(key)
+        unheld += not block.holders
         assert block is not None and block.key == key
         # every indexed block is held by someone or has a descendant that is
         assert block.holders or block.children is not None, f"dead block {key:#x}"
@@ -27,6 +29,7 @@ def check_router_invariants(router: Router) -> None:
         if parent is not None:
             assert index.get(parent.key) is parent
             assert any(c is block for c in parent.iter_children()), f"block {key:#x} missing from its parent's children"
+    assert index.unheld == unheld, "the index's count of blocks no slot holds"
     for w in router.workers:
         held = list(index.blocks_of(w.slot))
         assert index.count(w.slot) == len(held), w.id
@@ -36,5 +39,20 @@ def check_router_invariants(router: Router) -> None:
         assert w.inflight_requests >= 0 and w.pending_prefill_tokens >= 0, w.id
     assert sum(w.inflight_requests for w in router.workers) == router.workers.inflight_count
     requests = router._ledger.requests
-    assert router.inflight_bytes == sum(request_bytes(r) for r in requests.values())
+    assert router.inflight_bytes == sum(request_bytes(router.request(rid)) for rid in requests)
     assert all(router.workers.inflight(rid) is not None for rid in requests)
+
+
+def index_state(router: Router) -> tuple[dict[int, tuple[int | None, frozenset[str]]], dict[str, dict[int, int]], int]:
+    """What a replica restored from ``router`` (a snapshot, ``warm_from``) must equal: every
+    indexed block's parent key and holders (as worker ids: slots differ between replicas),
+    held or not, each worker's engine-hash map, and the block count routing reports."""
+    index = router.index
+    by_slot = {w.slot: w.id for w in router.workers}
+    blocks = {}
+    for key in list(index._blocks):
+        block = index.get(key)
+        holders = frozenset(wid for slot, wid in by_slot.items() if block.holders >> slot & 1)
+        blocks[key] = (block.parent.key if block.parent is not None else None, holders)
+    engine_hashes = {w.id: dict(w.engine_keys.items()) for w in router.workers}
+    return blocks, engine_hashes, router.indexed_blocks

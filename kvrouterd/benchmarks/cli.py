@@ -4,35 +4,8 @@
     kvrouterd bench --json          # one JSON object with every number
     kvrouterd bench --only decision,memory --quick
 
-Headline figures (also the --json keys): ``route_decision_us_median`` (4,000-token prompt,
-64 workers, 10^6 indexed blocks: hash + match + policy, untraced, as Route makes it with the
-daemon's default config; ``route_decision_us_median_256w`` and ``..._1024w`` the same over 256
-and 1,024 workers, where holder sets are wider than 64 bits), ``grpc_route_vs_trivial_ratio``
-(daemon Route rps / trivial-handler rps at 64 in flight, same run; median of --rounds),
-``grpc_stream_route_rps`` and ``grpc_stream_route_vs_trivial_unary_ratio`` (the daemon's
-RouteStream, 64 in flight over 8 streams, over the trivial unary handler of the same round;
-``grpc_stream_route_vs_trivial_unary_cpu_ratio`` is the same comparison in server CPU per call),
-``grpc_stream_route_vs_trivial_stream_ratio`` (and ``..._cpu_ratio``: the daemon's RouteStream
-over the trivial server's RouteStream, same load, same round: like with like, what the daemon
-adds per streamed message; the trivial stream over the trivial unary rate is the most streaming
-can give, ``grpc_trivial_stream_vs_unary_ratio``),
-``grpc_stream_items_per_message`` (Routes and Completes per stream message the load sent).
-The streamed load sends what the SDK's RouterClient sends to a router that advertises batches:
-the calls ready together go as one batch message (with 8 in flight per stream, the ~8 Completes
-and ~8 next Routes one batch of answers asks for), cut and framed by the SDK's own functions.
-The same keys with ``_one_per_message`` after ``grpc_stream_route`` / ``grpc_trivial_stream`` /
-``grpc_stream`` are the load sending one message per Route and per Complete, as the SDK does
-with a router without batches (and as every streamed figure before 2026-11-24 was measured),
-``ingest_events_per_s`` (stored block events/s through PublishEvents into the index, tokens packed
-as the SDK sends them; ``ingest_events_per_s_repeated_tokens`` with the repeated field),
-``bytes_per_block`` (RSS growth per block held by one worker, at 10^6 blocks).
-
-Every gRPC load completes each routed request, as the SDK does (unary: a ``Complete`` call
-after each ``Route``; streamed: a complete message on the same stream), so the fleet's load
-stays what real callers leave and the policy decides by prefix match rather than calling the
-fleet imbalanced: each rate is routed requests/s with their Completes sent, each server CPU
-per call a Route plus its Complete (the trivial server answers Complete too), and
-``grpc_daemon_reasons`` counts the daemon's decision reasons per load over all rounds.
+What each figure (and --json key) measures, how the gRPC loads are sent and completed, and how
+to read rounds on a shared machine: docs/operations/performance.md, "Running kvrouterd bench".
 """
 
 from __future__ import annotations
@@ -51,17 +24,14 @@ STAGES = ("decision", "grpc", "ingest", "memory")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--only", default=",".join(STAGES), metavar="STAGES",
+                        help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and shorter runs (smoke test)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="gRPC rounds; each ratio is the median of its rounds. The load client runs on the "
-                             "same machine as the server, so on few cores rates follow whatever else runs: "
-                             "compare ratios from one run, and the server-CPU-per-call ratios beside them. "
-                             "Every routed request is completed, as the SDK does: rates are routes/s with "
-                             "their Completes sent. RouteStream is measured twice: coalesced as the SDK sends "
-                             "(calls ready together in one batch message; the table gives calls per message) "
-                             "and one message per call, as to a router without batches")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC load run")
+    # how to read the rounds (same machine, same-round ratios) is in docs/operations/performance.md
+    parser.add_argument("--rounds", type=int, default=3, metavar="N",
+                        help="gRPC rounds; each ratio is the median of its rounds (default 3)")
+    parser.add_argument("--seconds", type=float, default=3.0, metavar="S",
+                        help="seconds of each gRPC load run (default 3)")
 
 
 class _Steps:
@@ -205,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
         for load, key, label in (("stream_8x8", "", "coalesced as the SDK does"),
                                  ("stream_8x8_single", "_one_per_message", "one message per call")):
             _stream_figures(runs, mid, load, key, label, result, rows)
+        for load, key, label in (("sdk_64", "", "prompt a list"), ("sdk_64_packed", "_packed", "prompt an array('I')")):
+            cpu = [x["daemon"][load]["client_cpu_us_per_call"] for x in runs]
+            result[f"sdk_client_cpu_us_per_route{key}"] = statistics.median(cpu)
+            rows.append((f"SDK RouterClient (+ complete), 64 in flight, {label}", _load_figures(mid["daemon"][load])))
+            rows.append(("  gateway CPU per Route + Complete, us (median of rounds)", _median_of_rounds(cpu)))
         for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream coalesced"),
                             ("stream_8x8_single", "RouteStream one per message")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))

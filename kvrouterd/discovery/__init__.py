@@ -13,10 +13,21 @@ from __future__ import annotations
 from .config import SERVICE_ACCOUNT_DIR, DiscoveryConfig, KubernetesDiscoveryConfig
 from .kubeapi import ApiError, Gone, KubeApi
 from .kubernetes import KubernetesDiscovery
-from .pods import CAPACITY_ANNOTATION, Change, Membership, pod_worker_spec
+from .pods import (
+    CAPACITY_ANNOTATION,
+    LORAS_ANNOTATION,
+    MAX_LORAS_ANNOTATION,
+    MODELS_ANNOTATION,
+    Change,
+    Membership,
+    pod_worker_spec,
+)
 
 __all__ = [
     "CAPACITY_ANNOTATION",
+    "LORAS_ANNOTATION",
+    "MAX_LORAS_ANNOTATION",
+    "MODELS_ANNOTATION",
     "SERVICE_ACCOUNT_DIR",
     "ApiError",
     "Change",

@@ -10,6 +10,8 @@ Example::
         kv_events_port: "5557"  # set: the pod publishes KV events (events mode) at tcp://IP:5557
         kv_replay_port: "5558"  # optional: its replay endpoint, tcp://IP:5558
         capacity_blocks: 20000  # per pod; the pod annotation kvrouterd.io/capacity-blocks wins
+        model_label: llm-d.ai/model   # the pod's model pool (llm-d's label; "" = not read)
+        role_label: llm-d.ai/role     # prefill, decode or both (llm-d's label; "" = not read)
 
 Kept apart from ``config.py`` so the loader only learns one field; the section is built by
 the same generic loader (unknown keys and bad values fail naming ``discovery.kubernetes.*``).
@@ -63,6 +65,11 @@ class KubernetesDiscoveryConfig:
     kv_replay_port: str = ""
     #: KV capacity per pod in blocks, unless the pod's ``kvrouterd.io/capacity-blocks`` annotation says
     capacity_blocks: int = 0
+    #: pod label naming the model the pod serves, as llm-d's charts set it and InferencePools select
+    #: on; the annotation ``kvrouterd.io/models`` (full names, comma-separated) wins; "" = not read
+    model_label: str = "llm-d.ai/model"
+    #: pod label naming its role, ``prefill``, ``decode`` or ``both`` (llm-d's); "" = not read
+    role_label: str = "llm-d.ai/role"
     #: prefixed to the pod name to form the worker id (avoids clashes with static workers)
     id_prefix: str = ""
     #: only pods whose Ready condition is True are workers (a starting engine gets no traffic)
@@ -73,7 +80,8 @@ class KubernetesDiscoveryConfig:
     ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
     #: the API server ends each watch after this long; we then re-watch from the last version
     watch_timeout_s: int = 300
-    #: retry delay after a failed request, doubling up to backoff_max_s
+    #: retry delay after a failed request, doubling up to backoff_max_s, each shortened by up
+    #: to 20% at random (the daemon's one schedule, retry.py)
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
 

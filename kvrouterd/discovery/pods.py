@@ -6,10 +6,19 @@ worker id is ``id_prefix + pod name``; its address is ``IP:port``; its KV-event 
 mode, otherwise approximate), and ``tcp://IP:kv_replay_port`` is where it replays missed
 batches. A pod annotation ``kvrouterd.io/capacity-blocks`` overrides the configured capacity.
 
+Its model pool and role follow llm-d's pod labels, which its charts set and InferencePools
+select on: ``llm-d.ai/model`` (the model, in a label's charset: llm-d's charts put a short
+form of the name there) and ``llm-d.ai/role`` (``prefill``, ``decode`` or ``both``); both label
+names are configurable. Neither llm-d nor the Gateway API Inference Extension names labels
+for LoRA adapters (the extension learns them from ``vllm:lora_requests_info``), so those are
+annotations, whose values may hold any name: ``kvrouterd.io/models`` (the full model names
+requests carry, comma-separated; wins over the label), ``kvrouterd.io/loras`` and
+``kvrouterd.io/max-loras`` (vLLM's ``--max-loras``).
+
 ``Membership`` keeps the current set and turns each list or watch event into the smallest
 list of ``Change``s: a pod that turns un-Ready is removed, a pod recreated under the same
-name (new uid, new IP) is removed and added back because its cache is empty, and a label or
-capacity change is an in-place update (an ``add`` of a known id) so the index is kept.
+name (new uid, new IP) is removed and added back because its cache is empty, and a label,
+pool or capacity change is an in-place update (an ``add`` of a known id) so the index is kept.
 """
 
 from __future__ import annotations
@@ -20,15 +29,61 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..decimals import parse_decimal
-from ..index.workers import WorkerSpec
-from ..protocols import CacheMode
+from ..index.workers import MAX_LORAS, MAX_POOL_NAMES, WorkerSpec
+from ..protocols import CacheMode, WorkerRole
 from .config import KubernetesDiscoveryConfig
 
-__all__ = ["CAPACITY_ANNOTATION", "Change", "Membership", "pod_worker_spec", "replay_endpoint"]
+__all__ = [
+    "CAPACITY_ANNOTATION",
+    "LORAS_ANNOTATION",
+    "MAX_LORAS_ANNOTATION",
+    "MODELS_ANNOTATION",
+    "Change",
+    "Membership",
+    "pod_worker_spec",
+    "replay_endpoint",
+]
 
 log = logging.getLogger("kvrouterd.discovery")
 
 CAPACITY_ANNOTATION = "kvrouterd.io/capacity-blocks"
+MODELS_ANNOTATION = "kvrouterd.io/models"
+LORAS_ANNOTATION = "kvrouterd.io/loras"
+MAX_LORAS_ANNOTATION = "kvrouterd.io/max-loras"
+
+_ROLES = {"prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE, "both": WorkerRole.BOTH}
+
+
+def _names(value: object) -> tuple[str, ...]:
+    """A comma-separated annotation as names, blanks dropped, each once."""
+    return tuple(dict.fromkeys(n.strip() for n in str(value).split(",") if n.strip()))
+
+
+def _pool(name: str, meta: Mapping[str, Any], cfg: KubernetesDiscoveryConfig) -> dict[str, Any]:
+    """The pod's models, adapters, adapter limit and role, from its labels and annotations."""
+    labels = meta.get("labels", {}) or {}
+    annotations = meta.get("annotations", {}) or {}
+    models = _names(annotations.get(MODELS_ANNOTATION, ""))
+    if not models and cfg.model_label and labels.get(cfg.model_label):
+        models = (str(labels[cfg.model_label]),)
+    max_loras = 0
+    raw = annotations.get(MAX_LORAS_ANNOTATION)
+    if raw is not None:
+        if (number := parse_decimal(str(raw))) is not None and number <= MAX_LORAS:
+            max_loras = number
+        else:
+            log.warning("pod %s: annotation %s=%r is not an adapter count in [0, %d]; ignoring it", name,
+                        MAX_LORAS_ANNOTATION, raw, MAX_LORAS)
+    role = WorkerRole.BOTH
+    value = str(labels.get(cfg.role_label, "")) if cfg.role_label else ""
+    if value:
+        if value in _ROLES:
+            role = _ROLES[value]
+        else:
+            log.warning("pod %s: label %s=%r is not prefill, decode or both; taking it as both", name, cfg.role_label,
+                        value)
+    return {"models": models[:MAX_POOL_NAMES], "loras": _names(annotations.get(LORAS_ANNOTATION, ""))[:MAX_POOL_NAMES],
+            "max_loras": max_loras, "role": role}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +162,7 @@ def pod_worker_spec(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig, bloc
         labels=dict(meta.get("labels", {}) or {}),
         mode=CacheMode.EVENTS if endpoint else CacheMode.APPROXIMATE,
         kv_events_endpoint=endpoint,
+        **_pool(name, meta, cfg),
     )
 
 

@@ -32,6 +32,11 @@ and eviction hooks are handed it.
 The tree's node is ``Block`` (``index.block``): the extension's C twin where it is built, else
 the Python reference ``PyBlock``, which ``RadixIndex(pure=True)`` uses always.
 
+A block no slot holds stays in the tree while held blocks hang under it (an engine evicted a
+chain's first blocks and kept the rest): it is never a hit, but when the engine stores it again
+the blocks below are matched through it at once. ``unheld`` counts such blocks, which
+``add_unheld`` re-creates when a replica imports a peer's index.
+
 For every slot the index keeps the set of its *leaves*: held blocks with no child held by
 the same worker. Eviction candidates are exactly these (a parent becomes evictable when its
 last cached child goes), and walking up from them reaches every block the worker holds.
@@ -118,6 +123,8 @@ class RadixIndex:
         #: while one slot holds the block, else ``{slot: (last, hits)}``. Only blocks that have
         #: some are present; an entry goes when its last holder does (``_drop_stats``).
         self._pending: dict[Block, Pending | dict[int, Pending]] = {}
+        #: blocks no slot holds, kept because held blocks hang under them (``unheld``)
+        self._unheld = 0
 
     @property
     def native_blocks(self) -> bool:
@@ -153,6 +160,11 @@ class RadixIndex:
 
     def count(self, slot: int) -> int:
         return self._counts[slot]
+
+    @property
+    def unheld(self) -> int:
+        """Blocks no slot holds, in the tree only because held blocks hang under them: never a hit."""
+        return self._unheld
 
     def count_alone(self, slot: int) -> int:
         """Blocks ``slot`` holds and no other slot does."""
@@ -384,7 +396,14 @@ class RadixIndex:
         """``slot`` now holds the chain ``keys`` hanging under ``parent_key`` (None = root).
 
         Blocks already held are touched instead. Returns the chain's blocks. Raises
-        KeyError if ``parent_key`` is not in the index (nothing is changed then). ``keys`` as
+        KeyError if ``parent_key`` is not in the index (nothing is changed then).
+
+        A block already indexed stays under the parent it has, which is the chain's previous
+        block whenever the keys were hashed from tokens. Route takes block keys from clients as
+        they come (an approximate-mode worker then stores them), so they may name blocks of
+        other prompts, out of order: leaves are kept by the tree's links, never the chain's,
+        or a held block would be lost from its slot's leaves and outlive its slot (issue #28
+        item 2: ``KeyError(1 << slot)`` once the slot was dropped). ``keys`` as
         an ``array('Q')`` is read in place by the native table (no int object per key).
         """
         blocks = self._blocks
@@ -449,12 +468,16 @@ class RadixIndex:
                 holders = node.holders
                 if not holders:  # a gap's block nobody held: now this slot's alone
                     alone += 1
+                    self._unheld -= 1
                 elif not holders & (holders - 1):  # its one holder no longer holds it alone
                     alone_by_bit[holders] -= 1
                 node.holders = holders | bit
                 added += 1
-                if parent is not None and parent.holders & bit:
-                    leaves.discard(parent)
+                # the block's own parent stops being a leaf, which need not be the chain's
+                # previous block (see the docstring: keys a client sent)
+                above = node.parent
+                if above is not None and above.holders & bit:
+                    leaves.discard(above)
             chain.append(node)
             parent = node
         self._counts[slot] += added
@@ -495,6 +518,29 @@ class RadixIndex:
                     engine_keys[eh] = key
         return keys, chain
 
+    def add_unheld(self, key: int, parent_key: int | None) -> Block:
+        """Put ``key`` under ``parent_key`` (None = root) held by no slot, as a block an engine
+        evicted above blocks it kept: a replica importing a peer's index re-creates such blocks
+        right before it stores what hangs under them. Returns the block (the one in place if
+        ``key`` is indexed already). Raises KeyError if ``parent_key`` is not in the index."""
+        blocks = self._blocks
+        node = blocks.get(key)
+        if node is not None:
+            return node
+        parent = None if parent_key is None else blocks[parent_key]
+        node = self._block(key, parent)
+        blocks[key] = node
+        if parent is not None:
+            c = parent.children
+            if c is None:
+                parent.children = node
+            elif type(c) is not dict:
+                parent.children = {c.key: c, key: node}  # type: ignore[union-attr]
+            else:
+                c[key] = node  # type: ignore[index]
+        self._unheld += 1
+        return node
+
     def remove(self, slot: int, key: int) -> bool:
         """``slot`` no longer holds ``key``. False (and no change) if it did not."""
         node = self._blocks.get(key)
@@ -503,7 +549,10 @@ class RadixIndex:
             return False
         # the native table does all of what follows itself for a lone leaf (the usual eviction)
         remove_held = getattr(self._blocks, "remove_held", None)
+        before = len(self._blocks)
         if remove_held is not None and remove_held(node, bit, self._leaves[slot], self._pending):
+            # besides the block, it pruned the unheld blocks above it that nothing else hangs under
+            self._unheld -= before - 1 - len(self._blocks)
             self._counts[slot] -= 1
             self._alone[bit] -= 1  # it did: the slot was the block's only holder
             return True
@@ -553,6 +602,7 @@ class RadixIndex:
         node.holders = holders
         if not holders:
             self._alone[bit] -= 1
+            self._unheld += 1  # until _prune deletes it, if nothing hangs under it
         elif not holders & (holders - 1):  # its one holder left holds it alone now
             self._alone[holders] += 1
 
@@ -563,6 +613,7 @@ class RadixIndex:
             if blocks.get(node.key) is not node:
                 return  # already pruned through another path
             del blocks[node.key]
+            self._unheld -= 1
             parent = node.parent
             if parent is not None:
                 c = parent.children

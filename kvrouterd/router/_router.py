@@ -3,8 +3,8 @@
 Each job lives in its own part, which owns its state: ``events`` applies engines' cache
 events to the index, ``ledger`` keeps the in-flight load, ``membership`` the workers,
 ``slots`` empties retired index slots in steps, ``advice`` answers eviction hints and
-exports or imports a worker's blocks, ``selector`` decides, and ``policy_table`` holds the
-policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
+exports or imports a worker's blocks, ``pools`` keeps model pools and LoRA adapter
+residency, ``selector`` decides (``disagg`` the two hops of a prefill/decode pool), and ``policy_table`` holds the policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
 counters) and call each other through the few references the facade hands them. Hosts see
 only the facade, whose methods delegate, one call each.
 """
@@ -30,18 +30,22 @@ from ..protocols import (
     EvictAdvice,
     EvictRequest,
     RouteRequest,
+    WorkerRole,
 )
 from .access import RecentAccess
 from .advice import Advisor
 from .engine_hashes import EngineHashMaps
+from .disagg import Disaggregation, cache_unknown
 from .events import EventApplier
 from .ledger import LoadLedger, PrefixHits, RouteResult
 from .membership import Membership
 from .policy_table import PolicyTable
+from .pools import Pools
 from .selector import Selector
 from .settings import RouterSettings
 from .shared import Shared, log
 from .slots import RetiredSlots
+from .speculative import SpeculativeBlocks
 
 __all__ = ["Router"]
 
@@ -59,11 +63,14 @@ class Router:
         recent = RecentAccess(settings.block_size)
         self._engine_hashes = EngineHashMaps()
         self._slots = RetiredSlots(shared)
-        self._ledger = LoadLedger(shared, recent)
-        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent)
-        self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots)
-        self._advice = Advisor(shared, self._engine_hashes)
-        self._selector = Selector(shared, self._ledger)
+        self._speculative = SpeculativeBlocks(shared)
+        self._ledger = LoadLedger(shared, recent, self._speculative)
+        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent, self._speculative)
+        self._pools = Pools(shared)
+        self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots, self._pools)
+        self._advice = Advisor(shared, self._engine_hashes, self._speculative)
+        self._disagg = Disaggregation(shared)
+        self._selector = Selector(shared, self._ledger, self._pools, self._disagg, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
     @property
@@ -142,8 +149,10 @@ class Router:
         return changed
 
     def tick(self) -> None:
-        """Periodic work for time-driven policies (load decay, hotness windows)."""
-        self._policies.tick(self.clock.now())
+        """Periodic work: time-driven policies (load decay, hotness windows), speculative blocks' expiry."""
+        now = self.clock.now()
+        self._speculative.expire(now)
+        self._policies.tick(now)
 
     # ---- membership (``membership``, ``slots``) -------------------------------------------
     def add_worker(self, spec: WorkerSpec) -> Worker:
@@ -168,8 +177,11 @@ class Router:
     def set_draining(self, worker_id: str, draining: bool) -> Worker:
         return self._membership.set_draining(worker_id, draining)
 
-    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
-        self._membership.report_load(worker_id, queued, running, kv_utilization)
+    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float,
+                    loaded_loras: Sequence[str] | None = None) -> None:
+        """What an engine reports about itself; ``loaded_loras`` (None = not reported) replaces
+        the adapters the router believes it has loaded (``Membership.report_load``)."""
+        self._membership.report_load(worker_id, queued, running, kv_utilization, loaded_loras)
 
     def note_admission_queue(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
         """The host's admission queue for ``worker_id`` now holds ``requests`` waiting
@@ -203,13 +215,21 @@ class Router:
         """Select a worker without committing anything (used by ``route`` and dry runs).
 
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        Speculative blocks past their TTL leave the index first, so the match sees none.
         """
+        self._speculative.expire(self.clock.now())
         return self._selector.decide(req, explain)
 
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)
         return self.commit(decision, ctx, policy)
+
+    @property
+    def speculative(self) -> SpeculativeBlocks:
+        """Routed prompts' blocks counted as cached before their engines store them: ``live``
+        blocks now, ``outcomes`` of those that ended (``router.speculative``)."""
+        return self._speculative
 
     # ---- the load ledger (``ledger``) -------------------------------------------------------
     @property
@@ -262,12 +282,34 @@ class Router:
         self._ledger.release_waiting(held)
 
     def commit(self, decision: Decision, ctx: RoutingContext, policy: RoutingPolicy) -> RouteResult:
-        """Commit a decision from ``decide`` made in this same step (nothing may change in between)."""
-        return self._ledger.commit(decision, ctx, policy)
+        """Commit a decision from ``decide`` made in this same step (nothing may change in between);
+        the chosen worker now holds the request's adapter, if any (``Pools.note_loaded``)."""
+        result = self._ledger.commit(decision, ctx, policy)
+        if decision.prefill is not None:
+            worker, hop_ctx = self._disagg.hop_context(decision, ctx)
+            self._ledger.commit_prefill_hop(result, worker, hop_ctx, policy)
+        if decision.lora_placement:
+            self._pools.note_loaded(result.worker, self._pools.wanted(ctx.request)[1])
+        return result
+
+    # ---- model pools (``pools``) -----------------------------------------------------------
+    def pool_label(self, req: RouteRequest) -> str:
+        """The pool ``req`` counts under in metrics (``Pools.pool_label``)."""
+        return self._pools.pool_label(req)
 
     def complete(self, completion: Completion) -> InFlight:
         """Stop charging a routed request, tell its policy how it went (``LoadLedger.complete``)."""
         return self._ledger.complete(completion)
+
+    def release_prefill(self, completion: Completion) -> InFlight | None:
+        """A disaggregated request's prefill hop is done: release its prefill worker now
+        (``LoadLedger.release_prefill``); None when no hop is charged."""
+        return self._ledger.release_prefill(completion)
+
+    def decode_workers_without_events(self) -> int:
+        """Decode-role workers that are to publish KV events and never have: the P/D bypass
+        check cannot see their caches (``router.disagg``)."""
+        return sum(1 for w in self.workers if w.spec.role is WorkerRole.DECODE and cache_unknown(w))
 
     def complete_anywhere(self, completion: Completion) -> InFlight | None:
         """``complete`` for replicas sharing load (``LoadLedger.complete_anywhere``)."""
@@ -293,6 +335,8 @@ class Router:
         """Apply one batch of cache events for a worker, in publisher order
         (``EventApplier.apply`` states the sequence rules), then one step of a pending drain."""
         outcome = self._events.apply(batch, per_event=per_event)
+        if outcome.applied:
+            self._pools.note_events(batch)  # an adapter whose blocks the worker stores is loaded there
         # a host that never drains (the simulator) still frees the old slots; a duplicate does not
         if outcome.applied and self._slots.pending:
             self.drain_step()
@@ -320,14 +364,19 @@ class Router:
         parents before children (a chain's top names a parent this worker does not hold)."""
         return self._advice.export_blocks(worker_id)
 
-    def export_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[list[tuple[int, int | None, int]]]:
-        """``export_blocks`` in parts, each after visiting at most ``step`` blocks (``Advisor.export_steps``)."""
-        return self._advice.export_steps(worker_id, step)
+    def export_steps(
+        self, worker_id: str, step: int = 1 << 62, unheld: list[tuple[int, int | None]] | None = None
+    ) -> Iterator[list[tuple[int, int | None, int]]]:
+        """``export_blocks`` in parts, each after visiting at most ``step`` blocks, with the
+        blocks nobody holds that they hang under put in ``unheld`` (``Advisor.export_steps``)."""
+        return self._advice.export_steps(worker_id, step, unheld)
 
-    def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
-        """Store exported blocks (parents first); returns those whose parent is not in yet
-        (``Advisor.import_blocks``)."""
-        return self._advice.import_blocks(worker_id, blocks)
+    def import_blocks(
+        self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]], unheld: Mapping[int, int | None] | None = None
+    ) -> list[tuple[int, int | None, int]]:
+        """Store exported blocks (parents first), putting back the ``unheld`` blocks above them;
+        returns those whose parent is not in yet (``Advisor.import_blocks``)."""
+        return self._advice.import_blocks(worker_id, blocks, unheld)
 
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
         return self._advice.evict_hint(req, pinned_engine_hashes)

@@ -6,13 +6,16 @@ a pinned block and never a block before a held child of it (``still_evictable``)
 answer names them by the engine's own hashes (``engine_hashes``). Both the ranking and the
 export run in parts a host yields between, so a large worker never stalls the routing loop
 (issue #16 item 1). Exported blocks are listed parents first, so a replica warmed from a peer
-imports them as the engine's events would have stored them.
+imports them as the engine's events would have stored them; the blocks no worker holds that
+a worker's blocks hang under (an engine evicted a chain's first blocks and kept the rest) come
+along, so the replica's tree is the peer's, and a hit there once the engine stores them again
+is a hit here too (issue #28 item 12).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -25,17 +28,23 @@ from ..protocols import EvictAdvice, EvictRequest
 from .access import NO_ACCESS_INFO
 from .engine_hashes import EngineHashMaps, invert_steps
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["Advisor"]
+
+#: ``(key, parent key or None)`` of a block no worker holds that exported blocks hang under
+Unheld = tuple[int, int | None]
 
 
 class Advisor:
     """Answers eviction hints and exports or imports a worker's blocks; keeps no state of its
-    own beyond the engine-hash maps it is given."""
+    own beyond the engine-hash maps it is given. Speculative blocks (``speculative``), which
+    the engine does not hold yet, are neither advised nor exported."""
 
-    def __init__(self, shared: Shared, hashes: EngineHashMaps) -> None:
+    def __init__(self, shared: Shared, hashes: EngineHashMaps, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._hashes = hashes
+        self._speculative = speculative
 
     # ---- snapshots (warming a replica from a peer) -----------------------------------
     def export_blocks(self, worker_id: str) -> list[tuple[int, int | None, int]]:
@@ -43,8 +52,15 @@ class Advisor:
         parents before children (a chain's top names a parent this worker does not hold)."""
         return [block for part in self.export_steps(worker_id) for block in part]
 
-    def export_steps(self, worker_id: str, step: int = 1 << 62) -> Iterator[list[tuple[int, int | None, int]]]:
+    def export_steps(
+        self, worker_id: str, step: int = 1 << 62, unheld: list[Unheld] | None = None
+    ) -> Iterator[list[tuple[int, int | None, int]]]:
         """``export_blocks`` in parts, each after visiting at most ``step`` blocks.
+
+        With ``unheld``, each part first appends to it the blocks no worker holds that its
+        blocks hang under (an engine evicted a chain's first blocks and kept the rest), parents
+        first, each once, and only right before a block under it: an importer puts one back
+        only where it stores something under it.
 
         The host may apply events between parts (ExportIndex yields to the loop so a large
         worker never stalls routing): blocks removed meanwhile are skipped, blocks stored
@@ -62,15 +78,21 @@ class Advisor:
                 if workers.find(worker_id) is not worker or worker.slot != slot:
                     return
         tops: list[Block] = []
+        #: the worker's blocks and the unheld ones between or above them, as the climbs found them
         climbed: set[int] = set()
 
+        def on_chain(node: Block) -> bool:
+            holders = node.holders
+            return bool(holders & bit) or not holders
+
         def climb(node: Block | None) -> int:
-            """Walk up from a leaf to the top of its chain; returns the blocks visited."""
+            """Walk up from a leaf to the top of its chain, through blocks nobody holds;
+            returns the blocks visited."""
             visited = 0
-            while node is not None and node.holders & bit and node.key not in climbed:
+            while node is not None and on_chain(node) and node.key not in climbed:
                 climbed.add(node.key)
                 visited += 1
-                if node.parent is None or not node.parent.holders & bit:
+                if node.parent is None or not on_chain(node.parent):
                     tops.append(node)
                 node = node.parent
             return visited
@@ -96,14 +118,28 @@ class Advisor:
                 if workers.find(worker_id) is not worker or worker.slot != slot:
                     return
         stack, listed = tops, set()
+        claimed = self._speculative.keys_on(worker_id)  # a peer would take them as stored for good
+        #: unheld blocks passed on the way down and not listed yet (``_list_unheld``)
+        passed: set[int] = set()
         out: list[tuple[int, int | None, int]] = []
         while stack:
             node = stack.pop()
-            if node.key in listed or not node.holders & bit or index.get(node.key) is not node:
-                continue  # removed (or listed through a parent stored meanwhile)
+            if node.key in listed or index.get(node.key) is not node or node.key in claimed:
+                continue  # removed (or listed through a parent stored meanwhile), or not stored yet
+            holders = node.holders
+            if holders & bit:
+                parent = node.parent
+                if unheld is not None and parent is not None and parent.key in passed:
+                    _list_unheld(parent, passed, unheld)
+                out.append((node.key, parent.key if parent is not None else None, reverse.get(node.key, 0)))
+            elif node.key not in climbed:
+                continue  # not the worker's, nor between its blocks when the climbs ran
+            elif not holders:
+                passed.add(node.key)
             listed.add(node.key)
-            out.append((node.key, node.parent.key if node.parent is not None else None, reverse.get(node.key, 0)))
-            stack.extend(c for c in node.iter_children() if c.holders & bit)
+            # a block climbed through and taken since by another worker is still passed through:
+            # the worker's blocks under it are listed, naming it as their parent
+            stack.extend(c for c in node.iter_children() if c.holders & bit or c.key in climbed)
             if len(out) == step:
                 yield out
                 out = []
@@ -111,12 +147,17 @@ class Advisor:
                     return
         yield out
 
-    def import_blocks(self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
+    def import_blocks(
+        self, worker_id: str, blocks: Iterable[tuple[int, int | None, int]], unheld: Mapping[int, int | None] | None = None
+    ) -> list[tuple[int, int | None, int]]:
         """Store exported blocks (parents first) for a registered worker, as a peer held them.
 
-        Returns the blocks whose parent is not in the index yet (held by a worker imported
-        later): import them again once the others are in. The worker's event sequence is left
-        alone, so its own publishers continue as usual.
+        ``unheld``: key -> parent key (None: a root) of the blocks no worker held on the peer
+        that exported blocks hang under (every one the import has read so far); those a block
+        is stored under are put back first, held by none, as the peer kept them. Returns the
+        blocks whose parent is not in the index yet (held by a worker imported later): import
+        them again once the others are in. The worker's event sequence is left alone, so its
+        own publishers continue as usual.
         """
         shared = self._shared
         worker = shared.workers.get(worker_id)
@@ -124,7 +165,7 @@ class Advisor:
         eviction = shared.policies.eviction
         deferred: list[tuple[int, int | None, int]] = []
         for key, parent, engine_hash in blocks:
-            if parent is not None and parent not in index:
+            if parent is not None and parent not in index and not (unheld and self._put_back(parent, unheld)):
                 deferred.append((key, parent, engine_hash))
                 continue
             stored = index.store(slot, parent, (key,), now)
@@ -132,6 +173,21 @@ class Advisor:
             if engine_hash and engine_hash != key:
                 worker.engine_keys[engine_hash] = key
         return deferred
+
+    def _put_back(self, key: int, unheld: Mapping[int, int | None]) -> bool:
+        """Put the unheld blocks from ``key`` up to one in the index (or a root) back in it;
+        False, changing nothing, while the chain does not reach one."""
+        index = self._shared.index
+        chain: list[int] = []
+        up: int | None = key
+        while up is not None and up not in index:
+            if up not in unheld or len(chain) > len(unheld):  # not sent (yet), or a loop a peer sent
+                return False
+            chain.append(up)
+            up = unheld[up]
+        for k in reversed(chain):
+            index.add_unheld(k, unheld[k])
+        return True
 
     # ---- eviction hints -------------------------------------------------------------
     def evict_hint(self, req: EvictRequest, pinned_engine_hashes: Iterable[int] = ()) -> EvictAdvice:
@@ -168,6 +224,7 @@ class Advisor:
         pinned = set(req.pinned_keys)
         for eh in pinned_engine_hashes:
             pinned.add(worker.engine_keys.get(eh, eh))
+        pinned |= self._speculative.keys_on(worker.id)  # the engine has nothing to evict there yet
         frozen = frozenset(pinned)
         # never rank more than the worker holds or the configured cap (blocks=2**32-1 would
         # otherwise rank a whole worker on the loop); exhausted still means "nothing more to give"
@@ -230,6 +287,18 @@ class Advisor:
         """Blocks needed to free ``tokens`` tokens (rounded up)."""
         self._shared.workers.get(worker_id)
         return -(-tokens // self._shared.block_size)
+
+
+def _list_unheld(node: Block, passed: set[int], into: list[Unheld]) -> None:
+    """Append ``node`` and the unheld blocks above it not listed yet (all in ``passed``),
+    parents first, and take them out of ``passed``."""
+    chain = []
+    up: Block | None = node
+    while up is not None and up.key in passed:
+        passed.discard(up.key)
+        chain.append(up)
+        up = up.parent
+    into.extend((b.key, b.parent.key if b.parent is not None else None) for b in reversed(chain))
 
 
 def _collect(parts: Iterator[list[Any]], into: list[list[Any]]) -> Iterator[None]:

@@ -5,13 +5,15 @@ Registering a worker gives it an index slot and shows it to every routing policy
 always fit one message. Removing one takes it out of routing, the policies and the load
 ledger at once and returns the steps that drop its blocks (``slots``), so a worker of a
 million blocks never stalls routing. Draining (no new requests), the load engines report
-(queued and running requests, KV utilization) and the host's admission queues are kept on
-the ``Worker`` for the policies to read.
+(queued and running requests, KV utilization, loaded LoRA adapters) and the host's admission
+queues are kept on the ``Worker`` for the policies to read. A worker's declared models and
+adapters are part of its description: changing them bumps the registry's generation, so the
+model pools (``pools``) are rebuilt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ..bounds import MAX_REPORTED_REQUESTS, check_range
 from ..errors import InvalidRequest, Overloaded, quote
@@ -20,6 +22,7 @@ from ..protocols import WorkerState
 from .engine_hashes import EngineHashMaps
 from .events import EventApplier
 from .ledger import LoadLedger
+from .pools import Pools
 from .shared import Shared, log
 from .slots import RetiredSlots
 
@@ -28,15 +31,17 @@ __all__ = ["Membership"]
 
 def _described_length(spec: WorkerSpec) -> int:
     return (len(spec.id) + len(spec.address) + len(spec.kv_events_endpoint)
-            + sum(len(k) + len(v) for k, v in spec.labels.items()))
+            + sum(len(k) + len(v) for k, v in spec.labels.items())
+            + sum(map(len, spec.models)) + sum(map(len, spec.loras)))
 
 
 class Membership:
     """Adds, updates and removes workers; their draining flag and reported load."""
 
     def __init__(self, shared: Shared, events: EventApplier, ledger: LoadLedger, hashes: EngineHashMaps,
-                 slots: RetiredSlots) -> None:
+                 slots: RetiredSlots, pools: Pools) -> None:
         self._shared = shared
+        self._pools = pools
         self._events = events
         self._ledger = ledger
         self._hashes = hashes
@@ -52,6 +57,8 @@ class Membership:
             if existing.spec.mode != spec.mode:
                 # the cache view was built under the other mode; start it afresh
                 self._events.clear_worker(existing)
+            if (existing.spec.models, existing.spec.loras, existing.spec.role) != (spec.models, spec.loras, spec.role):
+                shared.workers.generation += 1  # its model pools or its hop change
             existing.spec = spec
             return existing
         slot = shared.workers.next_slot()
@@ -76,6 +83,11 @@ class Membership:
             if len(value) > s.max_address_length:
                 raise InvalidRequest(f"worker {spec.id!r}: {name} {quote(value)} is longer than "
                                      f"limits.max_address_length={s.max_address_length}")
+        for what, names in (("models", spec.models), ("loras", spec.loras)):
+            for name in names:
+                if len(name) > s.max_id_length:
+                    raise InvalidRequest(f"worker {spec.id!r}: {what} entry {quote(name)} is longer than "
+                                         f"limits.max_id_length={s.max_id_length}")
         labels = sum(len(k) + len(v) for k, v in spec.labels.items())
         if labels > s.max_labels_length:
             raise InvalidRequest(f"worker {spec.id!r}: labels of {labels} characters exceed "
@@ -118,13 +130,20 @@ class Membership:
         workers.generation += 1
         return worker
 
-    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float) -> None:
+    def report_load(self, worker_id: str, queued: int, running: int, kv_utilization: float,
+                    loaded_loras: Sequence[str] | None = None) -> None:
+        """An engine's own load; ``loaded_loras`` (None = not reported) replaces the adapters the
+        router believes it has loaded (``Pools.report``). Checked whole before anything changes."""
         check_range("queued_requests", queued, 0, MAX_REPORTED_REQUESTS)
         check_range("running_requests", running, 0, MAX_REPORTED_REQUESTS)
         if not 0.0 <= kv_utilization <= 1.0:
             raise InvalidRequest(f"kv_utilization must be in [0, 1], got {kv_utilization}")
+        if loaded_loras is not None:
+            loaded_loras = self._pools.check_names(loaded_loras, "loaded_loras", self._shared.settings.max_id_length)
         worker = self._shared.workers.get(worker_id)
         worker.reported_queue, worker.reported_running, worker.kv_utilization = queued, running, kv_utilization
+        if loaded_loras is not None:
+            self._pools.report(worker, loaded_loras)
 
     def note_admission_queue(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
         """The host's admission queue for ``worker_id`` now holds ``requests`` waiting

@@ -79,10 +79,12 @@ class RetiredSlots:
         all but those only retired slots hold, which leave the count at once though they are
         dropped in steps (a removed worker's slot, ``Membership.detach_worker``; a cleared
         worker's old one, ``drain_step``). Blocks that several retired slots share and no worker
-        holds still count until one of those drains gets to them."""
+        holds still count until one of those drains gets to them. Blocks no slot holds (the tree
+        keeps one while held blocks hang under it: an engine evicted a chain's first blocks and
+        kept the rest) are never a hit, so they do not count either (issue #28 item 13)."""
         index = self._shared.index
         live = {w.slot for w in self._shared.workers}
-        return len(index) - sum(index.count_alone(s) for s in index.slots() if s not in live)
+        return len(index) - index.unheld - sum(index.count_alone(s) for s in index.slots() if s not in live)
 
     @property
     def draining(self) -> bool:

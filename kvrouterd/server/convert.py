@@ -19,7 +19,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -41,12 +40,11 @@ from ..protocols import (
     RouteRequest,
     Stored,
     TaskCategory,
+    WorkerRole,
     WorkerState,
 )
 from ..router import Router, RouteResult
-
-if TYPE_CHECKING:  # a type only: off_loop imports this module
-    from .off_loop import SplitRoute
+from .wire import WirePrompt
 
 __all__ = [
     "EVENT_BLOCKS",
@@ -80,6 +78,10 @@ _STATE_TO_PB = {
     WorkerState.DEGRADED: pb.WORKER_STATE_DEGRADED,
     WorkerState.DRAINING: pb.WORKER_STATE_DRAINING,
 }
+_ROLE_FROM_PB = {pb.WORKER_ROLE_UNSPECIFIED: WorkerRole.BOTH, pb.WORKER_ROLE_BOTH: WorkerRole.BOTH,
+                 pb.WORKER_ROLE_PREFILL: WorkerRole.PREFILL, pb.WORKER_ROLE_DECODE: WorkerRole.DECODE}
+_ROLE_TO_PB = {WorkerRole.BOTH: pb.WORKER_ROLE_BOTH, WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+               WorkerRole.DECODE: pb.WORKER_ROLE_DECODE}
 _TASKS = {int(t): t for t in TaskCategory}
 #: dtype objects, not strings: numpy parses a dtype string on every call (1.5 us of 4.8 for 4,000 tokens)
 _U32_LE = np.dtype("<u4")
@@ -144,8 +146,10 @@ class HashedPrompt:
     keys: array | None
 
 
-def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None) -> RouteRequest:
-    """A RouteRequest with block keys, from token ids or from caller-computed keys.
+def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+                  client: str = "") -> RouteRequest:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
+    names who sent it (the gRPC peer: ``RouteRequest.client``).
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
@@ -196,17 +200,20 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         policy=msg.policy,
         candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
+        lora=msg.lora,
+        client=client,
     )
 
 
-def check_split(split: SplitRoute, router: Router) -> None:
-    """``route_request``'s checks, in its order, as far as they go before the prompt is decoded:
-    a request they reject costs no hashing (the size limit is applied while hashing)."""
-    if split.prompt.both or len(split.msg.block_keys):
+def check_split(prompt: WirePrompt, msg: pb.RouteRequest, router: Router) -> None:
+    """``route_request``'s checks of a split Route (``prompt`` cut out of ``msg`` by ``wire``), in
+    its order, as far as they go before the prompt is decoded: a request they reject costs no
+    hashing (the size limit is applied while hashing)."""
+    if prompt.both or len(msg.block_keys):
         raise InvalidRequest(_ONE_PROMPT_FORM)
-    if split.prompt.packed:
-        _packed_count("token_ids_le32", split.prompt.size)
-    _route_task(split.msg, router)
+    if prompt.packed:
+        _packed_count("token_ids_le32", prompt.size)
+    _route_task(msg, router)
 
 
 def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse | None = None) -> pb.RouteResponse:
@@ -229,6 +236,15 @@ def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse 
     if alt is not None:
         msg.alternative_worker_id = alt.id
         msg.alternative_worker_address = alt.address
+    if d.pd_reason:
+        msg.disaggregation_reason = d.pd_reason
+        msg.decode_uncached_tokens = d.decode_uncached_tokens
+        hop, prefill = d.prefill, result.prefill_worker
+        if hop is not None and prefill is not None:
+            msg.disaggregated = True
+            msg.prefill_worker_id = prefill.id
+            msg.prefill_worker_address = prefill.address
+            msg.prefill_uncached_tokens = hop.uncached_tokens
     return msg
 
 
@@ -246,6 +262,9 @@ def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
         output_tokens=msg.output_tokens,
         success=msg.success,
         session_ended=msg.session_ended,
+        prefill_ms=msg.prefill_ms,
+        kv_transfer_ms=msg.kv_transfer_ms,
+        prefill_done=msg.prefill_done,
     )
     check_completion(done)  # the Router checks again; a replica's delta is refused here, at its edge
     return done
@@ -258,6 +277,9 @@ def worker_spec(msg: pb.Worker) -> WorkerSpec:
         mode = _MODE_FROM_PB[msg.mode]
     else:
         raise InvalidRequest(f"unknown cache state mode {msg.mode}")
+    role = _ROLE_FROM_PB.get(msg.role)
+    if role is None:
+        raise InvalidRequest(f"unknown worker role {msg.role}")
     return WorkerSpec(
         id=msg.id,
         address=msg.address,
@@ -266,10 +288,15 @@ def worker_spec(msg: pb.Worker) -> WorkerSpec:
         labels=dict(msg.labels),
         mode=mode,
         kv_events_endpoint=msg.kv_events_endpoint,
+        models=tuple(msg.models),
+        loras=tuple(msg.loras),
+        max_loras=msg.max_loras,
+        role=role,
     )
 
 
-def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Worker:
+def worker_message(worker: Worker, cached_blocks: int, block_size: int, now: float = 0.0) -> pb.Worker:
+    """``now``: the router's clock, for ``last_event_age_s`` (0 leaves it unset: a snapshot's copy)."""
     s = worker.spec
     return pb.Worker(
         id=s.id,
@@ -285,6 +312,13 @@ def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Wo
         kv_events_endpoint=s.kv_events_endpoint,
         state_reason=worker.state_reason,
         events_rejected=worker.events_rejected,
+        models=s.models,
+        loras=s.loras,
+        max_loras=s.max_loras,
+        role=_ROLE_TO_PB[s.role],
+        loaded_loras=list(worker.loras),
+        event_batches=worker.batches_applied,
+        last_event_age_s=max(0.0, now - worker.last_event_at) if now and worker.batches_applied else 0.0,
     )
 
 
@@ -457,8 +491,12 @@ def event_batch_bytes(data: bytes, limits: BatchLimits) -> EventBatch:
     return msg if isinstance(msg, EventBatch) else event_batch(msg, limits)  # type: ignore[arg-type]
 
 
-def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:
-    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync."""
+def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int, speculative: bool = False) -> bytes:
+    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync.
+
+    The prompt's keys go with it for an approximate-mode worker (the other replicas assume
+    them cached, as this one did) and, with ``speculative`` indexing on, for an events-mode one
+    (they claim them until the engine's Stored, which every replica receives, confirms them)."""
     req = result.request
     msg = pb.Dispatched(
         request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
@@ -468,6 +506,8 @@ def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) 
     if result.worker.mode is CacheMode.APPROXIMATE:
         msg.keys.extend(req.keys)
         msg.evicted_keys.extend(result.evicted)
+    elif speculative and result.decision.overlap_blocks < len(req.keys):
+        msg.keys.extend(req.keys)
     return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
 
 

@@ -150,8 +150,10 @@ class EngineCalls:
     async def ReportLoad(self, request: pb.ReportLoadRequest, context: grpc.aio.ServicerContext) -> pb.ReportLoadResponse:
         try:
             convert.check_id("worker_id", request.worker_id, self.router.settings.max_id_length)
+            loaded = request.loaded_loras.names if request.HasField("loaded_loras") else None
             self.router.report_load(
-                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization
+                request.worker_id, request.queued_requests, request.running_requests, request.kv_utilization,
+                None if loaded is None else list(loaded),
             )
         except KVRouterError as exc:
             await abort(context, exc)

@@ -165,7 +165,7 @@ def _checked_hash(route: SplitRoute, router: Router, hash_prompt: Callable[[Spli
     Route they reject is not hashed, but its ids are still read: malformed ones refuse the whole
     message, as upb's parse would have (InvalidRequest, what ``hash_wire_prompt`` raises for them)."""
     try:
-        check_split(route, router)
+        check_split(route.prompt, route.msg, router)
     except KVRouterError as exc:  # answered in the Route's own turn (and span), as route_request's
         if not route.prompt.packed:  # packed bytes are any bytes; varints may be malformed
             hash_prompt(route, router.block_size, 0)
@@ -246,15 +246,16 @@ def refusal(data: bytes, prompts: Iterable[WirePrompt], message: type[pb.RouteRe
     raise AssertionError("upb accepted a stand-in built to be refused")
 
 
-def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None) -> RouteRequest:
-    """``route_request`` of a RouteStream Route (``msg``), with its prompt from ``hash_stream``
-    when its message was split (None: parsed whole)."""
+def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None,
+                        client: str = "") -> RouteRequest:
+    """``route_request`` of a RouteStream Route (``msg``) sent by ``client``, with its prompt
+    from ``hash_stream`` when its message was split (None: parsed whole)."""
     if prompt is None:
-        return route_request(msg, router)
+        return route_request(msg, router, client=client)
     hashed = prompt.hashed
     if isinstance(hashed, KVRouterError):
         raise hashed
-    return route_request(msg, router, hashed)
+    return route_request(msg, router, hashed, client)
 
 
 def deserializer(parse: Callable[[bytes], _M], split: Callable[[bytes, int], _M | _S],

@@ -4,7 +4,7 @@ or from the event bus's snapshot object plus the stream after it (``encode_snaps
 
 A replica started with ``warm_from: HOST:PORT`` reports NOT_SERVING, streams the peer's
 index (``ExportIndex``: per worker, its block-key chains parents first, with the engine
-hashes the peer learned), registers the workers it does not know yet with the peer's
+hashes the peer learned and the blocks no worker holds that they hang under), registers the workers it does not know yet with the peer's
 descriptions, stores the blocks, and only then starts its event sources and reports
 SERVING. The export walks each worker a few thousand blocks at a time, yielding to the event loop
 between steps so routing never waits on it; every exported block follows its parent, blocks
@@ -68,28 +68,47 @@ async def export_chunks(
 
     The walk visits at most ``step`` blocks between yields to the event loop, so exporting a
     worker of a million blocks never holds up a Route (``Router.export_steps`` says what
-    events applied meanwhile do to the export)."""
+    events applied meanwhile do to the export). A worker deregistered meanwhile ends its part
+    where it was: the chunks already sent stay sent, the other workers follow."""
     size = max_blocks or DEFAULT_CHUNK_BLOCKS
     workers = [router.workers.get(w) for w in worker_ids] if worker_ids else list(router.workers)
     for worker in workers:
         if router.workers.find(worker.id) is not worker:
             continue  # removed while earlier chunks were being sent
-        # the chunk is filled a step's blocks at a time: building a 65,536-block message from a
-        # list in one call held the loop ~50-150 ms (issue #16)
-        chunk, filled, sent = pb.IndexChunk(), 0, False
-        for blocks in router.export_steps(worker.id, step):
-            while blocks:
-                take, blocks = blocks[: size - filled], blocks[size - filled :]
-                _extend(chunk, take)
-                filled += len(take)
-                if filled == size:
-                    yield _finish(router, worker, chunk)
-                    chunk, filled, sent = pb.IndexChunk(), 0, True
-            await asyncio.sleep(0)
-        if router.workers.find(worker.id) is not worker:
-            continue
-        if filled or not sent:
-            yield _finish(router, worker, chunk)
+        for chunk in _worker_chunks(router, worker, size, step):
+            if chunk is None:
+                await asyncio.sleep(0)
+            else:
+                yield chunk
+            # checked after every pause, before the walk goes on: a removed worker's slot is
+            # freed once its blocks are dropped (a deregistration waits for that), and reading
+            # it then answered KeyError(slot) (issue #28 item 4)
+            if router.workers.find(worker.id) is not worker:
+                break
+
+
+def _worker_chunks(router: Router, worker: Worker, size: int, step: int) -> Iterator[pb.IndexChunk | None]:
+    """One worker's chunks of at most ``size`` blocks, and None after each step of the walk
+    (where the host yields to its loop). The caller checks the worker is still registered
+    after each item, before asking for the next."""
+    # the chunk is filled a step's blocks at a time: building a 65,536-block message from a
+    # list in one call held the loop ~50-150 ms (issue #16)
+    chunk, filled, sent = pb.IndexChunk(), 0, False
+    unheld: list[tuple[int, int | None]] = []
+    for blocks in router.export_steps(worker.id, step, unheld):
+        # the unheld blocks a part's blocks hang under go in the chunk its first block goes in
+        _extend_unheld(chunk, unheld)
+        unheld.clear()
+        while blocks:
+            take, blocks = blocks[: size - filled], blocks[size - filled :]
+            _extend(chunk, take)
+            filled += len(take)
+            if filled == size:
+                yield _finish(router, worker, chunk)
+                chunk, filled, sent = pb.IndexChunk(), 0, True
+        yield None
+    if filled or not sent:
+        yield _finish(router, worker, chunk)
 
 
 def _extend(chunk: pb.IndexChunk, part: list[tuple[int, int | None, int]]) -> None:
@@ -97,6 +116,12 @@ def _extend(chunk: pb.IndexChunk, part: list[tuple[int, int | None, int]]) -> No
     chunk.parent_keys.extend([p or 0 for _, p, _ in part])
     chunk.roots.extend([p is None for _, p, _ in part])
     chunk.engine_hashes.extend([e for _, _, e in part])
+
+
+def _extend_unheld(chunk: pb.IndexChunk, part: list[tuple[int, int | None]]) -> None:
+    chunk.unheld_keys.extend([k for k, _ in part])
+    chunk.unheld_parent_keys.extend([p or 0 for _, p in part])
+    chunk.unheld_roots.extend([p is None for _, p in part])
 
 
 def _finish(router: Router, worker: Worker, chunk: pb.IndexChunk) -> pb.IndexChunk:
@@ -108,9 +133,13 @@ def export_chunks_now(router: Router) -> Iterator[pb.IndexChunk]:
     """Every worker's IndexChunks in one synchronous step (a snapshot that must not let a
     batch land halfway; the ExportIndex RPC uses ``export_chunks``, which yields)."""
     for worker in list(router.workers):
-        blocks = router.export_blocks(worker.id)
+        unheld: list[tuple[int, int | None]] = []
+        blocks = [block for part in router.export_steps(worker.id, unheld=unheld) for block in part]
         for start in range(0, max(1, len(blocks)), DEFAULT_CHUNK_BLOCKS):
-            yield _chunk(router, worker, blocks[start : start + DEFAULT_CHUNK_BLOCKS])
+            chunk = _chunk(router, worker, blocks[start : start + DEFAULT_CHUNK_BLOCKS])
+            if not start:
+                _extend_unheld(chunk, unheld)  # few: what engines evicted above blocks they kept
+            yield chunk
 
 
 def _chunk(router: Router, worker: Worker, part: list[tuple[int, int | None, int]]) -> pb.IndexChunk:
@@ -128,7 +157,7 @@ class WarmResult:
     workers: int = 0
     workers_added: int = 0
     blocks: int = 0
-    #: blocks whose ancestors no worker held on the peer: unreachable by any match, skipped
+    #: blocks whose parent never came (a worker this replica refused held it): skipped
     skipped: int = 0
 
 
@@ -149,6 +178,8 @@ async def _import(
     """Add the stream's workers (a peer's worker whose event endpoint ``allow`` refuses is
     skipped with its blocks: the peer may run another allow-list) and import their blocks."""
     deferred: list[tuple[str, list[tuple[int, int | None, int]]]] = []
+    #: key -> parent key of the blocks no worker held on the peer, all read so far
+    unheld: dict[int, int | None] = {}
     seen: set[str] = set()
     refused: set[str] = set()
     async for chunk in stream:
@@ -169,18 +200,20 @@ async def _import(
         if wid not in seen:
             seen.add(wid)
             result.workers += 1
+        unheld.update((k, None if root else p)
+                      for k, p, root in zip(chunk.unheld_keys, chunk.unheld_parent_keys, chunk.unheld_roots))
         blocks = [
             (k, None if root else p, e)
             for k, p, root, e in zip(chunk.keys, chunk.parent_keys, chunk.roots, chunk.engine_hashes)
         ]
-        left = router.import_blocks(wid, blocks)
+        left = router.import_blocks(wid, blocks, unheld)
         result.blocks += len(blocks) - len(left)
         if left:
             deferred.append((wid, left))
     while deferred:  # parents held only by workers that came later in the stream
         progress, retry = 0, []
         for wid, blocks in deferred:
-            left = router.import_blocks(wid, blocks)
+            left = router.import_blocks(wid, blocks, unheld)
             progress += len(blocks) - len(left)
             if left:
                 retry.append((wid, left))

@@ -86,6 +86,8 @@ def read_trace(path: str | Path) -> Iterator[TraceRequest]:
 class CacheResult:
     eviction: str
     capacity_blocks: int
+    #: tokens per block (per hash id): the unit of every block count here
+    block_tokens: int
     requests: int
     blocks: int
     hit_blocks: int
@@ -98,7 +100,7 @@ class CacheResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "eviction": self.eviction, "capacity_blocks": self.capacity_blocks,
+            "eviction": self.eviction, "capacity_blocks": self.capacity_blocks, "block_tokens": self.block_tokens,
             "requests": self.requests, "blocks": self.blocks, "hit_blocks": self.hit_blocks,
             "hit_ratio": self.hit_ratio, "hit_ratio_percent": round(100 * self.hit_ratio, 4),
             "evicted_blocks": self.evicted_blocks, "elapsed_s": round(self.elapsed_s, 3),
@@ -151,20 +153,22 @@ def replay(
         if progress is not None and not requests % 500:
             progress(requests)
     return CacheResult(
-        eviction=router.eviction.name, capacity_blocks=capacity_blocks, requests=requests, blocks=blocks,
+        eviction=router.eviction.name, capacity_blocks=capacity_blocks, block_tokens=block_tokens,
+        requests=requests, blocks=blocks,
         hit_blocks=hits, evicted_blocks=router.counters["approx_evicted"], elapsed_s=time.monotonic() - started,
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
-    parser.add_argument("--eviction", required=True,
+    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="Mooncake-format JSONL trace")
+    parser.add_argument("--eviction", required=True, metavar="NAME",
                         help="eviction policy name (see `kvrouterd policies --kind eviction`)")
     parser.add_argument("--eviction-param", action="append", default=[], metavar="KEY=VALUE",
-                        help="policy parameter override (JSON value), repeatable")
+                        help="override one policy parameter with a JSON value (repeatable)")
     parser.add_argument("--capacity-blocks", required=True, type=_capacities, metavar="N[,N..]",
-                        help="cache size in blocks (0 = unbounded); a comma list replays each")
-    parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, help="tokens per hash id")
+                        help="cache size in blocks (0 = unbounded); a list replays each")
+    parser.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
+                        help=f"tokens per hash id (default {MOONCAKE_BLOCK_TOKENS}, Mooncake's block)")
     parser.add_argument("--session-block", type=int, default=None, metavar="K",
                         help="session id = the K-th hash id of each request (default: no sessions)")
     parser.add_argument("--task", choices=[t.name.lower() for t in TaskCategory], default="unspecified",
@@ -238,9 +242,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(docs[0] if len(docs) == 1 else docs))
     else:
         for result in results:
-            print(f"hit ratio {100 * result.hit_ratio:.2f}% ({result.hit_blocks} of {result.blocks} prompt blocks, "
-                  f"{result.requests} requests; eviction {result.eviction}, capacity {result.capacity_blocks} blocks, "
-                  f"{result.evicted_blocks} evicted, {result.elapsed_s:.1f} s)")
+            capacity = f"{result.capacity_blocks:,} blocks" if result.capacity_blocks else "unbounded"
+            print(f"hit ratio {100 * result.hit_ratio:.2f}% ({result.hit_blocks:,} of {result.blocks:,} prompt blocks "
+                  f"of {result.block_tokens} tokens, {result.requests:,} requests; eviction {result.eviction}, "
+                  f"capacity {capacity}, {result.evicted_blocks:,} evicted, {result.elapsed_s:.1f} s)")
     if args.out is not None:
         from . import report
 

@@ -120,75 +120,95 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # one line per flag: what each one means in depth is in docs/simulator.md
     w = parser.add_argument_group("workload")
-    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (implies --workload mooncake)")
-    w.add_argument("--workload", choices=["mooncake", *GENERATORS], help="workload (default: mooncake with --trace)")
+    w.add_argument("--trace", type=Path, metavar="FILE",
+                   help="Mooncake-format JSONL trace (implies --workload mooncake)")
+    names = ["mooncake", *GENERATORS]
+    w.add_argument("--workload", choices=names, metavar="NAME", help=f"{', '.join(names[:-1])} or {names[-1]}")
     w.add_argument("--rate", type=_floats, default=None, metavar="R[,R..]",
-                   help="request rates to sweep, req/s, each a number or a grid LO:HI:STEP (e.g. 14:20:0.5) (trace: "
-                        "timestamps rescaled; default: as recorded / generator default)")
-    w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds (workload, router, engines)")
-    w.add_argument("--limit", type=int, default=0, help="use the first N requests")
-    w.add_argument("--max-input-tokens", type=int, default=0, help="cap trace prompts at N tokens (0 = no cap)")
+                   help="request rates in req/s: a list or a grid LO:HI:STEP (default: the workload's)")
+    w.add_argument("--seeds", type=_ints, default=[0], metavar="S[,S..]", help="seeds of workload, router and engines")
+    w.add_argument("--limit", type=int, default=0, metavar="N", help="use only the first N requests")
+    w.add_argument("--max-input-tokens", type=int, default=0, metavar="N",
+                   help="cap trace prompts at N tokens (0 = no cap)")
     w.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="generator parameter (e.g. order=round_robin, prefix_ratio=0.7), repeatable")
+                   help="generator parameter, e.g. prefix_ratio=0.7 (repeatable)")
     p = parser.add_argument_group("policies")
-    p.add_argument("--config", type=Path, help="the daemon's YAML config (policy parameters, tick interval, SLO)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="the daemon's YAML config (policy parameters, tick, SLO)")
     p.add_argument("--routing", default="", metavar="NAME[,NAME..]", help="routing policies (default: the config's)")
     p.add_argument("--eviction", default="", metavar="NAME[,NAME..]", help="eviction policies (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="POLICY.FIELD=VALUE",
-                   help="override one policy parameter (JSON value), repeatable")
+                   help="override one policy parameter with a JSON value (repeatable)")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--workers", type=int, default=8, help="simulated engine workers (default 8)")
+    c.add_argument("--workers", type=int, default=8, metavar="N", help="simulated engine workers (default 8)")
     cap = c.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-blocks", type=int, default=None, help="KV cache per worker, blocks (0 = unbounded)")
-    cap.add_argument("--capacity-fraction", type=float, default=None,
-                     help="cluster KV cache as a share of the workload's distinct prompt blocks, split over workers")
+    cap.add_argument("--capacity-blocks", type=int, default=None, metavar="N",
+                     help="KV cache per worker, in the workload's blocks (0 = unbounded)")
+    cap.add_argument("--capacity-fraction", type=float, default=None, metavar="F",
+                     help="KV cache of the cluster as a share of the workload's distinct blocks")
     c.add_argument("--cache-mode", choices=["events", "approximate"], default="events",
-                   help="how the router learns the caches: engine KV events, or its own prediction (default events)")
-    c.add_argument("--event-delay-ms", type=float, default=0.0, help="delay before an engine's KV events reach the router, ms")
-    c.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
-    c.add_argument("--slo-ms", type=float, default=0.0, help="TTFT SLO (default: the config's default_ttft_slo_ms)")
-    c.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+                   help="the router's view of the caches: engine events or its own model (default events)")
+    c.add_argument("--event-delay-ms", type=float, default=0.0, metavar="MS",
+                   help="delay before engine KV events reach the router")
+    c.add_argument("--event-loss", type=float, default=0.0, metavar="P", help="probability that an event batch is lost")
+    c.add_argument("--slo-ms", type=float, default=0.0, metavar="MS", help="TTFT SLO (default: the config's)")
+    c.add_argument("--warmup", type=int, default=0, metavar="N", help="leading requests left out of the metrics")
+    c.add_argument("--speculative-ttl-s", type=float, default=None, metavar="S",
+                   help="events mode: a routed prompt counts as cached until its Stored events or S seconds")
     c.add_argument("--session-end", action="store_true",
-                   help="the last request of each session completes with session_ended (end-aware eviction)")
-    c.add_argument("--load-report-ms", type=float, default=0.0,
-                   help="engines send ReportLoad (queue, running, KV use) this often; 0 = never")
+                   help="mark each session's last request session_ended (end-aware eviction)")
+    c.add_argument("--load-report-ms", type=float, default=0.0, metavar="MS",
+                   help="engines send ReportLoad this often (0 = never)")
     c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
-                   help="the daemon's admission queue mode: at most N routed, uncompleted requests per worker, "
-                        "the rest wait in the router (DualMap migrates them, A.1.2); 0 = off")
+                   help="admission queue: at most N uncompleted requests per worker (0 = off)")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
-                   help=f"engine step-time model, which policies that estimate time also use unless their spec "
-                        f"sets it (default {d.prefill_model}: UniCache's H100 fit, a*batch^b*(L/batch)^c)")
-    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens,
+                   help=f"prefill cost model of engines and policies (default {d.prefill_model})")
+    e.add_argument("--prefill-ms-per-1k", type=float, default=d.prefill_ms_per_1k_tokens, metavar="MS",
                    help=f"linear model: prefill ms per 1,000 uncached tokens (default {d.prefill_ms_per_1k_tokens})")
-    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, help=f"decode time per output token, ms (default {d.tpot_ms})")
+    e.add_argument("--tpot-ms", type=float, default=d.tpot_ms, metavar="MS",
+                   help=f"decode time per output token (default {d.tpot_ms})")
     e.add_argument("--decode-model", choices=["constant", "batched"], default=d.decode_model,
-                   help=f"batched: decoding runs in the engine's steps beside prefill chunks (interference); constant: "
-                        f"tpot per token beside the engine (default {d.decode_model})")
-    e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope,
-                   help=f"batched: a decode step of D requests lasts tpot * (1 + slope * (D - 1)) (default "
-                        f"{d.decode_batch_slope}: KV reads at an 8k context, see sim.engine)")
+                   help=f"decode in engine steps beside prefill, or at a constant tpot (default {d.decode_model})")
+    e.add_argument("--decode-batch-slope", type=float, default=d.decode_batch_slope, metavar="X",
+                   help=f"batched: share of tpot a step gains per extra decode (default {d.decode_batch_slope})")
     e.add_argument("--decode-kv", action=argparse.BooleanOptionalAction, default=d.decode_kv,
-                   help="batched: generated tokens take KV blocks; when none is free, evict, else preempt the newest "
-                        "decoding request (vLLM's recompute) instead of waiting (default on)")
-    e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens,
-                   help=f"prefill chunks also pay attention to the context before them, costing a token's linear "
-                        f"layers per this many context tokens (default {d.attention_context_tokens:.0f}, "
-                        f"Llama-3.1-8B's FLOP ratio; 0 = chunks priced alone)")
-    e.add_argument("--hardware-speed", type=float, default=d.hardware_speed,
-                   help="divides every compute time, prefill and decode (2 = a GPU twice as fast; default 1)")
+                   help="batched: generated tokens take KV blocks, preempting when full (default on)")
+    e.add_argument("--attention-context-tokens", type=float, default=d.attention_context_tokens, metavar="N",
+                   help=f"attention costs a token per N context tokens "
+                        f"(default {d.attention_context_tokens:.0f}; 0 = off)")
+    e.add_argument("--hardware-speed", type=float, default=d.hardware_speed, metavar="X",
+                   help="divide every compute time by X (default 1)")
     e.add_argument("--cache-decode", action="store_true",
-                   help="engines cache the blocks a request's generated tokens fill, marked decode (vLLM's behaviour)")
-    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help=f"prefill tokens per engine step, the chunked-prefill budget (default {d.max_batch_tokens})")
-    e.add_argument("--max-running", type=int, default=d.max_running,
-                   help=f"requests an engine runs at once (default {d.max_running}, vLLM's max_num_seqs)")
+                   help="engines cache the blocks generated tokens fill, as vLLM does")
+    e.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, metavar="N",
+                   help=f"prefill tokens per engine step (default {d.max_batch_tokens})")
+    e.add_argument("--max-running", type=int, default=d.max_running, metavar="N",
+                   help=f"requests an engine runs at once (default {d.max_running})")
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/simulator.md, sim/pd.py)")
+    pd.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
+                    help="compare aggregated, always and conditional P/D routing on P prefill + D decode engines")
+    pd.add_argument("--pd-local-tokens", type=_ints, default=None, metavar="N[,N..]",
+                    help="conditional runs' local-prefill thresholds (default: the config's)")
+    pd.add_argument("--kv-bytes-per-token", type=int, default=131072, metavar="B",
+                    help="KV bytes a prompt token moves (default: Llama-3.1-8B bf16, 128 KiB)")
+    pd.add_argument("--kv-link-gbps", type=float, default=200.0, metavar="G", help="KV transfer link, Gb/s (default 200)")
+    pd.add_argument("--kv-transfer-latency-ms", type=float, default=1.0, metavar="MS", help="fixed cost of a transfer")
+    pd.add_argument("--tbt-slo-ms", type=float, default=100.0, metavar="MS", help="time-between-tokens SLO for goodput")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print every number as JSON")
-    o.add_argument("--out", type=Path, help="write report.md, results.json and PNG plots here")
+    o.add_argument("--out", type=Path, metavar="DIR", help="write report.md, results.json and PNG plots here")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _pd_split(text: str) -> tuple[int, int]:
+    p, sep, d = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected P:D (prefill and decode workers), got {text!r}")
+    return int(p), int(d)
 
 
 def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
@@ -232,6 +252,9 @@ class ClusterPlan:
 def plan(args: argparse.Namespace) -> ClusterPlan:
     """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
     cfg = load_config(args.config, environ={})
+    if args.speculative_ttl_s is not None:
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(cfg.speculative, ttl_s=args.speculative_ttl_s))
+        cfg.speculative.validate()
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in _kv(args.set, "--set"):
         policy, dot, fname = key.partition(".")
@@ -274,14 +297,19 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
         return build_workload(name, seed, rate, trace=args.trace, limit=args.limit,
                               max_input_tokens=args.max_input_tokens, **dict(wparams))
 
-    meta = {"workload": name, "workers": args.workers, "cache_mode": args.cache_mode,
-            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+    meta = {"workload": name, "limit": args.limit, "workers": args.workers, "cache_mode": args.cache_mode,
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
+            "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pd is not None:
+        from . import pd
+
+        return pd.run(args, plan)
     try:
         p = plan(args)
         results = sweep(p.cfg, p.workload_for, p.settings, p.routings, p.evictions, p.rates, p.seeds,

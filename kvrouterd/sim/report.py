@@ -4,8 +4,11 @@
 (routing, eviction, rate) cell, and the goodput of each pair (highest swept rate with mean
 SLO attainment >= 90%). ``write`` puts report.md, results.json and PNG plots (TTFT CDF per
 policy pair at each rate; SLO attainment and hit ratio against rate) in a directory.
-Plots use matplotlib's Agg backend and are skipped, with a note in the report, when
-matplotlib is not installed.
+Every title and report names the setting in units a reader cannot mistake: the workload and
+its ``--limit``, the workers, and the KV capacity in blocks *of the workload's block size*
+(a Mooncake block holds 512 tokens, a generated workload's 64, the daemon's 16). Plots use
+matplotlib's Agg backend and are skipped, with a note in the report, when matplotlib is not
+installed.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from .results import RunResult
 #: SLO attainment a rate must reach to count toward goodput (metrics.goodput's default)
 GOODPUT_ATTAINMENT = 0.9
 
-__all__ = ["build", "markdown", "table", "write", "write_cache"]
+__all__ = ["build", "cache_table", "capacity_text", "markdown", "setting", "table", "write", "write_cache"]
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+#: percentage axes end above 100 so a series at 99-100% stays clear of the frame
+_PERCENT_YLIM = (0, 105)
 _DASHES = ("-", "--", "-.", ":")
 _CELL_KEYS = ("hit_ratio", "slo_attainment", "throughput_rps", "load_cv", "evict_us_mean")
 
@@ -66,7 +71,11 @@ def _fmt(x: float, digits: int = 0) -> str:
 
 
 _COLUMNS = ("pair", "rate", "hit %", "TTFT p50", "p90", "p99", "E2E p50", "p99", "SLO %", "req/s", "load CV",
-            "route us")
+            "route us (wall)")
+#: what the columns mean; "route us" is measured on this machine's clock, not simulated time
+_LEGEND = ("Times in ms of simulated time; each row is the mean over seeds; hit % = prefix-hit blocks / prompt "
+           "blocks as the engines found them; load CV = coefficient of variation of pending prefill tokens; "
+           "route us (wall) = mean wall-clock time of one routing decision on the machine that ran the simulation.")
 
 
 def _rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -82,11 +91,14 @@ def _rows(doc: dict[str, Any]) -> list[list[str]]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """A plain-text table (times in ms), one row per policy pair and rate, means over seeds."""
+    """A plain-text table (times in ms), one row per policy pair and rate, means over seeds, under
+    a line naming the setting."""
     rows = [list(_COLUMNS), *_rows(doc)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    lines.insert(0, setting(doc))
+    lines.append("times in ms of simulated time; route us (wall) = wall-clock time of one routing decision")
     if doc["goodput_rps"]:
         lines.append("")
         lines.append("goodput (highest swept rate with >= 90% SLO attainment): " + ", ".join(
@@ -101,10 +113,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = (), note: str = "") -> 
         out += ["Command:", "", f"    {meta['command']}", ""]
     runs = doc["runs"]
     slo = runs[0]["slo_ms"] if runs else 0
-    out.append(f"{meta.get('workers', '?')} workers, cache mode {meta.get('cache_mode', '?')}, TTFT SLO {_fmt(slo)} ms, "
-               f"KV capacity per worker {sorted({r['capacity_blocks'] for r in runs})} blocks (0 = unbounded). "
-               "Times in ms; each row is the mean over seeds; hit % = prefix-hit blocks / prompt blocks "
-               "as the engines found them; load CV = coefficient of variation of pending prefill tokens.")
+    out.append(f"{setting(doc)}; cache mode {meta.get('cache_mode', '?')}, TTFT SLO {_fmt(slo)} ms. {_LEGEND}")
     out.append("")
     out.append("| " + " | ".join(_COLUMNS) + " |")
     out.append("|" + "---|" * len(_COLUMNS))
@@ -120,12 +129,31 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = (), note: str = "") -> 
     return "\n".join(out) + "\n"
 
 
-def _setting(doc: dict[str, Any]) -> str:
-    """What every plot's title names: workload, workers, capacity per worker."""
+def capacity_text(capacities: Sequence[int], block_tokens: Sequence[int]) -> str:
+    """A KV capacity in blocks with their size, e.g. "KV cache 1,454 blocks of 512 tokens"."""
+    bounded = sorted({c for c in capacities if c})
+    sizes = " or ".join(f"{b:,}" for b in sorted(set(block_tokens))) or "?"
+    parts = [f"{', '.join(f'{c:,}' for c in bounded)} blocks of {sizes} tokens"] if bounded else []
+    if len(bounded) < len(set(capacities)):
+        parts.append("unbounded")
+    return "KV cache " + " and ".join(parts)
+
+
+def setting(doc: dict[str, Any], sep: str = ", ") -> str:
+    """What every title and report names: workload (and --limit), workers, KV capacity per worker
+    (``sep`` between the workload and the capacity: a plot title breaks the line there)."""
     meta = doc["meta"]
-    capacities = sorted({r["capacity_blocks"] for r in doc["runs"]})
-    capacity = ", ".join(f"{c:,}" if c else "unbounded" for c in capacities)
-    return f"{meta.get('workload', '?')}, {meta.get('workers', '?')} workers, {capacity} blocks/worker"
+    runs = doc["runs"]
+    limit = f" (first {meta['limit']:,} requests)" if meta.get("limit") else ""
+    capacity = capacity_text([r["capacity_blocks"] for r in runs], [r["block_tokens"] for r in runs])
+    return f"{meta.get('workload', '?')}{limit}, {meta.get('workers', '?')} workers{sep}{capacity} per worker"
+
+
+def _fit(xs: Sequence[float]) -> tuple[float, float]:
+    """Axis limits around the data with 5% of the span to spare: a sweep over 2-4 req/s fills the axis."""
+    lo, hi = min(xs), max(xs)
+    pad = 0.05 * (hi - lo) or 0.5
+    return lo - pad, hi + pad
 
 
 def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list[str]:
@@ -136,7 +164,7 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
     import matplotlib.pyplot as plt
 
     written = []
-    setting = _setting(doc)
+    title = setting(doc, sep="\n")
     slo_ms = doc["runs"][0]["slo_ms"] if doc["runs"] else 0
     rates = sorted({r.rate for r in results})
     for rate in rates:
@@ -152,10 +180,10 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
         if slo_ms:
             ax.axvline(slo_ms, color="red", linewidth=1, label=f"TTFT SLO {_fmt(slo_ms)} ms")
         ax.set_xlim(0, max(hi, slo_ms) * 1.05 or 1)
-        ax.set_ylim(0, 100)
+        ax.set_ylim(*_PERCENT_YLIM)
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("requests (%)")
-        ax.set_title(f"TTFT CDF at {rate:g} req/s\n{setting}" if rate else f"TTFT CDF\n{setting}", fontsize=10)
+        ax.set_title(f"TTFT CDF at {rate:g} req/s\n{title}" if rate else f"TTFT CDF\n{title}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         name = out / (f"ttft_cdf_rate{rate:g}.png" if rate else "ttft_cdf.png")
@@ -179,9 +207,9 @@ def _plots(results: Sequence[RunResult], doc: dict[str, Any], out: Path) -> list
                 # goodput is the highest rate at or above this line
                 ax.axhline(100 * GOODPUT_ATTAINMENT, color="red", linewidth=1,
                            label=f"{100 * GOODPUT_ATTAINMENT:g}% within the {_fmt(slo_ms)} ms TTFT SLO")
-            ax.set_ylim(0, 100)
-            ax.set_xlim(left=0)
-            ax.set_title(f"{label.split(' (')[0]} vs request rate\n{setting}", fontsize=10)
+            ax.set_ylim(*_PERCENT_YLIM)
+            ax.set_xlim(*_fit(rates))
+            ax.set_title(f"{label.split(' (')[0]} vs request rate\n{title}", fontsize=10)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
@@ -210,7 +238,7 @@ _CACHE_COLUMNS = ("capacity (blocks)", "hit %", "hit blocks", "prompt blocks", "
 
 
 def cache_table(results: Sequence[dict[str, Any]]) -> str:
-    """``sim cache`` results as a Markdown table, one row per capacity."""
+    """``sim cache`` results as a Markdown table, one row per capacity (in the trace's blocks)."""
     lines = ["| " + " | ".join(_CACHE_COLUMNS) + " |", "|" + "---|" * len(_CACHE_COLUMNS)]
     for r in sorted(results, key=lambda r: r["capacity_blocks"] or math.inf):
         lines.append("| " + " | ".join((
@@ -224,6 +252,7 @@ def write_cache(results: Sequence[dict[str, Any]], meta: dict[str, Any], out: Pa
     """Write ``sim cache``'s cache.md, results.json and hit_ratio_vs_capacity.png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     eviction = meta.get("eviction", results[0]["eviction"] if results else "?")
+    block = f"blocks of {meta['block_tokens']:,} tokens" if meta.get("block_tokens") else "blocks"
     title = f"Prefix hit ratio vs cache capacity, {eviction}\n{meta.get('workload', '?')}, 1 worker"
     written = []
     note = ""
@@ -242,11 +271,11 @@ def write_cache(results: Sequence[dict[str, Any]], meta: dict[str, Any], out: Pa
                 ax.axhline(100 * r["hit_ratio"], color="grey", linestyle="--", linewidth=1, label="unbounded cache")
         if len(pts) > 1 and pts[-1][0] / max(pts[0][0], 1) >= 20:
             ax.set_xscale("log")
-        ax.set_ylim(0, 100)
-        ax.set_xlabel("cache capacity (blocks)")
+        ax.set_ylim(*_PERCENT_YLIM)
+        ax.set_xlabel(f"cache capacity ({block})")
         ax.set_ylabel("hit %")
         capacities = ", ".join(f"{c:,}" for c, _ in pts) or "unbounded"
-        ax.set_title(f"{title}, capacity {capacities} blocks", fontsize=9)
+        ax.set_title(f"{title}, capacity {capacities} {block}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -259,7 +288,8 @@ def write_cache(results: Sequence[dict[str, Any]], meta: dict[str, Any], out: Pa
     md = [f"# Cache simulation: {meta.get('workload', '?')}, eviction {eviction}", ""]
     if meta.get("command"):
         md += ["Command:", "", f"    {meta['command']}", ""]
-    md += ["One cache (1 worker); hit % = prefix-hit blocks / prompt blocks.", "", cache_table(results)]
+    md += [f"One cache (1 worker); capacities in {block}; hit % = prefix-hit blocks / prompt blocks.", "",
+           cache_table(results)]
     md += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in written]
     if note:
         md += ["", note]

@@ -46,6 +46,7 @@ from . import cluster, cluster_cli
 from .engine import EngineParams
 from .experiments import ROWS, Measure, Row, verdict
 from .metrics import goodput, percentile
+from .report import capacity_text
 
 __all__ = ["Digest", "Unit", "add_arguments", "evaluate", "expand", "run", "run_unit"]
 
@@ -95,6 +96,9 @@ class Digest:
     migrations: int = 0
     bottleneck_decisions: int = 0
     bottleneck_moves: int = 0
+    #: the KV cache per worker in blocks (0 = unbounded) and the tokens a block holds
+    capacity_blocks: int = 0
+    block_tokens: int = 0
 
 
 def _strip(tokens: Sequence[str], options: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -191,7 +195,7 @@ def run_unit(unit: Unit) -> Digest:
             raise ConfigError(f"a reproduce row replays one cache size, got --capacity-blocks {args.capacity_blocks}")
         res = sim_cache.replay(trace, json.loads(unit.eviction), args.capacity_blocks[0], block_tokens=args.block_tokens)
         return Digest([], res.hit_blocks, res.blocks, 0, res.requests, 0, time.perf_counter() - started,
-                      time.process_time() - cpu)
+                      time.process_time() - cpu, capacity_blocks=res.capacity_blocks, block_tokens=res.block_tokens)
     routing, eviction = json.loads(unit.routing), json.loads(unit.eviction)
     tokens = [*unit.base, "--routing", routing["name"], "--eviction", eviction["name"], "--seeds", str(unit.seed),
               *(["--rate", repr(unit.rate)] if unit.rate else []), *_sets(routing), *_sets(eviction)]
@@ -210,7 +214,9 @@ def run_unit(unit: Unit) -> Digest:
     return Digest([r.ttft_s for r in recs], sum(r.hit_blocks for r in recs), sum(r.prompt_blocks for r in recs),
                   sum(1 for r in recs if r.ttft_s <= slo_s), len(recs), result.counters.get("unfinished", 0),
                   time.perf_counter() - started, time.process_time() - cpu, result.counters.get("migrations", 0),
-                  result.counters.get("decode_bottleneck_decisions", 0), result.counters.get("decode_bottleneck_moves", 0))
+                  result.counters.get("decode_bottleneck_decisions", 0),
+                  result.counters.get("decode_bottleneck_moves", 0),
+                  capacity_blocks=result.capacity_blocks, block_tokens=result.block_tokens)
 
 
 # ---- turning runs into numbers ----------------------------------------------------------
@@ -246,6 +252,9 @@ class Table:
         for u in units:
             cells[(u.pair, u.rate)].append(digests[u])
         self.cells = {k: _pool(v) for k, v in cells.items()}
+        runs = [digests[u] for u in units]
+        #: the KV cache per worker the runs had, with the block size (it differs between workloads)
+        self.capacity = capacity_text([d.capacity_blocks for d in runs], [d.block_tokens for d in runs])
         self.rates = sorted({r for _, r in self.cells if r is not None})
         self.pairs = list(dict.fromkeys(p for p, _ in self.cells))
         self.goodput = {p: goodput([(r, self.cells[(p, r)]["slo_pct"] / 100.0) for r in self.rates if (p, r) in self.cells])
@@ -336,8 +345,9 @@ def _detail(run: str, table: Table, names: Sequence[str]) -> list[str]:
     out = [f"### {', '.join(names)}", "", f"    {_command(run)}", ""]
     if run.startswith("cache "):
         cell = next(iter(table.cells.values()))
-        out += [f"hit ratio {cell['hit_pct']:.2f}% ({int(cell['requests']):,} requests)", ""]
+        out += [f"hit ratio {cell['hit_pct']:.2f}% ({int(cell['requests']):,} requests; {table.capacity})", ""]
         return out
+    out += [f"{table.capacity} per worker.", ""]
     # with load reports or the admission queue, DualMap's A.7 rule and A.1.2 migration can fire: count them
     rules = "--load-report-ms" in run or "--admission-max-inflight" in run
     out += ["| pair | rate | hit % | TTFT p50 | p90 | p95 | p99 (ms) | SLO % | requests |"
@@ -404,17 +414,15 @@ def _default_trace() -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default="", metavar="NAME[,NAME..]",
-                        help="rows to run (names or shell patterns, e.g. 'dualmap_*'); default: all")
+                        help="rows to run: names or shell patterns like 'dualmap_*' (default: all)")
     parser.add_argument("--quick", action="store_true",
                         help=f"first {QUICK_REQUESTS} requests and first seed of every run (checks the machinery)")
-    parser.add_argument("--jobs", type=int, default=1, help="simulations run at once (worker processes)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="simulations run at once, in worker processes")
     parser.add_argument("--mooncake-trace", type=Path, default=None, metavar="FILE",
-                        help="the Mooncake conversation trace (default: $MOONCAKE_TRACE, else "
-                             "../shared/traces/mooncake_conversation_trace.jsonl beside the repository)")
+                        help="the Mooncake conversation trace (default: $MOONCAKE_TRACE or ../shared/traces/)")
     parser.add_argument("--prefill-model", choices=["power_law", "linear"], default="",
-                        help="the engines' (and so the policies') prefill cost model in every sim cluster run "
-                             f"(default: sim cluster's, {EngineParams().prefill_model})")
-    parser.add_argument("--out", type=Path, help="write report.md and results.json here")
+                        help=f"prefill cost model of every sim cluster run (default {EngineParams().prefill_model})")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="write report.md and results.json here")
     parser.add_argument("--list", action="store_true", help="list the rows and their commands; run nothing")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors (the report goes to --out)")
 

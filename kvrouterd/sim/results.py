@@ -21,6 +21,9 @@ class RunResult:
     rate: float
     seed: int
     capacity_blocks: int
+    #: tokens per block of the workload (Mooncake traces 512, generators 64 unless told): the
+    #: unit of capacity_blocks and of every block count
+    block_tokens: int
     summary: m.RunSummary
     records: list[m.RequestRecord]
     wall_s: float
@@ -29,7 +32,8 @@ class RunResult:
 
     def as_dict(self, with_records: bool = False) -> dict[str, Any]:
         out = {"routing": self.routing, "eviction": self.eviction, "workload": self.workload, "rate": self.rate,
-               "seed": self.seed, "capacity_blocks": self.capacity_blocks, "wall_s": round(self.wall_s, 3), **self.summary.as_dict(),
+               "seed": self.seed, "capacity_blocks": self.capacity_blocks, "block_tokens": self.block_tokens,
+               "wall_s": round(self.wall_s, 3), **self.summary.as_dict(),
                "router_counters": self.counters, "engines": self.engine_stats}
         if with_records:
             out["ttft_s"] = [r.ttft_s for r in self.records]

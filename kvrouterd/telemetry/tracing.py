@@ -185,6 +185,11 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         attrs["kvrouter.session_id"] = req.session_id
     if req.model:
         attrs["gen_ai.request.model"] = req.model
+    if d.pool:
+        attrs["kvrouter.pool"] = d.pool
+    if d.lora_placement:
+        attrs["kvrouter.lora"] = req.lora or req.model  # OpenAI bodies name the adapter in ``model``
+        attrs["kvrouter.lora.placement"] = d.lora_placement
     for k, v in d.attributes.items():
         attrs[f"kvrouter.policy.{k}"] = v
     span.set_attributes(attrs)  # type: ignore[arg-type]

@@ -122,16 +122,18 @@ class EngineWire:
     new_replay_layout: bool
 
     def stored(self, hashes: list[int], tokens: list[Any], parent: int | None = None, *, page: int | None = None,
-               group: int | None = None, kind: str | None = None, lora_id: int | None = None) -> Any:
+               group: int | None = None, kind: str | None = None, lora_id: int | None = None,
+               lora_name: str | None = None) -> Any:
+        """A BlockStored; ``lora_name`` only in the layouts that carry it (vLLM 0.23 on)."""
         page = page or self.default_page
         if self.name == "vllm-0.11":
             return V11BlockStored(hashes, parent, tokens, page, lora_id, None)
         if self.name == "vllm-0.23":
-            return V23BlockStored(hashes, parent, tokens, page, lora_id, None, None)
+            return V23BlockStored(hashes, parent, tokens, page, lora_id, None, lora_name)
         if self.name == "sglang":
             return SglBlockStored([_signed(h) for h in hashes], None if parent is None else _signed(parent), tokens,
                                   page, lora_id)
-        return V26BlockStored(hashes, parent, tokens, page, lora_id, None, None, group_idx=group,
+        return V26BlockStored(hashes, parent, tokens, page, lora_id, None, lora_name, group_idx=group,
                               kv_cache_spec_kind=kind)
 
     def removed(self, hashes: list[int], *, group: int | None = None) -> Any:

@@ -1,14 +1,16 @@
 """The CLI as a new user meets it: version, config check/show, env-variable errors, bind errors,
-plain help text, `policies --json`, `status`'s default target."""
+plain help text (one line per flag, details in the docs), `policies --json`, `status`'s default target."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -131,6 +133,43 @@ def test_help_has_no_rest_markup_and_every_flag_has_help():
         for action in parser._actions:
             if action.option_strings and not isinstance(action, argparse._HelpAction):
                 assert action.help, f"kvrouterd {' '.join(path)} {action.option_strings[0]} has no help"
+
+
+#: the code's vocabulary, not a user's: calls like Router(cfg), module paths, private names
+_INTERNAL = re.compile(r"[A-Za-z_]\(|\bkvrouterd\.[a-z_]|\bsim\.[a-z_]|\b[A-Za-z]+\._[a-z]")
+_REPO = Path(kvrouterd.__file__).resolve().parents[1]
+_FLAG_HELP_CHARS = 80
+
+
+def _details_exist(epilog: str) -> bool:
+    """The help's last line, ``Details: PAGE[, PAGE] [(Section)]``, names pages (and a heading) that exist."""
+    line = epilog.strip().splitlines()[-1]
+    match = re.fullmatch(r"Details: (.+?)(?: \((.+)\))?", line)
+    assert match, line
+    pages = [_REPO / page for page in match.group(1).split(", ")]
+    headings = [h.replace("`", "") for h in re.findall(r"^#+ (.+)$", pages[-1].read_text(), re.MULTILINE)]
+    return all(page.is_file() for page in pages) and (
+        match.group(2) is None or any(match.group(2) in heading for heading in headings))
+
+
+def test_help_is_one_line_per_flag_with_the_details_in_the_docs(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    for path, parser in _parsers(build_parser()):
+        where = "kvrouterd " + " ".join(path)
+        text = parser.format_help()
+        assert not _INTERNAL.search(text), (where, _INTERNAL.search(text))
+        assert all(len(line) <= 100 for line in text.splitlines()), where
+        if path and parser.description is not None:
+            # what the command does in one line; the paragraphs are in the page the help names
+            assert "\n" not in parser.description and len(parser.description) <= 100, where
+            assert _details_exist(parser.epilog), where
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                flag = formatter._expand_help(action)
+                # one short sentence ("e.g. x" is not a sentence break)
+                assert len(flag) <= _FLAG_HELP_CHARS and not re.search(r"\w\w\. ", flag), \
+                    f"{where} {action.option_strings[0]}: {flag}"
 
 
 def test_policies_lists_a_summary_per_policy_and_json(capsys):

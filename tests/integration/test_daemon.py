@@ -104,6 +104,23 @@ async def test_removal_by_engine_hash_and_block_keys_input(running):
     assert resp.matched_blocks == 5
 
 
+async def test_indexed_blocks_leaves_out_a_block_no_worker_holds(running):
+    """An engine evicts a chain's middle block: the index keeps it, held by none, so the block
+    under it is matched again once the engine stores it anew, but routing never hits it, and
+    GetStats counted it (issue #28 item 13: 3 indexed against 2 cached)."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(7000, 7000 + 3 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, [41, 42, 43])]),
+                  pb.EventBatch(worker_id="a", sequence=1, events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[42]))]))
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    assert [w.cached_blocks for w in stats.workers] == [2] and stats.indexed_blocks == 2
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 1
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=2, events=[stored(prompt[BS : 2 * BS], [42], parent=41)]))
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 3
+    assert (await stub.GetStats(pb.GetStatsRequest())).indexed_blocks == 3
+
+
 async def test_sequence_gap_degrades_until_cleared(running):
     stub = running.stub
     await register(stub, "a")
@@ -138,6 +155,28 @@ async def test_approximate_mode_learns_from_its_own_decisions(running):
     assert workers[first.worker_id].cached_blocks == 65
 
 
+@pytest.mark.parametrize("daemon_config", [{"speculative": {"ttl_s": 10}}])
+async def test_events_mode_sees_a_routed_prompt_before_its_engine_stores_it(running):
+    """Speculative indexing (config speculative.ttl_s): a follow-up routed before
+    the first prompt's Stored events arrive lands beside it; the events then confirm the blocks."""
+    stub = running.stub
+    for wid in ("a", "b", "c"):
+        await register(stub, wid)
+    prompt = list(range(5000, 5000 + 20 * BS))
+    first = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    assert first.matched_blocks == 0
+    second = await stub.Route(pb.RouteRequest(token_ids=prompt + list(range(99, 99 + 4 * BS))))
+    assert second.worker_id == first.worker_id and second.matched_blocks == 20
+    # the engine stores the prompt: keys as its hashes, so the blocks are the claimed ones
+    summary = await publish(stub, pb.EventBatch(worker_id=first.worker_id, sequence=0,
+                                                events=[stored(prompt, block_keys(prompt, BS))]))
+    assert summary.blocks_stored == 20
+    workers = {w.id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert workers[first.worker_id].cached_blocks == 20  # what the engine stored
+    speculative = running.daemon.router.speculative
+    assert speculative.outcomes["confirmed"] == 20 and speculative.live_on(first.worker_id) == 4  # the follow-up's
+
+
 async def test_evict_hint_over_grpc(running):
     stub = running.stub
     await register(stub, "a")
@@ -156,7 +195,7 @@ async def test_evict_hint_over_grpc(running):
         ("Route", pb.RouteRequest(), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, block_keys=[1]), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
-        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.NOT_FOUND),
         ("Route", pb.RouteRequest(token_ids=[1] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
         ("Complete", pb.CompleteRequest(request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
         ("EvictHint", pb.EvictHintRequest(worker_id="ghost", blocks=1), grpc.StatusCode.NOT_FOUND),
@@ -255,3 +294,33 @@ async def test_register_worker_refuses_bad_endpoints_before_registering(running,
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
     assert "bad" not in running.router.workers
     assert running.daemon.events is None or "bad" not in running.daemon.events.subscribers
+
+
+async def test_a_fleet_past_4_mib_of_descriptions_is_listed_a_page_at_a_time(running):
+    """300 workers with legal 16,000-character labels describe ~4.8 MB: one GetStats or
+    ListWorkers reply passed a default client's 4 MiB receive limit (issue #28 item 8)."""
+    stub = running.stub  # a channel with default options: 4 MiB received at most
+    ids = [f"w{i:03}" for i in range(300)]
+    for wid in reversed(ids):
+        await stub.RegisterWorker(pb.RegisterWorkerRequest(
+            worker=pb.Worker(id=wid, address=f"{wid}.local:8000", labels={"note": "x" * 16_000})))
+    stats = await stub.GetStats(pb.GetStatsRequest())
+    assert stats.worker_count == 300 and 0 < len(stats.workers) < 300
+    assert [w.id for w in stats.workers] == ids[: len(stats.workers)]
+    listed, token, pages = [], "", 0
+    while True:
+        page = await stub.ListWorkers(pb.ListWorkersRequest(page_token=token))
+        assert page.ByteSize() <= 1 << 20
+        listed += [w.id for w in page.workers]
+        pages += 1
+        if not page.next_page_token:
+            break
+        token = page.next_page_token
+    assert listed == ids and pages >= 5
+    page = await stub.ListWorkers(pb.ListWorkersRequest(page_size=7))
+    assert [w.id for w in page.workers] == ids[:7] and page.next_page_token
+    page = await stub.ListWorkers(pb.ListWorkersRequest(page_size=7, page_token=page.next_page_token))
+    assert [w.id for w in page.workers] == ids[7:14]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ListWorkers(pb.ListWorkersRequest(page_token="not a token!"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -19,9 +19,9 @@ from kvrouterd.clock import ManualClock
 from kvrouterd.events import ZmqEndpoint, ZmqEventsConfig, ZmqEventSource
 from kvrouterd.index.keys import block_keys
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, WorkerState
+from kvrouterd.protocols import CacheMode, RouteRequest, WorkerState
 from kvrouterd.router import Router, RouterSettings
-from tests.integration.engine_wire import ALL_ENGINES, VLLM_026, EngineWire, V26BlockStored
+from tests.integration.engine_wire import ALL_ENGINES, VLLM_023, VLLM_026, EngineWire, V26BlockStored
 from tests.integration.test_zmq_events import FakeEngine
 
 BS = 16  # the router's block size, as deployed
@@ -440,6 +440,27 @@ async def test_lora_id_only_events_map_to_the_configured_adapter_name() -> None:
         await source.close()
         await engine.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("wire", [VLLM_023, VLLM_026], ids=lambda w: w.name)
+async def test_an_adapter_whose_blocks_a_vllm_worker_stores_is_loaded_there_and_draws_its_requests(
+    env: Env, wire: EngineWire
+) -> None:
+    """vLLM names the adapter of every stored block (``lora_name``): the router takes it as
+    loaded on that worker (issue #31 item 2), and a request for the adapter goes there rather
+    than to an idle worker that would have to load it, though nothing of its prompt is cached."""
+    router, source, start = env
+    router.add_worker(WorkerSpec(id="idle", address="idle:1", max_loras=1))
+    engine = await start(wire)
+    tokens = prompt(0, BS)
+    await publish(engine, wire, wire.stored([1], tokens, lora_name="sql-lora"))
+    await applied(source, 0)
+    assert list(router.workers.get("w").loras) == ["sql-lora"]
+    assert router.index.match(block_keys(tokens, BS, MODEL, "sql-lora"), 1 << router.workers.get("w").slot).overlaps
+    router.route(RouteRequest("busy", [7], BS, model=MODEL, lora="other"))  # one request in flight, "other" loaded
+    result = router.route(RouteRequest("r", block_keys(prompt(500, BS), BS, MODEL, "sql-lora"), BS, model=MODEL,
+                                       lora="sql-lora"))
+    assert result.worker.id == "w" and result.decision.lora_placement == "loaded"
 
 
 async def test_vllm_cache_salt_in_the_first_blocks_extras_salts_the_chain_like_a_routes_cache_salt(env: Env) -> None:

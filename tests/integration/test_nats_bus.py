@@ -18,6 +18,8 @@ from kvrouterd.events.nats_bus import worker_subject
 from kvrouterd.protocols import RouteRequest, WorkerState
 from kvrouterd.server.app import Daemon
 
+from ..invariants import index_state
+
 BS = 16
 WORKERS = ("gpu-0", "gpu.1")  # a dot: the subject token must escape it
 
@@ -237,6 +239,41 @@ async def test_a_restarted_replica_restores_the_snapshot_and_replays_only_the_ta
         assert w.state is WorkerState.READY and w.gaps == 0 and second.router.counters["batches_duplicate"] == 0
     finally:
         await second.stop(grace=0)
+
+
+async def test_a_replica_restored_from_the_snapshot_keeps_what_hangs_under_an_evicted_first_block(
+    nats_server: NatsServer,
+) -> None:
+    """An engine evicts chains' first blocks and keeps the rest: the replica restored from the
+    snapshot dropped the rest as unreachable and, once the engine stored the first block again,
+    matched 1 block where its peer matched 5 (issue #28 item 12)."""
+    first = await start_replica(nats_server.url, snapshot_interval_s=0.2)
+    try:
+        async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0) as pub:
+            engine = Engine(pub, random.Random(13), 1)
+            chains = [engine.store_chain(5) for _ in range(3)]
+            pub.removed([1, 6])  # the first blocks of the first two chains
+            assert await pub.flush(10)
+            await wait_applied([first], nats_server.url)
+            assert first.bus is not None
+            saved = first.bus.stats.snapshots_saved
+            # two more: one may have been encoded before the last batch was applied
+            await wait_for(lambda: first.bus is not None and first.bus.stats.snapshots_saved > saved + 1)
+            second = await start_replica(nats_server.url, seed=2, snapshot_interval_s=0)
+            try:
+                assert second.bus is not None and second.bus.stats.messages == 0  # all from the snapshot
+                assert index_state(second.router) == index_state(first.router)
+                pub.stored(chains[0][:BS], engine_hashes=[1])  # the engine computes the first block again
+                assert await pub.flush(10)
+                await wait_applied([first, second], nats_server.url)
+                assert index_state(second.router) == index_state(first.router)
+                for d in (first, second):
+                    w = d.router.workers.get(WORKERS[0])
+                    assert d.router.index.match(d.router.keys_for_tokens(chains[0]), w.bit).overlap(w.slot) == 5
+            finally:
+                await second.stop(grace=0)
+    finally:
+        await first.stop(grace=0)
 
 
 async def test_an_unusable_snapshot_means_replaying_the_whole_stream(nats_server: NatsServer) -> None:

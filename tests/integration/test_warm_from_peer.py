@@ -10,6 +10,7 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
 
+from ..invariants import index_state
 from .test_daemon import BS, publish, register, stored
 
 
@@ -63,3 +64,52 @@ async def test_unknown_worker_export_is_not_found(running):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         _ = [c async for c in running.stub.ExportIndex(pb.ExportIndexRequest(worker_ids=["ghost"]))]
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_worker_deregistered_mid_export_ends_its_part_and_the_export_finishes(running):
+    """Deregistering a worker while its chunks stream (issue #28 item 4: the export answered
+    UNKNOWN KeyError(slot) once the drain had freed the worker's slot) leaves its part short
+    and the stream goes on to the other workers."""
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid)
+    # 40 chains of 100 blocks: chunks of one block are far more than the transport buffers
+    events = [stored(list(range(i * 10_000, i * 10_000 + 100 * BS)), list(range(i * 1000 + 1, i * 1000 + 101)))
+              for i in range(40)]
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=events),
+                  pb.EventBatch(worker_id="b", sequence=0, events=[stored(list(range(BS * 3)), [7, 8, 9])]))
+    call = stub.ExportIndex(pb.ExportIndexRequest(max_blocks_per_chunk=1))
+    first = await call.read()
+    assert first.worker.id == "a"
+    await stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id="a"))
+    assert "a" not in running.router.workers  # and its blocks are gone: the call waits for the drain
+    rest = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        rest.append(chunk)
+    assert await call.code() == grpc.StatusCode.OK
+    a_keys = 1 + sum(len(c.keys) for c in rest if c.worker.id == "a")
+    assert a_keys < 4000  # the export stopped at the deregistration, not at the end of the worker
+    assert sum(len(c.keys) for c in rest if c.worker.id == "b") == 3
+
+
+async def test_a_warmed_replica_keeps_what_hangs_under_an_evicted_first_block(running):
+    """The engine evicted a chain's first block and kept the rest: the replica skipped the rest
+    as unreachable and, once the engine stored the first block again, matched 1 block where its
+    peer matched 10 (issue #28 item 12)."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(3000, 3000 + 10 * BS))
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt, list(range(1, 11)))]),
+                  pb.EventBatch(worker_id="a", sequence=1, events=[pb.CacheEvent(removed=pb.RemovedBlocks(engine_hashes=[1]))]))
+    replica = Daemon(parse_config({"listen": "127.0.0.1:0", "warm_from": f"127.0.0.1:{running.daemon.port}"}), seed=2)
+    port = await replica.start()
+    try:
+        assert index_state(replica.router) == index_state(running.router)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            rstub = router_pb2_grpc.KVRouterStub(ch)
+            for s in (stub, rstub):  # the engine computes the first block again
+                await publish(s, pb.EventBatch(worker_id="a", sequence=2, events=[stored(prompt[:BS], [1])]))
+                assert (await s.Route(pb.RouteRequest(token_ids=prompt))).matched_blocks == 10
+        assert index_state(replica.router) == index_state(running.router)
+    finally:
+        await replica.stop(grace=0.1)

@@ -58,6 +58,10 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.stream_reading.set()
         #: items and serialised size of each batch message received, in arrival order
         self.stream_batches: list[int] = []
+        #: workers on one ListWorkers page; None plays a router from before pages
+        self.list_page_size: int | None = None
+        #: every ListWorkersRequest received
+        self.list_requests: list[pb.ListWorkersRequest] = []
         self.stream_batch_bytes: list[int] = []
 
     async def Route(self, request, context):
@@ -183,7 +187,13 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         return pb.DeregisterWorkerResponse()
 
     async def ListWorkers(self, request, context):
-        return pb.ListWorkersResponse(workers=list(self.registered.values()))
+        self.list_requests.append(request)
+        workers = list(self.registered.values())
+        if self.list_page_size is None:  # a router from before pages: everything, no token
+            return pb.ListWorkersResponse(workers=workers)
+        start = int(request.page_token or 0)
+        end = start + self.list_page_size
+        return pb.ListWorkersResponse(workers=workers[start:end], next_page_token=str(end) if end < len(workers) else "")
 
     # -- helpers for tests --
     def applied_events(self, worker_id: str) -> list[pb.CacheEvent]:

@@ -1,5 +1,7 @@
-"""Simulator output a reader can trust: every plot names its setting, draws the SLO, uses the
-tables' units and starts attainment at 0; `sim cache --out` writes a table and a plot."""
+"""Simulator output a reader can trust: every plot names its setting (the workload's --limit, and
+the KV capacity with its block size in tokens), draws the SLO, uses the tables' units, starts
+attainment at 0 with headroom above 100%, fits the rate axis to the rates swept and says the
+route time is wall time; `sim cache --out` writes a table and a plot."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def saved_figures(monkeypatch):
         (ax,) = self.axes
         saved[str(fname).rsplit("/", 1)[-1]] = {
             "title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(), "ylim": ax.get_ylim(),
+            "xlim": ax.get_xlim(),
             "labels": [line.get_label() for line in ax.get_lines()],
         }
         return original(self, fname, *args, **kwargs)
@@ -31,20 +34,33 @@ def saved_figures(monkeypatch):
 
 def test_cluster_plots_name_the_setting_draw_the_slo_and_use_the_tables_units(tmp_path, capsys, saved_figures):
     rc = main(["sim", "cluster", "--workload", "gsp", "--workload-param", "groups=4",
-               "--workload-param", "queries_per_group=5", "--rate", "10,40", "--workers", "2",
+               "--workload-param", "queries_per_group=5", "--rate", "10,40", "--limit", "15", "--workers", "2",
                "--routing", "round_robin", "--eviction", "lru", "--capacity-blocks", "100", "--slo-ms", "250",
                "--quiet", "--out", str(tmp_path)])
     assert rc == 0
     assert set(saved_figures) == {"ttft_cdf_rate10.png", "ttft_cdf_rate40.png", "attainment_vs_rate.png",
                                   "hit_ratio_vs_rate.png"}
     for name, fig in saved_figures.items():
-        assert "gsp, 2 workers, 100 blocks/worker" in fig["title"], name
+        # gsp's blocks hold 64 tokens: the capacity says so, and the title says only 15 requests ran
+        assert "gsp (first 15 requests), 2 workers\nKV cache 100 blocks of 64 tokens per worker" in fig["title"], name
+        # lines at 100% stay clear of the frame
+        assert fig["ylim"] == (0, 105), name
     cdf = saved_figures["ttft_cdf_rate10.png"]
-    assert cdf["xlabel"] == "TTFT (ms)" and "TTFT SLO 250 ms" in cdf["labels"] and cdf["ylim"] == (0, 100)
+    assert cdf["xlabel"] == "TTFT (ms)" and "TTFT SLO 250 ms" in cdf["labels"]
     attainment = saved_figures["attainment_vs_rate.png"]
-    assert attainment["ylim"][0] == 0 and attainment["ylabel"] == "SLO attainment (%)"
+    assert attainment["ylabel"] == "SLO attainment (%)"
     assert any("250 ms TTFT SLO" in label for label in attainment["labels"])
-    assert saved_figures["hit_ratio_vs_rate.png"]["ylim"][0] == 0
+    for name in ("attainment_vs_rate.png", "hit_ratio_vs_rate.png"):
+        # the rate axis spans the rates swept, 10 to 40 req/s, not 0 to 40
+        assert saved_figures[name]["xlim"] == (8.5, 41.5), name
+
+    table = capsys.readouterr().out
+    assert table.startswith("gsp (first 15 requests), 2 workers, KV cache 100 blocks of 64 tokens per worker\n")
+    assert "route us (wall)" in table and "route us (wall) = wall-clock time" in table
+    report = (tmp_path / "report.md").read_text()
+    assert "KV cache 100 blocks of 64 tokens per worker" in report and "| route us (wall) |" in report
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {run["block_tokens"] for run in results["runs"]} == {64} and results["meta"]["limit"] == 15
 
 
 def test_sim_cache_out_writes_a_table_and_a_hit_ratio_vs_capacity_plot(tmp_path, capsys, saved_figures):
@@ -58,15 +74,21 @@ def test_sim_cache_out_writes_a_table_and_a_hit_ratio_vs_capacity_plot(tmp_path,
                "--json", "--out", str(out)])
     assert rc == 0
     docs = json.loads(capsys.readouterr().out)
-    assert [d["capacity_blocks"] for d in docs] == [2, 4, 0]
+    assert [d["capacity_blocks"] for d in docs] == [2, 4, 0] and {d["block_tokens"] for d in docs} == {512}
     table = (out / "cache.md").read_text()
+    assert "capacities in blocks of 512 tokens" in table
     unbounded = docs[2]
     assert f"| unbounded | {100 * unbounded['hit_ratio']:.2f} | {unbounded['hit_blocks']} |" in table
     assert json.loads((out / "results.json").read_text())["results"] == docs
     assert (out / "hit_ratio_vs_capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig = saved_figures["hit_ratio_vs_capacity.png"]
-    assert "tiny.jsonl, 1 worker, capacity 2, 4 blocks" in fig["title"] and "lru" in fig["title"]
-    assert fig["ylabel"] == "hit %" and fig["ylim"] == (0, 100) and "unbounded cache" in fig["labels"]
+    assert "tiny.jsonl, 1 worker, capacity 2, 4 blocks of 512 tokens" in fig["title"] and "lru" in fig["title"]
+    assert fig["xlabel"] == "cache capacity (blocks of 512 tokens)"
+    assert fig["ylabel"] == "hit %" and fig["ylim"] == (0, 105) and "unbounded cache" in fig["labels"]
+
+    # without --json the printed line names the block size too
+    assert main(["sim", "cache", "--trace", str(trace), "--eviction", "lru", "--capacity-blocks", "4", "--quiet"]) == 0
+    assert "prompt blocks of 512 tokens" in capsys.readouterr().out
 
 
 class _Terminal:

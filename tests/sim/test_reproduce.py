@@ -144,6 +144,8 @@ def test_quick_run_reports_the_numbers_sim_cluster_gives(tmp_path, capsys):
         res = simulate(Config(), wl, settings, routing="round_robin", eviction=pair.split("+")[1], seed=0, rate=4.0)
         assert 100 * res.summary.hit_ratio == pytest.approx(row[key])
     assert "**--quick**" in report
+    # the run's table says what a block is: gsp's hold 64 tokens
+    assert "KV cache 3,000 blocks of 64 tokens per worker." in report
 
 
 def test_unknown_row_is_an_error_naming_it(capsys):

@@ -91,3 +91,26 @@ def test_missing_ca_file_exits_2(capsys, tmp_path):
     code = main(["status", "--target", "127.0.0.1:1", "--ca-file", str(tmp_path / "nope.crt")])
     _, err = capsys.readouterr()
     assert code == 2 and "nope.crt" in err
+
+
+async def test_status_lists_a_fleet_past_4_mib_of_descriptions(capsys):
+    """300 workers with legal 16,000-character labels: GetStats alone passed the CLI channel's
+    default 4 MiB receive limit and status failed RESOURCE_EXHAUSTED (issue #28 item 8)."""
+    daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "workers": [
+        {"id": f"w{i:03}", "address": f"10.1.{i // 250}.{i % 250}:8000", "labels": {"note": "x" * 16_000}}
+        for i in range(300)
+    ]}))
+    port = await daemon.start()
+    try:
+        code = await asyncio.to_thread(main, ["status", "--target", f"127.0.0.1:{port}"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "workers          300 (300 approximate/ready)" in out
+        assert sum(line.startswith("w") for line in out.splitlines()) == 300
+        code = await asyncio.to_thread(main, ["status", "--target", f"127.0.0.1:{port}", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["worker_count"] == 300 and [w["id"] for w in doc["workers"]] == [f"w{i:03}" for i in range(300)]
+    finally:
+        await daemon.stop(grace=0.1)

@@ -1,13 +1,22 @@
-"""Router.export_blocks / import_blocks: a replica warmed from a peer matches like the peer."""
+"""Router.export_blocks / import_blocks: a replica warmed from a peer, or restored from a snapshot, is the peer."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, EventBatch, Removed, Stored
+from kvrouterd.protocols import CacheMode, Cleared, EventBatch, Removed, Stored
 from kvrouterd.router import Router, RouterSettings
+from kvrouterd.server.snapshot import WarmResult, _import, encode_snapshot, export_chunks, restore_snapshot
+
+from ..invariants import check_router_invariants, index_state
 
 BS = 4
 
@@ -81,3 +90,102 @@ def test_blocks_without_ancestors_anywhere_are_left_over():
     dst = router(["y"])  # x is not on the replica: y's branch has no ancestors there
     left = dst.import_blocks("y", src.export_blocks("y"))
     assert len(left) == 4 and dst.index.count(dst.workers.get("y").slot) == 0  # the whole branch
+
+
+# ---- a restored replica is its peer, block for block (issue #28 item 12) ----------------------
+# an engine evicts a chain's first blocks and keeps the rest: the index keeps the evicted ones
+# (held by none) so the rest is matched once the engine stores them again; a replica restored
+# from a snapshot or warmed from the peer dropped the rest as unreachable
+
+
+def first_block_evicted() -> Router:
+    r = router(["x", "y"])
+    r.apply(EventBatch("x", 0, (Stored(token_ids=tokens(0, 10), engine_hashes=tuple(range(1, 11))),)))
+    r.apply(EventBatch("x", 1, (Removed((1,)),)))
+    r.apply(EventBatch("y", 0, (Stored(token_ids=tokens(0, 2), engine_hashes=(21, 22)),)))
+    r.apply(EventBatch("y", 1, (Stored(token_ids=tokens(900, 3), engine_hashes=(23, 24, 25), parent_engine_hash=22),)))
+    r.apply(EventBatch("y", 2, (Removed((21, 22)),)))  # y's chain now hangs under x's second block
+    r.apply(EventBatch("y", 3, (Stored(token_ids=tokens(500, 3), engine_hashes=(31, 32, 33)),)))
+    r.apply(EventBatch("y", 4, (Removed((31,)),)))  # and this one under a block nobody holds
+    return r
+
+
+async def warm_over_export(src: Router, dst: Router, max_blocks: int = 0, step: int = 3) -> WarmResult:
+    result = WarmResult()
+    await _import(dst, export_chunks(src, (), max_blocks=max_blocks, step=step), result)
+    return result
+
+
+async def restore(src: Router, dst: Router) -> WarmResult:
+    _, result = await restore_snapshot(dst, encode_snapshot(src, 5), stream_end=5)
+    return result
+
+
+@pytest.mark.parametrize("copy", [warm_over_export, restore])
+async def test_chains_under_an_evicted_first_block_are_restored_and_match_once_it_is_back(copy):
+    src, dst = first_block_evicted(), router([])
+    result = await copy(src, dst)
+    assert result.skipped == 0 and result.blocks == 9 + 3 + 2
+    assert index_state(dst) == index_state(src)
+    assert len(src.index) == 16 and src.indexed_blocks == 14  # the two evicted first blocks are no hit
+    again = Stored(token_ids=tokens(0, 1), engine_hashes=(1,))  # the engine computes it again
+    for r in (src, dst):
+        r.apply(EventBatch("x", 2, (again,)))
+    assert overlaps(dst, tokens(0, 10)) == overlaps(src, tokens(0, 10)) == {"x": 10, "y": 0}
+    assert index_state(dst) == index_state(src)
+
+
+PATHS = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
+WORKERS = ("x", "y", "z")
+
+
+def path_tokens(path: tuple[int, ...]) -> list[int]:
+    return [10_000 * depth + 1_000 * sym + j for depth, sym in enumerate(path) for j in range(BS)]
+
+
+def engine_hash(path: tuple[int, ...]) -> int:
+    return 1 + PATHS.index(path)  # an engine's hash names the prefix, as vLLM's chained hashes do
+
+
+stores = st.tuples(st.just("store"), st.sampled_from(WORKERS), st.sampled_from(PATHS), st.sampled_from([0, 0, 1, 2]))
+events = st.one_of(
+    stores,
+    stores,
+    # picks among the blocks the worker stored (an engine evicts what it holds), first blocks too
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS), st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3)),
+    st.tuples(st.just("clear"), st.sampled_from(WORKERS)),
+)
+
+
+def replay(stream: list[tuple]) -> Router:
+    r = router(list(WORKERS))
+    sequence = dict.fromkeys(WORKERS, 0)
+    stored: dict[str, list[tuple[int, ...]]] = {w: [] for w in WORKERS}
+    for op, wid, *args in stream:
+        if op == "store":
+            path, start = args
+            start = min(start, len(path) - 1)
+            stored[wid] += [path[:d] for d in range(start + 1, len(path) + 1)]
+            ev = Stored(token_ids=tuple(path_tokens(path)[start * BS :]),
+                        engine_hashes=tuple(engine_hash(path[:d]) for d in range(start + 1, len(path) + 1)),
+                        parent_engine_hash=engine_hash(path[:start]) if start else None)
+        elif op == "remove":
+            held = stored[wid] or PATHS
+            ev = Removed(tuple(engine_hash(held[pick % len(held)]) for pick in args[0]))
+        else:
+            ev = Cleared()
+        r.apply(EventBatch(wid, sequence[wid], (ev,)))
+        sequence[wid] += 1
+    return r
+
+
+@settings(max_examples=150, deadline=None)
+@given(stream=st.lists(events, min_size=4, max_size=40), max_blocks=st.integers(0, 4), step=st.integers(1, 6))
+def test_a_restored_replica_equals_its_source_after_any_event_stream(stream, max_blocks, step):
+    src = replay(stream)
+    for copy in (restore, lambda s, d: warm_over_export(s, d, max_blocks, step)):
+        dst = router([])
+        result = asyncio.run(copy(src, dst))
+        assert result.skipped == 0
+        assert index_state(dst) == index_state(src)
+        check_router_invariants(dst)

@@ -24,6 +24,7 @@ from ._types import (
     Stored,
     TaskCategory,
     WorkerInfo,
+    WorkerRole,
     WorkerState,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "TLS",
     "TaskCategory",
     "WorkerInfo",
+    "WorkerRole",
     "WorkerState",
     "keys",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 from ._channel import TLS
 from ._decimals import parse_decimal
 from ._publisher import EventPublisher
-from ._types import CacheMode, EvictAdvice, PublisherStats, WorkerInfo
+from ._types import CacheMode, EvictAdvice, PublisherStats, WorkerInfo, WorkerRole
 
 __all__ = ["FanOutPublisher", "resolve_all"]
 
@@ -182,19 +182,25 @@ class FanOutPublisher:
         labels: Mapping[str, str] | None = None,
         mode: CacheMode = CacheMode.EVENTS,
         kv_events_endpoint: str = "",
+        models: Sequence[str] = (),
+        loras: Sequence[str] = (),
+        max_loras: int = 0,
+        role: WorkerRole = WorkerRole.BOTH,
         timeout: float | None = None,
     ) -> dict[str, WorkerInfo]:
         """Register on every replica (remembered for replicas that join later); by replica."""
         self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels,
-                              "mode": mode, "kv_events_endpoint": kv_events_endpoint, "timeout": timeout}
+                              "mode": mode, "kv_events_endpoint": kv_events_endpoint, "models": models, "loras": loras,
+                              "max_loras": max_loras, "role": role, "timeout": timeout}
         return await self._all(lambda pub: pub.register(**self._registration))  # type: ignore[arg-type]
 
     async def deregister(self, timeout: float | None = None) -> None:
         self._registration = None
         await self._all(lambda pub: pub.deregister(timeout))
 
-    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None) -> None:
-        await self._all(lambda pub: pub.report_load(queued, running, kv_utilization, timeout))
+    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None,
+                          loaded_loras: Sequence[str] | None = None) -> None:
+        await self._all(lambda pub: pub.report_load(queued, running, kv_utilization, timeout, loaded_loras))
 
     async def evict_hint(self, **kwargs: Any) -> EvictAdvice:
         """Replicas hold the same events, so one answer serves: the first replica that gives one."""

@@ -104,3 +104,13 @@ def test_an_exporter_thread_collecting_meanwhile_loses_and_repeats_nothing(reade
         t.join()
     assert _points(reader, "kvrouter.route.duration")[(("policy", "p"),)].count == n
     assert _points(reader, "kvrouter.decisions")[(("policy", "p"), ("reason", "r"))].value == n
+
+
+def test_decisions_in_a_model_pool_carry_its_label_and_others_none(reader):
+    m = _metrics(reader)
+    m.route_decided("cache_aware", "prefix_match", 0.001, "llama")
+    m.route_decided("cache_aware", "prefix_match", 0.001)
+    m.decisions.add(1, {"policy": "cache_aware", "reason": "prefix_match", "pool": "llama"})
+    points = _points(reader, "kvrouter.decisions")
+    assert points[(("policy", "cache_aware"), ("pool", "llama"), ("reason", "prefix_match"))].value == 2
+    assert points[(("policy", "cache_aware"), ("reason", "prefix_match"))].value == 1

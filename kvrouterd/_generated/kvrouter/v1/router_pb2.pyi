@@ -28,6 +28,13 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_READY: _ClassVar[WorkerState]
     WORKER_STATE_DEGRADED: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
 TASK_CATEGORY_UNSPECIFIED: TaskCategory
 TASK_CATEGORY_CHAT: TaskCategory
 TASK_CATEGORY_AGENTIC: TaskCategory
@@ -40,6 +47,10 @@ WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_READY: WorkerState
 WORKER_STATE_DEGRADED: WorkerState
 WORKER_STATE_DRAINING: WorkerState
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
 
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "block_keys", "prompt_tokens", "model", "lora", "session_id", "task", "ttft_slo_ms", "expected_output_tokens", "policy", "candidate_workers", "cache_salt", "token_ids_le32")
@@ -74,7 +85,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., token_ids_le32: _Optional[bytes] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms")
+    __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms", "disaggregated", "disaggregation_reason", "prefill_worker_id", "prefill_worker_address", "prefill_uncached_tokens", "decode_uncached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +97,12 @@ class RouteResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     worker_address: str
@@ -97,10 +114,16 @@ class RouteResponse(_message.Message):
     policy: str
     reason: str
     estimated_ttft_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., alternative_worker_id: _Optional[str] = ..., alternative_worker_address: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ...) -> None: ...
+    disaggregated: bool
+    disaggregation_reason: str
+    prefill_worker_id: str
+    prefill_worker_address: str
+    prefill_uncached_tokens: int
+    decode_uncached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., alternative_worker_id: _Optional[str] = ..., alternative_worker_address: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., disaggregation_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_worker_address: _Optional[str] = ..., prefill_uncached_tokens: _Optional[int] = ..., decode_uncached_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success", "session_ended")
+    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success", "session_ended", "prefill_ms", "kv_transfer_ms", "prefill_done")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +131,9 @@ class CompleteRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_ms: float
     e2e_ms: float
@@ -115,7 +141,10 @@ class CompleteRequest(_message.Message):
     output_tokens: int
     success: bool
     session_ended: bool
-    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ..., session_ended: _Optional[bool] = ...) -> None: ...
+    prefill_ms: float
+    kv_transfer_ms: float
+    prefill_done: bool
+    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ..., session_ended: _Optional[bool] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_done: _Optional[bool] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ()
@@ -198,7 +227,7 @@ class EvictHintResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., exhausted: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint", "state_reason", "events_rejected")
+    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint", "state_reason", "events_rejected", "models", "loras", "max_loras", "role", "loaded_loras", "event_batches", "last_event_age_s")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +255,13 @@ class Worker(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     capacity_blocks: int
@@ -239,7 +275,14 @@ class Worker(_message.Message):
     kv_events_endpoint: str
     state_reason: str
     events_rejected: _containers.ScalarMap[str, int]
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., state_reason: _Optional[str] = ..., events_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    role: WorkerRole
+    loaded_loras: _containers.RepeatedScalarFieldContainer[str]
+    event_batches: int
+    last_event_age_s: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., state_reason: _Optional[str] = ..., events_rejected: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., event_batches: _Optional[int] = ..., last_event_age_s: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -264,26 +307,40 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "next_page_token")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "running_requests", "kv_utilization")
+    __slots__ = ("worker_id", "queued_requests", "running_requests", "kv_utilization", "loaded_loras")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     running_requests: int
     kv_utilization: float
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_utilization: _Optional[float] = ...) -> None: ...
+    loaded_loras: LoraAdapters
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., loaded_loras: _Optional[_Union[LoraAdapters, _Mapping]] = ...) -> None: ...
+
+class LoraAdapters(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ()
@@ -378,7 +435,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps", "events_rejected")
+    __slots__ = ("indexed_blocks", "workers", "default_routing_policy", "default_eviction_policy", "decisions_by_policy", "event_batches_applied", "event_gaps", "events_rejected", "worker_count")
     class DecisionsByPolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +458,7 @@ class GetStatsResponse(_message.Message):
     EVENT_BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EVENT_GAPS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_COUNT_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     default_routing_policy: str
@@ -409,7 +467,8 @@ class GetStatsResponse(_message.Message):
     event_batches_applied: int
     event_gaps: int
     events_rejected: _containers.ScalarMap[str, int]
-    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., events_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    worker_count: int
+    def __init__(self, indexed_blocks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., default_routing_policy: _Optional[str] = ..., default_eviction_policy: _Optional[str] = ..., decisions_by_policy: _Optional[_Mapping[str, int]] = ..., event_batches_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., events_rejected: _Optional[_Mapping[str, int]] = ..., worker_count: _Optional[int] = ...) -> None: ...
 
 class ExportIndexRequest(_message.Message):
     __slots__ = ("worker_ids", "max_blocks_per_chunk")
@@ -420,18 +479,24 @@ class ExportIndexRequest(_message.Message):
     def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., max_blocks_per_chunk: _Optional[int] = ...) -> None: ...
 
 class IndexChunk(_message.Message):
-    __slots__ = ("worker", "keys", "parent_keys", "roots", "engine_hashes")
+    __slots__ = ("worker", "keys", "parent_keys", "roots", "engine_hashes", "unheld_keys", "unheld_parent_keys", "unheld_roots")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     ROOTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_ROOTS_FIELD_NUMBER: _ClassVar[int]
     worker: Worker
     keys: _containers.RepeatedScalarFieldContainer[int]
     parent_keys: _containers.RepeatedScalarFieldContainer[int]
     roots: _containers.RepeatedScalarFieldContainer[bool]
     engine_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    unheld_keys: _containers.RepeatedScalarFieldContainer[int]
+    unheld_parent_keys: _containers.RepeatedScalarFieldContainer[int]
+    unheld_roots: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., keys: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[int]] = ..., roots: _Optional[_Iterable[bool]] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., unheld_keys: _Optional[_Iterable[int]] = ..., unheld_parent_keys: _Optional[_Iterable[int]] = ..., unheld_roots: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LoadDelta(_message.Message):
     __slots__ = ("replica_id", "dispatched", "completed")

@@ -1,0 +1,237 @@
+"""Model pools and LoRA adapters: which workers may serve a request's model, which of them to prefer for its adapter, and which adapters each has loaded.
+
+Two stages run in the selector before the routing policy, each narrowing ``ctx.candidates``:
+
+1. **The pool filter** keeps the workers that serve the request's model. A worker declares
+   the base models it serves (``WorkerSpec.models``) and the adapters it can load
+   (``WorkerSpec.loras``); one that declares no models serves any model, so fleets
+   configured before pools existed route as they did. A model no registered worker serves,
+   draining or not, is ``UnknownModel`` (NOT_FOUND) naming it; one whose workers are all
+   draining is ``NoEligibleWorker`` (UNAVAILABLE). A ``model`` no worker declares as a base
+   model but one declares or holds as an adapter, with ``lora`` empty, asks for that adapter:
+   OpenAI-style bodies name the adapter in ``model`` (the Gateway API Inference Extension's
+   model-server protocol requires servers to accept that).
+
+   A worker serves adapter ``A`` when it declares ``A``, holds it loaded, or declares no
+   adapters and the request names a base model it serves (an engine that loads adapters at
+   run time, which the inference extension assumes of every pool member).
+
+2. **The LoRA stage** splits the pool into three tiers, as the inference extension's
+   ``lora-affinity-scorer`` scores them (loaded 1.0, free adapter slot 0.8, full 0): workers
+   with ``A`` loaded, workers with a free slot (fewer than ``max_loras`` adapters loaded, or
+   no limit declared), and full workers, which would have to evict an adapter. The best
+   non-empty tier is kept whole; a worker of a lower tier joins it only when its load plus
+   the tier's cost (``lora_load_cost`` requests for a load, twice that for a swap, which also
+   costs the evicted adapter's next reload) is below the least loaded worker of the best
+   tier. So an adapter's traffic stays on the workers that hold it, and spills to one more
+   worker only when all of those are busier than loading it elsewhere costs; that worker
+   then holds it too, and the adapter's share grows by load, not by chance. The inference
+   extension's older ``loraAffinity`` filter spills by a coin (keeps the loaded group with
+   probability 0.999) and AIBrix's ``lora-affinity`` router does the same; a load-triggered
+   spill is deterministic, which the simulator's parity tests need, and spills exactly when
+   the loaded workers are busy. Load here is the router's own: requests in flight plus those
+   waiting in its admission queue for the worker.
+
+Why stages before the policy and not a scorer inside each: every policy (cache_aware,
+dynamo, lbgr, dualmap, latency, ...) benefits unchanged, each keeps the cost terms its paper
+states, and the balance within the kept tier is the policy's own KV- and load-aware choice,
+which is what spreads an adapter's traffic over the workers holding it. The inference
+extension's scheduler is built the same way: filters narrow, then scorers pick.
+
+**Residency** (``Worker.loras``, least recently used first) is learned from three sources:
+ReportLoad's ``loaded_loras`` (the engine's own list, e.g. vLLM's ``running_lora_adapters``;
+it replaces what the router believed), KV events (vLLM's ``BlockStored`` names the adapter
+whose blocks it stored: a worker storing an adapter's blocks has it loaded) and the router's
+own routing (an engine loads the adapter of a request it serves). Like vLLM's adapter cache
+it is an LRU of ``max_loras`` entries (``MAX_TRACKED_LORAS`` when none is declared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..errors import InvalidRequest, NoEligibleWorker, UnknownModel, quote
+from ..index.workers import MAX_POOL_NAMES, Worker
+from ..protocols import EventBatch, RouteRequest, Stored
+from .shared import Shared
+
+__all__ = ["LOADED", "MAX_TRACKED_LORAS", "Pools", "placement"]
+
+#: adapters remembered per worker that declares no ``max_loras`` (vLLM's CPU adapter cache
+#: defaults to max_loras; 32 bounds what a worker's ListWorkers entry carries)
+MAX_TRACKED_LORAS = 32
+
+#: most model names whose pool the filter caches between membership changes (names come from clients)
+MAX_CACHED_POOLS = 1024
+
+LOADED, FREE_SLOT, SWAP = "loaded", "free_slot", "swap"
+
+
+def _load(w: Worker) -> int:
+    return w.inflight_requests + w.queued_requests
+
+
+def placement(worker: Worker, adapter: str) -> str:
+    """How ``adapter`` stands on ``worker``: loaded, a free slot to load it into, or a swap."""
+    if adapter in worker.loras:
+        return LOADED
+    limit = worker.spec.max_loras
+    return FREE_SLOT if not limit or len(worker.loras) < limit else SWAP
+
+
+def _serves_adapter(w: Worker, adapter: str, model_named: bool) -> bool:
+    spec = w.spec
+    if adapter in spec.loras or adapter in w.loras:
+        return True
+    return not spec.loras and (model_named or not spec.models)
+
+
+class Pools:
+    """The pool filter, the LoRA stage and adapter residency (see the module docstring)."""
+
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+        self._gen = -1
+        self._models: frozenset[str] = frozenset()
+        self._adapters: frozenset[str] = frozenset()
+        self._pools: dict[str, tuple[list[Worker], int]] = {}
+
+    def _refresh(self) -> None:
+        workers = self._shared.workers
+        if self._gen != workers.generation:
+            self._models = frozenset(m for w in workers for m in w.spec.models)
+            self._adapters = frozenset(a for w in workers for a in w.spec.loras)
+            self._pools.clear()
+            self._gen = workers.generation
+
+    @property
+    def declared_models(self) -> frozenset[str]:
+        """Every base model some registered worker declares."""
+        self._refresh()
+        return self._models
+
+    def wanted(self, req: RouteRequest) -> tuple[str, str]:
+        """``(model, adapter)`` the request asks for: ``model`` naming an adapter, with ``lora``
+        empty, asks for the adapter (see the module docstring)."""
+        model, lora = req.model, req.lora
+        if model and not lora:
+            self._refresh()
+            if model not in self._models and (
+                model in self._adapters or any(model in w.loras for w in self._shared.workers)
+            ):
+                return "", model
+        return model, lora
+
+    def pool_label(self, req: RouteRequest) -> str:
+        """The pool a request is counted under in metrics: its model when a worker declares it,
+        else "" (the names clients send are unbounded; declared ones are not)."""
+        model = req.model
+        return model if model and model in self.declared_models else ""
+
+    def restrict(self, req: RouteRequest, candidates: list[Worker], mask: int) -> tuple[list[Worker], int, str, str]:
+        """``(candidates, mask, pool, adapter)``: the eligible ``candidates`` that serve the
+        request's model and adapter. Raises ``UnknownModel`` when no registered worker serves
+        them, ``NoEligibleWorker`` when those that do are all draining."""
+        if not req.model and not req.lora:
+            return candidates, mask, "", ""
+        model, adapter = self.wanted(req)
+        self._refresh()
+        if not self._models and not adapter:
+            return candidates, mask, "", ""  # nobody declares models: everyone serves every model
+        pool = model if model in self._models else ""
+        if model and self._models:
+            candidates, mask = self._model_pool(model, candidates)
+        if adapter:
+            candidates = [w for w in candidates if _serves_adapter(w, adapter, bool(model))]
+            mask = 0
+            for w in candidates:
+                mask |= w.bit
+        if not candidates:
+            self._explain_empty(model, adapter)
+        return candidates, mask, pool, adapter
+
+    def _model_pool(self, model: str, eligible: list[Worker]) -> tuple[list[Worker], int]:
+        cached = self._pools.get(model)
+        if cached is None:
+            kept = [w for w in eligible if not w.spec.models or model in w.spec.models]
+            mask = 0
+            for w in kept:
+                mask |= w.bit
+            if len(self._pools) >= MAX_CACHED_POOLS:
+                self._pools.clear()
+            cached = self._pools[model] = (kept, mask)
+        return cached
+
+    def _explain_empty(self, model: str, adapter: str) -> None:
+        workers = self._shared.workers
+        if not len(workers):
+            return  # an empty fleet: the selector says so
+        serving = [w for w in workers if (not model or not w.spec.models or model in w.spec.models)
+                   and (not adapter or _serves_adapter(w, adapter, bool(model)))]
+        what = " ".join(part for part in (f"model {quote(model)}" if model else "",
+                                          f"LoRA adapter {quote(adapter)}" if adapter else "") if part)
+        if not serving:
+            known = sorted(self._models)[:8]
+            raise UnknownModel(f"no registered worker serves {what}; workers serve "
+                               + (", ".join(map(repr, known)) if known else "no declared models"))
+        raise NoEligibleWorker(f"no eligible worker serves {what}: its {len(serving)} worker(s) are draining")
+
+    def lora_stage(self, adapter: str, candidates: list[Worker], mask: int) -> tuple[list[Worker], int]:
+        """The candidates a request for ``adapter`` keeps: the best residency tier whole, and
+        workers of lower tiers whose load plus loading cost beats that tier's least load."""
+        cost = self._shared.settings.lora_load_cost
+        tiers: tuple[list[Worker], list[Worker], list[Worker]] = ([], [], [])
+        for w in candidates:
+            p = placement(w, adapter)
+            tiers[0 if p == LOADED else 1 if p == FREE_SLOT else 2].append(w)
+        best = next(i for i, tier in enumerate(tiers) if tier)
+        if best == 0 and len(tiers[0]) == len(candidates):
+            return candidates, mask
+        floor = min(_load(w) for w in tiers[best]) + best * cost
+        kept = [w for i, tier in enumerate(tiers) for w in tier
+                if i == best or (i > best and _load(w) + i * cost < floor)]
+        kept.sort(key=lambda w: w.slot)  # policies see candidates in slot order
+        mask = 0
+        for w in kept:
+            mask |= w.bit
+        return kept, mask
+
+    # ---- residency ---------------------------------------------------------------------
+    def note_loaded(self, worker: Worker, adapter: str) -> None:
+        """``adapter`` was used on ``worker`` just now: most recently used, evicting the least
+        recently used one past the worker's ``max_loras``."""
+        loras = worker.loras
+        loras.pop(adapter, None)
+        loras[adapter] = None
+        limit = worker.spec.max_loras or MAX_TRACKED_LORAS
+        while len(loras) > limit:
+            del loras[next(iter(loras))]
+
+    def report(self, worker: Worker, adapters: Sequence[str]) -> None:
+        """The engine's own list of loaded adapters replaces what the router believed; those it
+        knew keep their recency order, new ones count as most recent."""
+        reported = set(adapters)
+        kept = [a for a in worker.loras if a in reported]
+        kept += [a for a in dict.fromkeys(adapters) if a not in worker.loras]
+        limit = worker.spec.max_loras or MAX_TRACKED_LORAS
+        worker.loras = dict.fromkeys(kept[-limit:])
+
+    def note_events(self, batch: EventBatch) -> None:
+        """Adapters whose blocks an applied batch stored are loaded on its worker."""
+        worker = None
+        for ev in batch.events:
+            if type(ev) is Stored and ev.lora:
+                worker = worker or self._shared.workers.find(batch.worker_id)
+                if worker is None:
+                    return
+                self.note_loaded(worker, ev.lora)
+
+    def check_names(self, names: Iterable[str], what: str, limit: int) -> list[str]:
+        """``names`` as a list of at most ``MAX_POOL_NAMES``, each 1 to ``limit`` characters."""
+        out = list(names)
+        if len(out) > MAX_POOL_NAMES:
+            raise InvalidRequest(f"{what}: {len(out)} adapters, at most {MAX_POOL_NAMES}")
+        for name in out:
+            if not name or len(name) > limit:
+                raise InvalidRequest(f"{what}: adapter name {quote(name)} must be 1 to {limit} characters")
+        return out

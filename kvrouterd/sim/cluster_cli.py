@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--slo-ms", type=float, default=0.0, metavar="MS", help="TTFT SLO (default: the config's)")
     c.add_argument("--warmup", type=int, default=0, metavar="N", help="leading requests left out of the metrics")
     c.add_argument("--speculative-ttl-s", type=float, default=None, metavar="S",
-                   help="events mode: a routed prompt counts as cached until its Stored events or S seconds")
+                   help="events mode: a routed prompt counts as cached until stored or S seconds pass")
     c.add_argument("--session-end", action="store_true",
                    help="mark each session's last request session_ended (end-aware eviction)")
     c.add_argument("--load-report-ms", type=float, default=0.0, metavar="MS",

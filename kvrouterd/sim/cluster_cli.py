@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"requests an engine runs at once (default {d.max_running})")
     pd = parser.add_argument_group("prefill/decode disaggregation (docs/simulator.md, sim/pd.py)")
     pd.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
-                    help="compare aggregated, always and conditional P/D routing on P prefill + D decode engines")
+                    help="compare aggregated, always and conditional P/D on P prefill + D decode engines")
     pd.add_argument("--pd-local-tokens", type=_ints, default=None, metavar="N[,N..]",
                     help="conditional runs' local-prefill thresholds (default: the config's)")
     pd.add_argument("--kv-bytes-per-token", type=int, default=131072, metavar="B",

@@ -105,6 +105,7 @@ class Worker:
         "groups",
         "inflight_requests",
         "kv_utilization",
+        "last_event_at",
         "last_sequence",
         "loras",
         "pages",
@@ -146,8 +147,10 @@ class Worker:
         #: or an engine restart); publishers read it in PublishEventsResponse.workers
         self.resync_needed = False
         self.gaps = 0
-        #: event batches applied (duplicates excluded)
+        #: event batches applied (duplicates excluded), and when the last one was (0.0 = never):
+        #: a decode worker that never publishes has no cache the P/D bypass check can read
         self.batches_applied = 0
+        self.last_event_at = 0.0
         #: cache events that could not be applied, by reason (``errors.RejectedEvent.reason``)
         self.events_rejected: dict[str, int] = {}
         #: engine batches in a row whose stored events were all rejected

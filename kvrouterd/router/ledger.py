@@ -10,6 +10,12 @@ events), assumes the rest of the prompt cached, evicting to its modelled capacit
 bound after every decision), as SGLang's approximate cache-aware router does. Replicas
 sharing load (``events.replica_sync``) apply each other's Dispatch and Complete messages
 here, matched by request id as Dynamo's router replica sync does.
+
+A disaggregated request (``router.disagg``) charges two workers: its decode worker under its
+own id (no prefill tokens: its KV arrives by transfer) and its prefill worker under
+``prefill_hop_id(id)`` with the tokens to prefill. A Complete with ``prefill_done`` releases
+the prefill hop alone (the gateway saw the prefill answer, or the first token); the request's
+Complete releases whatever is still charged.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from ..index.workers import InFlight, Worker
 from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
+from .disagg import prefill_hop_id
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = [
     "INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PackedRequest", "PrefixHits", "RouteResult",
@@ -108,6 +116,8 @@ class RouteResult:
     alternative: Worker | None
     #: approximate mode: keys the eviction dropped from the worker's cache model to make room
     evicted: Sequence[int] = ()
+    #: the prefill hop's worker of a disaggregated decision (``decision.prefill``), else None
+    prefill_worker: Worker | None = None
 
 
 @dataclass(slots=True)
@@ -129,9 +139,10 @@ class PrefixHits:
 class LoadLedger:
     """In-flight requests and their bytes, completions, and what routing commits."""
 
-    def __init__(self, shared: Shared, recent: RecentAccess) -> None:
+    def __init__(self, shared: Shared, recent: RecentAccess, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._recent = recent
+        self._speculative = speculative
         #: request id -> the routed request, packed (``pack_request``), while in flight: read it
         #: through ``request``, never change it, outside
         self.requests: dict[str, PackedRequest] = {}
@@ -203,7 +214,8 @@ class LoadLedger:
             InFlight(
                 request_id=req.request_id,
                 worker_id=worker.id,
-                prefill_tokens=ctx.uncached_tokens(worker),
+                # a disaggregated request's decode worker receives its KV: it prefills nothing
+                prefill_tokens=0 if decision.prefill is not None else ctx.uncached_tokens(worker),
                 prompt_tokens=req.prompt_tokens,
                 overlap_blocks=overlap,
                 started_at=ctx.now,
@@ -221,6 +233,23 @@ class LoadLedger:
             self._completed.pop(req.request_id, None)  # a reused id is in flight again
             self.on_committed(result)
         return result
+
+    def commit_prefill_hop(self, result: RouteResult, worker: Worker, ctx: RoutingContext, policy: RoutingPolicy) -> None:
+        """Charge a committed disaggregated request's prefill hop to ``worker`` (``ctx``: that
+        worker alone, under the hop's id, from ``Disaggregation.hop_context``), which now
+        caches the prompt as it computes it; its policy sees the dispatch."""
+        hop = result.decision.prefill
+        assert hop is not None
+        req = ctx.request
+        self._shared.workers.commit(InFlight(
+            request_id=req.request_id, worker_id=worker.id, prefill_tokens=hop.uncached_tokens,
+            prompt_tokens=req.prompt_tokens, overlap_blocks=hop.overlap_blocks, started_at=ctx.now,
+            policy=result.decision.policy,
+        ))
+        self._record_access(worker, req, ctx, ctx.overlap(worker))
+        policy.on_dispatch(Decision(worker.id, result.decision.policy, hop.reason, hop.candidates,
+                                    overlap_blocks=hop.overlap_blocks), ctx)
+        result.prefill_worker = worker
 
     def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
         """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
@@ -244,10 +273,12 @@ class LoadLedger:
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
         slot = worker.slot
+        uncached = overlap < len(req.keys)
         modelled = worker.mode is CacheMode.APPROXIMATE
-        approximate = modelled and overlap < len(req.keys)
+        approximate = modelled and uncached
+        speculative = uncached and worker.mode is CacheMode.EVENTS and self._speculative.enabled
         info = None
-        if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
+        if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
         if overlap:
             matched = ctx.match.path[:overlap]
@@ -255,6 +286,9 @@ class LoadLedger:
             eviction.on_accessed(index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
             self._recent.remember(req)
+        if speculative:
+            assert info is not None
+            self._speculative.claim(worker, req.request_id, req.keys, overlap, info, now)
         if not modelled:
             return []
         if approximate:
@@ -340,12 +374,43 @@ class LoadLedger:
         if len(completed) > MAX_COMPLETED_IDS:
             del completed[next(iter(completed))]
 
+    def release_prefill(self, completion: Completion) -> InFlight | None:
+        """Release a request's prefill hop before its Complete (``completion.prefill_done``);
+        None when none is charged (aggregated, released already, expired). Raises NotFound
+        for a request not in flight here."""
+        check_completion(completion)
+        rid = completion.request_id
+        if self._shared.workers.inflight(rid) is None:
+            raise NotFound(f"request {rid!r} is not in flight (unknown, completed or expired)")
+        return self._release_hop(completion)
+
+    def _release_hop(self, completion: Completion) -> InFlight | None:
+        shared = self._shared
+        hop = shared.workers.inflight(prefill_hop_id(completion.request_id))
+        if hop is None:
+            return None
+        shared.workers.release(hop.request_id)
+        policy = shared.policies.routing.get(hop.policy)
+        if policy is not None:
+            # the hop's own record, under the hop's id (a policy keeping per-request state
+            # releases the hop's, not the request's); its latency is the prefill's
+            ms = completion.prefill_ms + completion.kv_transfer_ms
+            policy.on_complete(shared.workers.find(hop.worker_id), None,
+                               Completion(hop.request_id, ttft_ms=ms, e2e_ms=ms, success=completion.success),
+                               shared.clock.now())
+        return hop
+
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
         entry = shared.workers.release(completion.request_id)
+        self._release_hop(completion)
         req = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
+        if completion.success:
+            self._speculative.completed(completion.request_id)
+        else:
+            self._speculative.failed(completion.request_id)
         policy = shared.policies.routing.get(entry.policy)
         if policy is not None:
             policy.on_complete(worker, req, completion, now)
@@ -382,8 +447,11 @@ class LoadLedger:
         return req
 
     def forget_worker(self, worker_id: str) -> None:
-        """The worker is being removed: forget the requests in flight on it."""
+        """The worker is being removed: forget the requests in flight on it, and its claims."""
         workers = self._shared.workers
+        worker = workers.find(worker_id)
+        if worker is not None:
+            self._speculative.forget_worker(worker)
         for rid in [rid for rid in self.requests if workers.inflight_worker(rid) == worker_id]:
             self.forget_request(rid)
 
@@ -447,7 +515,20 @@ class LoadLedger:
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
             self._apply_assumed(worker, dispatch, own, now)
+        elif dispatch.keys and not own and self._speculative.enabled:
+            self._claim_remote(worker, dispatch, now)
         return charged
+
+    def _claim_remote(self, worker: Worker, dispatch: Dispatch, now: float) -> None:
+        """Another replica routed this prompt to an events-mode worker: claim its blocks here
+        too, from when it was routed, so this replica's next decision sees them as that one's
+        does (the engine's Stored confirms them on every replica alike)."""
+        keys = dispatch.keys
+        overlap = self._shared.index.match(keys, worker.bit).overlap(worker.slot)
+        if overlap < len(keys):
+            info = AccessInfo(session_id=dispatch.session_id, task=int(dispatch.task), prompt_tokens=dispatch.prompt_tokens)
+            self._speculative.claim(worker, dispatch.request_id, keys, overlap, info, now,
+                                    since=now - max(0.0, dispatch.age_s))
 
     def _apply_assumed(self, worker: Worker, dispatch: Dispatch, own: bool, now: float) -> None:
         keys, slot, index = dispatch.keys, worker.slot, self._shared.index

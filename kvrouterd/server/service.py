@@ -151,8 +151,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-        if not d.overlap_blocks and self.stored_namespaces:
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+        if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
 
@@ -221,6 +221,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
         completion = convert.completion(request, self.router.settings.max_id_length)
+        if completion.prefill_done:
+            # the prefill hop alone (router.disagg); the request's own Complete follows
+            self.router.release_prefill(completion)
+            return
         entry = self.router.complete_anywhere(completion)
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
@@ -367,8 +371,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 req = off_loop.split_route_request(request, router, prompt, client)
                 result = router.route(req, explain=False)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-            if not d.overlap_blocks and self.stored_namespaces:
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+            if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
         except KVRouterError as exc:
@@ -423,8 +427,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if recording:
                     annotate_decision(span, result, router.block_size)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-            if not d.overlap_blocks and self.stored_namespaces:
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+            if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
         except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
@@ -434,7 +438,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def _check_namespace(self, request: pb.RouteRequest) -> None:
         """A Route that matched nothing, under a model/LoRA no engine ever stored blocks for while
         others did: almost surely the gateway and the engines name the model differently (keys are
-        salted with both), a silent 0% hit rate. Counted every time, logged once per namespace."""
+        salted with both), a silent 0% hit rate. Counted every time, logged once per namespace.
+        Routes to events-mode workers are checked even when they matched: what they matched
+        under such a namespace can only be the router's own speculative blocks."""
         namespace = (request.model, request.lora)
         if namespace in self.stored_namespaces or len(self.stored_namespaces) >= MAX_NAMESPACES:
             return
@@ -558,13 +564,19 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return min(PAGE_BYTES, self.max_message_bytes // 2)
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
-        return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)
+        router = self.router
+        return convert.worker_message(worker, self._cached_blocks(worker), router.block_size, router.clock.now())
+
+    def _cached_blocks(self, worker) -> int:  # type: ignore[no-untyped-def]
+        """The worker's blocks as its engine reported them: the index's, less the speculative
+        ones its engine has not stored yet (``kvrouter.speculative.live_blocks`` counts those)."""
+        return self.router.index.count(worker.slot) - self.router.speculative.live_on(worker.id)
 
     def worker_modes(self):  # type: ignore[no-untyped-def]
         """(id, mode, state, cached blocks) per worker, for the metrics gauges."""
         for w in self.router.workers:
             mode = "events" if w.mode is CacheMode.EVENTS else "approximate"
-            yield w.id, mode, w.state.name.lower(), self.router.index.count(w.slot)
+            yield w.id, mode, w.state.name.lower(), self._cached_blocks(w)
 
 
 def _sum_by_reason(per_worker: Iterable[Mapping[str, int]]) -> dict[str, int]:

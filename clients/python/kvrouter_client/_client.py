@@ -139,7 +139,7 @@ _NO_WORKERS = ()
 
 def _complete_request(
     request: RouteResult | str, ttft_ms: float, e2e_ms: float, cached_tokens: int, output_tokens: int, success: bool,
-    session_ended: bool = False,
+    session_ended: bool = False, prefill_ms: float = 0.0, kv_transfer_ms: float = 0.0, prefill_done: bool = False,
 ) -> pb.CompleteRequest | None:
     if isinstance(request, RouteResult):
         if request.fallback:
@@ -148,6 +148,7 @@ def _complete_request(
     return pb.CompleteRequest(
         request_id=request, ttft_ms=ttft_ms, e2e_ms=e2e_ms, cached_tokens=cached_tokens,
         output_tokens=output_tokens, success=success, session_ended=session_ended,
+        prefill_ms=prefill_ms, kv_transfer_ms=kv_transfer_ms, prefill_done=prefill_done,
     )
 
 
@@ -257,12 +258,19 @@ class RouterClient:
         output_tokens: int = 0,
         success: bool = True,
         session_ended: bool = False,
+        prefill_ms: float = 0.0,
+        kv_transfer_ms: float = 0.0,
+        prefill_done: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """Release a routed request's load. False if the router was unreachable (it then releases
         the load itself after its in-flight timeout); raises RouterRejected otherwise.
-        ``session_ended=True`` says the conversation is over (end-aware eviction drops its tail first)."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
+        ``session_ended=True`` says the conversation is over (end-aware eviction drops its tail first).
+        A disaggregated request (``RouteResult.disaggregated``) reports its prefill hop's
+        ``prefill_ms`` and ``kv_transfer_ms``; ``prefill_done=True`` releases only the prefill
+        worker, as soon as it answered (its Complete without the flag follows)."""
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended,
+                                prefill_ms, kv_transfer_ms, prefill_done)
         if req is None:
             return True
         timeout = timeout or self.timeout
@@ -373,10 +381,14 @@ class SyncRouterClient:
         output_tokens: int = 0,
         success: bool = True,
         session_ended: bool = False,
+        prefill_ms: float = 0.0,
+        kv_transfer_ms: float = 0.0,
+        prefill_done: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """See RouterClient.complete."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended,
+                                prefill_ms, kv_transfer_ms, prefill_done)
         if req is None:
             return True
         try:

@@ -63,12 +63,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 
+from ._backoff import Backoff
 from ._batches import (
     DEFAULT_MAX_BATCH_BLOCKS,
     DEFAULT_MAX_EVENT_BATCH_BYTES,
@@ -77,25 +78,21 @@ from ._batches import (
     check_stored_fits,
     pack_batches,
 )
-from ._backoff import Backoff
 from ._channel import CONNECT_BACKOFF_MAX_S, TLS, channel_options, open_aio_channel
 from ._client import DEFAULT_TIMEOUT_S
 from ._errors import RouterRejected, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from ._types import (
-    CacheMode,
     Cleared,
     Event,
-    EvictAdvice,
     PublisherStats,
     Removed,
     Stored,
-    WorkerInfo,
-    WorkerRole,
     event_to_pb,
     validate_stored,
 )
+from ._worker_calls import WorkerCalls
 
 __all__ = ["EventPublisher", "SnapshotFn"]
 
@@ -110,7 +107,7 @@ SnapshotFn = Callable[[], Iterable[Stored]]
 _TRANSPORT_OR_ROUTER = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
-class EventPublisher:
+class EventPublisher(WorkerCalls):
     """Publishes one worker's cache events and speaks for that worker to the router."""
 
     #: events go over PublishEvents; NatsEventPublisher sends them to the bus instead
@@ -626,80 +623,3 @@ class EventPublisher:
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
-
-    # ---- unary calls for this worker -----------------------------------------------------------
-    async def register(
-        self,
-        address: str,
-        *,
-        capacity_blocks: int = 0,
-        labels: Mapping[str, str] | None = None,
-        mode: CacheMode = CacheMode.EVENTS,
-        kv_events_endpoint: str = "",
-        models: Sequence[str] = (),
-        loras: Sequence[str] = (),
-        max_loras: int = 0,
-        role: WorkerRole = WorkerRole.BOTH,
-        timeout: float | None = None,
-    ) -> WorkerInfo:
-        """Register (or update) this worker; ``address`` is where gateways send its requests;
-        ``models`` its model pool (empty = any model), ``loras`` the adapters it can load,
-        ``max_loras`` how many it holds at once (vLLM ``--max-loras``), ``role`` its part in a
-        disaggregated pool. Remembered: after a router restart the publisher registers the
-        worker again by itself."""
-        worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
-                           block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
-                           kv_events_endpoint=kv_events_endpoint, models=list(models), loras=list(loras),
-                           max_loras=max_loras, role=int(role))
-        resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
-        self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels, "mode": mode,
-                              "kv_events_endpoint": kv_events_endpoint, "models": models, "loras": loras,
-                              "max_loras": max_loras, "role": role, "timeout": timeout}
-        if self._events_need_router and not self._router_epoch:
-            self._check_epoch = True  # learn the epoch now, so a restart right after is noticed
-            self._wake.set()
-        return WorkerInfo.from_pb(resp.worker)
-
-    async def deregister(self, timeout: float | None = None) -> None:
-        self._registration = None
-        self._reregister = False
-        await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
-
-    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None,
-                          loaded_loras: Sequence[str] | None = None) -> None:
-        """The engine's own view of its load (queue, running requests, KV use in [0, 1]) and, when
-        given, the LoRA adapters loaded now (None = not reported; ``[]`` = none loaded)."""
-        msg = pb.ReportLoadRequest(
-            worker_id=self.worker_id, queued_requests=queued, running_requests=running, kv_utilization=kv_utilization,
-        )
-        if loaded_loras is not None:
-            msg.loaded_loras.SetInParent()
-            msg.loaded_loras.names.extend(loaded_loras)
-        await self._unary("ReportLoad", msg, timeout)
-
-    async def evict_hint(
-        self,
-        *,
-        blocks: int = 0,
-        tokens: int = 0,
-        pinned_engine_hashes: Sequence[int] = (),
-        pinned_keys: Sequence[int] = (),
-        policy: str = "",
-        timeout: float | None = None,
-    ) -> EvictAdvice:
-        """Which blocks to evict first to free ``blocks`` blocks (or ``tokens`` tokens)."""
-        if (blocks > 0) == (tokens > 0):
-            raise ValueError("pass exactly one of blocks and tokens, as a positive number")
-        resp = await self._unary("EvictHint", pb.EvictHintRequest(
-            worker_id=self.worker_id, blocks=blocks, tokens=tokens, pinned_engine_hashes=pinned_engine_hashes,
-            pinned_keys=pinned_keys, policy=policy,
-        ), timeout)
-        return EvictAdvice(list(resp.keys), list(resp.engine_hashes), resp.exhausted, resp.policy)
-
-    async def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
-        if self._stub is None:
-            raise RuntimeError(f"{method}: this publisher has no router target (pass target= or channel=)")
-        try:
-            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, method) from None

@@ -48,12 +48,12 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from . import native
-from ._walk import match_walk
-from .block import Block, PyBlock
+from ._walk import MatchResult, match_walk
+from .block import Block, Pending, PyBlock, fold_pending
 from .keys import chain_keys_array
 from .native import block_table
 
@@ -62,35 +62,6 @@ __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pen
 
 #: the native engine-hash map, which BlockTable.store_hashed fills itself (None: no extension)
 _U64Map = None if native.module is None else native.module.U64Map
-
-
-class MatchResult:
-    """Longest cached prefix per worker slot, found in one walk."""
-
-    __slots__ = ("overlaps", "path")
-
-    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
-        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
-        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
-        self.overlaps = overlaps
-        #: the request's blocks present in the index, up to the deepest match
-        self.path = path
-
-    def overlap(self, slot: int) -> int:
-        return self.overlaps.get(slot, 0)
-
-
-#: path accesses not yet folded into ancestors: (latest time, how many)
-Pending = tuple[float, int]
-
-
-def fold_pending(a: Pending | None, b: Pending | None) -> Pending | None:
-    """Both sets of accesses as one: the later time, the hits added."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return (max(a[0], b[0]), a[1] + b[1])
 
 
 def _held_child(node: Block, bit: int) -> bool:

@@ -1,6 +1,9 @@
-"""The fuzz tests' hostile calls: hypothesis strategies for every RPC, the daemon they attack
-and how to call it, shared by the sequential fuzz test (``test_fuzz_grpc.py``) and the
-concurrent swarm (``fuzz_swarm.py``)."""
+"""The fuzz tests' hostile calls: hypothesis strategies for every RPC, and how to make them.
+
+Shared by the sequential fuzz test (``test_fuzz_grpc.py``) and the concurrent swarm
+(``fuzz_swarm.py``): the strategies, the daemon's configuration they attack, ``invoke`` (one
+call, its status and RouteStream item codes) and ``Prober`` (``fuzz_probe.py``'s process).
+"""
 
 from __future__ import annotations
 

@@ -40,11 +40,9 @@ import asyncio
 import json
 import math
 import random
-import re
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -63,9 +61,9 @@ from kvrouterd.benchmarks.serve_process import ServeProcess
 from kvrouterd.index.keys import tokens_to_bytes
 
 from .fuzz_calls import (
-    BS, CALL_TIMEOUT_S, CODE_NAMES, DAEMON_CONFIG, EXTREME_FLOATS, LATENCY_POLICIES, PROBE, Prober, hostile_call,
-    invoke, poisoning,
+    BS, CALL_TIMEOUT_S, CODE_NAMES, DAEMON_CONFIG, EXTREME_FLOATS, PROBE, Prober, hostile_call, invoke, poisoning,
 )
+from .swarm_checks import check_state, internal_errors
 
 #: every routing policy the daemon is configured with ("" = its default)
 POLICIES = ["", "cache_aware", "dualmap", "lbgr", "min_ttft", "kv_cost", "preble", "round_robin", "compose"]
@@ -182,7 +180,8 @@ class Fleet:
         if reply.worker_id not in self.ever:
             tally.violate(f"Route answered {reply.worker_id!r}, never registered")
         elif request.candidate_workers and reply.worker_id not in request.candidate_workers:
-            tally.violate(f"Route answered {reply.worker_id!r}, not among its candidates {list(request.candidate_workers)}")
+            tally.violate(f"Route answered {reply.worker_id!r}, not among its candidates "
+                          f"{list(request.candidate_workers)}")
 
 
 class Client:
@@ -198,6 +197,7 @@ class Client:
         self.routed: list[str] = []
         self.sequences: dict[str, int] = {}
         self.made = 0
+        #: each kind of call, and how many in 100 draws are of it
         self.actions: list[tuple[Callable[[], Any], int]] = [
             (self.hostile, 30), (self.route, 20), (self.complete, 8), (self.stream, 10), (self.events, 10),
             (self.churn, 6), (self.export, 4), (self.load, 6), (self.list_workers, 3), (self.stats, 3)]
@@ -209,14 +209,11 @@ class Client:
             while budget():
                 await self.gate.enter()
                 try:
-                    await self._choices_pick()()
+                    await self.rng.choices(self._choices, self._weights)[0]()
                 finally:
                     self.gate.leave()
         finally:
             await self.channel.close()
-
-    def _choices_pick(self) -> Callable[[], Any]:
-        return self.rng.choices(self._choices, self._weights)[0]
 
     async def call(self, rpc: str, fn: Callable[[], Any], describe: Callable[[], str]) -> Any:
         """``fn()`` awaited and counted under ``rpc``; its reply, or None if it failed."""
@@ -279,7 +276,9 @@ class Client:
 
     def complete_request(self) -> pb.CompleteRequest:
         rng = self.rng
-        rid = self.routed.pop(rng.randrange(len(self.routed))) if self.routed and rng.random() < 0.9 else self.fresh_id()
+        # mostly a routed request; now and then one never routed
+        routed = self.routed and rng.random() < 0.9
+        rid = self.routed.pop(rng.randrange(len(self.routed))) if routed else self.fresh_id()
         return pb.CompleteRequest(request_id=rid, ttft_ms=self.number(), e2e_ms=self.number(),
                                   output_tokens=self.count(), cached_tokens=rng.choice(
                                       [2**63 - 1, -(2**63)] if rng.random() < HOSTILE_SHARE else [-1, 0, 5]),
@@ -359,8 +358,8 @@ class Client:
                 events.append(pb.CacheEvent(cleared=pb.AllBlocksCleared()))
             else:
                 # token count not a multiple of the hashes', or a length no uint32 divides
-                events.append(pb.CacheEvent(stored=pb.StoredBlocks(engine_hashes=[1, 2], token_ids_le32=b"\x01\x02\x03"
-                                                                   if rng.random() < 0.5 else tokens_to_bytes([1] * 17))))
+                packed = b"\x01\x02\x03" if rng.random() < 0.5 else tokens_to_bytes([1] * 17)
+                events.append(pb.CacheEvent(stored=pb.StoredBlocks(engine_hashes=[1, 2], token_ids_le32=packed)))
         batch = pb.EventBatch(worker_id=wid, sequence=sequence, events=events, timestamp=self.number())
         await self.call("PublishEvents", lambda: self.stub.PublishEvents(iter([batch]), timeout=CALL_TIMEOUT_S),
                         batch.__str__)
@@ -420,99 +419,15 @@ class Client:
                         lambda: "")
 
 
-# ---- the state checks, from outside ------------------------------------------------------------
-
-async def list_all(stub: Any) -> list[pb.Worker]:
-    workers: list[pb.Worker] = []
-    token = ""
-    while True:
-        page = await stub.ListWorkers(pb.ListWorkersRequest(page_size=7, page_token=token), timeout=30)
-        workers.extend(page.workers)
-        token = page.next_page_token
-        if not token:
-            return workers
-
-
-async def check_state(stub: Any, daemon: ServeProcess, fleet: Fleet, tally: Tally, max_rss_mib: float) -> None:
-    """The invariants of the module docstring, on a quiet daemon; what breaks goes to ``tally``."""
+async def check(stub: Any, daemon: ServeProcess, tally: Tally, max_rss_mib: float) -> None:
+    """``swarm_checks.check_state`` now; what it finds broken goes to ``tally``."""
     tally.checks += 1
-    where = f"check {tally.checks} (after {tally.calls} calls)"
-    stats = await stub.GetStats(pb.GetStatsRequest(), timeout=30)
-    workers = await list_all(stub)
-    ids = [w.id for w in workers]
-    if ids != sorted(set(ids)) or len(ids) != stats.worker_count:
-        tally.violate(f"{where}: ListWorkers paged {len(ids)} ids (sorted, distinct: {ids == sorted(set(ids))}), "
-                      f"GetStats.worker_count {stats.worker_count}")
-    held: dict[str, list[int]] = {w.id: [] for w in workers}
-    cached = {w.id: w.cached_blocks for w in workers}
-    chunks_of: dict[str, list[pb.IndexChunk]] = {}
-    async for chunk in stub.ExportIndex(pb.ExportIndexRequest(max_blocks_per_chunk=1000), timeout=60):
-        chunks_of.setdefault(chunk.worker.id, []).append(chunk)
-        held.setdefault(chunk.worker.id, []).extend(chunk.keys)
-    everyone = {k for keys in held.values() for k in keys}
-    for wid, chunks in chunks_of.items():
-        seen: set[int] = set()
-        for chunk in chunks:
-            if not len(chunk.keys) == len(chunk.parent_keys) == len(chunk.roots):
-                tally.violate(f"{where}: ExportIndex chunk of {wid!r}: keys, parent_keys, roots of unequal length")
-                continue
-            for key, parent, root in zip(chunk.unheld_keys, chunk.unheld_parent_keys, chunk.unheld_roots, strict=False):
-                if not root and parent not in seen and parent not in everyone:
-                    tally.violate(f"{where}: unheld block {key:#x} of {wid!r} names parent {parent:#x}, listed nowhere")
-                seen.add(key)
-            for key, parent, root in zip(chunk.keys, chunk.parent_keys, chunk.roots, strict=True):
-                if root and parent:
-                    tally.violate(f"{where}: root block {key:#x} of {wid!r} has parent {parent:#x}")
-                elif not root and parent not in seen and parent not in everyone:
-                    tally.violate(f"{where}: block {key:#x} of {wid!r} names parent {parent:#x}, held by none, not unheld")
-                seen.add(key)
-    for wid, keys in held.items():
-        if wid in cached and len(keys) != cached[wid]:
-            tally.violate(f"{where}: ExportIndex lists {len(keys)} blocks of {wid!r}, ListWorkers cached_blocks {cached[wid]}")
-    tally.last_check = {"workers": len(workers), "indexed_blocks": stats.indexed_blocks,
-                        "exported_blocks": sum(len(keys) for keys in held.values())}
-    if len(everyone) != stats.indexed_blocks:
-        tally.violate(f"{where}: {len(everyone)} distinct blocks held, GetStats.indexed_blocks {stats.indexed_blocks}")
-    for w in workers:
-        capacity = w.capacity_blocks or DAEMON_CONFIG["limits"]["approximate_capacity_blocks"]
-        if w.mode == pb.CACHE_STATE_MODE_APPROXIMATE and w.cached_blocks > capacity:
-            tally.violate(f"{where}: approximate worker {w.id!r} holds {w.cached_blocks} blocks > capacity {capacity}")
-    eligible = {w.id for w in workers if w.state != pb.WORKER_STATE_DRAINING}
-    for policy in POLICIES:
-        try:
-            reply = await stub.Route(pb.RouteRequest(token_ids=PROMPTS[2], policy=policy), timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            tally.violate(f"{where}: a plain Route of policy {policy!r} answered {exc.code().name} {exc.details()}")
-            continue
-        if reply.worker_id not in eligible:
-            tally.violate(f"{where}: Route of policy {policy!r} named {reply.worker_id!r}, not a registered eligible worker")
-        await stub.Complete(pb.CompleteRequest(request_id=reply.request_id, success=True), timeout=30)
-    internal = internal_errors(daemon.metrics_port)
-    if internal:
-        tally.violate(f"{where}: the daemon counted internal errors {internal}")
-    if daemon.proc is None or daemon.proc.poll() is not None:
-        tally.violate(f"{where}: the daemon exited")
-        return
-    rss = rss_mib(daemon.pid)
-    tally.peak_rss_mib = max(tally.peak_rss_mib, rss)
-    if rss > max_rss_mib:
-        tally.violate(f"{where}: the daemon's resident memory {rss:.0f} MiB > {max_rss_mib:.0f} MiB")
-
-
-def internal_errors(metrics_port: int) -> dict[str, float]:
-    """``kvrouter_internal_errors_total`` by RPC, from the daemon's /metrics (non-zero ones)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out = {}
-    for m in re.finditer(r'^kvrouter_internal_errors_total\{rpc="([^"]*)"\} (\S+)$', text, re.M):
-        if float(m.group(2)):
-            out[m.group(1)] = float(m.group(2))
-    return out
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    found = await check_state(stub, daemon, prompt=PROMPTS[2], policies=POLICIES, max_rss_mib=max_rss_mib,
+                              approximate_capacity=SWARM_CONFIG["limits"]["approximate_capacity_blocks"])
+    for what in found.violations:
+        tally.violate(f"check {tally.checks} (after {tally.calls} calls): {what}")
+    tally.last_check = found.saw
+    tally.peak_rss_mib = max(tally.peak_rss_mib, found.rss_mib)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -553,13 +468,13 @@ async def swarm(args: argparse.Namespace, daemon: ServeProcess, workdir: Path) -
                     print(f"{tally.calls:>9} calls  {rate:7.0f} calls/s  {now - started:6.0f} s", file=sys.stderr)
                 if tally.calls >= next_check and not all(t.done() for t in tasks):
                     await gate.quiesce()
-                    await check_state(stub, daemon, fleet, tally, args.max_rss_mib)
+                    await check(stub, daemon, tally, args.max_rss_mib)
                     gate.reopen()
                     next_check = tally.calls + args.check_every
             for t in tasks:
                 t.result()
             wall = time.perf_counter() - started
-            await check_state(stub, daemon, fleet, tally, args.max_rss_mib)
+            await check(stub, daemon, tally, args.max_rss_mib)
         finally:
             probes, probe_statuses = prober.stop()
     return report(tally, wall, probes, probe_statuses, daemon)
@@ -583,7 +498,8 @@ def report(tally: Tally, wall: float, probes: list[tuple[float, float]], probe_s
         why.append(f"the daemon counted internal errors {internal}")
     return {"calls": tally.calls, "wall_s": round(wall, 1), "calls_per_s": round(tally.calls / wall),
             "statuses": statuses, "route_stream_item_codes": dict(tally.item_codes.most_common()),
-            "state_checks": tally.checks, "last_check_saw": tally.last_check, "daemon_peak_rss_mib": round(tally.peak_rss_mib),
+            "state_checks": tally.checks, "last_check_saw": tally.last_check,
+            "daemon_peak_rss_mib": round(tally.peak_rss_mib),
             "internal_errors_total": internal,
             "slowest_call_ms": round(tally.slowest_call_s * 1000, 1), "slowest_call": tally.slowest_call,
             "probe_routes": len(lat), "probe_route_statuses": probe_statuses,

@@ -10,6 +10,10 @@ order, streams mixing messages, and raw bytes that are no protobuf at all. After
 * a rejected call changed nothing (the router's workers, index, load and counters compared
   before and after), and ListWorkers and GetStats still answer.
 
+One call at a time: what only concurrency finds (16 clients, membership changes racing routes
+and exports, 10^6 calls) is ``fuzz_swarm.py``'s, which draws from the same strategies
+(``fuzz_calls.py``).
+
 CI runs a bounded number of examples (a few seconds). A longer run, with a prober measuring
 how long concurrent Routes stall while the hostile calls run::
 

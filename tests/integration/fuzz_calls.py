@@ -210,7 +210,7 @@ hostile_call = st.one_of(
 #: small limits, so budgets are reached within a run; every policy a request may name. Routed
 #: requests never expire: a run longer than the default inflight_timeout_s (300 s) would have the
 #: daemon's sweep drop them between a call's before and after snapshots, no change of that call's
-DAEMON_CONFIG = {
+DAEMON_CONFIG: dict[str, Any] = {
     "limits": {"max_inflight_bytes": 1 << 20, "approximate_capacity_blocks": 64, "max_evict_blocks": 64,
                "inflight_timeout_s": 86400.0},
     "extra_routing": [{"name": p} for p in ("dualmap", "lbgr", "min_ttft", "kv_cost", "preble", "round_robin", "compose")],

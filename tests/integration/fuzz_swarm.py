@@ -20,7 +20,7 @@ It exits 1 (the table's last lines say why) on any UNKNOWN or INTERNAL status or
 DEADLINE_EXCEEDED (a call unanswered within 10 s), an internal error the daemon counted
 (``kvrouter_internal_errors_total``, whose tracebacks it logs: printed here), a probe Route that
 failed, or a broken invariant. Every ``--check-every`` calls, and at the end, the clients pause
-and the daemon's state is checked from outside:
+and the daemon's state is checked from outside (``swarm_checks.py``):
 
 * ListWorkers, paged, lists ``GetStats.worker_count`` distinct workers in id order;
 * ExportIndex of every worker parses: parents before children, each parent held by some worker
@@ -31,6 +31,8 @@ and the daemon's state is checked from outside:
   Route answer names a worker registered at some point, and one of its candidates if it named any;
 * the daemon is alive, its resident memory under ``--max-rss-mib``, and its /metrics count no
   internal error.
+
+The suite runs 3,000 calls of it (``test_fuzz_swarm.py``).
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ HUGE_INTS = [2**24 + 1, 2**31 - 1, 2**32 - 1]
 HOSTILE_SHARE = 0.04
 #: the fuzz test's daemon, its routed requests expiring after 10 s: the sweep races the calls,
 #: and Routes whose Complete was refused do not fill the in-flight budget for good
-SWARM_CONFIG = {**DAEMON_CONFIG, "limits": {**DAEMON_CONFIG["limits"], "inflight_timeout_s": 10.0},
-                "metrics": {"listen": "127.0.0.1:0"}}
+SWARM_CONFIG: dict[str, Any] = {**DAEMON_CONFIG, "limits": {**DAEMON_CONFIG["limits"], "inflight_timeout_s": 10.0},
+                                "metrics": {"listen": "127.0.0.1:0"}}
 #: prompts the good Routes and stored events share, so routes hit cached blocks
 PROMPTS = [list(range(p * 1000, p * 1000 + n * BS)) for p, n in enumerate([2, 4, 8, 16, 3, 6])]
 

@@ -29,8 +29,11 @@ and the daemon's state is checked from outside (``swarm_checks.py``):
 * an approximate-mode worker holds at most its capacity (issue #28 item 7);
 * a Route of every policy names a registered worker that is not draining; between checks, every
   Route answer names a worker registered at some point, and one of its candidates if it named any;
-* the daemon is alive, its resident memory under ``--max-rss-mib``, and its /metrics count no
-  internal error.
+* the daemon is alive, its resident memory under ``--max-rss-mib``, its open file descriptors
+  under ``--max-fds``, and its /metrics count no internal error.
+
+The daemon's ERROR log lines are counted by message in the report (an attack earns some: an
+engine endpoint nobody listens on); they fail nothing by themselves.
 
 The suite runs 3,000 calls of it (``test_fuzz_swarm.py``).
 """
@@ -146,6 +149,7 @@ class Tally:
         self.failures: list[str] = []
         self.checks = 0
         self.peak_rss_mib = 0.0
+        self.peak_fds = 0
         #: what the last state check saw: workers, blocks indexed, blocks exported
         self.last_check: dict[str, int] = {}
         self.slowest_call_s = 0.0
@@ -421,15 +425,17 @@ class Client:
                         lambda: "")
 
 
-async def check(stub: Any, daemon: ServeProcess, tally: Tally, max_rss_mib: float) -> None:
+async def check(stub: Any, daemon: ServeProcess, tally: Tally, args: argparse.Namespace) -> None:
     """``swarm_checks.check_state`` now; what it finds broken goes to ``tally``."""
     tally.checks += 1
-    found = await check_state(stub, daemon, prompt=PROMPTS[2], policies=POLICIES, max_rss_mib=max_rss_mib,
+    found = await check_state(stub, daemon, prompt=PROMPTS[2], policies=POLICIES, max_rss_mib=args.max_rss_mib,
+                              max_fds=args.max_fds,
                               approximate_capacity=SWARM_CONFIG["limits"]["approximate_capacity_blocks"])
     for what in found.violations:
         tally.violate(f"check {tally.checks} (after {tally.calls} calls): {what}")
     tally.last_check = found.saw
     tally.peak_rss_mib = max(tally.peak_rss_mib, found.rss_mib)
+    tally.peak_fds = max(tally.peak_fds, found.fds)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -470,13 +476,13 @@ async def swarm(args: argparse.Namespace, daemon: ServeProcess, workdir: Path) -
                     print(f"{tally.calls:>9} calls  {rate:7.0f} calls/s  {now - started:6.0f} s", file=sys.stderr)
                 if tally.calls >= next_check and not all(t.done() for t in tasks):
                     await gate.quiesce()
-                    await check(stub, daemon, tally, args.max_rss_mib)
+                    await check(stub, daemon, tally, args)
                     gate.reopen()
                     next_check = tally.calls + args.check_every
             for t in tasks:
                 t.result()
             wall = time.perf_counter() - started
-            await check(stub, daemon, tally, args.max_rss_mib)
+            await check(stub, daemon, tally, args)
         finally:
             probes, probe_statuses = prober.stop()
     return report(tally, wall, probes, probe_statuses, daemon)
@@ -493,7 +499,11 @@ def report(tally: Tally, wall: float, probes: list[tuple[float, float]], probe_s
     for (rpc, code), n in sorted(tally.statuses.items()):
         statuses.setdefault(rpc, {})[code] = n
     internal = internal_errors(daemon.metrics_port)
-    tracebacks = [line for line in daemon.warnings if '"level": "error"' in line][:10]
+    errors = [line for line in daemon.warnings if '"level": "error"' in line]
+    # ERROR lines an attack may earn (an engine endpoint nobody listens on) are not failures by
+    # themselves; counted by message, they show one that is (a subscriber out of sockets)
+    error_lines = Counter(json.loads(line).get("msg", "")[:120] if line.startswith("{") else line[:120]
+                          for line in errors)
     why = [*tally.failures, *tally.violations]
     why += [f"probe Routes answered {code}: {n}" for code, n in probe_statuses.items() if code != "OK"]
     if internal and not any("internal errors" in v for v in tally.violations):
@@ -501,12 +511,13 @@ def report(tally: Tally, wall: float, probes: list[tuple[float, float]], probe_s
     return {"calls": tally.calls, "wall_s": round(wall, 1), "calls_per_s": round(tally.calls / wall),
             "statuses": statuses, "route_stream_item_codes": dict(tally.item_codes.most_common()),
             "state_checks": tally.checks, "last_check_saw": tally.last_check,
-            "daemon_peak_rss_mib": round(tally.peak_rss_mib),
+            "daemon_peak_rss_mib": round(tally.peak_rss_mib), "daemon_peak_fds": tally.peak_fds,
             "internal_errors_total": internal,
             "slowest_call_ms": round(tally.slowest_call_s * 1000, 1), "slowest_call": tally.slowest_call,
             "probe_routes": len(lat), "probe_route_statuses": probe_statuses,
             "probe_route_ms": {"p50": pct(0.5), "p99": pct(0.99), "p999": pct(0.999), "max": pct(1.0)},
-            "daemon_error_log": tracebacks, "failed_because": why}
+            "daemon_error_lines": dict(error_lines.most_common(20)), "daemon_error_log": errors[:10],
+            "failed_because": why}
 
 
 def print_report(found: dict[str, Any]) -> None:
@@ -516,7 +527,7 @@ def print_report(found: dict[str, Any]) -> None:
         rows.append([rpc, *(str(per.get(c, "")) for c in codes), str(sum(per.values()))])
     print(f"{found['calls']} calls in {found['wall_s']} s ({found['calls_per_s']} calls/s), "
           f"{found['state_checks']} state checks (the last saw {found['last_check_saw']}), "
-          f"daemon peak RSS {found['daemon_peak_rss_mib']} MiB")
+          f"daemon peak RSS {found['daemon_peak_rss_mib']} MiB, {found['daemon_peak_fds']} open fds")
     for line in table_lines(rows, right_from=1, rule=True):
         print(line)
     print("RouteStream item codes:", ", ".join(f"{c} {n}" for c, n in found["route_stream_item_codes"].items()))
@@ -524,6 +535,8 @@ def print_report(found: dict[str, Any]) -> None:
     print(f"probe Routes: {found['probe_routes']} {found['probe_route_statuses']}, "
           f"ms p50 {p['p50']} p99 {p['p99']} p99.9 {p['p999']} max {p['max']}")
     print(f"kvrouter_internal_errors_total: {found['internal_errors_total'] or 0}")
+    for msg, n in found["daemon_error_lines"].items():
+        print(f"daemon ERROR log lines: {n} x {msg}")
     if found["failed_because"]:
         print("FAILED:")
         for line in found["failed_because"]:
@@ -557,6 +570,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check-every", type=int, default=50_000, help="calls between state checks")
     p.add_argument("--max-seconds", type=float, default=math.inf, help="stop sooner, after this long")
     p.add_argument("--max-rss-mib", type=float, default=2048.0, help="the daemon's resident memory bound")
+    p.add_argument("--max-fds", type=int, default=1024, help="the daemon's open file descriptors bound")
     p.add_argument("--report", default="", help="write the report here (json)")
     return p
 

@@ -8,6 +8,7 @@ answers (GetStats, ListWorkers, ExportIndex, Route, /metrics) and ``/proc``, not
 
 from __future__ import annotations
 
+import os
 import re
 import urllib.request
 from dataclasses import dataclass, field
@@ -21,11 +22,13 @@ from kvrouterd.benchmarks.serve_process import ServeProcess
 
 @dataclass
 class StateCheck:
-    """What one check found broken, what it saw, and the daemon's resident memory then."""
+    """What one check found broken, what it saw, and the daemon's resident memory and open
+    file descriptors then."""
 
     violations: list[str] = field(default_factory=list)
     saw: dict[str, int] = field(default_factory=dict)
     rss_mib: float = 0.0
+    fds: int = 0
 
 
 async def list_all(stub: Any) -> list[pb.Worker]:
@@ -41,7 +44,7 @@ async def list_all(stub: Any) -> list[pb.Worker]:
 
 
 async def check_state(stub: Any, daemon: ServeProcess, *, prompt: list[int], policies: list[str],
-                      approximate_capacity: int, max_rss_mib: float) -> StateCheck:
+                      approximate_capacity: int, max_rss_mib: float, max_fds: int) -> StateCheck:
     """The invariants of ``fuzz_swarm``'s docstring, on a quiet daemon (``approximate_capacity``:
     the capacity of an approximate worker registered without one; a Route of ``prompt`` is
     made with each of ``policies``)."""
@@ -104,6 +107,11 @@ async def check_state(stub: Any, daemon: ServeProcess, *, prompt: list[int], pol
         violate(f"the daemon exited")
         return out
     out.rss_mib = rss = rss_mib(daemon.pid)
+    # every ZMQ socket (a subscriber's, its monitor's) holds one: a leak shows here before
+    # libzmq refuses sockets ("Too many open files") and an engine's events stop
+    out.fds = fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    if fds > max_fds:
+        violate(f"the daemon holds {fds} open file descriptors > {max_fds}")
     if rss > max_rss_mib:
         violate(f"the daemon's resident memory {rss:.0f} MiB > {max_rss_mib:.0f} MiB")
     return out

@@ -33,6 +33,6 @@ def test_16_clients_get_no_unknown_internal_or_deadline_and_every_invariant_hold
     # batches held items that failed on their own, beside items answered
     assert {"OK", "INVALID_ARGUMENT"} <= set(found["route_stream_item_codes"]), found["route_stream_item_codes"]
     assert found["internal_errors_total"] == {}, found["daemon_error_log"]
-    assert set(found["probe_route_statuses"]) == {"OK"}, found["probe_route_statuses"]
+    assert not fuzz_swarm.FAILING & set(found["probe_route_statuses"]), found["probe_route_statuses"]
     assert found["state_checks"] >= 2
     assert found["failed_because"] == []

@@ -32,7 +32,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -43,6 +43,9 @@ from .events.endpoints import check_worker_endpoints
 from .events.zmq_config import ZmqEventsConfig
 from .index.workers import MAX_LORAS, MAX_POOL_NAMES, WorkerSpec, is_host_port
 from .protocols import CacheMode, WorkerRole
+
+if TYPE_CHECKING:
+    from .policies.latency import LatencyParams
 
 __all__ = [
     "ENV_PREFIX",
@@ -270,16 +273,49 @@ def _is_host_port(value: str) -> bool:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Admission queue mode (DualMap section 3.3): Route waits while its worker is full."""
+    """Admission queue mode (DualMap section 3.3): Route waits while its worker is full; and
+    deadline admission (``kvrouterd.deadline``): a Route predicted to miss its TTFT SLO on
+    every eligible worker is shed."""
 
     #: routed-but-uncompleted requests a worker may hold before Route waits; 0 = mode off
     max_inflight: int = 0
     #: longest a Route may wait in a queue before it is shed (RESOURCE_EXHAUSTED), seconds
     max_wait_s: float = 30.0
+    #: deadline admission: off, shed (refuse at routing time a request predicted to miss its
+    #: SLO everywhere) or defer (shed, and drop a queued request the moment it can no longer
+    #: meet its SLO; needs max_inflight)
+    deadline: str = "off"
+    #: the TTFT model deadline admission predicts with: ``LatencyParams`` fields
+    #: (policies/latency.py), e.g. {prefill_ms_per_1k_tokens: 40, calibrate: true}
+    latency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
-        return self.max_inflight > 0
+        """Whether Route goes through the admission gate at all."""
+        return self.max_inflight > 0 or self.deadline != "off"
+
+    def latency_params(self) -> LatencyParams:
+        from .policies.latency import LatencyParams
+
+        return LatencyParams(**self.latency)
+
+    def problems(self) -> list[str]:
+        from .deadline import DEADLINE_MODES
+
+        out = []
+        if self.max_inflight < 0:
+            out.append("admission.max_inflight: must be >= 0 (0 = off)")
+        if self.max_wait_s <= 0:
+            out.append("admission.max_wait_s: must be > 0")
+        if self.deadline not in DEADLINE_MODES:
+            out.append(f"admission.deadline: expected one of {', '.join(DEADLINE_MODES)}, got {self.deadline!r}")
+        elif self.deadline == "defer" and self.max_inflight <= 0:
+            out.append("admission.deadline: defer holds requests in admission queues; set admission.max_inflight > 0")
+        try:
+            self.latency_params().validate()
+        except (TypeError, ValueError) as exc:  # an unknown field, or a value out of range
+            out.append(f"admission.latency: {exc}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -399,10 +435,7 @@ class Config:
             out.append("telemetry.loop_stall_warn_ms: must be 0 (off) or in [10, 60000]")
         if not 0 < self.tick_interval_s <= 10:
             out.append("tick_interval_s: must be in (0, 10]")
-        if self.admission.max_inflight < 0:
-            out.append("admission.max_inflight: must be >= 0 (0 = off)")
-        if self.admission.max_wait_s <= 0:
-            out.append("admission.max_wait_s: must be > 0")
+        out += self.admission.problems()
         for section in (self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
             check(section.validate)
         if self.reload_interval_s < 0:

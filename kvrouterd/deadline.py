@@ -5,23 +5,27 @@ longer than its SLO: goodput (requests within SLO per second) collapses although
 are busy. Serving fewer requests on time beats serving all of them late, so admission
 predicts each request's TTFT before it commits it, and refuses the ones that cannot make it.
 
-**The prediction.** ``TTFT(r, w) = T_q + T_c`` (DualMap section 3.2, Eq. 7), from the
-shared model of ``policies/latency.py`` (``LatencyModel.ttft_ms``): the prefill time of the
-worker's pending prefill (drained at the modelled prefill rate, ``pending_model: drain``),
-of the requests waiting for it in the router's admission queue, and of the request's own
-uncached tokens, with its attention to its cached prefix. The guard keeps its own
-``LatencyModel`` fed by the host's dispatches and completions, so it works behind any
-routing policy, including those that estimate no time (cache_aware, llm_d, kv_cost).
+**The prediction.** ``TTFT(r, w) = T_q + T_c`` (DualMap section 3.2, Eq. 7), priced by the
+shared model of ``policies/latency.py`` (``LatencyModel.ttft_ms``, ``admission.latency``):
+``T_c`` is the request's own prefill, with its attention to its cached prefix and earlier
+chunks; ``T_q`` is the worker's *backlog*, the modelled prefill time of every request routed
+to it (each priced the same way when dispatched) drained as time passes, plus the requests
+waiting for it in the router's admission queue. The backlog is kept in milliseconds, not
+tokens: a 100k-token prompt costs 2-3x its tokens' linear price (attention), and a backlog
+of tokens drained at the linear rate hid exactly the prompts that cause the collapse. The
+guard keeps this state itself, fed by the host's dispatches and completions, so it works
+behind any routing policy, including those that estimate no time (cache_aware, llm_d).
+
 The model prices prefill alone; an engine also spends its steps decoding and may preempt,
-so the guard scales every prediction by ``scale``, a moving geometric mean (weight 0.05 per
-completion) of observed over predicted TTFT of completed requests. Without it the
-prediction ran 5-10x short past capacity on Mooncake and nothing was shed; a full online
-refit of the power law (``calibrate``) instead overshot and shed 45% of requests.
+so every prediction (and the drain rate) is scaled by ``scale``, a moving geometric mean
+(weight 0.05 per completion) of observed over predicted TTFT. Without it predictions ran
+5-10x short past capacity on Mooncake and nothing was shed; an online refit of the power
+law's coefficients (``calibrate``, which the guard turns off) instead overshot and shed 45%.
 
 **The rule** (``check``): if the chosen worker is predicted to meet the request's SLO
 (``ttft_slo_ms``, else ``default_ttft_slo_ms``), the decision stands. (A request whose
-prefill alone exceeds its SLO on every worker is judged by its wait before that prefill
-instead, so it is refused for the fleet's load, never for its size.) Else the request is
+prefill alone exceeds its SLO is held to that prefill time instead: served where it can
+start at once, refused for the fleet's load, never for its size alone.) Else the request is
 re-decided among the eligible workers predicted to meet it (the policy still chooses, so
 cache affinity is kept among them); if there are none it is shed with ``SloUnreachable``
 (RESOURCE_EXHAUSTED, the message giving predicted TTFT against the SLO, and a
@@ -62,6 +66,7 @@ drives it as it drives ``kvrouterd.admission``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -107,10 +112,11 @@ class Verdict:
     slo_ms: float
     #: predicted TTFT on the chosen worker
     predicted_ms: float
-    #: lowest predicted TTFT among the eligible workers (for a request whose SLO no idle
-    #: worker meets: its lowest predicted wait before its own prefill)
+    #: predicted TTFT on the eligible worker where it overshoots its budget least
     best_ms: float
-    #: eligible workers predicted to meet the SLO, in the context's order (empty = shed)
+    #: the budget there: the SLO, or the request's TTFT on that worker idle when that is longer
+    budget_ms: float
+    #: eligible workers predicted to meet the budget, in the context's order (empty = shed)
     meets: tuple[str, ...]
 
     @property
@@ -120,7 +126,7 @@ class Verdict:
     @property
     def retry_after_ms(self) -> float:
         """How long the best worker's predicted backlog needs to drain for the request to fit."""
-        return max(MIN_RETRY_AFTER_MS, math.ceil(self.best_ms - self.slo_ms))
+        return max(MIN_RETRY_AFTER_MS, math.ceil(self.best_ms - self.budget_ms))
 
 
 class DeadlineGuard:
@@ -139,11 +145,15 @@ class DeadlineGuard:
             params.validate()
         except ValueError as exc:
             raise ConfigError(f"admission.latency: {exc}") from None
-        self.latency = LatencyModel(params)
+        # prices prefill only; ``scale`` is the online correction (a refit of the power law
+        # on queue-dominated samples overshot: see the module docstring)
+        self.latency = LatencyModel(dataclasses.replace(params, calibrate=False))
         #: observed / predicted TTFT of completed requests, a moving geometric mean
         #: (``on_complete``): what the model leaves out (decode steps sharing the GPU, preemption)
         self.scale = 1.0
         self._predicted: OrderedDict[str, float] = OrderedDict()
+        #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
+        self._backlog: dict[str, tuple[float, float]] = {}
         self.shed = 0
         self.rerouted = 0
         self.expired = 0
@@ -153,45 +163,58 @@ class DeadlineGuard:
         return self.mode != "off"
 
     # ---- prediction -------------------------------------------------------------------
+    def prefill_ms(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        """Modelled time of one request's own prefill, its attention to its prefix included."""
+        return self.latency.ttft_ms(uncached_tokens, 0, 0, cached_tokens)
+
+    def backlog_ms(self, worker: Worker, now: float) -> float:
+        """Modelled prefill time routed to ``worker`` and not yet done: each dispatch adds its
+        own prefill time (long prompts' attention included, which a backlog counted in tokens
+        would drain far too fast), drained as time passes at ``1 / scale``."""
+        if not worker.inflight_requests:
+            return 0.0
+        ms, at = self._backlog.get(worker.id, (0.0, now))
+        return max(0.0, ms - (now - at) * 1000.0 / self.scale)
+
     def predict_ms(self, worker: Worker, uncached_tokens: int, cached_tokens: int, now: float,
                    queued: tuple[int, int] = (0, 0)) -> float:
         """TTFT of a request with ``uncached_tokens`` to prefill (after ``cached_tokens`` of
-        cached prefix) on ``worker``, behind its pending prefill and ``queued`` (requests,
-        tokens) waiting for it in the router."""
-        pending = self.latency.pending_tokens(worker, now) + queued[1]
-        raw = self.latency.ttft_ms(uncached_tokens, pending, worker.inflight_requests + queued[0], cached_tokens)
-        return raw * self.scale
+        cached prefix) on ``worker``, behind its backlog and ``queued`` (requests, tokens)
+        waiting for it in the router."""
+        ahead = self.backlog_ms(worker, now) + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0)
+        return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self.scale
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.
 
-        A request no worker could serve within its SLO even idle (a prompt whose prefill alone
-        takes longer) is held to the SLO as a *queueing* budget instead: it meets it on a
-        worker where it would wait at most ``slo_ms`` before its own prefill. Refusing it for
-        its size would refuse it at any load, for ever (its retry hint would be a lie)."""
-        candidates = []
+        A request whose prefill alone takes longer than its SLO (on that worker, idle) is held
+        to that time instead: it is served where it would start at once, and refused while
+        every such worker has work queued. Refusing it for its size would refuse it at any
+        load, for ever; letting it queue like the rest spends seconds of GPU on a request
+        that misses its SLO whatever happens, ahead of requests that could have met theirs."""
+        predicted = best = math.inf
+        budget = slo_ms
+        meets: list[str] = []
         for w in ctx.candidates:
             uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
             t = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
-            candidates.append((w.id, t, self.latency.ttft_ms(uncached, 0, 0, cached) * self.scale))
-        infeasible = bool(candidates) and min(idle for _, _, idle in candidates) > slo_ms
-        predicted = best = math.inf
-        meets: list[str] = []
-        for wid, t, idle in candidates:
-            late = t - idle if infeasible else t  # how much of the SLO budget it spends
-            if wid == chosen_id:
+            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * self.scale)
+            if w.id == chosen_id:
                 predicted = t
-            best = min(best, late)
-            if late <= slo_ms:
-                meets.append(wid)
-        return Verdict(slo_ms, predicted, best, tuple(meets))
+            if t - allowed < best - budget:
+                best, budget = t, allowed
+            if t <= allowed:
+                meets.append(w.id)
+        return Verdict(slo_ms, predicted, best, budget, tuple(meets))
 
     def refusal(self, verdict: Verdict) -> SloUnreachable:
         """The error a shed request ends with (counted here)."""
         self.shed += 1
+        over = (f"the {verdict.slo_ms:,.0f} ms SLO" if verdict.budget_ms <= verdict.slo_ms else
+                f"the {verdict.budget_ms:,.0f} ms its prefill takes on an idle worker (its SLO: {verdict.slo_ms:,.0f} ms)")
         return SloUnreachable(
-            f"shed: predicted TTFT {verdict.best_ms:,.0f} ms on the best eligible worker exceeds the "
-            f"{verdict.slo_ms:,.0f} ms SLO; retry after {verdict.retry_after_ms:,.0f} ms",
+            f"shed: predicted TTFT {verdict.best_ms:,.0f} ms on the best eligible worker exceeds "
+            f"{over}; retry after {verdict.retry_after_ms:,.0f} ms",
             verdict.best_ms, verdict.slo_ms, verdict.retry_after_ms,
         )
 
@@ -206,10 +229,11 @@ class DeadlineGuard:
     def queue_estimator(self, router: Router, now: float) -> tuple[Mapping[str, tuple[int, int]],
                                                                    Callable[[str, int, int, int], float]]:
         """``(load, estimator)`` for ``AdmissionQueues.drop_late``, from this guard's model."""
-        load = {w.id: (self.latency.pending_tokens(w, now), w.inflight_requests) for w in router.workers}
+        backlog = {w.id: self.backlog_ms(w, now) for w in router.workers}
+        load = {wid: (0, 0) for wid in backlog}
 
-        def estimator(_: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
-            return self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead)
+        def estimator(worker_id: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
+            return (backlog.get(worker_id, 0.0) + self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead)) * self.scale
 
         return load, estimator
 
@@ -217,26 +241,25 @@ class DeadlineGuard:
     def on_dispatch(self, worker: Worker, request_id: str, uncached_tokens: int, now: float,
                     cached_tokens: int = 0) -> None:
         """A request was committed to ``worker`` (after the router charged it)."""
-        if request_id:
-            # what was predicted for it (its own load already charged to the worker)
-            pending = max(0, self.latency.pending_tokens(worker, now) - uncached_tokens)
-            self._predicted[request_id] = self.latency.ttft_ms(uncached_tokens, pending,
-                                                               max(worker.inflight_requests - 1, 0), cached_tokens)
+        # the worker's in-flight count already includes it: a first request finds no backlog
+        ms, at = self._backlog.get(worker.id, (0.0, now))
+        before = max(0.0, ms - (now - at) * 1000.0 / self.scale) if worker.inflight_requests > 1 else 0.0
+        ahead = before + self.prefill_ms(uncached_tokens, cached_tokens)
+        self._backlog[worker.id] = (ahead, now)
+        if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
+            self._predicted[request_id] = ahead
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
-        self.latency.on_dispatch(worker, request_id, uncached_tokens, now)
 
     def on_complete(self, request_id: str, ttft_ms: float) -> None:
-        """A completion's observed TTFT: corrects ``scale`` (and is a calibration sample when
-        ``calibrate`` is on)."""
+        """A completion's observed TTFT: corrects ``scale``."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None and predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
             log_scale = math.log(self.scale) + _SCALE_WEIGHT * (math.log(ttft_ms / predicted) - math.log(self.scale))
             self.scale = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
-        self.latency.observe_completion(request_id, ttft_ms)
 
     def forget_worker(self, worker_id: str) -> None:
-        self.latency.forget_worker(worker_id)
+        self._backlog.pop(worker_id, None)
 
     def counters(self) -> dict[str, int]:
         return {"deadline_shed": self.shed, "deadline_rerouted": self.rerouted, "deadline_expired": self.expired}

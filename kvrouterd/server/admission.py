@@ -131,8 +131,9 @@ class AdmissionGate:
     def _dispatched(self, result: RouteResult, now: float) -> RouteResult:
         """A committed Route: deadline admission's model hears of the work it adds."""
         if self.guard is not None:
-            uncached = max(0, result.request.prompt_tokens - result.decision.overlap_blocks * self.router.block_size)
-            self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now)
+            cached = result.decision.overlap_blocks * self.router.block_size
+            uncached = max(0, result.request.prompt_tokens - cached)
+            self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached)
         return result
 
     def _release(self, held: _Held) -> None:

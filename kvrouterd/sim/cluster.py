@@ -335,7 +335,7 @@ class Simulation:
         self.records[n] = m.RequestRecord(req.arrival_s, i, len(keys), 0, req.input_tokens, req.output_tokens,
                                           math.nan, math.nan, route_us, overlap)
         if self.guard is not None:
-            self.guard.on_dispatch(result.worker, rr.request_id, max(0, rr.prompt_tokens - overlap * bs), now)
+            self.guard.on_dispatch(result.worker, rr.request_id, max(0, rr.prompt_tokens - overlap * bs), now, overlap * bs)
         self.engines[i].enqueue(job)
         self._kick(i, now)
 

@@ -83,15 +83,21 @@ def test_router_queues_count_in_the_prediction() -> None:
     assert not guard.check(ctx, "a", SLO, lambda w: (1, 2_500)).shed
 
 
-def test_a_prompt_no_idle_worker_could_serve_in_time_is_judged_by_its_wait() -> None:
-    router, guard, _ = fleet("a")
+def test_a_prompt_no_idle_worker_could_serve_in_time_is_held_to_its_own_prefill_time() -> None:
+    router, guard, _ = fleet("a", "b")
     req = request("huge", 8_000)  # 8 s of prefill against a 5 s SLO, on any worker
     decided = router.decide(req)
     assert admit_by_deadline(guard, router, req, decided, SLO) is decided  # idle: served
     load(router, guard, "a", 6_000, "busy-a")
+    req = request("huge", 8_000)
+    req.candidate_workers = ("a", "b")
+    decision, ctx, _ = router.decide(req)
+    assert guard.check(ctx, "a", SLO).meets == ("b",)  # where it starts at once
+    load(router, guard, "b", 1_000, "busy-b")
     with pytest.raises(SloUnreachable) as err:
         admit_by_deadline(guard, router, req, router.decide(req), SLO)
-    assert err.value.retry_after_ms == pytest.approx(1_000)  # 6 s of wait, 5 s allowed
+    # best: b, 1 s of wait ahead of 8 s of prefill
+    assert err.value.retry_after_ms == pytest.approx(1_000) and "8,000 ms its prefill takes" in str(err.value)
 
 
 def test_observed_ttft_corrects_the_prediction() -> None:

@@ -281,7 +281,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
 
     meta = {"workload": name, "limit": args.limit, "workers": args.workers, "cache_mode": args.cache_mode,
             "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
-            "capacity_fraction": args.capacity_fraction}
+            "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
+            "admission_deadline": args.admission_deadline}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

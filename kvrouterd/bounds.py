@@ -46,5 +46,7 @@ def check_completion(done: Completion) -> None:
     """A completion's reported numbers, each within its bound (``cached_tokens`` -1 = unknown)."""
     check_range("ttft_ms", done.ttft_ms, 0.0, MAX_LATENCY_MS)
     check_range("e2e_ms", done.e2e_ms, 0.0, MAX_LATENCY_MS)
+    check_range("prefill_ms", done.prefill_ms, 0.0, MAX_LATENCY_MS)
+    check_range("kv_transfer_ms", done.kv_transfer_ms, 0.0, MAX_LATENCY_MS)
     check_range("output_tokens", done.output_tokens, 0, MAX_OUTPUT_TOKENS)
     check_range("cached_tokens", done.cached_tokens, -1, MAX_CACHED_TOKENS)

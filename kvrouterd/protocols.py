@@ -23,6 +23,7 @@ __all__ = [
     "EventBatch",
     "EvictAdvice",
     "EvictRequest",
+    "PrefillHop",
     "Removed",
     "RouteRequest",
     "Stored",
@@ -58,8 +59,8 @@ class CacheMode(enum.IntEnum):
 class WorkerRole(enum.IntEnum):
     """What a worker does in a disaggregated pool. Mirrors kvrouter.v1.WorkerRole (same numbers).
 
-    Routing by role (a prefill hop, a decode hop) builds on this; until then every role is
-    routed to alike."""
+    A pool with PREFILL workers routes in two hops (``router.disagg``): a prefill worker
+    computes the prompt's KV, a DECODE (or BOTH) worker receives it and generates."""
 
     BOTH = 1
     PREFILL = 2
@@ -161,6 +162,10 @@ class RouteRequest:
     model: str = ""
     #: the LoRA adapter the request runs with ("" = the base model)
     lora: str = ""
+    #: who sent it, as the host names its callers (the daemon: the gRPC peer, one client
+    #: connection); requests in flight are bounded per client (``limits.max_inflight_per_client``).
+    #: "" = not bounded by client (the simulator, in-process callers)
+    client: str = ""
 
 
 @dataclass(slots=True)
@@ -173,6 +178,19 @@ class CandidateScore:
     inflight_requests: int
     score: float = 0.0
     terms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefillHop:
+    """The prefill hop of a disaggregated decision: the prefill worker the policy chose among
+    the pool's prefill workers, what it holds of the prompt and what it must compute."""
+
+    worker_id: str
+    overlap_blocks: int
+    uncached_tokens: int
+    #: the policy's rule for this hop, and every prefill candidate it saw (explain only)
+    reason: str = ""
+    candidates: list[CandidateScore] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -193,6 +211,12 @@ class Decision:
     #: for a LoRA request, how its adapter stood on the chosen worker: "loaded", "free_slot"
     #: (it loads it into a free slot) or "swap" (it evicts another adapter); "" otherwise
     lora_placement: str = ""
+    #: in a prefill/decode pool (``router.disagg``): the prefill hop, None when the decode
+    #: worker prefills locally; ``pd_reason`` why ("" = not a P/D pool); the decode worker's
+    #: prompt tokens not cached there (what it computes locally or receives by KV transfer)
+    prefill: PrefillHop | None = None
+    pd_reason: str = ""
+    decode_uncached_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,15 +231,23 @@ class Completion:
     success: bool = True
     #: the caller says the request's conversation is over (no next turn will come)
     session_ended: bool = False
+    #: a disaggregated request's prefill hop: its time on the prefill worker and the KV
+    #: transfer's to the decode worker, ms (0 = not measured)
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    #: only the prefill hop finished (its KV reached the decode worker): release the prefill
+    #: worker now; the request's own Complete follows
+    prefill_done: bool = False
 
 
 @dataclass(slots=True, frozen=True)
 class Dispatch:
     """A routing decision another router replica committed (replica sync on the event bus).
 
-    ``keys`` / ``evicted`` are set for approximate-mode workers only: the routed prompt's block
+    ``keys`` / ``evicted`` are set for approximate-mode workers: the routed prompt's block
     keys the worker is now assumed to cache, and the blocks the routing replica's eviction
-    dropped from its model of that worker. ``age_s``: how long ago it was committed, so every
+    dropped from its model of that worker. With speculative indexing on, ``keys`` is set for an
+    events-mode worker too: the receiver claims them until the engine's Stored confirms them. ``age_s``: how long ago it was committed, so every
     replica expires a lost request at about the same time."""
 
     request_id: str

@@ -39,7 +39,7 @@ def check_router_invariants(router: Router) -> None:
         assert w.inflight_requests >= 0 and w.pending_prefill_tokens >= 0, w.id
     assert sum(w.inflight_requests for w in router.workers) == router.workers.inflight_count
     requests = router._ledger.requests
-    assert router.inflight_bytes == sum(request_bytes(r) for r in requests.values())
+    assert router.inflight_bytes == sum(request_bytes(router.request(rid)) for rid in requests)
     assert all(router.workers.inflight(rid) is not None for rid in requests)
 
 

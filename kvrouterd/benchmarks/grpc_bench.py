@@ -25,6 +25,13 @@ On a 2-core machine the client shares the CPU with the server (and with anything
 running): a rate is bounded by whichever process runs out of CPU first, so rates and their
 ratios swing with load. Each load therefore also reports the server's CPU per call (from
 /proc), which load disturbs much less; the CPU ratios compare the servers alone.
+
+The gateway's side: ``sdk_64`` is the SDK's own ``RouterClient`` (its default four RouteStream
+calls, batching as it does) driven by 64 gateway tasks, each a closed loop of ``route()`` with
+the prompt as a list of ints (what tokenizers return) then ``complete()``; it reports the CPU
+this process spent per Route + Complete (``client_cpu_us_per_call``: every thread, gRPC's
+included). ``sdk_64_packed`` is the same with the prompt already an ``array('I')``, so the
+packing a list needs is left out.
 """
 
 from __future__ import annotations
@@ -295,6 +302,38 @@ async def _stream_load(
     return result
 
 
+async def _sdk_load(port: int, prompt: list[int] | array, inflight: int, seconds: float) -> dict[str, Any]:
+    """``inflight`` gateway tasks sharing one ``RouterClient``, each a closed loop of ``route()``
+    then ``complete()``, and this process's CPU per Route + Complete (``client_cpu_us_per_call``)."""
+    from kvrouter_client import RouterClient
+
+    # a deadline well past any stall of a shared machine: a deadline missed would end the load
+    async with RouterClient(f"127.0.0.1:{port}", timeout=10.0) as client:
+        for _ in range(50):  # open the streams and read the router's batch advertisement
+            await client.complete(await client.route(prompt))
+        latencies: list[float] = []
+        reasons: Counter[str] = Counter()
+        end = time.perf_counter() + seconds
+
+        async def gateway() -> None:
+            clock = time.perf_counter
+            while True:
+                t0 = clock()
+                if t0 >= end:
+                    return
+                routed = await client.route(prompt)
+                latencies.append(clock() - t0)
+                reasons[routed.reason] += 1
+                await client.complete(routed)
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(gateway() for _ in range(inflight)))
+        cpu, elapsed = time.process_time() - cpu0, time.perf_counter() - t0
+    result = _summary(latencies, elapsed, reasons)
+    result["client_cpu_us_per_call"] = cpu / max(1, len(latencies)) * 1e6
+    return result
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """CPU time (user + system) a process has used so far; None where /proc is not there."""
     try:
@@ -321,7 +360,8 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
     """Route rps and latency at 1 and 64 in flight and RouteStream (64 in flight over 8 streams;
     ``stream_8x8`` coalesced as the SDK sends, ``stream_8x8_single`` one message per call), for
     the daemon and the trivial server, every route completed. The prompt goes packed, as the
-    SDK sends it."""
+    SDK sends it. Against the daemon also the SDK's RouterClient, 64 in flight (``sdk_64``: the
+    prompt a list; ``sdk_64_packed``: an array), with this process's CPU per call."""
     request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in ("trivial", "daemon"):
@@ -333,6 +373,9 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
             out[mode]["stream_8x8_single"] = _measured(
                 server, _stream_load(server.port, request, 8, 8, seconds, coalesce=False)
             )
+            if mode == "daemon":  # the gateway's own CPU through the SDK
+                out[mode]["sdk_64"] = _measured(server, _sdk_load(server.port, list(prompt), 64, seconds))
+                out[mode]["sdk_64_packed"] = _measured(server, _sdk_load(server.port, array("I", prompt), 64, seconds))
         finally:
             server.close()
     return out

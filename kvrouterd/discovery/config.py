@@ -80,7 +80,8 @@ class KubernetesDiscoveryConfig:
     ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
     #: the API server ends each watch after this long; we then re-watch from the last version
     watch_timeout_s: int = 300
-    #: retry delay after a failed request, doubling up to backoff_max_s
+    #: retry delay after a failed request, doubling up to backoff_max_s, each shortened by up
+    #: to 20% at random (the daemon's one schedule, retry.py)
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
 

@@ -4,7 +4,8 @@
       watch from resourceVersion --> ADDED / MODIFIED / DELETED --> on_add / on_remove
         BOOKMARK: remember the version   server ends the watch: watch again from it
         410 Gone: list again (the diff against what we hold is applied, nothing is flapped)
-        any other failure: back off (doubling, capped), then watch again, or list if never listed
+        any other failure: back off (the daemon's ``retry.Backoff``, between
+          backoff_initial_s and backoff_max_s), then watch again, or list if never listed
 
 Workers discovered stay registered while the API server is unreachable: losing the
 control plane must not empty the router. The callbacks run on the event loop (the host
@@ -19,8 +20,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import tenacity
+
 from ..errors import ConfigError
 from ..index.workers import WorkerSpec
+from ..retry import Backoff
 from .config import SERVICE_ACCOUNT_DIR, KubernetesDiscoveryConfig
 from .kubeapi import ApiError, Gone, KubeApi
 from .pods import Change, Membership
@@ -28,6 +32,11 @@ from .pods import Change, Membership
 __all__ = ["KubernetesDiscovery"]
 
 log = logging.getLogger("kvrouterd.discovery")
+
+
+class _ClosedAtOnce(Exception):
+    """A watch that ended within a second, having delivered nothing: a proxy that closes
+    every watch at once must not turn following into a busy loop, so it is retried as a failure."""
 
 
 def _own_namespace() -> str:
@@ -128,24 +137,27 @@ class KubernetesDiscovery:
             await self.api.close()
 
     async def _follow(self) -> None:
+        backoff = Backoff(self.cfg.backoff_initial_s, self.cfg.backoff_max_s)
+        while True:  # each watch that delivers starts the backoff over
+            async for attempt in backoff.retrying((ApiError, OSError, _ClosedAtOnce), before_sleep=self._failed):
+                with attempt:
+                    await self._list_and_watch()
+
+    async def _list_and_watch(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff = self.cfg.backoff_initial_s
-        while True:
-            try:
-                if not self.resource_version:
-                    await self._list()
-                started = loop.time()
-                if await self._watch() == 0 and loop.time() - started < 1.0:
-                    # a proxy that closes every watch at once must not turn this into a busy loop
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.backoff_max_s)
-                else:
-                    backoff = self.cfg.backoff_initial_s
-            except Gone:
-                log.info("watch version %s expired; listing again", self.resource_version)
-                self.resource_version = ""
-            except (ApiError, OSError) as exc:
-                self.errors += 1
-                log.warning("kubernetes discovery: %s; retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.backoff_max_s)
+        try:
+            if not self.resource_version:
+                await self._list()
+            started = loop.time()
+            if await self._watch() == 0 and loop.time() - started < 1.0:
+                raise _ClosedAtOnce
+        except Gone:
+            log.info("watch version %s expired; listing again", self.resource_version)
+            self.resource_version = ""
+
+    def _failed(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, _ClosedAtOnce):
+            return
+        self.errors += 1
+        log.warning("kubernetes discovery: %s; retrying in %.1fs", exc, state.upcoming_sleep)

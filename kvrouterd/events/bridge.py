@@ -52,9 +52,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import tenacity
 
 from ..errors import BusUnavailable, InvalidRequest, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
+from ..retry import Backoff
 from .bus_config import NatsBusConfig
 from .nats_bus import BRIDGE_HEADER, connect, ensure_stream, worker_subject
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks
@@ -86,6 +88,8 @@ _U64 = (1 << 64) - 1
 DEFAULT_MAX_PENDING = 100_000
 #: most calls taken from the queue for one round of messages (one per worker)
 MAX_CALLS_PER_ROUND = 4096
+#: waits between tries of one publish (``retry``): short, since the queue grows meanwhile
+BRIDGE_PUBLISH_BACKOFF = Backoff(0.05, 2.0)
 
 
 # ---- wire ------------------------------------------------------------------------------------
@@ -437,21 +441,17 @@ class BusBridge:
         so the stream drops a copy it already stored."""
         msg_id = f"bridge.{self.run_id}.{self._n}"
         self._n += 1
-        backoff = 0.05
-        while True:
-            try:
+        # any Exception: timeouts, a connection being re-established, no responders
+        async for attempt in BRIDGE_PUBLISH_BACKOFF.retrying(Exception, before_sleep=self._publish_failed):
+            with attempt:
                 await self._js.publish(subject, body, timeout=self.publish_timeout_s,
                                        headers={BRIDGE_HEADER: WIRE_VERSION, "Nats-Msg-Id": msg_id})
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # timeouts, a connection being re-established, no responders
-                self.stats.publish_retries += 1
-                log.warning("bridge publish failed (%s); retrying", exc or type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            self.stats.published += 1
-            return
+        self.stats.published += 1
+
+    def _publish_failed(self, state: tenacity.RetryCallState) -> None:
+        self.stats.publish_retries += 1
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("bridge publish failed (%s); retrying in %.2fs", exc or type(exc).__name__, state.upcoming_sleep)
 
     def _resubscribe_overflowed(self) -> None:
         """Start the overflowed workers' subscribers again: each resets its worker and

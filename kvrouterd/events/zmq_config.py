@@ -35,7 +35,9 @@ class ZmqEventsConfig:
     replay_on_join: bool = True
     #: "ignore" drops events for non-GPU tiers; "track" keeps their blocks per tier, apart
     other_media: Literal["ignore", "track"] = "ignore"
-    #: ZMQ reconnect backoff (the library doubles the interval up to the max)
+    #: ZMQ reconnect backoff (the library doubles the interval up to the max); also the bounds
+    #: of the daemon's own waits before recreating a silent socket or restarting a failed
+    #: subscriber (retry.py: doubling, each shortened by up to 20% at random)
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 10_000
     #: adapter names of vLLM 0.11's lora_id-only events ({"7": "sql-adapter"}); a stored

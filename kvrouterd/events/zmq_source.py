@@ -9,7 +9,9 @@ Connections: ZMQ reconnects on its own with exponential backoff (``reconnect_ivl
 ``reconnect_ivl_max_ms``). An endpoint that delivers nothing for ``silence_s`` is shown as
 silent (idle engines are silent too, so this is a status, not an error) and its socket is
 recreated, with backoff, to get past half-open TCP connections. A disconnect is noted, so the
-next batch is checked against the engine's replay for a restart the sequence hides.
+next batch is checked against the engine's replay for a restart the sequence hides. Both that
+backoff and a failed subscriber's restart wait by the daemon's ``retry.Backoff`` between
+``reconnect_ivl_ms`` and ``reconnect_ivl_max_ms``, the bounds ZMQ's own reconnects use.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
+import tenacity
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
@@ -27,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import CacheMode
+from ..retry import Backoff
 from .endpoints import ZmqEndpoint
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS
 from .sequencing import ApplyFn, EndpointSequencer, RejectedFn, ResetFn, SubscriberStats
@@ -37,32 +41,44 @@ __all__ = ["EndpointSubscriber", "ZmqEventSource"]
 log = logging.getLogger("kvrouterd.events.zmq")
 
 
+class _Silent(Exception):
+    """A socket recreated after delivering nothing: the next is made after a backoff."""
+
+
+def reconnect_backoff(config: ZmqEventsConfig) -> Backoff:
+    """The wait between a subscriber's sockets, and before restarting a failed one."""
+    return Backoff(config.reconnect_ivl_ms / 1000, config.reconnect_ivl_max_ms / 1000)
+
+
 class EndpointSubscriber(EndpointSequencer):
     """The SUB socket of one engine endpoint (one DP rank), feeding its sequencing."""
 
     async def run(self) -> None:
         """Receive until cancelled; recreate the socket after each silent interval."""
         self._start_session()
-        backoff = self.config.reconnect_ivl_ms / 1000
-        while True:
-            sock = self._subscribe()
-            watcher = asyncio.create_task(self._watch_disconnects(sock), name=f"kv-events-monitor-{self.worker_id}")
-            try:
-                delivered = await self._receive(sock)
-            finally:
-                # close the socket first: libzmq then stops its monitor by itself (calling
-                # disable_monitor() after the monitor's reader closed can block forever)
-                sock.close(linger=0)
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
-            self._verify_pending = self._expected is not None  # a new socket: messages may be missing
-            if delivered:
-                backoff = self.config.reconnect_ivl_ms / 1000
-            else:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.reconnect_ivl_max_ms / 1000)
-            self.stats.reconnects += 1
+        backoff = reconnect_backoff(self.config)
+        while True:  # a socket that delivered starts the backoff over
+            async for attempt in backoff.retrying(_Silent):
+                with attempt:
+                    await self._socket_session()
+
+    async def _socket_session(self) -> None:
+        """Receive on one socket until it falls silent; raises ``_Silent`` if it delivered nothing."""
+        sock = self._subscribe()
+        watcher = asyncio.create_task(self._watch_disconnects(sock), name=f"kv-events-monitor-{self.worker_id}")
+        try:
+            delivered = await self._receive(sock)
+        finally:
+            # close the socket first: libzmq then stops its monitor by itself (calling
+            # disable_monitor() after the monitor's reader closed can block forever)
+            sock.close(linger=0)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._verify_pending = self._expected is not None  # a new socket: messages may be missing
+        self.stats.reconnects += 1
+        if not delivered:
+            raise _Silent
 
     async def _watch_disconnects(self, sock: zmq.asyncio.Socket) -> None:
         """ZMQ reconnects by itself; while it was away the engine may have restarted and
@@ -176,27 +192,25 @@ class ZmqEventSource:
         """Run a subscriber; if it dies, whatever killed it, the worker's view is cleared and
         DEGRADED (events were lost) and a fresh subscriber starts after a backoff, joining
         the engine again by replay from 0. Never lets a worker look healthy on a dead feed."""
-        backoff = self.config.reconnect_ivl_ms / 1000
-        while True:
-            try:
+
+        def failed(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            log.error("KV-event subscriber failed (%s: %s); worker degraded, restarting in %.1fs",
+                      type(exc).__name__, exc, state.upcoming_sleep, extra={"worker_id": sub.worker_id}, exc_info=exc)
+            with contextlib.suppress(KVRouterError):
+                self._reset(sub.worker_id, True)
+
+        # any Exception: a bug, an unusable endpoint, the router (cancellation goes through)
+        async for attempt in reconnect_backoff(self.config).retrying(Exception, before_sleep=failed):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:  # sub failed; the backoff has passed
+                    if self.subscribers.get(sub.worker_id) is not sub:
+                        return  # removed or replaced meanwhile
+                    stats = sub.stats
+                    stats.subscriber_restarts += 1
+                    sub = self._new_subscriber(sub.endpoint)
+                    sub.stats = stats
                 await sub.run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # any failure: a bug, an unusable endpoint, the router
-                failures = sub.stats.subscriber_restarts + 1
-                log.error("KV-event subscriber failed (%s: %s); worker degraded, restarting in %.1fs",
-                          type(exc).__name__, exc, backoff, extra={"worker_id": sub.worker_id}, exc_info=exc)
-                with contextlib.suppress(KVRouterError):
-                    self._reset(sub.worker_id, True)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.reconnect_ivl_max_ms / 1000)
-                if self.subscribers.get(sub.worker_id) is not sub:
-                    return  # removed or replaced meanwhile
-                stats = sub.stats
-                sub = self._new_subscriber(sub.endpoint)
-                stats.subscriber_restarts = failures
-                sub.stats = stats
 
     def remove(self, worker_id: str) -> None:
         """Stop the worker's subscriber, if any (its router state is left to the caller)."""

@@ -31,6 +31,7 @@
 static PyObject *holders_name; /* interned "holders" */
 static PyObject *float_zero;   /* 0.0: a new Block's last_access */
 static PyObject *zero;         /* 0: a new Block's hits */
+static PyObject *one;          /* 1: a touch's hits */
 static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
 static PyObject *array_q_zero; /* array('Q', [0]): u64_array repeats it into its result */
 
@@ -896,7 +897,7 @@ t_key_strict(PyObject *obj, uint64_t *out)
     return r == 0 ? 0 : -1;
 }
 
-/* Keys as given to store_new / map_pairs: a list or tuple of ints, or a buffer of native uint64s
+/* Keys as given to store_chain / map_pairs: a list or tuple of ints, or a buffer of native uint64s
  * (array('Q'), what Router.apply hashes a stored chain into: no int object per key). */
 typedef struct {
     Py_buffer view; /* view.obj != NULL: the keys are view.buf */
@@ -1560,7 +1561,18 @@ static PyTypeObject BlockType = {
  * a lookup still touches one cache line of the table per probe run, plus the Block it finds.
  * 0 is a free slot. The table owns a reference to every Block in it, and a Block is kept under
  * its own key only. It grows incrementally as U64Store does (above): at 4M blocks one growth
- * re-inserted ~3.5M Blocks, each one's key a cache miss, inside a single stored event. */
+ * re-inserted ~3.5M Blocks, each one's key a cache miss, inside a single stored event.
+ *
+ * Unlike U64Store it never holds two whole arrays in memory (issue #30 item 4: at 4M blocks the
+ * next array, mapped and populated ahead, and the current one were 25 bytes a block beside the
+ * Block's 48, 75 in all). A slot's home is monotonic in the key's hash (home_of_mixed), so the
+ * migration, walking the old array down, fills the new one from its top down, and a new array
+ * is mapped at the growth and faulted in page by page as it fills. The old array is released as
+ * the walk leaves it (MADV_DONTNEED: what is left below reads as before, what is released reads
+ * as free slots), and a block whose home in the old array the walk has not reached goes into the
+ * old array, which the walk then moves, so the new array's low pages are not touched before the
+ * walk gets there. Memory thus passes from the old array's bytes to the new one's without holding
+ * both: at most 8 bytes per slot of the larger, 15 a block past a growth (1.5 x at load 0.8). */
 typedef struct {
     uint64_t *slots; /* NULL: no array */
     Py_ssize_t capacity;
@@ -1572,9 +1584,10 @@ typedef struct {
     PyObject_HEAD
     BTSlots cur;       /* where new blocks go */
     BTSlots old;       /* while growing: the smaller array being emptied into cur (else slots NULL) */
-    BTSlots next;      /* the array the next growth takes, mapped ahead (else slots NULL) */
     Py_ssize_t cursor; /* the old slot the migration looked at last; it goes on below it */
-    TablePace fill;    /* next's mapping, being populated */
+    Py_ssize_t top;    /* the free old slot the migration started below: slots [cursor, top] are empty */
+    int wrapped;       /* the walk passed slot 0 and goes on from the old array's end down to `top` */
+    size_t released;   /* old's bytes from here up to `top` are released (a page boundary; 0: none) */
     TablePace drain;   /* an emptied old array's mapping, being unmapped */
 } BlockTable;
 
@@ -1679,15 +1692,30 @@ bt_retire_old(BlockTable *t)
     t->old = (BTSlots){NULL, 0, 0, 0};
 }
 
+/* Release (MADV_DONTNEED) the old array's pages the walk has emptied, in TABLE_CHUNK steps: every
+ * slot of [cursor, top] is free, and a released page reads as zeros, free slots, so a probe that
+ * ends there still ends there. Before the walk wraps, and only for a mapped array. */
+static void
+bt_release_behind(BlockTable *t)
+{
+    BTSlots *old = &t->old;
+    if (t->wrapped || old->table_bytes < TABLE_MMAP_BYTES)
+        return;
+    size_t page = 4096, lo = ((size_t)t->cursor * sizeof(uint64_t) + page - 1) & ~(page - 1);
+    size_t hi = t->released ? t->released : ((size_t)(t->top + 1) * sizeof(uint64_t)) & ~(page - 1);
+    if (lo >= hi || hi - lo < TABLE_CHUNK)
+        return;
+    madvise((char *)old->slots + lo, hi - lo, MADV_DONTNEED);
+    t->released = lo;
+}
+
 static void
 bt_step(BlockTable *t, Py_ssize_t budget)
 {
     BTSlots *old = &t->old;
     pace_run(&t->drain, 1, 0);
-    if (old->slots == NULL) {
-        pace_run(&t->fill, 0, 0);
+    if (old->slots == NULL)
         return;
-    }
     if (old->size == 0) { /* emptied by deletes (bt_take retires it; this is the backstop) */
         bt_retire_old(t);
         return;
@@ -1697,8 +1725,10 @@ bt_step(BlockTable *t, Py_ssize_t budget)
         budget = old->capacity;
     Py_ssize_t c = t->cursor; /* the slots below c are next */
     while (budget > 0) {
-        if (c == 0)
+        if (c == 0) {
             c = old->capacity;
+            t->wrapped = 1;
+        }
         Py_ssize_t lo = c > budget ? c - budget : 0;
         for (Py_ssize_t i = c - 1; i >= lo; i--) {
             if (i >= BT_RESIZE_PREFETCH && old->slots[i - BT_RESIZE_PREFETCH])
@@ -1718,13 +1748,14 @@ bt_step(BlockTable *t, Py_ssize_t budget)
         c = lo;
     }
     t->cursor = c;
+    bt_release_behind(t);
 }
 
 /* an insert's or delete's step, when there is one to take */
 static inline void
 bt_tick(BlockTable *t)
 {
-    if (t->old.slots != NULL || t->fill.base != NULL || t->drain.base != NULL)
+    if (t->old.slots != NULL || t->drain.base != NULL)
         bt_step(t, MIGRATE_SLOTS);
 }
 
@@ -1735,19 +1766,38 @@ bt_grow(BlockTable *t)
     bt_step(t, PY_SSIZE_T_MAX); /* over already when the steps keep pace (they do: U64Store) */
     if (t->old.slots != NULL) /* that pass visited every old slot: none holds a block now */
         bt_retire_old(t);
-    if (t->next.slots == NULL && bt_alloc(&t->next, t->cur.capacity + t->cur.capacity / 2) < 0)
+    BTSlots next;
+    if (bt_alloc(&next, t->cur.capacity + t->cur.capacity / 2) < 0)
         return -1;
-    pace_run(&t->fill, 0, 1); /* done already when mapped ahead */
     t->old = t->cur;
-    t->cur = t->next;
-    t->next = (BTSlots){NULL, 0, 0, 0};
+    t->cur = next;
     Py_ssize_t e = t->old.capacity - 1; /* the walk starts below a free slot (the load is < 1) */
     while (t->old.slots[e])
         e--;
-    t->cursor = e;
+    t->cursor = t->top = e;
+    t->wrapped = 0;
+    t->released = 0;
     if (t->old.size == 0)
         bt_free(&t->old);
     return 0;
+}
+
+/* While growing, the free old slot where a block whose old home the walk has not reached goes
+ * (its probe run ends below the cursor, before the walk wraps), so that the walk moves it; else
+ * -1: it goes into the new array. */
+static inline Py_ssize_t
+bt_old_place(const BlockTable *t, uint64_t mixed)
+{
+    const BTSlots *old = &t->old;
+    if (old->slots == NULL || t->wrapped)
+        return -1;
+    Py_ssize_t i = home_of_mixed(mixed, old->capacity);
+    while (i < t->cursor) {
+        if (old->slots[i] == 0)
+            return i;
+        i++;
+    }
+    return -1;
 }
 
 /* `b` (key known absent) goes into the table, which takes over the caller's reference. `at` is
@@ -1760,23 +1810,17 @@ bt_add_at(BlockTable *t, BlockObject *b, uint64_t mixed, Py_ssize_t at)
         return -1;
     }
     Py_ssize_t n = bt_len(t) + 1, cap = t->cur.capacity;
-    if (n * 4 > cap * 3) {
-        Py_ssize_t grows_at = cap * 4 / 5 + 1; /* grows by half past load 0.8: the free slot moves */
-        if (n >= grows_at) {
-            if (bt_grow(t) < 0)
-                return -1;
-            at = 0;
-        }
-        else if (t->next.slots == NULL && t->old.slots == NULL
-                 && (size_t)(cap + cap / 2) * sizeof(uint64_t) >= TABLE_MMAP_BYTES) {
-            /* past load 0.75: the next array mapped ahead, populated by the steps (as U64Store) */
-            if (bt_alloc(&t->next, cap + cap / 2) < 0)
-                PyErr_Clear(); /* no error: the growth tries again */
-            else
-                pace_start(&t->fill, t->next.slots, t->next.table_bytes, fill_step(t->next.table_bytes, grows_at - n));
-        }
+    if (n >= cap * 4 / 5 + 1) { /* grows by half past load 0.8: the free slot moves */
+        if (bt_grow(t) < 0)
+            return -1;
+        at = 0;
     }
-    if (at < 0) {
+    Py_ssize_t in_old = bt_old_place(t, mixed);
+    if (in_old >= 0) {
+        t->old.slots[in_old] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
+        t->old.size++;
+    }
+    else if (at < 0) {
         t->cur.slots[~at] = (uint64_t)(uintptr_t)b | BT_TAG(mixed);
         t->cur.size++;
     }
@@ -1888,7 +1932,6 @@ static void
 BlockTable_dealloc(BlockTable *t)
 {
     bt_release(&t->cur, &t->old);
-    bt_free(&t->next);
     pace_run(&t->drain, 1, 1);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -2019,8 +2062,6 @@ BlockTable_clear(BlockTable *t, PyObject *unused)
         return NULL;
     t->cur = empty;
     t->old = (BTSlots){NULL, 0, 0, 0};
-    bt_free(&t->next);
-    t->fill.base = NULL;
     pace_run(&t->drain, 1, 1);
     bt_release(&cur, &old); /* out of the table first: what releasing frees cannot see it half-done */
     Py_RETURN_NONE;
@@ -2097,16 +2138,45 @@ static PyGetSetDef BlockTable_getset[] = {
 static PyObject *
 BlockTable_sizeof(BlockTable *t, PyObject *unused)
 {
-    size_t next = t->next.slots == NULL ? 0 : t->fill.base != NULL ? t->fill.done : t->next.table_bytes;
-    return PyLong_FromSize_t(sizeof(BlockTable) + t->cur.table_bytes + t->old.table_bytes + next + pace_left(&t->drain));
+    size_t released = t->old.slots == NULL || !t->released ? 0 : ((size_t)(t->top + 1) * sizeof(uint64_t) & ~(size_t)4095) - t->released;
+    return PyLong_FromSize_t(sizeof(BlockTable) + t->cur.table_bytes + t->old.table_bytes - released + pace_left(&t->drain));
 }
 
-/* ---- RadixIndex.store's loop over brand-new blocks ----------------------------------------
+/* ---- ints as CPython stores them -------------------------------------------------------------
  *
- * Engines report blocks they just computed, so nearly every stored block is new to the index:
- * no other holder, no children, no stats to merge. BlockTable.store_new builds those Blocks
- * here, exactly as RadixIndex.store's Python loop does (radix.py, "a new block"), and stops at
- * the first key the index already has; the Python loop handles that one and calls again. */
+ * A block's holders are an int bitmask over slots, as wide as its highest holder's slot; the store
+ * and the match walk read its digits (PyLong_SHIFT bits each, least significant first) in place
+ * (CPython >= 3.11 stores an int so: longintrepr.h, included by Python.h). */
+
+/* The int `v`'s magnitude as CPython stores it: its digit count with the digits in *d, or -1
+ * when `v` is negative (the caller intersects those the slow way). */
+static inline Py_ssize_t
+long_digits(PyObject *v, const digit **d)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyLongObject *l = (PyLongObject *)v;
+    uintptr_t tag = l->long_value.lv_tag; /* digits << 3 | sign (0 positive, 1 zero, 2 negative) */
+    *d = l->long_value.ob_digit;
+    return (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
+#else
+    Py_ssize_t size = Py_SIZE(v); /* negative for a negative int */
+    *d = ((PyLongObject *)v)->ob_digit;
+    return size < 0 ? -1 : size;
+#endif
+}
+
+/* ---- RadixIndex.store's loop ------------------------------------------------------------------
+ *
+ * BlockTable.store_chain runs RadixIndex.store's Python loop (radix.py) over a stored chain:
+ * keys the index lacks become new Blocks (engines report blocks they just computed, so most
+ * are), and a key it has, another worker's block or one this worker stored again, gains the
+ * worker as a holder or is touched, exactly as the loop does it. Only a block that fills a gap
+ * above blocks the worker already holds (whose pending accesses the loop settles first), one
+ * nobody holds (the loop counts those: RadixIndex.unheld) or one whose fields are not the
+ * shapes the index gives them is left to the Python loop: the call stops
+ * there, the loop does that one and calls again. Before, every block another worker held took
+ * the Python loop: 8 workers storing 64-block chains with 32-block shared prefixes cost ~6,100
+ * instructions a stored block. */
 
 /* parent.children gains `node` (None -> the node, one Block -> {key: block, ...}, dict -> item) */
 static int
@@ -2131,34 +2201,256 @@ block_link_child(BlockObject *parent, PyObject *key_obj, BlockObject *node)
     return 0;
 }
 
-/* store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> int
- *
- * From keys[start] on, while the key is not in the table: a new Block(key, parent) held by
- * `bit` alone (holders = bit, last_access = now, hits = 0) goes into the table, under
- * `parent`, onto `chain`, and is the next key's parent. `leaves` ends as the Python loop leaves
- * it, one block at a time: the first parent leaves it if `bit` holds it, and of the run only its
- * last block joins it (each new block is the parent of the next, so every other one joins and
- * leaves again at once). Returns the index of the first key the table already holds (len(keys)
- * when none). `keys` is a list of ints or an array('Q'); `block_type` is this module's Block
- * (radix.py passes its Block). */
-/* store_new's loop over `keys` from `i`: the index of the first key the table holds (keys->n
- * when none), or -1 with an exception set. Arguments as store_new checks them. */
-static Py_ssize_t
-store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, PyObject *bit, PyObject *now,
-              PyObject *leaves, PyObject *chain)
+/* A block's holders as the store reads them, in place (long_digits: no int made): how many
+ * slots hold it, 0, 1 or 2 for more, and whether `slot` is one; -1 when `holders` is not a
+ * non-negative int (the block is left to the Python loop). */
+static inline int
+holders_read(PyObject *holders, Py_ssize_t slot, int *has)
 {
-    BlockState *run = NULL;  /* the state of the blocks made here (made with the first) */
-    BlockObject *last = NULL; /* the run's last block: the one that joins `leaves` */
-    Py_INCREF(parent);       /* ours while Python code (a collection's finalizers) may run */
+    const digit *d;
+    if (!PyLong_CheckExact(holders))
+        return -1;
+    Py_ssize_t n = long_digits(holders, &d);
+    if (n < 0)
+        return -1;
+    Py_ssize_t at = slot / PyLong_SHIFT;
+    *has = at < n && (d[at] >> (slot % PyLong_SHIFT)) & 1;
+    if (n == 0)
+        return 0;
+    for (Py_ssize_t i = 0; i < n - 1; i++) /* CPython keeps no leading zero digit: d[n - 1] != 0 */
+        if (d[i])
+            return 2;
+    return d[n - 1] & (d[n - 1] - 1) ? 2 : 1;
+}
+
+/* whether `bit` (1 << slot) is in `holders`: in place for a non-negative int, else as `&` does; -1 on error */
+static int
+holders_has(PyObject *holders, Py_ssize_t slot, PyObject *bit)
+{
+    int has;
+    if (holders_read(holders, slot, &has) >= 0)
+        return has;
+    PyObject *held = PyNumber_And(holders, bit);
+    int r = held == NULL ? -1 : PyObject_IsTrue(held);
+    Py_XDECREF(held);
+    return r;
+}
+
+/* the highest slot in a positive int's digits (`holders.bit_length() - 1`) */
+static inline Py_ssize_t
+holders_top(PyObject *holders)
+{
+    const digit *d;
+    Py_ssize_t n = long_digits(holders, &d);
+    return (n - 1) * PyLong_SHIFT + (Py_ssize_t)(31 - __builtin_clz(d[n - 1]));
+}
+
+/* One RadixIndex.store call's arguments and what it counts */
+typedef struct {
+    Py_ssize_t slot;
+    PyObject *slot_obj; /* the slot as an int: its key in a shared block's stats dicts */
+    PyObject *bit;      /* 1 << slot */
+    PyObject *now;
+    PyObject *leaves;   /* the slot's leaves (a set) */
+    PyObject *chain;    /* the list the chain's blocks are appended to */
+    PyObject *pending;  /* RadixIndex._pending: Block -> pending accesses */
+    PyObject *alone;    /* RadixIndex._alone: bit -> blocks that slot alone holds */
+    Py_ssize_t added;   /* blocks the slot holds now that it did not */
+    Py_ssize_t alone_n; /* of those, the ones it alone holds */
+} StoreRun;
+
+static int held_child(BlockObject *parent, PyObject *bit);
+
+/* `node`, a block the table holds, stored by the slot as RadixIndex.store's loop does it: the
+ * slot touches it if it holds it (RadixIndex.touch), else joins its holders with fresh stats
+ * (RadixIndex._add_stats, the count of blocks one slot alone holds, the slot's leaves). 1 done;
+ * 0 left to the Python loop with nothing changed (a gap above blocks the slot holds, a block
+ * nobody holds, or fields not in the shapes the index gives them); -1 on error. `node` is the
+ * caller's. */
+static int
+store_existing(StoreRun *r, BlockObject *node)
+{
+    PyObject *holders = node->state->holders;
+    int has, count = holders_read(holders, r->slot, &has);
+    if (count < 0)
+        return 0;
+    if (has) { /* RadixIndex.touch */
+        BlockState *st = node->state;
+        if (count == 1) {
+            if (!PyLong_CheckExact(st->hits))
+                return 0;
+            PyObject *hits = PyNumber_Add(st->hits, one);
+            if (hits == NULL || (st = block_own_state(node)) == NULL) {
+                Py_XDECREF(hits);
+                return -1;
+            }
+            Py_SETREF(st->last_access, Py_NewRef(r->now));
+            Py_SETREF(st->hits, hits);
+            return 1;
+        }
+        /* several holders: stats in dicts, which a block never shares (block_own_state) */
+        PyObject *la = st->last_access, *hits_of = st->hits;
+        if (!PyDict_CheckExact(la) || !PyDict_CheckExact(hits_of))
+            return 0;
+        PyObject *h = PyDict_GetItemWithError(hits_of, r->slot_obj);
+        if (h == NULL || !PyLong_CheckExact(h))
+            return PyErr_Occurred() ? -1 : 0;
+        Py_INCREF(la);
+        Py_INCREF(hits_of);
+        PyObject *h1 = PyNumber_Add(h, one);
+        int ok = h1 != NULL && PyDict_SetItem(la, r->slot_obj, r->now) == 0 && PyDict_SetItem(hits_of, r->slot_obj, h1) == 0;
+        Py_XDECREF(h1);
+        Py_DECREF(la);
+        Py_DECREF(hits_of);
+        return ok ? 1 : -1;
+    }
+    if (node->children != Py_None) { /* a gap above held blocks: the Python loop settles them */
+        int held = held_child(node, r->bit);
+        if (held != 0)
+            return held < 0 ? -1 : 0;
+    }
+    /* Check and make everything first, change the block after: nothing below the objects made
+     * here can run Python code, so the block is changed whole or not at all. */
+    BlockState *st = node->state;
+    holders = Py_NewRef(st->holders); /* ours: read again, what held_child ran may have changed it */
+    PyObject *la = Py_NewRef(st->last_access), *hits = Py_NewRef(st->hits);
+    PyObject *new_la = NULL, *new_hits = NULL, *up = NULL, *new_up = NULL, *alone_left = NULL, *joined = NULL;
+    int done = -1;
+    count = holders_read(holders, r->slot, &has);
+    /* a block nobody holds (a gap an engine's eviction left) is the Python loop's: it counts
+     * such blocks (RadixIndex.unheld), which this call does not return */
+    if (count <= 0 || has) {
+        done = 0;
+        goto out;
+    }
+    if (count == 1) { /* its one holder no longer holds it alone */
+        PyObject *n_alone = PyDict_GetItemWithError(r->alone, holders);
+        if (n_alone == NULL || !PyLong_CheckExact(n_alone)) {
+            done = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+        if ((alone_left = PyNumber_Subtract(n_alone, one)) == NULL)
+            goto out;
+    }
+    if (!PyDict_CheckExact(la)) { /* a second holder: the stats become dicts by slot */
+        PyObject *first = PyLong_FromSsize_t(holders_top(holders));
+        if (first == NULL)
+            goto out;
+        if (PyDict_GET_SIZE(r->pending)) {
+            up = PyDict_GetItemWithError(r->pending, (PyObject *)node);
+            if (up == NULL && PyErr_Occurred()) {
+                Py_DECREF(first);
+                goto out;
+            }
+            Py_XINCREF(up);
+        }
+        new_la = PyDict_New();
+        new_hits = PyDict_New();
+        new_up = up == NULL ? NULL : PyDict_New();
+        int ok = new_la != NULL && new_hits != NULL && (up == NULL || new_up != NULL)
+                 && PyDict_SetItem(new_la, first, la) == 0 && PyDict_SetItem(new_hits, first, hits) == 0
+                 && (up == NULL || PyDict_SetItem(new_up, first, up) == 0);
+        Py_DECREF(first);
+        if (!ok)
+            goto out;
+    }
+    else if (!PyDict_CheckExact(hits)) {
+        done = 0;
+        goto out;
+    }
+    if ((joined = PyNumber_Or(holders, r->bit)) == NULL)
+        goto out;
+    if ((st = block_own_state(node)) == NULL)
+        goto out;
+    /* no failure past here but a dict or set entry's memory */
+    if (PySet_Add(r->leaves, (PyObject *)node) < 0)
+        goto out;
+    if (new_la != NULL) {
+        Py_SETREF(st->last_access, Py_NewRef(new_la));
+        Py_SETREF(st->hits, Py_NewRef(new_hits));
+        if (new_up != NULL && PyDict_SetItem(r->pending, (PyObject *)node, new_up) < 0)
+            goto out;
+    }
+    if (PyDict_SetItem(st->last_access, r->slot_obj, r->now) < 0 || PyDict_SetItem(st->hits, r->slot_obj, zero) < 0)
+        goto out;
+    if (alone_left != NULL && PyDict_SetItem(r->alone, holders, alone_left) < 0)
+        goto out;
+    Py_SETREF(st->holders, Py_NewRef(joined));
+    r->added++;
+    /* the block's own parent stops being a leaf: the chain's previous block only when the keys
+     * chain (RadixIndex.store's docstring: Route stores keys a client sent, in any order) */
+    PyObject *above = node->parent;
+    if (above != Py_None) {
+        int held = holders_has(BLOCK(above)->state->holders, r->slot, r->bit);
+        if (held < 0 || (held && PySet_Discard(r->leaves, above) < 0))
+            goto out;
+    }
+    done = 1;
+out:
+    Py_DECREF(holders);
+    Py_DECREF(la);
+    Py_DECREF(hits);
+    Py_XDECREF(new_la);
+    Py_XDECREF(new_hits);
+    Py_XDECREF(up);
+    Py_XDECREF(new_up);
+    Py_XDECREF(alone_left);
+    Py_XDECREF(joined);
+    return done;
+}
+
+/* RadixIndex.store's loop over `keys` from `i` under `parent` (None or a Block): returns the
+ * index of the first key left to the Python loop (keys->n when none), or -1 with an exception.
+ *
+ * A key the table lacks becomes a Block(key, parent) held by the slot alone (holders = bit,
+ * last_access = now, hits = 0), in the table, under `parent`, onto the chain, and the next
+ * key's parent. The blocks of one call share one state (copy on write). `leaves` ends as the
+ * Python loop leaves it, one block at a time: a run of new blocks' first parent leaves it if the
+ * slot holds it, and only the run's last block joins it (each new block is the parent of the
+ * next, so every other one joins and leaves again at once). A block the table has takes its
+ * own tree parent out, which is the chain's previous block only when the keys chain (Route
+ * stores keys a client sent: issue #28 item 2). */
+static Py_ssize_t
+store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, StoreRun *r)
+{
+    BlockState *run = NULL;   /* the state of the blocks made here (made with the first) */
+    BlockObject *last = NULL; /* the open run's last block: the one that joins `leaves` */
+    Py_INCREF(parent);        /* ours while Python code (a collection's finalizers) may run */
     for (; i < keys->n; i++) {
         uint64_t key;
         if (u64_keys_get(keys, i, &key) < 0)
             goto error;
         uint64_t mixed = u64_mix(key);
-        Py_ssize_t at = bt_probe(&t->cur, key, mixed);
-        if (at >= 0 || (t->old.slots != NULL && bt_probe(&t->old, key, mixed) >= 0))
-            break;
-        if (run == NULL && (run = state_new(bit, now, zero)) == NULL)
+        Py_ssize_t at = bt_probe(&t->cur, key, mixed), at_old = -1;
+        if (at >= 0 || (t->old.slots != NULL && (at_old = bt_probe(&t->old, key, mixed)) >= 0)) {
+            BlockObject *node = BT_BLOCK(at >= 0 ? t->cur.slots[at] : t->old.slots[at_old]);
+            Py_INCREF(node);
+            /* the open run's last block joins the leaves now, as the loop left it: a block the
+             * table has is never its child when the keys chain (it is new), and when they do not
+             * (keys a client sent: a repeated key, one under another parent) it stays a leaf
+             * unless `node` is its child (store_existing takes `node`'s own parent out) */
+            if (last != NULL) {
+                if (PySet_Add(r->leaves, (PyObject *)last) < 0) {
+                    Py_DECREF(node);
+                    goto error;
+                }
+                last = NULL;
+            }
+            int done = store_existing(r, node);
+            if (done <= 0) {
+                Py_DECREF(node);
+                if (done < 0)
+                    goto error;
+                break; /* the Python loop's */
+            }
+            if (PyList_Append(r->chain, (PyObject *)node) < 0) {
+                Py_DECREF(node);
+                goto error;
+            }
+            Py_SETREF(parent, (PyObject *)node);
+            continue;
+        }
+        if (run == NULL && (run = state_new(r->bit, r->now, zero)) == NULL)
             goto error;
         BlockObject *node = block_alloc(key, parent, run);
         if (node == NULL)
@@ -2170,6 +2462,8 @@ store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i
             goto error;
         }
         /* the table owns `node` */
+        r->added++;
+        r->alone_n++;
         if (parent != Py_None) {
             PyObject *c = BLOCK(parent)->children;
             if (c == Py_None)
@@ -2182,19 +2476,17 @@ store_new_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i
                     goto error; /* the node stays in the table, as a Python error midway would leave it */
             }
             if (last == NULL) { /* the run's first parent; later ones are its own new blocks */
-                PyObject *held = PyNumber_And(BLOCK(parent)->state->holders, bit);
-                int is_held = held == NULL ? -1 : PyObject_IsTrue(held);
-                Py_XDECREF(held);
-                if (is_held < 0 || (is_held && PySet_Discard(leaves, parent) < 0))
+                int held = holders_has(BLOCK(parent)->state->holders, r->slot, r->bit);
+                if (held < 0 || (held && PySet_Discard(r->leaves, parent) < 0))
                     goto error;
             }
         }
         last = node;
-        if (PyList_Append(chain, (PyObject *)node) < 0)
+        if (PyList_Append(r->chain, (PyObject *)node) < 0)
             goto error;
         Py_SETREF(parent, Py_NewRef(node));
     }
-    if (last != NULL && PySet_Add(leaves, (PyObject *)last) < 0)
+    if (last != NULL && PySet_Add(r->leaves, (PyObject *)last) < 0)
         goto error;
     Py_XDECREF(run);
     Py_DECREF(parent);
@@ -2203,7 +2495,7 @@ error:
     if (last != NULL) { /* as the Python loop would have left it when it stopped here */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (PySet_Add(leaves, (PyObject *)last) < 0)
+        if (PySet_Add(r->leaves, (PyObject *)last) < 0)
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
     }
@@ -2212,90 +2504,129 @@ error:
     return -1;
 }
 
-/* store_new's and store_hashed's checks of (block_type, parent, keys?, start?, bit, now, leaves,
- * chain): 0, or -1 with TypeError. `keys` NULL: not checked (store_hashed hashes its own). */
+/* store_chain's and store_hashed's checks of (block_type, parent, keys?, slot, now, leaves,
+ * chain, pending, alone), filling `r`: 0, or -1 with TypeError or ValueError. `keys` NULL: not
+ * checked (store_hashed hashes its own). r->bit is a new reference (store_run_close). */
 static int
-store_args_check(PyObject *block_type, PyObject *parent, PyObject *keys, PyObject *bit, PyObject *leaves, PyObject *chain)
+store_run_open(StoreRun *r, PyObject *block_type, PyObject *parent, PyObject *keys, PyObject *slot, PyObject *now,
+               PyObject *leaves, PyObject *chain, PyObject *pending, PyObject *alone)
 {
+    r->bit = NULL;
     if (block_type != (PyObject *)&BlockType) {
-        PyErr_SetString(PyExc_TypeError, "store_new builds kvrouterd.index._native.Block");
+        PyErr_SetString(PyExc_TypeError, "store_chain builds kvrouterd.index._native.Block");
         return -1;
     }
     if ((keys != NULL && !(PyList_CheckExact(keys) || PyObject_CheckBuffer(keys))) || !PyList_CheckExact(chain)
-        || !PySet_CheckExact(leaves) || !PyLong_CheckExact(bit)) {
-        PyErr_SetString(PyExc_TypeError, "keys are lists or an array('Q'), chain a list, leaves a set, bit an int");
+        || !PySet_CheckExact(leaves) || !PyLong_CheckExact(slot) || !PyDict_CheckExact(pending) || !PyDict_CheckExact(alone)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "keys are lists or an array('Q'), chain a list, leaves a set, slot an int, pending and alone dicts");
         return -1;
     }
     if (parent != Py_None && !IS_BLOCK(parent)) {
         PyErr_SetString(PyExc_TypeError, "parent is None or a Block");
         return -1;
     }
+    r->slot = PyLong_AsSsize_t(slot);
+    if (r->slot < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "slot must be >= 0");
+        return -1;
+    }
+    if ((r->bit = PyNumber_Lshift(one, slot)) == NULL)
+        return -1;
+    r->slot_obj = slot;
+    r->now = now;
+    r->leaves = leaves;
+    r->chain = chain;
+    r->pending = pending;
+    r->alone = alone;
+    r->added = r->alone_n = 0;
     return 0;
 }
 
-static PyObject *
-BlockTable_store_new(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+static void
+store_run_close(StoreRun *r)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "store_new(block_type, parent, keys, start, bit, now, leaves, chain)");
-        return NULL;
-    }
-    if (store_args_check(args[0], args[1], args[2], args[4], args[6], args[7]) < 0)
-        return NULL;
-    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    if (i < 0)
-        i = 0;
-    U64Keys keys;
-    if (u64_keys_open(args[2], &keys, "keys") < 0)
-        return NULL;
-    i = store_new_run(t, args[1], &keys, i, args[4], args[5], args[6], args[7]);
-    u64_keys_close(&keys);
-    return i < 0 ? NULL : PyLong_FromSsize_t(i);
+    Py_CLEAR(r->bit);
 }
 
-/* store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes)
- *     -> (keys, stored)
+/* store_chain(block_type, parent, keys, start, slot, now, leaves, chain, pending, alone)
+ *     -> (stop, added, alone_added)
+ *
+ * RadixIndex.store's loop (store_run above) from keys[start] on: `leaves` is the slot's leaf
+ * set, `pending` and `alone` the index's tables (RadixIndex._pending, ._alone), updated as the
+ * loop updates them. Returns the index of the first key left to the Python loop (len(keys) when
+ * none), the blocks the slot holds now that it did not, and of those the ones it alone holds
+ * (the loop adds both to its counts). `keys` is a list of ints or an array('Q'), read in place;
+ * `block_type` is this module's Block (radix.py passes its Block). */
+static PyObject *
+BlockTable_store_chain(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "store_chain(block_type, parent, keys, start, slot, now, leaves, chain, pending, alone)");
+        return NULL;
+    }
+    StoreRun r;
+    if (store_run_open(&r, args[0], args[1], args[2], args[4], args[5], args[6], args[7], args[8], args[9]) < 0)
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    U64Keys keys;
+    if ((i == -1 && PyErr_Occurred()) || u64_keys_open(args[2], &keys, "keys") < 0) {
+        store_run_close(&r);
+        return NULL;
+    }
+    i = store_run(t, args[1], &keys, i < 0 ? 0 : i, &r);
+    u64_keys_close(&keys);
+    store_run_close(&r);
+    return i < 0 ? NULL : Py_BuildValue("(nnn)", i, r.added, r.alone_n);
+}
+
+/* store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, chain, pending, alone,
+ *              engine_map, hashes) -> (keys, stop, added, alone_added)
  *
  * A stored event's native work in one call (issue #12: per stored event, every call from Python
  * and every object in between is a percent or two of PublishEvents' work): the chain's keys
- * (chain_keys_packed(data, block_size, seed, -1)), store_new(block_type, parent, keys, 0, bit,
- * now, leaves, chain), and, when that stored every key and `engine_map` (a U64Map) is given,
- * engine_map.map_pairs(hashes, keys). Returns the keys as native uint64 bytes and how many
- * store_new stored; when that is fewer (a key the index holds already), the engine map is
- * untouched and the caller goes on as RadixIndex.store does from there, then maps the hashes
- * (radix.py: RadixIndex.store_hashed, the reference). `hashes`, an array('Q') or a list of ints
- * with one hash per key, is checked before anything changes. */
+ * (chain_keys_packed(data, block_size, seed, -1)), store_chain(block_type, parent, keys, 0,
+ * slot, now, leaves, chain, pending, alone), and, when that stored every key and `engine_map` (a
+ * U64Map) is given, engine_map.map_pairs(hashes, keys). Returns the keys as native uint64 bytes
+ * and store_chain's answer; when it stopped short (a key left to the Python loop), the engine
+ * map is untouched and the caller goes on as RadixIndex.store does from there, then maps the
+ * hashes (radix.py: RadixIndex.store_hashed, the reference). `hashes`, an array('Q') or a list
+ * of ints with one hash per key, is checked before anything changes. */
 static PyObject *
 BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError,
-                        "store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes)");
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, "
+                                         "chain, pending, alone, engine_map, hashes)");
         return NULL;
     }
-    PyObject *engine_map = args[9];
-    if (store_args_check(args[0], args[1], NULL, args[5], args[7], args[8]) < 0)
+    PyObject *engine_map = args[11];
+    StoreRun r;
+    if (store_run_open(&r, args[0], args[1], NULL, args[5], args[6], args[7], args[8], args[9], args[10]) < 0)
         return NULL;
     if (engine_map != Py_None && !Py_IS_TYPE(engine_map, &U64MapType)) {
         PyErr_SetString(PyExc_TypeError, "engine_map is None or a U64Map");
+        store_run_close(&r);
         return NULL;
     }
     PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
     PyObject *raw = chain_keys_packed(NULL, chain_argv, 4);
-    if (raw == NULL)
+    if (raw == NULL) {
+        store_run_close(&r);
         return NULL;
+    }
     U64Keys keys, hashes;
     keys.seq = hashes.seq = NULL;
     hashes.view.obj = NULL;
     if (PyObject_GetBuffer(raw, &keys.view, PyBUF_SIMPLE) < 0) {
         Py_DECREF(raw);
+        store_run_close(&r);
         return NULL;
     }
     keys.n = keys.view.len / (Py_ssize_t)sizeof(uint64_t);
     if (engine_map != Py_None) {
-        if (u64_keys_open(args[10], &hashes, "hashes") < 0)
+        if (u64_keys_open(args[12], &hashes, "hashes") < 0)
             goto error;
         if (hashes.n != keys.n) {
             PyErr_Format(PyExc_ValueError, "%zd engine hashes for %zd blocks", hashes.n, keys.n);
@@ -2307,17 +2638,19 @@ BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
         }
     }
-    Py_ssize_t stored = store_new_run(t, args[1], &keys, 0, args[5], args[6], args[7], args[8]);
-    if (stored < 0)
+    Py_ssize_t stop = store_run(t, args[1], &keys, 0, &r);
+    if (stop < 0)
         goto error;
-    if (stored == keys.n && engine_map != Py_None && map_pairs_run((U64Table *)engine_map, &hashes, &keys) < 0)
+    if (stop == keys.n && engine_map != Py_None && map_pairs_run((U64Table *)engine_map, &hashes, &keys) < 0)
         goto error;
     u64_keys_close(&hashes);
     u64_keys_close(&keys);
-    return Py_BuildValue("(Nn)", raw, stored);
+    store_run_close(&r);
+    return Py_BuildValue("(Nnnn)", raw, stop, r.added, r.alone_n);
 error:
     u64_keys_close(&hashes);
     u64_keys_close(&keys);
+    store_run_close(&r);
     Py_DECREF(raw);
     return NULL;
 }
@@ -2491,11 +2824,12 @@ static PyMethodDef BlockTable_methods[] = {
     {"values", (PyCFunction)BlockTable_values, METH_NOARGS, "a list of the blocks"},
     {"items", (PyCFunction)BlockTable_items, METH_NOARGS, "a list of (key, block) pairs"},
     {"__sizeof__", (PyCFunction)BlockTable_sizeof, METH_NOARGS, "bytes used, the table included (not the blocks)"},
-    {"store_new", (PyCFunction)(void (*)(void))BlockTable_store_new, METH_FASTCALL,
-     "store_new(block_type, parent, keys, start, bit, now, leaves, chain) -> index of the first key already held"},
+    {"store_chain", (PyCFunction)(void (*)(void))BlockTable_store_chain, METH_FASTCALL,
+     "store_chain(block_type, parent, keys, start, slot, now, leaves, chain, pending, alone) -> (stop, added, "
+     "alone_added): RadixIndex.store's loop, up to the first key left to it"},
     {"store_hashed", (PyCFunction)(void (*)(void))BlockTable_store_hashed, METH_FASTCALL,
-     "store_hashed(block_type, parent, data, block_size, seed, bit, now, leaves, chain, engine_map, hashes) -> "
-     "(keys bytes, stored): a stored event's hashing, store_new and engine-hash map in one call"},
+     "store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, chain, pending, alone, engine_map, "
+     "hashes) -> (keys bytes, stop, added, alone_added): a stored event's hashing, store_chain and engine-hash map in one call"},
     {"remove_held", (PyCFunction)(void (*)(void))BlockTable_remove_held, METH_FASTCALL,
      "remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove but the count, for a lone leaf; False: not done"},
     {NULL, NULL, 0, NULL},
@@ -2750,23 +3084,6 @@ static PyTypeObject OverlapsType = {
  * between the lowest and the highest slot still matching are visited (`lo`, `hi`), so once the
  * matching slots sit in one digit, a block costs what a 64-bit mask did, whatever the fleet's
  * size. (CPython >= 3.11 stores an int so: longintrepr.h, included by Python.h.) */
-
-/* The int `v`'s magnitude as CPython stores it: its digit count with the digits in *d, or -1
- * when `v` is negative (the caller intersects those the slow way). */
-static inline Py_ssize_t
-long_digits(PyObject *v, const digit **d)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    PyLongObject *l = (PyLongObject *)v;
-    uintptr_t tag = l->long_value.lv_tag; /* digits << 3 | sign (0 positive, 1 zero, 2 negative) */
-    *d = l->long_value.ob_digit;
-    return (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
-#else
-    Py_ssize_t size = Py_SIZE(v); /* negative for a negative int */
-    *d = ((PyLongObject *)v)->ob_digit;
-    return size < 0 ? -1 : size;
-#endif
-}
 
 #define WALK_STACK_DIGITS 160 /* 4,800 slots: MAX_WORKERS (4,096) without an allocation */
 
@@ -3855,10 +4172,7 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (slot >= 64) {
-        PyObject *one = PyLong_FromLong(1);
-        bit = one == NULL ? NULL : PyNumber_Lshift(one, slotobj);
-        Py_XDECREF(one);
-        if (bit == NULL)
+        if ((bit = PyNumber_Lshift(one, slotobj)) == NULL)
             goto done;
     }
     if (IS_BLOCK(items[0]->parent))
@@ -5641,13 +5955,14 @@ PyInit__native(void)
     slot_name = PyUnicode_InternFromString("slot");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
+    one = PyLong_FromLong(1);
     minus_one = PyLong_FromLong(-1);
     PyObject *array_module = PyImport_ImportModule("array");
     if (array_module == NULL)
         return NULL;
     array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
     Py_DECREF(array_module);
-    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || PyType_Ready(&U64MapType) < 0
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
         return NULL;

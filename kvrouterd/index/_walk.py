@@ -9,11 +9,14 @@ same results by tests. The native one answers with an ``Overlaps`` mapping inste
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import native
 
-__all__ = ["match_walk", "match_walk_py"]
+if TYPE_CHECKING:
+    from .block import Block
+
+__all__ = ["MatchResult", "match_walk", "match_walk_py"]
 
 
 def match_walk_py(blocks: Mapping[int, Any], keys: Sequence[int], slots_mask: int) -> tuple[dict[int, int], list[Any]]:
@@ -57,3 +60,19 @@ if native.module is not None:
     match_walk = native.module.match_walk
 else:
     match_walk = match_walk_py
+
+
+class MatchResult:
+    """Longest cached prefix per worker slot, found in one walk."""
+
+    __slots__ = ("overlaps", "path")
+
+    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
+        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
+        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
+        self.overlaps = overlaps
+        #: the request's blocks present in the index, up to the deepest match
+        self.path = path
+
+    def overlap(self, slot: int) -> int:
+        return self.overlaps.get(slot, 0)

@@ -1,4 +1,4 @@
-"""The radix index's node, ``Block``: the extension's C twin where it is built, else ``PyBlock``.
+"""The radix index's node, ``Block`` (the extension's C twin where built, else ``PyBlock``), and its pending accesses.
 
 Where the extension is built, ``Block`` is its C twin (``_native.c``): the same attributes and
 methods in 64 bytes, key stored inline, outside the cycle collector. The Python class below is
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import native
 
-__all__ = ["Block", "PyBlock"]
+__all__ = ["Block", "Pending", "PyBlock", "fold_pending"]
 
 
 class PyBlock:
@@ -55,3 +55,16 @@ if TYPE_CHECKING:
 else:
     #: the index's node type: the C twin where the extension is built, else the Python class
     Block = PyBlock if native.module is None else native.module.Block
+
+
+#: path accesses not yet folded into ancestors: (latest time, how many)
+Pending = tuple[float, int]
+
+
+def fold_pending(a: Pending | None, b: Pending | None) -> Pending | None:
+    """Both sets of accesses as one: the later time, the hits added."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return (max(a[0], b[0]), a[1] + b[1])

@@ -48,12 +48,12 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from . import native
-from ._walk import match_walk
-from .block import Block, PyBlock
+from ._walk import MatchResult, match_walk
+from .block import Block, Pending, PyBlock, fold_pending
 from .keys import chain_keys_array
 from .native import block_table
 
@@ -62,35 +62,6 @@ __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pen
 
 #: the native engine-hash map, which BlockTable.store_hashed fills itself (None: no extension)
 _U64Map = None if native.module is None else native.module.U64Map
-
-
-class MatchResult:
-    """Longest cached prefix per worker slot, found in one walk."""
-
-    __slots__ = ("overlaps", "path")
-
-    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
-        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
-        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
-        self.overlaps = overlaps
-        #: the request's blocks present in the index, up to the deepest match
-        self.path = path
-
-    def overlap(self, slot: int) -> int:
-        return self.overlaps.get(slot, 0)
-
-
-#: path accesses not yet folded into ancestors: (latest time, how many)
-Pending = tuple[float, int]
-
-
-def fold_pending(a: Pending | None, b: Pending | None) -> Pending | None:
-    """Both sets of accesses as one: the later time, the hits added."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return (max(a[0], b[0]), a[1] + b[1])
 
 
 def _held_child(node: Block, bit: int) -> bool:
@@ -396,7 +367,14 @@ class RadixIndex:
         """``slot`` now holds the chain ``keys`` hanging under ``parent_key`` (None = root).
 
         Blocks already held are touched instead. Returns the chain's blocks. Raises
-        KeyError if ``parent_key`` is not in the index (nothing is changed then). ``keys`` as
+        KeyError if ``parent_key`` is not in the index (nothing is changed then).
+
+        A block already indexed stays under the parent it has, which is the chain's previous
+        block whenever the keys were hashed from tokens. Route takes block keys from clients as
+        they come (an approximate-mode worker then stores them), so they may name blocks of
+        other prompts, out of order: leaves are kept by the tree's links, never the chain's,
+        or a held block would be lost from its slot's leaves and outlive its slot (issue #28
+        item 2: ``KeyError(1 << slot)`` once the slot was dropped). ``keys`` as
         an ``array('Q')`` is read in place by the native table (no int object per key).
         """
         blocks = self._blocks
@@ -408,19 +386,22 @@ class RadixIndex:
         chain: list[Block] = []
         added = alone = 0  # blocks this slot now holds, and of them those it alone holds
         alone_by_bit = self._alone
-        # the native table builds runs of brand-new blocks itself, exactly as the branch below
-        store_new = getattr(blocks, "store_new", None)
+        # the native table runs this loop itself (BlockTable.store_chain), up to a block it
+        # leaves to the loop below: one filling a gap above blocks the slot holds (_settle),
+        # or one nobody holds (self._unheld)
+        store_chain = getattr(blocks, "store_chain", None)
         i, n = 0, len(keys)
         while i < n:
-            if store_new is not None:
+            if store_chain is not None:
                 start = i
-                i = store_new(self._block, parent, keys, i, bit, now, leaves, chain)
+                i, stored, stored_alone = store_chain(self._block, parent, keys, i, slot, now, leaves, chain,
+                                                      self._pending, alone_by_bit)
+                added += stored
+                alone += stored_alone
                 if i > start:
-                    added += i - start
-                    alone += i - start
                     parent = chain[-1]
-                    if i == n:
-                        break
+                if i == n:
+                    break
             key = keys[i]
             i += 1
             node = blocks.get(key)
@@ -466,8 +447,11 @@ class RadixIndex:
                     alone_by_bit[holders] -= 1
                 node.holders = holders | bit
                 added += 1
-                if parent is not None and parent.holders & bit:
-                    leaves.discard(parent)
+                # the block's own parent stops being a leaf, which need not be the chain's
+                # previous block (see the docstring: keys a client sent)
+                above = node.parent
+                if above is not None and above.holders & bit:
+                    leaves.discard(above)
             chain.append(node)
             parent = node
         self._counts[slot] += added
@@ -483,25 +467,29 @@ class RadixIndex:
         ``(keys, blocks)``.
 
         Where the extension is built and ``engine_keys`` is None or a native ``U64Map``, the three
-        are one native call (``BlockTable.store_hashed``) while the blocks are new, as they nearly
-        always are; the Python below is the reference it is tested against."""
+        are one native call (``BlockTable.store_hashed``) unless a block fills a gap above blocks
+        the slot holds or nobody holds it (``store``); the Python below is the reference it is
+        tested against."""
         store_hashed = getattr(self._blocks, "store_hashed", None)
         if store_hashed is not None and (engine_keys is None or type(engine_keys) is _U64Map):
             parent = None if parent_key is None else self._blocks[parent_key]
             chain: list[Block] = []
-            raw, stored = store_hashed(self._block, parent, data, block_size, seed, 1 << slot, now, self._leaves[slot],
-                                       chain, engine_keys, hashes)
+            raw, stop, stored, stored_alone = store_hashed(self._block, parent, data, block_size, seed, slot, now,
+                                                           self._leaves[slot], chain, self._pending, self._alone,
+                                                           engine_keys, hashes)
             keys = array("Q")
             keys.frombytes(raw)
             self._counts[slot] += stored
-            self._alone[1 << slot] += stored  # brand-new blocks
-            if stored == len(keys):
+            self._alone[1 << slot] += stored_alone
+            if stop == len(keys):
                 return keys, chain  # the engine hashes are mapped too
-            # a block the index holds already: on from there as store goes (chain[-1] is its parent)
-            chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stored:], now)
-        else:
-            keys = chain_keys_array(data, block_size, seed)
-            chain = self.store(slot, parent_key, keys, now)
+            # a block left to store's loop: on from there as store goes (chain[-1] is its parent)
+            chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stop:], now)
+            if engine_keys is not None and hashes is not None:
+                engine_keys.map_pairs(hashes, keys)  # type: ignore[attr-defined]  # the loop below, in C
+            return keys, chain
+        keys = chain_keys_array(data, block_size, seed)
+        chain = self.store(slot, parent_key, keys, now)
         if engine_keys is not None and hashes is not None:
             for eh, key in zip(hashes, keys):
                 if eh != key:

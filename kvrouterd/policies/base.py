@@ -10,7 +10,7 @@ and tests drive policies deterministically.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -38,7 +38,7 @@ class NoParams:
 class RoutingContext:
     """One request and the workers it may go to, with their cache overlap and load."""
 
-    __slots__ = ("_overlaps", "block_size", "candidates", "explain", "index", "match", "now", "request")
+    __slots__ = ("_overlaps", "block_size", "candidates", "claimed", "explain", "index", "match", "now", "request")
 
     def __init__(
         self,
@@ -49,6 +49,7 @@ class RoutingContext:
         now: float,
         index: RadixIndex,
         explain: bool = True,
+        claimed: Mapping[int, int] | None = None,
     ) -> None:
         self.request = request
         #: eligible workers, in registration-slot order (stable across calls)
@@ -64,6 +65,10 @@ class RoutingContext:
         #: the whole rest of a decision. The choice (worker, reason, overlap) must not depend on it.
         self.explain = explain
         self._overlaps = match.overlaps
+        #: slot -> blocks at the end of its overlap that are only speculative (``router.speculative``):
+        #: the prompt that will store them is still being prefilled, so they show where the prefix
+        #: is going (``overlap``) but a request admitted meanwhile computes them again (``uncached_tokens``)
+        self.claimed: Mapping[int, int] = claimed or {}
 
     @property
     def prompt_blocks(self) -> int:
@@ -82,8 +87,11 @@ class RoutingContext:
         return self.index.count(worker.slot)
 
     def uncached_tokens(self, worker: Worker) -> int:
-        """Prompt tokens ``worker`` would have to prefill."""
-        return max(0, self.request.prompt_tokens - self._overlaps.get(worker.slot, 0) * self.block_size)
+        """Prompt tokens ``worker`` would have to prefill (its speculative blocks included)."""
+        cached = self._overlaps.get(worker.slot, 0)
+        if self.claimed:
+            cached -= self.claimed.get(worker.slot, 0)
+        return max(0, self.request.prompt_tokens - cached * self.block_size)
 
     def candidate(self, worker: Worker, score: float = 0.0, **terms: float) -> CandidateScore:
         """A CandidateScore for the decision record, with the policy's own terms."""

@@ -16,6 +16,8 @@ Hosts build the ``Router`` facade (``_router``), which composes one part per job
 - ``slots``: emptying the slots of cleared and removed workers in steps;
 - ``advice``: eviction hints, and a worker's blocks exported to / imported from a peer;
 - ``selector``: validating a request and asking the routing policy;
+- ``speculative``: routed prompts' blocks counted as cached on events-mode workers until
+  their engines' Stored confirms them (or a TTL passes);
 - ``policy_table``, ``engine_hashes``, ``access``: the policy objects, the key -> engine hash
   maps hints answer in, and who routed which blocks; ``shared``: what all parts read.
 """

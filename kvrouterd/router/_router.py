@@ -4,7 +4,7 @@ Each job lives in its own part, which owns its state: ``events`` applies engines
 events to the index, ``ledger`` keeps the in-flight load, ``membership`` the workers,
 ``slots`` empties retired index slots in steps, ``advice`` answers eviction hints and
 exports or imports a worker's blocks, ``pools`` keeps model pools and LoRA adapter
-residency, ``selector`` decides, and ``policy_table`` holds the policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
+residency, ``selector`` decides (``disagg`` the two hops of a prefill/decode pool), and ``policy_table`` holds the policy objects. They share one ``Shared`` (settings, clock, index, workers, policies,
 counters) and call each other through the few references the facade hands them. Hosts see
 only the facade, whose methods delegate, one call each.
 """
@@ -30,10 +30,12 @@ from ..protocols import (
     EvictAdvice,
     EvictRequest,
     RouteRequest,
+    WorkerRole,
 )
 from .access import RecentAccess
 from .advice import Advisor
 from .engine_hashes import EngineHashMaps
+from .disagg import Disaggregation, cache_unknown
 from .events import EventApplier
 from .ledger import LoadLedger, PrefixHits, RouteResult
 from .membership import Membership
@@ -43,6 +45,7 @@ from .selector import Selector
 from .settings import RouterSettings
 from .shared import Shared, log
 from .slots import RetiredSlots
+from .speculative import SpeculativeBlocks
 
 __all__ = ["Router"]
 
@@ -60,12 +63,14 @@ class Router:
         recent = RecentAccess(settings.block_size)
         self._engine_hashes = EngineHashMaps()
         self._slots = RetiredSlots(shared)
-        self._ledger = LoadLedger(shared, recent)
-        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent)
+        self._speculative = SpeculativeBlocks(shared)
+        self._ledger = LoadLedger(shared, recent, self._speculative)
+        self._events = EventApplier(shared, self._engine_hashes, self._slots, recent, self._speculative)
         self._pools = Pools(shared)
         self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots, self._pools)
-        self._advice = Advisor(shared, self._engine_hashes)
-        self._selector = Selector(shared, self._ledger, self._pools)
+        self._advice = Advisor(shared, self._engine_hashes, self._speculative)
+        self._disagg = Disaggregation(shared)
+        self._selector = Selector(shared, self._ledger, self._pools, self._disagg, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
     @property
@@ -144,8 +149,10 @@ class Router:
         return changed
 
     def tick(self) -> None:
-        """Periodic work for time-driven policies (load decay, hotness windows)."""
-        self._policies.tick(self.clock.now())
+        """Periodic work: time-driven policies (load decay, hotness windows), speculative blocks' expiry."""
+        now = self.clock.now()
+        self._speculative.expire(now)
+        self._policies.tick(now)
 
     # ---- membership (``membership``, ``slots``) -------------------------------------------
     def add_worker(self, spec: WorkerSpec) -> Worker:
@@ -208,13 +215,21 @@ class Router:
         """Select a worker without committing anything (used by ``route`` and dry runs).
 
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        Speculative blocks past their TTL leave the index first, so the match sees none.
         """
+        self._speculative.expire(self.clock.now())
         return self._selector.decide(req, explain)
 
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)
         return self.commit(decision, ctx, policy)
+
+    @property
+    def speculative(self) -> SpeculativeBlocks:
+        """Routed prompts' blocks counted as cached before their engines store them: ``live``
+        blocks now, ``outcomes`` of those that ended (``router.speculative``)."""
+        return self._speculative
 
     # ---- the load ledger (``ledger``) -------------------------------------------------------
     @property
@@ -270,6 +285,9 @@ class Router:
         """Commit a decision from ``decide`` made in this same step (nothing may change in between);
         the chosen worker now holds the request's adapter, if any (``Pools.note_loaded``)."""
         result = self._ledger.commit(decision, ctx, policy)
+        if decision.prefill is not None:
+            worker, hop_ctx = self._disagg.hop_context(decision, ctx)
+            self._ledger.commit_prefill_hop(result, worker, hop_ctx, policy)
         if decision.lora_placement:
             self._pools.note_loaded(result.worker, self._pools.wanted(ctx.request)[1])
         return result
@@ -282,6 +300,16 @@ class Router:
     def complete(self, completion: Completion) -> InFlight:
         """Stop charging a routed request, tell its policy how it went (``LoadLedger.complete``)."""
         return self._ledger.complete(completion)
+
+    def release_prefill(self, completion: Completion) -> InFlight | None:
+        """A disaggregated request's prefill hop is done: release its prefill worker now
+        (``LoadLedger.release_prefill``); None when no hop is charged."""
+        return self._ledger.release_prefill(completion)
+
+    def decode_workers_without_events(self) -> int:
+        """Decode-role workers that are to publish KV events and never have: the P/D bypass
+        check cannot see their caches (``router.disagg``)."""
+        return sum(1 for w in self.workers if w.spec.role is WorkerRole.DECODE and cache_unknown(w))
 
     def complete_anywhere(self, completion: Completion) -> InFlight | None:
         """``complete`` for replicas sharing load (``LoadLedger.complete_anywhere``)."""

@@ -28,6 +28,7 @@ from ..protocols import EvictAdvice, EvictRequest
 from .access import NO_ACCESS_INFO
 from .engine_hashes import EngineHashMaps, invert_steps
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["Advisor"]
 
@@ -37,11 +38,13 @@ Unheld = tuple[int, int | None]
 
 class Advisor:
     """Answers eviction hints and exports or imports a worker's blocks; keeps no state of its
-    own beyond the engine-hash maps it is given."""
+    own beyond the engine-hash maps it is given. Speculative blocks (``speculative``), which
+    the engine does not hold yet, are neither advised nor exported."""
 
-    def __init__(self, shared: Shared, hashes: EngineHashMaps) -> None:
+    def __init__(self, shared: Shared, hashes: EngineHashMaps, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._hashes = hashes
+        self._speculative = speculative
 
     # ---- snapshots (warming a replica from a peer) -----------------------------------
     def export_blocks(self, worker_id: str) -> list[tuple[int, int | None, int]]:
@@ -115,13 +118,14 @@ class Advisor:
                 if workers.find(worker_id) is not worker or worker.slot != slot:
                     return
         stack, listed = tops, set()
+        claimed = self._speculative.keys_on(worker_id)  # a peer would take them as stored for good
         #: unheld blocks passed on the way down and not listed yet (``_list_unheld``)
         passed: set[int] = set()
         out: list[tuple[int, int | None, int]] = []
         while stack:
             node = stack.pop()
-            if node.key in listed or index.get(node.key) is not node:
-                continue  # removed (or listed through a parent stored meanwhile)
+            if node.key in listed or index.get(node.key) is not node or node.key in claimed:
+                continue  # removed (or listed through a parent stored meanwhile), or not stored yet
             holders = node.holders
             if holders & bit:
                 parent = node.parent
@@ -220,6 +224,7 @@ class Advisor:
         pinned = set(req.pinned_keys)
         for eh in pinned_engine_hashes:
             pinned.add(worker.engine_keys.get(eh, eh))
+        pinned |= self._speculative.keys_on(worker.id)  # the engine has nothing to evict there yet
         frozen = frozenset(pinned)
         # never rank more than the worker holds or the configured cap (blocks=2**32-1 would
         # otherwise rank a whole worker on the loop); exhausted still means "nothing more to give"

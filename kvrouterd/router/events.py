@@ -29,6 +29,7 @@ from .access import NO_ACCESS_INFO, RecentAccess
 from .engine_hashes import EngineHashMaps
 from .shared import Shared, log
 from .slots import RetiredSlots
+from .speculative import SpeculativeBlocks
 
 __all__ = ["MAX_KV_GROUPS", "REJECTING_AFTER", "EventApplier"]
 
@@ -44,11 +45,13 @@ class EventApplier:
     """Checks and applies event batches; owns nothing but what it is given (the index,
     the workers' event state, their engine-hash maps) and the rules that change them."""
 
-    def __init__(self, shared: Shared, hashes: EngineHashMaps, slots: RetiredSlots, recent: RecentAccess) -> None:
+    def __init__(self, shared: Shared, hashes: EngineHashMaps, slots: RetiredSlots, recent: RecentAccess,
+                 speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._hashes = hashes
         self._slots = slots
         self._recent = recent
+        self._speculative = speculative
         self._block_size = shared.block_size
 
     def _page_size(self, worker: Worker, ev: Stored) -> int:
@@ -190,6 +193,7 @@ class EventApplier:
         self._note_rejections(worker, rejected, stores_applied, stores_rejected)
         counters["batches_applied"] += 1
         worker.batches_applied += 1
+        worker.last_event_at = now
         counters["blocks_stored"] += outcome.blocks_stored
         counters["blocks_removed"] += outcome.blocks_removed
         counters["orphan_blocks"] += outcome.orphan_blocks
@@ -264,6 +268,10 @@ class EventApplier:
             parent_key = worker.engine_keys.get(ev.parent_engine_hash)
             if parent_key is None and index.holds(worker.slot, ev.parent_engine_hash):
                 parent_key = ev.parent_engine_hash  # publisher uses our keys as its hashes
+            elif parent_key is not None and index.get(parent_key) is None:
+                # the map still names a block the router dropped itself: an approximate-mode
+                # worker's modelled eviction (capacity) leaves the engine's hashes mapped
+                parent_key = None
             if parent_key is None:
                 outcome.orphan_blocks += len(data) // (block_size * 4)
                 log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
@@ -300,6 +308,8 @@ class EventApplier:
         info = recent.stored_info(parent_key, keys) if recent.entries else NO_ACCESS_INFO
         self._shared.policies.eviction.on_stored(index, worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
+        if self._speculative.live:
+            self._speculative.confirm(worker, keys)
 
     def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: Sequence[int], blocks: list[Any],
                       outcome: BatchOutcome, now: float) -> None:
@@ -307,6 +317,8 @@ class EventApplier:
         info = recent.stored_info(parent_key, keys) if recent.entries else NO_ACCESS_INFO
         self._shared.policies.eviction.on_stored(self._shared.index, worker.slot, blocks, info, now)
         outcome.blocks_stored += len(keys)
+        if self._speculative.live:
+            self._speculative.confirm(worker, keys)
 
     def _apply_stored_pages(self, worker: Worker, ev: Stored, data: bytes, page: int, outcome: BatchOutcome,
                             now: float) -> None:
@@ -365,12 +377,15 @@ class EventApplier:
         if doomed:
             drop_blocks(self._shared.policies.eviction, index, slot, list(doomed.values()))
             outcome.blocks_removed += len(doomed)
+            if self._speculative.live:
+                self._speculative.removed(worker, doomed)
 
     def clear_worker(self, worker: Worker) -> None:
         """The worker holds nothing now. A large one moves to a fresh slot at once and its old
         slot is emptied in steps (``slots.CLEAR_IN_PLACE_BLOCKS``): no routing mask includes the
         old slot, so the old blocks only count towards ``len(index)`` meanwhile."""
         worker.engine_keys.clear()
+        self._speculative.forget_worker(worker)
         if worker.pages is not None:
             worker.pages.clear()
         if worker.groups is not None:

@@ -2,18 +2,27 @@
 
 A committed decision charges its worker (``WorkerRegistry.commit``: the prefill tokens still
 to compute, the request itself) until its Complete, or until ``inflight_timeout_s`` if none
-comes; the ledger keeps each in-flight request and bounds their bytes
-(``limits.max_inflight_bytes``). Routing touches the chosen worker's matched prefix for the
-eviction policy and, for an approximate-mode worker (no KV events), assumes the rest of the
-prompt cached, evicting to its modelled capacity, as SGLang's approximate cache-aware router
-does. Replicas sharing load (``events.replica_sync``) apply each other's Dispatch and Complete
-messages here, matched by request id as Dynamo's router replica sync does.
+comes; the ledger keeps each in-flight request, packed where the garbage collector does not
+walk it (``pack_request``), and bounds their bytes (``limits.max_inflight_bytes``) and how
+many one client holds (``limits.max_inflight_per_client``). Routing touches the chosen
+worker's matched prefix for the eviction policy and, for an approximate-mode worker (no KV
+events), assumes the rest of the prompt cached, evicting to its modelled capacity (a hard
+bound after every decision), as SGLang's approximate cache-aware router does. Replicas
+sharing load (``events.replica_sync``) apply each other's Dispatch and Complete messages
+here, matched by request id as Dynamo's router replica sync does.
+
+A disaggregated request (``router.disagg``) charges two workers: its decode worker under its
+own id (no prefill tokens: its KV arrives by transfer) and its prefill worker under
+``prefill_hop_id(id)`` with the tokens to prefill. A Complete with ``prefill_done`` releases
+the prefill hop alone (the gateway saw the prefill answer, or the first token); the request's
+Complete releases whatever is still charged.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass, replace
 
 from ..bounds import check_completion
@@ -21,11 +30,16 @@ from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index.radix import Block
 from ..index.workers import InFlight, Worker
 from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
-from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest
+from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
+from .disagg import prefill_hop_id
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
-__all__ = ["INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PrefixHits", "RouteResult", "request_bytes"]
+__all__ = [
+    "INFLIGHT_ENTRY_BYTES", "MAX_COMPLETED_IDS", "LoadLedger", "PackedRequest", "PrefixHits", "RouteResult",
+    "pack_request", "request_bytes", "unpack_request",
+]
 
 #: Completed request ids remembered while replicas share load (each ~100 B): a Dispatch that
 #: arrives after its request's completion (a Complete sent to another replica overtook it) is
@@ -43,10 +57,53 @@ def request_bytes(req: RouteRequest) -> int:
     keys = req.keys
     per_key = 8 if isinstance(keys, array) else 40
     size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
-            + len(req.model) + len(req.policy))
+            + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
     if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
         size += sum(len(c) + 56 for c in req.candidate_workers)
     return size
+
+
+#: a routed request as the ledger keeps it while in flight (``pack_request``): one flat tuple of
+#: strs, ints, a float and bytes, which the garbage collector stops tracking at its first pass
+#: over it (a tuple inside it would keep it tracked until a later pass). As RouteRequests and
+#: their keys' arrays, 60k requests in flight made every full collection take 45-93 ms (issue
+#: #28 item 6). Its fields: the request's, with what it costs (``request_bytes``) at ``_SIZE``
+#: and its candidate workers last, from ``_CANDIDATES`` on.
+PackedRequest = tuple[Any, ...]
+_SIZE = 11
+_CANDIDATES = 13
+
+
+def pack_request(req: RouteRequest, size: int) -> PackedRequest:
+    """``req`` as the ledger keeps it; ``unpack_request`` gives an equal RouteRequest back."""
+    keys = req.keys
+    # the keys' uint64s as bytes (an array is tracked by the collector, a tuple of ints nested in
+    # the entry would keep it tracked a pass longer); a list's are read back as a list
+    listed = type(keys) is not array or keys.typecode != "Q"
+    kept: bytes | tuple[int, ...]
+    try:
+        kept = (array("Q", keys) if listed else keys).tobytes()
+    except (OverflowError, TypeError):  # not uint64s (an in-process caller's): kept as they are
+        kept = tuple(keys)
+    return (str(req.request_id), kept, int(req.prompt_tokens), str(req.session_id), int(req.task),
+            float(req.ttft_slo_ms), int(req.expected_output_tokens), str(req.policy), str(req.model),
+            str(req.lora), str(req.client), size, listed, *map(str, req.candidate_workers))
+
+
+def unpack_request(packed: PackedRequest) -> RouteRequest:
+    rid, keys, prompt, session, task, slo, output, policy, model, lora, client, _, listed = packed[:_CANDIDATES]
+    if type(keys) is bytes:
+        keys = array("Q", keys)
+        if listed:
+            keys = keys.tolist()
+    else:
+        keys = list(keys)
+    return RouteRequest(rid, keys, prompt, session, _TASKS.get(task, task), slo, output, policy, packed[_CANDIDATES:],
+                        model=model, lora=lora, client=client)
+
+
+#: a task category by number (kept as an int: an enum member is an object the collector tracks)
+_TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
 
 
 @dataclass(slots=True)
@@ -59,6 +116,8 @@ class RouteResult:
     alternative: Worker | None
     #: approximate mode: keys the eviction dropped from the worker's cache model to make room
     evicted: Sequence[int] = ()
+    #: the prefill hop's worker of a disaggregated decision (``decision.prefill``), else None
+    prefill_worker: Worker | None = None
 
 
 @dataclass(slots=True)
@@ -80,11 +139,15 @@ class PrefixHits:
 class LoadLedger:
     """In-flight requests and their bytes, completions, and what routing commits."""
 
-    def __init__(self, shared: Shared, recent: RecentAccess) -> None:
+    def __init__(self, shared: Shared, recent: RecentAccess, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._recent = recent
-        #: request id -> the routed request, while in flight (read it, never change it, outside)
-        self.requests: dict[str, RouteRequest] = {}
+        self._speculative = speculative
+        #: request id -> the routed request, packed (``pack_request``), while in flight: read it
+        #: through ``request``, never change it, outside
+        self.requests: dict[str, PackedRequest] = {}
+        #: client -> its requests in flight (only clients with some; ``RouteRequest.client``)
+        self.by_client: dict[str, int] = {}
         #: what the requests in ``requests`` cost (``request_bytes``), against max_inflight_bytes
         self.inflight_bytes = 0
         #: what requests waiting in an admission queue hold (``hold_waiting``): their keys and
@@ -112,6 +175,12 @@ class LoadLedger:
         s = self._shared.settings
         if req.request_id and req.request_id in self.requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+        limit = s.max_inflight_per_client
+        if limit and req.client and self.by_client.get(req.client, 0) >= limit:
+            raise Overloaded(
+                f"this client already has {limit} routed, not completed requests, limits.max_inflight_per_client: "
+                "complete requests (or let them expire after limits.inflight_timeout_s) first"
+            )
         if s.max_inflight_bytes and self.inflight_bytes + self.waiting_bytes + request_bytes(req) > s.max_inflight_bytes:
             waiting = f" and {self.waiting_bytes} bytes of requests waiting for admission" if self.waiting_bytes else ""
             raise Overloaded(
@@ -145,15 +214,15 @@ class LoadLedger:
             InFlight(
                 request_id=req.request_id,
                 worker_id=worker.id,
-                prefill_tokens=ctx.uncached_tokens(worker),
+                # a disaggregated request's decode worker receives its KV: it prefills nothing
+                prefill_tokens=0 if decision.prefill is not None else ctx.uncached_tokens(worker),
                 prompt_tokens=req.prompt_tokens,
                 overlap_blocks=overlap,
                 started_at=ctx.now,
                 policy=decision.policy,
             )
         )
-        self.requests[req.request_id] = req
-        self.inflight_bytes += request_bytes(req)
+        self._keep(req)
         evicted = self._record_access(worker, req, ctx, overlap)
         policy.on_dispatch(decision, ctx)
         shared.counters["decisions"] += 1
@@ -164,6 +233,23 @@ class LoadLedger:
             self._completed.pop(req.request_id, None)  # a reused id is in flight again
             self.on_committed(result)
         return result
+
+    def commit_prefill_hop(self, result: RouteResult, worker: Worker, ctx: RoutingContext, policy: RoutingPolicy) -> None:
+        """Charge a committed disaggregated request's prefill hop to ``worker`` (``ctx``: that
+        worker alone, under the hop's id, from ``Disaggregation.hop_context``), which now
+        caches the prompt as it computes it; its policy sees the dispatch."""
+        hop = result.decision.prefill
+        assert hop is not None
+        req = ctx.request
+        self._shared.workers.commit(InFlight(
+            request_id=req.request_id, worker_id=worker.id, prefill_tokens=hop.uncached_tokens,
+            prompt_tokens=req.prompt_tokens, overlap_blocks=hop.overlap_blocks, started_at=ctx.now,
+            policy=result.decision.policy,
+        ))
+        self._record_access(worker, req, ctx, ctx.overlap(worker))
+        policy.on_dispatch(Decision(worker.id, result.decision.policy, hop.reason, hop.candidates,
+                                    overlap_blocks=hop.overlap_blocks), ctx)
+        result.prefill_worker = worker
 
     def _count_prefix_hit(self, policy: str, overlap: int, reachable: int) -> None:
         """``reachable``: the match path's length, i.e. the longest prefix any candidate holds."""
@@ -187,9 +273,12 @@ class LoadLedger:
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
         slot = worker.slot
-        approximate = worker.mode is CacheMode.APPROXIMATE and overlap < len(req.keys)
+        uncached = overlap < len(req.keys)
+        modelled = worker.mode is CacheMode.APPROXIMATE
+        approximate = modelled and uncached
+        speculative = uncached and worker.mode is CacheMode.EVENTS and self._speculative.enabled
         info = None
-        if overlap or approximate:  # a frozen dataclass costs a few us: only when a hook gets it
+        if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = AccessInfo(session_id=req.session_id, task=int(req.task), prompt_tokens=req.prompt_tokens)
         if overlap:
             matched = ctx.match.path[:overlap]
@@ -197,25 +286,49 @@ class LoadLedger:
             eviction.on_accessed(index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
             self._recent.remember(req)
-        if not approximate:
+        if speculative:
+            assert info is not None
+            self._speculative.claim(worker, req.request_id, req.keys, overlap, info, now)
+        if not modelled:
             return []
-        assert info is not None
-        self._assume_cached(worker, req.keys, overlap, info, now)
-        capacity = worker.spec.capacity_blocks or shared.settings.approximate_capacity_blocks
+        if approximate:
+            assert info is not None
+            self._assume_cached(worker, req.keys, overlap, info, now)
+        # checked after every decision, a full hit's too: Stored events an engine sends for an
+        # approximate-mode worker are applied, and may leave it over its capacity
+        capacity = self._capacity(worker)
         excess = index.count(slot) - capacity if capacity else 0
         if excess <= 0:
             return []
         ctx_e = EvictionContext(index, slot, now, worker.id)
-        victims = eviction.rank(ctx_e, excess, frozenset(req.keys))
+        victims = eviction.rank(ctx_e, excess, frozenset(req.keys[:capacity]))
         drop_blocks(eviction, index, slot, victims)
+        excess -= len(victims)
+        if excess > 0:
+            # the prompt's own blocks were all that could go (a held block above one of them is
+            # no leaf while it stays): capacity is a hard bound, so the ranking takes them too
+            more = eviction.rank(EvictionContext(index, slot, now, worker.id), excess, frozenset())
+            drop_blocks(eviction, index, slot, more)
+            victims += more
         shared.counters["approx_evicted"] += len(victims)
         return [block.key for block in victims]
 
+    def _capacity(self, worker: Worker) -> int:
+        """Blocks an approximate-mode worker's modelled cache holds at most (0: unbounded)."""
+        return worker.spec.capacity_blocks or self._shared.settings.approximate_capacity_blocks
+
     def _assume_cached(self, worker: Worker, keys: Sequence[int], overlap: int, info: AccessInfo, now: float) -> None:
-        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``)."""
+        """An approximate-mode worker now caches ``keys`` (it held the first ``overlap``), as
+        far as its capacity goes: a prompt longer than the cache leaves its first blocks there
+        (what a later request can reuse), never more blocks than the cache holds (issue #28
+        item 7: 4,375 blocks were kept against 500)."""
         index, eviction = self._shared.index, self._shared.policies.eviction
+        capacity = self._capacity(worker)
+        end = min(len(keys), capacity) if capacity else len(keys)
+        if end <= overlap:
+            return
         parent = keys[overlap - 1] if overlap else None
-        stored = index.store(worker.slot, parent, keys[overlap:], now)
+        stored = index.store(worker.slot, parent, keys[overlap:end], now)
         eviction.on_stored(index, worker.slot, stored, replace(info, first_offset=overlap), now)
 
     def _forget_assumed(self, worker: Worker, keys: Iterable[int]) -> None:
@@ -261,12 +374,43 @@ class LoadLedger:
         if len(completed) > MAX_COMPLETED_IDS:
             del completed[next(iter(completed))]
 
+    def release_prefill(self, completion: Completion) -> InFlight | None:
+        """Release a request's prefill hop before its Complete (``completion.prefill_done``);
+        None when none is charged (aggregated, released already, expired). Raises NotFound
+        for a request not in flight here."""
+        check_completion(completion)
+        rid = completion.request_id
+        if self._shared.workers.inflight(rid) is None:
+            raise NotFound(f"request {rid!r} is not in flight (unknown, completed or expired)")
+        return self._release_hop(completion)
+
+    def _release_hop(self, completion: Completion) -> InFlight | None:
+        shared = self._shared
+        hop = shared.workers.inflight(prefill_hop_id(completion.request_id))
+        if hop is None:
+            return None
+        shared.workers.release(hop.request_id)
+        policy = shared.policies.routing.get(hop.policy)
+        if policy is not None:
+            # the hop's own record, under the hop's id (a policy keeping per-request state
+            # releases the hop's, not the request's); its latency is the prefill's
+            ms = completion.prefill_ms + completion.kv_transfer_ms
+            policy.on_complete(shared.workers.find(hop.worker_id), None,
+                               Completion(hop.request_id, ttft_ms=ms, e2e_ms=ms, success=completion.success),
+                               shared.clock.now())
+        return hop
+
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
         entry = shared.workers.release(completion.request_id)
+        self._release_hop(completion)
         req = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
+        if completion.success:
+            self._speculative.completed(completion.request_id)
+        else:
+            self._speculative.failed(completion.request_id)
         policy = shared.policies.routing.get(entry.policy)
         if policy is not None:
             policy.on_complete(worker, req, completion, now)
@@ -278,21 +422,43 @@ class LoadLedger:
                     end_session(req.session_id)
         return entry
 
+    def _keep(self, req: RouteRequest) -> None:
+        """Put a routed request in the table (packed), counting its bytes and its client's requests."""
+        size = request_bytes(req)
+        self.requests[req.request_id] = pack_request(req, size)
+        self.inflight_bytes += size
+        if req.client:
+            self.by_client[req.client] = self.by_client.get(req.client, 0) + 1
+
     def forget_request(self, request_id: str) -> RouteRequest | None:
-        """Drop a request from the table and its bytes from ``inflight_bytes``."""
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.inflight_bytes -= request_bytes(req)
+        """Drop a request from the table, its bytes from ``inflight_bytes`` and it from its
+        client's count; returns it."""
+        packed = self.requests.pop(request_id, None)
+        if packed is None:
+            return None
+        self.inflight_bytes -= packed[_SIZE]
+        req = unpack_request(packed)
+        if req.client:
+            left = self.by_client[req.client] - 1
+            if left:
+                self.by_client[req.client] = left
+            else:
+                del self.by_client[req.client]
         return req
 
     def forget_worker(self, worker_id: str) -> None:
-        """The worker is being removed: forget the requests in flight on it."""
+        """The worker is being removed: forget the requests in flight on it, and its claims."""
         workers = self._shared.workers
-        for rid in [rid for rid, r in self.requests.items() if (f := workers.inflight(rid)) and f.worker_id == worker_id]:
+        worker = workers.find(worker_id)
+        if worker is not None:
+            self._speculative.forget_worker(worker)
+        for rid in [rid for rid in self.requests if workers.inflight_worker(rid) == worker_id]:
             self.forget_request(rid)
 
     def request(self, request_id: str) -> RouteRequest | None:
-        return self.requests.get(request_id)
+        """The routed request ``request_id`` while it is in flight (an equal copy of it)."""
+        packed = self.requests.get(request_id)
+        return None if packed is None else unpack_request(packed)
 
     def expire_inflight(self) -> list[InFlight]:
         """Stop charging requests whose completion never came (caller crashed, lost Complete)."""
@@ -342,14 +508,27 @@ class LoadLedger:
                     # old Dispatch expires at most its delivery lag late
                     started_at=now - max(0.0, dispatch.age_s), policy=dispatch.policy,
                 ))
-                remote = RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id, task=dispatch.task)
-                self.requests[rid] = remote
-                self.inflight_bytes += request_bytes(remote)  # counted, never refused: routed elsewhere
+                # counted, never refused: routed elsewhere
+                self._keep(RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
+                                        task=dispatch.task))
                 shared.counters["remote_dispatches"] += 1
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
             self._apply_assumed(worker, dispatch, own, now)
+        elif dispatch.keys and not own and self._speculative.enabled:
+            self._claim_remote(worker, dispatch, now)
         return charged
+
+    def _claim_remote(self, worker: Worker, dispatch: Dispatch, now: float) -> None:
+        """Another replica routed this prompt to an events-mode worker: claim its blocks here
+        too, from when it was routed, so this replica's next decision sees them as that one's
+        does (the engine's Stored confirms them on every replica alike)."""
+        keys = dispatch.keys
+        overlap = self._shared.index.match(keys, worker.bit).overlap(worker.slot)
+        if overlap < len(keys):
+            info = AccessInfo(session_id=dispatch.session_id, task=int(dispatch.task), prompt_tokens=dispatch.prompt_tokens)
+            self._speculative.claim(worker, dispatch.request_id, keys, overlap, info, now,
+                                    since=now - max(0.0, dispatch.age_s))
 
     def _apply_assumed(self, worker: Worker, dispatch: Dispatch, own: bool, now: float) -> None:
         keys, slot, index = dispatch.keys, worker.slot, self._shared.index

@@ -57,8 +57,8 @@ class Membership:
             if existing.spec.mode != spec.mode:
                 # the cache view was built under the other mode; start it afresh
                 self._events.clear_worker(existing)
-            if (existing.spec.models, existing.spec.loras) != (spec.models, spec.loras):
-                shared.workers.generation += 1  # its model pools change
+            if (existing.spec.models, existing.spec.loras, existing.spec.role) != (spec.models, spec.loras, spec.role):
+                shared.workers.generation += 1  # its model pools or its hop change
             existing.spec = spec
             return existing
         slot = shared.workers.next_slot()

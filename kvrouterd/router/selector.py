@@ -2,7 +2,15 @@
 
 The eligible workers are those not draining, then those serving the request's model pool,
 then the caller's ``candidate_workers``, then, for a LoRA request, the best tiers of adapter
-residency (``pools``: these filters run before the policy, so every policy benefits).
+residency (``pools``: these filters run before the policy, so every policy benefits). When
+they form a prefill/decode pool, ``disagg`` decides the decode hop and, if it pays, the
+prefill hop, with the same policy.
+
+``candidate_workers`` none of which is registered is the caller's mistake, NOT_FOUND naming
+them, as a model no worker serves is (``pools``): a typo must not look like an outage, which
+clients fail open on. Known candidates that are all ineligible (draining, or outside the
+model's pool), or a fleet with no worker registered yet, are UNAVAILABLE. Unknown ids beside a known one are passed over: a caller's
+list may lag a worker that just left, and the request still goes where the caller allowed.
 
 One walk of the index (``RadixIndex.match``) gives every candidate's cached prefix; the
 routing policy the request names picks from them (``RoutingPolicy.select``, side-effect free)
@@ -18,14 +26,16 @@ from array import array
 from collections.abc import Sequence
 
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
-from ..errors import InvalidRequest, NoEligibleWorker, Overloaded, quote
+from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index.keys import chain_keys_array, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
+from .disagg import PREFILL_HOP_PREFIX, Disaggregation
 from .ledger import LoadLedger
 from .pools import Pools, placement
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["MAX_TTFT_SLO_MS", "Selector"]
 
@@ -37,10 +47,13 @@ class Selector:
     """Validates requests and asks the policy; keeps the eligible workers, sorted by slot with
     their routing mask, until the registry's generation changes."""
 
-    def __init__(self, shared: Shared, ledger: LoadLedger, pools: Pools) -> None:
+    def __init__(self, shared: Shared, ledger: LoadLedger, pools: Pools, disagg: Disaggregation,
+                 speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._ledger = ledger
         self._pools = pools
+        self._disagg = disagg
+        self._speculative = speculative
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
@@ -79,6 +92,8 @@ class Selector:
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
         check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
+        if req.request_id.startswith(PREFILL_HOP_PREFIX[0]):  # the ledger's prefill-hop ids start so
+            raise InvalidRequest(f"request_id {quote(req.request_id)} must not start with a NUL character")
         limit = s.max_id_length
         if (len(req.request_id) > limit or len(req.session_id) > limit or len(req.model) > limit
                 or len(req.policy) > limit or len(req.lora) > limit):
@@ -94,6 +109,13 @@ class Selector:
                     raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
         self._ledger.check_admissible(req)
 
+    def _check_some_known(self, candidate_workers: Sequence[str]) -> None:
+        workers = self._shared.workers
+        # an empty fleet (a router just started or restarted) knows no id yet: UNAVAILABLE
+        # below, as for an unknown model (``Pools``), so clients fail open until workers register
+        if len(workers) and not any(workers.find(c) is not None for c in candidate_workers):
+            raise NotFound(f"candidate_workers names no registered worker: {_shown(candidate_workers)}")
+
     def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``Router.route`` and dry runs).
 
@@ -102,8 +124,12 @@ class Selector:
         shared = self._shared
         self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
+        if req.candidate_workers:
+            self._check_some_known(req.candidate_workers)
         candidates, mask = self._eligible()
         candidates, mask, pool, adapter = self._pools.restrict(req, candidates, mask)
+        pd = self._disagg.active()
+        pool_prefill = candidates
         if req.candidate_workers:
             wanted = set(req.candidate_workers)
             candidates = [w for w in candidates if w.id in wanted]
@@ -112,17 +138,31 @@ class Selector:
                 mask |= w.bit
         if not candidates:
             if req.candidate_workers:
-                shown = ", ".join(map(repr, req.candidate_workers[:8])) + (", ..." if len(req.candidate_workers) > 8 else "")
                 serving = f" and serves model {quote(req.model)}" if pool else ""
-                raise NoEligibleWorker(f"none of the requested workers ({shown}) is registered and eligible{serving}")
+                unknown = [c for c in req.candidate_workers if self._shared.workers.find(c) is None]
+                unregistered = f" ({_shown(unknown)} not registered)" if unknown else ""
+                raise NoEligibleWorker(f"none of the requested workers ({_shown(req.candidate_workers)}) is eligible"
+                                       f"{serving}{unregistered}")
             raise NoEligibleWorker("no eligible worker is registered")
         if adapter:
             candidates, mask = self._pools.lora_stage(adapter, candidates, mask)
-        now = shared.clock.now()
-        match = shared.index.match(req.keys, mask)
-        ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain)
-        decision = policy.select(ctx)
+        # candidate_workers that name no prefill worker bound the decode hop alone (admission
+        # queues pin the decode worker a request waited for); the pool's prefill workers remain
+        hops = self._disagg.split(candidates, pool_prefill) if pd else None
+        if hops is not None:
+            decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
+        else:
+            now = shared.clock.now()
+            match = shared.index.match(req.keys, mask)
+            claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
+            ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed)
+            decision = policy.select(ctx)
         decision.pool = pool
         if adapter:
             decision.lora_placement = placement(shared.workers.get(decision.worker_id), adapter)
         return decision, ctx, policy
+
+
+def _shown(ids: Sequence[str]) -> str:
+    """Up to 8 client-sent ids, each quoted (an id may be up to limits.max_id_length long)."""
+    return ", ".join(quote(c) for c in ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")

@@ -125,7 +125,10 @@ class Daemon:
         self._snapshots: asyncio.Task[None] | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
-        self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes)
+        speculative = self.router.speculative
+        self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes,
+                               speculative=lambda: (speculative.outcomes, speculative.live),
+                               decode_workers_without_events=lambda: self.router.decode_workers_without_events())
         self.service.metrics = self.metrics
         self.service.call_errors.metrics = self.metrics
         self.health = health.aio.HealthServicer()
@@ -328,7 +331,8 @@ class Daemon:
         def committed(result: RouteResult) -> None:
             entry = router.workers.inflight(result.request.request_id)
             prefill = entry.prefill_tokens if entry is not None else 0
-            sync.publish(lambda replica: convert.dispatched_delta(replica, result, prefill))
+            speculative = router.speculative.enabled
+            sync.publish(lambda replica: convert.dispatched_delta(replica, result, prefill, speculative))
 
         def completed(done: Completion) -> None:
             sync.publish(lambda replica: convert.completed_delta(replica, done))

@@ -54,6 +54,11 @@ class CallErrors:
         self._rejections.log((rpc, code), logging.INFO, "%s rejected (%s): %s", rpc, code, message,
                              what="rejections", extra=extra)
 
+    def served(self, rpc: str) -> None:
+        """``rpc`` is served: its internal-error count is exported at zero from now on, so an
+        alert's ``increase()`` sees the first error (a counter first seen at 1 hides it)."""
+        self.metrics.internal_errors.count(rpc, 0)
+
     def internal(self, rpc: str, exc: BaseException) -> str:
         """An unexpected exception in ``rpc``'s handler: counted, logged; returns the INTERNAL message."""
         self.metrics.internal_errors.count(rpc)

@@ -146,8 +146,10 @@ class HashedPrompt:
     keys: array | None
 
 
-def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None) -> RouteRequest:
-    """A RouteRequest with block keys, from token ids or from caller-computed keys.
+def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+                  client: str = "") -> RouteRequest:
+    """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
+    names who sent it (the gRPC peer: ``RouteRequest.client``).
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt
@@ -199,6 +201,7 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         candidate_workers=tuple(candidates) if len(candidates) else (),
         model=msg.model,
         lora=msg.lora,
+        client=client,
     )
 
 
@@ -233,6 +236,15 @@ def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse 
     if alt is not None:
         msg.alternative_worker_id = alt.id
         msg.alternative_worker_address = alt.address
+    if d.pd_reason:
+        msg.disaggregation_reason = d.pd_reason
+        msg.decode_uncached_tokens = d.decode_uncached_tokens
+        hop, prefill = d.prefill, result.prefill_worker
+        if hop is not None and prefill is not None:
+            msg.disaggregated = True
+            msg.prefill_worker_id = prefill.id
+            msg.prefill_worker_address = prefill.address
+            msg.prefill_uncached_tokens = hop.uncached_tokens
     return msg
 
 
@@ -250,6 +262,9 @@ def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
         output_tokens=msg.output_tokens,
         success=msg.success,
         session_ended=msg.session_ended,
+        prefill_ms=msg.prefill_ms,
+        kv_transfer_ms=msg.kv_transfer_ms,
+        prefill_done=msg.prefill_done,
     )
     check_completion(done)  # the Router checks again; a replica's delta is refused here, at its edge
     return done
@@ -280,7 +295,8 @@ def worker_spec(msg: pb.Worker) -> WorkerSpec:
     )
 
 
-def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Worker:
+def worker_message(worker: Worker, cached_blocks: int, block_size: int, now: float = 0.0) -> pb.Worker:
+    """``now``: the router's clock, for ``last_event_age_s`` (0 leaves it unset: a snapshot's copy)."""
     s = worker.spec
     return pb.Worker(
         id=s.id,
@@ -301,6 +317,8 @@ def worker_message(worker: Worker, cached_blocks: int, block_size: int) -> pb.Wo
         max_loras=s.max_loras,
         role=_ROLE_TO_PB[s.role],
         loaded_loras=list(worker.loras),
+        event_batches=worker.batches_applied,
+        last_event_age_s=max(0.0, now - worker.last_event_at) if now and worker.batches_applied else 0.0,
     )
 
 
@@ -473,8 +491,12 @@ def event_batch_bytes(data: bytes, limits: BatchLimits) -> EventBatch:
     return msg if isinstance(msg, EventBatch) else event_batch(msg, limits)  # type: ignore[arg-type]
 
 
-def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) -> bytes:
-    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync."""
+def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int, speculative: bool = False) -> bytes:
+    """The load delta (``LoadDelta.dispatched``) of a committed decision, for replica sync.
+
+    The prompt's keys go with it for an approximate-mode worker (the other replicas assume
+    them cached, as this one did) and, with ``speculative`` indexing on, for an events-mode one
+    (they claim them until the engine's Stored, which every replica receives, confirms them)."""
     req = result.request
     msg = pb.Dispatched(
         request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
@@ -484,6 +506,8 @@ def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int) 
     if result.worker.mode is CacheMode.APPROXIMATE:
         msg.keys.extend(req.keys)
         msg.evicted_keys.extend(result.evicted)
+    elif speculative and result.decision.overlap_blocks < len(req.keys):
+        msg.keys.extend(req.keys)
     return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
 
 

@@ -119,6 +119,7 @@ class _Calls:
     def __init__(self, errors: CallErrors, rpc: str) -> None:
         self.errors = errors
         self.rpc = rpc
+        errors.served(rpc)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, message: str) -> NoReturn:
         """Bytes that do not parse: INVALID_ARGUMENT (a rejection, reported when it ends the call)."""

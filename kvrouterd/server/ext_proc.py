@@ -25,10 +25,22 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   the same value in ``dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]``.
   The body then goes back unchanged as ``streamed_response`` chunks of at most 62,000 bytes
   (the reference's ``bodyByteLimit``: some Envoy builds cap a streamed chunk at 64 KiB).
+- Prefill/decode pools (``router.disagg``): the destination is the decode worker; a
+  disaggregated decision also sets ``x-prefiller-host-port: ip:port`` (the prefill worker),
+  the header llm-d's ``disagg-profile-handler`` sets and its routing sidecar on the decode pod
+  reads to run the prefill there first (``pkg/common/routing/common.go``,
+  ``PrefillEndpointHeader``). Otherwise that header is removed: a client must not choose
+  where prefill runs. The prefill hop's load is released when the response headers arrive
+  (the sidecar answers only after the prefill), the decode hop's when the stream closes.
 - Subset hint: ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
   ["x-gateway-destination-endpoint-subset"]`` (a list of ip:port, a comma-separated string,
   or a list whose elements are comma-separated; a bare IP allows every port on that host)
-  restricts the pick to workers with those addresses; none eligible -> 503.
+  restricts the pick to workers with those addresses; none eligible -> 503. Unlike a
+  ``Route`` whose ``candidate_workers`` are all unknown (NOT_FOUND, the caller's mistake), a
+  hint that names no registered worker is 503 too: the proxy builds it from the endpoints it
+  has (the pool's ready pods), so an address the router does not know is a pod that has not
+  registered yet, or one that just left, not a typo; the protocol's answer when no endpoint
+  of the subset can be picked is 503, as the reference picker's.
 - Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
   ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
   setting, instead of both sides waiting for each other.
@@ -105,6 +117,8 @@ EXT_PROC_SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT_SERVED_KEY = "x-gateway-destination-endpoint-served"
+#: llm-d's prefill-hop header (llm-d-inference-scheduler ``routing.PrefillEndpointHeader``)
+PREFILL_ENDPOINT_HEADER = "x-prefiller-host-port"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 #: where Envoy puts the attributes the filter is configured to send
@@ -136,6 +150,8 @@ class _Exchange:
     response_done_at: float = 0.0
     status: int = 0
     served: str = ""
+    #: the prefill hop's worker address of a disaggregated decision ("" = none)
+    prefill: str = ""
 
 
 def _header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
@@ -213,15 +229,20 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
-def _destination_response(destination: str, body_len: int) -> ep.ProcessingResponse:
+def _destination_response(destination: str, body_len: int, prefill: str = "") -> ep.ProcessingResponse:
     headers = [_header(DESTINATION_ENDPOINT_HEADER, destination)]
     if body_len:
         headers.append(_header("content-length", str(body_len)))
+    if prefill:
+        headers.append(_header(PREFILL_ENDPOINT_HEADER, prefill))
     metadata = struct_pb2.Struct()
     metadata.update({DESTINATION_ENDPOINT_NAMESPACE: {DESTINATION_ENDPOINT_HEADER: destination}})
     return ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=headers), clear_route_cache=True)
+            response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(set_headers=headers, remove_headers=() if prefill else (PREFILL_ENDPOINT_HEADER,)),
+                clear_route_cache=True,
+            )
         ),
         dynamic_metadata=metadata,
     )
@@ -426,7 +447,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     destination = worker.address
                     policy = "ext_proc"
                     source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
-                    pool = ""
+                    pool = pd_reason = ""
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
@@ -451,7 +472,9 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                         endpoints.append(alt.address)
                     destination = ",".join(endpoints[: self.settings.max_endpoints])
                     source, policy, reason = pk.source, result.decision.policy, result.decision.reason
-                    pool = result.decision.pool
+                    pool, pd_reason = result.decision.pool, result.decision.pd_reason
+                    if result.prefill_worker is not None:
+                        ex.prefill = result.prefill_worker.address
                     if recording:
                         annotate_decision(span, result, self.router.block_size)
             except KVRouterError as exc:
@@ -461,14 +484,17 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 span.set_attributes({
                     "kvrouter.ext_proc.path": path,
                     "kvrouter.ext_proc.destination": destination,
+                    "kvrouter.ext_proc.prefill": ex.prefill,
                     "kvrouter.ext_proc.key_source": source,
                     "kvrouter.ext_proc.body_bytes": len(body or b""),
                     "kvrouter.ext_proc.subset_size": -1 if ex.subset is None else len(ex.subset),
                 })
         if self.metrics is not None:
             self.metrics.decisions.add(1, {"policy": policy, "reason": reason, "pool": pool})
+            if pd_reason:
+                self.metrics.pd_decisions.count(pd_reason)
             self.metrics.route_latency.record(time.perf_counter() - started, {"policy": policy})
-        answer = [_destination_response(destination, len(body or b""))]
+        answer = [_destination_response(destination, len(body or b""), ex.prefill)]
         if body is None:
             return answer, False
         return chain(answer, _body_chunks(body, end_of_stream)), False
@@ -482,6 +508,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         value = _metadata_value(msg.metadata_context, DESTINATION_ENDPOINT_NAMESPACE, DESTINATION_ENDPOINT_SERVED_KEY)
         served = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
         ex.served = served or headers.get(DESTINATION_ENDPOINT_SERVED_KEY, "") or _upstream_address(msg)
+        if ex.prefill:
+            self._release_prefill(ex)
         if msg.response_headers.end_of_stream:
             ex.response_done_at = now
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
@@ -503,6 +531,15 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 )
             )
         )
+
+    def _release_prefill(self, ex: _Exchange) -> None:
+        """The decode pod answers after its sidecar ran the prefill: the prefill hop is done
+        (its own time is not seen here: the headers come with the first decoded token)."""
+        try:
+            self.router.release_prefill(Completion(ex.request_id, prefill_done=True))
+        except NotFound:
+            log.debug("ext_proc prefill release for an unknown request", extra={"request_id": ex.request_id})
+        ex.prefill = ""
 
     def _complete(self, ex: _Exchange) -> None:
         if not ex.request_id:

@@ -246,15 +246,16 @@ def refusal(data: bytes, prompts: Iterable[WirePrompt], message: type[pb.RouteRe
     raise AssertionError("upb accepted a stand-in built to be refused")
 
 
-def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None) -> RouteRequest:
-    """``route_request`` of a RouteStream Route (``msg``), with its prompt from ``hash_stream``
-    when its message was split (None: parsed whole)."""
+def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None,
+                        client: str = "") -> RouteRequest:
+    """``route_request`` of a RouteStream Route (``msg``) sent by ``client``, with its prompt
+    from ``hash_stream`` when its message was split (None: parsed whole)."""
     if prompt is None:
-        return route_request(msg, router)
+        return route_request(msg, router, client=client)
     hashed = prompt.hashed
     if isinstance(hashed, KVRouterError):
         raise hashed
-    return route_request(msg, router, hashed)
+    return route_request(msg, router, hashed, client)
 
 
 def deserializer(parse: Callable[[bytes], _M], split: Callable[[bytes, int], _M | _S],

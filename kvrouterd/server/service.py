@@ -146,12 +146,13 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         else:
             # the common case, kept flat: no span, no queue, no inner coroutine
             try:
-                result = router.route(convert.route_request(request, router, hashed), explain=False)
+                req = convert.route_request(request, router, hashed, context.peer() or "")
+                result = router.route(req, explain=False)
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
-        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-        if not d.overlap_blocks and self.stored_namespaces:
+        self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+        if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
             self._check_namespace(request)
         return convert.route_response(result, router.block_size)
 
@@ -178,7 +179,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         router = self.router
         recording = span is not None and span.is_recording()
         try:
-            req = convert.route_request(request, router, hashed)
+            req = convert.route_request(request, router, hashed, (context.peer() or "") if context is not None else "")
             if self.admission is None:
                 result = router.route(req, explain=recording)
             else:
@@ -220,6 +221,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def _complete(self, request: pb.CompleteRequest) -> None:
         routed = self.router.request(request.request_id)
         completion = convert.completion(request, self.router.settings.max_id_length)
+        if completion.prefill_done:
+            # the prefill hop alone (router.disagg); the request's own Complete follows
+            self.router.release_prefill(completion)
+            return
         entry = self.router.complete_anywhere(completion)
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
@@ -256,9 +261,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
         answer = write if self.admission is None else locked_write
+        client = context.peer() or ""  # in-flight requests are bounded per client (RouteRequest.client)
 
         def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
-            task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt))
+            task = asyncio.create_task(self._stream_route_admitted(msg, answer, prompt, client))
             waiting.add(task)
             task.add_done_callback(waiting.discard)
 
@@ -276,13 +282,15 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
                     if self.admission is None:
-                        await answer(self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE)))
+                        reply = self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE),
+                                                   client)
+                        await answer(reply)
                     else:
                         admit_later(msg, prompts.get(STREAM_ROUTE))
                 elif kind == "complete":
                     await answer(self._stream_complete(msg, pb.RouteStreamResponse(id=msg.id)))
                 elif kind == "batch":
-                    reply = self._stream_batch(msg, admit_later, prompts)
+                    reply = self._stream_batch(msg, admit_later, prompts, client)
                     if reply is not None:
                         await answer(reply)
                 else:
@@ -309,7 +317,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     def _stream_batch(
         self, msg: pb.RouteStreamRequest, admit_later: Callable[[pb.RouteStreamRequest, off_loop.StreamPrompt | None], None],
-        prompts: Mapping[int, off_loop.StreamPrompt],
+        prompts: Mapping[int, off_loop.StreamPrompt], client: str = "",
     ) -> pb.RouteStreamResponse | None:
         """One batch of stream messages: each item is handled as if it came alone, and the answers
         of all but the queued Routes (which answer when admitted) go back in one batch."""
@@ -329,7 +337,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if queued:
                     admit_later(item, prompts.get(place))
                 else:
-                    self._stream_route(item, answers.add(id=item.id), prompts.get(place))
+                    self._stream_route(item, answers.add(id=item.id), prompts.get(place), client)
             elif kind == "complete":
                 self._stream_complete(item, answers.add(id=item.id))
             elif kind == "batch":
@@ -339,7 +347,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return reply if len(answers) else None
 
     def _stream_route(
-        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None
+        self, msg: pb.RouteStreamRequest, reply: pb.RouteStreamResponse, prompt: off_loop.StreamPrompt | None = None,
+        client: str = "",
     ) -> pb.RouteStreamResponse:
         """Decide ``msg``'s Route and write the answer (or the error) into ``reply``; ``prompt``:
         its prompt when the message was split (``_hash_stream_off_loop``)."""
@@ -352,18 +361,18 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 with decision_span(self.tracer) as span:
                     recording = span.is_recording()
                     try:
-                        req = off_loop.split_route_request(request, router, prompt)
+                        req = off_loop.split_route_request(request, router, prompt, client)
                         result = router.route(req, explain=recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
-                req = off_loop.split_route_request(request, router, prompt)
+                req = off_loop.split_route_request(request, router, prompt, client)
                 result = router.route(req, explain=False)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-            if not d.overlap_blocks and self.stored_namespaces:
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+            if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
         except KVRouterError as exc:
@@ -388,7 +397,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     async def _stream_route_admitted(
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
-        prompt: off_loop.StreamPrompt | None = None,
+        prompt: off_loop.StreamPrompt | None = None, client: str = "",
     ) -> None:
         assert self.admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
@@ -401,7 +410,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 try:
                     check_range("timeout_ms", msg.timeout_ms, 0.0, MAX_LATENCY_MS)
                     timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
-                    req = off_loop.split_route_request(request, router, prompt)
+                    req = off_loop.split_route_request(request, router, prompt, client)
                     result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
                 except KVRouterError as exc:
                     await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
@@ -418,8 +427,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 if recording:
                     annotate_decision(span, result, router.block_size)
             d = result.decision
-            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool)
-            if not d.overlap_blocks and self.stored_namespaces:
+            self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
+            if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
                 self._check_namespace(request)
             convert.route_response(result, router.block_size, into=reply.route)
         except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
@@ -429,7 +438,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     def _check_namespace(self, request: pb.RouteRequest) -> None:
         """A Route that matched nothing, under a model/LoRA no engine ever stored blocks for while
         others did: almost surely the gateway and the engines name the model differently (keys are
-        salted with both), a silent 0% hit rate. Counted every time, logged once per namespace."""
+        salted with both), a silent 0% hit rate. Counted every time, logged once per namespace.
+        Routes to events-mode workers are checked even when they matched: what they matched
+        under such a namespace can only be the router's own speculative blocks."""
         namespace = (request.model, request.lora)
         if namespace in self.stored_namespaces or len(self.stored_namespaces) >= MAX_NAMESPACES:
             return
@@ -553,13 +564,19 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return min(PAGE_BYTES, self.max_message_bytes // 2)
 
     def _worker_message(self, worker) -> pb.Worker:  # type: ignore[no-untyped-def]
-        return convert.worker_message(worker, self.router.index.count(worker.slot), self.router.block_size)
+        router = self.router
+        return convert.worker_message(worker, self._cached_blocks(worker), router.block_size, router.clock.now())
+
+    def _cached_blocks(self, worker) -> int:  # type: ignore[no-untyped-def]
+        """The worker's blocks as its engine reported them: the index's, less the speculative
+        ones its engine has not stored yet (``kvrouter.speculative.live_blocks`` counts those)."""
+        return self.router.index.count(worker.slot) - self.router.speculative.live_on(worker.id)
 
     def worker_modes(self):  # type: ignore[no-untyped-def]
         """(id, mode, state, cached blocks) per worker, for the metrics gauges."""
         for w in self.router.workers:
             mode = "events" if w.mode is CacheMode.EVENTS else "approximate"
-            yield w.id, mode, w.state.name.lower(), self.router.index.count(w.slot)
+            yield w.id, mode, w.state.name.lower(), self._cached_blocks(w)
 
 
 def _sum_by_reason(per_worker: Iterable[Mapping[str, int]]) -> dict[str, int]:

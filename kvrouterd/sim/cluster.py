@@ -233,6 +233,10 @@ class Simulation:
             self.log.append(("events", now, batch, None))
         self.router.apply(batch)
 
+    def _deliver(self, obj: Any, now: float) -> None:
+        """Something sent earlier arrives: a delayed event batch (``sim.pd`` adds KV transfers)."""
+        self._apply(obj, now)
+
     def _kick(self, i: int, now: float) -> None:
         engine = self.engines[i]
         if engine.busy:
@@ -451,7 +455,7 @@ class Simulation:
                 elif kind == _FINISH:
                     self._finish(obj[0], obj[1], t)
                 else:
-                    self._apply(obj, t)
+                    self._deliver(obj, t)
             else:
                 self._arrive(n, t)
                 n += 1
@@ -472,6 +476,8 @@ class Simulation:
                         admission_queued=self.queued_requests, migrations=self.migrations)
         if self.guard is not None:
             counters.update(self.guard.counters())
+        for outcome, blocks in router.speculative.outcomes.items():  # claimed blocks, by how they ended
+            counters[f"speculative_{outcome}"] = blocks
         for policy_counts in router.policy_counters().values():  # e.g. DualMap's A.7 rule firing
             for key, count in policy_counts.items():
                 counters[key] = counters.get(key, 0) + count

@@ -155,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0, metavar="P", help="probability that an event batch is lost")
     c.add_argument("--slo-ms", type=float, default=0.0, metavar="MS", help="TTFT SLO (default: the config's)")
     c.add_argument("--warmup", type=int, default=0, metavar="N", help="leading requests left out of the metrics")
+    c.add_argument("--speculative-ttl-s", type=float, default=None, metavar="S",
+                   help="events mode: a routed prompt counts as cached until stored or S seconds pass")
     c.add_argument("--session-end", action="store_true",
                    help="mark each session's last request session_ended (end-aware eviction)")
     c.add_argument("--load-report-ms", type=float, default=0.0, metavar="MS",
@@ -189,10 +191,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"prefill tokens per engine step (default {d.max_batch_tokens})")
     e.add_argument("--max-running", type=int, default=d.max_running, metavar="N",
                    help=f"requests an engine runs at once (default {d.max_running})")
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/simulator.md, sim/pd.py)")
+    pd.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
+                    help="compare aggregated, always and conditional P/D on P prefill + D decode engines")
+    pd.add_argument("--pd-local-tokens", type=_ints, default=None, metavar="N[,N..]",
+                    help="conditional runs' local-prefill thresholds (default: the config's)")
+    pd.add_argument("--kv-bytes-per-token", type=int, default=131072, metavar="B",
+                    help="KV bytes a prompt token moves (default: Llama-3.1-8B bf16, 128 KiB)")
+    pd.add_argument("--kv-link-gbps", type=float, default=200.0, metavar="G", help="KV transfer link, Gb/s (default 200)")
+    pd.add_argument("--kv-transfer-latency-ms", type=float, default=1.0, metavar="MS", help="fixed cost of a transfer")
+    pd.add_argument("--tbt-slo-ms", type=float, default=100.0, metavar="MS", help="time-between-tokens SLO for goodput")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print every number as JSON")
     o.add_argument("--out", type=Path, metavar="DIR", help="write report.md, results.json and PNG plots here")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _pd_split(text: str) -> tuple[int, int]:
+    p, sep, d = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected P:D (prefill and decode workers), got {text!r}")
+    return int(p), int(d)
 
 
 def _kv(items: Sequence[str], flag: str) -> list[tuple[str, Any]]:
@@ -236,6 +255,9 @@ class ClusterPlan:
 def plan(args: argparse.Namespace) -> ClusterPlan:
     """Validate parsed ``sim cluster`` arguments into a plan; raises ConfigError/ValueError."""
     cfg = load_config(args.config, environ={})
+    if args.speculative_ttl_s is not None:
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(cfg.speculative, ttl_s=args.speculative_ttl_s))
+        cfg.speculative.validate()
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in _kv(args.set, "--set"):
         policy, dot, fname = key.partition(".")
@@ -280,7 +302,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                               max_input_tokens=args.max_input_tokens, **dict(wparams))
 
     meta = {"workload": name, "limit": args.limit, "workers": args.workers, "cache_mode": args.cache_mode,
-            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss, "engine": dataclasses.asdict(engine),
+            "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
+            "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
             "admission_deadline": args.admission_deadline}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
@@ -288,6 +311,10 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pd is not None:
+        from . import pd
+
+        return pd.run(args, plan)
     try:
         p = plan(args)
         results = sweep(p.cfg, p.workload_for, p.settings, p.routings, p.evictions, p.rates, p.seeds,

@@ -360,6 +360,25 @@ class SimEngine:
         job.pinned = []
         self.running -= 1
 
+    def receive(self, req: SimRequest, keys: list[int], now: float) -> None:
+        """A prefill engine sent the KV of ``req``'s prompt (``sim.pd``): the blocks this engine
+        lacks are cached as if prefilled here (evicting to make room) and published as Stored,
+        as vLLM's decode instances publish the blocks they receive. No room: nothing is cached
+        and the request prefills here when admitted."""
+        index = self.index
+        hit = index.match(keys, 1).overlap(0)
+        cap = self.params.capacity_blocks
+        if hit == len(keys) or (cap and len(keys) > cap):
+            return
+        if cap and (need := index.count(0) + self.reserved + len(keys) - hit - cap) > 0 and not self._evict(need, keys, now):
+            return
+        parent = keys[hit - 1] if hit else None
+        blocks = index.store(0, parent, keys[hit:], now)
+        self.policy.on_stored(index, 0, blocks, AccessInfo(req.session_id, int(req.task), req.input_tokens, hit), now)
+        bb = self._block_bytes
+        self.outbox.append(Stored(b"".join(bb(h) for h in req.block_ids[hit:]), None, parent, self.block_tokens))
+        self.peak_blocks = max(self.peak_blocks, index.count(0))
+
     def held_keys(self) -> set[int]:
         return {b.key for b in self.index.blocks_of(0)}
 

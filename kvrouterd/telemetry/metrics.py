@@ -248,6 +248,8 @@ class Metrics:
         provider: MeterProvider,
         index_blocks: Callable[[], int],
         worker_modes: Callable[[], Iterable[tuple[str, str, str, int]]],
+        speculative: Callable[[], tuple[Mapping[str, int], int]] | None = None,
+        decode_workers_without_events: Callable[[], int] = lambda: 0,
     ) -> None:
         meter = provider.get_meter("kvrouterd")
         self.decisions = DecisionCounter()
@@ -294,10 +296,40 @@ class Metrics:
             for worker_id, mode, state, cached in worker_modes():
                 yield Observation(cached, {"worker": worker_id, "mode": mode, "state": state})
 
+        def _blind_decoders(_: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(decode_workers_without_events())
+
         meter.create_observable_gauge("kvrouter.index.blocks", [_index], description="blocks in the global index that routing sees (a removed worker's go at once)")
+        meter.create_observable_gauge(
+            "kvrouter.pd.decode_workers_without_events", [_blind_decoders],
+            description="decode-role workers in events mode that never published a KV event: the prefill/decode "
+                        "bypass check cannot see their caches",
+        )
+        # prefill/decode pools (router.disagg): each Route's hop choice, and the prefill hops' timings
+        self.pd_decisions = LabelledCount("reason")
+        meter.create_observable_counter(
+            "kvrouter.pd.decisions", [self.pd_decisions.observe],
+            description="Routes in prefill/decode pools by reason: remote_prefill, decode_busy, decode_cached, prefill_saturated, never "
+                        "(+decode_cache_unknown when the decode worker's cache could not be read)",
+        )
         meter.create_observable_gauge(
             "kvrouter.worker.cached_blocks", [_workers], description="blocks the index holds per worker, with mode and state"
         )
+        if speculative is not None:
+            # ``router.speculative``: (outcome -> blocks that ended so, blocks claimed now)
+            def _speculative_ended(_: CallbackOptions) -> Iterable[Observation]:
+                for outcome, blocks in speculative()[0].items():
+                    yield Observation(blocks, {"outcome": outcome})
+
+            meter.create_observable_counter(
+                "kvrouter.speculative.blocks", [_speculative_ended],
+                description="blocks of routed prompts counted as cached before their Stored events, by how that ended: "
+                            "confirmed by Stored, expired (speculative.ttl_s), dropped (Removed/Cleared, failed request, bound)",
+            )
+            meter.create_observable_gauge(
+                "kvrouter.speculative.live_blocks", [lambda _: [Observation(speculative()[1])]],
+                description="blocks of routed prompts counted as cached now and not yet confirmed by Stored events",
+            )
 
         self.provider = provider
         # counted per batch message only, so single stream messages pay nothing
@@ -319,6 +351,11 @@ class Metrics:
         )
         self.e2e = meter.create_histogram(
             "kvrouter.request.e2e", unit="s", description="end-to-end request time the caller observed, per worker and policy",
+            explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_hop = meter.create_histogram(
+            "kvrouter.request.prefill_hop", unit="s",
+            description="a disaggregated request's prefill (phase=prefill) and KV transfer (phase=kv_transfer) the caller observed",
             explicit_bucket_boundaries_advisory=REQUEST_LATENCY_BUCKETS,
         )
         self.prompt_tokens = meter.create_counter(
@@ -350,6 +387,9 @@ class Metrics:
             self.ttft.record(completion.ttft_ms / 1000.0, attributes)
         if completion.e2e_ms > 0:
             self.e2e.record(completion.e2e_ms / 1000.0, attributes)
+        for phase, ms in (("prefill", completion.prefill_ms), ("kv_transfer", completion.kv_transfer_ms)):
+            if ms > 0:
+                self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
         if completion.cached_tokens >= 0:  # -1: the engine did not say
             per_worker = {"worker": entry.worker_id, **({"model": model} if model else {})}
             predicted = min(entry.overlap_blocks * block_size, entry.prompt_tokens)
@@ -367,7 +407,10 @@ class Metrics:
         """Record queued route latencies (the daemon calls this on its maintenance tick)."""
         self.route_latency.flush()
 
-    def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "") -> None:
-        """One successful Route: count the decision (in its model pool), record how long it took."""
+    def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "", pd_reason: str = "") -> None:
+        """One successful Route: count the decision (in its model pool, and its hop choice in a
+        prefill/decode pool), record how long it took."""
         self.decisions.count(policy, reason, pool)
+        if pd_reason:
+            self.pd_decisions.count(pd_reason)
         self.route_latency.observe(seconds, policy)

@@ -1,5 +1,6 @@
 """Budgets on what clients make the daemon hold (issue #16 item 3): all workers' descriptions,
-the in-flight table's bytes, an approximate worker's modelled cache. Real grpc.aio on loopback."""
+the in-flight table's bytes and one client's share of it, an approximate worker's modelled
+cache. Real grpc.aio on loopback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import grpc
 import pytest
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 
 from .test_daemon import BS, register
 
@@ -52,6 +54,28 @@ async def test_the_in_flight_table_has_a_byte_budget(running):
     assert running.router.inflight_bytes <= 8192 and running.router.workers.inflight_count == len(routed)
     await running.stub.Complete(pb.CompleteRequest(request_id="r0"))
     await running.stub.Route(pb.RouteRequest(token_ids=prompt, request_id="again"))  # room again
+
+
+@pytest.mark.parametrize("daemon_config", [{"limits": {"max_inflight_per_client": 3}}])
+async def test_one_client_that_never_completes_holds_at_most_its_share_of_the_in_flight_table(running):
+    """Issue #28 item 6: a client (one connection) past limits.max_inflight_per_client is
+    RESOURCE_EXHAUSTED, on Route and on its RouteStreams alike; another client routes on."""
+    await register(running.stub, "a", mode=pb.CACHE_STATE_MODE_APPROXIMATE)
+    prompt = list(range(2 * BS))
+    for i in range(3):
+        await running.stub.Route(pb.RouteRequest(token_ids=prompt, request_id=f"r{i}"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await running.stub.Route(pb.RouteRequest(token_ids=prompt, request_id="r3"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_inflight_per_client" in err.value.details()
+    answers = [r async for r in running.stub.RouteStream(iter([pb.RouteStreamRequest(
+        id=1, route=pb.RouteRequest(token_ids=prompt, request_id="s0"))]))]
+    assert answers[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    # another client: its own connection (channels of one process share one unless told not to)
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.daemon.port}", options=own) as other:
+        await router_pb2_grpc.KVRouterStub(other).Route(pb.RouteRequest(token_ids=prompt, request_id="other"))
+    await running.stub.Complete(pb.CompleteRequest(request_id="r0"))
+    await running.stub.Route(pb.RouteRequest(token_ids=prompt, request_id="r3"))  # room again
 
 
 async def test_an_approximate_worker_without_capacity_models_the_default_capacity(running):

@@ -155,6 +155,28 @@ async def test_approximate_mode_learns_from_its_own_decisions(running):
     assert workers[first.worker_id].cached_blocks == 65
 
 
+@pytest.mark.parametrize("daemon_config", [{"speculative": {"ttl_s": 10}}])
+async def test_events_mode_sees_a_routed_prompt_before_its_engine_stores_it(running):
+    """Speculative indexing (config speculative.ttl_s): a follow-up routed before
+    the first prompt's Stored events arrive lands beside it; the events then confirm the blocks."""
+    stub = running.stub
+    for wid in ("a", "b", "c"):
+        await register(stub, wid)
+    prompt = list(range(5000, 5000 + 20 * BS))
+    first = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    assert first.matched_blocks == 0
+    second = await stub.Route(pb.RouteRequest(token_ids=prompt + list(range(99, 99 + 4 * BS))))
+    assert second.worker_id == first.worker_id and second.matched_blocks == 20
+    # the engine stores the prompt: keys as its hashes, so the blocks are the claimed ones
+    summary = await publish(stub, pb.EventBatch(worker_id=first.worker_id, sequence=0,
+                                                events=[stored(prompt, block_keys(prompt, BS))]))
+    assert summary.blocks_stored == 20
+    workers = {w.id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert workers[first.worker_id].cached_blocks == 20  # what the engine stored
+    speculative = running.daemon.router.speculative
+    assert speculative.outcomes["confirmed"] == 20 and speculative.live_on(first.worker_id) == 4  # the follow-up's
+
+
 async def test_evict_hint_over_grpc(running):
     stub = running.stub
     await register(stub, "a")
@@ -173,7 +195,7 @@ async def test_evict_hint_over_grpc(running):
         ("Route", pb.RouteRequest(), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, block_keys=[1]), grpc.StatusCode.INVALID_ARGUMENT),
         ("Route", pb.RouteRequest(token_ids=[1] * 32, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
-        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        ("Route", pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.NOT_FOUND),
         ("Route", pb.RouteRequest(token_ids=[1] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
         ("Complete", pb.CompleteRequest(request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
         ("EvictHint", pb.EvictHintRequest(worker_id="ghost", blocks=1), grpc.StatusCode.NOT_FOUND),

@@ -391,6 +391,8 @@ async def test_buffered_or_streamed_request_bodies_are_refused_with_a_clear_erro
 
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"]])
 async def test_subset_hint_with_no_eligible_worker_is_503(envoy, subset):
+    """An address no worker has is 503, not a Route's NOT_FOUND (issue #29 item 10): the proxy
+    lists the pool's ready pods, and one the router does not know has not registered yet."""
     s = envoy.open()
     await s.send(headers_msg("/v1/chat/completions", subset=subset))
     assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
@@ -563,3 +565,43 @@ async def test_a_body_goes_to_its_models_pool_and_a_model_nobody_serves_is_404(e
     await s.send(headers_msg("/v1/chat/completions"))
     replies = await s.send(body_msg(chat_body("hello", "C"), True), expect=1)
     assert immediate_status(replies) == 404 and "'C'" in replies[0].immediate_response.body.decode()
+
+
+PD_POOL = [{"id": "p1", "address": "10.0.2.1:8000", "models": ["A"], "role": "prefill"},
+           {"id": "d1", "address": "10.0.2.2:8000", "models": ["A"], "role": "decode"}]
+
+
+def set_headers(resp: ep.ProcessingResponse) -> dict[str, str]:
+    common = resp.request_headers.response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+@pytest.mark.parametrize("worker_list", [PD_POOL])
+@pytest.mark.parametrize("daemon_extra", [{"disaggregation": {"local_prefill_max_uncached_tokens": 64}}])
+async def test_a_pd_pool_sets_the_decode_destination_and_the_prefill_header(envoy):
+    """Issue #31 items 3-4: the decode pod is the destination, the prefill pod goes in llm-d's
+    x-prefiller-host-port; the prefill hop is released at the response headers, the decode
+    hop at the stream's end; a short prompt prefills on the decode pod and the header is removed."""
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions", extra=[("x-request-id", "pd-1"), ("x-prefiller-host-port", "evil:1")]))
+    replies = await s.send(body_msg(chat_body("a long document to prefill " * 40, "A"), True), expect=2)
+    sent = set_headers(replies[0])
+    assert destination(replies[0]) == ("10.0.2.2:8000", "10.0.2.2:8000")
+    assert sent["x-prefiller-host-port"] == "10.0.2.1:8000"
+    assert "x-prefiller-host-port" not in replies[0].request_headers.response.header_mutation.remove_headers
+    p1, d1 = envoy.router.workers.get("p1"), envoy.router.workers.get("d1")
+    assert (p1.inflight_requests, d1.inflight_requests) == (1, 1) and p1.pending_prefill_tokens > 0
+    await s.send(response_headers_msg(200, served="10.0.2.2:8000"), expect=1)
+    assert (p1.inflight_requests, p1.pending_prefill_tokens, d1.inflight_requests) == (0, 0, 1)
+    await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)), expect=1)
+    await s.close()
+    await asyncio.sleep(0.05)
+    assert d1.inflight_requests == 0
+
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions", extra=[("x-prefiller-host-port", "evil:1")]))
+    replies = await s.send(body_msg(chat_body("hi", "A"), True), expect=2)
+    assert destination(replies[0])[0] == "10.0.2.2:8000"
+    assert "x-prefiller-host-port" not in set_headers(replies[0])
+    assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefiller-host-port"]
+    await s.close()

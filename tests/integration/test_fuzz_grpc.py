@@ -269,7 +269,7 @@ def snapshot(router: Any) -> tuple:
     )
     counters = tuple(sorted((k, v) for k, v in router.counters.items() if k != "decisions"))
     inflight = sorted(rid for rid in router._ledger.requests if router.workers.inflight(rid).worker_id != PROBE)
-    own_bytes = sum(request_bytes(router._ledger.requests[rid]) for rid in inflight)
+    own_bytes = sum(request_bytes(router.request(rid)) for rid in inflight)
     return workers, len(router.index), counters, tuple(inflight), own_bytes
 
 

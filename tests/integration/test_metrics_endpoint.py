@@ -122,6 +122,28 @@ async def test_event_batches_and_blocks_are_counted_by_outcome_and_op(running):
     assert sample(text, "kvrouter_events_blocks_total", op="removed") == 2
 
 
+@pytest.mark.parametrize("daemon_config", [{"metrics": {"listen": "127.0.0.1:0"}, "speculative": {"ttl_s": 10}}])
+async def test_speculative_blocks_are_counted_by_how_they_ended(running):
+    """kvrouter.speculative.blocks{outcome} and .live_blocks: a routed prompt's blocks count as
+    cached until its engine's Stored confirms them, or a failed request drops them."""
+    stub = running.stub
+    await register(stub, "a")
+    prompt = list(range(100, 100 + 4 * BS))
+    r1 = await stub.Route(pb.RouteRequest(token_ids=prompt))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_speculative_live_blocks") == 4
+    # the engine stores 3 of the 4 so far (chunked prefill)
+    await publish(stub, pb.EventBatch(worker_id="a", sequence=0, events=[stored(prompt[: 3 * BS], [1, 2, 3])]))
+    r2 = await stub.Route(pb.RouteRequest(token_ids=list(range(5000, 5000 + 2 * BS))))
+    await stub.Complete(pb.CompleteRequest(request_id=r2.request_id, success=False))
+    _, _, text = await scrape(running)
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="confirmed") == 3
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="dropped") == 2
+    assert sample(text, "kvrouter_speculative_blocks_total", outcome="expired") == 0
+    assert sample(text, "kvrouter_speculative_live_blocks") == 1
+    assert r1.worker_id == "a"
+
+
 async def test_a_worse_pick_is_counted_when_a_policy_ignores_the_cache(running):
     stub = running.stub
     for wid in ("a", "b"):

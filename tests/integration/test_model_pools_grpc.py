@@ -1,11 +1,12 @@
-"""Model pools and LoRA residency over real grpc.aio (issue #31 items 1-2): RegisterWorker's
-models and adapters, Route kept to its model's pool, ReportLoad's loaded adapters."""
+"""Model pools, LoRA residency and prefill/decode pools over real grpc.aio (issue #31): RegisterWorker's
+models, adapters and roles, Route kept to its model's pool and split into its hops, ReportLoad's
+loaded adapters."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from kvrouter_client import EventPublisher, WorkerRole
+from kvrouter_client import EventPublisher, RouterClient, WorkerRole
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from tests.integration.test_sdk_against_daemon import target
@@ -68,3 +69,48 @@ async def test_the_sdk_registers_a_pool_and_reports_loaded_adapters(running):
         assert list(running.router.workers.get("p").loras) == ["sql"]
         await pub.report_load(0, 1, 0.2)  # not reported: kept
         assert list(running.router.workers.get("p").loras) == ["sql"]
+
+
+async def test_a_pd_pool_routes_both_hops_and_completes_each(running):
+    """Issue #31 items 3, 4 and 6 end to end: the prefill hop while the decode worker publishes
+    nothing (said in the reason and in ListWorkers), released on its own; once the decode worker
+    publishes the prompt, the next turn prefills there."""
+    stub = running.stub
+    await register(stub, "p1", ["A"], role=pb.WORKER_ROLE_PREFILL)
+    tokens = list(range(4096))
+    async with EventPublisher(target(running), "d1", block_size=16, timeout=2.0) as pub, \
+            RouterClient(target(running), timeout=2.0) as client:
+        await pub.register("d1.local:8000", models=["A"], role=WorkerRole.DECODE)
+        listed = {w.id: w for w in await client.list_workers()}
+        assert (listed["d1"].event_batches, listed["d1"].last_event_age_s) == (0, 0.0)
+        assert running.router.decode_workers_without_events() == 1
+
+        answer = await stub.Route(pb.RouteRequest(token_ids=tokens, model="A", request_id="t1"))
+        assert (answer.worker_id, answer.worker_address) == ("d1", "d1.local:8000")
+        assert answer.disaggregated and answer.disaggregation_reason == "remote_prefill+decode_cache_unknown"
+        assert (answer.prefill_worker_id, answer.prefill_worker_address) == ("p1", "p1.local:8000")
+        assert answer.prefill_uncached_tokens == answer.decode_uncached_tokens == 4096
+        p1, d1 = running.router.workers.get("p1"), running.router.workers.get("d1")
+        assert (p1.pending_prefill_tokens, d1.pending_prefill_tokens) == (4096, 0)
+        await stub.Complete(pb.CompleteRequest(request_id="t1", prefill_done=True, prefill_ms=120.0, kv_transfer_ms=8.0))
+        assert (p1.inflight_requests, d1.inflight_requests) == (0, 1)
+        await stub.Complete(pb.CompleteRequest(request_id="t1", ttft_ms=140.0, e2e_ms=900.0, success=True))
+        assert d1.inflight_requests == 0
+        assert running.daemon.metrics.pd_decisions.counts == {"remote_prefill+decode_cache_unknown": 1}
+
+        # the decode worker now publishes what it holds (the prompt, received by transfer)
+        pub.stored(tokens, model="A")
+        assert await pub.flush(timeout=5)
+        listed = {w.id: w for w in await client.list_workers()}
+        assert listed["d1"].event_batches == 1 and running.router.decode_workers_without_events() == 0
+        result = await client.route(tokens + list(range(10_000, 10_100)), model="A")
+        assert (result.worker_id, result.disaggregated, result.prefill_worker_id) == ("d1", False, "")
+        assert (result.disaggregation_reason, result.decode_uncached_tokens) == ("decode_cached", 100)
+        assert await client.complete(result, ttft_ms=20.0, e2e_ms=300.0)
+
+        # a long new prompt goes through p1 again; the SDK shows both hops
+        result = await client.route(list(range(50_000, 54_096)), model="A")
+        assert result.disaggregated and result.disaggregation_reason == "remote_prefill"
+        assert (result.prefill_worker_address, result.prefill_uncached_tokens) == ("p1.local:8000", 4096)
+        assert await client.complete(result, prefill_ms=100.0, kv_transfer_ms=5.0, ttft_ms=130.0)
+        assert running.router.workers.inflight_count == 0

@@ -159,7 +159,8 @@ def test_alerts_cover_the_operators_signals_and_are_complete() -> None:
     assert len(names) == len(set(names))
     exprs = "\n".join(r["expr"] for r in rules)
     for signal in ('state="degraded"', "kvrouter_worker_event_gaps_total", 'code="RESOURCE_EXHAUSTED"',
-                   'outcome="failed"', "kvrouter_worker_events_rejected_total", 'state="ready"'):
+                   'outcome="failed"', "kvrouter_worker_events_rejected_total", 'state="ready"',
+                   "kvrouter_internal_errors_total"):
         assert signal in exprs, signal
     for r in rules:
         assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]

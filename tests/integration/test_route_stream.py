@@ -46,7 +46,7 @@ async def test_routes_and_completes_share_one_stream_and_a_bad_message_does_not_
     bad = [
         (route(2), grpc.StatusCode.INVALID_ARGUMENT),  # no prompt
         (route(3, token_ids=PROMPT, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
-        (route(4, token_ids=PROMPT, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        (route(4, token_ids=PROMPT, candidate_workers=["ghost"]), grpc.StatusCode.NOT_FOUND),  # a typo, not an outage
         (route(5, token_ids=PROMPT, request_id="r1"), grpc.StatusCode.INVALID_ARGUMENT),  # already in flight
         (complete(6, request_id="never-routed"), grpc.StatusCode.NOT_FOUND),
         (pb.RouteStreamRequest(id=7), grpc.StatusCode.INVALID_ARGUMENT),  # neither kind
@@ -107,7 +107,7 @@ async def test_a_batch_is_answered_item_by_item_in_one_batch_and_bad_items_chang
     assert items[0].route.request_id == "r2" and items[0].route.matched_blocks == 20
     codes = {a.id: a.error.code for a in items if a.WhichOneof("kind") == "error"}
     C = grpc.StatusCode
-    assert codes == {3: C.INVALID_ARGUMENT.value[0], 4: C.UNAVAILABLE.value[0], 5: C.NOT_FOUND.value[0],
+    assert codes == {3: C.INVALID_ARGUMENT.value[0], 4: C.NOT_FOUND.value[0], 5: C.NOT_FOUND.value[0],
                      6: C.INVALID_ARGUMENT.value[0], 7: C.INVALID_ARGUMENT.value[0], 9: C.INVALID_ARGUMENT.value[0]}
     assert "batch" in items[4].error.message and all(a.error.message for a in items if a.id in codes)
     assert items[6].WhichOneof("kind") == "complete"
@@ -227,17 +227,20 @@ class TestWithAdmission:
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
 
 
-@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary"])
+@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary", "sdk"])
 async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, load):
     # kvrouterd bench's daemon loads, briefly: they raise on any error reply, and complete each
     # routed request as the SDK does. Without the Completes the load piles up on the worker
     # holding the prompt until the policy calls the fleet imbalanced and routes by load alone
-    from kvrouterd.benchmarks.grpc_bench import _load, _stream_load
+    from kvrouterd.benchmarks.grpc_bench import _load, _sdk_load, _stream_load
 
     await setup(running.stub)
     request = pb.RouteRequest(token_ids=PROMPT)
     if load == "unary":
         result = await _load(running.daemon.port, request, 6, 0.2)
+    elif load == "sdk":  # the SDK's RouterClient, and the CPU this process spent per call
+        result = await _sdk_load(running.daemon.port, list(PROMPT), 6, 0.2)
+        assert result["client_cpu_us_per_call"] > 0
     else:
         coalesce = load == "stream_coalesced"
         result = await _stream_load(running.daemon.port, request, 2, 3, 0.2, coalesce=coalesce)

@@ -53,7 +53,7 @@ async def test_the_fast_path_routes_and_counts(untraced):
         (pb.RouteRequest(token_ids=[1] * 32, policy="nope"), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.RouteRequest(block_keys=[1, 2, 3], prompt_tokens=16), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.RouteRequest(token_ids=[1] * 32, ttft_slo_ms=-1), grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.UNAVAILABLE),
+        (pb.RouteRequest(token_ids=[1] * 32, candidate_workers=["ghost"]), grpc.StatusCode.NOT_FOUND),
         (pb.RouteRequest(token_ids=[1] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (pb.RouteRequest(block_keys=[1], prompt_tokens=5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import grpc
 import pytest
 
 from kvrouter_client import (
@@ -98,6 +99,34 @@ async def test_sync_gateway_client(running):
             return choice.worker_id, gw.complete(choice, ttft_ms=5.0)
 
     assert await asyncio.to_thread(gateway) == ("s", True)
+
+
+@pytest.mark.parametrize("streams", [4, 0])
+async def test_a_typo_in_candidate_workers_raises_even_with_a_fallback(running, streams):
+    """Issue #29 item 10: UNAVAILABLE made the client fail open, so a typo sent every request
+    to the fallback unseen. NOT_FOUND is a rejection; a known but draining worker still fails open."""
+    async with EventPublisher(target(running), "gpu-1", block_size=BS, timeout=2.0) as pub:
+        await pub.register("gpu-1.local:8000")
+
+    def fallback(request: pb.RouteRequest) -> tuple[str, str]:
+        return "local", "127.0.0.1:9000"
+
+    async with RouterClient(target(running), timeout=2.0, streams=streams, fallback=fallback) as gw:
+        with pytest.raises(RouterRejected, match="gpu-9") as typo:
+            await gw.route(prompt(0, 3), candidate_workers=["gpu-9"])
+        assert typo.value.code is grpc.StatusCode.NOT_FOUND
+        running.router.set_draining("gpu-1", True)
+        assert (await gw.route(prompt(0, 3), candidate_workers=["gpu-1"])).fallback
+
+    def sync_typo() -> grpc.StatusCode | None:
+        with SyncRouterClient(target(running), timeout=2.0, fallback=fallback) as gw:
+            try:
+                gw.route(prompt(0, 3), candidate_workers=["gpu-9"])
+            except RouterRejected as err:
+                return err.code
+        return None
+
+    assert await asyncio.to_thread(sync_typo) is grpc.StatusCode.NOT_FOUND
 
 
 async def test_events_published_before_registration_arrive_once_registered(running):

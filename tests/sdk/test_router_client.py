@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from array import array
 
 import grpc
 import pytest
@@ -17,7 +18,8 @@ from kvrouter_client import (
     TaskCategory,
 )
 from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
-from kvrouter_client._streams import MAX_BATCH_ITEMS, batch_message
+from kvrouter_client._client import _complete_request, _route_request
+from kvrouter_client._streams import COMPLETE, MAX_BATCH_ITEMS, ROUTE, batch_message, stream_item
 
 from .conftest import until
 
@@ -319,6 +321,77 @@ def test_batch_framing_is_protobufs_own_encoding():
     items = [pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids_le32=bytes(4 * i * 40))) for i in range(1, 5)]
     expected = pb.RouteStreamRequest(batch=pb.RouteStreamRequestBatch(items=items)).SerializeToString()
     assert batch_message([m.SerializeToString() for m in items]) == expected
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 300_000])
+@pytest.mark.parametrize("timeout_ms", [500.0, 0.25])
+def test_stream_items_are_byte_for_byte_what_protobuf_encodes(n, timeout_ms):
+    # the client frames each call around its serialised request instead of nesting messages
+    routes = [
+        _route_request(list(range(1000)), None, 0, "", "", "", TaskCategory.UNSPECIFIED, 0.0, 0, "", (), ""),
+        _route_request([], None, 5, "m", "l", "s", TaskCategory.CHAT, 9.5, 7, "p", ["w1", "w2"], "r"),
+        _route_request(None, [2**64 - 1, 3], 0, "m", "", "", 2, 0.0, 0, "", (), ""),
+    ]
+    for route in routes:
+        expected = pb.RouteStreamRequest(id=n, route=route.message(), timeout_ms=timeout_ms).SerializeToString()
+        assert stream_item(n, ROUTE, route.body(), timeout_ms) == expected
+    complete = _complete_request("kvr-1", 1.5, 9.0, -1, 12, False, True)
+    expected = pb.RouteStreamRequest(id=n, complete=complete, timeout_ms=timeout_ms).SerializeToString()
+    assert stream_item(n, COMPLETE, [complete.SerializeToString()], timeout_ms) == expected
+
+
+async def test_a_prompt_given_as_an_array_stays_the_callers(fake_server):
+    fake_server.fake.route_delay = 1.0
+    calls: list[pb.RouteRequest] = []
+    fallback = lambda r: calls.append(r) or ("f", "f:1")  # noqa: E731
+    async with RouterClient(fake_server.target, timeout=0.3, fallback=fallback) as slow:
+        prompt = array("I", range(32))
+        routing = asyncio.create_task(slow.route(prompt))
+        await asyncio.sleep(0.05)
+        prompt.extend(range(16))  # the client holds no view of it: the caller may grow it meanwhile
+        assert (await routing).fallback  # past the deadline
+    # the fallback saw the prompt the call was made with
+    assert calls[0].token_ids_le32 == array("I", range(32)).tobytes()
+    fake_server.fake.route_delay = 0.2
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        prompt = array("I", range(64))
+        routing = asyncio.create_task(client.route(prompt))
+        await asyncio.sleep(0.05)
+        prompt.extend(range(16))
+        assert (await routing).worker_id == "w1"
+    assert fake_server.fake.routes[1].token_ids_le32 == array("I", range(64)).tobytes()
+
+
+async def test_each_call_keeps_its_own_deadline_on_a_shared_stream(fake_server):
+    async with RouterClient(fake_server.target, timeout=5.0, streams=1) as client:
+        for _ in range(50):  # answered calls do not pile up in the stream's deadline queue
+            await client.route([1] * 16)
+        (stream,) = client._streams._streams  # type: ignore[union-attr]
+        assert stream is not None and len(stream.deadlines) <= 1
+        fake_server.fake.route_delay = 1.0
+        loop = asyncio.get_running_loop()
+        patient = asyncio.create_task(client.route([1] * 16))
+        started = loop.time()
+        # sooner than the call before it on the same stream: it still ends at its own deadline
+        with pytest.raises(RouterUnavailable, match="DEADLINE_EXCEEDED"):
+            await client.route([1] * 16, timeout=0.2)
+        assert loop.time() - started < 0.8
+        assert (await patient).worker_id == "w1"  # the slow answer is within its 5 s
+
+
+async def test_a_cancelled_call_raises_cancelled_and_leaves_nothing_waiting(fake_server):
+    fake_server.fake.route_delay = 0.5
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        routing = asyncio.create_task(client.route([1] * 16))
+        await until(lambda: len(fake_server.fake.routes) == 1)
+        routing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await routing
+        (stream,) = client._streams._streams  # type: ignore[union-attr]
+        assert stream is not None and stream.waiting == {}
+        # its answer, when it comes, is dropped, and the stream goes on serving
+        fake_server.fake.route_delay = 0.0
+        assert (await client.route([1] * 16)).worker_id == "w1"
 
 
 async def test_a_call_that_gives_up_while_queued_behind_a_blocked_write_is_never_sent(fake_server):

@@ -1,8 +1,9 @@
 """Router.apply on the native ingest path and on the pure-Python one: the same result, step by step.
 
 The native path hashes a stored chain, stores its new blocks and maps its engine hashes in one C
-call (``BlockTable.store_hashed``), else stores runs of new blocks in C (``BlockTable.store_new``,
-keys read in place from an ``array('Q')``) and maps engine hashes in C (``U64Map.map_pairs``),
+call (``BlockTable.store_hashed``), else runs the store loop in C (``BlockTable.store_chain``: new
+blocks and blocks other workers hold, keys read in place from an ``array('Q')``) and maps engine
+hashes in C (``U64Map.map_pairs``),
 removes lone leaves in C
 (``BlockTable.remove_held``) and keeps the default policy's (``lru``) leaves in C
 (``LeafOrder``: its stored hook is one C call). The reference is the Python code each of those
@@ -181,11 +182,11 @@ def test_the_two_sides_really_take_different_paths():
     from kvrouterd.index import native as native_mod
 
     if native_mod.module is None:  # KVROUTERD_PURE_PYTHON=1: both sides are the reference
-        assert not hasattr(native.index._blocks, "store_new")
+        assert not hasattr(native.index._blocks, "store_chain")
         return
-    assert hasattr(native.index._blocks, "store_new") and hasattr(native.workers.get("engine").engine_keys, "map_pairs")
+    assert hasattr(native.index._blocks, "store_chain") and hasattr(native.workers.get("engine").engine_keys, "map_pairs")
     assert hasattr(native.index._blocks, "store_hashed")
-    assert not hasattr(pure.index._blocks, "store_new") and type(pure.workers.get("engine").engine_keys) is dict
+    assert not hasattr(pure.index._blocks, "store_chain") and type(pure.workers.get("engine").engine_keys) is dict
     assert not hasattr(pure.index._blocks, "store_hashed")
     assert _leaves.chain_split is not _leaves.chain_split_py
     for router in (native, pure):

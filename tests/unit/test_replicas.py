@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, RouteRequest
@@ -12,8 +14,14 @@ from kvrouterd.router import Router, RouterSettings
 BS = 16
 
 
-def replica(order: list[str], seed: int) -> Router:
-    router = Router(RouterSettings(block_size=BS, routing={"name": "dualmap"}), ManualClock(), random.Random(seed))
+# A prompt cached nowhere goes to the fleet's best worker by each replica's own load view
+# (dualmap's default cold_placement: fleet), so replicas agree on pairs only with the
+# paper's pair placement
+PAIRED = {"name": "dualmap", "cold_placement": "pair"}
+
+
+def replica(order: list[str], seed: int, routing: dict | None = None) -> Router:
+    router = Router(RouterSettings(block_size=BS, routing=dict(routing or PAIRED)), ManualClock(), random.Random(seed))
     for wid in order:
         router.add_worker(WorkerSpec(id=wid, address=f"{wid}:8000", mode=CacheMode.APPROXIMATE))
     return router
@@ -24,10 +32,11 @@ def pair(router: Router, prompt: list[int]) -> frozenset[str]:
     return frozenset({decision.worker_id, decision.alternative_worker_id})
 
 
-def test_replicas_with_the_same_workers_pick_the_same_pairs_whatever_their_history():
+@pytest.mark.parametrize("routing", [PAIRED, {"name": "dualmap_paper"}])
+def test_replicas_with_the_same_workers_pick_the_same_pairs_whatever_their_history(routing: dict):
     ids = [f"gpu-{i}" for i in range(8)]
-    a = replica(ids, seed=1)
-    b = replica(list(reversed(ids)), seed=99)  # other registration order (other slots), other seed
+    a = replica(ids, seed=1, routing=routing)
+    b = replica(list(reversed(ids)), seed=99, routing=routing)  # other registration order (other slots), other seed
     rng = random.Random(5)
     prompts = [[rng.randrange(50_000) for _ in range(64 * BS)] for _ in range(40)]
     # replica a has routed (and so loaded and cached) half the prompts; b has seen nothing

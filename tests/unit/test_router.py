@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from kvrouterd.clock import ManualClock
@@ -15,6 +17,7 @@ from kvrouterd.protocols import (
     Removed,
     RouteRequest,
     Stored,
+    TaskCategory,
     WorkerState,
 )
 from kvrouterd.router import Router, RouterSettings
@@ -56,6 +59,53 @@ def test_uncompleted_requests_expire_after_the_timeout():
     assert router.workers.get(r.worker.id).pending_prefill_tokens == 0
 
 
+def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
+    # issue #28 item 6: 60k requests never completed made every full collection take 45-93 ms
+    # (0.7 ms with none): each was an InFlight, a RouteRequest and an array the collector walked
+    router, clock = make(inflight_timeout_s=10)
+    sent = []
+    for i in range(50):
+        tokens = list(range(i, i + 5 * BS))
+        keys = router.keys_for_tokens(tokens) if i % 2 else list(router.keys_for_tokens(tokens))  # array or list
+        r = RouteRequest(f"r{i}", keys, len(tokens), session_id=f"s{i}", task=TaskCategory(i % 3), ttft_slo_ms=9.5,
+                         candidate_workers=("w0", "w1"), model="m", lora=f"adapter-{i % 2}", client="peer-a")
+        sent.append(RouteRequest(**{f: getattr(r, f) for f in r.__slots__}))
+        router.route(r)
+    gc.collect()  # the collector stops tracking a tuple of untracked things at its first pass over it
+    kept = [*router.workers._inflight.values(), *router._ledger.requests.values()]
+    assert len(kept) == 100 and not any(gc.is_tracked(entry) for entry in kept)
+    for want in sent:  # what hosts and policies read back is the request as routed
+        assert router.request(want.request_id) == want
+    entry = router.workers.inflight("r7")
+    assert (entry.request_id, entry.prompt_tokens, entry.policy) == ("r7", 5 * BS, "cache_aware")
+    assert router.complete(Completion("r7")).request_id == "r7"
+    clock.advance(11)
+    assert len(router.expire_inflight()) == 49
+    assert router.inflight_bytes == 0 and router._ledger.by_client == {}
+
+
+def test_requests_in_flight_are_bounded_per_client():
+    router, clock = make(max_inflight_per_client=3, inflight_timeout_s=10)
+    for i in range(3):
+        router.route(req(router, list(range(64)), f"a{i}", client="peer-a"))
+    with pytest.raises(Overloaded, match="limits.max_inflight_per_client"):
+        router.route(req(router, list(range(64)), "a3", client="peer-a"))
+    # other clients, and callers the host names no client for, are not held back by it
+    router.route(req(router, list(range(64)), "b0", client="peer-b"))
+    router.route(req(router, list(range(64)), "anonymous"))
+    # a completion, an expiry or the worker's removal each give the client room again
+    router.complete(Completion("a0"))
+    router.route(req(router, list(range(64)), "a3", client="peer-a"))
+    clock.advance(11)
+    router.expire_inflight()
+    assert router._ledger.by_client == {}
+    for i in range(3):
+        router.route(req(router, list(range(64)), f"c{i}", client="peer-a", candidate_workers=("w1",)))
+    router.remove_worker("w1")
+    router.route(req(router, list(range(64)), "c3", client="peer-a"))
+    assert router._ledger.by_client == {"peer-a": 1}
+
+
 def test_prefill_load_counts_only_uncached_tokens():
     router, _ = make()
     tokens = list(range(10 * BS))
@@ -76,6 +126,31 @@ def test_approximate_worker_cache_is_bounded_by_its_capacity():
     assert router.index.match(last.keys, 1).overlap(0) == 8
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "tlru", "unicache", "hybrid", "rlt"])
+def test_approximate_capacity_is_a_hard_bound_after_every_decision(eviction):
+    # issue #28 item 7: a prompt longer than the modelled cache was kept whole (4,375 blocks
+    # against 500), and the prompt's own blocks were never evicted to make room
+    capacity = 20
+    router, _ = make(mode=CacheMode.APPROXIMATE, n=1, capacity=capacity, eviction={"name": eviction})
+    prompts = [list(range(i * 1000, i * 1000 + n * BS)) for i, n in enumerate([8, 60, 19, 21, 45, 3, 20, 200])]
+    for tokens in prompts + prompts[::-1]:
+        r = router.route(req(router, tokens))
+        assert router.index.count(0) <= capacity
+        router.complete(Completion(r.request.request_id))
+    # the long prompt's first blocks are what stays cached of it
+    longest = req(router, prompts[-1])
+    router.route(longest)
+    assert router.index.count(0) == capacity
+    assert router.index.match(longest.keys, 1).overlap(0) == capacity
+    # block keys a client sends need not chain: here the prompt's first block is the cache's
+    # deepest, so every other block held is above the prompt's and no leaf while they stay;
+    # the bound holds all the same, by evicting the prompt's own blocks
+    keys = router.keys_for_tokens(prompts[1])
+    router.route(RouteRequest("again", keys, len(keys) * BS))
+    router.route(RouteRequest("odd", [keys[capacity - 1], 7, 8], 3 * BS))
+    assert router.index.count(0) == capacity
+
+
 def test_request_may_name_a_policy_and_unknown_ones_are_refused():
     router, _ = make()
     r = router.route(req(router, list(range(32)), policy="round_robin"))
@@ -89,8 +164,27 @@ def test_candidate_subset_restricts_the_choice():
     for _ in range(4):
         r = router.route(req(router, list(range(32)), candidate_workers=("w2",)))
         assert r.worker.id == "w2"
-    with pytest.raises(NoEligibleWorker):
+    with pytest.raises(NotFound, match="'ghost'"):
         router.route(req(router, list(range(32)), candidate_workers=("ghost",)))
+
+
+def test_unknown_candidates_are_the_callers_mistake_and_ineligible_known_ones_an_outage():
+    """Issue #29 item 10: a typo in candidate_workers answered UNAVAILABLE, which clients fail
+    open on, so every request went to the fallback unseen. NOT_FOUND names the unknown ids;
+    UNAVAILABLE is left for known candidates that cannot take a request now."""
+    router, _ = make(n=2)
+    with pytest.raises(NotFound, match="names no registered worker: 'gpu-9', 'gpu-10'") as unknown:
+        router.route(req(router, list(range(32)), candidate_workers=("gpu-9", "gpu-10")))
+    assert not isinstance(unknown.value, NoEligibleWorker)
+    # an unknown id beside a known one is passed over (a caller's list may lag a worker that left)
+    assert router.route(req(router, list(range(32)), candidate_workers=("gone", "w1"))).worker.id == "w1"
+    router.set_draining("w1", True)
+    with pytest.raises(NoEligibleWorker, match=r"'gone', 'w1'\) is eligible \('gone' not registered\)"):
+        router.route(req(router, list(range(32)), candidate_workers=("gone", "w1")))
+    # a router with no worker yet (just restarted) knows no id: an outage, not a typo
+    empty, _ = make(n=0)
+    with pytest.raises(NoEligibleWorker):
+        empty.route(req(empty, list(range(32)), candidate_workers=("w0",)))
 
 
 def test_draining_workers_get_no_new_requests():

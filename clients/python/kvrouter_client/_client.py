@@ -22,12 +22,14 @@ Fallback when the router is unreachable (UNAVAILABLE or DEADLINE_EXCEEDED, which
 ``RouterUnavailable``; with a ``fallback`` callable the client fails open: it calls
 ``fallback(request)`` with the ``RouteRequest`` it tried and returns its ``(worker_id,
 worker_address)`` as a ``RouteResult`` with ``fallback=True`` (``complete()`` of such a result
-does nothing, since the router never saw it). Rejections (bad input, over a limit) always
-raise ``RouterRejected``: failing open would hide a bug.
+does nothing, since the router never saw it). Rejections (bad input, a model or
+``candidate_workers`` no registered worker has, over a limit) always raise ``RouterRejected``:
+failing open would hide a bug.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -38,8 +40,8 @@ from ._channel import TLS, channel_options, open_aio_channel, open_channel
 from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
-from ._streams import RouteStreams, StreamsUnsupported
-from ._types import RouteResult, TaskCategory, WorkerInfo, packed_tokens
+from ._streams import COMPLETE, ROUTE, RouteStreams, StreamsUnsupported, field_header
+from ._types import RouteResult, TaskCategory, WorkerInfo, packed_array
 
 __all__ = ["DEFAULT_STREAMS", "DEFAULT_TIMEOUT_S", "FallbackFn", "RouterClient", "SyncRouterClient"]
 
@@ -51,6 +53,35 @@ DEFAULT_STREAMS = 4
 
 #: chooses a worker when the router is unreachable: request -> (worker_id, worker_address)
 FallbackFn = Callable[[pb.RouteRequest], tuple[str, str]]
+
+#: RouteRequest.token_ids_le32, the packed prompt: the last field, so protobuf writes it last
+_PROMPT_FIELD = 14
+
+
+class _Route:
+    """A route() call's request: every field but the packed prompt in ``fields``, the prompt
+    beside it (a 4,000-token prompt is 16 KB, which the streamed path copies only once)."""
+
+    __slots__ = ("fields", "prompt")
+
+    def __init__(self, fields: pb.RouteRequest, prompt: array | None) -> None:
+        self.fields = fields
+        self.prompt = prompt
+
+    def message(self) -> pb.RouteRequest:
+        """The whole RouteRequest (unary calls, and the fallback's argument)."""
+        if self.prompt is not None:
+            self.fields.token_ids_le32 = self.prompt.tobytes()
+            self.prompt = None
+        return self.fields
+
+    def body(self) -> list[bytes | memoryview]:
+        """The serialised RouteRequest in parts, byte for byte ``message().SerializeToString()``."""
+        fields = self.fields.SerializeToString()
+        if not self.prompt:  # no prompt, or an empty one, which proto3 leaves out
+            return [fields]
+        prompt = memoryview(self.prompt).cast("B")  # our own array (see _route_request): nobody resizes it
+        return [fields, field_header(_PROMPT_FIELD, len(prompt)), prompt]
 
 
 def _route_request(
@@ -66,29 +97,49 @@ def _route_request(
     policy: str,
     candidate_workers: Sequence[str],
     request_id: str,
-) -> pb.RouteRequest:
+) -> _Route:
     if (token_ids is None) == (block_keys is None):
         raise ValueError("pass exactly one of token_ids and block_keys")
-    return pb.RouteRequest(
-        request_id=request_id,
-        # packed: the router hashes this buffer as it is, instead of decoding one varint per token
-        token_ids_le32=b"" if token_ids is None else packed_tokens(token_ids),
-        block_keys=block_keys or (),
-        prompt_tokens=prompt_tokens,
-        model=model,
-        lora=lora,
-        session_id=session_id,
-        task=int(task),
-        ttft_slo_ms=ttft_slo_ms,
-        expected_output_tokens=expected_output_tokens,
-        policy=policy,
-        candidate_workers=candidate_workers,
-    )
+    # packed: the router hashes this buffer as it is, instead of decoding one varint per token
+    prompt = None if token_ids is None else packed_array(token_ids)
+    if prompt is not None and prompt is token_ids:  # the caller's own array: the fallback must see it as it was now
+        prompt = prompt[:]
+    # only the arguments given: protobuf takes ~0.1 us a keyword, and most calls leave most at
+    # their defaults. An argument is left out only when it *is* its default object, which sets
+    # nothing, so every other value is checked by protobuf exactly as before.
+    fields: dict[str, Any] = {"ttft_slo_ms": ttft_slo_ms}
+    if request_id is not _NONE_STR:
+        fields["request_id"] = request_id
+    if block_keys:
+        fields["block_keys"] = block_keys
+    if prompt_tokens is not _ZERO:
+        fields["prompt_tokens"] = prompt_tokens
+    if model is not _NONE_STR:
+        fields["model"] = model
+    if lora is not _NONE_STR:
+        fields["lora"] = lora
+    if session_id is not _NONE_STR:
+        fields["session_id"] = session_id
+    if task is not TaskCategory.UNSPECIFIED:
+        fields["task"] = int(task)
+    if expected_output_tokens is not _ZERO:
+        fields["expected_output_tokens"] = expected_output_tokens
+    if policy is not _NONE_STR:
+        fields["policy"] = policy
+    if candidate_workers is not _NO_WORKERS:
+        fields["candidate_workers"] = candidate_workers
+    return _Route(pb.RouteRequest(**fields), prompt)
+
+
+#: route()'s defaults, as objects: the empty string and 0 are singletons in CPython, () too
+_NONE_STR = ""
+_ZERO = 0
+_NO_WORKERS = ()
 
 
 def _complete_request(
     request: RouteResult | str, ttft_ms: float, e2e_ms: float, cached_tokens: int, output_tokens: int, success: bool,
-    session_ended: bool = False,
+    session_ended: bool = False, prefill_ms: float = 0.0, kv_transfer_ms: float = 0.0, prefill_done: bool = False,
 ) -> pb.CompleteRequest | None:
     if isinstance(request, RouteResult):
         if request.fallback:
@@ -97,6 +148,7 @@ def _complete_request(
     return pb.CompleteRequest(
         request_id=request, ttft_ms=ttft_ms, e2e_ms=e2e_ms, cached_tokens=cached_tokens,
         output_tokens=output_tokens, success=success, session_ended=session_ended,
+        prefill_ms=prefill_ms, kv_transfer_ms=kv_transfer_ms, prefill_done=prefill_done,
     )
 
 
@@ -176,19 +228,20 @@ class RouterClient:
         timeout: float | None = None,
     ) -> RouteResult:
         """Pick the worker for one request (pass the prompt as token ids or as block keys)."""
-        req = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
-                             expected_output_tokens, policy, candidate_workers, request_id)
+        route = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
+                               expected_output_tokens, policy, candidate_workers, request_id)
         timeout = timeout or self.timeout
         streams = self._streaming()
         if streams is not None:
             try:
-                reply = await streams.exchange(pb.RouteStreamRequest(route=req), timeout, "Route")
+                reply = await streams.exchange(ROUTE, route.body(), timeout, "Route")
             except KVRouterClientError as err:
-                return _fail_open(req, self.fallback, err)
+                return _fail_open(route.message(), self.fallback, err)
             except StreamsUnsupported:
                 pass  # an older router: this call and the next ones go unary
             else:
                 return RouteResult.from_pb(reply.route)
+        req = route.message()
         try:
             resp = await self._stub.Route(req, timeout=timeout)
         except grpc.RpcError as exc:
@@ -205,19 +258,26 @@ class RouterClient:
         output_tokens: int = 0,
         success: bool = True,
         session_ended: bool = False,
+        prefill_ms: float = 0.0,
+        kv_transfer_ms: float = 0.0,
+        prefill_done: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """Release a routed request's load. False if the router was unreachable (it then releases
         the load itself after its in-flight timeout); raises RouterRejected otherwise.
-        ``session_ended=True`` says the conversation is over (end-aware eviction drops its tail first)."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
+        ``session_ended=True`` says the conversation is over (end-aware eviction drops its tail first).
+        A disaggregated request (``RouteResult.disaggregated``) reports its prefill hop's
+        ``prefill_ms`` and ``kv_transfer_ms``; ``prefill_done=True`` releases only the prefill
+        worker, as soon as it answered (its Complete without the flag follows)."""
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended,
+                                prefill_ms, kv_transfer_ms, prefill_done)
         if req is None:
             return True
         timeout = timeout or self.timeout
         streams = self._streaming()
         if streams is not None:
             try:
-                await streams.exchange(pb.RouteStreamRequest(complete=req), timeout, "Complete")
+                await streams.exchange(COMPLETE, [req.SerializeToString()], timeout, "Complete")
             except RouterUnavailable:
                 return False
             except StreamsUnsupported:
@@ -304,7 +364,7 @@ class SyncRouterClient:
     ) -> RouteResult:
         """See RouterClient.route."""
         req = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
-                             expected_output_tokens, policy, candidate_workers, request_id)
+                             expected_output_tokens, policy, candidate_workers, request_id).message()
         try:
             resp = self._stub.Route(req, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
@@ -321,10 +381,14 @@ class SyncRouterClient:
         output_tokens: int = 0,
         success: bool = True,
         session_ended: bool = False,
+        prefill_ms: float = 0.0,
+        kv_transfer_ms: float = 0.0,
+        prefill_done: bool = False,
         timeout: float | None = None,
     ) -> bool:
         """See RouterClient.complete."""
-        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended)
+        req = _complete_request(request, ttft_ms, e2e_ms, cached_tokens, output_tokens, success, session_ended,
+                                prefill_ms, kv_transfer_ms, prefill_done)
         if req is None:
             return True
         try:

@@ -17,11 +17,11 @@ Batches go over ``PublishEvents`` client streams; a stream is closed every ``ack
 batch stays buffered, and after a failure (router down, restarted, network) the publisher
 reconnects and resends every unacknowledged batch; the router ignores numbers it already
 applied, so nothing is lost or applied twice. A broken connection is waited out on the
-channel itself: gRPC retries the connection every ``reconnect_initial_s`` doubling up to
+channel itself: gRPC retries the connection every ``reconnect_initial_s`` growing up to
 ``CONNECT_BACKOFF_MAX_S`` (0.5 s), and the publisher goes on the moment it is up again, first
 reading the router's epoch (the router may have restarted behind the broken connection).
-``reconnect_initial_s`` .. ``reconnect_max_s`` is the backoff between streams the router
-ended with an error while connected (NOT_FOUND, ...).
+``reconnect_initial_s`` .. ``reconnect_max_s`` bound the backoff between streams the router
+ended with an error while connected (NOT_FOUND, ...), by the SDK's schedule (``_backoff``).
 
 Overflow. At most ``max_buffered_batches`` batches are held. Beyond that the buffer is
 dropped, the overflow is reported (log, ``stats.overflows``, ``on_overflow(events_dropped)``),
@@ -63,12 +63,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 
+from ._backoff import Backoff
 from ._batches import (
     DEFAULT_MAX_BATCH_BLOCKS,
     DEFAULT_MAX_EVENT_BATCH_BYTES,
@@ -83,18 +84,15 @@ from ._errors import RouterRejected, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
 from ._types import (
-    CacheMode,
     Cleared,
     Event,
-    EvictAdvice,
     PublisherStats,
     Removed,
     Stored,
-    WorkerInfo,
-    WorkerRole,
     event_to_pb,
     validate_stored,
 )
+from ._worker_calls import WorkerCalls
 
 __all__ = ["EventPublisher", "SnapshotFn"]
 
@@ -109,7 +107,7 @@ SnapshotFn = Callable[[], Iterable[Stored]]
 _TRANSPORT_OR_ROUTER = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
-class EventPublisher:
+class EventPublisher(WorkerCalls):
     """Publishes one worker's cache events and speaks for that worker to the router."""
 
     #: events go over PublishEvents; NatsEventPublisher sends them to the bus instead
@@ -167,6 +165,7 @@ class EventPublisher:
         self.on_overflow = on_overflow
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        self._backoff = Backoff(reconnect_initial_s, reconnect_max_s)
         #: seconds of idleness between two reads of the router's epoch (0 = never probe)
         self.probe_interval_s = probe_interval_s
         self._own_channel = channel is None and bool(target)
@@ -359,8 +358,14 @@ class EventPublisher:
             self._watch = asyncio.create_task(self._watch_connection(), name=f"kvrouter-connection-{self.worker_id}")
 
     async def _run(self) -> None:
-        backoff = self.reconnect_initial_s
+        # Hand-written, not a retry library's loop: after a failure with the connection down
+        # it waits for the connection to come back (gRPC's connect backoff, 0.5 s at most),
+        # not a time, and such a wait does not grow the backoff, which only the router's own
+        # errors over a working connection do; and the loop is the delivery loop itself (wait
+        # for work, probe, register, stream), not one call retried.
+        failures = 0  # in a row while connected; the backoff's attempt number
         while True:
+            backoff = self._backoff.delay(failures + 1)  # the wait should this round fail
             idle = not await self._wait_for_work(self._probe_after())
             try:
                 if idle or self._check_epoch:
@@ -369,7 +374,7 @@ class EventPublisher:
                     await self._register_again()
                 if self._buffer or self._pending or self._needs_resync:
                     await self._stream()
-                backoff = self.reconnect_initial_s
+                failures = 0
                 self._ambiguous_failure = None
                 continue
             except grpc.RpcError as exc:
@@ -410,7 +415,7 @@ class EventPublisher:
             if await self._until_connected():
                 continue  # the connection was down and is up again: go on at once
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.reconnect_max_s)
+            failures += 1
 
     def _rejection(self, err: Exception) -> bool:
         """Whether a failed stream was the router refusing what we sent (resending fails again)
@@ -618,80 +623,3 @@ class EventPublisher:
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
-
-    # ---- unary calls for this worker -----------------------------------------------------------
-    async def register(
-        self,
-        address: str,
-        *,
-        capacity_blocks: int = 0,
-        labels: Mapping[str, str] | None = None,
-        mode: CacheMode = CacheMode.EVENTS,
-        kv_events_endpoint: str = "",
-        models: Sequence[str] = (),
-        loras: Sequence[str] = (),
-        max_loras: int = 0,
-        role: WorkerRole = WorkerRole.BOTH,
-        timeout: float | None = None,
-    ) -> WorkerInfo:
-        """Register (or update) this worker; ``address`` is where gateways send its requests;
-        ``models`` its model pool (empty = any model), ``loras`` the adapters it can load,
-        ``max_loras`` how many it holds at once (vLLM ``--max-loras``), ``role`` its part in a
-        disaggregated pool. Remembered: after a router restart the publisher registers the
-        worker again by itself."""
-        worker = pb.Worker(id=self.worker_id, address=address, capacity_blocks=capacity_blocks,
-                           block_size=self.block_size, labels=dict(labels or {}), mode=int(mode),
-                           kv_events_endpoint=kv_events_endpoint, models=list(models), loras=list(loras),
-                           max_loras=max_loras, role=int(role))
-        resp = await self._unary("RegisterWorker", pb.RegisterWorkerRequest(worker=worker), timeout)
-        self._registration = {"address": address, "capacity_blocks": capacity_blocks, "labels": labels, "mode": mode,
-                              "kv_events_endpoint": kv_events_endpoint, "models": models, "loras": loras,
-                              "max_loras": max_loras, "role": role, "timeout": timeout}
-        if self._events_need_router and not self._router_epoch:
-            self._check_epoch = True  # learn the epoch now, so a restart right after is noticed
-            self._wake.set()
-        return WorkerInfo.from_pb(resp.worker)
-
-    async def deregister(self, timeout: float | None = None) -> None:
-        self._registration = None
-        self._reregister = False
-        await self._unary("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout)
-
-    async def report_load(self, queued: int, running: int, kv_utilization: float, timeout: float | None = None,
-                          loaded_loras: Sequence[str] | None = None) -> None:
-        """The engine's own view of its load (queue, running requests, KV use in [0, 1]) and, when
-        given, the LoRA adapters loaded now (None = not reported; ``[]`` = none loaded)."""
-        msg = pb.ReportLoadRequest(
-            worker_id=self.worker_id, queued_requests=queued, running_requests=running, kv_utilization=kv_utilization,
-        )
-        if loaded_loras is not None:
-            msg.loaded_loras.SetInParent()
-            msg.loaded_loras.names.extend(loaded_loras)
-        await self._unary("ReportLoad", msg, timeout)
-
-    async def evict_hint(
-        self,
-        *,
-        blocks: int = 0,
-        tokens: int = 0,
-        pinned_engine_hashes: Sequence[int] = (),
-        pinned_keys: Sequence[int] = (),
-        policy: str = "",
-        timeout: float | None = None,
-    ) -> EvictAdvice:
-        """Which blocks to evict first to free ``blocks`` blocks (or ``tokens`` tokens)."""
-        if (blocks > 0) == (tokens > 0):
-            raise ValueError("pass exactly one of blocks and tokens, as a positive number")
-        resp = await self._unary("EvictHint", pb.EvictHintRequest(
-            worker_id=self.worker_id, blocks=blocks, tokens=tokens, pinned_engine_hashes=pinned_engine_hashes,
-            pinned_keys=pinned_keys, policy=policy,
-        ), timeout)
-        return EvictAdvice(list(resp.keys), list(resp.engine_hashes), resp.exhausted, resp.policy)
-
-    async def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
-        if self._stub is None:
-            raise RuntimeError(f"{method}: this publisher has no router target (pass target= or channel=)")
-        try:
-            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, method) from None

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -39,7 +41,8 @@ from ._generated.kvrouter.v1 import router_pb2 as pb
 
 # batch_message, batches and advertised_limit are the coalescing policy, which kvrouterd's bench reuses
 __all__ = [
-    "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "RouteStreams", "StreamsUnsupported", "advertised_limit", "batch_message", "batches",
+    "COMPLETE", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "ROUTE", "RouteStreams", "StreamsUnsupported", "advertised_limit",
+    "batch_message", "batches", "field_header", "stream_item",
 ]
 
 _METHOD = "/kvrouter.v1.KVRouter/RouteStream"
@@ -53,6 +56,13 @@ MAX_BATCH_ITEMS = 64
 MAX_BATCH_BYTES = 4 << 20
 #: bytes a batch adds around each item (tag + length) and around itself
 _FRAMING = 6
+#: RouteStreamRequest's kinds a call sends: their field numbers in its ``kind`` oneof
+ROUTE = 2
+COMPLETE = 3
+#: RouteStreamRequest.id (field 1, varint) and .timeout_ms (field 4, 64-bit) tags
+_ID_TAG = b"\x08"
+_TIMEOUT_TAG = b"\x21"
+_DOUBLE = struct.Struct("<d")
 
 
 class StreamsUnsupported(Exception):
@@ -60,6 +70,8 @@ class StreamsUnsupported(Exception):
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:  # a tag, a small id: one byte, on every call
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -68,12 +80,42 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+_ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))
+
+
+def field_header(number: int, size: int) -> bytes:
+    """The tag and length that precede a length-delimited field (bytes, string, message) of
+    ``size`` bytes on the wire."""
+    return _varint(number << 3 | 2) + _varint(size)
+
+
+def stream_item(n: int, kind: int, body: Sequence[bytes | memoryview], timeout_ms: float) -> bytes:
+    """The serialised ``RouteStreamRequest(id=n, <kind>=request, timeout_ms=timeout_ms)``, byte
+    for byte what protobuf encodes, where ``body``'s parts joined are the serialised request.
+
+    Built by concatenation (a message field is its tag, its length and its bytes) so that a
+    Route's prompt is copied once, here, rather than into a RouteRequest, again into the
+    RouteStreamRequest holding it and again when that is serialised."""
+    head = _ID_TAG + _varint(n) + field_header(kind, sum(map(len, body)))
+    if not timeout_ms:  # proto3 leaves a zero out
+        return b"".join((head, *body))
+    return b"".join((head, *body, _TIMEOUT_TAG, _DOUBLE.pack(timeout_ms)))
+
+
 def batch_message(items: list[bytes]) -> bytes:
     """Serialised RouteStreamRequests as one serialised RouteStreamRequest whose ``batch``
     holds them. Built by concatenation (protobuf encodes a message field as tag, length,
-    bytes), so no item is parsed or encoded twice."""
-    inner = b"".join([b"\x0a" + _varint(len(item)) + item for item in items])  # batch.items: field 1
-    return b"\x2a" + _varint(len(inner)) + inner  # RouteStreamRequest.batch: field 5
+    bytes) in one join, so no item is parsed, encoded or copied twice: a batch of prompts is
+    hundreds of KiB, and every extra copy of it costs the gateway a page-faulting allocation."""
+    parts: list[bytes] = [b""]
+    size = 0
+    for item in items:
+        header = b"\x0a" + _varint(len(item))  # batch.items: field 1
+        parts.append(header)
+        parts.append(item)
+        size += len(header) + len(item)
+    parts[0] = b"\x2a" + _varint(size)  # RouteStreamRequest.batch: field 5
+    return b"".join(parts)
 
 
 def advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
@@ -107,6 +149,20 @@ def wire_messages(payloads: list[bytes], limit: int) -> Iterator[tuple[bytes, in
         yield (run[0] if len(run) == 1 else batch_message(run)), len(run)
 
 
+def _keep_batches_mapped(limit: int) -> None:
+    """Allocate and free one buffer of ``limit`` bytes, the largest batch a stream may send.
+
+    A batch is two buffers of up to ``limit`` bytes (the message, and gRPC's copy of it), freed
+    after every write. glibc's malloc serves blocks that large with fresh mmap()s, or trims them
+    off its heap when freed, until it has freed one mmap()ed block of the size (its dynamic
+    threshold, mallopt(3)); until then every batch touches new pages, some 8 page faults per
+    call (~15 us of CPU per Route + Complete on a VM). Freeing one such block up front moves the
+    threshold past any batch, so the heap keeps its pages between writes. ``bytes(n)`` is
+    calloc()ed: mapped and unmapped without touching a page. Other allocators just free it."""
+    if limit:
+        bytes(limit)
+
+
 def answers(reply: pb.RouteStreamResponse) -> Sequence[pb.RouteStreamResponse]:
     """The answers a reply carries: a batch's items, or the reply itself."""
     return reply.batch.items if reply.WhichOneof("kind") == "batch" else (reply,)
@@ -124,7 +180,15 @@ class _Stream:
         #: bytes a batch may have; 0 = one message per call (no advertisement seen, or not yet)
         self.batch_limit = 0
         self.failure: BaseException | None = None
-        self.reader = asyncio.create_task(self._read())
+        # kept: asyncio.get_running_loop() costs a getpid() system call, several a call otherwise
+        self.loop = asyncio.get_running_loop()
+        #: (deadline, id, what, timeout) of calls sent, in deadline order: one timer per stream
+        #: (``_expire_due``) fails those still waiting at their deadline, where a timer per call
+        #: cost ~1.6 us to arm and cancel. Answered calls leave from the front as calls are added
+        self.deadlines: deque[tuple[float, int, str, float]] = deque()
+        self.deadline_timer: asyncio.TimerHandle | None = None
+        self.deadline_at = 0.0  # when deadline_timer fires
+        self.reader = self.loop.create_task(self._read())
 
     async def _read(self) -> None:
         failure: BaseException
@@ -132,6 +196,7 @@ class _Stream:
         try:
             # a batching router sends its metadata at once; an older one with its first answer
             self.batch_limit = advertised_limit(await self.call.initial_metadata())
+            _keep_batches_mapped(self.batch_limit)
             while True:
                 reply = await self.call.read()
                 if reply is grpc.aio.EOF:
@@ -172,23 +237,61 @@ class _Stream:
         finally:
             self.writer = None
 
-    def submit(self, message: pb.RouteStreamRequest) -> asyncio.Future[pb.RouteStreamResponse]:
-        """Queue ``message``; the future gets its answer. The caller pops ``waiting`` when done."""
+    def submit(self, n: int, item: bytes) -> asyncio.Future[pb.RouteStreamResponse]:
+        """Queue ``item``, the serialised message of id ``n``; the future gets its answer. The
+        caller pops ``waiting`` when done."""
         if self.failure is not None:
             raise self.failure
-        future: asyncio.Future[pb.RouteStreamResponse] = asyncio.get_running_loop().create_future()
-        self.waiting[message.id] = future
-        self.queue.append((message.id, message.SerializeToString()))
+        future: asyncio.Future[pb.RouteStreamResponse] = self.loop.create_future()
+        self.waiting[n] = future
+        self.queue.append((n, item))
         if self.writer is None:
             # a task runs from the loop's next turn: the calls made in this turn queue first
-            self.writer = asyncio.create_task(self._write())
+            self.writer = self.loop.create_task(self._write())
         return future
+
+    def expire_at(self, n: int, timeout: float, what: str) -> asyncio.TimerHandle | None:
+        """Fail call ``n`` with DEADLINE_EXCEEDED if it is still waiting ``timeout`` s from now.
+        Returns the timer the caller must cancel when done, if the call needed one of its own."""
+        when = self.loop.time() + timeout
+        deadlines, waiting = self.deadlines, self.waiting
+        while deadlines and deadlines[0][1] not in waiting:  # answered (calls finish about in order)
+            deadlines.popleft()
+        if deadlines and when < deadlines[-1][0]:
+            # sooner than a call before it (a shorter per-call timeout): a timer of its own
+            return self.loop.call_at(when, _expire, waiting[n], what, timeout)
+        deadlines.append((when, n, what, timeout))
+        if self.deadline_timer is None or when < self.deadline_at:  # the timer may be a gone call's
+            self._arm(when)
+        return None
+
+    def _arm(self, when: float) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+        self.deadline_timer = self.loop.call_at(when, self._expire_due)
+        self.deadline_at = when
+
+    def _expire_due(self) -> None:
+        now = self.loop.time()
+        deadlines, waiting = self.deadlines, self.waiting
+        while deadlines and deadlines[0][0] <= now:
+            _, n, what, timeout = deadlines.popleft()
+            future = waiting.get(n)
+            if future is not None:
+                _expire(future, what, timeout)
+        # the next no sooner than a millisecond on (the loop's timers have that resolution): a
+        # deadline is kept late by at most that, never early
+        self.deadline_timer = None
+        if deadlines:
+            self._arm(max(deadlines[0][0], now + 0.001))
 
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
         if self.writer is not None:
             self.writer.cancel()
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
 
 
 def _stream_failure(exc: grpc.RpcError) -> BaseException:
@@ -216,11 +319,17 @@ class RouteStreams:
         #: the router answered UNIMPLEMENTED: it has no RouteStream
         self.unsupported = False
 
-    async def exchange(self, message: pb.RouteStreamRequest, timeout: float, what: str) -> pb.RouteStreamResponse:
-        """Send one message and wait at most ``timeout`` s for its answer.
+    async def exchange(
+        self, kind: int, body: Sequence[bytes | memoryview], timeout: float, what: str
+    ) -> pb.RouteStreamResponse:
+        """Send one message of ``kind`` (ROUTE or COMPLETE) carrying the serialised request
+        ``body`` (its parts, joined once: see ``stream_item``) and wait at most ``timeout`` s
+        for its answer.
 
         Raises RouterUnavailable (stream broken, router unreachable, deadline passed),
         StreamsUnsupported, or the error the router answered this message with."""
+        if timeout <= 0:  # past its deadline before it leaves: the router never sees it
+            raise _deadline_exceeded(what, timeout)
         stream = self._filling
         if stream is None or not stream.queue or not stream.batch_limit or stream.failure is not None:
             # no batch forming: the next stream in turn (calls made together join the batch the
@@ -232,18 +341,22 @@ class RouteStreams:
                     stream.close()
                 stream = self._streams[slot] = _Stream(self._method)
             self._filling = stream
-        message.id = next(self._ids)
-        message.timeout_ms = timeout * 1000.0
+        n = next(self._ids)
+        item = stream_item(n, kind, body, timeout * 1000.0)
+        timer: asyncio.TimerHandle | None = None
         try:
-            reply = await asyncio.wait_for(stream.submit(message), timeout)
-        except TimeoutError:
-            raise RouterUnavailable(f"{what}: DEADLINE_EXCEEDED: no answer within {timeout:g} s",
-                                    grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            future = stream.submit(n, item)
+            # the deadline fails the future itself: cheaper than wait_for's wrapping future and
+            # callbacks, and a cancelled caller still cancels the future it awaits
+            timer = stream.expire_at(n, timeout, what)
+            reply = await future
         except StreamsUnsupported:
             self.unsupported = True
             raise
         finally:
-            stream.waiting.pop(message.id, None)
+            if timer is not None:
+                timer.cancel()
+            stream.waiting.pop(n, None)
         if reply.WhichOneof("kind") == "error":
             raise _reply_error(reply.error, what)
         return reply
@@ -254,6 +367,16 @@ class RouteStreams:
                 stream.close()
         self._streams = [None] * len(self._streams)
         self._filling = None
+
+
+def _deadline_exceeded(what: str, timeout: float) -> RouterUnavailable:
+    return RouterUnavailable(f"{what}: DEADLINE_EXCEEDED: no answer within {timeout:g} s",
+                             grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _expire(future: asyncio.Future[pb.RouteStreamResponse], what: str, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(_deadline_exceeded(what, timeout))
 
 
 def _reply_error(error: pb.StreamError, what: str) -> KVRouterClientError:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ._generated.kvrouter.v1 import router_pb2 as pb
-from .keys import tokens_to_bytes
+from .keys import le32_array
 
 __all__ = [
     "CacheMode",
@@ -74,6 +75,17 @@ class RouteResult:
     reason: str = ""
     estimated_ttft_ms: float = 0.0
     fallback: bool = False
+    #: a prefill/decode pool's two hops: ``worker_*`` is the decode worker; when
+    #: ``disaggregated``, prefill on ``prefill_worker_address`` first, which sends the KV to it
+    #: (llm-d's ``x-prefiller-host-port``), else the decode worker prefills itself.
+    #: ``disaggregation_reason`` says why ("" = not a P/D pool); the uncached counts are the
+    #: prompt tokens each hop computes (the decode hop's: computes or receives)
+    disaggregated: bool = False
+    disaggregation_reason: str = ""
+    prefill_worker_id: str = ""
+    prefill_worker_address: str = ""
+    prefill_uncached_tokens: int = 0
+    decode_uncached_tokens: int = 0
 
     @classmethod
     def from_pb(cls, msg: pb.RouteResponse) -> RouteResult:
@@ -89,6 +101,12 @@ class RouteResult:
             policy=msg.policy,
             reason=msg.reason,
             estimated_ttft_ms=msg.estimated_ttft_ms,
+            disaggregated=msg.disaggregated,
+            disaggregation_reason=msg.disaggregation_reason,
+            prefill_worker_id=msg.prefill_worker_id,
+            prefill_worker_address=msg.prefill_worker_address,
+            prefill_uncached_tokens=msg.prefill_uncached_tokens,
+            decode_uncached_tokens=msg.decode_uncached_tokens,
         )
 
 
@@ -112,6 +130,10 @@ class WorkerInfo:
     max_loras: int = 0
     role: WorkerRole = WorkerRole.BOTH
     loaded_loras: tuple[str, ...] = ()
+    #: KV-event batches applied from it and seconds since the last (0 = none): a decode worker
+    #: in events mode with none is one whose cache the P/D bypass check cannot read
+    event_batches: int = 0
+    last_event_age_s: float = 0.0
 
     @classmethod
     def from_pb(cls, msg: pb.Worker) -> WorkerInfo:
@@ -132,6 +154,8 @@ class WorkerInfo:
             max_loras=msg.max_loras,
             role=WorkerRole(msg.role) if msg.role in WorkerRole._value2member_map_ else WorkerRole.UNSPECIFIED,
             loaded_loras=tuple(msg.loaded_loras),
+            event_batches=msg.event_batches,
+            last_event_age_s=msg.last_event_age_s,
         )
 
 
@@ -180,8 +204,14 @@ Event = Stored | Removed | Cleared
 def packed_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as the wire's ``token_ids_le32`` (little-endian uint32 bytes), which the router
     hashes as they are. Raises ValueError for an id outside [0, 2**32), as the repeated field did."""
+    return packed_array(tokens).tobytes()
+
+
+def packed_array(tokens: Sequence[int]) -> array:
+    """``packed_tokens`` as an array whose buffer holds those bytes, without copying them out
+    (``tokens`` itself when it is an ``array('I')``: see ``keys.le32_array``)."""
     try:
-        return tokens_to_bytes(tokens)
+        return le32_array(tokens)
     except OverflowError:
         raise ValueError("token ids must be in [0, 2**32)") from None
 

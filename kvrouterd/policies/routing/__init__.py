@@ -11,7 +11,7 @@ from ..latency import LatencyParams
 from .cache_affinity import CacheAffinityParams, CacheAffinityPolicy
 from .cache_aware import CacheAwareParams, CacheAwarePolicy
 from .compose import ComposeParams, ComposePolicy
-from .dualmap import DualMapParams, DualMapPolicy
+from .dualmap import DualMapPaperParams, DualMapPaperPolicy, DualMapParams, DualMapPolicy
 from .dynamo import DynamoParams, DynamoPolicy
 from .kv_cost import KVCostParams, KVCostPolicy
 from .lbgr import LBGRParams, LBGRPolicy
@@ -30,6 +30,7 @@ POLICIES: tuple[tuple[str, type, type], ...] = (
     ("cache_aware", CacheAwarePolicy, CacheAwareParams),
     ("compose", ComposePolicy, ComposeParams),
     ("dualmap", DualMapPolicy, DualMapParams),
+    ("dualmap_paper", DualMapPaperPolicy, DualMapPaperParams),
     ("dynamo", DynamoPolicy, DynamoParams),
     ("kv_cost", KVCostPolicy, KVCostParams),
     ("lbgr", LBGRPolicy, LBGRParams),

@@ -68,7 +68,7 @@ class ComposePolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         allowed = set(self.restrict.candidate_ids(ctx))
         subset = [w for w in ctx.candidates if w.id in allowed] or list(ctx.candidates)
-        sub = RoutingContext(ctx.request, subset, ctx.match, ctx.block_size, ctx.now, ctx.index, ctx.explain)
+        sub = RoutingContext(ctx.request, subset, ctx.match, ctx.block_size, ctx.now, ctx.index, ctx.explain, ctx.claimed)
         decision = self.scorer.select(sub)
         decision.policy = self.name
         decision.attributes["candidates"] = ",".join(w.id for w in subset)

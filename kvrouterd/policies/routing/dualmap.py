@@ -1,58 +1,81 @@
 """``dualmap``: two hash-chosen candidates per prefix, SLO-aware choice between them.
 
-Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt``):
+Follows DualMap (Yuan et al., ``papers/dualmap-cache-affinity-load-balancing.txt``), with
+departures measured on issue #27, each a parameter (``dualmap_paper`` is the paper's rule
+throughout):
 
 - **Candidate pair** (sections 3.2, 3.4, A.1.3): the request's hash key goes through two
   independent hash functions onto a dual consistent-hash ring (``hash_ring``), giving two
   distinct workers (Eq. 5 when both coincide). The pair depends only on the key and the
-  worker ids, so router replicas with the same workers agree without sharing state. (The
-  key's length for a *hot* prefix comes from each replica's own traffic window; replicas
-  behind a balanced load balancer see the same shares, but nothing forces them to agree.)
+  worker ids, so router replicas with the same workers agree without sharing state.
 - **Adaptive hash-key length** (section 3.2, A.1.1): the key is the prompt's first
   ``base_segments`` segments of ``segment_tokens`` tokens (the paper's 2 x 512); a prefix
   whose sliding-window traffic share exceeds 2/n gets one more segment, and loses it when
   its share falls below 1/n (``prefix_hotness``). Segments are counted in the router's
   blocks: ``segment_tokens / block_size`` blocks per segment (at least 1).
+- **Cold prompts** (beyond the paper, ``cold_placement=fleet``): a prompt no eligible worker
+  holds any block of goes to the worker with the lowest estimated TTFT in the whole fleet
+  (not overloaded first), as the baselines place it (tool/agent: capacity 24 -> 26+ req/s;
+  Mooncake, where few prompts are cold: unchanged at 7.5), instead of the lighter of its pair
+  (``cold_placement=pair``, the paper). The choice is remembered (``placement_memory``:
+  prefix key -> worker, longest prefix within the base key, ``placement_memory_entries``,
+  ``placement_memory_ttl_s`` after last use, dropped when the worker leaves), and a later
+  request with that prefix takes the remembered worker and the first of its hash pair as
+  its two candidates, the remembered one preferred when their reuse ties (in events mode
+  the cache is invisible until the engine's Stored). A hot (extended) key is never pinned:
+  its pair spreads it. Without the memory, follow-ups looked in the pair and found nothing
+  (17.5% hits on the issue's held-out trace). The memory is each replica's own.
 - **SLO-aware selection** (section 3.2, A.1.1): prefer the candidate with more cached reuse
-  (``rule=cache_affinity``); when that one is overloaded, switch (``rule=slo_switch``) to the
+  (``rule=cache_affinity``); with equal reuse, the less loaded (``rule=equal_reuse``). When
+  the preferred one is overloaded, ``slo_switch=paper`` switches (``rule=slo_switch``) to the
   candidate with the lower estimated TTFT, queueing plus its own uncached prefill
-  (``switch_to=min_ttft``: the paper's appendix says DualMap "chooses between its two
-  candidates using a TTFT estimation function that jointly considers the cache-reuse benefit
-  and queuing delay", A.6, and "only requires an estimated TTFT for each candidate", A.5), or
-  to the one with fewer pending tokens (``switch_to=less_loaded``, section 3.2's summary "selects
-  the less loaded instance", which ignores that the other candidate may hold none of the
-  prompt: on the Mooncake trace at 19 req/s it sent conversations to the candidate without
-  their history, hit ratio 29% -> 20%, SLO 95.5% -> 54.5%); with equal reuse, take the less
-  loaded (``rule=equal_reuse``). Load
-  is pending prefill tokens, as the latency model estimates them (``pending_model``). "Overloaded" is, with ``slo_test=static_threshold`` (the
-  paper's implementation), pending tokens plus the request's uncached tokens above the
-  *ttft_slo_threshold*: the tokens a worker prefills within the request's TTFT SLO under
-  the configured (uncalibrated) latency model, or ``slo_threshold_tokens`` when set; with
-  ``slo_test=latency_model`` (beyond the paper), the calibrated TTFT estimate above the SLO.
-- **Load and threshold from the profiled GPU** (3.2): both the ttft_slo_threshold and the
-  drain rate of the pending-token estimate come from the configured prefill model
-  (``prefill_ms_per_1k_tokens``), as the paper computes them from a profiled GPU; online
-  calibration (``calibrate: true``, shared with min_ttft) is opt-in. Measured in ``sim
-  cluster`` on the Mooncake trace capped at 20,480 tokens (8 workers, 28 req/s): the online
-  fit, fed TTFTs of fully cached requests stuck behind long queues, diverged to 5.4e6 ms per
-  1k tokens, so every worker looked overloaded; at the moment of each SLO switch the
-  estimated pending load of the preferred worker was 2.8x its true queue (316k vs 114k
-  tokens), the switches threw away cached history and SLO attainment fell to 66%
-  (``calibrate: false``: 100%).
-- **Decode bottleneck** (A.7): a worker with a non-empty queue that has completed no
-  prefill for ``decode_bottleneck_s`` is overloaded, and its TTFT estimates include the
-  observed interval. The queue is the admission queue (``queued_ttft_ms``; at selection,
-  ``Worker.queued_requests``) or the engine's reported waiting requests (``ReportLoad``);
-  without either the
-  rule cannot tell waiting from decoding requests and stays quiet. Prefill completions are
-  learned from ``Complete`` (its TTFT dates the first token), so they are seen late: a
-  worker with a real queue and only long decodes in flight can be flagged early.
+  (``switch_to=min_ttft``, A.5, A.6) or to the one with fewer pending tokens
+  (``switch_to=less_loaded``, 3.2's summary, which ignores that the other may hold none of
+  the prompt). Near saturation both candidates are over the SLO and each switch turns a hit
+  into a full recompute, adding the load that triggers the next switch (issue #27: switched
+  requests met the SLO 17.5% of the time at +10% past capacity). ``slo_switch=guarded``
+  (opt-in) switches only to a candidate that is predicted to meet the SLO with
+  ``switch_headroom`` to spare and whose TTFT saving exceeds the extra prefill the switch
+  costs the fleet, divided by 1 + the requests with the same hash key in the hotness
+  window (the recompute puts the prefix on both candidates, and a prefix many requests
+  share then splits between them: on the tool/agent workload, charging it in full to one
+  request held hot tool prompts on one worker and cut capacity from 24 to 20-22 req/s);
+  otherwise it stays (``rule=slo_hold``). It is not the default: on the tool/agent workload
+  (DualMap's Table 1 shape) it cut capacity from 24 to 22 req/s, with fleet placement from
+  26+ to 20. There both candidates of a warm tool prompt are often over the threshold, and
+  the paper's switch, recomputing the prompt once on the other, lets the pair share it. The two thresholds (leave above
+  the SLO budget, arrive only below ``1 - switch_headroom`` of it) are a hysteresis band: a
+  switch cannot push its target to the edge where it would start switching in turn. On the
+  Mooncake trace (8 workers, 30% cache, ``sim cluster``) the guard alone raised capacity
+  from 7.5 to 8.0 req/s and attainment at 10 req/s from 40% to 67%; the band's width (0 or
+  0.2) moved no rate by more than 1.5 points there.
+  Load is pending prefill tokens as the latency model estimates them (``pending_model``).
+  "Overloaded" is, with ``slo_test=static_threshold`` (the paper's implementation), pending
+  tokens plus the request's uncached tokens above the *ttft_slo_threshold*: the tokens a
+  worker prefills within the SLO under the configured (uncalibrated) model, or
+  ``slo_threshold_tokens`` when set; with ``slo_test=latency_model``, the TTFT estimate
+  above the SLO. The guard's "meets the SLO" uses the same test.
+- **Load and threshold from the profiled GPU** (3.2): the ttft_slo_threshold and the drain
+  rate of the pending-token estimate come from the configured prefill model; online
+  calibration (``calibrate: true``) is opt-in: in ``sim cluster`` on Mooncake the online fit,
+  fed TTFTs of cached requests stuck behind long queues, diverged (5.4e6 ms per 1k tokens)
+  and SLO attainment fell to 66% (fixed model: 100%).
+- **Decode bottleneck** (A.7, ``decode_bottleneck``): a worker with requests waiting for
+  prefill that has completed none for ``decode_bottleneck_s`` is overloaded, and its TTFT
+  estimates include the interval. It also fires on a worker prefilling one very long prompt
+  (issue #27: 213 such moves at 90% load). ``decode_bottleneck_gate=guarded`` ignores those:
+  it also requires reported KV use >= ``decode_bottleneck_kv`` from a worker that reports
+  load, and an interval beyond T plus the modelled prefill of its longest prompt in flight.
+  It is not the default: on the Mooncake trace (8 workers, ``sim cluster``) it cut flagged
+  decisions by two thirds and capacity from 7.5 to 6.0 req/s. The "false" moves are right
+  for another reason: the queue behind a long prefill waits for it (first come, first
+  served), and the pending-token load prices that prompt's attention over its earlier
+  chunks at nothing, so only the stall shows the wait.
 - **Hotspot rebalancing** (3.3, A.1.2) needs waiting requests; it lives in
   ``kvrouterd.admission``. A decision whose two candidates are both overloaded says so
-  (``both_overloaded=1``) so the host can run a migration round, and
-  ``queued_ttft_ms`` gives the admission queue the A.7-corrected estimates. A worker's load
-  includes the prefill tokens of requests waiting for it in that queue
-  (``Worker.queued_prefill_tokens``): there they are its pending work, as in the engine.
+  (``both_overloaded=1``) so the host can run a migration round; ``queued_ttft_ms`` gives
+  the admission queue the A.7-corrected estimates. A worker's load includes the prefill
+  tokens waiting for it in that queue (``Worker.queued_prefill_tokens``).
 
 Parameters (defaults from the paper unless noted; latency-model ones in ``policies.latency``):
 
@@ -64,76 +87,38 @@ Parameters (defaults from the paper unless noted; latency-model ones in ``polici
   sliding window (the paper gives no sizes).
 - ``default_ttft_slo_ms`` = 5000: SLO for requests without one (the paper's 5 s).
 - ``slo_test`` = "static_threshold"; ``slo_threshold_tokens`` = 0 (derive from the model).
-- ``decode_bottleneck_s`` = 3.0: A.7's T (0 disables).
-- ``switch_to`` = "min_ttft": the SLO switch's target (above).
+- ``switch_to`` = "min_ttft": the paper switch's target (above).
+- ``slo_switch`` = "paper" (see above); ``switch_headroom`` = 0.2 (guarded only): the band
+  below the SLO a switch target must be in.
+- ``cold_placement`` = "fleet" (paper: "pair"); ``placement_memory_entries`` = 65536,
+  ``placement_memory_ttl_s`` = 600.
+- ``decode_bottleneck_s`` = 3.0: A.7's T (0 disables); ``decode_bottleneck_gate`` =
+  "paper" (see above); ``decode_bottleneck_kv`` = 0.95 (guarded only).
 
 ``counters()`` counts, over dispatched decisions, those with a candidate flagged by A.7
-(``decode_bottleneck_decisions``) and those the flag sent to another worker than the rule
-would have chosen without it (``decode_bottleneck_moves``); the daemon exports them as
-``kvrouter.policy.rule_fired``, ``sim reproduce`` per run.
+(``decode_bottleneck_decisions``), those the flag sent to another worker than the rule
+would have chosen without it (``decode_bottleneck_moves``), SLO switches and holds
+(``slo_switches``, ``slo_holds``) and fleet-wide cold placements (``cold_placements``,
+``remembered_placements``); the daemon exports them as ``kvrouter.policy.rule_fired``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, replace
 
 from ...bounds import MAX_LATENCY_MS
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
-from ..latency import LatencyModel, LatencyParams
+from ..latency import LatencyModel
+from .decode_bottleneck import DecodeBottleneck
+from .dualmap_params import DualMapPaperParams, DualMapParams
 from .hash_ring import DualHashRing
+from .placement_memory import PlacementMemory
 from .prefix_hotness import PrefixHotness, key_path
 
-__all__ = ["DualMapParams", "DualMapPolicy"]
-
-
-@dataclass(frozen=True)
-class DualMapParams(LatencyParams):
-    # the paper profiles the GPU once (3.2); online calibration is opt-in (see the docstring)
-    calibrate: bool = field(default=False, metadata={"help": "fit the prefill model online from observed TTFT"})
-    segment_tokens: int = field(default=512, metadata={"help": "tokens per hash-key segment"})
-    base_segments: int = field(default=2, metadata={"help": "segments in a cold prefix's hash key"})
-    max_key_segments: int = field(default=64, metadata={"help": "longest hash key, in segments"})
-    virtual_nodes: int = field(default=128, metadata={"help": "points per worker on each hash ring"})
-    hotness_window_s: float = field(default=60.0, metadata={"help": "sliding window for prefix traffic shares, s"})
-    hotness_buckets: int = field(default=12, metadata={"help": "buckets the hotness window is split into"})
-    hotness_min_requests: int = field(default=50, metadata={"help": "requests in the window before hotness is judged"})
-    default_ttft_slo_ms: float = field(default=5000.0, metadata={"help": "TTFT SLO for requests that carry none, ms"})
-    slo_test: Literal["static_threshold", "latency_model"] = field(
-        default="static_threshold",
-        metadata={"help": "overload test: token threshold from the static model, or the calibrated TTFT estimate"},
-    )
-    slo_threshold_tokens: int = field(
-        default=0, metadata={"help": "pending-token threshold for static_threshold (0 = derive from the SLO)"}
-    )
-    decode_bottleneck_s: float = field(
-        default=3.0, metadata={"help": "no prefill completed for this long with work queued = overloaded (0 = off)"}
-    )
-    switch_to: Literal["min_ttft", "less_loaded"] = field(
-        default="min_ttft",
-        metadata={"help": "SLO switch target: the candidate with the lower estimated TTFT, its cache hit included "
-                          "(A.5, A.6), or the one with fewer pending tokens (3.2's summary)"},
-    )
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("segment_tokens", "base_segments", "max_key_segments", "virtual_nodes",
-                     "hotness_buckets", "hotness_min_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_key_segments < self.base_segments:
-            raise ValueError(f"max_key_segments must be >= base_segments, got {self.max_key_segments}")
-        if self.hotness_window_s <= 0:
-            raise ValueError(f"hotness_window_s must be > 0, got {self.hotness_window_s}")
-        if self.default_ttft_slo_ms <= 0:
-            raise ValueError(f"default_ttft_slo_ms must be > 0, got {self.default_ttft_slo_ms}")
-        if self.slo_threshold_tokens < 0:
-            raise ValueError(f"slo_threshold_tokens must be >= 0, got {self.slo_threshold_tokens}")
-        if self.decode_bottleneck_s < 0:
-            raise ValueError(f"decode_bottleneck_s must be >= 0, got {self.decode_bottleneck_s}")
+__all__ = ["DualMapPaperParams", "DualMapPaperPolicy", "DualMapParams", "DualMapPolicy"]
 
 
 @dataclass(slots=True)
@@ -145,11 +130,15 @@ class _View:
     load: int
     uncached: int
     ttft_ms: float
+    #: the request's own prefill here (T_c), ms
+    own_ms: float
     bottleneck_ms: float
     #: over the SLO threshold by load alone (section 3.2)
     over_load: bool
-    #: over_load, or decode-bottlenecked (A.7)
+    #: overloaded, or decode-bottlenecked (A.7)
     overloaded: bool
+    #: within (1 - switch_headroom) of the SLO by load alone: a guarded switch may come here
+    roomy: bool
 
 
 class DualMapPolicy(RoutingPolicyBase):
@@ -161,11 +150,11 @@ class DualMapPolicy(RoutingPolicyBase):
         self.hotness = PrefixHotness(params.hotness_window_s, params.hotness_buckets, params.hotness_min_requests)
         self.latency = LatencyModel(params)
         self._static = LatencyModel(replace(params, calibrate=False))
-        self._last_prefill: dict[str, float] = {}
-        self._busy_since: dict[str, float] = {}
-        #: dispatched decisions with a candidate flagged decode-bottlenecked (A.7), and those
-        #: the flag sent to another worker than the rule without it would have
-        self._a7 = {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0}
+        self.memory = PlacementMemory(params.placement_memory_entries, params.placement_memory_ttl_s)
+        self.a7 = DecodeBottleneck(params.decode_bottleneck_s, params.decode_bottleneck_gate,
+                                   params.decode_bottleneck_kv, lambda u, c: self._static.ttft_ms(u, 0, 0, c))
+        self._counts = {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0, "slo_switches": 0,
+                        "slo_holds": 0, "cold_placements": 0, "remembered_placements": 0}
 
     # ---- pure helpers -------------------------------------------------------------------
     def segment_blocks(self, block_size: int) -> int:
@@ -177,7 +166,7 @@ class DualMapPolicy(RoutingPolicyBase):
         return key_path(keys, p.base_segments * seg, seg, self.hotness.extended, p.max_key_segments * seg)
 
     def candidate_pair(self, request: RouteRequest, block_size: int, allowed: set[str] | None = None) -> tuple[str, str | None]:
-        """The two candidates of ``request`` among ``allowed`` (all ring members if None)."""
+        """The two hashed candidates of ``request`` among ``allowed`` (all ring members if None)."""
         path = self.key_path(request.keys, block_size)
         if not path:
             raise LookupError("the prompt has no full block to hash")
@@ -191,21 +180,8 @@ class DualMapPolicy(RoutingPolicyBase):
         return self.params.slo_threshold_tokens or self._static.tokens_within(slo_ms)
 
     def bottleneck_ms(self, worker: Worker, now: float, queued: bool | None = None) -> float:
-        """A.7: the prefill interval of a decode-bottlenecked worker, else 0.
-
-        The rule needs a non-empty queue of requests waiting for prefill: ``queued`` when the
-        caller knows (the admission queue), else the engine's reported queue (ReportLoad).
-        In-flight requests alone do not count: most of them are decoding, and ``Complete``
-        reports their prefill only when they finish.
-        """
-        limit = self.params.decode_bottleneck_s
-        waiting = (worker.reported_queue > 0 or worker.queued_requests > 0) if queued is None else queued
-        if limit <= 0 or not waiting or worker.inflight_requests <= 0:
-            return 0.0
-        # the clock starts when the worker last went busy or last finished a prefill
-        since = max(self._last_prefill.get(worker.id, float("-inf")), self._busy_since.get(worker.id, now))
-        interval = now - since
-        return interval * 1000.0 if interval > limit else 0.0
+        """A.7: the prefill interval of a decode-bottlenecked worker, else 0 (``decode_bottleneck``)."""
+        return self.a7.stall_ms(worker, now, queued)
 
     def queued_ttft_ms(self, worker: Worker, uncached_tokens: int, tokens_ahead: int, requests_ahead: int, now: float) -> float:
         """TTFT of a request waiting behind ``tokens_ahead`` prefill tokens on ``worker``
@@ -219,79 +195,123 @@ class DualMapPolicy(RoutingPolicyBase):
         load = self.latency.pending_tokens(w, ctx.now) + w.queued_prefill_tokens
         stall = self.bottleneck_ms(w, ctx.now)
         ttft = self.latency.ttft_ms(uncached, load, w.inflight_requests + w.queued_requests) + stall
+        room = 1.0 - self.params.switch_headroom
         if self.params.slo_test == "static_threshold":
-            over = load + uncached > threshold
+            over, roomy = load + uncached > threshold, load + uncached <= room * threshold
         else:
-            over = ttft > slo
-        return _View(w, ctx.overlap(w), load, uncached, ttft, stall, over, over or stall > 0)
+            over, roomy = ttft - stall > slo, ttft - stall <= room * slo
+        own = self.latency.ttft_ms(uncached, 0)
+        return _View(w, ctx.overlap(w), load, uncached, ttft, own, stall, over, over or stall > 0, roomy)
 
-    # ---- selection ----------------------------------------------------------------------
-    def _pair(self, ctx: RoutingContext, by_id: dict[str, Worker],
-              path: list[tuple[int, int]]) -> tuple[str, str | None] | None:
-        if len(by_id) > 1 and path:
-            try:
-                return self.ring.pair(path[-1][1], by_id.__contains__)
-            except LookupError:
-                return None
-        return None
+    # ---- candidates -----------------------------------------------------------------------
+    def _hash_pair(self, by_id: dict[str, Worker], path: list[tuple[int, int]]) -> tuple[str, str | None] | None:
+        if len(by_id) < 2 or not path:
+            return None
+        try:
+            return self.ring.pair(path[-1][1], by_id.__contains__)
+        except LookupError:
+            return None
+
+    def _plan(self, ctx: RoutingContext, by_id: dict[str, Worker],
+              path: list[tuple[int, int]]) -> tuple[str, tuple[str, str | None] | None]:
+        """How the request finds its candidates: ("hash", its pair), ("remembered", (the
+        remembered worker, the first other of its pair)), ("cold", None) for a fleet-wide
+        placement, or ("", None) when it has no pair."""
+        pair = self._hash_pair(by_id, path)
+        if pair is None:
+            return "", None
+        if self.params.cold_placement == "pair":
+            return "hash", pair
+        if len(path) == 1:  # an extended (hot) key is spread by its pair, never pinned
+            hit = self.memory.lookup(ctx.request.keys, path[0][0], ctx.now, by_id.__contains__)
+            if hit is not None:
+                home = hit[1]
+                return "remembered", (home, pair[0] if pair[0] != home else pair[1])
+        if not any(ctx.overlap(w) for w in ctx.candidates):
+            return "cold", None
+        return "hash", pair
 
     def candidate_ids(self, ctx: RoutingContext) -> list[str]:
-        """The workers DualMap would choose between for ``ctx`` (its pair; every candidate
-        when it has no pair), for a policy that scores them instead (``compose``)."""
+        """The hashed pair DualMap would choose between for ``ctx`` (every candidate when it
+        has none), for a policy that scores them instead (``compose``). The pair, not a
+        fleet-wide placement: compose's decisions are its own, so this policy never sees
+        them to remember a placement."""
         by_id = {w.id: w for w in ctx.candidates}
-        pair = self._pair(ctx, by_id, self.key_path(ctx.request.keys, ctx.block_size))
+        pair = self._hash_pair(by_id, self.key_path(ctx.request.keys, ctx.block_size))
         if pair is None:
             return list(by_id)
         return [wid for wid in pair if wid is not None]
 
+    # ---- selection ----------------------------------------------------------------------
     def select(self, ctx: RoutingContext) -> Decision:
         slo = self.slo_ms(ctx.request)
         threshold = self.threshold_tokens(slo)
         by_id = {w.id: w for w in ctx.candidates}
         path = self.key_path(ctx.request.keys, ctx.block_size)
-        pair = self._pair(ctx, by_id, path)
+        how, pair = self._plan(ctx, by_id, path)
+        if how == "cold":
+            views = sorted((self._view(ctx, w, slo, threshold) for w in ctx.candidates),
+                           key=lambda v: (v.overloaded, v.ttft_ms, v.load, v.worker.slot))
+            return self._decision(ctx, views[0], views[1], "cold_fleet", views if ctx.explain else views[:2],
+                                  path, slo, threshold, how)
         if pair is None:
             # one worker, no full block to hash, or the candidates are not on the ring yet
             views = [self._view(ctx, w, slo, threshold) for w in ctx.candidates]
             chosen = min(views, key=lambda v: (v.overloaded, v.load, v.worker.slot))
             rule = "single_candidate" if len(by_id) == 1 else ("no_prefix" if not path else "not_on_ring")
-            return self._decision(ctx, chosen, None, rule, views, path, slo, threshold)
+            return self._decision(ctx, chosen, None, rule, views, path, slo, threshold, how)
         first = self._view(ctx, by_id[pair[0]], slo, threshold)
         second = self._view(ctx, by_id[pair[1]], slo, threshold) if pair[1] is not None else None
         if second is None:
-            return self._decision(ctx, first, None, "single_candidate", [first], path, slo, threshold)
-        chosen, rule = self._choose(first, second, stalls=True)
+            return self._decision(ctx, first, None, "single_candidate", [first], path, slo, threshold, how)
+        home = first if how == "remembered" else None
+        # requests with this key in the hotness window: the traffic a switched prefix serves
+        reuses = self.hotness.count(path[-1][1])
+        chosen, rule = self._choose(first, second, home, reuses, stalls=True)
         # A.7's effect: what the rule would have chosen with no worker flagged
         flagged = int(first.bottleneck_ms > 0) + int(second.bottleneck_ms > 0)
-        moved = int(flagged > 0 and self._choose(first, second, stalls=False)[0] is not chosen)
+        moved = int(flagged > 0 and self._choose(first, second, home, reuses, stalls=False)[0] is not chosen)
         other = second if chosen is first else first
-        return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold,
+        return self._decision(ctx, chosen, other, rule, [first, second], path, slo, threshold, how,
                               decode_bottlenecked=flagged, decode_bottleneck_moved=moved)
 
-    def _choose(self, first: _View, second: _View, stalls: bool) -> tuple[_View, str]:
-        """Section 3.2's choice between the pair; ``stalls=False`` ignores A.7's flags."""
+    def _choose(self, first: _View, second: _View, home: _View | None, reuses: int,
+                stalls: bool) -> tuple[_View, str]:
+        """Section 3.2's choice between the pair; ``home`` (a remembered placement) is preferred
+        when reuse ties; ``reuses`` is the key's recent traffic; ``stalls=False`` ignores A.7's flags."""
         def stalled(v: _View) -> bool:
             return stalls and v.bottleneck_ms > 0
-
-        def over(v: _View) -> bool:
-            return v.over_load or stalled(v)
 
         def ttft(v: _View) -> float:
             return v.ttft_ms if stalls else v.ttft_ms - v.bottleneck_ms
 
         lighter = min((first, second), key=lambda v: (stalled(v), v.load, v is second))
-        if first.reuse == second.reuse:
+        if first.reuse == second.reuse and home is None:
             return lighter, "equal_reuse"
-        preferred = first if first.reuse > second.reuse else second
-        if not over(preferred):
+        if first.reuse == second.reuse:
+            preferred = home
+        else:
+            preferred = first if first.reuse > second.reuse else second
+        assert preferred is not None
+        if not (preferred.over_load or stalled(preferred)):
             return preferred, "cache_affinity"
+        other = second if preferred is first else first
+        if self.params.slo_switch == "guarded":
+            # only to a candidate with room under the SLO, and only if the TTFT it saves
+            # exceeds the extra prefill the fleet does for it (a cache hit recomputed), shared
+            # by the key's recent requests: the prefix then sits on both candidates and later
+            # requests split between them, so a shared tool prompt repays it, a one-off not
+            extra = (other.own_ms - preferred.own_ms) / (1 + reuses)
+            if other.roomy and not stalled(other) and ttft(preferred) - ttft(other) > extra:
+                return other, "slo_switch"
+            return preferred, "slo_hold"
         if self.params.switch_to == "min_ttft":
             return min((first, second), key=lambda v: (ttft(v), v is second)), "slo_switch"
         return lighter, "slo_switch"
 
     def _decision(self, ctx: RoutingContext, chosen: _View, other: _View | None, rule: str, views: list[_View],
-                  path: list[tuple[int, int]], slo: float, threshold: int, decode_bottlenecked: int = 0,
-                  decode_bottleneck_moved: int = 0) -> Decision:
+                  path: list[tuple[int, int]], slo: float, threshold: int, placement: str,
+                  decode_bottlenecked: int = 0, decode_bottleneck_moved: int = 0) -> Decision:
         scored = [
             ctx.candidate(
                 v.worker, score=-v.ttft_ms, candidate=float(i + 1), reuse_blocks=float(v.reuse),
@@ -301,7 +321,7 @@ class DualMapPolicy(RoutingPolicyBase):
             for i, v in enumerate(views)
         ]
         attrs: dict[str, float | int | str] = {
-            "rule": rule, "slo_ms": slo, "threshold_tokens": threshold,
+            "rule": rule, "slo_ms": slo, "threshold_tokens": threshold, "placement": placement or "none",
             "key_blocks": path[-1][0] if path else 0, "key_extended": int(len(path) > 1),
             "both_overloaded": int(other is not None and chosen.overloaded and other.overloaded),
             "decode_bottlenecked": decode_bottlenecked, "decode_bottleneck_moved": decode_bottleneck_moved,
@@ -322,16 +342,33 @@ class DualMapPolicy(RoutingPolicyBase):
         worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
         if worker is None:
             return
-        if worker.inflight_requests <= 1:  # the host committed this one: the worker was idle
-            self._busy_since[worker.id] = ctx.now
-        if decision.attributes.get("decode_bottlenecked"):
-            self._a7["decode_bottleneck_decisions"] += 1
-            self._a7["decode_bottleneck_moves"] += int(decision.attributes.get("decode_bottleneck_moved", 0))
-        self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
+        a = decision.attributes
+        uncached = ctx.uncached_tokens(worker)
+        self.a7.on_dispatch(worker, ctx.request.request_id, uncached, ctx.prompt_tokens - uncached, ctx.now)
+        if a.get("decode_bottlenecked"):
+            self._counts["decode_bottleneck_decisions"] += 1
+            self._counts["decode_bottleneck_moves"] += int(a.get("decode_bottleneck_moved", 0))
+        rule = a.get("rule")
+        if rule in ("slo_switch", "slo_hold"):
+            self._counts["slo_switches" if rule == "slo_switch" else "slo_holds"] += 1
+        self.latency.on_dispatch(worker, ctx.request.request_id, uncached, ctx.now)
         path = self.key_path(ctx.request.keys, ctx.block_size)
         if path:
+            self._remember(a.get("placement"), ctx, worker, path)
             limit = min(len(ctx.request.keys), self.params.max_key_segments * self.segment_blocks(ctx.block_size))
             self.hotness.record(path, ctx.now, max(len(self.ring), 1), can_extend=path[-1][0] < limit)
+
+    def _remember(self, placement: object, ctx: RoutingContext, worker: Worker, path: list[tuple[int, int]]) -> None:
+        if placement == "cold":
+            self._counts["cold_placements"] += 1
+            self.memory.remember(path[-1][1], worker.id, ctx.now)
+        elif placement == "remembered":
+            # refresh the entry the decision used; it keeps its worker even when a switch
+            # sent this request elsewhere (that worker still holds the prefix)
+            self._counts["remembered_placements"] += 1
+            hit = self.memory.lookup(ctx.request.keys, path[0][0], ctx.now, lambda _: True)
+            if hit is not None:
+                self.memory.remember(hit[0], hit[1], ctx.now)
 
     def on_complete(self, worker: Worker | None, request: RouteRequest | None, completion: Completion, now: float) -> None:
         self.latency.observe_completion(completion.request_id, completion.ttft_ms)
@@ -341,12 +378,10 @@ class DualMapPolicy(RoutingPolicyBase):
         # duration no request takes, or no number at all, dates it at the completion)
         e2e, ttft = completion.e2e_ms, completion.ttft_ms
         decode_s = max(0.0, e2e - ttft) / 1000.0 if 0 < e2e <= MAX_LATENCY_MS and 0 <= ttft <= e2e else 0.0
-        first_token = now - decode_s
-        if first_token > self._last_prefill.get(worker.id, float("-inf")):
-            self._last_prefill[worker.id] = first_token
+        self.a7.on_complete(worker.id, completion.request_id, now - decode_s)
 
     def counters(self) -> dict[str, int]:
-        return dict(self._a7)
+        return dict(self._counts)
 
     def on_worker_added(self, worker: Worker) -> None:
         self.ring.add(worker.id)
@@ -354,8 +389,13 @@ class DualMapPolicy(RoutingPolicyBase):
     def on_worker_removed(self, worker: Worker) -> None:
         self.ring.remove(worker.id)
         self.latency.forget_worker(worker.id)
-        self._last_prefill.pop(worker.id, None)
-        self._busy_since.pop(worker.id, None)
+        self.a7.forget_worker(worker.id)
+        self.memory.forget_worker(worker.id)
 
     def tick(self, now: float) -> None:
         self.hotness.cool(now, max(len(self.ring), 1))
+        self.memory.expire(now)
+
+
+class DualMapPaperPolicy(DualMapPolicy):
+    """``dualmap_paper``: DualMap with the paper's rules only (``DualMapPaperParams``)."""

@@ -63,6 +63,10 @@ class PrefixHotness:
         """Requests in the window."""
         return self._total
 
+    def count(self, node: int) -> int:
+        """Requests in the window whose key path passed through ``node``."""
+        return self._counts.get(node, 0)
+
     def share(self, node: int) -> float:
         return self._counts.get(node, 0) / self._total if self._total else 0.0
 

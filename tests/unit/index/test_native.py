@@ -674,7 +674,7 @@ def test_chain_keys_rejects_a_block_size_whose_byte_count_overflows():
         native.module.chain_keys(b"", 2**61, ROOT_SEED, -1)
 
 
-# ---- RadixIndex.store: the native loop over new blocks against the pure-Python one ----------
+# ---- RadixIndex.store: the native loop against the pure-Python one ----------
 
 _PATHS = [p for d in range(1, 5) for p in __import__("itertools").product(range(3), repeat=d)]
 _KEY = {p: (0x9E3779B97F4A7C15 * (i + 1)) % 2**64 for i, p in enumerate(_PATHS)}  # 64-bit keys
@@ -688,7 +688,8 @@ def _pure_index() -> RadixIndex:
 
 
 def _snapshot(index: RadixIndex) -> dict:
-    """Everything the index stores, by key: tree links, holders, stats, pending, leaves, counts."""
+    """Everything the index stores, by key: tree links, holders, stats, pending, leaves, counts,
+    and how many blocks nobody holds."""
     def children(b):  # type: ignore[no-untyped-def]
         c = b.children
         if c is None:
@@ -708,6 +709,7 @@ def _snapshot(index: RadixIndex) -> dict:
         "blocks": blocks,
         "leaves": {s: sorted(b.key for b in index.leaves(s)) for s in _SLOTS},
         "counts": {s: index.count(s) for s in _SLOTS},
+        "unheld": index.unheld,
     }
 
 
@@ -726,9 +728,9 @@ def _operations(draw):  # type: ignore[no-untyped-def]
 @settings(max_examples=400, deadline=None)
 @given(_operations())
 def test_store_and_remove_build_exactly_the_blocks_the_python_loops_build(ops):
-    """The native index (C Blocks, store_new, remove_held) against RadixIndex(pure=True)."""
+    """The native index (C Blocks, store_chain, remove_held) against RadixIndex(pure=True)."""
     native_index, pure_index = RadixIndex(), _pure_index()
-    assert hasattr(native_index._blocks, "store_new") and hasattr(native_index._blocks, "remove_held")
+    assert hasattr(native_index._blocks, "store_chain") and hasattr(native_index._blocks, "remove_held")
     for index in (native_index, pure_index):
         for s in _SLOTS:
             index.add_slot(s)
@@ -766,8 +768,8 @@ def test_store_and_remove_build_exactly_the_blocks_the_python_loops_build(ops):
 @given(ops=st.lists(st.tuples(st.sampled_from(_SLOTS), st.integers(0, 3), st.integers(1, 4), st.integers(0, 2)),
                     min_size=1, max_size=12))
 def test_store_hashed_is_hash_store_and_map_in_one_call(ops):
-    """BlockTable.store_hashed (hash, store_new, map_pairs in C; Python going on from the first
-    block already indexed) against RadixIndex(pure=True).store_hashed, the Python reference."""
+    """BlockTable.store_hashed (hash, store_chain, map_pairs in C; Python going on from a block
+    left to store's loop) against RadixIndex(pure=True).store_hashed, the Python reference."""
     native_index, pure_index = RadixIndex(), _pure_index()
     for index in (native_index, pure_index):
         for s in _SLOTS:
@@ -791,59 +793,178 @@ def test_store_hashed_is_hash_store_and_map_in_one_call(ops):
         assert _snapshot(native_index) == _snapshot(pure_index)
 
 
+def _assert_slots_agree_with_their_blocks(index: RadixIndex) -> None:
+    """Each slot's count and leaves are those of the blocks holding its bit (a leaf: no held child)."""
+    for s in _SLOTS:
+        held = [index._blocks[k] for k in index._blocks if index._blocks[k].holders >> s & 1]
+        assert index.count(s) == len(held)
+        assert {b.key for b in index.leaves(s)} == {
+            b.key for b in held if not any(c.holders >> s & 1 for c in b.iter_children())}
+
+
+# Block keys a client sent (Route stores them for an approximate-mode worker) need not chain:
+# a key twice, a block the tree has under another parent, a new block after a held one. Each
+# case stores [1, 2, 3, 4] on slot 0 first (2 under 1, ...), then these (slot, parent, keys).
+_KEYS_A_CLIENT_SENT = {
+    "a key twice": [(1, None, [9, 9])],
+    "a key twice, held already": [(0, None, [9, 9])],
+    "a new block, then one under another parent": [(1, None, [9, 2, 3])],
+    "the same, on the slot holding it": [(0, None, [9, 2])],
+    "held blocks out of order, then a repeat": [(0, None, [1, 4]), (0, None, [3, 3, 1])],
+    "a held block under a new one, then new blocks": [(1, None, [1]), (1, None, [9, 1, 10, 11])],
+    "a run, an existing block, a run": [(1, 4, [9, 10, 2, 11, 12])],
+    "a block its own parent's key": [(1, 2, [2, 9, 2])],
+    "slot 70, past the first digit": [(70, None, [9, 2]), (70, 3, [9, 9, 4])],
+}
+
+
+@pytest.mark.parametrize("stores", _KEYS_A_CLIENT_SENT.values(), ids=_KEYS_A_CLIENT_SENT.keys())
+@pytest.mark.parametrize("packed", [False, True])
+def test_store_of_keys_that_do_not_chain_builds_what_the_python_loop_builds(stores, packed):
+    # store_chain kept the chain's previous block as the parent an existing block took out of
+    # the leaves, and dropped the open run's last block from them: a held block lost from its
+    # slot's leaves outlives the slot (issue #28 item 2), and the capacity count runs over
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+        index.store(0, None, [1, 2, 3, 4], now=0.0)
+    for now, (slot, parent, keys) in enumerate(stores, start=1):
+        chains = [[b.key for b in index.store(slot, parent, array("Q", keys) if packed else keys, float(now))]
+                  for index in (native_index, pure_index)]
+        assert chains[0] == chains[1]
+        assert _snapshot(native_index) == _snapshot(pure_index)
+        _assert_slots_agree_with_their_blocks(native_index)
+    for s in _SLOTS:  # a slot's blocks are all reached through its leaves
+        assert native_index.clear(s) == pure_index.clear(s)
+    assert len(native_index) == len(pure_index) == 0
+
+
+def test_store_hashed_of_a_chain_whose_blocks_sit_under_other_parents_builds_what_python_builds():
+    # an event's chain naming blocks a client's keys stored elsewhere in the tree: store_hashed
+    # runs store_chain's loop, so the same rule holds there
+    data = array("I", range(4 * 4)).tobytes()  # 4 blocks of 4 tokens
+    k = chain_keys_py(data, 4, ROOT_SEED)
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+        index.store(0, None, [k[2], k[1]], now=0.0)  # k[1] under k[2], both roots' chain
+        index.store(1, None, [k[3]], now=1.0)
+    for slot in (1, 0):
+        results = []
+        for index in (native_index, pure_index):
+            keys, chain = index.store_hashed(slot, None, data, 4, ROOT_SEED, 2.0)
+            results.append((list(keys), [b.key for b in chain]))
+        assert results[0] == results[1]
+        assert _snapshot(native_index) == _snapshot(pure_index)
+        _assert_slots_agree_with_their_blocks(native_index)
+
+
+_ANY_KEYS = (1, 2, 3, 9, _KEY[(0,)], _KEY[(0, 1)])  # small and 64-bit keys
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear"]), st.sampled_from(_SLOTS),
+                              st.one_of(st.none(), st.sampled_from(_ANY_KEYS)),
+                              st.lists(st.sampled_from(_ANY_KEYS), min_size=1, max_size=6), st.booleans()),
+                    min_size=1, max_size=25))
+def test_store_of_any_key_sequence_builds_what_the_python_loop_builds(ops):
+    """Keys in any order, repeated, naming blocks under other parents (a client's block keys),
+    stored by store_chain against RadixIndex(pure=True)'s Python loop."""
+    native_index, pure_index = RadixIndex(), _pure_index()
+    for index in (native_index, pure_index):
+        for s in _SLOTS:
+            index.add_slot(s)
+    for now, (kind, slot, parent, keys, packed) in enumerate(ops):
+        results = []
+        for index in (native_index, pure_index):
+            if kind == "store":
+                if parent is not None and parent not in index:
+                    continue
+                chain = index.store(slot, parent, array("Q", keys) if packed else keys, float(now))
+                results.append([b.key for b in chain])
+            elif kind == "remove":
+                results.append(index.remove(slot, keys[0]))
+            else:
+                results.append(index.clear(slot))
+        assert not results or results[0] == results[1]
+        assert _snapshot(native_index) == _snapshot(pure_index), (kind, slot, parent, keys)
+        _assert_slots_agree_with_their_blocks(native_index)
+
+
 def test_store_hashed_checks_its_arguments_before_changing_anything():
     table, engine_keys = native.module.BlockTable(), native.module.U64Map()
     leaves: set = set()
     chain: list = []
     data = array("I", range(8)).tobytes()
     with pytest.raises(ValueError, match="1 engine hashes for 2 blocks"):
-        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, array("Q", [5]))
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, array("Q", [5]))
     with pytest.raises(OverflowError):
-        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, [5, 2**64])
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, [5, 2**64])
     with pytest.raises(TypeError, match="U64Map"):
-        table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, {}, array("Q", [5, 6]))
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, {}, array("Q", [5, 6]))
     with pytest.raises(TypeError, match="parent"):
-        table.store_hashed(Block, object(), data, 4, 1, 1, 0.0, leaves, chain, None, None)
+        table.store_hashed(Block, object(), data, 4, 1, 0, 0.0, leaves, chain, {}, {}, None, None)
     with pytest.raises(ValueError, match="block_size"):
-        table.store_hashed(Block, None, data, 0, 1, 1, 0.0, leaves, chain, None, None)
+        table.store_hashed(Block, None, data, 0, 1, 0, 0.0, leaves, chain, {}, {}, None, None)
     assert len(table) == 0 and not leaves and not chain and len(engine_keys) == 0
-    raw, stored = table.store_hashed(Block, None, data, 4, 1, 1, 0.0, leaves, chain, engine_keys, [5, 6])
+    raw, stop, stored, alone = table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, [5, 6])
     keys = array("Q")
     keys.frombytes(raw)
-    assert stored == 2 and list(keys) == chain_keys_py(data, 4, 1) == [b.key for b in chain]
+    assert stop == stored == alone == 2 and list(keys) == chain_keys_py(data, 4, 1) == [b.key for b in chain]
     assert dict(engine_keys.items()) == {5: keys[0], 6: keys[1]}
 
 
-def test_store_new_rejects_what_is_not_a_block_chain():
+def test_store_chain_rejects_what_is_not_a_block_chain():
     table = native.module.BlockTable()
     leaves: set = set()
     chain: list = []
+    pending: dict = {}
+    alone = {1: 0, 2: 0, 4: 0}
+
+    def store(parent, keys, slot=0):  # type: ignore[no-untyped-def]
+        return table.store_chain(Block, parent, keys, 0, slot, 0.0, leaves, chain, pending, alone)
 
     with pytest.raises(TypeError, match="lists"):
-        table.store_new(Block, None, (1, 2), 0, 1, 0.0, leaves, chain)
+        store(None, (1, 2))
     with pytest.raises(TypeError, match="parent"):
-        table.store_new(Block, object(), [1], 0, 1, 0.0, leaves, chain)
+        store(object(), [1])
     with pytest.raises(OverflowError):
-        table.store_new(Block, None, [2**64], 0, 1, 0.0, leaves, chain)
+        store(None, [2**64])
+    with pytest.raises(ValueError, match="slot"):
+        store(None, [1], -1)
+    with pytest.raises(TypeError, match="dicts"):
+        table.store_chain(Block, None, [1], 0, 0, 0.0, leaves, chain, pending, None)
 
     with pytest.raises(TypeError, match="Block"):
-        table.store_new(PyBlock, None, [1], 0, 1, 0.0, leaves, chain)
+        table.store_chain(PyBlock, None, [1], 0, 0, 0.0, leaves, chain, pending, alone)
     with pytest.raises(AttributeError):
-        native.module.U64Map().store_new(Block, None, [1], 0, 1, 0.0, leaves, chain)
+        native.module.U64Map().store_chain(Block, None, [1], 0, 0, 0.0, leaves, chain, pending, alone)
     assert len(table) == 0 and not leaves and not chain
-    # a run stops at the first key already indexed and says where
-    assert table.store_new(Block, None, [5, 6, 7], 0, 1, 0.0, leaves, chain) == 3
-    assert table.store_new(Block, chain[-1], [8, 6, 9], 0, 1, 0.0, leaves, chain) == 1
-    assert [b.key for b in chain] == [5, 6, 7, 8] and chain[3].parent is chain[2]
-    assert leaves == {chain[3]} and chain[2].children is chain[3]
+    # new blocks: (where it stopped, blocks added, of them held alone)
+    assert store(None, [5, 6, 7]) == (3, 3, 3)
+    assert [b.key for b in chain] == [5, 6, 7] and leaves == {chain[2]} and chain[2].parent is chain[1]
+    # a key the slot holds already is touched, and the run goes on past it
+    assert store(chain[1], [7, 8]) == (2, 1, 1)
+    assert chain[3] is chain[2] and chain[2].hits == 1 and leaves == {chain[4]} and chain[2].children is chain[4]
     # keys packed as Router.apply hashes them are read in place; other buffers are refused
-    assert table.store_new(Block, chain[3], array("Q", [10, 11]), 0, 1, 0.0, leaves, chain) == 2
-    assert [b.key for b in chain[4:]] == [10, 11] and leaves == {chain[5]}
+    assert store(chain[4], array("Q", [10, 11])) == (2, 2, 2)
+    assert [b.key for b in chain[5:]] == [10, 11] and leaves == {chain[6]}
     with pytest.raises(TypeError, match="uint64"):
-        table.store_new(Block, None, array("I", [12]), 0, 1, 0.0, leaves, chain)
-    # a parent another slot holds stays that slot's leaf; a second child makes a dict of children
-    assert table.store_new(Block, chain[3], array("Q", [13]), 0, 2, 0.0, leaves, chain) == 1
-    assert leaves == {chain[5], chain[6]} and set(chain[3].children) == {10, 13}
+        store(None, array("I", [12]))
+    # another slot stores the prefix: it joins the holders, each block's stats become dicts by slot,
+    # the slot it no longer held alone loses them from its count, and a second child makes a dict
+    chain.clear()
+    assert store(None, array("Q", [5, 6, 13]), 1) == (3, 3, 1)
+    five, six = chain[0], chain[1]
+    assert five.holders == six.holders == 0b11 and six.last_access == {0: 0.0, 1: 0.0} and six.hits == {0: 0, 1: 0}
+    assert leaves == {table[11], chain[2]} and set(six.children) == {7, 13} and alone == {1: -2, 2: 0, 4: 0}
+    # a gap above blocks the slot holds is left to RadixIndex.store's loop (it settles their accesses)
+    chain.clear()
+    table[20] = gap = Block(20, None)
+    gap.children = table[5]
+    assert store(None, [20, 5]) == (0, 0, 0) and not chain and gap.holders == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -904,7 +1025,7 @@ def test_a_dropped_index_frees_its_blocks_though_the_collector_does_not_track_th
             keys = [chain * 1000 + d + 1 for d in range(50)]
             index.store(0, None if chain % 2 else parent, keys, 1.0)
             parent = keys[-1]
-        assert not gc.is_tracked(index.get(1))  # built by store_new: left to explicit unlinking
+        assert not gc.is_tracked(index.get(1))  # built by store_chain: left to explicit unlinking
         return len(index)
 
     gc.collect()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -223,6 +224,26 @@ def test_drop_slot_frees_everything(keys):
     index.store(0, None, keys, now=0)
     assert index.drop_slot(0) == len(keys)
     assert len(index) == 0
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_chain_naming_indexed_blocks_out_of_order_keeps_every_held_block_a_leaf_or_above_one(pure):
+    # issue #28 item 2: Route stores the block keys a client sent for an approximate-mode
+    # worker, and they need not chain. Block 2 hangs under 1 in the tree; a chain [9, 2] made
+    # the new block 9 a parent's place holder and took it out of the slot's leaves, so clearing
+    # the slot missed it and its bit outlived the slot: KeyError(1 << slot) from the next
+    # store or removal of that block
+    index = RadixIndex(pure=pure)
+    for s in range(2):
+        index.add_slot(s)
+    index.store(0, None, [1, 2], now=0)
+    index.store(1, None, [9, 2, 3], now=1)
+    assert {b.key for b in index.leaves(1)} == {9, 3}
+    assert index.drop_slot(1) == 3
+    assert all(index.get(k).holders == 1 for k in (1, 2)) and 9 not in index and 3 not in index
+    index.add_slot(1)
+    index.store(1, None, [1], now=2)  # shared again, then alone again: the counts by bit agree
+    assert index.remove(0, 1) and index.count_alone(1) == 1 and index.count_alone(0) == 1
 
 
 def _pending_everywhere(index: RadixIndex, slots: range) -> None:

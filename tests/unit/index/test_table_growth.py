@@ -266,7 +266,7 @@ def test_a_u64map_growth_moves_at_most_its_share_per_insert(entries):
 def test_a_block_table_growth_moves_at_most_its_share_per_store():
     """Through RadixIndex's native store (the ingest path): one 512-block stored chain moves at
     most 512 x MIGRATE_SLOTS slots' blocks of a growing table, and a growth is never done in
-    one call. At 300k blocks the table's arrays are mapped (and the next one mapped ahead)."""
+    one call. At 300k blocks the table's arrays are mapped (the old one released behind the walk)."""
     from kvrouterd.index.radix import RadixIndex
 
     index = RadixIndex()

@@ -18,6 +18,9 @@ from .helpers import BLOCK, complete, make_router, prompt, request
 
 # 4-block segments keep prompts small: the base key is 2 segments = 8 blocks = 128 tokens
 SMALL = {"name": "dualmap", "segment_tokens": 64}
+# the paper's rules (pair placement, switch whenever overloaded, A.7 as written): the
+# properties the paper claims are checked on it
+PAPER = {"name": "dualmap_paper", "segment_tokens": 64}
 PREFIX_TOKENS = 128
 
 
@@ -41,8 +44,8 @@ def test_two_independent_instances_pick_the_same_pair() -> None:
 
 
 def test_two_routers_with_the_same_workers_route_to_the_same_pairs() -> None:
-    r1, _ = make_router(SMALL, ["a", "b", "c", "d", "e"])
-    r2, _ = make_router(SMALL, ["e", "c", "a", "d", "b"])
+    r1, _ = make_router(PAPER, ["a", "b", "c", "d", "e"])
+    r2, _ = make_router(PAPER, ["e", "c", "a", "d", "b"])
     for p in range(50):
         tokens = prompt(p, PREFIX_TOKENS, p)
         d1 = r1.route(request(tokens)).decision
@@ -89,7 +92,7 @@ def test_candidate_pair_is_always_two_distinct_allowed_workers() -> None:
 
 def test_requests_of_a_prefix_stay_within_its_pair_and_miss_at_most_twice() -> None:
     # 20 prefixes, 5% of the traffic each: none is hot for 8 workers (2/n = 25%)
-    router, clock = make_router(SMALL, 8)
+    router, clock = make_router(PAPER, 8)
     policy = router.routing_policy()
     served: dict[int, set[str]] = {}
     misses: Counter[int] = Counter()
@@ -148,7 +151,7 @@ def test_hot_prefix_gets_a_longer_key_and_spreads_then_shrinks_when_cold() -> No
 
 
 def test_slo_aware_choice_prefers_reuse_until_the_threshold_then_switches() -> None:
-    router, _ = make_router({**SMALL, "slo_threshold_tokens": 500}, ["a", "b"])
+    router, _ = make_router({**PAPER, "slo_threshold_tokens": 500}, ["a", "b"])
     tokens = lambda i: prompt(1, PREFIX_TOKENS, i)  # noqa: E731
     first = router.route(request(tokens(0))).decision
     assert first.attributes["rule"] == "equal_reuse"  # nothing cached anywhere yet
@@ -178,7 +181,7 @@ def test_static_threshold_is_the_tokens_a_worker_clears_within_the_slo() -> None
 
 
 def test_decision_carries_both_candidates_and_their_terms() -> None:
-    router, _ = make_router(SMALL, 6)
+    router, _ = make_router(PAPER, 6)
     res = router.route(request(prompt(4, PREFIX_TOKENS, 1)))
     d = res.decision
     a = d.attributes
@@ -294,7 +297,7 @@ def test_bad_parameters_fail_naming_the_field(field: str, value: object) -> None
 def _home_over_threshold(switch_to: str):  # type: ignore[no-untyped-def]
     """A worker holding a 1,024-token prefix, 600 tokens queued for it (past the 500-token
     threshold), and its pair's other worker idle and holding nothing."""
-    router, _ = make_router({**SMALL, "slo_threshold_tokens": 500, "switch_to": switch_to}, ["a", "b"])
+    router, _ = make_router({**PAPER, "slo_threshold_tokens": 500, "switch_to": switch_to}, ["a", "b"])
     tokens = lambda i: prompt(5, 1024, i)  # noqa: E731
     first = router.route(request(tokens(0)))
     complete(router, first.request.request_id)
@@ -316,17 +319,19 @@ def test_slo_switch_goes_to_the_lower_estimated_ttft_counting_each_candidates_ca
 
 
 def test_counters_report_how_often_the_decode_bottleneck_rule_fired_and_moved_a_request() -> None:
-    router, clock = make_router({**SMALL, "slo_threshold_tokens": 100_000}, ["a", "b"])
+    router, clock = make_router({**PAPER, "slo_threshold_tokens": 100_000}, ["a", "b"])
     tokens = lambda i: prompt(2, PREFIX_TOKENS, i)  # noqa: E731
     home = router.route(request(tokens(0))).worker.id
     router.route(request(tokens(1)))
     policy = router.routing_policy()
-    assert policy.counters() == {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0}
+    assert policy.counters() == {"decode_bottleneck_decisions": 0, "decode_bottleneck_moves": 0, "slo_switches": 0,
+                                 "slo_holds": 0, "cold_placements": 0, "remembered_placements": 0}
     clock.advance(4.0)
     router.report_load(home, queued=2, running=2, kv_utilization=0.99)
     router.decide(request(tokens(2)))  # a decision the host does not dispatch is not counted
     assert policy.counters()["decode_bottleneck_decisions"] == 0
     d = router.route(request(tokens(3))).decision
     assert d.worker_id != home and d.attributes["decode_bottleneck_moved"] == 1
-    assert policy.counters() == {"decode_bottleneck_decisions": 1, "decode_bottleneck_moves": 1}
-    assert router.policy_counters() == {"dualmap": policy.counters()}
+    assert {k: policy.counters()[k] for k in ("decode_bottleneck_decisions", "decode_bottleneck_moves", "slo_switches")} == {
+        "decode_bottleneck_decisions": 1, "decode_bottleneck_moves": 1, "slo_switches": 1}
+    assert router.policy_counters() == {"dualmap_paper": policy.counters()}

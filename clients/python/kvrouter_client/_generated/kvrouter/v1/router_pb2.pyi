@@ -85,7 +85,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., session_id: _Optional[str] = ..., task: _Optional[_Union[TaskCategory, str]] = ..., ttft_slo_ms: _Optional[float] = ..., expected_output_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., candidate_workers: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., token_ids_le32: _Optional[bytes] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms")
+    __slots__ = ("request_id", "worker_id", "worker_address", "matched_blocks", "matched_tokens", "prompt_blocks", "alternative_worker_id", "alternative_worker_address", "policy", "reason", "estimated_ttft_ms", "disaggregated", "disaggregation_reason", "prefill_worker_id", "prefill_worker_address", "prefill_uncached_tokens", "decode_uncached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,12 @@ class RouteResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     worker_address: str
@@ -108,10 +114,16 @@ class RouteResponse(_message.Message):
     policy: str
     reason: str
     estimated_ttft_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., alternative_worker_id: _Optional[str] = ..., alternative_worker_address: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ...) -> None: ...
+    disaggregated: bool
+    disaggregation_reason: str
+    prefill_worker_id: str
+    prefill_worker_address: str
+    prefill_uncached_tokens: int
+    decode_uncached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., alternative_worker_id: _Optional[str] = ..., alternative_worker_address: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., estimated_ttft_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., disaggregation_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_worker_address: _Optional[str] = ..., prefill_uncached_tokens: _Optional[int] = ..., decode_uncached_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success", "session_ended")
+    __slots__ = ("request_id", "ttft_ms", "e2e_ms", "cached_tokens", "output_tokens", "success", "session_ended", "prefill_ms", "kv_transfer_ms", "prefill_done")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +131,9 @@ class CompleteRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_ms: float
     e2e_ms: float
@@ -126,7 +141,10 @@ class CompleteRequest(_message.Message):
     output_tokens: int
     success: bool
     session_ended: bool
-    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ..., session_ended: _Optional[bool] = ...) -> None: ...
+    prefill_ms: float
+    kv_transfer_ms: float
+    prefill_done: bool
+    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., success: _Optional[bool] = ..., session_ended: _Optional[bool] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_done: _Optional[bool] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ()
@@ -209,7 +227,7 @@ class EvictHintResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., engine_hashes: _Optional[_Iterable[int]] = ..., exhausted: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint", "state_reason", "events_rejected", "models", "loras", "max_loras", "role", "loaded_loras")
+    __slots__ = ("id", "address", "capacity_blocks", "block_size", "labels", "state", "mode", "cached_blocks", "inflight_requests", "pending_prefill_tokens", "kv_events_endpoint", "state_reason", "events_rejected", "models", "loras", "max_loras", "role", "loaded_loras", "event_batches", "last_event_age_s")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +260,8 @@ class Worker(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     capacity_blocks: int
@@ -260,7 +280,9 @@ class Worker(_message.Message):
     max_loras: int
     role: WorkerRole
     loaded_loras: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., state_reason: _Optional[str] = ..., events_rejected: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ...) -> None: ...
+    event_batches: int
+    last_event_age_s: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., mode: _Optional[_Union[CacheStateMode, str]] = ..., cached_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., state_reason: _Optional[str] = ..., events_rejected: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., event_batches: _Optional[int] = ..., last_event_age_s: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)

@@ -164,8 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
                    help="admission queue: at most N uncompleted requests per worker (0 = off)")
     c.add_argument("--admission-deadline", choices=["off", "shed", "defer"], default="off",
-                   help="deadline admission: shed requests predicted to miss the SLO on every worker; defer "
-                        "also drops queued ones that no longer can (needs --admission-max-inflight) (default off)")
+                   help="shed what is predicted to miss its SLO everywhere (default off)")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,

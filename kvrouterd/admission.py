@@ -27,7 +27,9 @@ drives it. The intended wiring, for the host:
    ``entry.worker_id`` (e.g. ``router.route`` with ``candidate_workers=(entry.worker_id,)``)
    and resolve its future. Call ``admit`` after every enqueue, migration and ``Complete``.
 4. On the caller's cancellation: ``queues.cancel(request_id)``. Periodically (the tick):
-   ``queues.expire(now)`` and fail what it returns with DEADLINE_EXCEEDED. When a worker
+   ``queues.expire(now)`` and fail what it returns with DEADLINE_EXCEEDED; with deadline
+   admission's ``defer`` (``kvrouterd.deadline``) also ``queues.drop_late(...)``, failing
+   what it returns with RESOURCE_EXHAUSTED (``SloUnreachable``). When a worker
    leaves: ``queues.drop_worker(worker_id)`` and route those requests again.
 
 ``load`` maps a worker id to its dispatched ``(pending prefill tokens, inflight requests)``
@@ -154,6 +156,24 @@ class AdmissionQueues:
     def expire(self, now: float) -> list[Waiting]:
         """Remove and return requests whose deadline has passed."""
         late = [e for e in self._by_id.values() if e.deadline is not None and e.deadline <= now]
+        for entry in late:
+            self.cancel(entry.request_id)
+        return late
+
+    def drop_late(self, load: Mapping[str, tuple[int, int]], estimator: Estimator, now: float) -> list[Waiting]:
+        """Remove and return requests that can no longer meet their SLO where they wait
+        (deadline admission's ``defer``, ``kvrouterd.deadline``): time waited plus the TTFT
+        ``estimator`` predicts behind the worker's load and the requests kept ahead of them."""
+        late: list[Waiting] = []
+        for worker_id, q in self._queues.items():
+            tokens, requests = load.get(worker_id, (0, 0))
+            for entry in q:
+                own = entry.uncached[worker_id]
+                if (now - entry.enqueued_at) * 1000.0 + estimator(worker_id, own, tokens, requests) > entry.slo_ms:
+                    late.append(entry)
+                else:  # a dropped request no longer delays those behind it
+                    tokens += own
+                    requests += 1
         for entry in late:
             self.cancel(entry.request_id)
         return late

@@ -202,10 +202,7 @@ class Config:
             out.append("telemetry.loop_stall_warn_ms: must be 0 (off) or in [10, 60000]")
         if not 0 < self.tick_interval_s <= 10:
             out.append("tick_interval_s: must be in (0, 10]")
-        if self.admission.max_inflight < 0:
-            out.append("admission.max_inflight: must be >= 0 (0 = off)")
-        if self.admission.max_wait_s <= 0:
-            out.append("admission.max_wait_s: must be > 0")
+        out += self.admission.problems()
         for section in (self.speculative, self.discovery, self.ext_proc, self.metrics, self.tls, self.auth):
             check(section.validate)
         if self.reload_interval_s < 0:

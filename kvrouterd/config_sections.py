@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .decimals import parse_decimal
 from .errors import ConfigError
 from .index.workers import WorkerSpec
 from .protocols import CacheMode, WorkerRole
+
+if TYPE_CHECKING:
+    from .policies.latency import LatencyParams
 
 __all__ = [
     "AdmissionConfig",
@@ -261,16 +264,49 @@ def is_listen_address(value: str) -> bool:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Admission queue mode (DualMap section 3.3): Route waits while its worker is full."""
+    """Admission queue mode (DualMap section 3.3): Route waits while its worker is full; and
+    deadline admission (``kvrouterd.deadline``): a Route predicted to miss its TTFT SLO on
+    every eligible worker is shed."""
 
     #: routed-but-uncompleted requests a worker may hold before Route waits; 0 = mode off
     max_inflight: int = 0
     #: longest a Route may wait in a queue before it is shed (RESOURCE_EXHAUSTED), seconds
     max_wait_s: float = 30.0
+    #: deadline admission: off, shed (refuse at routing time a request predicted to miss its
+    #: SLO everywhere) or defer (shed, and drop a queued request the moment it can no longer
+    #: meet its SLO; needs max_inflight)
+    deadline: str = "off"
+    #: the TTFT model deadline admission predicts with: ``LatencyParams`` fields
+    #: (policies/latency.py), e.g. {prefill_ms_per_1k_tokens: 40, calibrate: true}
+    latency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
-        return self.max_inflight > 0
+        """Whether Route goes through the admission gate at all."""
+        return self.max_inflight > 0 or self.deadline != "off"
+
+    def latency_params(self) -> LatencyParams:
+        from .policies.latency import LatencyParams
+
+        return LatencyParams(**self.latency)
+
+    def problems(self) -> list[str]:
+        from .deadline import DEADLINE_MODES
+
+        out = []
+        if self.max_inflight < 0:
+            out.append("admission.max_inflight: must be >= 0 (0 = off)")
+        if self.max_wait_s <= 0:
+            out.append("admission.max_wait_s: must be > 0")
+        if self.deadline not in DEADLINE_MODES:
+            out.append(f"admission.deadline: expected one of {', '.join(DEADLINE_MODES)}, got {self.deadline!r}")
+        elif self.deadline == "defer" and self.max_inflight <= 0:
+            out.append("admission.deadline: defer holds requests in admission queues; set admission.max_inflight > 0")
+        try:
+            self.latency_params().validate()
+        except (TypeError, ValueError) as exc:  # an unknown field, or a value out of range
+            out.append(f"admission.latency: {exc}")
+        return out
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@
     ├── Conflict                 state forbids the call     -> FAILED_PRECONDITION
     │   └── NoEligibleWorker     nothing can serve it now   -> UNAVAILABLE
     └── Overloaded               over a configured limit    -> RESOURCE_EXHAUSTED
+        └── SloUnreachable       predicted to miss its TTFT SLO on every eligible
+                                 worker (deadline admission): shed, with a retry hint
 
 Every operation that raises one of these has changed no state. Messages quote client input
 through ``quote`` so a megabyte id never becomes a megabyte status message or log line.
@@ -31,6 +33,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "RejectedEvent",
+    "SloUnreachable",
     "UnknownModel",
     "UnknownPolicy",
     "quote",
@@ -110,3 +113,18 @@ class NoEligibleWorker(Conflict):
 
 class Overloaded(KVRouterError):
     """A configured limit would be exceeded."""
+
+
+class SloUnreachable(Overloaded):
+    """Deadline admission shed a request: its predicted TTFT exceeds its SLO wherever it may go.
+
+    ``retry_after_ms`` is how long the predicted backlog takes to drain far enough for the
+    request to make its SLO; the daemon sends it as the ``retry-after-ms`` trailer (and as
+    Envoy's ``retry-after`` header, in seconds), so a gateway can answer 429 with a hint.
+    """
+
+    def __init__(self, message: str, predicted_ms: float, slo_ms: float, retry_after_ms: float) -> None:
+        super().__init__(message)
+        self.predicted_ms = predicted_ms
+        self.slo_ms = slo_ms
+        self.retry_after_ms = retry_after_ms

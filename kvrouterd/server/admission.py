@@ -16,6 +16,12 @@ the queue entry removed, when the caller cancels or its gRPC deadline passes, or
 A waiting request holds its keys and ids as an in-flight one does, so from enqueue until it
 leaves the queue its bytes count against ``limits.max_inflight_bytes`` (``Router.hold_waiting``):
 a full queue cannot grow memory past the budget the in-flight table keeps.
+
+Deadline admission (``admission.deadline``, ``kvrouterd.deadline``) runs here too, with or
+without queues: a Route predicted to miss its TTFT SLO on the chosen worker is re-decided
+among the workers predicted to meet it, and shed with ``SloUnreachable`` (RESOURCE_EXHAUSTED,
+``retry-after-ms`` trailer) when none does; with ``defer`` a queued Route is dropped the same
+way, at the tick, once it can no longer meet its SLO.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from dataclasses import dataclass
 
 from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..config import AdmissionConfig
-from ..errors import InvalidRequest, KVRouterError, Overloaded
-from ..protocols import RouteRequest
+from ..deadline import DeadlineGuard, admit_by_deadline
+from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, Overloaded
+from ..protocols import Completion, RouteRequest
 from ..router import Router, RouteResult
 
 __all__ = ["AdmissionConfig", "AdmissionGate"]
@@ -51,18 +58,27 @@ class AdmissionGate:
     def __init__(self, router: Router, config: AdmissionConfig) -> None:
         self.router = router
         self.config = config
-        self.queues = AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
+        #: None without queue mode (``max_inflight: 0``): only deadline admission runs
+        self.queues = (AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
+                       if config.max_inflight > 0 else None)
+        #: None with ``deadline: off``
+        self.guard = DeadlineGuard(config.deadline, config.latency_params()) if config.deadline != "off" else None  # type: ignore[arg-type]
         self.migrations = 0
         self.shed = 0
 
     async def route(self, req: RouteRequest, timeout_s: float | None, explain: bool) -> RouteResult:
-        """Decide; dispatch now if the worker has room, else wait in its queue."""
+        """Decide (shedding what cannot meet its SLO); dispatch now if the worker has room,
+        else wait in its queue."""
         router = self.router
-        decision, ctx, policy = router.decide(req, explain)
+        decided = router.decide(req, explain)
+        if self.guard is not None:
+            slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
+            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued)
+        decision, ctx, policy = decided
         wid = decision.worker_id
         worker = router.workers.get(wid)
-        if not self.queues.queue(wid) and self.queues.may_dispatch(worker.inflight_requests):
-            return router.commit(decision, ctx, policy)
+        if self.queues is None or (not self.queues.queue(wid) and self.queues.may_dispatch(worker.inflight_requests)):
+            return self._dispatched(router.commit(decision, ctx, policy), ctx.now)
         if not req.request_id:
             req.request_id = router.new_request_id()
         if req.request_id in self.queues:
@@ -78,6 +94,7 @@ class AdmissionGate:
         if alt is not None:
             uncached[alt.id] = ctx.uncached_tokens(alt)
         future: asyncio.Future[RouteResult] = asyncio.get_running_loop().create_future()
+        queues = self.queues
         held = _Held(future, req, explain, router.hold_waiting(req))
         entry = Waiting(
             request_id=req.request_id,
@@ -90,20 +107,34 @@ class AdmissionGate:
             payload=held,
         )
         try:
-            self.queues.enqueue(entry)
+            queues.enqueue(entry)
             if decision.attributes.get("both_overloaded") and alt is not None:
                 self._rebalance([wid, alt.id], policy, now)
             self._admit_all([wid] + ([alt.id] if alt is not None else []))
             return await asyncio.wait_for(asyncio.shield(future), wait)
         except TimeoutError:
-            self.queues.cancel(req.request_id)
+            queues.cancel(req.request_id)
             self.shed += 1
             raise Overloaded(f"waited {wait:.3g}s in {entry.worker_id!r}'s admission queue without being admitted") from None
         except asyncio.CancelledError:
-            self.queues.cancel(req.request_id)
+            queues.cancel(req.request_id)
             raise
         finally:
             self._release(held)
+
+    def _queued(self, worker_id: str) -> tuple[int, int]:
+        """Requests and prefill tokens waiting for ``worker_id`` in this gate's queue."""
+        if self.queues is None:
+            return (0, 0)
+        return (len(self.queues.queue(worker_id)), self.queues.queued_tokens(worker_id))
+
+    def _dispatched(self, result: RouteResult, now: float) -> RouteResult:
+        """A committed Route: deadline admission's model hears of the work it adds."""
+        if self.guard is not None:
+            cached = result.decision.overlap_blocks * self.router.block_size
+            uncached = max(0, result.request.prompt_tokens - cached)
+            self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached)
+        return result
 
     def _release(self, held: _Held) -> None:
         if held.bytes:
@@ -115,6 +146,7 @@ class AdmissionGate:
         return policy_slo_ms(policy, req, self.router.settings.default_ttft_slo_ms)
 
     def _rebalance(self, workers: list[str], policy: object, now: float) -> None:
+        assert self.queues is not None
         plan: list[Migration] = plan_hotspot_migration(self.queues, self.router, workers, policy, now)
         if plan:
             self.queues.apply(plan)
@@ -127,6 +159,8 @@ class AdmissionGate:
             self._admit_all({m.target for m in plan})
 
     def _admit_all(self, worker_ids: Iterable[str]) -> None:
+        if self.queues is None:
+            return
         for wid in worker_ids:
             worker = self.router.workers.find(wid)
             if worker is None:
@@ -143,23 +177,38 @@ class AdmissionGate:
         self._release(held)
         req.candidate_workers = (entry.worker_id,)
         try:
-            future.set_result(self.router.route(req, held.explain))
+            future.set_result(self._dispatched(self.router.route(req, held.explain), self.router.clock.now()))
         except KVRouterError as exc:
             future.set_exception(exc)
 
-    def on_complete(self, worker_id: str) -> None:
+    def on_complete(self, worker_id: str, completion: Completion | None = None) -> None:
+        """A routed request completed on ``worker_id`` (its ``completion``, when the caller has
+        it, calibrates deadline admission's model)."""
+        if self.guard is not None and completion is not None:
+            self.guard.on_complete(completion.request_id, completion.ttft_ms)
         self._admit_all((worker_id,))
 
     def tick(self, now: float) -> None:
-        """Give up on entries past their deadline (their waiters time out themselves) and
-        admit wherever expired in-flight requests freed room."""
+        """Give up on entries past their deadline (their waiters time out themselves), with
+        ``deadline: defer`` drop those that can no longer meet their SLO, and admit wherever
+        expired in-flight requests freed room."""
+        if self.queues is None:
+            return
         self.queues.expire(now)
+        if self.guard is not None and self.guard.mode == "defer":
+            load, estimator = self.guard.queue_estimator(self.router, now)
+            for entry in self.queues.drop_late(load, estimator, now):
+                future = entry.payload.future  # type: ignore[attr-defined]
+                if not future.done():
+                    future.set_exception(self.guard.late_refusal((now - entry.enqueued_at) * 1000.0, entry.slo_ms))
         self._admit_all(self.queues.workers())
 
     def drop_worker(self, worker_id: str) -> None:
         """A worker left: its waiting requests fail fast (UNAVAILABLE via the caller's retry)."""
-        from ..errors import NoEligibleWorker
-
+        if self.guard is not None:
+            self.guard.forget_worker(worker_id)
+        if self.queues is None:
+            return
         for entry in self.queues.drop_worker(worker_id):
             future = entry.payload.future  # type: ignore[attr-defined]
             if not future.done():

@@ -350,7 +350,7 @@ class Daemon:
         elif isinstance(delta, Completion):
             entry = self.router.apply_completion(delta, own=own)
             if entry is not None and self.admission is not None:
-                self.admission.on_complete(entry.worker_id)
+                self.admission.on_complete(entry.worker_id, delta)
 
     async def _snapshot_periodically(self, interval: float) -> None:
         assert self.bus is not None

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ from ..telemetry.tracing import annotate_decision
 from .admission import AdmissionGate
 from .call_errors import CallErrors
 from .openai_prompt import BodyKeys, BodyNotRead, PromptKeyer, body_keys, load_tokenizer
-from .status import http_status, status_code, status_message
+from .status import http_status, retry_after_ms, status_code, status_message
 
 __all__ = [
     "BODY_CHUNK_BYTES",
@@ -206,14 +207,17 @@ def _upstream_address(msg: ep.ProcessingRequest) -> str:
 
 def _immediate(exc: KVRouterError) -> ep.ProcessingResponse:
     code = http_status(exc)
+    headers = [("content-type", b"text/plain; charset=utf-8")]
+    retry_ms = retry_after_ms(exc)
+    if retry_ms is not None:  # HTTP's Retry-After is in whole seconds (RFC 9110, 10.2.3)
+        headers.append(("retry-after", str(max(1, math.ceil(retry_ms / 1000.0))).encode()))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=code),  # type: ignore[arg-type]
             headers=ep.HeaderMutation(
                 set_headers=[base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain; charset=utf-8"),
-                    append_action=_OVERWRITE,
-                )]
+                    header=base_pb2.HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE,
+                ) for key, value in headers]
             ),
             body=f"kvrouterd: {exc}\n".encode(),
             details=f"kvrouterd_{type(exc).__name__}",
@@ -556,7 +560,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         try:
             entry = self.router.complete(completion)
             if self.admission is not None:
-                self.admission.on_complete(entry.worker_id)
+                self.admission.on_complete(entry.worker_id, completion)
             if self.metrics is not None:
                 self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
         except NotFound:

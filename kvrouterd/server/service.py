@@ -233,7 +233,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             return
         self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
         if self.admission is not None:
-            self.admission.on_complete(entry.worker_id)
+            self.admission.on_complete(entry.worker_id, completion)
 
     async def RouteStream(
         self, request_iterator: AsyncIterator[pb.RouteStreamRequest], context: grpc.aio.ServicerContext

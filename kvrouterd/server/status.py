@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import NoReturn
 
 import grpc
 
-from ..errors import Conflict, Forbidden, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded
+from ..errors import Conflict, Forbidden, InvalidRequest, KVRouterError, NoEligibleWorker, NotFound, Overloaded, SloUnreachable
 
-__all__ = ["MAX_STATUS_MESSAGE_BYTES", "abort", "http_status", "status_code", "status_message"]
+__all__ = ["MAX_STATUS_MESSAGE_BYTES", "RETRY_AFTER_METADATA", "abort", "http_status", "retry_after_ms", "status_code",
+           "status_message"]
+
+#: trailing metadata of a shed Route (``SloUnreachable``): milliseconds after which a retry
+#: may be admitted, as a decimal integer
+RETRY_AFTER_METADATA = "retry-after-ms"
 
 #: longest status message sent, UTF-8 bytes. It travels percent-encoded in the grpc-message
 #: trailer, and clients refuse trailers over 8 KiB (16 KiB hard): an unbounded message turns
@@ -44,9 +50,19 @@ def status_code(exc: KVRouterError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def retry_after_ms(exc: KVRouterError) -> float | None:
+    """The retry hint an error carries (deadline admission's shed), or None."""
+    return exc.retry_after_ms if isinstance(exc, SloUnreachable) else None
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    """End a gRPC call with ``exc``'s status and message."""
-    await context.abort(status_code(exc), status_message(exc))
+    """End a gRPC call with ``exc``'s status and message (and ``retry-after-ms`` when it has a hint)."""
+    retry_ms = retry_after_ms(exc)
+    if retry_ms is None:
+        await context.abort(status_code(exc), status_message(exc))
+    else:
+        await context.abort(status_code(exc), status_message(exc),
+                            trailing_metadata=((RETRY_AFTER_METADATA, str(math.ceil(retry_ms))),))
     raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
 

@@ -32,9 +32,11 @@ import xxhash
 from ..admission import AdmissionQueues, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..clock import ManualClock
 from ..config import Config
-from ..errors import ConfigError, NotFound
+from ..deadline import DEADLINE_MODES, DeadlineGuard, admit_by_deadline
+from ..errors import ConfigError, NotFound, SloUnreachable
 from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
+from ..policies.latency import LatencyParams
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
 from ..router import Router, RouteResult
 from . import metrics as m
@@ -75,6 +77,11 @@ class ClusterSettings:
     #: this many routed, uncompleted requests, the rest wait in its queue inside the router,
     #: where DualMap's hotspot migration (A.1.2) can move them; 0 = off (dispatch at once)
     admission_max_inflight: int = 0
+    #: the daemon's deadline admission (``admission.deadline``, ``kvrouterd.deadline``): off,
+    #: shed (refuse at arrival a request predicted to miss its SLO on every worker) or defer
+    #: (also drop a queued one once it can no longer meet it; needs admission_max_inflight).
+    #: Its TTFT model is the engines' profile, as ``profiled_spec`` gives the policies
+    admission_deadline: str = "off"
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -87,6 +94,11 @@ class ClusterSettings:
             raise ConfigError("slo_ms, warmup and load_report_interval_s must be >= 0, sample_interval_s > 0")
         if self.admission_max_inflight < 0:
             raise ConfigError(f"admission max_inflight must be >= 0 (0 = off), got {self.admission_max_inflight}")
+        if self.admission_deadline not in DEADLINE_MODES:
+            raise ConfigError(f"admission deadline: expected one of {', '.join(DEADLINE_MODES)}, "
+                              f"got {self.admission_deadline!r}")
+        if self.admission_deadline == "defer" and not self.admission_max_inflight:
+            raise ConfigError("admission deadline defer holds requests in admission queues: set admission max_inflight")
         try:
             self.engine.validate()
         except ValueError as exc:
@@ -178,6 +190,12 @@ class Simulation:
         #: the daemon's admission queues (``kvrouterd.admission``, the same pure objects), or None
         self.admission = (AdmissionQueues(settings.admission_max_inflight, on_change=self.router.note_admission_queue)
                           if settings.admission_max_inflight else None)
+        #: deadline admission (None = off), judging with the engines' profiled cost model
+        self.guard = (DeadlineGuard(settings.admission_deadline,  # type: ignore[arg-type]
+                                    LatencyParams(**settings.engine.latency_fields(), calibrate=False))
+                      if settings.admission_deadline != "off" else None)
+        #: requests shed or dropped by deadline admission (they count as missing their SLO)
+        self.shed: set[int] = set()
         self.migrations = 0
         self.queued_requests = 0
         self._last_of_session: set[int] = set()
@@ -237,19 +255,26 @@ class Simulation:
                           session_id=req.session_id, task=req.task, ttft_slo_ms=self.slo_ms,
                           expected_output_tokens=req.output_tokens)
         started = time.perf_counter()
-        if self.admission is None:
+        if self.admission is None and self.guard is None:
             result = self.router.route(rr, explain=False)
             self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
             return
         # admission queue mode, as the daemon's AdmissionGate runs it; the log records the call
         # now and its answer ("route") when the request is admitted, possibly later
-        if self.log is not None:
+        if self.log is not None and self.admission is not None:
             self.log.append(("arrive", now, rr, None))
         router, queues = self.router, self.admission
-        decision, ctx, policy = router.decide(rr, explain=False)
+        decided = router.decide(rr, explain=False)
+        if self.guard is not None:
+            try:
+                decided = admit_by_deadline(self.guard, router, rr, decided, self.slo_ms, self._queued)
+            except SloUnreachable:
+                self.shed.add(n)
+                return
+        decision, ctx, policy = decided
         wid = decision.worker_id
         worker = router.workers.get(wid)
-        if not queues.queue(wid) and queues.may_dispatch(worker.inflight_requests):
+        if queues is None or (not queues.queue(wid) and queues.may_dispatch(worker.inflight_requests)):
             result = router.commit(decision, ctx, policy)
             self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
             return
@@ -269,6 +294,19 @@ class Simulation:
                 self.migrations += len(plan)
                 self._admit({m.target for m in plan}, now)
         self._admit([wid] + ([alt.id] if alt is not None else []), now)
+
+    def _queued(self, worker_id: str) -> tuple[int, int]:
+        if self.admission is None:
+            return (0, 0)
+        return (len(self.admission.queue(worker_id)), self.admission.queued_tokens(worker_id))
+
+    def _drop_late(self, now: float) -> None:
+        """``defer``: drop queued requests that can no longer meet their SLO (the daemon's tick)."""
+        assert self.guard is not None and self.admission is not None
+        load, estimator = self.guard.queue_estimator(self.router, now)
+        for entry in self.admission.drop_late(load, estimator, now):
+            self.guard.late_refusal((now - entry.enqueued_at) * 1000.0, entry.slo_ms)  # counted, as the daemon's
+            self.shed.add(entry.payload[0])  # type: ignore[index]
 
     def _admit(self, worker_ids: Any, now: float) -> None:
         """Dispatch what the admission queues of ``worker_ids`` let in, each re-decided on its
@@ -300,6 +338,8 @@ class Simulation:
         job = Job(n, req, keys, max(1, req.input_tokens - overlap * bs), overlap, output_keys)
         self.records[n] = m.RequestRecord(req.arrival_s, i, len(keys), 0, req.input_tokens, req.output_tokens,
                                           math.nan, math.nan, route_us, overlap)
+        if self.guard is not None:
+            self.guard.on_dispatch(result.worker, rr.request_id, max(0, rr.prompt_tokens - overlap * bs), now, overlap * bs)
         self.engines[i].enqueue(job)
         self._kick(i, now)
 
@@ -337,6 +377,8 @@ class Simulation:
                     end_session(req.session_id)
         if self.log is not None:
             self.log.append(("complete", now, completion, None))
+        if self.guard is not None:
+            self.guard.on_complete(completion.request_id, completion.ttft_ms)
         try:
             self.router.complete(completion)
         except NotFound:
@@ -390,6 +432,8 @@ class Simulation:
                     if self.log is not None:
                         self.log.append(("tick", next_tick, None, None))
                     router.tick()
+                    if self.guard is not None and self.guard.mode == "defer":
+                        self._drop_late(next_tick)
                     ticks += 1
                     if ticks % expire_every == 0:  # as the daemon's maintenance loop does
                         router.expire_inflight()
@@ -423,11 +467,15 @@ class Simulation:
         # that cannot free room) or never left an admission queue; count it rather than let
         # NaN into the percentiles
         done = [r for r in measured if r is not None and not math.isnan(r.e2e_s)]
+        shed = sum(1 for k in self.shed if k >= self.settings.warmup)
         evict_s = sum(e.rank_seconds for e in self.engines)
         evict_n = sum(e.rank_calls for e in self.engines)
-        summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n)
-        counters = dict(router.counters, events_lost=self.events_lost, unfinished=len(measured) - len(done),
+        summary = m.summarize(done, len(self.engines), self.slo_ms, self.load_samples, evict_s, evict_n, shed)
+        counters = dict(router.counters, events_lost=self.events_lost,
+                        unfinished=len(measured) - len(done) - shed,
                         admission_queued=self.queued_requests, migrations=self.migrations)
+        if self.guard is not None:
+            counters.update(self.guard.counters())
         for outcome, blocks in router.speculative.outcomes.items():  # claimed blocks, by how they ended
             counters[f"speculative_{outcome}"] = blocks
         for policy_counts in router.policy_counters().values():  # e.g. DualMap's A.7 rule firing

@@ -163,6 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="engines send ReportLoad this often (0 = never)")
     c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
                    help="admission queue: at most N uncompleted requests per worker (0 = off)")
+    c.add_argument("--admission-deadline", choices=["off", "shed", "defer"], default="off",
+                   help="shed what is predicted to miss its SLO everywhere (default off)")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
@@ -283,7 +285,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
         cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
         event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
         warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
-        signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight)
+        signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight,
+        admission_deadline=args.admission_deadline)
     settings.validate()
     capacity_for = None
     if args.capacity_fraction is not None:
@@ -300,7 +303,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
     meta = {"workload": name, "limit": args.limit, "workers": args.workers, "cache_mode": args.cache_mode,
             "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
             "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
-            "capacity_fraction": args.capacity_fraction}
+            "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
+            "admission_deadline": args.admission_deadline}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

@@ -7,14 +7,19 @@ Definitions (all over the requests after the warm-up):
 - **TTFT**: arrival at the router to the first token (queueing + prefill); **E2E**: arrival
   to the last token. Percentiles interpolate linearly between order statistics (numpy's
   default).
-- **SLO attainment**: share of requests with TTFT <= the SLO.
+- **SLO attainment**: share of requests with TTFT <= the SLO. A request shed by deadline
+  admission (``--admission-deadline``) counts as one that missed it; TTFT and E2E
+  percentiles are over the requests served.
+- **shed**: requests deadline admission refused at arrival or dropped from a queue.
+- **goodput** of a run (``goodput_rps``): requests served within the SLO per second of
+  simulated time (same span as throughput): what overload must not collapse.
 - **throughput**: completed requests (and output tokens) per second of simulated time,
   from the first arrival to the last completion.
 - **load imbalance**: the coefficient of variation (std / mean) of the engines' pending
   prefill tokens, sampled at a fixed interval, averaged over samples whose mean is > 0.
 - **decision time**: wall time of ``Router.route`` (routing) and of the engines' eviction
   ``rank`` calls, in microseconds.
-- **goodput** (a sweep over rates), also called capacity: the highest swept rate whose
+- **capacity** (a sweep over rates; reports call it goodput, as the papers do): the highest swept rate whose
   attainment is >= 90%, so its resolution is the sweep's. ``--rate LO:HI:STEP`` sweeps a grid
   (``rate_grid``; issue #27 measures capacity in 0.5 req/s steps, e.g. ``--rate 14:20:0.5``).
   Every grid rate is run rather than bisected: attainment need not fall monotonically with
@@ -82,6 +87,8 @@ class RunSummary:
     route_us: dict[str, float]
     evict_us_mean: float
     requests_per_worker: list[int] = field(default_factory=list)
+    shed: int = 0
+    goodput_rps: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,7 +96,7 @@ class RunSummary:
             "requests_per_worker": self.requests_per_worker, "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms,
             "slo_ms": self.slo_ms, "slo_attainment": self.slo_attainment, "throughput_rps": self.throughput_rps,
             "output_tokens_per_s": self.output_tokens_per_s, "load_cv": self.load_cv, "route_us": self.route_us,
-            "evict_us_mean": self.evict_us_mean,
+            "evict_us_mean": self.evict_us_mean, "shed": self.shed, "goodput_rps": self.goodput_rps,
         }
 
 
@@ -104,8 +111,9 @@ def _pcts(values: Sequence[float], scale: float) -> dict[str, float]:
 
 
 def summarize(records: Sequence[RequestRecord], workers: int, slo_ms: float, load_samples: Sequence[float],
-              evict_seconds: float = 0.0, evict_calls: int = 0) -> RunSummary:
-    """The summary of completed requests (pass them already stripped of the warm-up)."""
+              evict_seconds: float = 0.0, evict_calls: int = 0, shed: int = 0) -> RunSummary:
+    """The summary of completed requests (pass them already stripped of the warm-up); ``shed``
+    more were refused by deadline admission and count as missing the SLO."""
     blocks = sum(r.prompt_blocks for r in records)
     hits = sum(r.hit_blocks for r in records)
     per_blocks = [0] * workers
@@ -133,12 +141,14 @@ def summarize(records: Sequence[RequestRecord], workers: int, slo_ms: float, loa
         ttft_ms=_pcts(ttfts, 1000.0),
         e2e_ms=_pcts([r.e2e_s for r in records], 1000.0),
         slo_ms=slo_ms,
-        slo_attainment=met / len(records) if records else 0.0,
+        slo_attainment=met / (len(records) + shed) if records or shed else 0.0,
         throughput_rps=len(records) / span,
         output_tokens_per_s=sum(r.output_tokens for r in records) / span,
         load_cv=sum(samples) / len(samples) if samples else 0.0,
         route_us=_pcts([r.route_us for r in records], 1.0),
         evict_us_mean=evict_seconds / evict_calls * 1e6 if evict_calls else 0.0,
+        shed=shed,
+        goodput_rps=met / span if records else 0.0,
     )
 
 

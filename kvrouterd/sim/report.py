@@ -32,7 +32,7 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 #: percentage axes end above 100 so a series at 99-100% stays clear of the frame
 _PERCENT_YLIM = (0, 105)
 _DASHES = ("-", "--", "-.", ":")
-_CELL_KEYS = ("hit_ratio", "slo_attainment", "throughput_rps", "load_cv", "evict_us_mean")
+_CELL_KEYS = ("hit_ratio", "slo_attainment", "throughput_rps", "load_cv", "evict_us_mean", "shed", "goodput_rps")
 
 
 def _pair(run: dict[str, Any]) -> str:
@@ -54,7 +54,7 @@ def build(results: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"pair": pair, "routing": group[0]["routing"], "eviction": group[0]["eviction"],
                                "rate": rate, "seeds": [g["seed"] for g in group], "requests": group[0]["requests"]}
         for key in _CELL_KEYS:
-            row[key] = _mean([g[key] for g in group])
+            row[key] = _mean([g.get(key, 0) for g in group])  # results written before shed/goodput had none
         for key in ("ttft_ms", "e2e_ms", "route_us"):
             row[key] = {q: _mean([g[key][q] for g in group]) for q in group[0][key]}
         aggregate.append(row)
@@ -70,11 +70,12 @@ def _fmt(x: float, digits: int = 0) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else f"{x:,.{digits}f}"
 
 
-_COLUMNS = ("pair", "rate", "hit %", "TTFT p50", "p90", "p99", "E2E p50", "p99", "SLO %", "req/s", "load CV",
-            "route us (wall)")
+_COLUMNS = ("pair", "rate", "hit %", "TTFT p50", "p90", "p99", "E2E p50", "p99", "SLO %", "req/s", "goodput",
+            "shed", "load CV", "route us (wall)")
 #: what the columns mean; "route us" is measured on this machine's clock, not simulated time
 _LEGEND = ("Times in ms of simulated time; each row is the mean over seeds; hit % = prefix-hit blocks / prompt "
-           "blocks as the engines found them; load CV = coefficient of variation of pending prefill tokens; "
+           "blocks as the engines found them; goodput = requests within the SLO per second; shed = requests deadline "
+           "admission refused (they count against SLO %; TTFT and E2E are over the served ones); load CV = coefficient of variation of pending prefill tokens; "
            "route us (wall) = mean wall-clock time of one routing decision on the machine that ran the simulation.")
 
 
@@ -85,7 +86,8 @@ def _rows(doc: dict[str, Any]) -> list[list[str]]:
             r["pair"], _fmt(r["rate"], 1) if r["rate"] else "trace", _fmt(100 * r["hit_ratio"], 1),
             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p90"]), _fmt(r["ttft_ms"]["p99"]),
             _fmt(r["e2e_ms"]["p50"]), _fmt(r["e2e_ms"]["p99"]), _fmt(100 * r["slo_attainment"], 1),
-            _fmt(r["throughput_rps"], 2), _fmt(r["load_cv"], 2), _fmt(r["route_us"]["mean"], 1),
+            _fmt(r["throughput_rps"], 2), _fmt(r["goodput_rps"], 2), _fmt(r["shed"]), _fmt(r["load_cv"], 2),
+            _fmt(r["route_us"]["mean"], 1),
         ])
     return rows
 

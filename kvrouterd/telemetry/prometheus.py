@@ -30,7 +30,8 @@ they cost nothing per request:
 * ``kvrouter_policy_rule_fired_total{policy,rule}``: a policy's own rule counts
   (``RoutingPolicyBase.counters``): DualMap's decisions with a decode-bottlenecked candidate
   (A.7) and those the flag moved; ``kvrouter_admission_migrations_total``: DualMap's hotspot
-  migrations (A.1.2) in admission queue mode.
+  migrations (A.1.2) in admission queue mode; ``kvrouter_admission_deadline_total{outcome}``:
+  deadline admission's shed, rerouted and expired Routes (``kvrouterd.deadline``).
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
   collector's ``process_resident_memory_bytes`` etc.
 
@@ -223,6 +224,13 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
         if ops.admission is not None:
             yield Observation(ops.admission.migrations)
 
+    def deadline(_: CallbackOptions) -> Iterable[Observation]:
+        guard = ops.admission.guard if ops.admission is not None else None
+        if guard is not None:
+            yield Observation(guard.shed, {"outcome": "shed"})
+            yield Observation(guard.rerouted, {"outcome": "rerouted"})
+            yield Observation(guard.expired, {"outcome": "expired"})
+
     meter.create_observable_counter(
         "kvrouter.prefix.decisions", [prefix_decisions],
         description="decisions by whether the chosen worker held the longest cached prefix of any candidate",
@@ -282,6 +290,11 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     meter.create_observable_counter(
         "kvrouter.admission.migrations", [migrations],
         description="queued requests moved to their other candidate by DualMap's hotspot migration (A.1.2)",
+    )
+    meter.create_observable_counter(
+        "kvrouter.admission.deadline", [deadline],
+        description="deadline admission: Routes shed (predicted to miss their TTFT SLO everywhere), rerouted to a "
+                    "worker predicted to meet it, or expired (dropped from a queue once they could no longer meet it)",
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

@@ -20,7 +20,7 @@ from .test_daemon import BS, publish, register, stored
 
 BASE = {
     "listen": "127.0.0.1:0",
-    "routing": {"name": "cache_aware", "cache_threshold": 0.5},
+    "routing": {"name": "cache_aware", "match_rule": "threshold", "cache_threshold": 0.5},
     "extra_routing": [{"name": "round_robin"}],
 }
 
@@ -59,14 +59,14 @@ async def test_reload_swaps_only_changed_policy_parameters(tmp_path):
         assert (await quarter_cached_route(stub)).reason != "prefix_match"  # 25% < 50%
         round_robin = daemon.router.routing_policies["round_robin"]
 
-        write(path, {**BASE, "routing": {"name": "cache_aware", "cache_threshold": 0.2}})
+        write(path, {**BASE, "routing": {"name": "cache_aware", "match_rule": "threshold", "cache_threshold": 0.2}})
         assert daemon.reloader.reload() == ["cache_aware"]
         resp = await quarter_cached_route(stub)
         assert resp.reason == "prefix_match" and resp.worker_id == "a"
         assert daemon.router.routing_policies["round_robin"] is round_robin  # unchanged: kept with its state
 
         # a bad value changes nothing; sections that need a restart are left alone
-        write(path, {**BASE, "routing": {"name": "cache_aware", "cache_threshold": 7}})
+        write(path, {**BASE, "routing": {"name": "cache_aware", "match_rule": "threshold", "cache_threshold": 7}})
         assert daemon.reloader.reload() == [] and daemon.reloader.rejected == 1
         assert daemon.router.routing_policy().params.cache_threshold == 0.2
         write(path, {**BASE, "listen": "127.0.0.1:1", "block_size": 32,
@@ -89,7 +89,7 @@ async def test_file_watch_and_sighup_reload(tmp_path):
     try:
         while daemon.server is None:  # signal handlers are installed before start
             await asyncio.sleep(0.01)
-        write(path, {**BASE, "reload_interval_s": 0.05, "routing": {"name": "cache_aware", "cache_threshold": 0.9}})
+        write(path, {**BASE, "reload_interval_s": 0.05, "routing": {"name": "cache_aware", "match_rule": "threshold", "cache_threshold": 0.9}})
         for _ in range(200):
             if daemon.router.routing_policy().params.cache_threshold == 0.9:
                 break
@@ -97,7 +97,7 @@ async def test_file_watch_and_sighup_reload(tmp_path):
         assert daemon.router.routing_policy().params.cache_threshold == 0.9
 
         # SIGHUP reloads at once, whatever the watch interval
-        write(path, {**BASE, "reload_interval_s": 1000, "routing": {"name": "cache_aware", "cache_threshold": 0.1}})
+        write(path, {**BASE, "reload_interval_s": 1000, "routing": {"name": "cache_aware", "match_rule": "threshold", "cache_threshold": 0.1}})
         applied = daemon.reloader.applied
         os.kill(os.getpid(), signal.SIGHUP)
         for _ in range(200):

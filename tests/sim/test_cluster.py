@@ -368,6 +368,36 @@ def test_dualmap_migrates_queued_requests_within_their_pair_in_the_simulator():
     assert plain.counters["migrations"] == 0 and plain.counters["admission_queued"] == 0
 
 
+# ---- deadline admission: shed requests count as missing their SLO ---------------------------
+def test_deadline_admission_sheds_past_capacity_and_counts_the_shed_as_misses():
+    wl = small_gsp(3, rate=400.0)  # far past what two engines serve within a 1 s SLO
+    off = simulate(Config(), wl, settings(2, 0, slo_ms=1000), routing="cache_aware", eviction="lru", seed=0)
+    shed = simulate(Config(), wl, settings(2, 0, slo_ms=1000, admission_deadline="shed"), routing="cache_aware",
+                    eviction="lru", seed=0)
+    n = len(wl.requests)
+    assert off.summary.shed == 0 and off.summary.requests == n
+    s = shed.summary
+    assert s.shed == shed.counters["deadline_shed"] > 0 and s.requests + s.shed == n
+    assert shed.counters["unfinished"] == 0
+    met = sum(1 for r in shed.records if r.ttft_s <= 1.0)
+    assert s.slo_attainment == pytest.approx(met / n)  # the shed are in the denominator
+    assert s.goodput_rps > off.summary.goodput_rps  # what deadline admission is for
+    assert shed.as_dict()["shed"] == s.shed
+
+
+def test_deadline_defer_drops_queued_requests_and_needs_queues():
+    wl = small_gsp(3, rate=400.0)
+    with pytest.raises(ConfigError, match="max_inflight"):
+        settings(2, 0, admission_deadline="defer").validate()
+    with pytest.raises(ConfigError, match="deadline"):
+        settings(2, 0, admission_deadline="maybe").validate()
+    res = simulate(Config(), wl, settings(2, 0, slo_ms=1000, admission_deadline="defer", admission_max_inflight=2),
+                   routing="cache_aware", eviction="lru", seed=0)
+    assert res.counters["deadline_expired"] > 0
+    assert res.summary.shed == res.counters["deadline_shed"] + res.counters["deadline_expired"]
+    assert res.summary.requests + res.summary.shed == len(wl.requests) and res.counters["unfinished"] == 0
+
+
 # ---- batched decoding: decode steps share the engine with prefill ------------------------
 def _two_requests(second_at: float) -> Workload:
     return Workload("two", 64, [SimRequest(0.0, 1024, 11, tuple(range(16))),

@@ -15,6 +15,7 @@ CORE = [
     *sorted((PKG / "policies").rglob("*.py")),
     *sorted((PKG / "router").rglob("*.py")),
     PKG / "admission.py",
+    PKG / "deadline.py",
     PKG / "protocols.py",
     PKG / "errors.py",
     PKG / "clock.py",

@@ -11,7 +11,7 @@ from . import keys
 from ._channel import TLS
 from ._client import DEFAULT_STREAMS, DEFAULT_TIMEOUT_S, FallbackFn, RouterClient, SyncRouterClient
 from ._fanout import FanOutPublisher
-from ._errors import KVRouterClientError, RouterRejected, RouterUnavailable
+from ._errors import KVRouterClientError, RouterOverloaded, RouterRejected, RouterUnavailable
 from ._nats_publisher import NatsEventPublisher
 from ._publisher import EventPublisher, SnapshotFn
 from ._types import (
@@ -43,6 +43,7 @@ __all__ = [
     "Removed",
     "RouteResult",
     "RouterClient",
+    "RouterOverloaded",
     "RouterRejected",
     "RouterUnavailable",
     "SnapshotFn",

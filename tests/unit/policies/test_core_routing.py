@@ -140,3 +140,23 @@ def test_cache_aware_decides_alike_explained_or_not():
 def test_registry_params_reach_the_policy():
     policy = registry.build("routing", {"name": "cache_aware", "load_metric": "prefill_tokens"})
     assert policy.params.load_metric == "prefill_tokens"
+
+
+def test_cache_aware_overlap_ties_go_to_the_smaller_cache_however_many_tie():
+    # score_overlap: the most cached blocks, then the lower load, then the smaller cache, then the
+    # lower index; ties are found by repeated scans up to a few, then by one pass: same answer
+    tokens = list(range(6 * BS))
+    for holders in (2, 5, 12, 20):
+        router = fleet({"name": "cache_aware"}, n=24)
+        rng = random.Random(holders)
+        tying = sorted(rng.sample(range(24), holders))
+        for seq, i in enumerate(tying):
+            cache(router, f"w{i}", tokens)
+        extra = {i: rng.randrange(0, 3) for i in tying}  # unrelated blocks: the cache sizes differ
+        for i, n in extra.items():
+            for k in range(n):
+                cache(router, f"w{i}", list(range(10_000 * (i + 1) + 100 * k, 10_000 * (i + 1) + 100 * k + BS)),
+                      seq=1 + k)
+        smallest = min(tying, key=lambda i: (extra[i], i))
+        d = router.decide(prompt(router, tokens), explain=False)[0]
+        assert (d.worker_id, d.reason) == (f"w{smallest}", "prefix_match"), (holders, extra)

@@ -1,0 +1,46 @@
+"""Deadline admission over gRPC: a Route that cannot meet its TTFT SLO is shed with a clear status."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import pytest
+
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
+
+BS = 16
+
+
+@pytest.fixture
+def daemon_config():
+    # 1 ms per prefill token, fixed: a 3,200-token prompt takes 3.2 s
+    return {"admission": {"deadline": "shed", "latency": {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}},
+            "default_ttft_slo_ms": 5000.0}
+
+
+def prompt(first: int, tokens: int = 3_200) -> list[int]:
+    return list(range(first, first + tokens))
+
+
+async def test_a_route_that_would_miss_its_slo_everywhere_is_shed(running):
+    stub = running.stub
+    await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="a", address="a:1", mode=pb.CACHE_STATE_MODE_EVENTS)))
+    first = await stub.Route(pb.RouteRequest(token_ids=prompt(0)))  # 3.2 s: admitted
+    assert first.worker_id == "a"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Route(pb.RouteRequest(token_ids=prompt(10_000), request_id="late"))  # 6.4 s > 5 s
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # 6,400 ms less what the first prompt's prefill drained on the wall clock meanwhile
+    found = re.search(r"predicted TTFT 6,(\d{3}) ms .* 5,000 ms SLO; retry after 1,(\d{3}) ms", err.value.details())
+    assert found is not None and int(found[1]) > 200, err.value.details()
+    assert dict(err.value.trailing_metadata())["retry-after-ms"] == f"1{found[2]}"
+    assert running.router.request("late") is None
+    assert running.daemon.admission.guard.shed == 1
+    # a request with a looser SLO of its own is admitted
+    loose = await stub.Route(pb.RouteRequest(token_ids=prompt(20_000), ttft_slo_ms=8_000))
+    assert loose.worker_id == "a"
+    # and once the first completes, the fleet takes tight requests again
+    await stub.Complete(pb.CompleteRequest(request_id=first.request_id, success=True, ttft_ms=3_200))
+    await stub.Complete(pb.CompleteRequest(request_id=loose.request_id, success=True, ttft_ms=6_400))
+    assert (await stub.Route(pb.RouteRequest(token_ids=prompt(30_000)))).worker_id == "a"

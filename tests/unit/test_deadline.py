@@ -1,0 +1,147 @@
+"""Deadline admission (kvrouterd.deadline): shed what cannot meet its SLO anywhere, leave the rest."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrouterd.admission import AdmissionQueues, Waiting
+from kvrouterd.clock import ManualClock
+from kvrouterd.deadline import MIN_RETRY_AFTER_MS, DeadlineGuard, admit_by_deadline
+from kvrouterd.errors import ConfigError, Overloaded, SloUnreachable
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.policies.latency import LatencyParams
+from kvrouterd.protocols import CacheMode, Completion, RouteRequest
+from kvrouterd.router import Router, RouterSettings
+
+BS = 16
+SLO = 5_000.0
+#: 1 ms per prefill token, fixed: predictions are token counts
+MS_PER_TOKEN = LatencyParams(prefill_ms_per_1k_tokens=1000.0, calibrate=False)
+
+
+def fleet(*workers: str) -> tuple[Router, DeadlineGuard, ManualClock]:
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, routing={"name": "least_loaded"}), clock, random.Random(0))
+    for wid in workers:
+        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=CacheMode.EVENTS))
+    return router, DeadlineGuard("shed", MS_PER_TOKEN), clock
+
+
+def request(rid: str, tokens: int, slo: float = SLO) -> RouteRequest:
+    return RouteRequest(rid, list(range(1, tokens // BS + 1)), tokens, ttft_slo_ms=slo)
+
+
+def load(router: Router, guard: DeadlineGuard, worker: str, tokens: int, rid: str) -> None:
+    """Commit ``tokens`` of prefill to ``worker`` (as the host does: route, then tell the guard)."""
+    req = request(rid, tokens)
+    req.candidate_workers = (worker,)
+    result = router.route(req, explain=False)
+    guard.on_dispatch(result.worker, rid, tokens, router.clock.now())
+
+
+def test_a_request_predicted_to_miss_its_slo_everywhere_is_shed_with_a_retry_hint() -> None:
+    router, guard, _ = fleet("a", "b")
+    load(router, guard, "a", 4_000, "busy-a")
+    load(router, guard, "b", 6_000, "busy-b")
+    req = request("late", 2_000)
+    with pytest.raises(SloUnreachable) as err:
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+    # best worker a: 4,000 pending + 2,000 own = 6,000 ms against 5,000
+    assert isinstance(err.value, Overloaded)
+    assert err.value.predicted_ms == pytest.approx(6_000) and err.value.slo_ms == SLO
+    assert err.value.retry_after_ms == pytest.approx(1_000)
+    assert "predicted TTFT 6,000 ms" in str(err.value) and "5,000 ms SLO" in str(err.value)
+    assert guard.shed == 1 and router.request("late") is None  # nothing was committed
+
+
+def test_admitted_requests_keep_their_decision() -> None:
+    router, guard, _ = fleet("a", "b")
+    load(router, guard, "a", 1_000, "busy-a")
+    req = request("fits", 2_000)
+    decided = router.decide(req)
+    assert admit_by_deadline(guard, router, req, decided, SLO) is decided
+    assert guard.shed == guard.rerouted == 0 and req.candidate_workers == ()
+
+
+def test_a_worker_that_would_miss_is_traded_for_one_that_meets_the_slo() -> None:
+    router, guard, _ = fleet("a", "b")
+    load(router, guard, "b", 4_500, "busy-b")
+    req = request("moved", 2_000)
+    req.candidate_workers = ("a", "b")
+    decision, ctx, _ = router.decide(req)
+    verdict = guard.check(ctx, "b", SLO)  # as if the policy had chosen the busy one
+    assert verdict.meets == ("a",) and verdict.predicted_ms == pytest.approx(6_500)
+
+
+def test_router_queues_count_in_the_prediction() -> None:
+    router, guard, _ = fleet("a")
+    req = request("queued", 2_000)
+    decision, ctx, _ = router.decide(req)
+    assert guard.check(ctx, "a", SLO, lambda w: (3, 3_500)).shed
+    assert not guard.check(ctx, "a", SLO, lambda w: (1, 2_500)).shed
+
+
+def test_a_prompt_no_idle_worker_could_serve_in_time_is_held_to_its_own_prefill_time() -> None:
+    router, guard, _ = fleet("a", "b")
+    req = request("huge", 8_000)  # 8 s of prefill against a 5 s SLO, on any worker
+    decided = router.decide(req)
+    assert admit_by_deadline(guard, router, req, decided, SLO) is decided  # idle: served
+    load(router, guard, "a", 6_000, "busy-a")
+    req = request("huge", 8_000)
+    req.candidate_workers = ("a", "b")
+    decision, ctx, _ = router.decide(req)
+    assert guard.check(ctx, "a", SLO).meets == ("b",)  # where it starts at once
+    load(router, guard, "b", 1_000, "busy-b")
+    with pytest.raises(SloUnreachable) as err:
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+    # best: b, 1 s of wait ahead of 8 s of prefill
+    assert err.value.retry_after_ms == pytest.approx(1_000) and "8,000 ms its prefill takes" in str(err.value)
+
+
+def test_observed_ttft_corrects_the_prediction() -> None:
+    router, guard, clock = fleet("a")
+    for i in range(200):  # the engine takes twice what the model says
+        load(router, guard, "a", 1_000, f"r{i}")
+        guard.on_complete(f"r{i}", 2_000.0)
+        router.complete(Completion(f"r{i}", 2_000.0, 2_000.0))
+        clock.advance(100.0)  # the backlog drains
+    assert guard.scale == pytest.approx(2.0, rel=0.01)
+    load(router, guard, "a", 1_500, "busy")
+    req = request("x", 2_000)
+    decision, ctx, _ = router.decide(req)
+    verdict = guard.check(ctx, "a", SLO)
+    assert verdict.shed and verdict.predicted_ms == pytest.approx(7_000, rel=0.01)  # 3.5 s modelled
+
+
+def test_retry_hint_has_a_floor() -> None:
+    router, guard, _ = fleet("a")
+    load(router, guard, "a", 3_010, "busy")
+    req = request("barely", 2_000)
+    with pytest.raises(SloUnreachable) as err:
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+    assert err.value.retry_after_ms == MIN_RETRY_AFTER_MS
+
+
+def test_unknown_mode_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="deadline"):
+        DeadlineGuard("sometimes")  # type: ignore[arg-type]
+
+
+# ---- defer: queued requests dropped the moment they cannot make it ----------------------------
+def test_defer_drops_queued_requests_that_can_no_longer_meet_their_slo() -> None:
+    q = AdmissionQueues(max_inflight=1)
+    q.enqueue(Waiting("first", "w0", "", {"w0": 1_000}, SLO, 0.0))
+    q.enqueue(Waiting("second", "w0", "", {"w0": 1_000}, SLO, 0.0))
+    q.enqueue(Waiting("third", "w0", "", {"w0": 1_000}, SLO, 0.0))
+
+    def per_token(worker: str, uncached: int, ahead: int, requests: int) -> float:
+        return float(ahead + uncached)
+
+    # 2 s waited; 1,500 tokens running: first 2+2.5, second 2+3.5, third 2+4.5 s
+    assert [e.request_id for e in q.drop_late({"w0": (1_500, 1)}, per_token, now=2.0)] == ["second", "third"]
+    assert [e.request_id for e in q.queue("w0")] == ["first"]
+    # the admitted one is unaffected; later, it too expires if it is still waiting
+    assert [e.request_id for e in q.drop_late({"w0": (1_500, 1)}, per_token, now=3.0)] == ["first"]
+    assert len(q) == 0 and q.queued_tokens("w0") == 0

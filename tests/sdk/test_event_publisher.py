@@ -248,3 +248,27 @@ def test_sdk_keys_chain_like_the_documentation_says():
     assert len(a) == 2 and a[0] == b[0]
     assert keys.block_keys(list(range(16)), 16, model="x") != b
     assert keys.block_keys(list(range(15)), 16) == []
+
+
+async def test_close_ends_a_task_that_lost_a_cancellation():
+    # Python 3.11's wait_for can swallow a cancellation that races its inner await (CPython
+    # gh-86296); close() must still end the publisher's loops instead of awaiting them forever
+    pub = EventPublisher("127.0.0.1:1", "w")
+    swallowed = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)  # the first cancel is lost, as inside wait_for
+
+    pub._task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(pub.close(timeout=0.1))
+    done, _ = await asyncio.wait({closing}, timeout=5)  # waits without cancelling close() itself
+    if not done:
+        closing.cancel()  # a second cancel, through close(), ends the stubborn task
+    assert done and swallowed and pub._task is None

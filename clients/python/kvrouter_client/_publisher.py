@@ -107,6 +107,18 @@ SnapshotFn = Callable[[], Iterable[Stored]]
 _TRANSPORT_OR_ROUTER = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again while it runs: Python 3.11's
+    ``asyncio.wait_for`` can lose a cancellation that arrives as its inner await completes
+    (CPython gh-86296), and the publisher's loops wait that way, so one cancel may not end them
+    and awaiting the task once could hang ``close()`` for good (a CI run hung 300 s here)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        raise exc  # what awaiting the task raised before
+
+
 class EventPublisher(WorkerCalls):
     """Publishes one worker's cache events and speaks for that worker to the router."""
 
@@ -605,14 +617,10 @@ class EventPublisher(WorkerCalls):
         if self._task is not None:
             with contextlib.suppress(RuntimeError):
                 await self.flush(timeout)
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await _cancelled(self._task)
             self._task = None
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+            await _cancelled(self._watch)
             self._watch = None
         if self._own_channel and self._channel is not None:
             await self._channel.close()

@@ -55,6 +55,8 @@ from opentelemetry import metrics
 from opentelemetry.metrics import Histogram
 from opentelemetry.sdk.metrics import MeterProvider
 
+from ..tasks import stop_task
+
 __all__ = ["LoopMonitor", "describe_stack", "freeze_heap", "unfreeze_heap"]
 
 log = logging.getLogger("kvrouterd.telemetry")
@@ -197,11 +199,8 @@ class LoopMonitor:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
         self._stopping.set()
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
-            self._beat = None
+        await stop_task(self._beat)
+        self._beat = None
         if self._watchdog is not None:
             await asyncio.to_thread(self._watchdog.join, 5)
             self._watchdog = None

@@ -152,7 +152,7 @@ class Daemon:
     async def start(self) -> int:
         """Bind, start serving and report SERVING. Returns the bound port (useful with :0)."""
         # read TLS files and tokens before creating the server, so bad ones fail with nothing to clean up
-        interceptors = build_interceptors(self.config.auth)
+        interceptors = build_interceptors(self.config.auth, self.service.call_errors)
         if self.tracer is not None:
             # first, so a call the token check refuses still has its span (installed only with tracing on)
             interceptors.insert(0, ServerSpans(self.tracer))

@@ -162,7 +162,7 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     """1,024 workers, most above slot 63: random stores, removes and clears, then a match. The
     native walk's overlaps equal the pure walk's, and the policy's scan over them (native, reading
     the Overlaps by slot) picks what the Python scan picks from the pure dict."""
-    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py
+    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
 
     index = RadixIndex()
     for slot in range(WIDE):
@@ -186,6 +186,12 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     assert type(native_overlaps) is native.module.Overlaps
     want = scan_candidates_py(candidates, pure_overlaps, "pending_prefill_tokens")
     assert scan_candidates(candidates, native_overlaps, "pending_prefill_tokens") == want
+    # and the candidates tied with the best (cache_aware's second pass), from the best on
+    best_i, depth = want[0], want[1]
+    load = candidates[best_i].pending_prefill_tokens
+    ties = tied_candidates_py(candidates, pure_overlaps, "pending_prefill_tokens", best_i, depth, load)
+    assert ties[0] == best_i
+    assert tied_candidates(candidates, native_overlaps, "pending_prefill_tokens", best_i, depth, load) == ties
 
 
 class _Candidate:

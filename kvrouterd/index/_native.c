@@ -4468,6 +4468,31 @@ scan_overlaps(PyObject *overlaps, OverlapsObject **by_slot)
     return *by_slot == NULL && !PyDict_Check(overlaps);
 }
 
+/* prefix_scan's running result: the longest prefix (ties to the lower load, then the first),
+ * the first lowest load and the highest; min_load and max_load are set by the first candidate. */
+typedef struct {
+    Py_ssize_t best_i;
+    long long best_depth, best_load;
+    Py_ssize_t min_i;
+    long long min_load, max_load;
+} ScanBest;
+
+static inline void
+scan_take(ScanBest *b, Py_ssize_t i, long long depth, long long load)
+{
+    if (depth > b->best_depth || (depth == b->best_depth && load < b->best_load)) {
+        b->best_i = i;
+        b->best_depth = depth;
+        b->best_load = load;
+    }
+    if (i == 0 || load < b->min_load) {
+        b->min_i = i;
+        b->min_load = load;
+    }
+    if (i == 0 || load > b->max_load)
+        b->max_load = load;
+}
+
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
  *
  * One pass over a routing decision's candidates, the reference being policies/_scan.py:
@@ -4503,29 +4528,45 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "no candidates");
         return NULL;
     }
-    Py_ssize_t best_i = 0, min_i = 0;
-    long long best_depth = -1, best_load = 0, min_load = 0, max_load = 0;
+    ScanBest best = {0, -1, 0, 0, 0, 0};
     ScanMembers members = {NULL, -1, -1};
-    /* the size and items are read each time round: a getter run by scan_item may resize a list */
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+    Py_ssize_t i = 0;
+    /* the size and items are read again after each general read: a getter may resize a list */
+    while (i < PySequence_Fast_GET_SIZE(seq)) {
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (by_slot != NULL && Py_TYPE(items[i]) == members.type && members.slot_at >= 0 && members.load_at >= 0) {
+            /* a run of one class's plain members over the walk's Overlaps (every Worker of a
+             * Route): read in place, no reference taken, as nothing here runs Python code */
+            PyTypeObject *type = members.type;
+            Py_ssize_t slot_at = members.slot_at, load_at = members.load_at;
+            for (; i < n; i++) {
+                PyObject *item = items[i];
+                if (Py_TYPE(item) != type)
+                    break;
+                PyObject *slot = *(PyObject **)((char *)item + slot_at);
+                PyObject *load_obj = *(PyObject **)((char *)item + load_at);
+                if (slot == NULL || load_obj == NULL || !PyLong_CheckExact(slot) || !PyLong_CheckExact(load_obj))
+                    break;
+                long long s, load;
+                if (exact_long(load_obj, &load))
+                    break;
+                scan_take(&best, i, exact_long(slot, &s) ? 0 : overlaps_depth(by_slot, s), load);
+            }
+            if (i == n)
+                break;
+        }
         long long depth = 0, load = 0;
-        int got = scan_item(PySequence_Fast_ITEMS(seq)[i], overlaps, by_slot, load_name, &members, &depth, &load);
+        int got = scan_item(items[i], overlaps, by_slot, load_name, &members, &depth, &load);
         if (got < 0)
             goto error;
         if (got > 0)
             goto python;
-        if (depth > best_depth || (depth == best_depth && load < best_load)) {
-            best_i = i;
-            best_depth = depth;
-            best_load = load;
-        }
-        if (i == 0 || load < min_load) {
-            min_i = i;
-            min_load = load;
-        }
-        if (i == 0 || load > max_load)
-            max_load = load;
+        scan_take(&best, i, depth, load);
+        i++;
     }
+    Py_ssize_t best_i = best.best_i, min_i = best.min_i;
+    long long best_depth = best.best_depth, min_load = best.min_load, max_load = best.max_load;
     Py_DECREF(seq);
     return Py_BuildValue("(nLnLL)", best_i, best_depth, min_i, min_load, max_load);
 python:

@@ -83,7 +83,8 @@ def scaling_grid(workers: Sequence[int] = WORKERS, blocks: Sequence[int] = BLOCK
 
 def grid_table(rows: Sequence[dict[str, Any]]) -> str:
     """The grid as a Markdown table, the form docs/operations/performance.md quotes."""
-    lines = ["| workers | indexed blocks | decision us, median (runs) | p99 us | of which hashing us | bytes / block | fleet RSS MB |",
+    lines = ["| workers | indexed blocks | decision us, median (runs) | p99 us | of which hashing us "
+             "| bytes / block | fleet RSS MB |",
              "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         runs = ", ".join(f"{v:.1f}" for v in r["decision_us_runs"])

@@ -288,6 +288,7 @@ class Router:
         if decision.prefill is not None:
             worker, hop_ctx = self._disagg.hop_context(decision, ctx)
             self._ledger.commit_prefill_hop(result, worker, hop_ctx, policy)
+        self._ledger.announce(result)
         if decision.lora_placement:
             self._pools.note_loaded(result.worker, self._pools.wanted(ctx.request)[1])
         return result

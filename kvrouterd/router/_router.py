@@ -220,6 +220,12 @@ class Router:
         self._speculative.expire(self.clock.now())
         return self._selector.decide(req, explain)
 
+    def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:
+        """``(workers, pool)`` a request without a prompt may go to: the eligible workers of its
+        model's pool, the decode-capable ones of a P/D pool (``Selector.destinations``); raises
+        ``UnknownModel`` for a model no worker serves, as ``route`` does."""
+        return self._selector.destinations(req)
+
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)

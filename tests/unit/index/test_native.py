@@ -11,7 +11,6 @@ import gc
 import os
 import subprocess
 import sys
-import weakref
 from array import array
 from pathlib import Path
 

@@ -87,6 +87,22 @@ _freeze_lock = threading.Lock()
 _freeze_holders = 0
 
 
+def _thread_frame(thread_id: int) -> FrameType | None:
+    """The frame ``thread_id`` is running, with no collection inside ``sys._current_frames``:
+    one started there (allocating its dict) deadlocks the whole process on a lock the call
+    already holds (CPython gh-106883, fixed in 3.11.9; this daemon supports 3.11.0 on), and a
+    watchdog that samples a stalled loop is exactly where that would strike. The snapshot
+    child's own ``gc.disable()`` runs after fork, in a process without this thread."""
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        return sys._current_frames().get(thread_id)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def freeze_heap() -> None:
     """``gc.freeze()`` for one holder (a daemon's start-up heap, issue #16): what is alive now
     leaves every later collection. Freezing is process-wide and ``gc.unfreeze()`` thaws every
@@ -319,7 +335,7 @@ class LoopMonitor:
             late = time.perf_counter() - due
             if late < sample_after:
                 continue
-            frame = sys._current_frames().get(self._loop_thread)
+            frame = _thread_frame(self._loop_thread)
             stack = describe_stack(frame)
             with self._lock:
                 if self._sampled_due != due:

@@ -183,6 +183,13 @@ class Router:
         the adapters the router believes it has loaded (``Membership.report_load``)."""
         self._membership.report_load(worker_id, queued, running, kv_utilization, loaded_loras)
 
+    def adopt_loras(self, worker_id: str, adapters: Sequence[str]) -> None:
+        """Residency a peer or snapshot carries for ``worker_id`` (least recently used first),
+        checked whole as ReportLoad's is, joins what this router knows as older (``Pools.adopt``)."""
+        worker = self.workers.get(worker_id)
+        names = self._pools.check_names(adapters, "loaded_loras", self._shared.settings.max_id_length)
+        self._pools.adopt(worker, names)
+
     def note_admission_queue(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
         """The host's admission queue for ``worker_id`` now holds ``requests`` waiting
         requests needing ``prefill_tokens`` there (``AdmissionQueues(on_change=...)``)."""

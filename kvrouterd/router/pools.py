@@ -43,7 +43,10 @@ ReportLoad's ``loaded_loras`` (the engine's own list, e.g. vLLM's ``running_lora
 it replaces what the router believed), KV events (vLLM's ``BlockStored`` names the adapter
 whose blocks it stored: a worker storing an adapter's blocks has it loaded) and the router's
 own routing (an engine loads the adapter of a request it serves). Like vLLM's adapter cache
-it is an LRU of ``max_loras`` entries (``MAX_TRACKED_LORAS`` when none is declared).
+it is an LRU of ``max_loras`` entries (``MAX_TRACKED_LORAS`` when none is declared). A
+replica warmed from a peer (``warm_from``) or restored from a snapshot adopts the residency
+the peer or snapshot carries (``Worker.loaded_loras`` of each exported worker), so its LoRA
+stage does not start blind.
 """
 
 from __future__ import annotations
@@ -213,6 +216,15 @@ class Pools:
         reported = set(adapters)
         kept = [a for a in worker.loras if a in reported]
         kept += [a for a in dict.fromkeys(adapters) if a not in worker.loras]
+        limit = worker.spec.max_loras or MAX_TRACKED_LORAS
+        worker.loras = dict.fromkeys(kept[-limit:])
+
+    def adopt(self, worker: Worker, adapters: Sequence[str]) -> None:
+        """Residency another router learned (a peer's export, a snapshot; least recently used
+        first) joins what this one knows as older than it: this router's own reports and
+        routing, if any came first, are the newer news and stay the most recent."""
+        known = worker.loras
+        kept = [a for a in dict.fromkeys(adapters) if a not in known] + list(known)
         limit = worker.spec.max_loras or MAX_TRACKED_LORAS
         worker.loras = dict.fromkeys(kept[-limit:])
 

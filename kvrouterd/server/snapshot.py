@@ -4,14 +4,19 @@ or from the event bus's snapshot object plus the stream after it (``encode_snaps
 
 A replica started with ``warm_from: HOST:PORT`` reports NOT_SERVING, streams the peer's
 index (``ExportIndex``: per worker, its block-key chains parents first, with the engine
-hashes the peer learned and the blocks no worker holds that they hang under), registers the workers it does not know yet with the peer's
-descriptions, stores the blocks, and only then starts its event sources and reports
-SERVING. The export walks each worker a few thousand blocks at a time, yielding to the event loop
-between steps so routing never waits on it; every exported block follows its parent, blocks
-removed during the walk are left out, and events applied during it or published between the
-export and this replica's own subscription are missing until the engines' next events (or a
-ZMQ replay, which rebuilds the worker) correct them. A peer that
-cannot be reached within ``warm_timeout_s`` is logged and the replica starts cold.
+hashes the peer learned and the blocks no worker holds that they hang under), registers the
+workers it does not know yet with the peer's descriptions, adopts the LoRA adapters the peer
+believed each worker has loaded (``Worker.loaded_loras``: the LoRA stage then does not start
+blind), stores the blocks, and only then starts its event sources and reports SERVING. The
+export walks each worker a few thousand blocks at a time, yielding to the event loop between
+steps so routing never waits on it; every exported block follows its parent, blocks removed
+during the walk are left out, and events applied during it or published between the export
+and this replica's own subscription are missing until the engines' next events (or a ZMQ
+replay, which rebuilds the worker) correct them. A peer that cannot be reached within
+``warm_timeout_s`` is logged and the replica starts cold.
+
+A snapshot is the same chunks behind a header, so it carries the residency too; one written
+before ``loaded_loras`` existed reads as workers with none loaded, as before.
 """
 
 from __future__ import annotations
@@ -200,6 +205,8 @@ async def _import(
         if wid not in seen:
             seen.add(wid)
             result.workers += 1
+            if chunk.worker.loaded_loras:
+                _adopt_loras(router, wid, chunk.worker.loaded_loras)
         unheld.update((k, None if root else p)
                       for k, p, root in zip(chunk.unheld_keys, chunk.unheld_parent_keys, chunk.unheld_roots))
         blocks = [
@@ -222,6 +229,16 @@ async def _import(
         if not progress:
             result.skipped = sum(len(b) for _, b in deferred)
             break
+
+
+def _adopt_loras(router: Router, worker_id: str, adapters: Sequence[str]) -> None:
+    """The adapters the peer (or snapshot) believed ``worker_id`` has loaded, so the LoRA
+    stage starts from them; names this router refuses (a peer with a longer ``max_id_length``)
+    cost the worker its residency, never the import."""
+    try:
+        router.adopt_loras(worker_id, adapters)
+    except KVRouterError as exc:
+        log.warning("peer's LoRA residency not imported: %s", exc, extra={"worker_id": worker_id})
 
 
 async def warm_from_peer(router: Router, config: Config, token: bytes | None = None) -> WarmResult:

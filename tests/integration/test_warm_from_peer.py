@@ -113,3 +113,26 @@ async def test_a_warmed_replica_keeps_what_hangs_under_an_evicted_first_block(ru
         assert index_state(replica.router) == index_state(running.router)
     finally:
         await replica.stop(grace=0.1)
+
+
+async def test_a_warmed_replica_knows_which_adapters_each_worker_has_loaded(running):
+    """The peer learned from ReportLoad that b holds adapter "sql": the replica's LoRA stage
+    keeps the request there although a, with a free adapter slot, is the less loaded."""
+    stub = running.stub
+    for wid in ("a", "b"):
+        await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(
+            id=wid, address=f"{wid}.local:8000", mode=pb.CACHE_STATE_MODE_EVENTS, models=["A"], max_loras=2)))
+    await stub.ReportLoad(pb.ReportLoadRequest(worker_id="b", loaded_loras=pb.LoraAdapters(names=["chat", "sql"])))
+    replica = Daemon(parse_config({"listen": "127.0.0.1:0", "warm_from": f"127.0.0.1:{running.daemon.port}"}), seed=2)
+    port = await replica.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            rstub = router_pb2_grpc.KVRouterStub(ch)
+            workers = {w.id: w for w in (await rstub.ListWorkers(pb.ListWorkersRequest())).workers}
+            assert list(workers["b"].loaded_loras) == ["chat", "sql"] and not workers["a"].loaded_loras
+            busy = await rstub.Route(pb.RouteRequest(token_ids=list(range(8 * BS)), model="A", candidate_workers=["b"]))
+            assert busy.worker_id == "b"
+            resp = await rstub.Route(pb.RouteRequest(token_ids=list(range(9000, 9000 + 8 * BS)), model="A", lora="sql"))
+            assert resp.worker_id == "b"
+    finally:
+        await replica.stop(grace=0.1)

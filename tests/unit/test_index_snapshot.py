@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, Cleared, EventBatch, Removed, Stored
+from kvrouterd.protocols import CacheMode, Cleared, EventBatch, Removed, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
-from kvrouterd.server.snapshot import WarmResult, _import, encode_snapshot, export_chunks, restore_snapshot
+from kvrouterd.server.snapshot import (
+    SNAPSHOT_MAGIC, WarmResult, _import, encode_snapshot, export_chunks, restore_snapshot,
+)
 
 from ..invariants import check_router_invariants, index_state
 
@@ -133,6 +137,55 @@ async def test_chains_under_an_evicted_first_block_are_restored_and_match_once_i
         r.apply(EventBatch("x", 2, (again,)))
     assert overlaps(dst, tokens(0, 10)) == overlaps(src, tokens(0, 10)) == {"x": 10, "y": 0}
     assert index_state(dst) == index_state(src)
+
+
+def lora_route(r: Router, adapter: str) -> tuple[str, str]:
+    decision, _, _ = r.decide(RouteRequest("", r.keys_for_tokens(tokens(7000, 2), lora=adapter), 2 * BS, lora=adapter))
+    return decision.worker_id, decision.lora_placement
+
+
+@pytest.mark.parametrize("copy", [warm_over_export, restore])
+async def test_lora_residency_comes_along_and_the_lora_stage_prefers_the_holder(copy):
+    src = peer()
+    src.report_load("z", 0, 0, 0.0, ["sql", "chat"])  # least recently used first: sql
+    src.report_load("x", 0, 0, 0.0, ["chat"])
+    assert lora_route(src, "sql") == ("z", "loaded")
+    dst = router([])
+    await copy(src, dst)
+    assert {w.id: list(w.loras) for w in dst.workers} == {"x": ["chat"], "y": [], "z": ["sql", "chat"]}
+    assert lora_route(dst, "sql") == ("z", "loaded")
+
+
+async def test_adopted_residency_is_older_than_what_the_replica_learned_itself():
+    src = peer()
+    src.report_load("z", 0, 0, 0.0, ["sql", "chat"])
+    dst = router(["x", "y", "z"])
+    dst.report_load("z", 0, 0, 0.0, ["code"])  # an engine's own report that came first
+    await warm_over_export(src, dst)
+    assert list(dst.workers.get("z").loras) == ["sql", "chat", "code"]
+
+
+async def test_a_snapshot_without_residency_restores_as_before():
+    """Snapshots written before ``Worker.loaded_loras`` existed: the same chunks without it."""
+    src = peer()
+    src.report_load("z", 0, 0, 0.0, ["sql"])
+    data = encode_snapshot(src, 5)
+    frames, pos = [], len(SNAPSHOT_MAGIC)
+    while pos < len(data):
+        (n,) = struct.unpack_from(">I", data, pos)
+        frames.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    chunks = [pb.IndexChunk.FromString(f) for f in frames[1:]]
+    for chunk in chunks:
+        chunk.worker.ClearField("loaded_loras")
+    old = SNAPSHOT_MAGIC + b"".join(struct.pack(">I", len(f)) + f
+                                    for f in (frames[0], *(c.SerializeToString() for c in chunks)))
+    dst = router([])
+    sequence, result = await restore_snapshot(dst, old, stream_end=5)
+    assert sequence == 5 and result.skipped == 0
+    assert index_state(dst) == index_state(src)
+    assert all(not w.loras for w in dst.workers)
+    assert lora_route(dst, "sql")[1] == "free_slot"
 
 
 PATHS = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]

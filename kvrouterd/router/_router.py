@@ -69,7 +69,7 @@ class Router:
         self._pools = Pools(shared)
         self._membership = Membership(shared, self._events, self._ledger, self._engine_hashes, self._slots, self._pools)
         self._advice = Advisor(shared, self._engine_hashes, self._speculative)
-        self._disagg = Disaggregation(shared)
+        self._disagg = Disaggregation(shared, self._speculative)
         self._selector = Selector(shared, self._ledger, self._pools, self._disagg, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------

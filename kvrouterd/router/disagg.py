@@ -40,6 +40,21 @@ every request to a decode worker to prefill itself (the aggregated baseline on a
 A pool whose prefill workers are all draining routes as an aggregated pool of its decode
 workers (no ``pd_reason``).
 
+**Speculative claims** (``speculative.ttl_s > 0``, ``router.speculative``): committing a
+disaggregated decision claims the prompt's blocks on both hops' events-mode workers, as an
+aggregated one claims them on its worker (``LoadLedger._record_access``): on the prefill
+worker, which computes them, under the hop's in-flight id, and on the decode worker under the
+request's, since it receives them by transfer and caches them (vLLM's scheduler caches a
+request's blocks once its remote KV has arrived, ``_update_waiting_for_remote_kv`` in
+``vllm/v1/core/sched/scheduler.py``, and publishes them as any stored block). A follow-up
+arriving before either Stored finds its prefix on both: its prefill hop goes back to the
+prefill worker computing it, its decode hop stays with the conversation's decode worker. Both
+hops' contexts carry the claims (``RoutingContext.claimed``), which place a follow-up but
+price as uncached: a decode worker whose KV is still in transfer does not look cached enough
+to prefill locally, and the prefill hop is charged what its engine will compute again. A
+failed request drops both claims; a prefill hop released early (``prefill_done``) keeps its
+claim until its Stored confirms it or the TTL passes.
+
 **A decode worker that publishes no events** (events mode, no batch applied yet) holds, as far
 as the index knows, nothing: the cache check cannot see what it holds, so only a short prompt
 is prefilled locally. Rather than fail silently (Dynamo's users met exactly that), the reason
@@ -56,6 +71,7 @@ from ..index.workers import Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import CacheMode, Decision, PrefillHop, RouteRequest, WorkerRole
 from .shared import Shared
+from .speculative import SpeculativeBlocks
 
 __all__ = ["CACHE_UNKNOWN", "PREFILL_HOP_PREFIX", "Disaggregation", "cache_unknown", "prefill_hop_id"]
 
@@ -86,8 +102,9 @@ def _mask(workers: list[Worker]) -> int:
 class Disaggregation:
     """Splits a P/D pool into its hops and decides them (see the module docstring)."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
+        self._speculative = speculative
         self._gen = -1
         self._any_prefill = False
 
@@ -157,10 +174,11 @@ class Disaggregation:
         shared = self._shared
         worker = shared.workers.get(decision.prefill.worker_id)
         req = replace(ctx.request, request_id=prefill_hop_id(ctx.request.request_id), candidate_workers=())
-        match = shared.index.match(req.keys, worker.bit)
-        return worker, RoutingContext(req, [worker], match, shared.block_size, ctx.now, shared.index, False)
+        return worker, self._context(req, [worker], ctx.now, False, worker.bit)
 
-    def _context(self, req: RouteRequest, workers: list[Worker], now: float, explain: bool) -> RoutingContext:
+    def _context(self, req: RouteRequest, workers: list[Worker], now: float, explain: bool,
+                 mask: int = 0) -> RoutingContext:
         shared = self._shared
-        match = shared.index.match(req.keys, _mask(workers))
-        return RoutingContext(req, workers, match, shared.block_size, now, shared.index, explain)
+        match = shared.index.match(req.keys, mask or _mask(workers))
+        claimed = self._speculative.claimed(workers, req.keys, match.overlaps) if self._speculative.live else None
+        return RoutingContext(req, workers, match, shared.block_size, now, shared.index, explain, claimed)

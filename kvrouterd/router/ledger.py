@@ -415,6 +415,11 @@ class LoadLedger:
         if hop is None:
             return None
         shared.workers.release(hop.request_id)
+        # the hop's claim on the prefill worker, like the request's on its decode worker
+        if completion.success:
+            self._speculative.completed(hop.request_id)
+        else:
+            self._speculative.failed(hop.request_id)
         policy = shared.policies.routing.get(hop.policy)
         if policy is not None:
             # the hop's own record, under the hop's id (a policy keeping per-request state

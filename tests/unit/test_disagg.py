@@ -196,3 +196,76 @@ def test_a_busy_decode_worker_takes_the_prefill_hop_even_for_a_cached_prompt() -
     assert (second.pd_reason, second.prefill is not None) == ("decode_busy", True)  # 128 > 80: not on d1
     r.complete(Completion("r1"))
     assert r.route(req("r3", prompt(3))).decision.pd_reason == "decode_cached"
+
+
+# ---- speculative claims on both hops (speculative.ttl_s > 0) -------------------------------
+
+def speculative_fleet(local: int = 8) -> Router:
+    pd = DisaggregationSettings(local_prefill_max_uncached_tokens=local)
+    r = Router(RouterSettings(block_size=BS, disaggregation=pd, speculative_ttl_s=5.0), ManualClock())
+    for wid, role in (("p1", WorkerRole.PREFILL), ("p2", WorkerRole.PREFILL),
+                      ("d1", WorkerRole.DECODE), ("d2", WorkerRole.DECODE)):
+        r.add_worker(spec(wid, role, CacheMode.EVENTS))
+    return r
+
+
+def test_a_disaggregated_route_claims_its_prompt_on_both_hops_and_a_follow_up_finds_it_before_stored() -> None:
+    r = speculative_fleet()
+    first = r.route(req("r1", prompt(1)))
+    assert first.decision.pd_reason.startswith("remote_prefill") and first.prefill_worker is not None
+    p, d = first.prefill_worker.id, first.worker.id
+    # the prefill worker computes the prompt, the decode worker receives and caches it
+    assert {w.id: r.speculative.live_on(w.id) for w in r.workers} == {p: 16, d: 16} | {
+        w.id: 0 for w in r.workers if w.id not in (p, d)}
+    follow = r.route(req("r2", prompt(1) + prompt(5, 4 * BS)))
+    hop = follow.decision.prefill
+    assert hop is not None and (hop.worker_id, follow.worker.id) == (p, d)
+    assert hop.overlap_blocks == 16
+    # claimed blocks place the follow-up but price as uncached: its engine may compute them again
+    assert hop.uncached_tokens == 20 * BS and follow.decision.decode_uncached_tokens == 20 * BS
+    assert r.workers.get(p).pending_prefill_tokens == 16 * BS + 20 * BS
+    # each engine's Stored confirms its own claims
+    r.apply(EventBatch(p, 0, (Stored(tuple(prompt(1) + prompt(5, 4 * BS)), None),)))
+    r.apply(EventBatch(d, 0, (Stored(tuple(prompt(1)), None),)))
+    assert r.speculative.live_on(p) == 0 and r.speculative.live_on(d) == 4
+    assert r.speculative.outcomes["confirmed"] == 20 + 16
+
+
+def test_a_decode_worker_whose_kv_is_still_in_transfer_does_not_prefill_locally() -> None:
+    """Its claimed blocks are not computed yet: a follow-up that would be cached enough to
+    stay local once they are takes the prefill hop until its Stored arrives."""
+    r = speculative_fleet(local=8 * BS)
+    first = r.route(req("r1", prompt(1)))
+    d = first.worker.id
+    r.complete(Completion("r1"))
+    follow = prompt(1) + prompt(5, 4 * BS)
+    again = r.route(req("r2", follow)).decision
+    assert (again.worker_id, again.pd_reason, again.decode_uncached_tokens) == (
+        d, "remote_prefill+decode_cache_unknown", 20 * BS)
+    r.complete(Completion("r2"))
+    r.apply(EventBatch(d, 0, (Stored(tuple(follow), None),)))
+    cached = r.route(req("r3", follow + prompt(6, 2 * BS))).decision
+    assert (cached.worker_id, cached.pd_reason, cached.prefill) == (d, "decode_cached", None)
+
+
+def test_a_failed_disaggregated_request_drops_the_claims_of_both_hops() -> None:
+    r = speculative_fleet()
+    first = r.route(req("r1", prompt(1)))
+    assert first.prefill_worker is not None
+    r.complete(Completion("r1", success=False))
+    assert r.speculative.live == 0 and r.speculative.outcomes["dropped"] == 32
+    assert r.indexed_blocks == 0
+
+
+def test_a_prefill_released_early_keeps_its_claim_when_the_request_fails_later() -> None:
+    """``prefill_done``: the prefill engine computed the prompt, and its Stored is on the way."""
+    r = speculative_fleet()
+    first = r.route(req("r1", prompt(1)))
+    assert first.prefill_worker is not None
+    p, d = first.prefill_worker.id, first.worker.id
+    assert r.release_prefill(Completion("r1", prefill_done=True, prefill_ms=30.0)) is not None
+    r.complete(Completion("r1", success=False))
+    assert (r.speculative.live_on(p), r.speculative.live_on(d)) == (16, 0)
+    r.clock.advance(5.0)
+    r.tick()
+    assert r.speculative.live == 0 and r.speculative.outcomes["expired"] == 16

@@ -276,6 +276,10 @@ class AdmissionConfig:
     #: SLO everywhere) or defer (shed, and drop a queued request the moment it can no longer
     #: meet its SLO; needs max_inflight)
     deadline: str = "off"
+    #: shed a request that declares no TTFT SLO of its own (``ttft_slo_ms``, ext_proc's
+    #: ``x-slo-ttft-ms`` header) when it cannot meet ``default_ttft_slo_ms``; false (the
+    #: default): such a request is steered by the default SLO but never refused by it
+    shed_without_slo: bool = False
     #: the TTFT model deadline admission predicts with: ``LatencyParams`` fields
     #: (policies/latency.py), e.g. {prefill_ms_per_1k_tokens: 40, calibrate: true}
     latency: dict[str, Any] = field(default_factory=dict)

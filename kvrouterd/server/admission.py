@@ -73,7 +73,8 @@ class AdmissionGate:
         decided = router.decide(req, explain)
         if self.guard is not None:
             slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
-            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued)
+            refuse = req.ttft_slo_ms > 0 or self.config.shed_without_slo
+            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued, refuse)
         decision, ctx, policy = decided
         wid = decision.worker_id
         worker = router.workers.get(wid)

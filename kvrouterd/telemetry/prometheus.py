@@ -230,6 +230,7 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
             yield Observation(guard.shed, {"outcome": "shed"})
             yield Observation(guard.rerouted, {"outcome": "rerouted"})
             yield Observation(guard.expired, {"outcome": "expired"})
+            yield Observation(guard.spared, {"outcome": "spared"})
 
     meter.create_observable_counter(
         "kvrouter.prefix.decisions", [prefix_decisions],

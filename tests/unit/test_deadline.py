@@ -145,3 +145,26 @@ def test_defer_drops_queued_requests_that_can_no_longer_meet_their_slo() -> None
     # the admitted one is unaffected; later, it too expires if it is still waiting
     assert [e.request_id for e in q.drop_late({"w0": (1_500, 1)}, per_token, now=3.0)] == ["first"]
     assert len(q) == 0 and q.queued_tokens("w0") == 0
+
+
+def test_the_fast_answer_for_the_chosen_worker_agrees_with_the_full_check() -> None:
+    """``chosen_meets`` answers the common case alone; it must never disagree with ``check``."""
+    rng = random.Random(7)
+    router, guard, clock = fleet("a", "b", "c")
+    for i in range(300):
+        wid = rng.choice("abc")
+        load(router, guard, wid, rng.randrange(100, 4_000), f"r{i}")
+        clock.advance(rng.uniform(0, 2_000))
+        req = request(f"q{i}", rng.randrange(100, 8_000))
+        decision, ctx, _ = router.decide(req)
+        for w in router.workers:
+            assert guard.chosen_meets(ctx, w, SLO) == (w.id in guard.check(ctx, w.id, SLO).meets)
+
+
+def test_a_request_without_its_own_slo_is_admitted_where_it_would_be_shed() -> None:
+    router, guard, _ = fleet("a")
+    load(router, guard, "a", 4_000, "busy-a")
+    req = request("undeclared", 2_000, slo=0.0)
+    decided = router.decide(req)
+    assert admit_by_deadline(guard, router, req, decided, SLO, refuse=False) is decided
+    assert (guard.shed, guard.spared) == (0, 1)

@@ -96,6 +96,10 @@ MIN_RETRY_AFTER_MS = 100.0
 _SCALE_WEIGHT = 0.05
 #: the correction stays within e^+-3 (x0.05 to x20)
 _LOG_SCALE_RANGE = 3.0
+#: step of the online quantile of observed / predicted TTFT, in log units per completion
+_TAIL_STEP = 0.05
+#: the quantile deadline admission judges by (``admission.deadline_quantile``)
+DEFAULT_QUANTILE = 0.5
 #: predictions shorter than this are mostly the engine's step granularity: no sample
 _MIN_SAMPLE_MS = 50.0
 #: dispatched requests whose prediction awaits its completion; beyond, the oldest are forgotten
@@ -139,10 +143,17 @@ class DeadlineGuard:
     ``AdmissionQueues.drop_late`` dropped (``late_refusal`` counts one).
     """
 
-    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None) -> None:
+    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None, quantile: float = DEFAULT_QUANTILE) -> None:
         if mode not in DEADLINE_MODES:
             raise ConfigError(f"deadline: expected one of {', '.join(DEADLINE_MODES)}, got {mode!r}")
+        if not 0.0 < quantile < 1.0:
+            raise ConfigError(f"deadline quantile: expected a number in (0, 1), got {quantile!r}")
         self.mode = mode
+        #: the share of admitted requests the guard aims to see meet their SLO: it admits a
+        #: request when this quantile of observed / predicted TTFT, times the prediction, fits
+        self.quantile = quantile
+        #: that quantile, tracked online (``on_complete``); ``scale`` is the geometric mean
+        self.tail = 1.0
         params = params or LatencyParams()
         try:
             params.validate()
@@ -157,6 +168,13 @@ class DeadlineGuard:
         self._predicted: OrderedDict[str, float] = OrderedDict()
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
         self._backlog: dict[str, tuple[float, float]] = {}
+        #: worker id -> its uncompleted dispatches in order, request id -> (own modelled
+        #: prefill ms, dispatched at): what an engine's load report re-anchors the backlog to
+        self._flight: dict[str, OrderedDict[str, tuple[float, float]]] = {}
+        #: request id -> the worker it was dispatched to (to find it in ``_flight``)
+        self._where: dict[str, str] = {}
+        #: worker id -> the load report its backlog was last anchored to (its ``reported_at``)
+        self._anchored: dict[str, float] = {}
         self.shed = 0
         self.rerouted = 0
         self.expired = 0
@@ -178,8 +196,38 @@ class DeadlineGuard:
         would drain far too fast), drained as time passes at ``1 / scale``."""
         if not worker.inflight_requests:
             return 0.0
+        if worker.reported_at > self._anchored.get(worker.id, 0.0):
+            self._anchor(worker)
         ms, at = self._backlog.get(worker.id, (0.0, now))
         return max(0.0, ms - (now - at) * 1000.0 / self.scale)
+
+    def _anchor(self, worker: Worker) -> None:
+        """Re-anchor ``worker``'s backlog to its engine's last load report.
+
+        Drained at a modelled rate alone, the backlog integrates every error of the model,
+        and ``scale`` (which also sets the drain rate) chases them a full decode late: on the
+        tool/agent workload past capacity it swung from 0.4 to 10 and back, shedding nearly
+        everything, then admitting a flood (a p90 TTFT of 10 s among admitted requests). An
+        engine's report says how many requests are still waiting for their first token
+        (``queued_requests``; vLLM's ``num_requests_waiting``, first come first served): the
+        newest that many of the requests routed there before the report. Their own modelled
+        prefill, plus everything routed since, is the backlog as of the report."""
+        reported_at, queued = worker.reported_at, worker.reported_queue
+        self._anchored[worker.id] = reported_at
+        flight = self._flight.get(worker.id)
+        if flight is None:
+            return
+        while len(flight) > worker.inflight_requests:  # the oldest ended unheard (expired in flight)
+            self._where.pop(flight.popitem(last=False)[0], None)
+        before: list[float] = []
+        after = 0.0
+        for ms, at in flight.values():
+            if at <= reported_at:
+                before.append(ms)
+            else:
+                after += ms
+        waiting = sum(before[len(before) - queued:]) if 0 < queued else 0.0
+        self._backlog[worker.id] = (waiting + after, reported_at)
 
     def predict_ms(self, worker: Worker, uncached_tokens: int, cached_tokens: int, now: float,
                    queued: tuple[int, int] = (0, 0)) -> float:
@@ -195,7 +243,7 @@ class DeadlineGuard:
         at 1,024 workers would cost the decision a millisecond."""
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
         t = self.predict_ms(chosen, uncached, cached, ctx.now, queued(chosen.id))
-        return t <= max(slo_ms, self.prefill_ms(uncached, cached) * self.scale)
+        return t * self.tail / self.scale <= max(slo_ms, self.prefill_ms(uncached, cached) * self.tail)
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.
@@ -208,12 +256,14 @@ class DeadlineGuard:
         predicted = best = math.inf
         budget = slo_ms
         meets: list[str] = []
+        to_tail = self.tail / self.scale
         for w in ctx.candidates:
             uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
-            t = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
-            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * self.scale)
+            expected = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
+            t = expected * to_tail
+            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * self.tail)
             if w.id == chosen_id:
-                predicted = t
+                predicted = expected
             if t - allowed < best - budget:
                 best, budget = t, allowed
             if t <= allowed:
@@ -255,24 +305,44 @@ class DeadlineGuard:
                     cached_tokens: int = 0) -> None:
         """A request was committed to ``worker`` (after the router charged it)."""
         # the worker's in-flight count already includes it: a first request finds no backlog
-        ms, at = self._backlog.get(worker.id, (0.0, now))
-        before = max(0.0, ms - (now - at) * 1000.0 / self.scale) if worker.inflight_requests > 1 else 0.0
-        ahead = before + self.prefill_ms(uncached_tokens, cached_tokens)
+        before = self.backlog_ms(worker, now) if worker.inflight_requests > 1 else 0.0
+        own = self.prefill_ms(uncached_tokens, cached_tokens)
+        ahead = before + own
         self._backlog[worker.id] = (ahead, now)
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
             self._predicted[request_id] = ahead
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
+            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now)
+            self._where[request_id] = worker.id
+            if len(self._where) > _MAX_TRACKED:
+                self._forget(next(iter(self._where)))
 
     def on_complete(self, request_id: str, ttft_ms: float) -> None:
         """A completion's observed TTFT: corrects ``scale``."""
+        self._forget(request_id)
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None and predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
-            log_scale = math.log(self.scale) + _SCALE_WEIGHT * (math.log(ttft_ms / predicted) - math.log(self.scale))
+            log_ratio = math.log(ttft_ms / predicted)
+            log_scale = math.log(self.scale) + _SCALE_WEIGHT * (log_ratio - math.log(self.scale))
             self.scale = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+            # stochastic approximation of the quantile: up by step * q on a sample above it,
+            # down by step * (1 - q) below, so it rests where a share q of samples fall below
+            log_tail = math.log(self.tail)
+            log_tail += _TAIL_STEP * (self.quantile - (1.0 if log_ratio <= log_tail else 0.0))
+            self.tail = math.exp(min(max(log_tail, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+
+    def _forget(self, request_id: str) -> None:
+        worker_id = self._where.pop(request_id, None)
+        flight = self._flight.get(worker_id) if worker_id is not None else None
+        if flight is not None:
+            flight.pop(request_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         self._backlog.pop(worker_id, None)
+        self._anchored.pop(worker_id, None)
+        for request_id in self._flight.pop(worker_id, {}):
+            self._where.pop(request_id, None)
 
     def counters(self) -> dict[str, int]:
         return {"deadline_shed": self.shed, "deadline_rerouted": self.rerouted, "deadline_expired": self.expired,

@@ -62,7 +62,8 @@ class AdmissionGate:
         self.queues = (AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
                        if config.max_inflight > 0 else None)
         #: None with ``deadline: off``
-        self.guard = DeadlineGuard(config.deadline, config.latency_params()) if config.deadline != "off" else None  # type: ignore[arg-type]
+        self.guard = (DeadlineGuard(config.deadline, config.latency_params(), config.deadline_quantile)  # type: ignore[arg-type]
+                      if config.deadline != "off" else None)
         self.migrations = 0
         self.shed = 0
 

@@ -32,7 +32,7 @@ import xxhash
 from ..admission import AdmissionQueues, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..clock import ManualClock
 from ..config import Config
-from ..deadline import DEADLINE_MODES, DeadlineGuard, admit_by_deadline
+from ..deadline import DEADLINE_MODES, DEFAULT_QUANTILE, DeadlineGuard, admit_by_deadline
 from ..errors import ConfigError, NotFound, SloUnreachable
 from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
@@ -82,6 +82,9 @@ class ClusterSettings:
     #: (also drop a queued one once it can no longer meet it; needs admission_max_inflight).
     #: Its TTFT model is the engines' profile, as ``profiled_spec`` gives the policies
     admission_deadline: str = "off"
+    #: the share of admitted requests deadline admission aims to see meet their SLO
+    #: (``admission.deadline_quantile``)
+    admission_deadline_quantile: float = DEFAULT_QUANTILE
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -192,7 +195,8 @@ class Simulation:
                           if settings.admission_max_inflight else None)
         #: deadline admission (None = off), judging with the engines' profiled cost model
         self.guard = (DeadlineGuard(settings.admission_deadline,  # type: ignore[arg-type]
-                                    LatencyParams(**settings.engine.latency_fields(), calibrate=False))
+                                    LatencyParams(**settings.engine.latency_fields(), calibrate=False),
+                                    settings.admission_deadline_quantile)
                       if settings.admission_deadline != "off" else None)
         #: requests shed or dropped by deadline admission (they count as missing their SLO)
         self.shed: set[int] = set()

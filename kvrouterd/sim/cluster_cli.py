@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..config import Config, load_config
+from ..deadline import DEFAULT_QUANTILE
 from ..errors import ConfigError, KVRouterError
 from ..protocols import CacheMode
 from . import metrics as m
@@ -165,6 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="admission queue: at most N uncompleted requests per worker (0 = off)")
     c.add_argument("--admission-deadline", choices=["off", "shed", "defer"], default="off",
                    help="shed what is predicted to miss its SLO everywhere (default off)")
+    c.add_argument("--admission-deadline-quantile", type=float, default=DEFAULT_QUANTILE, metavar="Q",
+                   help=f"admit when this quantile of TTFT meets the SLO (default {DEFAULT_QUANTILE})")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
@@ -286,7 +289,7 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
         event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
         warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
         signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight,
-        admission_deadline=args.admission_deadline)
+        admission_deadline=args.admission_deadline, admission_deadline_quantile=args.admission_deadline_quantile)
     settings.validate()
     capacity_for = None
     if args.capacity_fraction is not None:
@@ -304,7 +307,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
             "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
             "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
-            "admission_deadline": args.admission_deadline}
+            "admission_deadline": args.admission_deadline,
+            "admission_deadline_quantile": args.admission_deadline_quantile}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

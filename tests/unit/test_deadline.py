@@ -168,3 +168,44 @@ def test_a_request_without_its_own_slo_is_admitted_where_it_would_be_shed() -> N
     decided = router.decide(req)
     assert admit_by_deadline(guard, router, req, decided, SLO, refuse=False) is decided
     assert (guard.shed, guard.spared) == (0, 1)
+
+
+def test_an_engines_load_report_re_anchors_the_backlog() -> None:
+    """Three 1,000 ms prompts routed to ``a``; its engine then reports one still waiting for
+    its first token: the backlog is that one's prefill, not what the model drained to."""
+    router, guard, clock = fleet("a")
+    for i in range(3):
+        load(router, guard, "a", 1_000, f"r{i}")
+    a = router.workers.get("a")
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(3_000)
+    clock.advance(0.1)
+    router.report_load("a", 1, 2, 0.5)
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(1_000)
+    load(router, guard, "a", 500, "after")  # routed after the report: on top of it
+    clock.advance(0.2)
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(1_300)
+    router.report_load("a", 0, 4, 0.5)  # nothing waits: only what was routed since counts
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("quantile, low, high", [(0.5, 1.9, 3.1), (0.9, 3.9, 4.1)])
+def test_admission_judges_by_the_chosen_quantile_of_observed_over_predicted(quantile, low, high) -> None:
+    rng = random.Random(3)
+    router, _, clock = fleet("a")
+    guard = DeadlineGuard("shed", MS_PER_TOKEN, quantile)
+    for i in range(3_000):
+        load(router, guard, "a", 1_000, f"r{i}")
+        guard.on_complete(f"r{i}", 1_000.0 * rng.choice((1.0, 2.0, 3.0, 4.0)))
+        router.complete(Completion(f"r{i}", 1_000.0, 1_000.0))
+        clock.advance(2.0)
+    assert low <= guard.tail <= high
+    assert guard.scale == pytest.approx((1 * 2 * 3 * 4) ** 0.25, rel=0.25)  # the geometric mean
+    # 1 s queued and 0.5 s of its own: 1.5 s as modelled, 3-4.6 s at the median, 6 s at p90
+    load(router, guard, "a", 1_000, "busy")
+    req = request("x", 500)
+    decided = router.decide(req)
+    if quantile == 0.5:
+        assert admit_by_deadline(guard, router, req, decided, SLO) is decided
+    else:
+        with pytest.raises(SloUnreachable):
+            admit_by_deadline(guard, router, req, decided, SLO)

@@ -3,6 +3,7 @@
     kvrouterd bench                 # everything, a table at the end (a few minutes)
     kvrouterd bench --json          # one JSON object with every number
     kvrouterd bench --only decision,memory --quick
+    kvrouterd bench --scaling       # workers x indexed blocks -> decision us, bytes/block
 
 What each figure (and --json key) measures, how the gRPC loads are sent and completed, and how
 to read rounds on a shared machine: docs/operations/performance.md, "Running kvrouterd bench".
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC rounds; each ratio is the median of its rounds (default 3)")
     parser.add_argument("--seconds", type=float, default=3.0, metavar="S",
                         help="seconds of each gRPC load run (default 3)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="instead of the stages: the sizing grid, 8/64/256/1,024 workers x 10^5/10^6 blocks "
+                             "-> decision us and bytes per block, each cell --rounds fresh processes")
 
 
 class _Steps:
@@ -114,9 +118,29 @@ def _memory_in_subprocess(blocks: int, engine_hashes: bool) -> dict[str, float]:
     return json.loads(out.stdout)
 
 
+def _run_scaling(args: argparse.Namespace) -> int:
+    from .scaling import BLOCKS, WORKERS, grid_table, scaling_grid
+
+    blocks = (10_000, 100_000) if args.quick else BLOCKS
+    rounds = 1 if args.quick else max(1, args.rounds)
+    progress = _Steps(len(WORKERS) * len(blocks) * rounds)
+    rows = scaling_grid(WORKERS, blocks, rounds, repeats=300 if args.quick else 2000, progress=progress)
+    progress.close()
+    if args.json:
+        print(json.dumps({"scaling": rows}, indent=2))
+    else:
+        native = "C fast path" if all(r["native"] for r in rows) else "pure Python"
+        print(f"\nkvrouterd bench --scaling ({native}; 4,000-token prompt, block size 16, cache_aware; "
+              f"median of {rounds} fresh processes a cell)")
+        print(grid_table(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from .inprocess import decision_cost
 
+    if args.scaling:
+        return _run_scaling(args)
     stages = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(stages) - set(STAGES)
     if unknown:

@@ -27,6 +27,12 @@ def decision_cost(workers: int, total_blocks: int, repeats: int = 2000, policy: 
     ``array('Q')`` of keys out, which the match walk reads in place), untraced (``explain=False``,
     the daemon's default with tracing off), by the daemon's default router (``build_router``)."""
     router, prompt = build_router(workers, total_blocks, policy)
+    return decision_timings(router, prompt, repeats)
+
+
+def decision_timings(router: Router, prompt: list[int], repeats: int = 2000) -> dict[str, float]:
+    """``decision_cost``'s measurement on a router already built (``workload.build_router``), so a
+    caller can measure the fleet's memory between building and timing (``benchmarks.scaling``)."""
     packed = array("I", prompt).tobytes()
     hash_prompt = router.keys_for_tokens
     decide_s: list[float] = []
@@ -47,7 +53,7 @@ def decision_cost(workers: int, total_blocks: int, repeats: int = 2000, policy: 
         router.complete(Completion(result.request.request_id))
         cycle_s.append(clock() - t3)
     return {
-        "workers": workers,
+        "workers": len(router.workers),
         "indexed_blocks": len(router.index),
         "decision_us_median": _median_us(decide_s),
         "decision_us_p99": p99(decide_s) * 1e6,

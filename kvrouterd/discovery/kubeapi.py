@@ -15,7 +15,6 @@ adapts it to what ``KubernetesDiscovery`` expects:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Mapping

@@ -3,8 +3,9 @@ same approximate-mode cache models (``events.bus.replica_sync``, docs/deploy.md 
 
 Each replica publishes a small load delta for every routing decision it commits (request id,
 worker, prefill tokens charged; for an approximate-mode worker also the routed prompt's block
-keys and the blocks its eviction dropped) and for every ``Complete`` it receives, into one
-JetStream stream. Every replica reads the whole stream in order and applies the other replicas'
+keys and the blocks its eviction dropped; a disaggregated decision's prefill hop as a delta of
+its own, under the hop's id) and for every ``Complete`` it receives (a ``prefill_done`` one
+releases the prefill hop alone), into one JetStream stream. Every replica reads the whole stream in order and applies the other replicas'
 deltas to its router (``Router.apply_dispatch`` / ``apply_completion``): load is charged and
 released by request id, so a ``Complete`` may reach any replica. This follows NVIDIA Dynamo's
 router replica sync (each KV router publishes its active-sequence add/free events tagged with its

@@ -4387,6 +4387,112 @@ scan_depth(PyObject *overlaps, OverlapsObject *by_slot, PyObject *slot, long lon
     return overflow ? 1 : 0;
 }
 
+/* The member offsets of the candidates' class last read (scan_item), or type NULL for none. */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t slot_at, load_at;
+} ScanMembers;
+
+/* scan_item's way for anything but plain members over the walk's Overlaps: through references,
+ * as Python code may run (a property, a dict key's __eq__), so `members` is forgotten after (its
+ * class may be gone and another allocated in its place) and the caller re-reads its items. */
+static int
+scan_item_generic(PyObject *item, PyObject *overlaps, OverlapsObject *by_slot, PyObject *load_name,
+                  ScanMembers *members, long long *depth, long long *load)
+{
+    Py_ssize_t slot_at = members->slot_at, load_at = members->load_at;
+    members->type = NULL;
+    Py_INCREF(item); /* a getter run on it may drop the sequence's reference */
+    int result = 1;
+    PyObject *slot = member_get(item, slot_at, slot_name);
+    if (slot == NULL) {
+        result = -1;
+        goto done;
+    }
+    if (!PyLong_CheckExact(slot)) { /* its __hash__/__eq__ could run Python code */
+        Py_DECREF(slot);
+        goto done;
+    }
+    int got = scan_depth(overlaps, by_slot, slot, depth);
+    Py_DECREF(slot);
+    if (got != 0) {
+        result = got;
+        goto done;
+    }
+    PyObject *load_obj = member_get(item, load_at, load_name);
+    if (load_obj == NULL) {
+        result = -1;
+        goto done;
+    }
+    if (PyLong_CheckExact(load_obj))
+        result = exact_long(load_obj, load) ? 1 : 0;
+    Py_DECREF(load_obj);
+done:
+    Py_DECREF(item);
+    return result;
+}
+
+/* A candidate's cached prefix (overlaps[item.slot], 0 when absent) and load (item.<load_name>)
+ * into *depth and *load, as prefix_scan and prefix_ties read them. 0; 1 when the caller runs the
+ * Python reference (a slot that is not an int, a depth or load not an int of at most 64 bits);
+ * -1 on error. `members` holds the member offsets of the class last read. */
+static inline int
+scan_item(PyObject *item, PyObject *overlaps, OverlapsObject *by_slot, PyObject *load_name, ScanMembers *members,
+          long long *depth, long long *load)
+{
+    if (Py_TYPE(item) != members->type) {
+        members->type = Py_TYPE(item);
+        members->slot_at = member_offset(members->type, slot_name);
+        members->load_at = member_offset(members->type, load_name);
+    }
+    if (members->slot_at >= 0 && members->load_at >= 0 && by_slot != NULL) {
+        /* Worker over the walk's Overlaps, nearly every call: both members are read in place,
+         * without a reference, as nothing here can run Python code or free them */
+        PyObject *slot = *(PyObject **)((char *)item + members->slot_at);
+        PyObject *load_obj = *(PyObject **)((char *)item + members->load_at);
+        if (slot != NULL && load_obj != NULL && PyLong_CheckExact(slot) && PyLong_CheckExact(load_obj)) {
+            long long s;
+            *depth = exact_long(slot, &s) ? 0 : overlaps_depth(by_slot, s);
+            return exact_long(load_obj, load);
+        }
+    }
+    return scan_item_generic(item, overlaps, by_slot, load_name, members, depth, load);
+}
+
+/* `overlaps` as the match walk's Overlaps (*by_slot) or a dict (*by_slot NULL); 0, or 1 when it
+ * is neither (the caller runs the Python reference). */
+static inline int
+scan_overlaps(PyObject *overlaps, OverlapsObject **by_slot)
+{
+    *by_slot = Py_IS_TYPE(overlaps, &OverlapsType) ? (OverlapsObject *)overlaps : NULL;
+    return *by_slot == NULL && !PyDict_Check(overlaps);
+}
+
+/* prefix_scan's running result: the longest prefix (ties to the lower load, then the first),
+ * the first lowest load and the highest; min_load and max_load are set by the first candidate. */
+typedef struct {
+    Py_ssize_t best_i;
+    long long best_depth, best_load;
+    Py_ssize_t min_i;
+    long long min_load, max_load;
+} ScanBest;
+
+static inline void
+scan_take(ScanBest *b, Py_ssize_t i, long long depth, long long load)
+{
+    if (depth > b->best_depth || (depth == b->best_depth && load < b->best_load)) {
+        b->best_i = i;
+        b->best_depth = depth;
+        b->best_load = load;
+    }
+    if (i == 0 || load < b->min_load) {
+        b->min_i = i;
+        b->min_load = load;
+    }
+    if (i == 0 || load > b->max_load)
+        b->max_load = load;
+}
+
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
  *
  * One pass over a routing decision's candidates, the reference being policies/_scan.py:
@@ -4411,69 +4517,56 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "load_name must be a str");
         return NULL;
     }
-    OverlapsObject *by_slot = Py_IS_TYPE(overlaps, &OverlapsType) ? (OverlapsObject *)overlaps : NULL;
-    if (by_slot == NULL && !PyDict_Check(overlaps))
+    OverlapsObject *by_slot;
+    if (scan_overlaps(overlaps, &by_slot))
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n == 0) {
+    if (PySequence_Fast_GET_SIZE(seq) == 0) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "no candidates");
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t best_i = 0, min_i = 0;
-    long long best_depth = -1, best_load = 0, min_load = 0, max_load = 0;
-    PyTypeObject *seen_type = NULL; /* the candidates' class the offsets below are for */
-    Py_ssize_t slot_at = -1, load_at = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = items[i];
-        if (Py_TYPE(item) != seen_type) {
-            seen_type = Py_TYPE(item);
-            slot_at = member_offset(seen_type, slot_name);
-            load_at = member_offset(seen_type, load_name);
+    ScanBest best = {0, -1, 0, 0, 0, 0};
+    ScanMembers members = {NULL, -1, -1};
+    Py_ssize_t i = 0;
+    /* the size and items are read again after each general read: a getter may resize a list */
+    while (i < PySequence_Fast_GET_SIZE(seq)) {
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (by_slot != NULL && Py_TYPE(items[i]) == members.type && members.slot_at >= 0 && members.load_at >= 0) {
+            /* a run of one class's plain members over the walk's Overlaps (every Worker of a
+             * Route): read in place, no reference taken, as nothing here runs Python code */
+            PyTypeObject *type = members.type;
+            Py_ssize_t slot_at = members.slot_at, load_at = members.load_at;
+            for (; i < n; i++) {
+                PyObject *item = items[i];
+                if (Py_TYPE(item) != type)
+                    break;
+                PyObject *slot = *(PyObject **)((char *)item + slot_at);
+                PyObject *load_obj = *(PyObject **)((char *)item + load_at);
+                if (slot == NULL || load_obj == NULL || !PyLong_CheckExact(slot) || !PyLong_CheckExact(load_obj))
+                    break;
+                long long s, load;
+                if (exact_long(load_obj, &load))
+                    break;
+                scan_take(&best, i, exact_long(slot, &s) ? 0 : overlaps_depth(by_slot, s), load);
+            }
+            if (i == n)
+                break;
         }
-        PyObject *slot = member_get(item, slot_at, slot_name);
-        if (slot == NULL)
-            goto error;
-        if (!PyLong_CheckExact(slot)) {
-            /* its __hash__/__eq__ could run Python code and change the candidates' class */
-            Py_DECREF(slot);
-            goto python;
-        }
-        long long depth;
-        int got = scan_depth(overlaps, by_slot, slot, &depth);
-        Py_DECREF(slot);
+        long long depth = 0, load = 0;
+        int got = scan_item(items[i], overlaps, by_slot, load_name, &members, &depth, &load);
         if (got < 0)
             goto error;
         if (got > 0)
             goto python;
-        PyObject *load_obj = member_get(item, load_at, load_name);
-        if (load_obj == NULL)
-            goto error;
-        if (!PyLong_CheckExact(load_obj)) {
-            Py_DECREF(load_obj);
-            goto python;
-        }
-        long long load;
-        int overflow = exact_long(load_obj, &load);
-        Py_DECREF(load_obj);
-        if (overflow)
-            goto python;
-        if (depth > best_depth || (depth == best_depth && load < best_load)) {
-            best_i = i;
-            best_depth = depth;
-            best_load = load;
-        }
-        if (i == 0 || load < min_load) {
-            min_i = i;
-            min_load = load;
-        }
-        if (i == 0 || load > max_load)
-            max_load = load;
+        scan_take(&best, i, depth, load);
+        i++;
     }
+    Py_ssize_t best_i = best.best_i, min_i = best.min_i;
+    long long best_depth = best.best_depth, min_load = best.min_load, max_load = best.max_load;
     Py_DECREF(seq);
     return Py_BuildValue("(nLnLL)", best_i, best_depth, min_i, min_load, max_load);
 python:
@@ -4481,6 +4574,73 @@ python:
     Py_RETURN_NOTIMPLEMENTED;
 error:
     Py_DECREF(seq);
+    return NULL;
+}
+
+/* prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...]
+ *
+ * The indices from `start` on of the candidates whose cached prefix is `depth` and load `load`,
+ * in order; the reference is policies/_scan.py: tied_candidates_py. cache_aware asks it for the
+ * candidates tied with prefix_scan's best on both (which can only follow it): one pass in C where
+ * a scan of the rest per tie cost ~0.5 us each over 1,024 workers. NotImplemented as prefix_scan,
+ * and when `depth` or `load` is not an int of at most 64 bits; ValueError for a negative start. */
+static PyObject *
+prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "prefix_ties(candidates, overlaps, load_name, start, depth, load) takes 6 arguments");
+        return NULL;
+    }
+    PyObject *overlaps = args[1], *load_name = args[2];
+    if (!PyUnicode_Check(load_name)) {
+        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
+        return NULL;
+    }
+    Py_ssize_t start = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return NULL;
+    }
+    OverlapsObject *by_slot;
+    if (scan_overlaps(overlaps, &by_slot) || !PyLong_CheckExact(args[4]) || !PyLong_CheckExact(args[5]))
+        Py_RETURN_NOTIMPLEMENTED;
+    long long want_depth, want_load;
+    if (exact_long(args[4], &want_depth) || exact_long(args[5], &want_load))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *ties = PyList_New(0);
+    if (ties == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    ScanMembers members = {NULL, -1, -1};
+    for (Py_ssize_t i = start; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        long long depth = 0, load = 0;
+        int got = scan_item(PySequence_Fast_ITEMS(seq)[i], overlaps, by_slot, load_name, &members, &depth, &load);
+        if (got < 0)
+            goto error;
+        if (got > 0) {
+            Py_DECREF(seq);
+            Py_DECREF(ties);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        if (depth == want_depth && load == want_load) {
+            PyObject *index = PyLong_FromSsize_t(i);
+            int appended = index == NULL ? -1 : PyList_Append(ties, index);
+            Py_XDECREF(index);
+            if (appended < 0)
+                goto error;
+        }
+    }
+    Py_DECREF(seq);
+    return ties;
+error:
+    Py_DECREF(seq);
+    Py_DECREF(ties);
     return NULL;
 }
 
@@ -5929,6 +6089,8 @@ static PyMethodDef native_methods[] = {
      "body's prompt read with the GIL released; None leaves the body to the Python parser."},
     {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
      "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
+    {"prefix_ties", (PyCFunction)(void (*)(void))prefix_ties, METH_FASTCALL,
+     "prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...] | NotImplemented"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "

@@ -3,7 +3,8 @@
 Prefix-affinity policies (``cache_aware``) need, for every Route and every candidate, its cached
 prefix (``MatchResult.overlaps``) and its load. As a bytecode loop that is most of a decision
 over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does the same pass in
-C. This module's ``scan_candidates_py`` is the reference: tests hold the two to identical
+C. This module's ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the
+best on prefix and load, ``prefix_ties``) is the reference: tests hold the two to identical
 results, and it runs wherever the extension is not built or declines (``NotImplemented``: a
 depth or load that is not a 64-bit int).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..index import native
 
-__all__ = ["scan_candidates", "scan_candidates_py"]
+__all__ = ["scan_candidates", "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
 Scan = tuple[int, int, int, int, int]
@@ -44,6 +45,18 @@ def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], l
     return best_i, best_depth, min_i, min_load, max_load
 
 
+def tied_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
+                       depth: int, load: int) -> list[int]:
+    """The indices from ``start`` on of the candidates whose prefix (``overlaps[c.slot]``, 0 if
+    absent) is ``depth`` and whose load (attribute ``load_attr``) is ``load``, in order.
+    A negative ``start`` is refused (ValueError)."""
+    if start < 0:
+        raise ValueError("start must be >= 0")
+    get = overlaps.get
+    return [i for i in range(start, len(candidates))
+            if get(candidates[i].slot, 0) == depth and getattr(candidates[i], load_attr) == load]
+
+
 def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str) -> Scan:
     result = _native_scan(candidates, overlaps, load_attr)
     if result is NotImplemented:
@@ -51,8 +64,19 @@ def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, in
     return result  # type: ignore[no-any-return]
 
 
+def _tied_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
+                            depth: int, load: int) -> list[int]:
+    result = _native_ties(candidates, overlaps, load_attr, start, depth, load)
+    if result is NotImplemented:
+        return tied_candidates_py(candidates, overlaps, load_attr, start, depth, load)
+    return result  # type: ignore[no-any-return]
+
+
 if native.module is not None:
     _native_scan = native.module.prefix_scan
+    _native_ties = native.module.prefix_ties
     scan_candidates = _scan_candidates_native
+    tied_candidates = _tied_candidates_native
 else:
     scan_candidates = scan_candidates_py
+    tied_candidates = tied_candidates_py

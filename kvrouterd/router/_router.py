@@ -220,6 +220,12 @@ class Router:
         self._speculative.expire(self.clock.now())
         return self._selector.decide(req, explain)
 
+    def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:
+        """``(workers, pool)`` a request without a prompt may go to: the eligible workers of its
+        model's pool, the decode-capable ones of a P/D pool (``Selector.destinations``); raises
+        ``UnknownModel`` for a model no worker serves, as ``route`` does."""
+        return self._selector.destinations(req)
+
     def route(self, req: RouteRequest, explain: bool = True) -> RouteResult:
         """Decide, then commit: charge load, update the approximate cache model, notify."""
         decision, ctx, policy = self.decide(req, explain)
@@ -288,6 +294,7 @@ class Router:
         if decision.prefill is not None:
             worker, hop_ctx = self._disagg.hop_context(decision, ctx)
             self._ledger.commit_prefill_hop(result, worker, hop_ctx, policy)
+        self._ledger.announce(result)
         if decision.lora_placement:
             self._pools.note_loaded(result.worker, self._pools.wanted(ctx.request)[1])
         return result

@@ -15,7 +15,9 @@ A disaggregated request (``router.disagg``) charges two workers: its decode work
 own id (no prefill tokens: its KV arrives by transfer) and its prefill worker under
 ``prefill_hop_id(id)`` with the tokens to prefill. A Complete with ``prefill_done`` releases
 the prefill hop alone (the gateway saw the prefill answer, or the first token); the request's
-Complete releases whatever is still charged.
+Complete releases whatever is still charged. Replicas share both hops: the prefill hop goes out
+as a Dispatch of its own, under the hop's id, and a ``prefill_done`` as a completion that
+releases the hop alone; either may arrive before the other, or twice, and charges at most once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..index.workers import InFlight, Worker
 from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
-from .disagg import prefill_hop_id
+from .disagg import PREFILL_HOP_PREFIX, prefill_hop_id
 from .shared import Shared
 from .speculative import SpeculativeBlocks
 
@@ -118,6 +120,8 @@ class RouteResult:
     evicted: Sequence[int] = ()
     #: the prefill hop's worker of a disaggregated decision (``decision.prefill``), else None
     prefill_worker: Worker | None = None
+    #: approximate mode: keys the eviction dropped from the prefill worker's cache model
+    prefill_evicted: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -228,11 +232,16 @@ class LoadLedger:
         shared.counters["decisions"] += 1
         self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
         alternative = shared.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
-        result = RouteResult(decision, worker, req, alternative, evicted)
+        return RouteResult(decision, worker, req, alternative, evicted)
+
+    def announce(self, result: RouteResult) -> None:
+        """Replica sync: hand a committed request, both hops charged, to ``on_committed``
+        (after the prefill hop's commit, so the publisher sees the whole decision)."""
         if self.on_committed is not None:
-            self._completed.pop(req.request_id, None)  # a reused id is in flight again
+            rid = result.request.request_id
+            self._completed.pop(rid, None)  # a reused id is in flight again
+            self._completed.pop(prefill_hop_id(rid), None)
             self.on_committed(result)
-        return result
 
     def commit_prefill_hop(self, result: RouteResult, worker: Worker, ctx: RoutingContext, policy: RoutingPolicy) -> None:
         """Charge a committed disaggregated request's prefill hop to ``worker`` (``ctx``: that
@@ -246,7 +255,7 @@ class LoadLedger:
             prompt_tokens=req.prompt_tokens, overlap_blocks=hop.overlap_blocks, started_at=ctx.now,
             policy=result.decision.policy,
         ))
-        self._record_access(worker, req, ctx, ctx.overlap(worker))
+        result.prefill_evicted = self._record_access(worker, req, ctx, ctx.overlap(worker))
         policy.on_dispatch(Decision(worker.id, result.decision.policy, hop.reason, hop.candidates,
                                     overlap_blocks=hop.overlap_blocks), ctx)
         result.prefill_worker = worker
@@ -377,12 +386,28 @@ class LoadLedger:
     def release_prefill(self, completion: Completion) -> InFlight | None:
         """Release a request's prefill hop before its Complete (``completion.prefill_done``);
         None when none is charged (aggregated, released already, expired). Raises NotFound
-        for a request not in flight here."""
+        for a request not in flight here.
+
+        While replicas share load the release is published (once: a hop released already,
+        here or by another replica, is not published again), and, as in ``complete_anywhere``,
+        a request not in flight here yet (its Dispatch still on the bus) is no error: its hop is
+        remembered as released, so its Dispatch charges nothing when it comes. A request that
+        completed raises NotFound, as on one replica."""
         check_completion(completion)
         rid = completion.request_id
-        if self._shared.workers.inflight(rid) is None:
-            raise NotFound(f"request {rid!r} is not in flight (unknown, completed or expired)")
-        return self._release_hop(completion)
+        if self.on_completed is None:
+            if self._shared.workers.inflight(rid) is None:
+                raise NotFound(f"request {rid!r} is not in flight (unknown, completed or expired)")
+            return self._release_hop(completion)
+        if rid in self._completed:
+            raise NotFound(f"request {rid!r} already completed")
+        hop_id = prefill_hop_id(rid)
+        if hop_id in self._completed:
+            return None
+        hop = self._release_hop(completion)
+        self._note_completed(hop_id)
+        self.on_completed(completion)
+        return hop
 
     def _release_hop(self, completion: Completion) -> InFlight | None:
         shared = self._shared
@@ -483,7 +508,10 @@ class LoadLedger:
         evicted gone), as it did. Returns whether load was charged.
 
         A Dispatch whose request already completed (its Complete reached some replica first)
-        charges nothing. ``own``: this replica published it (read back in stream order): the
+        charges nothing; a prefill hop's (its id is ``prefill_hop_id`` of the request's) charges
+        nothing either once the hop was released (``prefill_done``) or its request completed, and
+        is not kept in the request table, as on the replica that routed it.
+        ``own``: this replica published it (read back in stream order): the
         load is already charged, but the approximate prefix is re-applied, so that every
         replica ends on the stream's order of stores and evictions, whatever order each saw
         them in locally. Dispatches name workers by id; one this replica does not know is
@@ -497,8 +525,9 @@ class LoadLedger:
         now = shared.clock.now()
         charged = False
         rid = dispatch.request_id
+        hop = rid.startswith(PREFILL_HOP_PREFIX)
         if not own:
-            if rid in self._completed:
+            if rid in self._completed or (hop and rid[len(PREFILL_HOP_PREFIX):] in self._completed):
                 shared.counters["remote_late_dispatches"] += 1
             elif shared.workers.inflight(rid) is None:
                 shared.workers.commit(InFlight(
@@ -508,9 +537,9 @@ class LoadLedger:
                     # old Dispatch expires at most its delivery lag late
                     started_at=now - max(0.0, dispatch.age_s), policy=dispatch.policy,
                 ))
-                # counted, never refused: routed elsewhere
-                self._keep(RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
-                                        task=dispatch.task))
+                if not hop:  # counted, never refused: routed elsewhere
+                    self._keep(RouteRequest(rid, (), dispatch.prompt_tokens, session_id=dispatch.session_id,
+                                            task=dispatch.task))
                 shared.counters["remote_dispatches"] += 1
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
@@ -555,10 +584,20 @@ class LoadLedger:
     def apply_completion(self, completion: Completion, *, own: bool = False) -> InFlight | None:
         """A Complete another replica received: release the load here and tell the policy, as
         ``complete`` does, without publishing it again. An unknown id is remembered (its
-        Dispatch may still be on the way). Returns the released entry, if any."""
+        Dispatch may still be on the way). Returns the released entry, if any.
+
+        One with ``prefill_done`` releases the request's prefill hop alone, as
+        ``release_prefill`` did where it was received; a hop not charged here (released
+        already, or its Dispatch still on the way) is remembered as released."""
         if own:
             return None
         rid = completion.request_id
+        if completion.prefill_done:
+            hop = self._release_hop(completion)
+            self._note_completed(prefill_hop_id(rid))
+            if hop is not None:
+                self._shared.counters["remote_prefill_releases"] += 1
+            return hop
         if self._shared.workers.inflight(rid) is None:
             self._note_completed(rid)
             return None

@@ -124,11 +124,46 @@ class Selector:
         shared = self._shared
         self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
+        candidates, mask, pool_prefill, pool, adapter = self._narrow(req)
+        # candidate_workers that name no prefill worker bound the decode hop alone (admission
+        # queues pin the decode worker a request waited for); the pool's prefill workers remain
+        hops = self._disagg.split(candidates, pool_prefill) if self._disagg.active() else None
+        if hops is not None:
+            decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
+        else:
+            now = shared.clock.now()
+            match = shared.index.match(req.keys, mask)
+            claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
+            ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed)
+            decision = policy.select(ctx)
+        decision.pool = pool
+        if adapter:
+            decision.lora_placement = placement(shared.workers.get(decision.worker_id), adapter)
+        return decision, ctx, policy
+
+    def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:
+        """``(workers, pool)``: where a request without a prompt may go (ext_proc's GETs and
+        bodies it does not read), by the filters ``decide`` applies before its policy: the
+        model's pool, ``candidate_workers``, the adapter's residency tiers, and of a P/D pool
+        the decode-capable workers (the destination; the caller adds no prefill hop). Raises
+        as ``decide`` does: ``UnknownModel`` for a model no worker serves."""
+        limit = self._shared.settings.max_id_length
+        for name in ("model", "lora"):
+            value = getattr(req, name)
+            if len(value) > limit:
+                raise InvalidRequest(f"{name} {quote(value)} is longer than limits.max_id_length={limit}")
+        candidates, _, pool_prefill, pool, _ = self._narrow(req)
+        hops = self._disagg.split(candidates, pool_prefill) if self._disagg.active() else None
+        return (hops[1] if hops is not None else candidates), pool
+
+    def _narrow(self, req: RouteRequest) -> tuple[list[Worker], int, list[Worker], str, str]:
+        """``(candidates, mask, pool_prefill, pool, adapter)``: the eligible workers the
+        request may use, their routing mask, its model pool before ``candidate_workers`` (where
+        a P/D pool's prefill workers come from), the pool's name and the adapter asked for."""
         if req.candidate_workers:
             self._check_some_known(req.candidate_workers)
         candidates, mask = self._eligible()
         candidates, mask, pool, adapter = self._pools.restrict(req, candidates, mask)
-        pd = self._disagg.active()
         pool_prefill = candidates
         if req.candidate_workers:
             wanted = set(req.candidate_workers)
@@ -146,21 +181,7 @@ class Selector:
             raise NoEligibleWorker("no eligible worker is registered")
         if adapter:
             candidates, mask = self._pools.lora_stage(adapter, candidates, mask)
-        # candidate_workers that name no prefill worker bound the decode hop alone (admission
-        # queues pin the decode worker a request waited for); the pool's prefill workers remain
-        hops = self._disagg.split(candidates, pool_prefill) if pd else None
-        if hops is not None:
-            decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
-        else:
-            now = shared.clock.now()
-            match = shared.index.match(req.keys, mask)
-            claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
-            ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed)
-            decision = policy.select(ctx)
-        decision.pool = pool
-        if adapter:
-            decision.lora_placement = placement(shared.workers.get(decision.worker_id), adapter)
-        return decision, ctx, policy
+        return candidates, mask, pool_prefill, pool, adapter
 
 
 def _shown(ids: Sequence[str]) -> str:

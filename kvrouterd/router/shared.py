@@ -44,5 +44,5 @@ class Shared:
             "restarts": 0, "blocks_stored": 0, "blocks_removed": 0, "orphan_blocks": 0,
             "unknown_removals": 0, "inflight_expired": 0, "approx_evicted": 0, "events_rejected": 0,
             "remote_dispatches": 0, "remote_completions": 0, "remote_late_dispatches": 0,
-            "remote_unknown_workers": 0,
+            "remote_unknown_workers": 0, "remote_prefill_releases": 0,
         }

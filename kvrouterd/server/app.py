@@ -333,6 +333,8 @@ class Daemon:
             prefill = entry.prefill_tokens if entry is not None else 0
             speculative = router.speculative.enabled
             sync.publish(lambda replica: convert.dispatched_delta(replica, result, prefill, speculative))
+            if result.prefill_worker is not None:  # disaggregated: the prefill worker's charge too
+                sync.publish(lambda replica: convert.prefill_hop_delta(replica, result, speculative))
 
         def completed(done: Completion) -> None:
             sync.publish(lambda replica: convert.completed_delta(replica, done))
@@ -349,7 +351,8 @@ class Daemon:
             self.router.apply_dispatch(delta, own=own)
         elif isinstance(delta, Completion):
             entry = self.router.apply_completion(delta, own=own)
-            if entry is not None and self.admission is not None:
+            # a released prefill hop frees no admission queue's room, as when received here
+            if entry is not None and self.admission is not None and not delta.prefill_done:
                 self.admission.on_complete(entry.worker_id, delta)
 
     async def _snapshot_periodically(self, interval: float) -> None:

@@ -17,7 +17,7 @@ carries (a third of the conversion's instructions per stored block, by callgrind
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ from ..protocols import (
     WorkerRole,
     WorkerState,
 )
-from ..router import Router, RouteResult
+from ..router import Router, RouteResult, prefill_hop_id
 from .wire import WirePrompt
 
 __all__ = [
@@ -497,24 +497,42 @@ def dispatched_delta(replica_id: str, result: RouteResult, prefill_tokens: int, 
     The prompt's keys go with it for an approximate-mode worker (the other replicas assume
     them cached, as this one did) and, with ``speculative`` indexing on, for an events-mode one
     (they claim them until the engine's Stored, which every replica receives, confirms them)."""
+    return _dispatched(replica_id, result, result.request.request_id, result.worker, prefill_tokens,
+                       result.decision.overlap_blocks, result.evicted, speculative)
+
+
+def prefill_hop_delta(replica_id: str, result: RouteResult, speculative: bool = False) -> bytes:
+    """The load delta of a committed disaggregated decision's prefill hop: a Dispatch of its
+    own under the hop's in-flight id (``router.disagg.prefill_hop_id``), charging the prefill
+    worker the tokens to prefill, as ``dispatched_delta`` does the decode hop."""
+    hop, worker = result.decision.prefill, result.prefill_worker
+    assert hop is not None and worker is not None
+    return _dispatched(replica_id, result, prefill_hop_id(result.request.request_id), worker, hop.uncached_tokens,
+                       hop.overlap_blocks, result.prefill_evicted, speculative)
+
+
+def _dispatched(replica_id: str, result: RouteResult, request_id: str, worker: Worker, prefill_tokens: int,
+                overlap_blocks: int, evicted: Sequence[int], speculative: bool) -> bytes:
     req = result.request
     msg = pb.Dispatched(
-        request_id=req.request_id, worker_id=result.worker.id, prefill_tokens=prefill_tokens,
-        prompt_tokens=req.prompt_tokens, overlap_blocks=result.decision.overlap_blocks,
+        request_id=request_id, worker_id=worker.id, prefill_tokens=prefill_tokens,
+        prompt_tokens=req.prompt_tokens, overlap_blocks=overlap_blocks,
         policy=result.decision.policy, session_id=req.session_id, task=int(req.task),
     )
-    if result.worker.mode is CacheMode.APPROXIMATE:
+    if worker.mode is CacheMode.APPROXIMATE:
         msg.keys.extend(req.keys)
-        msg.evicted_keys.extend(result.evicted)
-    elif speculative and result.decision.overlap_blocks < len(req.keys):
+        msg.evicted_keys.extend(evicted)
+    elif speculative and overlap_blocks < len(req.keys):
         msg.keys.extend(req.keys)
     return pb.LoadDelta(replica_id=replica_id, dispatched=msg).SerializeToString()
 
 
 def completed_delta(replica_id: str, done: Completion) -> bytes:
+    """A Complete this replica received (a ``prefill_done`` one releases the prefill hop alone)."""
     msg = pb.CompleteRequest(
         request_id=done.request_id, ttft_ms=done.ttft_ms, e2e_ms=done.e2e_ms, cached_tokens=done.cached_tokens,
         output_tokens=done.output_tokens, success=done.success, session_ended=done.session_ended,
+        prefill_ms=done.prefill_ms, kv_transfer_ms=done.kv_transfer_ms, prefill_done=done.prefill_done,
     )
     return pb.LoadDelta(replica_id=replica_id, completed=msg).SerializeToString()
 

@@ -10,7 +10,8 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   FULL_DUPLEX_STREAMED`` (``request_trailer_mode: SEND``, which Envoy requires with it).
   The request-headers answer is withheld until the body has arrived (end of stream on a body
   chunk, or trailers), because the prompt is in the body. A request whose headers end the
-  stream (a GET) goes to any eligible worker: the least loaded, nothing committed.
+  stream (a GET) goes to the least-loaded eligible worker of its model's pool, nothing
+  committed (``_any_worker``, below).
 - The body is parsed as OpenAI JSON (``openai_prompt.py``), keyed, and routed through the
   same ``Router.route`` as the ``Route`` RPC. A body of ``limits.off_loop_prompt_bytes`` or
   more is read, tokenized and hashed on a worker thread (``openai_prompt.body_keys``: the
@@ -18,7 +19,14 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
   are routed meanwhile; the decision itself then runs on the loop in one step, on the index
   and fleet as they stand when the keys are ready, exactly as for a small body (docs/envoy.md,
   "Huge bodies"). Such a body that only ``json.loads`` could read (which holds the GIL) is
-  routed unread, to the least-loaded worker (reason ``body_not_read``). The answer to the request headers sets the header
+  routed unread, as a request without a prompt (reason ``body_not_read``).
+- A request without a prompt (a GET, a path other than ``/completions`` and
+  ``/chat/completions``, a body routed unread) goes to the least-loaded worker of its model's
+  pool (``router.pools``, the filter ``Route`` applies; the decode workers of a P/D pool, with no
+  prefill hop), nothing committed. Its model is the body's top-level ``model`` when the body
+  is JSON under ``limits.off_loop_prompt_bytes`` (a larger one is not parsed on the loop), else
+  the ``x-gateway-model-name`` header (the inference extension's body-based router sets it from
+  the body); a model no worker serves is a 404, as for a request with a prompt. The answer to the request headers sets the header
   ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the chosen worker, then
   the policy's alternative, up to ``ext_proc.max_endpoints``), overwriting any sent by the
   client, plus ``content-length`` and ``clear_route_cache`` as the reference does, **and**
@@ -97,7 +105,7 @@ from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision
 from .admission import AdmissionGate
 from .call_errors import CallErrors
-from .openai_prompt import BodyKeys, BodyNotRead, PromptKeyer, body_keys, load_tokenizer
+from .openai_prompt import BodyKeys, BodyNotRead, PromptKeyer, body_keys, body_model, load_tokenizer
 from .status import http_status, retry_after_ms, status_code, status_message
 
 __all__ = [
@@ -106,6 +114,7 @@ __all__ = [
     "DESTINATION_ENDPOINT_NAMESPACE",
     "DESTINATION_ENDPOINT_SERVED_KEY",
     "EXT_PROC_SERVICE",
+    "MODEL_NAME_HEADER",
     "SUBSET_HINT_KEY",
     "SUBSET_HINT_NAMESPACE",
     "ExtProcService",
@@ -122,6 +131,8 @@ PREFILL_ENDPOINT_HEADER = "x-prefiller-host-port"
 #: the request's TTFT objective in ms, the header llm-d's SLO-aware scorers read
 #: (llm-d-inference-scheduler, README-PD-SLO.md); routed as ``RouteRequest.ttft_slo_ms``
 TTFT_SLO_HEADER = "x-slo-ttft-ms"
+#: the model a request names, as the inference extension's body-based router sets it (``pkg/bbr``)
+MODEL_NAME_HEADER = "x-gateway-model-name"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 #: where Envoy puts the attributes the filter is configured to send
@@ -426,12 +437,15 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             raise NoEligibleWorker(f"no eligible worker has an address in the subset hint {list(ex.subset)}")
         return ids
 
-    def _any_worker(self, candidates: tuple[str, ...]) -> Worker:
-        allowed = set(candidates)
-        pool = [w for w in self.router.workers if w.eligible and (not allowed or w.id in allowed)]
-        if not pool:
-            raise NoEligibleWorker("no eligible worker is registered")
-        return min(pool, key=lambda w: (w.inflight_requests, w.pending_prefill_tokens, w.slot))
+    def _any_worker(self, ex: _Exchange, body: bytes | None, candidates: tuple[str, ...]) -> tuple[Worker, str]:
+        """``(worker, pool)`` for a request without a prompt: the least loaded of the workers
+        its model's pool allows (module docstring); raises ``UnknownModel`` as Route does."""
+        model = ""
+        if body is not None and (not self.off_loop_body_bytes or len(body) < self.off_loop_body_bytes):
+            model = body_model(body)
+        model = model or ex.headers.get(MODEL_NAME_HEADER, "")
+        workers, pool = self.router.destinations(RouteRequest("", (), 0, model=model, candidate_workers=candidates))
+        return min(workers, key=lambda w: (w.inflight_requests, w.pending_prefill_tokens, w.slot)), pool
 
     async def _decide(
         self, ex: _Exchange, body: bytes | None, context: grpc.aio.ServicerContext, *, end_of_stream: bool
@@ -458,11 +472,11 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 elif body is not None:
                     keyed = self.key_body(path, body)
                 if keyed is None:
-                    worker = self._any_worker(candidates)
+                    worker, pool = self._any_worker(ex, body, candidates)
                     destination = worker.address
                     policy = "ext_proc"
                     source, reason = ("unread", "body_not_read") if unread else ("none", "no_prompt")
-                    pool = pd_reason = ""
+                    pd_reason = ""
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")

@@ -73,6 +73,7 @@ __all__ = [
     "PromptKeys",
     "Tokenizer",
     "body_keys",
+    "body_model",
     "load_tokenizer",
     "parse_body",
     "render_messages",
@@ -237,6 +238,18 @@ def parse_body(path: str, body: bytes) -> ParsedPrompt | None:
     if "prompt" not in doc:
         raise InvalidRequest("prompt: required for /completions")
     return _completion_prompt(model, doc["prompt"])
+
+
+def body_model(body: bytes) -> str:
+    """The top-level ``model`` string of a JSON object body, "" when it has none (not JSON, not
+    an object, no string ``model``): a body without a prompt is routed, never refused, here (the
+    engine answers for it), so what it lacks only means no model pool to keep to."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return ""
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) else ""
 
 
 def text_seed(model: str = "") -> int:

@@ -198,6 +198,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="compare aggregated, always and conditional P/D on P prefill + D decode engines")
     pd.add_argument("--pd-local-tokens", type=_ints, default=None, metavar="N[,N..]",
                     help="conditional runs' local-prefill thresholds (default: the config's)")
+    pd.add_argument("--pd-prefill-busy-tokens", type=_ints, default=None, metavar="N[,N..]",
+                    help="conditional runs' prefill-busy thresholds (0 = off; default: config's)")
+    pd.add_argument("--pd-decode-busy-tokens", type=_ints, default=None, metavar="N[,N..]",
+                    help="conditional runs' decode-busy thresholds (default: the config's)")
     pd.add_argument("--kv-bytes-per-token", type=int, default=131072, metavar="B",
                     help="KV bytes a prompt token moves (default: Llama-3.1-8B bf16, 128 KiB)")
     pd.add_argument("--kv-link-gbps", type=float, default=200.0, metavar="G", help="KV transfer link, Gb/s (default 200)")

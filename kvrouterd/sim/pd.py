@@ -8,9 +8,10 @@
 - **always**: P engines have role ``prefill``, D role ``decode``, ``disaggregation.mode:
   always``: every request is prefilled on a prefill engine (``max_tokens`` 1, as vLLM's P/D
   proxies send it), its KV crosses the link, then a decode engine generates;
-- **conditional** (``disaggregation.mode: conditional``, one run per ``--pd-local-tokens``
-  threshold): the router's bypass rules (``router.disagg``) send some requests to prefill on
-  their decode engine.
+- **conditional** (``disaggregation.mode: conditional``, one run per combination of
+  ``--pd-local-tokens``, ``--pd-prefill-busy-tokens`` and ``--pd-decode-busy-tokens``, each
+  the config's when not given): the router's bypass rules (``router.disagg``) send some
+  requests to prefill on their decode engine.
 
 **KV transfer.** A disaggregated request's prefill engine sends, once its prefill ends, the
 prompt tokens its decode engine does not hold (``Decision.decode_uncached_tokens``): it takes
@@ -33,6 +34,7 @@ rate). ``remote`` is the share of requests that took the prefill hop.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -93,20 +95,20 @@ class _Transfer:
 
 
 class PdSimulation(Simulation):
-    """One run in one ``MODES`` mode (``local_tokens``: conditional's threshold)."""
+    """One run in one ``MODES`` mode (``thresholds``: ``disaggregation:`` fields to override,
+    e.g. ``{"prefill_busy_tokens": 0}``; conditional's thresholds)."""
 
     def __init__(self, cfg: Config, workload: Workload, settings: ClusterSettings, pd: PdSettings, mode: str, *,
                  routing: str | Mapping[str, Any], eviction: str | Mapping[str, Any], seed: int = 0, rate: float = 0.0,
-                 local_tokens: int | None = None, progress: Callable[[float], None] | None = None) -> None:
+                 thresholds: Mapping[str, int] | None = None, progress: Callable[[float], None] | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"P/D mode must be one of {', '.join(MODES)}, got {mode!r}")
         pd.validate()
         settings = dataclasses.replace(settings, workers=pd.prefill_workers + pd.decode_workers)
         if mode != "aggregated":
-            knobs = dataclasses.replace(cfg.disaggregation, mode=mode)
-            if local_tokens is not None:
-                knobs = dataclasses.replace(knobs, local_prefill_max_uncached_tokens=local_tokens)
+            knobs = dataclasses.replace(cfg.disaggregation, mode=mode, **(thresholds or {}))
             cfg = dataclasses.replace(cfg, disaggregation=knobs)
+            cfg.validate()
         super().__init__(cfg, workload, settings, routing=routing, eviction=eviction, seed=seed, rate=rate,
                          progress=progress)
         self.pd, self.mode = pd, mode
@@ -210,22 +212,41 @@ def row(sim: PdSimulation, label: str, rate: float, seed: int) -> dict[str, Any]
     }
 
 
+def _conditional_runs(local_tokens: Sequence[int], prefill_busy_tokens: Sequence[int],
+                      decode_busy_tokens: Sequence[int]) -> list[tuple[str, dict[str, int]]]:
+    """``(label, thresholds)`` per combination; a busy threshold is named in the label only when
+    swept (``conditional@1024,prefill_busy=off``), so the plain labels stay ``conditional@N``."""
+    out = []
+    for local, pbusy, dbusy in itertools.product(local_tokens, prefill_busy_tokens or [None],
+                                                 decode_busy_tokens or [None]):
+        label, knobs = f"conditional@{local}", {"local_prefill_max_uncached_tokens": local}
+        if pbusy is not None:
+            label, knobs["prefill_busy_tokens"] = f"{label},prefill_busy={pbusy or 'off'}", pbusy
+        if dbusy is not None:
+            label, knobs["decode_busy_tokens"] = f"{label},decode_busy={dbusy}", dbusy
+        out.append((label, knobs))
+    return out
+
+
 def compare(cfg: Config, workload_for: Callable[[int, float | None], Workload], settings: ClusterSettings,
             pd: PdSettings, *, routing: Mapping[str, Any], eviction: Mapping[str, Any], rates: Sequence[float | None],
             seeds: Sequence[int], local_tokens: Sequence[int], settings_for: Callable[[Workload], ClusterSettings],
-            progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Every mode (conditional once per ``local_tokens`` threshold) at every rate and seed."""
-    runs: list[tuple[str, str, int | None]] = [("aggregated", "aggregated", None), ("always", "always", None)]
-    runs += [(f"conditional@{t}", "conditional", t) for t in local_tokens]
+            progress: Callable[[str], None] | None = None, prefill_busy_tokens: Sequence[int] = (),
+            decode_busy_tokens: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """Every mode at every rate and seed, conditional once per combination of ``local_tokens``,
+    ``prefill_busy_tokens`` and ``decode_busy_tokens`` (an empty list: the config's value)."""
+    runs: list[tuple[str, str, dict[str, int]]] = [("aggregated", "aggregated", {}), ("always", "always", {})]
+    runs += [(label, "conditional", knobs)
+             for label, knobs in _conditional_runs(local_tokens, prefill_busy_tokens, decode_busy_tokens)]
     out = []
     for rate in rates:
         for seed in seeds:
             wl = workload_for(seed, rate)
-            for label, mode, threshold in runs:
+            for label, mode, knobs in runs:
                 if progress is not None:
                     progress(f"{label} rate={rate} seed={seed}")
                 sim = PdSimulation(cfg, wl, settings_for(wl), pd, mode, routing=routing, eviction=eviction, seed=seed,
-                                   rate=rate or 0.0, local_tokens=threshold)
+                                   rate=rate or 0.0, thresholds=knobs)
                 out.append(row(sim, label, rate or 0.0, seed))
     return out
 
@@ -302,7 +323,9 @@ def run(args: Any, make_plan: Callable[[Any], Any]) -> int:
         thresholds = args.pd_local_tokens or [p.cfg.disaggregation.local_prefill_max_uncached_tokens]
         say = None if args.quiet else (lambda what: print(f"sim cluster --pd: {what}", file=sys.stderr))
         rows = compare(p.cfg, p.workload_for, p.settings, settings, routing=p.routings[0], eviction=p.evictions[0],
-                       rates=p.rates, seeds=p.seeds, local_tokens=thresholds, settings_for=p.settings_for, progress=say)
+                       rates=p.rates, seeds=p.seeds, local_tokens=thresholds, settings_for=p.settings_for, progress=say,
+                       prefill_busy_tokens=args.pd_prefill_busy_tokens or (),
+                       decode_busy_tokens=args.pd_decode_busy_tokens or ())
     except (KVRouterError, ValueError, OSError) as exc:
         print(f"kvrouterd sim cluster: {exc}", file=sys.stderr)
         return 2

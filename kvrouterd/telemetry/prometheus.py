@@ -25,8 +25,9 @@ they cost nothing per request:
   ``kvrouter_worker_pending_prefill_tokens``, ``kvrouter_worker_reported_queue``.
 * replica sync (``events.bus.replica_sync``): ``kvrouter_replica_sync_deltas_total{outcome}``
   (other replicas' deltas: ``charged``, ``released``, ``late`` = a Dispatch behind its
-  completion, ``unknown_worker``) and ``kvrouter_replica_sync_lost_total{reason}``
-  (``publish_error``, ``rejected``, ``stream_skip``: deltas lost; their requests expire).
+  completion, ``unknown_worker``, ``prefill_released`` = a prefill hop released early) and
+  ``kvrouter_replica_sync_lost_total{reason}`` (``publish_error``, ``rejected``, ``stream_skip``:
+  deltas lost; their requests expire).
 * ``kvrouter_policy_rule_fired_total{policy,rule}``: a policy's own rule counts
   (``RoutingPolicyBase.counters``): DualMap's decisions with a decode-bottlenecked candidate
   (A.7) and those the flag moved; ``kvrouter_admission_migrations_total``: DualMap's hotspot
@@ -271,7 +272,8 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     def sync_deltas(_: CallbackOptions) -> Iterable[Observation]:
         c = router.counters
         for outcome, key in (("charged", "remote_dispatches"), ("released", "remote_completions"),
-                             ("late", "remote_late_dispatches"), ("unknown_worker", "remote_unknown_workers")):
+                             ("late", "remote_late_dispatches"), ("unknown_worker", "remote_unknown_workers"),
+                             ("prefill_released", "remote_prefill_releases")):
             yield Observation(c.get(key, 0), {"outcome": outcome})
 
     def sync_lost(_: CallbackOptions) -> Iterable[Observation]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ..integration.test_security import make_ca, make_leaf
-from .dockerfile import exec_form, healthcheck, parse
+from .dockerfile import healthcheck, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 KVROUTERD = Path(sys.executable).parent / "kvrouterd"

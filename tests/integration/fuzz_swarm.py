@@ -228,7 +228,8 @@ class Client:
         try:
             reply = await fn()
         except grpc.aio.AioRpcError as exc:
-            self.tally.count(rpc, exc.code(), time.perf_counter() - started, lambda: f"{describe()} ({exc.details()})")
+            details = exc.details()  # ``exc`` is unbound after the handler; the lambda runs later
+            self.tally.count(rpc, exc.code(), time.perf_counter() - started, lambda: f"{describe()} ({details})")
             return None
         self.tally.count(rpc, grpc.StatusCode.OK, time.perf_counter() - started, describe)
         return reply

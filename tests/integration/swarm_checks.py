@@ -104,7 +104,7 @@ async def check_state(stub: Any, daemon: ServeProcess, *, prompt: list[int], pol
     if internal:
         violate(f"the daemon counted internal errors {internal}")
     if daemon.proc is None or daemon.proc.poll() is not None:
-        violate(f"the daemon exited")
+        violate("the daemon exited")
         return out
     out.rss_mib = rss = rss_mib(daemon.pid)
     # every ZMQ socket (a subscriber's, its monitor's) holds one: a leak shows here before

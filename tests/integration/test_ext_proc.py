@@ -588,6 +588,37 @@ async def test_a_body_goes_to_its_models_pool_and_a_model_nobody_serves_is_404(e
     assert immediate_status(replies) == 404 and "'C'" in replies[0].immediate_response.body.decode()
 
 
+@pytest.mark.parametrize("worker_list", [POOLED])
+async def test_a_request_without_a_prompt_keeps_to_its_models_pool_and_an_unknown_model_is_404(envoy):
+    """Issue #31 item 1 for requests routed without a prompt: a GET's model comes from the
+    inference extension's ``x-gateway-model-name`` header, another path's from its body's
+    ``model``; a model nobody serves is the 404 a prompt gets. Nothing is committed."""
+
+    async def get(model: str | None) -> ep.ProcessingResponse:
+        extra = [] if model is None else [("x-gateway-model-name", model)]
+        s = envoy.open()
+        replies = await s.send(headers_msg("/v1/models", eos=True, method="GET", extra=extra), expect=1)
+        await s.close()
+        return replies[0]
+
+    async def embed(model: str) -> ep.ProcessingResponse:
+        s = envoy.open()
+        await s.send(headers_msg("/v1/embeddings"))
+        body = json.dumps({"model": model, "input": "hello"}).encode()
+        replies = await s.send(body_msg(body, True), expect=2 if model != "C" else 1)
+        await s.close()
+        return replies[0]
+
+    # without a model either worker may take it: the least loaded, the first registered on a tie
+    assert destination(await get(None))[0] == "10.0.1.1:8000"
+    for model, address in (("B", "10.0.1.2:8000"), ("A", "10.0.1.1:8000"), ("sql-lora", "10.0.1.2:8000")):
+        assert destination(await get(model))[0] == address, model
+        assert destination(await embed(model))[0] == address, model
+    for refused in (await get("C"), await embed("C")):
+        assert immediate_status([refused]) == 404 and "'C'" in refused.immediate_response.body.decode()
+    assert envoy.router.workers.inflight_count == 0 and envoy.router.counters["decisions"] == 0
+
+
 PD_POOL = [{"id": "p1", "address": "10.0.2.1:8000", "models": ["A"], "role": "prefill"},
            {"id": "d1", "address": "10.0.2.2:8000", "models": ["A"], "role": "decode"}]
 
@@ -624,5 +655,17 @@ async def test_a_pd_pool_sets_the_decode_destination_and_the_prefill_header(envo
     replies = await s.send(body_msg(chat_body("hi", "A"), True), expect=2)
     assert destination(replies[0])[0] == "10.0.2.2:8000"
     assert "x-prefiller-host-port" not in set_headers(replies[0])
+    assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefiller-host-port"]
+    await s.close()
+
+
+@pytest.mark.parametrize("worker_list", [PD_POOL])
+async def test_a_request_without_a_prompt_goes_to_a_decode_worker_of_a_pd_pool(envoy):
+    """A prefill pod takes no request of its own: a GET goes to the decode pod (the prefill pod,
+    registered first, would win the tie otherwise), with no prefill header."""
+    s = envoy.open()
+    replies = await s.send(headers_msg("/v1/models", eos=True, method="GET", extra=[("x-prefiller-host-port", "evil:1")]),
+                           expect=1)
+    assert destination(replies[0])[0] == "10.0.2.2:8000"
     assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefiller-host-port"]
     await s.close()

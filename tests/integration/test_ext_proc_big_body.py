@@ -26,6 +26,7 @@ from kvrouterd.server import openai_prompt
 from kvrouterd.server.app import Daemon
 
 from .test_ext_proc import (  # noqa: F401 - the fixtures the envoy fixture is built from
+    POOLED,
     WORKERS,
     Envoy,
     body_msg,
@@ -209,3 +210,18 @@ async def test_a_huge_body_only_json_loads_could_read_is_routed_unread(envoy, mo
         assert envoy.router.request("huge").prompt_tokens == 5050
     for stream in streams:
         await stream.close()
+
+
+@pytest.mark.parametrize("worker_list", [POOLED])
+@pytest.mark.parametrize("daemon_extra", [LIMITS])
+async def test_a_huge_body_routed_unread_keeps_to_the_model_its_header_names(envoy):
+    """A body routed unread is not parsed for its ``model`` either (json.loads would hold the
+    GIL): the inference extension's ``x-gateway-model-name`` header names its pool, here B, not
+    the least loaded worker of the fleet (A's, registered first)."""
+    huge = json.dumps({"model": "B", "prompt": [list(range(5000)), list(range(50))]}).encode()
+    assert len(huge) >= OFF_LOOP_BYTES
+    s = envoy.open()
+    await s.send(headers_msg("/v1/completions", extra=[("x-request-id", "huge"), ("x-gateway-model-name", "B")]))
+    replies = await s.send(body_msg(huge, True), expect=1 + -(-len(huge) // 62_000))
+    assert destination(replies[0])[0] == "10.0.1.2:8000"
+    await s.close()

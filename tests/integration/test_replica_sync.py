@@ -258,3 +258,48 @@ async def test_deltas_published_while_nats_restarts_reach_the_other_replica(
     # and the consumers follow the stream after the restart
     await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
     await settle(pair, lambda: a.router.workers.inflight_count == 6)
+
+
+PD_WORKERS = [{"id": wid, "address": f"{wid}.local:8000", "role": role, "mode": "events"}
+              for wid, role in (("pre-0", "prefill"), ("pre-1", "prefill"), ("dec-0", "decode"), ("dec-1", "decode"))]
+
+
+async def test_the_prefill_hop_of_a_disaggregated_route_is_charged_and_released_on_every_replica(
+    nats_server: NatsServer,
+) -> None:
+    pd = {"workers": PD_WORKERS, "disaggregation": {"mode": "always"}, "metrics": {"listen": "127.0.0.1:0"}}
+    a = await start_replica(nats_server.url, **pd)
+    b = await start_replica(nats_server.url, seed=2, **pd)
+    pair = [a, b]
+    try:
+        tokens = prompt(random.Random(7), 8)
+        resp = await a.stub.Route(pb.RouteRequest(request_id="pd-1", token_ids=tokens))
+        assert resp.disaggregated and resp.prefill_uncached_tokens == len(tokens)
+        pre, dec = resp.prefill_worker_id, resp.worker_id
+        assert a.prefill()[pre] == len(tokens)
+        # B sees the prefill worker's charge A made, and the decode worker's request
+        await settle(pair, lambda: b.prefill()[pre] == len(tokens))
+        assert b.inflight() == a.inflight() and b.prefill() == a.prefill()
+        assert b.inflight()[pre] == 1 and b.inflight()[dec] == 1 and b.prefill()[dec] == 0
+
+        # the prefill is done (reported to B this time): both replicas release the prefill
+        # worker alone; the decode worker stays charged until the request's Complete
+        await b.stub.Complete(pb.CompleteRequest(request_id="pd-1", prefill_ms=35.0, prefill_done=True))
+        assert b.prefill()[pre] == 0 and b.inflight()[pre] == 0
+        await settle(pair, lambda: a.prefill()[pre] == 0)
+        assert a.inflight() == b.inflight() and a.inflight()[dec] == 1 and a.inflight()[pre] == 0
+        # a second prefill_done, on either replica, changes nothing
+        for replica in pair:
+            await replica.stub.Complete(pb.CompleteRequest(request_id="pd-1", prefill_done=True))
+        await a.stub.Complete(pb.CompleteRequest(request_id="pd-1", ttft_ms=60.0, e2e_ms=700.0, success=True))
+        await settle(pair, lambda: b.router.workers.inflight_count == 0)
+        for replica in pair:
+            assert all(n == 0 for n in replica.inflight().values()) and all(n == 0 for n in replica.prefill().values())
+            assert replica.daemon.sync is not None and replica.daemon.sync.stats.rejected == 0
+        assert b.daemon.metrics_endpoint is not None
+        _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
+        assert sample(text, "kvrouter_replica_sync_deltas_total", outcome="charged") == 2  # both hops
+        assert a.router.counters["remote_prefill_releases"] == 1
+    finally:
+        await a.stop()
+        await b.stop()

@@ -20,14 +20,16 @@ from kvrouterd.sim.workloads import SimRequest, Workload, long_chat
 PD = PdSettings(prefill_workers=1, decode_workers=2)
 
 
-def chat(seed: int = 0) -> Workload:
-    return long_chat(random.Random(seed), rate=2.0, conversations=12, max_turns=4, user_tokens=600,
+def chat(seed: int = 0, rate: float = 2.0) -> Workload:
+    return long_chat(random.Random(seed), rate=rate, conversations=12, max_turns=4, user_tokens=600,
                      output_tokens=40, turn_gap_s=2.0, block_tokens=64)
 
 
-def sim(mode: str, wl: Workload, local: int | None = None, pd: PdSettings = PD) -> PdSimulation:
+def sim(mode: str, wl: Workload, local: int | None = None, pd: PdSettings = PD, **thresholds: int) -> PdSimulation:
+    if local is not None:
+        thresholds["local_prefill_max_uncached_tokens"] = local
     return PdSimulation(Config(), wl, ClusterSettings(engine=EngineParams()), pd, mode, routing="cache_aware",
-                        eviction="lru", seed=1, local_tokens=local)
+                        eviction="lru", seed=1, thresholds=thresholds)
 
 
 @pytest.mark.parametrize("mode", ["aggregated", "always", "conditional"])
@@ -56,6 +58,24 @@ def test_conditional_prefills_follow_up_turns_locally_once_the_decode_engine_hol
     assert big.reasons["remote_prefill"] > s.reasons["remote_prefill"]
 
 
+def test_the_busy_thresholds_reach_the_router() -> None:
+    # a 1-token decode budget leaves no room for any local prefill; without the prefill-busy
+    # rule a request bypasses the prefill hop only for a short uncached part
+    tight = sim("conditional", chat(), local=1024, decode_busy_tokens=1)
+    row(tight, "conditional", 2.0, 1)
+    assert tight.router.settings.disaggregation.decode_busy_tokens == 1
+    assert tight.reasons["decode_cached"] == 0 and tight.reasons["decode_busy"] > 0
+    # at 100 req/s the one prefill engine has a queue when most requests arrive
+    off = sim("conditional", chat(rate=100.0), local=64, prefill_busy_tokens=0)
+    row(off, "conditional", 100.0, 1)
+    assert off.router.settings.disaggregation.prefill_busy_tokens == 0 and off.reasons["prefill_saturated"] == 0
+    busy = sim("conditional", chat(rate=100.0), local=64, prefill_busy_tokens=1)
+    row(busy, "conditional", 100.0, 1)
+    assert busy.reasons["prefill_saturated"] > 0
+    with pytest.raises(ConfigError, match="decode_busy_tokens"):
+        sim("conditional", chat(), decode_busy_tokens=-1)
+
+
 def test_the_transfer_costs_what_the_link_says() -> None:
     wl = Workload("one", 64, [SimRequest(0.0, 64 * 40, 8, tuple(range(40)))])
     fast, slow = PdSettings(1, 1, link_gbps=1000.0), PdSettings(1, 1, link_gbps=10.0)
@@ -78,6 +98,16 @@ def test_same_seed_same_table() -> None:
     assert [line.split("|")[1].strip() for line in first.splitlines()[4:]] == ["aggregated", "always", "conditional@512"]
 
 
+def test_busy_thresholds_sweep_as_a_product_named_in_the_labels() -> None:
+    rows = compare(Config(), lambda seed, rate: chat(seed), ClusterSettings(), PD, routing={"name": "cache_aware"},
+                   eviction={"name": "lru"}, rates=[None], seeds=[0], local_tokens=[512],
+                   settings_for=lambda wl: ClusterSettings(), prefill_busy_tokens=[0, 4096], decode_busy_tokens=[1])
+    assert [r["mode"] for r in rows] == ["aggregated", "always", "conditional@512,prefill_busy=off,decode_busy=1",
+                                         "conditional@512,prefill_busy=4096,decode_busy=1"]
+    # no room on any decode engine: every conditional request takes the prefill hop
+    assert all(r["remote_share"] == 1.0 for r in rows[2:])
+
+
 def test_bad_pd_settings_fail() -> None:
     with pytest.raises(ConfigError):
         PdSettings(0, 2).validate()
@@ -88,8 +118,11 @@ def test_bad_pd_settings_fail() -> None:
 def test_the_cli_compares_the_modes_and_writes_a_plot(tmp_path, capsys) -> None:
     code = main(["sim", "cluster", "--quiet", "--workload", "longchat", "--workload-param", "conversations=8",
                  "--workload-param", "max_turns=3", "--workload-param", "output_tokens=20", "--limit", "30",
-                 "--pd", "1:2", "--pd-local-tokens", "256", "--out", str(tmp_path)])
+                 "--pd", "1:2", "--pd-local-tokens", "256", "--pd-prefill-busy-tokens", "0,65536",
+                 "--pd-decode-busy-tokens", "8192", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
-    assert "| aggregated |" in out and "| always |" in out and "| conditional@256 |" in out
+    assert "| aggregated |" in out and "| always |" in out
+    assert "| conditional@256,prefill_busy=off,decode_busy=8192 |" in out
+    assert "| conditional@256,prefill_busy=65536,decode_busy=8192 |" in out
     assert (tmp_path / "pd.png").stat().st_size > 0 and (tmp_path / "results.json").exists()

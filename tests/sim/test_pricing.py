@@ -12,7 +12,7 @@ import pytest
 from kvrouterd.cli import main
 from kvrouterd.config import Config
 from kvrouterd.policies.latency import LLAMA31_8B_ATTENTION_TOKENS
-from kvrouterd.sim.cluster import ClusterSettings, Simulation, simulate
+from kvrouterd.sim.cluster import ClusterSettings, Simulation
 from kvrouterd.sim.engine import PER_CHUNK, EngineParams
 from kvrouterd.sim.metrics import goodput, parse_rates, rate_grid
 from kvrouterd.sim.reproduce import expand

@@ -84,6 +84,24 @@ def test_a_request_without_a_model_may_go_to_any_worker() -> None:
     assert {w.id for w in ctx.candidates} == {"a1", "b1"}
 
 
+def test_a_request_without_a_prompt_goes_where_its_model_may() -> None:
+    """ext_proc's GETs and unread bodies: the same filters as a Route, and its NOT_FOUND, with no
+    prompt to check and nothing committed; a P/D pool's destinations are its decode workers."""
+    r = router(spec("a1", "A"), spec("b1", "B", loras=("sql",)), spec("b2", "B"),
+               WorkerSpec(id="p1", address="p1:1", models=("B",), role=WorkerRole.PREFILL))
+    assert r.destinations(RouteRequest("", (), 0, model="A")) == ([r.workers.get("a1")], "A")
+    workers, pool = r.destinations(RouteRequest("", (), 0, model="B"))
+    assert [w.id for w in workers] == ["b1", "b2"] and pool == "B"
+    assert [w.id for w in r.destinations(RouteRequest("", (), 0, model="sql"))[0]] == ["b1"]
+    assert {w.id for w in r.destinations(RouteRequest("", (), 0))[0]} == {"a1", "b1", "b2"}
+    assert [w.id for w in r.destinations(RouteRequest("", (), 0, model="B", candidate_workers=("b2",)))[0]] == ["b2"]
+    with pytest.raises(UnknownModel, match="'C'"):
+        r.destinations(RouteRequest("", (), 0, model="C"))
+    with pytest.raises(InvalidRequest, match="max_id_length"):
+        r.destinations(RouteRequest("", (), 0, model="m" * 1000))
+    assert r.workers.inflight_count == 0
+
+
 def test_re_registering_a_worker_with_other_models_moves_it_between_pools() -> None:
     r = router(spec("w", "A"), spec("b", "B"))
     assert r.route(req(1, "A")).worker.id == "w"

@@ -52,14 +52,10 @@ from typing import Literal
 
 from ...index.workers import Worker
 from ...protocols import CacheMode, Decision
-from .._scan import scan_candidates
+from .._scan import scan_candidates, tied_candidates
 from ..base import RoutingContext, RoutingPolicyBase
 
 __all__ = ["CacheAwareParams", "CacheAwarePolicy"]
-
-#: ties on the most cached blocks and the load found by repeated scans before one pass takes over
-_SCANNED_TIES = 8
-
 
 @dataclass(frozen=True)
 class CacheAwareParams:
@@ -172,26 +168,13 @@ class CacheAwarePolicy(RoutingPolicyBase):
         """score_overlap: most cached blocks, then lower load, then the smaller cache."""
         candidates = ctx.candidates
         load = getattr(candidates[best_i], load_attr)
-        overlaps = ctx.match.overlaps
         # scan_candidates chose the first of the least loaded longest matches, so any other tie
-        # lies after it: scanning the rest the same way (in C) finds the ties one by one, where a
-        # bytecode pass over every candidate costs ~100 us at 1,024 workers; past a few ties the
-        # pass is cheaper
-        ties = [best_i]
-        start = best_i + 1
-        while start < len(candidates):
-            rest = candidates[start:]
-            j, depth, _, _, _ = scan_candidates(rest, overlaps, load_attr)
-            if depth != best_depth or getattr(rest[j], load_attr) != load:
-                break
-            if len(ties) == _SCANNED_TIES:
-                ties = [i for i, w in enumerate(candidates)
-                        if overlaps.get(w.slot, 0) == best_depth and getattr(w, load_attr) == load]
-                break
-            ties.append(start + j)
-            start += j + 1
-        if len(ties) == 1:
+        # lies after it: one pass over the rest (in C), where a bytecode pass over every
+        # candidate costs ~100 us at 1,024 workers
+        ties = tied_candidates(candidates, ctx.match.overlaps, load_attr, best_i + 1, best_depth, load)
+        if not ties:
             return best_i
+        ties.insert(0, best_i)
         return min(ties, key=lambda i: (ctx.cached_blocks(candidates[i]), i))
 
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:

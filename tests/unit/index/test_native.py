@@ -11,7 +11,6 @@ import gc
 import os
 import subprocess
 import sys
-import weakref
 from array import array
 from pathlib import Path
 
@@ -162,7 +161,7 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     """1,024 workers, most above slot 63: random stores, removes and clears, then a match. The
     native walk's overlaps equal the pure walk's, and the policy's scan over them (native, reading
     the Overlaps by slot) picks what the Python scan picks from the pure dict."""
-    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py
+    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
 
     index = RadixIndex()
     for slot in range(WIDE):
@@ -186,6 +185,12 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     assert type(native_overlaps) is native.module.Overlaps
     want = scan_candidates_py(candidates, pure_overlaps, "pending_prefill_tokens")
     assert scan_candidates(candidates, native_overlaps, "pending_prefill_tokens") == want
+    # and the candidates tied with the best (cache_aware's second pass), from the best on
+    best_i, depth = want[0], want[1]
+    load = candidates[best_i].pending_prefill_tokens
+    ties = tied_candidates_py(candidates, pure_overlaps, "pending_prefill_tokens", best_i, depth, load)
+    assert ties[0] == best_i
+    assert tied_candidates(candidates, native_overlaps, "pending_prefill_tokens", best_i, depth, load) == ties
 
 
 class _Candidate:
@@ -193,6 +198,48 @@ class _Candidate:
 
     def __init__(self, slot: int, load: int) -> None:
         self.slot, self.pending_prefill_tokens = slot, load
+
+
+class _OtherCandidate(_Candidate):
+    """Another class with the same members: the native scan's run of one class ends at it."""
+
+    __slots__ = ()
+
+
+class _DictCandidate:
+    def __init__(self, slot: int, load: int) -> None:
+        self.slot, self.pending_prefill_tokens = slot, load
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stores=st.lists(st.tuples(st.integers(0, 69), chains), max_size=20),
+    query=chains,
+    fleet=st.lists(st.tuples(st.sampled_from([_Candidate, _Candidate, _Candidate, _OtherCandidate, _DictCandidate]),
+                             st.integers(0, 69), st.one_of(st.integers(0, 3), st.just(2**70), st.just(-(2**63)))),
+                   min_size=1, max_size=80),
+)
+def test_scan_over_the_walks_overlaps_answers_as_the_reference(stores, query, fleet):
+    """The scan reads runs of one class's members in place over the walk's Overlaps; a candidate
+    of another class, or a load beyond 64 bits, in the middle of a run reads as the reference."""
+    from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
+
+    index = RadixIndex()
+    for slot in range(70):
+        index.add_slot(slot)
+    for slot, choices in stores:
+        index.store(slot, None, [_key(tuple(choices[: i + 1])) for i in range(len(choices))], 1.0)
+    keys = [_key(tuple(query[: i + 1])) for i in range(len(query))]
+    overlaps = index.match(keys, (1 << 70) - 1).overlaps
+    assert type(overlaps) is native.module.Overlaps
+    reference = dict(overlaps.items())
+    candidates = [kind(slot, load) for kind, slot, load in fleet]
+    want = scan_candidates_py(candidates, reference, "pending_prefill_tokens")
+    assert scan_candidates(candidates, overlaps, "pending_prefill_tokens") == want
+    best_i, depth = want[0], want[1]
+    load = candidates[best_i].pending_prefill_tokens
+    assert (tied_candidates(candidates, overlaps, "pending_prefill_tokens", best_i, depth, load)
+            == tied_candidates_py(candidates, reference, "pending_prefill_tokens", best_i, depth, load))
 
 
 def test_overlaps_reads_like_the_dict_it_equals():

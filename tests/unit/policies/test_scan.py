@@ -1,4 +1,5 @@
-"""The candidate scan behind cache_aware: the native pass computes what the Python reference does.
+"""The candidate scan behind cache_aware (and its pass over the tied candidates): the native
+passes compute what the Python references do.
 
 Every Route of the default policy goes through it, so a divergence would pick a different worker
 depending on how the package was built.
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrouterd.index import native
-from kvrouterd.policies._scan import scan_candidates, scan_candidates_py
+from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
 
 
 class Cand:
@@ -90,6 +91,70 @@ def test_scan_follows_the_rule_on_both_paths(fleet, data):
         expected = reference(candidates, overlaps, attr)
         assert scan_candidates_py(candidates, overlaps, attr) == expected
         assert scan_candidates(candidates, overlaps, attr) == expected
+
+
+def reference_ties(candidates, overlaps, attr, start, depth, load):
+    return [i for i, c in enumerate(candidates) if i >= start and overlaps.get(c.slot, 0) == depth
+            and getattr(c, attr) == load]
+
+
+@settings(max_examples=400, deadline=None)
+@given(fleet=fleets, data=st.data())
+def test_ties_follow_the_rule_on_both_paths(fleet, data):
+    kinds = data.draw(st.lists(st.sampled_from(KINDS), min_size=len(fleet), max_size=len(fleet))
+                      | st.sampled_from(KINDS).map(lambda kind: [kind] * len(fleet)))
+    candidates = [kind(slot, requests, tokens) for kind, (slot, (_, requests, tokens)) in zip(kinds, enumerate(fleet))]
+    overlaps = {slot: depth for slot, (depth, _, _) in enumerate(fleet) if depth}
+    start = data.draw(st.integers(0, len(fleet) + 1))
+    for attr in ("inflight_requests", "pending_prefill_tokens"):
+        # the best's depth and load, as cache_aware asks, or any other pair
+        best_i, depth, _, _, _ = scan_candidates_py(candidates, overlaps, attr)
+        load = getattr(candidates[best_i], attr)
+        for d, ld in ((depth, load), (data.draw(st.integers(0, 4)), data.draw(st.integers(-3, 5)))):
+            expected = reference_ties(candidates, overlaps, attr, start, d, ld)
+            assert tied_candidates_py(candidates, overlaps, attr, start, d, ld) == expected
+            assert tied_candidates(candidates, overlaps, attr, start, d, ld) == expected
+
+
+class Shrinking(Cand):
+    """A load that empties the candidate list it is read from: the native passes must not read on."""
+
+    __slots__ = ("fleet",)
+
+    def __init__(self, slot: int, fleet: list[Cand]) -> None:
+        self.slot, self.pending_prefill_tokens, self.fleet = slot, 0, fleet
+
+    @property  # type: ignore[override]
+    def inflight_requests(self) -> int:
+        self.fleet.clear()
+        return 1
+
+
+@pytest.mark.skipif(native.module is None, reason=native.status)
+def test_native_passes_survive_a_getter_that_empties_the_candidates():
+    fleet: list[Cand] = []
+    shrinking = Shrinking(0, fleet)
+    fleet.extend([Cand(1, 0, 0), shrinking, *(Cand(i, 0, 0) for i in range(2, 200))])
+    assert native.module.prefix_scan(fleet, {}, "inflight_requests") == (0, 0, 0, 0, 1)
+    fleet.extend([Cand(1, 0, 0), shrinking, *(Cand(i, 0, 0) for i in range(2, 200))])
+    assert native.module.prefix_ties(fleet, {}, "inflight_requests", 0, 0, 0) == [0]
+
+
+@pytest.mark.skipif(native.module is None, reason=native.status)
+def test_native_ties_decline_what_they_cannot_hold_exactly():
+    candidates = [Cand(0, 1, 2**64), Cand(1, 1, 0)]
+    assert native.module.prefix_ties(candidates, {0: 3, 1: 3}, "inflight_requests", 0, 3, 1) == [0, 1]
+    assert native.module.prefix_ties(candidates, {0: 3, 1: 3}, "inflight_requests", 1, 3, 1) == [1]
+    assert native.module.prefix_ties(candidates, {0: 3, 1: 3}, "inflight_requests", 5, 3, 1) == []
+    assert native.module.prefix_ties(candidates, {0: 3}, "pending_prefill_tokens", 0, 3, 0) is NotImplemented
+    assert native.module.prefix_ties(candidates, {0: 3.0}, "inflight_requests", 0, 3, 1) is NotImplemented
+    assert native.module.prefix_ties(candidates, {0: 3}, "inflight_requests", 0, 2**64, 1) is NotImplemented
+    assert tied_candidates(candidates, {0: 3}, "pending_prefill_tokens", 0, 3, 2**64) == [0]
+    for ties in (native.module.prefix_ties, tied_candidates_py):
+        with pytest.raises(ValueError, match="start"):
+            ties(candidates, {}, "inflight_requests", -1, 0, 1)
+    with pytest.raises(TypeError):
+        native.module.prefix_ties(candidates, {}, "inflight_requests", 0, 0)
 
 
 @pytest.mark.skipif(native.module is None, reason=native.status)

@@ -11,6 +11,7 @@ from kvrouterd.index.keys import block_keys, chain_keys, namespace_seed
 from kvrouterd.server.openai_prompt import (
     ParsedPrompt,
     PromptKeyer,
+    body_model,
     load_tokenizer,
     parse_body,
     render_messages,
@@ -151,3 +152,11 @@ def test_load_tokenizer_rejects_an_invalid_file(tmp_path):
     path.write_text('{"not": "a tokenizer"}')
     with pytest.raises(ConfigError, match="ext_proc.tokenizer"):
         load_tokenizer(str(path))
+
+
+def test_body_model_reads_the_top_level_model_and_nothing_else():
+    assert body_model(body(model="B", input="hi")) == "B"
+    assert body_model(body(input={"model": "nested"})) == ""
+    # what is not a JSON object with a string model names none: routed, not refused
+    for raw in (b"not even json", b"[1, 2]", body(model=7), b"\xff\xfe", b"[" * 100_000):
+        assert body_model(raw) == ""

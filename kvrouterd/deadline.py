@@ -98,6 +98,8 @@ _SCALE_WEIGHT = 0.05
 _LOG_SCALE_RANGE = 3.0
 #: step of the online quantile of observed / predicted TTFT, in log units per completion
 _TAIL_STEP = 0.05
+#: load levels the correction is kept for: reported running requests 0, 1, 2-3, ..., 64+
+_LOAD_LEVELS = 8
 #: the quantile deadline admission judges by (``admission.deadline_quantile``)
 DEFAULT_QUANTILE = 0.5
 #: predictions shorter than this are mostly the engine's step granularity: no sample
@@ -110,6 +112,11 @@ Queued = Callable[[str], tuple[int, int]]
 
 def _nothing_queued(_: str) -> tuple[int, int]:
     return (0, 0)
+
+
+def _load_level(worker: Worker) -> int:
+    """``worker``'s reported running requests in powers of two: 0, 1, 2-3, 4-7, ..., 64+."""
+    return min(worker.reported_running.bit_length(), _LOAD_LEVELS - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +159,16 @@ class DeadlineGuard:
         #: the share of admitted requests the guard aims to see meet their SLO: it admits a
         #: request when this quantile of observed / predicted TTFT, times the prediction, fits
         self.quantile = quantile
-        #: that quantile, tracked online (``on_complete``); ``scale`` is the geometric mean
-        self.tail = 1.0
+        #: that quantile and the geometric mean (``on_complete``), one of each per load level:
+        #: a worker's reported running requests, in powers of two (``_load_level``). Decode
+        #: steps share the GPU with prefill, so the same queue takes longer on a worker with
+        #: more requests decoding: on the tool/agent workload past capacity observed /
+        #: predicted TTFT had a p90 of 1.1-1.4 below 50 running requests and 3.4 above, and one
+        #: correction for all workers admitted floods onto the busiest while shedding at idle ones
+        self._tails = [1.0] * _LOAD_LEVELS
+        self._scales = [1.0] * _LOAD_LEVELS
+        #: completions seen per level; a level with none borrows the nearest quieter one's
+        self._samples = [0] * _LOAD_LEVELS
         params = params or LatencyParams()
         try:
             params.validate()
@@ -162,10 +177,8 @@ class DeadlineGuard:
         # prices prefill only; ``scale`` is the online correction (a refit of the power law
         # on queue-dominated samples overshot: see the module docstring)
         self.latency = LatencyModel(dataclasses.replace(params, calibrate=False))
-        #: observed / predicted TTFT of completed requests, a moving geometric mean
-        #: (``on_complete``): what the model leaves out (decode steps sharing the GPU, preemption)
-        self.scale = 1.0
-        self._predicted: OrderedDict[str, float] = OrderedDict()
+        #: request id -> (its modelled TTFT when dispatched, its worker's load level then)
+        self._predicted: OrderedDict[str, tuple[float, int]] = OrderedDict()
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
         self._backlog: dict[str, tuple[float, float]] = {}
         #: worker id -> its uncompleted dispatches in order, request id -> (own modelled
@@ -199,7 +212,30 @@ class DeadlineGuard:
         if worker.reported_at > self._anchored.get(worker.id, 0.0):
             self._anchor(worker)
         ms, at = self._backlog.get(worker.id, (0.0, now))
-        return max(0.0, ms - (now - at) * 1000.0 / self.scale)
+        return max(0.0, ms - (now - at) * 1000.0 / self._corrections(worker)[0])
+
+    # ---- the online correction ------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        """Observed / predicted TTFT on an idle worker, a moving geometric mean: what the model
+        leaves out (decode steps sharing the GPU, preemption)."""
+        return self._level_value(self._scales, 0)
+
+    @property
+    def tail(self) -> float:
+        """The ``quantile`` of observed / predicted TTFT on an idle worker."""
+        return self._level_value(self._tails, 0)
+
+    def _level_value(self, values: list[float], level: int) -> float:
+        for at in range(level, -1, -1):  # an unseen level: the nearest quieter one seen
+            if self._samples[at]:
+                return values[at]
+        return values[level]
+
+    def _corrections(self, worker: Worker) -> tuple[float, float]:
+        """(scale, tail) for ``worker`` at its reported load."""
+        level = _load_level(worker)
+        return self._level_value(self._scales, level), self._level_value(self._tails, level)
 
     def _anchor(self, worker: Worker) -> None:
         """Re-anchor ``worker``'s backlog to its engine's last load report.
@@ -235,7 +271,7 @@ class DeadlineGuard:
         cached prefix) on ``worker``, behind its backlog and ``queued`` (requests, tokens)
         waiting for it in the router."""
         ahead = self.backlog_ms(worker, now) + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0)
-        return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self.scale
+        return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self._corrections(worker)[0]
 
     def chosen_meets(self, ctx: RoutingContext, chosen: Worker, slo_ms: float, queued: Queued = _nothing_queued) -> bool:
         """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
@@ -243,7 +279,8 @@ class DeadlineGuard:
         at 1,024 workers would cost the decision a millisecond."""
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
         t = self.predict_ms(chosen, uncached, cached, ctx.now, queued(chosen.id))
-        return t * self.tail / self.scale <= max(slo_ms, self.prefill_ms(uncached, cached) * self.tail)
+        scale, tail = self._corrections(chosen)
+        return t * tail / scale <= max(slo_ms, self.prefill_ms(uncached, cached) * tail)
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.
@@ -256,12 +293,12 @@ class DeadlineGuard:
         predicted = best = math.inf
         budget = slo_ms
         meets: list[str] = []
-        to_tail = self.tail / self.scale
         for w in ctx.candidates:
             uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
             expected = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
-            t = expected * to_tail
-            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * self.tail)
+            scale, tail = self._corrections(w)
+            t = expected * tail / scale
+            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * tail)
             if w.id == chosen_id:
                 predicted = expected
             if t - allowed < best - budget:
@@ -293,10 +330,12 @@ class DeadlineGuard:
                                                                    Callable[[str, int, int, int], float]]:
         """``(load, estimator)`` for ``AdmissionQueues.drop_late``, from this guard's model."""
         backlog = {w.id: self.backlog_ms(w, now) for w in router.workers}
+        scales = {w.id: self._corrections(w)[0] for w in router.workers}
         load = {wid: (0, 0) for wid in backlog}
 
         def estimator(worker_id: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
-            return (backlog.get(worker_id, 0.0) + self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead)) * self.scale
+            return ((backlog.get(worker_id, 0.0) + self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead))
+                    * scales.get(worker_id, self.scale))
 
         return load, estimator
 
@@ -310,7 +349,7 @@ class DeadlineGuard:
         ahead = before + own
         self._backlog[worker.id] = (ahead, now)
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
-            self._predicted[request_id] = ahead
+            self._predicted[request_id] = (ahead, _load_level(worker))
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
             self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now)
@@ -321,16 +360,21 @@ class DeadlineGuard:
     def on_complete(self, request_id: str, ttft_ms: float) -> None:
         """A completion's observed TTFT: corrects ``scale``."""
         self._forget(request_id)
-        predicted = self._predicted.pop(request_id, None)
-        if predicted is not None and predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
+        dispatched = self._predicted.pop(request_id, None)
+        if dispatched is None:
+            return
+        predicted, level = dispatched
+        if predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
+            scale, tail = self._level_value(self._scales, level), self._level_value(self._tails, level)
+            self._samples[level] += 1
             log_ratio = math.log(ttft_ms / predicted)
-            log_scale = math.log(self.scale) + _SCALE_WEIGHT * (log_ratio - math.log(self.scale))
-            self.scale = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+            log_scale = math.log(scale) + _SCALE_WEIGHT * (log_ratio - math.log(scale))
+            self._scales[level] = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
             # stochastic approximation of the quantile: up by step * q on a sample above it,
             # down by step * (1 - q) below, so it rests where a share q of samples fall below
-            log_tail = math.log(self.tail)
+            log_tail = math.log(tail)
             log_tail += _TAIL_STEP * (self.quantile - (1.0 if log_ratio <= log_tail else 0.0))
-            self.tail = math.exp(min(max(log_tail, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+            self._tails[level] = math.exp(min(max(log_tail, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
 
     def _forget(self, request_id: str) -> None:
         worker_id = self._where.pop(request_id, None)

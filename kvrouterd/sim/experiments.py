@@ -44,7 +44,9 @@ class Measure:
 
     ``metric``: ``hit_pct`` (prefix-hit blocks / prompt blocks, %), ``ttft_p50`` / ``ttft_p90``
     / ``ttft_p95`` / ``ttft_p99`` (ms), ``slo_pct`` (% of requests within the SLO),
-    ``goodput`` (highest swept rate with pooled SLO attainment >= 90%, req/s). ``pairs``: a
+    ``goodput`` (highest swept rate with pooled SLO attainment >= 90%, req/s), ``good_rps``
+    (requests within their SLO per second at ``rate``) and ``peak_good_rps`` (the highest
+    ``good_rps`` of the swept rates). ``pairs``: a
     ``routing+eviction`` pair, or several (the best of them, by the row's ``better``).
     ``rate``: which swept rate (None: the run's only rate; ignored for goodput). ``run``:
     other runs than the row's own (None = the row's).

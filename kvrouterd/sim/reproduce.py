@@ -101,6 +101,8 @@ class Digest:
     block_tokens: int = 0
     #: requests deadline admission refused: each missed its SLO, as ``sim cluster`` counts them
     shed: int = 0
+    #: requests that met their SLO per second of the run (``sim cluster``'s goodput column)
+    good_rps: float = 0.0
 
 
 def _strip(tokens: Sequence[str], options: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -219,7 +221,7 @@ def run_unit(unit: Unit) -> Digest:
                   result.counters.get("decode_bottleneck_decisions", 0),
                   result.counters.get("decode_bottleneck_moves", 0),
                   capacity_blocks=result.capacity_blocks, block_tokens=result.block_tokens,
-                  shed=result.summary.shed)
+                  shed=result.summary.shed, good_rps=result.summary.goodput_rps)
 
 
 # ---- turning runs into numbers ----------------------------------------------------------
@@ -227,7 +229,8 @@ def run_unit(unit: Unit) -> Digest:
 def _one(d: Digest) -> dict[str, float]:
     ttfts = sorted(d.ttft_s)
     out = {"hit_pct": 100.0 * d.hit_blocks / d.prompt_blocks if d.prompt_blocks else math.nan,
-           "slo_pct": 100.0 * d.slo_met / (d.requests + d.shed) if d.requests and ttfts else math.nan}
+           "slo_pct": 100.0 * d.slo_met / (d.requests + d.shed) if d.requests and ttfts else math.nan,
+           "good_rps": d.good_rps if d.requests else math.nan}
     for q in (50, 90, 95, 99):
         out[f"ttft_p{q}"] = percentile(ttfts, q) * 1000.0 if ttfts else math.nan
     return out
@@ -267,6 +270,9 @@ class Table:
     def value(self, m: Measure) -> float:
         if m.metric == "goodput":
             return self.goodput.get(m.pairs[0], math.nan) if self.goodput else math.nan
+        if m.metric == "peak_good_rps":
+            rates = [c["good_rps"] for (p, _), c in self.cells.items() if p == m.pairs[0] and not math.isnan(c["good_rps"])]
+            return max(rates) if rates else math.nan
         rate = m.rate
         if rate is None:
             rates = {r for p, r in self.cells if p == m.pairs[0]}

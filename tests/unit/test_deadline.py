@@ -209,3 +209,27 @@ def test_admission_judges_by_the_chosen_quantile_of_observed_over_predicted(quan
     else:
         with pytest.raises(SloUnreachable):
             admit_by_deadline(guard, router, req, decided, SLO)
+
+
+def test_each_load_level_learns_its_own_correction() -> None:
+    """Decode steps share the GPU: a worker with 64 requests running takes 3x the model where
+    an idle one takes 1x. One correction for both would misjudge both; the busy one's is its own."""
+    router, guard, clock = fleet("idle", "busy")
+    router.report_load("busy", 0, 64, 0.5)
+    for i in range(300):
+        for wid, ratio in (("idle", 1.0), ("busy", 3.0)):
+            load(router, guard, wid, 1_000, f"{wid}{i}")
+            guard.on_complete(f"{wid}{i}", 1_000.0 * ratio)
+            router.complete(Completion(f"{wid}{i}", 1_000.0, 1_000.0))
+        clock.advance(2.0)
+    assert guard.scale == pytest.approx(1.0, rel=0.05)  # idle
+    req = request("x", 2_000)
+    req.candidate_workers = ("busy",)
+    decision, ctx, _ = router.decide(req)
+    busy = router.workers.get("busy")
+    assert guard.predict_ms(busy, 2_000, 0, clock.now()) == pytest.approx(6_000, rel=0.05)
+    load(router, guard, "busy", 1_000, "queued-busy")  # 1 s queued: 9 s there, 3 s on idle
+    req = request("y", 2_000)
+    decided = router.decide(req)
+    decision, _, _ = admit_by_deadline(guard, router, req, decided, SLO)
+    assert decision.worker_id == "idle"

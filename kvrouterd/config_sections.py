@@ -275,14 +275,14 @@ class AdmissionConfig:
     #: deadline admission: off, shed (refuse at routing time a request predicted to miss its
     #: SLO everywhere) or defer (shed, and drop a queued request the moment it can no longer
     #: meet its SLO; needs max_inflight)
-    deadline: str = "off"
+    deadline: str = "shed"
     #: shed a request that declares no TTFT SLO of its own (``ttft_slo_ms``, ext_proc's
     #: ``x-slo-ttft-ms`` header) when it cannot meet ``default_ttft_slo_ms``; false (the
     #: default): such a request is steered by the default SLO but never refused by it
     shed_without_slo: bool = False
     #: admit a request when this quantile of its predicted TTFT (the model times the observed
     #: spread of observed / predicted TTFT) meets its SLO
-    deadline_quantile: float = 0.5
+    deadline_quantile: float = 0.9
     #: the TTFT model deadline admission predicts with: ``LatencyParams`` fields
     #: (policies/latency.py), e.g. {prefill_ms_per_1k_tokens: 40, calibrate: true}
     latency: dict[str, Any] = field(default_factory=dict)

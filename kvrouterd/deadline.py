@@ -101,7 +101,7 @@ _TAIL_STEP = 0.05
 #: load levels the correction is kept for: reported running requests 0, 1, 2-3, ..., 64+
 _LOAD_LEVELS = 8
 #: the quantile deadline admission judges by (``admission.deadline_quantile``)
-DEFAULT_QUANTILE = 0.5
+DEFAULT_QUANTILE = 0.9
 #: predictions shorter than this are mostly the engine's step granularity: no sample
 _MIN_SAMPLE_MS = 50.0
 #: dispatched requests whose prediction awaits its completion; beyond, the oldest are forgotten

@@ -489,6 +489,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     )
                     if self.admission is None:
                         result = self.router.route(req, explain=recording)
+                    elif not self.admission.waits:
+                        result = self.admission.route_now(req, recording)  # deadline admission alone
                     else:
                         # may wait for room on the chosen worker; the shed answer is a 429
                         result = await self.admission.route(req, context.time_remaining(), recording)

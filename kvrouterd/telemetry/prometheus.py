@@ -222,7 +222,7 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
                 yield Observation(n, {"policy": policy, "rule": rule})
 
     def migrations(_: CallbackOptions) -> Iterable[Observation]:
-        if ops.admission is not None:
+        if ops.admission is not None and ops.admission.waits:  # migrations move queued requests only
             yield Observation(ops.admission.migrations)
 
     def deadline(_: CallbackOptions) -> Iterable[Observation]:

@@ -297,7 +297,8 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     meter.create_observable_counter(
         "kvrouter.admission.deadline", [deadline],
         description="deadline admission: Routes shed (predicted to miss their TTFT SLO everywhere), rerouted to a "
-                    "worker predicted to meet it, or expired (dropped from a queue once they could no longer meet it)",
+                    "worker predicted to meet it, expired (dropped from a queue once they could no longer meet it) "
+                    "or spared (predicted to miss everywhere but admitted: they declared no SLO of their own)",
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

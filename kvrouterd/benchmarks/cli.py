@@ -34,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=3.0, metavar="S",
                         help="seconds of each gRPC load run (default 3)")
     parser.add_argument("--scaling", action="store_true",
-                        help="instead of the stages: the sizing grid, 8/64/256/1,024 workers x 10^5/10^6 blocks "
-                             "-> decision us and bytes per block, each cell --rounds fresh processes")
+                        help="print the sizing grid (docs/operations/performance.md) instead of the stages")
 
 
 class _Steps:

@@ -57,6 +57,7 @@ import tenacity
 from ..errors import BusUnavailable, InvalidRequest, KVRouterError
 from ..protocols import BatchOutcome, CacheEvent, Cleared, EventBatch, Removed, Stored
 from ..retry import Backoff
+from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 from .nats_bus import BRIDGE_HEADER, connect, ensure_stream, worker_subject
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS, batch_blocks
@@ -479,9 +480,7 @@ class BusBridge:
             if not await self.drained(timeout):
                 log.warning("bridge closed with %d call(s) unpublished; replicas resync when it restarts",
                             len(self._queue))
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+            await stop_task(self._publisher)
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import BusUnavailable, KVRouterError
 from ..protocols import BatchOutcome, EventBatch
+from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 
 __all__ = [
@@ -333,14 +334,8 @@ class BusEventSource:
             self._caught_up_at = self.stats.last_stream_sequence
 
     async def close(self) -> None:
-        if self._lag_watch is not None:
-            self._lag_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lag_watch
-        if self._resume is not None:
-            self._resume.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resume
+        await stop_task(self._lag_watch)
+        await stop_task(self._resume)
         if self._nc is not None:
             await self._nc.close()
             self._nc = None

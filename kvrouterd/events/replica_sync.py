@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BusUnavailable, KVRouterError
+from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
 from .nats_bus import connect
 
@@ -236,10 +237,7 @@ class ReplicaSync:
 
     async def close(self) -> None:
         for task in (self._publisher, self._resume):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop_task(task)
         self._publisher = self._resume = None
         if self._nc is not None:
             await self._nc.close()

@@ -3,7 +3,9 @@
 One ``EndpointSubscriber`` per engine endpoint and data-parallel rank (rank r publishes on the
 configured port + r, as vLLM does), all owned by a ``ZmqEventSource``, which starts, replaces,
 stops and, when one dies, restarts them. A subscriber's SUB socket feeds the sequencing it
-inherits (``events.sequencing``: order, replay, hand-off to the router).
+inherits (``events.sequencing``: order, replay, hand-off to the router). A removed or replaced
+subscriber is cancelled until its task has ended (``tasks.Stopping``: one cancel can be lost in
+its ``wait_for``), and its sockets close, linger 0, as it ends.
 
 Connections: ZMQ reconnects on its own with exponential backoff (``reconnect_ivl_ms`` up to
 ``reconnect_ivl_max_ms``). An endpoint that delivers nothing for ``silence_s`` is shown as
@@ -31,6 +33,7 @@ from ..clock import Clock, SystemClock
 from ..errors import ConfigError, KVRouterError
 from ..protocols import CacheMode
 from ..retry import Backoff
+from ..tasks import Stopping, stop_task
 from .endpoints import ZmqEndpoint
 from .parts import DEFAULT_BLOCK_SIZE, MAX_PART_BLOCKS
 from .sequencing import ApplyFn, EndpointSequencer, RejectedFn, ResetFn, SubscriberStats
@@ -72,9 +75,7 @@ class EndpointSubscriber(EndpointSequencer):
             # close the socket first: libzmq then stops its monitor by itself (calling
             # disable_monitor() after the monitor's reader closed can block forever)
             sock.close(linger=0)
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await stop_task(watcher)
         self._verify_pending = self._expected is not None  # a new socket: messages may be missing
         self.stats.reconnects += 1
         if not delivered:
@@ -97,12 +98,16 @@ class EndpointSubscriber(EndpointSequencer):
 
     def _subscribe(self) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, self.config.reconnect_ivl_ms)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.config.reconnect_ivl_max_ms)
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-        sock.connect(self.endpoint.pub_address)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, self.config.reconnect_ivl_ms)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.config.reconnect_ivl_max_ms)
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+            sock.connect(self.endpoint.pub_address)
+        except BaseException:
+            sock.close(linger=0)  # else each restart of a subscriber whose connect fails leaks one
+            raise
         return sock
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> bool:
@@ -173,6 +178,8 @@ class ZmqEventSource:
         self._ctx = ctx or zmq.asyncio.Context()
         self.subscribers: dict[str, EndpointSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: removed and replaced subscribers' tasks, until they have ended
+        self._stopping = Stopping()
 
     def add(self, endpoint: ZmqEndpoint) -> EndpointSubscriber:
         """Start subscribing (replaces an existing subscriber for the same worker)."""
@@ -213,21 +220,21 @@ class ZmqEventSource:
                 await sub.run()
 
     def remove(self, worker_id: str) -> None:
-        """Stop the worker's subscriber, if any (its router state is left to the caller)."""
+        """Stop the worker's subscriber, if any (its router state is left to the caller): its
+        task is cancelled until it has ended, in the background, and its sockets close as it ends."""
         self.subscribers.pop(worker_id, None)
         task = self._tasks.pop(worker_id, None)
         if task is not None:
-            task.cancel()
+            self._stopping.add(task)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        """Stop every subscriber and wait until each has ended (or, stuck, been given up on)."""
         for wid in list(self._tasks):
             self.remove(wid)
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stopping.wait()
         if self._own_ctx:
-            self._ctx.term()
+            # destroy, not term: term would block the loop for good on a socket a stuck task holds
+            self._ctx.destroy(linger=0)
 
     def sync(self, workers: Iterable[_WorkerLike], model: str = "") -> None:
         """Subscribe to every EVENTS-mode worker that declares a ``kv_events_endpoint`` and

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -41,6 +40,7 @@ from ..index import native
 from ..index.workers import WorkerSpec
 from ..protocols import BatchOutcome, Completion, Dispatch, EventBatch
 from ..router import Router, RouteResult
+from ..tasks import stop_task
 from ..telemetry.bus_metrics import register_bus_metrics
 from ..telemetry.loop_lag import LoopMonitor, freeze_heap, unfreeze_heap
 from ..telemetry.metrics import Metrics, build_meter_provider
@@ -152,7 +152,7 @@ class Daemon:
     async def start(self) -> int:
         """Bind, start serving and report SERVING. Returns the bound port (useful with :0)."""
         # read TLS files and tokens before creating the server, so bad ones fail with nothing to clean up
-        interceptors = build_interceptors(self.config.auth)
+        interceptors = build_interceptors(self.config.auth, self.service.call_errors)
         if self.tracer is not None:
             # first, so a call the token check refuses still has its span (installed only with tracing on)
             interceptors.insert(0, ServerSpans(self.tracer))
@@ -418,22 +418,12 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
-        if self._watch is not None:
-            self._watch.cancel()
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery_task
+        await stop_task(self._watch)
+        await stop_task(self._discovery_task)
         if self.events is not None:
             await self.events.close()
-        if self._snapshots is not None:
-            self._snapshots.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._snapshots
-        if self._resync_asks is not None:
-            self._resync_asks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resync_asks
+        await stop_task(self._snapshots)
+        await stop_task(self._resync_asks)
         if self.sync is not None:
             self.router.on_committed = self.router.on_completed = None
             await self.sync.flush(1.0)
@@ -442,10 +432,7 @@ class Daemon:
             await self.bus.close()
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.stop()
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
+        await stop_task(self._maintenance)
         await self.loop_monitor.stop()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()

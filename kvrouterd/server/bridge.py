@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
@@ -27,6 +26,7 @@ from ..errors import ConfigError, KVRouterError
 from ..events.bridge import DEFAULT_MAX_PENDING, BusBridge
 from ..events.endpoints import check_worker_endpoints
 from ..index.workers import WorkerSpec
+from ..tasks import stop_task
 from ..telemetry.metrics import build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint
 from .logs import configure_logging
@@ -116,10 +116,7 @@ class BridgeProcess:
                                                     "whose later parts were dropped (worker removed or reset meanwhile)")
 
     async def stop(self) -> None:
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery_task
+        await stop_task(self._discovery_task)
         await self.bridge.close()
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.stop()

@@ -7,7 +7,9 @@ here how each call that did not succeed ended; RouteStream and ext_proc report t
 * a **rejection** (a status a client's request earned: INVALID_ARGUMENT, NOT_FOUND, ...) is
   counted in ``kvrouter_rpc_rejected_total{rpc,code}`` and logged at INFO, at most
   ``LOG_BURST`` lines per RPC and code every ``LOG_INTERVAL_S``, then one line "suppressed K"
-  (one client used to write 1 MB/s of log lines, issue #28 item 9);
+  (one client used to write 1 MB/s of log lines, issue #28 item 9). A call the token check
+  refuses never reaches a handler: ``security.TokenAuthInterceptor`` reports it here itself,
+  as UNAUTHENTICATED at WARNING;
 * an **internal error** (an exception no handler expected: a bug) is counted in
   ``kvrouter_internal_errors_total{rpc}``, logged at ERROR once with its traceback (at most
   ``LOG_BURST`` per RPC every ``LOG_INTERVAL_S``), and answered INTERNAL with a short message
@@ -42,16 +44,17 @@ class CallErrors:
         self._rejections = SampledLog(log, LOG_BURST, LOG_INTERVAL_S, clock)
         self._internal = SampledLog(log, LOG_BURST, LOG_INTERVAL_S, clock)
 
-    def rejected(self, rpc: str, code: str, message: str, request: object = None) -> None:
+    def rejected(self, rpc: str, code: str, message: str, request: object = None, *, level: int = logging.INFO) -> None:
         """A call (or stream item) of ``rpc`` refused with status ``code`` (its name) and
-        ``message``; the line names ``request``'s request_id or worker_id where it has one."""
+        ``message``; the line names ``request``'s request_id or worker_id where it has one.
+        ``level`` raises the line for refusals an operator should see (a caller without a token)."""
         self.metrics.rejected_calls.count(rpc, code)
         extra = {"rpc": rpc, "code": code}
         for field in ("request_id", "worker_id"):
             value = getattr(request, field, None)
             if value and isinstance(value, str):
                 extra[field] = value  # the formatters cut a long one (logs.MAX_FIELD_CHARS)
-        self._rejections.log((rpc, code), logging.INFO, "%s rejected (%s): %s", rpc, code, message,
+        self._rejections.log((rpc, code), level, "%s rejected (%s): %s", rpc, code, message,
                              what="rejections", extra=extra)
 
     def served(self, rpc: str) -> None:

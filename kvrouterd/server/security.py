@@ -11,7 +11,9 @@
   the control RPCs RegisterWorker, DeregisterWorker and PublishEvents) with a constant-time
   comparison and answers UNAUTHENTICATED otherwise. The data path (Route, Complete), health
   and reflection are not checked unless listed, and pay only one set lookup per call. When
-  auth is off no interceptor is installed at all.
+  auth is off no interceptor is installed at all. A refused call is counted and logged by the
+  ledger of refused calls (``call_errors``: ``kvrouter_rpc_rejected_total{code="UNAUTHENTICATED"}``,
+  WARNING lines sampled per RPC), so a caller retrying without a token costs bounded log.
 
 Neither feature lets a caller name a file or a host: paths come only from the config file.
 """
@@ -30,6 +32,7 @@ import grpc
 from .._generated.kvrouter.v1 import router_pb2
 from ..config import AuthConfig, TlsConfig
 from ..errors import ConfigError
+from .call_errors import CallErrors
 
 __all__ = [
     "CertificateFiles",
@@ -168,26 +171,32 @@ def _deny_handler(method: Any) -> grpc.RpcMethodHandler:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for protected methods called without an accepted bearer token."""
+    """UNAUTHENTICATED for protected methods called without an accepted bearer token; each
+    refusal is reported to ``call_errors`` (counted, logged sampled)."""
 
-    def __init__(self, tokens: TokenSource, protect: Sequence[str]) -> None:
+    def __init__(self, tokens: TokenSource, protect: Sequence[str], call_errors: CallErrors) -> None:
         self.tokens = tokens
-        self._deny: dict[str, grpc.RpcMethodHandler] = {}
+        self.call_errors = call_errors
+        #: method path -> its short name and the handler that refuses it
+        self._deny: dict[str, tuple[str, grpc.RpcMethodHandler]] = {}
         if {"Route", "Complete"} & set(protect):
             # RouteStream carries Route and Complete: leaving it open would bypass their token
             protect = [*protect, "RouteStream"]
         for name in protect:
             method = _SERVICE.methods_by_name[name]
-            self._deny[f"/{_SERVICE.full_name}/{name}"] = _deny_handler(method)
+            self._deny[f"/{_SERVICE.full_name}/{name}"] = name, _deny_handler(method)
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        deny = self._deny.get(handler_call_details.method)
-        if deny is not None and not self.tokens.accepts(_bearer(handler_call_details.invocation_metadata)):
-            log.warning("unauthenticated call refused", extra={"method": handler_call_details.method})
+        protected = self._deny.get(handler_call_details.method)
+        if protected is not None and not self.tokens.accepts(_bearer(handler_call_details.invocation_metadata)):
+            rpc, deny = protected
+            # the deny handler is not wrapped by decoding.SafeRegistrar, so the ledger hears it here
+            self.call_errors.rejected(rpc, grpc.StatusCode.UNAUTHENTICATED.name, "no accepted bearer token",
+                                      level=logging.WARNING)
             return deny
         return await continuation(handler_call_details)
 
@@ -197,8 +206,10 @@ def client_token(auth: AuthConfig, environ: Mapping[str, str] | None = None) -> 
     return TokenSource(auth, environ).tokens()[0] if auth.enabled else None
 
 
-def build_interceptors(auth: AuthConfig, environ: Mapping[str, str] | None = None) -> list[grpc.aio.ServerInterceptor]:
-    """The server interceptors for ``auth`` (none when auth is off)."""
+def build_interceptors(
+    auth: AuthConfig, call_errors: CallErrors, environ: Mapping[str, str] | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The server interceptors for ``auth`` (none when auth is off); refusals go to ``call_errors``."""
     if not auth.enabled:
         return []
-    return [TokenAuthInterceptor(TokenSource(auth, environ), auth.protect)]
+    return [TokenAuthInterceptor(TokenSource(auth, environ), auth.protect, call_errors)]

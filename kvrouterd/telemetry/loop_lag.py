@@ -55,6 +55,8 @@ from opentelemetry import metrics
 from opentelemetry.metrics import Histogram
 from opentelemetry.sdk.metrics import MeterProvider
 
+from ..tasks import stop_task
+
 __all__ = ["LoopMonitor", "describe_stack", "freeze_heap", "unfreeze_heap"]
 
 log = logging.getLogger("kvrouterd.telemetry")
@@ -83,6 +85,22 @@ GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
 _freeze_lock = threading.Lock()
 #: daemons in this process whose start-up heap is frozen (``freeze_heap`` / ``unfreeze_heap``)
 _freeze_holders = 0
+
+
+def _thread_frame(thread_id: int) -> FrameType | None:
+    """The frame ``thread_id`` is running, with no collection inside ``sys._current_frames``:
+    one started there (allocating its dict) deadlocks the whole process on a lock the call
+    already holds (CPython gh-106883, fixed in 3.11.9; this daemon supports 3.11.0 on), and a
+    watchdog that samples a stalled loop is exactly where that would strike. The snapshot
+    child's own ``gc.disable()`` runs after fork, in a process without this thread."""
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        return sys._current_frames().get(thread_id)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def freeze_heap() -> None:
@@ -197,11 +215,8 @@ class LoopMonitor:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
         self._stopping.set()
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
-            self._beat = None
+        await stop_task(self._beat)
+        self._beat = None
         if self._watchdog is not None:
             await asyncio.to_thread(self._watchdog.join, 5)
             self._watchdog = None
@@ -320,7 +335,7 @@ class LoopMonitor:
             late = time.perf_counter() - due
             if late < sample_after:
                 continue
-            frame = sys._current_frames().get(self._loop_thread)
+            frame = _thread_frame(self._loop_thread)
             stack = describe_stack(frame)
             with self._lock:
                 if self._sampled_due != due:

@@ -6,6 +6,7 @@ Certificates are made per test run with the ``openssl`` command line.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
 from kvrouterd.config import parse_config
 from kvrouterd.errors import ConfigError
+from kvrouterd.server.call_errors import LOG_BURST
 from kvrouterd.server.app import Daemon
 
 from .test_daemon import publish, stored
@@ -249,6 +251,34 @@ async def test_protecting_route_protects_route_stream_too():
             await call.write(message)
             assert (await call.read()).route.worker_id == "w"
             await call.done_writing()
+    finally:
+        del os.environ[env_name]
+
+
+async def test_refused_tokens_are_counted_and_logged_sampled_like_other_rejections(caplog):
+    # one WARNING line per refused call let a client without a token write unbounded log
+    env_name = "KVROUTERD_TEST_TOKEN_9"
+    os.environ[env_name] = "tok"
+    try:
+        async with serve({"auth": {"token_env": env_name}}) as daemon, grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+            caplog.set_level(logging.INFO, logger="kvrouterd.server")
+            ledger = daemon.service.call_errors
+            ledger._rejections.clock = lambda: 0.0  # one sampling interval, however loaded the machine
+            stub = router_pb2_grpc.KVRouterStub(ch)
+            for md in [None, bearer("wrong")] * 20:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.RegisterWorker(WORKER, metadata=md)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError):
+                await publish(stub, pb.EventBatch(worker_id="w", sequence=0))
+            await stub.RegisterWorker(WORKER, metadata=bearer("tok"))  # accepted: not counted
+            assert ledger.rejected_count("RegisterWorker", "UNAUTHENTICATED") == 40
+            assert ledger.rejected_count("PublishEvents", "UNAUTHENTICATED") == 1
+            lines = [r for r in caplog.records if "rejected (UNAUTHENTICATED)" in r.getMessage()]
+            assert len(lines) == LOG_BURST + 1 and all(r.levelno == logging.WARNING for r in lines)
+            ledger.flush(now=float("inf"))
+            summaries = [r.getMessage() for r in caplog.records if "suppressed" in r.getMessage()]
+            assert summaries == [f"RegisterWorker UNAUTHENTICATED: suppressed {40 - LOG_BURST} more rejections"]
     finally:
         del os.environ[env_name]
 

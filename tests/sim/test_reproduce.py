@@ -73,8 +73,8 @@ def test_every_row_is_well_formed_and_names_pairs_its_runs_make():
                 continue
             missing = set(m.pairs) - ({u.pair for u in expand(m.run, traces)} if m.run else pairs)
             assert not missing, f"{row.name}: {missing} not run by its command"
-            if m.metric == "goodput":
-                assert len(rates) > 1, f"{row.name}: goodput needs a rate sweep"
+            if m.metric in ("goodput", "peak_good_rps"):
+                assert len(rates) > 1, f"{row.name}: {m.metric} needs a rate sweep"
             elif m.rate is not None:
                 assert m.rate in rates, f"{row.name}: rate {m.rate} not swept"
             else:

@@ -275,7 +275,14 @@ class AdmissionConfig:
     #: deadline admission: off, shed (refuse at routing time a request predicted to miss its
     #: SLO everywhere) or defer (shed, and drop a queued request the moment it can no longer
     #: meet its SLO; needs max_inflight)
-    deadline: str = "off"
+    deadline: str = "shed"
+    #: shed a request that declares no TTFT SLO of its own (``ttft_slo_ms``, ext_proc's
+    #: ``x-slo-ttft-ms`` header) when it cannot meet ``default_ttft_slo_ms``; false (the
+    #: default): such a request is steered by the default SLO but never refused by it
+    shed_without_slo: bool = False
+    #: admit a request when this quantile of its predicted TTFT (the model times the observed
+    #: spread of observed / predicted TTFT) meets its SLO
+    deadline_quantile: float = 0.9
     #: the TTFT model deadline admission predicts with: ``LatencyParams`` fields
     #: (policies/latency.py), e.g. {prefill_ms_per_1k_tokens: 40, calibrate: true}
     latency: dict[str, Any] = field(default_factory=dict)
@@ -300,6 +307,8 @@ class AdmissionConfig:
             out.append("admission.max_wait_s: must be > 0")
         if self.deadline not in DEADLINE_MODES:
             out.append(f"admission.deadline: expected one of {', '.join(DEADLINE_MODES)}, got {self.deadline!r}")
+        elif not 0.0 < self.deadline_quantile < 1.0:
+            out.append(f"admission.deadline_quantile: must be in (0, 1), got {self.deadline_quantile}")
         elif self.deadline == "defer" and self.max_inflight <= 0:
             out.append("admission.deadline: defer holds requests in admission queues; set admission.max_inflight > 0")
         try:

@@ -96,6 +96,12 @@ MIN_RETRY_AFTER_MS = 100.0
 _SCALE_WEIGHT = 0.05
 #: the correction stays within e^+-3 (x0.05 to x20)
 _LOG_SCALE_RANGE = 3.0
+#: step of the online quantile of observed / predicted TTFT, in log units per completion
+_TAIL_STEP = 0.05
+#: load levels the correction is kept for: reported running requests 0, 1, 2-3, ..., 64+
+_LOAD_LEVELS = 8
+#: the quantile deadline admission judges by (``admission.deadline_quantile``)
+DEFAULT_QUANTILE = 0.9
 #: predictions shorter than this are mostly the engine's step granularity: no sample
 _MIN_SAMPLE_MS = 50.0
 #: dispatched requests whose prediction awaits its completion; beyond, the oldest are forgotten
@@ -106,6 +112,11 @@ Queued = Callable[[str], tuple[int, int]]
 
 def _nothing_queued(_: str) -> tuple[int, int]:
     return (0, 0)
+
+
+def _load_level(worker: Worker) -> int:
+    """``worker``'s reported running requests in powers of two: 0, 1, 2-3, 4-7, ..., 64+."""
+    return min(worker.reported_running.bit_length(), _LOAD_LEVELS - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +150,25 @@ class DeadlineGuard:
     ``AdmissionQueues.drop_late`` dropped (``late_refusal`` counts one).
     """
 
-    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None) -> None:
+    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None, quantile: float = DEFAULT_QUANTILE) -> None:
         if mode not in DEADLINE_MODES:
             raise ConfigError(f"deadline: expected one of {', '.join(DEADLINE_MODES)}, got {mode!r}")
+        if not 0.0 < quantile < 1.0:
+            raise ConfigError(f"deadline quantile: expected a number in (0, 1), got {quantile!r}")
         self.mode = mode
+        #: the share of admitted requests the guard aims to see meet their SLO: it admits a
+        #: request when this quantile of observed / predicted TTFT, times the prediction, fits
+        self.quantile = quantile
+        #: that quantile and the geometric mean (``on_complete``), one of each per load level:
+        #: a worker's reported running requests, in powers of two (``_load_level``). Decode
+        #: steps share the GPU with prefill, so the same queue takes longer on a worker with
+        #: more requests decoding: on the tool/agent workload past capacity observed /
+        #: predicted TTFT had a p90 of 1.1-1.4 below 50 running requests and 3.4 above, and one
+        #: correction for all workers admitted floods onto the busiest while shedding at idle ones
+        self._tails = [1.0] * _LOAD_LEVELS
+        self._scales = [1.0] * _LOAD_LEVELS
+        #: completions seen per level; a level with none borrows the nearest quieter one's
+        self._samples = [0] * _LOAD_LEVELS
         params = params or LatencyParams()
         try:
             params.validate()
@@ -151,15 +177,22 @@ class DeadlineGuard:
         # prices prefill only; ``scale`` is the online correction (a refit of the power law
         # on queue-dominated samples overshot: see the module docstring)
         self.latency = LatencyModel(dataclasses.replace(params, calibrate=False))
-        #: observed / predicted TTFT of completed requests, a moving geometric mean
-        #: (``on_complete``): what the model leaves out (decode steps sharing the GPU, preemption)
-        self.scale = 1.0
-        self._predicted: OrderedDict[str, float] = OrderedDict()
+        #: request id -> (its modelled TTFT when dispatched, its worker's load level then)
+        self._predicted: OrderedDict[str, tuple[float, int]] = OrderedDict()
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
         self._backlog: dict[str, tuple[float, float]] = {}
+        #: worker id -> its uncompleted dispatches in order, request id -> (own modelled
+        #: prefill ms, dispatched at): what an engine's load report re-anchors the backlog to
+        self._flight: dict[str, OrderedDict[str, tuple[float, float]]] = {}
+        #: request id -> the worker it was dispatched to (to find it in ``_flight``)
+        self._where: dict[str, str] = {}
+        #: worker id -> the load report its backlog was last anchored to (its ``reported_at``)
+        self._anchored: dict[str, float] = {}
         self.shed = 0
         self.rerouted = 0
         self.expired = 0
+        #: requests predicted to miss everywhere but admitted: they declared no SLO (``spare``)
+        self.spared = 0
 
     @property
     def enabled(self) -> bool:
@@ -176,8 +209,61 @@ class DeadlineGuard:
         would drain far too fast), drained as time passes at ``1 / scale``."""
         if not worker.inflight_requests:
             return 0.0
+        if worker.reported_at > self._anchored.get(worker.id, 0.0):
+            self._anchor(worker)
         ms, at = self._backlog.get(worker.id, (0.0, now))
-        return max(0.0, ms - (now - at) * 1000.0 / self.scale)
+        return max(0.0, ms - (now - at) * 1000.0 / self._corrections(worker)[0])
+
+    # ---- the online correction ------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        """Observed / predicted TTFT on an idle worker, a moving geometric mean: what the model
+        leaves out (decode steps sharing the GPU, preemption)."""
+        return self._level_value(self._scales, 0)
+
+    @property
+    def tail(self) -> float:
+        """The ``quantile`` of observed / predicted TTFT on an idle worker."""
+        return self._level_value(self._tails, 0)
+
+    def _level_value(self, values: list[float], level: int) -> float:
+        for at in range(level, -1, -1):  # an unseen level: the nearest quieter one seen
+            if self._samples[at]:
+                return values[at]
+        return values[level]
+
+    def _corrections(self, worker: Worker) -> tuple[float, float]:
+        """(scale, tail) for ``worker`` at its reported load."""
+        level = _load_level(worker)
+        return self._level_value(self._scales, level), self._level_value(self._tails, level)
+
+    def _anchor(self, worker: Worker) -> None:
+        """Re-anchor ``worker``'s backlog to its engine's last load report.
+
+        Drained at a modelled rate alone, the backlog integrates every error of the model,
+        and ``scale`` (which also sets the drain rate) chases them a full decode late: on the
+        tool/agent workload past capacity it swung from 0.4 to 10 and back, shedding nearly
+        everything, then admitting a flood (a p90 TTFT of 10 s among admitted requests). An
+        engine's report says how many requests are still waiting for their first token
+        (``queued_requests``; vLLM's ``num_requests_waiting``, first come first served): the
+        newest that many of the requests routed there before the report. Their own modelled
+        prefill, plus everything routed since, is the backlog as of the report."""
+        reported_at, queued = worker.reported_at, worker.reported_queue
+        self._anchored[worker.id] = reported_at
+        flight = self._flight.get(worker.id)
+        if flight is None:
+            return
+        while len(flight) > worker.inflight_requests:  # the oldest ended unheard (expired in flight)
+            self._where.pop(flight.popitem(last=False)[0], None)
+        before: list[float] = []
+        after = 0.0
+        for ms, at in flight.values():
+            if at <= reported_at:
+                before.append(ms)
+            else:
+                after += ms
+        waiting = sum(before[len(before) - queued:]) if 0 < queued else 0.0
+        self._backlog[worker.id] = (waiting + after, reported_at)
 
     def predict_ms(self, worker: Worker, uncached_tokens: int, cached_tokens: int, now: float,
                    queued: tuple[int, int] = (0, 0)) -> float:
@@ -185,7 +271,16 @@ class DeadlineGuard:
         cached prefix) on ``worker``, behind its backlog and ``queued`` (requests, tokens)
         waiting for it in the router."""
         ahead = self.backlog_ms(worker, now) + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0)
-        return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self.scale
+        return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self._corrections(worker)[0]
+
+    def chosen_meets(self, ctx: RoutingContext, chosen: Worker, slo_ms: float, queued: Queued = _nothing_queued) -> bool:
+        """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
+        one worker): the common case, answered without pricing every eligible worker, which
+        at 1,024 workers would cost the decision a millisecond."""
+        uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
+        t = self.predict_ms(chosen, uncached, cached, ctx.now, queued(chosen.id))
+        scale, tail = self._corrections(chosen)
+        return t * tail / scale <= max(slo_ms, self.prefill_ms(uncached, cached) * tail)
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.
@@ -200,10 +295,12 @@ class DeadlineGuard:
         meets: list[str] = []
         for w in ctx.candidates:
             uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
-            t = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
-            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * self.scale)
+            expected = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
+            scale, tail = self._corrections(w)
+            t = expected * tail / scale
+            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * tail)
             if w.id == chosen_id:
-                predicted = t
+                predicted = expected
             if t - allowed < best - budget:
                 best, budget = t, allowed
             if t <= allowed:
@@ -233,10 +330,12 @@ class DeadlineGuard:
                                                                    Callable[[str, int, int, int], float]]:
         """``(load, estimator)`` for ``AdmissionQueues.drop_late``, from this guard's model."""
         backlog = {w.id: self.backlog_ms(w, now) for w in router.workers}
+        scales = {w.id: self._corrections(w)[0] for w in router.workers}
         load = {wid: (0, 0) for wid in backlog}
 
         def estimator(worker_id: str, uncached: int, tokens_ahead: int, requests_ahead: int) -> float:
-            return (backlog.get(worker_id, 0.0) + self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead)) * self.scale
+            return ((backlog.get(worker_id, 0.0) + self.latency.ttft_ms(uncached, tokens_ahead, requests_ahead))
+                    * scales.get(worker_id, self.scale))
 
         return load, estimator
 
@@ -245,40 +344,74 @@ class DeadlineGuard:
                     cached_tokens: int = 0) -> None:
         """A request was committed to ``worker`` (after the router charged it)."""
         # the worker's in-flight count already includes it: a first request finds no backlog
-        ms, at = self._backlog.get(worker.id, (0.0, now))
-        before = max(0.0, ms - (now - at) * 1000.0 / self.scale) if worker.inflight_requests > 1 else 0.0
-        ahead = before + self.prefill_ms(uncached_tokens, cached_tokens)
+        before = self.backlog_ms(worker, now) if worker.inflight_requests > 1 else 0.0
+        own = self.prefill_ms(uncached_tokens, cached_tokens)
+        ahead = before + own
         self._backlog[worker.id] = (ahead, now)
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
-            self._predicted[request_id] = ahead
+            self._predicted[request_id] = (ahead, _load_level(worker))
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
+            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now)
+            self._where[request_id] = worker.id
+            if len(self._where) > _MAX_TRACKED:
+                self._forget(next(iter(self._where)))
 
     def on_complete(self, request_id: str, ttft_ms: float) -> None:
         """A completion's observed TTFT: corrects ``scale``."""
-        predicted = self._predicted.pop(request_id, None)
-        if predicted is not None and predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
-            log_scale = math.log(self.scale) + _SCALE_WEIGHT * (math.log(ttft_ms / predicted) - math.log(self.scale))
-            self.scale = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+        self._forget(request_id)
+        dispatched = self._predicted.pop(request_id, None)
+        if dispatched is None:
+            return
+        predicted, level = dispatched
+        if predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
+            scale, tail = self._level_value(self._scales, level), self._level_value(self._tails, level)
+            self._samples[level] += 1
+            log_ratio = math.log(ttft_ms / predicted)
+            log_scale = math.log(scale) + _SCALE_WEIGHT * (log_ratio - math.log(scale))
+            self._scales[level] = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+            # stochastic approximation of the quantile: up by step * q on a sample above it,
+            # down by step * (1 - q) below, so it rests where a share q of samples fall below
+            log_tail = math.log(tail)
+            log_tail += _TAIL_STEP * (self.quantile - (1.0 if log_ratio <= log_tail else 0.0))
+            self._tails[level] = math.exp(min(max(log_tail, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+
+    def _forget(self, request_id: str) -> None:
+        worker_id = self._where.pop(request_id, None)
+        flight = self._flight.get(worker_id) if worker_id is not None else None
+        if flight is not None:
+            flight.pop(request_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         self._backlog.pop(worker_id, None)
+        self._anchored.pop(worker_id, None)
+        for request_id in self._flight.pop(worker_id, {}):
+            self._where.pop(request_id, None)
 
     def counters(self) -> dict[str, int]:
-        return {"deadline_shed": self.shed, "deadline_rerouted": self.rerouted, "deadline_expired": self.expired}
+        return {"deadline_shed": self.shed, "deadline_rerouted": self.rerouted, "deadline_expired": self.expired,
+                "deadline_spared": self.spared}
 
 
 def admit_by_deadline(guard: DeadlineGuard, router: Router, req: RouteRequest,
                       decided: tuple[Decision, RoutingContext, RoutingPolicy], slo_ms: float,
-                      queued: Queued = _nothing_queued) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+                      queued: Queued = _nothing_queued, refuse: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
     """The decision to commit for ``req`` under deadline admission, as both hosts run it.
 
     ``decided`` is ``router.decide(req)``'s answer. Returns it if its worker meets the SLO,
     else the policy's decision among the workers that do (``req.candidate_workers`` is
-    narrowed to them); raises ``SloUnreachable`` when none does. Changes no router state."""
+    narrowed to them); when none does, raises ``SloUnreachable``, or with ``refuse`` false
+    (a request that declared no SLO of its own) returns ``decided``: such a request is
+    steered by the default SLO but never refused by it. Changes no router state."""
     decision, ctx, _ = decided
+    chosen = router.workers.find(decision.worker_id)
+    if chosen is not None and guard.chosen_meets(ctx, chosen, slo_ms, queued):
+        return decided
     verdict = guard.check(ctx, decision.worker_id, slo_ms, queued)
     if verdict.shed:
+        if not refuse:
+            guard.spared += 1
+            return decided
         raise guard.refusal(verdict)
     if decision.worker_id in verdict.meets:
         return decided

@@ -113,6 +113,7 @@ class Worker:
         "queued_prefill_tokens",
         "queued_requests",
         "registered_at",
+        "reported_at",
         "reported_queue",
         "rejecting_streak",
         "reported_running",
@@ -133,6 +134,8 @@ class Worker:
         self.pending_prefill_tokens = 0
         self.reported_queue = 0
         self.reported_running = 0
+        #: clock time of the engine's last ReportLoad (0 = never reported)
+        self.reported_at = 0.0
         self.kv_utilization = 0.0
         #: requests waiting for this worker in the router's admission queue, and the prefill
         #: tokens they need here (kept by the host: ``Router.note_admission_queue``)

@@ -142,6 +142,7 @@ class Membership:
             loaded_loras = self._pools.check_names(loaded_loras, "loaded_loras", self._shared.settings.max_id_length)
         worker = self._shared.workers.get(worker_id)
         worker.reported_queue, worker.reported_running, worker.kv_utilization = queued, running, kv_utilization
+        worker.reported_at = self._shared.clock.now()
         if loaded_loras is not None:
             self._pools.report(worker, loaded_loras)
 

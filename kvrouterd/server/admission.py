@@ -35,7 +35,8 @@ from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migrat
 from ..config import AdmissionConfig
 from ..deadline import DeadlineGuard, admit_by_deadline
 from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, Overloaded
-from ..protocols import Completion, RouteRequest
+from ..policies.base import RoutingContext, RoutingPolicy
+from ..protocols import Completion, Decision, RouteRequest
 from ..router import Router, RouteResult
 
 __all__ = ["AdmissionConfig", "AdmissionGate"]
@@ -62,19 +63,37 @@ class AdmissionGate:
         self.queues = (AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
                        if config.max_inflight > 0 else None)
         #: None with ``deadline: off``
-        self.guard = DeadlineGuard(config.deadline, config.latency_params()) if config.deadline != "off" else None  # type: ignore[arg-type]
+        self.guard = (DeadlineGuard(config.deadline, config.latency_params(), config.deadline_quantile)  # type: ignore[arg-type]
+                      if config.deadline != "off" else None)
         self.migrations = 0
         self.shed = 0
+
+    @property
+    def waits(self) -> bool:
+        """Whether a Route may wait here (admission queues); without them admission is one
+        synchronous step (``route_now``) and callers keep their in-order fast paths."""
+        return self.queues is not None
+
+    def route_now(self, req: RouteRequest, explain: bool) -> RouteResult:
+        """Deadline admission without queues: decide, shed what cannot meet its SLO, commit."""
+        assert self.queues is None
+        decision, ctx, policy = self._decide(req, explain)
+        return self._dispatched(self.router.commit(decision, ctx, policy), ctx.now)
+
+    def _decide(self, req: RouteRequest, explain: bool) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+        router = self.router
+        decided = router.decide(req, explain)
+        if self.guard is not None:
+            slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
+            refuse = req.ttft_slo_ms > 0 or self.config.shed_without_slo
+            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued, refuse)
+        return decided
 
     async def route(self, req: RouteRequest, timeout_s: float | None, explain: bool) -> RouteResult:
         """Decide (shedding what cannot meet its SLO); dispatch now if the worker has room,
         else wait in its queue."""
         router = self.router
-        decided = router.decide(req, explain)
-        if self.guard is not None:
-            slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
-            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued)
-        decision, ctx, policy = decided
+        decision, ctx, policy = self._decide(req, explain)
         wid = decision.worker_id
         worker = router.workers.get(wid)
         if self.queues is None or (not self.queues.queue(wid) and self.queues.may_dispatch(worker.inflight_requests)):

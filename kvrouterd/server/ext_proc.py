@@ -128,6 +128,9 @@ DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT_SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: llm-d's prefill-hop header (llm-d-inference-scheduler ``routing.PrefillEndpointHeader``)
 PREFILL_ENDPOINT_HEADER = "x-prefiller-host-port"
+#: the request's TTFT objective in ms, the header llm-d's SLO-aware scorers read
+#: (llm-d-inference-scheduler, README-PD-SLO.md); routed as ``RouteRequest.ttft_slo_ms``
+TTFT_SLO_HEADER = "x-slo-ttft-ms"
 #: the model a request names, as the inference extension's body-based router sets it (``pkg/bbr``)
 MODEL_NAME_HEADER = "x-gateway-model-name"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
@@ -238,6 +241,18 @@ def _immediate(exc: KVRouterError) -> ep.ProcessingResponse:
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def _ttft_slo_ms(value: str) -> float:
+    """The ``x-slo-ttft-ms`` header as a number (0 = absent); its range is checked with the
+    rest of the request (``router.selector``)."""
+    if not value:
+        return 0.0
+    try:
+        slo = float(value.strip())
+    except ValueError:
+        raise InvalidRequest(f"{TTFT_SLO_HEADER} must be a number of milliseconds, got {value[:40]!r}") from None
+    return slo
 
 
 def _destination_response(destination: str, body_len: int, prefill: str = "") -> ep.ProcessingResponse:
@@ -470,9 +485,12 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                     req = RouteRequest(
                         request_id=rid, keys=pk.keys, prompt_tokens=pk.prompt_tokens,
                         model=keyed.model, candidate_workers=candidates,
+                        ttft_slo_ms=_ttft_slo_ms(ex.headers.get(TTFT_SLO_HEADER, "")),
                     )
                     if self.admission is None:
                         result = self.router.route(req, explain=recording)
+                    elif not self.admission.waits:
+                        result = self.admission.route_now(req, recording)  # deadline admission alone
                     else:
                         # may wait for room on the chosen worker; the shed answer is a 429
                         result = await self.admission.route(req, context.time_remaining(), recording)

@@ -25,7 +25,7 @@ from ..config import LimitsConfig
 from ..errors import InvalidRequest, KVRouterError, quote
 from ..events.endpoints import EndpointAllowList, check_worker_endpoints
 from ..index.workers import MAX_WORKERS, is_host_port
-from ..protocols import CacheMode
+from ..protocols import CacheMode, RouteRequest
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision, decision_span
@@ -76,8 +76,12 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         #: None when tracing is off
         self.tracing = tracer is not None
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
-        #: admission queue mode (None = off: Route dispatches at once)
-        self.admission: AdmissionGate | None = None
+        self._admission: AdmissionGate | None = None
+        #: the admission gate when a Route may wait in it (queues), else None: Routes are then
+        #: decided in one synchronous step by ``route_now`` and streams keep their in-order paths
+        self.waiting_admission: AdmissionGate | None = None
+        #: decide and commit a Route at once: the router's, or deadline admission's around it
+        self.route_now: Callable[[RouteRequest, bool], RouteResult] = router.route
         #: called after RegisterWorker/DeregisterWorker (the daemon re-syncs ZMQ subscribers)
         self.on_membership_change: Callable[[], None] = lambda: None
         self.metrics = metrics
@@ -141,13 +145,13 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         if self.tracing:
             with decision_span(self.tracer) as span:
                 result = await self._route(request, context, span, hashed)
-        elif self.admission is not None:
+        elif self.waiting_admission is not None:
             result = await self._route(request, context, None, hashed)
         else:
             # the common case, kept flat: no span, no queue, no inner coroutine
             try:
                 req = convert.route_request(request, router, hashed, context.peer() or "")
-                result = router.route(req, explain=False)
+                result = self.route_now(req, False)
             except KVRouterError as exc:
                 await self._reject(request, context, exc, None)
         d = result.decision
@@ -180,11 +184,11 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         recording = span is not None and span.is_recording()
         try:
             req = convert.route_request(request, router, hashed, (context.peer() or "") if context is not None else "")
-            if self.admission is None:
-                result = router.route(req, explain=recording)
+            if self.waiting_admission is None:
+                result = self.route_now(req, recording)
             else:
                 timeout = context.time_remaining() if context is not None else None
-                result = await self.admission.route(req, timeout, recording)
+                result = await self.waiting_admission.route(req, timeout, recording)
         except KVRouterError as exc:
             await self._reject(request, context, exc, span)
         if recording:
@@ -235,6 +239,17 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id, completion)
 
+    @property
+    def admission(self) -> AdmissionGate | None:
+        """Admission (queues and/or deadline), None when both are off."""
+        return self._admission
+
+    @admission.setter
+    def admission(self, gate: AdmissionGate | None) -> None:
+        self._admission = gate
+        self.waiting_admission = gate if gate is not None and gate.waits else None
+        self.route_now = gate.route_now if gate is not None and not gate.waits else self.router.route
+
     async def RouteStream(
         self, request_iterator: AsyncIterator[pb.RouteStreamRequest], context: grpc.aio.ServicerContext
     ) -> None:
@@ -260,7 +275,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                 await write(reply)
 
         # only admitted routes' tasks write concurrently with this loop (admission is fixed at start-up)
-        answer = write if self.admission is None else locked_write
+        answer = write if self.waiting_admission is None else locked_write
         client = context.peer() or ""  # in-flight requests are bounded per client (RouteRequest.client)
 
         def admit_later(msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None) -> None:
@@ -281,7 +296,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                     msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
-                    if self.admission is None:
+                    if self.waiting_admission is None:
                         reply = self._stream_route(msg, pb.RouteStreamResponse(id=msg.id), prompts.get(STREAM_ROUTE),
                                                    client)
                         await answer(reply)
@@ -330,7 +345,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         self.metrics.stream_batch_items.add(len(items))
         reply = pb.RouteStreamResponse()
         answers = reply.batch.items
-        queued = self.admission is not None
+        queued = self.waiting_admission is not None
         for place, item in enumerate(items):
             kind = item.WhichOneof("kind")
             if kind == "route":
@@ -362,14 +377,14 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                     recording = span.is_recording()
                     try:
                         req = off_loop.split_route_request(request, router, prompt, client)
-                        result = router.route(req, explain=recording)
+                        result = self.route_now(req, recording)
                     except KVRouterError as exc:
                         return self._stream_route_error(msg, exc, span, reply)
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
                 req = off_loop.split_route_request(request, router, prompt, client)
-                result = router.route(req, explain=False)
+                result = self.route_now(req, False)
             d = result.decision
             self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
             if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
@@ -399,7 +414,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         self, msg: pb.RouteStreamRequest, answer: Callable[[pb.RouteStreamResponse], Awaitable[None]],
         prompt: off_loop.StreamPrompt | None = None, client: str = "",
     ) -> None:
-        assert self.admission is not None
+        assert self.waiting_admission is not None
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
         request = msg.route
         router = self.router
@@ -411,7 +426,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                     check_range("timeout_ms", msg.timeout_ms, 0.0, MAX_LATENCY_MS)
                     timeout = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else None
                     req = off_loop.split_route_request(request, router, prompt, client)
-                    result = await asyncio.wait_for(self.admission.route(req, timeout, recording), timeout)
+                    result = await asyncio.wait_for(self.waiting_admission.route(req, timeout, recording), timeout)
                 except KVRouterError as exc:
                     await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
                     return

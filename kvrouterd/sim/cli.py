@@ -14,6 +14,8 @@ SIM_COMMANDS: dict[str, tuple[str, str, str]] = {
               "docs/simulator.md (One cache: kvrouterd sim cache)"),
     "cluster": ("kvrouterd.sim.cluster_cli", "simulate engines behind the router: compare routing x eviction pairs",
                 "docs/simulator.md"),
+    "capacity": ("kvrouterd.sim.capacity", "find each policy's capacity (90 percent within SLO) and goodput past it",
+                 "docs/simulator.md (Capacity: kvrouterd sim capacity)"),
     "reproduce": ("kvrouterd.sim.reproduce", "regenerate every table of docs/results.md: paper, ours, verdict",
                   "docs/simulator.md (Reproducing docs/results.md)"),
 }

@@ -80,8 +80,12 @@ class ClusterSettings:
     #: the daemon's deadline admission (``admission.deadline``, ``kvrouterd.deadline``): off,
     #: shed (refuse at arrival a request predicted to miss its SLO on every worker) or defer
     #: (also drop a queued one once it can no longer meet it; needs admission_max_inflight).
-    #: Its TTFT model is the engines' profile, as ``profiled_spec`` gives the policies
-    admission_deadline: str = "off"
+    #: Its TTFT model is the engines' profile, as ``profiled_spec`` gives the policies.
+    #: None: the config's, so a simulation runs what the daemon with that config runs
+    admission_deadline: str | None = None
+    #: the share of admitted requests deadline admission aims to see meet their SLO
+    #: (``admission.deadline_quantile``; None: the config's)
+    admission_deadline_quantile: float | None = None
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -94,7 +98,7 @@ class ClusterSettings:
             raise ConfigError("slo_ms, warmup and load_report_interval_s must be >= 0, sample_interval_s > 0")
         if self.admission_max_inflight < 0:
             raise ConfigError(f"admission max_inflight must be >= 0 (0 = off), got {self.admission_max_inflight}")
-        if self.admission_deadline not in DEADLINE_MODES:
+        if self.admission_deadline is not None and self.admission_deadline not in DEADLINE_MODES:
             raise ConfigError(f"admission deadline: expected one of {', '.join(DEADLINE_MODES)}, "
                               f"got {self.admission_deadline!r}")
         if self.admission_deadline == "defer" and not self.admission_max_inflight:
@@ -181,7 +185,8 @@ class Simulation:
         self.load_samples: list[float] = []
         self.events_lost = 0
         #: with ``record``: every call into the router, in order, as (op, time, payload, result):
-        #: ("route", t, RouteRequest, worker_id), ("events", t, EventBatch, None),
+        #: ("route", t, RouteRequest, worker_id), ("shed", t, RouteRequest, None) (deadline
+        #: admission refused it), ("events", t, EventBatch, None),
         #: ("complete", t, Completion, None), ("tick", t, None, None),
         #: ("load", t, (worker_id, queued, running, kv_utilization), None); in admission queue
         #: mode also ("arrive", t, RouteRequest, None) when the Route call is made, its "route"
@@ -191,9 +196,14 @@ class Simulation:
         self.admission = (AdmissionQueues(settings.admission_max_inflight, on_change=self.router.note_admission_queue)
                           if settings.admission_max_inflight else None)
         #: deadline admission (None = off), judging with the engines' profiled cost model
-        self.guard = (DeadlineGuard(settings.admission_deadline,  # type: ignore[arg-type]
-                                    LatencyParams(**settings.engine.latency_fields(), calibrate=False))
-                      if settings.admission_deadline != "off" else None)
+        deadline = settings.admission_deadline if settings.admission_deadline is not None else cfg.admission.deadline
+        quantile = (settings.admission_deadline_quantile if settings.admission_deadline_quantile is not None
+                    else cfg.admission.deadline_quantile)
+        if deadline == "defer" and not settings.admission_max_inflight:
+            raise ConfigError("admission deadline defer holds requests in admission queues: set admission max_inflight")
+        self.guard = (DeadlineGuard(deadline, LatencyParams(**settings.engine.latency_fields(), calibrate=False),  # type: ignore[arg-type]
+                                    quantile)
+                      if deadline != "off" else None)
         #: requests shed or dropped by deadline admission (they count as missing their SLO)
         self.shed: set[int] = set()
         self.migrations = 0
@@ -270,6 +280,8 @@ class Simulation:
                 decided = admit_by_deadline(self.guard, router, rr, decided, self.slo_ms, self._queued)
             except SloUnreachable:
                 self.shed.add(n)
+                if self.log is not None:
+                    self.log.append(("shed", now, rr, None))
                 return
         decision, ctx, policy = decided
         wid = decision.worker_id

@@ -163,8 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="engines send ReportLoad this often (0 = never)")
     c.add_argument("--admission-max-inflight", type=int, default=0, metavar="N",
                    help="admission queue: at most N uncompleted requests per worker (0 = off)")
-    c.add_argument("--admission-deadline", choices=["off", "shed", "defer"], default="off",
-                   help="shed what is predicted to miss its SLO everywhere (default off)")
+    c.add_argument("--admission-deadline", choices=["off", "shed", "defer"], default=None,
+                   help="shed what is predicted to miss its SLO everywhere (default: the config's)")
+    c.add_argument("--admission-deadline-quantile", type=float, default=None, metavar="Q",
+                   help="admit when this quantile of TTFT meets the SLO (default: the config's)")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
@@ -284,13 +286,17 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
                           cache_decode=args.cache_decode, decode_model=args.decode_model,
                           decode_batch_slope=args.decode_batch_slope, decode_kv=args.decode_kv,
                           attention_context_tokens=args.attention_context_tokens, hardware_speed=args.hardware_speed)
+    # deadline admission as the daemon's config has it (docs/operations/configure.md), unless given
+    deadline = args.admission_deadline if args.admission_deadline is not None else cfg.admission.deadline
+    quantile = (args.admission_deadline_quantile if args.admission_deadline_quantile is not None
+                else cfg.admission.deadline_quantile)
     settings = ClusterSettings(
         workers=args.workers, engine=engine,
         cache_mode=CacheMode.EVENTS if args.cache_mode == "events" else CacheMode.APPROXIMATE,
         event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
         warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
         signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight,
-        admission_deadline=args.admission_deadline)
+        admission_deadline=deadline, admission_deadline_quantile=quantile)
     settings.validate()
     capacity_for = None
     if args.capacity_fraction is not None:
@@ -308,7 +314,7 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
             "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
             "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
-            "admission_deadline": args.admission_deadline}
+            "admission_deadline": deadline, "admission_deadline_quantile": quantile}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

@@ -28,12 +28,13 @@ Verdicts (``verdict``), in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ROWS", "Measure", "Row", "neutral", "parse_goal", "parse_tolerance", "verdict"]
+__all__ = ["PEER_WORKLOADS", "ROWS", "Measure", "Row", "neutral", "parse_goal", "parse_tolerance", "verdict"]
 
 Compare = Literal["value", "ratio", "change", "diff"]
 
@@ -44,7 +45,9 @@ class Measure:
 
     ``metric``: ``hit_pct`` (prefix-hit blocks / prompt blocks, %), ``ttft_p50`` / ``ttft_p90``
     / ``ttft_p95`` / ``ttft_p99`` (ms), ``slo_pct`` (% of requests within the SLO),
-    ``goodput`` (highest swept rate with pooled SLO attainment >= 90%, req/s). ``pairs``: a
+    ``goodput`` (highest swept rate with pooled SLO attainment >= 90%, req/s), ``good_rps``
+    (requests within their SLO per second at ``rate``) and ``peak_good_rps`` (the highest
+    ``good_rps`` of the swept rates). ``pairs``: a
     ``routing+eviction`` pair, or several (the best of them, by the row's ``better``).
     ``rate``: which swept rate (None: the run's only rate; ignored for goodput). ``run``:
     other runs than the row's own (None = the row's).
@@ -318,7 +321,65 @@ _UNICACHE_NO_STAGE2 = Row(
     Measure("hit_pct", ("round_robin+unicache",)), Measure("hit_pct", ("round_robin+lru",)), compare="diff",
     unit="points")
 
-ROWS: tuple[Row, ...] = (
+# ---- section 12: kvrouterd's default against the routers its users run (issue #27) ----------
+
+#: the fleet of the comparison: 8 engines, caches 30% of each workload's distinct blocks, SLO 5 s,
+#: engines reporting their load every 100 ms (as vLLM's metrics and llm-d's scrapers do)
+PEER_FLEET = " --workers 8 --capacity-fraction 0.3 --slo-ms 5000 --load-report-ms 100 --eviction lru"
+#: the peers as they are configured today, each without admission control of ours
+PEER_ROUTERS = ("cache_aware", "dynamo", "llm_d")
+#: workload -> (its arguments, each peer's capacity, kvrouterd's default's capacity; req/s), as
+#: ``kvrouterd sim capacity`` found them (docs/results.md section 12 has the commands). A row runs
+#: each capacity and 0.5 req/s either side: the reproduced number is the capacity as long as it
+#: stays within that bracket, and shows at the bracket's edge when it moves out of it
+PEER_WORKLOADS: dict[str, tuple[str, dict[str, float], float]] = {
+    "mooncake": ("--trace {mooncake} --limit 4000 --warmup 500",
+                 {"cache_aware": 6.5, "dynamo": 7.5, "llm_d": 0.5}, 15.0),
+    "toolagent": ("--workload toolagent --workload-param requests=3000 --warmup 300"
+                  " --workload-param tool_tokens=[2048,4096,8192] --workload-param user_tokens=[1024,6144]"
+                  " --workload-param output_tokens=182",
+                  {"cache_aware": 28.0, "dynamo": 26.5, "llm_d": 27.5}, 28.0),
+    "longchat": ("--workload longchat --workload-param conversations=1500 --warmup 300 --cache-decode",
+                 {"cache_aware": 122.0, "dynamo": 119.5, "llm_d": 118.5}, 122.0),
+    "gsp": ("--workload gsp --warmup 300", {"cache_aware": 113.0, "dynamo": 89.0, "llm_d": 101.0}, 118.0),
+}
+
+
+def _bracket(*capacities: float, extra: tuple[float, ...] = ()) -> str:
+    rates = sorted({round(c + d, 1) for c in capacities for d in (-0.5, 0.0, 0.5) if c + d > 0} | set(extra))
+    return "--rate " + ",".join(f"{r:g}" for r in rates)
+
+
+def _peer_rows(name: str) -> tuple[Row, Row]:
+    workload, peers, ours = PEER_WORKLOADS[name]
+    peer_run = (f"{workload}{PEER_FLEET} --routing {','.join(PEER_ROUTERS)} --admission-deadline off "
+                + _bracket(*peers.values()))
+    overload = round(ours * 1.5 * 2) / 2
+    ours_run = f"{workload}{PEER_FLEET} --routing cache_aware " + _bracket(ours, extra=(overload,))
+    capacity = Row(
+        f"peer_capacity_{name}", "12", "issue #27 (targets: >= 1.25x on three workloads, never below 1.0x)",
+        f"capacity of kvrouterd's default (cache_aware + deadline admission) / the best peer router's"
+        f" (SGLang cache_aware, Dynamo KV cost, llm-d default scorers; no admission), {name}",
+        ours_run, Measure("goodput", ("cache_aware+lru",)),
+        Measure("goodput", tuple(f"{p}+lru" for p in PEER_ROUTERS), run=peer_run),
+        compare="ratio", goal=">=1.25", unit="x")
+    kept = Row(
+        f"peer_overload_{name}", "12", "issue #27 (target: >= 80% of peak goodput at 1.5x capacity)",
+        f"goodput of kvrouterd's default at {overload:g} req/s (1.5x its capacity) / its peak, {name}",
+        ours_run, Measure("good_rps", ("cache_aware+lru",), overload), Measure("peak_good_rps", ("cache_aware+lru",)),
+        compare="ratio", goal=">=0.8", unit="x")
+    return capacity, kept
+
+
+def _as_published(row: Row) -> Row:
+    """Sections 1-11 measure policies as their papers ran them: deadline admission (the daemon's
+    default since issue #27) off, unless the row says otherwise."""
+    if row.run.startswith("cache ") or "--admission-deadline" in row.run:
+        return row
+    return dataclasses.replace(row, run=row.run + " --admission-deadline off")
+
+
+_PUBLISHED_ROWS: tuple[Row, ...] = (
     *_HEAD_ROWS,
     *_DUALMAP_ROWS,
     _DUALMAP_LESS_LOADED,
@@ -338,4 +399,9 @@ ROWS: tuple[Row, ...] = (
     _compose_row("compose_mix2", "mix2 P95 TTFT, 8 req/s, 3 seeds", _COMPOSE_MIX2, "ttft_p95", None, "lower",
                  tuple(p for p in _PAPER_PAIRS if p.split("+")[0] in ("dualmap", "cache_aware"))),
     *(_admission_row(r) for r in _DUALMAP_ROWS if "approx" not in r.name),
+)
+
+ROWS: tuple[Row, ...] = (
+    *(_as_published(r) for r in _PUBLISHED_ROWS),
+    *(row for name in PEER_WORKLOADS for row in _peer_rows(name)),
 )

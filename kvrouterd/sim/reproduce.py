@@ -99,6 +99,10 @@ class Digest:
     #: the KV cache per worker in blocks (0 = unbounded) and the tokens a block holds
     capacity_blocks: int = 0
     block_tokens: int = 0
+    #: requests deadline admission refused: each missed its SLO, as ``sim cluster`` counts them
+    shed: int = 0
+    #: requests that met their SLO per second of the run (``sim cluster``'s goodput column)
+    good_rps: float = 0.0
 
 
 def _strip(tokens: Sequence[str], options: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -216,7 +220,8 @@ def run_unit(unit: Unit) -> Digest:
                   time.perf_counter() - started, time.process_time() - cpu, result.counters.get("migrations", 0),
                   result.counters.get("decode_bottleneck_decisions", 0),
                   result.counters.get("decode_bottleneck_moves", 0),
-                  capacity_blocks=result.capacity_blocks, block_tokens=result.block_tokens)
+                  capacity_blocks=result.capacity_blocks, block_tokens=result.block_tokens,
+                  shed=result.summary.shed, good_rps=result.summary.goodput_rps)
 
 
 # ---- turning runs into numbers ----------------------------------------------------------
@@ -224,7 +229,8 @@ def run_unit(unit: Unit) -> Digest:
 def _one(d: Digest) -> dict[str, float]:
     ttfts = sorted(d.ttft_s)
     out = {"hit_pct": 100.0 * d.hit_blocks / d.prompt_blocks if d.prompt_blocks else math.nan,
-           "slo_pct": 100.0 * d.slo_met / d.requests if d.requests and ttfts else math.nan}
+           "slo_pct": 100.0 * d.slo_met / (d.requests + d.shed) if d.requests and ttfts else math.nan,
+           "good_rps": d.good_rps if d.requests else math.nan}
     for q in (50, 90, 95, 99):
         out[f"ttft_p{q}"] = percentile(ttfts, q) * 1000.0 if ttfts else math.nan
     return out
@@ -239,6 +245,7 @@ def _pool(digests: Sequence[Digest]) -> dict[str, float]:
         out[key] = sum(values) / len(values) if values else math.nan
     out["requests"] = float(sum(d.requests for d in digests))
     out["unfinished"] = float(sum(d.unfinished for d in digests))
+    out["shed"] = float(sum(d.shed for d in digests))
     for key in ("migrations", "bottleneck_decisions", "bottleneck_moves"):
         out[key] = float(sum(getattr(d, key) for d in digests))
     return out
@@ -263,6 +270,9 @@ class Table:
     def value(self, m: Measure) -> float:
         if m.metric == "goodput":
             return self.goodput.get(m.pairs[0], math.nan) if self.goodput else math.nan
+        if m.metric == "peak_good_rps":
+            rates = [c["good_rps"] for (p, _), c in self.cells.items() if p == m.pairs[0] and not math.isnan(c["good_rps"])]
+            return max(rates) if rates else math.nan
         rate = m.rate
         if rate is None:
             rates = {r for p, r in self.cells if p == m.pairs[0]}
@@ -331,7 +341,8 @@ def _ours_text(r: dict[str, Any], row: Row) -> str:
     if row.versus is None:
         return main
     metric = row.ours.metric
-    fmt = (lambda v: _num(v, 0)) if metric.startswith("ttft") or metric == "goodput" else (lambda v: _num(v, 1))
+    # goodput is swept in 0.5 req/s steps: one decimal, or 11.5 would print as 12
+    fmt = (lambda v: _num(v, 0)) if metric.startswith("ttft") else (lambda v: _num(v, 1))
     return f"{main} ({r['a_pair']} {fmt(r['a'])} vs {r['b_pair']} {fmt(r['b'])})"
 
 
@@ -355,6 +366,7 @@ def _detail(run: str, table: Table, names: Sequence[str]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if rules else "")]
     for (pair, rate), c in sorted(table.cells.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         unfinished = f" ({int(c['unfinished'])} unfinished)" if c["unfinished"] else ""
+        unfinished += f" (+{int(c['shed']):,} shed)" if c["shed"] else ""
         counts = (f" {int(c['migrations']):,} | {int(c['bottleneck_decisions']):,} | {int(c['bottleneck_moves']):,} |"
                   if rules else "")
         out.append(f"| {pair} | {_num(rate, 1) if rate else 'trace'} | {_num(c['hit_pct'])} | {_num(c['ttft_p50'], 0)} | "
@@ -367,7 +379,7 @@ def _detail(run: str, table: Table, names: Sequence[str]) -> list[str]:
                 "without it. Counts over the whole run, warm-up included, summed over seeds."]
     if table.goodput:
         out += ["", "Goodput (highest swept rate with mean SLO attainment >= 90%): " + ", ".join(
-            f"{p} {_num(g, 0)}" for p, g in sorted(table.goodput.items(), key=lambda kv: -kv[1])) + " req/s"]
+            f"{p} {_num(g, 1)}" for p, g in sorted(table.goodput.items(), key=lambda kv: -kv[1])) + " req/s"]
     out.append("")
     return out
 

@@ -222,7 +222,7 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
                 yield Observation(n, {"policy": policy, "rule": rule})
 
     def migrations(_: CallbackOptions) -> Iterable[Observation]:
-        if ops.admission is not None:
+        if ops.admission is not None and ops.admission.waits:  # migrations move queued requests only
             yield Observation(ops.admission.migrations)
 
     def deadline(_: CallbackOptions) -> Iterable[Observation]:
@@ -231,6 +231,7 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
             yield Observation(guard.shed, {"outcome": "shed"})
             yield Observation(guard.rerouted, {"outcome": "rerouted"})
             yield Observation(guard.expired, {"outcome": "expired"})
+            yield Observation(guard.spared, {"outcome": "spared"})
 
     meter.create_observable_counter(
         "kvrouter.prefix.decisions", [prefix_decisions],
@@ -296,7 +297,8 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
     meter.create_observable_counter(
         "kvrouter.admission.deadline", [deadline],
         description="deadline admission: Routes shed (predicted to miss their TTFT SLO everywhere), rerouted to a "
-                    "worker predicted to meet it, or expired (dropped from a queue once they could no longer meet it)",
+                    "worker predicted to meet it, expired (dropped from a queue once they could no longer meet it) "
+                    "or spared (predicted to miss everywhere but admitted: they declared no SLO of their own)",
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

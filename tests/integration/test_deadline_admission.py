@@ -12,11 +12,13 @@ from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 BS = 16
 
 
+# 1 ms per prefill token, fixed: a 3,200-token prompt takes 3.2 s
+LATENCY = {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}
+
+
 @pytest.fixture
 def daemon_config():
-    # 1 ms per prefill token, fixed: a 3,200-token prompt takes 3.2 s
-    return {"admission": {"deadline": "shed", "latency": {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}},
-            "default_ttft_slo_ms": 5000.0}
+    return {"admission": {"deadline": "shed", "latency": LATENCY}, "default_ttft_slo_ms": 5000.0}
 
 
 def prompt(first: int, tokens: int = 3_200) -> list[int]:
@@ -29,7 +31,7 @@ async def test_a_route_that_would_miss_its_slo_everywhere_is_shed(running):
     first = await stub.Route(pb.RouteRequest(token_ids=prompt(0)))  # 3.2 s: admitted
     assert first.worker_id == "a"
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Route(pb.RouteRequest(token_ids=prompt(10_000), request_id="late"))  # 6.4 s > 5 s
+        await stub.Route(pb.RouteRequest(token_ids=prompt(10_000), request_id="late", ttft_slo_ms=5_000))  # 6.4 s > 5 s
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # 6,400 ms less what the first prompt's prefill drained on the wall clock meanwhile
     found = re.search(r"predicted TTFT 6,(\d{3}) ms .* 5,000 ms SLO; retry after 1,(\d{3}) ms", err.value.details())
@@ -44,3 +46,25 @@ async def test_a_route_that_would_miss_its_slo_everywhere_is_shed(running):
     await stub.Complete(pb.CompleteRequest(request_id=first.request_id, success=True, ttft_ms=3_200))
     await stub.Complete(pb.CompleteRequest(request_id=loose.request_id, success=True, ttft_ms=6_400))
     assert (await stub.Route(pb.RouteRequest(token_ids=prompt(30_000)))).worker_id == "a"
+
+
+@pytest.mark.parametrize("daemon_config", [
+    {"admission": {"deadline": "shed", "latency": LATENCY}, "default_ttft_slo_ms": 5000.0},
+    {"admission": {"deadline": "shed", "latency": LATENCY, "shed_without_slo": True}, "default_ttft_slo_ms": 5000.0},
+], ids=["spared", "shed_without_slo"])
+async def test_a_route_without_its_own_slo_is_refused_only_when_configured(running, daemon_config):
+    """A caller that set no ``ttft_slo_ms`` never asked for a deadline: it is steered by the
+    default SLO but refused by it only with ``admission.shed_without_slo``."""
+    stub = running.stub
+    await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="a", address="a:1", mode=pb.CACHE_STATE_MODE_EVENTS)))
+    await stub.Route(pb.RouteRequest(token_ids=prompt(0)))
+    late = pb.RouteRequest(token_ids=prompt(10_000), request_id="undeclared")  # 6.4 s > the 5 s default
+    guard = running.daemon.admission.guard
+    if daemon_config["admission"].get("shed_without_slo"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Route(late)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert running.router.request("undeclared") is None and (guard.shed, guard.spared) == (1, 0)
+    else:
+        assert (await stub.Route(late)).worker_id == "a"
+        assert running.router.request("undeclared") is not None and (guard.shed, guard.spared) == (0, 1)

@@ -548,6 +548,27 @@ async def test_admission_queue_timeout_is_shed_with_429(envoy):
     await first.close()
 
 
+@pytest.mark.parametrize("daemon_extra", [
+    {"admission": {"deadline": "shed", "latency": {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}}}])
+async def test_x_slo_ttft_ms_header_is_the_requests_deadline(envoy):
+    """llm-d's ``x-slo-ttft-ms`` declares the request's TTFT objective: deadline admission
+    refuses it with 429 when no worker can meet it; without the header the request is
+    steered by the default SLO but not refused; a malformed value is 400."""
+    first, _, _ = await route_chat(envoy, "first " * 50, subset=ONE)  # work queued ahead on ONE
+    tight = envoy.open()
+    await tight.send(headers_msg("/v1/chat/completions", subset=ONE, extra=[("x-slo-ttft-ms", "1")]))
+    assert immediate_status(await tight.send(body_msg(chat_body("second " * 50), True), expect=1)) == 429
+    undeclared, header, _ = await route_chat(envoy, "third " * 50, subset=ONE)
+    assert header == ONE[0]
+    for bad in ("soon", "nan", "-5"):
+        s = envoy.open()
+        await s.send(headers_msg("/v1/chat/completions", subset=ONE, extra=[("x-slo-ttft-ms", bad)]))
+        assert immediate_status(await s.send(body_msg(chat_body("fourth " * 50), True), expect=1)) == 400, bad
+    assert envoy.daemon.admission.guard.shed == 1
+    await first.close()
+    await undeclared.close()
+
+
 POOLED = [{"id": "a", "address": "10.0.1.1:8000", "models": ["A"]},
           {"id": "b", "address": "10.0.1.2:8000", "models": ["B"], "loras": ["sql-lora"]}]
 

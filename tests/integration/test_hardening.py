@@ -151,7 +151,7 @@ async def _call(running, rpc: str):  # type: ignore[no-untyped-def]
 
 
 #: rpc -> (object, attribute) whose call the test makes raise
-_BUGS = {"Route": ("router", "route"), "GetStats": ("router class", "indexed_blocks"), "ExportIndex": ("router", "export_steps"),
+_BUGS = {"Route": ("router", "decide"), "GetStats": ("router class", "indexed_blocks"), "ExportIndex": ("router", "export_steps"),
          "PublishEvents": ("router", "apply"), "Process": ("ext_proc", "_on_message")}
 
 
@@ -180,7 +180,7 @@ async def test_an_unexpected_exception_is_internal_counted_and_logged_once_with_
 
 async def test_internal_errors_are_logged_rate_limited(running, monkeypatch, caplog):
     await register(running.stub, "a")
-    monkeypatch.setattr(running.router, "route", _explode)
+    monkeypatch.setattr(running.router, "decide", _explode)  # every Route decides
     caplog.set_level(logging.INFO)
     for _ in range(LOG_BURST + 20):
         with pytest.raises(grpc.aio.AioRpcError):

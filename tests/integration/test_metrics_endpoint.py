@@ -341,7 +341,7 @@ async def test_internal_errors_and_rejections_are_exported_by_rpc(running, monke
     def broken(*_args, **_kwargs):  # type: ignore[no-untyped-def]
         raise ZeroDivisionError("a handler bug")
 
-    monkeypatch.setattr(running.router, "route", broken)
+    monkeypatch.setattr(running.router, "decide", broken)  # every Route decides
     for _ in range(2):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await running.stub.Route(pb.RouteRequest(token_ids=list(range(2 * BS))))

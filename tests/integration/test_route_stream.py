@@ -261,14 +261,14 @@ async def test_an_item_that_raises_gets_its_own_internal_error_and_the_stream_go
     """Issue #28 item 3: one item raising an unexpected exception ended the whole stream UNKNOWN."""
     await setup(running.stub)
     router = running.router
-    route_for_real = router.route
+    decide_for_real = router.decide  # every Route decides, with or without deadline admission
 
-    def failing_route(req, explain=True):  # type: ignore[no-untyped-def]
+    def failing_decide(req, explain=True):  # type: ignore[no-untyped-def]
         if req.request_id.startswith("boom"):
             raise OverflowError("cannot convert float infinity to integer")
-        return route_for_real(req, explain=explain)
+        return decide_for_real(req, explain=explain)
 
-    monkeypatch.setattr(router, "route", failing_route)
+    monkeypatch.setattr(router, "decide", failing_decide)
     call = running.stub.RouteStream()
     await call.write(route(1, token_ids=PROMPT, request_id="boom-1"))
     reply = await call.read()

@@ -1,5 +1,6 @@
-"""Route on the daemon's default path (no tracer, no admission queue): the flat fast path in
-KVRouterService.Route answers and rejects exactly as the traced one does."""
+"""Route on the daemon's default path (no tracer, no admission queue, deadline admission in one
+synchronous step): the flat fast path in KVRouterService.Route answers and rejects exactly as the
+traced one does."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ async def untraced() -> AsyncIterator[RunningDaemon]:
 
 
 async def test_the_fast_path_routes_and_counts(untraced):
-    assert not untraced.daemon.service.tracing and untraced.daemon.service.admission is None
+    service = untraced.daemon.service
+    assert not service.tracing and service.waiting_admission is None
+    assert service.route_now == service.admission.route_now  # deadline admission, on by default
     stub = untraced.stub
     for wid in ("a", "b"):
         await register(stub, wid)

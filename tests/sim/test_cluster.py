@@ -110,8 +110,9 @@ def one_worker(requests: list[SimRequest], slo_ms: float = 5.0) -> Simulation:
     """Block 4 tokens, 1 ms per prefill token, 10 ms per output token, unbounded cache; chunks
     priced alone and decoding beside the engine (``PER_CHUNK``), so every time is by hand."""
     engine = EngineParams(prefill_model="linear", prefill_ms_per_1k_tokens=1000.0, tpot_ms=10.0, **PER_CHUNK)
-    return Simulation(Config(), Workload("t", 4, requests), ClusterSettings(workers=1, engine=engine, slo_ms=slo_ms),
-                      routing="round_robin", eviction="lru")
+    # times by hand: nothing refused (deadline admission, on by default, would shed b at a 5 ms SLO)
+    settings = ClusterSettings(workers=1, engine=engine, slo_ms=slo_ms, admission_deadline="off")
+    return Simulation(Config(), Workload("t", 4, requests), settings, routing="round_robin", eviction="lru")
 
 
 def test_ttft_e2e_hits_and_attainment_on_two_requests():
@@ -371,7 +372,8 @@ def test_dualmap_migrates_queued_requests_within_their_pair_in_the_simulator():
 # ---- deadline admission: shed requests count as missing their SLO ---------------------------
 def test_deadline_admission_sheds_past_capacity_and_counts_the_shed_as_misses():
     wl = small_gsp(3, rate=400.0)  # far past what two engines serve within a 1 s SLO
-    off = simulate(Config(), wl, settings(2, 0, slo_ms=1000), routing="cache_aware", eviction="lru", seed=0)
+    off = simulate(Config(), wl, settings(2, 0, slo_ms=1000, admission_deadline="off"), routing="cache_aware",
+                   eviction="lru", seed=0)
     shed = simulate(Config(), wl, settings(2, 0, slo_ms=1000, admission_deadline="shed"), routing="cache_aware",
                     eviction="lru", seed=0)
     n = len(wl.requests)

@@ -64,7 +64,10 @@ async def replay(sim: Simulation) -> dict[str, str]:
     assert sim.log is not None
     clock = ManualClock()
     # the daemon's wall-clock maintenance loop must not fire mid-replay: the recorded ticks stand in for it
-    daemon = Daemon(dataclasses.replace(sim.cfg, tick_interval_s=10.0), clock=clock, seed=SEED)
+    # deadline admission (on by default) judges by the engines' profile in the simulator: the
+    # daemon is configured with the same one, as an operator sets admission.latency
+    admission = dataclasses.replace(sim.cfg.admission, latency=dict(sim.settings.engine.latency_fields(), calibrate=False))
+    daemon = Daemon(dataclasses.replace(sim.cfg, tick_interval_s=10.0, admission=admission), clock=clock, seed=SEED)
     port = await daemon.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = router_pb2_grpc.KVRouterStub(channel)
@@ -87,6 +90,12 @@ async def replay(sim: Simulation) -> dict[str, str]:
             elif op == "route":
                 if payload.request_id not in waiting:  # dispatched at once, without a queue
                     decisions[payload.request_id] = (await stub.Route(route_message(payload))).worker_id
+            elif op == "shed":
+                if payload.request_id not in waiting:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.Route(route_message(payload))
+                    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+                    decisions[payload.request_id] = "shed"
             elif op == "events":
                 await stub.PublishEvents(iter([batch_message(payload)]))
             elif op == "load":
@@ -112,12 +121,13 @@ async def replay(sim: Simulation) -> dict[str, str]:
 
 def routed(sim: Simulation) -> dict[str, str]:
     assert sim.log is not None
-    return {rr.request_id: worker for op, _, rr, worker in sim.log if op == "route"}
+    return {rr.request_id: worker or "shed" for op, _, rr, worker in sim.log if op in ("route", "shed")}
 
 
 @pytest.mark.parametrize("routing", registry.names("routing"))
 async def test_daemon_replaying_the_sim_log_makes_the_same_decisions(routing):
-    cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing}})
+    cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing},
+                        "admission": {"deadline": "off"}})  # test_deadline_admission_parity has it on
     wl = gsp(random.Random(SEED), rate=60.0, groups=6, queries_per_group=6, block_tokens=64, lengths=(512, 1024, 2048))
     settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
                                load_report_interval_s=0.1, signal_session_end=True)
@@ -136,7 +146,7 @@ async def test_daemon_with_admission_queues_replaying_the_sim_log_admits_the_sam
     # the daemon's admission queue mode (and DualMap's migration within pairs) against the
     # simulator's use of the same kvrouterd.admission objects: same queueing, same workers
     cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing},
-                        "admission": {"max_inflight": 2}})
+                        "admission": {"max_inflight": 2, "deadline": "off"}})
     wl = gsp(random.Random(SEED), rate=120.0, groups=6, queries_per_group=6, block_tokens=64,
              lengths=(512, 1024, 2048))
     settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
@@ -155,7 +165,7 @@ async def test_daemon_replaying_dualmaps_migrations_moves_the_same_requests():
     # Zipf-hot tool prompts at 80 req/s on 8 workers, at most 16 in flight each: the traffic
     # of the simulator's migration test, where both candidates of hot prefixes overload
     cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": "dualmap"},
-                        "admission": {"max_inflight": 16}})
+                        "admission": {"max_inflight": 16, "deadline": "off"}})
     wl = build_workload("toolagent", 0, 80.0, requests=600)
     settings = ClusterSettings(workers=8, engine=EngineParams(), slo_ms=5000.0, load_report_interval_s=0.1,
                                admission_max_inflight=16)
@@ -164,4 +174,21 @@ async def test_daemon_replaying_dualmaps_migrations_moves_the_same_requests():
     assert result.counters["migrations"] > 0 and result.counters["unfinished"] == 0
     expected = routed(sim)
     # a migrated request is answered by the worker it moved to, in the daemon as in the simulator
+    assert await replay(sim) == expected
+
+
+@pytest.mark.parametrize("routing", ["cache_aware", "dualmap", "random"])
+async def test_deadline_admission_parity(routing):
+    """Deadline admission (on by default) refuses in the daemon exactly what it refuses in
+    the simulator, and routes the rest to the same workers: the sheds are replayed too, as a
+    shed Route still draws on a policy's state (the random policy's generator)."""
+    cfg = parse_config({"listen": "127.0.0.1:0", "tick_interval_s": 0.05, "routing": {"name": routing}})
+    assert cfg.admission.deadline == "shed"
+    wl = gsp(random.Random(SEED), rate=240.0, groups=6, queries_per_group=6, block_tokens=64, lengths=(512, 1024, 2048))
+    settings = ClusterSettings(workers=3, engine=EngineParams(capacity_blocks=60), slo_ms=200.0,
+                               load_report_interval_s=0.1, signal_session_end=True)
+    sim = Simulation(cfg, wl, settings, routing=routing, eviction="lru", seed=SEED, record=True)
+    sim.run()
+    expected = routed(sim)
+    assert len(expected) == len(wl.requests) and "shed" in expected.values()
     assert await replay(sim) == expected

@@ -73,8 +73,8 @@ def test_every_row_is_well_formed_and_names_pairs_its_runs_make():
                 continue
             missing = set(m.pairs) - ({u.pair for u in expand(m.run, traces)} if m.run else pairs)
             assert not missing, f"{row.name}: {missing} not run by its command"
-            if m.metric == "goodput":
-                assert len(rates) > 1, f"{row.name}: goodput needs a rate sweep"
+            if m.metric in ("goodput", "peak_good_rps"):
+                assert len(rates) > 1, f"{row.name}: {m.metric} needs a rate sweep"
             elif m.rate is not None:
                 assert m.rate in rates, f"{row.name}: rate {m.rate} not swept"
             else:
@@ -208,3 +208,15 @@ def test_cache_rows_replay_their_one_cache_size(tmp_path):
     expected = sim_cache.replay(list(sim_cache.read_trace(trace)), "lru", 100)
     assert doc["rows"][0]["ours"] == pytest.approx(100 * expected.hit_ratio)
     assert 0 < expected.hit_ratio < 1
+
+
+def test_shed_requests_count_as_missing_their_slo():
+    """Deadline admission must not buy goodput by refusing requests: a refused request is a
+    miss, as ``sim cluster`` counts it (10 served, all in time, plus 10 shed = 50%)."""
+    from kvrouterd.sim.reproduce import Digest, Table, Unit
+
+    units = [Unit("cluster", (), json.dumps({"name": "a"}), json.dumps({"name": "lru"}), r, 0) for r in (1.0, 2.0)]
+    table = Table(units, {units[0]: Digest([0.1] * 10, 1, 2, 10, 10),
+                          units[1]: Digest([0.1] * 10, 1, 2, 10, 10, shed=10)})
+    assert table.cells[("a+lru", 2.0)]["slo_pct"] == pytest.approx(50.0)
+    assert table.goodput == {"a+lru": 1.0}

@@ -145,3 +145,91 @@ def test_defer_drops_queued_requests_that_can_no_longer_meet_their_slo() -> None
     # the admitted one is unaffected; later, it too expires if it is still waiting
     assert [e.request_id for e in q.drop_late({"w0": (1_500, 1)}, per_token, now=3.0)] == ["first"]
     assert len(q) == 0 and q.queued_tokens("w0") == 0
+
+
+def test_the_fast_answer_for_the_chosen_worker_agrees_with_the_full_check() -> None:
+    """``chosen_meets`` answers the common case alone; it must never disagree with ``check``."""
+    rng = random.Random(7)
+    router, guard, clock = fleet("a", "b", "c")
+    for i in range(300):
+        wid = rng.choice("abc")
+        load(router, guard, wid, rng.randrange(100, 4_000), f"r{i}")
+        clock.advance(rng.uniform(0, 2_000))
+        req = request(f"q{i}", rng.randrange(100, 8_000))
+        decision, ctx, _ = router.decide(req)
+        for w in router.workers:
+            assert guard.chosen_meets(ctx, w, SLO) == (w.id in guard.check(ctx, w.id, SLO).meets)
+
+
+def test_a_request_without_its_own_slo_is_admitted_where_it_would_be_shed() -> None:
+    router, guard, _ = fleet("a")
+    load(router, guard, "a", 4_000, "busy-a")
+    req = request("undeclared", 2_000, slo=0.0)
+    decided = router.decide(req)
+    assert admit_by_deadline(guard, router, req, decided, SLO, refuse=False) is decided
+    assert (guard.shed, guard.spared) == (0, 1)
+
+
+def test_an_engines_load_report_re_anchors_the_backlog() -> None:
+    """Three 1,000 ms prompts routed to ``a``; its engine then reports one still waiting for
+    its first token: the backlog is that one's prefill, not what the model drained to."""
+    router, guard, clock = fleet("a")
+    for i in range(3):
+        load(router, guard, "a", 1_000, f"r{i}")
+    a = router.workers.get("a")
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(3_000)
+    clock.advance(0.1)
+    router.report_load("a", 1, 2, 0.5)
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(1_000)
+    load(router, guard, "a", 500, "after")  # routed after the report: on top of it
+    clock.advance(0.2)
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(1_300)
+    router.report_load("a", 0, 4, 0.5)  # nothing waits: only what was routed since counts
+    assert guard.backlog_ms(a, clock.now()) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("quantile, low, high", [(0.5, 1.9, 3.1), (0.9, 3.9, 4.1)])
+def test_admission_judges_by_the_chosen_quantile_of_observed_over_predicted(quantile, low, high) -> None:
+    rng = random.Random(3)
+    router, _, clock = fleet("a")
+    guard = DeadlineGuard("shed", MS_PER_TOKEN, quantile)
+    for i in range(3_000):
+        load(router, guard, "a", 1_000, f"r{i}")
+        guard.on_complete(f"r{i}", 1_000.0 * rng.choice((1.0, 2.0, 3.0, 4.0)))
+        router.complete(Completion(f"r{i}", 1_000.0, 1_000.0))
+        clock.advance(2.0)
+    assert low <= guard.tail <= high
+    assert guard.scale == pytest.approx((1 * 2 * 3 * 4) ** 0.25, rel=0.25)  # the geometric mean
+    # 1 s queued and 0.5 s of its own: 1.5 s as modelled, 3-4.6 s at the median, 6 s at p90
+    load(router, guard, "a", 1_000, "busy")
+    req = request("x", 500)
+    decided = router.decide(req)
+    if quantile == 0.5:
+        assert admit_by_deadline(guard, router, req, decided, SLO) is decided
+    else:
+        with pytest.raises(SloUnreachable):
+            admit_by_deadline(guard, router, req, decided, SLO)
+
+
+def test_each_load_level_learns_its_own_correction() -> None:
+    """Decode steps share the GPU: a worker with 64 requests running takes 3x the model where
+    an idle one takes 1x. One correction for both would misjudge both; the busy one's is its own."""
+    router, guard, clock = fleet("idle", "busy")
+    router.report_load("busy", 0, 64, 0.5)
+    for i in range(300):
+        for wid, ratio in (("idle", 1.0), ("busy", 3.0)):
+            load(router, guard, wid, 1_000, f"{wid}{i}")
+            guard.on_complete(f"{wid}{i}", 1_000.0 * ratio)
+            router.complete(Completion(f"{wid}{i}", 1_000.0, 1_000.0))
+        clock.advance(2.0)
+    assert guard.scale == pytest.approx(1.0, rel=0.05)  # idle
+    req = request("x", 2_000)
+    req.candidate_workers = ("busy",)
+    decision, ctx, _ = router.decide(req)
+    busy = router.workers.get("busy")
+    assert guard.predict_ms(busy, 2_000, 0, clock.now()) == pytest.approx(6_000, rel=0.05)
+    load(router, guard, "busy", 1_000, "queued-busy")  # 1 s queued: 9 s there, 3 s on idle
+    req = request("y", 2_000)
+    decided = router.decide(req)
+    decision, _, _ = admit_by_deadline(guard, router, req, decided, SLO)
+    assert decision.worker_id == "idle"

@@ -277,10 +277,17 @@ class DeadlineGuard:
         """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
         one worker): the common case, answered without pricing every eligible worker, which
         at 1,024 workers would cost the decision a millisecond."""
+        waiting = queued(chosen.id)
+        ahead = self.backlog_ms(chosen, ctx.now)
+        if waiting[1]:
+            ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
+        if ahead <= 0.0:  # nothing ahead of it: it starts at once, held to its own prefill at worst
+            return True
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
-        t = self.predict_ms(chosen, uncached, cached, ctx.now, queued(chosen.id))
-        scale, tail = self._corrections(chosen)
-        return t * tail / scale <= max(slo_ms, self.prefill_ms(uncached, cached) * tail)
+        own = self.prefill_ms(uncached, cached)
+        tail = self._corrections(chosen)[1]
+        # check's rule for one worker: (ahead + own) * scale * tail / scale against the budget
+        return (ahead + own) * tail <= max(slo_ms, own * tail)
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.

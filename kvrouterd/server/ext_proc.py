@@ -52,6 +52,8 @@ protocol/README.md``, v1.0.0), following the reference picker's handlers
 - Request bodies must come ``FULL_DUPLEX_STREAMED``: when Envoy announces ``BUFFERED`` or
   ``STREAMED`` in ``protocol_config`` the exchange ends at once with a 500 naming the
   setting, instead of both sides waiting for each other.
+- ``x-slo-ttft-ms`` (llm-d's SLO header) is the request's ``ttft_slo_ms``: deadline admission
+  refuses it (429) when no eligible worker is predicted to meet it; not a number -> 400.
 - Errors end the exchange with an ``ImmediateResponse``: malformed JSON or prompt -> 400,
   no eligible worker -> 503, shed (prompt over ``limits.max_prompt_tokens``, body over
   ``ext_proc.max_body_bytes``) -> 429 (``status.http_status`` maps the error tree).

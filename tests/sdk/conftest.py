@@ -39,6 +39,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.reject_sequence: int | None = None
         #: end the next PublishEvents streams, one each, with these codes at their first batch
         self.fail_streams: list[grpc.StatusCode] = []
+        #: RouteStream calls to end with these codes (whole-call, as gRPC's core ends a broken one)
+        self.fail_route_streams: list[grpc.StatusCode] = []
         #: False plays a router that predates RouteStream (UNIMPLEMENTED)
         self.streams_supported = True
         #: RouteStream calls opened (including refused ones)
@@ -76,6 +78,9 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.streams_opened += 1
         if not self.streams_supported:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if self.fail_route_streams:
+            await request_iterator.__anext__()  # a message is under way when the call breaks
+            await context.abort(self.fail_route_streams.pop(0), "Internal error from Core")
         if self.batches_supported:
             await context.send_initial_metadata((("kvrouter-stream-batch", str(self.batch_limit_bytes)),))
         lock = asyncio.Lock()

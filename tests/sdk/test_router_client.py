@@ -411,3 +411,18 @@ async def test_a_call_that_gives_up_while_queued_behind_a_blocked_write_is_never
         assert (await first).request_id == "first" and (await big).request_id == "big"
         await client.route([1] * 16, request_id="after")
     assert [m.route.request_id for m in fake.stream_messages] == ["warm", "first", "big", "after"]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
+async def test_a_stream_that_breaks_internal_fails_open_and_the_next_call_streams_again(fake_server, code):
+    """A router that goes away with a message in flight ends the call INTERNAL "Internal error
+    from Core" on the client: the stream broke, nothing refused the request (the router answers
+    refusals in-band), so it fails open and the next call opens a new stream."""
+    fake_server.fake.fail_route_streams = [code]
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1, fallback=lambda r: ("f", "f:1")) as client:
+        assert (await client.route([1] * 16)).fallback
+        await until_routed(client)
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        fake_server.fake.fail_route_streams = [code]
+        with pytest.raises(RouterUnavailable):
+            await client.route([1] * 16)

@@ -294,9 +294,20 @@ class _Stream:
             self.deadline_timer.cancel()
 
 
+#: whole-call codes that mean the stream broke, not that the router refused something
+_STREAM_BROKE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
 def _stream_failure(exc: grpc.RpcError) -> BaseException:
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+    if code == grpc.StatusCode.UNIMPLEMENTED:
         return StreamsUnsupported(exc.details())
+    if code in _STREAM_BROKE:
+        # the router answers a message it refuses or fails on in-band (a StreamError under
+        # its id), so a whole call ending INTERNAL/UNKNOWN is the stream breaking: gRPC's core
+        # ends it "Internal error from Core" when the router goes away with a message in
+        # flight. Nothing refused the request: it may fail open, and the next call opens anew
+        return RouterUnavailable(f"RouteStream: the stream broke: {code.name}: {exc.details()}", code)
     return from_rpc_error(exc, "RouteStream")
 
 

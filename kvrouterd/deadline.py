@@ -374,7 +374,11 @@ class DeadlineGuard:
         if predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
             scale, tail = self._level_value(self._scales, level), self._level_value(self._tails, level)
             self._samples[level] += 1
-            log_ratio = math.log(ttft_ms / predicted)
+            # logs taken apart: a subnormal ttft_ms over predicted underflows to 0.0, a domain
+            # error (the fuzz swarm's tiny floats found it); and one sample moves the estimates
+            # at most as far as the correction may range, so a client reporting absurd TTFTs
+            # cannot swing admission for everyone
+            log_ratio = min(max(math.log(ttft_ms) - math.log(predicted), -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE)
             log_scale = math.log(scale) + _SCALE_WEIGHT * (log_ratio - math.log(scale))
             self._scales[level] = math.exp(min(max(log_scale, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
             # stochastic approximation of the quantile: up by step * q on a sample above it,

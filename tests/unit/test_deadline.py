@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -233,3 +234,13 @@ def test_each_load_level_learns_its_own_correction() -> None:
     decided = router.decide(req)
     decision, _, _ = admit_by_deadline(guard, router, req, decided, SLO)
     assert decision.worker_id == "idle"
+
+
+@pytest.mark.parametrize("ttft_ms", [5e-324, 1e-310, 1e-9, 3.6e6])
+def test_an_absurd_but_valid_ttft_moves_the_correction_a_bounded_step(ttft_ms) -> None:
+    """A subnormal TTFT over a 1 s prediction underflowed to 0.0 and raised a math domain
+    error inside Complete (the fuzz swarm found it); any accepted TTFT is a bounded step."""
+    router, guard, _ = fleet("a")
+    load(router, guard, "a", 1_000, "r")
+    guard.on_complete("r", ttft_ms)
+    assert math.exp(-3 * 0.05) - 1e-9 <= guard.scale <= math.exp(3 * 0.05) + 1e-9

@@ -416,10 +416,7 @@ class LoadLedger:
             return None
         shared.workers.release(hop.request_id)
         # the hop's claim on the prefill worker, like the request's on its decode worker
-        if completion.success:
-            self._speculative.completed(hop.request_id)
-        else:
-            self._speculative.failed(hop.request_id)
+        self._speculative.ended(hop.request_id, completion.success)
         policy = shared.policies.routing.get(hop.policy)
         if policy is not None:
             # the hop's own record, under the hop's id (a policy keeping per-request state
@@ -437,10 +434,7 @@ class LoadLedger:
         req = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
-        if completion.success:
-            self._speculative.completed(completion.request_id)
-        else:
-            self._speculative.failed(completion.request_id)
+        self._speculative.ended(completion.request_id, completion.success)
         policy = shared.policies.routing.get(entry.policy)
         if policy is not None:
             policy.on_complete(worker, req, completion, now)

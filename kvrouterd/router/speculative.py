@@ -223,31 +223,25 @@ class SpeculativeBlocks:
     def confirm(self, worker: Worker, keys: Iterable[int]) -> None:
         """The worker's engine stored ``keys``: those claimed are confirmed (the event's store
         has already touched them in the index)."""
-        on = self._workers.get(worker.id)
-        if on is None or not on.table or on.worker is not worker:
-            return
-        table, confirmed = on.table, 0
-        for key in keys:
-            claim = table.pop(key, None)
-            if claim is not None:
-                claim.live -= 1
-                confirmed += 1
-        self.live -= confirmed
-        self.outcomes["confirmed"] += confirmed
+        self._unclaim(worker, keys, "confirmed")
 
     def removed(self, worker: Worker, keys: Iterable[int]) -> None:
         """``keys`` left the worker's index by its engine's Removed: those claimed are dropped."""
+        self._unclaim(worker, keys, "dropped")
+
+    def _unclaim(self, worker: Worker, keys: Iterable[int], outcome: str) -> None:
+        """The engine's own event now accounts for ``keys``: their claims end as ``outcome``."""
         on = self._workers.get(worker.id)
         if on is None or not on.table or on.worker is not worker:
             return
-        table, dropped = on.table, 0
+        table, ended = on.table, 0
         for key in keys:
             claim = table.pop(key, None)
             if claim is not None:
                 claim.live -= 1
-                dropped += 1
-        self.live -= dropped
-        self.outcomes["dropped"] += dropped
+                ended += 1
+        self.live -= ended
+        self.outcomes[outcome] += ended
 
     def forget_worker(self, worker: Worker) -> None:
         """The worker's index slot was cleared or dropped (Cleared, restart, lost events,
@@ -261,16 +255,13 @@ class SpeculativeBlocks:
         self.live -= len(on.table)
         self.outcomes["dropped"] += len(on.table)
 
-    def failed(self, request_id: str) -> None:
-        """The routed request failed: its engine will not store what it claimed."""
+    def ended(self, request_id: str, success: bool) -> None:
+        """The routed request (or prefill hop) ended. Completed: its claims stay until
+        confirmed or expired (its Stored events may still be on the bus), but need no lookup
+        by request id any more. Failed: its engine will not store what it claimed."""
         claim = self._by_request.pop(request_id, None)
-        if claim is not None:
+        if claim is not None and not success:
             self._settle(claim, "dropped")
-
-    def completed(self, request_id: str) -> None:
-        """The routed request completed: its claims stay until confirmed or expired (its Stored
-        events may still be on the bus), but need no lookup by request id any more."""
-        self._by_request.pop(request_id, None)
 
     def _settle(self, claim: _Claim, outcome: str) -> None:
         """The blocks ``claim`` still owns leave the index, counted as ``outcome``."""

@@ -204,7 +204,7 @@ class AdmissionGate:
         """A routed request completed on ``worker_id`` (its ``completion``, when the caller has
         it, calibrates deadline admission's model)."""
         if self.guard is not None and completion is not None:
-            self.guard.on_complete(completion.request_id, completion.ttft_ms)
+            self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now())
         self._admit_all((worker_id,))
 
     def tick(self, now: float) -> None:

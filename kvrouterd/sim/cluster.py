@@ -390,7 +390,7 @@ class Simulation:
         if self.log is not None:
             self.log.append(("complete", now, completion, None))
         if self.guard is not None:
-            self.guard.on_complete(completion.request_id, completion.ttft_ms)
+            self.guard.on_complete(completion.request_id, completion.ttft_ms, now)
         try:
             self.router.complete(completion)
         except NotFound:

@@ -32,7 +32,8 @@ they cost nothing per request:
   (``RoutingPolicyBase.counters``): DualMap's decisions with a decode-bottlenecked candidate
   (A.7) and those the flag moved; ``kvrouter_admission_migrations_total``: DualMap's hotspot
   migrations (A.1.2) in admission queue mode; ``kvrouter_admission_deadline_total{outcome}``:
-  deadline admission's shed, rerouted and expired Routes (``kvrouterd.deadline``).
+  deadline admission's shed, rerouted and expired Routes (``kvrouterd.deadline``);
+  ``kvrouter_admission_deadline_margin``: its margin (1 = none).
 * ``kvrouter_workers{mode,state}``, ``kvrouter_inflight_requests``, and the process
   collector's ``process_resident_memory_bytes`` etc.
 
@@ -233,6 +234,11 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
             yield Observation(guard.expired, {"outcome": "expired"})
             yield Observation(guard.spared, {"outcome": "spared"})
 
+    def deadline_margin(_: CallbackOptions) -> Iterable[Observation]:
+        guard = ops.admission.guard if ops.admission is not None else None
+        if guard is not None:
+            yield Observation(guard.margin)
+
     meter.create_observable_counter(
         "kvrouter.prefix.decisions", [prefix_decisions],
         description="decisions by whether the chosen worker held the longest cached prefix of any candidate",
@@ -299,6 +305,11 @@ def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
         description="deadline admission: Routes shed (predicted to miss their TTFT SLO everywhere), rerouted to a "
                     "worker predicted to meet it, expired (dropped from a queue once they could no longer meet it) "
                     "or spared (predicted to miss everywhere but admitted: they declared no SLO of their own)",
+    )
+    meter.create_observable_gauge(
+        "kvrouter.admission.deadline_margin", [deadline_margin],
+        description="how much longer than predicted a request must still fit its SLO in: 1 until more than "
+                    "1 - deadline_quantile of the requests admitted as meeting their SLO miss it",
     )
     meter.create_observable_gauge("kvrouter.workers", [workers_by_mode], description="registered workers by mode and state")
     meter.create_observable_gauge("kvrouter.inflight_requests", [inflight], description="requests routed and not completed")

@@ -244,3 +244,59 @@ def test_an_absurd_but_valid_ttft_moves_the_correction_a_bounded_step(ttft_ms) -
     load(router, guard, "a", 1_000, "r")
     guard.on_complete("r", ttft_ms)
     assert math.exp(-3 * 0.05) - 1e-9 <= guard.scale <= math.exp(3 * 0.05) + 1e-9
+
+
+def _admit_and_end(router: Router, guard: DeadlineGuard, clock: ManualClock, rid: str, ttft_ms: float,
+                   ends_after_s: float) -> None:
+    """Admit ``rid`` (1,000 tokens on an idle worker a), then end it ``ends_after_s`` later."""
+    req = request(rid, 1_000)
+    decided = admit_by_deadline(guard, router, req, router.decide(req), SLO)
+    result = router.commit(*decided)
+    guard.on_dispatch(result.worker, rid, 1_000, clock.now())
+    clock.advance(ends_after_s)
+    guard.on_complete(rid, ttft_ms, clock.now())
+    router.complete(Completion(rid, ttft_ms, ttft_ms))
+
+
+def _fits_with(guard: DeadlineGuard, router: Router, backlog_tokens: int) -> bool:
+    """Whether a 1,000-token request behind ``backlog_tokens`` of modelled prefill on a is admitted."""
+    load(router, guard, "a", backlog_tokens, "backlog")
+    req = request("probe", 1_000)
+    try:
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+        return True
+    except SloUnreachable:
+        return False
+    finally:
+        router.complete(Completion("backlog", 1.0, 1.0))
+        guard.on_complete("backlog", 1.0)
+
+
+def test_admitted_requests_that_miss_their_slo_make_admission_stricter_until_they_meet_it() -> None:
+    router, guard, clock = fleet("a")
+    assert _fits_with(guard, router, 3_500)  # 4.5 s predicted against 5 s: admitted
+    for i in range(100):  # admitted as meeting the SLO, yet past it, and heard within the SLO
+        _admit_and_end(router, guard, clock, f"late{i}", 6_000.0, 1.0)
+    assert guard.margin > 1.5
+    for i in range(2_000):  # then they meet it again: the margin comes back down to none
+        _admit_and_end(router, guard, clock, f"ok{i}", 1_000.0, 1.0)
+    assert guard.margin == 1.0 and _fits_with(guard, router, 3_500)
+
+
+def test_outcomes_heard_long_after_admission_leave_the_margin_alone() -> None:
+    router, guard, clock = fleet("a")
+    for i in range(100):  # each missed, but its completion came 30 s later, as a long decode's does
+        _admit_and_end(router, guard, clock, f"late{i}", 6_000.0, 30.0)
+    assert guard.margin == 1.0
+
+
+def test_requests_without_their_own_slo_never_move_the_margin() -> None:
+    router, guard, clock = fleet("a")
+    load(router, guard, "a", 9_000, "busy")
+    for i in range(100):  # predicted to miss, admitted because they declared no SLO (spared)
+        req = request(f"spared{i}", 1_000)
+        decided = admit_by_deadline(guard, router, req, router.decide(req), SLO, refuse=False)
+        guard.on_dispatch(router.commit(*decided).worker, f"spared{i}", 1_000, clock.now())
+        guard.on_complete(f"spared{i}", 12_000.0, clock.now())
+        router.complete(Completion(f"spared{i}", 12_000.0, 12_000.0))
+    assert guard.spared == 100 and guard.margin == 1.0

@@ -207,6 +207,12 @@ class AdmissionGate:
             self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now())
         self._admit_all((worker_id,))
 
+    def on_first_token(self, completion: Completion) -> None:
+        """A routed request's first token is out (``completion.ttft_ms``): deadline admission
+        learns its TTFT now rather than when the request ends."""
+        if self.guard is not None and completion.ttft_ms > 0:
+            self.guard.on_first_token(completion.request_id, completion.ttft_ms, self.router.clock.now())
+
     def tick(self, now: float) -> None:
         """Give up on entries past their deadline (their waiters time out themselves), with
         ``deadline: defer`` drop those that can no longer meet their SLO, and admit wherever

@@ -552,6 +552,10 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         now = self.router.clock.now()
         if chunk.body and not ex.first_chunk_at:
             ex.first_chunk_at = now
+            if self.admission is not None and ex.request_id and ex.routed_at and (
+                not ex.served or ex.served == ex.primary
+            ):  # the first token: deadline admission learns its TTFT a decode before the end
+                self.admission.on_first_token(Completion(ex.request_id, ttft_ms=(now - ex.routed_at) * 1000.0))
         if chunk.end_of_stream:
             ex.response_done_at = now
         if not ex.response_body_full_duplex:

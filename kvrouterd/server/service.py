@@ -226,8 +226,11 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         routed = self.router.request(request.request_id)
         completion = convert.completion(request, self.router.settings.max_id_length)
         if completion.prefill_done:
-            # the prefill hop alone (router.disagg); the request's own Complete follows
+            # the prefill hop alone (router.disagg), or the first token of any request (with
+            # its TTFT, which deadline admission learns from); the request's own Complete follows
             self.router.release_prefill(completion)
+            if self.admission is not None:
+                self.admission.on_first_token(completion)
             return
         entry = self.router.complete_anywhere(completion)
         if entry is None:

@@ -86,6 +86,10 @@ class ClusterSettings:
     #: the share of admitted requests deadline admission aims to see meet their SLO
     #: (``admission.deadline_quantile``; None: the config's)
     admission_deadline_quantile: float | None = None
+    #: the gateway reports each request's first token (a ``prefill_done`` Complete with its
+    #: TTFT, as ext_proc does on the first response chunk), so deadline admission learns a TTFT
+    #: when it happens, not when the request ends
+    first_token_reports: bool = True
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -359,7 +363,13 @@ class Simulation:
         engine = self.engines[i]
         tpot = self.settings.engine.decode_step_seconds(1)
         batched = self.settings.engine.decode_model == "batched"
+        reports = self.guard is not None and self.settings.first_token_reports
         for job in engine.finish_step(now):
+            if reports and not job.preemptions:  # its first token (a recompute's is not)
+                first = Completion(f"r{job.index}", ttft_ms=(now - job.req.arrival_s) * 1000.0, prefill_done=True)
+                if self.log is not None:
+                    self.log.append(("first_token", now, first, None))
+                self.guard.on_first_token(first.request_id, first.ttft_ms, now)
             if not batched:
                 self._push(now + max(job.req.output_tokens - 1, 0) * tpot, _FINISH, (i, job))
         self._publish(i, now)

@@ -167,6 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="shed what is predicted to miss its SLO everywhere (default: the config's)")
     c.add_argument("--admission-deadline-quantile", type=float, default=None, metavar="Q",
                    help="admit when this quantile of TTFT meets the SLO (default: the config's)")
+    c.add_argument("--first-token-reports", action=argparse.BooleanOptionalAction, default=True,
+                   help="the gateway reports each first token, as ext_proc does (default: on)")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
@@ -296,7 +298,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
         event_delay_s=args.event_delay_ms / 1000.0, event_loss=args.event_loss, slo_ms=args.slo_ms,
         warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
         signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight,
-        admission_deadline=deadline, admission_deadline_quantile=quantile)
+        admission_deadline=deadline, admission_deadline_quantile=quantile,
+        first_token_reports=args.first_token_reports)
     settings.validate()
     capacity_for = None
     if args.capacity_fraction is not None:
@@ -314,7 +317,8 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
             "event_delay_ms": args.event_delay_ms, "event_loss": args.event_loss,
             "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
-            "admission_deadline": deadline, "admission_deadline_quantile": quantile}
+            "admission_deadline": deadline, "admission_deadline_quantile": quantile,
+            "first_token_reports": args.first_token_reports}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

@@ -68,3 +68,20 @@ async def test_a_route_without_its_own_slo_is_refused_only_when_configured(runni
     else:
         assert (await stub.Route(late)).worker_id == "a"
         assert running.router.request("undeclared") is not None and (guard.shed, guard.spared) == (0, 1)
+
+
+async def test_a_first_token_report_teaches_admission_before_the_request_ends(running):
+    """A ``prefill_done`` Complete with ``ttft_ms`` on a request without a prefill hop: no
+    error, deadline admission learns the TTFT at once, and the request stays in flight (its
+    load counted) until its own Complete."""
+    stub = running.stub
+    await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="a", address="a:1", mode=pb.CACHE_STATE_MODE_EVENTS)))
+    guard = running.daemon.admission.guard
+    routed = await stub.Route(pb.RouteRequest(token_ids=prompt(0), ttft_slo_ms=5_000))
+    before = guard.scale
+    await stub.Complete(pb.CompleteRequest(request_id=routed.request_id, ttft_ms=9_600, prefill_done=True))
+    assert guard.scale > before * 1.05  # observed 3x the modelled 3.2 s
+    assert running.router.request(routed.request_id) is not None
+    learned = guard.scale
+    await stub.Complete(pb.CompleteRequest(request_id=routed.request_id, success=True, ttft_ms=9_600))
+    assert running.router.request(routed.request_id) is None and guard.scale == learned

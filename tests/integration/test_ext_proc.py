@@ -257,6 +257,23 @@ async def test_response_path_completes_with_timings_from_routing(envoy):
     assert worker.inflight_requests == 0
 
 
+@pytest.mark.parametrize("daemon_extra", [
+    {"admission": {"deadline": "shed", "latency": {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}}}])
+async def test_the_first_response_chunk_teaches_deadline_admission_its_ttft(envoy):
+    """The first streamed chunk is the first token: deadline admission learns the TTFT then,
+    a whole decode before the stream ends."""
+    s, header, _ = await route_chat(envoy, "hi " * 400, extra=[("x-request-id", "r-first")])
+    learned = []
+    envoy.daemon.admission.guard.on_first_token = lambda rid, ttft, now: learned.append((rid, ttft))
+    envoy.clock.advance(0.4)
+    await s.send(response_headers_msg(200, served=header.split(",")[0]), expect=1)
+    await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: {}\n\n")), expect=1)
+    assert learned == [("r-first", pytest.approx(400.0))]
+    await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: {}\n\n")), expect=1)
+    assert len(learned) == 1 and envoy.router.request("r-first") is not None
+    await s.close()
+
+
 @pytest.mark.parametrize("where", ["metadata", "header", "attribute"])
 async def test_served_by_fallback_releases_load_without_timings(envoy, where):
     s, header, _ = await route_chat(envoy, "x " * 300)

@@ -102,6 +102,9 @@ async def replay(sim: Simulation) -> dict[str, str]:
                 worker_id, queued, running, kv = payload
                 await stub.ReportLoad(pb.ReportLoadRequest(worker_id=worker_id, queued_requests=queued,
                                                            running_requests=running, kv_utilization=kv))
+            elif op == "first_token":  # the gateway's prefill_done Complete at the first token
+                await stub.Complete(pb.CompleteRequest(request_id=payload.request_id, ttft_ms=payload.ttft_ms,
+                                                       prefill_done=True))
             elif op == "complete":
                 await stub.Complete(pb.CompleteRequest(
                     request_id=payload.request_id, ttft_ms=payload.ttft_ms, e2e_ms=payload.e2e_ms,
@@ -191,4 +194,5 @@ async def test_deadline_admission_parity(routing):
     sim.run()
     expected = routed(sim)
     assert len(expected) == len(wl.requests) and "shed" in expected.values()
+    assert any(op == "first_token" for op, *_ in sim.log)  # admission learns TTFTs as they happen
     assert await replay(sim) == expected

@@ -300,3 +300,19 @@ def test_requests_without_their_own_slo_never_move_the_margin() -> None:
         guard.on_complete(f"spared{i}", 12_000.0, clock.now())
         router.complete(Completion(f"spared{i}", 12_000.0, 12_000.0))
     assert guard.spared == 100 and guard.margin == 1.0
+
+
+def test_a_first_token_report_teaches_the_ttft_once_and_keeps_the_request_in_the_backlog() -> None:
+    router, guard, clock = fleet("a")
+    for i in range(200):  # the engine takes twice what the model says, heard at each first token
+        load(router, guard, "a", 1_000, f"r{i}")
+        guard.on_first_token(f"r{i}", 2_000.0, clock.now())
+        clock.advance(100.0)
+    assert guard.scale == pytest.approx(2.0, rel=0.01)
+    load(router, guard, "a", 1_000, "late")
+    guard.on_first_token("late", 2_000.0, clock.now())
+    assert guard._flight["a"].get("late") is not None  # still decoding: its Complete ends it
+    for i in range(200):  # the Completes that follow are not learned a second time
+        guard.on_complete(f"r{i}", 50_000.0, clock.now())
+    guard.on_complete("late", 50_000.0, clock.now())
+    assert guard.scale == pytest.approx(2.0, rel=0.01) and "late" not in guard._flight["a"]

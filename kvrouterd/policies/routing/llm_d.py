@@ -43,6 +43,16 @@ Inputs, and what is approximated:
   (31,250, or the engine's reported cache size with ``autoTune``); the router's index is that
   view in approximate mode and a truer one with engine events.
 
+Measured (``sim cluster``, Mooncake trace, 4,000 requests, 8 engines, caches 30%, SLO 5 s,
+reports every 100 ms, no admission): 96.7% within the SLO at 0.5 req/s, 91.3% at 2, 85.1% at
+4: capacity 2.0 req/s (88.3% at 0.5 while the simulated engines counted cached blocks as
+used). Between two reports nothing moves a worker's scores, and the trace's timestamps lie on
+a 3 s grid, about 9 requests per instant: once engines are busy their reports differ, and a
+burst goes to the best-scored worker of the last report (at 4 req/s, 75% of a burst on one
+worker on average; 468 of 522 misses on a worker given 3 or more of its burst; reports every
+50 ms change nothing). Each burst spread uniformly over its 3 s (scaled to the rate), the same
+run meets the SLO for 96.5% at 4 req/s (``cache_aware``: 94.4%).
+
 Parameters (llm-d's defaults):
 
 - ``queue_weight`` = 2.0, ``kv_cache_weight`` = 2.0, ``prefix_weight`` = 3.0 (each >= 0,

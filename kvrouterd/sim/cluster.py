@@ -414,8 +414,10 @@ class Simulation:
         cap = self.settings.engine.capacity_blocks
         for e in self.engines:
             queued = len(e.waiting) + len(e.prefilling)
+            # KV use as vLLM reports it (``used_blocks``): an engine whose cache is full of blocks
+            # no request holds is idle to it, not full
             report = (e.worker_id, queued, e.running - len(e.prefilling),
-                      min(1.0, (e.cached_blocks + e.reserved) / cap) if cap else 0.0)
+                      min(1.0, e.used_blocks / cap) if cap else 0.0)
             if self.log is not None:
                 self.log.append(("load", now, report, None))
             self.router.report_load(*report)

@@ -386,6 +386,15 @@ class SimEngine:
     def cached_blocks(self) -> int:
         return self.index.count(0)
 
+    @property
+    def used_blocks(self) -> int:
+        """Blocks requests hold: cached blocks pinned by admitted requests, plus the room reserved
+        for their prompt blocks not yet stored and their generated tokens. Cached blocks no request
+        holds are not counted: vLLM keeps them in its free queue, evicted lazily, so its KV usage
+        (``vllm/v1/core/block_pool.py``, ``BlockPool.get_usage``: 1 - free / total) leaves them out."""
+        holds = self.index.holds
+        return sum(1 for k in self.pins if holds(0, k)) + self.reserved
+
     # ---- internals ---------------------------------------------------------------------
     def _admit(self, job: Job, now: float) -> bool:
         keys = job.keys

@@ -258,6 +258,26 @@ def test_engines_report_their_queue_and_kv_use_when_asked():
     assert len(seen) == n  # off by default
 
 
+def test_engines_report_kv_use_as_vllm_does_cached_blocks_no_request_holds_are_free():
+    # vLLM's kv_cache_usage_perc (BlockPool.get_usage) counts the blocks requests hold; a
+    # finished request's cached blocks wait in the free queue and count as free
+    seen: list[tuple[float, float, int]] = []
+
+    class Watch(Simulation):
+        def _report_load(self, now):
+            super()._report_load(now)
+            seen.append((now, self.router.workers.get("w0").kv_utilization, self.engines[0].cached_blocks))
+
+    reqs = [SimRequest(0.0, 5 * 64, 20, (1, 2, 3, 4, 5)), SimRequest(5.0, 64, 1, (9,))]
+    eng = EngineParams(capacity_blocks=10, tpot_ms=20.0)
+    Watch(Config(), Workload("two", 64, reqs), ClusterSettings(workers=1, engine=eng, load_report_interval_s=0.05),
+          routing="round_robin", eviction="lru").run()
+    running = [kv for t, kv, _ in seen if t < 0.3]
+    idle = [(kv, cached) for t, kv, cached in seen if 1.0 < t < 5.0]
+    assert running and min(running) >= 0.5  # its 5 prompt blocks, then its answer's first block
+    assert idle and all(kv == 0.0 and cached == 5 for kv, cached in idle)
+
+
 def test_session_end_reaches_the_router_and_the_engines_policies():
     wl = build_workload("chat", 0, 20.0, clients=12)
     ended = []

@@ -13,7 +13,12 @@ highest total; ``maxNumOfEndpoints`` 1). Each scorer gives a worker a score in [
 - queue: ``(max_q - q) / (max_q - min_q)`` over the candidates, ``q`` the worker's waiting
   requests; 1 for every worker when all queues are equal.
 - KV-cache utilisation: ``1 - kv_utilization``.
-- prefix cache: matched prompt blocks / prompt blocks (0 for a prompt without a full block).
+- prefix cache: matched prompt blocks / prompt blocks, both counted over the prompt's first
+  ``max_prefix_blocks`` blocks only (0 for a prompt without a full block). llm-d's producer
+  hashes at most ``maxPrefixBlocksToMatch`` = 256 blocks of the engine's block size
+  (``dataproducer/approximateprefix/types.go``, ``defaultMaxPrefixBlocks``; ``hashing.go``,
+  ``hashPrompt``, truncates the prompt there), so two prompts that agree on their first 256
+  blocks score alike: a worker holding those blocks scores 1 however long the prompt runs on.
 
 The request goes to the highest ``queue_weight * queue + kv_cache_weight * kv + prefix_weight
 * prefix``; ties are broken uniformly at random (the picker shuffles before a stable sort).
@@ -23,18 +28,42 @@ Inputs, and what is approximated:
 - ``q`` is the engine's reported waiting queue (``ReportLoad``'s queued requests, llm-d's
   ``vllm:num_requests_waiting`` scraped every 50 ms, ``datalayer/runtime.go``) plus the
   requests waiting for the worker in the router's admission queue. An engine that never
-  reports scores 1 like every other: in ``sim cluster`` pass ``--load-report-ms 50``.
-- ``kv_utilization`` is the engine's reported KV-cache use (``ReportLoad``), 0 until reported.
+  reports scores 1 like every other: in ``sim cluster`` pass ``--load-report-ms 50``. The
+  simulated engines report a request still prefilling as queued (vLLM counts a request it
+  prefills in chunks as running), so here the queue scorer also sees prefills in progress.
+- ``kv_utilization`` is the engine's reported KV-cache use (``ReportLoad``), 0 until reported:
+  llm-d reads ``vllm:kv_cache_usage_perc``, the blocks running requests hold, cached blocks
+  no request holds counting as free (``sim.engine.SimEngine.used_blocks`` reports the same).
+  With every queue empty, idle workers then tie at 1 on both load scorers and the picker
+  draws among them; were cached blocks counted, each worker's fill would differ a little and
+  every request of a simultaneous burst would go to the least-filled one.
 - The prefix match is the router's index (engine events, or routing-time placement in
   approximate mode). llm-d's default producer (``approx-prefix-cache-producer``) learns only
   from its own routing decisions, an LRU of ``lruCapacityPerServer`` blocks per server
   (31,250, or the engine's reported cache size with ``autoTune``); the router's index is that
   view in approximate mode and a truer one with engine events.
 
+Measured (``sim cluster``, Mooncake trace, 4,000 requests, 8 engines, caches 30%, SLO 5 s,
+reports every 100 ms, no admission): 96.7% within the SLO at 0.5 req/s, 91.3% at 2, 85.1% at
+4: capacity 2.0 req/s (88.3% at 0.5 while the simulated engines counted cached blocks as
+used). Between two reports nothing moves a worker's scores, and the trace's timestamps lie on
+a 3 s grid, about 9 requests per instant: once engines are busy their reports differ, and a
+burst goes to the best-scored worker of the last report (at 4 req/s, 75% of a burst on one
+worker on average; 468 of 522 misses on a worker given 3 or more of its burst; reports every
+50 ms change nothing). Each burst spread uniformly over its 3 s (scaled to the rate), the same
+run meets the SLO for 96.5% at 4 req/s (``cache_aware``: 94.4%).
+
 Parameters (llm-d's defaults):
 
 - ``queue_weight`` = 2.0, ``kv_cache_weight`` = 2.0, ``prefix_weight`` = 3.0 (each >= 0,
   not all 0).
+- ``max_prefix_blocks`` = 256: prompt blocks the prefix scorer considers, in the router's
+  (the engines') blocks, as llm-d's ``autoTune`` reads the engine's block size (0 = all).
+
+Not modelled: llm-d hashes a prompt's trailing partial block too (one more block in the
+denominator, matched only by an identical tail), and its approximate index credits a server
+with every block of the run that some server holds, not only its own leading run (the two
+differ only after a server's LRU dropped a block inside a prefix it still holds).
 """
 
 from __future__ import annotations
@@ -53,6 +82,7 @@ class LlmDParams:
     queue_weight: float = field(default=2.0, metadata={"help": "weight of the queue scorer"})
     kv_cache_weight: float = field(default=2.0, metadata={"help": "weight of the KV-cache-utilisation scorer"})
     prefix_weight: float = field(default=3.0, metadata={"help": "weight of the prefix-cache scorer"})
+    max_prefix_blocks: int = field(default=256, metadata={"help": "prompt blocks the prefix scorer reads (0 = all)"})
 
     def validate(self) -> None:
         for name in ("queue_weight", "kv_cache_weight", "prefix_weight"):
@@ -60,6 +90,8 @@ class LlmDParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.queue_weight + self.kv_cache_weight + self.prefix_weight == 0:
             raise ValueError("queue_weight, kv_cache_weight and prefix_weight must not all be 0")
+        if self.max_prefix_blocks < 0:
+            raise ValueError(f"max_prefix_blocks must be >= 0, got {self.max_prefix_blocks}")
 
 
 def _clamp(score: float) -> float:
@@ -90,12 +122,15 @@ class LlmDPolicy(RoutingPolicyBase):
         p = self.params
         queues = [self.waiting(w) for w in ctx.candidates]
         lo, hi = min(queues), max(queues)
-        blocks = ctx.prompt_blocks
+        # llm-d matches only the prompt's first maxPrefixBlocksToMatch blocks
+        # (dataproducer/approximateprefix/hashing.go, hashPrompt)
+        cap = p.max_prefix_blocks or ctx.prompt_blocks
+        blocks = min(ctx.prompt_blocks, cap)
         out = []
         for w, q in zip(ctx.candidates, queues):
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
             kv = _clamp(1.0 - w.kv_utilization)
-            prefix = _clamp(ctx.overlap(w) / blocks) if blocks else 0.0
+            prefix = _clamp(min(ctx.overlap(w), blocks) / blocks) if blocks else 0.0
             total = p.queue_weight * _clamp(queue) + p.kv_cache_weight * kv + p.prefix_weight * prefix
             out.append(LlmDScores(w, queue, kv, prefix, total))
         return out

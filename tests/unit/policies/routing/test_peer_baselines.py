@@ -91,6 +91,28 @@ def test_llm_d_picks_the_highest_weighted_score() -> None:
     assert set(picks) == {"w1", "w2"} and min(picks.values()) > 150
 
 
+def test_llm_d_prefix_score_reads_only_the_prompts_first_256_blocks() -> None:
+    # llm-d hashes at most maxPrefixBlocksToMatch = 256 blocks (approximateprefix/types.go,
+    # hashing.go): a worker holding a long prompt's first 256 blocks scores 1 like one holding
+    # all of it, and the load scorers decide between them
+    def run(spec: dict) -> tuple[str, dict[str, float]]:
+        router, _ = make_router({"name": "llm_d", **spec}, ["w0", "w1", "w2"])
+        for wid, suffix in (("w0", 0), ("w1", 1)):  # 256 shared blocks + 128 own blocks each
+            placed = request(prompt(5, 256 * BLOCK, suffix, 128 * BLOCK))
+            placed.candidate_workers = (wid,)
+            complete(router, router.route(placed).request.request_id)
+        for wid, kv in (("w0", 0.0), ("w1", 0.4), ("w2", 1.0)):
+            router.report_load(wid, 0, 1, kv)
+        d = router.decide(request(prompt(5, 256 * BLOCK, 1, 128 * BLOCK)))[0]
+        return d.worker_id, {c.worker_id: c.terms["prefix_score"] for c in d.candidates}
+
+    # w0: 2 + 2 * 1.0 + 3 * 1; w1: 2 + 2 * 0.6 + 3 * 1
+    assert run({}) == ("w0", {"w0": 1.0, "w1": 1.0, "w2": 0.0})
+    # the whole prompt read (384 blocks): w0 holds 256 of them, 2 + 2 + 3 * 2/3 < 2 + 1.2 + 3
+    worker, prefix = run({"max_prefix_blocks": 0})
+    assert worker == "w1" and prefix == pytest.approx({"w0": 0.6667, "w1": 1.0, "w2": 0.0})
+
+
 def test_llm_d_equal_queues_all_score_one() -> None:
     router, _ = make_router({"name": "llm_d"}, ["a", "b"])
     d = router.decide(request(prompt(4, 128, 0)))[0]
@@ -173,6 +195,7 @@ def test_lbgr_without_a_profile_reads_the_unit_as_ms_and_its_scale_changes_decis
     [({"name": "dynamo", "overlap_score_credit": 1.5}, "overlap_score_credit"),
      ({"name": "dynamo", "router_temperature": -1}, "router_temperature"),
      ({"name": "llm_d", "queue_weight": -1}, "queue_weight"),
+     ({"name": "llm_d", "max_prefix_blocks": -1}, "max_prefix_blocks"),
      ({"name": "cache_affinity", "cold_placement": "nearest"}, "cold_placement"),
      ({"name": "cache_aware", "match_rule": "longest"}, "match_rule"),
      ({"name": "lbgr", "engine_ms_per_1k": 40.0, "alpha_miss_ms_per_1k": 0.0}, "alpha_miss_ms_per_1k")],

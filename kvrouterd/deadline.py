@@ -27,8 +27,16 @@ that matter are those admitted right at the SLO, and the queues they join go on 
 the prediction (GSP at 1.5x capacity: admitted TTFTs p50 4.8 s, p90 5.4 s, 60% within SLO).
 So admission also asks each request to fit its SLO ``margin`` times over, a controller on the
 outcome itself: raised while more than ``1 - quantile`` of the requests admitted as meeting
-their SLO miss it, back to 1 once they meet it (goodput at 1.5x capacity on GSP 64 -> 90 req/s,
-peak ~99). It learns only from requests that end within two SLOs of their admission.
+their SLO miss it, back to 1 once they meet it (goodput at 1.5x capacity on GSP 64 -> 96 req/s,
+peak ~99, with first-token reports). It learns only from TTFTs heard within two SLOs of their
+request's admission.
+
+**When it learns.** A Complete reports the TTFT when the last token is out: on tool/agent
+(182 output tokens) half a minute after the queue that caused it, by when admission has let
+the KV caches fill and every queued request stall behind the decodes. So a host reports each
+first token as it comes (``on_first_token``: a ``prefill_done`` Complete with ``ttft_ms``, or
+ext_proc's first response chunk), and the corrections learn then; goodput at 1.5x capacity on
+tool/agent went from 15.5 to 18.8 req/s.
 
 **The rule** (``check``): if the chosen worker is predicted to meet the request's SLO
 (``ttft_slo_ms``, else ``default_ttft_slo_ms``), the decision stands. (A request whose
@@ -80,6 +88,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
+from itertools import islice
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -112,6 +121,8 @@ _LOAD_LEVELS = 8
 _MARGIN_STEP = 0.005
 #: the quantile deadline admission judges by (``admission.deadline_quantile``)
 DEFAULT_QUANTILE = 0.9
+#: weight of one completion in the moving mean of a request's time holding KV after its first token
+_HOLD_WEIGHT = 0.05
 #: predictions shorter than this are mostly the engine's step granularity: no sample
 _MIN_SAMPLE_MS = 50.0
 #: dispatched requests whose prediction awaits its completion; beyond, the oldest are forgotten
@@ -160,7 +171,8 @@ class DeadlineGuard:
     ``AdmissionQueues.drop_late`` dropped (``late_refusal`` counts one).
     """
 
-    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None, quantile: float = DEFAULT_QUANTILE) -> None:
+    def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None, quantile: float = DEFAULT_QUANTILE,
+                 block_size: int = 0) -> None:
         if mode not in DEADLINE_MODES:
             raise ConfigError(f"deadline: expected one of {', '.join(DEADLINE_MODES)}, got {mode!r}")
         if not 0.0 < quantile < 1.0:
@@ -201,8 +213,21 @@ class DeadlineGuard:
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
         self._backlog: dict[str, tuple[float, float]] = {}
         #: worker id -> its uncompleted dispatches in order, request id -> (own modelled
-        #: prefill ms, dispatched at): what an engine's load report re-anchors the backlog to
-        self._flight: dict[str, OrderedDict[str, tuple[float, float]]] = {}
+        #: prefill ms, dispatched at, prompt tokens, first token at or 0): what a load report
+        #: re-anchors the backlog to
+        self._flight: dict[str, OrderedDict[str, tuple[float, float, int, float]]] = {}
+        #: worker id -> prompt tokens and count of the requests waiting there, the newest of
+        #: ``_flight`` (``kv_wait_ms``)
+        self._waiting_tokens: dict[str, int] = {}
+        self._waiting_count: dict[str, int] = {}
+        #: the router's block size: a worker's KV capacity in tokens is its capacity_blocks times
+        #: its own block size, or this one (0 with neither: the KV turnover wait is not modelled)
+        self.block_size = block_size
+        #: moving mean of ms a request holds its KV after its first token (its decode), from
+        #: Completes that report both times; 0 until one does
+        self.hold_ms = 0.0
+        #: moving mean of its square (``_hold_spread``)
+        self._hold_sq_ms = 0.0
         #: request id -> the worker it was dispatched to (to find it in ``_flight``)
         self._where: dict[str, str] = {}
         #: worker id -> the load report its backlog was last anchored to (its ``reported_at``)
@@ -232,6 +257,62 @@ class DeadlineGuard:
             self._anchor(worker)
         ms, at = self._backlog.get(worker.id, (0.0, now))
         return max(0.0, ms - (now - at) * 1000.0 / self._corrections(worker)[0])
+
+    def kv_wait_ms(self, worker: Worker, now: float, tokens: int = 0) -> float:
+        """Real ms until ``worker`` has KV room for the requests waiting there and ``tokens``
+        more, from its last load report.
+
+        An engine starts a queued request only when its KV blocks fit beside the running
+        requests'; once they do not, the queue moves as decodes finish and free theirs, not at
+        the prefill rate the model prices. A running request frees its prompt's blocks about
+        ``hold_ms`` after its first token (its decode, learned from Completes), the oldest
+        first, so the wait is until enough of them have: on tool/agent past capacity the caches
+        filled about 15 s in, and requests the prefill model gave 4.5 s waited 12 s behind 90
+        decoding requests that had all started within the last 15 s."""
+        if worker.reported_at > self._anchored.get(worker.id, 0.0):
+            self._anchor(worker)
+        bs = worker.spec.block_size or self.block_size
+        capacity = worker.spec.capacity_blocks * bs
+        used = worker.kv_utilization
+        if not capacity or not self.hold_ms or used <= 0.0:
+            return 0.0
+        deficit = self._waiting_tokens.get(worker.id, 0) + tokens - (1.0 - used) * capacity
+        if deficit <= 0:
+            return 0.0
+        # two limits, weighed by how much decode times vary (their squared coefficient of
+        # variation): equal decodes free the oldest requests' blocks first, ``hold_ms`` after
+        # their first tokens (tool/agent: 182 output tokens each); memoryless ones free any
+        # running request's at the same rate, so ``d`` tokens of ``u`` in use take ``d / u``
+        # of a hold (Mooncake's outputs vary several-fold)
+        spread = self._hold_spread()
+        turnover = deficit / (used * capacity) * self.hold_ms
+        if spread >= 1.0:
+            return turnover
+        flight = self._flight.get(worker.id)
+        running = len(flight) - self._waiting_count.get(worker.id, 0) if flight else 0
+        freed = 0
+        oldest_first = self.hold_ms  # more than every running request holds: a full turnover at least
+        for _, dispatched_at, held, first_at in islice(flight.values(), running) if flight else ():
+            freed += held
+            if freed >= deficit:
+                oldest_first = max(0.0, (first_at or dispatched_at) * 1000.0 + self.hold_ms - now * 1000.0)
+                break
+        return spread * turnover + (1.0 - spread) * oldest_first
+
+    def _hold_spread(self) -> float:
+        """Squared coefficient of variation of decode times, within [0, 1]."""
+        if not self.hold_ms:
+            return 1.0
+        return min(1.0, max(0.0, self._hold_sq_ms / (self.hold_ms * self.hold_ms) - 1.0))
+
+    def ahead_ms(self, worker: Worker, now: float, tokens: int = 0) -> float:
+        """Model ms before a request of ``tokens`` prompt tokens routed to ``worker`` now
+        starts: its backlog, or the wait for KV room when that is longer (``kv_wait_ms``, in
+        real ms, brought to model ms by ``scale``, which every prediction is multiplied by)."""
+        backlog = self.backlog_ms(worker, now)
+        if not worker.inflight_requests:
+            return backlog
+        return max(backlog, self.kv_wait_ms(worker, now, tokens) / self._corrections(worker)[0])
 
     # ---- the online correction ------------------------------------------------------------
     @property
@@ -274,22 +355,27 @@ class DeadlineGuard:
             return
         while len(flight) > worker.inflight_requests:  # the oldest ended unheard (expired in flight)
             self._where.pop(flight.popitem(last=False)[0], None)
-        before: list[float] = []
+        before: list[tuple[float, int]] = []
         after = 0.0
-        for ms, at in flight.values():
+        after_tokens = 0
+        for ms, at, tokens, _ in flight.values():
             if at <= reported_at:
-                before.append(ms)
+                before.append((ms, tokens))
             else:
                 after += ms
-        waiting = sum(before[max(0, len(before) - queued):]) if 0 < queued else 0.0
-        self._backlog[worker.id] = (waiting + after, reported_at)
+                after_tokens += tokens
+        waiting = before[max(0, len(before) - queued):] if 0 < queued else []
+        self._backlog[worker.id] = (sum(ms for ms, _ in waiting) + after, reported_at)
+        self._waiting_tokens[worker.id] = sum(tokens for _, tokens in waiting) + after_tokens
+        self._waiting_count[worker.id] = len(waiting) + len(flight) - len(before)
 
     def predict_ms(self, worker: Worker, uncached_tokens: int, cached_tokens: int, now: float,
                    queued: tuple[int, int] = (0, 0)) -> float:
         """TTFT of a request with ``uncached_tokens`` to prefill (after ``cached_tokens`` of
         cached prefix) on ``worker``, behind its backlog and ``queued`` (requests, tokens)
         waiting for it in the router."""
-        ahead = self.backlog_ms(worker, now) + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0)
+        ahead = (self.ahead_ms(worker, now, uncached_tokens)
+                 + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0))
         return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self._corrections(worker)[0]
 
     def chosen_meets(self, ctx: RoutingContext, chosen: Worker, slo_ms: float, queued: Queued = _nothing_queued) -> bool:
@@ -297,12 +383,12 @@ class DeadlineGuard:
         one worker): the common case, answered without pricing every eligible worker, which
         at 1,024 workers would cost the decision a millisecond."""
         waiting = queued(chosen.id)
-        ahead = self.backlog_ms(chosen, ctx.now)
+        uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
+        ahead = self.ahead_ms(chosen, ctx.now, uncached)
         if waiting[1]:
             ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
         if ahead <= 0.0:  # nothing ahead of it: it starts at once, held to its own prefill at worst
             return True
-        uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
         own = self.prefill_ms(uncached, cached)
         tail = self._corrections(chosen)[1] * math.exp(self._log_margin)
         # check's rule for one worker: (ahead + own) * scale * tail / scale against the budget
@@ -371,16 +457,21 @@ class DeadlineGuard:
     def on_dispatch(self, worker: Worker, request_id: str, uncached_tokens: int, now: float,
                     cached_tokens: int = 0) -> None:
         """A request was committed to ``worker`` (after the router charged it)."""
+        if worker.reported_at > self._anchored.get(worker.id, 0.0):
+            self._anchor(worker)  # before counting this request among those waiting
         # the worker's in-flight count already includes it: a first request finds no backlog
-        before = self.backlog_ms(worker, now) if worker.inflight_requests > 1 else 0.0
+        first = worker.inflight_requests <= 1
         own = self.prefill_ms(uncached_tokens, cached_tokens)
-        ahead = before + own
-        self._backlog[worker.id] = (ahead, now)
+        tokens = uncached_tokens
+        predicted = (0.0 if first else self.ahead_ms(worker, now, tokens)) + own
+        self._backlog[worker.id] = ((0.0 if first else self.backlog_ms(worker, now)) + own, now)
+        self._waiting_tokens[worker.id] = (0 if first else self._waiting_tokens.get(worker.id, 0)) + tokens
+        self._waiting_count[worker.id] = (0 if first else self._waiting_count.get(worker.id, 0)) + 1
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
-            self._predicted[request_id] = (ahead, _load_level(worker))
+            self._predicted[request_id] = (predicted, _load_level(worker))
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
-            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now)
+            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now, tokens, 0.0)
             self._where[request_id] = worker.id
             if len(self._where) > _MAX_TRACKED:
                 self._forget(next(iter(self._where)))
@@ -401,14 +492,28 @@ class DeadlineGuard:
         """``request_id``'s first token is out (a ``prefill_done`` Complete with its TTFT, or
         ext_proc's first response chunk): the corrections learn its TTFT now, a whole decode
         before its Complete would tell them (tool/agent past capacity, 182 output tokens:
-        goodput at 1.5x capacity 15.5 -> 18.8 req/s). It stays in flight until its Complete."""
+        goodput at 1.5x capacity 15.5 -> 18.8 req/s). It stays in flight until its Complete,
+        holding its KV, which it frees about ``hold_ms`` from now (``kv_wait_ms``)."""
         self._learn(request_id, ttft_ms, now)
+        worker_id = self._where.get(request_id)
+        flight = self._flight.get(worker_id) if worker_id is not None else None
+        entry = flight.get(request_id) if flight is not None else None
+        if entry is not None:
+            flight[request_id] = (entry[0], entry[1], entry[2], now)
 
-    def on_complete(self, request_id: str, ttft_ms: float, now: float | None = None) -> None:
+    def on_complete(self, request_id: str, ttft_ms: float, now: float | None = None, e2e_ms: float = 0.0) -> None:
         """A completion: its observed TTFT corrects the prediction (``_learn``) unless its first
-        token already did, and it leaves the backlog's bookkeeping."""
+        token already did, its time after the first token moves ``hold_ms``, and it leaves
+        the backlog's bookkeeping."""
         self._forget(request_id)
         self._learn(request_id, ttft_ms, now)
+        if 0 < ttft_ms < e2e_ms <= MAX_LATENCY_MS:
+            held = e2e_ms - ttft_ms
+            if not self.hold_ms:
+                self.hold_ms, self._hold_sq_ms = held, held * held
+            else:
+                self.hold_ms += _HOLD_WEIGHT * (held - self.hold_ms)
+                self._hold_sq_ms += _HOLD_WEIGHT * (held * held - self._hold_sq_ms)
 
     def _learn(self, request_id: str, ttft_ms: float, now: float | None) -> None:
         """An observed TTFT, once per request: corrects ``scale`` and ``tail`` and, for a
@@ -455,6 +560,8 @@ class DeadlineGuard:
 
     def forget_worker(self, worker_id: str) -> None:
         self._backlog.pop(worker_id, None)
+        self._waiting_tokens.pop(worker_id, None)
+        self._waiting_count.pop(worker_id, None)
         self._anchored.pop(worker_id, None)
         for request_id in self._flight.pop(worker_id, {}):
             self._where.pop(request_id, None)

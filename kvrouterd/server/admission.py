@@ -63,7 +63,8 @@ class AdmissionGate:
         self.queues = (AdmissionQueues(config.max_inflight, on_change=router.note_admission_queue)
                        if config.max_inflight > 0 else None)
         #: None with ``deadline: off``
-        self.guard = (DeadlineGuard(config.deadline, config.latency_params(), config.deadline_quantile)  # type: ignore[arg-type]
+        self.guard = (DeadlineGuard(config.deadline, config.latency_params(), config.deadline_quantile,  # type: ignore[arg-type]
+                                    router.block_size)
                       if config.deadline != "off" else None)
         self.migrations = 0
         self.shed = 0
@@ -204,7 +205,7 @@ class AdmissionGate:
         """A routed request completed on ``worker_id`` (its ``completion``, when the caller has
         it, calibrates deadline admission's model)."""
         if self.guard is not None and completion is not None:
-            self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now())
+            self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now(), completion.e2e_ms)
         self._admit_all((worker_id,))
 
     def on_first_token(self, completion: Completion) -> None:

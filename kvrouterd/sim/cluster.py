@@ -206,7 +206,7 @@ class Simulation:
         if deadline == "defer" and not settings.admission_max_inflight:
             raise ConfigError("admission deadline defer holds requests in admission queues: set admission max_inflight")
         self.guard = (DeadlineGuard(deadline, LatencyParams(**settings.engine.latency_fields(), calibrate=False),  # type: ignore[arg-type]
-                                    quantile)
+                                    quantile, self.router.block_size)
                       if deadline != "off" else None)
         #: requests shed or dropped by deadline admission (they count as missing their SLO)
         self.shed: set[int] = set()
@@ -400,7 +400,7 @@ class Simulation:
         if self.log is not None:
             self.log.append(("complete", now, completion, None))
         if self.guard is not None:
-            self.guard.on_complete(completion.request_id, completion.ttft_ms, now)
+            self.guard.on_complete(completion.request_id, completion.ttft_ms, now, completion.e2e_ms)
         try:
             self.router.complete(completion)
         except NotFound:

@@ -316,3 +316,51 @@ def test_a_first_token_report_teaches_the_ttft_once_and_keeps_the_request_in_the
         guard.on_complete(f"r{i}", 50_000.0, clock.now())
     guard.on_complete("late", 50_000.0, clock.now())
     assert guard.scale == pytest.approx(2.0, rel=0.01) and "late" not in guard._flight["a"]
+
+
+def _kv_fleet(capacity_blocks: int) -> tuple[Router, DeadlineGuard, ManualClock]:
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, routing={"name": "least_loaded"}), clock, random.Random(0))
+    router.add_worker(WorkerSpec(id="a", address="a:1", mode=CacheMode.EVENTS, capacity_blocks=capacity_blocks))
+    return router, DeadlineGuard("shed", MS_PER_TOKEN, block_size=BS), clock
+
+
+def _learn_holds(guard: DeadlineGuard, holds_ms: list[float]) -> None:
+    for i, hold in enumerate(holds_ms):  # Completes of earlier requests: TTFT 100 ms, then their decode
+        guard.on_complete(f"old{i}", 100.0, None, 100.0 + hold)
+
+
+def test_a_full_kv_cache_makes_a_request_wait_for_the_oldest_decodes_when_decodes_take_alike() -> None:
+    router, guard, clock = _kv_fleet(capacity_blocks=1_000 // BS * 4)  # room for four 1,000-token prompts
+    _learn_holds(guard, [10_000.0] * 50)
+    for i in range(4):  # four running requests, their first tokens out at t = 0, 1, 2, 3 s
+        load(router, guard, "a", 1_000, f"run{i}")
+        guard.on_first_token(f"run{i}", 50.0, clock.now())
+        clock.advance(1.0)
+    router.report_load("a", 0, 4, 1.0)  # the engine: KV full, nothing waiting
+    worker = router.workers.find("a")
+    assert worker is not None
+    # a new 1,000-token prompt waits for the oldest request to end: first token at 0 s + 10 s
+    assert guard.kv_wait_ms(worker, clock.now(), 1_000) == pytest.approx(6_000.0)
+    # two more tokens' worth of room than one request frees: the second oldest, 1 s later
+    assert guard.kv_wait_ms(worker, clock.now(), 1_500) == pytest.approx(7_000.0)
+    # and the request is refused: 6 s of waiting against a 5 s SLO, though no prefill is queued
+    req = request("new", 1_000)
+    with pytest.raises(SloUnreachable):
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+
+
+def test_a_full_kv_cache_turns_over_evenly_when_decode_times_vary_widely() -> None:
+    router, guard, clock = _kv_fleet(capacity_blocks=1_000 // BS * 4)
+    _learn_holds(guard, [500.0, 500.0, 500.0, 30_000.0] * 50)  # a squared coefficient of variation past 1
+    for i in range(4):
+        load(router, guard, "a", 1_000, f"run{i}")
+        guard.on_first_token(f"run{i}", 50.0, clock.now())
+    clock.advance(1.0)
+    router.report_load("a", 0, 4, 1.0)
+    worker = router.workers.find("a")
+    assert worker is not None
+    # any running request may end next: 1,000 of ~4,000 tokens in use is a quarter of a mean decode
+    assert guard.kv_wait_ms(worker, clock.now(), 1_000) == pytest.approx(guard.hold_ms / 4, rel=0.02)
+    router.report_load("a", 0, 4, 0.5)  # half free: room at once
+    assert guard.kv_wait_ms(worker, clock.now(), 1_000) == 0.0

@@ -24,14 +24,18 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 from .base import NoParams
 
-__all__ = ["Kind", "NoParams", "build", "build_params", "describe", "names", "policy_class", "register"]
+__all__ = [
+    "Kind", "NoParams", "build", "build_params", "describe", "names", "not_built", "policy_class", "register", "reserve",
+]
 
 Kind = Literal["routing", "eviction"]
 _KINDS: tuple[Kind, ...] = ("routing", "eviction")
 _REGISTRY: dict[tuple[str, str], tuple[type, type]] = {}
+#: (kind, name) -> why no daemon can build it: a policy only the simulator runs (``reserve``)
+_RESERVED: dict[tuple[str, str], str] = {}
 
 T = TypeVar("T")
 
@@ -54,15 +58,32 @@ def register(kind: Kind, name: str, params: type = NoParams) -> Callable[[type[T
     return decorate
 
 
+def reserve(kind: Kind, name: str, why: str) -> None:
+    """Keep ``name`` out of the table with the reason no daemon can build it (``why`` completes
+    "<kind> policy '<name>' ..."): a policy the simulator alone runs, such as the clairvoyant
+    ``belady`` (``sim.belady``), so that naming it says so instead of "unknown"."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown policy kind {kind!r}")
+    _RESERVED[(kind, name)] = why
+
+
 def names(kind: Kind) -> list[str]:
     return sorted(n for k, n in _REGISTRY if k == kind)
+
+
+def not_built(kind: Kind, name: str) -> str:
+    """Why no policy ``name`` can be built: a reserved name's reason, else that it is unknown."""
+    why = _RESERVED.get((kind, name))
+    if why is not None:
+        return f"{kind} policy {quote(name)} {why}"
+    return f"unknown {kind} policy {quote(name)}; known: {', '.join(names(kind))}"
 
 
 def _lookup(kind: Kind, name: str) -> tuple[type, type]:
     try:
         return _REGISTRY[(kind, name)]
     except KeyError:
-        raise ConfigError(f"unknown {kind} policy {name!r}; known: {', '.join(names(kind))}") from None
+        raise ConfigError(not_built(kind, name)) from None
 
 
 def policy_class(kind: Kind, name: str) -> type:

@@ -13,7 +13,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, UnknownPolicy, quote
+from ..errors import ConfigError, UnknownPolicy
 from ..index.workers import WorkerRegistry
 from ..policies import registry
 from ..policies.base import EvictionPolicy, RoutingPolicy
@@ -48,7 +48,7 @@ class PolicyTable:
         policy = self.routing.get(name)
         if policy is None:
             if name not in registry.names("routing"):
-                raise UnknownPolicy(f"unknown routing policy {quote(name)}; known: {', '.join(registry.names('routing'))}")
+                raise UnknownPolicy(registry.not_built("routing", name))
             policy = registry.build("routing", name, random.Random(self._rng.getrandbits(64)))
             for w in self._workers:
                 policy.on_worker_added(w)
@@ -61,7 +61,7 @@ class PolicyTable:
         policy = self.eviction_by_name.get(name)
         if policy is None:
             if name not in registry.names("eviction"):
-                raise UnknownPolicy(f"unknown eviction policy {quote(name)}; known: {', '.join(registry.names('eviction'))}")
+                raise UnknownPolicy(registry.not_built("eviction", name))
             policy = registry.build("eviction", name, random.Random(self._rng.getrandbits(64)))
             self.eviction_by_name[name] = policy
         return policy

@@ -9,6 +9,11 @@ their caches itself (``APPROXIMATE``), a ``ManualClock`` moves from event to eve
 ``Router.tick`` runs at the config's ``tick_interval_s``. Completions report the observed
 TTFT and end-to-end latency back through ``Router.complete``, as a gateway would.
 
+With the clairvoyant ``belady`` eviction (``sim.belady``) the engines evict by the workload's
+future, which only the simulator knows; the router's own eviction policy is then LRU, which in
+events mode only keeps books (it ranks only for EvictHint and approximate-mode cache models,
+so ``belady`` needs ``CacheMode.EVENTS``).
+
 ``Simulation.run`` takes the earliest of the next arrival, an engine step ending, a request
 finishing and a delayed event batch, after the ticks, load samples and ReportLoad calls due
 before it. ``simulate`` is one run; ``sim.cluster_cli`` (``kvrouterd sim cluster``) sweeps
@@ -40,8 +45,9 @@ from ..policies.latency import LatencyParams
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
 from ..router import Router, RouteResult
 from . import metrics as m
+from .belady import NextUse
 from .engine import EngineParams, Job, SimEngine
-from .policy_specs import profiled_spec
+from .policy_specs import build_eviction, profiled_spec, simulator_only
 from .results import RunResult
 from .workloads import Workload
 
@@ -161,7 +167,16 @@ class Simulation:
                                      settings.engine, bs)
         eviction_spec = profiled_spec("eviction", {"name": eviction} if isinstance(eviction, str) else eviction,
                                       settings.engine, bs)
-        cfg = dataclasses.replace(cfg, block_size=bs, routing=routing_spec, eviction=eviction_spec,
+        self.eviction_name: str = eviction_spec["name"]
+        router_eviction = eviction_spec
+        self.keys = _Keys(bs)
+        future = None
+        if simulator_only("eviction", eviction_spec):
+            if settings.cache_mode is not CacheMode.EVENTS:
+                raise ConfigError(f"eviction {self.eviction_name} runs in the engines only: it needs events cache mode")
+            future = NextUse.of(workload, self.keys.keys)
+            router_eviction = {"name": "lru"}  # keeps books only (see the module docstring)
+        cfg = dataclasses.replace(cfg, block_size=bs, routing=routing_spec, eviction=router_eviction,
                                   extra_routing=[s for s in cfg.extra_routing if s.get("name") != routing_spec["name"]])
         self.cfg = cfg
         self.clock = ManualClock()
@@ -170,7 +185,6 @@ class Simulation:
         self.router = Router(cfg.router_settings(), self.clock, random.Random(seed))
         rng = random.Random(f"kvrouterd-sim-{seed}")
         self._loss_rng = random.Random(rng.getrandbits(64))
-        self.keys = _Keys(bs)
         self.slo_ms = settings.slo_ms or cfg.default_ttft_slo_ms
         self.engines: list[SimEngine] = []
         self._by_id: dict[str, int] = {}
@@ -179,8 +193,8 @@ class Simulation:
             wid = f"w{i}"
             self.router.add_worker(WorkerSpec(id=wid, address=f"{wid}.sim:8000", capacity_blocks=settings.engine.capacity_blocks,
                                               mode=settings.cache_mode))
-            self.engines.append(SimEngine(wid, settings.engine, eviction_spec, random.Random(rng.getrandbits(64)), bs,
-                                          self.keys.block_bytes))
+            policy = build_eviction(eviction_spec, random.Random(rng.getrandbits(64)), future)
+            self.engines.append(SimEngine(wid, settings.engine, policy, bs, self.keys.block_bytes))
             self._by_id[wid] = i
             self._seq.append(0)
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -508,7 +522,7 @@ class Simulation:
         stats = [{"worker": e.worker_id, "cached_blocks": e.cached_blocks, "peak_blocks": e.peak_blocks,
                   "evicted_blocks": e.evicted_blocks, "uncacheable_requests": e.uncacheable,
                   "preempted": e.preempted} for e in self.engines]
-        return RunResult(router.default_routing, router.eviction.name, self.workload.name, self.rate, self.seed,
+        return RunResult(router.default_routing, self.eviction_name, self.workload.name, self.rate, self.seed,
                          self.settings.engine.capacity_blocks, self.workload.block_tokens, summary, done, wall,
                          counters, stats)
 

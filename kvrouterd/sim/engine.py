@@ -3,8 +3,10 @@
 Each ``SimEngine`` stands in for one vLLM/SGLang worker behind the router:
 
 - **KV cache.** ``capacity_blocks`` blocks (0 = unbounded) holding prompt blocks as a prefix
-  tree: the engine's own ``RadixIndex`` (one slot) and its own eviction policy object,
-  built by the policy registry from the same spec the router uses. Blocks of admitted and
+  tree: the engine's own ``RadixIndex`` (one slot) and its own eviction policy object, which
+  the host builds from the same spec the router uses (``policy_specs.build_eviction``: the
+  policy registry's, or the simulator's clairvoyant ``belady``, which hears each admission
+  through its ``admitting`` hook). Blocks of admitted and
   unfinished requests are pinned. By default generated tokens are not cached and their KV
   does not count against the capacity (the workloads put a turn's answer into the next
   turn's prompt, where it is cached as prompt); with ``cache_decode`` (``--cache-decode``)
@@ -74,17 +76,15 @@ results that pin it.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
 from ..index.radix import RadixIndex
-from ..policies import registry
-from ..policies.base import AccessInfo, EvictionContext, drop_blocks
+from ..policies.base import AccessInfo, EvictionContext, EvictionPolicy, drop_blocks
 from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, LLAMA31_8B_ATTENTION_TOKENS, PrefillCost
 from ..protocols import CacheEvent, Removed, Stored
 from .workloads import SimRequest
@@ -240,8 +240,8 @@ class SimEngine:
     """One simulated worker. The host calls ``enqueue``, ``start_step``, ``finish_step`` and
     ``finish`` at the right simulated times and drains ``outbox`` after each call."""
 
-    def __init__(self, worker_id: str, params: EngineParams, eviction: str | Mapping[str, Any], rng: random.Random,
-                 block_tokens: int, block_bytes: Callable[[int], bytes]) -> None:
+    def __init__(self, worker_id: str, params: EngineParams, policy: EvictionPolicy, block_tokens: int,
+                 block_bytes: Callable[[int], bytes]) -> None:
         params.validate()
         self.worker_id = worker_id
         self.params = params
@@ -249,7 +249,9 @@ class SimEngine:
         self._block_bytes = block_bytes
         self.index = RadixIndex()
         self.index.add_slot(0)
-        self.policy = registry.build("eviction", eviction, rng)
+        self.policy = policy
+        #: a clairvoyant policy's hook (``sim.belady``): the workload index of each request admitted
+        self._admitting: Callable[[int], None] | None = getattr(policy, "admitting", None)
         self.waiting: deque[Job] = deque()
         self.prefilling: list[Job] = []
         self.running = 0
@@ -408,6 +410,8 @@ class SimEngine:
             need = index.count(0) + self.reserved + new - cap
             if need > 0 and not self._evict(need, keys, now):
                 return False
+        if self._admitting is not None:
+            self._admitting(job.index)  # before the touch, so the prefix is scored past this use
         req = job.req
         matched = match.path[:hit]
         if matched:

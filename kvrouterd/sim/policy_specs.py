@@ -5,6 +5,10 @@ Policy parameters come from the config file: a run of routing policy NAME uses t
 policy's defaults (likewise ``eviction``); ``--set NAME.FIELD=VALUE`` overrides one field
 (``policy_spec``). ``profiled_spec`` then fills in what the spec leaves unset of the
 engines' cost model, for the policies that estimate time.
+
+The clairvoyant ``belady`` eviction (``sim.belady``) is the simulator's alone: the registry
+reserves its name, and ``build_eviction`` builds it for an engine from the workload's future
+(``NextUse``), every other eviction policy from the registry.
 """
 
 from __future__ import annotations
@@ -12,14 +16,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import random
+
 from ..config import Config
+from ..errors import ConfigError
 from ..policies import registry
+from ..policies.base import EvictionPolicy, NoParams
 from ..policies.eviction.tlru import TLRUParams
 from ..policies.latency import LATENCY_FIELDS, LatencyModel, LatencyParams
 from ..policies.routing.compose import ComposeParams
+from . import belady
 from .engine import EngineParams
 
-__all__ = ["policy_spec", "profiled_spec"]
+__all__ = ["build_eviction", "policy_spec", "profiled_spec", "simulator_only"]
+
+
+def simulator_only(kind: str, spec: Mapping[str, Any]) -> bool:
+    """Whether ``spec`` names a policy only the simulator builds (``belady``)."""
+    return kind == "eviction" and spec.get("name") == belady.NAME
+
+
+def _check_simulator_only(spec: Mapping[str, Any]) -> None:
+    extra = sorted(set(spec) - {"name"})
+    if extra:
+        raise ConfigError(f"eviction policy {belady.NAME!r}: unknown parameter {extra[0]!r}; it has none")
+
+
+def build_eviction(spec: Mapping[str, Any], rng: random.Random, future: belady.NextUse | None) -> EvictionPolicy:
+    """An engine's eviction policy: ``belady`` over ``future`` (the run's ``NextUse``), any other
+    from the registry."""
+    if simulator_only("eviction", spec):
+        _check_simulator_only(spec)
+        if future is None:
+            raise ConfigError(f"eviction policy {belady.NAME!r} needs the workload's future (NextUse)")
+        return belady.BeladyEviction(NoParams(), rng, future)
+    return registry.build("eviction", spec, rng)  # type: ignore[no-any-return]
 
 
 def policy_spec(cfg: Config, kind: str, name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -33,7 +64,10 @@ def policy_spec(cfg: Config, kind: str, name: str, overrides: Mapping[str, Mappi
     elif cfg.eviction.get("name") == name:
         spec = dict(cfg.eviction)
     spec.update((overrides or {}).get(name, {}))
-    registry.build(kind, spec)  # type: ignore[arg-type]  # fail now, naming the field
+    if simulator_only(kind, spec):
+        _check_simulator_only(spec)
+    else:
+        registry.build(kind, spec)  # type: ignore[arg-type]  # fail now, naming the field
     return spec
 
 
@@ -64,6 +98,8 @@ def profiled_spec(kind: str, spec: Mapping[str, Any], engine: EngineParams, bloc
     cache_affinity, least_loaded) need nothing.
     """
     out = dict(spec)
+    if simulator_only(kind, out):
+        return out  # belady estimates no time
     name = out["name"]
     params = registry.params_class(kind, name)  # type: ignore[arg-type]
     hardware = engine.latency_fields()

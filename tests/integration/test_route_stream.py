@@ -84,7 +84,10 @@ async def test_a_batch_is_answered_item_by_item_in_one_batch_and_bad_items_chang
     router = running.router
     call = running.stub.RouteStream()
     # the advertisement batching clients wait for: the daemon's message size limit (the default)
-    assert (await call.initial_metadata()).get("kvrouter-stream-batch") == str(16 << 20)
+    metadata = await call.initial_metadata()
+    assert metadata.get("kvrouter-stream-batch") == str(16 << 20)
+    # and the block size a client may key prompts with (RouterClient(send_block_keys=True))
+    assert metadata.get("kvrouter-block-size") == str(router.block_size)
 
     await call.write(route(1, token_ids=PROMPT, request_id="r1"))
     assert (await call.read()).route.worker_id == "b"

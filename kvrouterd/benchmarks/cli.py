@@ -198,11 +198,21 @@ def run(args: argparse.Namespace) -> int:
         for load, key, label in (("stream_8x8", "", "coalesced as the SDK does"),
                                  ("stream_8x8_single", "_one_per_message", "one message per call")):
             _stream_figures(runs, mid, load, key, label, result, rows)
-        for load, key, label in (("sdk_64", "", "prompt a list"), ("sdk_64_packed", "_packed", "prompt an array('I')")):
+        server_cpu = [x["daemon"]["stream_8x8"]["server_cpu_us_per_call"] for x in runs
+                      if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
+        if server_cpu:
+            result["grpc_stream_route_server_cpu_us"] = statistics.median(server_cpu)
+        for load, key, label in (("sdk_64", "", "prompt a list"), ("sdk_64_packed", "_packed", "prompt an array('I')"),
+                                 ("sdk_64_keys", "_keys", "prompt a list, sent as block keys")):
             cpu = [x["daemon"][load]["client_cpu_us_per_call"] for x in runs]
             result[f"sdk_client_cpu_us_per_route{key}"] = statistics.median(cpu)
             rows.append((f"SDK RouterClient (+ complete), 64 in flight, {label}", _load_figures(mid["daemon"][load])))
             rows.append(("  gateway CPU per Route + Complete, us (median of rounds)", _median_of_rounds(cpu)))
+            server_cpu = [x["daemon"][load]["server_cpu_us_per_call"] for x in runs
+                          if "server_cpu_us_per_call" in x["daemon"][load]]
+            if server_cpu:  # the daemon's, in its own process
+                result[f"sdk_server_cpu_us_per_route{key}"] = statistics.median(server_cpu)
+                rows.append(("  daemon CPU per Route + Complete, us (median of rounds)", _median_of_rounds(server_cpu)))
         for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream coalesced"),
                             ("stream_8x8_single", "RouteStream one per message")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))

@@ -31,7 +31,8 @@ calls, batching as it does) driven by 64 gateway tasks, each a closed loop of ``
 the prompt as a list of ints (what tokenizers return) then ``complete()``; it reports the CPU
 this process spent per Route + Complete (``client_cpu_us_per_call``: every thread, gRPC's
 included). ``sdk_64_packed`` is the same with the prompt already an ``array('I')``, so the
-packing a list needs is left out.
+packing a list needs is left out; ``sdk_64_keys`` the list prompt with ``send_block_keys=True``:
+the gateway hashes it into block keys, which the daemon then neither splits nor hashes.
 """
 
 from __future__ import annotations
@@ -302,13 +303,14 @@ async def _stream_load(
     return result
 
 
-async def _sdk_load(port: int, prompt: list[int] | array, inflight: int, seconds: float) -> dict[str, Any]:
+async def _sdk_load(port: int, prompt: list[int] | array, inflight: int, seconds: float,
+                    send_block_keys: bool = False) -> dict[str, Any]:
     """``inflight`` gateway tasks sharing one ``RouterClient``, each a closed loop of ``route()``
     then ``complete()``, and this process's CPU per Route + Complete (``client_cpu_us_per_call``)."""
     from kvrouter_client import RouterClient
 
     # a deadline well past any stall of a shared machine: a deadline missed would end the load
-    async with RouterClient(f"127.0.0.1:{port}", timeout=10.0) as client:
+    async with RouterClient(f"127.0.0.1:{port}", timeout=10.0, send_block_keys=send_block_keys) as client:
         for _ in range(50):  # open the streams and read the router's batch advertisement
             await client.complete(await client.route(prompt))
         latencies: list[float] = []
@@ -361,7 +363,8 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
     ``stream_8x8`` coalesced as the SDK sends, ``stream_8x8_single`` one message per call), for
     the daemon and the trivial server, every route completed. The prompt goes packed, as the
     SDK sends it. Against the daemon also the SDK's RouterClient, 64 in flight (``sdk_64``: the
-    prompt a list; ``sdk_64_packed``: an array), with this process's CPU per call."""
+    prompt a list; ``sdk_64_packed``: an array; ``sdk_64_keys``: a list sent as block keys), with
+    this process's CPU per call."""
     request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in ("trivial", "daemon"):
@@ -376,6 +379,7 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
             if mode == "daemon":  # the gateway's own CPU through the SDK
                 out[mode]["sdk_64"] = _measured(server, _sdk_load(server.port, list(prompt), 64, seconds))
                 out[mode]["sdk_64_packed"] = _measured(server, _sdk_load(server.port, array("I", prompt), 64, seconds))
+                out[mode]["sdk_64_keys"] = _measured(server, _sdk_load(server.port, list(prompt), 64, seconds, True))
         finally:
             server.close()
     return out

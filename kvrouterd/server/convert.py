@@ -9,9 +9,11 @@ Token ids come packed (``token_ids_le32``: little-endian uint32 bytes, what the 
 is already the buffer the block hash reads, or repeated (``token_ids``, older clients and grpcurl),
 converted with numpy: ``np.asarray(repeated_field)`` reads upb's packed buffer
 directly (3 us for 4,000 tokens here) where ``array('I', field)`` iterates it (250 us).
-Engine hashes and block keys end up as Python ints anyway, so they are sliced out of the field
-(a list built in C): a numpy round trip costs more than that for the tens of hashes an event
-carries (a third of the conversion's instructions per stored block, by callgrind).
+Engine hashes end up as Python ints anyway, so they are sliced out of the field (a list built in
+C): a numpy round trip costs more than that for the tens of hashes an event carries (a third of
+the conversion's instructions per stored block, by callgrind). A Route's block keys go through
+numpy into an ``array('Q')``, as hashing its token ids gives them: for a prompt's hundreds of
+keys that is cheaper than the list, and the ledger keeps an array's bytes without a key-by-key pack.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "BatchTooLarge",
     "HashedPrompt",
     "batch_blocks",
+    "block_keys",
     "check_id",
     "check_split",
     "completed_delta",
@@ -85,11 +88,21 @@ _ROLE_TO_PB = {WorkerRole.BOTH: pb.WORKER_ROLE_BOTH, WorkerRole.PREFILL: pb.WORK
 _TASKS = {int(t): t for t in TaskCategory}
 #: dtype objects, not strings: numpy parses a dtype string on every call (1.5 us of 4.8 for 4,000 tokens)
 _U32_LE = np.dtype("<u4")
+_U64 = np.dtype("=u8")  # an array('Q')'s own layout
 
 
 def le_u32(field: Iterable[int]) -> bytes:
     """Repeated token ids as the little-endian uint32 buffer the block hash reads."""
     return np.asarray(field, dtype=_U32_LE).tobytes()
+
+
+def block_keys(field: Iterable[int]) -> array:
+    """A Route's ``block_keys`` as the ``array('Q')`` hashing token ids gives (``keys_for_tokens``),
+    so the rest of the Route is the same whichever form came: the ledger keeps an array's bytes
+    as they are where it packs a list key by key, and reads them back as bytes, not as ints."""
+    keys = array("Q")
+    keys.frombytes(np.asarray(field, dtype=_U64).tobytes())
+    return keys
 
 
 def _packed_count(name: str, packed: bytes | int) -> int:
@@ -186,7 +199,7 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
             keys = router.keys_for_tokens(packed or le_u32(tokens), msg.model, msg.lora, msg.cache_salt)
         prompt_tokens = n_tokens
     else:
-        keys = msg.block_keys[:]  # a list of ints, as from the hash (see the module docstring)
+        keys = block_keys(msg.block_keys)
         prompt_tokens = msg.prompt_tokens or n_keys * router.block_size
     candidates = msg.candidate_workers
     return RouteRequest(

@@ -40,7 +40,7 @@ from .status import abort, status_code, status_message
 from .wire import STREAM_ROUTE
 from .worker_pages import PAGE_BYTES, worker_page
 
-__all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "KVRouterService"]
+__all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "STREAM_BLOCK_SIZE_METADATA", "KVRouterService"]
 
 log = logging.getLogger("kvrouterd.server")
 
@@ -50,6 +50,9 @@ _perf_counter = time.perf_counter
 #: RouteStream's initial response metadata: this router takes batched stream messages (the
 #: value: the most bytes one message may have, limits.max_message_bytes); clients batch only then
 STREAM_BATCH_METADATA = "kvrouter-stream-batch"
+#: and the block size its keys are hashed with: a client may send a Route's ``block_keys``
+#: computed with it (``RouterClient(send_block_keys=True)``), an eighth of the token ids' bytes
+STREAM_BLOCK_SIZE_METADATA = "kvrouter-block-size"
 
 #: most items in one RouteStream batch: a batch is handled in one turn of the event loop, so the
 #: cap bounds how long it holds the loop (the SDK sends at most 64)
@@ -267,8 +270,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         in an encoding the split does not read (``off_loop.Refused``) is answered INVALID_ARGUMENT
         under its id, and the stream goes on.
         """
-        # the advertisement a batching client waits for: batches welcome, up to this many bytes
-        await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(self.max_message_bytes)),))
+        # the advertisement a batching client waits for: batches welcome, up to this many bytes;
+        # and the block size to key prompts with, for a client that sends keys
+        await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(self.max_message_bytes)),
+                                             (STREAM_BLOCK_SIZE_METADATA, str(self.router.block_size))))
         write = context.write
         waiting: set[asyncio.Task[None]] = set()
         lock = asyncio.Lock()  # grpc allows one write in flight per call

@@ -84,7 +84,10 @@ async def test_a_batch_is_answered_item_by_item_in_one_batch_and_bad_items_chang
     router = running.router
     call = running.stub.RouteStream()
     # the advertisement batching clients wait for: the daemon's message size limit (the default)
-    assert (await call.initial_metadata()).get("kvrouter-stream-batch") == str(16 << 20)
+    metadata = await call.initial_metadata()
+    assert metadata.get("kvrouter-stream-batch") == str(16 << 20)
+    # and the block size a client may key prompts with (RouterClient(send_block_keys=True))
+    assert metadata.get("kvrouter-block-size") == str(router.block_size)
 
     await call.write(route(1, token_ids=PROMPT, request_id="r1"))
     assert (await call.read()).route.worker_id == "b"
@@ -227,7 +230,7 @@ class TestWithAdmission:
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
 
 
-@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary", "sdk"])
+@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary", "sdk", "sdk_keys"])
 async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, load):
     # kvrouterd bench's daemon loads, briefly: they raise on any error reply, and complete each
     # routed request as the SDK does. Without the Completes the load piles up on the worker
@@ -238,8 +241,8 @@ async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_pr
     request = pb.RouteRequest(token_ids=PROMPT)
     if load == "unary":
         result = await _load(running.daemon.port, request, 6, 0.2)
-    elif load == "sdk":  # the SDK's RouterClient, and the CPU this process spent per call
-        result = await _sdk_load(running.daemon.port, list(PROMPT), 6, 0.2)
+    elif load.startswith("sdk"):  # the SDK's RouterClient, and the CPU this process spent per call
+        result = await _sdk_load(running.daemon.port, list(PROMPT), 6, 0.2, send_block_keys=load == "sdk_keys")
         assert result["client_cpu_us_per_call"] > 0
     else:
         coalesce = load == "stream_coalesced"

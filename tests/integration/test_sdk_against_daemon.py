@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 
 import grpc
@@ -217,3 +218,103 @@ class TestCoalescedCalls:
             assert good.worker_id == "a" and isinstance(bad, RouterRejected)
         spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
         assert len(spans) == 33  # one per decision, batched or not
+
+
+class TestBlockKeysFromTheGateway:
+    """``RouterClient(send_block_keys=True)`` and Routes given as ``block_keys``: the same
+    decisions, errors and load as the same prompts given as token ids."""
+
+    @staticmethod
+    async def twin_daemons(stack, config: dict):  # type: ignore[no-untyped-def]
+        """Two daemons of one config and seed, the same workers and cached blocks in each."""
+        daemons = []
+        for _ in range(2):
+            daemon = Daemon(parse_config({"listen": "127.0.0.1:0", **config}), seed=1)
+            await daemon.start()
+            stack.push_async_callback(daemon.stop, 0.5)
+            daemons.append(daemon)
+            for worker, model, lora, blocks in (("a", "m", "", 10), ("b", "m", "sql", 6), ("c", "", "", 4)):
+                async with EventPublisher(f"127.0.0.1:{daemon.port}", worker, block_size=BS, timeout=2.0) as pub:
+                    await pub.register(f"{worker}.local:8000", capacity_blocks=1000)
+                    pub.stored(prompt(1000, blocks), model=model, lora=lora)
+                    assert await pub.flush(timeout=5)
+        return daemons
+
+    @staticmethod
+    def decided(result) -> tuple:  # type: ignore[no-untyped-def]
+        """Everything a Route answers but its request id (each daemon makes up its own)."""
+        return dataclasses.replace(result, request_id="")
+
+    async def test_the_sdk_sending_block_keys_routes_exactly_as_token_ids(self, monkeypatch):
+        from contextlib import AsyncExitStack
+
+        from kvrouterd.server import convert
+
+        keyed_routes = []
+        as_array = convert.block_keys
+        monkeypatch.setattr(convert, "block_keys", lambda field: keyed_routes.append(len(field)) or as_array(field))
+        calls = [  # (token ids, route() keywords): namespaces, a partial last block, no full block, over the limit
+            (prompt(1000, 12), {"model": "m"}),
+            (prompt(1000, 12) + [7, 8, 9], {"model": "m", "session_id": "s"}),
+            (prompt(1000, 8), {"model": "m", "lora": "sql"}),
+            (prompt(1000, 8), {}),
+            (prompt(1000, 8), {"model": "other"}),
+            (prompt(1000, 3), {"model": "m", "candidate_workers": ["b", "c"]}),
+            (list(range(5)), {"model": "m"}),
+            (prompt(1000, 300), {"model": "m"}),
+            (prompt(1000, 12), {"model": "m", "policy": "nope"}),
+        ]
+        async with AsyncExitStack() as stack:
+            plain_daemon, keyed_daemon = await self.twin_daemons(stack, {"block_size": BS, "limits": {
+                "max_prompt_tokens": 4096}})
+            plain = await stack.enter_async_context(RouterClient(f"127.0.0.1:{plain_daemon.port}", timeout=2.0,
+                                                                streams=1))
+            keyed = await stack.enter_async_context(RouterClient(f"127.0.0.1:{keyed_daemon.port}", timeout=2.0,
+                                                                streams=1, send_block_keys=True))
+            await keyed.complete(await keyed.route(list(range(3))))  # opens the stream: its metadata arrives
+            await plain.complete(await plain.route(list(range(3))))
+            keyed_routes.clear()
+            routed = []
+            for tokens, kw in calls:
+                answers = []
+                for client in (plain, keyed):
+                    try:
+                        answers.append(self.decided(await client.route(tokens, **kw)))
+                    except RouterRejected as exc:
+                        answers.append((exc.code, str(exc)))
+                assert answers[0] == answers[1], (len(tokens), kw)
+                routed.append(answers[1])
+            # the calls with a full block went as keys: all but the 5-token prompt
+            assert len(keyed_routes) == len(calls) - 1
+            assert [r.worker_id for r in routed[:6]] == ["a", "a", "b", "c", "b", "c"]
+            assert [r.matched_blocks for r in routed[:6]] == [10, 10, 6, 4, 0, 0]  # b and c: other namespaces
+            assert routed[7][0] is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_prompt_tokens=4096" in routed[7][1]
+            assert routed[8][0] is grpc.StatusCode.INVALID_ARGUMENT
+            for daemon in (plain_daemon, keyed_daemon):  # the same load charged on both
+                assert [(w.id, w.inflight_requests, w.pending_prefill_tokens) for w in daemon.router.workers] == [
+                    (w.id, w.inflight_requests, w.pending_prefill_tokens) for w in plain_daemon.router.workers]
+
+    async def test_block_keys_route_as_token_ids_under_model_lora_and_cache_salt(self):
+        from contextlib import AsyncExitStack
+
+        from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+
+        async with AsyncExitStack() as stack:
+            daemons = await self.twin_daemons(stack, {"block_size": BS})
+            stubs = []
+            for daemon in daemons:
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{daemon.port}")
+                stack.push_async_callback(channel.close)
+                stubs.append(router_pb2_grpc.KVRouterStub(channel))
+            for model, lora, salt in (("m", "", ""), ("m", "sql", ""), ("m", "", "tenant"), ("", "", "tenant"),
+                                      ("m", "sql", "tenant"), ("", "", "")):
+                tokens = prompt(1000, 10) + [1, 2]
+                by_ids = pb.RouteRequest(token_ids_le32=b"".join(t.to_bytes(4, "little") for t in tokens),
+                                         model=model, lora=lora, cache_salt=salt)
+                by_keys = pb.RouteRequest(block_keys=keys.block_keys(tokens, BS, model, lora, salt),
+                                          prompt_tokens=len(tokens), model=model, lora=lora, cache_salt=salt)
+                answers = [await stub.Route(msg) for stub, msg in zip(stubs, (by_ids, by_keys))]
+                for answer in answers:
+                    answer.request_id = ""
+                assert answers[0] == answers[1], (model, lora, salt)
+                assert answers[0].prompt_blocks == 10

@@ -54,6 +54,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.batches_supported = True
         #: the message size limit advertised to batching clients
         self.batch_limit_bytes = 4 << 20
+        #: the block size advertised on RouteStream (None: none, as a router from before block keys)
+        self.block_size: int | None = None
         #: cleared: RouteStream stops reading (and answering) after the message it has just
         #: recorded; the client's writes then block once HTTP/2's window is full. Set: go on
         self.stream_reading = asyncio.Event()
@@ -81,8 +83,13 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         if self.fail_route_streams:
             await request_iterator.__anext__()  # a message is under way when the call breaks
             await context.abort(self.fail_route_streams.pop(0), "Internal error from Core")
+        metadata = []
         if self.batches_supported:
-            await context.send_initial_metadata((("kvrouter-stream-batch", str(self.batch_limit_bytes)),))
+            metadata.append(("kvrouter-stream-batch", str(self.batch_limit_bytes)))
+        if self.block_size is not None:
+            metadata.append(("kvrouter-block-size", str(self.block_size)))
+        if metadata:
+            await context.send_initial_metadata(tuple(metadata))
         lock = asyncio.Lock()
         answering: set[asyncio.Task] = set()
 

@@ -16,6 +16,7 @@ from kvrouter_client import (
     RouteResult,
     SyncRouterClient,
     TaskCategory,
+    keys,
 )
 from kvrouter_client._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouter_client._client import _complete_request, _route_request
@@ -303,6 +304,71 @@ async def test_batches_stay_within_the_item_cap_and_the_routers_advertised_size(
         # a call larger than a batch may be still goes, on its own
         huge = await asyncio.gather(*(client.route([7] * 6000) for _ in range(2)))
         assert len(huge) == 2 and fake.stream_batches == [4, 4, 2]
+
+
+async def test_send_block_keys_sends_the_routers_keys_for_its_advertised_block_size(fake_server):
+    fake = fake_server.fake
+    fake.block_size = 8
+    tokens = list(range(100, 190))  # 11 blocks of 8 and 2 tokens over
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1, send_block_keys=True) as client:
+        await client.route(tokens[:3])  # the stream's first call: no full block, token ids whatever the metadata
+        await until(lambda: client._streams._streams[0].block_size == 8)  # type: ignore[union-attr]
+        await client.route(tokens, model="m", lora="l", session_id="s", request_id="r1")
+        await client.route(array("I", tokens))
+        await client.route(tokens[:7])  # no full block: token ids, as an empty block_keys is no prompt
+    short, keyed, plain, seven = fake.routes
+    assert short.token_ids_le32 == array("I", tokens[:3]).tobytes() and not short.block_keys
+    # the router's keys, salted by model and LoRA as the router salts them, and the prompt's length
+    assert list(keyed.block_keys) == keys.block_keys(tokens, 8, "m", "l") and keyed.prompt_tokens == 90
+    assert not keyed.token_ids_le32 and not keyed.token_ids
+    assert (keyed.model, keyed.lora, keyed.session_id, keyed.request_id) == ("m", "l", "s", "r1")
+    assert list(plain.block_keys) == keys.block_keys(tokens, 8) and plain.prompt_tokens == 90
+    assert seven.token_ids_le32 == array("I", tokens[:7]).tobytes() and not seven.block_keys
+
+
+async def test_send_block_keys_sends_token_ids_without_an_advertised_block_size_or_unary(fake_server):
+    fake = fake_server.fake
+    tokens = list(range(64))
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1, send_block_keys=True) as client:
+        for _ in range(3):
+            await client.route(tokens)  # a router from before block keys advertises no block size
+    fake.block_size = 16
+    async with RouterClient(fake_server.target, timeout=2.0, streams=0, send_block_keys=True) as client:
+        await client.route(tokens)  # unary calls carry no advertisement
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        for _ in range(3):
+            await client.route(tokens)  # advertised, but not asked for
+    assert len(fake.routes) == 7
+    assert all(r.token_ids_le32 == array("I", tokens).tobytes() and not r.block_keys for r in fake.routes)
+
+
+async def test_send_block_keys_fails_open_with_the_token_ids(fake_server):
+    fake = fake_server.fake
+    fake.block_size = 16
+    seen: list[pb.RouteRequest] = []
+    fallback = lambda r: seen.append(r) or ("f", "f:1")  # noqa: E731
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1, send_block_keys=True,
+                            fallback=fallback) as client:
+        await client.route(list(range(32)))
+        fake.route_error = grpc.StatusCode.UNAVAILABLE
+        assert (await client.route(list(range(48)))).fallback
+    assert list(fake.routes[-1].block_keys) == keys.block_keys(list(range(48)))
+    # the fallback sees the request the caller made, its prompt as token ids
+    assert seen[0].token_ids_le32 == array("I", range(48)).tobytes() and not seen[0].block_keys
+
+
+def test_a_keyed_route_parses_as_protobufs_block_keys_request():
+    tokens = list(range(1000))
+    route = _route_request(tokens, None, 0, "m", "l", "s", TaskCategory.CHAT, 9.5, 7, "p", ["w1"], "r")
+    sent = pb.RouteRequest.FromString(b"".join(route.keyed(16)))
+    expected = pb.RouteRequest(block_keys=keys.block_keys(tokens, 16, "m", "l"), prompt_tokens=1000, model="m",
+                               lora="l", session_id="s", task=int(TaskCategory.CHAT), ttft_slo_ms=9.5,
+                               expected_output_tokens=7, policy="p", candidate_workers=["w1"], request_id="r")
+    assert sent == expected
+    # a caller's prompt_tokens beside token ids is replaced by the ids' count, as the router counts them
+    route = _route_request(tokens, None, 5, "", "", "", TaskCategory.UNSPECIFIED, 0.0, 0, "", (), "")
+    assert pb.RouteRequest.FromString(b"".join(route.keyed(16))).prompt_tokens == 1000
+    assert route.keyed(0) == route.body()  # no block size: the token ids
 
 
 async def test_an_older_router_without_the_advertisement_gets_one_message_per_call(fake_server):

@@ -14,6 +14,14 @@ router advertises batches: see ``_streams``); a broken stream is reopened on the
 a router without RouteStream (UNIMPLEMENTED) is spoken to with unary calls from then on. ``streams=0`` uses
 unary ``Route``/``Complete`` only. ``SyncRouterClient`` always uses unary calls.
 
+Block keys: with ``send_block_keys=True`` a route() given token ids hashes them into the block
+keys the router would compute (``keys``, with the block size the router advertises on its
+streams) and sends those with ``prompt_tokens``: 8 bytes a block instead of 4 a token (a 4,000-token
+prompt: 2 KB instead of 16 KB), which the router neither parses nor hashes, so each Route costs it
+less CPU and the gateway more (the hash, ~0.1 us a block in pure Python). Routed exactly as the
+token ids would be. A prompt with no full block, a unary call, and a stream whose router
+advertises no block size (an older one, or before its metadata arrived) send token ids.
+
 Deadlines: every call has one (``timeout`` per client, overridable per call). A router
 that is down or slow must not stall the data path.
 
@@ -29,6 +37,7 @@ failing open would hide a bug.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -40,8 +49,9 @@ from ._channel import TLS, channel_options, open_aio_channel, open_channel
 from ._errors import KVRouterClientError, RouterUnavailable, from_rpc_error
 from ._generated.kvrouter.v1 import router_pb2 as pb
 from ._generated.kvrouter.v1 import router_pb2_grpc
-from ._streams import COMPLETE, ROUTE, RouteStreams, StreamsUnsupported, field_header
+from ._streams import COMPLETE, ROUTE, RouteStreams, StreamsUnsupported, field_header, varint_field
 from ._types import RouteResult, TaskCategory, WorkerInfo, packed_array
+from .keys import chain_keys, namespace_seed
 
 __all__ = ["DEFAULT_STREAMS", "DEFAULT_TIMEOUT_S", "FallbackFn", "RouterClient", "SyncRouterClient"]
 
@@ -56,6 +66,10 @@ FallbackFn = Callable[[pb.RouteRequest], tuple[str, str]]
 
 #: RouteRequest.token_ids_le32, the packed prompt: the last field, so protobuf writes it last
 _PROMPT_FIELD = 14
+#: RouteRequest.block_keys (packed fixed64: little-endian uint64s) and prompt_tokens (a varint)
+_KEYS_FIELD = 3
+_PROMPT_TOKENS_FIELD = 4
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class _Route:
@@ -82,6 +96,25 @@ class _Route:
             return [fields]
         prompt = memoryview(self.prompt).cast("B")  # our own array (see _route_request): nobody resizes it
         return [fields, field_header(_PROMPT_FIELD, len(prompt)), prompt]
+
+    def keyed(self, block_size: int) -> list[bytes | memoryview]:
+        """The serialised RouteRequest with the prompt as its block keys for ``block_size`` and
+        ``prompt_tokens`` its length, as the router hashes them (``keys``); ``body()`` when
+        there is no block size (0: the router advertised none) or the prompt holds no full block
+        (an empty ``block_keys`` would be no prompt at all)."""
+        prompt = self.prompt
+        if not block_size or prompt is None or len(prompt) < block_size:
+            return self.body()
+        fields = self.fields
+        seed = namespace_seed(fields.model, fields.lora, fields.cache_salt)
+        keys = array("Q", chain_keys(prompt.tobytes(), block_size, seed))
+        if not _LITTLE_ENDIAN:  # pragma: no cover - no big-endian CI machine
+            keys.byteswap()
+        packed = memoryview(keys).cast("B")
+        # after the other fields, so ours win: the router takes the last prompt_tokens, and counts
+        # a token prompt by its ids whatever prompt_tokens said
+        return [fields.SerializeToString(), field_header(_KEYS_FIELD, len(packed)), packed,
+                varint_field(_PROMPT_TOKENS_FIELD, len(prompt))]
 
 
 def _route_request(
@@ -178,6 +211,8 @@ class RouterClient:
     Bearer <token>`` on every call (the router's ``auth`` section). Pass ``channel`` to bring
     your own (then tls and token are yours to set on it).
     ``streams`` RouteStream calls carry route()/complete(); 0 = unary calls only.
+    ``send_block_keys``: streamed Routes carry their prompts' block keys instead of their token
+    ids (see the module docstring): less CPU for the router, more for the gateway.
     """
 
     def __init__(
@@ -192,6 +227,7 @@ class RouterClient:
         tls: TLS | None = None,
         token: str | None = None,
         token_file: str | None = None,
+        send_block_keys: bool = False,
     ) -> None:
         if channel is None and not target:
             raise ValueError("pass a target (host:port) or a channel")
@@ -199,6 +235,7 @@ class RouterClient:
             raise ValueError("timeout must be > 0")
         if streams < 0:
             raise ValueError("streams must be >= 0")
+        self.send_block_keys = send_block_keys
         self._own_channel = channel is None
         self._channel = channel or open_aio_channel(target, channel_options(options, 0.1, 5.0), tls, token, token_file)
         self._stub = router_pb2_grpc.KVRouterStub(self._channel)
@@ -234,7 +271,8 @@ class RouterClient:
         streams = self._streaming()
         if streams is not None:
             try:
-                reply = await streams.exchange(ROUTE, route.body(), timeout, "Route")
+                body = route.keyed if self.send_block_keys else route.body()
+                reply = await streams.exchange(ROUTE, body, timeout, "Route")
             except KVRouterClientError as err:
                 return _fail_open(route.message(), self.fallback, err)
             except StreamsUnsupported:

@@ -19,6 +19,10 @@ stream in turn, so a burst of calls is one message and the bursts rotate over th
 the metadata arrives, and always with a router that does not advertise batches, every call is
 its own message on the next stream in turn, as before.
 
+Block keys: a router that takes them also advertises the block size it keys prompts with
+(``kvrouter-block-size``); a Route made with ``keyed`` (``RouterClient(send_block_keys=True)``)
+goes as its block keys on a stream that has seen it, as its token ids on any other.
+
 A stream that breaks (router restart, connection loss) fails the calls waiting on it with
 the stream's status and is replaced by a new one on the next call, so reconnecting needs
 nothing from the caller. A router that predates RouteStream answers UNIMPLEMENTED: the
@@ -31,7 +35,7 @@ import asyncio
 import itertools
 import struct
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -41,13 +45,16 @@ from ._generated.kvrouter.v1 import router_pb2 as pb
 
 # batch_message, batches and advertised_limit are the coalescing policy, which kvrouterd's bench reuses
 __all__ = [
-    "COMPLETE", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "ROUTE", "RouteStreams", "StreamsUnsupported", "advertised_limit",
-    "batch_message", "batches", "field_header", "stream_item",
+    "COMPLETE", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "ROUTE", "RouteStreams", "StreamsUnsupported",
+    "advertised_block_size", "advertised_limit", "batch_message", "batches", "field_header", "stream_item",
+    "varint_field",
 ]
 
 _METHOD = "/kvrouter.v1.KVRouter/RouteStream"
 #: RouteStream response metadata of a router that takes batches; its value: its message size limit
 BATCH_METADATA = "kvrouter-stream-batch"
+#: RouteStream response metadata: the block size the router keys prompts with
+BLOCK_SIZE_METADATA = "kvrouter-block-size"
 #: most calls in one batch: the router answers a batch once all its items are decided, so the
 #: size bounds how long the first item's answer waits for the others (~64 x 100 us)
 MAX_BATCH_ITEMS = 64
@@ -81,6 +88,11 @@ def _varint(n: int) -> bytes:
 
 
 _ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))
+
+
+def varint_field(number: int, value: int) -> bytes:
+    """A varint field (``value`` >= 0) on the wire: its tag and its value."""
+    return _varint(number << 3) + _varint(value)
 
 
 def field_header(number: int, size: int) -> bytes:
@@ -123,6 +135,13 @@ def advertised_limit(metadata: grpc.aio.Metadata | None) -> int:
     value = metadata.get(BATCH_METADATA) if metadata is not None else None
     limit = parse_decimal(value) if isinstance(value, str) else None
     return min(limit, MAX_BATCH_BYTES) if limit is not None else 0
+
+
+def advertised_block_size(metadata: grpc.aio.Metadata | None) -> int:
+    """The block size the router keys prompts with: 0 unless it advertises one."""
+    value = metadata.get(BLOCK_SIZE_METADATA) if metadata is not None else None
+    size = parse_decimal(value) if isinstance(value, str) else None
+    return size or 0
 
 
 def batches(queued: list[bytes], limit: int) -> Iterator[list[bytes]]:
@@ -179,6 +198,8 @@ class _Stream:
         self.writer: asyncio.Task[None] | None = None
         #: bytes a batch may have; 0 = one message per call (no advertisement seen, or not yet)
         self.batch_limit = 0
+        #: the block size the router keys prompts with; 0 = not advertised (or not yet): token ids
+        self.block_size = 0
         self.failure: BaseException | None = None
         # kept: asyncio.get_running_loop() costs a getpid() system call, several a call otherwise
         self.loop = asyncio.get_running_loop()
@@ -195,7 +216,9 @@ class _Stream:
         waiting = self.waiting
         try:
             # a batching router sends its metadata at once; an older one with its first answer
-            self.batch_limit = advertised_limit(await self.call.initial_metadata())
+            metadata = await self.call.initial_metadata()
+            self.batch_limit = advertised_limit(metadata)
+            self.block_size = advertised_block_size(metadata)
             _keep_batches_mapped(self.batch_limit)
             while True:
                 reply = await self.call.read()
@@ -331,11 +354,13 @@ class RouteStreams:
         self.unsupported = False
 
     async def exchange(
-        self, kind: int, body: Sequence[bytes | memoryview], timeout: float, what: str
+        self, kind: int, body: Sequence[bytes | memoryview] | Callable[[int], Sequence[bytes | memoryview]],
+        timeout: float, what: str,
     ) -> pb.RouteStreamResponse:
         """Send one message of ``kind`` (ROUTE or COMPLETE) carrying the serialised request
         ``body`` (its parts, joined once: see ``stream_item``) and wait at most ``timeout`` s
-        for its answer.
+        for its answer. A callable ``body`` is given the block size the stream's router
+        advertised (0: none) and makes the parts (a Route's block keys, or its token ids).
 
         Raises RouterUnavailable (stream broken, router unreachable, deadline passed),
         StreamsUnsupported, or the error the router answered this message with."""
@@ -353,6 +378,8 @@ class RouteStreams:
                 stream = self._streams[slot] = _Stream(self._method)
             self._filling = stream
         n = next(self._ids)
+        if callable(body):
+            body = body(stream.block_size)
         item = stream_item(n, kind, body, timeout * 1000.0)
         timer: asyncio.TimerHandle | None = None
         try:

@@ -34,6 +34,9 @@ static PyObject *zero;         /* 0: a new Block's hits */
 static PyObject *one;          /* 1: a touch's hits */
 static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
 static PyObject *array_q_zero; /* array('Q', [0]): u64_array repeats it into its result */
+static PyObject *pending_name; /* interned "_pending" */
+/* RadixIndex.recency (set_leaf_recency), which LeafOrder.stored computes itself where it can */
+static PyObject *leaf_recency_ref;
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -3982,6 +3985,35 @@ leaf_prio_arg(PyObject *obj, double *p)
     return *p == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* RadixIndex.recency(index, b, slot) for the usual end of a stored chain, without the call (a
+ * Python call per stored event was a tenth of the hook's cost): a block with no children and
+ * no accesses pending on it (index._pending, read once a call into *pending) was last used when
+ * its own last_access says. 1 with *p; 0 when the Python method must answer (children, pending
+ * accesses, a last_access not a float); -1 on error. radix.py's method is the reference. */
+static int
+leaf_recency(PyObject *index, BlockObject *b, PyObject *slotobj, PyObject **pending, double *p)
+{
+    if (b->children != Py_None)
+        return 0;
+    PyObject *la = b->state->last_access;
+    if (PyDict_CheckExact(la) && (la = PyDict_GetItemWithError(la, slotobj)) == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyFloat_CheckExact(la))
+        return 0;
+    if (*pending == NULL && (*pending = PyObject_GetAttr(index, pending_name)) == NULL)
+        return -1;
+    if (!PyDict_CheckExact(*pending))
+        return 0;
+    if (PyDict_GET_SIZE(*pending)) {
+        if (PyDict_GetItemWithError(*pending, (PyObject *)b) != NULL)
+            return 0;
+        if (PyErr_Occurred())
+            return -1;
+    }
+    *p = PyFloat_AS_DOUBLE(la);
+    return 1;
+}
+
 /* put(block, priority): block a leaf at priority (re-scored if it is one) */
 static PyObject *
 LeafOrder_put(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
@@ -4193,7 +4225,7 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
     /* our own references to the blocks: the priority is Python code, which could change the list */
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nends = 0;
     BlockObject *stack[2 * 64 + 1], **items = stack;
-    PyObject *bit = NULL, *result = NULL;
+    PyObject *bit = NULL, *result = NULL, *pending = NULL; /* index._pending, once read (leaf_recency) */
     BlockObject *parent = NULL; /* the chain's parent, if a Block: ours too */
     if (n > 64 && (items = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(BlockObject *))) == NULL) {
         Py_DECREF(seq);
@@ -4239,17 +4271,21 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             continue;
         }
-        PyObject *call[3] = {index, (PyObject *)b, slotobj};
-        PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
         double p;
-        int r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
-        Py_XDECREF(prio);
+        int r = priority == leaf_recency_ref ? leaf_recency(index, b, slotobj, &pending, &p) : 0;
+        if (r == 0) {
+            PyObject *call[3] = {index, (PyObject *)b, slotobj};
+            PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
+            r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
+            Py_XDECREF(prio);
+        }
         if (r < 0 || lo_put(o, b, p) < 0)
             goto done;
     }
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(bit);
+    Py_XDECREF(pending);
     Py_XDECREF(parent);
     for (Py_ssize_t i = 0; i < owned; i++)
         Py_DECREF(items[i]);
@@ -6000,6 +6036,16 @@ u64_array(PyObject *module, PyObject *values)
     return packed;
 }
 
+/* set_leaf_recency(fn): `fn` is RadixIndex.recency (radix.py registers it), the priority
+ * LeafOrder.stored computes itself for a leaf with no children and no pending accesses
+ * (leaf_recency); any other priority is called as it is */
+static PyObject *
+set_leaf_recency(PyObject *module, PyObject *fn)
+{
+    Py_XSETREF(leaf_recency_ref, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 /* msgpack_uint32s(raw) -> bytes | None
  *
  * A msgpack array of ints in [0, 2**32) (vLLM's and SGLang's BlockStored token_ids, handed over
@@ -6142,6 +6188,8 @@ static PyMethodDef native_methods[] = {
     {"msgpack_uint32s", (PyCFunction)msgpack_uint32s, METH_O,
      "msgpack_uint32s(raw) -> bytes | None: a msgpack array of ints in [0, 2**32) as little-endian uint32 "
      "bytes, else None"},
+    {"set_leaf_recency", (PyCFunction)set_leaf_recency, METH_O,
+     "set_leaf_recency(fn): fn is RadixIndex.recency, which LeafOrder.stored then computes itself where it can"},
     {"u64_array", (PyCFunction)u64_array, METH_O,
      "u64_array(values) -> array('Q') | None: array('Q', values) for a tuple or list of ints, else None"},
     {"slots_filler", (PyCFunction)(void (*)(void))slots_filler, METH_FASTCALL,
@@ -6158,6 +6206,7 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
+    pending_name = PyUnicode_InternFromString("_pending");
     slot_name = PyUnicode_InternFromString("slot");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
@@ -6168,7 +6217,7 @@ PyInit__native(void)
         return NULL;
     array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
     Py_DECREF(array_module);
-    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
         return NULL;

@@ -603,3 +603,10 @@ class RadixIndex:
                         (parent.children,) = c.values()  # type: ignore[union-attr]
             node.parent = None
             node = parent
+
+
+if native.module is not None:
+    # the lru leaf tracker's priority: LeafOrder.stored (its hook, once per stored event)
+    # computes it itself for a leaf with no children and no pending accesses; the method above
+    # is the reference, and answers every other case
+    native.module.set_leaf_recency(RadixIndex.recency)

@@ -2634,27 +2634,47 @@ BlockTable_store_chain(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     return i < 0 ? NULL : Py_BuildValue("(nnn)", i, r.added, r.alone_n);
 }
 
+/* d[key] += n, as Python's `+=` does it (KeyError when key is absent); 0 or -1 */
+static int
+dict_add(PyObject *d, PyObject *key, Py_ssize_t n)
+{
+    PyObject *was = PyDict_GetItemWithError(d, key);
+    if (was == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    PyObject *by = PyLong_FromSsize_t(n);
+    PyObject *sum = by == NULL ? NULL : PyNumber_Add(was, by);
+    int r = sum == NULL ? -1 : PyDict_SetItem(d, key, sum);
+    Py_XDECREF(by);
+    Py_XDECREF(sum);
+    return r;
+}
+
 /* store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, chain, pending, alone,
- *              engine_map, hashes) -> (keys, stop, added, alone_added)
+ *              counts, engine_map, hashes) -> (keys, stop)
  *
  * A stored event's native work in one call (issue #12: per stored event, every call from Python
  * and every object in between is a percent or two of PublishEvents' work): the chain's keys
- * (chain_keys_packed(data, block_size, seed, -1)), store_chain(block_type, parent, keys, 0,
- * slot, now, leaves, chain, pending, alone), and, when that stored every key and `engine_map` (a
- * U64Map) is given, engine_map.map_pairs(hashes, keys). Returns the keys as native uint64 bytes
- * and store_chain's answer; when it stopped short (a key left to the Python loop), the engine
- * map is untouched and the caller goes on as RadixIndex.store does from there, then maps the
- * hashes (radix.py: RadixIndex.store_hashed, the reference). `hashes`, an array('Q') or a list
- * of ints with one hash per key, is checked before anything changes. */
+ * (chain_keys_packed(data, block_size, seed, -1)), hashed straight into the array('Q') returned;
+ * store_chain(block_type, parent, keys, 0, slot, now, leaves, chain, pending, alone) and its
+ * counts added where RadixIndex.store adds them (counts[slot] += added, alone[1 << slot] +=
+ * alone_added); and, when that stored every key and `engine_map` (a U64Map) is given,
+ * engine_map.map_pairs(hashes, keys). Returns the keys and where store_chain stopped; when it
+ * stopped short (a key left to the Python loop), the engine map is untouched and the caller goes
+ * on as RadixIndex.store does from there, then maps the hashes (radix.py: RadixIndex.store_hashed,
+ * the reference). `hashes`, an array('Q') or a list of ints with one hash per key, is checked
+ * before anything changes. */
 static PyObject *
 BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 13) {
+    if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError, "store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, "
-                                         "chain, pending, alone, engine_map, hashes)");
+                                         "chain, pending, alone, counts, engine_map, hashes)");
         return NULL;
     }
-    PyObject *engine_map = args[11];
+    PyObject *counts = args[11], *engine_map = args[12];
     StoreRun r;
     if (store_run_open(&r, args[0], args[1], NULL, args[5], args[6], args[7], args[8], args[9], args[10]) < 0)
         return NULL;
@@ -2663,23 +2683,35 @@ BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         store_run_close(&r);
         return NULL;
     }
-    PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
-    PyObject *raw = chain_keys_packed(NULL, chain_argv, 4);
-    if (raw == NULL) {
+    if (!PyDict_CheckExact(counts)) {
+        PyErr_SetString(PyExc_TypeError, "counts is a dict");
         store_run_close(&r);
         return NULL;
     }
+    PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
+    Py_buffer data;
+    Py_ssize_t step, n;
+    uint64_t seed;
+    if (chain_args(chain_argv, 4, &data, &step, &n, &seed) < 0) {
+        store_run_close(&r);
+        return NULL;
+    }
+    /* array's own repeat makes the array without array()'s argument parsing (u64_array) */
+    PyObject *out = PySequence_Repeat(array_q_zero, n);
     U64Keys keys, hashes;
     keys.seq = hashes.seq = NULL;
     hashes.view.obj = NULL;
-    if (PyObject_GetBuffer(raw, &keys.view, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(raw);
+    if (out == NULL || PyObject_GetBuffer(out, &keys.view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&data);
+        Py_XDECREF(out);
         store_run_close(&r);
         return NULL;
     }
-    keys.n = keys.view.len / (Py_ssize_t)sizeof(uint64_t);
+    keys.n = n;
+    chain_into((const char *)data.buf, step, n, seed, (uint64_t *)keys.view.buf);
+    PyBuffer_Release(&data);
     if (engine_map != Py_None) {
-        if (u64_keys_open(args[12], &hashes, "hashes") < 0)
+        if (u64_keys_open(args[13], &hashes, "hashes") < 0)
             goto error;
         if (hashes.n != keys.n) {
             PyErr_Format(PyExc_ValueError, "%zd engine hashes for %zd blocks", hashes.n, keys.n);
@@ -2692,19 +2724,19 @@ BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_ssize_t stop = store_run(t, args[1], &keys, 0, &r);
-    if (stop < 0)
+    if (stop < 0 || dict_add(counts, r.slot_obj, r.added) < 0 || dict_add(r.alone, r.bit, r.alone_n) < 0)
         goto error;
     if (stop == keys.n && engine_map != Py_None && map_pairs_run((U64Table *)engine_map, &hashes, &keys) < 0)
         goto error;
     u64_keys_close(&hashes);
-    u64_keys_close(&keys);
+    u64_keys_close(&keys); /* the array's export: it may be resized again */
     store_run_close(&r);
-    return Py_BuildValue("(Nnnn)", raw, stop, r.added, r.alone_n);
+    return Py_BuildValue("(Nn)", out, stop);
 error:
     u64_keys_close(&hashes);
     u64_keys_close(&keys);
     store_run_close(&r);
-    Py_DECREF(raw);
+    Py_DECREF(out);
     return NULL;
 }
 

@@ -34,6 +34,9 @@ static PyObject *zero;         /* 0: a new Block's hits */
 static PyObject *one;          /* 1: a touch's hits */
 static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
 static PyObject *array_q_zero; /* array('Q', [0]): u64_array repeats it into its result */
+static PyObject *pending_name; /* interned "_pending" */
+/* RadixIndex.recency (set_leaf_recency), which LeafOrder.stored computes itself where it can */
+static PyObject *leaf_recency_ref;
 
 /* Arguments of chain_keys/chain_keys_packed: (data, block_size, seed, limit). On success the
  * caller owns `view` and must release it. */
@@ -548,6 +551,36 @@ t_find(const U64Slots *a, uint64_t key)
 {
     Py_ssize_t i = t_probe(a, key);
     return i < 0 ? -1 : i;
+}
+
+/* A helper that only prefetches is forced inline: GCC (12, at -O1 and up) finds such a function
+ * `const` (a prefetch has no side effect it models) before it inlines it, and deletes every call
+ * whose result is unused, which is all of them; the match walk's prefetches were never emitted. */
+#define PREFETCH_HELPER static inline __attribute__((always_inline)) void
+
+/* How many keys ahead a loop over a stored chain asks for the table slots of the key it will
+ * look up (store_run, map_pairs_run, LeafOrder.stored). At 10^5-10^6 entries every lookup of a
+ * new key is a cache miss (issue #30: the slot loads of the block table and the engine-hash map
+ * were a third of an applied block's time); the keys are known up front, so the misses are
+ * fetched side by side instead of one after another. */
+#define STORE_AHEAD 8
+
+/* the slot `key`'s probe starts at, and its occupancy word, on their way into cache */
+PREFETCH_HELPER
+t_prefetch(const U64Slots *a, uint64_t key)
+{
+    Py_ssize_t i = t_home(key, a->capacity);
+    __builtin_prefetch(&T_KEY(a, i), 1);
+    __builtin_prefetch(&a->used[i >> 6], 1);
+}
+
+/* t_prefetch in cur, and in old while the store grows (a miss in cur reads old too) */
+PREFETCH_HELPER
+us_prefetch(const U64Store *s, uint64_t key)
+{
+    t_prefetch(&s->cur, key);
+    if (s->old.table != NULL)
+        t_prefetch(&s->old, key);
 }
 
 /* the first free slot from `i` on (cyclically), read from the occupancy bitmap a word (64 slots)
@@ -1209,8 +1242,12 @@ map_pairs_run(U64Table *t, const U64Keys *src, const U64Keys *dst)
     for (Py_ssize_t i = 0; i < n; i++)
         if (u64_keys_get(src, i, &pairs[2 * i]) < 0 || u64_keys_get(dst, i, &pairs[2 * i + 1]) < 0)
             goto error;
+    for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
+        us_prefetch(&t->s, pairs[2 * i]);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
+        if (i + STORE_AHEAD < n)
+            us_prefetch(&t->s, pairs[2 * (i + STORE_AHEAD)]);
         if (key == value)
             continue;
         if (us_set(&t->s, key, value) < 0)
@@ -1663,6 +1700,16 @@ bt_find(const BlockTable *t, uint64_t key)
     if (t->old.slots != NULL && (i = bt_probe(&t->old, key, mixed)) >= 0)
         return &t->old.slots[i];
     return NULL;
+}
+
+/* the home slot of `key` on its way into cache, in both arrays while the table grows */
+PREFETCH_HELPER
+bt_prefetch(const BlockTable *t, uint64_t key)
+{
+    uint64_t mixed = u64_mix(key);
+    __builtin_prefetch(&t->cur.slots[home_of_mixed(mixed, t->cur.capacity)]);
+    if (t->old.slots != NULL)
+        __builtin_prefetch(&t->old.slots[home_of_mixed(mixed, t->old.capacity)]);
 }
 
 /* put `b` (its key known absent; u64_mix(key) is `mixed`) into a free slot; the array must have one */
@@ -2415,9 +2462,15 @@ store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, St
 {
     BlockState *run = NULL;   /* the state of the blocks made here (made with the first) */
     BlockObject *last = NULL; /* the open run's last block: the one that joins `leaves` */
+    /* keys in a buffer are read ahead for free; ints would each be converted twice */
+    const uint64_t *ahead = keys->view.obj != NULL ? (const uint64_t *)keys->view.buf : NULL;
     Py_INCREF(parent);        /* ours while Python code (a collection's finalizers) may run */
+    for (Py_ssize_t k = i; ahead != NULL && k < keys->n && k < i + STORE_AHEAD; k++)
+        bt_prefetch(t, ahead[k]);
     for (; i < keys->n; i++) {
         uint64_t key;
+        if (ahead != NULL && i + STORE_AHEAD < keys->n)
+            bt_prefetch(t, ahead[i + STORE_AHEAD]);
         if (u64_keys_get(keys, i, &key) < 0)
             goto error;
         uint64_t mixed = u64_mix(key);
@@ -2581,27 +2634,47 @@ BlockTable_store_chain(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     return i < 0 ? NULL : Py_BuildValue("(nnn)", i, r.added, r.alone_n);
 }
 
+/* d[key] += n, as Python's `+=` does it (KeyError when key is absent); 0 or -1 */
+static int
+dict_add(PyObject *d, PyObject *key, Py_ssize_t n)
+{
+    PyObject *was = PyDict_GetItemWithError(d, key);
+    if (was == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    PyObject *by = PyLong_FromSsize_t(n);
+    PyObject *sum = by == NULL ? NULL : PyNumber_Add(was, by);
+    int r = sum == NULL ? -1 : PyDict_SetItem(d, key, sum);
+    Py_XDECREF(by);
+    Py_XDECREF(sum);
+    return r;
+}
+
 /* store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, chain, pending, alone,
- *              engine_map, hashes) -> (keys, stop, added, alone_added)
+ *              counts, engine_map, hashes) -> (keys, stop)
  *
  * A stored event's native work in one call (issue #12: per stored event, every call from Python
  * and every object in between is a percent or two of PublishEvents' work): the chain's keys
- * (chain_keys_packed(data, block_size, seed, -1)), store_chain(block_type, parent, keys, 0,
- * slot, now, leaves, chain, pending, alone), and, when that stored every key and `engine_map` (a
- * U64Map) is given, engine_map.map_pairs(hashes, keys). Returns the keys as native uint64 bytes
- * and store_chain's answer; when it stopped short (a key left to the Python loop), the engine
- * map is untouched and the caller goes on as RadixIndex.store does from there, then maps the
- * hashes (radix.py: RadixIndex.store_hashed, the reference). `hashes`, an array('Q') or a list
- * of ints with one hash per key, is checked before anything changes. */
+ * (chain_keys_packed(data, block_size, seed, -1)), hashed straight into the array('Q') returned;
+ * store_chain(block_type, parent, keys, 0, slot, now, leaves, chain, pending, alone) and its
+ * counts added where RadixIndex.store adds them (counts[slot] += added, alone[1 << slot] +=
+ * alone_added); and, when that stored every key and `engine_map` (a U64Map) is given,
+ * engine_map.map_pairs(hashes, keys). Returns the keys and where store_chain stopped; when it
+ * stopped short (a key left to the Python loop), the engine map is untouched and the caller goes
+ * on as RadixIndex.store does from there, then maps the hashes (radix.py: RadixIndex.store_hashed,
+ * the reference). `hashes`, an array('Q') or a list of ints with one hash per key, is checked
+ * before anything changes. */
 static PyObject *
 BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 13) {
+    if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError, "store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, "
-                                         "chain, pending, alone, engine_map, hashes)");
+                                         "chain, pending, alone, counts, engine_map, hashes)");
         return NULL;
     }
-    PyObject *engine_map = args[11];
+    PyObject *counts = args[11], *engine_map = args[12];
     StoreRun r;
     if (store_run_open(&r, args[0], args[1], NULL, args[5], args[6], args[7], args[8], args[9], args[10]) < 0)
         return NULL;
@@ -2610,23 +2683,35 @@ BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         store_run_close(&r);
         return NULL;
     }
-    PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
-    PyObject *raw = chain_keys_packed(NULL, chain_argv, 4);
-    if (raw == NULL) {
+    if (!PyDict_CheckExact(counts)) {
+        PyErr_SetString(PyExc_TypeError, "counts is a dict");
         store_run_close(&r);
         return NULL;
     }
+    PyObject *chain_argv[4] = {args[2], args[3], args[4], minus_one};
+    Py_buffer data;
+    Py_ssize_t step, n;
+    uint64_t seed;
+    if (chain_args(chain_argv, 4, &data, &step, &n, &seed) < 0) {
+        store_run_close(&r);
+        return NULL;
+    }
+    /* array's own repeat makes the array without array()'s argument parsing (u64_array) */
+    PyObject *out = PySequence_Repeat(array_q_zero, n);
     U64Keys keys, hashes;
     keys.seq = hashes.seq = NULL;
     hashes.view.obj = NULL;
-    if (PyObject_GetBuffer(raw, &keys.view, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(raw);
+    if (out == NULL || PyObject_GetBuffer(out, &keys.view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&data);
+        Py_XDECREF(out);
         store_run_close(&r);
         return NULL;
     }
-    keys.n = keys.view.len / (Py_ssize_t)sizeof(uint64_t);
+    keys.n = n;
+    chain_into((const char *)data.buf, step, n, seed, (uint64_t *)keys.view.buf);
+    PyBuffer_Release(&data);
     if (engine_map != Py_None) {
-        if (u64_keys_open(args[12], &hashes, "hashes") < 0)
+        if (u64_keys_open(args[13], &hashes, "hashes") < 0)
             goto error;
         if (hashes.n != keys.n) {
             PyErr_Format(PyExc_ValueError, "%zd engine hashes for %zd blocks", hashes.n, keys.n);
@@ -2639,19 +2724,19 @@ BlockTable_store_hashed(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_ssize_t stop = store_run(t, args[1], &keys, 0, &r);
-    if (stop < 0)
+    if (stop < 0 || dict_add(counts, r.slot_obj, r.added) < 0 || dict_add(r.alone, r.bit, r.alone_n) < 0)
         goto error;
     if (stop == keys.n && engine_map != Py_None && map_pairs_run((U64Table *)engine_map, &hashes, &keys) < 0)
         goto error;
     u64_keys_close(&hashes);
-    u64_keys_close(&keys);
+    u64_keys_close(&keys); /* the array's export: it may be resized again */
     store_run_close(&r);
-    return Py_BuildValue("(Nnnn)", raw, stop, r.added, r.alone_n);
+    return Py_BuildValue("(Nn)", out, stop);
 error:
     u64_keys_close(&hashes);
     u64_keys_close(&keys);
     store_run_close(&r);
-    Py_DECREF(raw);
+    Py_DECREF(out);
     return NULL;
 }
 
@@ -3364,6 +3449,10 @@ done:
  */
 #define WALK_AHEAD 8
 #define WALK_BLOCK_AHEAD 4
+/* As written, GCC 12 deletes these prefetches (see PREFETCH_HELPER): the walk has never run them.
+ * Made to run, they cost the decision benchmark's repeated (cached) prompt ~0.4 us a decision
+ * (10.2 -> 10.6 us, 64 workers, 1M blocks; issue #30); what they save on prompts not in cache is
+ * unmeasured, so the walk is left as it was. */
 
 /* keys given as int objects: converted, up to the first that can't be a key (outside uint64) */
 static PyObject *
@@ -3942,6 +4031,35 @@ leaf_prio_arg(PyObject *obj, double *p)
     return *p == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* RadixIndex.recency(index, b, slot) for the usual end of a stored chain, without the call (a
+ * Python call per stored event was a tenth of the hook's cost): a block with no children and
+ * no accesses pending on it (index._pending, read once a call into *pending) was last used when
+ * its own last_access says. 1 with *p; 0 when the Python method must answer (children, pending
+ * accesses, a last_access not a float); -1 on error. radix.py's method is the reference. */
+static int
+leaf_recency(PyObject *index, BlockObject *b, PyObject *slotobj, PyObject **pending, double *p)
+{
+    if (b->children != Py_None)
+        return 0;
+    PyObject *la = b->state->last_access;
+    if (PyDict_CheckExact(la) && (la = PyDict_GetItemWithError(la, slotobj)) == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyFloat_CheckExact(la))
+        return 0;
+    if (*pending == NULL && (*pending = PyObject_GetAttr(index, pending_name)) == NULL)
+        return -1;
+    if (!PyDict_CheckExact(*pending))
+        return 0;
+    if (PyDict_GET_SIZE(*pending)) {
+        if (PyDict_GetItemWithError(*pending, (PyObject *)b) != NULL)
+            return 0;
+        if (PyErr_Occurred())
+            return -1;
+    }
+    *p = PyFloat_AS_DOUBLE(la);
+    return 1;
+}
+
 /* put(block, priority): block a leaf at priority (re-scored if it is one) */
 static PyObject *
 LeafOrder_put(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
@@ -4153,7 +4271,7 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
     /* our own references to the blocks: the priority is Python code, which could change the list */
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nends = 0;
     BlockObject *stack[2 * 64 + 1], **items = stack;
-    PyObject *bit = NULL, *result = NULL;
+    PyObject *bit = NULL, *result = NULL, *pending = NULL; /* index._pending, once read (leaf_recency) */
     BlockObject *parent = NULL; /* the chain's parent, if a Block: ours too */
     if (n > 64 && (items = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(BlockObject *))) == NULL) {
         Py_DECREF(seq);
@@ -4177,7 +4295,11 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
     }
     if (IS_BLOCK(items[0]->parent))
         ends[nends++] = parent = (BlockObject *)Py_NewRef(items[0]->parent);
+    for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
+        us_prefetch(&o->where, leaf_addr(items[i]));
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + STORE_AHEAD < n)
+            us_prefetch(&o->where, leaf_addr(items[i + STORE_AHEAD]));
         if (i + 1 < n && items[i + 1]->parent == (PyObject *)items[i]) {
             if (lo_drop(o, items[i]) < 0)
                 goto done;
@@ -4195,17 +4317,21 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             continue;
         }
-        PyObject *call[3] = {index, (PyObject *)b, slotobj};
-        PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
         double p;
-        int r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
-        Py_XDECREF(prio);
+        int r = priority == leaf_recency_ref ? leaf_recency(index, b, slotobj, &pending, &p) : 0;
+        if (r == 0) {
+            PyObject *call[3] = {index, (PyObject *)b, slotobj};
+            PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
+            r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
+            Py_XDECREF(prio);
+        }
         if (r < 0 || lo_put(o, b, p) < 0)
             goto done;
     }
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(bit);
+    Py_XDECREF(pending);
     Py_XDECREF(parent);
     for (Py_ssize_t i = 0; i < owned; i++)
         Py_DECREF(items[i]);
@@ -5956,6 +6082,16 @@ u64_array(PyObject *module, PyObject *values)
     return packed;
 }
 
+/* set_leaf_recency(fn): `fn` is RadixIndex.recency (radix.py registers it), the priority
+ * LeafOrder.stored computes itself for a leaf with no children and no pending accesses
+ * (leaf_recency); any other priority is called as it is */
+static PyObject *
+set_leaf_recency(PyObject *module, PyObject *fn)
+{
+    Py_XSETREF(leaf_recency_ref, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 /* msgpack_uint32s(raw) -> bytes | None
  *
  * A msgpack array of ints in [0, 2**32) (vLLM's and SGLang's BlockStored token_ids, handed over
@@ -6098,6 +6234,8 @@ static PyMethodDef native_methods[] = {
     {"msgpack_uint32s", (PyCFunction)msgpack_uint32s, METH_O,
      "msgpack_uint32s(raw) -> bytes | None: a msgpack array of ints in [0, 2**32) as little-endian uint32 "
      "bytes, else None"},
+    {"set_leaf_recency", (PyCFunction)set_leaf_recency, METH_O,
+     "set_leaf_recency(fn): fn is RadixIndex.recency, which LeafOrder.stored then computes itself where it can"},
     {"u64_array", (PyCFunction)u64_array, METH_O,
      "u64_array(values) -> array('Q') | None: array('Q', values) for a tuple or list of ints, else None"},
     {"slots_filler", (PyCFunction)(void (*)(void))slots_filler, METH_FASTCALL,
@@ -6114,6 +6252,7 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     holders_name = PyUnicode_InternFromString("holders");
+    pending_name = PyUnicode_InternFromString("_pending");
     slot_name = PyUnicode_InternFromString("slot");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
@@ -6124,7 +6263,7 @@ PyInit__native(void)
         return NULL;
     array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
     Py_DECREF(array_module);
-    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
         return NULL;

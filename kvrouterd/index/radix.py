@@ -474,13 +474,9 @@ class RadixIndex:
         if store_hashed is not None and (engine_keys is None or type(engine_keys) is _U64Map):
             parent = None if parent_key is None else self._blocks[parent_key]
             chain: list[Block] = []
-            raw, stop, stored, stored_alone = store_hashed(self._block, parent, data, block_size, seed, slot, now,
-                                                           self._leaves[slot], chain, self._pending, self._alone,
-                                                           engine_keys, hashes)
-            keys = array("Q")
-            keys.frombytes(raw)
-            self._counts[slot] += stored
-            self._alone[1 << slot] += stored_alone
+            # the counts (store's _counts and _alone) are added in the call
+            keys, stop = store_hashed(self._block, parent, data, block_size, seed, slot, now, self._leaves[slot],
+                                      chain, self._pending, self._alone, self._counts, engine_keys, hashes)
             if stop == len(keys):
                 return keys, chain  # the engine hashes are mapped too
             # a block left to store's loop: on from there as store goes (chain[-1] is its parent)
@@ -603,3 +599,10 @@ class RadixIndex:
                         (parent.children,) = c.values()  # type: ignore[union-attr]
             node.parent = None
             node = parent
+
+
+if native.module is not None:
+    # the lru leaf tracker's priority: LeafOrder.stored (its hook, once per stored event)
+    # computes it itself for a leaf with no children and no pending accesses; the method above
+    # is the reference, and answers every other case
+    native.module.set_leaf_recency(RadixIndex.recency)

@@ -407,7 +407,10 @@ class SortedLeaves:
         """``slot`` stored the chain ``blocks`` (``EvictionPolicy.on_stored``): one call into its
         container (natively, the whole hook in C: it runs for every stored engine event)."""
         if blocks:
-            self._slot(index, slot).stored(index, slot, blocks, self.priority)
+            s = self._slots.get(slot)  # _slot written out: once per stored event
+            if s is None:
+                s = self._slot(index, slot)
+            s.stored(index, slot, blocks, self.priority)
 
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last

@@ -944,23 +944,28 @@ def test_store_hashed_checks_its_arguments_before_changing_anything():
     table, engine_keys = native.module.BlockTable(), native.module.U64Map()
     leaves: set = set()
     chain: list = []
+    counts, alone = {0: 0}, {1: 0}
     data = array("I", range(8)).tobytes()
     with pytest.raises(ValueError, match="1 engine hashes for 2 blocks"):
-        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, array("Q", [5]))
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, alone, counts, engine_keys, array("Q", [5]))
     with pytest.raises(OverflowError):
-        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, [5, 2**64])
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, alone, counts, engine_keys, [5, 2**64])
     with pytest.raises(TypeError, match="U64Map"):
-        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, {}, array("Q", [5, 6]))
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, alone, counts, {}, array("Q", [5, 6]))
+    with pytest.raises(TypeError, match="counts"):
+        table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, alone, [0], None, None)
     with pytest.raises(TypeError, match="parent"):
-        table.store_hashed(Block, object(), data, 4, 1, 0, 0.0, leaves, chain, {}, {}, None, None)
+        table.store_hashed(Block, object(), data, 4, 1, 0, 0.0, leaves, chain, {}, alone, counts, None, None)
     with pytest.raises(ValueError, match="block_size"):
-        table.store_hashed(Block, None, data, 0, 1, 0, 0.0, leaves, chain, {}, {}, None, None)
+        table.store_hashed(Block, None, data, 0, 1, 0, 0.0, leaves, chain, {}, alone, counts, None, None)
     assert len(table) == 0 and not leaves and not chain and len(engine_keys) == 0
-    raw, stop, stored, alone = table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, {}, engine_keys, [5, 6])
-    keys = array("Q")
-    keys.frombytes(raw)
-    assert stop == stored == alone == 2 and list(keys) == chain_keys_py(data, 4, 1) == [b.key for b in chain]
+    assert counts == {0: 0} and alone == {1: 0}
+    keys, stop = table.store_hashed(Block, None, data, 4, 1, 0, 0.0, leaves, chain, {}, alone, counts, engine_keys, [5, 6])
+    assert type(keys) is array and keys.typecode == "Q"
+    assert stop == 2 and list(keys) == chain_keys_py(data, 4, 1) == [b.key for b in chain]
+    assert counts == {0: 2} and alone == {1: 2}  # as RadixIndex.store adds them
     assert dict(engine_keys.items()) == {5: keys[0], 6: keys[1]}
+    keys.append(7)  # the call let go of its buffer: the array is the caller's to change
 
 
 def test_store_chain_rejects_what_is_not_a_block_chain():

@@ -173,6 +173,50 @@ def test_lru_keeps_a_slots_leaves_natively_where_the_index_is_native():
     assert type(leaf_order(pure, True)) is PyLeafOrder and type(leaf_order(index, False)) is PyLeafOrder
 
 
+@pytest.mark.skipif(LeafOrder is None, reason="the native LeafOrder (KVROUTERD_PURE_PYTHON=1 or no extension)")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=st.lists(st.tuples(st.sampled_from(["store", "store", "again", "access"]), st.sampled_from((0, 1)),
+                                 st.integers(0, 1 << 16), st.integers(1, 4)), min_size=1, max_size=40))
+def test_stored_works_out_recency_as_radix_index_does(script):
+    """``LeafOrder.stored`` works ``RadixIndex.recency`` out itself where it can (``_native.c``:
+    leaf_recency); the method is its reference. Fed alike, a container given the method and one
+    given a wrapper of it (which it calls every time) keep the same leaves at the same
+    priorities, with accesses pending, blocks several slots hold (stored again by the other
+    slot: their stats by slot) and leaves with children."""
+    index = RadixIndex()
+    for slot in (0, 1):
+        index.add_slot(slot)
+    native_way = {slot: LeafOrder() for slot in (0, 1)}
+    called = {slot: LeafOrder() for slot in (0, 1)}
+    wrapped = lambda i, b, slot: RadixIndex.recency(i, b, slot)  # noqa: E731
+    fresh, now = 1, 0.0
+    for op, slot, pick, n in script:
+        now += 1.0
+        held = sorted(b.key for b in index.blocks_of(slot))
+        every = sorted({*held, *(b.key for b in index.blocks_of(1 - slot))})
+        if op == "store" or (op == "again" and every):
+            parent = None if not every or pick % 3 == 0 else every[pick % len(every)]
+            keys: list[int] = list(range(fresh, fresh + n))
+            fresh += n
+            if op == "again":  # a chain the index has, from its root: either slot's blocks
+                b, keys, parent = index.get(every[pick % len(every)]), [], None
+                while b is not None:
+                    keys.append(b.key)
+                    b = b.parent
+                keys.reverse()
+            blocks = index.store(slot, parent, keys, now)
+            native_way[slot].stored(index, slot, blocks, RadixIndex.recency)
+            called[slot].stored(index, slot, blocks, wrapped)
+        elif op == "access" and held:  # a matched prefix of the slot's: its accesses stay pending on its last block
+            path, b = [], index.get(held[pick % len(held)])
+            while b is not None and b.holders >> slot & 1:
+                path.append(b)
+                b = b.parent
+            index.touch_path(slot, path[::-1], now)
+        for s in (0, 1):
+            assert [(p, k) for p, k, _ in native_way[s]] == [(p, k) for p, k, _ in called[s]]
+
+
 # ---- every SortedLeaves policy: the native index and containers against the pure ones --------------
 
 POLICIES = [

@@ -3410,6 +3410,24 @@ walk_prefetch_slot(const BlockTable *t, uint64_t key)
         __builtin_prefetch(&t->old.slots[home_of_mixed(mixed, t->old.capacity)]);
 }
 
+/* How many blocks ahead pass 2 of the walk asks for a holders int's digits. Over 1,024 workers
+ * each block's holders is an int of its own, 3 cache lines, reached through the block's state:
+ * read in turn, every block of the walk waited on that chain (~40% of a 250-block walk) */
+#define WALK_HOLDERS_AHEAD 4
+/* at most this many cache lines of one holders int are asked for ahead (4,096 workers: 9) */
+#define WALK_HOLDERS_LINES 8
+
+/* the digits of `holders` that the walk's slots still span on their way into cache */
+static inline void
+walk_prefetch_holders(PyObject *holders, const Walk *w)
+{
+    const digit *d = ((PyLongObject *)holders)->ob_digit;
+    const char *from = (const char *)(d + w->lo), *to = (const char *)(d + w->hi);
+    __builtin_prefetch(holders); /* its size */
+    for (int line = 0; line < WALK_HOLDERS_LINES && from < to; line++, from += 64)
+        __builtin_prefetch(from);
+}
+
 static PyObject *
 match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
 {
@@ -3440,12 +3458,17 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
             break;
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
         nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(*slot));
+        __builtin_prefetch(nodes[found]->state); /* pass 2 reads it, then its holders */
     }
     /* pass 2: intersect holder sets along the path. Nothing here runs Python code (Overlaps is no
      * collector object, so making it runs no collection): the Blocks' states stay as read. */
     Py_ssize_t depth = 0;
     PyObject *before = NULL;
+    for (Py_ssize_t i = 0; i < found && i < WALK_HOLDERS_AHEAD; i++)
+        walk_prefetch_holders(nodes[i]->state->holders, w);
     for (; depth < found; depth++) {
+        if (depth + WALK_HOLDERS_AHEAD < found)
+            walk_prefetch_holders(nodes[depth + WALK_HOLDERS_AHEAD]->state->holders, w);
         /* a block holding the very int the one before did (blocks stored together share their
          * state) drops no slot: the slots left are within it already */
         PyObject *holders = nodes[depth]->state->holders;
@@ -4820,9 +4843,8 @@ typedef struct {
 
 #define SCAN_START {0, -1, 0, 0, LLONG_MAX, LLONG_MIN}
 
-/* Without branches: in slot order the longest prefix often grows every few candidates (the
- * benchmark's fleet caches the prompt deeper the higher the slot), and a mispredicted branch a
- * few candidates cost more than the rest of a candidate's reading. */
+/* The lowest and highest load as conditional moves (the compiler's choice for the best, which
+ * measured faster than masks that force one too). */
 static inline void
 scan_take(ScanBest *b, Py_ssize_t i, long long depth, long long load)
 {
@@ -4888,6 +4910,116 @@ scan_slot_loads(PyObject **items, Py_ssize_t i, Py_ssize_t n, const ScanMembers 
     return i;
 }
 
+/* ---- CandidateSlots: a candidate list's slots, read once per membership ------------------------
+ *
+ * CandidateSlots(candidates): the slot of each candidate (Workers whose load is kept by slot,
+ * SlotLoad) as a uint32 array, with the SlotLoads they all share. The router's selector makes
+ * one per eligible-worker list, when membership changes, and prefix_scan given it reads no Worker
+ * at all: a candidate's depth and load are two arrays indexed by its slot (over 1,024 workers,
+ * reading each Worker's slot int from its own memory was most of what the scan still cost). It
+ * is a snapshot: valid while no candidate moves or leaves, which changes the registry's
+ * generation, and so the list it was made from. */
+typedef struct {
+    PyObject_VAR_HEAD /* ob_size: the candidates */
+    SlotLoadsObject *loads;
+    uint32_t slots[1];
+} CandidateSlotsObject;
+
+static PyTypeObject CandidateSlotsType;
+
+static PyObject *
+CandidateSlots_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"candidates", NULL};
+    PyObject *candidates;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:CandidateSlots", kwlist, &candidates))
+        return NULL;
+    PyObject *seq = PySequence_Fast(candidates, "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    CandidateSlotsObject *c = PyObject_NewVar(CandidateSlotsObject, type, n);
+    if (c == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    c->loads = NULL;
+    PyTypeObject *cls = NULL;
+    Py_ssize_t slot_at = -1, loads_at = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (cls == NULL) { /* one class: prefix_scan reads the load attribute of the first */
+            cls = Py_TYPE(item);
+            slot_at = member_offset(cls, slot_name);
+            loads_at = member_offset(cls, slot_loads_name);
+        }
+        int same = Py_TYPE(item) == cls; /* the offsets are cls's */
+        PyObject *s = !same || slot_at < 0 ? NULL : *(PyObject **)((char *)item + slot_at);
+        PyObject *loads = !same || loads_at < 0 ? NULL : *(PyObject **)((char *)item + loads_at);
+        uint32_t slot;
+        if (s == NULL || loads == NULL || !PyLong_CheckExact(s) || !one_digit(s, &slot)
+            || slot >= SLOT_LOADS_MAX
+            || !Py_IS_TYPE(loads, &SlotLoadsType) || (c->loads != NULL && loads != (PyObject *)c->loads)) {
+            PyErr_SetString(PyExc_ValueError, "candidates must be of one class, each with an int slot and one SlotLoads "
+                            "in slot_loads");
+            Py_DECREF(c);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (c->loads == NULL)
+            c->loads = (SlotLoadsObject *)Py_NewRef(loads);
+        c->slots[i] = slot;
+    }
+    Py_DECREF(seq);
+    return (PyObject *)c;
+}
+
+static void
+CandidateSlots_dealloc(CandidateSlotsObject *c)
+{
+    Py_XDECREF(c->loads);
+    PyObject_Free(c);
+}
+
+static Py_ssize_t
+CandidateSlots_len(CandidateSlotsObject *c)
+{
+    return Py_SIZE(c);
+}
+
+static PySequenceMethods CandidateSlots_as_sequence = {
+    .sq_length = (lenfunc)CandidateSlots_len,
+};
+
+static PyTypeObject CandidateSlotsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.CandidateSlots",
+    .tp_doc = "CandidateSlots(candidates): their slots and shared SlotLoads, for prefix_scan.",
+    .tp_basicsize = offsetof(CandidateSlotsObject, slots),
+    .tp_itemsize = sizeof(uint32_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = CandidateSlots_new,
+    .tp_dealloc = (destructor)CandidateSlots_dealloc,
+    .tp_as_sequence = &CandidateSlots_as_sequence,
+};
+
+/* prefix_scan over a CandidateSlots: the candidates' depths and loads (`column`) read by slot,
+ * no Worker touched. */
+static void
+scan_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, int column, ScanBest *best)
+{
+    const SlotLoadsObject *store = c->loads;
+    const int64_t *loads = store->values + column * store->capacity;
+    size_t capacity = (size_t)store->capacity, width = (size_t)by_slot->width;
+    const uint32_t *depths = by_slot->data;
+    ScanBest b = *best;
+    for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) {
+        uint32_t slot = c->slots[i];
+        scan_take(&b, i, slot < width ? depths[slot] : 0, slot < capacity ? loads[slot] : 0);
+    }
+    *best = b;
+}
+
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
  *
  * One pass over a routing decision's candidates, the reference being policies/_scan.py:
@@ -4899,12 +5031,17 @@ scan_slot_loads(PyObject **items, Py_ssize_t i, Py_ssize_t n, const ScanMembers 
  * `__slots__` members where the candidates' class has them (member_offset: 35k -> 15k
  * instructions at 64 workers). The match walk's Overlaps is read by slot number, a dict by
  * lookup. NotImplemented (the caller runs the Python reference) when `overlaps` is neither, a
- * slot is not an int, or a depth or load is not an int of at most 64 bits. */
+ * slot is not an int, or a depth or load is not an int of at most 64 bits.
+ *
+ * prefix_scan(candidates, overlaps, load_name, slots): the same, given the candidates'
+ * CandidateSlots (as many as candidates, made from them since no candidate moved or left: the
+ * caller's promise), which is read instead of the candidates when their load is a SlotLoad and
+ * `overlaps` the walk's. */
 static PyObject *
 prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "prefix_scan(candidates, overlaps, load_name) takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "prefix_scan(candidates, overlaps, load_name, slots=None) takes 3 or 4 arguments");
         return NULL;
     }
     PyObject *overlaps = args[1], *load_name = args[2];
@@ -4926,6 +5063,19 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     ScanBest best = SCAN_START;
     ScanMembers members = {NULL, -1, -1, -1, 0};
     Py_ssize_t i = 0;
+    PyObject *slots = nargs == 4 ? args[3] : Py_None;
+    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+        return NULL;
+    }
+    if (slots != Py_None && by_slot != NULL && Py_SIZE(slots) == PySequence_Fast_GET_SIZE(seq)) {
+        scan_members(&members, Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)), load_name);
+        if (members.loads_at >= 0) {
+            scan_by_slots((CandidateSlotsObject *)slots, by_slot, members.column, &best);
+            i = PySequence_Fast_GET_SIZE(seq);
+        }
+    }
     /* the size and items are read again after each general read: a getter may resize a list */
     while (i < PySequence_Fast_GET_SIZE(seq)) {
         PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -6488,7 +6638,8 @@ static PyMethodDef native_methods[] = {
      "openai_prompt(body, chat) -> (model_start, model_end, is_text, payload, length) | None: an OpenAI "
      "body's prompt read with the GIL released; None leaves the body to the Python parser."},
     {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
-     "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
+     "prefix_scan(candidates, overlaps, load_name, slots=None) -> (best_i, best_depth, min_i, min_load, max_load) "
+     "| NotImplemented"},
     {"prefix_ties", (PyCFunction)(void (*)(void))prefix_ties, METH_FASTCALL,
      "prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...] | NotImplemented"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
@@ -6528,7 +6679,8 @@ PyInit__native(void)
     if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || slot_name == NULL || slot_loads_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0
-        || PyType_Ready(&SlotLoadsType) < 0 || PyType_Ready(&SlotLoadType) < 0)
+        || PyType_Ready(&SlotLoadsType) < 0 || PyType_Ready(&SlotLoadType) < 0
+        || PyType_Ready(&CandidateSlotsType) < 0)
         return NULL;
     state_zero = state_new(zero, float_zero, zero);
     if (state_zero == NULL)
@@ -6544,7 +6696,8 @@ PyInit__native(void)
         || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0
         || PyModule_AddObjectRef(module, "Overlaps", (PyObject *)&OverlapsType) < 0
         || PyModule_AddObjectRef(module, "SlotLoads", (PyObject *)&SlotLoadsType) < 0
-        || PyModule_AddObjectRef(module, "SlotLoad", (PyObject *)&SlotLoadType) < 0) {
+        || PyModule_AddObjectRef(module, "SlotLoad", (PyObject *)&SlotLoadType) < 0
+        || PyModule_AddObjectRef(module, "CandidateSlots", (PyObject *)&CandidateSlotsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

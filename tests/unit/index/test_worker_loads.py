@@ -99,6 +99,26 @@ def test_slot_loads_grows_and_reads_unset_slots_as_zero():
         store.move(0, 1 << 20)
 
 
+@native_only
+def test_candidate_slots_takes_one_class_of_workers_sharing_one_store():
+    reg, other = WorkerRegistry(), WorkerRegistry()
+    a, b = reg.add(_spec(0), 0.0), reg.add(_spec(1), 0.0)
+    assert len(native.module.CandidateSlots([a, b])) == 2
+    stranger = other.add(_spec(2), 0.0)
+    with pytest.raises(ValueError):  # another registry's store
+        native.module.CandidateSlots([a, stranger])
+
+    class Lookalike:
+        __slots__ = ("slot", "slot_loads")
+
+    twin = Lookalike()
+    twin.slot, twin.slot_loads = 5, reg.loads
+    with pytest.raises(ValueError):  # another class
+        native.module.CandidateSlots([a, twin])
+    with pytest.raises(TypeError):
+        native.module.prefix_scan([a], {}, "inflight_requests", [0])
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 300),
@@ -131,9 +151,12 @@ def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders
     mask = sum(w.bit for w in candidates)
     overlaps = index.match(keys, mask).overlaps
     reference = dict(overlaps.items())
+    # the selector's snapshot of their slots (native), read instead of the workers
+    slots = native.module.CandidateSlots(candidates) if native.module is not None else None
     for attr in ("inflight_requests", "pending_prefill_tokens"):
         want = scan_candidates_py(candidates, reference, attr)
         assert scan_candidates(candidates, overlaps, attr) == want
+        assert scan_candidates(candidates, overlaps, attr, slots) == want
         best_i, depth = want[0], want[1]
         load = getattr(candidates[best_i], attr)
         assert (tied_candidates(candidates, overlaps, attr, best_i, depth, load)

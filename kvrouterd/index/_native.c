@@ -3410,24 +3410,6 @@ walk_prefetch_slot(const BlockTable *t, uint64_t key)
         __builtin_prefetch(&t->old.slots[home_of_mixed(mixed, t->old.capacity)]);
 }
 
-/* How many blocks ahead pass 2 of the walk asks for a holders int's digits. Over 1,024 workers
- * each block's holders is an int of its own, 3 cache lines, reached through the block's state:
- * read in turn, every block of the walk waited on that chain (~40% of a 250-block walk) */
-#define WALK_HOLDERS_AHEAD 4
-/* at most this many cache lines of one holders int are asked for ahead (4,096 workers: 9) */
-#define WALK_HOLDERS_LINES 8
-
-/* the digits of `holders` that the walk's slots still span on their way into cache */
-static inline void
-walk_prefetch_holders(PyObject *holders, const Walk *w)
-{
-    const digit *d = ((PyLongObject *)holders)->ob_digit;
-    const char *from = (const char *)(d + w->lo), *to = (const char *)(d + w->hi);
-    __builtin_prefetch(holders); /* its size */
-    for (int line = 0; line < WALK_HOLDERS_LINES && from < to; line++, from += 64)
-        __builtin_prefetch(from);
-}
-
 static PyObject *
 match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
 {
@@ -3458,24 +3440,12 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
             break;
         /* owned: pass 2 allocates, and a collection's finalizers could change the table */
         nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(*slot));
-        __builtin_prefetch(nodes[found]->state); /* pass 2 reads it, then its holders */
     }
     /* pass 2: intersect holder sets along the path. Nothing here runs Python code (Overlaps is no
      * collector object, so making it runs no collection): the Blocks' states stay as read. */
     Py_ssize_t depth = 0;
-    PyObject *before = NULL;
-    for (Py_ssize_t i = 0; i < found && i < WALK_HOLDERS_AHEAD; i++)
-        walk_prefetch_holders(nodes[i]->state->holders, w);
     for (; depth < found; depth++) {
-        if (depth + WALK_HOLDERS_AHEAD < found)
-            walk_prefetch_holders(nodes[depth + WALK_HOLDERS_AHEAD]->state->holders, w);
-        /* a block holding the very int the one before did (blocks stored together share their
-         * state) drops no slot: the slots left are within it already */
-        PyObject *holders = nodes[depth]->state->holders;
-        if (holders == before)
-            continue;
-        before = holders;
-        int step = walk_step(w, holders, depth);
+        int step = walk_step(w, nodes[depth]->state->holders, depth);
         if (step >= 0 && depth == 0 && walk_first(w) < 0)
             step = -1;
         if (step < 0)
@@ -4922,6 +4892,9 @@ scan_slot_loads(PyObject **items, Py_ssize_t i, Py_ssize_t n, const ScanMembers 
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: the candidates */
     SlotLoadsObject *loads;
+    PyTypeObject *cls;   /* the candidates' class */
+    PyObject *load_name; /* the load attribute prefix_scan last read (a reference), or NULL */
+    int column;          /* its column in `loads`, or -1: not a SlotLoad of cls */
     uint32_t slots[1];
 } CandidateSlotsObject;
 
@@ -4944,6 +4917,9 @@ CandidateSlots_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     c->loads = NULL;
+    c->cls = NULL;
+    c->load_name = NULL;
+    c->column = -1;
     PyTypeObject *cls = NULL;
     Py_ssize_t slot_at = -1, loads_at = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -4970,6 +4946,7 @@ CandidateSlots_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             c->loads = (SlotLoadsObject *)Py_NewRef(loads);
         c->slots[i] = slot;
     }
+    c->cls = (PyTypeObject *)Py_XNewRef(cls);
     Py_DECREF(seq);
     return (PyObject *)c;
 }
@@ -4978,6 +4955,8 @@ static void
 CandidateSlots_dealloc(CandidateSlotsObject *c)
 {
     Py_XDECREF(c->loads);
+    Py_XDECREF(c->cls);
+    Py_XDECREF(c->load_name);
     PyObject_Free(c);
 }
 
@@ -5069,10 +5048,17 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
         return NULL;
     }
-    if (slots != Py_None && by_slot != NULL && Py_SIZE(slots) == PySequence_Fast_GET_SIZE(seq)) {
-        scan_members(&members, Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)), load_name);
-        if (members.loads_at >= 0) {
-            scan_by_slots((CandidateSlotsObject *)slots, by_slot, members.column, &best);
+    CandidateSlotsObject *c = (CandidateSlotsObject *)slots;
+    if (slots != Py_None && by_slot != NULL && Py_SIZE(c) == PySequence_Fast_GET_SIZE(seq)
+        && Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)) == c->cls) {
+        if (c->load_name != load_name) { /* the policy's load attribute, looked up once */
+            scan_members(&members, c->cls, load_name);
+            Py_XSETREF(c->load_name, Py_NewRef(load_name));
+            c->column = members.loads_at >= 0 ? members.column : -1;
+            members.type = NULL;
+        }
+        if (c->column >= 0) {
+            scan_by_slots(c, by_slot, c->column, &best);
             i = PySequence_Fast_GET_SIZE(seq);
         }
     }

@@ -4491,6 +4491,298 @@ exact_long(PyObject *v, long long *out)
     return overflow;
 }
 
+/* ---- SlotLoads: every worker's committed load, by slot ---------------------------------------
+ *
+ * What the router has committed to each worker (in-flight requests, pending prefill tokens) in
+ * one int64 array per column, indexed by the worker's index slot. It is the only copy: Worker's
+ * `inflight_requests` and `pending_prefill_tokens` are SlotLoad descriptors reading and writing
+ * it through the worker's `slot` and `slot_loads` members (index/workers.py), so the candidate
+ * scan reads a candidate's load by slot from one small array instead of from each Worker object
+ * (prefix_scan below: over 1,024 workers the Workers' scattered memory was most of its time).
+ * A slot past the array's end holds 0; writing there grows it. */
+#define LOAD_COLUMNS 2
+/* slots a store may hold: far above any worker slot (MAX_WORKERS is 4,096, a few more while old
+ * slots drain), so a runaway slot number is an error rather than a huge allocation */
+#define SLOT_LOADS_MAX (1 << 20)
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t capacity; /* slots per column */
+    int64_t *values;     /* column c, slot s: values[c * capacity + s] */
+} SlotLoadsObject;
+
+static PyTypeObject SlotLoadsType;
+
+static PyObject *
+SlotLoads_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_Format(PyExc_TypeError, "%.100s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    return type->tp_alloc(type, 0); /* zeroed: no slot yet */
+}
+
+static void
+SlotLoads_dealloc(SlotLoadsObject *s)
+{
+    PyMem_Free(s->values);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* the load in `column` of `slot`, 0 for a slot past the end */
+static inline int64_t
+slot_load(const SlotLoadsObject *s, int column, long long slot)
+{
+    return slot >= 0 && slot < s->capacity ? s->values[column * s->capacity + slot] : 0;
+}
+
+/* room for `slot` (0 <= slot < SLOT_LOADS_MAX, checked by the caller): 0, or -1 with MemoryError */
+static int
+slot_loads_reserve(SlotLoadsObject *s, Py_ssize_t slot)
+{
+    if (slot < s->capacity)
+        return 0;
+    Py_ssize_t capacity = s->capacity ? s->capacity : 64;
+    while (capacity <= slot)
+        capacity *= 2;
+    int64_t *values = PyMem_Calloc((size_t)(capacity * LOAD_COLUMNS), sizeof(int64_t));
+    if (values == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int c = 0; c < LOAD_COLUMNS && s->capacity; c++)
+        memcpy(values + c * capacity, s->values + c * s->capacity, (size_t)s->capacity * sizeof(int64_t));
+    PyMem_Free(s->values);
+    s->values = values;
+    s->capacity = capacity;
+    return 0;
+}
+
+/* a slot number argument: 0 <= slot < SLOT_LOADS_MAX, else -1 with ValueError (or the int's error) */
+static Py_ssize_t
+slot_arg(PyObject *obj)
+{
+    Py_ssize_t slot = PyNumber_AsSsize_t(obj, PyExc_OverflowError);
+    if (slot == -1 && PyErr_Occurred())
+        return -1;
+    if (slot < 0 || slot >= SLOT_LOADS_MAX) {
+        PyErr_Format(PyExc_ValueError, "slot must be in [0, %d), got %zd", SLOT_LOADS_MAX, slot);
+        return -1;
+    }
+    return slot;
+}
+
+/* move(old, new): slot `new` takes `old`'s loads and `old` is left with none (a worker moved to a
+ * fresh slot, WorkerRegistry.move) */
+static PyObject *
+SlotLoads_move(SlotLoadsObject *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "move(old, new) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t old = slot_arg(args[0]), new = old < 0 ? -1 : slot_arg(args[1]);
+    if (new < 0 || slot_loads_reserve(s, old > new ? old : new) < 0)
+        return NULL;
+    for (int c = 0; c < LOAD_COLUMNS; c++) {
+        int64_t *column = s->values + c * s->capacity;
+        column[new] = column[old];
+        if (new != old)
+            column[old] = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* detach(slot) -> SlotLoads: a new store holding `slot`'s loads (at the same slot), which this
+ * one forgets: a worker leaving the registry keeps what it had, and its slot's next worker
+ * starts from none (WorkerRegistry.remove) */
+static PyObject *
+SlotLoads_detach(SlotLoadsObject *s, PyObject *arg)
+{
+    Py_ssize_t slot = slot_arg(arg);
+    if (slot < 0)
+        return NULL;
+    SlotLoadsObject *own = PyObject_New(SlotLoadsObject, &SlotLoadsType);
+    if (own != NULL) {
+        own->capacity = 0;
+        own->values = NULL;
+    }
+    if (own == NULL || slot_loads_reserve(own, slot) < 0) {
+        Py_XDECREF(own);
+        return NULL;
+    }
+    for (int c = 0; c < LOAD_COLUMNS && slot < s->capacity; c++) {
+        own->values[c * own->capacity + slot] = s->values[c * s->capacity + slot];
+        s->values[c * s->capacity + slot] = 0;
+    }
+    return (PyObject *)own;
+}
+
+/* get(column, slot) -> int */
+static PyObject *
+SlotLoads_get(SlotLoadsObject *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "get(column, slot) takes 2 arguments");
+        return NULL;
+    }
+    long column = PyLong_AsLong(args[0]);
+    if (column == -1 && PyErr_Occurred())
+        return NULL;
+    if (column < 0 || column >= LOAD_COLUMNS) {
+        PyErr_Format(PyExc_ValueError, "column must be in [0, %d)", LOAD_COLUMNS);
+        return NULL;
+    }
+    Py_ssize_t slot = slot_arg(args[1]);
+    return slot < 0 ? NULL : PyLong_FromLongLong(slot_load(s, (int)column, slot));
+}
+
+static PyMethodDef SlotLoads_methods[] = {
+    {"move", (PyCFunction)(void (*)(void))SlotLoads_move, METH_FASTCALL,
+     "move(old, new): slot new takes old's loads, old is left with none"},
+    {"detach", (PyCFunction)SlotLoads_detach, METH_O,
+     "detach(slot) -> SlotLoads: a new store holding slot's loads, which this one forgets"},
+    {"get", (PyCFunction)(void (*)(void))SlotLoads_get, METH_FASTCALL, "get(column, slot) -> int: 0 if never set"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SlotLoadsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.SlotLoads",
+    .tp_doc = "SlotLoads(): every worker's committed load (in-flight requests, pending prefill tokens) by slot.",
+    .tp_basicsize = sizeof(SlotLoadsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = SlotLoads_new,
+    .tp_dealloc = (destructor)SlotLoads_dealloc,
+    .tp_methods = SlotLoads_methods,
+};
+
+/* ---- SlotLoad: a worker's load attribute, kept in its SlotLoads -------------------------------
+ *
+ * SlotLoad(column): a data descriptor for a class with `__slots__` members `slot` (an int) and
+ * `slot_loads` (a SlotLoads); `obj.attr` is obj.slot_loads's load in `column` at obj.slot, and
+ * assigning an int of at most 64 bits writes it there. Read as fast as a plain member (the
+ * member offsets are found once per class), so Python code reading a worker's load costs what
+ * it did. */
+static PyObject *slot_loads_name; /* interned "slot_loads" */
+
+typedef struct {
+    PyObject_HEAD
+    int column;
+    PyTypeObject *type;               /* the class whose offsets follow (a reference), or NULL */
+    Py_ssize_t slot_at, loads_at;     /* its members' offsets */
+} SlotLoadObject;
+
+static PyTypeObject SlotLoadType;
+
+static PyObject *
+SlotLoad_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"column", NULL};
+    int column;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:SlotLoad", kwlist, &column))
+        return NULL;
+    if (column < 0 || column >= LOAD_COLUMNS) {
+        PyErr_Format(PyExc_ValueError, "column must be in [0, %d)", LOAD_COLUMNS);
+        return NULL;
+    }
+    SlotLoadObject *d = (SlotLoadObject *)type->tp_alloc(type, 0);
+    if (d != NULL) {
+        d->column = column;
+        d->type = NULL;
+    }
+    return (PyObject *)d;
+}
+
+static void
+SlotLoad_dealloc(SlotLoadObject *d)
+{
+    Py_XDECREF(d->type);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static Py_ssize_t member_offset(PyTypeObject *type, PyObject *name);
+
+/* obj's store (borrowed) and slot into *slot; NULL with an error when obj lacks either member
+ * or they hold anything else */
+static SlotLoadsObject *
+slot_load_target(SlotLoadObject *d, PyObject *obj, long long *slot)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (d->type != type) {
+        Py_ssize_t slot_at = member_offset(type, slot_name), loads_at = member_offset(type, slot_loads_name);
+        if (slot_at < 0 || loads_at < 0) {
+            PyErr_Format(PyExc_TypeError, "SlotLoad needs __slots__ members 'slot' and 'slot_loads' in %s",
+                         type->tp_name);
+            return NULL;
+        }
+        Py_INCREF(type);
+        Py_XSETREF(d->type, type);
+        d->slot_at = slot_at;
+        d->loads_at = loads_at;
+    }
+    PyObject *s = *(PyObject **)((char *)obj + d->slot_at);
+    PyObject *loads = *(PyObject **)((char *)obj + d->loads_at);
+    if (s == NULL || loads == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a load read before the worker's slot and slot_loads are set");
+        return NULL;
+    }
+    if (!PyLong_CheckExact(s) || !Py_IS_TYPE(loads, &SlotLoadsType)) {
+        PyErr_SetString(PyExc_TypeError, "a worker's slot must be an int and its slot_loads a SlotLoads");
+        return NULL;
+    }
+    if (exact_long(s, slot) || *slot < 0 || *slot >= SLOT_LOADS_MAX) {
+        PyErr_Format(PyExc_ValueError, "slot must be in [0, %d)", SLOT_LOADS_MAX);
+        return NULL;
+    }
+    return (SlotLoadsObject *)loads;
+}
+
+static PyObject *
+SlotLoad_get(SlotLoadObject *d, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(d);
+    long long slot;
+    SlotLoadsObject *loads = slot_load_target(d, obj, &slot);
+    return loads == NULL ? NULL : PyLong_FromLongLong(slot_load(loads, d->column, slot));
+}
+
+static int
+SlotLoad_set(SlotLoadObject *d, PyObject *obj, PyObject *value)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a worker's load cannot be deleted");
+        return -1;
+    }
+    if (!PyLong_Check(value)) { /* an int only, as the scan reads it: not a float, not __index__ */
+        PyErr_Format(PyExc_TypeError, "a worker's load must be an int, got %s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    long long slot;
+    SlotLoadsObject *loads = slot_load_target(d, obj, &slot);
+    if (loads == NULL || slot_loads_reserve(loads, (Py_ssize_t)slot) < 0)
+        return -1;
+    loads->values[d->column * loads->capacity + slot] = v;
+    return 0;
+}
+
+static PyTypeObject SlotLoadType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.SlotLoad",
+    .tp_doc = "SlotLoad(column): a worker's load attribute, kept in its slot_loads (a SlotLoads) at its slot.",
+    .tp_basicsize = sizeof(SlotLoadObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = SlotLoad_new,
+    .tp_dealloc = (destructor)SlotLoad_dealloc,
+    .tp_descr_get = (descrgetfunc)SlotLoad_get,
+    .tp_descr_set = (descrsetfunc)SlotLoad_set,
+};
+
 /* The depth of the candidate in slot `slot` (an exact int) into *depth: from the walk's Overlaps
  * `by_slot` when not NULL, else looked up in the dict `overlaps` (0 when absent). 0; 1 when the
  * dict's value is not an int of at most 64 bits (the caller runs the reference); -1 on error. */
@@ -4513,11 +4805,47 @@ scan_depth(PyObject *overlaps, OverlapsObject *by_slot, PyObject *slot, long lon
     return overflow ? 1 : 0;
 }
 
-/* The member offsets of the candidates' class last read (scan_item), or type NULL for none. */
+/* Where the candidates' class last read (scan_item; type NULL for none) keeps a candidate's slot
+ * and load: plain members (load_at), or a SlotLoad descriptor over the `slot_loads` member
+ * (loads_at, column: Worker's, where the extension is built); -1 for neither. */
 typedef struct {
     PyTypeObject *type;
-    Py_ssize_t slot_at, load_at;
+    Py_ssize_t slot_at, load_at, loads_at;
+    int column;
 } ScanMembers;
+
+static void
+scan_members(ScanMembers *members, PyTypeObject *type, PyObject *load_name)
+{
+    members->type = type;
+    members->slot_at = member_offset(type, slot_name);
+    members->load_at = member_offset(type, load_name);
+    members->loads_at = -1;
+    members->column = 0;
+    if (members->load_at < 0 && type->tp_getattro == PyObject_GenericGetAttr) {
+        /* a data descriptor is what the generic lookup reads, before any instance dict */
+        PyObject *descr = _PyType_Lookup(type, load_name); /* borrowed */
+        if (descr != NULL && Py_IS_TYPE(descr, &SlotLoadType)) {
+            members->loads_at = member_offset(type, slot_loads_name);
+            members->column = ((SlotLoadObject *)descr)->column;
+        }
+    }
+}
+
+/* The slot of `item` (its `slot` member at slot_at, known >= 0) as SlotLoad reads it, and its
+ * load in `loads` (its member at loads_at): 0; 1 when either is not what SlotLoad reads without
+ * an error (the caller reads the attribute, which raises it). No reference is taken. */
+static inline int
+slot_member_load(PyObject *item, const ScanMembers *members, long long *slot, long long *load)
+{
+    PyObject *s = *(PyObject **)((char *)item + members->slot_at);
+    PyObject *loads = *(PyObject **)((char *)item + members->loads_at);
+    if (s == NULL || loads == NULL || !PyLong_CheckExact(s) || !Py_IS_TYPE(loads, &SlotLoadsType)
+        || exact_long(s, slot) || *slot < 0 || *slot >= SLOT_LOADS_MAX)
+        return 1;
+    *load = slot_load((SlotLoadsObject *)loads, members->column, *slot);
+    return 0;
+}
 
 /* scan_item's way for anything but plain members over the walk's Overlaps: through references,
  * as Python code may run (a property, a dict key's __eq__), so `members` is forgotten after (its
@@ -4566,10 +4894,15 @@ static inline int
 scan_item(PyObject *item, PyObject *overlaps, OverlapsObject *by_slot, PyObject *load_name, ScanMembers *members,
           long long *depth, long long *load)
 {
-    if (Py_TYPE(item) != members->type) {
-        members->type = Py_TYPE(item);
-        members->slot_at = member_offset(members->type, slot_name);
-        members->load_at = member_offset(members->type, load_name);
+    if (Py_TYPE(item) != members->type)
+        scan_members(members, Py_TYPE(item), load_name);
+    if (members->slot_at >= 0 && members->loads_at >= 0 && by_slot != NULL) {
+        /* Worker, its load kept by slot (SlotLoad), over the walk's Overlaps */
+        long long s;
+        if (slot_member_load(item, members, &s, load) == 0) {
+            *depth = overlaps_depth(by_slot, s);
+            return 0;
+        }
     }
     if (members->slot_at >= 0 && members->load_at >= 0 && by_slot != NULL) {
         /* Worker over the walk's Overlaps, nearly every call: both members are read in place,
@@ -4595,7 +4928,8 @@ scan_overlaps(PyObject *overlaps, OverlapsObject **by_slot)
 }
 
 /* prefix_scan's running result: the longest prefix (ties to the lower load, then the first),
- * the first lowest load and the highest; min_load and max_load are set by the first candidate. */
+ * the first lowest load and the highest. It starts below any candidate (SCAN_START): the first
+ * one sets all of it. */
 typedef struct {
     Py_ssize_t best_i;
     long long best_depth, best_load;
@@ -4603,20 +4937,192 @@ typedef struct {
     long long min_load, max_load;
 } ScanBest;
 
+#define SCAN_START {0, -1, 0, 0, LLONG_MAX, LLONG_MIN}
+
+/* The lowest and highest load as conditional moves (the compiler's choice for the best, which
+ * measured faster than masks that force one too). */
 static inline void
 scan_take(ScanBest *b, Py_ssize_t i, long long depth, long long load)
 {
-    if (depth > b->best_depth || (depth == b->best_depth && load < b->best_load)) {
-        b->best_i = i;
-        b->best_depth = depth;
-        b->best_load = load;
+    int better = (depth > b->best_depth) | ((depth == b->best_depth) & (load < b->best_load));
+    b->best_i = better ? i : b->best_i;
+    b->best_depth = better ? depth : b->best_depth;
+    b->best_load = better ? load : b->best_load;
+    int lower = load < b->min_load;
+    b->min_i = lower ? i : b->min_i;
+    b->min_load = lower ? load : b->min_load;
+    b->max_load = load > b->max_load ? load : b->max_load;
+}
+
+/* An int's value when it is one non-negative CPython digit (every worker slot below 2**30) into
+ * *out: 1; else 0. */
+static inline int
+one_digit(PyObject *v, uint32_t *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!_PyLong_IsCompact((PyLongObject *)v) || _PyLong_CompactValue((PyLongObject *)v) < 0)
+        return 0;
+    *out = (uint32_t)_PyLong_CompactValue((PyLongObject *)v);
+#else
+    Py_ssize_t size = Py_SIZE(v);
+    if ((size_t)size > 1) /* negative, or two digits and more */
+        return 0;
+    *out = ((PyLongObject *)v)->ob_digit[0]; /* 0 is stored as one zero digit */
+#endif
+    return 1;
+}
+
+/* prefix_scan's run of Workers from items[i] on whose loads are kept by slot (SlotLoad, over one
+ * SlotLoads) over the walk's Overlaps: each one's slot is read in place, its depth and load from
+ * two arrays indexed by it. Everything but the slot is read once for the run: over 1,024 workers
+ * the general read (scan_item) took ~50 instructions a candidate, this ~20. Returns the index of
+ * the first item that is not such a Worker (n at the end). No reference is taken: nothing here
+ * runs Python code. */
+static Py_ssize_t
+scan_slot_loads(PyObject **items, Py_ssize_t i, Py_ssize_t n, const ScanMembers *members, const OverlapsObject *by_slot,
+                ScanBest *best)
+{
+    PyTypeObject *type = members->type;
+    Py_ssize_t slot_at = members->slot_at, loads_at = members->loads_at;
+    PyObject *loads = *(PyObject **)((char *)items[i] + loads_at);
+    if (loads == NULL || !Py_IS_TYPE(loads, &SlotLoadsType))
+        return i;
+    const SlotLoadsObject *store = (const SlotLoadsObject *)loads;
+    const int64_t *column = store->values + members->column * store->capacity;
+    size_t capacity = (size_t)store->capacity, width = (size_t)by_slot->width;
+    const uint32_t *depths = by_slot->data;
+    ScanBest b = *best; /* in registers: through the pointer, every candidate waited on the last one's stores */
+    for (; i < n; i++) {
+        PyObject *item = items[i];
+        if (Py_TYPE(item) != type || *(PyObject **)((char *)item + loads_at) != loads)
+            break;
+        PyObject *s = *(PyObject **)((char *)item + slot_at);
+        uint32_t slot;
+        if (s == NULL || !PyLong_CheckExact(s) || !one_digit(s, &slot))
+            break;
+        scan_take(&b, i, slot < width ? depths[slot] : 0, slot < capacity ? column[slot] : 0);
     }
-    if (i == 0 || load < b->min_load) {
-        b->min_i = i;
-        b->min_load = load;
+    *best = b;
+    return i;
+}
+
+/* ---- CandidateSlots: a candidate list's slots, read once per membership ------------------------
+ *
+ * CandidateSlots(candidates): the slot of each candidate (Workers whose load is kept by slot,
+ * SlotLoad) as a uint32 array, with the SlotLoads they all share. The router's selector makes
+ * one per eligible-worker list, when membership changes, and prefix_scan given it reads no Worker
+ * at all: a candidate's depth and load are two arrays indexed by its slot (over 1,024 workers,
+ * reading each Worker's slot int from its own memory was most of what the scan still cost). It
+ * is a snapshot: valid while no candidate moves or leaves, which changes the registry's
+ * generation, and so the list it was made from. */
+typedef struct {
+    PyObject_VAR_HEAD /* ob_size: the candidates */
+    SlotLoadsObject *loads;
+    PyTypeObject *cls;   /* the candidates' class */
+    PyObject *load_name; /* the load attribute prefix_scan last read (a reference), or NULL */
+    int column;          /* its column in `loads`, or -1: not a SlotLoad of cls */
+    uint32_t slots[1];
+} CandidateSlotsObject;
+
+static PyTypeObject CandidateSlotsType;
+
+static PyObject *
+CandidateSlots_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"candidates", NULL};
+    PyObject *candidates;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:CandidateSlots", kwlist, &candidates))
+        return NULL;
+    PyObject *seq = PySequence_Fast(candidates, "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    CandidateSlotsObject *c = PyObject_NewVar(CandidateSlotsObject, type, n);
+    if (c == NULL) {
+        Py_DECREF(seq);
+        return NULL;
     }
-    if (i == 0 || load > b->max_load)
-        b->max_load = load;
+    c->loads = NULL;
+    c->cls = NULL;
+    c->load_name = NULL;
+    c->column = -1;
+    PyTypeObject *cls = NULL;
+    Py_ssize_t slot_at = -1, loads_at = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (cls == NULL) { /* one class: prefix_scan reads the load attribute of the first */
+            cls = Py_TYPE(item);
+            slot_at = member_offset(cls, slot_name);
+            loads_at = member_offset(cls, slot_loads_name);
+        }
+        int same = Py_TYPE(item) == cls; /* the offsets are cls's */
+        PyObject *s = !same || slot_at < 0 ? NULL : *(PyObject **)((char *)item + slot_at);
+        PyObject *loads = !same || loads_at < 0 ? NULL : *(PyObject **)((char *)item + loads_at);
+        uint32_t slot;
+        if (s == NULL || loads == NULL || !PyLong_CheckExact(s) || !one_digit(s, &slot)
+            || slot >= SLOT_LOADS_MAX
+            || !Py_IS_TYPE(loads, &SlotLoadsType) || (c->loads != NULL && loads != (PyObject *)c->loads)) {
+            PyErr_SetString(PyExc_ValueError, "candidates must be of one class, each with an int slot and one SlotLoads "
+                            "in slot_loads");
+            Py_DECREF(c);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (c->loads == NULL)
+            c->loads = (SlotLoadsObject *)Py_NewRef(loads);
+        c->slots[i] = slot;
+    }
+    c->cls = (PyTypeObject *)Py_XNewRef(cls);
+    Py_DECREF(seq);
+    return (PyObject *)c;
+}
+
+static void
+CandidateSlots_dealloc(CandidateSlotsObject *c)
+{
+    Py_XDECREF(c->loads);
+    Py_XDECREF(c->cls);
+    Py_XDECREF(c->load_name);
+    PyObject_Free(c);
+}
+
+static Py_ssize_t
+CandidateSlots_len(CandidateSlotsObject *c)
+{
+    return Py_SIZE(c);
+}
+
+static PySequenceMethods CandidateSlots_as_sequence = {
+    .sq_length = (lenfunc)CandidateSlots_len,
+};
+
+static PyTypeObject CandidateSlotsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvrouterd.index._native.CandidateSlots",
+    .tp_doc = "CandidateSlots(candidates): their slots and shared SlotLoads, for prefix_scan.",
+    .tp_basicsize = offsetof(CandidateSlotsObject, slots),
+    .tp_itemsize = sizeof(uint32_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = CandidateSlots_new,
+    .tp_dealloc = (destructor)CandidateSlots_dealloc,
+    .tp_as_sequence = &CandidateSlots_as_sequence,
+};
+
+/* prefix_scan over a CandidateSlots: the candidates' depths and loads (`column`) read by slot,
+ * no Worker touched. */
+static void
+scan_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, int column, ScanBest *best)
+{
+    const SlotLoadsObject *store = c->loads;
+    const int64_t *loads = store->values + column * store->capacity;
+    size_t capacity = (size_t)store->capacity, width = (size_t)by_slot->width;
+    const uint32_t *depths = by_slot->data;
+    ScanBest b = *best;
+    for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) {
+        uint32_t slot = c->slots[i];
+        scan_take(&b, i, slot < width ? depths[slot] : 0, slot < capacity ? loads[slot] : 0);
+    }
+    *best = b;
 }
 
 /* prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load)
@@ -4630,12 +5136,17 @@ scan_take(ScanBest *b, Py_ssize_t i, long long depth, long long load)
  * `__slots__` members where the candidates' class has them (member_offset: 35k -> 15k
  * instructions at 64 workers). The match walk's Overlaps is read by slot number, a dict by
  * lookup. NotImplemented (the caller runs the Python reference) when `overlaps` is neither, a
- * slot is not an int, or a depth or load is not an int of at most 64 bits. */
+ * slot is not an int, or a depth or load is not an int of at most 64 bits.
+ *
+ * prefix_scan(candidates, overlaps, load_name, slots): the same, given the candidates'
+ * CandidateSlots (as many as candidates, made from them since no candidate moved or left: the
+ * caller's promise), which is read instead of the candidates when their load is a SlotLoad and
+ * `overlaps` the walk's. */
 static PyObject *
 prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "prefix_scan(candidates, overlaps, load_name) takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "prefix_scan(candidates, overlaps, load_name, slots=None) takes 3 or 4 arguments");
         return NULL;
     }
     PyObject *overlaps = args[1], *load_name = args[2];
@@ -4654,13 +5165,38 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "no candidates");
         return NULL;
     }
-    ScanBest best = {0, -1, 0, 0, 0, 0};
-    ScanMembers members = {NULL, -1, -1};
+    ScanBest best = SCAN_START;
+    ScanMembers members = {NULL, -1, -1, -1, 0};
     Py_ssize_t i = 0;
+    PyObject *slots = nargs == 4 ? args[3] : Py_None;
+    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+        return NULL;
+    }
+    CandidateSlotsObject *c = (CandidateSlotsObject *)slots;
+    if (slots != Py_None && by_slot != NULL && Py_SIZE(c) == PySequence_Fast_GET_SIZE(seq)
+        && Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)) == c->cls) {
+        if (c->load_name != load_name) { /* the policy's load attribute, looked up once */
+            scan_members(&members, c->cls, load_name);
+            Py_XSETREF(c->load_name, Py_NewRef(load_name));
+            c->column = members.loads_at >= 0 ? members.column : -1;
+            members.type = NULL;
+        }
+        if (c->column >= 0) {
+            scan_by_slots(c, by_slot, c->column, &best);
+            i = PySequence_Fast_GET_SIZE(seq);
+        }
+    }
     /* the size and items are read again after each general read: a getter may resize a list */
     while (i < PySequence_Fast_GET_SIZE(seq)) {
         PyObject **items = PySequence_Fast_ITEMS(seq);
         Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (by_slot != NULL && Py_TYPE(items[i]) == members.type && members.slot_at >= 0 && members.loads_at >= 0) {
+            i = scan_slot_loads(items, i, n, &members, by_slot, &best);
+            if (i == n)
+                break;
+        }
         if (by_slot != NULL && Py_TYPE(items[i]) == members.type && members.slot_at >= 0 && members.load_at >= 0) {
             /* a run of one class's plain members over the walk's Overlaps (every Worker of a
              * Route): read in place, no reference taken, as nothing here runs Python code */
@@ -4743,7 +5279,7 @@ prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(seq);
         return NULL;
     }
-    ScanMembers members = {NULL, -1, -1};
+    ScanMembers members = {NULL, -1, -1, -1, 0};
     for (Py_ssize_t i = start; i < PySequence_Fast_GET_SIZE(seq); i++) {
         long long depth = 0, load = 0;
         int got = scan_item(PySequence_Fast_ITEMS(seq)[i], overlaps, by_slot, load_name, &members, &depth, &load);
@@ -6224,7 +6760,8 @@ static PyMethodDef native_methods[] = {
      "openai_prompt(body, chat) -> (model_start, model_end, is_text, payload, length) | None: an OpenAI "
      "body's prompt read with the GIL released; None leaves the body to the Python parser."},
     {"prefix_scan", (PyCFunction)(void (*)(void))prefix_scan, METH_FASTCALL,
-     "prefix_scan(candidates, overlaps, load_name) -> (best_i, best_depth, min_i, min_load, max_load) | NotImplemented"},
+     "prefix_scan(candidates, overlaps, load_name, slots=None) -> (best_i, best_depth, min_i, min_load, max_load) "
+     "| NotImplemented"},
     {"prefix_ties", (PyCFunction)(void (*)(void))prefix_ties, METH_FASTCALL,
      "prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...] | NotImplemented"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
@@ -6254,6 +6791,7 @@ PyInit__native(void)
     holders_name = PyUnicode_InternFromString("holders");
     pending_name = PyUnicode_InternFromString("_pending");
     slot_name = PyUnicode_InternFromString("slot");
+    slot_loads_name = PyUnicode_InternFromString("slot_loads");
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);
@@ -6263,9 +6801,11 @@ PyInit__native(void)
         return NULL;
     array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
     Py_DECREF(array_module);
-    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || slot_loads_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
-        || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0)
+        || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0
+        || PyType_Ready(&SlotLoadsType) < 0 || PyType_Ready(&SlotLoadType) < 0
+        || PyType_Ready(&CandidateSlotsType) < 0)
         return NULL;
     state_zero = state_new(zero, float_zero, zero);
     if (state_zero == NULL)
@@ -6279,7 +6819,10 @@ PyInit__native(void)
         || PyModule_AddObjectRef(module, "Block", (PyObject *)&BlockType) < 0
         || PyModule_AddObjectRef(module, "BlockTable", (PyObject *)&BlockTableType) < 0
         || PyModule_AddObjectRef(module, "LeafOrder", (PyObject *)&LeafOrderType) < 0
-        || PyModule_AddObjectRef(module, "Overlaps", (PyObject *)&OverlapsType) < 0) {
+        || PyModule_AddObjectRef(module, "Overlaps", (PyObject *)&OverlapsType) < 0
+        || PyModule_AddObjectRef(module, "SlotLoads", (PyObject *)&SlotLoadsType) < 0
+        || PyModule_AddObjectRef(module, "SlotLoad", (PyObject *)&SlotLoadType) < 0
+        || PyModule_AddObjectRef(module, "CandidateSlots", (PyObject *)&CandidateSlotsType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

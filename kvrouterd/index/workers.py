@@ -8,6 +8,12 @@ Load has two sources: what the router itself dispatched (in-flight requests and 
 uncached prefill tokens, committed on Route and released on Complete or after a timeout)
 and what the engine last reported (queue, running requests, KV utilisation). Policies read
 both; only the host mutates them.
+
+Where the extension is built, the dispatched load lives in the registry's ``SlotLoads``, one
+int64 array per kind indexed by slot, and ``Worker.inflight_requests`` and
+``pending_prefill_tokens`` read and write it there (``_native.c``: SlotLoad): it is their only
+copy, and the candidate scan of every Route (``policies._scan``) reads it by slot instead of
+visiting each of 1,024 Worker objects. In pure Python they are plain members.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..bounds import MAX_CAPACITY_BLOCKS
 from ..decimals import parse_decimal
 from ..errors import Conflict, InvalidRequest, NotFound, quote
 from ..protocols import CacheMode, WorkerRole, WorkerState
 from .groups import GroupPresence
+from . import native
 from .native import u64_map
 from .pages import PageChains
 
@@ -94,6 +102,11 @@ def is_host_port(address: str) -> bool:
     return ":" not in host and "/" not in host and not any(c.isspace() for c in host)
 
 
+#: where a worker's dispatched load is kept (module docstring): its registry's SlotLoads, or
+#: its own members
+_LOAD_MEMBERS = ("slot_loads",) if native.module is not None else ("inflight_requests", "pending_prefill_tokens")
+
+
 class Worker:
     """A registered worker: its spec, its index slot, state and load."""
 
@@ -103,13 +116,11 @@ class Worker:
         "events_rejected",
         "gaps",
         "groups",
-        "inflight_requests",
         "kv_utilization",
         "last_event_at",
         "last_sequence",
         "loras",
         "pages",
-        "pending_prefill_tokens",
         "queued_prefill_tokens",
         "queued_requests",
         "registered_at",
@@ -122,15 +133,27 @@ class Worker:
         "spec",
         "state",
         "state_reason",
+        *_LOAD_MEMBERS,
     )
 
-    def __init__(self, spec: WorkerSpec, slot: int, now: float) -> None:
+    #: requests dispatched here and not completed, and the prompt tokens they still prefill here
+    inflight_requests: int
+    pending_prefill_tokens: int
+    if native.module is not None:
+        inflight_requests = native.module.SlotLoad(0)
+        pending_prefill_tokens = native.module.SlotLoad(1)
+
+    def __init__(self, spec: WorkerSpec, slot: int, now: float, loads: Any = None) -> None:
+        """``loads``: the registry's SlotLoads where the extension is built (None: a store of
+        the worker's own)."""
         self.spec = spec
         self.slot = slot
+        if native.module is not None:
+            self.slot_loads = loads if loads is not None else native.module.SlotLoads()
         self.state = WorkerState.READY
         #: why the worker is DEGRADED ("event gap", "removal lost", ...); "" otherwise
         self.state_reason = ""
-        self.inflight_requests = 0
+        self.inflight_requests = 0  # a reused slot's previous worker took its loads along (``remove``)
         self.pending_prefill_tokens = 0
         self.reported_queue = 0
         self.reported_running = 0
@@ -223,6 +246,8 @@ class WorkerRegistry:
         #: request id -> its entry, and the entries oldest first (``expire``); see ``Entry``
         self._inflight: dict[str, Entry] = {}
         self._inflight_order: deque[Entry] = deque()
+        #: the workers' dispatched load by slot, where the extension is built (module docstring)
+        self.loads = native.module.SlotLoads() if native.module is not None else None
         #: bumps on every membership change so policies can cache per-membership state
         self.generation = 0
 
@@ -259,7 +284,7 @@ class WorkerRegistry:
         else:
             slot = self._next_slot
             self._next_slot += 1
-        worker = Worker(spec, slot, now)
+        worker = Worker(spec, slot, now, self.loads)
         self._workers[spec.id] = worker
         self.generation += 1
         return worker
@@ -269,6 +294,9 @@ class WorkerRegistry:
         ``free_slot(slot)``: the host is still dropping the slot's blocks from the index."""
         worker = self.get(worker_id)
         del self._workers[worker_id]
+        if self.loads is not None:
+            # it keeps the load it had, in a store of its own; its slot's next worker starts at 0
+            worker.slot_loads = self.loads.detach(worker.slot)
         if free_slot:
             self._free_slots.append(worker.slot)
         for rid in [e[0] for e in self._inflight.values() if e[1] == worker_id]:
@@ -288,6 +316,8 @@ class WorkerRegistry:
             self._next_slot += 1
         else:
             raise ValueError(f"slot {slot} is not free")
+        if self.loads is not None:
+            self.loads.move(worker.slot, slot)  # its load is kept by slot: it moves along
         worker.slot = slot
         self.generation += 1
 

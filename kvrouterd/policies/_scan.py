@@ -3,10 +3,12 @@
 Prefix-affinity policies (``cache_aware``) need, for every Route and every candidate, its cached
 prefix (``MatchResult.overlaps``) and its load. As a bytecode loop that is most of a decision
 over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does the same pass in
-C. This module's ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the
-best on prefix and load, ``prefix_ties``) is the reference: tests hold the two to identical
-results, and it runs wherever the extension is not built or declines (``NotImplemented``: a
-depth or load that is not a 64-bit int).
+C, reading each candidate's load by slot from its registry's array (``index.workers``) and,
+given the candidates' ``CandidateSlots``, their slots from one array too. This module's
+``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
+and load, ``prefix_ties``) is the reference: tests hold the two to identical results, and it
+runs wherever the extension is not built or declines (``NotImplemented``: a depth or load that
+is not a 64-bit int).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ __all__ = ["scan_candidates", "scan_candidates_py", "tied_candidates", "tied_can
 Scan = tuple[int, int, int, int, int]
 
 
-def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str) -> Scan:
+def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str,
+                       slots: Any = None) -> Scan:
     """``best_i``: the candidate holding the longest prefix (``overlaps[c.slot]``, 0 if absent),
     ties to the lower load (attribute ``load_attr``), then the lower index; ``best_depth`` its
     prefix; ``min_i``: the first candidate with the lowest load; ``min_load``, ``max_load``.
-    ``candidates`` must not be empty (ValueError)."""
+    ``candidates`` must not be empty (ValueError). ``slots``: the candidates' native
+    ``CandidateSlots`` (``RoutingContext.candidate_slots``), which the native scan reads instead
+    of each candidate; the same answer, so here it is not read."""
     if not candidates:
         raise ValueError("no candidates")
     get = overlaps.get
@@ -57,8 +62,9 @@ def tied_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], l
             if get(candidates[i].slot, 0) == depth and getattr(candidates[i], load_attr) == load]
 
 
-def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str) -> Scan:
-    result = _native_scan(candidates, overlaps, load_attr)
+def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str,
+                            slots: Any = None) -> Scan:
+    result = _native_scan(candidates, overlaps, load_attr, slots)
     if result is NotImplemented:
         return scan_candidates_py(candidates, overlaps, load_attr)
     return result  # type: ignore[no-any-return]

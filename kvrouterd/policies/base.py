@@ -38,7 +38,8 @@ class NoParams:
 class RoutingContext:
     """One request and the workers it may go to, with their cache overlap and load."""
 
-    __slots__ = ("_overlaps", "block_size", "candidates", "claimed", "explain", "index", "match", "now", "request")
+    __slots__ = ("_overlaps", "block_size", "candidate_slots", "candidates", "claimed", "explain", "index", "match",
+                 "now", "request")
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class RoutingContext:
         index: RadixIndex,
         explain: bool = True,
         claimed: Mapping[int, int] | None = None,
+        candidate_slots: Any = None,
     ) -> None:
         self.request = request
         #: eligible workers, in registration-slot order (stable across calls)
@@ -69,6 +71,10 @@ class RoutingContext:
         #: the prompt that will store them is still being prefilled, so they show where the prefix
         #: is going (``overlap``) but a request admitted meanwhile computes them again (``uncached_tokens``)
         self.claimed: Mapping[int, int] = claimed or {}
+        #: the candidates' slots as a native ``CandidateSlots`` (made with them, when membership
+        #: last changed), or None: the native candidate scan reads it instead of every worker
+        #: (``policies._scan``); it never changes an answer
+        self.candidate_slots = candidate_slots
 
     @property
     def prompt_blocks(self) -> int:

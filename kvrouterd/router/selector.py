@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
+from ..index import native
 from ..index.keys import chain_keys_array, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
@@ -57,6 +58,8 @@ class Selector:
         self._candidates_gen = -1
         self._candidates: list[Worker] = []
         self._candidates_mask = 0
+        #: their slots as a native CandidateSlots (None in pure Python), for the candidate scan
+        self._candidate_slots: object = None
 
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
@@ -72,6 +75,7 @@ class Selector:
             for w in self._candidates:
                 mask |= w.bit
             self._candidates_mask = mask
+            self._candidate_slots = native.module.CandidateSlots(self._candidates) if native.module is not None else None
             self._candidates_gen = workers.generation
         return self._candidates, self._candidates_mask
 
@@ -134,7 +138,9 @@ class Selector:
             now = shared.clock.now()
             match = shared.index.match(req.keys, mask)
             claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
-            ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed)
+            # the eligible workers' slots, read once per membership, when no filter narrowed them
+            slots = self._candidate_slots if candidates is self._candidates else None
+            ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed, slots)
             decision = policy.select(ctx)
         decision.pool = pool
         if adapter:

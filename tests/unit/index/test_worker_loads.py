@@ -1,0 +1,163 @@
+"""A worker's dispatched load has one home, and moves, leaves and is read as the plain members did.
+
+Where the extension is built, ``Worker.inflight_requests`` and ``pending_prefill_tokens`` are
+kept in the registry's ``SlotLoads`` by slot (``index.workers``); in pure Python they are
+members. Both must behave alike for the ledger, tests and policies writing and reading them, and
+the native candidate scan reading them by slot must answer what the Python reference does.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouterd.index import native
+from kvrouterd.index.radix import RadixIndex
+from kvrouterd.index.workers import WorkerRegistry, WorkerSpec
+from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
+
+native_only = pytest.mark.skipif(native.module is None, reason=native.status)
+
+
+def _spec(i: int) -> WorkerSpec:
+    return WorkerSpec(f"w{i}", f"h{i}:1")
+
+
+def test_a_load_written_is_read_back_and_is_the_workers_own():
+    reg = WorkerRegistry()
+    a, b = reg.add(_spec(0), 0.0), reg.add(_spec(1), 0.0)
+    a.inflight_requests += 2
+    a.pending_prefill_tokens = 300
+    b.pending_prefill_tokens -= 5  # a test may drive it below 0: an int all the same
+    assert (a.inflight_requests, a.pending_prefill_tokens) == (2, 300)
+    assert (b.inflight_requests, b.pending_prefill_tokens) == (0, -5)
+    if reg.loads is not None:  # the registry's store is the only copy
+        assert (reg.loads.get(0, a.slot), reg.loads.get(1, a.slot), reg.loads.get(1, b.slot)) == (2, 300, -5)
+
+
+def test_a_moved_worker_keeps_its_load_and_its_old_slot_holds_none():
+    reg = WorkerRegistry()
+    w = reg.add(_spec(0), 0.0)
+    w.inflight_requests, w.pending_prefill_tokens = 3, 40
+    old = w.slot
+    reg.move(w, reg.next_slot())
+    assert w.slot != old and (w.inflight_requests, w.pending_prefill_tokens) == (3, 40)
+    reg.free_slot(old)
+    again = reg.add(_spec(1), 0.0)
+    assert again.slot == old and (again.inflight_requests, again.pending_prefill_tokens) == (0, 0)
+
+
+def test_a_removed_worker_keeps_its_load_and_its_slots_next_worker_starts_at_zero():
+    reg = WorkerRegistry()
+    gone = reg.add(_spec(0), 0.0)
+    gone.inflight_requests, gone.pending_prefill_tokens = 7, 70
+    reg.remove("w0")
+    after = reg.add(_spec(1), 0.0)
+    assert after.slot == gone.slot
+    assert (after.inflight_requests, after.pending_prefill_tokens) == (0, 0)
+    after.inflight_requests = 1
+    assert (gone.inflight_requests, gone.pending_prefill_tokens) == (7, 70)  # not the new worker's
+
+
+@native_only
+def test_slot_load_takes_ints_only_and_says_what_it_needs():
+    reg = WorkerRegistry()
+    w = reg.add(_spec(0), 0.0)
+    with pytest.raises(TypeError):
+        w.inflight_requests = 1.0  # type: ignore[assignment]
+    with pytest.raises(OverflowError):
+        w.pending_prefill_tokens = 2**63
+    with pytest.raises(AttributeError):
+        del w.inflight_requests
+    w.inflight_requests = True  # an int subclass is an int
+    assert w.inflight_requests == 1 and type(w.inflight_requests) is int
+
+    class NoStore:
+        __slots__ = ("slot",)
+        load = native.module.SlotLoad(0)
+
+    bare = NoStore()
+    bare.slot = 0
+    with pytest.raises(TypeError):
+        bare.load
+    with pytest.raises(ValueError):
+        native.module.SlotLoad(2)
+
+
+@native_only
+def test_slot_loads_grows_and_reads_unset_slots_as_zero():
+    store = native.module.SlotLoads()
+    assert store.get(1, 5000) == 0
+    store.move(3, 5000)  # grows to hold both
+    assert store.get(0, 5000) == 0
+    own = store.detach(4095)
+    assert own.get(0, 4095) == 0
+    with pytest.raises(ValueError):
+        store.get(0, -1)
+    with pytest.raises(ValueError):
+        store.move(0, 1 << 20)
+
+
+@native_only
+def test_candidate_slots_takes_one_class_of_workers_sharing_one_store():
+    reg, other = WorkerRegistry(), WorkerRegistry()
+    a, b = reg.add(_spec(0), 0.0), reg.add(_spec(1), 0.0)
+    assert len(native.module.CandidateSlots([a, b])) == 2
+    stranger = other.add(_spec(2), 0.0)
+    with pytest.raises(ValueError):  # another registry's store
+        native.module.CandidateSlots([a, stranger])
+
+    class Lookalike:
+        __slots__ = ("slot", "slot_loads")
+
+    twin = Lookalike()
+    twin.slot, twin.slot_loads = 5, reg.loads
+    with pytest.raises(ValueError):  # another class
+        native.module.CandidateSlots([a, twin])
+    with pytest.raises(TypeError):
+        native.module.prefix_scan([a], {}, "inflight_requests", [0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    moves=st.lists(st.integers(0, 299), max_size=4),
+    holders=st.lists(st.tuples(st.integers(0, 299), st.integers(1, 6)), max_size=80),
+    loads=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=300, max_size=300),
+    subset=st.one_of(st.none(), st.sets(st.integers(0, 299), min_size=1)),
+)
+def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders, loads, subset):
+    """Workers of a registry (slots up to ~300, some moved to fresh slots), their loads written
+    through their attributes; cached prefixes from a real walk. The scan (native: by slot, from
+    the registry's store) picks what the Python reference reads attribute by attribute."""
+    reg = WorkerRegistry()
+    workers = [reg.add(_spec(i), 0.0) for i in range(n)]
+    for m in moves:
+        if m < n:
+            reg.move(workers[m], reg.next_slot())
+    for w, (requests, tokens) in zip(workers, loads):
+        w.inflight_requests, w.pending_prefill_tokens = requests, tokens
+    index = RadixIndex()
+    for w in workers:
+        index.add_slot(w.slot)
+    keys = list(range(1, 7))
+    for i, depth in holders:
+        if i < n:
+            index.store(workers[i].slot, None, keys[:depth], 0.0)
+    candidates = sorted((w for i, w in enumerate(workers) if subset is None or i in subset), key=lambda w: w.slot)
+    if not candidates:
+        return
+    mask = sum(w.bit for w in candidates)
+    overlaps = index.match(keys, mask).overlaps
+    reference = dict(overlaps.items())
+    # the selector's snapshot of their slots (native), read instead of the workers
+    slots = native.module.CandidateSlots(candidates) if native.module is not None else None
+    for attr in ("inflight_requests", "pending_prefill_tokens"):
+        want = scan_candidates_py(candidates, reference, attr)
+        assert scan_candidates(candidates, overlaps, attr) == want
+        assert scan_candidates(candidates, overlaps, attr, slots) == want
+        best_i, depth = want[0], want[1]
+        load = getattr(candidates[best_i], attr)
+        assert (tied_candidates(candidates, overlaps, attr, best_i, depth, load)
+                == tied_candidates_py(candidates, reference, attr, best_i, depth, load))

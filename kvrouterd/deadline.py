@@ -406,15 +406,26 @@ class DeadlineGuard:
         budget = slo_ms
         margin = math.exp(self._log_margin)
         meets: list[str] = []
+        now, block_size = ctx.now, ctx.block_size
+        # most workers share an overlap (none, or the fleet-wide system prompt): their own
+        # prefill is priced once (at 1,024 workers, once per worker was most of a check)
+        own_by_tokens: dict[tuple[int, int], float] = {}
         for w in ctx.candidates:
-            uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
-            expected = self.predict_ms(w, uncached, cached, ctx.now, queued(w.id))
+            tokens = (ctx.uncached_tokens(w), ctx.overlap(w) * block_size)
+            uncached = tokens[0]
+            own = own_by_tokens.get(tokens)
+            if own is None:
+                own = own_by_tokens[tokens] = self.prefill_ms(*tokens)
+            waiting = queued(w.id)
+            ahead = self.ahead_ms(w, now, uncached) if w.inflight_requests else 0.0
+            if waiting[1]:
+                ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
             scale, tail = self._corrections(w)
             tail *= margin
-            t = expected * tail / scale
-            allowed = max(slo_ms, self.prefill_ms(uncached, cached) * tail)
+            t = (ahead + own) * tail  # the prediction (ahead + own) * scale, at the quantile
+            allowed = max(slo_ms, own * tail)
             if w.id == chosen_id:
-                predicted = expected
+                predicted = (ahead + own) * scale
             if t - allowed < best - budget:
                 best, budget = t, allowed
             if t <= allowed:

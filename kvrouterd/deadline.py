@@ -410,6 +410,8 @@ class DeadlineGuard:
         # most workers share an overlap (none, or the fleet-wide system prompt): their own
         # prefill is priced once (at 1,024 workers, once per worker was most of a check)
         own_by_tokens: dict[tuple[int, int], float] = {}
+        corrections = [(self._level_value(self._scales, level), self._level_value(self._tails, level))
+                       for level in range(_LOAD_LEVELS)]
         for w in ctx.candidates:
             tokens = (ctx.uncached_tokens(w), ctx.overlap(w) * block_size)
             uncached = tokens[0]
@@ -420,7 +422,7 @@ class DeadlineGuard:
             ahead = self.ahead_ms(w, now, uncached) if w.inflight_requests else 0.0
             if waiting[1]:
                 ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
-            scale, tail = self._corrections(w)
+            scale, tail = corrections[_load_level(w)]
             tail *= margin
             t = (ahead + own) * tail  # the prediction (ahead + own) * scale, at the quantile
             allowed = max(slo_ms, own * tail)

@@ -285,7 +285,8 @@ class DeadlineGuard:
         # running request's at the same rate, so ``d`` tokens of ``u`` in use take ``d / u``
         # of a hold (Mooncake's outputs vary several-fold)
         spread = self._hold_spread()
-        turnover = deficit / (used * capacity) * self.hold_ms
+        # bounded: a subnormal reported use would make it infinite, and the retry hint an error
+        turnover = min(deficit / (used * capacity) * self.hold_ms, MAX_LATENCY_MS)
         if spread >= 1.0:
             return turnover
         flight = self._flight.get(worker.id)
@@ -295,7 +296,8 @@ class DeadlineGuard:
         for _, dispatched_at, held, first_at in islice(flight.values(), running) if flight else ():
             freed += held
             if freed >= deficit:
-                oldest_first = max(0.0, (first_at or dispatched_at) * 1000.0 + self.hold_ms - now * 1000.0)
+                oldest_first = min(max(0.0, (first_at or dispatched_at) * 1000.0 + self.hold_ms - now * 1000.0),
+                                   MAX_LATENCY_MS)
                 break
         return spread * turnover + (1.0 - spread) * oldest_first
 
@@ -520,8 +522,8 @@ class DeadlineGuard:
         the backlog's bookkeeping."""
         self._forget(request_id)
         self._learn(request_id, ttft_ms, now)
-        if 0 < ttft_ms < e2e_ms <= MAX_LATENCY_MS:
-            held = e2e_ms - ttft_ms
+        if 0 < ttft_ms and ttft_ms + 1.0 <= e2e_ms <= MAX_LATENCY_MS:  # a decode of 1 ms or more:
+            held = e2e_ms - ttft_ms  # shorter ones are the clock's noise, and their squares underflow
             if not self.hold_ms:
                 self.hold_ms, self._hold_sq_ms = held, held * held
             else:

@@ -9,6 +9,7 @@ import pytest
 
 from kvrouterd.admission import AdmissionQueues, Waiting
 from kvrouterd.clock import ManualClock
+from kvrouterd.bounds import MAX_LATENCY_MS
 from kvrouterd.deadline import MIN_RETRY_AFTER_MS, DeadlineGuard, admit_by_deadline
 from kvrouterd.errors import ConfigError, Overloaded, SloUnreachable
 from kvrouterd.index.workers import WorkerSpec
@@ -364,3 +365,26 @@ def test_a_full_kv_cache_turns_over_evenly_when_decode_times_vary_widely() -> No
     assert guard.kv_wait_ms(worker, clock.now(), 1_000) == pytest.approx(guard.hold_ms / 4, rel=0.02)
     router.report_load("a", 0, 4, 0.5)  # half free: room at once
     assert guard.kv_wait_ms(worker, clock.now(), 1_000) == 0.0
+
+
+@pytest.mark.parametrize(("ttft_ms", "e2e_ms", "kv"), [
+    (1e-300, 2e-300, 1.0),  # a decode time whose square underflows to 0
+    (100.0, 100.5, 1.0),  # shorter than a millisecond: not a decode time
+    (100.0, 10_100.0, 5e-324),  # a subnormal KV use: an infinite turnover
+    (100.0, float(MAX_LATENCY_MS), 1e-300),
+])
+def test_hostile_completes_and_load_reports_leave_the_kv_wait_finite(ttft_ms, e2e_ms, kv) -> None:
+    router, guard, clock = _kv_fleet(capacity_blocks=1_000 // BS * 4)
+    for i in range(3):
+        load(router, guard, "a", 1_000, f"run{i}")
+        guard.on_complete(f"old{i}", ttft_ms, clock.now(), e2e_ms)
+    clock.advance(1.0)
+    router.report_load("a", 3, 3, kv)
+    worker = router.workers.find("a")
+    assert worker is not None
+    assert 0.0 <= guard.kv_wait_ms(worker, clock.now(), 10**9) <= MAX_LATENCY_MS
+    req = request("probe", 1_000)
+    try:
+        admit_by_deadline(guard, router, req, router.decide(req), SLO)
+    except SloUnreachable as err:  # refused or not, with a finite retry hint
+        assert math.isfinite(err.retry_after_ms)

@@ -290,7 +290,9 @@ class DeadlineGuard:
         if spread >= 1.0:
             return turnover
         flight = self._flight.get(worker.id)
-        running = len(flight) - self._waiting_count.get(worker.id, 0) if flight else 0
+        # the oldest tracked requests run, the newest that many wait; one that ended before a
+        # load report said it had started is still counted waiting until the next, hence the floor
+        running = max(0, len(flight) - self._waiting_count.get(worker.id, 0)) if flight else 0
         freed = 0
         oldest_first = self.hold_ms  # more than every running request holds: a full turnover at least
         for _, dispatched_at, held, first_at in islice(flight.values(), running) if flight else ():

@@ -388,3 +388,21 @@ def test_hostile_completes_and_load_reports_leave_the_kv_wait_finite(ttft_ms, e2
         admit_by_deadline(guard, router, req, router.decide(req), SLO)
     except SloUnreachable as err:  # refused or not, with a finite retry hint
         assert math.isfinite(err.retry_after_ms)
+
+
+def test_requests_ending_before_any_load_report_leave_the_kv_wait_defined() -> None:
+    # counted as waiting when routed, they end before a report says otherwise (a Complete right
+    # after its Route): fewer are tracked than were counted waiting
+    router, guard, clock = _kv_fleet(capacity_blocks=1_000 // BS * 4)
+    _learn_holds(guard, [10_000.0] * 10)
+    load(router, guard, "a", 1_000, "first")
+    clock.advance(1.0)
+    router.report_load("a", 0, 1, 1.0)  # KV full, the first one running
+    for i in range(3):
+        load(router, guard, "a", 1_000, f"quick{i}")
+    for i in range(3):
+        guard.on_complete(f"quick{i}", 50.0, clock.now())
+        router.complete(Completion(f"quick{i}", 50.0, 60.0))
+    worker = router.workers.find("a")
+    assert worker is not None
+    assert 0.0 <= guard.kv_wait_ms(worker, clock.now(), 1_000) <= MAX_LATENCY_MS

@@ -88,9 +88,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from itertools import islice
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Literal
 
 from .bounds import MAX_LATENCY_MS
@@ -213,10 +213,10 @@ class DeadlineGuard:
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
         self._backlog: dict[str, tuple[float, float]] = {}
         #: worker id -> its uncompleted dispatches in order, request id -> (own modelled
-        #: prefill ms, dispatched at, prompt tokens, first token at or 0): what a load report
-        #: re-anchors the backlog to
+        #: prefill ms, dispatched at, uncached prompt tokens (the KV it adds), first token at
+        #: or 0): what a load report re-anchors the backlog to
         self._flight: dict[str, OrderedDict[str, tuple[float, float, int, float]]] = {}
-        #: worker id -> prompt tokens and count of the requests waiting there, the newest of
+        #: worker id -> uncached prompt tokens and count of the requests waiting there, the newest of
         #: ``_flight`` (``kv_wait_ms``)
         self._waiting_tokens: dict[str, int] = {}
         self._waiting_count: dict[str, int] = {}
@@ -253,8 +253,7 @@ class DeadlineGuard:
         would drain far too fast), drained as time passes at ``1 / scale``."""
         if not worker.inflight_requests:
             return 0.0
-        if worker.reported_at > self._anchored.get(worker.id, 0.0):
-            self._anchor(worker)
+        self._sync(worker)
         ms, at = self._backlog.get(worker.id, (0.0, now))
         return max(0.0, ms - (now - at) * 1000.0 / self._corrections(worker)[0])
 
@@ -269,8 +268,7 @@ class DeadlineGuard:
         first, so the wait is until enough of them have: on tool/agent past capacity the caches
         filled about 15 s in, and requests the prefill model gave 4.5 s waited 12 s behind 90
         decoding requests that had all started within the last 15 s."""
-        if worker.reported_at > self._anchored.get(worker.id, 0.0):
-            self._anchor(worker)
+        self._sync(worker)
         bs = worker.spec.block_size or self.block_size
         capacity = worker.spec.capacity_blocks * bs
         used = worker.kv_utilization
@@ -309,14 +307,17 @@ class DeadlineGuard:
             return 1.0
         return min(1.0, max(0.0, self._hold_sq_ms / (self.hold_ms * self.hold_ms) - 1.0))
 
-    def ahead_ms(self, worker: Worker, now: float, tokens: int = 0) -> float:
-        """Model ms before a request of ``tokens`` prompt tokens routed to ``worker`` now
-        starts: its backlog, or the wait for KV room when that is longer (``kv_wait_ms``, in
-        real ms, brought to model ms by ``scale``, which every prediction is multiplied by)."""
-        backlog = self.backlog_ms(worker, now)
-        if not worker.inflight_requests:
-            return backlog
-        return max(backlog, self.kv_wait_ms(worker, now, tokens) / self._corrections(worker)[0])
+    def ahead_ms(self, worker: Worker, now: float, tokens: int = 0, queued: tuple[int, int] = (0, 0)) -> float:
+        """Model ms before a request of ``tokens`` uncached prompt tokens routed to ``worker``
+        now starts: its backlog, or the wait for KV room when that is longer (``kv_wait_ms``,
+        in real ms, brought to model ms by ``scale``, which every prediction is multiplied by),
+        then ``queued`` (requests, tokens) waiting for it in the router's admission queue."""
+        ahead = 0.0
+        if worker.inflight_requests:
+            ahead = max(self.backlog_ms(worker, now), self.kv_wait_ms(worker, now, tokens) / self._corrections(worker)[0])
+        if queued[1]:
+            ahead += self.latency.ttft_ms(queued[1], 0, queued[0] - 1)
+        return ahead
 
     # ---- the online correction ------------------------------------------------------------
     @property
@@ -340,6 +341,11 @@ class DeadlineGuard:
         """(scale, tail) for ``worker`` at its reported load."""
         level = _load_level(worker)
         return self._level_value(self._scales, level), self._level_value(self._tails, level)
+
+    def _sync(self, worker: Worker) -> None:
+        """Anchor ``worker``'s books to its engine's last load report if one came since."""
+        if worker.reported_at > self._anchored.get(worker.id, 0.0):
+            self._anchor(worker)
 
     def _anchor(self, worker: Worker) -> None:
         """Re-anchor ``worker``'s backlog to its engine's last load report.
@@ -378,19 +384,15 @@ class DeadlineGuard:
         """TTFT of a request with ``uncached_tokens`` to prefill (after ``cached_tokens`` of
         cached prefix) on ``worker``, behind its backlog and ``queued`` (requests, tokens)
         waiting for it in the router."""
-        ahead = (self.ahead_ms(worker, now, uncached_tokens)
-                 + (self.latency.ttft_ms(queued[1], 0, queued[0] - 1) if queued[1] else 0.0))
+        ahead = self.ahead_ms(worker, now, uncached_tokens, queued)
         return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self._corrections(worker)[0]
 
     def chosen_meets(self, ctx: RoutingContext, chosen: Worker, slo_ms: float, queued: Queued = _nothing_queued) -> bool:
         """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
         one worker): the common case, answered without pricing every eligible worker, which
         at 1,024 workers would cost the decision a millisecond."""
-        waiting = queued(chosen.id)
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
-        ahead = self.ahead_ms(chosen, ctx.now, uncached)
-        if waiting[1]:
-            ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
+        ahead = self.ahead_ms(chosen, ctx.now, uncached, queued(chosen.id))
         if ahead <= 0.0:  # nothing ahead of it: it starts at once, held to its own prefill at worst
             return True
         own = self.prefill_ms(uncached, cached)
@@ -422,10 +424,7 @@ class DeadlineGuard:
             own = own_by_tokens.get(tokens)
             if own is None:
                 own = own_by_tokens[tokens] = self.prefill_ms(*tokens)
-            waiting = queued(w.id)
-            ahead = self.ahead_ms(w, now, uncached) if w.inflight_requests else 0.0
-            if waiting[1]:
-                ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
+            ahead = self.ahead_ms(w, now, uncached, queued(w.id))
             scale, tail = corrections[_load_level(w)]
             tail *= margin
             t = (ahead + own) * tail  # the prediction (ahead + own) * scale, at the quantile
@@ -474,21 +473,19 @@ class DeadlineGuard:
     def on_dispatch(self, worker: Worker, request_id: str, uncached_tokens: int, now: float,
                     cached_tokens: int = 0) -> None:
         """A request was committed to ``worker`` (after the router charged it)."""
-        if worker.reported_at > self._anchored.get(worker.id, 0.0):
-            self._anchor(worker)  # before counting this request among those waiting
+        self._sync(worker)  # before counting this request among those waiting
         # the worker's in-flight count already includes it: a first request finds no backlog
         first = worker.inflight_requests <= 1
         own = self.prefill_ms(uncached_tokens, cached_tokens)
-        tokens = uncached_tokens
-        predicted = (0.0 if first else self.ahead_ms(worker, now, tokens)) + own
+        predicted = (0.0 if first else self.ahead_ms(worker, now, uncached_tokens)) + own
         self._backlog[worker.id] = ((0.0 if first else self.backlog_ms(worker, now)) + own, now)
-        self._waiting_tokens[worker.id] = (0 if first else self._waiting_tokens.get(worker.id, 0)) + tokens
+        self._waiting_tokens[worker.id] = (0 if first else self._waiting_tokens.get(worker.id, 0)) + uncached_tokens
         self._waiting_count[worker.id] = (0 if first else self._waiting_count.get(worker.id, 0)) + 1
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
             self._predicted[request_id] = (predicted, _load_level(worker))
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
-            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now, tokens, 0.0)
+            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now, uncached_tokens, 0.0)
             self._where[request_id] = worker.id
             if len(self._where) > _MAX_TRACKED:
                 self._forget(next(iter(self._where)))

@@ -13,10 +13,9 @@ reserves its name, and ``build_eviction`` builds it for an engine from the workl
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
-
-import random
 
 from ..config import Config
 from ..errors import ConfigError

@@ -334,7 +334,7 @@ PEER_ROUTERS = ("cache_aware", "dynamo", "llm_d")
 #: stays within that bracket, and shows at the bracket's edge when it moves out of it
 PEER_WORKLOADS: dict[str, tuple[str, dict[str, float], float]] = {
     "mooncake": ("--trace {mooncake} --limit 4000 --warmup 500",
-                 {"cache_aware": 6.5, "dynamo": 7.5, "llm_d": 2.0}, 15.5),
+                 {"cache_aware": 6.5, "dynamo": 7.5, "llm_d": 2.0}, 16.0),
     "toolagent": ("--workload toolagent --workload-param requests=3000 --warmup 300"
                   " --workload-param tool_tokens=[2048,4096,8192] --workload-param user_tokens=[1024,6144]"
                   " --workload-param output_tokens=182",

@@ -21,6 +21,19 @@ Completes sent*, and server CPU per call is a Route plus its Complete; the trivi
 answers Complete too, so its ratios still compare like with like. Each daemon load also
 counts the policy's reasons from the answers (``reasons``).
 
+Deadline admission runs, as it does by default, but its TTFT model is told how fast this
+fleet is (``BENCH_PREFILL_MS_PER_1K``). The bench's engines complete every request the moment
+it is routed and report neither load nor TTFTs. With the default model (a GPU prefilling
+1,000 tokens in 40 ms) the guard saw the worker with the longest match take 3,000-7,000
+Routes/s, 8-18x what the model says it can prefill, and predicted its backlog past the 5 s
+SLO within a second; from then on the Routes sent there priced all 64 workers and were
+re-decided elsewhere (a third to a half of a streamed load's: 2-3x its CPU per call). No real
+fleet shows that: in a closed loop of 64 requests the Completes come no faster than the
+engines prefill, so a backlog stays under 64 prefills (~0.2 s), and engines faster than their
+model correct it through TTFTs and load reports. At 1 ms per 1,000 tokens that worker is
+loaded but within capacity: most streamed Routes find a backlog there and price it, as Routes
+to a busy, healthy fleet do, and none is re-decided.
+
 On a 2-core machine the client shares the CPU with the server (and with anything else
 running): a rate is bounded by whichever process runs out of CPU first, so rates and their
 ratios swing with load. Each load therefore also reports the server's CPU per call (from
@@ -60,6 +73,10 @@ from .stats import p99
 from .workload import BLOCK_SIZE
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+#: the daemon's TTFT model for deadline admission (``admission.latency``): engines 40x faster
+#: than the default GPU's 40 ms per 1,000 tokens, because these "engines" answer at once (see
+#: the module docstring)
+BENCH_PREFILL_MS_PER_1K = 1.0
 
 
 class TrivialService(router_pb2_grpc.KVRouterServicer):
@@ -111,7 +128,9 @@ async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
         from ..server.app import Daemon
         from .workload import populate
 
-        daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20}}))
+        # deadline admission (on by default) modelling engines as fast as these
+        daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20},
+                                      "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}))
         if mode == "daemon":
             populate(daemon.router, workers, blocks)
         else:  # "ingest": one empty event-driven worker

@@ -200,6 +200,11 @@ class DeadlineGuard:
         self._judged: OrderedDict[str, tuple[float, float]] = OrderedDict()
         #: completions seen per level; a level with none borrows the nearest quieter one's
         self._samples = [0] * _LOAD_LEVELS
+        #: (scale, tail) per level as ``_level_value`` reads them, redone whenever a sample
+        #: changes them (``_learn``): every Route reads them two to five times
+        self._levels = self._level_corrections()
+        #: ``exp(_log_margin)``, redone whenever the margin moves
+        self._margin = 1.0
         params = params or LatencyParams()
         try:
             params.validate()
@@ -254,8 +259,12 @@ class DeadlineGuard:
         if not worker.inflight_requests:
             return 0.0
         self._sync(worker)
+        return self._drained(worker, now, self._corrections(worker)[0])
+
+    def _drained(self, worker: Worker, now: float, scale: float) -> float:
+        """``backlog_ms`` of a worker with requests in flight, its books synced, at ``scale``."""
         ms, at = self._backlog.get(worker.id, (0.0, now))
-        return max(0.0, ms - (now - at) * 1000.0 / self._corrections(worker)[0])
+        return max(0.0, ms - (now - at) * 1000.0 / scale)
 
     def kv_wait_ms(self, worker: Worker, now: float, tokens: int = 0) -> float:
         """Real ms until ``worker`` has KV room for the requests waiting there and ``tokens``
@@ -269,6 +278,10 @@ class DeadlineGuard:
         filled about 15 s in, and requests the prefill model gave 4.5 s waited 12 s behind 90
         decoding requests that had all started within the last 15 s."""
         self._sync(worker)
+        return self._kv_wait(worker, now, tokens)
+
+    def _kv_wait(self, worker: Worker, now: float, tokens: int) -> float:
+        """``kv_wait_ms`` with ``worker``'s books synced."""
         bs = worker.spec.block_size or self.block_size
         capacity = worker.spec.capacity_blocks * bs
         used = worker.kv_utilization
@@ -314,7 +327,10 @@ class DeadlineGuard:
         then ``queued`` (requests, tokens) waiting for it in the router's admission queue."""
         ahead = 0.0
         if worker.inflight_requests:
-            ahead = max(self.backlog_ms(worker, now), self.kv_wait_ms(worker, now, tokens) / self._corrections(worker)[0])
+            # backlog_ms and kv_wait_ms, the books synced and the scale read once: every Route asks
+            self._sync(worker)
+            scale = self._corrections(worker)[0]
+            ahead = max(self._drained(worker, now, scale), self._kv_wait(worker, now, tokens) / scale)
         if queued[1]:
             ahead += self.latency.ttft_ms(queued[1], 0, queued[0] - 1)
         return ahead
@@ -337,10 +353,13 @@ class DeadlineGuard:
                 return values[at]
         return values[level]
 
+    def _level_corrections(self) -> list[tuple[float, float]]:
+        return [(self._level_value(self._scales, level), self._level_value(self._tails, level))
+                for level in range(_LOAD_LEVELS)]
+
     def _corrections(self, worker: Worker) -> tuple[float, float]:
         """(scale, tail) for ``worker`` at its reported load."""
-        level = _load_level(worker)
-        return self._level_value(self._scales, level), self._level_value(self._tails, level)
+        return self._levels[_load_level(worker)]
 
     def _sync(self, worker: Worker) -> None:
         """Anchor ``worker``'s books to its engine's last load report if one came since."""
@@ -396,7 +415,7 @@ class DeadlineGuard:
         if ahead <= 0.0:  # nothing ahead of it: it starts at once, held to its own prefill at worst
             return True
         own = self.prefill_ms(uncached, cached)
-        tail = self._corrections(chosen)[1] * math.exp(self._log_margin)
+        tail = self._corrections(chosen)[1] * self._margin
         # check's rule for one worker: (ahead + own) * scale * tail / scale against the budget
         return (ahead + own) * tail <= max(slo_ms, own * tail)
 
@@ -410,14 +429,13 @@ class DeadlineGuard:
         that misses its SLO whatever happens, ahead of requests that could have met theirs."""
         predicted = best = math.inf
         budget = slo_ms
-        margin = math.exp(self._log_margin)
+        margin = self._margin
         meets: list[str] = []
         now, block_size = ctx.now, ctx.block_size
         # most workers share an overlap (none, or the fleet-wide system prompt): their own
         # prefill is priced once (at 1,024 workers, once per worker was most of a check)
         own_by_tokens: dict[tuple[int, int], float] = {}
-        corrections = [(self._level_value(self._scales, level), self._level_value(self._tails, level))
-                       for level in range(_LOAD_LEVELS)]
+        corrections = self._levels
         for w in ctx.candidates:
             tokens = (ctx.uncached_tokens(w), ctx.overlap(w) * block_size)
             uncached = tokens[0]
@@ -477,8 +495,14 @@ class DeadlineGuard:
         # the worker's in-flight count already includes it: a first request finds no backlog
         first = worker.inflight_requests <= 1
         own = self.prefill_ms(uncached_tokens, cached_tokens)
-        predicted = (0.0 if first else self.ahead_ms(worker, now, uncached_tokens)) + own
-        self._backlog[worker.id] = ((0.0 if first else self.backlog_ms(worker, now)) + own, now)
+        if first:
+            predicted = backlog = own
+        else:  # ahead_ms (nothing queued) plus its own, and backlog_ms, the scale read once
+            scale = self._corrections(worker)[0]
+            backlog = self._drained(worker, now, scale)
+            predicted = max(backlog, self._kv_wait(worker, now, uncached_tokens) / scale) + own
+            backlog += own
+        self._backlog[worker.id] = (backlog, now)
         self._waiting_tokens[worker.id] = (0 if first else self._waiting_tokens.get(worker.id, 0)) + uncached_tokens
         self._waiting_count[worker.id] = (0 if first else self._waiting_count.get(worker.id, 0)) + 1
         if request_id:  # in model ms: what ``scale`` compares the observed TTFT with
@@ -500,7 +524,7 @@ class DeadlineGuard:
     @property
     def margin(self) -> float:
         """How much longer than predicted a request must still fit its SLO in (>= 1)."""
-        return math.exp(self._log_margin)
+        return self._margin
 
     def on_first_token(self, request_id: str, ttft_ms: float, now: float) -> None:
         """``request_id``'s first token is out (a ``prefill_done`` Complete with its TTFT, or
@@ -546,6 +570,7 @@ class DeadlineGuard:
             missed = 1.0 if ttft_ms > judged[0] else 0.0
             self._log_margin = min(max(self._log_margin + _MARGIN_STEP * (missed - (1.0 - self.quantile)), 0.0),
                                    _LOG_SCALE_RANGE)
+            self._margin = math.exp(self._log_margin)
         dispatched = self._predicted.pop(request_id, None)
         if dispatched is None:
             return
@@ -565,6 +590,7 @@ class DeadlineGuard:
             log_tail = math.log(tail)
             log_tail += _TAIL_STEP * (self.quantile - (1.0 if log_ratio <= log_tail else 0.0))
             self._tails[level] = math.exp(min(max(log_tail, -_LOG_SCALE_RANGE), _LOG_SCALE_RANGE))
+            self._levels = self._level_corrections()
 
     def _forget(self, request_id: str) -> None:
         worker_id = self._where.pop(request_id, None)

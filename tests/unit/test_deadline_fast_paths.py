@@ -1,0 +1,94 @@
+"""Deadline admission's per-Route shortcuts give what the full computations give.
+
+The guard keeps its per-load-level corrections and its margin worked out ahead, and
+``on_dispatch`` / ``ahead_ms`` read a worker's books once per call. A random fleet's life
+(dispatches, first tokens, completions that teach the corrections and the margin, load
+reports that re-anchor backlogs, KV caches filling) is checked step by step against the
+definitions: any divergence, however small, fails here.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.deadline import _LOAD_LEVELS, DeadlineGuard, _load_level
+from kvrouterd.index.workers import Worker, WorkerSpec
+from kvrouterd.policies.latency import LatencyParams
+from kvrouterd.protocols import CacheMode, Completion, RouteRequest
+from kvrouterd.router import Router, RouterSettings
+
+BS = 16
+WORKERS = ("a", "b", "c", "d")
+
+
+def _scale(guard: DeadlineGuard, worker: Worker) -> float:
+    """The scale for ``worker`` by its definition: the level's, or the nearest quieter seen one's."""
+    return guard._level_value(guard._scales, _load_level(worker))
+
+
+def _check_corrections(guard: DeadlineGuard, router: Router) -> None:
+    for level in range(_LOAD_LEVELS):
+        assert guard._levels[level] == (guard._level_value(guard._scales, level), guard._level_value(guard._tails, level))
+    for worker in router.workers:
+        assert guard._corrections(worker) == (_scale(guard, worker), guard._level_value(guard._tails, _load_level(worker)))
+    assert guard.margin == math.exp(guard._log_margin)
+
+
+def _ahead_by_definition(guard: DeadlineGuard, worker: Worker, now: float, tokens: int) -> float:
+    if not worker.inflight_requests:
+        return 0.0
+    return max(guard.backlog_ms(worker, now), guard.kv_wait_ms(worker, now, tokens) / _scale(guard, worker))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dispatch_predictions_backlogs_and_corrections_match_their_definitions(seed: int) -> None:
+    rng = random.Random(seed)
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, routing={"name": "least_loaded"}), clock, random.Random(seed))
+    for wid in WORKERS:
+        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=CacheMode.EVENTS, capacity_blocks=400))
+    guard = DeadlineGuard("shed", LatencyParams(prefill_ms_per_1k_tokens=40.0, calibrate=False), 0.9, BS)
+    in_flight: list[str] = []
+    learned = 0
+    for step in range(1_500):
+        clock.advance(rng.choice((0.0, 0.0005, 0.003, 0.02)))
+        now = clock.now()
+        roll = rng.random()
+        if roll < 0.45 or not in_flight:
+            tokens = rng.randrange(1, 60) * BS
+            rid = f"r{step}"
+            req = RouteRequest(rid, list(range(1, tokens // BS + 1)), tokens)
+            req.candidate_workers = (rng.choice(WORKERS),)
+            worker = router.route(req, explain=False).worker
+            uncached, cached = tokens - BS, BS
+            if worker.inflight_requests <= 1:
+                predicted = backlog = guard.prefill_ms(uncached, cached)
+            else:
+                own = guard.prefill_ms(uncached, cached)
+                predicted = _ahead_by_definition(guard, worker, now, uncached) + own
+                backlog = guard.backlog_ms(worker, now) + own
+            assert guard.ahead_ms(worker, now, uncached) == _ahead_by_definition(guard, worker, now, uncached)
+            guard.on_dispatch(worker, rid, uncached, now, cached)
+            assert guard._predicted[rid][0] == predicted
+            assert guard._backlog[worker.id] == (backlog, now)
+            guard.on_admitted(rid, rng.choice((200.0, 2_000.0)), now)
+            in_flight.append(rid)
+        elif roll < 0.6:
+            guard.on_first_token(rng.choice(in_flight), rng.uniform(1.0, 3_000.0), now)
+        elif roll < 0.85:
+            rid = in_flight.pop(rng.randrange(len(in_flight)))
+            ttft = rng.uniform(1.0, 5_000.0)
+            router.complete(Completion(rid, ttft_ms=ttft, e2e_ms=ttft + rng.uniform(1.0, 20_000.0)))
+            before = guard._samples[:]
+            guard.on_complete(rid, ttft, now, ttft + rng.uniform(1.0, 20_000.0))
+            learned += guard._samples != before
+        else:
+            wid = rng.choice(WORKERS)
+            router.report_load(wid, rng.randrange(0, 4), rng.choice((0, 1, 3, 9, 40, 200)), rng.choice((0.0, 0.5, 0.97, 1.0)))
+        _check_corrections(guard, router)
+    # the run did exercise what the shortcuts cache: samples at several levels, a moving margin
+    assert learned > 50 and sum(1 for n in guard._samples if n) >= 3 and guard._log_margin > 0.0

@@ -332,6 +332,10 @@ class Router:
     def request(self, request_id: str) -> RouteRequest | None:
         return self._ledger.request(request_id)
 
+    def request_model(self, request_id: str) -> str | None:
+        """The model of the request ``request_id`` while it is in flight (``LoadLedger.request_model``)."""
+        return self._ledger.request_model(request_id)
+
     def expire_inflight(self) -> list[InFlight]:
         """Stop charging requests whose completion never came (caller crashed, lost Complete)."""
         return self._ledger.expire_inflight()

@@ -72,6 +72,7 @@ def request_bytes(req: RouteRequest) -> int:
 #: #28 item 6). Its fields: the request's, with what it costs (``request_bytes``) at ``_SIZE``
 #: and its candidate workers last, from ``_CANDIDATES`` on.
 PackedRequest = tuple[Any, ...]
+_MODEL = 8
 _SIZE = 11
 _CANDIDATES = 13
 
@@ -354,6 +355,9 @@ class LoadLedger:
         """Stop charging a routed request, tell its policy how it went. Raises NotFound for a
         request not in flight here (see ``complete_anywhere`` when replicas share load)."""
         check_completion(completion)  # before anything changes: a fit reads its numbers
+        return self._complete_checked(completion)
+
+    def _complete_checked(self, completion: Completion) -> InFlight:
         entry = self._finish(completion)
         if self.on_completed is not None:
             self._note_completed(completion.request_id)
@@ -369,7 +373,7 @@ class LoadLedger:
         rid = completion.request_id
         check_completion(completion)
         if self.on_completed is None or self._shared.workers.inflight(rid) is not None:
-            return self.complete(completion)
+            return self._complete_checked(completion)
         if rid in self._completed:
             raise NotFound(f"request {rid!r} already completed")
         self._note_completed(rid)
@@ -483,6 +487,12 @@ class LoadLedger:
         """The routed request ``request_id`` while it is in flight (an equal copy of it)."""
         packed = self.requests.get(request_id)
         return None if packed is None else unpack_request(packed)
+
+    def request_model(self, request_id: str) -> str | None:
+        """``request(request_id).model`` without unpacking the request (a Complete's metrics
+        want the model alone); None when it is not in flight."""
+        packed = self.requests.get(request_id)
+        return None if packed is None else packed[_MODEL]
 
     def expire_inflight(self) -> list[InFlight]:
         """Stop charging requests whose completion never came (caller crashed, lost Complete)."""

@@ -226,7 +226,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
-        routed = self.router.request(request.request_id)
+        model = self.router.request_model(request.request_id)
         completion = convert.completion(request, self.router.settings.max_id_length)
         if completion.prefill_done:
             # the prefill hop alone (router.disagg), or the first token of any request (with
@@ -241,7 +241,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             # completion is published, so every replica releases the load when the Dispatch
             # comes (the completion's TTFT and e2e are then in no replica's histograms)
             return
-        self.metrics.completed(entry, completion, routed.model if routed is not None else "", self.router.block_size)
+        self.metrics.completed(entry, completion, model or "", self.router.block_size)
         if self.admission is not None:
             self.admission.on_complete(entry.worker_id, completion)
 

@@ -68,7 +68,7 @@ def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
         tokens = list(range(i, i + 5 * BS))
         keys = router.keys_for_tokens(tokens) if i % 2 else list(router.keys_for_tokens(tokens))  # array or list
         r = RouteRequest(f"r{i}", keys, len(tokens), session_id=f"s{i}", task=TaskCategory(i % 3), ttft_slo_ms=9.5,
-                         candidate_workers=("w0", "w1"), model="m", lora=f"adapter-{i % 2}", client="peer-a")
+                         candidate_workers=("w0", "w1"), model=f"m{i % 3}", lora=f"adapter-{i % 2}", client="peer-a")
         sent.append(RouteRequest(**{f: getattr(r, f) for f in r.__slots__}))
         router.route(r)
     gc.collect()  # the collector stops tracking a tuple of untracked things at its first pass over it
@@ -76,6 +76,8 @@ def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
     assert len(kept) == 100 and not any(gc.is_tracked(entry) for entry in kept)
     for want in sent:  # what hosts and policies read back is the request as routed
         assert router.request(want.request_id) == want
+        assert router.request_model(want.request_id) == want.model  # read without unpacking
+    assert router.request_model("never-routed") is None
     entry = router.workers.inflight("r7")
     assert (entry.request_id, entry.prompt_tokens, entry.policy) == ("r7", 5 * BS, "cache_aware")
     assert router.complete(Completion("r7")).request_id == "r7"

@@ -46,7 +46,7 @@ from ..protocols import CacheMode, Completion, EventBatch, RouteRequest
 from ..router import Router, RouteResult
 from . import metrics as m
 from .belady import NextUse
-from .engine import EngineParams, Job, SimEngine
+from .engine import EngineParams, FleetMemory, Job, PooledEngine, SimEngine
 from .policy_specs import build_eviction, profiled_spec, simulator_only
 from .results import RunResult
 from .workloads import Workload
@@ -96,6 +96,12 @@ class ClusterSettings:
     #: TTFT, as ext_proc does on the first response chunk), so deadline admission learns a TTFT
     #: when it happens, not when the request ends
     first_token_reports: bool = True
+    #: a bound, not a fleet (``engine.FleetMemory``): the engines' KV memory is one pool of the
+    #: fleet's summed capacity that every engine reads, fills, pins and reserves in (any prefix
+    #: any engine computed is a hit everywhere, no block is held twice, no engine lacks room
+    #: another has), and the router hears every engine's events as every worker's, so its view
+    #: is that pool. No routing of separate engines reuses more or balances memory better
+    shared_cache: bool = False
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -117,6 +123,9 @@ class ClusterSettings:
             self.engine.validate()
         except ValueError as exc:
             raise ConfigError(f"engine: {exc}") from None
+        if self.shared_cache and self.cache_mode is not CacheMode.EVENTS:
+            raise ConfigError("the router hears a fleet-wide cache through its engines' events: "
+                              "shared_cache needs events cache mode")
 
 
 
@@ -189,12 +198,21 @@ class Simulation:
         self.engines: list[SimEngine] = []
         self._by_id: dict[str, int] = {}
         self._seq: list[int] = []
+        memory = None
+        engine_params = settings.engine
+        if settings.shared_cache:
+            memory = FleetMemory(build_eviction(eviction_spec, random.Random(rng.getrandbits(64)), future))
+            # each engine may fill all the pool's free room, so each declares and reports the pool's
+            engine_params = dataclasses.replace(engine_params, capacity_blocks=engine_params.capacity_blocks * settings.workers)
         for i in range(settings.workers):
             wid = f"w{i}"
-            self.router.add_worker(WorkerSpec(id=wid, address=f"{wid}.sim:8000", capacity_blocks=settings.engine.capacity_blocks,
+            self.router.add_worker(WorkerSpec(id=wid, address=f"{wid}.sim:8000", capacity_blocks=engine_params.capacity_blocks,
                                               mode=settings.cache_mode))
-            policy = build_eviction(eviction_spec, random.Random(rng.getrandbits(64)), future)
-            self.engines.append(SimEngine(wid, settings.engine, policy, bs, self.keys.block_bytes))
+            if memory is not None:
+                self.engines.append(PooledEngine(wid, engine_params, memory, bs, self.keys.block_bytes))
+            else:
+                policy = build_eviction(eviction_spec, random.Random(rng.getrandbits(64)), future)
+                self.engines.append(SimEngine(wid, settings.engine, policy, bs, self.keys.block_bytes))
             self._by_id[wid] = i
             self._seq.append(0)
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -242,10 +260,18 @@ class Simulation:
         engine = self.engines[i]
         if not engine.outbox:
             return
+        s = self.settings
+        if s.shared_cache:
+            # every worker holds what any engine stored: the router hears it as each one's
+            events = tuple(engine.outbox)
+            engine.outbox.clear()
+            for j, other in enumerate(self.engines):
+                self._apply(EventBatch(other.worker_id, self._seq[j], events), now)
+                self._seq[j] += 1
+            return
         batch = EventBatch(engine.worker_id, self._seq[i], tuple(engine.outbox))
         engine.outbox.clear()
         self._seq[i] += 1
-        s = self.settings
         if s.cache_mode is CacheMode.APPROXIMATE:
             return  # the router models this worker's cache itself
         if s.event_loss and self._loss_rng.random() < s.event_loss:
@@ -425,8 +451,8 @@ class Simulation:
             self._kick(i, now)
 
     def _report_load(self, now: float) -> None:
-        cap = self.settings.engine.capacity_blocks
         for e in self.engines:
+            cap = e.params.capacity_blocks  # a pooled engine's is the pool's, as is its use
             queued = len(e.waiting) + len(e.prefilling)
             # KV use as vLLM reports it (``used_blocks``): an engine whose cache is full of blocks
             # no request holds is idle to it, not full

@@ -169,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="admit when this quantile of TTFT meets the SLO (default: the config's)")
     c.add_argument("--first-token-reports", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway reports each first token, as ext_proc does (default: on)")
+    c.add_argument("--shared-cache", action="store_true",
+                   help="bound: the engines share one KV memory of the fleet's summed size")
     e = parser.add_argument_group("engines")
     d = EngineParams()
     e.add_argument("--prefill-model", choices=["linear", "power_law"], default=d.prefill_model,
@@ -299,7 +301,7 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
         warmup=args.warmup, load_report_interval_s=args.load_report_ms / 1000.0,
         signal_session_end=args.session_end, admission_max_inflight=args.admission_max_inflight,
         admission_deadline=deadline, admission_deadline_quantile=quantile,
-        first_token_reports=args.first_token_reports)
+        first_token_reports=args.first_token_reports, shared_cache=args.shared_cache)
     settings.validate()
     capacity_for = None
     if args.capacity_fraction is not None:
@@ -318,7 +320,7 @@ def plan(args: argparse.Namespace) -> ClusterPlan:
             "speculative_ttl_s": cfg.speculative.ttl_s, "engine": dataclasses.asdict(engine),
             "capacity_fraction": args.capacity_fraction, "admission_max_inflight": args.admission_max_inflight,
             "admission_deadline": deadline, "admission_deadline_quantile": quantile,
-            "first_token_reports": args.first_token_reports}
+            "first_token_reports": args.first_token_reports, "shared_cache": args.shared_cache}
     return ClusterPlan(cfg, name, workload_for, settings, routings, evictions, list(args.rate or [None]),
                        list(args.seeds), capacity_for, meta)
 

@@ -89,7 +89,7 @@ from ..policies.latency import H100_LLAMA31_8B, LATENCY_FIELDS, LLAMA31_8B_ATTEN
 from ..protocols import CacheEvent, Removed, Stored
 from .workloads import SimRequest
 
-__all__ = ["PER_CHUNK", "EngineParams", "Job", "SimEngine"]
+__all__ = ["PER_CHUNK", "EngineParams", "FleetMemory", "Job", "PooledEngine", "SimEngine"]
 
 
 @dataclass(frozen=True)
@@ -527,3 +527,41 @@ class SimEngine:
         self.outbox.append(Stored(b"".join(bb(h) for h in req.block_ids[hit:]), None, parent, self.block_tokens))
         count = self.index.count(0)
         self.peak_blocks = max(self.peak_blocks, count)
+
+
+class FleetMemory:
+    """One KV memory for a whole fleet: a bound, not a fleet (``ClusterSettings.shared_cache``).
+
+    Every engine reads and fills one prefix cache of the fleet's summed capacity, and its
+    requests pin and reserve room in it. So any prefix any engine computed is a hit on all of
+    them, no block is held twice, and no engine runs out of room while another has some:
+    the most reuse and the best memory balance any routing of separate engines could reach.
+    """
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.index = RadixIndex()
+        self.index.add_slot(0)
+        self.policy = policy
+        self.pins: dict[int, int] = {}
+        self.reserved = 0
+
+
+class PooledEngine(SimEngine):
+    """An engine whose KV memory is the fleet's ``FleetMemory``: its cache, its pins and its
+    reserved room are the pool's (``params.capacity_blocks`` is the pool's size); its queue,
+    its batches and its compute stay its own."""
+
+    def __init__(self, worker_id: str, params: EngineParams, memory: FleetMemory, block_tokens: int,
+                 block_bytes: Callable[[int], bytes]) -> None:
+        self._memory = memory  # before the base class sets ``reserved``
+        super().__init__(worker_id, params, memory.policy, block_tokens, block_bytes)
+        self.index = memory.index
+        self.pins = memory.pins
+
+    @property  # type: ignore[override]
+    def reserved(self) -> int:
+        return self._memory.reserved
+
+    @reserved.setter
+    def reserved(self, value: int) -> None:
+        self._memory.reserved = value

@@ -2311,6 +2311,7 @@ typedef struct {
     PyObject *alone;    /* RadixIndex._alone: bit -> blocks that slot alone holds */
     Py_ssize_t added;   /* blocks the slot holds now that it did not */
     Py_ssize_t alone_n; /* of those, the ones it alone holds */
+    BlockState *fresh;  /* the state the last store_run's new blocks share (borrowed), or NULL */
 } StoreRun;
 
 static int held_child(BlockObject *parent, PyObject *bit);
@@ -2548,6 +2549,7 @@ store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, St
     }
     if (last != NULL && PySet_Add(r->leaves, (PyObject *)last) < 0)
         goto error;
+    r->fresh = run; /* its blocks keep it alive */
     Py_XDECREF(run);
     Py_DECREF(parent);
     return i;
@@ -2601,6 +2603,7 @@ store_run_open(StoreRun *r, PyObject *block_type, PyObject *parent, PyObject *ke
     r->pending = pending;
     r->alone = alone;
     r->added = r->alone_n = 0;
+    r->fresh = NULL;
     return 0;
 }
 
@@ -4262,7 +4265,8 @@ leaf_is_leaf(BlockObject *b, int slot, PyObject *bit)
  * (its successor is its child) has a held child now: dropped. The chain's parent, its last block
  * and any block it does not continue from become leaves at priority(index, block, slot) if they
  * are leaves, else are dropped. */
-static int lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority);
+static int lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority,
+                     BlockState *fresh);
 
 static PyObject *
 LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
@@ -4271,12 +4275,14 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "stored(index, slot, blocks, priority)");
         return NULL;
     }
-    return lo_stored(o, args[0], args[1], args[2], args[3]) < 0 ? NULL : Py_NewRef(Py_None);
+    return lo_stored(o, args[0], args[1], args[2], args[3], NULL) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-/* LeafOrder.stored's work (BlockTable.store_events calls it per event too): 0, or -1 */
+/* LeafOrder.stored's work (BlockTable.store_events calls it per event too): 0, or -1. A block
+ * whose state is `fresh` (not NULL) was made by the store this hook follows, so it was never a
+ * leaf here: dropping it would only probe for it (most of a chain's blocks are such). */
 static int
-lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority)
+lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority, BlockState *fresh)
 {
     int overflow;
     long slot = PyLong_Check(slotobj) ? PyLong_AsLongAndOverflow(slotobj, &overflow) : -1;
@@ -4318,12 +4324,13 @@ lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, Py
     if (IS_BLOCK(items[0]->parent))
         ends[nends++] = parent = (BlockObject *)Py_NewRef(items[0]->parent);
     for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
-        us_prefetch(&o->where, leaf_addr(items[i]));
+        if (items[i]->state != fresh)
+            us_prefetch(&o->where, leaf_addr(items[i]));
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + STORE_AHEAD < n)
+        if (i + STORE_AHEAD < n && items[i + STORE_AHEAD]->state != fresh)
             us_prefetch(&o->where, leaf_addr(items[i + STORE_AHEAD]));
         if (i + 1 < n && items[i + 1]->parent == (PyObject *)items[i]) {
-            if (lo_drop(o, items[i]) < 0)
+            if (items[i]->state != fresh && lo_drop(o, items[i]) < 0)
                 goto done;
         }
         else
@@ -6835,14 +6842,18 @@ ev_field(PyObject *ev, int f)
 static inline int
 ev_u64(PyObject *v, uint64_t *out)
 {
-    if (!PyLong_CheckExact(v))
+    const digit *d;
+    Py_ssize_t n;
+    if (!PyLong_CheckExact(v) || (n = long_digits(v, &d)) < 0)
         return 0;
-    unsigned long long x = PyLong_AsUnsignedLongLong(v);
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
+    /* the digits read in place (a third of PyLong_AsUnsignedLongLong's cost per engine hash) */
+    uint64_t x = 0;
+    while (n-- > 0) {
+        if (x >> (64 - PyLong_SHIFT))
+            return 0; /* 2**64 or more */
+        x = x << PyLong_SHIFT | d[n];
     }
-    *out = (uint64_t)x;
+    *out = x;
     return 1;
 }
 
@@ -7140,6 +7151,7 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         }
         chain_into(PyBytes_AS_STRING(ev_field(ev, EV_TOKENS)), block_size * 4, n, seed, kbuf);
         U64Keys keys = u64_keys_of(kbuf, n);
+        r.fresh = NULL;
         Py_ssize_t stop = store_run(t, parent, &keys, 0, &r);
         if (stop < 0) {
             failed = 1;
@@ -7164,7 +7176,7 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             failed = 1;
             break;
         }
-        if (order != Py_None && lo_stored((LeafOrder *)order, index, r.slot_obj, chain, priority) < 0) {
+        if (order != Py_None && lo_stored((LeafOrder *)order, index, r.slot_obj, chain, priority, r.fresh) < 0) {
             failed = 1;
             break;
         }

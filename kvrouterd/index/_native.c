@@ -7194,9 +7194,12 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(entry);
         }
         blocks += n;
-        if (PyList_SetSlice(chain, 0, PyList_GET_SIZE(chain), NULL) < 0) {
-            failed = 1;
-            break;
+        /* emptied for the next event, its item array kept (clearing it would free it and every
+         * event would grow it again) */
+        for (Py_ssize_t k = PyList_GET_SIZE(chain); k > 0; k--) {
+            PyObject *item = PyList_GET_ITEM(chain, k - 1);
+            Py_SET_SIZE(chain, k - 1);
+            Py_DECREF(item);
         }
     }
     /* the counts RadixIndex.store adds, for what was stored, even when an error stopped the run */

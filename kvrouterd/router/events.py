@@ -49,7 +49,15 @@ if native.module is not None:
 
 class EventApplier:
     """Checks and applies event batches; owns nothing but what it is given (the index,
-    the workers' event state, their engine-hash maps) and the rules that change them."""
+    the workers' event state, their engine-hash maps) and the rules that change them.
+
+    Natively, a batch whose events all pass the checks as they are is checked in one call
+    (``events_plain``), and its plain Stored events (pages of the router's blocks, no hybrid
+    group, no extra keys) are applied in runs, one call each (``RadixIndex.store_events``:
+    parent, hashing, store, engine-hash maps, lru's leaf hook), where the worker's maps are
+    native, no speculative blocks are live and the eviction policy's stored hook is one native
+    call. Everything else goes one event at a time, the reference those runs are held to
+    (``batched = False``; ``tests/unit/test_ingest_batched.py``)."""
 
     def __init__(self, shared: Shared, hashes: EngineHashMaps, slots: RetiredSlots, recent: RecentAccess,
                  speculative: SpeculativeBlocks) -> None:

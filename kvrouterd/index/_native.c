@@ -2929,7 +2929,8 @@ static PyMethodDef BlockTable_methods[] = {
      "hashes) -> (keys bytes, stop, added, alone_added): a stored event's hashing, store_chain and engine-hash map in one call"},
     {"store_events", (PyCFunction)(void (*)(void))BlockTable_store_events, METH_FASTCALL,
      "store_events(block_type, events, start, slot, now, block_size, page, leaves, pending, alone, counts, engine_map, "
-     "reverse, order, priority, index, trace) -> (next, blocks, orphans, partial): a run of plain Stored events in one call"},
+     "reverse, order, priority, index, trace) -> (next, blocks, orphans, partial): a run of plain Stored events in "
+     "one call"},
     {"remove_held", (PyCFunction)(void (*)(void))BlockTable_remove_held, METH_FASTCALL,
      "remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove but the count, for a lone leaf; False: not done"},
     {NULL, NULL, 0, NULL},
@@ -7047,10 +7048,11 @@ u64_array_of(const uint64_t *buf, Py_ssize_t n)
  * EventApplier._apply_stored for each event of `events` from `start` on while they are plain
  * Stored events (ev_stored_pages, pages of `block_size`, no group, no extra hashes), for a
  * worker whose engine-hash map is the U64Map `engine_map` (and `reverse`, None or a U64Map, its
- * key -> engine hash map for eviction hints), with no speculative blocks live: the parent resolved (an engine hash mapped to a block still indexed,
- * else a key of ours the slot holds, else the event's blocks are orphans), the keys hashed,
- * stored (store_run, as RadixIndex.store_hashed), the engine hashes mapped both ways, and the eviction
- * hook run as order.stored(index, slot, blocks, priority) (None: no hook), RadixIndex's counts
+ * key -> engine hash map for eviction hints), with no speculative blocks live. Per event: the
+ * parent resolved (an engine hash mapped to a block still indexed, else a key of ours the slot
+ * holds, else the event's blocks are orphans), the keys hashed and stored (store_run, as
+ * RadixIndex.store_hashed), the engine hashes mapped both ways, the eviction hook run as
+ * order.stored(index, slot, blocks, priority) (order None: no hook); RadixIndex's counts are
  * added. `trace`, a list or None, gets (parent key, keys) for every event stored, for the
  * AccessInfo the Python reads afterwards. Returns the index of the first event not applied, the
  * blocks stored, the orphan blocks, and `partial`: None, or (keys, blocks, stop, parent_key) when
@@ -7075,8 +7077,8 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         || !Py_IS_TYPE(engine_map, &U64MapType) || (reverse != Py_None && !Py_IS_TYPE(reverse, &U64MapType))
         || (order != Py_None && !Py_IS_TYPE(order, &LeafOrderType))
         || (trace != Py_None && !PyList_CheckExact(trace))) {
-        PyErr_SetString(PyExc_TypeError, "events a tuple, counts a dict, engine_map a U64Map, reverse None or a U64Map, order None or a "
-                                         "LeafOrder, trace None or a list");
+        PyErr_SetString(PyExc_TypeError, "events a tuple, counts a dict, engine_map a U64Map, reverse None or a U64Map, "
+                                         "order None or a LeafOrder, trace None or a list");
         return NULL;
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[2]), block_size = PyLong_AsSsize_t(args[5]);
@@ -7171,8 +7173,8 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             }
             break;
         }
-        if (hashes != Py_None
-            && (map_u64s(map, hbuf, kbuf, n) < 0 || (reverse != Py_None && map_u64s((U64Table *)reverse, kbuf, hbuf, n) < 0))) {
+        if (hashes != Py_None && (map_u64s(map, hbuf, kbuf, n) < 0
+                                  || (reverse != Py_None && map_u64s((U64Table *)reverse, kbuf, hbuf, n) < 0))) {
             failed = 1;
             break;
         }

@@ -63,7 +63,8 @@ def _router(kind: str) -> Router:
     if kind == "pure":
         router.index = RadixIndex(pure=True)
     for wid in WORKERS:
-        worker = router.add_worker(WorkerSpec(wid, "h:1", mode=CacheMode.EVENTS, block_size=2 * BLOCK if wid == "paged" else 0))
+        spec = WorkerSpec(wid, "h:1", mode=CacheMode.EVENTS, block_size=2 * BLOCK if wid == "paged" else 0)
+        worker = router.add_worker(spec)
         if kind == "pure":
             worker.engine_keys = {}
         page = 2 * BLOCK if wid == "paged" else BLOCK
@@ -75,7 +76,8 @@ def _router(kind: str) -> Router:
 
 # (kind, prompt, first block, blocks, namespace, parent: "chain" | "unknown" | "ours", collide, extra)
 stored_ev = st.tuples(st.just("stored"), st.integers(0, PROMPTS - 1), st.integers(0, DEPTH - 1), st.integers(1, DEPTH),
-                      st.sampled_from([0, 0, 0, 1, 2, 3]), st.sampled_from(["chain", "chain", "ours", "ours", "unknown"]),
+                      st.sampled_from([0, 0, 0, 1, 2, 3]),
+                      st.sampled_from(["chain", "chain", "ours", "ours", "unknown"]),
                       st.booleans(), st.sampled_from([None] * 9 + ["group", "extra", "bad"]))
 removed_ev = st.tuples(st.just("removed"), st.lists(st.tuples(st.integers(0, PROMPTS - 1), st.integers(0, DEPTH - 1)),
                                                      min_size=1, max_size=6), st.sampled_from([0, 0, 0, 1, 2, 3]),

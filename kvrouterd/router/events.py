@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequest, RejectedEvent
+from ..index import native
 from ..index.groups import GroupPresence
 from ..index.keys import ROOT_SEED, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
-from ..index import native
 from ..index.native import u64_array
 from ..index.pages import PageChains
 from ..index.radix import Block

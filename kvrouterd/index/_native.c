@@ -1228,37 +1228,44 @@ U64Map_growth_pending(U64Table *t, void *unused)
  * s != t (an engine hash that is the block key itself needs no entry); returns how many were
  * set. Each is a list or tuple of ints or an array('Q') (read in place). Both are validated
  * before anything changes. The per-block loop of Router.apply's engine-hash bookkeeping. */
+/* t[src[i]] = dst[i] for each i < n where the two differ, the slots probed STORE_AHEAD pairs
+ * ahead: how many were set, or -1 (MemoryError) */
+static Py_ssize_t
+map_u64s(U64Table *t, const uint64_t *src, const uint64_t *dst, Py_ssize_t n)
+{
+    Py_ssize_t set = 0;
+    for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
+        us_prefetch(&t->s, src[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + STORE_AHEAD < n)
+            us_prefetch(&t->s, src[i + STORE_AHEAD]);
+        if (src[i] == dst[i])
+            continue;
+        if (us_set(&t->s, src[i], dst[i]) < 0)
+            return -1;
+        set++;
+    }
+    return set;
+}
+
 /* map_pairs' loop over the two open sequences (zip()'s length): how many were set, or -1 */
 static Py_ssize_t
 map_pairs_run(U64Table *t, const U64Keys *src, const U64Keys *dst)
 {
     Py_ssize_t n = src->n < dst->n ? src->n : dst->n; /* as zip() */
-    uint64_t *pairs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
-    Py_ssize_t set = 0;
-    if (pairs == NULL) {
+    uint64_t *both = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)(n ? n : 1));
+    Py_ssize_t set = -1;
+    if (both == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (u64_keys_get(src, i, &pairs[2 * i]) < 0 || u64_keys_get(dst, i, &pairs[2 * i + 1]) < 0)
-            goto error;
-    for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
-        us_prefetch(&t->s, pairs[2 * i]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key = pairs[2 * i], value = pairs[2 * i + 1];
-        if (i + STORE_AHEAD < n)
-            us_prefetch(&t->s, pairs[2 * (i + STORE_AHEAD)]);
-        if (key == value)
-            continue;
-        if (us_set(&t->s, key, value) < 0)
-            goto error;
-        set++;
-    }
-    PyMem_Free(pairs);
+        if (u64_keys_get(src, i, &both[i]) < 0 || u64_keys_get(dst, i, &both[n + i]) < 0)
+            goto done;
+    set = map_u64s(t, both, both + n, n);
+done:
+    PyMem_Free(both);
     return set;
-error:
-    PyMem_Free(pairs);
-    return -1;
 }
 
 static PyObject *
@@ -2304,6 +2311,7 @@ typedef struct {
     PyObject *alone;    /* RadixIndex._alone: bit -> blocks that slot alone holds */
     Py_ssize_t added;   /* blocks the slot holds now that it did not */
     Py_ssize_t alone_n; /* of those, the ones it alone holds */
+    BlockState *fresh;  /* the state the last store_run's new blocks share (borrowed), or NULL */
 } StoreRun;
 
 static int held_child(BlockObject *parent, PyObject *bit);
@@ -2541,6 +2549,7 @@ store_run(BlockTable *t, PyObject *parent, const U64Keys *keys, Py_ssize_t i, St
     }
     if (last != NULL && PySet_Add(r->leaves, (PyObject *)last) < 0)
         goto error;
+    r->fresh = run; /* its blocks keep it alive */
     Py_XDECREF(run);
     Py_DECREF(parent);
     return i;
@@ -2594,6 +2603,7 @@ store_run_open(StoreRun *r, PyObject *block_type, PyObject *parent, PyObject *ke
     r->pending = pending;
     r->alone = alone;
     r->added = r->alone_n = 0;
+    r->fresh = NULL;
     return 0;
 }
 
@@ -2901,6 +2911,8 @@ BlockTable_remove_held(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     return ok ? Py_NewRef(Py_True) : NULL;
 }
 
+static PyObject *BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, "get(key, default=None)"},
     {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, "pop(key[, default])"},
@@ -2915,6 +2927,10 @@ static PyMethodDef BlockTable_methods[] = {
     {"store_hashed", (PyCFunction)(void (*)(void))BlockTable_store_hashed, METH_FASTCALL,
      "store_hashed(block_type, parent, data, block_size, seed, slot, now, leaves, chain, pending, alone, engine_map, "
      "hashes) -> (keys bytes, stop, added, alone_added): a stored event's hashing, store_chain and engine-hash map in one call"},
+    {"store_events", (PyCFunction)(void (*)(void))BlockTable_store_events, METH_FASTCALL,
+     "store_events(block_type, events, start, slot, now, block_size, page, leaves, pending, alone, counts, engine_map, "
+     "reverse, order, priority, index, trace) -> (next, blocks, orphans, partial): a run of plain Stored events in "
+     "one call"},
     {"remove_held", (PyCFunction)(void (*)(void))BlockTable_remove_held, METH_FASTCALL,
      "remove_held(node, bit, leaves, pending) -> bool: RadixIndex.remove but the count, for a lone leaf; False: not done"},
     {NULL, NULL, 0, NULL},
@@ -4250,6 +4266,9 @@ leaf_is_leaf(BlockObject *b, int slot, PyObject *bit)
  * (its successor is its child) has a held child now: dropped. The chain's parent, its last block
  * and any block it does not continue from become leaves at priority(index, block, slot) if they
  * are leaves, else are dropped. */
+static int lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority,
+                     BlockState *fresh);
+
 static PyObject *
 LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -4257,25 +4276,35 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "stored(index, slot, blocks, priority)");
         return NULL;
     }
-    PyObject *index = args[0], *slotobj = args[1], *priority = args[3];
+    return lo_stored(o, args[0], args[1], args[2], args[3], NULL) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* LeafOrder.stored's work (BlockTable.store_events calls it per event too): 0, or -1. A block
+ * whose state is `fresh` (not NULL) was made by the store this hook follows, so it was never a
+ * leaf here: dropping it would only probe for it (most of a chain's blocks are such). */
+static int
+lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, PyObject *priority, BlockState *fresh)
+{
     int overflow;
     long slot = PyLong_Check(slotobj) ? PyLong_AsLongAndOverflow(slotobj, &overflow) : -1;
     if (slot < 0 || overflow) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "stored: slot is an int >= 0");
-        return NULL;
+        return -1;
     }
-    PyObject *seq = PySequence_Fast(args[2], "stored: blocks is a sequence of Blocks");
+    PyObject *seq = PySequence_Fast(blocks, "stored: blocks is a sequence of Blocks");
     if (seq == NULL)
-        return NULL;
+        return -1;
     /* our own references to the blocks: the priority is Python code, which could change the list */
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nends = 0;
     BlockObject *stack[2 * 64 + 1], **items = stack;
-    PyObject *bit = NULL, *result = NULL, *pending = NULL; /* index._pending, once read (leaf_recency) */
+    PyObject *bit = NULL, *pending = NULL; /* index._pending, once read (leaf_recency) */
+    int result = -1;
     BlockObject *parent = NULL; /* the chain's parent, if a Block: ours too */
     if (n > 64 && (items = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(BlockObject *))) == NULL) {
         Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     BlockObject **ends = items + n; /* the parent (if a Block) and the ends, borrowed from items */
     Py_ssize_t owned = 0;
@@ -4286,7 +4315,7 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
         items[owned] = (BlockObject *)Py_NewRef(b);
     }
     if (n == 0) {
-        result = Py_NewRef(Py_None);
+        result = 0;
         goto done;
     }
     if (slot >= 64) {
@@ -4296,12 +4325,13 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
     if (IS_BLOCK(items[0]->parent))
         ends[nends++] = parent = (BlockObject *)Py_NewRef(items[0]->parent);
     for (Py_ssize_t i = 0; i < n && i < STORE_AHEAD; i++)
-        us_prefetch(&o->where, leaf_addr(items[i]));
+        if (items[i]->state != fresh)
+            us_prefetch(&o->where, leaf_addr(items[i]));
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + STORE_AHEAD < n)
+        if (i + STORE_AHEAD < n && items[i + STORE_AHEAD]->state != fresh)
             us_prefetch(&o->where, leaf_addr(items[i + STORE_AHEAD]));
         if (i + 1 < n && items[i + 1]->parent == (PyObject *)items[i]) {
-            if (lo_drop(o, items[i]) < 0)
+            if (items[i]->state != fresh && lo_drop(o, items[i]) < 0)
                 goto done;
         }
         else
@@ -4328,7 +4358,7 @@ LeafOrder_stored(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
         if (r < 0 || lo_put(o, b, p) < 0)
             goto done;
     }
-    result = Py_NewRef(Py_None);
+    result = 0;
 done:
     Py_XDECREF(bit);
     Py_XDECREF(pending);
@@ -6743,6 +6773,453 @@ msgpack_uint32s(PyObject *module, PyObject *raw)
     return packed;
 }
 
+/* ---- an engine batch's Stored events, a run of them in one call ---------------------------------
+ *
+ * Router.apply's per-event Python (EventApplier: checking each event, resolving its parent,
+ * RadixIndex.store_hashed, the eviction hook's calls) was ~290 instructions of a 32-block event's
+ * every block (issue #30 point 2). For the plain events engines send (tokens as bytes, pages the
+ * router's blocks, no hybrid group, no extra keys) the check is events_plain and the rest
+ * BlockTable.store_events, each one call per batch; everything else stays EventApplier's Python,
+ * the reference a hypothesis test holds these to. Stored's fields are read at the offsets of its
+ * slots (set_event_types), as attribute lookup would read them. */
+
+static PyTypeObject *ev_stored_type, *ev_removed_type, *ev_cleared_type;
+enum { EV_TOKENS, EV_HASHES, EV_PARENT, EV_BLOCK_SIZE, EV_MODEL, EV_LORA, EV_GROUP, EV_SALT, EV_EXTRAS, EV_FIELDS };
+static const char *const ev_field_names[EV_FIELDS] = {
+    "token_ids", "engine_hashes", "parent_engine_hash", "block_size", "model", "lora", "group", "salt", "extra_hashes",
+};
+static Py_ssize_t ev_offsets[EV_FIELDS];
+static Py_ssize_t ev_removed_group; /* Removed.group's offset */
+
+/* the seed of an unsalted chain from the root (index.keys.ROOT_SEED: "kvrouter") */
+#define ROOT_SEED 0x6B76726F75746572ULL
+
+/* set_event_types(Stored, Removed, Cleared): the core event classes events_plain and
+ * store_events read (router/events.py registers them) */
+static PyObject *
+set_event_types(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "set_event_types(Stored, Removed, Cleared)");
+        return NULL;
+    }
+    Py_ssize_t offsets[EV_FIELDS];
+    for (int f = 0; f < EV_FIELDS; f++) {
+        PyObject *name = PyUnicode_InternFromString(ev_field_names[f]);
+        if (name == NULL)
+            return NULL;
+        offsets[f] = member_offset((PyTypeObject *)args[0], name);
+        Py_DECREF(name);
+        if (offsets[f] < 0) {
+            PyErr_Format(PyExc_TypeError, "Stored.%s is not a slot", ev_field_names[f]);
+            return NULL;
+        }
+    }
+    PyObject *group = PyUnicode_InternFromString("group");
+    if (group == NULL)
+        return NULL;
+    Py_ssize_t removed_group = member_offset((PyTypeObject *)args[1], group);
+    Py_DECREF(group);
+    if (removed_group < 0) {
+        PyErr_SetString(PyExc_TypeError, "Removed.group is not a slot");
+        return NULL;
+    }
+    memcpy(ev_offsets, offsets, sizeof offsets);
+    ev_removed_group = removed_group;
+    Py_XSETREF(ev_stored_type, (PyTypeObject *)Py_NewRef(args[0]));
+    Py_XSETREF(ev_removed_type, (PyTypeObject *)Py_NewRef(args[1]));
+    Py_XSETREF(ev_cleared_type, (PyTypeObject *)Py_NewRef(args[2]));
+    Py_RETURN_NONE;
+}
+
+/* event field f, borrowed; NULL when the slot is unset */
+static inline PyObject *
+ev_field(PyObject *ev, int f)
+{
+    return *(PyObject **)((char *)ev + ev_offsets[f]);
+}
+
+/* `v` as a uint64 when it is exactly an int in [0, 2**64): 1, else 0 (no exception left) */
+static inline int
+ev_u64(PyObject *v, uint64_t *out)
+{
+    const digit *d;
+    Py_ssize_t n;
+    if (!PyLong_CheckExact(v) || (n = long_digits(v, &d)) < 0)
+        return 0;
+    /* the digits read in place (a third of PyLong_AsUnsignedLongLong's cost per engine hash) */
+    uint64_t x = 0;
+    while (n-- > 0) {
+        if (x >> (64 - PyLong_SHIFT))
+            return 0; /* 2**64 or more */
+        x = x << PyLong_SHIFT | d[n];
+    }
+    *out = x;
+    return 1;
+}
+
+/* a group (None, or exactly an int in [0, max_groups)) EventApplier accepts as it is: 1, else 0 */
+static inline int
+ev_group_ok(PyObject *group, long max_groups)
+{
+    if (group == Py_None)
+        return 1;
+    int overflow;
+    long g = PyLong_CheckExact(group) ? PyLong_AsLongAndOverflow(group, &overflow) : -1;
+    return !overflow && g >= 0 && g < max_groups;
+}
+
+/* grow *buf to hold n uint64s: 0, or -1 (MemoryError) */
+static int
+u64_room(uint64_t **buf, Py_ssize_t *cap, Py_ssize_t n)
+{
+    if (n <= *cap)
+        return 0;
+    Py_ssize_t want = n > 2 * *cap ? n : 2 * *cap;
+    uint64_t *grown = PyMem_Realloc(*buf, (size_t)want * sizeof(uint64_t));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buf = grown;
+    *cap = want;
+    return 0;
+}
+
+/* A Stored event's pages (its token bytes' count of `page` or its own block_size tokens) when
+ * EventApplier._prepare_stored accepts it with nothing converted: token bytes, a block_size
+ * that is an int, engine hashes None (pages of block_size only) or a tuple or list of exact ints
+ * in range, one a page (converted into *hashes_out, grown to hold them, when that is not NULL),
+ * and a group it accepts; else 0, or -1 (MemoryError). */
+static Py_ssize_t
+ev_stored_pages(PyObject *ev, Py_ssize_t page, Py_ssize_t block_size, long max_groups, Py_ssize_t *own_page,
+                uint64_t **hashes_out, Py_ssize_t *cap)
+{
+    PyObject *tokens = ev_field(ev, EV_TOKENS), *bs = ev_field(ev, EV_BLOCK_SIZE), *hashes = ev_field(ev, EV_HASHES);
+    PyObject *group = ev_field(ev, EV_GROUP);
+    if (tokens == NULL || bs == NULL || hashes == NULL || group == NULL || !PyBytes_CheckExact(tokens)
+        || !PyLong_CheckExact(bs))
+        return 0;
+    int overflow;
+    long b = PyLong_AsLongAndOverflow(bs, &overflow);
+    if (overflow || b < 0 || b > PY_SSIZE_T_MAX / 4)
+        return 0;
+    Py_ssize_t p = b ? (Py_ssize_t)b : page, len = PyBytes_GET_SIZE(tokens);
+    if (p <= 0 || len == 0 || len % (p * 4))
+        return 0;
+    Py_ssize_t pages = len / (p * 4);
+    if (hashes == Py_None) {
+        if (p != block_size)
+            return 0;
+    }
+    else {
+        if (!(PyTuple_CheckExact(hashes) || PyList_CheckExact(hashes)) || PySequence_Fast_GET_SIZE(hashes) != pages)
+            return 0;
+        PyObject **items = PySequence_Fast_ITEMS(hashes);
+        uint64_t unused, *out = &unused;
+        if (hashes_out != NULL) {
+            if (u64_room(hashes_out, cap, pages) < 0)
+                return -1;
+            out = *hashes_out;
+        }
+        for (Py_ssize_t i = 0; i < pages; i++)
+            if (!ev_u64(items[i], hashes_out != NULL ? &out[i] : out))
+                return 0;
+    }
+    if (!ev_group_ok(group, max_groups))
+        return 0;
+    *own_page = p;
+    return pages;
+}
+
+/* events_plain(events, page, block_size, max_groups) -> bool
+ *
+ * True when EventApplier.apply's check of every event of `events` (a tuple or list) would pass
+ * with nothing rejected and nothing converted: exactly Stored events ev_stored_pages accepts
+ * (`page`: the worker's page size, its spec's or the router's block size), Removed events with
+ * a group it accepts, and Cleared ones. False leaves the check, and its messages, to the Python. */
+static PyObject *
+events_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "events_plain(events, page, block_size, max_groups)");
+        return NULL;
+    }
+    if (ev_stored_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "events_plain: set_event_types was not called");
+        return NULL;
+    }
+    PyObject *events = args[0];
+    Py_ssize_t page = PyLong_AsSsize_t(args[1]), block_size = PyLong_AsSsize_t(args[2]);
+    long max_groups = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyTuple_CheckExact(events) && !PyList_CheckExact(events))
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(events); i++) {
+        PyObject *ev = PySequence_Fast_GET_ITEM(events, i);
+        PyTypeObject *type = Py_TYPE(ev);
+        Py_ssize_t own_page;
+        if (type == ev_stored_type) {
+            if (!ev_stored_pages(ev, page, block_size, max_groups, &own_page, NULL, NULL))
+                Py_RETURN_FALSE;
+        }
+        else if (type == ev_removed_type) {
+            PyObject *group = *(PyObject **)((char *)ev + ev_removed_group);
+            if (group == NULL || !ev_group_ok(group, max_groups))
+                Py_RETURN_FALSE;
+        }
+        else if (type != ev_cleared_type)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* An unsalted-or-not chain's seed from the root (keys.namespace_seed): 1 with *seed; 0 when the
+ * model, lora or salt is not a str UTF-8 encodes (the Python then raises what it raises). */
+static int
+ev_root_seed(PyObject *ev, uint64_t *seed)
+{
+    PyObject *model = ev_field(ev, EV_MODEL), *lora = ev_field(ev, EV_LORA), *salt = ev_field(ev, EV_SALT);
+    if (model == NULL || lora == NULL || salt == NULL || !PyUnicode_CheckExact(model) || !PyUnicode_CheckExact(lora)
+        || !PyUnicode_CheckExact(salt))
+        return 0;
+    if (!PyUnicode_GET_LENGTH(model) && !PyUnicode_GET_LENGTH(lora) && !PyUnicode_GET_LENGTH(salt)) {
+        *seed = ROOT_SEED;
+        return 1;
+    }
+    Py_ssize_t nm, nl, ns;
+    const char *m = PyUnicode_AsUTF8AndSize(model, &nm), *l = m ? PyUnicode_AsUTF8AndSize(lora, &nl) : NULL;
+    const char *s = l ? PyUnicode_AsUTF8AndSize(salt, &ns) : NULL;
+    if (s == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    /* f"{model}\x00{lora}", then "\x00{salt}" when there is a salt */
+    size_t len = (size_t)nm + 1 + (size_t)nl + (ns ? 1 + (size_t)ns : 0);
+    char stack[256], *buf = len <= sizeof stack ? stack : PyMem_Malloc(len);
+    if (buf == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    memcpy(buf, m, (size_t)nm);
+    buf[nm] = 0;
+    memcpy(buf + nm + 1, l, (size_t)nl);
+    if (ns) {
+        buf[nm + 1 + nl] = 0;
+        memcpy(buf + nm + 2 + nl, s, (size_t)ns);
+    }
+    *seed = XXH3_64bits_withSeed(buf, len, ROOT_SEED);
+    if (buf != stack)
+        PyMem_Free(buf);
+    return 1;
+}
+
+/* a buffer of uint64s as store_run reads keys (never opened or closed: no export to release) */
+static inline U64Keys
+u64_keys_of(uint64_t *buf, Py_ssize_t n)
+{
+    U64Keys keys;
+    memset(&keys, 0, sizeof keys);
+    keys.view.obj = Py_None; /* only tested for NULL (buffer mode) */
+    keys.view.buf = buf;
+    keys.n = n;
+    return keys;
+}
+
+/* array('Q') of buf[0:n] */
+static PyObject *
+u64_array_of(const uint64_t *buf, Py_ssize_t n)
+{
+    PyObject *out = PySequence_Repeat(array_q_zero, n);
+    Py_buffer view;
+    if (out == NULL || PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    memcpy(view.buf, buf, (size_t)n * sizeof(uint64_t));
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* store_events(block_type, events, start, slot, now, block_size, page, leaves, pending, alone,
+ *              counts, engine_map, reverse, order, priority, index, trace) -> (next, blocks, orphans, partial)
+ *
+ * EventApplier._apply_stored for each event of `events` from `start` on while they are plain
+ * Stored events (ev_stored_pages, pages of `block_size`, no group, no extra hashes), for a
+ * worker whose engine-hash map is the U64Map `engine_map` (and `reverse`, None or a U64Map, its
+ * key -> engine hash map for eviction hints), with no speculative blocks live. Per event: the
+ * parent resolved (an engine hash mapped to a block still indexed, else a key of ours the slot
+ * holds, else the event's blocks are orphans), the keys hashed and stored (store_run, as
+ * RadixIndex.store_hashed), the engine hashes mapped both ways, the eviction hook run as
+ * order.stored(index, slot, blocks, priority) (order None: no hook); RadixIndex's counts are
+ * added. `trace`, a list or None, gets (parent key, keys) for every event stored, for the
+ * AccessInfo the Python reads afterwards. Returns the index of the first event not applied, the
+ * blocks stored, the orphan blocks, and `partial`: None, or (keys, blocks, stop, parent_key) when
+ * store_run left the event at `next` with its keys from `stop` on to the Python loop (its
+ * hashes not mapped either way, its hook not run). */
+static PyObject *
+BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "store_events(block_type, events, start, slot, now, block_size, page, leaves, "
+                                         "pending, alone, counts, engine_map, reverse, order, priority, index, trace)");
+        return NULL;
+    }
+    PyObject *events = args[1], *counts = args[10], *engine_map = args[11], *reverse = args[12], *order = args[13];
+    PyObject *priority = args[14], *index = args[15], *trace = args[16];
+    if (ev_stored_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "store_events: set_event_types was not called");
+        return NULL;
+    }
+    /* a tuple: nothing the hook's Python code does can take an event away mid-call */
+    if (!PyTuple_CheckExact(events) || !PyDict_CheckExact(counts)
+        || !Py_IS_TYPE(engine_map, &U64MapType) || (reverse != Py_None && !Py_IS_TYPE(reverse, &U64MapType))
+        || (order != Py_None && !Py_IS_TYPE(order, &LeafOrderType))
+        || (trace != Py_None && !PyList_CheckExact(trace))) {
+        PyErr_SetString(PyExc_TypeError, "events a tuple, counts a dict, engine_map a U64Map, reverse None or a U64Map, "
+                                         "order None or a LeafOrder, trace None or a list");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), block_size = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t page = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (block_size <= 0 || block_size > PY_SSIZE_T_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
+        return NULL;
+    }
+    StoreRun r;
+    PyObject *chain = PyList_New(0);
+    if (chain == NULL)
+        return NULL;
+    if (store_run_open(&r, args[0], Py_None, NULL, args[3], args[4], args[7], chain, args[8], args[9]) < 0) {
+        Py_DECREF(chain);
+        return NULL;
+    }
+    U64Table *map = (U64Table *)engine_map;
+    uint64_t *kbuf = NULL, *hbuf = NULL;
+    Py_ssize_t kcap = 0, hcap = 0, blocks = 0, orphans = 0, i = start < 0 ? 0 : start;
+    PyObject *partial = NULL, *result = NULL;
+    int failed = 0;
+    for (; i < PyTuple_GET_SIZE(events); i++) {
+        PyObject *ev = PyTuple_GET_ITEM(events, i);
+        Py_ssize_t own_page = 0, n = 0;
+        if (Py_TYPE(ev) != ev_stored_type || ev_field(ev, EV_GROUP) != Py_None || ev_field(ev, EV_EXTRAS) != Py_None
+            || (n = ev_stored_pages(ev, page, block_size, 1, &own_page, &hbuf, &hcap)) <= 0 || own_page != block_size) {
+            failed = n < 0;
+            break; /* EventApplier's Python applies it */
+        }
+        PyObject *hashes = ev_field(ev, EV_HASHES), *peh = ev_field(ev, EV_PARENT), *parent = Py_None;
+        uint64_t seed;
+        if (peh == NULL)
+            break;
+        if (peh == Py_None) {
+            if (!ev_root_seed(ev, &seed))
+                break;
+        }
+        else {
+            if (!PyLong_CheckExact(peh))
+                break;
+            /* engine_keys.get(peh); else peh itself if the slot holds it (a publisher using our
+             * keys); a mapped key whose block the router dropped itself counts as unknown */
+            uint64_t ph, *mapped;
+            uint64_t *at = NULL;
+            if (ev_u64(peh, &ph)) {
+                if ((mapped = us_find(&map->s, ph)) != NULL) {
+                    seed = *mapped;
+                    at = bt_find(t, seed);
+                }
+                else if ((at = bt_find(t, ph)) != NULL) {
+                    int held = holders_has(BT_BLOCK(*at)->state->holders, r.slot, r.bit);
+                    if (held < 0) {
+                        failed = 1;
+                        break;
+                    }
+                    seed = ph;
+                    if (!held)
+                        at = NULL;
+                }
+            }
+            if (at == NULL) {
+                orphans += n;
+                continue;
+            }
+            parent = (PyObject *)BT_BLOCK(*at);
+        }
+        if (u64_room(&kbuf, &kcap, n) < 0) {
+            failed = 1;
+            break;
+        }
+        chain_into(PyBytes_AS_STRING(ev_field(ev, EV_TOKENS)), block_size * 4, n, seed, kbuf);
+        U64Keys keys = u64_keys_of(kbuf, n);
+        r.fresh = NULL;
+        Py_ssize_t stop = store_run(t, parent, &keys, 0, &r);
+        if (stop < 0) {
+            failed = 1;
+            break;
+        }
+        if (stop < n) { /* a block RadixIndex.store's Python loop stores: the rest is the caller's */
+            PyObject *keys_array = u64_array_of(kbuf, n);
+            if (keys_array == NULL) {
+                failed = 1;
+                break;
+            }
+            PyObject *parent_key = peh == Py_None ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(seed);
+            partial = parent_key == NULL ? NULL : Py_BuildValue("(NOnN)", keys_array, chain, stop, parent_key);
+            if (partial == NULL) {
+                Py_XDECREF(keys_array);
+                failed = 1;
+            }
+            break;
+        }
+        if (hashes != Py_None && (map_u64s(map, hbuf, kbuf, n) < 0
+                                  || (reverse != Py_None && map_u64s((U64Table *)reverse, kbuf, hbuf, n) < 0))) {
+            failed = 1;
+            break;
+        }
+        if (order != Py_None && lo_stored((LeafOrder *)order, index, r.slot_obj, chain, priority, r.fresh) < 0) {
+            failed = 1;
+            break;
+        }
+        if (trace != Py_None) {
+            PyObject *keys_array = u64_array_of(kbuf, n);
+            PyObject *parent_key = peh == Py_None ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(seed);
+            PyObject *entry = keys_array && parent_key ? PyTuple_Pack(2, parent_key, keys_array) : NULL;
+            Py_XDECREF(keys_array);
+            Py_XDECREF(parent_key);
+            if (entry == NULL || PyList_Append(trace, entry) < 0) {
+                Py_XDECREF(entry);
+                failed = 1;
+                break;
+            }
+            Py_DECREF(entry);
+        }
+        blocks += n;
+        /* emptied for the next event, its item array kept (clearing it would free it and every
+         * event would grow it again) */
+        for (Py_ssize_t k = PyList_GET_SIZE(chain); k > 0; k--) {
+            PyObject *item = PyList_GET_ITEM(chain, k - 1);
+            Py_SET_SIZE(chain, k - 1);
+            Py_DECREF(item);
+        }
+    }
+    /* the counts RadixIndex.store adds, for what was stored, even when an error stopped the run */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int counted = dict_add(counts, r.slot_obj, r.added) == 0 && dict_add(r.alone, r.bit, r.alone_n) == 0;
+    if (type != NULL)
+        PyErr_Restore(type, value, tb);
+    if (!failed && counted)
+        result = Py_BuildValue("(nnnO)", i, blocks, orphans, partial ? partial : Py_None);
+    Py_XDECREF(partial);
+    PyMem_Free(kbuf);
+    PyMem_Free(hbuf);
+    store_run_close(&r);
+    Py_DECREF(chain);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -6771,6 +7248,10 @@ static PyMethodDef native_methods[] = {
     {"msgpack_uint32s", (PyCFunction)msgpack_uint32s, METH_O,
      "msgpack_uint32s(raw) -> bytes | None: a msgpack array of ints in [0, 2**32) as little-endian uint32 "
      "bytes, else None"},
+    {"set_event_types", (PyCFunction)(void (*)(void))set_event_types, METH_FASTCALL,
+     "set_event_types(Stored, Removed, Cleared): the core event classes events_plain and BlockTable.store_events read"},
+    {"events_plain", (PyCFunction)(void (*)(void))events_plain, METH_FASTCALL,
+     "events_plain(events, page, block_size, max_groups) -> bool: every event passes EventApplier's check as it is"},
     {"set_leaf_recency", (PyCFunction)set_leaf_recency, METH_O,
      "set_leaf_recency(fn): fn is RadixIndex.recency, which LeafOrder.stored then computes itself where it can"},
     {"u64_array", (PyCFunction)u64_array, METH_O,

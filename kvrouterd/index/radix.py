@@ -492,6 +492,42 @@ class RadixIndex:
                     engine_keys[eh] = key
         return keys, chain
 
+    @property
+    def stores_events(self) -> bool:
+        """Whether ``store_events`` is available (the extension's table holds this index)."""
+        return hasattr(self._blocks, "store_events")
+
+    def store_events(self, slot: int, events: tuple[Any, ...], start: int, block_size: int, page: int, now: float,
+                     engine_keys: MutableMapping[int, int], reverse: MutableMapping[int, int] | None,
+                     hook: tuple[Any, Any] | None,
+                     trace: list[tuple[int | None, array]] | None,
+                     ) -> tuple[int, int, int, tuple[int | None, array, list[Block]] | None]:
+        """Store the plain Stored events of ``events`` from ``start`` on, natively, in one call
+        (``BlockTable.store_events``, only where ``stores_events``): each one's parent resolved
+        through ``engine_keys`` (a native ``U64Map``; an engine's parent hash, else our key
+        the slot holds, else its blocks are orphans), its chain hashed and stored as
+        ``store_hashed`` does, its engine hashes mapped (and each key to its engine hash in
+        ``reverse``, None or a ``U64Map``), then ``order.stored(self, slot, blocks, priority)``
+        for ``hook = (order, priority)``. ``trace`` gets ``(parent key, keys)`` of
+        every event stored. ``page``: the publisher's page size where an event names none.
+
+        Returns ``(next, blocks stored, orphan blocks, partial)``: ``events[next]`` is the first
+        event not applied (not plain: the caller's per-event path applies it), and ``partial``
+        is None, or ``(parent_key, keys, blocks)`` of ``events[next - 1]``, whose store ended in
+        ``store``'s Python loop (a block filling a gap above blocks the slot holds, or one
+        nobody holds): stored, but its engine hashes are not mapped either way nor its hook run.
+        ``router.events.EventApplier``'s per-event path is the reference."""
+        order, priority = hook if hook is not None else (None, None)
+        nxt, stored, orphans, partial = self._blocks.store_events(  # type: ignore[attr-defined]
+            self._block, events, start, slot, now, block_size, page, self._leaves[slot], self._pending, self._alone,
+            self._counts, engine_keys, reverse, order, priority, self, trace)
+        if partial is None:
+            return nxt, stored, orphans, None
+        keys, chain, stop, parent_key = partial
+        # on from there as store goes (chain[-1] is its parent), as store_hashed does
+        chain += self.store(slot, chain[-1].key if chain else parent_key, keys[stop:], now)
+        return nxt + 1, stored, orphans, (parent_key, keys, chain)
+
     def add_unheld(self, key: int, parent_key: int | None) -> Block:
         """Put ``key`` under ``parent_key`` (None = root) held by no slot, as a block an engine
         evicted above blocks it kept: a replica importing a peer's index re-creates such blocks

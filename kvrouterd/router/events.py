@@ -17,13 +17,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequest, RejectedEvent
+from ..index import native
 from ..index.groups import GroupPresence
 from ..index.keys import ROOT_SEED, chain_keys_array, chain_keys_with_extras, namespace_seed, tokens_to_bytes
 from ..index.native import u64_array
 from ..index.pages import PageChains
 from ..index.radix import Block
 from ..index.workers import Worker
-from ..policies.base import drop_blocks
+from ..policies.base import EvictionPolicyBase, drop_blocks
 from ..protocols import BatchOutcome, Cleared, EventBatch, Removed, Stored, WorkerState
 from .access import NO_ACCESS_INFO, RecentAccess
 from .engine_hashes import EngineHashMaps
@@ -40,10 +41,23 @@ REJECTING_AFTER = 3
 #: hybrid KV-cache groups per worker the router tracks (vLLM ``group_idx``)
 MAX_KV_GROUPS = 64
 
+#: the native check of a whole batch (None: pure Python), which reads the core event classes
+_events_plain = None if native.module is None else native.module.events_plain
+if native.module is not None:
+    native.module.set_event_types(Stored, Removed, Cleared)
+
 
 class EventApplier:
     """Checks and applies event batches; owns nothing but what it is given (the index,
-    the workers' event state, their engine-hash maps) and the rules that change them."""
+    the workers' event state, their engine-hash maps) and the rules that change them.
+
+    Natively, a batch whose events all pass the checks as they are is checked in one call
+    (``events_plain``), and its plain Stored events (pages of the router's blocks, no hybrid
+    group, no extra keys) are applied in runs, one call each (``RadixIndex.store_events``:
+    parent, hashing, store, engine-hash maps, lru's leaf hook), where the worker's maps are
+    native, no speculative blocks are live and the eviction policy's stored hook is one native
+    call. Everything else goes one event at a time, the reference those runs are held to
+    (``batched = False``; ``tests/unit/test_ingest_batched.py``)."""
 
     def __init__(self, shared: Shared, hashes: EngineHashMaps, slots: RetiredSlots, recent: RecentAccess,
                  speculative: SpeculativeBlocks) -> None:
@@ -53,6 +67,10 @@ class EventApplier:
         self._recent = recent
         self._speculative = speculative
         self._block_size = shared.block_size
+        #: plain Stored events in runs, one native call each (``RadixIndex.store_events``) where
+        #: the index, the worker and the eviction policy allow it; False: one at a time, the
+        #: reference the native runs are tested against
+        self.batched = True
 
     def _page_size(self, worker: Worker, ev: Stored) -> int:
         return ev.block_size or worker.spec.block_size or self._block_size
@@ -121,10 +139,16 @@ class EventApplier:
         worker = shared.workers.get(batch.worker_id)
         if batch.sequence < 0:
             raise InvalidRequest("sequence must be >= 0")
-        prepared: list[tuple[bytes, array | None] | None] = []
+        prepared: list[tuple[bytes, array | None] | None] | None = []
         rejected: dict[str, int] = {}
         stores_rejected = 0
-        for ev in batch.events:
+        events = batch.events
+        if _events_plain is not None and _events_plain(
+                events, worker.spec.block_size or self._block_size, self._block_size, MAX_KV_GROUPS):
+            # every event passes the checks below as it is: each Stored event is prepared when
+            # the per-event path applies it (the native runs read the events themselves)
+            prepared, events = None, ()
+        for ev in events:
             if isinstance(ev, Stored):
                 try:
                     prepared.append(self._prepare_stored(worker, ev))
@@ -177,8 +201,22 @@ class EventApplier:
         worker.last_sequence = seq
         now = shared.clock.now()
         stores_applied = 0
-        for ev, prep in zip(batch.events, prepared):
+        events = batch.events
+        # runs of plain Stored events natively; a rejected event is the per-event path's to skip
+        runs = self.batched and not rejected and type(events) is tuple and shared.index.stores_events
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
+            if runs and type(ev) is Stored:
+                hook = self._run_hook(worker)
+                if hook is not False:
+                    done = self._apply_stored_run(worker, events, i, hook, outcome, now)
+                    stores_applied += done - i
+                    if done > i:
+                        i = done
+                        continue
             if isinstance(ev, Stored):
+                prep = prepared[i] if prepared is not None else self._prepare_stored(worker, ev)
                 if prep is not None:
                     self._apply_stored(worker, ev, prep[0], prep[1], outcome, now)
                     stores_applied += 1
@@ -190,6 +228,7 @@ class EventApplier:
                     worker.state = WorkerState.READY
                     worker.state_reason = ""
                     log.info("worker resynced by Cleared", extra={"worker_id": worker.id})
+            i += 1
         self._note_rejections(worker, rejected, stores_applied, stores_rejected)
         counters["batches_applied"] += 1
         worker.batches_applied += 1
@@ -310,6 +349,60 @@ class EventApplier:
         outcome.blocks_stored += len(keys)
         if self._speculative.live:
             self._speculative.confirm(worker, keys)
+
+    def _run_hook(self, worker: Worker) -> tuple[Any, Any] | None | bool:
+        """The eviction hook a native run of the worker's Stored events makes itself
+        (``RadixIndex.store_events``' ``hook``), None for a policy whose ``on_stored`` does
+        nothing; False when the events must go one at a time: an engine-hash map (or a reverse
+        one, kept for eviction hints) that is not the native one, speculative blocks to confirm,
+        or a policy whose stored hook is Python (a class attribute is looked up, so a wrapper
+        forwarding attributes to a policy does not pass for it)."""
+        u64map = native.module.U64Map  # type: ignore[union-attr]
+        reverse = self._hashes.by_slot.get(worker.slot)
+        if (type(worker.engine_keys) is not u64map or (reverse is not None and type(reverse) is not u64map)
+                or self._speculative.live):
+            return False
+        eviction = self._shared.policies.eviction
+        if type(eviction).on_stored is EvictionPolicyBase.on_stored:
+            return None
+        if getattr(type(eviction), "native_stored_hook", None) is None:
+            return False
+        hook = eviction.native_stored_hook(worker.slot)
+        return False if hook is None else hook
+
+    def _apply_stored_run(self, worker: Worker, events: tuple[Any, ...], start: int, hook: tuple[Any, Any] | None,
+                          outcome: BatchOutcome, now: float) -> int:
+        """``_apply_stored`` for the plain Stored events from ``events[start]`` on, in one native
+        call (``RadixIndex.store_events``); returns the index of the first event it left to the
+        per-event path. An event whose store ended in ``RadixIndex.store``'s Python loop is
+        finished here as ``_apply_stored`` finishes it."""
+        recent = self._recent
+        trace: list[tuple[int | None, array]] | None = [] if recent.entries else None
+        reverse = self._hashes.by_slot.get(worker.slot)
+        nxt, stored, orphans, partial = self._shared.index.store_events(
+            worker.slot, events, start, self._block_size, worker.spec.block_size or self._block_size, now,
+            worker.engine_keys, reverse, hook, trace)
+        outcome.blocks_stored += stored
+        if orphans:
+            outcome.orphan_blocks += orphans
+            log.debug("stored blocks with an unknown parent skipped", extra={"worker_id": worker.id})
+        if trace:
+            # the access info of each chain, in order: lru's hook does not read it, but the
+            # recent accesses learn a routed prompt's generated blocks from it
+            for parent_key, keys in trace:
+                recent.stored_info(parent_key, keys)
+        if partial is not None:
+            parent_key, keys, blocks = partial
+            hashes = events[nxt - 1].engine_hashes
+            if hashes is not None:
+                mapping = worker.engine_keys
+                for eh, key in zip(hashes, keys):  # _apply_stored's loop
+                    if eh != key:
+                        mapping[eh] = key
+                        if reverse is not None:
+                            reverse[key] = eh
+            self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
+        return nxt
 
     def _stored_hooks(self, worker: Worker, parent_key: int | None, keys: Sequence[int], blocks: list[Any],
                       outcome: BatchOutcome, now: float) -> None:

@@ -412,6 +412,16 @@ class SortedLeaves:
                 s = self._slot(index, slot)
             s.stored(index, slot, blocks, self.priority)
 
+    def native_stored(self, slot: int) -> tuple[LeafOrder, Priority] | None:
+        """``(container, priority)`` when ``stored`` for ``slot`` is one native call,
+        ``container.stored(index, slot, blocks, priority)`` (the slot's leaves are in a native
+        ``LeafOrder``), for a host that makes that call itself in C; else None. A slot with no
+        container yet has none: ``stored`` makes it."""
+        s = self._slots.get(slot)
+        if s is None or type(s) is not LeafOrder:
+            return None
+        return s, self.priority
+
     def accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block]) -> None:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last
         block can be a leaf, and only leaves' priorities are kept."""
@@ -540,6 +550,15 @@ class LeafOrderPolicy(EvictionPolicyBase):
 
     def on_stored(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._leaves.stored(index, slot, blocks)
+
+    def native_stored_hook(self, slot: int) -> tuple[LeafOrder, Priority] | None:
+        """``(container, priority)`` whose ``container.stored(index, slot, blocks, priority)`` is
+        exactly ``on_stored`` for ``slot`` (which reads no ``info`` nor ``now``), for a host
+        storing many chains in one native call (``RadixIndex.store_events``); None when it is
+        not one native call, or a subclass changed ``on_stored``."""
+        if type(self).on_stored is not LeafOrderPolicy.on_stored:
+            return None
+        return self._leaves.native_stored(slot)
 
     def on_accessed(self, index: RadixIndex, slot: int, blocks: Sequence[Block], info: AccessInfo, now: float) -> None:
         self._leaves.accessed(index, slot, blocks)

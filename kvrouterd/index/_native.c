@@ -2304,6 +2304,11 @@ typedef struct {
     PyObject *alone;    /* RadixIndex._alone: bit -> blocks that slot alone holds */
     Py_ssize_t added;   /* blocks the slot holds now that it did not */
     Py_ssize_t alone_n; /* of those, the ones it alone holds */
+    /* The holders this run last joined the slot to and the int it made of them (both owned, so
+     * neither address is reused meanwhile): the next block with that same int takes the same
+     * result. A chain whose blocks have the same holders thus keeps one int for all of them,
+     * which the match walk passes over without reading (match_walk_table). */
+    PyObject *joined_from, *joined;
 } StoreRun;
 
 static int held_child(BlockObject *parent, PyObject *bit);
@@ -2405,7 +2410,9 @@ store_existing(StoreRun *r, BlockObject *node)
         done = 0;
         goto out;
     }
-    if ((joined = PyNumber_Or(holders, r->bit)) == NULL)
+    if (holders == r->joined_from)
+        joined = Py_NewRef(r->joined);
+    else if ((joined = PyNumber_Or(holders, r->bit)) == NULL)
         goto out;
     if ((st = block_own_state(node)) == NULL)
         goto out;
@@ -2423,6 +2430,8 @@ store_existing(StoreRun *r, BlockObject *node)
     if (alone_left != NULL && PyDict_SetItem(r->alone, holders, alone_left) < 0)
         goto out;
     Py_SETREF(st->holders, Py_NewRef(joined));
+    Py_XSETREF(r->joined_from, Py_NewRef(holders));
+    Py_XSETREF(r->joined, Py_NewRef(joined));
     r->added++;
     /* the block's own parent stops being a leaf: the chain's previous block only when the keys
      * chain (RadixIndex.store's docstring: Route stores keys a client sent, in any order) */
@@ -2564,7 +2573,7 @@ static int
 store_run_open(StoreRun *r, PyObject *block_type, PyObject *parent, PyObject *keys, PyObject *slot, PyObject *now,
                PyObject *leaves, PyObject *chain, PyObject *pending, PyObject *alone)
 {
-    r->bit = NULL;
+    r->bit = r->joined_from = r->joined = NULL;
     if (block_type != (PyObject *)&BlockType) {
         PyErr_SetString(PyExc_TypeError, "store_chain builds kvrouterd.index._native.Block");
         return -1;
@@ -2601,6 +2610,8 @@ static void
 store_run_close(StoreRun *r)
 {
     Py_CLEAR(r->bit);
+    Py_CLEAR(r->joined_from);
+    Py_CLEAR(r->joined);
 }
 
 /* store_chain(block_type, parent, keys, start, slot, now, leaves, chain, pending, alone)
@@ -3261,16 +3272,35 @@ walk_load(const digit *p)
     return v;
 }
 
-/* some slot of `act`'s digits [i, i + 4 * quads) is not in `h` (1 <= quads <= 2) */
+/* The slots of `act`'s digits [i, i + 4 * quads) that `h` lacks (1 <= quads <= 2) into gone[0 ..
+ * 4 * quads); whether there is one. */
 static inline int
-walk_any_gone(const digit *act, const digit *h, Py_ssize_t i, int quads)
+walk_gone(const digit *act, const digit *h, Py_ssize_t i, int quads, digit *gone)
 {
-    walk_quad gone = walk_load(act + i) & ~walk_load(h + i);
-    if (quads == 2)
-        gone |= walk_load(act + i + 4) & ~walk_load(h + i + 4);
+    walk_quad g0 = walk_load(act + i) & ~walk_load(h + i), any = g0;
+    memcpy(gone, &g0, sizeof g0);
+    if (quads == 2) {
+        walk_quad g1 = walk_load(act + i + 4) & ~walk_load(h + i + 4);
+        memcpy(gone + 4, &g1, sizeof g1);
+        any |= g1;
+    }
     uint64_t half[2];
-    memcpy(half, &gone, sizeof half);
+    memcpy(half, &any, sizeof half);
     return (half[0] | half[1]) != 0;
+}
+
+/* The slots `gone` holds for digits [i, i + n) leave the walk, each recorded at `depth` (none at
+ * depth 0: a slot without the first block has no entry). */
+static inline void
+walk_drop_gone(Walk *w, const digit *gone, Py_ssize_t i, int n, Py_ssize_t depth)
+{
+    for (int k = 0; k < n; k++) {
+        if (gone[k]) {
+            if (depth)
+                walk_record(w, gone[k], i + k, depth);
+            w->act[i + k] ^= gone[k];
+        }
+    }
 }
 
 /* One block of a walk at `depth`: intersect the slots still matching with the block's holders
@@ -3279,11 +3309,13 @@ walk_any_gone(const digit *act, const digit *h, Py_ssize_t i, int quads)
  * the walk ends; 0: go on (also with no slot at all: an empty mask walks every block present,
  * as the pure walk does); -1: error. Runs no Python code and allocates nothing for a non-negative int.
  *
- * The digits are read in runs of eight: two vector ANDs and one test ask whether a slot in the
- * run drops out, and only a run where one does is read again digit by digit. Most blocks drop
- * no slot; one that does usually drops a few, within one run: at 1,024 workers (35 digits) a
- * block that loses a worker cost ~310 instructions when every digit was read twice. */
-static int
+ * The digits are read in runs of eight (then four, then the last few one by one): two vector
+ * ANDs and one test ask whether a slot in the run drops out, and only in a run where one does
+ * are the ANDs' digits looked at one by one. Most blocks drop no slot; one that does usually
+ * drops a few, within one run: at 1,024 workers (35 digits) a block that loses a worker cost
+ * ~310 instructions when every digit was read twice. Inlined into the walks' loops: a call
+ * saved and restored six registers per block. */
+static inline __attribute__((always_inline)) int
 walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
 {
     const digit *h;
@@ -3300,12 +3332,18 @@ walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
     Py_ssize_t both = hn < hi ? hn : hi; /* digits of act from `both` on meet zeros */
     int dropped = 0;
     Py_ssize_t i = lo;
-    for (; i + 8 <= both; i += 8)
-        if (walk_any_gone(act, h, i, 2))
-            dropped |= walk_drop(w, h, i, i + 8, depth);
+    digit gone[8];
+    for (; i + 8 <= both; i += 8) {
+        if (walk_gone(act, h, i, 2, gone)) {
+            walk_drop_gone(w, gone, i, 8, depth);
+            dropped = 1;
+        }
+    }
     if (i + 4 <= both) {
-        if (walk_any_gone(act, h, i, 1))
-            dropped |= walk_drop(w, h, i, i + 4, depth);
+        if (walk_gone(act, h, i, 1, gone)) {
+            walk_drop_gone(w, gone, i, 4, depth);
+            dropped = 1;
+        }
         i += 4;
     }
     dropped |= walk_drop(w, h, i, both, depth); /* the last 0-3 digits */
@@ -3586,10 +3624,18 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
         nodes[found] = (BlockObject *)Py_NewRef(BT_BLOCK(*slot));
     }
     /* pass 2: intersect holder sets along the path. Nothing here runs Python code (Overlaps is no
-     * collector object, so making it runs no collection): the Blocks' states stay as read. */
+     * collector object, so making it runs no collection): the Blocks' states stay as read, and
+     * their holders alive. A block whose holders are the very int of the block before drops no
+     * slot (those left hold that int already), so its digits are not read: a stored chain's
+     * blocks with the same holders share one int (store_existing). */
     Py_ssize_t depth = 0;
+    PyObject *last = NULL;
     for (; depth < found; depth++) {
-        int step = walk_step(w, nodes[depth]->state->holders, depth);
+        PyObject *holders = nodes[depth]->state->holders;
+        if (holders == last)
+            continue;
+        last = holders;
+        int step = walk_step(w, holders, depth);
         if (step >= 0 && depth == 0 && walk_first(w) < 0)
             step = -1;
         if (step < 0)

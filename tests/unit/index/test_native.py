@@ -226,6 +226,26 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
         assert all(a is b for a, b in zip(path, expected_path, strict=True))
 
 
+def test_a_chain_stored_whole_by_many_slots_keeps_one_holders_int():
+    """The native store gives a chain's blocks with the same holders one int, which the walk
+    passes over unread; a slot leaving a block mid-chain gives that block its own, and the walk
+    still stops that slot there."""
+    index = RadixIndex()
+    slots = (*range(100), 900)
+    for slot in slots:
+        index.add_slot(slot)
+    keys = [_key((i,)) for i in range(30)]
+    for slot in slots:
+        index.store(slot, None, keys, 1.0)
+    mask = sum(1 << s for s in slots)
+    path = index.match(keys, mask).path
+    assert len(path) == 30 and len({id(b.holders) for b in path}) == 1
+    index.remove(900, keys[10])
+    _assert_walks_agree(index, keys, mask)
+    overlaps = index.match(keys, mask).overlaps
+    assert overlaps[900] == 10 and overlaps[5] == 30
+
+
 class _Candidate:
     __slots__ = ("pending_prefill_tokens", "slot")
 

@@ -5181,7 +5181,9 @@ CandidateSlots_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     c->cls = (PyTypeObject *)Py_XNewRef(cls);
     Py_DECREF(seq);
-    if (c->span && (c->index_of = PyMem_New(int32_t, c->span)) == NULL) {
+    if (n == 0)
+        return (PyObject *)c;
+    if ((c->index_of = PyMem_New(int32_t, c->span)) == NULL) {
         Py_DECREF(c);
         return PyErr_NoMemory();
     }

@@ -193,6 +193,59 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     assert tied_candidates(candidates, native_overlaps, "pending_prefill_tokens", best_i, depth, load) == ties
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    depths=st.dictionaries(wide_slots, st.integers(0, 40), max_size=400),
+    strays=st.lists(st.tuples(st.integers(0, 39), wide_slots), max_size=30),
+    mask_slots=st.one_of(st.just(frozenset(range(WIDE))), st.frozensets(wide_slots, max_size=400)),
+)
+def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_slots):
+    """A 40-block chain whose holders shrink along it, as in the scaling benchmark: each slot holds
+    a prefix of its own length (so a block drops slots from any of the 35 digits, several at
+    once, and its holders' int can end digits below the slots still matching), and stray
+    holders of a block deeper than a slot's prefix, which must not extend its match. The walk
+    reads the digits in runs of eight, then four, then the last few: every run and the end of a
+    shorter int answer as the pure walk does."""
+    holders = [0] * 40
+    for slot, depth in depths.items():
+        for i in range(depth):
+            holders[i] |= 1 << slot
+    for i, slot in strays:
+        holders[i] |= 1 << slot
+    keys = [_key((i,)) for i in range(40)]
+    table, parent = native.module.BlockTable(), None
+    for key, held in zip(keys, holders, strict=True):
+        block = Block(key, parent)
+        block.holders = held
+        table[key] = parent = block
+    mask = sum(1 << s for s in mask_slots)
+    expected, expected_path = match_walk_py(table, keys, mask)
+    for blocks, ks in ((table, array("Q", keys)), (table, keys), (dict(table.items()), keys)):
+        overlaps, path = native.module.match_walk(blocks, ks, mask)
+        assert list(overlaps.items()) == list(expected.items())
+        assert all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
+def test_a_chain_stored_whole_by_many_slots_keeps_one_holders_int():
+    """The native store gives a chain's blocks with the same holders one int, which the walk
+    passes over unread; a slot leaving a block mid-chain gives that block its own, and the walk
+    still stops that slot there."""
+    index = RadixIndex()
+    slots = (*range(100), 900)
+    for slot in slots:
+        index.add_slot(slot)
+    keys = [_key((i,)) for i in range(30)]
+    for slot in slots:
+        index.store(slot, None, keys, 1.0)
+    mask = sum(1 << s for s in slots)
+    path = index.match(keys, mask).path
+    assert len(path) == 30 and len({id(b.holders) for b in path}) == 1
+    index.remove(900, keys[10])
+    _assert_walks_agree(index, keys, mask)
+    overlaps = index.match(keys, mask).overlaps
+    assert overlaps[900] == 10 and overlaps[5] == 30
+
+
 class _Candidate:
     __slots__ = ("pending_prefill_tokens", "slot")
 

@@ -161,3 +161,39 @@ def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders
         load = getattr(candidates[best_i], attr)
         assert (tied_candidates(candidates, overlaps, attr, best_i, depth, load)
                 == tied_candidates_py(candidates, reference, attr, best_i, depth, load))
+
+
+@native_only
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    depths=st.lists(st.integers(0, 3), min_size=120, max_size=120),  # the deepest prefixes tie
+    loads=st.lists(st.integers(0, 1), min_size=120, max_size=120),
+    subset=st.sets(st.integers(0, 119), min_size=1),
+    order=st.permutations(range(120)),
+    twice=st.booleans(),
+)
+def test_scan_by_slots_finds_the_deepest_from_the_walks_last_entries(n, depths, loads, subset, order, twice):
+    """The scan given CandidateSlots reads the longest prefix from the walk's deepest entries,
+    mapping each entry's slot to its candidate: it answers as the reference when the walk's mask
+    holds more workers than the candidates (their entries are passed over, the deepest ones
+    included), when the candidates are in any order (ties go to the first, not the lowest
+    slot), and when one appears twice (then every candidate is read)."""
+    reg = WorkerRegistry()
+    workers = [reg.add(_spec(i), 0.0) for i in range(n)]
+    for w, load in zip(workers, loads):
+        w.inflight_requests = load
+    index = RadixIndex()
+    for w in workers:
+        index.add_slot(w.slot)
+    keys = list(range(1, 7))
+    for w, depth in zip(workers, depths):
+        if depth:
+            index.store(w.slot, None, keys[:depth], 0.0)
+    candidates = [workers[i % n] for i in sorted({i % n for i in subset})]
+    candidates.sort(key=lambda w: order[w.slot % 120])
+    if twice:
+        candidates.append(candidates[0])
+    overlaps = index.match(keys, sum(w.bit for w in workers)).overlaps  # every worker, not only the candidates
+    want = scan_candidates_py(candidates, dict(overlaps.items()), "inflight_requests")
+    assert scan_candidates(candidates, overlaps, "inflight_requests", native.module.CandidateSlots(candidates)) == want

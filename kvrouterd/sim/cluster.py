@@ -417,7 +417,20 @@ class Simulation:
             finished, engine.finished = engine.finished, []
             for job in finished:
                 self._finish(i, job, now, kick=False)  # free all their room before the next step
-        self._kick(i, now)
+        self._wake(i, now)
+
+    def _wake(self, i: int, now: float) -> None:
+        """Engine ``i`` may have freed KV room: it takes its next step. A pooled fleet's room is
+        every engine's (``shared_cache``), so every idle engine tries too, the one whose next
+        request came first before the others, or room freed by one would wait unused until
+        another's next arrival woke it."""
+        if not self.settings.shared_cache:
+            self._kick(i, now)
+            return
+        engines = self.engines
+        for j in sorted(range(len(engines)), key=lambda j: engines[j].waiting[0].req.arrival_s
+                        if engines[j].waiting else math.inf):
+            self._kick(j, now)
 
     def _finish(self, i: int, job: Job, now: float, kick: bool = True) -> None:
         self.engines[i].finish(job, now)
@@ -448,7 +461,7 @@ class Simulation:
         if self.admission is not None:
             self._admit((self.engines[i].worker_id,), now)
         if kick:
-            self._kick(i, now)
+            self._wake(i, now)
 
     def _report_load(self, now: float) -> None:
         for e in self.engines:

@@ -68,3 +68,16 @@ def test_the_bound_is_heard_through_events_only():
         simulate(cfg, one_prompt_four_times(),
                  ClusterSettings(workers=2, shared_cache=True, cache_mode=CacheMode.APPROXIMATE),
                  routing="round_robin", eviction="lru")
+
+
+def test_room_one_engine_frees_wakes_the_engine_waiting_for_it():
+    # a pool of 8 blocks: w0's 6-block request runs, w1's waits for room until w0's ends; with
+    # no arrival after it, nothing but that end can start it
+    reqs = [SimRequest(0.0, 6 * 64, 4, tuple(range(1, 7)), "a"), SimRequest(0.001, 6 * 64, 4, tuple(range(11, 17)), "b")]
+    settings = ClusterSettings(workers=2, shared_cache=True, engine=EngineParams(capacity_blocks=4))
+    sim = Simulation(parse_config({}), Workload("two", 64, reqs, {}), settings, routing="round_robin", eviction="lru")
+    sim.run()
+    first, second = sim.records
+    assert first is not None and second is not None
+    assert [first.worker, second.worker] == [0, 1]
+    assert first.e2e_s < second.ttft_s < float("inf")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import random
 import subprocess
 import sys
 from array import array
@@ -204,8 +205,8 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
     a prefix of its own length (so a block drops slots from any of the 35 digits, several at
     once, and its holders' int can end digits below the slots still matching), and stray
     holders of a block deeper than a slot's prefix, which must not extend its match. The walk
-    reads the digits in runs of eight, then four, then the last few: every run and the end of a
-    shorter int answer as the pure walk does."""
+    reads the digits in runs of eight (the last one overlapping the run before), or four, or one
+    by one: every run and the end of a shorter int answer as the pure walk does."""
     holders = [0] * 40
     for slot, depth in depths.items():
         for i in range(depth):
@@ -224,6 +225,32 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
         overlaps, path = native.module.match_walk(blocks, ks, mask)
         assert list(overlaps.items()) == list(expected.items())
         assert all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
+@pytest.mark.parametrize("digits", range(1, 36))
+def test_native_walk_reads_every_width_of_mask_as_python_does(digits):
+    """Masks of 1 to 35 CPython digits: the walk's last run overlaps the run before it (or, under
+    eight digits, four, or one by one under four), so each width takes its own path through the
+    runs. A chain where every slot holds a prefix of its own length drops slots from every digit
+    at many depths; the native overlaps, in order, are the pure walk's."""
+    rng = random.Random(digits)
+    top = digits * 30 - 1  # the highest slot sits in digit `digits - 1`
+    slots = sorted({top, *rng.sample(range(top), min(top, 3 * digits))})
+    holders = [0] * 12
+    for slot in slots:
+        for i in range(rng.randint(1, 12)):
+            holders[i] |= 1 << slot
+    keys = [_key((i,)) for i in range(12)]
+    table, parent = native.module.BlockTable(), None
+    for key, held in zip(keys, holders, strict=True):
+        block = Block(key, parent)
+        block.holders = held
+        table[key] = parent = block
+    mask = sum(1 << s for s in slots)
+    expected, expected_path = match_walk_py(table, keys, mask)
+    overlaps, path = native.module.match_walk(table, array("Q", keys), mask)
+    assert list(overlaps.items()) == list(expected.items())
+    assert all(a is b for a, b in zip(path, expected_path, strict=True))
 
 
 def test_a_chain_stored_whole_by_many_slots_keeps_one_holders_int():

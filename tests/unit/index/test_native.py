@@ -253,6 +253,28 @@ def test_native_walk_reads_every_width_of_mask_as_python_does(digits):
     assert all(a is b for a, b in zip(path, expected_path, strict=True))
 
 
+def test_a_freed_overlaps_is_reused_clean_and_a_live_one_is_left_alone():
+    """The walk keeps the last Overlaps freed for the next walk's result: a result still held
+    keeps its entries through later walks, and one made from a freed one's memory (wider, with
+    entries everywhere) has only its own."""
+    keys = [_key((i,)) for i in range(8)]
+    table, parent = native.module.BlockTable(), None
+    for depth, key in enumerate(keys):
+        block = Block(key, parent)
+        block.holders = sum(1 << s for s in range(1024) if s % 8 >= depth)  # slot s holds s % 8 + 1
+        table[key] = parent = block
+    wide = (1 << 1024) - 1
+    kept, _ = native.module.match_walk(table, array("Q", keys), wide)
+    kept_items = list(kept.items())
+    for mask in (wide, wide, sum(1 << s for s in range(0, 1024, 3)), 0b1011, wide >> 500, 0):
+        overlaps, _ = native.module.match_walk(table, array("Q", keys), mask)
+        expected, _ = match_walk_py(table, keys, mask)
+        assert list(overlaps.items()) == list(expected.items())
+        assert all(overlaps.get(s, 0) == expected.get(s, 0) for s in range(1100))
+        del overlaps
+    assert list(kept.items()) == kept_items and kept_items == list(match_walk_py(table, keys, wide)[0].items())
+
+
 def test_a_chain_stored_whole_by_many_slots_keeps_one_holders_int():
     """The native store gives a chain's blocks with the same holders one int, which the walk
     passes over unread; a slot leaving a block mid-chain gives that block its own, and the walk

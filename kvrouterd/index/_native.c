@@ -5364,13 +5364,33 @@ scan_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, int 
         *best = b;
         return;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t slot = c->slots[i];
-        long long load = slot < capacity ? loads[slot] : 0;
-        int lower = load < b.min_load;
-        b.min_i = lower ? i : b.min_i;
-        b.min_load = lower ? load : b.min_load;
-        b.max_load = load > b.max_load ? load : b.max_load;
+    if (c->span <= capacity) {
+        /* every slot within the store (the usual case): the lowest and highest load as two
+         * independent chains, then the first candidate with the lowest, found from the front;
+         * the first lowest kept in the one pass was a third chain (~14 instructions a candidate
+         * over 1,024 workers, now ~8) */
+        long long low = b.min_load, high = b.max_load;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long load = loads[c->slots[i]];
+            low = load < low ? load : low;
+            high = load > high ? load : high;
+        }
+        Py_ssize_t i = 0;
+        while (loads[c->slots[i]] != low) /* n >= 1: `low` is some candidate's */
+            i++;
+        b.min_i = i;
+        b.min_load = low;
+        b.max_load = high;
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t slot = c->slots[i];
+            long long load = slot < capacity ? loads[slot] : 0;
+            int lower = load < b.min_load;
+            b.min_i = lower ? i : b.min_i;
+            b.min_load = lower ? load : b.min_load;
+            b.max_load = load > b.max_load ? load : b.max_load;
+        }
     }
     /* the deepest candidates' entries, from the last: ties to the lower load, then the first */
     const uint32_t *order = by_slot->data + by_slot->width;

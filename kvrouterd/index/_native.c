@@ -23,9 +23,6 @@
 #include <Python.h>
 #include <structmember.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 #include <sys/mman.h>
 
 #define XXH_INLINE_ALL
@@ -3320,60 +3317,35 @@ walk_load(const digit *p)
     return v;
 }
 
-/* which of a quad's four digits are not 0, as bits 0-3 (one SSE2 instruction on x86-64, where
- * SSE2 is always there; lane by lane elsewhere) */
-static inline unsigned
-walk_nonzero(walk_quad g)
-{
-#if defined(__SSE2__)
-    __m128i zero = _mm_cmpeq_epi32((__m128i)g, _mm_setzero_si128());
-    return (unsigned)_mm_movemask_ps(_mm_castsi128_ps(zero)) ^ 0xFu;
-#else
-    return (unsigned)(g[0] != 0) | (unsigned)(g[1] != 0) << 1 | (unsigned)(g[2] != 0) << 2 | (unsigned)(g[3] != 0) << 3;
-#endif
-}
-
 /* The slots of `act`'s digits [i, i + 4 * quads) that `h` lacks (1 <= quads <= 2) into gone[0 ..
- * 4 * quads); which of those digits hold one, as bits (0: none). */
-static inline unsigned
+ * 4 * quads); whether there is one. */
+static inline int
 walk_gone(const digit *act, const digit *h, Py_ssize_t i, int quads, digit *gone)
 {
-    walk_quad g0 = walk_load(act + i) & ~walk_load(h + i);
+    walk_quad g0 = walk_load(act + i) & ~walk_load(h + i), any = g0;
     memcpy(gone, &g0, sizeof g0);
-    unsigned which = walk_nonzero(g0);
     if (quads == 2) {
         walk_quad g1 = walk_load(act + i + 4) & ~walk_load(h + i + 4);
         memcpy(gone + 4, &g1, sizeof g1);
-        which |= walk_nonzero(g1) << 4;
+        any |= g1;
     }
-    return which;
+    uint64_t half[2];
+    memcpy(half, &any, sizeof half);
+    return (half[0] | half[1]) != 0;
 }
 
-/* The slots `gone` holds for the digits `which` names (bit k: digit i + k) leave the walk, each
- * recorded at `depth` (none at depth 0: a slot without the first block has no entry). Only those
- * digits are visited: testing all eight of a run, most of them 0, was a sixth of the walk at
- * 1,024 workers. */
+/* The slots `gone` holds for digits [i, i + n) leave the walk, each recorded at `depth` (none at
+ * depth 0: a slot without the first block has no entry). */
 static inline void
-walk_drop_gone(Walk *w, const digit *gone, Py_ssize_t i, unsigned which, Py_ssize_t depth)
+walk_drop_gone(Walk *w, const digit *gone, Py_ssize_t i, int n, Py_ssize_t depth)
 {
-    while (which) {
-        int k = __builtin_ctz(which);
-        if (depth)
-            walk_record(w, gone[k], i + k, depth);
-        w->act[i + k] ^= gone[k];
-        which &= which - 1;
+    for (int k = 0; k < n; k++) {
+        if (gone[k]) {
+            if (depth)
+                walk_record(w, gone[k], i + k, depth);
+            w->act[i + k] ^= gone[k];
+        }
     }
-}
-
-/* walk_step's run of 4 * quads digits from i: 1 if a slot dropped out */
-static inline int
-walk_run(Walk *w, const digit *h, Py_ssize_t i, int quads, Py_ssize_t depth)
-{
-    digit gone[8];
-    unsigned which = walk_gone(w->act, h, i, quads, gone);
-    if (which)
-        walk_drop_gone(w, gone, i, which, depth);
-    return which != 0;
 }
 
 /* One block of a walk at `depth`: intersect the slots still matching with the block's holders
@@ -3382,11 +3354,11 @@ walk_run(Walk *w, const digit *h, Py_ssize_t i, int quads, Py_ssize_t depth)
  * the walk ends; 0: go on (also with no slot at all: an empty mask walks every block present,
  * as the pure walk does); -1: error. Runs no Python code and allocates nothing for a non-negative int.
  *
- * The digits are read in runs of eight (the last run overlapping the one before; under eight
- * digits, runs of four, then one by one under four): two vector ANDs and a mask of the digits
- * not 0 say which digits of the run lose a slot, and only those are visited. Most blocks drop
- * no slot; one that does usually drops a few: at 1,024 workers (35 digits) a block that loses
- * a worker cost ~310 instructions when every digit was read twice. Inlined into the walks' loops: a call
+ * The digits are read in runs of eight (then four, then the last few one by one): two vector
+ * ANDs and one test ask whether a slot in the run drops out, and only in a run where one does
+ * are the ANDs' digits looked at one by one. Most blocks drop no slot; one that does usually
+ * drops a few, within one run: at 1,024 workers (35 digits) a block that loses a worker cost
+ * ~310 instructions when every digit was read twice. Inlined into the walks' loops: a call
  * saved and restored six registers per block. */
 static inline __attribute__((always_inline)) int
 walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
@@ -3405,23 +3377,21 @@ walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
     Py_ssize_t both = hn < hi ? hn : hi; /* digits of act from `both` on meet zeros */
     int dropped = 0;
     Py_ssize_t i = lo;
-    for (; i + 8 <= both; i += 8)
-        dropped |= walk_run(w, h, i, 2, depth);
-    /* the last digits as a run that overlaps the one before: its digits already read have no
-     * slot left that `h` lacks (and those below lo none at all), so they are read for nothing */
-    if (i < both && both >= 8) {
-        dropped |= walk_run(w, h, both - 8, 2, depth);
-        i = both;
+    digit gone[8];
+    for (; i + 8 <= both; i += 8) {
+        if (walk_gone(act, h, i, 2, gone)) {
+            walk_drop_gone(w, gone, i, 8, depth);
+            dropped = 1;
+        }
     }
     if (i + 4 <= both) {
-        dropped |= walk_run(w, h, i, 1, depth);
+        if (walk_gone(act, h, i, 1, gone)) {
+            walk_drop_gone(w, gone, i, 4, depth);
+            dropped = 1;
+        }
         i += 4;
     }
-    if (i < both && both >= 4) {
-        dropped |= walk_run(w, h, both - 4, 1, depth);
-        i = both;
-    }
-    dropped |= walk_drop(w, h, i, both, depth); /* fewer than four digits in all */
+    dropped |= walk_drop(w, h, i, both, depth); /* the last 0-3 digits */
     for (i = both; i < hi; i++) { /* holders end below: every slot left up here drops out */
         if (act[i]) {
             if (depth)

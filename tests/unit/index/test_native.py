@@ -205,8 +205,8 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
     a prefix of its own length (so a block drops slots from any of the 35 digits, several at
     once, and its holders' int can end digits below the slots still matching), and stray
     holders of a block deeper than a slot's prefix, which must not extend its match. The walk
-    reads the digits in runs of eight (the last one overlapping the run before), or four, or one
-    by one: every run and the end of a shorter int answer as the pure walk does."""
+    reads the digits in runs of eight, then four, then the last few: every run and the end of a
+    shorter int answer as the pure walk does."""
     holders = [0] * 40
     for slot, depth in depths.items():
         for i in range(depth):
@@ -229,10 +229,10 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
 
 @pytest.mark.parametrize("digits", range(1, 36))
 def test_native_walk_reads_every_width_of_mask_as_python_does(digits):
-    """Masks of 1 to 35 CPython digits: the walk's last run overlaps the run before it (or, under
-    eight digits, four, or one by one under four), so each width takes its own path through the
-    runs. A chain where every slot holds a prefix of its own length drops slots from every digit
-    at many depths; the native overlaps, in order, are the pure walk's."""
+    """Masks of 1 to 35 CPython digits: the walk reads runs of eight digits, then four, then the
+    last few, so each width takes its own path through the runs. A chain where every slot holds
+    a prefix of its own length drops slots from every digit at many depths; the native overlaps,
+    in order, are the pure walk's."""
     rng = random.Random(digits)
     top = digits * 30 - 1  # the highest slot sits in digit `digits - 1`
     slots = sorted({top, *rng.sample(range(top), min(top, 3 * digits))})

@@ -2982,7 +2982,7 @@ static PyTypeObject BlockTableType = {
  * repr) goes through an equal dict made on first use, in the pure walk's insertion order (by
  * depth, then slot), which `order` keeps. It holds only ints: no cycle-collector object. */
 typedef struct {
-    PyObject_VAR_HEAD /* ob_size: width + the order's capacity, the uint32s in data */
+    PyObject_VAR_HEAD /* ob_size: the uint32s in data, at least width + the order's capacity */
     Py_ssize_t width; /* data[0 .. width) is each slot's depth, 0 for a slot without an entry */
     Py_ssize_t count; /* entries so far; their slots are data[width .. width + count), in order */
     PyObject *dict;   /* the same entries as a dict, made on first need; NULL until then */
@@ -2990,6 +2990,16 @@ typedef struct {
 } OverlapsObject;
 
 static PyTypeObject OverlapsType;
+
+/* The last Overlaps freed, kept for the next walk (a free list of one, as CPython keeps for its
+ * own types): at 1,024 workers an Overlaps is 8 kB, which malloc and free took from and gave
+ * back to glibc's bins on every decision. Only a dead one is kept (its dealloc ran), so nothing
+ * that escaped to Python is reused. Not kept without a GIL (a free-threaded build), where two
+ * threads could take it at once, nor past OVERLAPS_SPARE_MAX uint32s. */
+#define OVERLAPS_SPARE_MAX 16384 /* 64 kB: a mask up to 8,192 slots */
+#ifndef Py_GIL_DISABLED
+static OverlapsObject *overlaps_spare;
+#endif
 
 /* an Overlaps without entries for slots below `width`, room for `capacity` of them in order */
 static OverlapsObject *
@@ -2999,7 +3009,16 @@ overlaps_new(Py_ssize_t width, Py_ssize_t capacity)
         PyErr_SetString(PyExc_OverflowError, "match result too large");
         return NULL;
     }
-    OverlapsObject *o = PyObject_NewVar(OverlapsObject, &OverlapsType, width + capacity);
+    OverlapsObject *o = NULL;
+#ifndef Py_GIL_DISABLED
+    if (overlaps_spare != NULL && Py_SIZE(overlaps_spare) >= width + capacity) {
+        o = overlaps_spare;
+        overlaps_spare = NULL;
+        PyObject_InitVar((PyVarObject *)o, &OverlapsType, Py_SIZE(o)); /* a new reference, as made */
+    }
+#endif
+    if (o == NULL)
+        o = PyObject_NewVar(OverlapsObject, &OverlapsType, width + capacity);
     if (o == NULL)
         return NULL;
     o->width = width;
@@ -3013,6 +3032,16 @@ static void
 Overlaps_dealloc(OverlapsObject *o)
 {
     Py_CLEAR(o->dict);
+#ifndef Py_GIL_DISABLED
+    if (Py_SIZE(o) <= OVERLAPS_SPARE_MAX && (overlaps_spare == NULL || Py_SIZE(overlaps_spare) < Py_SIZE(o))) {
+        /* the larger of the two stays: the next walk over the same fleet needs as much */
+        OverlapsObject *old = overlaps_spare;
+        overlaps_spare = o;
+        if (old != NULL)
+            PyObject_Free(old);
+        return;
+    }
+#endif
     PyObject_Free(o);
 }
 
@@ -3390,9 +3419,7 @@ walk_step(Walk *w, PyObject *holders, Py_ssize_t depth)
 static int
 walk_first(Walk *w)
 {
-    Py_ssize_t width = 0, capacity = 0;
-    for (Py_ssize_t i = w->lo; i < w->hi; i++)
-        capacity += __builtin_popcount(w->act[i]);
+    Py_ssize_t width = 0;
     if (w->lo < w->hi) {
         Py_ssize_t top = w->hi - 1;
         if (top > ((Py_ssize_t)UINT32_MAX - 32) / PyLong_SHIFT) {
@@ -3401,7 +3428,10 @@ walk_first(Walk *w)
         }
         width = top * PyLong_SHIFT + (Py_ssize_t)(32 - __builtin_clz(w->act[top]));
     }
-    w->out = overlaps_new(width, capacity);
+    /* room in order for every slot below the width, not counted (a popcount per digit, which
+     * without -mpopcnt is a libgcc call each): the same size as a walk's before over the same
+     * fleet, so the spare fits */
+    w->out = overlaps_new(width, width);
     return w->out == NULL ? -1 : 0;
 }
 
@@ -3463,9 +3493,8 @@ match_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "slots_mask must be >= 0");
         return NULL;
     }
-    Walk *w = PyMem_Malloc(sizeof(Walk)); /* ~2 kB: not on the C stack */
-    if (w == NULL)
-        return PyErr_NoMemory();
+    Walk walk; /* ~700 bytes on the C stack: from the heap it was a glibc malloc per walk */
+    Walk *w = &walk;
     PyObject *mask = Py_NewRef(args[2]); /* ours while a foreign holders attribute runs code */
     PyObject *result = NULL;
     if (walk_init(w, mask) < 0)
@@ -3543,7 +3572,6 @@ seq_done:
     Py_DECREF(seq);
 done:
     walk_release(w);
-    PyMem_Free(w);
     Py_DECREF(mask);
     return result;
 }
@@ -3557,6 +3585,7 @@ done:
  * cache; when the key sits further along the run the prefetch is merely wasted).
  */
 #define WALK_AHEAD 8
+#define WALK_STACK_NODES 256 /* 2 kB of Block pointers */
 #define WALK_BLOCK_AHEAD 4
 /* As written, GCC 12 deletes these prefetches (see PREFETCH_HELPER): the walk has never run them.
  * Made to run, they cost the decision benchmark's repeated (cached) prompt ~0.4 us a decision
@@ -3614,7 +3643,10 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
     if (nkeys > (Py_ssize_t)UINT32_MAX) /* depths are uint32 */
         nkeys = (Py_ssize_t)UINT32_MAX;
     Py_ssize_t found = 0;
-    BlockObject **nodes = PyMem_Malloc((size_t)(nkeys ? nkeys : 1) * sizeof(BlockObject *));
+    /* a prompt of up to WALK_STACK_NODES blocks (4,096 tokens of 16) without a glibc malloc */
+    BlockObject *nodes_stack[WALK_STACK_NODES];
+    BlockObject **nodes = nkeys <= WALK_STACK_NODES ? nodes_stack
+                                                    : PyMem_Malloc((size_t)nkeys * sizeof(BlockObject *));
     PyObject *overlaps = NULL;
     PyObject *path = NULL;
     if (nodes == NULL) {
@@ -3669,7 +3701,8 @@ match_walk_table(BlockTable *t, const uint64_t *keys, Py_ssize_t nkeys, Walk *w)
         PyList_SET_ITEM(path, i, (PyObject *)nodes[i]); /* the path takes over these references */
     for (Py_ssize_t i = depth; i < found; i++)
         Py_DECREF(nodes[i]);
-    PyMem_Free(nodes);
+    if (nodes != nodes_stack)
+        PyMem_Free(nodes);
     PyObject *result = PyTuple_Pack(2, overlaps, path);
     Py_DECREF(overlaps);
     Py_DECREF(path);
@@ -3680,7 +3713,8 @@ error:
         for (Py_ssize_t i = 0; i < found; i++)
             Py_DECREF(nodes[i]);
     }
-    PyMem_Free(nodes);
+    if (nodes != nodes_stack)
+        PyMem_Free(nodes);
     Py_XDECREF(overlaps);
     Py_XDECREF(path);
     return NULL;
@@ -5261,6 +5295,25 @@ static PyTypeObject CandidateSlotsType = {
     .tp_as_sequence = &CandidateSlots_as_sequence,
 };
 
+/* Whether `c` answers for the candidates `seq` (not empty) over the walk's Overlaps `by_slot`
+ * (NULL: a dict) with the load `load_name`: as many of them as it has, of the class it was made
+ * from (the caller's promise covers the rest: made from this very list), and that load a SlotLoad
+ * of the class; its column is then c->column. */
+static int
+candidate_slots_apply(CandidateSlotsObject *c, PyObject *seq, const OverlapsObject *by_slot, PyObject *load_name)
+{
+    if (by_slot == NULL || Py_SIZE(c) != PySequence_Fast_GET_SIZE(seq)
+        || Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)) != c->cls)
+        return 0;
+    if (c->load_name != load_name) { /* the policy's load attribute, looked up once */
+        ScanMembers members;
+        scan_members(&members, c->cls, load_name);
+        Py_XSETREF(c->load_name, Py_NewRef(load_name));
+        c->column = members.loads_at >= 0 ? members.column : -1;
+    }
+    return c->column >= 0;
+}
+
 /* prefix_scan over a CandidateSlots: the candidates' depths and loads (`column`) read by slot,
  * no Worker touched.
  *
@@ -5285,13 +5338,33 @@ scan_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, int 
         *best = b;
         return;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t slot = c->slots[i];
-        long long load = slot < capacity ? loads[slot] : 0;
-        int lower = load < b.min_load;
-        b.min_i = lower ? i : b.min_i;
-        b.min_load = lower ? load : b.min_load;
-        b.max_load = load > b.max_load ? load : b.max_load;
+    if (c->span <= capacity) {
+        /* every slot within the store (the usual case): the lowest and highest load as two
+         * independent chains, then the first candidate with the lowest, found from the front;
+         * the first lowest kept in the one pass was a third chain (~14 instructions a candidate
+         * over 1,024 workers, now ~8) */
+        long long low = b.min_load, high = b.max_load;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long load = loads[c->slots[i]];
+            low = load < low ? load : low;
+            high = load > high ? load : high;
+        }
+        Py_ssize_t i = 0;
+        while (loads[c->slots[i]] != low) /* n >= 1: `low` is some candidate's */
+            i++;
+        b.min_i = i;
+        b.min_load = low;
+        b.max_load = high;
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t slot = c->slots[i];
+            long long load = slot < capacity ? loads[slot] : 0;
+            int lower = load < b.min_load;
+            b.min_i = lower ? i : b.min_i;
+            b.min_load = lower ? load : b.min_load;
+            b.max_load = load > b.max_load ? load : b.max_load;
+        }
     }
     /* the deepest candidates' entries, from the last: ties to the lower load, then the first */
     const uint32_t *order = by_slot->data + by_slot->width;
@@ -5372,19 +5445,9 @@ prefix_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
         return NULL;
     }
-    CandidateSlotsObject *c = (CandidateSlotsObject *)slots;
-    if (slots != Py_None && by_slot != NULL && Py_SIZE(c) == PySequence_Fast_GET_SIZE(seq)
-        && Py_TYPE(PySequence_Fast_GET_ITEM(seq, 0)) == c->cls) {
-        if (c->load_name != load_name) { /* the policy's load attribute, looked up once */
-            scan_members(&members, c->cls, load_name);
-            Py_XSETREF(c->load_name, Py_NewRef(load_name));
-            c->column = members.loads_at >= 0 ? members.column : -1;
-            members.type = NULL;
-        }
-        if (c->column >= 0) {
-            scan_by_slots(c, by_slot, c->column, &best);
-            i = PySequence_Fast_GET_SIZE(seq);
-        }
+    if (slots != Py_None && candidate_slots_apply((CandidateSlotsObject *)slots, seq, by_slot, load_name)) {
+        scan_by_slots((CandidateSlotsObject *)slots, by_slot, ((CandidateSlotsObject *)slots)->column, &best);
+        i = PySequence_Fast_GET_SIZE(seq);
     }
     /* the size and items are read again after each general read: a getter may resize a list */
     while (i < PySequence_Fast_GET_SIZE(seq)) {
@@ -5437,18 +5500,32 @@ error:
     return NULL;
 }
 
+static PyObject *
+ties_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, Py_ssize_t start, long long want_depth,
+              long long want_load);
+
 /* prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...]
  *
  * The indices from `start` on of the candidates whose cached prefix is `depth` and load `load`,
  * in order; the reference is policies/_scan.py: tied_candidates_py. cache_aware asks it for the
  * candidates tied with prefix_scan's best on both (which can only follow it): one pass in C where
  * a scan of the rest per tie cost ~0.5 us each over 1,024 workers. NotImplemented as prefix_scan,
- * and when `depth` or `load` is not an int of at most 64 bits; ValueError for a negative start. */
+ * and when `depth` or `load` is not an int of at most 64 bits; ValueError for a negative start.
+ *
+ * prefix_ties(..., slots): the same, given the candidates' CandidateSlots (as prefix_scan takes
+ * it): for a depth of 1 or more, the walk's entries of that depth are read instead of the
+ * candidates (ties_by_slots). */
 static PyObject *
 prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "prefix_ties(candidates, overlaps, load_name, start, depth, load) takes 6 arguments");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "prefix_ties(candidates, overlaps, load_name, start, depth, load, slots=None) takes 6 or 7 arguments");
+        return NULL;
+    }
+    PyObject *slots = nargs == 7 ? args[6] : Py_None;
+    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
+        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
         return NULL;
     }
     PyObject *overlaps = args[1], *load_name = args[2];
@@ -5472,6 +5549,12 @@ prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
     if (seq == NULL)
         return NULL;
+    CandidateSlotsObject *c = (CandidateSlotsObject *)slots;
+    if (slots != Py_None && want_depth > 0 && PySequence_Fast_GET_SIZE(seq) > 0 && c->index_of != NULL
+        && candidate_slots_apply(c, seq, by_slot, load_name)) {
+        Py_DECREF(seq);
+        return ties_by_slots(c, by_slot, start, want_depth, want_load);
+    }
     PyObject *ties = PyList_New(0);
     if (ties == NULL) {
         Py_DECREF(seq);
@@ -5502,6 +5585,54 @@ error:
     Py_DECREF(seq);
     Py_DECREF(ties);
     return NULL;
+}
+
+/* prefix_ties over a CandidateSlots with a slot map, for a depth of 1 or more: the walk made its
+ * entries in order of depth, so those of `want_depth` are one run of them, and each one's
+ * candidate is index_of[slot]. Only the deepest are read where a pass over every candidate from
+ * `start` took ~25 instructions each (1,024 workers, the ties following an early best). */
+static PyObject *
+ties_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, Py_ssize_t start, long long want_depth,
+              long long want_load)
+{
+    const SlotLoadsObject *store = c->loads;
+    const int64_t *loads = store->values + c->column * store->capacity;
+    size_t capacity = (size_t)store->capacity;
+    const uint32_t *depths = by_slot->data, *order = by_slot->data + by_slot->width;
+    Py_ssize_t k = by_slot->count;
+    while (k > 0 && depths[order[k - 1]] > want_depth)
+        k--;
+    Py_ssize_t end = k; /* order[k .. end) are the entries of want_depth */
+    while (k > 0 && depths[order[k - 1]] == want_depth)
+        k--;
+    int32_t *found = PyMem_New(int32_t, (size_t)(end - k + 1));
+    if (found == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t n = 0;
+    for (; k < end; k++) {
+        uint32_t slot = order[k];
+        int32_t i = slot < c->span ? c->index_of[slot] : -1;
+        if (i >= start && (slot < capacity ? loads[slot] : 0) == want_load)
+            found[n++] = i;
+    }
+    /* entries run by slot; candidates need not: the ties go back in candidate order */
+    for (Py_ssize_t a = 1; a < n; a++) {
+        int32_t v = found[a];
+        Py_ssize_t b = a;
+        for (; b > 0 && found[b - 1] > v; b--)
+            found[b] = found[b - 1];
+        found[b] = v;
+    }
+    PyObject *ties = PyList_New(n);
+    for (Py_ssize_t a = 0; ties != NULL && a < n; a++) {
+        PyObject *index = PyLong_FromLong(found[a]);
+        if (index == NULL)
+            Py_CLEAR(ties);
+        else
+            PyList_SET_ITEM(ties, a, index);
+    }
+    PyMem_Free(found);
+    return ties;
 }
 
 /* ---- SlotsFiller: a frozen slotted dataclass built without its __init__ ------------------
@@ -7408,7 +7539,7 @@ static PyMethodDef native_methods[] = {
      "prefix_scan(candidates, overlaps, load_name, slots=None) -> (best_i, best_depth, min_i, min_load, max_load) "
      "| NotImplemented"},
     {"prefix_ties", (PyCFunction)(void (*)(void))prefix_ties, METH_FASTCALL,
-     "prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...] | NotImplemented"},
+     "prefix_ties(candidates, overlaps, load_name, start, depth, load, slots=None) -> [i, ...] | NotImplemented"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "

@@ -51,10 +51,12 @@ def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], l
 
 
 def tied_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
-                       depth: int, load: int) -> list[int]:
+                       depth: int, load: int, slots: Any = None) -> list[int]:
     """The indices from ``start`` on of the candidates whose prefix (``overlaps[c.slot]``, 0 if
     absent) is ``depth`` and whose load (attribute ``load_attr``) is ``load``, in order.
-    A negative ``start`` is refused (ValueError)."""
+    A negative ``start`` is refused (ValueError). ``slots``: the candidates' ``CandidateSlots``,
+    from whose slot map the native pass reads the walk's entries of ``depth`` instead of every
+    candidate; the same answer, so here it is not read."""
     if start < 0:
         raise ValueError("start must be >= 0")
     get = overlaps.get
@@ -71,8 +73,8 @@ def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, in
 
 
 def _tied_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
-                            depth: int, load: int) -> list[int]:
-    result = _native_ties(candidates, overlaps, load_attr, start, depth, load)
+                            depth: int, load: int, slots: Any = None) -> list[int]:
+    result = _native_ties(candidates, overlaps, load_attr, start, depth, load, slots)
     if result is NotImplemented:
         return tied_candidates_py(candidates, overlaps, load_attr, start, depth, load)
     return result  # type: ignore[no-any-return]

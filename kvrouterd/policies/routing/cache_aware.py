@@ -171,8 +171,10 @@ class CacheAwarePolicy(RoutingPolicyBase):
         load = getattr(candidates[best_i], load_attr)
         # scan_candidates chose the first of the least loaded longest matches, so any other tie
         # lies after it: one pass over the rest (in C), where a bytecode pass over every
-        # candidate costs ~100 us at 1,024 workers
-        ties = tied_candidates(candidates, ctx.match.overlaps, load_attr, best_i + 1, best_depth, load)
+        # candidate costs ~100 us at 1,024 workers; given the candidates' slots, over the walk's
+        # entries of that depth only
+        ties = tied_candidates(candidates, ctx.match.overlaps, load_attr, best_i + 1, best_depth, load,
+                               ctx.candidate_slots)
         # ties come in order after best_i: the first of the smallest caches wins (a plain loop:
         # min() with a key tuple per tie was ~1 us for the 4 ties of the 1,024-worker benchmark)
         chosen, fewest = best_i, ctx.cached_blocks(candidates[best_i])

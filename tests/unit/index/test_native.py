@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import random
 import subprocess
 import sys
 from array import array
@@ -224,6 +225,54 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
         overlaps, path = native.module.match_walk(blocks, ks, mask)
         assert list(overlaps.items()) == list(expected.items())
         assert all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
+@pytest.mark.parametrize("digits", range(1, 36))
+def test_native_walk_reads_every_width_of_mask_as_python_does(digits):
+    """Masks of 1 to 35 CPython digits: the walk reads runs of eight digits, then four, then the
+    last few, so each width takes its own path through the runs. A chain where every slot holds
+    a prefix of its own length drops slots from every digit at many depths; the native overlaps,
+    in order, are the pure walk's."""
+    rng = random.Random(digits)
+    top = digits * 30 - 1  # the highest slot sits in digit `digits - 1`
+    slots = sorted({top, *rng.sample(range(top), min(top, 3 * digits))})
+    holders = [0] * 12
+    for slot in slots:
+        for i in range(rng.randint(1, 12)):
+            holders[i] |= 1 << slot
+    keys = [_key((i,)) for i in range(12)]
+    table, parent = native.module.BlockTable(), None
+    for key, held in zip(keys, holders, strict=True):
+        block = Block(key, parent)
+        block.holders = held
+        table[key] = parent = block
+    mask = sum(1 << s for s in slots)
+    expected, expected_path = match_walk_py(table, keys, mask)
+    overlaps, path = native.module.match_walk(table, array("Q", keys), mask)
+    assert list(overlaps.items()) == list(expected.items())
+    assert all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
+def test_a_freed_overlaps_is_reused_clean_and_a_live_one_is_left_alone():
+    """The walk keeps the last Overlaps freed for the next walk's result: a result still held
+    keeps its entries through later walks, and one made from a freed one's memory (wider, with
+    entries everywhere) has only its own."""
+    keys = [_key((i,)) for i in range(8)]
+    table, parent = native.module.BlockTable(), None
+    for depth, key in enumerate(keys):
+        block = Block(key, parent)
+        block.holders = sum(1 << s for s in range(1024) if s % 8 >= depth)  # slot s holds s % 8 + 1
+        table[key] = parent = block
+    wide = (1 << 1024) - 1
+    kept, _ = native.module.match_walk(table, array("Q", keys), wide)
+    kept_items = list(kept.items())
+    for mask in (wide, wide, sum(1 << s for s in range(0, 1024, 3)), 0b1011, wide >> 500, 0):
+        overlaps, _ = native.module.match_walk(table, array("Q", keys), mask)
+        expected, _ = match_walk_py(table, keys, mask)
+        assert list(overlaps.items()) == list(expected.items())
+        assert all(overlaps.get(s, 0) == expected.get(s, 0) for s in range(1100))
+        del overlaps
+    assert list(kept.items()) == kept_items and kept_items == list(match_walk_py(table, keys, wide)[0].items())
 
 
 def test_a_chain_stored_whole_by_many_slots_keeps_one_holders_int():

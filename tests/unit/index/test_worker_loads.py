@@ -159,8 +159,9 @@ def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders
         assert scan_candidates(candidates, overlaps, attr, slots) == want
         best_i, depth = want[0], want[1]
         load = getattr(candidates[best_i], attr)
-        assert (tied_candidates(candidates, overlaps, attr, best_i, depth, load)
-                == tied_candidates_py(candidates, reference, attr, best_i, depth, load))
+        ties = tied_candidates_py(candidates, reference, attr, best_i, depth, load)
+        assert tied_candidates(candidates, overlaps, attr, best_i, depth, load) == ties
+        assert tied_candidates(candidates, overlaps, attr, best_i, depth, load, slots) == ties
 
 
 @native_only
@@ -178,7 +179,8 @@ def test_scan_by_slots_finds_the_deepest_from_the_walks_last_entries(n, depths, 
     mapping each entry's slot to its candidate: it answers as the reference when the walk's mask
     holds more workers than the candidates (their entries are passed over, the deepest ones
     included), when the candidates are in any order (ties go to the first, not the lowest
-    slot), and when one appears twice (then every candidate is read)."""
+    slot), and when one appears twice (then every candidate is read). So do the ties with the
+    best, read from the walk's entries of their depth (given a slot map)."""
     reg = WorkerRegistry()
     workers = [reg.add(_spec(i), 0.0) for i in range(n)]
     for w, load in zip(workers, loads):
@@ -195,5 +197,13 @@ def test_scan_by_slots_finds_the_deepest_from_the_walks_last_entries(n, depths, 
     if twice:
         candidates.append(candidates[0])
     overlaps = index.match(keys, sum(w.bit for w in workers)).overlaps  # every worker, not only the candidates
-    want = scan_candidates_py(candidates, dict(overlaps.items()), "inflight_requests")
-    assert scan_candidates(candidates, overlaps, "inflight_requests", native.module.CandidateSlots(candidates)) == want
+    reference = dict(overlaps.items())
+    want = scan_candidates_py(candidates, reference, "inflight_requests")
+    slots = native.module.CandidateSlots(candidates)
+    assert scan_candidates(candidates, overlaps, "inflight_requests", slots) == want
+    # the ties (cache_aware's second pass) from the same entries: any depth, load and start
+    for depth in range(4):
+        for load in (0, 1):
+            for start in sorted({0, want[0], want[0] + 1, len(candidates) // 2}):
+                assert (tied_candidates(candidates, overlaps, "inflight_requests", start, depth, load, slots)
+                        == tied_candidates_py(candidates, reference, "inflight_requests", start, depth, load))

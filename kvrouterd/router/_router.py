@@ -224,7 +224,7 @@ class Router:
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
         Speculative blocks past their TTL leave the index first, so the match sees none.
         """
-        self._speculative.expire(self.clock.now())
+        self._speculative.expire(self._shared.clock.now())
         return self._selector.decide(req, explain)
 
     def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:

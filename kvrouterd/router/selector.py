@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index import native
-from ..index.keys import chain_keys_array, namespace_seed, tokens_to_bytes
+from ..index.keys import ROOT_SEED, chain_keys_array, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
@@ -65,7 +65,9 @@ class Selector:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
         as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
-        return chain_keys_array(data, self._shared.block_size, namespace_seed(model, lora, salt))
+        # most prompts are unsalted: their seed without a call per prompt
+        seed = namespace_seed(model, lora, salt) if model or lora or salt else ROOT_SEED
+        return chain_keys_array(data, self._shared.block_size, seed)
 
     def _eligible(self) -> tuple[list[Worker], int]:
         workers = self._shared.workers
@@ -95,7 +97,8 @@ class Selector:
             )
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
-        check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
+        if not 0 <= req.expected_output_tokens <= MAX_OUTPUT_TOKENS:  # the message is check_range's
+            check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
         if req.request_id.startswith(PREFILL_HOP_PREFIX[0]):  # the ledger's prefill-hop ids start so
             raise InvalidRequest(f"request_id {quote(req.request_id)} must not start with a NUL character")
         limit = s.max_id_length
@@ -128,7 +131,11 @@ class Selector:
         shared = self._shared
         self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
-        candidates, mask, pool_prefill, pool, adapter = self._narrow(req)
+        candidates, mask = self._eligible()
+        if req.candidate_workers or req.model or req.lora or not candidates:
+            candidates, mask, pool_prefill, pool, adapter = self._narrow(req)
+        else:  # most requests: no filter narrows the eligible workers (``_narrow`` hands them back)
+            pool_prefill, pool, adapter = candidates, "", ""
         # candidate_workers that name no prefill worker bound the decode hop alone (admission
         # queues pin the decode worker a request waited for); the pool's prefill workers remain
         hops = self._disagg.split(candidates, pool_prefill) if self._disagg.active() else None

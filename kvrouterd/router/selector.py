@@ -60,6 +60,8 @@ class Selector:
         self._candidates_mask = 0
         #: their slots as a native CandidateSlots (None in pure Python), for the candidate scan
         self._candidate_slots: object = None
+        #: ``Disaggregation.active()`` for this membership: read with the eligible workers
+        self._pd_active = False
 
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
@@ -78,6 +80,7 @@ class Selector:
                 mask |= w.bit
             self._candidates_mask = mask
             self._candidate_slots = native.module.CandidateSlots(self._candidates) if native.module is not None else None
+            self._pd_active = self._disagg.active()
             self._candidates_gen = workers.generation
         return self._candidates, self._candidates_mask
 
@@ -137,8 +140,9 @@ class Selector:
         else:  # most requests: no filter narrows the eligible workers (``_narrow`` hands them back)
             pool_prefill, pool, adapter = candidates, "", ""
         # candidate_workers that name no prefill worker bound the decode hop alone (admission
-        # queues pin the decode worker a request waited for); the pool's prefill workers remain
-        hops = self._disagg.split(candidates, pool_prefill) if self._disagg.active() else None
+        # queues pin the decode worker a request waited for); the pool's prefill workers remain.
+        # Whether any worker prefills was read with the eligible workers, at this membership
+        hops = self._disagg.split(candidates, pool_prefill) if self._pd_active else None
         if hops is not None:
             decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
         else:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ...index.workers import Worker
-from ...protocols import CacheMode, Decision
+from ...protocols import CacheMode, CandidateScore, Decision
 from .._scan import scan_candidates, tied_candidates
 from ..base import RoutingContext, RoutingPolicyBase
 
@@ -87,6 +87,11 @@ class CacheAwareParams:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.match_rule not in ("auto", "overlap", "threshold"):
             raise ValueError(f"match_rule must be 'auto', 'overlap' or 'threshold', got {self.match_rule!r}")
+
+
+def _match_rate(depth: int, block_size: int, prompt_tokens: int) -> float:
+    """Matched prompt tokens / prompt tokens (``prompt_tokens`` >= 1), at most 1."""
+    return min(1.0, depth * block_size / prompt_tokens)
 
 
 class CacheAwarePolicy(RoutingPolicyBase):
@@ -140,18 +145,19 @@ class CacheAwarePolicy(RoutingPolicyBase):
                                                                         ctx.candidate_slots)
         imbalanced = ((max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
                       ) or (self._kv_triggers and self._kv_imbalanced(candidates))
-        prompt_tokens = max(ctx.request.prompt_tokens, 1)
-        match_rate = min(1.0, best_depth * ctx.block_size / prompt_tokens)
+        prompt_tokens = ctx.request.prompt_tokens
+        if prompt_tokens < 1:
+            prompt_tokens = 1
         rule = self._auto_rule if candidates is self._rule_for else self._rule(candidates)
 
         if imbalanced:
             i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "imbalanced"
-        elif rule == "overlap":
+        elif rule == "overlap":  # the match rate does not count: worked out for the record only
             if best_depth > 0:
                 i, reason = self._most_overlap(ctx, best_i, best_depth, load_attr), "prefix_match"
             else:
                 i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "no_overlap"
-        elif match_rate > p.cache_threshold:
+        elif _match_rate(best_depth, ctx.block_size, prompt_tokens) > p.cache_threshold:
             i, reason = best_i, "prefix_match"
         else:
             i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "low_match"
@@ -160,13 +166,20 @@ class CacheAwarePolicy(RoutingPolicyBase):
             # nobody will read the record (an unsampled trace): the choice alone. Its attributes
             # are for the span only, and rounding a float is a decimal conversion (~0.5 us)
             return Decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0))
-        scored = [
+        match_rate = _match_rate(best_depth, ctx.block_size, prompt_tokens)
+        return self.decide(ctx, chosen, reason, self._scored(ctx, prompt_tokens, load_attr),
+                           match_rate=round(match_rate, 4), imbalanced=int(imbalanced), match_rule=rule)
+
+    @staticmethod
+    def _scored(ctx: RoutingContext, prompt_tokens: int, load_attr: str) -> list[CandidateScore]:
+        """Every candidate with its match rate and load, for the record (``select``'s variables
+        read by this comprehension would be cells, made on every decision, explained or not)."""
+        overlaps = ctx.match.overlaps
+        return [
             ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens,
                           load=float(getattr(w, load_attr)))
-            for w in candidates
+            for w in ctx.candidates
         ]
-        return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced),
-                           match_rule=rule)
 
     def _most_overlap(self, ctx: RoutingContext, best_i: int, best_depth: int, load_attr: str) -> int:
         """score_overlap: most cached blocks, then lower load, then the smaller cache."""

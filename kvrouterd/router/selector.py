@@ -126,10 +126,13 @@ class Selector:
         if len(workers) and not any(workers.find(c) is not None for c in candidate_workers):
             raise NotFound(f"candidate_workers names no registered worker: {_shown(candidate_workers)}")
 
-    def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+    def decide(self, req: RouteRequest, now: float,
+               explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``Router.route`` and dry runs).
 
-        ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        ``now``: the decision's time, as the router read it to expire speculative blocks (one
+        reading of the clock per decision). ``explain=False`` lets policies skip listing every
+        candidate (see RoutingContext.explain).
         """
         shared = self._shared
         self.validate_request(req)
@@ -146,7 +149,6 @@ class Selector:
         if hops is not None:
             decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
         else:
-            now = shared.clock.now()
             match = shared.index.match(req.keys, mask)
             claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
             # the eligible workers' slots, read once per membership, when no filter narrowed them

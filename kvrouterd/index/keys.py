@@ -91,12 +91,9 @@ def chain_keys_array(token_bytes: bytes, block_size: int, seed: int) -> array:
     """``chain_keys`` as an ``array('Q')``: what Route hashes prompts into. It holds a prompt's
     keys in 8 bytes each instead of an int object each (2 KB instead of ~10 KB for 4,000 tokens,
     kept while the request is in flight) and the native match walk reads it in place."""
-    out = array("Q")
     if _native_packed is not None:
-        out.frombytes(_native_packed(token_bytes, block_size, seed, -1))
-    else:
-        out.extend(chain_keys_py(token_bytes, block_size, seed))
-    return out
+        return array("Q", _native_packed(token_bytes, block_size, seed, -1))  # bytes: frombytes
+    return array("Q", chain_keys_py(token_bytes, block_size, seed))
 
 
 def block_keys(tokens: Sequence[int], block_size: int = 16, model: str = "", lora: str = "", salt: str = "") -> list[int]:

@@ -116,6 +116,7 @@ class Worker:
         "events_rejected",
         "gaps",
         "groups",
+        "id",
         "kv_utilization",
         "last_event_at",
         "last_sequence",
@@ -147,6 +148,9 @@ class Worker:
         """``loads``: the registry's SlotLoads where the extension is built (None: a store of
         the worker's own)."""
         self.spec = spec
+        #: ``spec.id``, read on every decision (a property read was a Python call): a worker
+        #: re-registered in place gets a new spec under the same id (``router.membership``)
+        self.id = spec.id
         self.slot = slot
         if native.module is not None:
             self.slot_loads = loads if loads is not None else native.module.SlotLoads()
@@ -188,10 +192,6 @@ class Worker:
         #: LoRA adapters believed loaded, least recently used first (``router.pools`` keeps it)
         self.loras: dict[str, None] = {}
         self.registered_at = now
-
-    @property
-    def id(self) -> str:
-        return self.spec.id
 
     @property
     def address(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ..index.radix import Block, MatchResult, RadixIndex
@@ -29,6 +30,11 @@ __all__ = [
     "RoutingPolicyBase",
     "drop_blocks",
 ]
+
+
+#: ``RoutingContext.claimed`` when nothing is speculative: one shared, read-only empty map, not
+#: a new dict per decision
+_NONE_CLAIMED: Mapping[int, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class RoutingContext:
         #: slot -> blocks at the end of its overlap that are only speculative (``router.speculative``):
         #: the prompt that will store them is still being prefilled, so they show where the prefix
         #: is going (``overlap``) but a request admitted meanwhile computes them again (``uncached_tokens``)
-        self.claimed: Mapping[int, int] = claimed or {}
+        self.claimed: Mapping[int, int] = claimed or _NONE_CLAIMED
         #: the candidates' slots as a native ``CandidateSlots`` (made with them, when membership
         #: last changed), or None: the native candidate scan reads it instead of every worker
         #: (``policies._scan``); it never changes an answer

@@ -224,8 +224,9 @@ class Router:
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
         Speculative blocks past their TTL leave the index first, so the match sees none.
         """
-        self._speculative.expire(self.clock.now())
-        return self._selector.decide(req, explain)
+        now = self._shared.clock.now()
+        self._speculative.expire(now)
+        return self._selector.decide(req, now, explain)
 
     def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:
         """``(workers, pool)`` a request without a prompt may go to: the eligible workers of its

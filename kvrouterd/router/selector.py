@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index import native
-from ..index.keys import chain_keys_array, namespace_seed, tokens_to_bytes
+from ..index.keys import ROOT_SEED, chain_keys_array, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
@@ -60,12 +60,16 @@ class Selector:
         self._candidates_mask = 0
         #: their slots as a native CandidateSlots (None in pure Python), for the candidate scan
         self._candidate_slots: object = None
+        #: ``Disaggregation.active()`` for this membership: read with the eligible workers
+        self._pd_active = False
 
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
         as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
-        return chain_keys_array(data, self._shared.block_size, namespace_seed(model, lora, salt))
+        # most prompts are unsalted: their seed without a call per prompt
+        seed = namespace_seed(model, lora, salt) if model or lora or salt else ROOT_SEED
+        return chain_keys_array(data, self._shared.block_size, seed)
 
     def _eligible(self) -> tuple[list[Worker], int]:
         workers = self._shared.workers
@@ -76,6 +80,7 @@ class Selector:
                 mask |= w.bit
             self._candidates_mask = mask
             self._candidate_slots = native.module.CandidateSlots(self._candidates) if native.module is not None else None
+            self._pd_active = self._disagg.active()
             self._candidates_gen = workers.generation
         return self._candidates, self._candidates_mask
 
@@ -95,7 +100,8 @@ class Selector:
             )
         if not 0 <= req.ttft_slo_ms <= MAX_TTFT_SLO_MS:  # also NaN: every policy sees a sane number
             raise InvalidRequest(f"ttft_slo_ms must be in [0, {MAX_TTFT_SLO_MS:.0f}] (0 = default), got {req.ttft_slo_ms}")
-        check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
+        if not 0 <= req.expected_output_tokens <= MAX_OUTPUT_TOKENS:  # the message is check_range's
+            check_range("expected_output_tokens", req.expected_output_tokens, 0, MAX_OUTPUT_TOKENS)
         if req.request_id.startswith(PREFILL_HOP_PREFIX[0]):  # the ledger's prefill-hop ids start so
             raise InvalidRequest(f"request_id {quote(req.request_id)} must not start with a NUL character")
         limit = s.max_id_length
@@ -120,22 +126,29 @@ class Selector:
         if len(workers) and not any(workers.find(c) is not None for c in candidate_workers):
             raise NotFound(f"candidate_workers names no registered worker: {_shown(candidate_workers)}")
 
-    def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+    def decide(self, req: RouteRequest, now: float,
+               explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``Router.route`` and dry runs).
 
-        ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
+        ``now``: the decision's time, as the router read it to expire speculative blocks (one
+        reading of the clock per decision). ``explain=False`` lets policies skip listing every
+        candidate (see RoutingContext.explain).
         """
         shared = self._shared
         self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
-        candidates, mask, pool_prefill, pool, adapter = self._narrow(req)
+        candidates, mask = self._eligible()
+        if req.candidate_workers or req.model or req.lora or not candidates:
+            candidates, mask, pool_prefill, pool, adapter = self._narrow(req)
+        else:  # most requests: no filter narrows the eligible workers (``_narrow`` hands them back)
+            pool_prefill, pool, adapter = candidates, "", ""
         # candidate_workers that name no prefill worker bound the decode hop alone (admission
-        # queues pin the decode worker a request waited for); the pool's prefill workers remain
-        hops = self._disagg.split(candidates, pool_prefill) if self._disagg.active() else None
+        # queues pin the decode worker a request waited for); the pool's prefill workers remain.
+        # Whether any worker prefills was read with the eligible workers, at this membership
+        hops = self._disagg.split(candidates, pool_prefill) if self._pd_active else None
         if hops is not None:
             decision, ctx = self._disagg.decide(req, policy, hops[0], hops[1], explain)
         else:
-            now = shared.clock.now()
             match = shared.index.match(req.keys, mask)
             claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
             # the eligible workers' slots, read once per membership, when no filter narrowed them

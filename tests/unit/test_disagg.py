@@ -90,6 +90,16 @@ def test_a_decode_worker_holding_most_of_the_prompt_prefills_it_locally() -> Non
     assert all(w.inflight_requests == 0 for w in r.workers if w.spec.role is WorkerRole.PREFILL)
 
 
+def test_a_prefill_worker_joining_or_leaving_switches_the_next_decision_in_or_out_of_pd() -> None:
+    # the selector reads whether any worker prefills once per membership, with the eligible ones
+    r = router(spec("d1", WorkerRole.DECODE))
+    assert r.decide(req("r1", prompt(1)))[0].pd_reason == ""
+    r.add_worker(spec("p1", WorkerRole.PREFILL))
+    assert r.decide(req("r2", prompt(2)))[0].pd_reason == "remote_prefill"
+    r.remove_worker("p1")
+    assert r.decide(req("r3", prompt(3)))[0].pd_reason == ""
+
+
 def test_a_short_prompt_prefills_on_the_decode_worker() -> None:
     r = pd_fleet(local=8)
     d = r.route(req("r1", prompt(1, 2 * BS))).decision

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ...index.workers import Worker
-from ...protocols import CacheMode, Decision
+from ...protocols import CacheMode, CandidateScore, Decision
 from .._scan import scan_candidates, tied_candidates
 from ..base import RoutingContext, RoutingPolicyBase
 
@@ -89,6 +89,11 @@ class CacheAwareParams:
             raise ValueError(f"match_rule must be 'auto', 'overlap' or 'threshold', got {self.match_rule!r}")
 
 
+def _match_rate(depth: int, block_size: int, prompt_tokens: int) -> float:
+    """Matched prompt tokens / prompt tokens (``prompt_tokens`` >= 1), at most 1."""
+    return min(1.0, depth * block_size / prompt_tokens)
+
+
 class CacheAwarePolicy(RoutingPolicyBase):
     params: CacheAwareParams
 
@@ -101,6 +106,11 @@ class CacheAwarePolicy(RoutingPolicyBase):
         #: in Python (~10 us at 64 workers, ~100 at 1,024)
         self._rule_for: Sequence[Worker] | None = None
         self._auto_rule = ""
+        #: whether either KV-use trigger is on: off (the default), a decision reads no worker's use
+        self._kv_triggers = (params.balance_token_usage_threshold < 1.0
+                             or params.overload_token_usage_threshold < 1.0)
+        #: what ``load_metric`` names, as the workers' attribute
+        self._load_attr = "inflight_requests" if params.load_metric == "requests" else "pending_prefill_tokens"
 
     def _least_loaded(self, candidates: Sequence[Worker], min_i: int, min_load: int, load_attr: str) -> int:
         """SGLang's min_load_idx: fewest in-flight, then fewest processed, then lower slot."""
@@ -112,8 +122,6 @@ class CacheAwarePolicy(RoutingPolicyBase):
 
     def _kv_imbalanced(self, candidates: Sequence[Worker]) -> bool:
         p = self.params
-        if p.balance_token_usage_threshold >= 1.0 and p.overload_token_usage_threshold >= 1.0:
-            return False
         usage = [w.kv_utilization for w in candidates]
         return max(usage) > p.overload_token_usage_threshold or max(usage) - min(usage) > p.balance_token_usage_threshold
 
@@ -129,26 +137,27 @@ class CacheAwarePolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         p = self.params
         candidates = ctx.candidates
-        load_attr = "inflight_requests" if p.load_metric == "requests" else "pending_prefill_tokens"
+        load_attr = self._load_attr
         overlaps = ctx.match.overlaps
         # longest match, ties to the less loaded, then the lower slot (candidates are slot-ordered);
         # and the load spread: one pass, in C where the extension is built (policies/_scan.py)
         best_i, best_depth, min_i, min_load, max_load = scan_candidates(candidates, overlaps, load_attr,
                                                                         ctx.candidate_slots)
         imbalanced = ((max_load - min_load) > p.balance_abs_threshold and max_load > p.balance_rel_threshold * min_load
-                      ) or self._kv_imbalanced(candidates)
-        prompt_tokens = max(ctx.request.prompt_tokens, 1)
-        match_rate = min(1.0, best_depth * ctx.block_size / prompt_tokens)
-        rule = self._rule(candidates)
+                      ) or (self._kv_triggers and self._kv_imbalanced(candidates))
+        prompt_tokens = ctx.request.prompt_tokens
+        if prompt_tokens < 1:
+            prompt_tokens = 1
+        rule = self._auto_rule if candidates is self._rule_for else self._rule(candidates)
 
         if imbalanced:
             i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "imbalanced"
-        elif rule == "overlap":
+        elif rule == "overlap":  # the match rate does not count: worked out for the record only
             if best_depth > 0:
                 i, reason = self._most_overlap(ctx, best_i, best_depth, load_attr), "prefix_match"
             else:
                 i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "no_overlap"
-        elif match_rate > p.cache_threshold:
+        elif _match_rate(best_depth, ctx.block_size, prompt_tokens) > p.cache_threshold:
             i, reason = best_i, "prefix_match"
         else:
             i, reason = self._least_loaded(candidates, min_i, min_load, load_attr), "low_match"
@@ -157,13 +166,20 @@ class CacheAwarePolicy(RoutingPolicyBase):
             # nobody will read the record (an unsampled trace): the choice alone. Its attributes
             # are for the span only, and rounding a float is a decimal conversion (~0.5 us)
             return Decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0))
-        scored = [
+        match_rate = _match_rate(best_depth, ctx.block_size, prompt_tokens)
+        return self.decide(ctx, chosen, reason, self._scored(ctx, prompt_tokens, load_attr),
+                           match_rate=round(match_rate, 4), imbalanced=int(imbalanced), match_rule=rule)
+
+    @staticmethod
+    def _scored(ctx: RoutingContext, prompt_tokens: int, load_attr: str) -> list[CandidateScore]:
+        """Every candidate with its match rate and load, for the record (``select``'s variables
+        read by this comprehension would be cells, made on every decision, explained or not)."""
+        overlaps = ctx.match.overlaps
+        return [
             ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens,
                           load=float(getattr(w, load_attr)))
-            for w in candidates
+            for w in ctx.candidates
         ]
-        return self.decide(ctx, chosen, reason, scored, match_rate=round(match_rate, 4), imbalanced=int(imbalanced),
-                           match_rule=rule)
 
     def _most_overlap(self, ctx: RoutingContext, best_i: int, best_depth: int, load_attr: str) -> int:
         """score_overlap: most cached blocks, then lower load, then the smaller cache."""
@@ -176,10 +192,12 @@ class CacheAwarePolicy(RoutingPolicyBase):
         ties = tied_candidates(candidates, ctx.match.overlaps, load_attr, best_i + 1, best_depth, load,
                                ctx.candidate_slots)
         # ties come in order after best_i: the first of the smallest caches wins (a plain loop:
-        # min() with a key tuple per tie was ~1 us for the 4 ties of the 1,024-worker benchmark)
-        chosen, fewest = best_i, ctx.cached_blocks(candidates[best_i])
+        # min() with a key tuple per tie was ~1 us for the 4 ties of the 1,024-worker benchmark),
+        # each cache's size read from the index's view (``ctx.cached_blocks`` is a call per tie)
+        counts = ctx.index.counts
+        chosen, fewest = best_i, counts[candidates[best_i].slot]
         for i in ties:
-            cached = ctx.cached_blocks(candidates[i])
+            cached = counts[candidates[i].slot]
             if cached < fewest:
                 chosen, fewest = i, cached
         return chosen

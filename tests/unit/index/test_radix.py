@@ -148,6 +148,8 @@ class IndexMachine(RuleBasedStateMachine):
     def counts_leaves_and_membership_agree(self):
         for s in range(SLOTS):
             assert self.index.count(s) == len(self.ref.held[s])
+            # the view made once with the index follows every change (cache_aware's ties read it)
+            assert self.index.counts[s] == len(self.ref.held[s])
             others = set().union(*(self.ref.held[t] for t in range(SLOTS) if t != s))
             assert self.index.count_alone(s) == len(self.ref.held[s] - others)
             assert {PATH_OF[b.key] for b in self.index.leaves(s)} == self.ref.leaves(s)
@@ -215,6 +217,22 @@ def test_match_stops_at_first_missing_block_per_worker():
     result = index.match([1, 2, 3, 4], 0b11)
     assert result.overlap(0) == 1 and result.overlap(1) == 2
     assert {b.key for b in index.leaves(0)} == {1, 4}
+
+
+def test_the_counts_view_follows_slots_added_dropped_and_refilled_and_cannot_be_written():
+    index = RadixIndex()
+    counts = index.counts
+    index.add_slot(0)
+    index.add_slot(3)
+    index.store(3, None, [1, 2, 3], now=0)
+    assert (counts[0], counts[3]) == (0, 3)
+    index.drop_slot(3)
+    assert 3 not in counts
+    index.add_slot(3)
+    index.store(3, None, [7], now=0)
+    assert counts[3] == 1 and index.counts is counts
+    with pytest.raises(TypeError):
+        counts[0] = 5  # type: ignore[index]
 
 
 @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=30, unique=True))

@@ -13,7 +13,7 @@ worker whose view misses events, or whose stores keep being rejected, is DEGRADE
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequest, RejectedEvent
@@ -332,16 +332,7 @@ class EventApplier:
                 keys = chain_keys_with_extras(data, block_size, seed, ev.extra_hashes)
             blocks = index.store(worker.slot, parent_key, keys, now)
         if hashes is not None:
-            mapping = worker.engine_keys
-            map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
-            if map_pairs is not None and reverse is None:
-                map_pairs(hashes, keys)
-            else:
-                for eh, key in zip(hashes, keys):
-                    if eh != key:
-                        mapping[eh] = key
-                        if reverse is not None:
-                            reverse[key] = eh
+            self._map_engine_hashes(worker, hashes, keys, reverse)
         # _stored_hooks written out: once per stored event
         recent = self._recent
         info = recent.stored_info(parent_key, keys) if recent.entries else NO_ACCESS_INFO
@@ -349,6 +340,23 @@ class EventApplier:
         outcome.blocks_stored += len(keys)
         if self._speculative.live:
             self._speculative.confirm(worker, keys)
+
+    @staticmethod
+    def _map_engine_hashes(worker: Worker, hashes: Sequence[int], keys: Sequence[int],
+                           reverse: MutableMapping[int, int] | None) -> None:
+        """Each engine hash of a stored chain -> our key of its block in ``worker``'s map (and
+        the key -> the hash in ``reverse``, kept for eviction hints); a hash equal to our key
+        needs no entry."""
+        mapping = worker.engine_keys
+        map_pairs = getattr(mapping, "map_pairs", None)  # the loop below, in C (a native U64Map)
+        if map_pairs is not None and reverse is None:
+            map_pairs(hashes, keys)
+            return
+        for eh, key in zip(hashes, keys):
+            if eh != key:
+                mapping[eh] = key
+                if reverse is not None:
+                    reverse[key] = eh
 
     def _run_hook(self, worker: Worker) -> tuple[Any, Any] | None | bool:
         """The eviction hook a native run of the worker's Stored events makes itself
@@ -395,12 +403,7 @@ class EventApplier:
             parent_key, keys, blocks = partial
             hashes = events[nxt - 1].engine_hashes
             if hashes is not None:
-                mapping = worker.engine_keys
-                for eh, key in zip(hashes, keys):  # _apply_stored's loop
-                    if eh != key:
-                        mapping[eh] = key
-                        if reverse is not None:
-                            reverse[key] = eh
+                self._map_engine_hashes(worker, hashes, keys, reverse)
             self._stored_hooks(worker, parent_key, keys, blocks, outcome, now)
         return nxt
 

@@ -340,7 +340,7 @@ class DeadlineGuard:
     def scale(self) -> float:
         """Observed / predicted TTFT on an idle worker, a moving geometric mean: what the model
         leaves out (decode steps sharing the GPU, preemption)."""
-        return self._level_value(self._scales, 0)
+        return self._levels[0][0]
 
     @property
     def tail(self) -> float:
@@ -576,7 +576,7 @@ class DeadlineGuard:
             return
         predicted, level = dispatched
         if predicted >= _MIN_SAMPLE_MS and 0 < ttft_ms <= MAX_LATENCY_MS:
-            scale, tail = self._level_value(self._scales, level), self._level_value(self._tails, level)
+            scale, tail = self._levels[level]  # as _level_value reads them: _levels is redone below
             self._samples[level] += 1
             # logs taken apart: a subnormal ttft_ms over predicted underflows to 0.0, a domain
             # error (the fuzz swarm's tiny floats found it); and one sample moves the estimates

@@ -8,7 +8,23 @@ gRPC fuzz test) can assert them without a reference model.
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvrouterd.index.radix import RadixIndex
 from kvrouterd.router import Router, request_bytes
+
+
+def index_blocks(index: RadixIndex) -> dict[int, tuple[Any, ...]]:
+    """Every indexed block as two index paths must leave it alike: its parent's key, its
+    children's keys, holders, last access, hits and pending accesses."""
+    blocks = {}
+    for key in list(index._blocks):
+        b = index._blocks[key]
+        c = b.children
+        children = None if c is None else sorted(c) if type(c) is dict else c.key
+        blocks[key] = (b.parent.key if b.parent is not None else None, children, b.holders,
+                       b.last_access, b.hits, index._pending.get(b))
+    return blocks
 
 
 def check_router_invariants(router: Router) -> None:

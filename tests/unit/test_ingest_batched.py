@@ -33,6 +33,7 @@ from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.base import EvictionContext, EvictionPolicyBase
 from kvrouterd.protocols import CacheMode, Cleared, EventBatch, EvictRequest, Removed, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
+from tests.invariants import index_blocks
 
 BLOCK = 4
 PROMPTS = 4  # prompts 0 and 1 share their first block, 2 and 3 too
@@ -144,13 +145,7 @@ def _event(worker: str, spec: tuple[Any, ...]) -> Any:
 
 def _snapshot(router: Router) -> dict[str, Any]:
     index = router.index
-    blocks = {}
-    for key in list(index._blocks):
-        b = index._blocks[key]
-        c = b.children
-        children = None if c is None else sorted(c) if type(c) is dict else c.key
-        blocks[key] = (b.parent.key if b.parent is not None else None, children, b.holders,
-                       b.last_access, b.hits, index._pending.get(b))
+    blocks = index_blocks(index)
     workers = {}
     leaves = getattr(router.eviction, "_leaves", None)  # lru's
     for w in router.workers:

@@ -34,6 +34,7 @@ from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.eviction import _leaves
 from kvrouterd.protocols import CacheMode, Cleared, EventBatch, EvictRequest, Removed, Stored
 from kvrouterd.router import Router, RouterSettings
+from tests.invariants import index_blocks
 
 BLOCK = 16
 PROMPTS = 5  # prompts 0 and 1 share their first block, 2 and 3 too
@@ -106,13 +107,7 @@ def _pure_leaf_tracker(pure: bool) -> Iterator[None]:
 
 def _snapshot(router: Router) -> dict[str, Any]:
     index = router.index
-    blocks = {}
-    for key in list(index._blocks):
-        b = index._blocks[key]
-        c = b.children
-        children = None if c is None else sorted(c) if type(c) is dict else c.key
-        blocks[key] = (b.parent.key if b.parent is not None else None, children, b.holders,
-                       b.last_access, b.hits, index._pending.get(b))
+    blocks = index_blocks(index)
     workers = {}
     for w in router.workers:
         workers[w.id] = (sorted(b.key for b in index.leaves(w.slot)), index.count(w.slot),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -194,6 +195,25 @@ def test_native_walk_at_1024_workers_answers_as_the_pure_path(ops, query, mask_s
     assert tied_candidates(candidates, native_overlaps, "pending_prefill_tokens", best_i, depth, load) == ties
 
 
+def _chain_table(keys: list[int], holders: list[int]) -> Any:
+    """A native BlockTable of one chain: ``keys[i]``'s block held by the slots of ``holders[i]``."""
+    table, parent = native.module.BlockTable(), None
+    for key, held in zip(keys, holders, strict=True):
+        block = Block(key, parent)
+        block.holders = held
+        table[key] = parent = block
+    return table
+
+
+def _assert_walk_as_python(table: Any, blocks: Any, keys: Any, mask: int) -> None:
+    """The native walk of ``keys`` over ``blocks`` (``table`` or a view of it) answers as the
+    pure walk over ``table`` does: the same overlaps in the same order, the same blocks."""
+    expected, expected_path = match_walk_py(table, list(keys), mask)
+    overlaps, path = native.module.match_walk(blocks, keys, mask)
+    assert list(overlaps.items()) == list(expected.items())
+    assert all(a is b for a, b in zip(path, expected_path, strict=True))
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     depths=st.dictionaries(wide_slots, st.integers(0, 40), max_size=400),
@@ -214,17 +234,10 @@ def test_native_walk_drops_slots_anywhere_in_a_wide_chain(depths, strays, mask_s
     for i, slot in strays:
         holders[i] |= 1 << slot
     keys = [_key((i,)) for i in range(40)]
-    table, parent = native.module.BlockTable(), None
-    for key, held in zip(keys, holders, strict=True):
-        block = Block(key, parent)
-        block.holders = held
-        table[key] = parent = block
+    table = _chain_table(keys, holders)
     mask = sum(1 << s for s in mask_slots)
-    expected, expected_path = match_walk_py(table, keys, mask)
     for blocks, ks in ((table, array("Q", keys)), (table, keys), (dict(table.items()), keys)):
-        overlaps, path = native.module.match_walk(blocks, ks, mask)
-        assert list(overlaps.items()) == list(expected.items())
-        assert all(a is b for a, b in zip(path, expected_path, strict=True))
+        _assert_walk_as_python(table, blocks, ks, mask)
 
 
 @pytest.mark.parametrize("digits", range(1, 36))
@@ -241,16 +254,8 @@ def test_native_walk_reads_every_width_of_mask_as_python_does(digits):
         for i in range(rng.randint(1, 12)):
             holders[i] |= 1 << slot
     keys = [_key((i,)) for i in range(12)]
-    table, parent = native.module.BlockTable(), None
-    for key, held in zip(keys, holders, strict=True):
-        block = Block(key, parent)
-        block.holders = held
-        table[key] = parent = block
-    mask = sum(1 << s for s in slots)
-    expected, expected_path = match_walk_py(table, keys, mask)
-    overlaps, path = native.module.match_walk(table, array("Q", keys), mask)
-    assert list(overlaps.items()) == list(expected.items())
-    assert all(a is b for a, b in zip(path, expected_path, strict=True))
+    table = _chain_table(keys, holders)
+    _assert_walk_as_python(table, table, array("Q", keys), sum(1 << s for s in slots))
 
 
 def test_a_freed_overlaps_is_reused_clean_and_a_live_one_is_left_alone():

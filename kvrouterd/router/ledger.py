@@ -32,7 +32,7 @@ from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index import native
 from ..index.radix import Block
 from ..index.workers import InFlight, Worker
-from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, drop_blocks
+from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, RoutingPolicyBase, drop_blocks
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
 from .disagg import PREFILL_HOP_PREFIX, prefill_hop_id
@@ -74,6 +74,7 @@ def request_bytes(req: RouteRequest) -> int:
 #: and its candidate workers last, from ``_CANDIDATES`` on.
 PackedRequest = tuple[Any, ...]
 _MODEL = 8
+_CLIENT = 10
 _SIZE = 11
 _CANDIDATES = 13
 
@@ -441,13 +442,17 @@ class LoadLedger:
         shared = self._shared
         entry = shared.workers.release(completion.request_id)
         self._release_hop(completion)
-        req = self.forget_request(completion.request_id)
+        packed = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
         self._speculative.ended(completion.request_id, completion.success)
         policy = shared.policies.routing.get(entry.policy)
-        if policy is not None:
-            policy.on_complete(worker, req, completion, now)
+        # most policies (cache_aware, the default, among them) keep nothing per request: their
+        # on_complete is the base class's, and the request is not unpacked for them
+        hears = policy is not None and type(policy).on_complete is not RoutingPolicyBase.on_complete
+        req = unpack_request(packed) if packed is not None and (hears or completion.session_ended) else None
+        if hears:
+            policy.on_complete(worker, req, completion, now)  # type: ignore[union-attr]
         if completion.session_ended and req is not None and req.session_id:
             # end-aware eviction (T-LRU section 4): a finished conversation's tail goes first
             for eviction in shared.policies.eviction_by_name.values():
@@ -464,21 +469,22 @@ class LoadLedger:
         if req.client:
             self.by_client[req.client] = self.by_client.get(req.client, 0) + 1
 
-    def forget_request(self, request_id: str) -> RouteRequest | None:
+    def forget_request(self, request_id: str) -> PackedRequest | None:
         """Drop a request from the table, its bytes from ``inflight_bytes`` and it from its
-        client's count; returns it."""
+        client's count; returns it as kept (``unpack_request`` makes it a RouteRequest again:
+        ~1 us, paid only where it is read)."""
         packed = self.requests.pop(request_id, None)
         if packed is None:
             return None
         self.inflight_bytes -= packed[_SIZE]
-        req = unpack_request(packed)
-        if req.client:
-            left = self.by_client[req.client] - 1
+        client = packed[_CLIENT]
+        if client:
+            left = self.by_client[client] - 1
             if left:
-                self.by_client[req.client] = left
+                self.by_client[client] = left
             else:
-                del self.by_client[req.client]
-        return req
+                del self.by_client[client]
+        return packed
 
     def forget_worker(self, worker_id: str) -> None:
         """The worker is being removed: forget the requests in flight on it, and its claims."""

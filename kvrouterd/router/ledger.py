@@ -298,7 +298,9 @@ class LoadLedger:
         if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = _new_access_info(req.session_id, int(req.task), req.prompt_tokens, 0, _DECODE_FROM_NONE)
         if overlap:
-            matched = ctx.match.path[:overlap]
+            path = ctx.match.path
+            # the whole path (a full match, the common case) is handed on as it is: no copy
+            matched = path if overlap == len(path) else path[:overlap]
             index.touch_path(slot, matched, now)
             eviction.on_accessed(index, slot, matched, info, now)
         if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):

@@ -193,11 +193,17 @@ class LoadLedger:
                 f"this client already has {limit} routed, not completed requests, limits.max_inflight_per_client: "
                 "complete requests (or let them expire after limits.inflight_timeout_s) first"
             )
-        if s.max_inflight_bytes and self.inflight_bytes + self.waiting_bytes + request_bytes(req) > s.max_inflight_bytes:
+        byte_limit = s.max_inflight_bytes
+        held = self.inflight_bytes + self.waiting_bytes
+        # the exact bytes only near the limit: a request validated so far costs at most the entry,
+        # 40 B a key, five ids of max_id_length each and its client's name (its candidates' names
+        # are not bounded here: then always exact). request_bytes was ~0.25 us of every decision.
+        if byte_limit and (held + INFLIGHT_ENTRY_BYTES + 40 * len(req.keys) + 5 * s.max_id_length + len(req.client)
+                           > byte_limit or req.candidate_workers) and held + request_bytes(req) > byte_limit:
             waiting = f" and {self.waiting_bytes} bytes of requests waiting for admission" if self.waiting_bytes else ""
             raise Overloaded(
                 f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests{waiting}; "
-                f"this one ({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={s.max_inflight_bytes}: "
+                f"this one ({request_bytes(req)} bytes) would exceed limits.max_inflight_bytes={byte_limit}: "
                 "complete requests (or let them expire) first"
             )
 

@@ -86,6 +86,29 @@ def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
     assert router.inflight_bytes == 0 and router._ledger.by_client == {}
 
 
+@pytest.mark.parametrize("headroom", [0, 1])
+def test_the_in_flight_table_admits_requests_until_their_exact_bytes_fill_it(headroom):
+    """``limits.max_inflight_bytes`` counts each request's own bytes: a table sized for exactly
+    three takes three and refuses the fourth, one byte short of three refuses the third. (Far
+    from the limit the check skips the exact count: these sit where it cannot.)"""
+    from kvrouterd.router.ledger import request_bytes
+
+    tokens = list(range(8 * BS))
+    probe = req(make()[0], tokens, "r0", client="peer-a")
+    size = request_bytes(probe)
+    router, _ = make(max_inflight_bytes=3 * size - 1 + headroom)
+    admitted = []
+    for i in range(4):
+        try:
+            router.route(req(router, tokens, f"r{i}", client="peer-a"))
+        except Overloaded as exc:
+            assert "limits.max_inflight_bytes" in str(exc)
+            break
+        admitted.append(i)
+    assert admitted == ([0, 1, 2] if headroom else [0, 1])
+    assert router.inflight_bytes == len(admitted) * size
+
+
 def test_requests_in_flight_are_bounded_per_client():
     router, clock = make(max_inflight_per_client=3, inflight_timeout_s=10)
     for i in range(3):

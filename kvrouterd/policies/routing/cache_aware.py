@@ -50,12 +50,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ...index import native
 from ...index.workers import Worker
 from ...protocols import CacheMode, CandidateScore, Decision
 from .._scan import scan_candidates, tied_candidates
 from ..base import RoutingContext, RoutingPolicyBase
 
 __all__ = ["CacheAwareParams", "CacheAwarePolicy"]
+
+#: Decision built without the dataclass ``__init__`` (0.27 -> 0.13 us on every unexplained
+#: decision), given every field in declaration order
+_new_decision = native.positional_constructor(Decision)
 
 @dataclass(frozen=True)
 class CacheAwareParams:
@@ -165,7 +170,8 @@ class CacheAwarePolicy(RoutingPolicyBase):
         if not ctx.explain:
             # nobody will read the record (an unsampled trace): the choice alone. Its attributes
             # are for the span only, and rounding a float is a decimal conversion (~0.5 us)
-            return Decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0))
+            return _new_decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0), "", 0.0, {}, "", "", None,
+                                 "", 0)
         match_rate = _match_rate(best_depth, ctx.block_size, prompt_tokens)
         return self.decide(ctx, chosen, reason, self._scored(ctx, prompt_tokens, load_attr),
                            match_rate=round(match_rate, 4), imbalanced=int(imbalanced), match_rule=rule)

@@ -213,6 +213,9 @@ class DeadlineGuard:
         # prices prefill only; ``scale`` is the online correction (a refit of the power law
         # on queue-dominated samples overshot: see the module docstring)
         self.latency = LatencyModel(dataclasses.replace(params, calibrate=False))
+        #: ((uncached, cached) tokens, ms): the last ``prefill_ms`` priced. The model never
+        #: calibrates, so a price stays right; a Route asks for its own twice (admission, dispatch)
+        self._last_prefill: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
         #: request id -> (its modelled TTFT when dispatched, its worker's load level then)
         self._predicted: OrderedDict[str, tuple[float, int]] = OrderedDict()
         #: worker id -> (modelled ms of prefill routed to it and not yet done, as of time)
@@ -250,7 +253,13 @@ class DeadlineGuard:
     # ---- prediction -------------------------------------------------------------------
     def prefill_ms(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
         """Modelled time of one request's own prefill, its attention to its prefix included."""
-        return self.latency.ttft_ms(uncached_tokens, 0, 0, cached_tokens)
+        tokens = (uncached_tokens, cached_tokens)
+        last = self._last_prefill
+        if last[0] == tokens:
+            return last[1]
+        ms = self.latency.ttft_ms(uncached_tokens, 0, 0, cached_tokens)
+        self._last_prefill = (tokens, ms)
+        return ms
 
     def backlog_ms(self, worker: Worker, now: float) -> float:
         """Modelled prefill time routed to ``worker`` and not yet done: each dispatch adds its
@@ -509,7 +518,10 @@ class DeadlineGuard:
             self._predicted[request_id] = (predicted, _load_level(worker))
             if len(self._predicted) > _MAX_TRACKED:
                 self._predicted.popitem(last=False)
-            self._flight.setdefault(worker.id, OrderedDict())[request_id] = (own, now, uncached_tokens, 0.0)
+            flight = self._flight.get(worker.id)
+            if flight is None:  # not setdefault: that built an OrderedDict on every dispatch
+                flight = self._flight[worker.id] = OrderedDict()
+            flight[request_id] = (own, now, uncached_tokens, 0.0)
             self._where[request_id] = worker.id
             if len(self._where) > _MAX_TRACKED:
                 self._forget(next(iter(self._where)))

@@ -159,6 +159,10 @@ class HashedPrompt:
     keys: array | None
 
 
+#: RouteRequest built without the dataclass ``__init__`` (0.6 us with twelve keywords, on every Route)
+_new_route_request = native.positional_constructor(RouteRequest)
+
+
 def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
                   client: str = "") -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
@@ -202,20 +206,10 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         keys = block_keys(msg.block_keys)
         prompt_tokens = msg.prompt_tokens or n_keys * router.block_size
     candidates = msg.candidate_workers
-    return RouteRequest(
-        request_id=msg.request_id,
-        keys=keys,
-        prompt_tokens=prompt_tokens,
-        session_id=msg.session_id,
-        task=task,
-        ttft_slo_ms=msg.ttft_slo_ms,
-        expected_output_tokens=msg.expected_output_tokens,
-        policy=msg.policy,
-        candidate_workers=tuple(candidates) if len(candidates) else (),
-        model=msg.model,
-        lora=msg.lora,
-        client=client,
-    )
+    # every field, in declaration order (see _new_route_request)
+    return _new_route_request(msg.request_id, keys, prompt_tokens, msg.session_id, task, msg.ttft_slo_ms,
+                              msg.expected_output_tokens, msg.policy, tuple(candidates) if len(candidates) else (),
+                              msg.model, msg.lora, client)
 
 
 def check_split(prompt: WirePrompt, msg: pb.RouteRequest, router: Router) -> None:

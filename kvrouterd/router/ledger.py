@@ -113,9 +113,9 @@ _TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
 _new_access_info = native.positional_constructor(AccessInfo)
+_DECODE_FROM_NONE = AccessInfo().decode_from_block
 #: InFlight built without the dataclass ``__init__`` (0.44 us with keywords, on every Route)
 _new_inflight = native.positional_constructor(InFlight)
-_DECODE_FROM_NONE = AccessInfo().decode_from_block
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ __all__ = ["CacheAwareParams", "CacheAwarePolicy"]
 #: decision), given every field in declaration order
 _new_decision = native.positional_constructor(Decision)
 
+
 @dataclass(frozen=True)
 class CacheAwareParams:
     cache_threshold: float = field(default=0.3, metadata={"help": "minimum prefix match rate for cache affinity"})

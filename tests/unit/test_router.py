@@ -331,6 +331,29 @@ def test_reregistering_updates_in_place():
     assert router.index.count(w.slot) == 0
 
 
+def test_a_policy_that_hears_completions_gets_each_request_back_as_routed():
+    """A Complete unpacks the request it kept only for a policy whose ``on_complete`` is its own
+    (the base class's reads nothing): such a policy still gets the request as it was routed."""
+    import random
+
+    from kvrouterd.policies.routing.cache_aware import CacheAwareParams, CacheAwarePolicy
+
+    heard: list[tuple[str, RouteRequest | None, str]] = []
+
+    class Hearing(CacheAwarePolicy):
+        def on_complete(self, worker, request, completion, now):
+            heard.append((worker.id, request, completion.request_id))
+
+    router, _ = make()
+    router._policies.routing["cache_aware"] = Hearing(CacheAwareParams(), random.Random(0))
+    sent = req(router, list(range(4 * BS)), "r1", session_id="s1", model="", client="peer")
+    routed = router.route(sent)
+    router.complete(Completion("r1"))
+    ((worker_id, request, rid),) = heard
+    assert (worker_id, rid) == (routed.worker.id, "r1")
+    assert request is not None and request.session_id == "s1" and list(request.keys) == list(sent.keys)
+
+
 def test_session_ended_reaches_end_aware_eviction():
     router = Router(RouterSettings(block_size=BS, eviction={"name": "tlru"}), ManualClock())
     router.add_worker(WorkerSpec("w0", "h:1", mode=CacheMode.APPROXIMATE, capacity_blocks=1000))

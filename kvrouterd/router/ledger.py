@@ -54,11 +54,16 @@ MAX_COMPLETED_IDS = 1 << 18
 INFLIGHT_ENTRY_BYTES = 512
 
 
+#: what a block key costs kept as a Python int in a list (in an ``array('Q')``: 8 bytes)
+_LIST_KEY_BYTES = 40
+
+
 def request_bytes(req: RouteRequest) -> int:
     """What ``req`` costs in the in-flight table: keys as stored (8 bytes in an ``array('Q')``,
-    ~40 as Python ints in a list), its strings, the entry overhead."""
+    ~40 as Python ints in a list), its strings, the entry overhead. ``LoadLedger.check_admissible``
+    bounds it from above without the count: what this adds, that bound must cover."""
     keys = req.keys
-    per_key = 8 if isinstance(keys, array) else 40
+    per_key = 8 if isinstance(keys, array) else _LIST_KEY_BYTES
     size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
             + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
     if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
@@ -196,12 +201,15 @@ class LoadLedger:
                 "complete requests (or let them expire after limits.inflight_timeout_s) first"
             )
         byte_limit = s.max_inflight_bytes
+        if not byte_limit:
+            return
         held = self.inflight_bytes + self.waiting_bytes
         # the exact bytes only near the limit: a request validated so far costs at most the entry,
-        # 40 B a key, five ids of max_id_length each and its client's name (its candidates' names
-        # are not bounded here: then always exact). request_bytes was ~0.25 us of every decision.
-        if byte_limit and (held + INFLIGHT_ENTRY_BYTES + 40 * len(req.keys) + 5 * s.max_id_length + len(req.client)
-                           > byte_limit or req.candidate_workers) and held + request_bytes(req) > byte_limit:
+        # a list's bytes a key, five ids of max_id_length each and its client's name (request_bytes'
+        # terms; its candidates' names are not bounded here: then always exact). request_bytes was
+        # ~0.25 us of every decision.
+        most = INFLIGHT_ENTRY_BYTES + _LIST_KEY_BYTES * len(req.keys) + 5 * s.max_id_length + len(req.client)
+        if (held + most > byte_limit or req.candidate_workers) and held + request_bytes(req) > byte_limit:
             waiting = f" and {self.waiting_bytes} bytes of requests waiting for admission" if self.waiting_bytes else ""
             raise Overloaded(
                 f"the in-flight table holds {self.inflight_bytes} bytes of routed, not completed requests{waiting}; "

@@ -86,21 +86,32 @@ def test_requests_in_flight_are_kept_out_of_the_garbage_collectors_reach():
     assert router.inflight_bytes == 0 and router._ledger.by_client == {}
 
 
+@pytest.mark.parametrize("largest", [False, True])
 @pytest.mark.parametrize("headroom", [0, 1])
-def test_the_in_flight_table_admits_requests_until_their_exact_bytes_fill_it(headroom):
+def test_the_in_flight_table_admits_requests_until_their_exact_bytes_fill_it(headroom, largest):
     """``limits.max_inflight_bytes`` counts each request's own bytes: a table sized for exactly
     three takes three and refuses the fourth, one byte short of three refuses the third. (Far
-    from the limit the check skips the exact count: these sit where it cannot.)"""
+    from the limit the check skips the exact count: these sit where it cannot.) ``largest``:
+    keys in a list and every id at ``max_id_length``, where the check's bound on a request's
+    bytes is exact, so a bound that left a term out would let the third in."""
     from kvrouterd.router.ledger import request_bytes
 
     tokens = list(range(8 * BS))
-    probe = req(make()[0], tokens, "r0", client="peer-a")
-    size = request_bytes(probe)
-    router, _ = make(max_inflight_bytes=3 * size - 1 + headroom)
+    limit = len("cache_aware")  # the policy, named: all five ids at the limit
+
+    def one(router, i):
+        if not largest:
+            return req(router, tokens, f"r{i}", client="peer-a")
+        ids = {f: f"{f[0]}{i}".ljust(limit, "x") for f in ("session_id", "model", "lora")}
+        return RouteRequest(f"r{i}".ljust(limit, "x"), list(router.keys_for_tokens(tokens)), len(tokens),
+                            policy="cache_aware", client="peer-a", **ids)
+
+    size = request_bytes(one(make()[0], 0))
+    router, _ = make(max_inflight_bytes=3 * size - 1 + headroom, max_id_length=limit)
     admitted = []
     for i in range(4):
         try:
-            router.route(req(router, tokens, f"r{i}", client="peer-a"))
+            router.route(one(router, i))
         except Overloaded as exc:
             assert "limits.max_inflight_bytes" in str(exc)
             break

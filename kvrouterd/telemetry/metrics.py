@@ -33,7 +33,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from opentelemetry.metrics import CallbackOptions, Histogram, Observation
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -56,6 +56,9 @@ ROUTE_ERROR_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT", "N
 
 #: TTFT and end-to-end times run from tens of ms to minutes
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: attribute dicts of completion series kept for reuse; past this many (the model label is a
+#: client-sent name) they are built afresh
+MAX_COMPLETION_SERIES = 4096
 
 
 def build_info() -> dict[str, str]:
@@ -240,6 +243,69 @@ class RouteLatency:
             record(seconds, attributes)
 
 
+class Tally:
+    """A counter without labels, as a cumulative int observed at collection time: ``add`` is the
+    hot path (an int add; the SDK Counter's costs ~6 us of attribute handling). Exported at
+    zero from the start, as ``kvrouter.route.errors`` is, so rate() sees the first increase."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, amount: int) -> None:
+        self.value += amount
+
+    def observe(self, _: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self.value)
+
+
+class CompletedTokens:
+    """``kvrouter.completed.prompt_tokens{worker[,model]}`` and ``.cached_tokens{worker[,model],source}``:
+    each Complete's counts queued, summed per series and added to the SDK counters by ``flush``.
+
+    An SDK ``add`` spends ~6 us cleaning and hashing its attributes, and a Complete whose engine
+    reported its cached tokens made three (18 us of the daemon's CPU per Complete); summed, a
+    flush adds once per series that changed. The queue is a deque (atomic append and popleft),
+    as ``RouteLatency``'s, so an exporter thread flushing while the event loop observes loses
+    nothing; a collection flushes first (``Metrics._collecting``), so a scrape is exact.
+    """
+
+    #: a stalled tick never lets the queue grow past this: observe flushes instead
+    MAX_PENDING = 4096
+
+    def __init__(self, prompt_tokens: Counter, cached_tokens: Counter) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self._pending: deque[tuple[str, str, int, int, int]] = deque()
+
+    def observe(self, worker_id: str, model: str, prompt: int, engine_cached: int, router_cached: int) -> None:
+        """One Complete: ``engine_cached`` tokens its engine found cached, ``router_cached`` predicted."""
+        pending = self._pending
+        pending.append((worker_id, model, prompt, engine_cached, router_cached))
+        if len(pending) >= self.MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        pending = self._pending
+        sums: dict[tuple[str, str], list[int]] = {}
+        while pending:
+            try:
+                worker_id, model, prompt, engine_cached, router_cached = pending.popleft()
+            except IndexError:  # another thread took the last one
+                break
+            total = sums.get((worker_id, model))
+            if total is None:
+                sums[(worker_id, model)] = [prompt, engine_cached, router_cached]
+            else:
+                total[0] += prompt
+                total[1] += engine_cached
+                total[2] += router_cached
+        for (worker_id, model), (prompt, engine_cached, router_cached) in sums.items():
+            per_worker = {"worker": worker_id, "model": model} if model else {"worker": worker_id}
+            self.prompt_tokens.add(prompt, per_worker)
+            self.cached_tokens.add(engine_cached, {**per_worker, "source": "engine"})
+            self.cached_tokens.add(router_cached, {**per_worker, "source": "router"})
+
+
 class Metrics:
     """The daemon's instruments. ``gauges`` callbacks read router state at collection time."""
 
@@ -333,11 +399,15 @@ class Metrics:
 
         self.provider = provider
         # counted per batch message only, so single stream messages pay nothing
-        self.stream_batches = meter.create_counter(
-            "kvrouter.route_stream.batches", description="RouteStream batch messages received (RouteStreamRequest.batch)"
+        self.stream_batches = Tally()
+        meter.create_observable_counter(
+            "kvrouter.route_stream.batches", [self.stream_batches.observe],
+            description="RouteStream batch messages received (RouteStreamRequest.batch)",
         )
-        self.stream_batch_items = meter.create_counter(
-            "kvrouter.route_stream.batch_items", description="Route and Complete items those batches carried"
+        self.stream_batch_items = Tally()
+        meter.create_observable_counter(
+            "kvrouter.route_stream.batch_items", [self.stream_batch_items.observe],
+            description="Route and Complete items those batches carried",
         )
         self.namespace_misses = meter.create_counter(
             "kvrouter.route.namespace_misses",
@@ -366,6 +436,9 @@ class Metrics:
             "kvrouter.completed.cached_tokens",
             description="cached prompt tokens of the same requests: source=engine as observed, source=router as predicted",
         )
+        self.completed_tokens = CompletedTokens(self.prompt_tokens, self.cached_tokens)
+        #: (worker, policy, model) -> the attributes of its latency histograms, built once per series
+        self._completion_attributes: dict[tuple[str, str, str], dict[str, str]] = {}
         meter.create_observable_gauge(
             "kvrouter.build.info", [lambda _: [Observation(1, build_info())]],
             description="always 1; the labels name the kvrouterd version, Python and the index fast path",
@@ -373,6 +446,9 @@ class Metrics:
 
     def forget_worker(self, worker_id: str) -> int:
         """Drop the series labelled ``worker=worker_id`` (the worker left); returns how many."""
+        # its queued token counts first: flushed after the drop, they would bring its series back
+        self.completed_tokens.flush()
+        self._completion_attributes = {k: v for k, v in self._completion_attributes.items() if k[0] != worker_id}
         return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prompt_tokens, self.cached_tokens),
                            "worker", worker_id)
 
@@ -380,32 +456,40 @@ class Metrics:
         """One Complete: latencies the caller observed, and its engine's cache hit beside our prediction."""
         if not self.recording_completions:
             return
-        attributes = {"worker": entry.worker_id, "policy": entry.policy}
-        if model:
-            attributes["model"] = model
+        key = (entry.worker_id, entry.policy, model)
+        attributes = self._completion_attributes.get(key)
+        if attributes is None:
+            if len(self._completion_attributes) >= MAX_COMPLETION_SERIES:  # models are client-sent names
+                self._completion_attributes.clear()
+            attributes = {"worker": entry.worker_id, "policy": entry.policy}
+            if model:
+                attributes["model"] = model
+            self._completion_attributes[key] = attributes
         if completion.ttft_ms > 0:
             self.ttft.record(completion.ttft_ms / 1000.0, attributes)
         if completion.e2e_ms > 0:
             self.e2e.record(completion.e2e_ms / 1000.0, attributes)
-        for phase, ms in (("prefill", completion.prefill_ms), ("kv_transfer", completion.kv_transfer_ms)):
-            if ms > 0:
-                self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
+        if completion.prefill_ms > 0 or completion.kv_transfer_ms > 0:
+            for phase, ms in (("prefill", completion.prefill_ms), ("kv_transfer", completion.kv_transfer_ms)):
+                if ms > 0:
+                    self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
         if completion.cached_tokens >= 0:  # -1: the engine did not say
-            per_worker = {"worker": entry.worker_id, **({"model": model} if model else {})}
             predicted = min(entry.overlap_blocks * block_size, entry.prompt_tokens)
-            self.prompt_tokens.add(entry.prompt_tokens, per_worker)
-            self.cached_tokens.add(completion.cached_tokens, {**per_worker, "source": "engine"})
-            self.cached_tokens.add(predicted, {**per_worker, "source": "router"})
+            self.completed_tokens.observe(entry.worker_id, model, entry.prompt_tokens, completion.cached_tokens,
+                                          predicted)
 
     def _collecting(self, options: CallbackOptions) -> Iterable[Observation]:
         # a collection runs every observable callback before it reads any instrument: flushing
-        # here puts every finished Route into the histogram this collection reads
+        # here puts every finished Route into the histogram this collection reads, and every
+        # Complete's tokens into the counters
         self.route_latency.flush()
+        self.completed_tokens.flush()
         return self.decisions.observe(options)
 
     def flush(self) -> None:
-        """Record queued route latencies (the daemon calls this on its maintenance tick)."""
+        """Record queued route latencies and completed tokens (the daemon calls this on its maintenance tick)."""
         self.route_latency.flush()
+        self.completed_tokens.flush()
 
     def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "", pd_reason: str = "") -> None:
         """One successful Route: count the decision (in its model pool, and its hop choice in a

@@ -8,7 +8,9 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from kvrouterd.telemetry.metrics import ROUTE_LATENCY_BUCKETS, Metrics, RouteLatency
+from kvrouterd.index.workers import InFlight
+from kvrouterd.protocols import Completion
+from kvrouterd.telemetry.metrics import ROUTE_LATENCY_BUCKETS, CompletedTokens, Metrics, RouteLatency
 
 
 def _metrics(reader: InMemoryMetricReader | None = None) -> Metrics:
@@ -114,3 +116,64 @@ def test_decisions_in_a_model_pool_carry_its_label_and_others_none(reader):
     points = _points(reader, "kvrouter.decisions")
     assert points[(("policy", "cache_aware"), ("pool", "llama"), ("reason", "prefix_match"))].value == 2
     assert points[(("policy", "cache_aware"), ("reason", "prefix_match"))].value == 1
+
+
+def _completed(m: Metrics, worker: str, prompt: int, cached: int, overlap_blocks: int, model: str = "",
+               ttft_ms: float = 0.0) -> None:
+    entry = InFlight(f"r-{worker}", worker, prompt, prompt, overlap_blocks, 0.0, "cache_aware")
+    m.completed(entry, Completion(entry.request_id, ttft_ms=ttft_ms, cached_tokens=cached), model, 16)
+
+
+def _token_totals(reader: InMemoryMetricReader) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
+    return {(name, labels): p.value
+            for name in ("kvrouter.completed.prompt_tokens", "kvrouter.completed.cached_tokens")
+            for labels, p in _points(reader, name).items()}
+
+
+def test_completed_tokens_are_exact_per_worker_model_and_source_across_flushes(reader):
+    """Queued and summed per series, with a flush forced part way (a stalled tick) and a
+    collection at the end: each series holds every Complete's tokens, none twice."""
+    m = _metrics(reader)
+    n = CompletedTokens.MAX_PENDING + 500
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
+    for i in range(n):
+        worker, model = f"w{i % 3}", ("m" if i % 2 else "")
+        prompt, cached, overlap = 64 + i % 7, i % 50, i % 4
+        _completed(m, worker, prompt, cached, overlap, model)
+        labels = (("model", model),) if model else ()
+        base = tuple(sorted((("worker", worker), *labels)))
+        engine, router = tuple(sorted((*base, ("source", "engine")))), tuple(sorted((*base, ("source", "router"))))
+        for name, key, value in (("kvrouter.completed.prompt_tokens", base, prompt),
+                                 ("kvrouter.completed.cached_tokens", engine, cached),
+                                 ("kvrouter.completed.cached_tokens", router, min(overlap * 16, prompt))):
+            expected[(name, key)] = expected.get((name, key), 0) + value
+    assert len(m.completed_tokens._pending) < CompletedTokens.MAX_PENDING
+    assert _token_totals(reader) == expected
+    assert _token_totals(reader) == expected  # a second collection adds nothing
+
+
+def test_a_worker_forgotten_before_the_flush_leaves_no_series_behind(reader):
+    """A Complete's tokens still queued when its worker leaves must not bring back the
+    series ``forget_worker`` dropped; the other worker's counts stay whole."""
+    m = _metrics(reader)
+    _completed(m, "gone", 100, 40, 2, ttft_ms=50.0)
+    _completed(m, "kept", 100, 10, 1, ttft_ms=50.0)
+    assert m.completed_tokens._pending  # nothing flushed yet
+    m.forget_worker("gone")
+    totals = _token_totals(reader)
+    assert not [key for key in totals if ("worker", "gone") in key[1]]
+    assert totals[("kvrouter.completed.prompt_tokens", (("worker", "kept"),))] == 100
+    assert not [labels for labels in _points(reader, "kvrouter.request.ttft") if ("worker", "gone") in labels]
+    # the same id registered again starts afresh
+    _completed(m, "gone", 30, 5, 0, ttft_ms=20.0)
+    assert _token_totals(reader)[("kvrouter.completed.prompt_tokens", (("worker", "gone"),))] == 30
+    assert _points(reader, "kvrouter.request.ttft")[(("policy", "cache_aware"), ("worker", "gone"))].count == 1
+
+
+def test_route_stream_batch_counters_are_exported_from_zero(reader):
+    m = _metrics(reader)
+    assert _points(reader, "kvrouter.route_stream.batches")[()].value == 0
+    m.stream_batches.add(1)
+    m.stream_batch_items.add(8)
+    assert _points(reader, "kvrouter.route_stream.batches")[()].value == 1
+    assert _points(reader, "kvrouter.route_stream.batch_items")[()].value == 8

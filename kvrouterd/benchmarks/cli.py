@@ -202,6 +202,21 @@ def run(args: argparse.Namespace) -> int:
                       if "server_cpu_us_per_call" in x["daemon"]["stream_8x8"]]
         if server_cpu:
             result["grpc_stream_route_server_cpu_us"] = statistics.median(server_cpu)
+            rows.append(("daemon server CPU per streamed Route + Complete, us (median of rounds)",
+                         _median_of_rounds(server_cpu)))
+        # the same load against the daemon as deployed (/metrics on, Completes reporting latencies
+        # and cached tokens), and against the floor of any Python router (grpc_bench.FloorService)
+        for mode, key, label in (
+            ("observed", "grpc_stream_route_observed_server_cpu_us",
+             "daemon with /metrics on, Completes reporting TTFT, e2e and cached tokens"),
+            ("floor", "grpc_stream_floor_server_cpu_us", "floor: a Python router that only hashes, matches and answers"),
+        ):
+            rows.append((f"gRPC RouteStream (+ complete), {label}", _load_figures(mid[mode]["stream_8x8"])))
+            cpu = [x[mode]["stream_8x8"]["server_cpu_us_per_call"] for x in runs
+                   if "server_cpu_us_per_call" in x[mode]["stream_8x8"]]
+            if cpu:
+                result[key] = statistics.median(cpu)
+                rows.append(("  server CPU per Route + Complete, us (median of rounds)", _median_of_rounds(cpu)))
         for load, key, label in (("sdk_64", "", "prompt a list"), ("sdk_64_packed", "_packed", "prompt an array('I')"),
                                  ("sdk_64_keys", "_keys", "prompt a list, sent as block keys")):
             cpu = [x["daemon"][load]["client_cpu_us_per_call"] for x in runs]

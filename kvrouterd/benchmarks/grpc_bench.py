@@ -77,6 +77,9 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_messa
 #: than the default GPU's 40 ms per 1,000 tokens, because these "engines" answer at once (see
 #: the module docstring)
 BENCH_PREFILL_MS_PER_1K = 1.0
+#: what a gateway that measured its request reports in Complete: its TTFT and end-to-end time,
+#: and the prompt tokens its engine found cached (usage.prompt_tokens_details.cached_tokens)
+REPORTED_COMPLETE = pb.CompleteRequest(ttft_ms=120.0, e2e_ms=900.0, cached_tokens=3200)
 
 
 class TrivialService(router_pb2_grpc.KVRouterServicer):
@@ -116,28 +119,95 @@ class TrivialService(router_pb2_grpc.KVRouterServicer):
         return reply
 
 
+class FloorService(router_pb2_grpc.KVRouterServicer):
+    """The floor of any router written in Python on this gRPC server: per streamed Route only
+    what no router can skip (read the prompt, hash it into block keys and walk the index, both
+    native; pick the longest match, else the least loaded, with the native candidate scan;
+    answer; count the request in flight), per Complete a dict pop. The daemon's own index,
+    populated as for ``daemon``, and the same load: the gap between the two is what validation,
+    deadline admission, the in-flight ledger, the eviction model and metrics cost."""
+
+    def __init__(self, router: Any) -> None:
+        from ..index import native
+        from ..policies._scan import scan_candidates
+
+        self._scan = scan_candidates
+        self._router = router
+        self._workers = sorted(router.workers, key=lambda w: w.slot)
+        self._mask = 0
+        for w in self._workers:
+            self._mask |= w.bit
+        self._slots = native.module.CandidateSlots(self._workers) if native.module is not None else None
+        self._inflight: dict[str, Any] = {}
+        self._routed = 0
+
+    async def RouteStream(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        await context.send_initial_metadata(((STREAM_BATCH_METADATA, str(64 << 20)),))
+        write = context.write
+        async for msg in request_iterator:  # the bench's loads send batches only
+            reply = pb.RouteStreamResponse()
+            answers = reply.batch.items
+            for item in msg.batch.items:
+                answer = answers.add(id=item.id)
+                if item.WhichOneof("kind") == "route":
+                    self._route(item.route, answer.route)
+                else:
+                    worker = self._inflight.pop(item.complete.request_id, None)
+                    if worker is not None:
+                        worker.inflight_requests -= 1
+                    answer.complete.SetInParent()
+            await write(reply)
+
+    def _route(self, request: pb.RouteRequest, out: pb.RouteResponse) -> None:
+        router, workers = self._router, self._workers
+        keys = router.keys_for_tokens(request.token_ids_le32, request.model, request.lora, request.cache_salt)
+        match = router.index.match(keys, self._mask)
+        best, depth, least, _, _ = self._scan(workers, match.overlaps, "inflight_requests", self._slots)
+        worker = workers[best if depth else least]
+        self._routed += 1
+        request_id = f"floor-{self._routed}"
+        worker.inflight_requests += 1
+        self._inflight[request_id] = worker
+        out.request_id = request_id
+        out.worker_id = worker.id
+        out.worker_address = worker.address
+        out.matched_blocks = depth
+        out.prompt_blocks = len(keys)
+        out.policy = "floor"
+        out.reason = "prefix_match" if depth else "no_overlap"
+
+
 async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
     if mode == "trivial":
-        server = grpc.aio.server(options=_OPTIONS)
-        router_pb2_grpc.add_KVRouterServicer_to_server(TrivialService(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        stop = server.stop
+        service: router_pb2_grpc.KVRouterServicer | None = TrivialService()
     else:
         from ..config import parse_config
         from ..server.app import Daemon
         from .workload import populate
 
-        # deadline admission (on by default) modelling engines as fast as these
-        daemon = Daemon(parse_config({"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20},
-                                      "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}))
-        if mode == "daemon":
-            populate(daemon.router, workers, blocks)
-        else:  # "ingest": one empty event-driven worker
+        # deadline admission (on by default) modelling engines as fast as these; "observed":
+        # Prometheus /metrics on, as the Helm chart deploys it, so every Route and Complete is recorded
+        settings: dict[str, Any] = {"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20},
+                                    "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}
+        if mode == "observed":
+            settings["metrics"] = {"listen": "127.0.0.1:0"}
+        daemon = Daemon(parse_config(settings))
+        if mode == "ingest":  # one empty event-driven worker
             from ..index.workers import WorkerSpec
             from ..protocols import CacheMode
 
             daemon.router.add_worker(WorkerSpec("w0", "10.0.0.1:8000", mode=CacheMode.EVENTS))
+        else:
+            populate(daemon.router, workers, blocks)
+        # "floor": the daemon is built for its populated index only; its own server never starts
+        service = FloorService(daemon.router) if mode == "floor" else None
+    if service is not None:
+        server = grpc.aio.server(options=_OPTIONS)
+        router_pb2_grpc.add_KVRouterServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stop = server.stop
+    else:
         port = await daemon.start()
         stop = daemon.stop
     Path(port_file).write_text(str(port))
@@ -220,7 +290,8 @@ async def _load(port: int, request: pb.RouteRequest, inflight: int, seconds: flo
 
 
 async def _stream_load(
-    port: int, request: pb.RouteRequest, streams: int, per_stream: int, seconds: float, coalesce: bool = True
+    port: int, request: pb.RouteRequest, streams: int, per_stream: int, seconds: float, coalesce: bool = True,
+    reported: bool = False,
 ) -> dict[str, Any]:
     """RouteStream with ``per_stream`` requests kept in flight on each of ``streams`` streams.
 
@@ -231,7 +302,8 @@ async def _stream_load(
     everything one answer message asked for) goes in one batch message, with no waiting for
     more; without it, one stream message per Route and per Complete, as to an older router.
     ``batch_items_sent`` / ``_received`` are the mean items per stream message each way.
-    The batches are cut and framed by the SDK's own functions."""
+    The batches are cut and framed by the SDK's own functions. With ``reported`` each complete
+    message carries what a gateway that measured its request sends (``REPORTED_COMPLETE``)."""
     from kvrouter_client._streams import advertised_limit, answers, wire_messages
 
     # a RouteStreamRequest is its id (field 1, varint) then the route (field 2): only the id
@@ -242,7 +314,10 @@ async def _stream_load(
         return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
 
     def complete_item(n: int, request_id: str) -> bytes:
-        return pb.RouteStreamRequest(id=n, complete=complete_message(request_id)).SerializeToString()
+        complete = complete_message(request_id)
+        if reported:
+            complete.MergeFrom(REPORTED_COMPLETE)
+        return pb.RouteStreamRequest(id=n, complete=complete).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
         open_stream = channel.stream_stream(
             "/kvrouter.v1.KVRouter/RouteStream",
@@ -383,7 +458,9 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
     the daemon and the trivial server, every route completed. The prompt goes packed, as the
     SDK sends it. Against the daemon also the SDK's RouterClient, 64 in flight (``sdk_64``: the
     prompt a list; ``sdk_64_packed``: an array; ``sdk_64_keys``: a list sent as block keys), with
-    this process's CPU per call."""
+    this process's CPU per call. Then ``stream_8x8`` alone against the daemon as deployed
+    (``observed``: /metrics on, Completes reporting latencies and cached tokens) and against
+    ``floor`` (``FloorService``)."""
     request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in ("trivial", "daemon"):
@@ -399,6 +476,15 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
                 out[mode]["sdk_64"] = _measured(server, _sdk_load(server.port, list(prompt), 64, seconds))
                 out[mode]["sdk_64_packed"] = _measured(server, _sdk_load(server.port, array("I", prompt), 64, seconds))
                 out[mode]["sdk_64_keys"] = _measured(server, _sdk_load(server.port, list(prompt), 64, seconds, True))
+        finally:
+            server.close()
+    # the streamed load against the daemon as the Helm chart runs it (/metrics on) with Completes
+    # that carry what gateways report, and against the floor of a Python router (FloorService)
+    for mode in ("observed", "floor"):
+        server = ServerProcess(mode, workers, blocks)
+        try:
+            out[mode] = {"stream_8x8": _measured(
+                server, _stream_load(server.port, request, 8, 8, seconds, reported=mode == "observed"))}
         finally:
             server.close()
     return out
@@ -457,7 +543,7 @@ def ingest_throughput(total_blocks: int, blocks_per_event: int = 32, events_per_
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=["serve"])
-    parser.add_argument("mode", choices=["trivial", "daemon", "ingest"])
+    parser.add_argument("mode", choices=["trivial", "floor", "daemon", "observed", "ingest"])
     parser.add_argument("workers", type=int)
     parser.add_argument("blocks", type=int)
     parser.add_argument("port_file")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 import grpc
 import pytest
@@ -230,7 +231,7 @@ class TestWithAdmission:
         assert len(running.daemon.admission.queues) == 0 and running.router.request("abandoned") is None
 
 
-@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "unary", "sdk", "sdk_keys"])
+@pytest.mark.parametrize("load", ["stream_coalesced", "stream_single", "stream_reported", "unary", "sdk", "sdk_keys"])
 async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_prefix_path(running, load):
     # kvrouterd bench's daemon loads, briefly: they raise on any error reply, and complete each
     # routed request as the SDK does. Without the Completes the load piles up on the worker
@@ -244,9 +245,10 @@ async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_pr
     elif load.startswith("sdk"):  # the SDK's RouterClient, and the CPU this process spent per call
         result = await _sdk_load(running.daemon.port, list(PROMPT), 6, 0.2, send_block_keys=load == "sdk_keys")
         assert result["client_cpu_us_per_call"] > 0
-    else:
-        coalesce = load == "stream_coalesced"
-        result = await _stream_load(running.daemon.port, request, 2, 3, 0.2, coalesce=coalesce)
+    else:  # reported: the Completes carry a gateway's latencies and its engine's cached tokens
+        coalesce = load != "stream_single"
+        result = await _stream_load(running.daemon.port, request, 2, 3, 0.2, coalesce=coalesce,
+                                    reported=load == "stream_reported")
         # coalesced: the 3 routes of a stream go together, then each answer batch's completes
         # and next routes; one per message: exactly that
         assert (result["batch_items_sent"] > 2) if coalesce else (result["batch_items_sent"] == 1.0)
@@ -258,6 +260,26 @@ async def test_the_benchmark_loads_complete_every_route_so_decisions_take_the_pr
     assert {reason for _, reason in counted} == {"prefix_match"}
     assert sum(counted.values()) > result["calls"]
     assert result["reasons"] == {"prefix_match": result["calls"]}
+
+
+async def test_the_benchmarks_floor_router_matches_answers_and_completes_what_it_routes(running):
+    """``kvrouterd bench``'s floor (``FloorService``) must do the work it stands for: hash and
+    match each prompt in the daemon's index and route it to the worker holding it."""
+    from kvrouterd.benchmarks.grpc_bench import _OPTIONS, FloorService, _stream_load
+    from kvrouterd._generated.kvrouter.v1 import router_pb2_grpc
+
+    await setup(running.stub)
+    floor = FloorService(running.router)
+    server = grpc.aio.server(options=_OPTIONS)
+    router_pb2_grpc.add_KVRouterServicer_to_server(floor, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        result = await _stream_load(port, pb.RouteRequest(token_ids_le32=array("I", PROMPT).tobytes()), 2, 3, 0.2)
+    finally:
+        await server.stop(0)
+    assert result["calls"] > 6 and result["reasons"] == {"prefix_match": result["calls"]}
+    assert not floor._inflight and running.router.workers.inflight_count == 0
 
 
 async def test_an_item_that_raises_gets_its_own_internal_error_and_the_stream_goes_on(running, monkeypatch):

@@ -632,7 +632,12 @@ def admit_by_deadline(guard: DeadlineGuard, router: Router, req: RouteRequest,
     else the policy's decision among the workers that do (``req.candidate_workers`` is
     narrowed to them); when none does, raises ``SloUnreachable``, or with ``refuse`` false
     (a request that declared no SLO of its own) returns ``decided``: such a request is
-    steered by the default SLO but never refused by it. Changes no router state."""
+    steered by the default SLO but never refused by it. Changes no router state, but for the
+    id an unnamed request takes here rather than at commit: its outcome is judged by that id
+    (``on_admitted``), and a request the client did not name (the SDK's default, ext_proc
+    without ``x-request-id``) otherwise never taught the margin anything."""
+    if not req.request_id:
+        req.request_id = router.new_request_id()
     decision, ctx, _ = decided
     chosen = router.workers.find(decision.worker_id)
     if chosen is not None and guard.chosen_meets(ctx, chosen, slo_ms, queued):

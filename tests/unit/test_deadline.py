@@ -284,6 +284,22 @@ def test_admitted_requests_that_miss_their_slo_make_admission_stricter_until_the
     assert guard.margin == 1.0 and _fits_with(guard, router, 3_500)
 
 
+def test_requests_the_client_did_not_name_teach_the_margin_too() -> None:
+    """The router names a request without an id (the SDK's default); its outcome must still be
+    judged. Named only at commit, after admission, each was admitted under "" and never judged."""
+    router, guard, clock = fleet("a")
+    for _ in range(100):  # admitted as meeting the SLO, yet past it, and heard within the SLO
+        req = request("", 1_000)
+        result = router.commit(*admit_by_deadline(guard, router, req, router.decide(req), SLO))
+        rid = result.request.request_id
+        assert rid
+        guard.on_dispatch(result.worker, rid, 1_000, clock.now())
+        clock.advance(1.0)
+        guard.on_complete(rid, 6_000.0, clock.now())
+        router.complete(Completion(rid, 6_000.0, 6_000.0))
+    assert guard.margin > 1.5
+
+
 def test_outcomes_heard_long_after_admission_leave_the_margin_alone() -> None:
     router, guard, clock = fleet("a")
     for i in range(100):  # each missed, but its completion came 30 s later, as a long decode's does

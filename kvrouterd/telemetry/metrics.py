@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -266,7 +267,10 @@ class CompletedTokens:
     reported its cached tokens made three (18 us of the daemon's CPU per Complete); summed, a
     flush adds once per series that changed. The queue is a deque (atomic append and popleft),
     as ``RouteLatency``'s, so an exporter thread flushing while the event loop observes loses
-    nothing; a collection flushes first (``Metrics._collecting``), so a scrape is exact.
+    nothing; a collection flushes first (``Metrics._collecting``), so a scrape is exact. A flush
+    holds ``lock`` from its first pop to its last add, so ``Metrics.forget_worker`` (which holds
+    it across its own flush and the drop) never drops a series that a flush on an exporter
+    thread then brings back.
     """
 
     #: a stalled tick never lets the queue grow past this: observe flushes instead
@@ -276,6 +280,7 @@ class CompletedTokens:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
         self._pending: deque[tuple[str, str, int, int, int]] = deque()
+        self.lock = threading.RLock()
 
     def observe(self, worker_id: str, model: str, prompt: int, engine_cached: int, router_cached: int) -> None:
         """One Complete: ``engine_cached`` tokens its engine found cached, ``router_cached`` predicted."""
@@ -287,23 +292,21 @@ class CompletedTokens:
     def flush(self) -> None:
         pending = self._pending
         sums: dict[tuple[str, str], list[int]] = {}
-        while pending:
-            try:
+        with self.lock:
+            while pending:
                 worker_id, model, prompt, engine_cached, router_cached = pending.popleft()
-            except IndexError:  # another thread took the last one
-                break
-            total = sums.get((worker_id, model))
-            if total is None:
-                sums[(worker_id, model)] = [prompt, engine_cached, router_cached]
-            else:
-                total[0] += prompt
-                total[1] += engine_cached
-                total[2] += router_cached
-        for (worker_id, model), (prompt, engine_cached, router_cached) in sums.items():
-            per_worker = {"worker": worker_id, "model": model} if model else {"worker": worker_id}
-            self.prompt_tokens.add(prompt, per_worker)
-            self.cached_tokens.add(engine_cached, {**per_worker, "source": "engine"})
-            self.cached_tokens.add(router_cached, {**per_worker, "source": "router"})
+                total = sums.get((worker_id, model))
+                if total is None:
+                    sums[(worker_id, model)] = [prompt, engine_cached, router_cached]
+                else:
+                    total[0] += prompt
+                    total[1] += engine_cached
+                    total[2] += router_cached
+            for (worker_id, model), (prompt, engine_cached, router_cached) in sums.items():
+                per_worker = {"worker": worker_id, "model": model} if model else {"worker": worker_id}
+                self.prompt_tokens.add(prompt, per_worker)
+                self.cached_tokens.add(engine_cached, {**per_worker, "source": "engine"})
+                self.cached_tokens.add(router_cached, {**per_worker, "source": "router"})
 
 
 class Metrics:
@@ -446,11 +449,12 @@ class Metrics:
 
     def forget_worker(self, worker_id: str) -> int:
         """Drop the series labelled ``worker=worker_id`` (the worker left); returns how many."""
-        # its queued token counts first: flushed after the drop, they would bring its series back
-        self.completed_tokens.flush()
         self._completion_attributes = {k: v for k, v in self._completion_attributes.items() if k[0] != worker_id}
-        return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prompt_tokens, self.cached_tokens),
-                           "worker", worker_id)
+        # its queued token counts first: added after the drop, they would bring its series back
+        with self.completed_tokens.lock:
+            self.completed_tokens.flush()
+            return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prompt_tokens, self.cached_tokens),
+                               "worker", worker_id)
 
     def completed(self, entry: InFlight, completion: Completion, model: str, block_size: int) -> None:
         """One Complete: latencies the caller observed, and its engine's cache hit beside our prediction."""

@@ -177,3 +177,25 @@ def test_route_stream_batch_counters_are_exported_from_zero(reader):
     m.stream_batch_items.add(8)
     assert _points(reader, "kvrouter.route_stream.batches")[()].value == 1
     assert _points(reader, "kvrouter.route_stream.batch_items")[()].value == 8
+
+
+def test_completed_tokens_flushed_by_an_exporter_thread_meanwhile_are_counted_once(reader):
+    m = _metrics(reader)
+    n = 20_000
+    stop = threading.Event()
+
+    def export() -> None:
+        while not stop.is_set():
+            reader.get_metrics_data()
+
+    t = threading.Thread(target=export)
+    t.start()
+    try:
+        for i in range(n):
+            _completed(m, f"w{i % 2}", 10, 3, 0)
+    finally:
+        stop.set()
+        t.join()
+    totals = _token_totals(reader)
+    assert totals[("kvrouter.completed.prompt_tokens", (("worker", "w0"),))] == 10 * n // 2
+    assert totals[("kvrouter.completed.cached_tokens", (("source", "engine"), ("worker", "w1")))] == 3 * n // 2

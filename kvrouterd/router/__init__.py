@@ -23,11 +23,11 @@ Hosts build the ``Router`` facade (``_router``), which composes one part per job
 """
 
 from ._router import Router
-from .disagg import prefill_hop_id
+from .disagg import PREFILL_HOP_PREFIX, prefill_hop_id
 from .events import MAX_KV_GROUPS
 from .ledger import PrefixHits, RouteResult, request_bytes
 from .settings import RouterSettings
 from .slots import DRAIN_STEP_BLOCKS
 
-__all__ = ["DRAIN_STEP_BLOCKS", "MAX_KV_GROUPS", "PrefixHits", "RouteResult", "Router", "RouterSettings", "prefill_hop_id",
-           "request_bytes"]
+__all__ = ["DRAIN_STEP_BLOCKS", "MAX_KV_GROUPS", "PREFILL_HOP_PREFIX", "PrefixHits", "RouteResult", "Router",
+           "RouterSettings", "prefill_hop_id", "request_bytes"]

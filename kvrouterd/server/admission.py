@@ -36,8 +36,8 @@ from ..config import AdmissionConfig
 from ..deadline import DeadlineGuard, admit_by_deadline
 from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, Overloaded
 from ..policies.base import RoutingContext, RoutingPolicy
-from ..protocols import Completion, Decision, RouteRequest
-from ..router import Router, RouteResult
+from ..protocols import Completion, Decision, Dispatch, RouteRequest
+from ..router import PREFILL_HOP_PREFIX, Router, RouteResult
 
 __all__ = ["AdmissionConfig", "AdmissionGate"]
 
@@ -155,6 +155,28 @@ class AdmissionGate:
             uncached = max(0, result.request.prompt_tokens - cached)
             self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached)
         return result
+
+    def on_remote_dispatch(self, dispatch: Dispatch) -> None:
+        """Another replica committed ``dispatch``, charged here (``Router.apply_dispatch``):
+        deadline admission's model hears of the prefill it adds, as ``_dispatched`` does of one
+        routed here. Unheard, a replica's backlog held only its own share of each worker's
+        prefill, so with N replicas each admitted about N times what the SLO allows until the
+        engines' load reports caught up (and those re-anchor only the requests routed here).
+        A prefill hop's dispatch is left out, as a local commit leaves it out; so is one older
+        than its own modelled prefill (a replica starting replays the fleet's in-flight
+        requests, most long past their prefill: counted as dispatched now, they would have
+        priced every worker seconds behind and shed what the fleet could serve)."""
+        guard = self.guard
+        if guard is None or dispatch.request_id.startswith(PREFILL_HOP_PREFIX):
+            return
+        worker = self.router.workers.find(dispatch.worker_id)
+        if worker is None:
+            return
+        cached = dispatch.overlap_blocks * self.router.block_size
+        uncached = max(0, dispatch.prompt_tokens - cached)
+        if dispatch.age_s * 1000.0 >= guard.prefill_ms(uncached, cached) * guard.scale:
+            return
+        guard.on_dispatch(worker, dispatch.request_id, uncached, self.router.clock.now(), cached)
 
     def _release(self, held: _Held) -> None:
         if held.bytes:

@@ -348,7 +348,8 @@ class Daemon:
 
     def _apply_load_delta(self, delta: object, own: bool) -> None:
         if isinstance(delta, Dispatch):
-            self.router.apply_dispatch(delta, own=own)
+            if self.router.apply_dispatch(delta, own=own) and self.admission is not None:
+                self.admission.on_remote_dispatch(delta)
         elif isinstance(delta, Completion):
             entry = self.router.apply_completion(delta, own=own)
             # a released prefill hop frees no admission queue's room, as when received here

@@ -303,3 +303,25 @@ async def test_the_prefill_hop_of_a_disaggregated_route_is_charged_and_released_
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_deadline_admission_on_each_replica_counts_the_prefill_the_other_routed(pair: list[Replica]) -> None:
+    """A replica's deadline admission must price a worker's backlog with every replica's
+    dispatches: hearing only its own, each of N replicas admitted ~N times what the SLO allows."""
+    a, b = pair
+    rng = random.Random(3)
+    for i in range(6):
+        await a.stub.Route(pb.RouteRequest(request_id=f"deep-{i}", token_ids=prompt(rng, 250)))  # 4,000 tokens
+    await settle(pair, lambda: b.inflight() == a.inflight())
+    guard_a, guard_b = (r.daemon.admission.guard for r in pair)
+    assert guard_a is not None and guard_b is not None
+    # the same requests, with the same modelled prefill, in both models of each worker's backlog
+    assert {w: [(rid, e[0], e[2]) for rid, e in f.items()] for w, f in guard_b._flight.items() if f} == \
+           {w: [(rid, e[0], e[2]) for rid, e in f.items()] for w, f in guard_a._flight.items() if f}
+    now = b.router.clock.now()
+    assert all(guard_b.backlog_ms(w, now) > 0 for w in b.router.workers if w.inflight_requests)
+    # and a Complete heard by A reaches B's model too
+    for i in range(6):
+        await a.stub.Complete(pb.CompleteRequest(request_id=f"deep-{i}", success=True))
+    await settle(pair, lambda: b.router.workers.inflight_count == 0)
+    assert not any(guard_b._flight.values())

@@ -10,8 +10,8 @@ from kvrouterd.clock import ManualClock
 from kvrouterd.config import AdmissionConfig
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.base import RoutingContext, RoutingPolicyBase
-from kvrouterd.protocols import CacheMode, Completion, Decision, RouteRequest
-from kvrouterd.router import Router, RouterSettings
+from kvrouterd.protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest
+from kvrouterd.router import Router, RouterSettings, prefill_hop_id
 from kvrouterd.server.admission import AdmissionGate
 
 
@@ -82,3 +82,27 @@ async def test_without_benefit_nothing_moves_and_complete_admits_in_order():
     router.complete(Completion("r0"))
     gate.on_complete("a")
     assert (await asyncio.wait_for(waiting, 1)).worker.id == "a"
+
+
+def test_another_replicas_dispatch_joins_the_deadline_model_unless_its_prefill_is_long_done():
+    router = Router(RouterSettings(block_size=16, routing={"name": "least_loaded"}), ManualClock())
+    router.add_worker(WorkerSpec("a", "a:1", mode=CacheMode.EVENTS))
+    gate = AdmissionGate(router, AdmissionConfig(max_inflight=0, deadline="shed"))
+    guard = gate.guard
+    assert guard is not None
+    fresh = Dispatch("fresh", "a", prefill_tokens=4000, prompt_tokens=4000, age_s=0.002)
+    assert router.apply_dispatch(fresh)
+    gate.on_remote_dispatch(fresh)
+    worker = router.workers.get("a")
+    assert list(guard._flight["a"]) == ["fresh"]
+    assert guard.backlog_ms(worker, router.clock.now()) == guard.prefill_ms(4000)
+    # replayed by a replica starting up: prefilled long ago by the model, so no backlog now
+    old = Dispatch("old", "a", prefill_tokens=4000, prompt_tokens=4000, age_s=60.0)
+    assert router.apply_dispatch(old)
+    gate.on_remote_dispatch(old)
+    assert list(guard._flight["a"]) == ["fresh"]
+    # a prefill hop is charged to its worker, but its request's own dispatch carries the prefill
+    hop = Dispatch(prefill_hop_id("fresh"), "a", prefill_tokens=4000, prompt_tokens=4000)
+    assert router.apply_dispatch(hop)
+    gate.on_remote_dispatch(hop)
+    assert list(guard._flight["a"]) == ["fresh"]

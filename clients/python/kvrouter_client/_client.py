@@ -30,9 +30,10 @@ Fallback when the router is unreachable (UNAVAILABLE or DEADLINE_EXCEEDED, which
 ``RouterUnavailable``; with a ``fallback`` callable the client fails open: it calls
 ``fallback(request)`` with the ``RouteRequest`` it tried and returns its ``(worker_id,
 worker_address)`` as a ``RouteResult`` with ``fallback=True`` (``complete()`` of such a result
-does nothing, since the router never saw it). Rejections (bad input, a model or
-``candidate_workers`` no registered worker has, over a limit) always raise ``RouterRejected``:
-failing open would hide a bug.
+does nothing: a streamed Route the router answers after its deadline, having committed it
+while the caller gave up, is released by the client itself; see ``late_routes_released``).
+Rejections (bad input, a model or ``candidate_workers`` no registered worker has, over a limit)
+always raise ``RouterRejected``: failing open would hide a bug.
 """
 
 from __future__ import annotations
@@ -242,6 +243,13 @@ class RouterClient:
         self._streams = RouteStreams(self._channel, streams) if streams else None
         self.timeout = timeout
         self.fallback = fallback
+
+    @property
+    def late_routes_released(self) -> int:
+        """Streamed Routes the router answered after their callers' deadlines (they had failed
+        open or raised), which this client then released with a ``success=False`` Complete:
+        a gateway may export it; a rising count says the router stalls past ``timeout``."""
+        return self._streams.late_routes_released if self._streams is not None else 0
 
     def _streaming(self) -> RouteStreams | None:
         streams = self._streams

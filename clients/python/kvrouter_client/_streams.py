@@ -190,9 +190,13 @@ def answers(reply: pb.RouteStreamResponse) -> Sequence[pb.RouteStreamResponse]:
 class _Stream:
     """One RouteStream call, its queue of messages to send and the callers waiting for answers."""
 
-    def __init__(self, method: grpc.aio.StreamStreamMultiCallable) -> None:
+    def __init__(self, method: grpc.aio.StreamStreamMultiCallable, pool: RouteStreams) -> None:
         self.call = method()  # no deadline: the stream lives as long as the connection
+        #: the pool's message ids, and its count of late Routes released
+        self.pool = pool
         self.waiting: dict[int, asyncio.Future[pb.RouteStreamResponse]] = {}
+        #: ids of the Completes this stream sent to release late Routes: answered, no one waits
+        self.releases: set[int] = set()
         #: (id, serialised message) not yet written; one writer task at a time sends them
         self.queue: list[tuple[int, bytes]] = []
         self.writer: asyncio.Task[None] | None = None
@@ -227,18 +231,38 @@ class _Stream:
                     break
                 for answer in answers(reply):
                     future = waiting.pop(answer.id, None)
-                    if future is not None and not future.done():  # None: its caller gave up
+                    if future is not None and not future.done():
                         future.set_result(answer)
+                    elif answer.id in self.releases:
+                        self.releases.discard(answer.id)
+                    elif answer.WhichOneof("kind") == "route":  # its caller gave up: nobody sends it
+                        self._release(answer.route.request_id)
         except grpc.RpcError as exc:
             failure = _stream_failure(exc)
         except asyncio.CancelledError:
             failure = RouterUnavailable("RouteStream: the client was closed", grpc.StatusCode.CANCELLED)
         self._fail(failure)
 
+    def _release(self, request_id: str) -> None:
+        """A Route answered after its caller's deadline (the router was busy: a long event
+        batch, a collection) was committed: the router charges its worker a request nobody
+        sends there, for its in-flight timeout (300 s by default), and a retry under the same id
+        is refused as already in flight. A Complete with ``success=False`` releases it, sent
+        on this stream behind the Route, so the router has committed it before it reads this."""
+        n = next(self.pool.ids)
+        item = stream_item(n, COMPLETE, [pb.CompleteRequest(request_id=request_id, success=False,
+                                                             cached_tokens=-1).SerializeToString()], 0.0)
+        self.releases.add(n)
+        self.queue.append((n, item))
+        self.pool.late_routes_released += 1
+        if self.writer is None:
+            self.writer = self.loop.create_task(self._write())
+
     def _fail(self, failure: BaseException) -> None:
         if self.failure is None:
             self.failure = failure
         waiting, self.waiting = self.waiting, {}
+        self.releases = set()
         self.queue = []
         for future in waiting.values():
             if not future.done():
@@ -252,7 +276,7 @@ class _Stream:
             while self.queue and self.failure is None:
                 queued, self.queue = self.queue, []
                 # a caller that gave up (deadline) before its message left costs the router nothing
-                payloads = [payload for n, payload in queued if n in self.waiting]
+                payloads = [payload for n, payload in queued if n in self.waiting or n in self.releases]
                 for message, _ in wire_messages(payloads, self.batch_limit):
                     await write(message)
         except grpc.RpcError as exc:  # the write found the call finished
@@ -349,7 +373,10 @@ class RouteStreams:
         #: the stream whose queued batch new calls join while its writer has not taken it
         self._filling: _Stream | None = None
         self._turn = itertools.cycle(range(size))
-        self._ids = itertools.count(1)
+        #: message ids, unique over the pool's streams
+        self.ids = itertools.count(1)
+        #: Routes answered after their callers gave up, released with a Complete (``_Stream._release``)
+        self.late_routes_released = 0
         #: the router answered UNIMPLEMENTED: it has no RouteStream
         self.unsupported = False
 
@@ -375,9 +402,9 @@ class RouteStreams:
             if stream is None or stream.failure is not None:
                 if stream is not None:
                     stream.close()
-                stream = self._streams[slot] = _Stream(self._method)
+                stream = self._streams[slot] = _Stream(self._method, self)
             self._filling = stream
-        n = next(self._ids)
+        n = next(self.ids)
         if callable(body):
             body = body(stream.block_size)
         item = stream_item(n, kind, body, timeout * 1000.0)

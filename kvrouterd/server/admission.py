@@ -142,6 +142,10 @@ class AdmissionGate:
         finally:
             self._release(held)
 
+    def waiting(self, request_id: str) -> bool:
+        """Whether ``request_id`` waits in an admission queue now."""
+        return self.queues is not None and request_id in self.queues
+
     def _queued(self, worker_id: str) -> tuple[int, int]:
         """Requests and prefill tokens waiting for ``worker_id`` in this gate's queue."""
         if self.queues is None:

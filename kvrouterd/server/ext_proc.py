@@ -318,6 +318,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         #: a body of this many bytes or more is read and keyed on a worker thread (the daemon
         #: sets limits.off_loop_prompt_bytes; 0 = always on the loop)
         self.off_loop_body_bytes = 0
+        #: a response_body_mode of NONE was announced and warned about (once per process)
+        self._warned_response_mode = False
         #: what reads a body into its model and keys (a test wraps it to see the loop serve
         #: other requests meanwhile)
         self.key_body: Callable[[str, bytes], BodyKeys | None] = self._key_body
@@ -378,6 +380,14 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 )), True
             mode = msg.protocol_config.response_body_mode
             ex.response_body_full_duplex = mode in (_FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE)
+            if mode == processing_mode_pb2.ProcessingMode.NONE and not self._warned_response_mode:
+                self._warned_response_mode = True
+                log.warning(
+                    "Envoy sends no response bodies (response_body_mode: NONE): a request is timed to its "
+                    "response headers, and Envoy may end the ext_proc stream there, releasing the request's "
+                    "load while it still decodes; streamed (SSE) responses need FULL_DUPLEX_STREAMED for "
+                    "load-aware routing and deadline admission to see them (docs/envoy.md)"
+                )
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             ex.headers = _header_map(msg.request_headers.headers)
@@ -482,8 +492,11 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 else:
                     pk = keyed.prompt
                     rid = ex.headers.get("x-request-id", "")
-                    if rid and self.router.request(rid) is not None:
-                        rid = ""  # a client-chosen id already in flight: let the router name it
+                    if rid and (len(rid) > self.router.settings.max_id_length or self.router.request(rid) is not None
+                                or (self.admission is not None and self.admission.waiting(rid))):
+                        # a trace label, not ours to refuse on: one in flight or waiting already (a
+                        # mesh passes one id to parallel calls) or over the id limit is renamed
+                        rid = ""
                     req = RouteRequest(
                         request_id=rid, keys=pk.keys, prompt_tokens=pk.prompt_tokens,
                         model=keyed.model, candidate_workers=candidates,

@@ -686,3 +686,41 @@ async def test_a_request_without_a_prompt_goes_to_a_decode_worker_of_a_pd_pool(e
     assert destination(replies[0])[0] == "10.0.2.2:8000"
     assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefiller-host-port"]
     await s.close()
+
+
+@pytest.mark.parametrize("daemon_extra", [{"admission": {"max_inflight": 1, "max_wait_s": 5.0}}])
+async def test_an_x_request_id_already_waiting_or_too_long_is_renamed_not_refused(envoy):
+    """A mesh passes one x-request-id to parallel calls; the id is a trace label, so a second
+    request under it waits and is served under a name of the router's, as one in flight is."""
+    first, _, _ = await route_chat(envoy, "first " * 50, subset=ONE, extra=[("x-request-id", "dup")])
+    waiting = []
+    for text, rid in (("second ", "dup"), ("third ", "dup"), ("fourth ", "x" * 300)):
+        s = envoy.open()
+        await s.send(headers_msg("/v1/chat/completions", subset=ONE, extra=[("x-request-id", rid)]))
+        await s.queue.put(body_msg(chat_body(text * 50), True))
+        waiting.append((s, asyncio.ensure_future(s.call.read())))
+        await asyncio.sleep(0.1)
+    assert not any(pending.done() for _, pending in waiting)  # all three wait for ONE, none refused
+    await first.send(response_headers_msg(200, served=ONE[0]), expect=1)
+    await first.close()
+    for s, pending in waiting:  # each completes in turn, admitting the next
+        reply = await asyncio.wait_for(pending, 5)
+        assert destination(reply)[0] == ONE[0]
+        await asyncio.wait_for(s.call.read(), 5)  # the body's echo
+        await s.send(response_headers_msg(200, served=ONE[0]), expect=1)
+        await s.close()
+    await asyncio.sleep(0.05)
+    assert envoy.router.workers.inflight_count == 0
+
+
+async def test_response_bodies_not_sent_are_warned_about_once(envoy, caplog):
+    for _ in range(2):
+        s = envoy.open()
+        first = headers_msg("/v1/chat/completions")
+        first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
+        await s.send(first)
+        await s.send(body_msg(chat_body("mode"), True), expect=2)
+        await s.close()
+    warnings = [r for r in caplog.records if "response_body_mode: NONE" in r.getMessage()]
+    assert len(warnings) == 1 and "FULL_DUPLEX_STREAMED" in warnings[0].getMessage()

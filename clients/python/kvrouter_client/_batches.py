@@ -68,7 +68,8 @@ def block_units(ev: Event, block_size: int) -> int:
 def _stored_fixed(ev: Stored) -> int:
     """Bytes of a serialized Stored event (its CacheEvent framing included) besides its pages."""
     return (2 * _TAG_LEN + _TAG_U64 + _TAG_LEN + 2 * _TAG_LEN  # event and stored framing, parent, block_size
-            + len(ev.model.encode()) + len(ev.lora.encode()) + 2 * _TAG_LEN)  # model, lora, hashes and tokens framing
+            + len(ev.model.encode()) + len(ev.lora.encode()) + len(ev.cache_salt.encode())  # model, lora, salt
+            + 3 * _TAG_LEN)  # the salt's, the hashes' and the tokens' framing
 
 
 def page_bytes(block_size: int, hashes: bool) -> int:
@@ -96,14 +97,16 @@ def _split_stored(ev: Stored, block_size: int, room_blocks: int, room_bytes: int
     if ev.engine_hashes is None:
         # the router keys these blocks itself (kvrouterd keys are the engine's hashes): a part's
         # parent is the key of the block before it, chained from the chain's parent or its namespace
-        seed = ev.parent_engine_hash if ev.parent_engine_hash is not None else namespace_seed(ev.model, ev.lora)
+        seed = (ev.parent_engine_hash if ev.parent_engine_hash is not None
+                else namespace_seed(ev.model, ev.lora, ev.cache_salt))
         keys = chain_keys(tokens_to_bytes(ev.token_ids), block_size, seed)
     parts: list[Stored] = []
     parent = ev.parent_engine_hash
     for start in range(0, pages, step):
         end = min(start + step, pages)
         hashes = None if ev.engine_hashes is None else ev.engine_hashes[start:end]
-        parts.append(Stored(ev.token_ids[start * block_size : end * block_size], hashes, parent, ev.model, ev.lora))
+        parts.append(Stored(ev.token_ids[start * block_size : end * block_size], hashes, parent, ev.model, ev.lora,
+                            ev.cache_salt))
         parent = keys[end - 1] if keys is not None else ev.engine_hashes[end - 1]  # type: ignore[index]
     return parts
 
@@ -136,9 +139,10 @@ def check_limits(limits: BatchLimits, block_size: int, worker_id: str) -> None:
 
 
 def check_stored_fits(ev: Stored, block_size: int, limits: BatchLimits, worker_id: str) -> None:
-    """ValueError for a Stored event whose model and lora names alone leave no room for a page."""
+    """ValueError for a Stored event whose model, lora and salt alone leave no room for a page."""
     if _stored_fixed(ev) + page_bytes(block_size, True) > limits.max_bytes - limits.envelope(worker_id):
-        raise ValueError(f"model and lora names of {len(ev.model) + len(ev.lora)} characters leave no room for a "
+        named = len(ev.model) + len(ev.lora) + len(ev.cache_salt)
+        raise ValueError(f"model, lora and cache_salt of {named} characters leave no room for a "
                          f"page within max_event_batch_bytes={limits.max_bytes}")
 
 

@@ -131,6 +131,7 @@ def _route_request(
     policy: str,
     candidate_workers: Sequence[str],
     request_id: str,
+    cache_salt: str = "",
 ) -> _Route:
     if (token_ids is None) == (block_keys is None):
         raise ValueError("pass exactly one of token_ids and block_keys")
@@ -162,6 +163,8 @@ def _route_request(
         fields["policy"] = policy
     if candidate_workers is not _NO_WORKERS:
         fields["candidate_workers"] = candidate_workers
+    if cache_salt is not _NONE_STR:
+        fields["cache_salt"] = cache_salt
     return _Route(pb.RouteRequest(**fields), prompt)
 
 
@@ -270,11 +273,14 @@ class RouterClient:
         policy: str = "",
         candidate_workers: Sequence[str] = (),
         request_id: str = "",
+        cache_salt: str = "",
         timeout: float | None = None,
     ) -> RouteResult:
-        """Pick the worker for one request (pass the prompt as token ids or as block keys)."""
+        """Pick the worker for one request (pass the prompt as token ids or as block keys).
+        ``cache_salt``: the salt the engine caches this request under (vLLM/SGLang ``cache_salt``,
+        a tenant's); its blocks match only blocks stored under the same salt, as in the engine."""
         route = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
-                               expected_output_tokens, policy, candidate_workers, request_id)
+                               expected_output_tokens, policy, candidate_workers, request_id, cache_salt)
         timeout = timeout or self.timeout
         streams = self._streaming()
         if streams is not None:
@@ -406,11 +412,12 @@ class SyncRouterClient:
         policy: str = "",
         candidate_workers: Sequence[str] = (),
         request_id: str = "",
+        cache_salt: str = "",
         timeout: float | None = None,
     ) -> RouteResult:
         """See RouterClient.route."""
         req = _route_request(token_ids, block_keys, prompt_tokens, model, lora, session_id, task, ttft_slo_ms,
-                             expected_output_tokens, policy, candidate_workers, request_id).message()
+                             expected_output_tokens, policy, candidate_workers, request_id, cache_salt).message()
         try:
             resp = self._stub.Route(req, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:

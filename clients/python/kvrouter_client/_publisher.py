@@ -220,11 +220,13 @@ class EventPublisher(WorkerCalls):
         parent_engine_hash: int | None = None,
         model: str = "",
         lora: str = "",
+        cache_salt: str = "",
     ) -> None:
-        """The engine cached full blocks (all their tokens, back to back). Raises ValueError for
-        input the router would reject, so a bad event never poisons the stream."""
+        """The engine cached full blocks (all their tokens, back to back), for ``model`` /
+        ``lora`` under the request's ``cache_salt``. Raises ValueError for input the router would
+        reject, so a bad event never poisons the stream."""
         ev = Stored(list(token_ids), None if engine_hashes is None else list(engine_hashes), parent_engine_hash,
-                    model, lora)
+                    model, lora, cache_salt)
         validate_stored(ev, self.block_size)
         check_stored_fits(ev, self.block_size, self.batch_limits, self.worker_id)
         self._record(ev)

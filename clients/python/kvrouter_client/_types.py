@@ -177,6 +177,8 @@ class Stored:
     ``engine_hashes`` are the engine's ids for the blocks, used in later removals; None means
     the engine uses kvrouterd keys (``kvrouter_client.keys``) as its hashes.
     ``parent_engine_hash`` names the block before the first one (None for a prompt's start).
+    ``cache_salt``: the engine's salt for the request that cached them (vLLM/SGLang
+    ``cache_salt``); a Route matches them only with the same salt, as the engine does.
     """
 
     token_ids: Sequence[int]
@@ -184,6 +186,7 @@ class Stored:
     parent_engine_hash: int | None = None
     model: str = ""
     lora: str = ""
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +222,7 @@ def packed_array(tokens: Sequence[int]) -> array:
 def event_to_pb(ev: Event, block_size: int) -> pb.CacheEvent:
     if isinstance(ev, Stored):
         msg = pb.StoredBlocks(token_ids_le32=packed_tokens(ev.token_ids), block_size=block_size, model=ev.model,
-                              lora=ev.lora)
+                              lora=ev.lora, cache_salt=ev.cache_salt)
         if ev.engine_hashes is not None:
             msg.engine_hashes.extend(ev.engine_hashes)
         if ev.parent_engine_hash is not None:

@@ -160,6 +160,10 @@ class _Exchange:
     #: set when the router committed load for this request (to be released by Complete)
     request_id: str = ""
     primary: str = ""
+    #: when the request's headers came: its TTFT and end-to-end time count from here, as the
+    #: caller's and the simulator's do, an admission queue's wait included (deadline admission
+    #: judges a request by its SLO from arrival)
+    arrived_at: float = 0.0
     routed_at: float = 0.0
     response_headers_at: float = 0.0
     first_chunk_at: float = 0.0
@@ -390,6 +394,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
                 )
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
+            ex.arrived_at = self.router.clock.now()
             ex.headers = _header_map(msg.request_headers.headers)
             value = _metadata_value(msg.metadata_context, SUBSET_HINT_NAMESPACE, SUBSET_HINT_KEY)
             if value is not None:
@@ -568,7 +573,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             if self.admission is not None and ex.request_id and ex.routed_at and (
                 not ex.served or ex.served == ex.primary
             ):  # the first token: deadline admission learns its TTFT a decode before the end
-                self.admission.on_first_token(Completion(ex.request_id, ttft_ms=(now - ex.routed_at) * 1000.0))
+                self.admission.on_first_token(Completion(ex.request_id, ttft_ms=(now - ex.arrived_at) * 1000.0))
         if chunk.end_of_stream:
             ex.response_done_at = now
         if not ex.response_body_full_duplex:
@@ -599,8 +604,8 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         observed = bool(ex.response_headers_at) and (not ex.served or ex.served == ex.primary)
         ttft_ms = e2e_ms = 0.0
         if observed:
-            ttft_ms = ((ex.first_chunk_at or ex.response_headers_at) - ex.routed_at) * 1000.0
-            e2e_ms = ((ex.response_done_at or now) - ex.routed_at) * 1000.0
+            ttft_ms = ((ex.first_chunk_at or ex.response_headers_at) - ex.arrived_at) * 1000.0
+            e2e_ms = ((ex.response_done_at or now) - ex.arrived_at) * 1000.0
         completion = Completion(
             request_id=ex.request_id,
             ttft_ms=max(0.0, ttft_ms),

@@ -724,3 +724,32 @@ async def test_response_bodies_not_sent_are_warned_about_once(envoy, caplog):
         await s.close()
     warnings = [r for r in caplog.records if "response_body_mode: NONE" in r.getMessage()]
     assert len(warnings) == 1 and "FULL_DUPLEX_STREAMED" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("daemon_extra", [{"admission": {"max_inflight": 1, "max_wait_s": 5.0}}])
+async def test_a_queued_requests_ttft_counts_its_wait_from_arrival(envoy):
+    """As the caller sees it and as the simulator times it: a request that waited 2 s in an
+    admission queue and then got its first token 0.1 s after dispatch took 2.1 s to its first
+    token, which deadline admission judges against its SLO."""
+    first, _, _ = await route_chat(envoy, "first " * 50, subset=ONE)
+    second = envoy.open()
+    await second.send(headers_msg("/v1/chat/completions", subset=ONE, extra=[("x-request-id", "queued")]))
+    await second.queue.put(body_msg(chat_body("second " * 50), True))
+    pending = asyncio.ensure_future(second.call.read())
+    await asyncio.sleep(0.1)
+    envoy.clock.advance(2.0)
+    await first.send(response_headers_msg(200, served=ONE[0]), expect=1)
+    await first.close()
+    await asyncio.wait_for(pending, 5)
+    await asyncio.wait_for(second.call.read(), 5)  # the body's echo
+    seen = []
+    complete = envoy.router.complete
+    envoy.router.complete = lambda c: (seen.append(c), complete(c))[1]  # type: ignore[method-assign]
+    envoy.clock.advance(0.1)
+    await second.send(response_headers_msg(200, served=ONE[0]), expect=1)
+    await second.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: {}\n\n", end_of_stream=True)),
+                      expect=1)
+    await second.close()
+    await asyncio.sleep(0.05)
+    (c,) = seen
+    assert c.request_id == "queued" and c.ttft_ms == pytest.approx(2100.0) and c.e2e_ms == pytest.approx(2100.0)

@@ -160,16 +160,18 @@ class AdmissionGate:
             self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached)
         return result
 
-    def on_remote_dispatch(self, dispatch: Dispatch) -> None:
+    def on_remote_dispatch(self, dispatch: Dispatch, replaying: bool = False) -> None:
         """Another replica committed ``dispatch``, charged here (``Router.apply_dispatch``):
         deadline admission's model hears of the prefill it adds, as ``_dispatched`` does of one
         routed here. Unheard, a replica's backlog held only its own share of each worker's
         prefill, so with N replicas each admitted about N times what the SLO allows until the
         engines' load reports caught up (and those re-anchor only the requests routed here).
-        A prefill hop's dispatch is left out, as a local commit leaves it out; so is one older
-        than its own modelled prefill (a replica starting replays the fleet's in-flight
-        requests, most long past their prefill: counted as dispatched now, they would have
-        priced every worker seconds behind and shed what the fleet could serve)."""
+        A prefill hop's dispatch is left out, as a local commit leaves it out. So is, while
+        ``replaying`` (a replica starting replays the fleet's in-flight requests), one older
+        than its own modelled prefill: most are long past it, and counted as dispatched now
+        they would have priced every worker seconds behind and shed what the fleet could
+        serve. Live deltas are all heard: a few ms of bus lag is longer than a cached prompt's
+        own prefill, yet its prefill waits behind the worker's backlog like any other."""
         guard = self.guard
         if guard is None or dispatch.request_id.startswith(PREFILL_HOP_PREFIX):
             return
@@ -178,7 +180,7 @@ class AdmissionGate:
             return
         cached = dispatch.overlap_blocks * self.router.block_size
         uncached = max(0, dispatch.prompt_tokens - cached)
-        if dispatch.age_s * 1000.0 >= guard.prefill_ms(uncached, cached) * guard.scale:
+        if replaying and dispatch.age_s * 1000.0 >= guard.prefill_ms(uncached, cached) * guard.scale:
             return
         guard.on_dispatch(worker, dispatch.request_id, uncached, self.router.clock.now(), cached)
 

@@ -349,11 +349,19 @@ class Daemon:
     def _apply_load_delta(self, delta: object, own: bool) -> None:
         if isinstance(delta, Dispatch):
             if self.router.apply_dispatch(delta, own=own) and self.admission is not None:
-                self.admission.on_remote_dispatch(delta)
+                replaying = self.sync is not None and not self.sync.caught_up.is_set()
+                self.admission.on_remote_dispatch(delta, replaying)
         elif isinstance(delta, Completion):
             entry = self.router.apply_completion(delta, own=own)
-            # a released prefill hop frees no admission queue's room, as when received here
-            if entry is not None and self.admission is not None and not delta.prefill_done:
+            if self.admission is None:
+                return
+            if delta.prefill_done:
+                # a first token heard by another replica (a request's or its prefill hop's): the
+                # routing replica's deadline model judges its TTFT now, as where it was heard
+                # (the Complete that follows usually comes too late to move the margin)
+                if not own and delta.ttft_ms > 0:
+                    self.admission.on_first_token(delta)
+            elif entry is not None:  # a released prefill hop frees no queue's room, as when received here
                 self.admission.on_complete(entry.worker_id, delta)
 
     async def _snapshot_periodically(self, interval: float) -> None:

@@ -325,3 +325,19 @@ async def test_deadline_admission_on_each_replica_counts_the_prefill_the_other_r
         await a.stub.Complete(pb.CompleteRequest(request_id=f"deep-{i}", success=True))
     await settle(pair, lambda: b.router.workers.inflight_count == 0)
     assert not any(guard_b._flight.values())
+
+
+async def test_a_first_token_heard_by_another_replica_reaches_the_routing_replicas_deadline_model(
+        pair: list[Replica]) -> None:
+    """A gateway may send a request's first-token report (Complete with prefill_done and its
+    TTFT) to any replica; the replica that admitted it judges its TTFT against the SLO."""
+    a, b = pair
+    rng = random.Random(5)
+    routed = await a.stub.Route(pb.RouteRequest(request_id="ft-1", token_ids=prompt(rng, 4), ttft_slo_ms=1000.0))
+    guard_a = a.daemon.admission.guard
+    assert guard_a is not None and "ft-1" in guard_a._judged
+    await settle(pair, lambda: b.router.workers.inflight_count == 1)
+    await b.stub.Complete(pb.CompleteRequest(request_id=routed.request_id, prefill_done=True, ttft_ms=1500.0))
+    await settle(pair, lambda: "ft-1" not in guard_a._judged)
+    assert "ft-1" not in guard_a._predicted  # learned once, now: the final Complete teaches nothing twice
+    assert a.router.workers.inflight_count == 1  # still decoding until its Complete

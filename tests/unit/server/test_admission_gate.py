@@ -84,7 +84,7 @@ async def test_without_benefit_nothing_moves_and_complete_admits_in_order():
     assert (await asyncio.wait_for(waiting, 1)).worker.id == "a"
 
 
-def test_another_replicas_dispatch_joins_the_deadline_model_unless_its_prefill_is_long_done():
+def test_another_replicas_dispatch_joins_the_deadline_model_unless_replayed_long_after_its_prefill():
     router = Router(RouterSettings(block_size=16, routing={"name": "least_loaded"}), ManualClock())
     router.add_worker(WorkerSpec("a", "a:1", mode=CacheMode.EVENTS))
     gate = AdmissionGate(router, AdmissionConfig(max_inflight=0, deadline="shed"))
@@ -99,10 +99,15 @@ def test_another_replicas_dispatch_joins_the_deadline_model_unless_its_prefill_i
     # replayed by a replica starting up: prefilled long ago by the model, so no backlog now
     old = Dispatch("old", "a", prefill_tokens=4000, prompt_tokens=4000, age_s=60.0)
     assert router.apply_dispatch(old)
-    gate.on_remote_dispatch(old)
+    gate.on_remote_dispatch(old, replaying=True)
     assert list(guard._flight["a"]) == ["fresh"]
+    # live, a delta later than its own short prefill still waits behind the backlog: heard
+    lagged = Dispatch("lagged", "a", prefill_tokens=64, prompt_tokens=64, age_s=0.01)
+    assert router.apply_dispatch(lagged)
+    gate.on_remote_dispatch(lagged)
+    assert list(guard._flight["a"]) == ["fresh", "lagged"]
     # a prefill hop is charged to its worker, but its request's own dispatch carries the prefill
     hop = Dispatch(prefill_hop_id("fresh"), "a", prefill_tokens=4000, prompt_tokens=4000)
     assert router.apply_dispatch(hop)
     gate.on_remote_dispatch(hop)
-    assert list(guard._flight["a"]) == ["fresh"]
+    assert list(guard._flight["a"]) == ["fresh", "lagged"]

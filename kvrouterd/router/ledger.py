@@ -558,9 +558,11 @@ class LoadLedger:
         charged = False
         rid = dispatch.request_id
         hop = rid.startswith(PREFILL_HOP_PREFIX)
+        late = False
         if not own:
             if rid in self._completed or (hop and rid[len(PREFILL_HOP_PREFIX):] in self._completed):
                 shared.counters["remote_late_dispatches"] += 1
+                late = True
             elif shared.workers.inflight(rid) is None:
                 shared.workers.commit(InFlight(
                     request_id=rid, worker_id=worker.id, prefill_tokens=dispatch.prefill_tokens,
@@ -576,7 +578,9 @@ class LoadLedger:
                 charged = True
         if dispatch.keys and worker.mode is CacheMode.APPROXIMATE:
             self._apply_assumed(worker, dispatch, own, now)
-        elif dispatch.keys and not own and self._speculative.enabled:
+        elif dispatch.keys and not own and not late and self._speculative.enabled:
+            # a late one's request ended before it came (a fast refusal's Complete beats the
+            # bus): no completion will end its claim, which would outlive it by the whole TTL
             self._claim_remote(worker, dispatch, now)
         return charged
 

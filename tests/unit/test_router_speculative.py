@@ -187,6 +187,17 @@ def test_a_replica_claims_what_another_routed_and_its_own_echo_changes_nothing()
     assert router.speculative.live == 0
 
 
+def test_a_dispatch_that_comes_after_its_requests_completion_claims_nothing():
+    """A fast refusal's Complete can beat its Route's delta over the bus: the late Dispatch
+    charges nothing, and must not claim blocks no completion would ever drop."""
+    router, _ = make()
+    router.apply_completion(Completion("r1", success=False))
+    keys = list(router.keys_for_tokens(PROMPT))
+    router.apply_dispatch(Dispatch("r1", "w1", prefill_tokens=len(PROMPT), prompt_tokens=len(PROMPT), keys=keys))
+    assert router.speculative.live == 0 and router.workers.inflight_count == 0
+    assert router.decide(req(router, PROMPT))[0].overlap_blocks == 0
+
+
 def test_settings_are_validated():
     for bad in ({"speculative_ttl_s": -1.0}, {"speculative_ttl_s": 1e9}, {"speculative_max_blocks": 0},
                 {"speculative_max_blocks_per_worker": -5}):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import xxhash
 
@@ -25,7 +25,7 @@ from . import native
 
 __all__ = [
     "ROOT_SEED", "block_keys", "chain_keys", "chain_keys_array", "chain_keys_py", "chain_keys_with_extras",
-    "namespace_seed", "tokens_to_bytes",
+    "key_namespace", "namespace_seed", "tokens_to_bytes",
 ]
 
 #: Seed of the unsalted namespace: the bytes "kvrouter" read as a big-endian integer.
@@ -47,6 +47,17 @@ def namespace_seed(model: str = "", lora: str = "", salt: str = "") -> int:
         return _xxh3(f"{model}\x00{lora}".encode(), ROOT_SEED)
     return _xxh3(f"{model}\x00{lora}\x00{salt}".encode(), ROOT_SEED)
 
+
+
+def key_namespace(model: str, lora: str, adapter_bases: Mapping[str, str]) -> tuple[str, str]:
+    """``(model, lora)`` a request's prompt is keyed under: a ``model`` that names an adapter
+    (``lora`` empty; OpenAI-style bodies do so) is keyed as that adapter of its base model from
+    ``adapter_bases`` (``Pools.adapter_bases``), where its engine stores its blocks."""
+    if model and not lora:
+        base = adapter_bases.get(model)
+        if base is not None:
+            return base, model
+    return model, lora
 
 def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
     """Token ids as little-endian uint32 bytes. Raises OverflowError for ids >= 2**32."""

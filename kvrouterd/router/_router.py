@@ -215,6 +215,12 @@ class Router:
         as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         return self._selector.keys_for_tokens(tokens, model, lora, salt)
 
+    def adapter_bases(self) -> Mapping[str, str]:
+        """Adapter -> its base model, for keying requests that name an adapter in ``model``
+        (``Pools.adapter_bases``; ``index.keys.key_namespace``). Read it on the loop and hand it
+        to a hashing thread: it is never changed in place."""
+        return self._pools.adapter_bases()
+
     def validate_request(self, req: RouteRequest) -> None:
         self._selector.validate_request(req)
 

@@ -51,7 +51,7 @@ stage does not start blind.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import InvalidRequest, NoEligibleWorker, UnknownModel, quote
 from ..index.workers import MAX_POOL_NAMES, Worker
@@ -97,6 +97,7 @@ class Pools:
         self._gen = -1
         self._models: frozenset[str] = frozenset()
         self._adapters: frozenset[str] = frozenset()
+        self._adapter_bases: Mapping[str, str] = {}
         self._pools: dict[str, tuple[list[Worker], int]] = {}
 
     def _refresh(self) -> None:
@@ -104,8 +105,25 @@ class Pools:
         if self._gen != workers.generation:
             self._models = frozenset(m for w in workers for m in w.spec.models)
             self._adapters = frozenset(a for w in workers for a in w.spec.loras)
+            bases: dict[str, set[str]] = {}
+            for w in workers:
+                for a in w.spec.loras:
+                    if a not in self._models:
+                        bases.setdefault(a, set()).update(w.spec.models)
+            # a new mapping, never one changed in place: hashing threads read the one they were given
+            self._adapter_bases = {a: next(iter(b)) for a, b in bases.items() if len(b) == 1}
             self._pools.clear()
             self._gen = workers.generation
+
+    def adapter_bases(self) -> Mapping[str, str]:
+        """Adapter -> the one base model the workers declaring it serve: an OpenAI-style request
+        naming the adapter in ``model`` is keyed under (base, adapter), as its engine stores it
+        (vLLM events: the endpoint's model and the request's ``lora_name``). An adapter whose
+        workers declare several base models, or none, is left out (its base is unknown), and so
+        are adapters only loaded at run time (``loaded_loras``), which no membership change
+        announces. Read-only: a membership change builds a new one."""
+        self._refresh()
+        return self._adapter_bases
 
     @property
     def declared_models(self) -> frozenset[str]:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index import native
-from ..index.keys import ROOT_SEED, chain_keys_array, namespace_seed, tokens_to_bytes
+from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
@@ -67,6 +67,8 @@ class Selector:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
         as an ``array('Q')`` (see ``index.keys.chain_keys_array``)."""
         data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+        if model and not lora:  # an adapter named in ``model``: keyed as its engine stores it
+            model, lora = key_namespace(model, lora, self._pools.adapter_bases())
         # most prompts are unsalted: their seed without a call per prompt
         seed = namespace_seed(model, lora, salt) if model or lora or salt else ROOT_SEED
         return chain_keys_array(data, self._shared.block_size, seed)

@@ -475,6 +475,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             try:
                 candidates = self._candidates(ex)
                 keyed, unread = None, False
+                self.keyer.adapter_bases = self.router.adapter_bases()  # read here, on the loop
                 if body is not None and self.off_loop_body_bytes and len(body) >= self.off_loop_body_bytes:
                     try:
                         keyed = await asyncio.to_thread(self.key_body, path, body)

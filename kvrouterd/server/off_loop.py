@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from ..errors import InvalidRequest, KVRouterError
 from ..index import native
-from ..index.keys import chain_keys_array, namespace_seed
+from ..index.keys import chain_keys_array, key_namespace, namespace_seed
 from ..protocols import RouteRequest
 from ..router import Router
 from .convert import HashedPrompt, check_split, le_u32, pb, route_request
@@ -55,6 +55,12 @@ _S = TypeVar("_S")
 # straight from the received bytes by ``_native.wire_prompt_keys`` on a worker thread, the GIL
 # released. The decision itself (match, policy, commit) still runs on the loop in one step, so
 # it sees the index as it stands when the hash is done, exactly as a small Route would.
+
+
+#: what hashes a split Route's prompt: (the Route, block size, token limit, adapter -> base model)
+HashPrompt = Callable[["SplitRoute", int, int, Mapping[str, str]], HashedPrompt]
+#: no adapter named in ``model`` is keyed under a base model
+_NO_ADAPTERS: Mapping[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +165,8 @@ class StreamPrompt:
     seconds: float
 
 
-def _checked_hash(route: SplitRoute, router: Router, hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt],
-                  ) -> StreamPrompt:
+def _checked_hash(route: SplitRoute, router: Router, hash_prompt: HashPrompt,
+                  adapter_bases: Mapping[str, str]) -> StreamPrompt:
     """``route_request``'s checks of a split Route (``check_split``), then its prompt hashed. A
     Route they reject is not hashed, but its ids are still read: malformed ones refuse the whole
     message, as upb's parse would have (InvalidRequest, what ``hash_wire_prompt`` raises for them)."""
@@ -168,35 +174,38 @@ def _checked_hash(route: SplitRoute, router: Router, hash_prompt: Callable[[Spli
         check_split(route.prompt, route.msg, router)
     except KVRouterError as exc:  # answered in the Route's own turn (and span), as route_request's
         if not route.prompt.packed:  # packed bytes are any bytes; varints may be malformed
-            hash_prompt(route, router.block_size, 0)
+            hash_prompt(route, router.block_size, 0, adapter_bases)
         return StreamPrompt(exc, 0.0)
     started = time.perf_counter()
-    hashed = hash_prompt(route, router.block_size, router.settings.max_prompt_tokens)
+    hashed = hash_prompt(route, router.block_size, router.settings.max_prompt_tokens, adapter_bases)
     return StreamPrompt(hashed, time.perf_counter() - started)
 
 
-def hash_route(split: SplitRoute, router: Router,
-               hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt] | None = None) -> StreamPrompt:
+def hash_route(split: SplitRoute, router: Router, hash_prompt: HashPrompt | None = None,
+               adapter_bases: Mapping[str, str] = _NO_ADAPTERS) -> StreamPrompt:
     """A unary Route's ``hash_stream``: its prompt hashed (or the error its checks answer), on a
     worker thread. Raises upb's DecodeError (``refusal``) for a message upb refuses."""
     try:
         if split.msg is not None:
-            return _checked_hash(split, router, hash_prompt or hash_wire_prompt)
+            return _checked_hash(split, router, hash_prompt or hash_wire_prompt, adapter_bases)
     except InvalidRequest:  # malformed ids (check_split's errors are answered above)
         pass
     raise refusal(split.prompt.data, (split.prompt,), pb.RouteRequest, split.msg is not None)
 
 
 def hash_stream(
-    split: SplitStream, router: Router, hash_prompt: Callable[[SplitRoute, int, int], HashedPrompt] | None = None,
+    split: SplitStream, router: Router, hash_prompt: HashPrompt | None = None,
+    adapter_bases: Mapping[str, str] = _NO_ADAPTERS,
 ) -> dict[int, StreamPrompt]:
     """Check each split Route of a RouteStream message and hash its prompt (``hash_prompt``,
     default ``hash_wire_prompt``), on a worker thread, all in one hand-off (``_checked_hash``).
-    Raises upb's DecodeError (``refusal``) for a message upb refuses."""
+    ``adapter_bases``: ``Router.adapter_bases()`` as read on the loop. Raises upb's DecodeError
+    (``refusal``) for a message upb refuses."""
     hash_prompt = hash_prompt or hash_wire_prompt
     try:
         if split.msg is not None:
-            return {place: _checked_hash(route, router, hash_prompt) for place, route in split.routes.items()}
+            return {place: _checked_hash(route, router, hash_prompt, adapter_bases)
+                    for place, route in split.routes.items()}
     except InvalidRequest:  # malformed ids (check_split's errors are answered in their Routes' turns)
         pass
     raise refusal(split.data, (route.prompt for route in split.routes.values()), pb.RouteStreamRequest,
@@ -273,12 +282,14 @@ def deserializer(parse: Callable[[bytes], _M], split: Callable[[bytes, int], _M 
     return deserialize
 
 
-def hash_wire_prompt(split: SplitRoute, block_size: int, max_tokens: int) -> HashedPrompt:
+def hash_wire_prompt(split: SplitRoute, block_size: int, max_tokens: int,
+                     adapter_bases: Mapping[str, str] = _NO_ADAPTERS) -> HashedPrompt:
     """Count and hash a split Route's prompt (on a worker thread: the native path releases the
     GIL). Past ``max_tokens`` nothing is hashed. Keys equal ``Router.keys_for_tokens`` of the
-    same ids; malformed varints are InvalidRequest."""
+    same ids (``adapter_bases``: ``Router.adapter_bases()``, read on the loop); malformed
+    varints are InvalidRequest."""
     msg, prompt = split.msg, split.prompt
-    seed = namespace_seed(msg.model, msg.lora, msg.cache_salt)
+    seed = namespace_seed(*key_namespace(msg.model, msg.lora, adapter_bases), msg.cache_salt)
     if native.module is not None:
         try:
             tokens, raw = native.module.wire_prompt_keys(prompt.data, prompt.spans, prompt.packed, block_size,

@@ -55,7 +55,7 @@ through ``encode_batch``, which the ``tokenizers`` library runs with the GIL rel
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,7 +63,7 @@ import xxhash
 
 from ..errors import ConfigError, InvalidRequest
 from ..index import native
-from ..index.keys import ROOT_SEED, chain_keys, chain_keys_array, namespace_seed, tokens_to_bytes
+from ..index.keys import ROOT_SEED, chain_keys, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
 
 __all__ = [
     "BodyKeys",
@@ -288,6 +288,10 @@ class PromptKeyer:
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.salt_with_model = salt_with_model
+        #: adapter -> base model (``Router.adapter_bases``), set on the loop before each body is
+        #: keyed: a body naming an adapter in ``model`` is keyed under (base, adapter), as its
+        #: engine stores its blocks
+        self.adapter_bases: Mapping[str, str] = {}
         #: encode_batch_fast (no offsets) where the installed tokenizers has it
         self._encode_batch = None if tokenizer is None else getattr(
             tokenizer, "encode_batch_fast", tokenizer.encode_batch
@@ -304,7 +308,7 @@ class PromptKeyer:
         return self._text_keys(data + b"\x00" * (-len(data) % 4), prompt.model, extra)
 
     def _token_keys(self, token_bytes: bytes, model: str, extra: int, source: str) -> PromptKeys:
-        seed = namespace_seed(model if self.salt_with_model else "")
+        seed = namespace_seed(*key_namespace(model, "", self.adapter_bases)) if self.salt_with_model else ROOT_SEED
         # an empty prompt still needs a worker; one token keeps the request valid
         keys = chain_keys_array(token_bytes, self.block_size, seed)
         return PromptKeys(keys, max(1, len(token_bytes) // 4 + extra), source)

@@ -113,7 +113,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | off_loop.SplitStream | off_loop.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
-        self.hash_prompt: Callable[[off_loop.SplitRoute, int, int], convert.HashedPrompt] = off_loop.hash_wire_prompt
+        self.hash_prompt: off_loop.HashPrompt = off_loop.hash_wire_prompt
 
     @property
     def off_loop_prompt_bytes(self) -> int:
@@ -170,7 +170,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         path releases the GIL), so other calls run meanwhile; the decision that follows runs on
         the loop as for any Route. A message upb refuses gets upb's error, as from the deserializer."""
         try:
-            prompt = await asyncio.to_thread(off_loop.hash_route, split, self.router, self.hash_prompt)
+            prompt = await asyncio.to_thread(off_loop.hash_route, split, self.router, self.hash_prompt,
+                                             self.router.adapter_bases())
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 describe(pb.RouteRequest.DESCRIPTOR.full_name, exc, len(split.prompt.data)))
@@ -332,7 +333,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         worker thread, all in one hand-off (the native path releases the GIL), so other calls run
         meanwhile; their decisions follow on the loop as for a parsed message."""
         try:
-            hashed = await asyncio.to_thread(off_loop.hash_stream, split, self.router, self.hash_prompt)
+            hashed = await asyncio.to_thread(off_loop.hash_stream, split, self.router, self.hash_prompt,
+                                             self.router.adapter_bases())
         except DecodeError as exc:  # as the deserializer would have raised it, for the same answer
             raise UndecodableMessage(describe(pb.RouteStreamRequest.DESCRIPTOR.full_name, exc, len(split.data))) from None
         assert split.msg is not None  # else hash_stream raised

@@ -46,12 +46,12 @@ def hash_after_probe(service, what: str) -> tuple[threading.Event, threading.Eve
     hashing = threading.Event()
     probe_answered = threading.Event()
 
-    def gated(split, block_size, max_tokens):  # type: ignore[no-untyped-def]
+    def gated(split, block_size, max_tokens, adapter_bases):  # type: ignore[no-untyped-def]
         hashing.set()
         # the probe must be answered while this hash is in progress: were the hash on the
         # loop, the probe could not run and this wait would time out
         assert probe_answered.wait(30), f"no Route was answered while {what} was being hashed"
-        return real_hash(split, block_size, max_tokens)
+        return real_hash(split, block_size, max_tokens, adapter_bases)
 
     service.hash_prompt = gated
     return hashing, probe_answered

@@ -753,3 +753,17 @@ async def test_a_queued_requests_ttft_counts_its_wait_from_arrival(envoy):
     await asyncio.sleep(0.05)
     (c,) = seen
     assert c.request_id == "queued" and c.ttft_ms == pytest.approx(2100.0) and c.e2e_ms == pytest.approx(2100.0)
+
+
+@pytest.mark.parametrize("worker_list", [[{"id": "a", "address": "10.0.0.1:8000", "mode": "events",
+                                           "models": ["base"], "loras": ["sql"]}]])
+async def test_a_body_naming_an_adapter_in_model_is_keyed_as_its_engine_stores_it(envoy):
+    """vLLM serves a LoRA adapter under its own name in ``model``; its KV events carry the base
+    model (the endpoint's) and the adapter (``lora_name``): the body's keys must be those."""
+    tokens = list(range(5000, 5000 + 8 * BS))
+    s = envoy.open()
+    await s.send(headers_msg("/v1/completions", extra=[("x-request-id", "adapter")]))
+    await s.send(body_msg(json.dumps({"model": "sql", "prompt": tokens}).encode(), True), expect=2)
+    req = envoy.router.request("adapter")
+    assert list(req.keys) == block_keys(tokens, BS, model="base", lora="sql") and req.model == "sql"
+    await s.close()

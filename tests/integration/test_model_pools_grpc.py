@@ -114,3 +114,32 @@ async def test_a_pd_pool_routes_both_hops_and_completes_each(running):
         assert (result.prefill_worker_address, result.prefill_uncached_tokens) == ("p1.local:8000", 4096)
         assert await client.complete(result, prefill_ms=100.0, kv_transfer_ms=5.0, ttft_ms=130.0)
         assert running.router.workers.inflight_count == 0
+
+
+@pytest.mark.parametrize("daemon_config", [{"limits": {"off_loop_prompt_bytes": 4096}}])
+async def test_a_route_naming_its_adapter_in_model_matches_what_the_engine_stored_for_it(running):
+    """OpenAI-style requests name the adapter in ``model``; the engine (vLLM: the endpoint's
+    base model and the request's lora_name) stores the blocks under (base, adapter). The keys
+    must be the same on every hashing path: a small unary Route, a streamed one, and a prompt
+    over ``off_loop_prompt_bytes`` hashed on a worker thread."""
+    stub = running.stub
+    for wid in ("a", "b"):
+        await register(stub, wid, ["base"], ["sql"])
+    small = list(range(100, 100 + 20 * 16))
+    big = list(range(9000, 9000 + 80 * 16))  # 5,120 bytes packed: hashed off the loop
+    for seq, prompt in enumerate((small, big)):
+        event = pb.CacheEvent(stored=pb.StoredBlocks(token_ids=prompt, model="base", lora="sql"))
+        await stub.PublishEvents(iter([pb.EventBatch(worker_id="a", sequence=seq, events=[event])]))
+    blocks = {id(small): 20, id(big): 80}
+    for prompt in (small, big):
+        packed = b"".join(t.to_bytes(4, "little") for t in prompt)
+        unary = await stub.Route(pb.RouteRequest(token_ids_le32=packed, model="sql"))
+        assert (unary.worker_id, unary.matched_blocks) == ("a", blocks[id(prompt)])
+        await stub.Complete(pb.CompleteRequest(request_id=unary.request_id))
+        async with RouterClient(target(running), timeout=5) as client:
+            streamed = await client.route(prompt, model="sql")
+            await client.complete(streamed)
+        assert (streamed.worker_id, streamed.matched_blocks) == ("a", blocks[id(prompt)])
+    # the base model alone, or another adapter of it, never sees the adapter's blocks
+    other = await stub.Route(pb.RouteRequest(token_ids=small, model="base"))
+    assert other.matched_blocks == 0

@@ -263,3 +263,17 @@ def test_the_decision_span_carries_the_pool_and_the_adapters_placement() -> None
     assert (span.attributes["kvrouter.lora"], span.attributes["kvrouter.lora.placement"]) == ("sql", "free_slot")
     annotate_decision(span, r.route(req(2)), BS)  # type: ignore[arg-type]
     assert "kvrouter.pool" not in span.attributes and "kvrouter.lora" not in span.attributes
+
+
+def test_an_adapter_is_keyed_under_its_one_base_model_and_no_other():
+    r = router(spec("a", "base", loras=("sql", "chat")), spec("b", "base", loras=("sql",)),
+               spec("c", "other", loras=("chat",)), spec("d", "sql2", loras=("sql2",)))
+    # sql: every worker declaring it serves base; chat: two bases, unknown; sql2 is a base model too
+    assert dict(r.adapter_bases()) == {"sql": "base"}
+    tokens = list(range(4 * BS))
+    assert list(r.keys_for_tokens(tokens, model="sql")) == block_keys(tokens, BS, model="base", lora="sql")
+    assert list(r.keys_for_tokens(tokens, model="chat")) == block_keys(tokens, BS, model="chat")
+    assert list(r.keys_for_tokens(tokens, model="base", lora="sql")) == block_keys(tokens, BS, model="base", lora="sql")
+    assert list(r.keys_for_tokens(tokens, model="sql2")) == block_keys(tokens, BS, model="sql2")
+    r.remove_worker("a")  # a membership change builds the map afresh: chat now has one base
+    assert dict(r.adapter_bases()) == {"sql": "base", "chat": "other"}

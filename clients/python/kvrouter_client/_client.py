@@ -20,7 +20,9 @@ streams) and sends those with ``prompt_tokens``: 8 bytes a block instead of 4 a 
 prompt: 2 KB instead of 16 KB), which the router neither parses nor hashes, so each Route costs it
 less CPU and the gateway more (the hash, ~0.1 us a block in pure Python). Routed exactly as the
 token ids would be. A prompt with no full block, a unary call, and a stream whose router
-advertises no block size (an older one, or before its metadata arrived) send token ids.
+advertises no block size (an older one, or before its metadata arrived) send token ids. Name a
+LoRA adapter in ``lora`` with its base in ``model`` then: the router keys an adapter named in
+``model`` under its base model, which the client cannot know.
 
 Deadlines: every call has one (``timeout`` per client, overridable per call). A router
 that is down or slow must not stall the data path.

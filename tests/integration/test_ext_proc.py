@@ -500,12 +500,18 @@ async def test_disabled_ext_proc_is_not_served(envoy):
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-async def test_response_body_with_another_mode_is_passed_without_mutation(envoy):
-    s = envoy.open()
+def headers_announcing(response_body_mode: int) -> ep.ProcessingRequest:
+    """A chat request's headers with Envoy's protocol_config: request bodies full duplex, response
+    bodies in ``response_body_mode``."""
     first = headers_msg("/v1/chat/completions")
     first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-    first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
-    await s.send(first)
+    first.protocol_config.response_body_mode = response_body_mode
+    return first
+
+
+async def test_response_body_with_another_mode_is_passed_without_mutation(envoy):
+    s = envoy.open()
+    await s.send(headers_announcing(processing_mode_pb2.ProcessingMode.STREAMED))
     await s.send(body_msg(chat_body("mode"), True), expect=2)
     (reply,) = await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"abc")), expect=1)
     assert reply.WhichOneof("response") == "response_body"
@@ -716,10 +722,7 @@ async def test_an_x_request_id_already_waiting_or_too_long_is_renamed_not_refuse
 async def test_response_bodies_not_sent_are_warned_about_once(envoy, caplog):
     for _ in range(2):
         s = envoy.open()
-        first = headers_msg("/v1/chat/completions")
-        first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-        first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
-        await s.send(first)
+        await s.send(headers_announcing(processing_mode_pb2.ProcessingMode.NONE))
         await s.send(body_msg(chat_body("mode"), True), expect=2)
         await s.close()
     warnings = [r for r in caplog.records if "response_body_mode: NONE" in r.getMessage()]

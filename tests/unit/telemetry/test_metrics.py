@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -87,9 +89,9 @@ def test_without_a_reader_latencies_are_not_even_queued():
     assert not m.route_latency.enabled and not m.route_latency._pending
 
 
-def test_an_exporter_thread_collecting_meanwhile_loses_and_repeats_nothing(reader):
-    m = _metrics(reader)
-    n = 20_000
+@contextmanager
+def _an_exporter_collecting(reader: InMemoryMetricReader) -> Iterator[None]:
+    """An exporter thread collecting from ``reader`` over and over while the block runs."""
     stop = threading.Event()
 
     def export() -> None:
@@ -99,11 +101,18 @@ def test_an_exporter_thread_collecting_meanwhile_loses_and_repeats_nothing(reade
     t = threading.Thread(target=export)
     t.start()
     try:
-        for _ in range(n):
-            m.route_decided("p", "r", 0.001)
+        yield
     finally:
         stop.set()
         t.join()
+
+
+def test_an_exporter_thread_collecting_meanwhile_loses_and_repeats_nothing(reader):
+    m = _metrics(reader)
+    n = 20_000
+    with _an_exporter_collecting(reader):
+        for _ in range(n):
+            m.route_decided("p", "r", 0.001)
     assert _points(reader, "kvrouter.route.duration")[(("policy", "p"),)].count == n
     assert _points(reader, "kvrouter.decisions")[(("policy", "p"), ("reason", "r"))].value == n
 
@@ -182,20 +191,9 @@ def test_route_stream_batch_counters_are_exported_from_zero(reader):
 def test_completed_tokens_flushed_by_an_exporter_thread_meanwhile_are_counted_once(reader):
     m = _metrics(reader)
     n = 20_000
-    stop = threading.Event()
-
-    def export() -> None:
-        while not stop.is_set():
-            reader.get_metrics_data()
-
-    t = threading.Thread(target=export)
-    t.start()
-    try:
+    with _an_exporter_collecting(reader):
         for i in range(n):
             _completed(m, f"w{i % 2}", 10, 3, 0)
-    finally:
-        stop.set()
-        t.join()
     totals = _token_totals(reader)
     assert totals[("kvrouter.completed.prompt_tokens", (("worker", "w0"),))] == 10 * n // 2
     assert totals[("kvrouter.completed.cached_tokens", (("source", "engine"), ("worker", "w1")))] == 3 * n // 2

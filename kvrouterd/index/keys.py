@@ -48,7 +48,6 @@ def namespace_seed(model: str = "", lora: str = "", salt: str = "") -> int:
     return _xxh3(f"{model}\x00{lora}\x00{salt}".encode(), ROOT_SEED)
 
 
-
 def key_namespace(model: str, lora: str, adapter_bases: Mapping[str, str]) -> tuple[str, str]:
     """``(model, lora)`` a request's prompt is keyed under: a ``model`` that names an adapter
     (``lora`` empty; OpenAI-style bodies do so) is keyed as that adapter of its base model from
@@ -58,6 +57,7 @@ def key_namespace(model: str, lora: str, adapter_bases: Mapping[str, str]) -> tu
         if base is not None:
             return base, model
     return model, lora
+
 
 def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
     """Token ids as little-endian uint32 bytes. Raises OverflowError for ids >= 2**32."""

@@ -17,6 +17,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+from .grpc_runtime import prefer_server_experiments
+
 __all__ = ["SUBCOMMANDS", "add_command", "main"]
 
 #: name -> (module, one-line help, the page that explains the details). Each module has
@@ -120,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # before build_parser imports the subcommands, grpc among them: gRPC reads it at import
+    prefer_server_experiments()
     args = build_parser().parse_args(argv)
     try:
         return int(args._module.run(args) or 0)

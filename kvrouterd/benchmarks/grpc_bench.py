@@ -65,6 +65,7 @@ from typing import Any
 
 import grpc
 
+from .. import grpc_runtime
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .._generated.kvrouter.v1 import router_pb2_grpc
 from ..server.service import STREAM_BATCH_METADATA
@@ -224,8 +225,12 @@ class ServerProcess:
         self._tmp = tempfile.NamedTemporaryFile(suffix=".port", delete=False)
         self._tmp.close()
         os.unlink(self._tmp.name)
+        # the gRPC runtime the daemon serves with (``kvrouterd serve`` sets it at start-up)
+        experiments = grpc_runtime.server_experiments(os.environ.get(grpc_runtime.ENV, ""))
+        env = {**os.environ, grpc_runtime.ENV: experiments}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrouterd.benchmarks.grpc_bench", "serve", mode, str(workers), str(blocks), self._tmp.name],
+            env=env,
         )
         deadline = time.time() + 300
         while not os.path.exists(self._tmp.name) or not Path(self._tmp.name).read_text():

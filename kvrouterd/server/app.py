@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from .. import grpc_runtime
 from .._generated.kvrouter.v1 import router_pb2, router_pb2_grpc
 from ..clock import Clock, SystemClock
 from ..config import ENV_PREFIX, Config, load_config
@@ -221,6 +222,7 @@ class Daemon:
             "serving",
             extra={"listen": self.config.listen, "port": self.port, "policy": self.router.default_routing,
                    "workers": len(self.router.workers), "fast_path": native.status,
+                   "grpc_experiments": grpc_runtime.status,
                    "epoch": f"{self.service.epoch:016x}"},
         )
         if native.module is None and not native.disabled:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ def wait_serving(target: str, timeout: float = 30.0) -> None:
 
 def test_serve_with_embedded_defaults_then_sigterm(tmp_path):
     port = free_port()
-    env = {**os.environ, "KVROUTERD_LOG_FORMAT": "json"}
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"} | {"KVROUTERD_LOG_FORMAT": "json"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrouterd", "serve", "--listen", f"127.0.0.1:{port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -54,6 +55,9 @@ def test_serve_with_embedded_defaults_then_sigterm(tmp_path):
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert '"msg": "serving"' in err and '"msg": "stopped"' in err
+    # set before grpc was imported, so gRPC serves with it (kvrouterd.grpc_runtime)
+    serving = next(json.loads(line) for line in err.splitlines() if '"msg": "serving"' in line)
+    assert serving["grpc_experiments"] == "-event_engine_listener"
 
 
 def test_bad_config_exits_2_naming_the_field(tmp_path):
@@ -78,7 +82,7 @@ def test_help_documents_every_subcommand():
 
 def test_json_logs_carry_the_request_id_of_a_rejected_call():
     port = free_port()
-    env = {**os.environ, "KVROUTERD_LOG_FORMAT": "json"}
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"} | {"KVROUTERD_LOG_FORMAT": "json"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrouterd", "serve", "--listen", f"127.0.0.1:{port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -5,15 +5,14 @@ no effect. ``kvrouterd``'s command line (``cli.main``) applies ``SERVER_EXPERIME
 thing, and the benchmark's server processes get the same in their environment, so what
 ``kvrouterd bench`` measures is the transport the daemon serves with.
 
-``-event_engine_listener``: connections accepted by gRPC's older listener are polled by the
-thread that polls the server's completion queue (grpc.aio's poller), where EventEngine's
-listener (grpcio 1.85's default) reads them on its own thread pool and hands every read on to
-that poller: a thread switch per read, which two busy processes on two cores pay for in
-context switches. Measured with ``kvrouterd bench --only grpc --rounds 3`` (median server CPU
-per Route + Complete, 64 workers, 10^6 blocks, 4,000-token prompts): the daemon's streamed
-load 66.2 -> 63.1 us, its unary load at 64 in flight 518 -> 499 us, one message per call
-303 -> 259 us; the trivial server's streamed load 23.4 -> 21.5 us, unary 412 -> 327 us. See
-docs/operations/performance.md.
+``-event_engine_listener``: EventEngine's listener (grpcio 1.85's default) reads accepted
+connections on its own thread pool and hands every read on to grpc.aio's poller thread; the
+older listener's connections are read by that poller thread itself. Under the bench's streamed
+load the four ``event_engine`` threads took ~14% of the daemon's CPU, much of it in context
+switches, and ~0.3% with the older listener. Server CPU per Route + Complete (``kvrouterd bench
+--only grpc --rounds 3``, medians; 64 workers, 10^6 blocks, 4,000-token prompts): the daemon's
+streamed load 66.2 -> 61.4 us, unary at 64 in flight 518 -> 459, through the SDK 84.3 -> 72.9;
+the trivial server's streamed load 23.4 -> 19.8, unary 412 -> 308 (docs/operations/performance.md).
 
 An operator's own ``GRPC_EXPERIMENTS`` is kept: ours are added only for experiments it does not
 name, so ``GRPC_EXPERIMENTS=event_engine_listener`` restores gRPC's default listener.

@@ -169,8 +169,11 @@ def run(args: argparse.Namespace) -> int:
             result[f"route_decision_us_median_{workers}w"] = result[f"decision_{workers}w"]["decision_us_median"]  # type: ignore[index]
 
     if "grpc" in stages:
-        from .grpc_bench import route_throughput
+        from .grpc_bench import route_throughput, server_grpc_experiments
         from .workload import build_router
+
+        result["grpc_server_experiments"] = server_grpc_experiments()
+        rows.append(("gRPC experiments of the servers (GRPC_EXPERIMENTS)", result["grpc_server_experiments"]))
 
         _, prompt = build_router(1, 1000)
         runs = []

@@ -218,6 +218,12 @@ async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
         await stop(0)
 
 
+def server_grpc_experiments() -> str:
+    """The ``GRPC_EXPERIMENTS`` the benchmark's servers run with: the daemon's own at start-up
+    (``kvrouterd serve`` sets it), added to this process's."""
+    return grpc_runtime.server_experiments(os.environ.get(grpc_runtime.ENV, ""))
+
+
 class ServerProcess:
     """A benchmark server in a child process; ``port`` is known once it is listening."""
 
@@ -225,9 +231,7 @@ class ServerProcess:
         self._tmp = tempfile.NamedTemporaryFile(suffix=".port", delete=False)
         self._tmp.close()
         os.unlink(self._tmp.name)
-        # the gRPC runtime the daemon serves with (``kvrouterd serve`` sets it at start-up)
-        experiments = grpc_runtime.server_experiments(os.environ.get(grpc_runtime.ENV, ""))
-        env = {**os.environ, grpc_runtime.ENV: experiments}
+        env = {**os.environ, grpc_runtime.ENV: server_grpc_experiments()}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrouterd.benchmarks.grpc_bench", "serve", mode, str(workers), str(blocks), self._tmp.name],
             env=env,

@@ -84,9 +84,10 @@ async def test_a_batch_is_answered_item_by_item_in_one_batch_and_bad_items_chang
     await setup(running.stub)
     router = running.router
     call = running.stub.RouteStream()
-    # the advertisement batching clients wait for: the daemon's message size limit (the default)
+    # the advertisement batching clients wait for: below limits.off_loop_prompt_bytes (256 KiB by
+    # default), so a batch is parsed whole (KVRouterService.stream_batch_bytes)
     metadata = await call.initial_metadata()
-    assert metadata.get("kvrouter-stream-batch") == str(16 << 20)
+    assert metadata.get("kvrouter-stream-batch") == str((256 << 10) - 1)
     # and the block size a client may key prompts with (RouterClient(send_block_keys=True))
     assert metadata.get("kvrouter-block-size") == str(router.block_size)
 

@@ -205,9 +205,10 @@ class TestCoalescedCalls:
             assert await a.flush(timeout=5)
         async with RouterClient(target(running), timeout=2.0, streams=1) as gw:
             await gw.complete(await gw.route(p))
-            # the stream read the daemon's advertisement: batches up to its message size limit
+            # the stream read the daemon's advertisement: batches below limits.off_loop_prompt_bytes
+            # (the default 256 KiB; its message size limit, 1 MiB here, is larger)
             (stream,) = gw._streams._streams  # type: ignore[union-attr]
-            assert stream is not None and stream.batch_limit == 1 << 20
+            assert stream is not None and stream.batch_limit == (256 << 10) - 1
             routed = await asyncio.gather(*(gw.route(p, request_id=f"r{i}", session_id=f"s{i}") for i in range(30)))
             assert [(r.request_id, r.worker_id, r.matched_blocks) for r in routed] == [(f"r{i}", "a", 8) for i in range(30)]
             assert running.router.workers.get("a").inflight_requests == 30
@@ -218,6 +219,44 @@ class TestCoalescedCalls:
             assert good.worker_id == "a" and isinstance(bad, RouterRejected)
         spans = [s for s in running.spans.get_finished_spans() if s.name == "kvrouter.route"]
         assert len(spans) == 33  # one per decision, batched or not
+
+
+class TestBurstsBelowTheOffLoopThreshold:
+    """A burst of ordinary Routes is batched into messages upb parses whole on the loop; only a
+    Route whose own prompt reaches ``limits.off_loop_prompt_bytes`` is split and hashed off it."""
+
+    @pytest.fixture
+    def daemon_config(self) -> dict:
+        return {"block_size": BS, "limits": {"off_loop_prompt_bytes": 64 << 10}}
+
+    async def test_a_burst_larger_than_the_threshold_is_never_split_and_a_huge_route_still_is(self, running):
+        service = running.daemon.service
+        hashed_off_loop: list[int] = []
+        hash_wire_prompt = service.hash_prompt
+
+        def counted(split, *args):  # type: ignore[no-untyped-def]
+            hashed_off_loop.append(split.prompt.size)
+            return hash_wire_prompt(split, *args)
+
+        service.hash_prompt = counted
+        await running.stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id="a", address="a.local:8000")))
+        ordinary = prompt(0, 250)  # 16,000 bytes packed: 40 of them are 640,000
+        huge = prompt(10_000, 1100)  # 70,400 bytes packed: over the threshold alone
+        async with RouterClient(target(running), timeout=5.0, streams=1) as gw:
+            await gw.complete(await gw.route(ordinary))  # the stream is open, the advertisement read
+            (stream,) = gw._streams._streams  # type: ignore[union-attr]
+            assert stream is not None and stream.batch_limit == (64 << 10) - 1
+            batches_before = running.daemon.metrics.stream_batches.value
+            routed = await asyncio.gather(*(gw.route(ordinary, request_id=f"r{i}") for i in range(40)))
+            assert [r.worker_id for r in routed] == ["a"] * 40
+            assert all(await asyncio.gather(*(gw.complete(r) for r in routed)))
+            assert hashed_off_loop == []
+            # the burst went batched, in several messages, none of them reaching the threshold
+            assert running.daemon.metrics.stream_batches.value - batches_before >= 10
+            alone = await gw.route(huge)
+            assert alone.worker_id == "a" and alone.prompt_blocks == 1100
+            assert await gw.complete(alone)
+        assert hashed_off_loop == [len(huge) * 4]
 
 
 class TestBlockKeysFromTheGateway:

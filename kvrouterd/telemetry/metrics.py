@@ -486,8 +486,7 @@ class Metrics:
         # a collection runs every observable callback before it reads any instrument: flushing
         # here puts every finished Route into the histogram this collection reads, and every
         # Complete's tokens into the counters
-        self.route_latency.flush()
-        self.completed_tokens.flush()
+        self.flush()
         return self.decisions.observe(options)
 
     def flush(self) -> None:

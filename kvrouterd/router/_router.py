@@ -23,6 +23,7 @@ from ..index.workers import InFlight, Worker, WorkerRegistry, WorkerSpec
 from ..policies.base import EvictionPolicy, RoutingContext, RoutingPolicy
 from ..protocols import (
     BatchOutcome,
+    CacheMode,
     Completion,
     Decision,
     Dispatch,
@@ -362,6 +363,9 @@ class Router:
         outcome = self._events.apply(batch, per_event=per_event)
         if outcome.applied:
             self._pools.note_events(batch)  # an adapter whose blocks the worker stores is loaded there
+            worker = self.workers.find(batch.worker_id)
+            if worker is not None and worker.mode is CacheMode.APPROXIMATE:  # its engine's Stored events
+                self._ledger.fit_to_capacity(worker, self.clock.now())
         # a host that never drains (the simulator) still frees the old slots; a duplicate does not
         if outcome.applied and self._slots.pending:
             self.drain_step()

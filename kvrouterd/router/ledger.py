@@ -322,14 +322,21 @@ class LoadLedger:
         if approximate:
             assert info is not None
             self._assume_cached(worker, req.keys, overlap, info, now)
-        # checked after every decision, a full hit's too: Stored events an engine sends for an
-        # approximate-mode worker are applied, and may leave it over its capacity
+        # checked after every decision, a full hit's too
+        return self.fit_to_capacity(worker, now, req.keys)
+
+    def fit_to_capacity(self, worker: Worker, now: float, prompt: Sequence[int] = ()) -> list[int]:
+        """Evict from an approximate-mode worker's modelled cache down to its capacity (issue
+        #28 item 7: a hard bound) and return the keys evicted, ``prompt``'s first blocks the
+        last to go. After every decision, and wherever else the cache may pass its capacity:
+        Stored events its engine sends, a re-registration with a smaller capacity."""
+        index, eviction = self._shared.index, self._shared.policies.eviction
+        slot = worker.slot
         capacity = self._capacity(worker)
         excess = index.count(slot) - capacity if capacity else 0
         if excess <= 0:
             return []
-        ctx_e = EvictionContext(index, slot, now, worker.id)
-        victims = eviction.rank(ctx_e, excess, frozenset(req.keys[:capacity]))
+        victims = eviction.rank(EvictionContext(index, slot, now, worker.id), excess, frozenset(prompt[:capacity]))
         drop_blocks(eviction, index, slot, victims)
         excess -= len(victims)
         if excess > 0:
@@ -338,7 +345,7 @@ class LoadLedger:
             more = eviction.rank(EvictionContext(index, slot, now, worker.id), excess, frozenset())
             drop_blocks(eviction, index, slot, more)
             victims += more
-        shared.counters["approx_evicted"] += len(victims)
+        self._shared.counters["approx_evicted"] += len(victims)
         return [block.key for block in victims]
 
     def _capacity(self, worker: Worker) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from ..bounds import MAX_REPORTED_REQUESTS, check_range
 from ..errors import InvalidRequest, Overloaded, quote
 from ..index.workers import Worker, WorkerSpec
-from ..protocols import WorkerState
+from ..protocols import CacheMode, WorkerState
 from .engine_hashes import EngineHashMaps
 from .events import EventApplier
 from .ledger import LoadLedger
@@ -60,6 +60,8 @@ class Membership:
             if (existing.spec.models, existing.spec.loras, existing.spec.role) != (spec.models, spec.loras, spec.role):
                 shared.workers.generation += 1  # its model pools or its hop change
             existing.spec = spec
+            if spec.mode is CacheMode.APPROXIMATE:  # its capacity may have shrunk below what it holds
+                self._ledger.fit_to_capacity(existing, shared.clock.now())
             return existing
         slot = shared.workers.next_slot()
         shared.index.add_slot(slot)

@@ -187,6 +187,22 @@ def test_approximate_capacity_is_a_hard_bound_after_every_decision(eviction):
     assert router.index.count(0) == capacity
 
 
+def test_approximate_capacity_holds_after_a_smaller_re_registration_and_after_stored_events():
+    # the fuzz swarm's check found a worker re-registered with capacity 8 still holding 9 blocks:
+    # the bound was applied only at the worker's next decision
+    router, _ = make(mode=CacheMode.APPROXIMATE, n=1, capacity=200)
+    kept = req(router, list(range(20 * BS)))
+    router.complete(Completion(router.route(kept).request.request_id))
+    assert router.index.count(0) == 20
+    router.add_worker(WorkerSpec("w0", "h0:1", capacity_blocks=8, mode=CacheMode.APPROXIMATE))
+    assert router.index.count(0) == 8
+    assert router.index.match(kept.keys, 1).overlap(0) == 8  # the prompt's first blocks stay
+    # an engine's Stored events for the modelled worker are applied, then held to its capacity
+    tokens = list(range(5000, 5000 + 12 * BS))
+    router.apply(EventBatch("w0", 1, [Stored(tokens, list(range(1, 13)), None)]))
+    assert router.index.count(0) == 8
+
+
 def test_request_may_name_a_policy_and_unknown_ones_are_refused():
     router, _ = make()
     r = router.route(req(router, list(range(32)), policy="round_robin"))

@@ -49,15 +49,16 @@ cache affinity is kept among them); if there are none it is shed with ``SloUnrea
 
 **Modes** (``admission.deadline``):
 
-- ``shed``: decide once, at routing time. The shed request costs nothing; the admitted
-  ones keep their whole SLO as slack for the model's errors.
+- ``shed`` (the default): decide once, at routing time. The shed request costs nothing; the
+  admitted ones keep their whole SLO as slack for the model's errors. A request that declared
+  no SLO of its own is steered by ``default_ttft_slo_ms`` but not refused (unless
+  ``admission.shed_without_slo``).
 - ``defer`` (needs admission queues, ``admission.max_inflight``): as ``shed`` at routing
   time, and a request waiting in an admission queue is dropped (``SloUnreachable``) the
   moment its time waited plus its predicted TTFT from its place in the queue passes its SLO
   (``AdmissionQueues.drop_late``, every tick), so a queue the model under-estimated stops
   spending GPU time on requests already lost.
-- ``off``: admit everything (the default; a daemon whose callers set no SLO keeps today's
-  behaviour).
+- ``off``: admit everything.
 
 Why shed rather than hold everything: a request queued past its deadline is lost work for
 the request *and* delays every one behind it, which is how the collapse happens; a request
@@ -103,7 +104,7 @@ if TYPE_CHECKING:
     from .protocols import Decision, RouteRequest
     from .router import Router
 
-__all__ = ["DEADLINE_MODES", "DeadlineGuard", "DeadlineMode", "Verdict", "admit_by_deadline"]
+__all__ = ["DEADLINE_MODES", "DeadlineGuard", "DeadlineMode", "Pricing", "Verdict", "admit_by_deadline", "admit_priced"]
 
 DeadlineMode = Literal["off", "shed", "defer"]
 DEADLINE_MODES: tuple[str, ...] = ("off", "shed", "defer")
@@ -129,6 +130,12 @@ _MIN_SAMPLE_MS = 50.0
 _MAX_TRACKED = 200_000
 #: requests queued for a worker in the router (requests, prefill tokens), by worker id
 Queued = Callable[[str], tuple[int, int]]
+#: what admission priced on the worker it admitted a request to, handed to ``on_dispatch`` when
+#: the decision commits in the same step, so the commit does not price it again: (the worker,
+#: now, uncached and cached prompt tokens, its backlog drained to now, and the larger of that
+#: and its wait for KV room, model ms). Valid for that step only: any dispatch, completion or
+#: load report in between changes what it priced.
+Pricing = tuple["Worker", float, int, int, float, float]
 
 
 def _nothing_queued(_: str) -> tuple[int, int]:
@@ -419,14 +426,32 @@ class DeadlineGuard:
         """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
         one worker): the common case, answered without pricing every eligible worker, which
         at 1,024 workers would cost the decision a millisecond."""
+        return self.price_chosen(ctx, chosen, slo_ms, queued) is not None
+
+    def price_chosen(self, ctx: RoutingContext, chosen: Worker, slo_ms: float,
+                     queued: Queued = _nothing_queued) -> Pricing | None:
+        """``chosen_meets``, with what it priced when the choice meets the SLO (None when it
+        does not), for ``on_dispatch`` of the same decision."""
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
-        ahead = self.ahead_ms(chosen, ctx.now, uncached, queued(chosen.id))
+        now = ctx.now
+        drained = waited = 0.0
+        level = _load_level(chosen)
+        if chosen.inflight_requests:  # ahead_ms's backlog and KV wait, the books synced and the scale read once
+            self._sync(chosen)
+            scale = self._levels[level][0]
+            drained = self._drained(chosen, now, scale)
+            waited = max(drained, self._kv_wait(chosen, now, uncached) / scale)
+        priced = (chosen, now, uncached, cached, drained, waited)
+        ahead = waited
+        requests, tokens = queued(chosen.id)
+        if tokens:
+            ahead += self.latency.ttft_ms(tokens, 0, requests - 1)
         if ahead <= 0.0:  # nothing ahead of it: it starts at once, held to its own prefill at worst
-            return True
+            return priced
         own = self.prefill_ms(uncached, cached)
-        tail = self._corrections(chosen)[1] * self._margin
+        tail = self._levels[level][1] * self._margin
         # check's rule for one worker: (ahead + own) * scale * tail / scale against the budget
-        return (ahead + own) * tail <= max(slo_ms, own * tail)
+        return priced if (ahead + own) * tail <= max(slo_ms, own * tail) else None
 
     def check(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued = _nothing_queued) -> Verdict:
         """The verdict on routing ``ctx``'s request to ``chosen_id``: side-effect free.
@@ -498,14 +523,19 @@ class DeadlineGuard:
 
     # ---- what the host tells it ---------------------------------------------------------
     def on_dispatch(self, worker: Worker, request_id: str, uncached_tokens: int, now: float,
-                    cached_tokens: int = 0) -> None:
-        """A request was committed to ``worker`` (after the router charged it)."""
+                    cached_tokens: int = 0, priced: Pricing | None = None) -> None:
+        """A request was committed to ``worker`` (after the router charged it); ``priced``:
+        what admission priced there for it in this same step (``price_chosen``), if it did."""
         self._sync(worker)  # before counting this request among those waiting
         # the worker's in-flight count already includes it: a first request finds no backlog
         first = worker.inflight_requests <= 1
         own = self.prefill_ms(uncached_tokens, cached_tokens)
         if first:
             predicted = backlog = own
+        elif (priced is not None and priced[0] is worker and priced[1] == now and priced[2] == uncached_tokens
+              and priced[3] == cached_tokens):  # ahead_ms (nothing queued) and backlog_ms as admission found them
+            backlog = priced[4] + own
+            predicted = priced[5] + own
         else:  # ahead_ms (nothing queued) plus its own, and backlog_ms, the scale read once
             scale = self._corrections(worker)[0]
             backlog = self._drained(worker, now, scale)
@@ -626,7 +656,18 @@ class DeadlineGuard:
 def admit_by_deadline(guard: DeadlineGuard, router: Router, req: RouteRequest,
                       decided: tuple[Decision, RoutingContext, RoutingPolicy], slo_ms: float,
                       queued: Queued = _nothing_queued, refuse: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
-    """The decision to commit for ``req`` under deadline admission, as both hosts run it.
+    """The decision to commit for ``req`` under deadline admission, as both hosts run it
+    (``admit_priced``, without what it priced)."""
+    return admit_priced(guard, router, req, decided, slo_ms, queued, refuse)[0]
+
+
+def admit_priced(guard: DeadlineGuard, router: Router, req: RouteRequest,
+                 decided: tuple[Decision, RoutingContext, RoutingPolicy], slo_ms: float,
+                 queued: Queued = _nothing_queued,
+                 refuse: bool = True) -> tuple[tuple[Decision, RoutingContext, RoutingPolicy], Pricing | None]:
+    """The decision to commit for ``req`` under deadline admission, and what admission priced
+    on its worker when it admitted the policy's own choice (``on_dispatch`` takes it when the
+    decision commits in the same step; None otherwise).
 
     ``decided`` is ``router.decide(req)``'s answer. Returns it if its worker meets the SLO,
     else the policy's decision among the workers that do (``req.candidate_workers`` is
@@ -640,18 +681,20 @@ def admit_by_deadline(guard: DeadlineGuard, router: Router, req: RouteRequest,
         req.request_id = router.new_request_id()
     decision, ctx, _ = decided
     chosen = router.workers.find(decision.worker_id)
-    if chosen is not None and guard.chosen_meets(ctx, chosen, slo_ms, queued):
-        guard.on_admitted(req.request_id, slo_ms, ctx.now)
-        return decided
+    if chosen is not None:
+        priced = guard.price_chosen(ctx, chosen, slo_ms, queued)
+        if priced is not None:
+            guard.on_admitted(req.request_id, slo_ms, ctx.now)
+            return decided, priced
     verdict = guard.check(ctx, decision.worker_id, slo_ms, queued)
     if verdict.shed:
         if not refuse:
             guard.spared += 1
-            return decided
+            return decided, None
         raise guard.refusal(verdict)
     guard.on_admitted(req.request_id, slo_ms, ctx.now)
     if decision.worker_id in verdict.meets:
-        return decided
+        return decided, None
     guard.rerouted += 1
     req.candidate_workers = verdict.meets
-    return router.decide(req, ctx.explain)
+    return router.decide(req, ctx.explain), None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..config import AdmissionConfig
-from ..deadline import DeadlineGuard, admit_by_deadline
+from ..deadline import DeadlineGuard, Pricing, admit_priced
 from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, Overloaded
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Completion, Decision, Dispatch, RouteRequest
@@ -78,27 +78,29 @@ class AdmissionGate:
     def route_now(self, req: RouteRequest, explain: bool) -> RouteResult:
         """Deadline admission without queues: decide, shed what cannot meet its SLO, commit."""
         assert self.queues is None
-        decision, ctx, policy = self._decide(req, explain)
-        return self._dispatched(self.router.commit(decision, ctx, policy), ctx.now)
+        (decision, ctx, policy), priced = self._decide(req, explain)
+        return self._dispatched(self.router.commit(decision, ctx, policy), ctx.now, priced)
 
-    def _decide(self, req: RouteRequest, explain: bool) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+    def _decide(self, req: RouteRequest,
+                explain: bool) -> tuple[tuple[Decision, RoutingContext, RoutingPolicy], Pricing | None]:
+        """The decision, and what deadline admission priced for it (``admit_priced``)."""
         router = self.router
         decided = router.decide(req, explain)
-        if self.guard is not None:
-            slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
-            refuse = req.ttft_slo_ms > 0 or self.config.shed_without_slo
-            decided = admit_by_deadline(self.guard, router, req, decided, slo_ms, self._queued, refuse)
-        return decided
+        if self.guard is None:
+            return decided, None
+        slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
+        refuse = req.ttft_slo_ms > 0 or self.config.shed_without_slo
+        return admit_priced(self.guard, router, req, decided, slo_ms, self._queued, refuse)
 
     async def route(self, req: RouteRequest, timeout_s: float | None, explain: bool) -> RouteResult:
         """Decide (shedding what cannot meet its SLO); dispatch now if the worker has room,
         else wait in its queue."""
         router = self.router
-        decision, ctx, policy = self._decide(req, explain)
+        (decision, ctx, policy), priced = self._decide(req, explain)
         wid = decision.worker_id
         worker = router.workers.get(wid)
         if self.queues is None or (not self.queues.queue(wid) and self.queues.may_dispatch(worker.inflight_requests)):
-            return self._dispatched(router.commit(decision, ctx, policy), ctx.now)
+            return self._dispatched(router.commit(decision, ctx, policy), ctx.now, priced)
         if not req.request_id:
             req.request_id = router.new_request_id()
         if req.request_id in self.queues:
@@ -152,12 +154,13 @@ class AdmissionGate:
             return (0, 0)
         return (len(self.queues.queue(worker_id)), self.queues.queued_tokens(worker_id))
 
-    def _dispatched(self, result: RouteResult, now: float) -> RouteResult:
-        """A committed Route: deadline admission's model hears of the work it adds."""
+    def _dispatched(self, result: RouteResult, now: float, priced: Pricing | None = None) -> RouteResult:
+        """A committed Route: deadline admission's model hears of the work it adds (``priced``:
+        what admission priced for it, when the decision committed in the same step)."""
         if self.guard is not None:
             cached = result.decision.overlap_blocks * self.router.block_size
             uncached = max(0, result.request.prompt_tokens - cached)
-            self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached)
+            self.guard.on_dispatch(result.worker, result.request.request_id, uncached, now, cached, priced)
         return result
 
     def on_remote_dispatch(self, dispatch: Dispatch, replaying: bool = False) -> None:

@@ -37,7 +37,7 @@ import xxhash
 from ..admission import AdmissionQueues, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..clock import ManualClock
 from ..config import Config
-from ..deadline import DEADLINE_MODES, DeadlineGuard, admit_by_deadline
+from ..deadline import DEADLINE_MODES, DeadlineGuard, Pricing, admit_priced
 from ..errors import ConfigError, NotFound, SloUnreachable
 from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
@@ -319,9 +319,10 @@ class Simulation:
             self.log.append(("arrive", now, rr, None))
         router, queues = self.router, self.admission
         decided = router.decide(rr, explain=False)
+        priced = None
         if self.guard is not None:
             try:
-                decided = admit_by_deadline(self.guard, router, rr, decided, self.slo_ms, self._queued)
+                decided, priced = admit_priced(self.guard, router, rr, decided, self.slo_ms, self._queued)
             except SloUnreachable:
                 self.shed.add(n)
                 if self.log is not None:
@@ -332,7 +333,7 @@ class Simulation:
         worker = router.workers.get(wid)
         if queues is None or (not queues.queue(wid) and queues.may_dispatch(worker.inflight_requests)):
             result = router.commit(decision, ctx, policy)
-            self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6)
+            self._dispatch(n, rr, result, now, (time.perf_counter() - started) * 1e6, priced)
             return
         alt = router.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
         uncached = {wid: ctx.uncached_tokens(worker)}
@@ -379,7 +380,8 @@ class Simulation:
                 result = self.router.route(rr, explain=False)
                 self._dispatch(n, rr, result, now, route_us + (time.perf_counter() - started) * 1e6)
 
-    def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float) -> None:
+    def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float,
+                  priced: Pricing | None = None) -> None:
         req = self.workload.requests[n]
         keys = rr.keys
         bs = self.workload.block_tokens
@@ -395,7 +397,8 @@ class Simulation:
         self.records[n] = m.RequestRecord(req.arrival_s, i, len(keys), 0, req.input_tokens, req.output_tokens,
                                           math.nan, math.nan, route_us, overlap)
         if self.guard is not None:
-            self.guard.on_dispatch(result.worker, rr.request_id, max(0, rr.prompt_tokens - overlap * bs), now, overlap * bs)
+            self.guard.on_dispatch(result.worker, rr.request_id, max(0, rr.prompt_tokens - overlap * bs), now,
+                                   overlap * bs, priced)
         self.engines[i].enqueue(job)
         self._kick(i, now)
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..deadline import Pricing
 from ..errors import ConfigError, NotFound
 from ..protocols import Completion, RouteRequest, WorkerRole
 from ..router import RouteResult
@@ -123,11 +124,12 @@ class PdSimulation(Simulation):
         self.remote = 0
         self.transfer_ms: list[float] = []
 
-    def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float) -> None:
+    def _dispatch(self, n: int, rr: RouteRequest, result: RouteResult, now: float, route_us: float,
+                  priced: Pricing | None = None) -> None:
         d = result.decision
         self.reasons[d.pd_reason.split("+")[0] or "aggregated"] += 1
         if d.prefill is None or result.prefill_worker is None:
-            super()._dispatch(n, rr, result, now, route_us)
+            super()._dispatch(n, rr, result, now, route_us, priced)
             return
         self.remote += 1
         if self.log is not None:

@@ -347,10 +347,10 @@ def test_cache_decode_counts_against_capacity():
 class CappedSimulation(Simulation):
     """Checks at every dispatch that no worker holds more than the admission cap."""
 
-    def _dispatch(self, n, rr, result, now, route_us):
+    def _dispatch(self, n, rr, result, now, route_us, priced=None):
         cap = self.settings.admission_max_inflight
         assert self.router.workers.get(result.worker.id).inflight_requests <= cap
-        super()._dispatch(n, rr, result, now, route_us)
+        super()._dispatch(n, rr, result, now, route_us, priced)
 
 
 def test_admission_queue_caps_inflight_and_every_request_still_finishes():

@@ -1,10 +1,11 @@
 """Deadline admission's per-Route shortcuts give what the full computations give.
 
-The guard keeps its per-load-level corrections and its margin worked out ahead, and
-``on_dispatch`` / ``ahead_ms`` read a worker's books once per call. A random fleet's life
-(dispatches, first tokens, completions that teach the corrections and the margin, load
-reports that re-anchor backlogs, KV caches filling) is checked step by step against the
-definitions: any divergence, however small, fails here.
+The guard keeps its per-load-level corrections and its margin worked out ahead,
+``on_dispatch`` / ``ahead_ms`` read a worker's books once per call, and ``on_dispatch`` takes
+what admission priced before the commit (``price_chosen``) rather than pricing it again. A
+random fleet's life (dispatches, first tokens, completions that teach the corrections and the
+margin, load reports that re-anchor backlogs, KV caches filling) is checked step by step
+against the definitions: any divergence, however small, fails here.
 """
 
 from __future__ import annotations
@@ -63,8 +64,15 @@ def test_dispatch_predictions_backlogs_and_corrections_match_their_definitions(s
             rid = f"r{step}"
             req = RouteRequest(rid, list(range(1, tokens // BS + 1)), tokens)
             req.candidate_workers = (rng.choice(WORKERS),)
-            worker = router.route(req, explain=False).worker
-            uncached, cached = tokens - BS, BS
+            decision, ctx, policy = router.decide(req, explain=False)
+            worker = router.workers.get(decision.worker_id)
+            # half the dispatches take what admission priced before the commit, as the daemon's do
+            priced = guard.price_chosen(ctx, worker, math.inf) if rng.random() < 0.5 else None
+            router.commit(decision, ctx, policy)
+            if priced is not None:
+                uncached, cached = ctx.uncached_tokens(worker), ctx.overlap(worker) * BS
+            else:
+                uncached, cached = tokens - BS, BS
             if worker.inflight_requests <= 1:
                 predicted = backlog = guard.prefill_ms(uncached, cached)
             else:
@@ -72,7 +80,7 @@ def test_dispatch_predictions_backlogs_and_corrections_match_their_definitions(s
                 predicted = _ahead_by_definition(guard, worker, now, uncached) + own
                 backlog = guard.backlog_ms(worker, now) + own
             assert guard.ahead_ms(worker, now, uncached) == _ahead_by_definition(guard, worker, now, uncached)
-            guard.on_dispatch(worker, rid, uncached, now, cached)
+            guard.on_dispatch(worker, rid, uncached, now, cached, priced)
             assert guard._predicted[rid][0] == predicted
             assert guard._backlog[worker.id] == (backlog, now)
             guard.on_admitted(rid, rng.choice((200.0, 2_000.0)), now)

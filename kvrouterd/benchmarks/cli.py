@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         for mode, key, label in (
             ("observed", "grpc_stream_route_observed_server_cpu_us",
              "daemon with /metrics on, Completes reporting TTFT, e2e and cached tokens"),
+            ("deadline_off", "grpc_stream_route_deadline_off_server_cpu_us",
+             "daemon with deadline admission off (admission.deadline: off)"),
             ("floor", "grpc_stream_floor_server_cpu_us", "floor: a Python router that only hashes, matches and answers"),
         ):
             rows.append((f"gRPC RouteStream (+ complete), {label}", _load_figures(mid[mode]["stream_8x8"])))

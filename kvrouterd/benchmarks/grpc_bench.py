@@ -192,6 +192,8 @@ async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
                                     "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}
         if mode == "observed":
             settings["metrics"] = {"listen": "127.0.0.1:0"}
+        elif mode == "deadline_off":  # what deadline admission costs a Route + Complete, by difference
+            settings["admission"] = {**settings["admission"], "deadline": "off"}
         daemon = Daemon(parse_config(settings))
         if mode == "ingest":  # one empty event-driven worker
             from ..index.workers import WorkerSpec
@@ -468,8 +470,8 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
     SDK sends it. Against the daemon also the SDK's RouterClient, 64 in flight (``sdk_64``: the
     prompt a list; ``sdk_64_packed``: an array; ``sdk_64_keys``: a list sent as block keys), with
     this process's CPU per call. Then ``stream_8x8`` alone against the daemon as deployed
-    (``observed``: /metrics on, Completes reporting latencies and cached tokens) and against
-    ``floor`` (``FloorService``)."""
+    (``observed``: /metrics on, Completes reporting latencies and cached tokens), without
+    deadline admission (``deadline_off``) and against ``floor`` (``FloorService``)."""
     request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in ("trivial", "daemon"):
@@ -488,8 +490,9 @@ def route_throughput(workers: int, blocks: int, seconds: float, prompt: list[int
         finally:
             server.close()
     # the streamed load against the daemon as the Helm chart runs it (/metrics on) with Completes
-    # that carry what gateways report, and against the floor of a Python router (FloorService)
-    for mode in ("observed", "floor"):
+    # that carry what gateways report, without deadline admission (what it costs, by difference),
+    # and against the floor of a Python router (FloorService)
+    for mode in ("observed", "deadline_off", "floor"):
         server = ServerProcess(mode, workers, blocks)
         try:
             out[mode] = {"stream_8x8": _measured(
@@ -552,7 +555,7 @@ def ingest_throughput(total_blocks: int, blocks_per_event: int = 32, events_per_
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=["serve"])
-    parser.add_argument("mode", choices=["trivial", "floor", "daemon", "observed", "ingest"])
+    parser.add_argument("mode", choices=["trivial", "floor", "daemon", "observed", "deadline_off", "ingest"])
     parser.add_argument("workers", type=int)
     parser.add_argument("blocks", type=int)
     parser.add_argument("port_file")

@@ -238,7 +238,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         return pb.CompleteResponse()
 
     def _complete(self, request: pb.CompleteRequest) -> None:
-        model = self.router.request_model(request.request_id)
+        # the model labels the Complete's metrics alone: looked up only while they are recorded
+        model = self.router.request_model(request.request_id) if self.metrics.recording_completions else ""
         completion = convert.completion(request, self.router.settings.max_id_length)
         if completion.prefill_done:
             # the prefill hop alone (router.disagg), or the first token of any request (with

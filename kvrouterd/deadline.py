@@ -104,7 +104,7 @@ if TYPE_CHECKING:
     from .protocols import Decision, RouteRequest
     from .router import Router
 
-__all__ = ["DEADLINE_MODES", "DeadlineGuard", "DeadlineMode", "Pricing", "Verdict", "admit_by_deadline", "admit_priced"]
+__all__ = ["DEADLINE_MODES", "DeadlineGuard", "DeadlineMode", "Pricing", "Verdict", "admit_priced"]
 
 DeadlineMode = Literal["off", "shed", "defer"]
 DEADLINE_MODES: tuple[str, ...] = ("off", "shed", "defer")
@@ -343,13 +343,20 @@ class DeadlineGuard:
         then ``queued`` (requests, tokens) waiting for it in the router's admission queue."""
         ahead = 0.0
         if worker.inflight_requests:
-            # backlog_ms and kv_wait_ms, the books synced and the scale read once: every Route asks
+            # _waits' second part, written out: check calls this for every eligible worker, and
+            # the call and its pair cost a check at 1,024 workers ~6%
             self._sync(worker)
             scale = self._corrections(worker)[0]
             ahead = max(self._drained(worker, now, scale), self._kv_wait(worker, now, tokens) / scale)
         if queued[1]:
             ahead += self.latency.ttft_ms(queued[1], 0, queued[0] - 1)
         return ahead
+
+    def _waits(self, worker: Worker, now: float, tokens: int, scale: float) -> tuple[float, float]:
+        """``(backlog_ms, the larger of it and kv_wait_ms in model ms)`` of a worker with requests
+        in flight, its books synced, at ``scale``: each read once, as every Route asks for both."""
+        drained = self._drained(worker, now, scale)
+        return drained, max(drained, self._kv_wait(worker, now, tokens) / scale)
 
     # ---- the online correction ------------------------------------------------------------
     @property
@@ -422,25 +429,19 @@ class DeadlineGuard:
         ahead = self.ahead_ms(worker, now, uncached_tokens, queued)
         return (ahead + self.prefill_ms(uncached_tokens, cached_tokens)) * self._corrections(worker)[0]
 
-    def chosen_meets(self, ctx: RoutingContext, chosen: Worker, slo_ms: float, queued: Queued = _nothing_queued) -> bool:
-        """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
-        one worker): the common case, answered without pricing every eligible worker, which
-        at 1,024 workers would cost the decision a millisecond."""
-        return self.price_chosen(ctx, chosen, slo_ms, queued) is not None
-
     def price_chosen(self, ctx: RoutingContext, chosen: Worker, slo_ms: float,
                      queued: Queued = _nothing_queued) -> Pricing | None:
-        """``chosen_meets``, with what it priced when the choice meets the SLO (None when it
-        does not), for ``on_dispatch`` of the same decision."""
+        """Whether the policy's own choice is predicted to meet the SLO (``check``'s rule for
+        one worker): what it priced there when it does (for ``on_dispatch`` of the same
+        decision), None when it does not. The common case, answered without pricing every
+        eligible worker, which at 1,024 workers would cost the decision a millisecond."""
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
         now = ctx.now
         drained = waited = 0.0
         level = _load_level(chosen)
-        if chosen.inflight_requests:  # ahead_ms's backlog and KV wait, the books synced and the scale read once
+        if chosen.inflight_requests:  # ahead_ms's, its two parts kept
             self._sync(chosen)
-            scale = self._levels[level][0]
-            drained = self._drained(chosen, now, scale)
-            waited = max(drained, self._kv_wait(chosen, now, uncached) / scale)
+            drained, waited = self._waits(chosen, now, uncached, self._levels[level][0])
         priced = (chosen, now, uncached, cached, drained, waited)
         ahead = waited
         requests, tokens = queued(chosen.id)
@@ -536,10 +537,9 @@ class DeadlineGuard:
               and priced[3] == cached_tokens):  # ahead_ms (nothing queued) and backlog_ms as admission found them
             backlog = priced[4] + own
             predicted = priced[5] + own
-        else:  # ahead_ms (nothing queued) plus its own, and backlog_ms, the scale read once
-            scale = self._corrections(worker)[0]
-            backlog = self._drained(worker, now, scale)
-            predicted = max(backlog, self._kv_wait(worker, now, uncached_tokens) / scale) + own
+        else:  # ahead_ms (nothing queued) plus its own, and backlog_ms plus its own
+            backlog, waited = self._waits(worker, now, uncached_tokens, self._corrections(worker)[0])
+            predicted = waited + own
             backlog += own
         self._backlog[worker.id] = (backlog, now)
         self._waiting_tokens[worker.id] = (0 if first else self._waiting_tokens.get(worker.id, 0)) + uncached_tokens
@@ -653,21 +653,13 @@ class DeadlineGuard:
                 "deadline_spared": self.spared}
 
 
-def admit_by_deadline(guard: DeadlineGuard, router: Router, req: RouteRequest,
-                      decided: tuple[Decision, RoutingContext, RoutingPolicy], slo_ms: float,
-                      queued: Queued = _nothing_queued, refuse: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
-    """The decision to commit for ``req`` under deadline admission, as both hosts run it
-    (``admit_priced``, without what it priced)."""
-    return admit_priced(guard, router, req, decided, slo_ms, queued, refuse)[0]
-
-
 def admit_priced(guard: DeadlineGuard, router: Router, req: RouteRequest,
                  decided: tuple[Decision, RoutingContext, RoutingPolicy], slo_ms: float,
                  queued: Queued = _nothing_queued,
                  refuse: bool = True) -> tuple[tuple[Decision, RoutingContext, RoutingPolicy], Pricing | None]:
-    """The decision to commit for ``req`` under deadline admission, and what admission priced
-    on its worker when it admitted the policy's own choice (``on_dispatch`` takes it when the
-    decision commits in the same step; None otherwise).
+    """The decision to commit for ``req`` under deadline admission, as both hosts run it, and
+    what admission priced on its worker when it admitted the policy's own choice
+    (``on_dispatch`` takes it when the decision commits in the same step; None otherwise).
 
     ``decided`` is ``router.decide(req)``'s answer. Returns it if its worker meets the SLO,
     else the policy's decision among the workers that do (``req.candidate_workers`` is

@@ -10,7 +10,7 @@ import pytest
 from kvrouterd.admission import AdmissionQueues, Waiting
 from kvrouterd.clock import ManualClock
 from kvrouterd.bounds import MAX_LATENCY_MS
-from kvrouterd.deadline import MIN_RETRY_AFTER_MS, DeadlineGuard, admit_by_deadline
+from kvrouterd.deadline import MIN_RETRY_AFTER_MS, DeadlineGuard, admit_priced
 from kvrouterd.errors import ConfigError, Overloaded, SloUnreachable
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.latency import LatencyParams
@@ -21,6 +21,11 @@ BS = 16
 SLO = 5_000.0
 #: 1 ms per prefill token, fixed: predictions are token counts
 MS_PER_TOKEN = LatencyParams(prefill_ms_per_1k_tokens=1000.0, calibrate=False)
+
+
+def admit_by_deadline(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """``admit_priced``'s decision alone: what these tests check."""
+    return admit_priced(*args, **kwargs)[0]
 
 
 def fleet(*workers: str) -> tuple[Router, DeadlineGuard, ManualClock]:
@@ -150,7 +155,7 @@ def test_defer_drops_queued_requests_that_can_no_longer_meet_their_slo() -> None
 
 
 def test_the_fast_answer_for_the_chosen_worker_agrees_with_the_full_check() -> None:
-    """``chosen_meets`` answers the common case alone; it must never disagree with ``check``."""
+    """``price_chosen`` answers the common case alone; it must never disagree with ``check``."""
     rng = random.Random(7)
     router, guard, clock = fleet("a", "b", "c")
     for i in range(300):
@@ -160,7 +165,7 @@ def test_the_fast_answer_for_the_chosen_worker_agrees_with_the_full_check() -> N
         req = request(f"q{i}", rng.randrange(100, 8_000))
         decision, ctx, _ = router.decide(req)
         for w in router.workers:
-            assert guard.chosen_meets(ctx, w, SLO) == (w.id in guard.check(ctx, w.id, SLO).meets)
+            assert (guard.price_chosen(ctx, w, SLO) is not None) == (w.id in guard.check(ctx, w.id, SLO).meets)
 
 
 def test_a_request_without_its_own_slo_is_admitted_where_it_would_be_shed() -> None:

@@ -14,7 +14,8 @@ histogram has no observable form, so ``RouteLatency`` queues each value and reco
 into the SDK histogram in one loop: on the daemon's maintenance tick (every 20 ms by default)
 and at the start of every collection, so a scrape or export always sees every finished Route.
 In the daemon under load that loop costs about a third of recording inline, where each call
-runs the SDK's path with cold caches (py-spy, Prometheus reader on). With no reader nothing
+runs the SDK's path with cold caches (py-spy, Prometheus reader on). What a Complete reports
+(latencies and cached tokens) is queued the same way (``Completions``). With no reader nothing
 is queued.
 
 Series of a worker that left are dropped (``Metrics.forget_worker``), so worker churn does not
@@ -43,8 +44,8 @@ from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
 
-__all__ = ["DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency", "build_meter_provider",
-           "drop_series"]
+__all__ = ["Completions", "DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency",
+           "build_meter_provider", "drop_series"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
@@ -259,42 +260,80 @@ class Tally:
         yield Observation(self.value)
 
 
-class CompletedTokens:
-    """``kvrouter.completed.prompt_tokens{worker[,model]}`` and ``.cached_tokens{worker[,model],source}``:
-    each Complete's counts queued, summed per series and added to the SDK counters by ``flush``.
+class Completions:
+    """What each Complete reports, queued, and recorded into the SDK instruments by ``flush``:
+    ``kvrouter.request.ttft`` / ``.e2e`` / ``.prefill_hop{worker,policy[,model][,phase]}`` (each
+    value), ``kvrouter.completed.prompt_tokens{worker[,model]}`` and
+    ``.cached_tokens{worker[,model],source}`` (summed per series, added once per flush).
 
-    An SDK ``add`` spends ~6 us cleaning and hashing its attributes, and a Complete whose engine
-    reported its cached tokens made three (18 us of the daemon's CPU per Complete); summed, a
-    flush adds once per series that changed. The queue is a deque (atomic append and popleft),
-    as ``RouteLatency``'s, so an exporter thread flushing while the event loop observes loses
-    nothing; a collection flushes first (``Metrics._collecting``), so a scrape is exact. A flush
-    holds ``lock`` from its first pop to its last add, so ``Metrics.forget_worker`` (which holds
-    it across its own flush and the drop) never drops a series that a flush on an exporter
-    thread then brings back.
+    An SDK ``Histogram.record`` or ``Counter.add`` spends ~6 us cleaning and hashing its
+    attributes; a Complete that reported its TTFT, end-to-end time and cached tokens made five of
+    them inline, ~35 us of the daemon's CPU per Complete under the streamed bench load (where each
+    runs with the request path's caches cold). Queued, a Complete costs one append; the records
+    run in one loop on the daemon's maintenance tick. The queue is a deque (atomic append and
+    popleft), as ``RouteLatency``'s, so an exporter thread flushing while the event loop observes
+    loses nothing; a collection flushes first (``Metrics._collecting``), so a scrape is exact. A
+    flush holds ``lock`` from its first pop to its last record, so ``Metrics.forget_worker``
+    (which holds it across its own flush and the drop) never drops a series that a flush on an
+    exporter thread then brings back.
     """
 
     #: a stalled tick never lets the queue grow past this: observe flushes instead
     MAX_PENDING = 4096
 
-    def __init__(self, prompt_tokens: Counter, cached_tokens: Counter) -> None:
+    def __init__(self, ttft: Histogram, e2e: Histogram, prefill_hop: Histogram, prompt_tokens: Counter,
+                 cached_tokens: Counter) -> None:
+        self.ttft, self.e2e, self.prefill_hop = ttft, e2e, prefill_hop
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
-        self._pending: deque[tuple[str, str, int, int, int]] = deque()
+        #: (worker, policy, model, ttft_s, e2e_s, prefill_s, kv_transfer_s, prompt, engine_cached
+        #: (-1: not reported), router_cached); a time <= 0 was not reported
+        self._pending: deque[tuple[str, str, str, float, float, float, float, int, int, int]] = deque()
+        #: (worker, policy, model) -> its latency histograms' attributes, built once per series
+        self._attributes: dict[tuple[str, str, str], dict[str, str]] = {}
         self.lock = threading.RLock()
 
-    def observe(self, worker_id: str, model: str, prompt: int, engine_cached: int, router_cached: int) -> None:
-        """One Complete: ``engine_cached`` tokens its engine found cached, ``router_cached`` predicted."""
+    def observe(self, worker_id: str, policy: str, model: str, completion: Completion, prompt: int,
+                router_cached: int) -> None:
+        """One Complete: ``router_cached`` is the prompt tokens the router predicted were cached."""
         pending = self._pending
-        pending.append((worker_id, model, prompt, engine_cached, router_cached))
+        pending.append((worker_id, policy, model, completion.ttft_ms, completion.e2e_ms, completion.prefill_ms,
+                        completion.kv_transfer_ms, prompt, completion.cached_tokens, router_cached))
         if len(pending) >= self.MAX_PENDING:
             self.flush()
+
+    def forget_worker(self, worker_id: str) -> None:
+        with self.lock:
+            self._attributes = {k: v for k, v in self._attributes.items() if k[0] != worker_id}
 
     def flush(self) -> None:
         pending = self._pending
         sums: dict[tuple[str, str], list[int]] = {}
+        ttft, e2e = self.ttft.record, self.e2e.record
         with self.lock:
+            by_series = self._attributes
             while pending:
-                worker_id, model, prompt, engine_cached, router_cached = pending.popleft()
+                worker_id, policy, model, ttft_ms, e2e_ms, prefill_ms, kv_ms, prompt, engine_cached, router_cached = (
+                    pending.popleft())
+                if ttft_ms > 0 or e2e_ms > 0 or prefill_ms > 0 or kv_ms > 0:
+                    key = (worker_id, policy, model)
+                    attributes = by_series.get(key)
+                    if attributes is None:
+                        if len(by_series) >= MAX_COMPLETION_SERIES:  # models are client-sent names
+                            by_series.clear()
+                        attributes = {"worker": worker_id, "policy": policy}
+                        if model:
+                            attributes["model"] = model
+                        by_series[key] = attributes
+                    if ttft_ms > 0:
+                        ttft(ttft_ms / 1000.0, attributes)
+                    if e2e_ms > 0:
+                        e2e(e2e_ms / 1000.0, attributes)
+                    for phase, ms in (("prefill", prefill_ms), ("kv_transfer", kv_ms)):
+                        if ms > 0:
+                            self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
+                if engine_cached < 0:  # the engine did not say
+                    continue
                 total = sums.get((worker_id, model))
                 if total is None:
                     sums[(worker_id, model)] = [prompt, engine_cached, router_cached]
@@ -439,9 +478,7 @@ class Metrics:
             "kvrouter.completed.cached_tokens",
             description="cached prompt tokens of the same requests: source=engine as observed, source=router as predicted",
         )
-        self.completed_tokens = CompletedTokens(self.prompt_tokens, self.cached_tokens)
-        #: (worker, policy, model) -> the attributes of its latency histograms, built once per series
-        self._completion_attributes: dict[tuple[str, str, str], dict[str, str]] = {}
+        self.completions = Completions(self.ttft, self.e2e, self.prefill_hop, self.prompt_tokens, self.cached_tokens)
         meter.create_observable_gauge(
             "kvrouter.build.info", [lambda _: [Observation(1, build_info())]],
             description="always 1; the labels name the kvrouterd version, Python and the index fast path",
@@ -449,38 +486,22 @@ class Metrics:
 
     def forget_worker(self, worker_id: str) -> int:
         """Drop the series labelled ``worker=worker_id`` (the worker left); returns how many."""
-        self._completion_attributes = {k: v for k, v in self._completion_attributes.items() if k[0] != worker_id}
-        # its queued token counts first: added after the drop, they would bring its series back
-        with self.completed_tokens.lock:
-            self.completed_tokens.flush()
-            return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prompt_tokens, self.cached_tokens),
-                               "worker", worker_id)
+        # its queued completions first: recorded after the drop, they would bring its series back
+        with self.completions.lock:
+            self.completions.flush()
+            self.completions.forget_worker(worker_id)
+            return drop_series(self.provider, (self.gaps, self.ttft, self.e2e, self.prefill_hop, self.prompt_tokens,
+                                               self.cached_tokens), "worker", worker_id)
 
     def completed(self, entry: InFlight, completion: Completion, model: str, block_size: int) -> None:
-        """One Complete: latencies the caller observed, and its engine's cache hit beside our prediction."""
+        """One Complete: latencies the caller observed, and its engine's cache hit beside our
+        prediction (queued: ``Completions``)."""
         if not self.recording_completions:
             return
-        key = (entry.worker_id, entry.policy, model)
-        attributes = self._completion_attributes.get(key)
-        if attributes is None:
-            if len(self._completion_attributes) >= MAX_COMPLETION_SERIES:  # models are client-sent names
-                self._completion_attributes.clear()
-            attributes = {"worker": entry.worker_id, "policy": entry.policy}
-            if model:
-                attributes["model"] = model
-            self._completion_attributes[key] = attributes
-        if completion.ttft_ms > 0:
-            self.ttft.record(completion.ttft_ms / 1000.0, attributes)
-        if completion.e2e_ms > 0:
-            self.e2e.record(completion.e2e_ms / 1000.0, attributes)
-        if completion.prefill_ms > 0 or completion.kv_transfer_ms > 0:
-            for phase, ms in (("prefill", completion.prefill_ms), ("kv_transfer", completion.kv_transfer_ms)):
-                if ms > 0:
-                    self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
-        if completion.cached_tokens >= 0:  # -1: the engine did not say
-            predicted = min(entry.overlap_blocks * block_size, entry.prompt_tokens)
-            self.completed_tokens.observe(entry.worker_id, model, entry.prompt_tokens, completion.cached_tokens,
-                                          predicted)
+        if (completion.ttft_ms > 0 or completion.e2e_ms > 0 or completion.cached_tokens >= 0
+                or completion.prefill_ms > 0 or completion.kv_transfer_ms > 0):
+            self.completions.observe(entry.worker_id, entry.policy, model, completion, entry.prompt_tokens,
+                                     min(entry.overlap_blocks * block_size, entry.prompt_tokens))
 
     def _collecting(self, options: CallbackOptions) -> Iterable[Observation]:
         # a collection runs every observable callback before it reads any instrument: flushing
@@ -492,7 +513,7 @@ class Metrics:
     def flush(self) -> None:
         """Record queued route latencies and completed tokens (the daemon calls this on its maintenance tick)."""
         self.route_latency.flush()
-        self.completed_tokens.flush()
+        self.completions.flush()
 
     def route_decided(self, policy: str, reason: str, seconds: float, pool: str = "", pd_reason: str = "") -> None:
         """One successful Route: count the decision (in its model pool, and its hop choice in a

@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvrouterd.index.workers import InFlight
 from kvrouterd.protocols import Completion
-from kvrouterd.telemetry.metrics import ROUTE_LATENCY_BUCKETS, CompletedTokens, Metrics, RouteLatency
+from kvrouterd.telemetry.metrics import ROUTE_LATENCY_BUCKETS, Completions, Metrics, RouteLatency
 
 
 def _metrics(reader: InMemoryMetricReader | None = None) -> Metrics:
@@ -143,7 +143,7 @@ def test_completed_tokens_are_exact_per_worker_model_and_source_across_flushes(r
     """Queued and summed per series, with a flush forced part way (a stalled tick) and a
     collection at the end: each series holds every Complete's tokens, none twice."""
     m = _metrics(reader)
-    n = CompletedTokens.MAX_PENDING + 500
+    n = Completions.MAX_PENDING + 500
     expected: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
     for i in range(n):
         worker, model = f"w{i % 3}", ("m" if i % 2 else "")
@@ -156,7 +156,7 @@ def test_completed_tokens_are_exact_per_worker_model_and_source_across_flushes(r
                                  ("kvrouter.completed.cached_tokens", engine, cached),
                                  ("kvrouter.completed.cached_tokens", router, min(overlap * 16, prompt))):
             expected[(name, key)] = expected.get((name, key), 0) + value
-    assert len(m.completed_tokens._pending) < CompletedTokens.MAX_PENDING
+    assert len(m.completions._pending) < Completions.MAX_PENDING
     assert _token_totals(reader) == expected
     assert _token_totals(reader) == expected  # a second collection adds nothing
 
@@ -167,7 +167,7 @@ def test_a_worker_forgotten_before_the_flush_leaves_no_series_behind(reader):
     m = _metrics(reader)
     _completed(m, "gone", 100, 40, 2, ttft_ms=50.0)
     _completed(m, "kept", 100, 10, 1, ttft_ms=50.0)
-    assert m.completed_tokens._pending  # nothing flushed yet
+    assert m.completions._pending  # nothing flushed yet
     m.forget_worker("gone")
     totals = _token_totals(reader)
     assert not [key for key in totals if ("worker", "gone") in key[1]]
@@ -177,6 +177,38 @@ def test_a_worker_forgotten_before_the_flush_leaves_no_series_behind(reader):
     _completed(m, "gone", 30, 5, 0, ttft_ms=20.0)
     assert _token_totals(reader)[("kvrouter.completed.prompt_tokens", (("worker", "gone"),))] == 30
     assert _points(reader, "kvrouter.request.ttft")[(("policy", "cache_aware"), ("worker", "gone"))].count == 1
+
+
+def test_completion_latencies_are_exact_per_series_across_flushes_and_an_exporter_thread(reader):
+    """Queued with the tokens, every reported TTFT, end-to-end and prefill-hop time lands once in
+    its series' histogram, through a forced flush (a stalled tick) and an exporter collecting
+    meanwhile; a Complete that reported nothing queues nothing."""
+    m = _metrics(reader)
+    n = Completions.MAX_PENDING + 500
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+    with _an_exporter_collecting(reader):
+        for i in range(n):
+            worker, model = f"w{i % 3}", ("m" if i % 2 else "")
+            entry = InFlight(f"r{i}", worker, 64, 64, 1, 0.0, "cache_aware")
+            done = Completion(entry.request_id, ttft_ms=10.0 + i % 7, e2e_ms=100.0 * (i % 5),
+                              prefill_ms=5.0 if i % 4 == 0 else 0.0)
+            m.completed(entry, done, model, 16)
+            named = (("model", model),) if model else ()
+            labels = tuple(sorted((("worker", worker), ("policy", "cache_aware"), *named)))
+            expected.setdefault(("kvrouter.request.ttft", labels), []).append(done.ttft_ms / 1000.0)
+            if done.e2e_ms > 0:
+                expected.setdefault(("kvrouter.request.e2e", labels), []).append(done.e2e_ms / 1000.0)
+            if done.prefill_ms > 0:
+                hop = tuple(sorted((*labels, ("phase", "prefill"))))
+                expected.setdefault(("kvrouter.request.prefill_hop", hop), []).append(done.prefill_ms / 1000.0)
+    assert len(m.completions._pending) < Completions.MAX_PENDING
+    for _ in range(2):  # a second collection adds nothing
+        got = {(name, labels): (p.count, round(p.sum, 6))
+               for name in ("kvrouter.request.ttft", "kvrouter.request.e2e", "kvrouter.request.prefill_hop")
+               for labels, p in _points(reader, name).items()}
+        assert got == {key: (len(v), round(sum(v), 6)) for key, v in expected.items()}
+    m.completed(InFlight("quiet", "w0", 64, 64, 1, 0.0, "cache_aware"), Completion("quiet"), "", 16)
+    assert not m.completions._pending
 
 
 def test_route_stream_batch_counters_are_exported_from_zero(reader):

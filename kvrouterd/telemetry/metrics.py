@@ -65,9 +65,9 @@ MAX_COMPLETION_SERIES = 4096
 #: a queue (``RouteLatency``, ``Completions``) records itself once it holds this many values,
 #: besides on the maintenance tick and at every collection. Recording holds the event loop
 #: (~7 us an SDK record, two a Complete), so this bounds each stall: ~1 ms for Route
-#: durations, ~2 ms for Completes. With only the tick's flush (20 ms of calls at once) the
-#: streamed bench's p99 Route latency against the ``observed`` daemon was 12.5-13.2 ms; at
-#: 128, 7.9-9.5, as before Completes were queued, keeping the CPU a warm loop saves.
+#: durations, ~2 ms for Completes. With the tick's flush alone (20 ms of calls at once) the
+#: streamed bench's p99 Route latency against the ``observed`` daemon was 12.4-12.9 ms, at 128
+#: 7.4-8.8, at the same CPU (docs/operations/performance.md)
 FLUSH_AT = 128
 
 

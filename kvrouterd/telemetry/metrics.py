@@ -45,7 +45,7 @@ from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
 
-__all__ = ["Completions", "DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency",
+__all__ = ["FLUSH_AT", "Completions", "DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency",
            "build_meter_provider", "drop_series"]
 
 log = logging.getLogger("kvrouterd.telemetry")
@@ -216,9 +216,6 @@ class RouteLatency:
     (and flushing) while the event loop observes loses and repeats nothing.
     """
 
-    #: the queue records itself once it holds this many values (``FLUSH_AT``)
-    FLUSH_AT = FLUSH_AT
-
     def __init__(self, histogram: Histogram, enabled: bool) -> None:
         self.histogram = histogram
         #: False when no reader collects: every record would be built and dropped
@@ -230,7 +227,7 @@ class RouteLatency:
         if self.enabled:
             pending = self._pending
             pending.append((seconds, policy))
-            if len(pending) >= self.FLUSH_AT:
+            if len(pending) >= FLUSH_AT:
                 self.flush()
 
     def record(self, seconds: float, attributes: Mapping[str, str]) -> None:
@@ -288,9 +285,6 @@ class Completions:
     the drop) never drops a series that a flush on an exporter thread then brings back.
     """
 
-    #: the queue records itself once it holds this many Completes (``FLUSH_AT``)
-    FLUSH_AT = FLUSH_AT
-
     def __init__(self, ttft: Histogram, e2e: Histogram, prefill_hop: Histogram, prompt_tokens: Counter,
                  cached_tokens: Counter) -> None:
         self.ttft, self.e2e, self.prefill_hop = ttft, e2e, prefill_hop
@@ -309,7 +303,7 @@ class Completions:
         pending = self._pending
         pending.append((worker_id, policy, model, completion.ttft_ms, completion.e2e_ms, completion.prefill_ms,
                         completion.kv_transfer_ms, prompt, completion.cached_tokens, router_cached))
-        if len(pending) >= self.FLUSH_AT:
+        if len(pending) >= FLUSH_AT:
             self.flush()
 
     def forget_worker(self, worker_id: str) -> None:
@@ -319,7 +313,7 @@ class Completions:
     def flush(self) -> None:
         pending = self._pending
         sums: dict[tuple[str, str], list[int]] = {}
-        ttft, e2e = self.ttft.record, self.e2e.record
+        ttft, e2e, prefill_hop = self.ttft.record, self.e2e.record, self.prefill_hop.record
         with self.lock:
             by_series = self._attributes
             while pending:
@@ -341,7 +335,7 @@ class Completions:
                         e2e(e2e_ms / 1000.0, attributes)
                     for phase, ms in (("prefill", prefill_ms), ("kv_transfer", kv_ms)):
                         if ms > 0:
-                            self.prefill_hop.record(ms / 1000.0, {**attributes, "phase": phase})
+                            prefill_hop(ms / 1000.0, {**attributes, "phase": phase})
                 if engine_cached < 0:  # the engine did not say
                     continue
                 total = sums.get((worker_id, model))

@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvrouterd.index.workers import InFlight
 from kvrouterd.protocols import Completion
-from kvrouterd.telemetry.metrics import ROUTE_LATENCY_BUCKETS, Completions, Metrics, RouteLatency
+from kvrouterd.telemetry.metrics import FLUSH_AT, ROUTE_LATENCY_BUCKETS, Metrics
 
 
 def _metrics(reader: InMemoryMetricReader | None = None) -> Metrics:
@@ -77,10 +77,10 @@ def test_the_tick_flush_records_and_empties_the_queue(reader):
 
 def test_a_stalled_tick_bounds_the_queue(reader):
     m = _metrics(reader)
-    for _ in range(RouteLatency.FLUSH_AT + 10):
+    for _ in range(FLUSH_AT + 10):
         m.route_decided("p", "r", 0.001)
-    assert len(m.route_latency._pending) < RouteLatency.FLUSH_AT
-    assert _points(reader, "kvrouter.route.duration")[(("policy", "p"),)].count == RouteLatency.FLUSH_AT + 10
+    assert len(m.route_latency._pending) < FLUSH_AT
+    assert _points(reader, "kvrouter.route.duration")[(("policy", "p"),)].count == FLUSH_AT + 10
 
 
 def test_without_a_reader_latencies_are_not_even_queued():
@@ -143,7 +143,7 @@ def test_completed_tokens_are_exact_per_worker_model_and_source_across_flushes(r
     """Queued and summed per series, with a flush forced part way (a stalled tick) and a
     collection at the end: each series holds every Complete's tokens, none twice."""
     m = _metrics(reader)
-    n = Completions.FLUSH_AT + 500
+    n = FLUSH_AT + 500
     expected: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
     for i in range(n):
         worker, model = f"w{i % 3}", ("m" if i % 2 else "")
@@ -156,7 +156,7 @@ def test_completed_tokens_are_exact_per_worker_model_and_source_across_flushes(r
                                  ("kvrouter.completed.cached_tokens", engine, cached),
                                  ("kvrouter.completed.cached_tokens", router, min(overlap * 16, prompt))):
             expected[(name, key)] = expected.get((name, key), 0) + value
-    assert len(m.completions._pending) < Completions.FLUSH_AT
+    assert len(m.completions._pending) < FLUSH_AT
     assert _token_totals(reader) == expected
     assert _token_totals(reader) == expected  # a second collection adds nothing
 
@@ -184,7 +184,7 @@ def test_completion_latencies_are_exact_per_series_across_flushes_and_an_exporte
     its series' histogram, through a forced flush (a stalled tick) and an exporter collecting
     meanwhile; a Complete that reported nothing queues nothing."""
     m = _metrics(reader)
-    n = Completions.FLUSH_AT + 500
+    n = FLUSH_AT + 500
     expected: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
     with _an_exporter_collecting(reader):
         for i in range(n):
@@ -201,7 +201,7 @@ def test_completion_latencies_are_exact_per_series_across_flushes_and_an_exporte
             if done.prefill_ms > 0:
                 hop = tuple(sorted((*labels, ("phase", "prefill"))))
                 expected.setdefault(("kvrouter.request.prefill_hop", hop), []).append(done.prefill_ms / 1000.0)
-    assert len(m.completions._pending) < Completions.FLUSH_AT
+    assert len(m.completions._pending) < FLUSH_AT
     for _ in range(2):  # a second collection adds nothing
         got = {(name, labels): (p.count, round(p.sum, 6))
                for name in ("kvrouter.request.ttft", "kvrouter.request.e2e", "kvrouter.request.prefill_hop")

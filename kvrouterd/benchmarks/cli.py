@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else max(1, args.rounds)
     from ..index import native
 
-    steps = {"decision": 4, "grpc": rounds, "ingest": 1, "memory": 1}
+    steps = {"decision": 4, "grpc": rounds + 1, "ingest": 1, "memory": 1}
     _progress = _Steps(sum(steps[stage] for stage in set(stages)))
     result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16,
                                  "native": native.module is not None}
@@ -233,6 +233,21 @@ def run(args: argparse.Namespace) -> int:
             if server_cpu:  # the daemon's, in its own process
                 result[f"sdk_server_cpu_us_per_route{key}"] = statistics.median(server_cpu)
                 rows.append(("  daemon CPU per Route + Complete, us (median of rounds)", _median_of_rounds(server_cpu)))
+        # the daemon's own RouteStream handler under the same messages, in process: what its code
+        # costs without the transport, steadier than a live figure on a shared machine
+        from .stream_inprocess import RUNS, stream_handler_cost
+
+        _progress(f"RouteStream handler in process (64 workers, {blocks:,} blocks): daemon, deadline off, observed")
+        for mode, key, label in (("daemon", "grpc_stream_handler_cpu_us_in_process", "daemon"),
+                                 ("deadline_off", "grpc_stream_handler_deadline_off_cpu_us_in_process",
+                                  "daemon, deadline admission off"),
+                                 ("observed", "grpc_stream_handler_observed_cpu_us_in_process",
+                                  "daemon with /metrics on, Completes reporting")):
+            cost = stream_handler_cost(mode, 64, blocks, prompt, 50 if args.quick else 200)
+            result[key] = cost["us_median"]
+            rows.append((f"RouteStream handler in process, no transport: {label}",
+                         f"{cost['us_median']:.1f} us per Route + Complete (least of {RUNS} runs: "
+                         f"{cost['us_min']:.1f})"))
         for load, label in (("inflight_64", "Route, 64 in flight"), ("stream_8x8", "RouteStream coalesced"),
                             ("stream_8x8_single", "RouteStream one per message")):
             mix = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons[load].items(), key=lambda kv: -kv[1]))

@@ -60,6 +60,7 @@ import tempfile
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,40 @@ class FloorService(router_pb2_grpc.KVRouterServicer):
         out.reason = "prefix_match" if depth else "no_overlap"
 
 
+def daemon_settings(mode: str) -> dict[str, Any]:
+    """The benchmark daemon's config for ``mode`` ("daemon", "observed", "deadline_off", "floor",
+    "ingest"): deadline admission (on by default) modelling engines as fast as these; "observed":
+    Prometheus /metrics on, as the Helm chart deploys it, so every Route and Complete is recorded;
+    "deadline_off": what deadline admission costs a Route + Complete, by difference."""
+    settings: dict[str, Any] = {"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20},
+                                "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}
+    if mode == "observed":
+        settings["metrics"] = {"listen": "127.0.0.1:0"}
+    elif mode == "deadline_off":
+        settings["admission"] = {**settings["admission"], "deadline": "off"}
+    return settings
+
+
+def stream_items(request: pb.RouteRequest, reported: bool = False) -> tuple[Callable[[int], bytes],
+                                                                             Callable[[int, str], bytes]]:
+    """``(route_item, complete_item)``: a serialised RouteStreamRequest carrying ``request`` under
+    an id, and one completing a routed request (with ``reported``, carrying what a gateway that
+    measured its request sends: ``REPORTED_COMPLETE``). The route's bytes are encoded once: a
+    RouteStreamRequest is its id (field 1, varint) then the route (field 2), and only the id changes."""
+    route_field = pb.RouteStreamRequest(route=request).SerializeToString()
+
+    def route_item(n: int) -> bytes:
+        return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
+
+    def complete_item(n: int, request_id: str) -> bytes:
+        complete = complete_message(request_id)
+        if reported:
+            complete.MergeFrom(REPORTED_COMPLETE)
+        return pb.RouteStreamRequest(id=n, complete=complete).SerializeToString()
+
+    return route_item, complete_item
+
+
 async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
     if mode == "trivial":
         service: router_pb2_grpc.KVRouterServicer | None = TrivialService()
@@ -186,15 +221,7 @@ async def _serve(mode: str, workers: int, blocks: int, port_file: str) -> None:
         from ..server.app import Daemon
         from .workload import populate
 
-        # deadline admission (on by default) modelling engines as fast as these; "observed":
-        # Prometheus /metrics on, as the Helm chart deploys it, so every Route and Complete is recorded
-        settings: dict[str, Any] = {"listen": "127.0.0.1:0", "limits": {"max_message_bytes": 64 << 20},
-                                    "admission": {"latency": {"prefill_ms_per_1k_tokens": BENCH_PREFILL_MS_PER_1K}}}
-        if mode == "observed":
-            settings["metrics"] = {"listen": "127.0.0.1:0"}
-        elif mode == "deadline_off":  # what deadline admission costs a Route + Complete, by difference
-            settings["admission"] = {**settings["admission"], "deadline": "off"}
-        daemon = Daemon(parse_config(settings))
+        daemon = Daemon(parse_config(daemon_settings(mode)))
         if mode == "ingest":  # one empty event-driven worker
             from ..index.workers import WorkerSpec
             from ..protocols import CacheMode
@@ -317,18 +344,7 @@ async def _stream_load(
     message carries what a gateway that measured its request sends (``REPORTED_COMPLETE``)."""
     from kvrouter_client._streams import advertised_limit, answers, wire_messages
 
-    # a RouteStreamRequest is its id (field 1, varint) then the route (field 2): only the id
-    # changes, so the route's bytes are encoded once
-    route_field = pb.RouteStreamRequest(route=request).SerializeToString()
-
-    def message(n: int) -> bytes:
-        return pb.RouteStreamRequest(id=n).SerializeToString() + route_field
-
-    def complete_item(n: int, request_id: str) -> bytes:
-        complete = complete_message(request_id)
-        if reported:
-            complete.MergeFrom(REPORTED_COMPLETE)
-        return pb.RouteStreamRequest(id=n, complete=complete).SerializeToString()
+    message, complete_item = stream_items(request, reported)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
         open_stream = channel.stream_stream(
             "/kvrouter.v1.KVRouter/RouteStream",

@@ -8,10 +8,12 @@ run to run, and it includes the transport every gRPC server pays (the trivial se
 registered deserializer, with the streamed load's messages: ``STREAMS`` streams each keeping
 ``PER_STREAM`` Routes in flight, every answer sending its Complete and the next Route in one
 batch message cut by the SDK's own ``wire_messages``. What it counts is this thread's CPU
-(``time.thread_time``) from a message's deserialisation to its answer serialised, as gRPC's
-response serializer would: the part of the server's CPU the project's own code decides, steady
-to a few percent between runs. The maintenance tick and the gRPC server's threads run between
-the measured spans, so they are not counted.
+(``time.thread_time``) over a run less the client side's share (cutting messages, reading the
+answers): the deserializing, the handler, the answers serialised as gRPC's response serializer
+would, and the loop's turns between messages (the maintenance tick's included, and the turn each
+stream yields to the others, which a gRPC server spends in its own callbacks). It is the part of
+the server's CPU the project's own code decides, steady to a few percent between runs. The gRPC
+server's threads are idle and other threads are not counted.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ batch message cut by the SDK's own ``wire_messages``. What it counts is this thr
 answers): the deserializing, the handler, the answers serialised as gRPC's response serializer
 would, and the loop's turns between messages (the maintenance tick's included, and the turn each
 stream yields to the others, which a gRPC server spends in its own callbacks). It is the part of
-the server's CPU the project's own code decides, steady to a few percent between runs. The gRPC
-server's threads are idle and other threads are not counted.
+the server's CPU the project's own code decides, with no client sharing the cores: steadier
+than the live figures, though a noisy host still moves it. The gRPC server's threads are idle,
+and other threads are not counted.
 """
 
 from __future__ import annotations

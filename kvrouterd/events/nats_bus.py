@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +44,8 @@ from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 
 __all__ = [
-    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "connect", "ensure_stream", "resync_subject",
-    "worker_subject",
+    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "connect", "ensure_stream", "recreated",
+    "resume_until_done", "resync_subject", "worker_subject",
 ]
 
 log = logging.getLogger("kvrouterd.events.nats")
@@ -64,6 +64,10 @@ LAG_CHECK_S = 1.0
 #: reading the snapshot object: seconds per attempt, and attempts before replaying the stream
 SNAPSHOT_READ_TIMEOUT_S = 20.0
 SNAPSHOT_READ_ATTEMPTS = 3
+#: resuming a stream after a reconnect: seconds before the first retry of a failed attempt,
+#: doubled up to the second figure (a restarted server's JetStream may not answer at once)
+RESUME_RETRY_S = 0.5
+RESUME_RETRY_MAX_S = 10.0
 
 
 def worker_subject(prefix: str, worker_id: str) -> str:
@@ -97,6 +101,8 @@ class BusStats:
     pending: int = 0
     #: times this replica fell LAG_WARN_MESSAGES behind the stream (logged, then "caught up")
     lag_episodes: int = 0
+    #: times the stream was found created again after a reconnect (NATS lost it): followed anew
+    stream_resets: int = 0
 
 
 async def connect(config: NatsBusConfig, **options: Any) -> Any:
@@ -131,6 +137,30 @@ async def ensure_stream(js: Any, config: NatsBusConfig) -> Any:
         return await js.stream_info(config.stream)
 
 
+async def resume_until_done(resume: Callable[[], Awaitable[None]], stream: str) -> None:
+    """Run ``resume`` (a reader's resubscription after a reconnect) until it succeeds, retrying
+    after RESUME_RETRY_S, then twice as long each time up to RESUME_RETRY_MAX_S. A reader that
+    gave up after one failed attempt stayed SERVING without a consumer for good, its view of the
+    fleet frozen; the next reconnect starts a new attempt, cancelling this one."""
+    delay = RESUME_RETRY_S
+    while True:
+        try:
+            await resume()
+            return
+        except Exception as exc:  # JetStream not ready yet after a server restart, or the connection dropped again
+            log.warning("could not resume the stream %s after a reconnect (trying again in %.1fs): %s",
+                        stream, delay, exc or type(exc).__name__)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, RESUME_RETRY_MAX_S)
+
+
+def recreated(info: Any, created: Any, last_applied: int) -> bool:
+    """Whether the stream ``info`` describes is not the one a reader followed: NATS lost that one
+    (a server restarted without its store; the stream was deleted) and it was created again, so
+    its sequences begin at 1 again. ``created``: the followed stream's creation time."""
+    return info.created != created or info.state.last_seq < last_applied
+
+
 class BusEventSource:
     """One replica's reader of the shared event stream.
 
@@ -157,6 +187,9 @@ class BusEventSource:
         self._js: Any = None
         self._sub: Any = None
         self._resume: asyncio.Task[None] | None = None
+        #: the followed stream's creation time (``recreated``), and whether ``start`` ran
+        self._created: Any = None
+        self._following = False
         self._seen_end = 0
         self._behind_since: float | None = None
         self._caught_up_at = 0
@@ -168,8 +201,11 @@ class BusEventSource:
         async def reconnected() -> None:
             self.stats.reconnects += 1
             log.warning("reconnected to NATS", extra={"url": self.config.url})
-            if self._sub is not None:
-                self._resume = asyncio.create_task(self._resubscribe(), name="kvrouterd-bus-resume")
+            if self._following:
+                if self._resume is not None:
+                    self._resume.cancel()
+                self._resume = asyncio.create_task(resume_until_done(self._resubscribe, self.config.stream),
+                                                   name="kvrouterd-bus-resume")
 
         self._nc = await connect(self.config, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
@@ -179,6 +215,7 @@ class BusEventSource:
             await self.close()
             raise BusUnavailable(f"events.bus: JetStream stream {self.config.stream!r} unavailable: {exc}") from None
         self._target = info.state.last_seq
+        self._created = info.created
 
     @property
     def stream_end(self) -> int:
@@ -194,6 +231,7 @@ class BusEventSource:
         if self._target <= start_after:
             self.caught_up.set()
         await self._subscribe(start_after)
+        self._following = True
         self._lag_watch = asyncio.create_task(self._watch_lag(), name="kvrouterd-bus-lag")
         log.info("following the event bus", extra={"stream": self.config.stream, "from": start_after + 1,
                                                    "backlog": max(0, self._target - start_after)})
@@ -212,15 +250,29 @@ class BusEventSource:
         """After a reconnect: the server may have restarted and lost our ephemeral consumer,
         which the client would only notice after missed heartbeats (seconds). Start a new one
         right after the last sequence applied; anything the old one still delivers is older
-        and skipped by ``_on_message``."""
+        and skipped by ``_on_message``. A server that restarted without its store lost the
+        stream too: it is created again and followed from its start (``_stream_lost``)."""
+        info = await ensure_stream(self._js, self.config)
+        if recreated(info, self._created, self.stats.last_stream_sequence):
+            self._stream_lost(info)
         old, self._sub = self._sub, None
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.unsubscribe()
-        try:
-            await self._subscribe(self.stats.last_stream_sequence)
-        except Exception as exc:  # the connection dropped again; the next reconnect retries
-            log.warning("could not resume the event stream after a reconnect: %s", exc)
+        await self._subscribe(self.stats.last_stream_sequence)
+
+    def _stream_lost(self, info: Any) -> None:
+        """The stream is a new one: what the old one held is gone, and its sequences begin at 1.
+        A batch published to neither reaches no replica; the router sees it as a gap in its
+        worker's numbers when the next batch comes and asks that publisher to resync."""
+        self.stats.stream_resets += 1
+        log.warning("the event stream was created again (NATS lost it: a server restarted without its store?); "
+                    "following the new one from its start, after stream sequence %d of the old one; workers "
+                    "whose batches were lost resync through their gaps", self.stats.last_stream_sequence,
+                    extra={"stream": self.config.stream})
+        self._created = info.created
+        self.stats.last_stream_sequence = 0
+        self._seen_end = self._caught_up_at = 0
 
     async def _object_store(self) -> Any:
         from nats.js.errors import BucketNotFoundError

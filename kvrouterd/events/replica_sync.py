@@ -46,7 +46,7 @@ from typing import Any
 from ..errors import BusUnavailable, KVRouterError
 from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
-from .nats_bus import connect
+from .nats_bus import connect, recreated, resume_until_done
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -74,6 +74,8 @@ class SyncStats:
     reconnects: int = 0
     #: messages replayed from the stream's history at start
     replayed: int = 0
+    #: times the stream was found created again after a reconnect (NATS lost it): followed anew
+    stream_resets: int = 0
 
 
 class ReplicaSync:
@@ -112,31 +114,43 @@ class ReplicaSync:
         self._wake = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
         self._resume: asyncio.Task[None] | None = None
+        #: the followed stream's creation time (``nats_bus.recreated``), and whether ``start`` ran
+        self._created: Any = None
+        self._following = False
 
     # ---- start -------------------------------------------------------------------------
     async def connect(self) -> None:
         """Connect and make sure the load stream exists. Raises ``BusUnavailable``."""
-        from nats.js.api import StorageType, StreamConfig
-        from nats.js.errors import NotFoundError
 
         async def reconnected() -> None:
             self.stats.reconnects += 1
-            if self._sub is not None:
-                self._resume = asyncio.create_task(self._resubscribe(), name="kvrouterd-sync-resume")
+            if self._following:
+                if self._resume is not None:
+                    self._resume.cancel()
+                self._resume = asyncio.create_task(resume_until_done(self._resubscribe, self.config.stream),
+                                                   name="kvrouterd-sync-resume")
 
         self._nc = await connect(self.bus, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
         try:
-            try:
-                await self._js.stream_info(self.config.stream)
-            except NotFoundError:
-                await self._js.add_stream(StreamConfig(
-                    name=self.config.stream, subjects=[self.config.subject], storage=StorageType.FILE,
-                    max_age=self.window_s + HISTORY_MARGIN_S,
-                ))
+            self._created = (await self._ensure_stream()).created
         except Exception as exc:
             await self.close()
             raise BusUnavailable(f"events.bus.replica_sync: JetStream stream {self.config.stream!r} unavailable: {exc}") from None
+
+    async def _ensure_stream(self) -> Any:
+        """The load stream's info, creating it when missing."""
+        from nats.js.api import StorageType, StreamConfig
+        from nats.js.errors import NotFoundError
+
+        try:
+            return await self._js.stream_info(self.config.stream)
+        except NotFoundError:
+            await self._js.add_stream(StreamConfig(
+                name=self.config.stream, subjects=[self.config.subject], storage=StorageType.FILE,
+                max_age=self.window_s + HISTORY_MARGIN_S,
+            ))
+            return await self._js.stream_info(self.config.stream)
 
     async def start(self) -> None:
         """Replay the last ``window_s`` of deltas, then follow the stream; ``caught_up`` is set
@@ -149,6 +163,7 @@ class ReplicaSync:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
         self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
                                              config=config)
+        self._following = True
         self._publisher = asyncio.create_task(self._publish_loop(), name="kvrouterd-sync-publish")
         self.publish(self._marker)
         log.info("sharing in-flight load over the event bus",
@@ -156,9 +171,20 @@ class ReplicaSync:
 
     async def _resubscribe(self) -> None:
         """After a reconnect: resume right after the last sequence applied (a restarted server
-        may have dropped our consumer; see ``BusEventSource._resubscribe``)."""
+        may have dropped our consumer; see ``BusEventSource._resubscribe``). A stream NATS lost
+        (a server restarted without its store) is created again and followed from its start:
+        deltas published to neither are gone, and their requests expire after the in-flight
+        timeout, as a lost Complete's do."""
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
+        info = await self._ensure_stream()
+        if recreated(info, self._created, self.stats.last_stream_sequence):
+            self.stats.stream_resets += 1
+            log.warning("the load stream was created again (NATS lost it: a server restarted without its store?); "
+                        "following the new one from its start, after stream sequence %d of the old one",
+                        self.stats.last_stream_sequence, extra={"stream": self.config.stream})
+            self._created = info.created
+            self.stats.last_stream_sequence = 0
         old, self._sub = self._sub, None
         if old is not None:
             with contextlib.suppress(Exception):
@@ -166,11 +192,8 @@ class ReplicaSync:
         last = self.stats.last_stream_sequence
         config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1) if last
                   else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        try:
-            self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
-                                                 config=config)
-        except Exception as exc:  # the connection dropped again; the next reconnect retries
-            log.warning("could not resume the load stream after a reconnect: %s", exc)
+        self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
+                                             config=config)
 
     # ---- publishing --------------------------------------------------------------------
     def publish(self, encode: Callable[[str], bytes]) -> None:

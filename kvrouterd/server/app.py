@@ -344,7 +344,8 @@ class Daemon:
         router.on_committed, router.on_completed = committed, completed
         stats = sync.stats
         self.ops_metrics.sync_losses = lambda: {"publish_error": stats.publish_errors, "rejected": stats.rejected,
-                                                "stream_skip": stats.stream_skips}
+                                                "stream_skip": stats.stream_skips,
+                                                "stream_reset": stats.stream_resets}
         await sync.start()
         await sync.caught_up.wait()
 

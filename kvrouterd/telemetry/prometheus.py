@@ -26,8 +26,8 @@ they cost nothing per request:
 * replica sync (``events.bus.replica_sync``): ``kvrouter_replica_sync_deltas_total{outcome}``
   (other replicas' deltas: ``charged``, ``released``, ``late`` = a Dispatch behind its
   completion, ``unknown_worker``, ``prefill_released`` = a prefill hop released early) and
-  ``kvrouter_replica_sync_lost_total{reason}`` (``publish_error``, ``rejected``, ``stream_skip``:
-  deltas lost; their requests expire).
+  ``kvrouter_replica_sync_lost_total{reason}`` (``publish_error``, ``rejected``, ``stream_skip``,
+  ``stream_reset``: deltas lost; their requests expire).
 * ``kvrouter_policy_rule_fired_total{policy,rule}``: a policy's own rule counts
   (``RoutingPolicyBase.counters``): DualMap's decisions with a decode-bottlenecked candidate
   (A.7) and those the flag moved; ``kvrouter_admission_migrations_total``: DualMap's hotspot

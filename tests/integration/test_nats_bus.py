@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import nats
 import pytest
@@ -320,3 +321,34 @@ async def test_a_nats_restart_mid_stream_loses_and_doubles_nothing(nats_server: 
         assert w.state is WorkerState.READY and w.gaps == 0 and w.last_sequence == pub._next_seq - 1
         assert d.router.counters["batches_duplicate"] == 0
         assert d.bus is not None and d.bus.stats.stream_skips == 0 and d.bus.stats.reconnects >= 1
+
+
+async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
+    nats_server: NatsServer, replicas: list[Daemon], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server with no persistent volume comes back without the stream: each replica creates it
+    again and follows it from sequence 1, so the batches published after the restart reach it."""
+    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0, timeout=1.0) as pub:
+        engine = Engine(pub, random.Random(12), 1)
+        for _ in range(5):
+            engine.store_chain(2)
+            assert await pub.flush(10)  # one stream message each
+        await wait_applied(replicas, nats_server.url)
+        nats_server.stop()
+        nats_server.store_dir = tmp_path / "fresh-store"  # the old stream and snapshots are gone
+        nats_server.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while any(d.bus is None or d.bus.stats.stream_resets == 0 for d in replicas):
+            assert loop.time() < deadline, [d.bus.stats if d.bus else None for d in replicas]
+            await asyncio.sleep(0.02)
+        for _ in range(5):  # the new stream's sequences 1..5: below what the replicas applied of the old one
+            engine.store_chain(3)
+            assert await pub.flush(10)
+    await wait_applied(replicas, nats_server.url, timeout=20)
+    for d in replicas:
+        assert {eh for _, _, eh in d.router.export_blocks(WORKERS[0])} == set(engine.held)
+        w = d.router.workers.get(WORKERS[0])
+        assert w.state is WorkerState.READY and w.gaps == 0
+        assert d.bus is not None and d.bus.stats.stream_resets == 1 and d.bus.stats.last_stream_sequence == 5
+    assert sum("event stream was created again" in r.getMessage() for r in caplog.records) == len(replicas)

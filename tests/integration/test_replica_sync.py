@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 import nats
@@ -258,6 +259,32 @@ async def test_deltas_published_while_nats_restarts_reach_the_other_replica(
     # and the consumers follow the stream after the restart
     await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
     await settle(pair, lambda: a.router.workers.inflight_count == 6)
+
+
+
+async def test_a_nats_restart_without_its_store_is_followed_on_the_new_load_stream(
+    nats_server: NatsServer, pair: list[Replica], tmp_path: Path
+) -> None:
+    """The server comes back without the load stream: each replica creates it again and follows
+    it from sequence 1, so load routed after the restart is seen by the other replica."""
+    a, b = pair
+    rng = random.Random(8)
+    for i in range(3):
+        await a.stub.Route(pb.RouteRequest(request_id=f"before-{i}", token_ids=prompt(rng, 2)))
+    await settle(pair, lambda: b.router.workers.inflight_count == 3)
+    nats_server.stop()
+    nats_server.store_dir = tmp_path / "fresh-store"
+    nats_server.start()
+    syncs = [r.daemon.sync for r in pair]
+    await settle(pair, lambda: all(s is not None and s.stats.stream_resets == 1 for s in syncs), timeout=20)
+    # sequences 1.. of the new stream, below what each replica applied of the old one
+    await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
+    await a.stub.Complete(pb.CompleteRequest(request_id="before-0"))
+    await settle(pair, lambda: a.router.workers.inflight_count == 3 == b.router.workers.inflight_count, timeout=20)
+    assert a.inflight() == b.inflight()
+    assert b.daemon.metrics_endpoint is not None
+    _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
+    assert sample(text, "kvrouter_replica_sync_lost_total", reason="stream_reset") == 1
 
 
 PD_WORKERS = [{"id": wid, "address": f"{wid}.local:8000", "role": role, "mode": "events"}

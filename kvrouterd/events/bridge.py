@@ -442,11 +442,19 @@ class BusBridge:
         so the stream drops a copy it already stored."""
         msg_id = f"bridge.{self.run_id}.{self._n}"
         self._n += 1
+        from nats.js.errors import NoStreamResponseError
+
         # any Exception: timeouts, a connection being re-established, no responders
         async for attempt in BRIDGE_PUBLISH_BACKOFF.retrying(Exception, before_sleep=self._publish_failed):
             with attempt:
-                await self._js.publish(subject, body, timeout=self.publish_timeout_s,
-                                       headers={BRIDGE_HEADER: WIRE_VERSION, "Nats-Msg-Id": msg_id})
+                try:
+                    await self._js.publish(subject, body, timeout=self.publish_timeout_s,
+                                           headers={BRIDGE_HEADER: WIRE_VERSION, "Nats-Msg-Id": msg_id})
+                except NoStreamResponseError:
+                    # no stream takes the subject: NATS lost it (a server restarted without its
+                    # store) and no replica has made it again yet; make it, and the retry sends
+                    await ensure_stream(self._js, self.bus)
+                    raise
         self.stats.published += 1
 
     def _publish_failed(self, state: tenacity.RetryCallState) -> None:

@@ -29,7 +29,7 @@ from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server.app import Daemon
 from kvrouterd.server.bridge import BridgeProcess
 from tests.integration.engine_wire import SGLANG, VLLM_011, VLLM_026, EngineWire
-from tests.integration.test_nats_bus import wait_applied
+from tests.integration.test_nats_bus import stream_last_seq, wait_applied
 from tests.integration.test_zmq_events import FakeEngine
 
 BS = 16
@@ -230,6 +230,28 @@ async def test_a_restarted_bridge_rebuilds_the_view_from_the_engines_replay(flee
         assert fleet.blocks(d.router) == fleet.blocks(fleet.reference)
         assert d.router.workers.get("gpu-0").state is WorkerState.READY
     assert fleet.bridge.bridge.source.stats()["gpu-0"].replays_ok == 1
+
+
+async def test_a_bridge_makes_the_stream_again_when_nats_restarted_without_its_store(
+        fleet: Fleet, nats_server: NatsServer, tmp_path: Path) -> None:
+    """With no replica up to make the stream again, the bridge does, and what the engine
+    publishes after the restart is stored there."""
+    engine = fleet.add_engine("gpu-0", VLLM_026)
+    await fleet.start()
+    cache = Cache(engine, VLLM_026, random.Random(10), 1)
+    for _ in range(3):
+        await cache.store(2)
+    await fleet.settle()
+    for replica in fleet.replicas:
+        await replica.stop(grace=0)
+    fleet.replicas.clear()
+    nats_server.stop()
+    nats_server.store_dir = tmp_path / "fresh-store"  # the stream is gone with the store
+    nats_server.start()
+    await cache.store(3)
+    await fleet.settle()  # the bridge's publishes acknowledged: the stream exists again
+    assert fleet.bridge is not None and fleet.bridge.bridge.stats.publish_retries >= 1
+    assert await stream_last_seq(nats_server.url) >= 1
 
 
 async def test_a_full_bridge_queue_degrades_the_worker_then_resyncs_it(fleet: Fleet, nats_server: NatsServer) -> None:

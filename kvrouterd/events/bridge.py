@@ -440,10 +440,10 @@ class BusBridge:
     async def _publish(self, subject: str, body: bytes) -> None:
         """Publish one message until JetStream acknowledges it; a retry keeps its message id,
         so the stream drops a copy it already stored."""
-        msg_id = f"bridge.{self.run_id}.{self._n}"
-        self._n += 1
         from nats.js.errors import NoStreamResponseError
 
+        msg_id = f"bridge.{self.run_id}.{self._n}"
+        self._n += 1
         # any Exception: timeouts, a connection being re-established, no responders
         async for attempt in BRIDGE_PUBLISH_BACKOFF.retrying(Exception, before_sleep=self._publish_failed):
             with attempt:

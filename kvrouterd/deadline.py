@@ -654,6 +654,16 @@ class DeadlineGuard:
         if flight is not None:
             flight.pop(request_id, None)
 
+    def on_expired(self, request_id: str) -> None:
+        """``request_id`` was released unheard (no Complete within ``inflight_timeout_s``): it
+        leaves the books without teaching the corrections or the margin anything. Unheard, it
+        stayed in its worker's flight until a load report trimmed it (never, without reports)
+        and its prediction until 200,000 newer ones pushed it out; and a request reusing its
+        id on another worker left it there for good."""
+        self._forget(request_id)
+        self._predicted.pop(request_id, None)
+        self._judged.pop(request_id, None)
+
     def forget_worker(self, worker_id: str) -> None:
         self._backlog.pop(worker_id, None)
         self._waiting_tokens.pop(worker_id, None)

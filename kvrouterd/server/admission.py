@@ -239,6 +239,12 @@ class AdmissionGate:
             self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now(), completion.e2e_ms)
         self._admit_all((worker_id,))
 
+    def on_expired(self, request_id: str) -> None:
+        """A routed request was released after ``inflight_timeout_s`` without its Complete
+        (``Router.expire_inflight``); the tick admits into the room it freed."""
+        if self.guard is not None:
+            self.guard.on_expired(request_id)
+
     def on_first_token(self, completion: Completion) -> None:
         """A routed request's first token is out (``completion.ttft_ms``): deadline admission
         learns its TTFT now rather than when the request ends."""

@@ -422,6 +422,9 @@ class Daemon:
                     expired = self.router.expire_inflight()
                     if expired:
                         log.warning("released %d requests that never completed", len(expired))
+                        if self.admission is not None:
+                            for entry in expired:
+                                self.admission.on_expired(entry.request_id)
             except KVRouterError:  # pragma: no cover - policies raise nothing on tick
                 log.exception("maintenance step failed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import grpc
@@ -85,3 +86,28 @@ async def test_a_first_token_report_teaches_admission_before_the_request_ends(ru
     learned = guard.scale
     await stub.Complete(pb.CompleteRequest(request_id=routed.request_id, success=True, ttft_ms=9_600))
     assert running.router.request(routed.request_id) is None and guard.scale == learned
+
+
+@pytest.mark.parametrize("daemon_config", [
+    {"admission": {"deadline": "shed", "latency": LATENCY}, "default_ttft_slo_ms": 5000.0,
+     "limits": {"inflight_timeout_s": 0.2}},
+])
+async def test_requests_released_unheard_leave_deadline_admissions_books(running, daemon_config):
+    """Routes whose Complete never comes are released after ``inflight_timeout_s``; deadline
+    admission forgets them then, so nothing of theirs lingers, not even where a later request
+    reuses an id on another worker."""
+    stub = running.stub
+    for wid in ("a", "b"):
+        await stub.RegisterWorker(pb.RegisterWorkerRequest(worker=pb.Worker(id=wid, address=f"{wid}:1",
+                                                                            mode=pb.CACHE_STATE_MODE_EVENTS)))
+    for i in range(3):
+        await stub.Route(pb.RouteRequest(token_ids=prompt(1_000 * i, 320), request_id=f"lost-{i}",
+                                         candidate_workers=["a"]))
+    guard = running.daemon.admission.guard
+    assert set(guard._where) == {"lost-0", "lost-1", "lost-2"}
+    while running.router.workers.inflight_count:  # the maintenance tick expires them, about once a second
+        await asyncio.sleep(0.05)
+    await stub.Route(pb.RouteRequest(token_ids=prompt(9_000, 320), request_id="lost-0", candidate_workers=["b"]))
+    await stub.Complete(pb.CompleteRequest(request_id="lost-0", success=True))
+    assert not guard._where and not guard._predicted and not guard._judged
+    assert all(not flight for flight in guard._flight.values())

@@ -140,3 +140,29 @@ def test_approximate_models_end_on_the_stream_order_of_stores_and_evictions() ->
         a, b = converge(seed)
         assert blocks(a) == blocks(b), seed
     assert a.counters["approx_evicted"] and b.counters["approx_evicted"]
+
+
+def test_completions_ahead_of_their_dispatch_are_remembered_newest_first_for_the_in_flight_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Complete that overtook its Dispatch keeps that Dispatch from charging, while it is one
+    of the newest ``MAX_COMPLETED_IDS`` and younger than ``inflight_timeout_s``; an id past either
+    bound charges again, as a new request would."""
+    from kvrouterd.router import ledger
+
+    monkeypatch.setattr(ledger, "MAX_COMPLETED_IDS", 3)
+    clock = ManualClock()
+    router, _ = replica(clock)
+    for i in range(5):
+        assert router.complete_anywhere(Completion(f"c{i}")) is None  # not in flight here: remembered
+        clock.advance(1.0)
+
+    def dispatch(rid: str) -> Dispatch:
+        return Dispatch(rid, "w0", BS, BS, 0, "least_loaded")
+
+    assert router.apply_dispatch(dispatch("c0")) and router.apply_dispatch(dispatch("c1"))  # the oldest: gone
+    assert not router.apply_dispatch(dispatch("c3")) and not router.apply_dispatch(dispatch("c4"))
+    clock.advance(8.5)  # 13.5 s: c2 and c3 completed over inflight_timeout_s (10 s) ago, c4 did not
+    router.expire_inflight()
+    assert router.apply_dispatch(dispatch("c2")) and router.apply_dispatch(dispatch("c3"))
+    assert not router.apply_dispatch(dispatch("c4"))

@@ -273,6 +273,10 @@ class BusEventSource:
         self._created = info.created
         self.stats.last_stream_sequence = 0
         self._seen_end = self._caught_up_at = 0
+        # a replica still catching up at start waited for the old stream's end: now the new one's
+        self._target = info.state.last_seq
+        if self._target == 0:
+            self.caught_up.set()
 
     async def _object_store(self) -> Any:
         from nats.js.errors import BucketNotFoundError

@@ -179,12 +179,7 @@ class ReplicaSync:
 
         info = await self._ensure_stream()
         if recreated(info, self._created, self.stats.last_stream_sequence):
-            self.stats.stream_resets += 1
-            log.warning("the load stream was created again (NATS lost it: a server restarted without its store?); "
-                        "following the new one from its start, after stream sequence %d of the old one",
-                        self.stats.last_stream_sequence, extra={"stream": self.config.stream})
-            self._created = info.created
-            self.stats.last_stream_sequence = 0
+            self._stream_lost(info)
         old, self._sub = self._sub, None
         if old is not None:
             with contextlib.suppress(Exception):
@@ -194,6 +189,19 @@ class ReplicaSync:
                   else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
                                              config=config)
+
+    def _stream_lost(self, info: Any) -> None:
+        """The stream is a new one, its sequences beginning at 1: follow it from its start. A
+        replica still replaying at start waits for its marker, which went with the old stream:
+        it sends another."""
+        self.stats.stream_resets += 1
+        log.warning("the load stream was created again (NATS lost it: a server restarted without its store?); "
+                    "following the new one from its start, after stream sequence %d of the old one",
+                    self.stats.last_stream_sequence, extra={"stream": self.config.stream})
+        self._created = info.created
+        self.stats.last_stream_sequence = 0
+        if not self.caught_up.is_set():
+            self.publish(self._marker)
 
     # ---- publishing --------------------------------------------------------------------
     def publish(self, encode: Callable[[str], bytes]) -> None:

@@ -44,7 +44,7 @@ from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 
 __all__ = [
-    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "connect", "ensure_stream", "recreated",
+    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "connect", "ensure_stream", "replaced",
     "resume_until_done", "resync_subject", "worker_subject",
 ]
 
@@ -154,11 +154,30 @@ async def resume_until_done(resume: Callable[[], Awaitable[None]], stream: str) 
         delay = min(delay * 2, RESUME_RETRY_MAX_S)
 
 
-def recreated(info: Any, created: Any, last_applied: int) -> bool:
-    """Whether the stream ``info`` describes is not the one a reader followed: NATS lost that one
-    (a server restarted without its store; the stream was deleted) and it was created again, so
-    its sequences begin at 1 again. ``created``: the followed stream's creation time."""
-    return info.created != created or info.state.last_seq < last_applied
+async def replaced(js: Any, stream: str, info: Any, applied: int, applied_data: bytes | None) -> bool:
+    """Whether the stream ``info`` describes is not the one a reader followed up to sequence
+    ``applied`` (whose message held ``applied_data``): NATS lost that one (a server restarted
+    without its store, the stream was deleted) and it was created again, its sequences
+    beginning at 1. Read with the reader's consumer stopped, so ``applied`` does not move.
+
+    Told by content, not by the stream's creation time, which some nats-server releases change
+    on a restart that kept the stream (nats-server#8470): a stream ending before ``applied`` is
+    a new one; otherwise its message at ``applied`` is fetched and compared. A message aged out
+    or deleted there cannot be compared, and the stream counts as the same one (its holes are
+    the consumer's ``stream_skips``)."""
+    from nats.js.errors import NotFoundError
+
+    if applied <= 0:
+        return False
+    if info.state.last_seq < applied:
+        return True
+    if applied_data is None or applied < info.state.first_seq:
+        return False
+    try:
+        stored = await js.get_msg(stream, applied)
+    except NotFoundError:
+        return False
+    return (stored.data or b"") != applied_data
 
 
 class BusEventSource:
@@ -187,8 +206,9 @@ class BusEventSource:
         self._js: Any = None
         self._sub: Any = None
         self._resume: asyncio.Task[None] | None = None
-        #: the followed stream's creation time (``recreated``), and whether ``start`` ran
-        self._created: Any = None
+        #: the data of the message at ``stats.last_stream_sequence`` (``replaced``), and whether
+        #: ``start`` ran (``close`` clears it first: no resume starts after)
+        self._applied_data: bytes | None = None
         self._following = False
         self._seen_end = 0
         self._behind_since: float | None = None
@@ -215,7 +235,6 @@ class BusEventSource:
             await self.close()
             raise BusUnavailable(f"events.bus: JetStream stream {self.config.stream!r} unavailable: {exc}") from None
         self._target = info.state.last_seq
-        self._created = info.created
 
     @property
     def stream_end(self) -> int:
@@ -251,14 +270,15 @@ class BusEventSource:
         which the client would only notice after missed heartbeats (seconds). Start a new one
         right after the last sequence applied; anything the old one still delivers is older
         and skipped by ``_on_message``. A server that restarted without its store lost the
-        stream too: it is created again and followed from its start (``_stream_lost``)."""
-        info = await ensure_stream(self._js, self.config)
-        if recreated(info, self._created, self.stats.last_stream_sequence):
-            self._stream_lost(info)
+        stream too: it is created again and followed from its start (``_stream_lost``). The old
+        consumer stops first, so what was applied holds still while the stream is checked."""
         old, self._sub = self._sub, None
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.unsubscribe()
+        info = await ensure_stream(self._js, self.config)
+        if await replaced(self._js, self.config.stream, info, self.stats.last_stream_sequence, self._applied_data):
+            self._stream_lost(info)
         await self._subscribe(self.stats.last_stream_sequence)
 
     def _stream_lost(self, info: Any) -> None:
@@ -270,8 +290,8 @@ class BusEventSource:
                     "following the new one from its start, after stream sequence %d of the old one; workers "
                     "whose batches were lost resync through their gaps", self.stats.last_stream_sequence,
                     extra={"stream": self.config.stream})
-        self._created = info.created
         self.stats.last_stream_sequence = 0
+        self._applied_data = None
         self._seen_end = self._caught_up_at = 0
         # a replica still catching up at start waited for the old stream's end: now the new one's
         self._target = info.state.last_seq
@@ -332,6 +352,7 @@ class BusEventSource:
             self.stats.stream_skips += 1
             log.warning("event stream skipped %d message(s)", seq - last - 1, extra={"stream": self.config.stream})
         self.stats.last_stream_sequence = seq
+        self._applied_data = msg.data
         self.stats.messages += 1
         try:
             if self._bridged is not None and msg.headers and BRIDGE_HEADER in msg.headers:
@@ -390,6 +411,7 @@ class BusEventSource:
             self._caught_up_at = self.stats.last_stream_sequence
 
     async def close(self) -> None:
+        self._following = False
         await stop_task(self._lag_watch)
         await stop_task(self._resume)
         if self._nc is not None:

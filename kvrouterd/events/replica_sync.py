@@ -46,7 +46,7 @@ from typing import Any
 from ..errors import BusUnavailable, KVRouterError
 from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
-from .nats_bus import connect, recreated, resume_until_done
+from .nats_bus import connect, replaced, resume_until_done
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -114,8 +114,9 @@ class ReplicaSync:
         self._wake = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
         self._resume: asyncio.Task[None] | None = None
-        #: the followed stream's creation time (``nats_bus.recreated``), and whether ``start`` ran
-        self._created: Any = None
+        #: the data of the message at ``stats.last_stream_sequence`` (``nats_bus.replaced``), and
+        #: whether ``start`` ran (``close`` clears it first: no resume starts after)
+        self._applied_data: bytes | None = None
         self._following = False
 
     # ---- start -------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class ReplicaSync:
         self._nc = await connect(self.bus, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
         try:
-            self._created = (await self._ensure_stream()).created
+            await self._ensure_stream()
         except Exception as exc:
             await self.close()
             raise BusUnavailable(f"events.bus.replica_sync: JetStream stream {self.config.stream!r} unavailable: {exc}") from None
@@ -177,13 +178,13 @@ class ReplicaSync:
         timeout, as a lost Complete's do."""
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
-        info = await self._ensure_stream()
-        if recreated(info, self._created, self.stats.last_stream_sequence):
-            self._stream_lost(info)
-        old, self._sub = self._sub, None
+        old, self._sub = self._sub, None  # stopped first: what was applied holds still while checked
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.unsubscribe()
+        info = await self._ensure_stream()
+        if await replaced(self._js, self.config.stream, info, self.stats.last_stream_sequence, self._applied_data):
+            self._stream_lost(info)
         last = self.stats.last_stream_sequence
         config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1) if last
                   else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
@@ -198,8 +199,8 @@ class ReplicaSync:
         log.warning("the load stream was created again (NATS lost it: a server restarted without its store?); "
                     "following the new one from its start, after stream sequence %d of the old one",
                     self.stats.last_stream_sequence, extra={"stream": self.config.stream})
-        self._created = info.created
         self.stats.last_stream_sequence = 0
+        self._applied_data = None
         if not self.caught_up.is_set():
             self.publish(self._marker)
 
@@ -248,6 +249,7 @@ class ReplicaSync:
             self.stats.stream_skips += 1
             log.warning("load stream skipped %d message(s)", seq - last - 1, extra={"stream": self.config.stream})
         self.stats.last_stream_sequence = seq
+        self._applied_data = msg.data
         self.stats.received += 1
         if not self.caught_up.is_set():
             self.stats.replayed += 1
@@ -267,6 +269,7 @@ class ReplicaSync:
             log.warning("load delta from the bus rejected: %s", exc)
 
     async def close(self) -> None:
+        self._following = False
         for task in (self._publisher, self._resume):
             await stop_task(task)
         self._publisher = self._resume = None

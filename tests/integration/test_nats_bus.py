@@ -321,6 +321,7 @@ async def test_a_nats_restart_mid_stream_loses_and_doubles_nothing(nats_server: 
         assert w.state is WorkerState.READY and w.gaps == 0 and w.last_sequence == pub._next_seq - 1
         assert d.router.counters["batches_duplicate"] == 0
         assert d.bus is not None and d.bus.stats.stream_skips == 0 and d.bus.stats.reconnects >= 1
+        assert d.bus.stats.stream_resets == 0  # the stream kept: followed on, not replayed from its start
 
 
 async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(

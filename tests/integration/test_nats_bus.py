@@ -353,20 +353,3 @@ async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
         assert w.state is WorkerState.READY and w.gaps == 0
         assert d.bus is not None and d.bus.stats.stream_resets == 1 and d.bus.stats.last_stream_sequence == 5
     assert sum("event stream was created again" in r.getMessage() for r in caplog.records) == len(replicas)
-
-
-async def test_a_publisher_makes_the_stream_again_when_nats_restarted_without_its_store(
-    nats_server: NatsServer, tmp_path: Path
-) -> None:
-    """With no router replica up to make the stream again, an engine's publisher does, and what
-    it records after the restart is stored there."""
-    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0, timeout=1.0) as pub:
-        engine = Engine(pub, random.Random(13), 1)
-        engine.store_chain(2)
-        assert await pub.flush(10)
-        nats_server.stop()
-        nats_server.store_dir = tmp_path / "fresh-store"
-        nats_server.start()
-        engine.store_chain(3)
-        assert await pub.flush(15)
-    assert await stream_last_seq(nats_server.url) == 1

@@ -11,9 +11,7 @@ delivery differs. Each batch is one ``kvrouter.v1.EventBatch`` message on the su
 it (stored on disk). After a failure (NATS down or restarting) the client reconnects and the
 unacknowledged batches are sent again, each with the same ``Nats-Msg-Id``
 (``<worker>.<run>.<sequence>``), so the stream's de-duplication window drops a batch it already
-stored: no batch is lost or stored twice, and every replica applies each one once. A server
-that restarted without its store (no persistent volume) lost the stream itself: a publish no
-stream answers makes it again, as router replicas do when they reconnect, and goes once more.
+stored: no batch is lost or stored twice, and every replica applies each one once.
 
 Resync. A router replica whose view of this worker lost events (a hole in the stream, a
 snapshot taken while the worker was degraded) cannot answer a publisher on the bus, so it asks:
@@ -127,8 +125,6 @@ class NatsEventPublisher(EventPublisher):
     async def _stream(self) -> None:
         """Publish what is buffered, oldest first, dropping each batch once JetStream acks it;
         then wait for more (or a flush). Raising hands the retry to ``EventPublisher._run``."""
-        from nats.js.errors import NoStreamResponseError
-
         js = await self._connect()
         self.stats.streams += 1
         while True:
@@ -142,15 +138,8 @@ class NatsEventPublisher(EventPublisher):
                 seq, msg = self._buffer[0]
                 # never reused once tried: JetStream may have stored it, and drops a repeated message id
                 self._written_seq = max(self._written_seq, seq)
-                data, headers = msg.SerializeToString(), {"Nats-Msg-Id": f"{self.worker_id}.{self.run_id}.{seq}"}
-                try:
-                    await js.publish(self.subject, data, timeout=self.timeout, headers=headers)
-                except NoStreamResponseError:
-                    # no stream takes the subject: NATS lost it (a server restarted without its
-                    # store) and no router replica has made it again yet. Make it, send once more;
-                    # a second failure goes to the delivery loop's retry
-                    await self._ensure_stream()
-                    await js.publish(self.subject, data, timeout=self.timeout, headers=headers)
+                await js.publish(self.subject, msg.SerializeToString(), timeout=self.timeout,
+                                 headers={"Nats-Msg-Id": f"{self.worker_id}.{self.run_id}.{seq}"})
                 self._buffer.popleft()
                 self.stats.batches_written += 1
                 self.stats.batches_acked += 1

@@ -516,7 +516,10 @@ class Simulation:
                         self._drop_late(next_tick)
                     ticks += 1
                     if ticks % expire_every == 0:  # as the daemon's maintenance loop does
-                        router.expire_inflight()
+                        expired = router.expire_inflight()
+                        if self.guard is not None:
+                            for entry in expired:
+                                self.guard.on_expired(entry.request_id)
                         if self.admission is not None:
                             self._admit(self.admission.workers(), next_tick)
                     next_tick += tick

@@ -44,6 +44,7 @@ from ..router import Router, RouteResult
 from ..tasks import stop_task
 from ..telemetry.bus_metrics import register_bus_metrics
 from ..telemetry.loop_lag import LoopMonitor, freeze_heap, unfreeze_heap
+from ..telemetry.loop_reads import LoopReads
 from ..telemetry.metrics import Metrics, build_meter_provider
 from ..telemetry.prometheus import MetricsEndpoint, register_ops_metrics
 from ..telemetry.tracing import ServerSpans, build_tracer_provider, service_name
@@ -98,8 +99,11 @@ class Daemon:
         if self.metrics_endpoint is not None:
             metric_readers = [*metric_readers, self.metrics_endpoint.reader]
         self.meter_provider = build_meter_provider(name, metric_readers)
+        #: runs the observable instruments' callbacks (router state) on this daemon's event loop
+        #: for collections on other threads (a scrape, an OTLP export)
+        self.loop_reads = LoopReads()
         #: scrape-time router metrics; event sources attach with ops_metrics.add_event_source
-        self.ops_metrics = register_ops_metrics(self.meter_provider, self.router)
+        self.ops_metrics = register_ops_metrics(self.meter_provider, self.router, self.loop_reads)
         #: event-loop lag and gc pauses, and a warning naming what blocked the loop
         self.loop_monitor = LoopMonitor(self.meter_provider, tel.loop_stall_warn_ms / 1000.0)
         #: SIGHUP / file-change reload of routing policy parameters
@@ -129,7 +133,8 @@ class Daemon:
         speculative = self.router.speculative
         self.metrics = Metrics(self.meter_provider, lambda: self.router.indexed_blocks, self.service.worker_modes,
                                speculative=lambda: (speculative.outcomes, speculative.live),
-                               decode_workers_without_events=lambda: self.router.decode_workers_without_events())
+                               decode_workers_without_events=lambda: self.router.decode_workers_without_events(),
+                               loop_reads=self.loop_reads)
         self.service.metrics = self.metrics
         self.service.call_errors.metrics = self.metrics
         self.health = health.aio.HealthServicer()
@@ -207,6 +212,9 @@ class Daemon:
         if self.config.events.bus.enabled:
             await self._follow_bus()
         self._maintenance = asyncio.create_task(self._maintain(), name="kvrouterd-maintenance")
+        # from here on collections read router state on this loop; not before the bus's instruments
+        # exist: creating one takes the lock a collection holds while it waits for the loop
+        self.loop_reads.attach(asyncio.get_running_loop())
         if self.metrics_endpoint is not None:
             await self.metrics_endpoint.start()
         if self.reloader.path and self.config.reload_interval_s:
@@ -281,7 +289,7 @@ class Daemon:
                                   self._reset_events, self._note_rejected, max_events),
         )
         self.resync_asker = BusResyncAsker(self.router, self.bus)
-        register_bus_metrics(self.meter_provider, self.bus.stats)
+        register_bus_metrics(self.meter_provider, self.bus.stats, self.loop_reads)
         try:
             await self.bus.connect()
         except BaseException:
@@ -449,6 +457,9 @@ class Daemon:
             await self.metrics_endpoint.stop()
         await stop_task(self._maintenance)
         await self.loop_monitor.stop()
+        # an exporter collecting from now on, or the final export below, reads router state on
+        # its own thread: the loop may stop at any time once this returns
+        self.loop_reads.detach()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         self.meter_provider.shutdown()

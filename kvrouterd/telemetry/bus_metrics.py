@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from ..events.nats_bus import BusStats
+from .loop_reads import LoopReads
 
 __all__ = ["register_bus_metrics"]
 
@@ -29,8 +30,11 @@ _COUNTERS = {
 }
 
 
-def register_bus_metrics(provider: MeterProvider, stats: BusStats) -> None:
+def register_bus_metrics(provider: MeterProvider, stats: BusStats, loop_reads: LoopReads | None = None) -> None:
+    """``loop_reads``: the daemon's, which runs the callbacks on its event loop."""
     meter = provider.get_meter("kvrouterd.bus")
+    if loop_reads is not None:
+        meter = loop_reads.meter(meter)
 
     def observe(attr: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(_: CallbackOptions) -> Iterable[Observation]:

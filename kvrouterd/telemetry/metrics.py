@@ -44,6 +44,7 @@ from opentelemetry.sdk.resources import Resource
 from ..errors import ConfigError
 from ..index.workers import InFlight
 from ..protocols import Completion
+from .loop_reads import LoopReads
 
 __all__ = ["FLUSH_AT", "Completions", "DecisionCounter", "LabelledCount", "Metrics", "PairCount", "RouteLatency",
            "build_meter_provider", "drop_series"]
@@ -362,8 +363,11 @@ class Metrics:
         worker_modes: Callable[[], Iterable[tuple[str, str, str, int]]],
         speculative: Callable[[], tuple[Mapping[str, int], int]] | None = None,
         decode_workers_without_events: Callable[[], int] = lambda: 0,
+        loop_reads: LoopReads | None = None,
     ) -> None:
         meter = provider.get_meter("kvrouterd")
+        if loop_reads is not None:  # the daemon's: observable callbacks run on its event loop
+            meter = loop_reads.meter(meter)
         self.decisions = DecisionCounter()
         meter.create_observable_counter(
             "kvrouter.decisions", [self._collecting], description="routing decisions by policy and reason"

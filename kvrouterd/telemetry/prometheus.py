@@ -39,10 +39,10 @@ they cost nothing per request:
 
 HTTP is prometheus_client's own: its WSGI app (content negotiation, gzip, ``name[]``
 filters) on the threaded wsgiref server its ``start_http_server`` uses, with only
-``/metrics`` answered (anything else is a 404 naming it). The app runs on the server's
-thread, but collection does not: the registry it serves holds one collector that runs the
-real collection on the daemon's event loop and waits for it, so a scrape reads router state
-between, never during, the loop's updates (the callbacks iterate live dicts).
+``/metrics`` answered (anything else is a 404 naming it). The collection runs on the server's
+thread too, but the observable callbacks, which iterate the router's live dicts, each run on
+the daemon's event loop (``telemetry.loop_reads``), so a scrape reads router state between,
+never during, the loop's updates, and the loop is held only for those reads.
 """
 
 from __future__ import annotations
@@ -60,38 +60,17 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
 from ..decimals import parse_decimal
 from ..errors import ConfigError
 from ..protocols import CacheMode
+from .loop_reads import LoopReads
 
 __all__ = ["MetricsEndpoint", "OpsMetrics", "register_ops_metrics"]
 
 log = logging.getLogger("kvrouterd.telemetry")
 
-#: seconds a scrape waits for the event loop to collect (a loop blocked that long fails the scrape)
-COLLECT_TIMEOUT_S = 10.0
-
 EventStats = Callable[[], Mapping[str, Any]]
-
-
-class _OnLoop(Collector):
-    """Collects ``registry`` on ``loop`` for a caller on another thread (the HTTP server's)."""
-
-    def __init__(self, registry: CollectorRegistry, loop: asyncio.AbstractEventLoop) -> None:
-        self.registry, self.loop = registry, loop
-
-    def describe(self) -> list[Metric]:
-        return []  # registering must not collect (from the loop, it would wait on itself)
-
-    def collect(self) -> Iterable[Metric]:
-        done: asyncio.Future[list[Metric]] = asyncio.run_coroutine_threadsafe(self._collect(), self.loop)  # type: ignore[assignment]
-        return done.result(COLLECT_TIMEOUT_S)
-
-    async def _collect(self) -> list[Metric]:
-        return list(self.registry.collect())
 
 
 class _Quiet(WSGIRequestHandler):
@@ -128,8 +107,6 @@ class MetricsEndpoint:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with :0)."""
-        served = CollectorRegistry(auto_describe=False)
-        served.register(_OnLoop(self.registry, asyncio.get_running_loop()))
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
         try:
@@ -137,7 +114,7 @@ class MetricsEndpoint:
         except OSError as exc:
             reason = (exc.strerror or str(exc)).lower()  # "address already in use", as in kvrouterd's other lines
             raise ConfigError(f"metrics.listen: cannot bind {self.host}:{self.port}: {reason}") from None
-        self._server.set_app(_only_metrics(make_wsgi_app(served)))
+        self._server.set_app(_only_metrics(make_wsgi_app(self.registry)))
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvrouterd-metrics", daemon=True)
         self._thread.start()
@@ -168,9 +145,12 @@ class OpsMetrics:
         self.event_sources.append(stats)
 
 
-def register_ops_metrics(provider: MeterProvider, router: Any) -> OpsMetrics:
-    """Scrape-time instruments over ``router`` state (see the module docstring)."""
+def register_ops_metrics(provider: MeterProvider, router: Any, loop_reads: LoopReads | None = None) -> OpsMetrics:
+    """Scrape-time instruments over ``router`` state (see the module docstring); ``loop_reads``:
+    the daemon's, which runs their callbacks on its event loop."""
     meter = provider.get_meter("kvrouterd.ops")
+    if loop_reads is not None:
+        meter = loop_reads.meter(meter)
     ops = OpsMetrics()
 
     def prefix_decisions(_: CallbackOptions) -> Iterable[Observation]:

@@ -217,6 +217,9 @@ class Decision:
     prefill: PrefillHop | None = None
     pd_reason: str = ""
     decode_uncached_tokens: int = 0
+    #: how many workers the policy chose among; ``candidates`` lists at most
+    #: ``policies.base.EXPLAINED_CANDIDATES`` of them (0 = as many as it lists; set by the router)
+    candidate_count: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -158,6 +158,7 @@ class Selector:
             ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed, slots)
             decision = policy.select(ctx)
         decision.pool = pool
+        decision.candidate_count = len(ctx.candidates)
         if adapter:
             decision.lora_placement = placement(shared.workers.get(decision.worker_id), adapter)
         return decision, ctx, policy

@@ -4,7 +4,10 @@ Policies never import a tracer: the server turns a ``Decision`` into span attrib
 (as llm-d wraps its scorers with a traced one). Per-candidate values are parallel arrays
 (``kvrouter.candidates.id``, ``.overlap_blocks``, ``.load_tokens``, ``.score``, and one
 ``kvrouter.candidates.term.<name>`` array per policy term), so a trace backend shows every
-candidate of a decision without one attribute per worker.
+candidate of a decision without one attribute per worker. Past 16 candidates
+(``policies.base.EXPLAINED_CANDIDATES``) the arrays list the chosen worker, those holding the
+longest prefixes and the least loaded; ``kvrouter.candidates.count`` counts them all and
+``kvrouter.candidates.listed`` the ones listed.
 
 Exporters are configured the standard OpenTelemetry way: ``OTEL_TRACES_EXPORTER``
 (``otlp``, ``console`` or ``none``) wins over the config's ``telemetry.traces``, and
@@ -167,13 +170,15 @@ def annotate_decision(span: trace.Span, result: RouteResult, block_size: int) ->
         "kvrouter.chosen.matched_blocks": d.overlap_blocks,
         "kvrouter.chosen.state_mode": "events" if worker.mode is CacheMode.EVENTS else "approximate",
         "kvrouter.chosen.state": worker.state.name.lower(),
-        "kvrouter.candidates.count": len(d.candidates),
+        "kvrouter.candidates.count": d.candidate_count or len(d.candidates),
         "kvrouter.candidates.id": [c.worker_id for c in d.candidates],
         "kvrouter.candidates.overlap_blocks": [c.overlap_blocks for c in d.candidates],
         "kvrouter.candidates.load_tokens": [c.pending_prefill_tokens for c in d.candidates],
         "kvrouter.candidates.inflight": [c.inflight_requests for c in d.candidates],
         "kvrouter.candidates.score": [float(c.score) for c in d.candidates],
     }
+    if d.candidate_count > len(d.candidates):  # a big fleet's: the chosen and the likeliest (Decision.candidates)
+        attrs["kvrouter.candidates.listed"] = len(d.candidates)
     term_names = sorted({k for c in d.candidates for k in c.terms})
     for name in term_names:
         attrs[f"kvrouter.candidates.term.{name}"] = [float(c.terms.get(name, float("nan"))) for c in d.candidates]

@@ -102,7 +102,7 @@ class CacheAffinityPolicy(RoutingPolicyBase):
                 reason = "not_on_ring"
         scored = []
         if ctx.explain:
-            scored = [ctx.candidate(w, float(ctx.overlap(w))) for w in candidates]
+            scored = [ctx.candidate(w, float(ctx.overlap(w))) for w in ctx.explained(chosen)]
         return self.decide(ctx, chosen, reason, scored)
 
     def on_worker_added(self, worker: Worker) -> None:

@@ -172,20 +172,21 @@ class CacheAwarePolicy(RoutingPolicyBase):
             # nobody will read the record (an unsampled trace): the choice alone. Its attributes
             # are for the span only, and rounding a float is a decimal conversion (~0.5 us)
             return _new_decision(chosen.id, self.name, reason, [], overlaps.get(chosen.slot, 0), "", 0.0, {}, "", "", None,
-                                 "", 0)
+                                 "", 0, 0)
         match_rate = _match_rate(best_depth, ctx.block_size, prompt_tokens)
-        return self.decide(ctx, chosen, reason, self._scored(ctx, prompt_tokens, load_attr),
+        return self.decide(ctx, chosen, reason, self._scored(ctx, chosen, prompt_tokens, load_attr),
                            match_rate=round(match_rate, 4), imbalanced=int(imbalanced), match_rule=rule)
 
     @staticmethod
-    def _scored(ctx: RoutingContext, prompt_tokens: int, load_attr: str) -> list[CandidateScore]:
-        """Every candidate with its match rate and load, for the record (``select``'s variables
-        read by this comprehension would be cells, made on every decision, explained or not)."""
+    def _scored(ctx: RoutingContext, chosen: Worker, prompt_tokens: int, load_attr: str) -> list[CandidateScore]:
+        """The candidates the record lists (``ctx.explained``) with their match rate and load
+        (``select``'s variables read by this comprehension would be cells, made on every
+        decision, explained or not)."""
         overlaps = ctx.match.overlaps
         return [
             ctx.candidate(w, score=overlaps.get(w.slot, 0) * ctx.block_size / prompt_tokens,
                           load=float(getattr(w, load_attr)))
-            for w in ctx.candidates
+            for w in ctx.explained(chosen)
         ]
 
     def _most_overlap(self, ctx: RoutingContext, best_i: int, best_depth: int, load_attr: str) -> int:

@@ -18,5 +18,6 @@ class LeastLoadedPolicy(RoutingPolicyBase):
             ctx.candidates,
             key=lambda w: (w.pending_prefill_tokens, w.inflight_requests, w.reported_queue, w.slot),
         )
-        scored = [ctx.candidate(w, float(w.pending_prefill_tokens)) for w in ctx.candidates] if ctx.explain else []
+        scored = ([ctx.candidate(w, float(w.pending_prefill_tokens)) for w in ctx.explained(chosen)]
+                  if ctx.explain else [])
         return self.decide(ctx, chosen, "min_pending_prefill", scored)

@@ -12,4 +12,5 @@ from ..base import RoutingContext, RoutingPolicyBase
 class RandomPolicy(RoutingPolicyBase):
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = ctx.candidates[self.rng.randrange(len(ctx.candidates))]
-        return self.decide(ctx, chosen, "random", [ctx.candidate(w) for w in ctx.candidates] if ctx.explain else [])
+        listed = [ctx.candidate(w) for w in ctx.explained(chosen)] if ctx.explain else []
+        return self.decide(ctx, chosen, "random", listed)

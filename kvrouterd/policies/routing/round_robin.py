@@ -17,7 +17,8 @@ class RoundRobinPolicy(RoutingPolicyBase):
 
     def select(self, ctx: RoutingContext) -> Decision:
         chosen = ctx.candidates[self._next % len(ctx.candidates)]
-        return self.decide(ctx, chosen, "rotation", [ctx.candidate(w) for w in ctx.candidates] if ctx.explain else [])
+        listed = [ctx.candidate(w) for w in ctx.explained(chosen)] if ctx.explain else []
+        return self.decide(ctx, chosen, "rotation", listed)
 
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
         # Advance only when the decision is committed, so select() stays side-effect free.

@@ -26,6 +26,11 @@ batch nor a double; we check the stream sequence ourselves too and count anythin
 
 Catch-up: at start the stream's last sequence is read; ``caught_up`` is set once every message
 up to it has been applied, which the daemon waits for before reporting SERVING.
+
+A lost stream: NATS may lose the stream (a server restarted without its store) or an operator
+may delete it and make it again. A reader tells so by the stream's content (``replaced``) at a
+reconnect and every second while connected (``StreamWatch``), then follows the new stream from
+its start, counted (``stream_resets``) and logged.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 
 __all__ = [
-    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "connect", "ensure_stream", "replaced",
-    "resume_until_done", "resync_subject", "worker_subject",
+    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "StreamWatch", "connect", "ensure_stream",
+    "replaced", "resume_until_done", "resync_subject", "worker_subject",
 ]
 
 log = logging.getLogger("kvrouterd.events.nats")
@@ -101,7 +106,8 @@ class BusStats:
     pending: int = 0
     #: times this replica fell LAG_WARN_MESSAGES behind the stream (logged, then "caught up")
     lag_episodes: int = 0
-    #: times the stream was found created again after a reconnect (NATS lost it): followed anew
+    #: times the stream was found made again (NATS lost it, or it was deleted): at a reconnect or
+    #: by the check every LAG_CHECK_S; followed anew from its start
     stream_resets: int = 0
 
 
@@ -138,17 +144,18 @@ async def ensure_stream(js: Any, config: NatsBusConfig) -> Any:
 
 
 async def resume_until_done(resume: Callable[[], Awaitable[None]], stream: str) -> None:
-    """Run ``resume`` (a reader's resubscription after a reconnect) until it succeeds, retrying
-    after RESUME_RETRY_S, then twice as long each time up to RESUME_RETRY_MAX_S. A reader that
-    gave up after one failed attempt stayed SERVING without a consumer for good, its view of the
-    fleet frozen; the next reconnect starts a new attempt, cancelling this one."""
+    """Run ``resume`` (a reader's resubscription after a reconnect, or after ``StreamWatch`` found
+    its stream gone) until it succeeds, retrying after RESUME_RETRY_S, then twice as long each
+    time up to RESUME_RETRY_MAX_S. A reader that gave up after one failed attempt stayed SERVING
+    without a consumer for good, its view of the fleet frozen; the next reconnect starts a new
+    attempt, cancelling this one."""
     delay = RESUME_RETRY_S
     while True:
         try:
             await resume()
             return
         except Exception as exc:  # JetStream not ready yet after a server restart, or the connection dropped again
-            log.warning("could not resume the stream %s after a reconnect (trying again in %.1fs): %s",
+            log.warning("could not resume following the stream %s (trying again in %.1fs): %s",
                         stream, delay, exc or type(exc).__name__)
         await asyncio.sleep(delay)
         delay = min(delay * 2, RESUME_RETRY_MAX_S)
@@ -158,7 +165,8 @@ async def replaced(js: Any, stream: str, info: Any, applied: int, applied_data: 
     """Whether the stream ``info`` describes is not the one a reader followed up to sequence
     ``applied`` (whose message held ``applied_data``): NATS lost that one (a server restarted
     without its store, the stream was deleted) and it was created again, its sequences
-    beginning at 1. Read with the reader's consumer stopped, so ``applied`` does not move.
+    beginning at 1. Read with the reader's consumer stopped, so ``applied`` does not move, or
+    with ``applied`` read before ``info`` (``StreamWatch``).
 
     Told by content, not by the stream's creation time, which some nats-server releases change
     on a restart that kept the stream (nats-server#8470): a stream ending before ``applied`` is
@@ -178,6 +186,51 @@ async def replaced(js: Any, stream: str, info: Any, applied: int, applied_data: 
     except NotFoundError:
         return False
     return (stored.data or b"") != applied_data
+
+
+class StreamWatch:
+    """Whether the stream a reader follows, while its connection stays up, is still the one it
+    applied from. An operator may delete the stream and make it again, or NATS may lose it,
+    without the connection dropping: the reader's consumer is then gone with it, and only a
+    reconnect checked the stream (``replaced``). Meanwhile the replica answered SERVING on a
+    view nobody fed, until nats-py's ordered consumer, after two missed heartbeats (10 s or
+    more), re-created itself on the new stream after the old one's last sequence, skipping
+    every message of the new one below it.
+
+    Checked with the consumer running, which is safe here: what was applied is read before the
+    stream is, and a stream never moves its end back nor changes a message it holds, so what
+    the consumer applies meanwhile cannot make the same stream look new. The stream is compared
+    with what was applied at the previous check, not the latest: a consumer that re-created
+    itself on a new stream in between applied that stream's messages, which would match it."""
+
+    def __init__(self, js: Any, stream: str, applied: Callable[[], tuple[int, bytes | None]],
+                 resets: Callable[[], int]) -> None:
+        self._js = js
+        self._stream = stream
+        self._applied = applied
+        self._resets = resets
+        #: what was applied at the last check, and the reader's stream resets counted then
+        self._witness = (*applied(), resets())
+
+    async def check(self) -> tuple[bool, Any | None]:
+        """``(lost, info)``: whether the stream is gone (``info`` None: deleted, not made again
+        yet) or is a new one (``info``, its state). Raises what NATS raises otherwise (away)."""
+        from nats.js.errors import NotFoundError
+
+        sequence, data, resets = self._witness
+        latest = (*self._applied(), self._resets())
+        try:
+            info = await self._js.stream_info(self._stream)
+        except NotFoundError:
+            return True, None
+        lost = await replaced(self._js, self._stream, info, sequence, data)
+        if self._resets() != resets:
+            # the reader followed a new stream since the witness was read (a reconnect found it):
+            # the witness was the old stream's, and the new one differs from it by design
+            self._witness = (*self._applied(), self._resets())
+            return False, info
+        self._witness = latest
+        return lost, info
 
 
 class BusEventSource:
@@ -272,21 +325,42 @@ class BusEventSource:
         and skipped by ``_on_message``. A server that restarted without its store lost the
         stream too: it is created again and followed from its start (``_stream_lost``). The old
         consumer stops first, so what was applied holds still while the stream is checked."""
-        old, self._sub = self._sub, None
-        if old is not None:
-            with contextlib.suppress(Exception):
-                await old.unsubscribe()
+        await self._stop_consumer()
         info = await ensure_stream(self._js, self.config)
         if await replaced(self._js, self.config.stream, info, self.stats.last_stream_sequence, self._applied_data):
             self._stream_lost(info)
         await self._subscribe(self.stats.last_stream_sequence)
 
+    async def _stop_consumer(self) -> None:
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+
+    async def _resume_after_loss(self, info: Any | None) -> None:
+        """``StreamWatch`` found the stream gone (``info`` None) or made again: follow it anew."""
+        if info is None:
+            # made again here with the replicas' settings, as after a reconnect (the replicas own
+            # them; an engine's publisher only retries); then checked with the consumer stopped:
+            # a stream that reappears with its messages (a server answering before it loaded its
+            # store) is followed on, an empty one from its start
+            log.warning("the event stream is gone (deleted?); making it again and following it",
+                        extra={"stream": self.config.stream})
+        else:
+            # the watch's proof holds whatever the consumer applies: stop it before forgetting
+            # what it applied, or one of its messages still under way would count as the new
+            # stream's and hide that stream's messages up to its sequence
+            await self._stop_consumer()
+            self._stream_lost(info)
+        await resume_until_done(self._resubscribe, self.config.stream)
+
     def _stream_lost(self, info: Any) -> None:
         """The stream is a new one: what the old one held is gone, and its sequences begin at 1.
         A batch published to neither reaches no replica; the router sees it as a gap in its
-        worker's numbers when the next batch comes and asks that publisher to resync."""
+        worker's numbers when the next batch comes and asks that publisher to resync. The index
+        keeps what it holds: those gaps say which workers' views are stale."""
         self.stats.stream_resets += 1
-        log.warning("the event stream was created again (NATS lost it: a server restarted without its store?); "
+        log.warning("the event stream was created again (NATS lost it, or it was deleted); "
                     "following the new one from its start, after stream sequence %d of the old one; workers "
                     "whose batches were lost resync through their gaps", self.stats.last_stream_sequence,
                     extra={"stream": self.config.stream})
@@ -379,16 +453,24 @@ class BusEventSource:
         self._note_lag(self._seen_end - seq)
 
     async def _watch_lag(self) -> None:
-        """Compare the stream's end with what was applied, every LAG_CHECK_S. The messages
-        alone cannot show a lag: those the server pushed ahead sit in the client's buffer
-        while the replica is slow or paused, and each says nothing was pending when sent."""
+        """Every LAG_CHECK_S, check that the stream is still the one followed (``StreamWatch``)
+        and compare its end with what was applied. The messages alone cannot show a lag: those
+        the server pushed ahead sit in the client's buffer while the replica is slow or paused,
+        and each says nothing was pending when sent."""
+        watch = StreamWatch(self._js, self.config.stream, lambda: (self.stats.last_stream_sequence, self._applied_data),
+                            lambda: self.stats.stream_resets)
         while True:
             await asyncio.sleep(LAG_CHECK_S)
             asked_at = self.stats.last_stream_sequence
             try:
-                end = (await self._js.stream_info(self.config.stream)).state.last_seq
+                lost, info = await watch.check()
             except Exception:  # NATS away: the reconnect logic reports that; check again later
                 continue
+            if lost:
+                if self._resume is None or self._resume.done():  # (a running resume checks the stream itself)
+                    self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-bus-resume")
+                continue
+            end = info.state.last_seq
             self._seen_end = max(self._seen_end, end)
             if asked_at >= self._caught_up_at:  # (a catch-up logged meanwhile answered it already)
                 self._note_lag(max(0, end - asked_at))  # how far behind it was when we asked...

@@ -5,7 +5,8 @@ high (a slow or paused replica; the server's flow control holds the rest of the 
 until it catches up). The counters say what the consumer saw: messages, the batches the
 router found missing (gaps), holes in the stream itself (stream_skips: messages aged out
 before this replica read them), messages refused, reconnects, lag episodes and stream resets
-(NATS lost the stream, e.g. a server restarted without its store: followed anew from its start).
+(NATS lost the stream, e.g. a server restarted without its store, or it was deleted and made
+again: followed anew from its start).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _COUNTERS = {
     "rejected": "bus messages that did not decode or that the router refused",
     "reconnects": "reconnections to NATS",
     "lag_episodes": "times this replica fell behind the stream by LAG_WARN_MESSAGES or more",
-    "stream_resets": "times the stream was found created again after a reconnect (NATS lost it) and followed anew",
+    "stream_resets": "times the stream was found made again (NATS lost it, or it was deleted) and followed anew",
 }
 
 

@@ -353,3 +353,80 @@ async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
         assert w.state is WorkerState.READY and w.gaps == 0
         assert d.bus is not None and d.bus.stats.stream_resets == 1 and d.bus.stats.last_stream_sequence == 5
     assert sum("event stream was created again" in r.getMessage() for r in caplog.records) == len(replicas)
+
+
+async def wait_resets(replicas: list[Daemon], timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while any(d.bus is None or d.bus.stats.stream_resets == 0 for d in replicas):
+        assert loop.time() < deadline, [d.bus.stats if d.bus else None for d in replicas]
+        await asyncio.sleep(0.02)
+
+
+async def test_a_stream_deleted_and_made_again_while_connected_is_followed_anew(
+    nats_server: NatsServer, replicas: list[Daemon], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The connection never drops, so no reconnect checks the stream: the replicas' consumers are
+    gone with the old stream, and nats-py's ordered consumer, after two missed heartbeats (10 s),
+    re-creates itself on the new stream after the old one's last sequence, skipping the new
+    stream's messages below it. The once-a-second check finds the new stream (here grown past
+    what the replicas applied, so by its content) and follows it from its start."""
+    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0, timeout=1.0) as pub:
+        engine = Engine(pub, random.Random(14), 1)
+        for _ in range(5):
+            engine.store_chain(2)
+            assert await pub.flush(10)  # one stream message each
+        await wait_applied(replicas, nats_server.url)
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            config = (await js.stream_info("KVROUTER_EVENTS")).config
+            await js.delete_stream("KVROUTER_EVENTS")
+            await js.add_stream(config)
+        finally:
+            await nc.close()
+        for _ in range(8):  # the new stream's sequences 1..8: past the 5 the replicas applied of the old one
+            engine.store_chain(3)
+            assert await pub.flush(10)
+        await wait_resets(replicas, timeout=8)  # well before the client's own re-creation
+    await wait_applied(replicas, nats_server.url)
+    for d in replicas:
+        assert {eh for _, _, eh in d.router.export_blocks(WORKERS[0])} == set(engine.held)
+        w = d.router.workers.get(WORKERS[0])
+        assert w.state is WorkerState.READY and w.gaps == 0
+        assert d.bus is not None and d.bus.stats.stream_resets == 1 and d.bus.stats.last_stream_sequence == 8
+        assert d.bus.stats.reconnects == 0
+    assert sum("event stream was created again" in r.getMessage() for r in caplog.records) == len(replicas)
+
+
+async def test_a_stream_deleted_while_connected_is_made_again_by_the_replicas(
+    nats_server: NatsServer, replicas: list[Daemon], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nobody makes the stream again (an engine's publisher only retries): the replicas do, with
+    their own settings, as after a reconnect, once each at most, and follow it from its start."""
+    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0, timeout=1.0) as pub:
+        engine = Engine(pub, random.Random(15), 1)
+        for _ in range(4):
+            engine.store_chain(2)
+            assert await pub.flush(10)
+        await wait_applied(replicas, nats_server.url)
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream("KVROUTER_EVENTS")
+            await wait_resets(replicas, timeout=8)
+            info = await nc.jetstream().stream_info("KVROUTER_EVENTS")
+            assert info.config.max_age == 3600  # the replicas' settings
+        finally:
+            await nc.close()
+        await asyncio.sleep(1.5)  # more checks: the stream is there, nothing more happens
+        for _ in range(3):
+            engine.store_chain(3)
+        assert await pub.flush(10)
+    await wait_applied(replicas, nats_server.url)
+    for d in replicas:
+        assert {eh for _, _, eh in d.router.export_blocks(WORKERS[0])} == set(engine.held)
+        w = d.router.workers.get(WORKERS[0])
+        assert w.state is WorkerState.READY and w.gaps == 0
+        assert d.bus is not None and d.bus.stats.stream_resets == 1
+    gone = sum("event stream is gone" in r.getMessage() for r in caplog.records)
+    assert 1 <= gone <= len(replicas)  # found gone once, by one replica or both: no retrying every check

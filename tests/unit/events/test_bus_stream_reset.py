@@ -14,9 +14,9 @@ def _info(created: str, last_seq: int, first_seq: int = 1) -> SimpleNamespace:
     return SimpleNamespace(created=created, state=SimpleNamespace(last_seq=last_seq, first_seq=first_seq))
 
 
-def _message(seq: int) -> SimpleNamespace:
+def _message(seq: int, data: bytes = b"batch") -> SimpleNamespace:
     return SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq), num_pending=0),
-                           data=b"batch %d" % seq, headers=None, subject="kvrouter.events.w0")
+                           data=b"%s %d" % (data, seq), headers=None, subject="kvrouter.events.w0")
 
 
 class _Stream:
@@ -84,3 +84,148 @@ def test_a_replica_replaying_the_load_stream_when_nats_loses_it_sends_its_start_
     sync._outbox.clear()
     sync._stream_lost(_info("t2", 0))  # caught up already: nothing to wait for
     assert not sync._outbox
+
+
+class _Server:
+    """A JetStream stand-in for one stream a test may delete (``messages`` None) or replace while
+    a reader stays connected: ``stream_info``, ``get_msg`` and the calls a reader subscribes with."""
+
+    def __init__(self, messages: dict[int, bytes] | None) -> None:
+        self.messages = messages
+        self.subscribed: list[int] = []  # the start sequence of each consumer (1: from the start)
+        self.created = 0
+
+    async def stream_info(self, stream: str) -> SimpleNamespace:
+        from nats.js.errors import NotFoundError
+
+        if self.messages is None:
+            raise NotFoundError
+        return _info("t", max(self.messages, default=0), min(self.messages, default=1))
+
+    async def get_msg(self, stream: str, seq: int) -> SimpleNamespace:
+        return await _Stream(self.messages or {}).get_msg(stream, seq)
+
+    async def add_stream(self, config: object) -> None:
+        self.messages, self.created = {}, self.created + 1
+
+    async def subscribe(self, subject: str, cb: object, ordered_consumer: bool, config: object) -> SimpleNamespace:
+        self.subscribed.append(getattr(config, "opt_start_seq", None) or 1)
+
+        async def unsubscribe() -> None:
+            pass
+
+        return SimpleNamespace(pending_msgs=0, unsubscribe=unsubscribe)
+
+
+def _applied(source: BusEventSource) -> tuple[int, bytes | None]:
+    return source.stats.last_stream_sequence, source._applied_data
+
+
+async def test_the_watch_tells_a_new_stream_from_the_one_followed_while_the_consumer_runs() -> None:
+    from kvrouterd.events.nats_bus import StreamWatch
+
+    source = _source([])
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 41)})
+    for seq in range(1, 41):
+        await source._on_message(_message(seq))
+    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    assert await watch.check() == (False, await server.stream_info("S"))
+    for seq in (41, 42):  # the consumer goes on; the stream does too
+        server.messages[seq] = b"batch %d" % seq
+        await source._on_message(_message(seq))
+    assert not (await watch.check())[0]
+    # deleted and made again, and grown past what was applied: its end cannot tell, its content does
+    server.messages = {seq: b"other %d" % seq for seq in range(1, 90)}
+    lost, info = await watch.check()
+    assert lost and info.state.last_seq == 89
+    server.messages = None  # deleted, not made again yet
+    assert await watch.check() == (True, None)
+
+
+async def test_the_watch_compares_what_was_applied_at_the_previous_check() -> None:
+    """nats-py's ordered consumer re-creates itself after two missed heartbeats, after the last
+    sequence it delivered, on whatever stream holds the name now: the messages it then hands over
+    are the new stream's, and the latest one applied matches that stream."""
+    from kvrouterd.events.nats_bus import StreamWatch
+
+    source = _source([])
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 11)})
+    for seq in range(1, 11):
+        await source._on_message(_message(seq))
+    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    assert not (await watch.check())[0]
+    server.messages = {seq: b"other %d" % seq for seq in range(1, 13)}
+    for seq in (11, 12):  # delivered from the new stream, after the old one's 10
+        await source._on_message(_message(seq, b"other"))
+    assert (await watch.check())[0]
+
+
+async def test_the_watch_does_not_count_a_stream_a_reconnect_already_followed_anew() -> None:
+    from kvrouterd.events.nats_bus import StreamWatch
+
+    source = _source([])
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 11)})
+    for seq in range(1, 11):
+        await source._on_message(_message(seq))
+    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    assert not (await watch.check())[0]
+    server.messages = {seq: b"other %d" % seq for seq in range(1, 13)}
+    source._stream_lost(await server.stream_info("S"))  # the reconnect's check got there first
+    assert not (await watch.check())[0]
+    assert not (await watch.check())[0] and source.stats.stream_resets == 1
+
+
+async def test_a_connected_replica_follows_a_stream_made_again_from_its_start(monkeypatch) -> None:
+    import asyncio
+
+    monkeypatch.setattr("kvrouterd.events.nats_bus.LAG_CHECK_S", 0.01)
+    applied: list[int] = []
+    source = _source(applied)
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 6)})
+    source._js = server
+    source._target = 5
+    await source.start(0)
+    try:
+        for seq in range(1, 6):
+            await source._on_message(_message(seq))
+        await asyncio.sleep(0.05)
+        assert source.stats.stream_resets == 0 and server.subscribed == [1]
+        server.messages = {seq: b"other %d" % seq for seq in range(1, 9)}  # deleted, made again, grown past 5
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(server.subscribed) > 1:
+                break
+        assert source.stats.stream_resets == 1 and server.subscribed == [1, 1]  # the new consumer: from 1
+        assert source.stats.last_stream_sequence == 0 and source._target == 8
+        await source._on_message(_message(1, b"other"))  # the new stream's first
+        assert len(applied) == 6
+        await asyncio.sleep(0.05)
+        assert source.stats.stream_resets == 1  # once
+    finally:
+        await source.close()
+
+
+async def test_a_connected_replica_makes_a_deleted_stream_again_and_follows_it(monkeypatch) -> None:
+    import asyncio
+
+    monkeypatch.setattr("kvrouterd.events.nats_bus.LAG_CHECK_S", 0.01)
+    source = _source([])
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 6)})
+    source._js = server
+    source._target = 5
+    await source.start(0)
+    try:
+        for seq in range(1, 6):
+            await source._on_message(_message(seq))
+        server.messages = None
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(server.subscribed) > 1:
+                break
+        # made again (empty: it ends before the 5 applied) and followed from its start, once
+        assert server.created == 1 and source.stats.stream_resets == 1 and server.subscribed == [1, 1]
+        await asyncio.sleep(0.05)
+        assert server.created == 1 and len(server.subscribed) == 2
+    finally:
+        await source.close()
+

@@ -25,6 +25,9 @@ Ordering and loss:
   from when it was routed (the stream's timestamp), as on a single replica.
 * Deltas published while NATS is unreachable wait in the client's reconnect buffer; those that do
   not fit are counted (``publish_errors``) and logged: the requests they describe then expire.
+* A load stream NATS lost, or that was deleted (and made again), is noticed at a reconnect or by
+  the check every STREAM_CHECK_S (``nats_bus.StreamWatch``), counted (``stream_resets``) and
+  followed anew from its start; the deltas published meanwhile are gone and their requests expire.
 
 The host owns the wire format (``decode``/``marker``: only ``server/convert.py`` touches protobuf)
 and the router calls (``apply``); this module owns the connection, the stream and ordering.
@@ -46,7 +49,7 @@ from typing import Any
 from ..errors import BusUnavailable, KVRouterError
 from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
-from .nats_bus import connect, replaced, resume_until_done
+from .nats_bus import StreamWatch, connect, replaced, resume_until_done
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -54,6 +57,9 @@ log = logging.getLogger("kvrouterd.events.replica_sync")
 
 #: extra history the load stream keeps beyond the in-flight timeout (slow starts, clock skew)
 HISTORY_MARGIN_S = 60.0
+#: seconds between two checks that the load stream is still the one followed (``StreamWatch``):
+#: until one, a replica whose stream was deleted and made again applies nobody's deltas
+STREAM_CHECK_S = 1.0
 
 
 @dataclass
@@ -74,7 +80,8 @@ class SyncStats:
     reconnects: int = 0
     #: messages replayed from the stream's history at start
     replayed: int = 0
-    #: times the stream was found created again after a reconnect (NATS lost it): followed anew
+    #: times the stream was found made again (NATS lost it, or it was deleted), at a reconnect
+    #: or by the check every STREAM_CHECK_S: followed anew from its start
     stream_resets: int = 0
 
 
@@ -114,6 +121,7 @@ class ReplicaSync:
         self._wake = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
         self._resume: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         #: the data of the message at ``stats.last_stream_sequence`` (``nats_bus.replaced``), and
         #: whether ``start`` ran (``close`` clears it first: no resume starts after)
         self._applied_data: bytes | None = None
@@ -166,6 +174,7 @@ class ReplicaSync:
                                              config=config)
         self._following = True
         self._publisher = asyncio.create_task(self._publish_loop(), name="kvrouterd-sync-publish")
+        self._watch = asyncio.create_task(self._watch_stream(), name="kvrouterd-sync-watch")
         self.publish(self._marker)
         log.info("sharing in-flight load over the event bus",
                  extra={"stream": self.config.stream, "replica_id": self.replica_id, "replay_s": self.window_s})
@@ -178,10 +187,7 @@ class ReplicaSync:
         timeout, as a lost Complete's do."""
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
-        old, self._sub = self._sub, None  # stopped first: what was applied holds still while checked
-        if old is not None:
-            with contextlib.suppress(Exception):
-                await old.unsubscribe()
+        await self._stop_consumer()  # stopped first: what was applied holds still while checked
         info = await self._ensure_stream()
         if await replaced(self._js, self.config.stream, info, self.stats.last_stream_sequence, self._applied_data):
             self._stream_lost(info)
@@ -191,12 +197,46 @@ class ReplicaSync:
         self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
                                              config=config)
 
+    async def _stop_consumer(self) -> None:
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+
+    async def _watch_stream(self) -> None:
+        """Every STREAM_CHECK_S, check that the load stream is still the one followed; one
+        deleted (and made again) while connected is followed anew, as at a reconnect (see
+        ``BusEventSource._watch_lag``, which does the same beside its lag check)."""
+        watch = StreamWatch(self._js, self.config.stream,
+                            lambda: (self.stats.last_stream_sequence, self._applied_data),
+                            lambda: self.stats.stream_resets)
+        while True:
+            await asyncio.sleep(STREAM_CHECK_S)
+            try:
+                lost, info = await watch.check()
+            except Exception:  # NATS away: the reconnect resumes the stream; check again later
+                continue
+            if lost and (self._resume is None or self._resume.done()):  # (a running resume checks it itself)
+                self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-sync-resume")
+
+    async def _resume_after_loss(self, info: Any | None) -> None:
+        """As ``BusEventSource._resume_after_loss``: a stream gone (``info`` None) is made again
+        and checked with the consumer stopped; a new one is followed from its start, the old
+        consumer stopped first so that none of its messages counts as the new stream's."""
+        if info is None:
+            log.warning("the load stream is gone (deleted?); making it again and following it",
+                        extra={"stream": self.config.stream})
+        else:
+            await self._stop_consumer()
+            self._stream_lost(info)
+        await resume_until_done(self._resubscribe, self.config.stream)
+
     def _stream_lost(self, info: Any) -> None:
         """The stream is a new one, its sequences beginning at 1: follow it from its start. A
         replica still replaying at start waits for its marker, which went with the old stream:
         it sends another."""
         self.stats.stream_resets += 1
-        log.warning("the load stream was created again (NATS lost it: a server restarted without its store?); "
+        log.warning("the load stream was created again (NATS lost it, or it was deleted); "
                     "following the new one from its start, after stream sequence %d of the old one",
                     self.stats.last_stream_sequence, extra={"stream": self.config.stream})
         self.stats.last_stream_sequence = 0
@@ -270,9 +310,9 @@ class ReplicaSync:
 
     async def close(self) -> None:
         self._following = False
-        for task in (self._publisher, self._resume):
+        for task in (self._watch, self._publisher, self._resume):
             await stop_task(task)
-        self._publisher = self._resume = None
+        self._watch = self._publisher = self._resume = None
         if self._nc is not None:
             await self._nc.close()
             self._nc = None

@@ -368,3 +368,34 @@ async def test_a_first_token_heard_by_another_replica_reaches_the_routing_replic
     await settle(pair, lambda: "ft-1" not in guard_a._judged)
     assert "ft-1" not in guard_a._predicted  # learned once, now: the final Complete teaches nothing twice
     assert a.router.workers.inflight_count == 1  # still decoding until its Complete
+
+
+async def test_a_load_stream_deleted_and_made_again_while_connected_is_followed_anew(
+    nats_server: NatsServer, pair: list[Replica]
+) -> None:
+    """The connection never drops: the replicas' consumers are gone with the old stream and only
+    the once-a-second check can tell; then load routed on one replica is seen by the other."""
+    a, b = pair
+    rng = random.Random(9)
+    for i in range(3):
+        await a.stub.Route(pb.RouteRequest(request_id=f"before-{i}", token_ids=prompt(rng, 2)))
+    await settle(pair, lambda: b.router.workers.inflight_count == 3)
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info("KVROUTER_LOAD")).config
+        await js.delete_stream("KVROUTER_LOAD")
+        await js.add_stream(config)
+    finally:
+        await nc.close()
+    syncs = [r.daemon.sync for r in pair]
+    await settle(pair, lambda: all(s is not None and s.stats.stream_resets == 1 for s in syncs), timeout=8)
+    await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
+    await a.stub.Complete(pb.CompleteRequest(request_id="before-0"))
+    await settle(pair, lambda: a.router.workers.inflight_count == 3 == b.router.workers.inflight_count, timeout=8)
+    assert a.inflight() == b.inflight()
+    for s in syncs:
+        assert s is not None and s.stats.reconnects == 0
+    assert b.daemon.metrics_endpoint is not None
+    _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
+    assert sample(text, "kvrouter_replica_sync_lost_total", reason="stream_reset") == 1

@@ -229,3 +229,36 @@ async def test_a_connected_replica_makes_a_deleted_stream_again_and_follows_it(m
     finally:
         await source.close()
 
+
+async def test_a_connected_load_sync_follows_a_stream_made_again_from_its_start(monkeypatch) -> None:
+    import asyncio
+
+    from kvrouterd.events.replica_sync import ReplicaSync
+
+    monkeypatch.setattr("kvrouterd.events.replica_sync.STREAM_CHECK_S", 0.01)
+    sync = ReplicaSync(NatsBusConfig(kind="nats"), 300.0, decode=lambda data, age: ("other", None),
+                       apply=lambda delta, own: None, marker=lambda replica: b"marker")
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, 6)})
+    sync._js = server
+
+    class _Connection:
+        async def publish(self, subject: str, data: bytes) -> None:
+            pass
+
+    sync._nc = _Connection()
+    await sync.start()
+    try:
+        for seq in range(1, 6):
+            msg = _message(seq)
+            msg.metadata.timestamp = SimpleNamespace(timestamp=lambda: 0.0)
+            await sync._on_message(msg)
+        server.messages = {seq: b"other %d" % seq for seq in range(1, 9)}
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(server.subscribed) > 1:
+                break
+        assert sync.stats.stream_resets == 1 and server.subscribed[1:] == [1]
+        assert sync.stats.last_stream_sequence == 0
+    finally:
+        sync._nc = None
+        await sync.close()

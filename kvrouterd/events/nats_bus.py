@@ -30,13 +30,16 @@ up to it has been applied, which the daemon waits for before reporting SERVING.
 A lost stream: NATS may lose the stream (a server restarted without its store) or an operator
 may delete it and make it again. A reader tells so by the stream's content (``replaced``) at a
 reconnect and every second while connected (``StreamWatch``), then follows the new stream from
-its start, counted (``stream_resets``) and logged.
+its start, counted (``stream_resets``) and logged. A snapshot records the digest of the message
+it was taken after, so a replica restoring it tells the same way whether the stream it names is
+still there (``snapshot_start``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -50,7 +53,7 @@ from .bus_config import NatsBusConfig
 
 __all__ = [
     "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "StreamWatch", "connect", "ensure_stream",
-    "replaced", "resume_until_done", "resync_subject", "worker_subject",
+    "message_digest", "replaced", "resume_until_done", "resync_subject", "worker_subject",
 ]
 
 log = logging.getLogger("kvrouterd.events.nats")
@@ -106,8 +109,8 @@ class BusStats:
     pending: int = 0
     #: times this replica fell LAG_WARN_MESSAGES behind the stream (logged, then "caught up")
     lag_episodes: int = 0
-    #: times the stream was found made again (NATS lost it, or it was deleted): at a reconnect or
-    #: by the check every LAG_CHECK_S; followed anew from its start
+    #: times the stream was found made again (NATS lost it, or it was deleted): at a reconnect, by
+    #: the check every LAG_CHECK_S, or at start against the snapshot's; followed anew from its start
     stream_resets: int = 0
 
 
@@ -161,9 +164,19 @@ async def resume_until_done(resume: Callable[[], Awaitable[None]], stream: str) 
         delay = min(delay * 2, RESUME_RETRY_MAX_S)
 
 
-async def replaced(js: Any, stream: str, info: Any, applied: int, applied_data: bytes | None) -> bool:
+def message_digest(data: bytes) -> str:
+    """What a snapshot records of the message it was taken after (``replaced``'s
+    ``applied_digest``): enough to tell another message at that sequence, in a fixed size where
+    the message may be up to the server's max_payload."""
+    return hashlib.sha256(data).hexdigest()
+
+
+async def replaced(
+    js: Any, stream: str, info: Any, applied: int, applied_data: bytes | None, applied_digest: str = ""
+) -> bool:
     """Whether the stream ``info`` describes is not the one a reader followed up to sequence
-    ``applied`` (whose message held ``applied_data``): NATS lost that one (a server restarted
+    ``applied`` (whose message held ``applied_data``, or data whose ``message_digest`` is
+    ``applied_digest``: what a snapshot records): NATS lost that one (a server restarted
     without its store, the stream was deleted) and it was created again, its sequences
     beginning at 1. Read with the reader's consumer stopped, so ``applied`` does not move, or
     with ``applied`` read before ``info`` (``StreamWatch``).
@@ -179,13 +192,15 @@ async def replaced(js: Any, stream: str, info: Any, applied: int, applied_data: 
         return False
     if info.state.last_seq < applied:
         return True
-    if applied_data is None or applied < info.state.first_seq:
+    if (applied_data is None and not applied_digest) or applied < info.state.first_seq:
         return False
     try:
         stored = await js.get_msg(stream, applied)
     except NotFoundError:
         return False
-    return (stored.data or b"") != applied_data
+    if applied_data is not None:
+        return (stored.data or b"") != applied_data
+    return message_digest(stored.data or b"") != applied_digest
 
 
 class StreamWatch:
@@ -263,6 +278,8 @@ class BusEventSource:
         #: ``start`` ran (``close`` clears it first: no resume starts after)
         self._applied_data: bytes | None = None
         self._following = False
+        #: the sequence and digest of the snapshot this reader started after (``snapshot_start``)
+        self._restored: tuple[int, str] = (0, "")
         self._seen_end = 0
         self._behind_since: float | None = None
         self._caught_up_at = 0
@@ -293,6 +310,34 @@ class BusEventSource:
     def stream_end(self) -> int:
         """The stream's last sequence when we connected."""
         return self._target
+
+    def applied_digest(self) -> str:
+        """The ``message_digest`` of the message at ``stats.last_stream_sequence`` ("" when none
+        was applied), which a snapshot taken now records beside that sequence."""
+        if self._applied_data is not None:
+            return message_digest(self._applied_data)
+        # nothing applied since the snapshot this reader started after: its digest still holds,
+        # and a snapshot written now without it could be told from a new stream by its end alone
+        sequence, digest = self._restored
+        return digest if self.stats.last_stream_sequence == sequence else ""
+
+    async def snapshot_start(self, sequence: int, digest: str) -> int:
+        """Where to follow the stream after restoring a snapshot taken after stream sequence
+        ``sequence``, whose message's ``message_digest`` was ``digest`` ("" in a snapshot written
+        before digests were recorded: then only a stream ending before ``sequence`` tells): that
+        sequence, or 0 if the stream was made again since, counted and logged as a live reset
+        is. Called after ``connect`` and before ``start``: no consumer runs, nothing moves."""
+        info = await ensure_stream(self._js, self.config)
+        if not await replaced(self._js, self.config.stream, info, sequence, None, digest):
+            self._restored = (sequence, digest)
+            return sequence
+        self.stats.stream_resets += 1
+        log.warning("the event stream was created again since the bus snapshot was written (NATS lost it, or it was "
+                    "deleted); following the new one from its start, after stream sequence %d of the old one, with "
+                    "the snapshot's index; workers whose batches were lost resync through their gaps", sequence,
+                    extra={"stream": self.config.stream})
+        self._target = info.state.last_seq
+        return 0
 
     async def start(self, start_after: int = 0) -> None:
         """Follow the stream from stream sequence ``start_after + 1`` (0: from its first

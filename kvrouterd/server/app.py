@@ -57,7 +57,7 @@ from .logs import configure_logging
 from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, client_token, server_credentials
 from .service import KVRouterService
-from .snapshot import encode_snapshot_aside, restore_snapshot, warm_from_peer
+from .snapshot import encode_snapshot_aside, restore_snapshot, snapshot_position, warm_from_peer
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
@@ -300,10 +300,18 @@ class Daemon:
         data = await self.bus.load_snapshot()
         if data is not None:
             try:
-                start_after, warmed = await restore_snapshot(self.router, data, self.bus.stream_end)
+                taken_after, digest = snapshot_position(data)
+                _, warmed = await restore_snapshot(self.router, data)
             except InvalidRequest as exc:
                 log.warning("bus snapshot unusable (%s); replaying the whole stream", exc)
             else:
+                # a snapshot of a stream made again since (NATS lost it, or it was deleted) is a
+                # reset, counted and logged there; its index stays loaded, as a replica that was
+                # following that stream keeps its own: the new stream is followed from its start,
+                # and a worker whose batches went into neither stream shows a gap against the
+                # snapshot's batch numbers and is resynced (dropped, every worker's first batch
+                # would read as a gap, and routing would be blind until each resync)
+                start_after = await self.bus.snapshot_start(taken_after, digest)
                 log.info("index restored from the bus snapshot",
                          extra={"stream_sequence": start_after, "blocks": warmed.blocks, "workers": warmed.workers})
         self.resync_asker.watch_all()  # workers the snapshot names as degraded
@@ -380,7 +388,8 @@ class Daemon:
         while True:
             await asyncio.sleep(interval)
             try:
-                data = await encode_snapshot_aside(self.router, self.bus.stats.last_stream_sequence)
+                data = await encode_snapshot_aside(self.router, self.bus.stats.last_stream_sequence,
+                                                   self.bus.applied_digest())
                 await self.bus.save_snapshot(data)
             except Exception as exc:  # NATS errors of any kind: a missed snapshot only lengthens the next replay
                 log.warning("writing the bus snapshot failed: %s", exc)

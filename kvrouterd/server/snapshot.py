@@ -16,7 +16,11 @@ replay, which rebuilds the worker) correct them. A peer that cannot be reached w
 ``warm_timeout_s`` is logged and the replica starts cold.
 
 A snapshot is the same chunks behind a header, so it carries the residency too; one written
-before ``loaded_loras`` existed reads as workers with none loaded, as before.
+before ``loaded_loras`` existed reads as workers with none loaded, as before. The header names
+the stream sequence the index reflects and the digest of the message at it
+(``nats_bus.message_digest``), by which a restoring replica tells whether the stream is still
+the one the snapshot was taken of (``BusEventSource.snapshot_start``); one written before the
+digest was recorded is told by the stream's end alone.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "export_chunks",
     "export_chunks_now",
     "restore_snapshot",
+    "snapshot_position",
     "warm_from_peer",
 ]
 
@@ -268,12 +273,14 @@ SNAPSHOT_MAGIC = b"KVRSNAP1"
 _LEN = struct.Struct(">I")
 
 
-def encode_snapshot(router: Router, stream_sequence: int) -> bytes:
+def encode_snapshot(router: Router, stream_sequence: int, stream_digest: str = "") -> bytes:
     """The whole index as it stands after ``stream_sequence`` of the event stream: a JSON
-    header (that sequence, the block size, each worker's last applied batch number), then the
-    ``ExportIndex`` chunks, each length-prefixed. Synchronous, so no batch lands halfway."""
+    header (that sequence, ``stream_digest``: the ``message_digest`` of its message, the block
+    size, each worker's last applied batch number), then the ``ExportIndex`` chunks, each
+    length-prefixed. Synchronous, so no batch lands halfway."""
     header = {
         "stream_sequence": stream_sequence,
+        "stream_digest": stream_digest,
         "block_size": router.block_size,
         "sequences": {w.id: w.last_sequence for w in router.workers},
     }
@@ -283,7 +290,7 @@ def encode_snapshot(router: Router, stream_sequence: int) -> bytes:
     return b"".join(parts)
 
 
-async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
+async def encode_snapshot_aside(router: Router, stream_sequence: int, stream_digest: str = "") -> bytes:
     """``encode_snapshot`` without stalling the event loop: the process forks, and the child,
     holding a copy-on-write image of the index exactly as it stands after ``stream_sequence``,
     encodes it and writes the bytes back through a pipe while the parent keeps routing (Redis's
@@ -295,7 +302,7 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
     copied: ~150 MB extra at 10^6 blocks while a snapshot is written. Where ``fork`` does not
     exist this encodes in place. Raises ``OSError`` if the child fails."""
     if not hasattr(os, "fork"):  # pragma: no cover - POSIX hosts only run the daemon
-        return encode_snapshot(router, stream_sequence)
+        return encode_snapshot(router, stream_sequence, stream_digest)
     read_fd, write_fd = os.pipe()
     # the objects alive now leave the parent's collections until the child is done (the Python
     # docs' advice for fork: gc.freeze() right before it): while the child shares their pages, a
@@ -322,7 +329,7 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
                 os.close(write_fd)
                 raise
         if pid == 0:  # pragma: no cover - the child (coverage does not follow it)
-            _encode_in_child(router, stream_sequence, read_fd, write_fd)
+            _encode_in_child(router, stream_sequence, stream_digest, read_fd, write_fd)
         os.close(write_fd)
         try:
             data = await asyncio.to_thread(_read_all, read_fd)
@@ -341,7 +348,9 @@ async def encode_snapshot_aside(router: Router, stream_sequence: int) -> bytes:
     return data
 
 
-def _encode_in_child(router: Router, stream_sequence: int, read_fd: int, write_fd: int) -> None:  # pragma: no cover
+def _encode_in_child(  # pragma: no cover
+    router: Router, stream_sequence: int, stream_digest: str, read_fd: int, write_fd: int
+) -> None:
     code = 1
     try:
         os.close(read_fd)
@@ -351,7 +360,7 @@ def _encode_in_child(router: Router, stream_sequence: int, read_fd: int, write_f
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        view = memoryview(encode_snapshot(router, stream_sequence))
+        view = memoryview(encode_snapshot(router, stream_sequence, stream_digest))
         while view:
             view = view[os.write(write_fd, view):]
         code = 0
@@ -391,13 +400,32 @@ def _json_int(value: object) -> int:
     return value
 
 
-async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tuple[int, WarmResult]:
-    """Load a snapshot written by ``encode_snapshot``; returns the stream sequence to follow
-    the event stream after. Workers it names that the router lacks are registered; each
-    worker's batch number is restored so the stream's next batch reads as in order. A snapshot
-    that does not parse, was taken at another block size, or names a sequence past the stream's
-    end ``stream_end`` (the stream was recreated since) raises ``InvalidRequest`` before
-    anything changes."""
+def snapshot_position(data: bytes) -> tuple[int, str]:
+    """The stream sequence a snapshot was taken after, and the ``message_digest`` of that
+    sequence's message ("" in a snapshot written before it was recorded), read from the header
+    alone. Raises ``InvalidRequest`` if it does not parse."""
+    if not data.startswith(SNAPSHOT_MAGIC):
+        raise InvalidRequest("not a kvrouterd snapshot (bad magic)")
+    try:
+        header = json.loads(next(_frames(data)))
+        digest = header.get("stream_digest", "")
+        if type(digest) is not str:
+            raise TypeError(f"expected a string, got {digest!r}")
+        return _json_int(header["stream_sequence"]), digest
+    except StopIteration:
+        raise InvalidRequest("snapshot without a header") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequest(f"snapshot does not parse: {exc}") from None
+
+
+async def restore_snapshot(router: Router, data: bytes, stream_end: int | None = None) -> tuple[int, WarmResult]:
+    """Load a snapshot written by ``encode_snapshot``; returns the stream sequence it was taken
+    after. Workers it names that the router lacks are registered; each worker's batch number is
+    restored so the stream's next batch reads as in order. A snapshot that does not parse, was
+    taken at another block size, or names a sequence past the stream's end ``stream_end`` (the
+    stream was recreated since) raises ``InvalidRequest`` before anything changes. The daemon
+    passes no ``stream_end``: ``BusEventSource.snapshot_start`` has checked the stream by its
+    content, and a snapshot of a stream made again since is still loaded (the daemon says why)."""
     if not data.startswith(SNAPSHOT_MAGIC):
         raise InvalidRequest("not a kvrouterd snapshot (bad magic)")
     frames = list(_frames(data))
@@ -411,7 +439,7 @@ async def restore_snapshot(router: Router, data: bytes, stream_end: int) -> tupl
         block_size = _json_int(header["block_size"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidRequest(f"snapshot does not parse: {exc}") from None
-    if stream_sequence > stream_end:
+    if stream_end is not None and stream_sequence > stream_end:
         raise InvalidRequest(f"snapshot is at stream sequence {stream_sequence}, past the stream's end {stream_end}")
     if block_size != router.block_size:
         raise InvalidRequest(f"snapshot taken at block_size {block_size}, this router uses {router.block_size}")

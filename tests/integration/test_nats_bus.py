@@ -430,3 +430,49 @@ async def test_a_stream_deleted_while_connected_is_made_again_by_the_replicas(
         assert d.bus is not None and d.bus.stats.stream_resets == 1
     gone = sum("event stream is gone" in r.getMessage() for r in caplog.records)
     assert 1 <= gone <= len(replicas)  # found gone once, by one replica or both: no retrying every check
+
+
+async def test_a_snapshot_of_a_stream_made_again_since_is_followed_by_the_new_stream_from_its_start(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The snapshot names sequence 10 of the old stream; the new one has grown past it. Followed
+    after 10, the restored replica silently skipped the new stream's first 10 batches; the
+    snapshot's digest of its message tells the stream apart, and the replica follows the new one
+    from its start, over the snapshot's index."""
+    async with NatsEventPublisher(nats_server.url, WORKERS[0], block_size=BS, linger_s=0) as pub:
+        engine = Engine(pub, random.Random(16), 1)
+        first = await start_replica(nats_server.url, snapshot_interval_s=0.2)
+        try:
+            for _ in range(10):
+                engine.store_chain(2)
+                assert await pub.flush(10)  # one stream message each
+            await wait_applied([first], nats_server.url)
+            assert first.bus is not None
+            saved = first.bus.stats.snapshots_saved
+            # two more: one may have been encoded before the last batch was applied
+            await wait_for(lambda: first.bus is not None and first.bus.stats.snapshots_saved > saved + 1)
+        finally:
+            await first.stop(grace=0)
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            config = (await js.stream_info("KVROUTER_EVENTS")).config
+            await js.delete_stream("KVROUTER_EVENTS")  # the snapshot bucket stays
+            await js.add_stream(config)
+        finally:
+            await nc.close()
+        for _ in range(15):
+            engine.store_chain(1)
+            assert await pub.flush(10)
+    assert await stream_last_seq(nats_server.url) == 15
+
+    second = await start_replica(nats_server.url, seed=2, snapshot_interval_s=0)
+    try:
+        assert second.bus is not None
+        assert second.bus.stats.stream_resets == 1 and second.bus.stats.messages == 15
+        assert {eh for _, _, eh in second.router.export_blocks(WORKERS[0])} == set(engine.held)
+        w = second.router.workers.get(WORKERS[0])
+        assert w.state is WorkerState.READY and w.gaps == 0  # the snapshot's batch numbers, then the new stream's
+    finally:
+        await second.stop(grace=0)
+    assert sum("created again since the bus snapshot" in r.getMessage() for r in caplog.records) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import struct
 
@@ -13,11 +14,12 @@ from hypothesis import strategies as st
 
 from kvrouterd._generated.kvrouter.v1 import router_pb2 as pb
 from kvrouterd.clock import ManualClock
+from kvrouterd.errors import InvalidRequest
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, Cleared, EventBatch, Removed, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server.snapshot import (
-    SNAPSHOT_MAGIC, WarmResult, _import, encode_snapshot, export_chunks, restore_snapshot,
+    SNAPSHOT_MAGIC, WarmResult, _import, encode_snapshot, export_chunks, restore_snapshot, snapshot_position,
 )
 
 from ..invariants import check_router_invariants, index_state
@@ -242,3 +244,21 @@ def test_a_restored_replica_equals_its_source_after_any_event_stream(stream, max
         assert result.skipped == 0
         assert index_state(dst) == index_state(src)
         check_router_invariants(dst)
+
+
+async def test_a_snapshot_names_its_messages_digest_and_one_written_before_reads_as_before():
+    src = peer()
+    assert snapshot_position(encode_snapshot(src, 5, "ab12")) == (5, "ab12")
+    data = encode_snapshot(src, 5)
+    (n,) = struct.unpack_from(">I", data, len(SNAPSHOT_MAGIC))
+    header = json.loads(data[len(SNAPSHOT_MAGIC) + 4 : len(SNAPSHOT_MAGIC) + 4 + n])
+    del header["stream_digest"]  # as deployed buckets hold them
+    raw = json.dumps(header).encode()
+    old = SNAPSHOT_MAGIC + struct.pack(">I", len(raw)) + raw + data[len(SNAPSHOT_MAGIC) + 4 + n :]
+    assert snapshot_position(old) == (5, "")
+    dst = router([])
+    sequence, result = await restore_snapshot(dst, old, stream_end=5)
+    assert sequence == 5 and result.skipped == 0 and index_state(dst) == index_state(src)
+    with pytest.raises(InvalidRequest, match="does not parse"):
+        bad = json.dumps({**header, "stream_digest": 7}).encode()
+        snapshot_position(SNAPSHOT_MAGIC + struct.pack(">I", len(bad)) + bad)

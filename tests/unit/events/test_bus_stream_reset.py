@@ -262,3 +262,48 @@ async def test_a_connected_load_sync_follows_a_stream_made_again_from_its_start(
     finally:
         sync._nc = None
         await sync.close()
+
+
+async def test_a_snapshot_is_followed_after_its_sequence_only_on_the_stream_it_was_taken_of() -> None:
+    from kvrouterd.events.nats_bus import message_digest
+
+    digest = message_digest(b"batch 40")
+    cases = [  # stream's messages, the snapshot's digest -> where to follow the stream after
+        ({seq: b"batch %d" % seq for seq in range(1, 61)}, digest, 40),
+        ({seq: b"other %d" % seq for seq in range(1, 61)}, digest, 0),  # made again, grown past 40
+        ({seq: b"other %d" % seq for seq in range(1, 11)}, digest, 0),  # made again, ends before 40
+        ({seq: b"other %d" % seq for seq in range(50, 61)}, digest, 40),  # 40 aged out: nothing to compare
+        # a snapshot written before digests were recorded: only the stream's end tells
+        ({seq: b"other %d" % seq for seq in range(1, 61)}, "", 40),
+        ({seq: b"other %d" % seq for seq in range(1, 11)}, "", 0),
+    ]
+    for messages, recorded, expected in cases:
+        source = _source([])
+        source._js = _Server(messages)
+        assert await source.snapshot_start(40, recorded) == expected, (min(messages), max(messages), recorded)
+        assert source.stats.stream_resets == (expected == 0)
+        if expected == 0:
+            assert source.stream_end == max(messages)  # caught up at the new stream's end
+
+
+def test_what_a_snapshot_records_of_the_message_it_was_taken_after() -> None:
+    from kvrouterd.events.nats_bus import message_digest
+
+    source = _source([])
+    assert source.applied_digest() == ""  # nothing applied: a snapshot at 0 needs no check
+    source._applied_data = b"batch 7"
+    assert source.applied_digest() == message_digest(b"batch 7") != message_digest(b"batch 8")
+
+
+async def test_a_replica_restored_from_a_snapshot_passes_its_digest_on_until_it_applies_a_message() -> None:
+    from kvrouterd.events.nats_bus import message_digest
+
+    source = _source([])
+    source._js = _Server({seq: b"batch %d" % seq for seq in range(1, 41)})
+    assert await source.snapshot_start(40, message_digest(b"batch 40")) == 40
+    source.stats.last_stream_sequence = 40  # as start(40) leaves it
+    assert source.applied_digest() == message_digest(b"batch 40")  # a snapshot written now keeps it
+    await source._on_message(_message(41))
+    assert source.applied_digest() == message_digest(b"batch 41")
+    source._stream_lost(_info("t", 0))
+    assert source.applied_digest() == ""

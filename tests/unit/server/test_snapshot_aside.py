@@ -42,10 +42,10 @@ async def test_routing_goes_on_while_the_snapshot_is_encoded() -> None:
 
 async def test_a_failed_encoder_is_an_error_and_a_cancelled_one_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
     router = build(2_000)
-    monkeypatch.setattr("kvrouterd.server.snapshot.encode_snapshot", lambda r, s: 1 / 0)
+    monkeypatch.setattr("kvrouterd.server.snapshot.encode_snapshot", lambda *args: 1 / 0)
     with pytest.raises(OSError, match="exit code 1"):
         await encode_snapshot_aside(router, 0)
-    monkeypatch.setattr("kvrouterd.server.snapshot.encode_snapshot", lambda r, s: time.sleep(30) or b"")
+    monkeypatch.setattr("kvrouterd.server.snapshot.encode_snapshot", lambda *args: time.sleep(30) or b"")
     task = asyncio.create_task(encode_snapshot_aside(router, 0))
     await asyncio.sleep(0.3)
     started = time.perf_counter()

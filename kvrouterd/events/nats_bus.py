@@ -511,7 +511,7 @@ class BusEventSource:
                 lost, info = await watch.check()
             except Exception:  # NATS away: the reconnect logic reports that; check again later
                 continue
-            if lost:
+            if lost or info is None:  # (None: gone, so lost)
                 if self._resume is None or self._resume.done():  # (a running resume checks the stream itself)
                     self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-bus-resume")
                 continue

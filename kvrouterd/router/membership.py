@@ -7,8 +7,9 @@ ledger at once and returns the steps that drop its blocks (``slots``), so a work
 million blocks never stalls routing. Draining (no new requests), the load engines report
 (queued and running requests, KV utilization, loaded LoRA adapters) and the host's admission
 queues are kept on the ``Worker`` for the policies to read. A worker's declared models and
-adapters are part of its description: changing them bumps the registry's generation, so the
-model pools (``pools``) are rebuilt.
+adapters, its role and its address are part of its description: changing them bumps the
+registry's generation, so the model pools (``pools``) are rebuilt, and so is what ext_proc
+read of a gateway's subset hint (endpoints by address).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class Membership:
             if existing.spec.mode != spec.mode:
                 # the cache view was built under the other mode; start it afresh
                 self._events.clear_worker(existing)
-            if (existing.spec.models, existing.spec.loras, existing.spec.role) != (spec.models, spec.loras, spec.role):
-                shared.workers.generation += 1  # its model pools or its hop change
+            if ((existing.spec.models, existing.spec.loras, existing.spec.role, existing.spec.address)
+                    != (spec.models, spec.loras, spec.role, spec.address)):
+                shared.workers.generation += 1  # its model pools, its hop or where it is change
             existing.spec = spec
             if spec.mode is CacheMode.APPROXIMATE:  # its capacity may have shrunk below what it holds
                 self._ledger.fit_to_capacity(existing, shared.clock.now())

@@ -324,6 +324,11 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         self.off_loop_body_bytes = 0
         #: a response_body_mode of NONE was announced and warned about (once per process)
         self._warned_response_mode = False
+        #: the last subset hint read (its bytes, its endpoints) and the worker ids it allowed at a
+        #: membership generation: a gateway sending one sends the same list (the pool's endpoints)
+        #: with every request, and reading it anew took ~2 ms a request at 1,024 endpoints
+        self._hint: tuple[bytes, tuple[str, ...]] = (b"", ())
+        self._hint_ids: tuple[tuple[str, ...] | None, int, tuple[str, ...]] = (None, -1, ())
         #: what reads a body into its model and keys (a test wraps it to see the loop serve
         #: other requests meanwhile)
         self.key_body: Callable[[str, bytes], BodyKeys | None] = self._key_body
@@ -398,7 +403,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
             ex.headers = _header_map(msg.request_headers.headers)
             value = _metadata_value(msg.metadata_context, SUBSET_HINT_NAMESPACE, SUBSET_HINT_KEY)
             if value is not None:
-                ex.subset = _addresses(value)
+                ex.subset = self._subset(value)
             if msg.request_headers.end_of_stream:
                 return await self._decide(ex, None, context, end_of_stream=True)
             return [], False
@@ -444,14 +449,31 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
         return [_immediate(exc)]
 
     # ---- request path -------------------------------------------------------------------
+    def _subset(self, value: struct_pb2.Value) -> tuple[str, ...]:
+        """The subset hint's endpoints (``_addresses``), read once for a hint sent again."""
+        raw = value.SerializeToString(deterministic=True)
+        if raw != self._hint[0]:
+            self._hint = (raw, _addresses(value))
+        return self._hint[1]
+
     def _candidates(self, ex: _Exchange) -> tuple[str, ...]:
-        """Worker ids the subset hint allows; () = no hint (every worker)."""
-        if ex.subset is None:
+        """Worker ids the subset hint allows; () = no hint, or one naming every eligible worker
+        (the router then takes its path for the whole fleet, where 1,024 named candidates cost a
+        decision 0.37 ms against 0.01)."""
+        subset = ex.subset
+        if subset is None:
             return ()
-        wanted = {_host_port(a) for a in ex.subset}
-        ids = tuple(w.id for w in self.router.workers if w.eligible and _in_subset(w.address, wanted))
-        if not ids:
-            raise NoEligibleWorker(f"no eligible worker has an address in the subset hint {list(ex.subset)}")
+        generation = self.router.workers.generation
+        seen, at, ids = self._hint_ids
+        if seen is not subset or at != generation:
+            wanted = {_host_port(a) for a in subset}
+            eligible = [w for w in self.router.workers if w.eligible]
+            ids = tuple(w.id for w in eligible if _in_subset(w.address, wanted))
+            if not ids:
+                raise NoEligibleWorker(f"no eligible worker has an address in the subset hint {list(subset)}")
+            if len(ids) == len(eligible):
+                ids = ()
+            self._hint_ids = (subset, generation, ids)
         return ids
 
     def _any_worker(self, ex: _Exchange, body: bytes | None, candidates: tuple[str, ...]) -> tuple[Worker, str]:

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -414,6 +415,48 @@ async def test_subset_hint_with_no_eligible_worker_is_503(envoy, subset):
     await s.send(headers_msg("/v1/chat/completions", subset=subset))
     assert immediate_status(await s.send(body_msg(chat_body("hello"), True), expect=1)) == 503
     assert await asyncio.wait_for(s.call.read(), 5) is grpc.aio.EOF
+
+
+async def test_a_subset_hint_sent_again_follows_the_fleet_as_it_changes(envoy):
+    """The hint is read once for the requests that send it again (a gateway lists the pool's
+    pods with every request); the workers it allows are read again when membership changes."""
+    from kvrouterd.index.workers import WorkerSpec
+    from kvrouterd.protocols import CacheMode
+
+    hint = ["10.0.0.2:8000", "10.0.0.3:8000"]
+    s, header, _ = await route_chat(envoy, "again " * 100, subset=hint)
+    assert header in hint
+    await s.close()
+    envoy.router.set_draining("b", True)
+    for _ in range(3):
+        s, header, _ = await route_chat(envoy, "again " * 100, subset=hint)
+        assert header == "10.0.0.3:8000"
+        await s.close()
+    envoy.router.set_draining("b", False)
+    ext = envoy.daemon.ext_proc
+    value = headers_msg("/", subset=hint).metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
+        "x-gateway-destination-endpoint-subset"]
+    assert ext._candidates(SimpleNamespace(subset=ext._subset(value))) == ("b", "c")
+    envoy.router.add_worker(WorkerSpec("c", "10.0.0.7:8000", mode=CacheMode.EVENTS))  # c moved off the hint
+    assert ext._candidates(SimpleNamespace(subset=ext._subset(value))) == ("b",)
+    s, header, _ = await route_chat(envoy, "again " * 100, subset=hint)
+    assert header == "10.0.0.2:8000"
+    await s.close()
+    envoy.router.set_draining("b", True)  # nothing the hint names is eligible now
+    s = envoy.open()
+    await s.send(headers_msg("/v1/chat/completions", subset=hint))
+    assert immediate_status(await s.send(body_msg(chat_body("again " * 100), True), expect=1)) == 503
+
+
+async def test_a_subset_hint_naming_every_worker_routes_as_no_hint_does(envoy):
+    every = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    first, header, _ = await route_chat(envoy, "whole fleet " * 80, subset=every)
+    await first.close()
+    for _ in range(3):  # the prompt's cache, modelled where it was sent, draws it back
+        s, again, _ = await route_chat(envoy, "whole fleet " * 80, subset=every)
+        assert again == header
+        await s.close()
+    assert envoy.daemon.ext_proc._candidates(SimpleNamespace(subset=tuple(every))) == ()
 
 
 async def test_subset_hint_on_a_headers_only_request_is_honoured(envoy):

@@ -5506,10 +5506,11 @@ ties_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, Py_s
 
 /* prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...]
  *
- * The indices from `start` on of the candidates whose cached prefix is `depth` and load `load`,
- * in order; the reference is policies/_scan.py: tied_candidates_py. cache_aware asks it for the
- * candidates tied with prefix_scan's best on both (which can only follow it): one pass in C where
- * a scan of the rest per tie cost ~0.5 us each over 1,024 workers. NotImplemented as prefix_scan,
+ * The indices from `start` on of the candidates whose cached prefix is `depth` (any, for a
+ * negative `depth`) and load `load`, in order; the reference is policies/_scan.py:
+ * tied_candidates_py. cache_aware asks it for the candidates tied with prefix_scan's best on both
+ * (which can only follow it), and for those tied on the least load: one pass in C where a scan of
+ * the rest per tie cost ~0.5 us each over 1,024 workers. NotImplemented as prefix_scan,
  * and when `depth` or `load` is not an int of at most 64 bits; ValueError for a negative start.
  *
  * prefix_ties(..., slots): the same, given the candidates' CandidateSlots (as prefix_scan takes
@@ -5571,7 +5572,7 @@ prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(ties);
             Py_RETURN_NOTIMPLEMENTED;
         }
-        if (depth == want_depth && load == want_load) {
+        if ((want_depth < 0 || depth == want_depth) && load == want_load) {
             PyObject *index = PyLong_FromSsize_t(i);
             int appended = index == NULL ? -1 : PyList_Append(ties, index);
             Py_XDECREF(index);

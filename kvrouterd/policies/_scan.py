@@ -18,10 +18,12 @@ from typing import Any
 
 from ..index import native
 
-__all__ = ["scan_candidates", "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
+__all__ = ["ANY_DEPTH", "scan_candidates", "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
 Scan = tuple[int, int, int, int, int]
+#: ``tied_candidates``' depth for ties on load alone, whatever each candidate holds
+ANY_DEPTH = -1
 
 
 def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str,
@@ -53,12 +55,15 @@ def scan_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], l
 def tied_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
                        depth: int, load: int, slots: Any = None) -> list[int]:
     """The indices from ``start`` on of the candidates whose prefix (``overlaps[c.slot]``, 0 if
-    absent) is ``depth`` and whose load (attribute ``load_attr``) is ``load``, in order.
+    absent) is ``depth`` (any, for a negative ``depth``: ``ANY_DEPTH``) and whose load (attribute
+    ``load_attr``) is ``load``, in order.
     A negative ``start`` is refused (ValueError). ``slots``: the candidates' ``CandidateSlots``,
     from whose slot map the native pass reads the walk's entries of ``depth`` instead of every
     candidate; the same answer, so here it is not read."""
     if start < 0:
         raise ValueError("start must be >= 0")
+    if depth < 0:
+        return [i for i in range(start, len(candidates)) if getattr(candidates[i], load_attr) == load]
     get = overlaps.get
     return [i for i in range(start, len(candidates))
             if get(candidates[i].slot, 0) == depth and getattr(candidates[i], load_attr) == load]

@@ -93,6 +93,19 @@ def test_cache_aware_min_load_ties_go_to_the_worker_sent_fewer_requests():
     assert res.worker.id == "w1" and res.decision.reason == "low_match"
 
 
+def test_cache_aware_spreads_an_idle_fleets_cold_requests_by_requests_sent():
+    # every worker idle between requests: each cold one goes to the worker sent the fewest, the
+    # lowest slot among equals (SGLang's min_load_idx), over a fleet past the explained bound too
+    for n in (3, 40):
+        router = fleet({"name": "cache_aware"}, n=n)
+        picked = []
+        for i in range(2 * n + 1):
+            res = router.route(prompt(router, list(range(i * 1000, i * 1000 + 2 * BS))))
+            router.complete_anywhere(Completion(request_id=res.request.request_id, ttft_ms=1.0, e2e_ms=2.0))
+            picked.append(res.worker.id)
+        assert picked == [f"w{i % n}" for i in range(2 * n + 1)]
+
+
 def test_cache_aware_imbalance_overrides_affinity():
     router = fleet({"name": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
     tokens = list(range(10 * BS))

@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrouterd.index import native
-from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
+from kvrouterd.policies._scan import (
+    ANY_DEPTH,
+    scan_candidates,
+    scan_candidates_py,
+    tied_candidates,
+    tied_candidates_py,
+)
 
 
 class Cand:
@@ -94,7 +100,7 @@ def test_scan_follows_the_rule_on_both_paths(fleet, data):
 
 
 def reference_ties(candidates, overlaps, attr, start, depth, load):
-    return [i for i, c in enumerate(candidates) if i >= start and overlaps.get(c.slot, 0) == depth
+    return [i for i, c in enumerate(candidates) if i >= start and (depth < 0 or overlaps.get(c.slot, 0) == depth)
             and getattr(c, attr) == load]
 
 
@@ -110,7 +116,10 @@ def test_ties_follow_the_rule_on_both_paths(fleet, data):
         # the best's depth and load, as cache_aware asks, or any other pair
         best_i, depth, _, _, _ = scan_candidates_py(candidates, overlaps, attr)
         load = getattr(candidates[best_i], attr)
-        for d, ld in ((depth, load), (data.draw(st.integers(0, 4)), data.draw(st.integers(-3, 5)))):
+        # and the least load's, at any depth (ANY_DEPTH), as its least-loaded path asks
+        _, _, min_i, min_load, _ = scan_candidates_py(candidates, overlaps, attr)
+        for d, ld in ((depth, load), (ANY_DEPTH, min_load),
+                      (data.draw(st.integers(-1, 4)), data.draw(st.integers(-3, 5)))):
             expected = reference_ties(candidates, overlaps, attr, start, d, ld)
             assert tied_candidates_py(candidates, overlaps, attr, start, d, ld) == expected
             assert tied_candidates(candidates, overlaps, attr, start, d, ld) == expected

@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import logging
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,8 @@ from ..tasks import stop_task
 from .bus_config import NatsBusConfig
 
 __all__ = [
-    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "StreamWatch", "connect", "ensure_stream",
-    "message_digest", "replaced", "resume_until_done", "resync_subject", "worker_subject",
+    "BRIDGE_HEADER", "BusEventSource", "BusStats", "BusUnavailable", "StreamReader", "StreamWatch", "connect",
+    "ensure_stream", "message_digest", "replaced", "resume_until_done", "resync_subject", "worker_subject",
 ]
 
 log = logging.getLogger("kvrouterd.events.nats")
@@ -248,12 +249,56 @@ class StreamWatch:
         return lost, info
 
 
-class BusEventSource:
+class StreamReader(ABC):
+    """What the two readers of a stream (engine events: ``BusEventSource``; load deltas:
+    ``replica_sync.ReplicaSync``) share to stop their consumer and to follow a stream that
+    ``StreamWatch`` found gone or made again. A reader has ``config.stream``, its consumer in
+    ``_sub``, ``_resubscribe`` (check the stream with the consumer stopped, then follow it) and
+    ``_stream_lost`` (count and log a new stream, forget what the old one applied)."""
+
+    #: the stream's name in the log: "event" or "load"
+    STREAM_KIND = ""
+    config: Any
+    _sub: Any
+
+    @abstractmethod
+    async def _resubscribe(self) -> None: ...
+
+    @abstractmethod
+    def _stream_lost(self, info: Any) -> None: ...
+
+    async def _stop_consumer(self) -> None:
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+
+    async def _resume_after_loss(self, info: Any | None) -> None:
+        """``StreamWatch`` found the stream gone (``info`` None) or made again: follow it anew."""
+        if info is None:
+            # made again here with the replicas' settings, as after a reconnect (the replicas own
+            # them; an engine's publisher only retries); then checked with the consumer stopped:
+            # a stream that reappears with its messages (a server answering before it loaded its
+            # store) is followed on, an empty one from its start
+            log.warning("the %s stream is gone (deleted?); making it again and following it", self.STREAM_KIND,
+                        extra={"stream": self.config.stream})
+        else:
+            # the watch's proof holds whatever the consumer applies: stop it before forgetting
+            # what it applied, or one of its messages still under way would count as the new
+            # stream's and hide that stream's messages up to its sequence
+            await self._stop_consumer()
+            self._stream_lost(info)
+        await resume_until_done(self._resubscribe, self.config.stream)
+
+
+class BusEventSource(StreamReader):
     """One replica's reader of the shared event stream.
 
     ``decode(bytes) -> EventBatch`` and ``apply(EventBatch) -> BatchOutcome`` are the host's
     (the daemon passes ``convert`` and ``KVRouterService.apply_batch``); ``bridged(bytes)``
     takes the messages ``kvrouterd bridge`` publishes for ZMQ engines (``events.bridge``)."""
+
+    STREAM_KIND = "event"
 
     def __init__(
         self,
@@ -375,29 +420,6 @@ class BusEventSource:
         if await replaced(self._js, self.config.stream, info, self.stats.last_stream_sequence, self._applied_data):
             self._stream_lost(info)
         await self._subscribe(self.stats.last_stream_sequence)
-
-    async def _stop_consumer(self) -> None:
-        old, self._sub = self._sub, None
-        if old is not None:
-            with contextlib.suppress(Exception):
-                await old.unsubscribe()
-
-    async def _resume_after_loss(self, info: Any | None) -> None:
-        """``StreamWatch`` found the stream gone (``info`` None) or made again: follow it anew."""
-        if info is None:
-            # made again here with the replicas' settings, as after a reconnect (the replicas own
-            # them; an engine's publisher only retries); then checked with the consumer stopped:
-            # a stream that reappears with its messages (a server answering before it loaded its
-            # store) is followed on, an empty one from its start
-            log.warning("the event stream is gone (deleted?); making it again and following it",
-                        extra={"stream": self.config.stream})
-        else:
-            # the watch's proof holds whatever the consumer applies: stop it before forgetting
-            # what it applied, or one of its messages still under way would count as the new
-            # stream's and hide that stream's messages up to its sequence
-            await self._stop_consumer()
-            self._stream_lost(info)
-        await resume_until_done(self._resubscribe, self.config.stream)
 
     def _stream_lost(self, info: Any) -> None:
         """The stream is a new one: what the old one held is gone, and its sequences begin at 1.

@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import BusUnavailable, KVRouterError
 from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
-from .nats_bus import StreamWatch, connect, replaced, resume_until_done
+from .nats_bus import StreamReader, StreamWatch, connect, replaced, resume_until_done
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -85,13 +85,15 @@ class SyncStats:
     stream_resets: int = 0
 
 
-class ReplicaSync:
+class ReplicaSync(StreamReader):
     """One replica's publisher and reader of the shared load stream.
 
     ``decode(data, age_s) -> (replica_id, delta)`` reads one message (``delta`` None for a
     catch-up marker); ``apply(delta, own)`` applies it to the router; ``marker(replica_id)``
     encodes a marker. ``window_s`` is the router's in-flight timeout: how much history a
     starting replica replays."""
+
+    STREAM_KIND = "load"
 
     def __init__(
         self,
@@ -197,12 +199,6 @@ class ReplicaSync:
         self._sub = await self._js.subscribe(self.config.subject, cb=self._on_message, ordered_consumer=True,
                                              config=config)
 
-    async def _stop_consumer(self) -> None:
-        old, self._sub = self._sub, None
-        if old is not None:
-            with contextlib.suppress(Exception):
-                await old.unsubscribe()
-
     async def _watch_stream(self) -> None:
         """Every STREAM_CHECK_S, check that the load stream is still the one followed; one
         deleted (and made again) while connected is followed anew, as at a reconnect (see
@@ -218,18 +214,6 @@ class ReplicaSync:
                 continue
             if lost and (self._resume is None or self._resume.done()):  # (a running resume checks it itself)
                 self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-sync-resume")
-
-    async def _resume_after_loss(self, info: Any | None) -> None:
-        """As ``BusEventSource._resume_after_loss``: a stream gone (``info`` None) is made again
-        and checked with the consumer stopped; a new one is followed from its start, the old
-        consumer stopped first so that none of its messages counts as the new stream's."""
-        if info is None:
-            log.warning("the load stream is gone (deleted?); making it again and following it",
-                        extra={"stream": self.config.stream})
-        else:
-            await self._stop_consumer()
-            self._stream_lost(info)
-        await resume_until_done(self._resubscribe, self.config.stream)
 
     def _stream_lost(self, info: Any) -> None:
         """The stream is a new one, its sequences beginning at 1: follow it from its start. A

@@ -324,6 +324,26 @@ async def test_a_nats_restart_mid_stream_loses_and_doubles_nothing(nats_server: 
         assert d.bus.stats.stream_resets == 0  # the stream kept: followed on, not replayed from its start
 
 
+async def wait_resets(replicas: list[Daemon], timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while any(d.bus is None or d.bus.stats.stream_resets == 0 for d in replicas):
+        assert loop.time() < deadline, [d.bus.stats if d.bus else None for d in replicas]
+        await asyncio.sleep(0.02)
+
+
+async def remake_stream(url: str, stream: str) -> None:
+    """Delete ``stream`` and make it again with its settings, the connection of every replica kept."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info(stream)).config
+        await js.delete_stream(stream)
+        await js.add_stream(config)
+    finally:
+        await nc.close()
+
+
 async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
     nats_server: NatsServer, replicas: list[Daemon], tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -338,11 +358,7 @@ async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
         nats_server.stop()
         nats_server.store_dir = tmp_path / "fresh-store"  # the old stream and snapshots are gone
         nats_server.start()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while any(d.bus is None or d.bus.stats.stream_resets == 0 for d in replicas):
-            assert loop.time() < deadline, [d.bus.stats if d.bus else None for d in replicas]
-            await asyncio.sleep(0.02)
+        await wait_resets(replicas, timeout=20)
         for _ in range(5):  # the new stream's sequences 1..5: below what the replicas applied of the old one
             engine.store_chain(3)
             assert await pub.flush(10)
@@ -353,14 +369,6 @@ async def test_a_nats_restart_without_its_store_is_followed_on_the_new_stream(
         assert w.state is WorkerState.READY and w.gaps == 0
         assert d.bus is not None and d.bus.stats.stream_resets == 1 and d.bus.stats.last_stream_sequence == 5
     assert sum("event stream was created again" in r.getMessage() for r in caplog.records) == len(replicas)
-
-
-async def wait_resets(replicas: list[Daemon], timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while any(d.bus is None or d.bus.stats.stream_resets == 0 for d in replicas):
-        assert loop.time() < deadline, [d.bus.stats if d.bus else None for d in replicas]
-        await asyncio.sleep(0.02)
 
 
 async def test_a_stream_deleted_and_made_again_while_connected_is_followed_anew(
@@ -377,14 +385,7 @@ async def test_a_stream_deleted_and_made_again_while_connected_is_followed_anew(
             engine.store_chain(2)
             assert await pub.flush(10)  # one stream message each
         await wait_applied(replicas, nats_server.url)
-        nc = await nats.connect(nats_server.url)
-        try:
-            js = nc.jetstream()
-            config = (await js.stream_info("KVROUTER_EVENTS")).config
-            await js.delete_stream("KVROUTER_EVENTS")
-            await js.add_stream(config)
-        finally:
-            await nc.close()
+        await remake_stream(nats_server.url, "KVROUTER_EVENTS")
         for _ in range(8):  # the new stream's sequences 1..8: past the 5 the replicas applied of the old one
             engine.store_chain(3)
             assert await pub.flush(10)

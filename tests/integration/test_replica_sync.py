@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -19,6 +19,7 @@ from kvrouterd.config import parse_config
 from kvrouterd.server.app import Daemon
 
 from .test_metrics_endpoint import _get, sample
+from .test_nats_bus import remake_stream
 
 BS = 16
 WORKERS = ("gpu-0", "gpu-1", "gpu-2")
@@ -262,30 +263,40 @@ async def test_deltas_published_while_nats_restarts_reach_the_other_replica(
 
 
 
-async def test_a_nats_restart_without_its_store_is_followed_on_the_new_load_stream(
-    nats_server: NatsServer, pair: list[Replica], tmp_path: Path
-) -> None:
-    """The server comes back without the load stream: each replica creates it again and follows
-    it from sequence 1, so load routed after the restart is seen by the other replica."""
+async def _load_follows_a_lost_stream(pair: list[Replica], seed: int, lose: Callable[[], Awaitable[None]],
+                                      timeout: float) -> None:
+    """Load routed before ``lose`` (the load stream lost, then made again) and after it: each
+    replica counts one reset, follows the new stream from sequence 1 (below what it applied of
+    the old one), and sees the other's load; /metrics shows the reset."""
     a, b = pair
-    rng = random.Random(8)
+    rng = random.Random(seed)
     for i in range(3):
         await a.stub.Route(pb.RouteRequest(request_id=f"before-{i}", token_ids=prompt(rng, 2)))
     await settle(pair, lambda: b.router.workers.inflight_count == 3)
-    nats_server.stop()
-    nats_server.store_dir = tmp_path / "fresh-store"
-    nats_server.start()
+    await lose()
     syncs = [r.daemon.sync for r in pair]
-    await settle(pair, lambda: all(s is not None and s.stats.stream_resets == 1 for s in syncs), timeout=20)
-    # sequences 1.. of the new stream, below what each replica applied of the old one
+    await settle(pair, lambda: all(s is not None and s.stats.stream_resets == 1 for s in syncs), timeout=timeout)
     await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
     await a.stub.Complete(pb.CompleteRequest(request_id="before-0"))
-    await settle(pair, lambda: a.router.workers.inflight_count == 3 == b.router.workers.inflight_count, timeout=20)
+    await settle(pair, lambda: a.router.workers.inflight_count == 3 == b.router.workers.inflight_count, timeout=timeout)
     assert a.inflight() == b.inflight()
     assert b.daemon.metrics_endpoint is not None
     _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
     assert sample(text, "kvrouter_replica_sync_lost_total", reason="stream_reset") == 1
 
+
+async def test_a_nats_restart_without_its_store_is_followed_on_the_new_load_stream(
+    nats_server: NatsServer, pair: list[Replica], tmp_path: Path
+) -> None:
+    """The server comes back without the load stream: each replica creates it again and follows
+    it from sequence 1, so load routed after the restart is seen by the other replica."""
+
+    async def restart_without_store() -> None:
+        nats_server.stop()
+        nats_server.store_dir = tmp_path / "fresh-store"
+        nats_server.start()
+
+    await _load_follows_a_lost_stream(pair, 8, restart_without_store, timeout=20)
 
 PD_WORKERS = [{"id": wid, "address": f"{wid}.local:8000", "role": role, "mode": "events"}
               for wid, role in (("pre-0", "prefill"), ("pre-1", "prefill"), ("dec-0", "decode"), ("dec-1", "decode"))]
@@ -375,27 +386,6 @@ async def test_a_load_stream_deleted_and_made_again_while_connected_is_followed_
 ) -> None:
     """The connection never drops: the replicas' consumers are gone with the old stream and only
     the once-a-second check can tell; then load routed on one replica is seen by the other."""
-    a, b = pair
-    rng = random.Random(9)
-    for i in range(3):
-        await a.stub.Route(pb.RouteRequest(request_id=f"before-{i}", token_ids=prompt(rng, 2)))
-    await settle(pair, lambda: b.router.workers.inflight_count == 3)
-    nc = await nats.connect(nats_server.url)
-    try:
-        js = nc.jetstream()
-        config = (await js.stream_info("KVROUTER_LOAD")).config
-        await js.delete_stream("KVROUTER_LOAD")
-        await js.add_stream(config)
-    finally:
-        await nc.close()
-    syncs = [r.daemon.sync for r in pair]
-    await settle(pair, lambda: all(s is not None and s.stats.stream_resets == 1 for s in syncs), timeout=8)
-    await b.stub.Route(pb.RouteRequest(request_id="after", token_ids=prompt(rng, 2)))
-    await a.stub.Complete(pb.CompleteRequest(request_id="before-0"))
-    await settle(pair, lambda: a.router.workers.inflight_count == 3 == b.router.workers.inflight_count, timeout=8)
-    assert a.inflight() == b.inflight()
-    for s in syncs:
-        assert s is not None and s.stats.reconnects == 0
-    assert b.daemon.metrics_endpoint is not None
-    _, _, text = await asyncio.to_thread(_get, b.daemon.metrics_endpoint.port)
-    assert sample(text, "kvrouter_replica_sync_lost_total", reason="stream_reset") == 1
+    await _load_follows_a_lost_stream(pair, 9, lambda: remake_stream(nats_server.url, "KVROUTER_LOAD"), timeout=8)
+    for r in pair:
+        assert r.daemon.sync is not None and r.daemon.sync.stats.reconnects == 0

@@ -121,14 +121,19 @@ def _applied(source: BusEventSource) -> tuple[int, bytes | None]:
     return source.stats.last_stream_sequence, source._applied_data
 
 
-async def test_the_watch_tells_a_new_stream_from_the_one_followed_while_the_consumer_runs() -> None:
+async def _watched(applied: int) -> tuple[BusEventSource, _Server, object]:
+    """A reader that applied messages 1..``applied`` of a stream holding them, and its StreamWatch."""
     from kvrouterd.events.nats_bus import StreamWatch
 
     source = _source([])
-    server = _Server({seq: b"batch %d" % seq for seq in range(1, 41)})
-    for seq in range(1, 41):
+    server = _Server({seq: b"batch %d" % seq for seq in range(1, applied + 1)})
+    for seq in range(1, applied + 1):
         await source._on_message(_message(seq))
-    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    return source, server, StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+
+
+async def test_the_watch_tells_a_new_stream_from_the_one_followed_while_the_consumer_runs() -> None:
+    source, server, watch = await _watched(40)
     assert await watch.check() == (False, await server.stream_info("S"))
     for seq in (41, 42):  # the consumer goes on; the stream does too
         server.messages[seq] = b"batch %d" % seq
@@ -146,13 +151,7 @@ async def test_the_watch_compares_what_was_applied_at_the_previous_check() -> No
     """nats-py's ordered consumer re-creates itself after two missed heartbeats, after the last
     sequence it delivered, on whatever stream holds the name now: the messages it then hands over
     are the new stream's, and the latest one applied matches that stream."""
-    from kvrouterd.events.nats_bus import StreamWatch
-
-    source = _source([])
-    server = _Server({seq: b"batch %d" % seq for seq in range(1, 11)})
-    for seq in range(1, 11):
-        await source._on_message(_message(seq))
-    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    source, server, watch = await _watched(10)
     assert not (await watch.check())[0]
     server.messages = {seq: b"other %d" % seq for seq in range(1, 13)}
     for seq in (11, 12):  # delivered from the new stream, after the old one's 10
@@ -161,13 +160,7 @@ async def test_the_watch_compares_what_was_applied_at_the_previous_check() -> No
 
 
 async def test_the_watch_does_not_count_a_stream_a_reconnect_already_followed_anew() -> None:
-    from kvrouterd.events.nats_bus import StreamWatch
-
-    source = _source([])
-    server = _Server({seq: b"batch %d" % seq for seq in range(1, 11)})
-    for seq in range(1, 11):
-        await source._on_message(_message(seq))
-    watch = StreamWatch(server, "S", lambda: _applied(source), lambda: source.stats.stream_resets)
+    source, server, watch = await _watched(10)
     assert not (await watch.check())[0]
     server.messages = {seq: b"other %d" % seq for seq in range(1, 13)}
     source._stream_lost(await server.stream_info("S"))  # the reconnect's check got there first

@@ -256,16 +256,44 @@ class StreamReader(ABC):
     ``_sub``, ``_resubscribe`` (check the stream with the consumer stopped, then follow it) and
     ``_stream_lost`` (count and log a new stream, forget what the old one applied)."""
 
-    #: the stream's name in the log: "event" or "load"
+    #: the stream's name in the log and in its tasks' names: "event" or "load"
     STREAM_KIND = ""
     config: Any
+    stats: Any  # its last_stream_sequence and stream_resets
+    _js: Any
     _sub: Any
+    #: the data of the message at ``stats.last_stream_sequence`` (``replaced``)
+    _applied_data: bytes | None
+    #: whether ``start`` ran (``close`` clears it first: no resume starts after)
+    _following: bool
+    #: the resume under way (after a reconnect, or a stream found lost), if any
+    _resume: asyncio.Task[None] | None
 
     @abstractmethod
     async def _resubscribe(self) -> None: ...
 
     @abstractmethod
     def _stream_lost(self, info: Any) -> None: ...
+
+    def _stream_watch(self) -> StreamWatch:
+        return StreamWatch(self._js, self.config.stream, lambda: (self.stats.last_stream_sequence, self._applied_data),
+                           lambda: self.stats.stream_resets)
+
+    def _resume_after_reconnect(self) -> None:
+        """A reconnect: the consumer (and the stream with it) may be gone; resume following,
+        restarting an attempt still under way."""
+        if self._following:
+            if self._resume is not None:
+                self._resume.cancel()
+            self._resume = asyncio.create_task(resume_until_done(self._resubscribe, self.config.stream),
+                                               name=f"kvrouterd-{self.STREAM_KIND}-resume")
+
+    def _follow_anew(self, info: Any | None) -> None:
+        """``StreamWatch`` found the stream gone or made again: follow it anew, unless a resume
+        is under way (it checks the stream itself)."""
+        if self._resume is None or self._resume.done():
+            self._resume = asyncio.create_task(self._resume_after_loss(info),
+                                               name=f"kvrouterd-{self.STREAM_KIND}-resume")
 
     async def _stop_consumer(self) -> None:
         old, self._sub = self._sub, None
@@ -336,11 +364,7 @@ class BusEventSource(StreamReader):
         async def reconnected() -> None:
             self.stats.reconnects += 1
             log.warning("reconnected to NATS", extra={"url": self.config.url})
-            if self._following:
-                if self._resume is not None:
-                    self._resume.cancel()
-                self._resume = asyncio.create_task(resume_until_done(self._resubscribe, self.config.stream),
-                                                   name="kvrouterd-bus-resume")
+            self._resume_after_reconnect()
 
         self._nc = await connect(self.config, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
@@ -524,8 +548,7 @@ class BusEventSource(StreamReader):
         and compare its end with what was applied. The messages alone cannot show a lag: those
         the server pushed ahead sit in the client's buffer while the replica is slow or paused,
         and each says nothing was pending when sent."""
-        watch = StreamWatch(self._js, self.config.stream, lambda: (self.stats.last_stream_sequence, self._applied_data),
-                            lambda: self.stats.stream_resets)
+        watch = self._stream_watch()
         while True:
             await asyncio.sleep(LAG_CHECK_S)
             asked_at = self.stats.last_stream_sequence
@@ -534,8 +557,7 @@ class BusEventSource(StreamReader):
             except Exception:  # NATS away: the reconnect logic reports that; check again later
                 continue
             if lost or info is None:  # (None: gone, so lost)
-                if self._resume is None or self._resume.done():  # (a running resume checks the stream itself)
-                    self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-bus-resume")
+                self._follow_anew(info)
                 continue
             end = info.state.last_seq
             self._seen_end = max(self._seen_end, end)

@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import BusUnavailable, KVRouterError
 from ..tasks import stop_task
 from .bus_config import NatsBusConfig, ReplicaSyncConfig
-from .nats_bus import StreamReader, StreamWatch, connect, replaced, resume_until_done
+from .nats_bus import StreamReader, connect, replaced
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -135,11 +135,7 @@ class ReplicaSync(StreamReader):
 
         async def reconnected() -> None:
             self.stats.reconnects += 1
-            if self._following:
-                if self._resume is not None:
-                    self._resume.cancel()
-                self._resume = asyncio.create_task(resume_until_done(self._resubscribe, self.config.stream),
-                                                   name="kvrouterd-sync-resume")
+            self._resume_after_reconnect()
 
         self._nc = await connect(self.bus, reconnected_cb=reconnected)
         self._js = self._nc.jetstream()
@@ -203,17 +199,15 @@ class ReplicaSync(StreamReader):
         """Every STREAM_CHECK_S, check that the load stream is still the one followed; one
         deleted (and made again) while connected is followed anew, as at a reconnect (see
         ``BusEventSource._watch_lag``, which does the same beside its lag check)."""
-        watch = StreamWatch(self._js, self.config.stream,
-                            lambda: (self.stats.last_stream_sequence, self._applied_data),
-                            lambda: self.stats.stream_resets)
+        watch = self._stream_watch()
         while True:
             await asyncio.sleep(STREAM_CHECK_S)
             try:
                 lost, info = await watch.check()
             except Exception:  # NATS away: the reconnect resumes the stream; check again later
                 continue
-            if lost and (self._resume is None or self._resume.done()):  # (a running resume checks it itself)
-                self._resume = asyncio.create_task(self._resume_after_loss(info), name="kvrouterd-sync-resume")
+            if lost:
+                self._follow_anew(info)
 
     def _stream_lost(self, info: Any) -> None:
         """The stream is a new one, its sequences beginning at 1: follow it from its start. A

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -400,47 +401,50 @@ def _json_int(value: object) -> int:
     return value
 
 
-def snapshot_position(data: bytes) -> tuple[int, str]:
-    """The stream sequence a snapshot was taken after, and the ``message_digest`` of that
-    sequence's message ("" in a snapshot written before it was recorded), read from the header
-    alone. Raises ``InvalidRequest`` if it does not parse."""
+def _header(data: bytes) -> dict[str, Any]:
+    """A snapshot's JSON header. Raises ``InvalidRequest`` if there is none that parses."""
     if not data.startswith(SNAPSHOT_MAGIC):
         raise InvalidRequest("not a kvrouterd snapshot (bad magic)")
     try:
         header = json.loads(next(_frames(data)))
+    except StopIteration:
+        raise InvalidRequest("snapshot without a header") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"snapshot does not parse: {exc}") from None
+    if type(header) is not dict:
+        raise InvalidRequest(f"snapshot does not parse: a header of {type(header).__name__}")
+    return header
+
+
+def snapshot_position(data: bytes) -> tuple[int, str]:
+    """The stream sequence a snapshot was taken after, and the ``message_digest`` of that
+    sequence's message ("" in a snapshot written before it was recorded), read from the header
+    alone. Raises ``InvalidRequest`` if it does not parse."""
+    header = _header(data)
+    try:
         digest = header.get("stream_digest", "")
         if type(digest) is not str:
             raise TypeError(f"expected a string, got {digest!r}")
         return _json_int(header["stream_sequence"]), digest
-    except StopIteration:
-        raise InvalidRequest("snapshot without a header") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise InvalidRequest(f"snapshot does not parse: {exc}") from None
 
 
-async def restore_snapshot(router: Router, data: bytes, stream_end: int | None = None) -> tuple[int, WarmResult]:
+async def restore_snapshot(router: Router, data: bytes) -> tuple[int, WarmResult]:
     """Load a snapshot written by ``encode_snapshot``; returns the stream sequence it was taken
     after. Workers it names that the router lacks are registered; each worker's batch number is
-    restored so the stream's next batch reads as in order. A snapshot that does not parse, was
-    taken at another block size, or names a sequence past the stream's end ``stream_end`` (the
-    stream was recreated since) raises ``InvalidRequest`` before anything changes. The daemon
-    passes no ``stream_end``: ``BusEventSource.snapshot_start`` has checked the stream by its
-    content, and a snapshot of a stream made again since is still loaded (the daemon says why)."""
-    if not data.startswith(SNAPSHOT_MAGIC):
-        raise InvalidRequest("not a kvrouterd snapshot (bad magic)")
-    frames = list(_frames(data))
-    if not frames:
-        raise InvalidRequest("snapshot without a header")
+    restored so the stream's next batch reads as in order. A snapshot that does not parse or was
+    taken at another block size raises ``InvalidRequest`` before anything changes. Whether the
+    stream it names is still there is ``BusEventSource.snapshot_start``'s to tell, by its content:
+    a snapshot of a stream made again since is still loaded (the daemon says why)."""
+    header = _header(data)
     try:
-        header = json.loads(frames[0])
-        chunks = [pb.IndexChunk.FromString(f) for f in frames[1:]]
+        chunks = [pb.IndexChunk.FromString(f) for f in list(_frames(data))[1:]]
         stream_sequence = _json_int(header["stream_sequence"])
         sequences = {str(k): _json_int(v) for k, v in header["sequences"].items()}
         block_size = _json_int(header["block_size"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidRequest(f"snapshot does not parse: {exc}") from None
-    if stream_end is not None and stream_sequence > stream_end:
-        raise InvalidRequest(f"snapshot is at stream sequence {stream_sequence}, past the stream's end {stream_end}")
     if block_size != router.block_size:
         raise InvalidRequest(f"snapshot taken at block_size {block_size}, this router uses {router.block_size}")
 

@@ -123,7 +123,7 @@ async def warm_over_export(src: Router, dst: Router, max_blocks: int = 0, step: 
 
 
 async def restore(src: Router, dst: Router) -> WarmResult:
-    _, result = await restore_snapshot(dst, encode_snapshot(src, 5), stream_end=5)
+    _, result = await restore_snapshot(dst, encode_snapshot(src, 5))
     return result
 
 
@@ -183,7 +183,7 @@ async def test_a_snapshot_without_residency_restores_as_before():
     old = SNAPSHOT_MAGIC + b"".join(struct.pack(">I", len(f)) + f
                                     for f in (frames[0], *(c.SerializeToString() for c in chunks)))
     dst = router([])
-    sequence, result = await restore_snapshot(dst, old, stream_end=5)
+    sequence, result = await restore_snapshot(dst, old)
     assert sequence == 5 and result.skipped == 0
     assert index_state(dst) == index_state(src)
     assert all(not w.loras for w in dst.workers)
@@ -257,7 +257,7 @@ async def test_a_snapshot_names_its_messages_digest_and_one_written_before_reads
     old = SNAPSHOT_MAGIC + struct.pack(">I", len(raw)) + raw + data[len(SNAPSHOT_MAGIC) + 4 + n :]
     assert snapshot_position(old) == (5, "")
     dst = router([])
-    sequence, result = await restore_snapshot(dst, old, stream_end=5)
+    sequence, result = await restore_snapshot(dst, old)
     assert sequence == 5 and result.skipped == 0 and index_state(dst) == index_state(src)
     with pytest.raises(InvalidRequest, match="does not parse"):
         bad = json.dumps({**header, "stream_digest": 7}).encode()

@@ -18,7 +18,7 @@ async def test_the_child_writes_the_same_snapshot_as_encoding_in_place() -> None
     data = await encode_snapshot_aside(router, 42)
     assert data == encode_snapshot(router, 42)
     restored = Router(RouterSettings(block_size=16), ManualClock())
-    seq, result = await restore_snapshot(restored, data, stream_end=42)
+    seq, result = await restore_snapshot(restored, data)
     assert seq == 42 and result.blocks == len(router.index)
     for w in router.workers:
         assert sorted(restored.export_blocks(w.id)) == sorted(router.export_blocks(w.id))

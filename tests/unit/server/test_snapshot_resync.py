@@ -27,7 +27,7 @@ async def test_a_worker_degraded_for_lost_events_is_restored_degraded_and_flagge
     assert source.workers.get("lost").resync_needed
 
     restored = router()
-    sequence, warmed = await restore_snapshot(restored, encode_snapshot(source, 17), stream_end=20)
+    sequence, warmed = await restore_snapshot(restored, encode_snapshot(source, 17))
     assert sequence == 17 and warmed.blocks == 3
     lost, fine = restored.workers.get("lost"), restored.workers.get("fine")
     assert (lost.state, lost.state_reason, lost.resync_needed, lost.last_sequence) == (

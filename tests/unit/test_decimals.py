@@ -119,4 +119,4 @@ def test_a_snapshot_header_number_must_be_a_json_integer():
     header = json.dumps({"stream_sequence": "٣", "sequences": {}, "block_size": 16}).encode()
     data = SNAPSHOT_MAGIC + len(header).to_bytes(4, "big") + header
     with pytest.raises(InvalidRequest, match="does not parse"):
-        asyncio.run(restore_snapshot(Router(RouterSettings(block_size=16), ManualClock()), data, 10))
+        asyncio.run(restore_snapshot(Router(RouterSettings(block_size=16), ManualClock()), data))

@@ -58,9 +58,10 @@ class Membership:
             if existing.spec.mode != spec.mode:
                 # the cache view was built under the other mode; start it afresh
                 self._events.clear_worker(existing)
-            if ((existing.spec.models, existing.spec.loras, existing.spec.role, existing.spec.address)
-                    != (spec.models, spec.loras, spec.role, spec.address)):
-                shared.workers.generation += 1  # its model pools, its hop or where it is change
+            old = existing.spec
+            if ((old.models, old.loras, old.max_loras, old.role, old.address)
+                    != (spec.models, spec.loras, spec.max_loras, spec.role, spec.address)):
+                shared.workers.generation += 1  # its model pools, LoRA tiers, its hop or where it is change
             existing.spec = spec
             if spec.mode is CacheMode.APPROXIMATE:  # its capacity may have shrunk below what it holds
                 self._ledger.fit_to_capacity(existing, shared.clock.now())

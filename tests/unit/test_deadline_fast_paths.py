@@ -16,8 +16,10 @@ import random
 import pytest
 
 from kvrouterd.clock import ManualClock
-from kvrouterd.deadline import _LOAD_LEVELS, DeadlineGuard, _load_level
+from kvrouterd.deadline import _LOAD_LEVELS, DeadlineGuard, Verdict, _load_level, _nothing_queued
+from kvrouterd.index._walk import MatchResult
 from kvrouterd.index.workers import Worker, WorkerSpec
+from kvrouterd.policies.base import RoutingContext
 from kvrouterd.policies.latency import LatencyParams
 from kvrouterd.protocols import CacheMode, Completion, RouteRequest
 from kvrouterd.router import Router, RouterSettings
@@ -43,6 +45,47 @@ def _ahead_by_definition(guard: DeadlineGuard, worker: Worker, now: float, token
     if not worker.inflight_requests:
         return 0.0
     return max(guard.backlog_ms(worker, now), guard.kv_wait_ms(worker, now, tokens) / _scale(guard, worker))
+
+
+def _verdict_by_definition(guard: DeadlineGuard, ctx: RoutingContext, chosen_id: str, slo_ms: float,
+                           queued) -> Verdict:  # type: ignore[no-untyped-def]
+    """``check``'s rule worker by worker, through the guard's per-worker functions."""
+    predicted = best = math.inf
+    budget = slo_ms
+    meets = []
+    for w in ctx.candidates:
+        uncached, cached = ctx.uncached_tokens(w), ctx.overlap(w) * ctx.block_size
+        own = guard.prefill_ms(uncached, cached)
+        ahead = guard.ahead_ms(w, ctx.now, uncached, queued(w.id))
+        scale, tail = guard._corrections(w)
+        tail *= guard.margin
+        t = (ahead + own) * tail
+        allowed = max(slo_ms, own * tail)
+        if w.id == chosen_id:
+            predicted = (ahead + own) * scale
+        if t - allowed < best - budget:
+            best, budget = t, allowed
+        if t <= allowed:
+            meets.append(w.id)
+    return Verdict(slo_ms, predicted, best, budget, tuple(meets))
+
+
+def _check_verdicts(guard: DeadlineGuard, router: Router, rng: random.Random, now: float) -> None:
+    """``check``, whose loop has ``ahead_ms`` and the rest written out, against its definition:
+    cached and speculative prefixes, router queues or none, several SLOs."""
+    tokens = rng.randrange(1, 60) * BS
+    req = RouteRequest("probe", list(range(1, tokens // BS + 1)), tokens)
+    candidates = sorted(router.workers, key=lambda w: w.slot)
+    overlaps = {w.slot: rng.randrange(0, tokens // BS + 1) for w in candidates if rng.random() < 0.7}
+    # speculative blocks in half the probes (a worker holding none of the prompt then takes the short way)
+    claimed = {slot: rng.randrange(0, n + 1) for slot, n in overlaps.items() if rng.random() < 0.3} if rng.random() < 0.5 else {}
+    ctx = RoutingContext(req, candidates, MatchResult({k: v for k, v in overlaps.items() if v}, []), BS, now,
+                         router.index, False, claimed)
+    waiting = {w.id: (rng.randrange(0, 3), rng.choice((0, 0, 200, 3_000))) for w in candidates}
+    for queued in (_nothing_queued, waiting.__getitem__):
+        for slo_ms in (50.0, 500.0, 5_000.0):
+            chosen = rng.choice(candidates).id
+            assert guard.check(ctx, chosen, slo_ms, queued) == _verdict_by_definition(guard, ctx, chosen, slo_ms, queued)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -98,5 +141,7 @@ def test_dispatch_predictions_backlogs_and_corrections_match_their_definitions(s
             wid = rng.choice(WORKERS)
             router.report_load(wid, rng.randrange(0, 4), rng.choice((0, 1, 3, 9, 40, 200)), rng.choice((0.0, 0.5, 0.97, 1.0)))
         _check_corrections(guard, router)
+        if step % 5 == 0:
+            _check_verdicts(guard, router, rng, now)
     # the run did exercise what the shortcuts cache: samples at several levels, a moving margin
     assert learned > 50 and sum(1 for n in guard._samples if n) >= 3 and guard._log_margin > 0.0

@@ -67,8 +67,9 @@ def request_bytes(req: RouteRequest) -> int:
     per_key = 8 if isinstance(keys, array) else _LIST_KEY_BYTES
     size = (INFLIGHT_ENTRY_BYTES + per_key * len(keys) + len(req.request_id) + len(req.session_id)
             + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
-    if req.candidate_workers:  # rare; twice per Route otherwise, so no empty generator
-        size += sum(len(c) + 56 for c in req.candidate_workers)
+    candidates = req.candidate_workers
+    if candidates:  # each name and its tuple slot; summed in C (a deadline reroute names ~every worker)
+        size += sum(map(len, candidates)) + 56 * len(candidates)
     return size
 
 

@@ -116,9 +116,10 @@ class Selector:
         if req.candidate_workers:
             if len(req.candidate_workers) > MAX_WORKERS:
                 raise InvalidRequest(f"{len(req.candidate_workers)} candidate_workers; at most {MAX_WORKERS} workers exist")
-            for c in req.candidate_workers:
-                if len(c) > limit:
-                    raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
+            if max(map(len, req.candidate_workers)) > limit:
+                for c in req.candidate_workers:
+                    if len(c) > limit:
+                        raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
         self._ledger.check_admissible(req)
 
     def _check_some_known(self, candidate_workers: Sequence[str]) -> None:
@@ -191,8 +192,8 @@ class Selector:
             wanted = set(req.candidate_workers)
             candidates = [w for w in candidates if w.id in wanted]
             mask = 0
-            for w in candidates:
-                mask |= w.bit
+            for w in candidates:  # Worker.bit's, without a property call per worker
+                mask |= 1 << w.slot
         if not candidates:
             if req.candidate_workers:
                 serving = f" and serves model {quote(req.model)}" if pool else ""

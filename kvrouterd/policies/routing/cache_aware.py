@@ -104,6 +104,9 @@ def _match_rate(depth: int, block_size: int, prompt_tokens: int) -> float:
 
 #: a worker's id, read in C over the least loaded ties (``_least_loaded``)
 _ID = attrgetter("id")
+#: a worker's cache mode, read in C over a narrowed candidate list (``_rule``)
+_MODE = attrgetter("spec.mode")
+_EVENTS_ONLY = frozenset((CacheMode.EVENTS,))
 
 
 class CacheAwarePolicy(RoutingPolicyBase):
@@ -150,7 +153,9 @@ class CacheAwarePolicy(RoutingPolicyBase):
             return rule
         if candidates is not self._rule_for:
             self._rule_for = candidates
-            self._auto_rule = "overlap" if all(w.mode is CacheMode.EVENTS for w in candidates) else "threshold"
+            # a list narrowed for one request (a pool, candidate_workers) is new on every Route:
+            # its modes are read in C (a bytecode pass was ~65 us at 1,024 workers)
+            self._auto_rule = "overlap" if set(map(_MODE, candidates)) <= _EVENTS_ONLY else "threshold"
         return self._auto_rule
 
     def select(self, ctx: RoutingContext) -> Decision:

@@ -189,8 +189,20 @@ class Selector:
         candidates, mask, pool, adapter = self._pools.restrict(req, candidates, mask)
         pool_prefill = candidates
         if req.candidate_workers:
-            wanted = set(req.candidate_workers)
-            candidates = [w for w in candidates if w.id in wanted]
+            named = req.candidate_workers
+            if len(named) * 8 < len(candidates):
+                # a few names in a big pool: each looked up, not every worker of the pool
+                # compared with them (8 names took 34 us of a decision at 1,024 workers)
+                find = self._shared.workers.find
+                picked = {}
+                for c in named:
+                    w = find(c)
+                    if w is not None and mask >> w.slot & 1:  # one of ``candidates``: their bits are ``mask``
+                        picked[w.slot] = w
+                candidates = [picked[slot] for slot in sorted(picked)]  # slot order, as policies see candidates
+            else:
+                wanted = set(named)
+                candidates = [w for w in candidates if w.id in wanted]
             mask = 0
             for w in candidates:  # Worker.bit's, without a property call per worker
                 mask |= 1 << w.slot

@@ -67,6 +67,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import NoEligibleWorker
+from ..index import native
 from ..index.workers import Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import CacheMode, Decision, PrefillHop, RouteRequest, WorkerRole
@@ -92,10 +93,16 @@ def cache_unknown(worker: Worker) -> bool:
     return worker.mode is CacheMode.EVENTS and not worker.batches_applied
 
 
+#: most candidate lists whose hops, and hop lists whose masks and native slots, are kept per
+#: membership: the selector's eligible list and its pools' lists come back on every Route, a
+#: list narrowed for one request (candidate_workers) does not and only passes through
+MAX_CACHED_LISTS = 64
+
+
 def _mask(workers: list[Worker]) -> int:
     mask = 0
     for w in workers:
-        mask |= w.bit
+        mask |= 1 << w.slot
     return mask
 
 
@@ -107,6 +114,19 @@ class Disaggregation:
         self._speculative = speculative
         self._gen = -1
         self._any_prefill = False
+        #: per membership (``_cached``), by the id of the list (kept in the entry, so the id
+        #: is not reused while cached): (candidates, pool, hops), and (hop list, mask, slots).
+        #: Splitting a 1,024-worker pool and masking its hops was 0.5 ms of every Route.
+        self._cache_gen = -1
+        self._splits: dict[int, tuple[list[Worker], list[Worker], tuple[list[Worker], list[Worker]] | None]] = {}
+        self._scans: dict[int, tuple[list[Worker], int, object]] = {}
+
+    def _cached(self) -> None:
+        generation = self._shared.workers.generation
+        if self._cache_gen != generation:
+            self._splits.clear()
+            self._scans.clear()
+            self._cache_gen = generation
 
     def active(self) -> bool:
         """Some registered worker has the prefill role (else nothing here runs on a Route)."""
@@ -121,16 +141,22 @@ class Disaggregation:
         when those name no prefill worker, the request's whole ``pool`` (before its
         ``candidate_workers``) has one. Raises ``NoEligibleWorker`` when ``candidates`` are all
         prefill workers (none decodes)."""
-        prefill = [w for w in candidates if w.spec.role is WorkerRole.PREFILL]
-        if not prefill and pool is not candidates:
-            prefill = [w for w in pool if w.spec.role is WorkerRole.PREFILL]
-        if not prefill:
-            return None
-        decode = [w for w in candidates if w.spec.role is not WorkerRole.PREFILL]
-        if not decode:
-            raise NoEligibleWorker(f"no eligible decode worker: the request's {len(prefill)} eligible worker(s) "
+        self._cached()
+        hit = self._splits.get(id(candidates))
+        if hit is not None and hit[0] is candidates and hit[1] is pool:
+            hops = hit[2]
+        else:
+            prefill = [w for w in candidates if w.spec.role is WorkerRole.PREFILL]
+            if not prefill and pool is not candidates:
+                prefill = [w for w in pool if w.spec.role is WorkerRole.PREFILL]
+            hops = (prefill, [w for w in candidates if w.spec.role is not WorkerRole.PREFILL]) if prefill else None
+            if len(self._splits) >= MAX_CACHED_LISTS:
+                self._splits.clear()
+            self._splits[id(candidates)] = (candidates, pool, hops)
+        if hops is not None and not hops[1]:
+            raise NoEligibleWorker(f"no eligible decode worker: the request's {len(hops[0])} eligible worker(s) "
                                    "only prefill (role prefill)")
-        return prefill, decode
+        return hops
 
     def decide(self, req: RouteRequest, policy: RoutingPolicy, prefill: list[Worker], decode: list[Worker],
                explain: bool) -> tuple[Decision, RoutingContext]:
@@ -179,6 +205,16 @@ class Disaggregation:
     def _context(self, req: RouteRequest, workers: list[Worker], now: float, explain: bool,
                  mask: int = 0) -> RoutingContext:
         shared = self._shared
-        match = shared.index.match(req.keys, mask or _mask(workers))
+        slots = None
+        if not mask:  # a hop's workers (``split``): their mask and native slots, once per membership
+            self._cached()
+            hit = self._scans.get(id(workers))
+            if hit is None or hit[0] is not workers:
+                if len(self._scans) >= MAX_CACHED_LISTS:
+                    self._scans.clear()
+                hit = self._scans[id(workers)] = (
+                    workers, _mask(workers), native.module.CandidateSlots(workers) if native.module is not None else None)
+            mask, slots = hit[1], hit[2]
+        match = shared.index.match(req.keys, mask)
         claimed = self._speculative.claimed(workers, req.keys, match.overlaps) if self._speculative.live else None
-        return RoutingContext(req, workers, match, shared.block_size, now, shared.index, explain, claimed)
+        return RoutingContext(req, workers, match, shared.block_size, now, shared.index, explain, claimed, slots)

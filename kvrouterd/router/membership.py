@@ -59,9 +59,11 @@ class Membership:
                 # the cache view was built under the other mode; start it afresh
                 self._events.clear_worker(existing)
             old = existing.spec
-            if ((old.models, old.loras, old.max_loras, old.role, old.address)
-                    != (spec.models, spec.loras, spec.max_loras, spec.role, spec.address)):
-                shared.workers.generation += 1  # its model pools, LoRA tiers, its hop or where it is change
+            if ((old.models, old.loras, old.max_loras, old.role, old.address, old.mode)
+                    != (spec.models, spec.loras, spec.max_loras, spec.role, spec.address, spec.mode)):
+                # its model pools, LoRA tiers, its hop, where it is or how its cache is known
+                # (cache_aware's match rule, worked out per membership) change
+                shared.workers.generation += 1
             existing.spec = spec
             if spec.mode is CacheMode.APPROXIMATE:  # its capacity may have shrunk below what it holds
                 self._ledger.fit_to_capacity(existing, shared.clock.now())

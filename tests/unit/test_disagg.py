@@ -161,6 +161,30 @@ def test_a_pool_of_prefill_workers_alone_cannot_decode() -> None:
         r.route(req("a", prompt(1), "A"))
 
 
+def test_the_hops_follow_every_membership_change_though_kept_per_candidate_list() -> None:
+    # a pool's split into prefill and decode workers is kept per membership: a drain, a role
+    # change and a return each reach the next decision
+    r = pd_fleet()
+
+    def hops(n: int) -> tuple[str, str | None]:
+        d = r.decide(req(f"r{n}", prompt(n)))[0]
+        return d.worker_id, d.prefill.worker_id if d.prefill else None
+
+    assert hops(1) == ("d1", "p1") and hops(2) == ("d1", "p1")
+    r.set_draining("p1", True)
+    assert hops(3) == ("d1", "p2")
+    r.add_worker(spec("d1", WorkerRole.PREFILL))  # re-registered in place as a prefill worker
+    decode, prefill = hops(4)
+    assert decode == "d2" and prefill in {"p2", "d1"}
+    r.set_draining("d2", True)
+    for n in (5, 6):  # asked twice: the second answer comes from the kept split
+        with pytest.raises(NoEligibleWorker, match="only prefill"):
+            r.decide(req(f"r{n}", prompt(n)))
+    r.set_draining("d2", False)
+    r.set_draining("p1", False)
+    assert hops(7) == ("d2", "p1")
+
+
 def test_a_request_id_cannot_collide_with_a_prefill_hop() -> None:
     r = pd_fleet()
     r.route(req("r1", prompt(1)))

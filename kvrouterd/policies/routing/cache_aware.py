@@ -121,6 +121,10 @@ class CacheAwarePolicy(RoutingPolicyBase):
         #: in Python (~10 us at 64 workers, ~100 at 1,024)
         self._rule_for: Sequence[Worker] | None = None
         self._auto_rule = ""
+        #: the list before it and its rule: a disaggregated Route alternates two lists (its
+        #: decode and its prefill workers), which one entry would work out anew every time
+        self._rule_before: Sequence[Worker] | None = None
+        self._rule_before_value = ""
         #: whether either KV-use trigger is on: off (the default), a decision reads no worker's use
         self._kv_triggers = (params.balance_token_usage_threshold < 1.0
                              or params.overload_token_usage_threshold < 1.0)
@@ -151,7 +155,11 @@ class CacheAwarePolicy(RoutingPolicyBase):
         rule = self.params.match_rule
         if rule != "auto":
             return rule
-        if candidates is not self._rule_for:
+        if candidates is self._rule_before:
+            self._rule_for, self._rule_before = candidates, self._rule_for
+            self._auto_rule, self._rule_before_value = self._rule_before_value, self._auto_rule
+        elif candidates is not self._rule_for:
+            self._rule_before, self._rule_before_value = self._rule_for, self._auto_rule
             self._rule_for = candidates
             # a list narrowed for one request (a pool, candidate_workers) is new on every Route:
             # its modes are read in C (a bytecode pass was ~65 us at 1,024 workers)

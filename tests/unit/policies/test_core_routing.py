@@ -7,6 +7,7 @@ import random
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies import registry
+from kvrouterd.policies.base import RoutingContext
 from kvrouterd.protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
 
@@ -81,6 +82,33 @@ def test_cache_aware_with_engine_events_follows_any_overlap():
     assert (d.worker_id, d.reason, d.attributes["match_rule"]) == ("w2", "prefix_match", "overlap")
     cold = router.route(prompt(router, list(range(50_000, 50_000 + 4 * BS)))).decision
     assert (cold.worker_id, cold.reason) == ("w0", "no_overlap")
+
+
+def test_cache_aware_auto_rule_follows_a_worker_re_registered_in_another_cache_mode():
+    # the rule is worked out once per candidate list: a worker whose cache is now modelled
+    # (approximate) makes the fleet's rule SGLang's approximate-tree threshold, at once
+    router = fleet({"name": "cache_aware"})
+    tokens = list(range(10 * BS))
+    assert router.decide(prompt(router, tokens))[0].attributes["match_rule"] == "overlap"
+    router.add_worker(WorkerSpec("w1", "h1:1", mode=CacheMode.APPROXIMATE))
+    assert router.decide(prompt(router, tokens))[0].attributes["match_rule"] == "threshold"
+
+
+def test_cache_aware_auto_rule_is_worked_out_per_list_when_two_lists_alternate():
+    # a disaggregated Route decides its decode hop and its prefill hop over two lists in turn
+    router = fleet({"name": "cache_aware"}, n=4)
+    router.add_worker(WorkerSpec("w1", "h1:1", mode=CacheMode.APPROXIMATE))
+    policy = registry.build("routing", {"name": "cache_aware"})
+    _, ctx, _ = router.decide(prompt(router, list(range(10 * BS))))
+    workers = sorted(router.workers, key=lambda w: w.slot)
+    events = [w for w in workers if w.mode is CacheMode.EVENTS]
+
+    def rule(candidates):
+        narrowed = RoutingContext(ctx.request, candidates, ctx.match, BS, ctx.now, ctx.index)
+        return policy.select(narrowed).attributes["match_rule"]
+
+    assert [rule(lst) for lst in (events, workers, events, workers, [workers[1]], events)] == [
+        "overlap", "threshold", "overlap", "threshold", "threshold", "overlap"]
 
 
 def test_cache_aware_min_load_ties_go_to_the_worker_sent_fewer_requests():

@@ -47,6 +47,10 @@ class Membership:
         self._ledger = ledger
         self._hashes = hashes
         self._slots = slots
+        #: ``_described_length`` summed over the registered workers' specs, kept as they come,
+        #: change and go: summed afresh on every registration, a fleet of 1,024 took 2.2 s to
+        #: register (2 ms a worker at the end, on the event loop)
+        self._described = 0
 
     def add_worker(self, spec: WorkerSpec) -> Worker:
         """Register a worker, or update an existing one's description in place."""
@@ -64,6 +68,7 @@ class Membership:
                 # its model pools, LoRA tiers, its hop, where it is or how its cache is known
                 # (cache_aware's match rule, worked out per membership) change
                 shared.workers.generation += 1
+            self._described += _described_length(spec) - _described_length(old)
             existing.spec = spec
             if spec.mode is CacheMode.APPROXIMATE:  # its capacity may have shrunk below what it holds
                 self._ledger.fit_to_capacity(existing, shared.clock.now())
@@ -71,6 +76,7 @@ class Membership:
         slot = shared.workers.next_slot()
         shared.index.add_slot(slot)
         worker = shared.workers.add(spec, shared.clock.now())
+        self._described += _described_length(spec)
         assert worker.slot == slot
         for policy in shared.policies.routing.values():
             policy.on_worker_added(worker)
@@ -100,7 +106,7 @@ class Membership:
             raise InvalidRequest(f"worker {spec.id!r}: labels of {labels} characters exceed "
                                  f"limits.max_labels_length={s.max_labels_length}")
         if s.max_workers_description_length:
-            total = _described_length(spec) + sum(_described_length(w.spec) for w in workers if w is not replacing)
+            total = self._described + _described_length(spec) - (_described_length(replacing.spec) if replacing else 0)
             if total > s.max_workers_description_length:
                 raise Overloaded(
                     f"worker {spec.id!r}: the workers' ids, addresses, endpoints and labels would total {total} "
@@ -121,6 +127,7 @@ class Membership:
         worker = shared.workers.get(worker_id)
         self._ledger.forget_worker(worker_id)
         shared.workers.remove(worker_id, free_slot=False)
+        self._described -= _described_length(worker.spec)
         reverse = self._hashes.forget(worker.slot)
         for policy in shared.policies.routing.values():
             policy.on_worker_removed(worker)

@@ -1,4 +1,5 @@
-"""Benchmarks that report and never assert: decision cost, gRPC throughput, ingest, memory.
+"""Benchmarks that report and never assert: decision cost, gRPC throughput, ingest, memory,
+and Route + Complete along a heterogeneous fleet's paths (pools, LoRA, P/D, past capacity).
 
     kvrouterd bench                 # everything, a table at the end (a few minutes)
     kvrouterd bench --json          # one JSON object with every number
@@ -20,7 +21,7 @@ import time
 from collections import Counter
 from typing import Any
 
-STAGES = ("decision", "grpc", "ingest", "memory")
+STAGES = ("decision", "fleet", "grpc", "ingest", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else max(1, args.rounds)
     from ..index import native
 
-    steps = {"decision": 4, "grpc": rounds + 1, "ingest": 1, "memory": 1}
+    steps = {"decision": 4, "fleet": 6, "grpc": rounds + 1, "ingest": 1, "memory": 1}
     _progress = _Steps(sum(steps[stage] for stage in set(stages)))
     result: dict[str, object] = {"indexed_blocks": blocks, "prompt_tokens": 4000, "block_size": 16,
                                  "native": native.module is not None}
@@ -167,6 +168,15 @@ def run(args: argparse.Namespace) -> int:
         result["route_decision_us_median"] = result["decision_64w"]["decision_us_median"]  # type: ignore[index]
         for workers in (256, 1024):
             result[f"route_decision_us_median_{workers}w"] = result[f"decision_{workers}w"]["decision_us_median"]  # type: ignore[index]
+
+    if "fleet" in stages:
+        from .fleet_paths import fleet_path_costs, table
+
+        fleet = fleet_path_costs(repeats=100 if args.quick else 300, progress=_progress)
+        result["fleet_paths"] = fleet
+        for r in fleet:
+            result[f"fleet_{r['path']}_us_{r['workers']}w"] = r["us_median"]
+        fleet_table = table(fleet)
 
     if "grpc" in stages:
         from .grpc_bench import route_throughput, server_grpc_experiments
@@ -289,4 +299,8 @@ def run(args: argparse.Namespace) -> int:
         print("-" * (width + 40))
         for k, v in rows:
             print(f"{k:<{width}}  {v}")
+        if "fleet" in stages:
+            print("\nRoute + Complete in process by path and fleet width, us: median (p90); "
+                  "idle fleet, cold 4,000-token prompts (docs/operations/performance.md)")
+            print(fleet_table)
     return 0

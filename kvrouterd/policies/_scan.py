@@ -6,7 +6,7 @@ over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does th
 C, reading each candidate's load by slot from its registry's array (``index.workers``) and,
 given the candidates' ``CandidateSlots``, their slots from one array too. This module's
 ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
-and load, ``prefix_ties``) is the reference: tests hold the two to identical results, and it
+and load, ``prefix_ties``; ``fewest_counted_py``, the tie counted fewest, ``fewest_counted``) is the reference: tests hold the two to identical results, and it
 runs wherever the extension is not built or declines (``NotImplemented``: a depth or load that
 is not a 64-bit int).
 """
@@ -14,11 +14,14 @@ is not a 64-bit int).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from ..index import native
 
-__all__ = ["ANY_DEPTH", "scan_candidates", "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
+__all__ = ["ANY_DEPTH", "fewest_counted", "fewest_counted_py", "scan_candidates", "scan_candidates_py",
+           "tied_candidates", "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
 Scan = tuple[int, int, int, int, int]
@@ -69,6 +72,27 @@ def tied_candidates_py(candidates: Sequence[Any], overlaps: Mapping[int, int], l
             if get(candidates[i].slot, 0) == depth and getattr(candidates[i], load_attr) == load]
 
 
+_ID = attrgetter("id")
+
+
+def fewest_counted_py(candidates: Sequence[Any], ties: list[int], counts: Mapping[str, int]) -> int:
+    """Of the candidates at the indices ``ties`` (in order), the first whose id has the fewest
+    ``counts`` (absent: 0): cache_aware's tie-break among the least loaded. ``ties`` must not
+    be empty (ValueError)."""
+    if not ties:
+        raise ValueError("no ties")
+    tied = [candidates[i] for i in ties] if len(ties) == 1 else itemgetter(*ties)(candidates)
+    counted = list(map(counts.get, map(_ID, tied), repeat(0, len(ties))))
+    return ties[counted.index(min(counted))]
+
+
+def _fewest_counted_native(candidates: Sequence[Any], ties: list[int], counts: Mapping[str, int]) -> int:
+    result = _native_fewest(candidates, ties, counts)
+    if result is NotImplemented:
+        return fewest_counted_py(candidates, ties, counts)
+    return result  # type: ignore[no-any-return]
+
+
 def _scan_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str,
                             slots: Any = None) -> Scan:
     result = _native_scan(candidates, overlaps, load_attr, slots)
@@ -88,8 +112,11 @@ def _tied_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, in
 if native.module is not None:
     _native_scan = native.module.prefix_scan
     _native_ties = native.module.prefix_ties
+    _native_fewest = native.module.fewest_counted
     scan_candidates = _scan_candidates_native
     tied_candidates = _tied_candidates_native
+    fewest_counted = _fewest_counted_native
 else:
     scan_candidates = scan_candidates_py
     tied_candidates = tied_candidates_py
+    fewest_counted = fewest_counted_py

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from kvrouterd.index import native
 from kvrouterd.policies._scan import (
     ANY_DEPTH,
+    fewest_counted,
+    fewest_counted_py,
     scan_candidates,
     scan_candidates_py,
     tied_candidates,
@@ -192,3 +194,72 @@ def test_native_scan_declines_what_it_cannot_hold_exactly():
 def test_python_scan_rejects_an_empty_fleet():
     with pytest.raises(ValueError, match="no candidates"):
         scan_candidates_py([], {}, "inflight_requests")
+
+
+class Named:
+    """A candidate with an id, as cache_aware's tie-break reads it."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, wid: str) -> None:
+        self.id = wid
+
+
+class DictNamed:
+    """An id in an instance dict: the native pass reads it through the generic lookup."""
+
+    def __init__(self, wid: str) -> None:
+        self.id = wid
+
+
+class PropertyNamed(Named):
+    """A slot shadowed by a property: the property's value is what counts."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def id(self) -> str:
+        return _ID_MEMBER.__get__(self).upper()
+
+    @id.setter
+    def id(self, value: str) -> None:
+        _ID_MEMBER.__set__(self, value)
+
+
+_ID_MEMBER = Named.__dict__["id"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(1, 40), data=st.data())
+def test_the_tie_counted_fewest_is_the_references(size: int, data: st.DataObject) -> None:
+    kinds = data.draw(st.lists(st.sampled_from((Named, DictNamed)), min_size=size, max_size=size))
+    candidates = [kind(f"w{i}") for i, kind in enumerate(kinds)]
+    ties = sorted(data.draw(st.sets(st.integers(0, size - 1), min_size=1)))
+    counts = data.draw(st.dictionaries(st.sampled_from([f"w{i}" for i in range(size)] + ["gone"]),
+                                       st.integers(0, 5) | st.integers(-(2**70), 2**70), max_size=size))
+    expected = min(ties, key=lambda i: (counts.get(f"w{i}", 0), i))  # fewest, then the lowest index
+    assert fewest_counted_py(candidates, ties, counts) == expected
+    assert fewest_counted(candidates, ties, counts) == expected
+
+
+@pytest.mark.skipif(native.module is None, reason=native.status)
+def test_the_native_fewest_count_declines_what_it_cannot_hold_exactly() -> None:
+    candidates = [Named("a"), Named("b"), Named("c")]
+    fewest = native.module.fewest_counted
+    assert fewest(candidates, [0, 1, 2], {"a": 2, "b": 1, "c": 1}) == 1
+    assert fewest(candidates, [2, 0], {}) == 2  # absent counts are 0: the first tie
+    assert fewest(candidates, [0, 1], {"a": 2**64}) is NotImplemented
+    assert fewest(candidates, [0, 1], {"a": 1.0}) is NotImplemented
+    assert fewest(candidates, (0, 1), {}) is NotImplemented  # ties not a list
+    assert fewest_counted(candidates, [0, 1], {"a": 2**64, "b": 2**65}) == 0
+    for fn in (fewest, fewest_counted_py):
+        with pytest.raises(ValueError, match="no ties"):
+            fn(candidates, [], {})
+        with pytest.raises(IndexError):
+            fn(candidates, [0, 3], {})
+    with pytest.raises(AttributeError):
+        fewest([Cand(0, 0, 0)], [0], {})
+    # an id read through a property (uppercased) is counted under what the property says
+    shadowed = [Named("a"), PropertyNamed("b"), Named("c")]
+    assert fewest(shadowed, [0, 1, 2], {"a": 1, "b": 0, "B": 5, "c": 1}) == 0
+    assert fewest(shadowed, [0, 1, 2], {"a": 1, "B": 0, "c": 1}) == 1

@@ -714,8 +714,12 @@ def admit_priced(guard: DeadlineGuard, router: Router, req: RouteRequest,
     (``on_dispatch`` takes it when the decision commits in the same step; None otherwise).
 
     ``decided`` is ``router.decide(req)``'s answer. Returns it if its worker meets the SLO,
-    else the policy's decision among the workers that do (``req.candidate_workers`` is
-    narrowed to them); when none does, raises ``SloUnreachable``, or with ``refuse`` false
+    else the policy's decision among the workers that do (decided with
+    ``req.candidate_workers`` narrowed to them, then given back what the client sent: the
+    in-flight table keeps and charges a request's candidates, and at 1,024 workers the
+    ~1,000 names meeting the SLO charged ~100 kB per rerouted request, so past capacity
+    ``limits.max_inflight_bytes`` filled with names after ~2,500 of them); when none does,
+    raises ``SloUnreachable``, or with ``refuse`` false
     (a request that declared no SLO of its own) returns ``decided``: such a request is
     steered by the default SLO but never refused by it. Changes no router state, but for the
     id an unnamed request takes here rather than at commit: its outcome is judged by that id
@@ -740,5 +744,9 @@ def admit_priced(guard: DeadlineGuard, router: Router, req: RouteRequest,
     if decision.worker_id in verdict.meets:
         return decided, None
     guard.rerouted += 1
+    sent = req.candidate_workers
     req.candidate_workers = verdict.meets
-    return router.decide(req, ctx.explain), None
+    try:
+        return router.decide(req, ctx.explain), None
+    finally:
+        req.candidate_workers = sent

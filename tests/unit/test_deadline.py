@@ -14,8 +14,9 @@ from kvrouterd.deadline import MIN_RETRY_AFTER_MS, DeadlineGuard, admit_priced
 from kvrouterd.errors import ConfigError, Overloaded, SloUnreachable
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.latency import LatencyParams
-from kvrouterd.protocols import CacheMode, Completion, RouteRequest
+from kvrouterd.protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router, RouterSettings
+from kvrouterd.router.ledger import request_bytes
 
 BS = 16
 SLO = 5_000.0
@@ -427,3 +428,27 @@ def test_requests_ending_before_any_load_report_leave_the_kv_wait_defined() -> N
     worker = router.workers.find("a")
     assert worker is not None
     assert 0.0 <= guard.kv_wait_ms(worker, clock.now(), 1_000) <= MAX_LATENCY_MS
+
+
+def test_a_rerouted_request_is_kept_and_charged_with_the_candidates_its_client_sent() -> None:
+    # deadline admission narrows a reroute to the workers meeting the SLO by naming them; at
+    # fleet scale that is hundreds of names, which the in-flight table must not keep and
+    # charge against limits.max_inflight_bytes for every rerouted request
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, max_inflight_bytes=1 << 30), clock, random.Random(0))
+    pods = [f"vllm-decode-{i:03d}-7f9c8d6b5-abcde" for i in range(200)]
+    for wid in ("busy", *pods):
+        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=CacheMode.EVENTS))
+    guard = DeadlineGuard("shed", MS_PER_TOKEN)
+    tokens = list(range(100, 2_100))
+    router.apply(EventBatch("busy", 0, (Stored(tuple(tokens), None),)))
+    load(router, guard, "busy", 6_000, "busy-1")  # 6 s of prefill ahead: past the 5 s SLO
+    req = RouteRequest("moved", router.keys_for_tokens(tokens), len(tokens), ttft_slo_ms=SLO)
+    decided = router.decide(req)
+    assert decided[0].worker_id == "busy"  # the policy follows the prefix
+    held = router.inflight_bytes
+    (decision, ctx, policy), _ = admit_priced(guard, router, req, decided, SLO)
+    assert guard.rerouted == 1 and decision.worker_id in pods and len(ctx.candidates) == len(pods)
+    assert req.candidate_workers == ()
+    router.commit(decision, ctx, policy)
+    assert router.inflight_bytes - held == request_bytes(req)

@@ -21,16 +21,26 @@ admission, commit) then its Complete, untraced, with a fresh 4,000-token prompt'
                  SLO cannot wait for, and the prompt's prefix is cached on a busy one: the policy
                  picks it, admission finds it misses, prices every eligible worker and reroutes
                  to those that meet the SLO (the clock stands still, so the backlogs do).
+
+Each (path, width) cell runs in a fresh process, as the sizing grid's do: in the bench's own
+process, after the decision stage's 10^6-block routers, the collector's passes over their
+leftovers doubled some cells. One cell alone, one JSON line:
+
+    python -m kvrouterd.benchmarks.fleet_paths --cell past_capacity 1024
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..clock import ManualClock
@@ -150,12 +160,15 @@ def fleet_path_cost(path: str, workers: int, repeats: int = 300) -> dict[str, An
 
 def fleet_path_costs(fleets: tuple[int, ...] = FLEETS, repeats: int = 300,
                      progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """``fleet_path_cost`` for every path and fleet width."""
+    """``fleet_path_cost`` for every path and fleet width, each cell in a fresh process."""
     rows = []
     for path in PATHS:
         if progress is not None:
             progress(f"fleet paths: {path} over {', '.join(map(str, fleets))} workers")
-        rows.extend(fleet_path_cost(path, w, repeats) for w in fleets)
+        for w in fleets:
+            cmd = [sys.executable, "-m", "kvrouterd.benchmarks.fleet_paths", "--cell", path, str(w),
+                   "--repeats", str(repeats)]
+            rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
     return rows
 
 
@@ -170,3 +183,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {path} | " + " | ".join(
                 f"{cells[w]['us_median']:.1f} ({cells[w]['us_p90']:.1f})" if w in cells else "" for w in fleets) + " |")
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cell", nargs=2, metavar=("PATH", "WORKERS"), required=True,
+                        help=f"time one path ({', '.join(PATHS)}) over WORKERS and print it as one JSON line")
+    parser.add_argument("--repeats", type=int, default=300, help="Routes timed (default 300)")
+    args = parser.parse_args(argv)
+    path, workers = args.cell[0], int(args.cell[1])
+    if path not in PATHS:
+        parser.error(f"unknown path {path!r}; choose from {', '.join(PATHS)}")
+    print(json.dumps(fleet_path_cost(path, workers, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ first one must still end.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import pytest
@@ -131,3 +132,25 @@ async def test_close_ends_a_subscriber_that_lost_its_cancellation(zmq_env, monke
     if not done:
         closing.cancel()
     assert done and not subscriber_tasks()
+
+
+async def test_sync_subscribes_anew_only_what_changed(zmq_env, caplog):
+    # the daemon syncs the whole fleet on every membership change: a worker whose endpoint and
+    # model are as last synced keeps its subscriber (its endpoint is not parsed again)
+    source, (a, b) = zmq_env
+    source.sync([spec(a.endpoint)])
+    await a.subscribed()
+    first = source.subscribers["w"]
+    source.sync([spec(a.endpoint)])
+    assert source.subscribers["w"] is first
+    source.sync([spec(a.endpoint)], model="m")  # the model keys the worker's blocks: subscribed anew
+    await a.subscribed()
+    assert source.subscribers["w"] is not first and source.subscribers["w"].endpoint.model == "m"
+    with caplog.at_level(logging.ERROR, logger="kvrouterd"):
+        for _ in range(2):
+            source.sync([spec("not-a-url")])
+    assert "w" not in source.subscribers
+    assert sum("cannot subscribe" in r.getMessage() for r in caplog.records) == 2  # said on every sync
+    source.sync([spec(b.endpoint)])
+    await b.subscribed()
+    assert source.subscribers["w"].endpoint.endpoint == b.endpoint

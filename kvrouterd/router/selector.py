@@ -194,7 +194,7 @@ class Selector:
                 # a few names in a big pool: each looked up, not every worker of the pool
                 # compared with them (8 names took 34 us of a decision at 1,024 workers)
                 find = self._shared.workers.find
-                picked = {}
+                picked: dict[int, Worker] = {}
                 for c in named:
                     w = find(c)
                     if w is not None and mask >> w.slot & 1:  # one of ``candidates``: their bits are ``mask``

@@ -16,6 +16,11 @@ keys falling in that worker's arcs: about ``1/n`` of keys per ring.
 
 Candidate filtering (draining workers, a request's ``candidate_workers``) walks on past
 workers that are not allowed, which is exactly the mapping of a ring built without them.
+
+A ring's points are kept sorted as workers come and go (a ``SortedList``: a worker's
+``virtual_nodes`` points in or out in O(log n) each), and lookups read a flat copy made again
+after a change. Sorting every point again on each change made a fleet's registration
+quadratic: 1,024 workers took 100 s of the event loop, and one removal among them 0.2 s.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import bisect
 from collections.abc import Callable, Iterable
 
 import xxhash
+from sortedcontainers import SortedList
 
 __all__ = ["RING_SEEDS", "DualHashRing"]
 
@@ -38,13 +44,18 @@ def key_bytes(key: int) -> bytes:
 
 
 class _Ring:
-    __slots__ = ("_members", "_owners", "_points", "seed", "virtual_nodes")
+    __slots__ = ("_members", "_owners", "_points", "_sorted", "_stale", "seed", "virtual_nodes")
 
     def __init__(self, seed: int, virtual_nodes: int) -> None:
         self.seed = seed
         self.virtual_nodes = virtual_nodes
+        #: (point, owner), in ring order: ties between two workers' points are broken by id, so
+        #: every replica agrees
+        self._sorted: SortedList = SortedList()
+        #: the flat copy lookups bisect, made again after a change (``_flat``)
         self._points: list[int] = []
         self._owners: list[str] = []
+        self._stale = False
         self._members: set[str] = set()
 
     def positions(self, worker_id: str) -> list[int]:
@@ -55,21 +66,26 @@ class _Ring:
         if worker_id in self._members:
             return
         self._members.add(worker_id)
-        # ties between two workers' points are broken by id so every replica agrees
-        merged = sorted([*zip(self._points, self._owners), *((p, worker_id) for p in self.positions(worker_id))])
-        self._points = [p for p, _ in merged]
-        self._owners = [o for _, o in merged]
+        self._sorted.update((p, worker_id) for p in self.positions(worker_id))
+        self._stale = True
 
     def remove(self, worker_id: str) -> None:
         if worker_id not in self._members:
             return
         self._members.discard(worker_id)
-        keep = [(p, o) for p, o in zip(self._points, self._owners) if o != worker_id]
-        self._points = [p for p, _ in keep]
-        self._owners = [o for _, o in keep]
+        for p in self.positions(worker_id):
+            self._sorted.discard((p, worker_id))
+        self._stale = True
+
+    def _flat(self) -> None:
+        if self._stale:
+            self._points = [p for p, _ in self._sorted]
+            self._owners = [o for _, o in self._sorted]
+            self._stale = False
 
     def walk(self, position: int) -> Iterable[str]:
         """Owners clockwise from ``position`` (first point >= position), once around."""
+        self._flat()
         n = len(self._points)
         start = bisect.bisect_left(self._points, position)
         for step in range(n):

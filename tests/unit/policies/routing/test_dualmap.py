@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrouterd.errors import ConfigError
 from kvrouterd.index.keys import block_keys
@@ -335,3 +338,39 @@ def test_counters_report_how_often_the_decode_bottleneck_rule_fired_and_moved_a_
     assert {k: policy.counters()[k] for k in ("decode_bottleneck_decisions", "decode_bottleneck_moves", "slo_switches")} == {
         "decode_bottleneck_decisions": 1, "decode_bottleneck_moves": 1, "slo_switches": 1}
     assert router.policy_counters() == {"dualmap_paper": policy.counters()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 11)), max_size=40),
+       keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20))
+def test_the_ring_kept_through_changes_is_the_ring_built_from_its_members(ops: list[tuple[bool, int]],
+                                                                          keys: list[int]) -> None:
+    # points go in and out as workers come and go (lookups read a flat copy made after a change):
+    # after any history, every walk and pair is that of a ring built afresh from the members
+    ring = DualHashRing(virtual_nodes=8)
+    members: set[str] = set()
+    for step, (adding, n) in enumerate(ops):
+        wid = f"gpu-{n}"
+        if adding:
+            ring.add(wid)
+            members.add(wid)
+        else:
+            ring.remove(wid)
+            members.discard(wid)
+        if step % 3 == 0 and members:  # lookups between changes, so the flat copy is redone
+            ring.pair(keys[0])
+    fresh = DualHashRing(virtual_nodes=8)
+    for wid in sorted(members):
+        fresh.add(wid)
+    for r in (0, 1):
+        kept, built = ring._rings[r], fresh._rings[r]
+        expected = sorted((p, w) for w in members for p in built.positions(w))
+        for key in keys:
+            assert list(kept.walk(key)) == list(built.walk(key)) == [
+                w for _, w in expected[bisect_left(expected, (key,)):] + expected[:bisect_left(expected, (key,))]]
+    for key in keys:
+        if members:
+            assert ring.pair(key) == fresh.pair(key)
+        else:
+            with pytest.raises(LookupError):
+                ring.pair(key)

@@ -69,6 +69,7 @@ import grpc
 from .. import grpc_runtime
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from .._generated.kvrouter.v1 import router_pb2_grpc
+from ..index.workers import routing_mask
 from ..server.service import STREAM_BATCH_METADATA
 from .harness import complete_message
 from .stats import p99
@@ -136,9 +137,7 @@ class FloorService(router_pb2_grpc.KVRouterServicer):
         self._scan = scan_candidates
         self._router = router
         self._workers = sorted(router.workers, key=lambda w: w.slot)
-        self._mask = 0
-        for w in self._workers:
-            self._mask |= w.bit
+        self._mask = routing_mask(self._workers)
         self._slots = native.module.CandidateSlots(self._workers) if native.module is not None else None
         self._inflight: dict[str, Any] = {}
         self._routed = 0

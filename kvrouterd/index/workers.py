@@ -19,7 +19,7 @@ visiting each of 1,024 Worker objects. In pure Python they are plain members.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from .native import u64_map
 from .pages import PageChains
 
 __all__ = ["MAX_LORAS", "MAX_POOL_NAMES", "MAX_WORKERS", "Entry", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec",
-           "is_host_port"]
+           "is_host_port", "routing_mask"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
@@ -212,6 +212,15 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.id!r}, slot={self.slot}, {self.state.name})"
+
+
+def routing_mask(workers: Iterable[Worker]) -> int:
+    """The routing mask of ``workers``: their ``bit``s or-ed, each read from its slot (the
+    property's call per worker was most of the pass over a 1,024-worker list)."""
+    mask = 0
+    for w in workers:
+        mask |= 1 << w.slot
+    return mask
 
 
 @dataclass(slots=True)

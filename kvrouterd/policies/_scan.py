@@ -6,9 +6,9 @@ over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does th
 C, reading each candidate's load by slot from its registry's array (``index.workers``) and,
 given the candidates' ``CandidateSlots``, their slots from one array too. This module's
 ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
-and load, ``prefix_ties``; ``fewest_counted_py``, the tie counted fewest, ``fewest_counted``) is the reference: tests hold the two to identical results, and it
-runs wherever the extension is not built or declines (``NotImplemented``: a depth or load that
-is not a 64-bit int).
+and load, ``prefix_ties``; ``fewest_counted_py``, the tie counted fewest, ``fewest_counted``) is
+the reference: tests hold the two to identical results, and it runs wherever the extension is
+not built or declines (``NotImplemented``: a depth or load that is not a 64-bit int).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from dataclasses import replace
 
 from ..errors import NoEligibleWorker
 from ..index import native
-from ..index.workers import Worker
+from ..index.workers import Worker, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import CacheMode, Decision, PrefillHop, RouteRequest, WorkerRole
 from .shared import Shared
@@ -97,13 +97,6 @@ def cache_unknown(worker: Worker) -> bool:
 #: membership: the selector's eligible list and its pools' lists come back on every Route, a
 #: list narrowed for one request (candidate_workers) does not and only passes through
 MAX_CACHED_LISTS = 64
-
-
-def _mask(workers: list[Worker]) -> int:
-    mask = 0
-    for w in workers:
-        mask |= 1 << w.slot
-    return mask
 
 
 class Disaggregation:
@@ -212,8 +205,8 @@ class Disaggregation:
             if hit is None or hit[0] is not workers:
                 if len(self._scans) >= MAX_CACHED_LISTS:
                     self._scans.clear()
-                hit = self._scans[id(workers)] = (
-                    workers, _mask(workers), native.module.CandidateSlots(workers) if native.module is not None else None)
+                slots = native.module.CandidateSlots(workers) if native.module is not None else None
+                hit = self._scans[id(workers)] = (workers, routing_mask(workers), slots)
             mask, slots = hit[1], hit[2]
         match = shared.index.match(req.keys, mask)
         claimed = self._speculative.claimed(workers, req.keys, match.overlaps) if self._speculative.live else None

@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import InvalidRequest, NoEligibleWorker, UnknownModel, quote
-from ..index.workers import MAX_POOL_NAMES, Worker
+from ..index.workers import MAX_POOL_NAMES, Worker, routing_mask
 from ..policies._scan import scan_candidates
 from ..protocols import EventBatch, RouteRequest, Stored
 from .shared import Shared
@@ -239,9 +239,7 @@ class Pools:
         cached = self._pools.get(model)
         if cached is None:
             kept = [w for w in eligible if not w.spec.models or model in w.spec.models]
-            mask = 0
-            for w in kept:
-                mask |= w.bit
+            mask = routing_mask(kept)
             if len(self._pools) >= MAX_CACHED_POOLS:
                 self._pools.clear()
             cached = self._pools[model] = (kept, mask)

@@ -29,7 +29,7 @@ from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index import native
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
-from ..index.workers import MAX_WORKERS, Worker
+from ..index.workers import MAX_WORKERS, Worker, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
 from .disagg import PREFILL_HOP_PREFIX, Disaggregation
@@ -77,10 +77,7 @@ class Selector:
         workers = self._shared.workers
         if self._candidates_gen != workers.generation:
             self._candidates = sorted((w for w in workers if w.eligible), key=lambda w: w.slot)
-            mask = 0
-            for w in self._candidates:
-                mask |= w.bit
-            self._candidates_mask = mask
+            self._candidates_mask = routing_mask(self._candidates)
             self._candidate_slots = native.module.CandidateSlots(self._candidates) if native.module is not None else None
             self._pd_active = self._disagg.active()
             self._candidates_gen = workers.generation
@@ -203,9 +200,7 @@ class Selector:
             else:
                 wanted = set(named)
                 candidates = [w for w in candidates if w.id in wanted]
-            mask = 0
-            for w in candidates:  # Worker.bit's, without a property call per worker
-                mask |= 1 << w.slot
+            mask = routing_mask(candidates)
         if not candidates:
             if req.candidate_workers:
                 serving = f" and serves model {quote(req.model)}" if pool else ""

@@ -5588,67 +5588,100 @@ error:
     return NULL;
 }
 
-/* fewest_counted(candidates, ties, counts) -> i | NotImplemented: of the candidates at the indices
- * ``ties`` (in order), the first whose id has the fewest ``counts`` (a dict, id -> int; absent is 0).
- * cache_aware's tie-break among the least loaded (SGLang's fewest processed, then the lowest index):
- * an idle fleet ties everywhere, and over 1,024 ties the C-level maps of the Python twin
- * (policies/_scan.py: fewest_counted_py) took ~100 us. NotImplemented for a count that is not an
- * int of 64 bits, or counts that are not a dict, leaving them to the twin. */
+/* fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None)
+ *     -> i | NotImplemented
+ *
+ * Of the candidates from `start` on whose load (item.<load_name>) is `load`, the first whose id
+ * has the fewest `counts` (a dict, id -> int; absent is 0): cache_aware's tie-break among the
+ * least loaded (SGLang's fewest processed, then the lowest index). The reference is
+ * policies/_scan.py: fewest_counted_at_load_py, the ties of prefix_ties (any depth) then the
+ * fewest counted of them. An idle or evenly loaded fleet ties everywhere: over 1,024 workers the
+ * list of ties and a second pass over it took ~80 us of a Route; here one pass reads each load
+ * by slot (given the candidates' CandidateSlots, as prefix_scan takes it) and looks up the ties'
+ * counts only. NotImplemented as prefix_ties, and for counts that are not a dict or a count that
+ * is not an int of 64 bits, leaving them to the twin; ValueError for a negative start or no
+ * candidate at that load. */
 static PyObject *id_name; /* interned "id" */
 
 static PyObject *
-fewest_counted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+fewest_counted_at_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "fewest_counted(candidates, ties, counts) takes 3 arguments");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None) "
+                        "takes 6 or 7 arguments");
         return NULL;
     }
-    PyObject *ties = args[1], *counts = args[2];
-    if (!PyList_CheckExact(ties) || !PyDict_CheckExact(counts))
+    PyObject *slots = nargs == 7 ? args[6] : Py_None;
+    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
+        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+        return NULL;
+    }
+    PyObject *overlaps = args[1], *load_name = args[2], *counts = args[5];
+    if (!PyUnicode_Check(load_name)) {
+        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
+        return NULL;
+    }
+    Py_ssize_t start = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return NULL;
+    }
+    OverlapsObject *by_slot;
+    long long want_load;
+    if (scan_overlaps(overlaps, &by_slot) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &want_load)
+        || !PyDict_CheckExact(counts))
         Py_RETURN_NOTIMPLEMENTED;
-    Py_ssize_t n = PyList_GET_SIZE(ties);
-    if (n == 0) {
-        PyErr_SetString(PyExc_ValueError, "no ties");
-        return NULL;
-    }
     PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t size = PySequence_Fast_GET_SIZE(seq), best_i = -1;
-    long long best = 0;
-    /* a Worker's id is a slot member: read at its offset, found once per type (a generic
-     * lookup per tie was half of this pass) */
+    /* given the candidates' slots, their loads are one array: no Worker is read but the ties' */
+    CandidateSlotsObject *c = (CandidateSlotsObject *)slots;
+    const int64_t *loads = NULL;
+    size_t capacity = 0;
+    if (slots != Py_None && PySequence_Fast_GET_SIZE(seq) > 0 && candidate_slots_apply(c, seq, by_slot, load_name)) {
+        loads = c->loads->values + c->column * c->loads->capacity;
+        capacity = (size_t)c->loads->capacity;
+    }
+    ScanMembers members = {NULL, -1, -1, -1, 0};
     PyTypeObject *known = NULL;
-    Py_ssize_t id_at = -1;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = PyNumber_AsSsize_t(PyList_GET_ITEM(ties, k), PyExc_IndexError);
-        if (i == -1 && PyErr_Occurred())
-            goto error;
-        if (i < 0 || i >= size) {
-            PyErr_SetString(PyExc_IndexError, "a tie's index is not a candidate's");
-            goto error;
+    Py_ssize_t id_at = -1, best_i = -1;
+    long long best = 0;
+    for (Py_ssize_t i = start; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        long long load = 0;
+        if (loads != NULL) {
+            uint32_t slot = c->slots[i];
+            load = slot < capacity ? loads[slot] : 0;
+        } else {
+            long long depth = 0;
+            int got = scan_item(PySequence_Fast_ITEMS(seq)[i], overlaps, by_slot, load_name, &members, &depth, &load);
+            if (got < 0)
+                goto error;
+            if (got > 0)
+                goto not_mine;
         }
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (load != want_load)
+            continue;
+        /* a Worker's id is a slot member: read at its offset, found once per type */
+        PyObject *item = Py_NewRef(PySequence_Fast_ITEMS(seq)[i]); /* a getter run on it may drop the list's */
         if (Py_TYPE(item) != known) {
             known = Py_TYPE(item);
             id_at = member_offset(known, id_name);
         }
         PyObject *id = member_get(item, id_at, id_name);
+        Py_DECREF(item);
         if (id == NULL)
             goto error;
-        PyObject *value = PyDict_GetItemWithError(counts, id); /* borrowed */
+        PyObject *value = PyDict_GetItemWithError(counts, id); /* borrowed, read before anything runs */
         Py_DECREF(id);
         long long count = 0;
         if (value == NULL) {
             if (PyErr_Occurred())
                 goto error;
-        } else {
-            int overflow = 0;
-            if (!PyLong_CheckExact(value))
-                goto not_mine;
-            count = PyLong_AsLongLongAndOverflow(value, &overflow);
-            if (overflow)
-                goto not_mine;
+        } else if (!PyLong_CheckExact(value) || exact_long(value, &count)) {
+            goto not_mine;
         }
         if (best_i < 0 || count < best) {
             best = count;
@@ -5656,6 +5689,10 @@ fewest_counted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(seq);
+    if (best_i < 0) {
+        PyErr_SetString(PyExc_ValueError, "no ties");
+        return NULL;
+    }
     return PyLong_FromSsize_t(best_i);
 not_mine:
     Py_DECREF(seq);
@@ -7618,8 +7655,9 @@ static PyMethodDef native_methods[] = {
      "| NotImplemented"},
     {"prefix_ties", (PyCFunction)(void (*)(void))prefix_ties, METH_FASTCALL,
      "prefix_ties(candidates, overlaps, load_name, start, depth, load, slots=None) -> [i, ...] | NotImplemented"},
-    {"fewest_counted", (PyCFunction)(void (*)(void))fewest_counted, METH_FASTCALL,
-     "fewest_counted(candidates, ties, counts) -> i | NotImplemented: the first tie whose id counts fewest"},
+    {"fewest_counted_at_load", (PyCFunction)(void (*)(void))fewest_counted_at_load, METH_FASTCALL,
+     "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None) -> i | NotImplemented: "
+     "of the candidates from start at that load, the first whose id counts fewest"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "

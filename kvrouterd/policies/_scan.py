@@ -6,8 +6,8 @@ over 64 workers; the native fast path (``index/_native.c: prefix_scan``) does th
 C, reading each candidate's load by slot from its registry's array (``index.workers``) and,
 given the candidates' ``CandidateSlots``, their slots from one array too. This module's
 ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
-and load, ``prefix_ties``; ``fewest_counted_py``, the tie counted fewest, ``fewest_counted``) is
-the reference: tests hold the two to identical results, and it runs wherever the extension is
+and load, ``prefix_ties``; ``fewest_counted_at_load_py``, the least loaded counted fewest,
+``fewest_counted_at_load``) is the reference: tests hold the two to identical results, and it runs wherever the extension is
 not built or declines (``NotImplemented``: a depth or load that is not a 64-bit int).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from ..index import native
 
-__all__ = ["ANY_DEPTH", "fewest_counted", "fewest_counted_py", "scan_candidates", "scan_candidates_py",
+__all__ = ["ANY_DEPTH", "fewest_counted_at_load", "fewest_counted_at_load_py", "fewest_counted_py", "scan_candidates", "scan_candidates_py",
            "tied_candidates", "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
@@ -86,10 +86,21 @@ def fewest_counted_py(candidates: Sequence[Any], ties: list[int], counts: Mappin
     return ties[counted.index(min(counted))]
 
 
-def _fewest_counted_native(candidates: Sequence[Any], ties: list[int], counts: Mapping[str, int]) -> int:
-    result = _native_fewest(candidates, ties, counts)
+def fewest_counted_at_load_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
+                              load: int, counts: Mapping[str, int], slots: Any = None) -> int:
+    """Of the candidates from ``start`` on whose load (attribute ``load_attr``) is ``load``, the
+    first whose id has the fewest ``counts``: the ties on load alone (``tied_candidates_py``),
+    then the one of them counted fewest. ValueError when none is at that load. ``slots`` as for
+    ``tied_candidates_py``: not read here."""
+    return fewest_counted_py(candidates, tied_candidates_py(candidates, overlaps, load_attr, start, ANY_DEPTH, load),
+                             counts)
+
+
+def _fewest_counted_at_load_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
+                                   load: int, counts: Mapping[str, int], slots: Any = None) -> int:
+    result = _native_fewest(candidates, overlaps, load_attr, start, load, counts, slots)
     if result is NotImplemented:
-        return fewest_counted_py(candidates, ties, counts)
+        return fewest_counted_at_load_py(candidates, overlaps, load_attr, start, load, counts)
     return result  # type: ignore[no-any-return]
 
 
@@ -112,11 +123,11 @@ def _tied_candidates_native(candidates: Sequence[Any], overlaps: Mapping[int, in
 if native.module is not None:
     _native_scan = native.module.prefix_scan
     _native_ties = native.module.prefix_ties
-    _native_fewest = native.module.fewest_counted
+    _native_fewest = native.module.fewest_counted_at_load
     scan_candidates = _scan_candidates_native
     tied_candidates = _tied_candidates_native
-    fewest_counted = _fewest_counted_native
+    fewest_counted_at_load = _fewest_counted_at_load_native
 else:
     scan_candidates = scan_candidates_py
     tied_candidates = tied_candidates_py
-    fewest_counted = fewest_counted_py
+    fewest_counted_at_load = fewest_counted_at_load_py

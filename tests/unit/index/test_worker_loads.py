@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from kvrouterd.index import native
 from kvrouterd.index.radix import RadixIndex
 from kvrouterd.index.workers import WorkerRegistry, WorkerSpec
-from kvrouterd.policies._scan import scan_candidates, scan_candidates_py, tied_candidates, tied_candidates_py
+from kvrouterd.policies._scan import (
+    ANY_DEPTH,
+    fewest_counted_at_load,
+    scan_candidates,
+    scan_candidates_py,
+    tied_candidates,
+    tied_candidates_py,
+)
 
 native_only = pytest.mark.skipif(native.module is None, reason=native.status)
 
@@ -126,11 +133,14 @@ def test_candidate_slots_takes_one_class_of_workers_sharing_one_store():
     holders=st.lists(st.tuples(st.integers(0, 299), st.integers(1, 6)), max_size=80),
     loads=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=300, max_size=300),
     subset=st.one_of(st.none(), st.sets(st.integers(0, 299), min_size=1)),
+    processed=st.dictionaries(st.integers(0, 299), st.integers(0, 3), max_size=300),
 )
-def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders, loads, subset):
+def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders, loads, subset, processed):
     """Workers of a registry (slots up to ~300, some moved to fresh slots), their loads written
     through their attributes; cached prefixes from a real walk. The scan (native: by slot, from
-    the registry's store) picks what the Python reference reads attribute by attribute."""
+    the registry's store) picks what the Python reference reads attribute by attribute; so does
+    cache_aware's least-loaded tie-break, the first of the least loaded counted fewest (its
+    counts by worker id, some for workers that are not candidates)."""
     reg = WorkerRegistry()
     workers = [reg.add(_spec(i), 0.0) for i in range(n)]
     for m in moves:
@@ -162,6 +172,12 @@ def test_scan_over_registered_workers_answers_as_the_reference(n, moves, holders
         ties = tied_candidates_py(candidates, reference, attr, best_i, depth, load)
         assert tied_candidates(candidates, overlaps, attr, best_i, depth, load) == ties
         assert tied_candidates(candidates, overlaps, attr, best_i, depth, load, slots) == ties
+        counts = {f"w{i}": count for i, count in processed.items()}
+        min_i, min_load = want[2], want[3]
+        least = tied_candidates_py(candidates, reference, attr, min_i, ANY_DEPTH, min_load)
+        fewest = min(least, key=lambda i: (counts.get(candidates[i].id, 0), i))
+        assert fewest_counted_at_load(candidates, overlaps, attr, min_i, min_load, counts) == fewest
+        assert fewest_counted_at_load(candidates, overlaps, attr, min_i, min_load, counts, slots) == fewest
 
 
 @native_only
@@ -207,3 +223,4 @@ def test_scan_by_slots_finds_the_deepest_from_the_walks_last_entries(n, depths, 
             for start in sorted({0, want[0], want[0] + 1, len(candidates) // 2}):
                 assert (tied_candidates(candidates, overlaps, "inflight_requests", start, depth, load, slots)
                         == tied_candidates_py(candidates, reference, "inflight_requests", start, depth, load))
+

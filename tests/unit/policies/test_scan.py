@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from kvrouterd.index import native
 from kvrouterd.policies._scan import (
     ANY_DEPTH,
-    fewest_counted,
+    fewest_counted_at_load,
+    fewest_counted_at_load_py,
     fewest_counted_py,
     scan_candidates,
     scan_candidates_py,
@@ -229,37 +230,90 @@ class PropertyNamed(Named):
 _ID_MEMBER = Named.__dict__["id"]
 
 
+class NamedCand(Cand):
+    """A candidate with an id and a load, as cache_aware's least-loaded tie-break reads them."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, wid: str, requests: int) -> None:
+        super().__init__(int(wid[1:]), requests, 0)
+        self.id = wid
+
+
+class DictNamedCand:
+    """An id and a load in an instance dict: the native pass reads them through the generic lookup."""
+
+    def __init__(self, wid: str, requests: int) -> None:
+        self.slot, self.id, self.inflight_requests, self.pending_prefill_tokens = int(wid[1:]), wid, requests, 0
+
+
+class PropertyNamedCand(NamedCand):
+    """An id slot shadowed by a property: the property's value is what counts."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def id(self) -> str:
+        return _NAMED_ID.__get__(self).upper()
+
+    @id.setter
+    def id(self, value: str) -> None:
+        _NAMED_ID.__set__(self, value)
+
+
+_NAMED_ID = NamedCand.__dict__["id"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(size=st.integers(1, 40), data=st.data())
-def test_the_tie_counted_fewest_is_the_references(size: int, data: st.DataObject) -> None:
-    kinds = data.draw(st.lists(st.sampled_from((Named, DictNamed)), min_size=size, max_size=size))
-    candidates = [kind(f"w{i}") for i, kind in enumerate(kinds)]
-    ties = sorted(data.draw(st.sets(st.integers(0, size - 1), min_size=1)))
-    counts = data.draw(st.dictionaries(st.sampled_from([f"w{i}" for i in range(size)] + ["gone"]),
-                                       st.integers(0, 5) | st.integers(-(2**70), 2**70), max_size=size))
-    expected = min(ties, key=lambda i: (counts.get(f"w{i}", 0), i))  # fewest, then the lowest index
+def test_the_least_loaded_counted_fewest_is_the_references(size: int, data: st.DataObject) -> None:
+    kinds = data.draw(st.lists(st.sampled_from((NamedCand, DictNamedCand, PropertyNamedCand)), min_size=size,
+                               max_size=size))
+    loads = data.draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
+    candidates = [kind(f"w{i}", load) for i, (kind, load) in enumerate(zip(kinds, loads))]
+    start = data.draw(st.integers(0, size - 1))
+    load = data.draw(st.sampled_from(loads[start:]))
+    ids = [f"w{i}" for i in range(size)] + [f"W{i}" for i in range(size)] + ["gone"]
+    counts = data.draw(st.dictionaries(st.sampled_from(ids), st.integers(0, 5) | st.integers(-(2**70), 2**70),
+                                       max_size=size))
+    at_load = [i for i in range(start, size) if loads[i] == load]
+    expected = min(at_load, key=lambda i: (counts.get(candidates[i].id, 0), i))  # fewest, then the lowest index
+    assert fewest_counted_at_load_py(candidates, {}, "inflight_requests", start, load, counts) == expected
+    assert fewest_counted_at_load(candidates, {}, "inflight_requests", start, load, counts) == expected
+    ties = [i for i in range(size) if i in at_load]
     assert fewest_counted_py(candidates, ties, counts) == expected
-    assert fewest_counted(candidates, ties, counts) == expected
 
 
 @pytest.mark.skipif(native.module is None, reason=native.status)
-def test_the_native_fewest_count_declines_what_it_cannot_hold_exactly() -> None:
-    candidates = [Named("a"), Named("b"), Named("c")]
-    fewest = native.module.fewest_counted
-    assert fewest(candidates, [0, 1, 2], {"a": 2, "b": 1, "c": 1}) == 1
-    assert fewest(candidates, [2, 0], {}) == 2  # absent counts are 0: the first tie
-    assert fewest(candidates, [0, 1], {"a": 2**64}) is NotImplemented
-    assert fewest(candidates, [0, 1], {"a": 1.0}) is NotImplemented
-    assert fewest(candidates, (0, 1), {}) is NotImplemented  # ties not a list
-    assert fewest_counted(candidates, [0, 1], {"a": 2**64, "b": 2**65}) == 0
-    for fn in (fewest, fewest_counted_py):
+def test_the_native_least_loaded_count_declines_what_it_cannot_hold_exactly() -> None:
+    candidates = [NamedCand("a0", 0), NamedCand("b1", 1), NamedCand("c2", 0), NamedCand("d3", 0)]
+    fewest = native.module.fewest_counted_at_load
+    assert fewest(candidates, {}, "inflight_requests", 0, 0, {"a0": 2, "c2": 1, "d3": 1}) == 2
+    assert fewest(candidates, {}, "inflight_requests", 0, 0, {}) == 0  # absent counts are 0: the first
+    assert fewest(candidates, {}, "inflight_requests", 1, 0, {}) == 2  # from start on
+    assert fewest(candidates, {}, "inflight_requests", 0, 1, {"b1": 9}) == 1
+    assert fewest(candidates, {}, "inflight_requests", 0, 0, {"a0": 2**64}) is NotImplemented
+    assert fewest(candidates, {}, "inflight_requests", 0, 0, {"a0": 1.0}) is NotImplemented
+    assert fewest(candidates, {}, "inflight_requests", 0, 2**64, {}) is NotImplemented
+    assert fewest(candidates, {0: 1.0}, "inflight_requests", 0, 0, {}) is NotImplemented
+    assert fewest_counted_at_load(candidates, {}, "inflight_requests", 0, 0, {"a0": 2**64, "c2": 2**65, "d3": 2**66}) == 0
+    for fn in (fewest, fewest_counted_at_load_py):
         with pytest.raises(ValueError, match="no ties"):
-            fn(candidates, [], {})
-        with pytest.raises(IndexError):
-            fn(candidates, [0, 3], {})
+            fn(candidates, {}, "inflight_requests", 0, 5, {})
+        with pytest.raises(ValueError, match="start"):
+            fn(candidates, {}, "inflight_requests", -1, 0, {})
     with pytest.raises(AttributeError):
-        fewest([Cand(0, 0, 0)], [0], {})
+        fewest([Cand(0, 0, 0)], {}, "inflight_requests", 0, 0, {})
+    with pytest.raises(TypeError, match="slots"):
+        fewest(candidates, {}, "inflight_requests", 0, 0, {}, object())
     # an id read through a property (uppercased) is counted under what the property says
-    shadowed = [Named("a"), PropertyNamed("b"), Named("c")]
-    assert fewest(shadowed, [0, 1, 2], {"a": 1, "b": 0, "B": 5, "c": 1}) == 0
-    assert fewest(shadowed, [0, 1, 2], {"a": 1, "B": 0, "c": 1}) == 1
+    shadowed = [NamedCand("a0", 0), PropertyNamedCand("b1", 0), NamedCand("c2", 0)]
+    assert fewest(shadowed, {}, "inflight_requests", 0, 0, {"a0": 1, "b1": 0, "B1": 5, "c2": 1}) == 0
+    assert fewest(shadowed, {}, "inflight_requests", 0, 0, {"a0": 1, "B1": 0, "c2": 1}) == 1
+
+
+def test_the_tie_counted_fewest_refuses_no_ties() -> None:
+    with pytest.raises(ValueError, match="no ties"):
+        fewest_counted_py([Named("a")], [], {})
+    with pytest.raises(IndexError):
+        fewest_counted_py([Named("a")], [0, 3], {})

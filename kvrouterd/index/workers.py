@@ -223,6 +223,40 @@ def routing_mask(workers: Iterable[Worker]) -> int:
     return mask
 
 
+#: most worker lists whose masks and native slots ``ListScans`` keeps per membership: the
+#: lists that come back on every Route are few, one narrowed for one request only passes through
+MAX_CACHED_LISTS = 64
+
+
+class ListScans:
+    """The routing mask and native ``CandidateSlots`` (None in pure Python) of worker lists that
+    come back Route after Route: a model's pool, an adapter's residency tiers, a P/D pool's hops,
+    each a list the router keeps per membership. Given its slots, the candidate scan and the
+    least-loaded tie-break read every load from one array instead of each Worker (over 1,024
+    workers, a pool's Route took 170 us against 50 for the same fleet unpooled). Kept by list
+    identity (the entry holds the list, so its id is not reused while kept), dropped when the
+    membership generation changes and past ``MAX_CACHED_LISTS`` lists."""
+
+    __slots__ = ("_generation", "_kept")
+
+    def __init__(self) -> None:
+        self._generation = -1
+        self._kept: dict[int, tuple[list[Worker], int, object]] = {}
+
+    def of(self, workers: list[Worker], generation: int) -> tuple[int, object]:
+        """``(mask, slots)`` of ``workers``, a list of the registry at ``generation``."""
+        if generation != self._generation:
+            self._kept.clear()
+            self._generation = generation
+        hit = self._kept.get(id(workers))
+        if hit is None or hit[0] is not workers:
+            if len(self._kept) >= MAX_CACHED_LISTS:
+                self._kept.clear()
+            slots = native.module.CandidateSlots(workers) if native.module is not None else None
+            hit = self._kept[id(workers)] = (workers, routing_mask(workers), slots)
+        return hit[1], hit[2]
+
+
 @dataclass(slots=True)
 class InFlight:
     """A routed request charged to its worker until it completes or expires. The registry keeps

@@ -67,8 +67,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import NoEligibleWorker
-from ..index import native
-from ..index.workers import Worker, routing_mask
+from ..index.workers import MAX_CACHED_LISTS, ListScans, Worker
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import CacheMode, Decision, PrefillHop, RouteRequest, WorkerRole
 from .shared import Shared
@@ -93,11 +92,6 @@ def cache_unknown(worker: Worker) -> bool:
     return worker.mode is CacheMode.EVENTS and not worker.batches_applied
 
 
-#: most candidate lists whose hops, and hop lists whose masks and native slots, are kept per
-#: membership: the selector's eligible list and its pools' lists come back on every Route, a
-#: list narrowed for one request (candidate_workers) does not and only passes through
-MAX_CACHED_LISTS = 64
-
 
 class Disaggregation:
     """Splits a P/D pool into its hops and decides them (see the module docstring)."""
@@ -108,17 +102,16 @@ class Disaggregation:
         self._gen = -1
         self._any_prefill = False
         #: per membership (``_cached``), by the id of the list (kept in the entry, so the id
-        #: is not reused while cached): (candidates, pool, hops), and (hop list, mask, slots).
-        #: Splitting a 1,024-worker pool and masking its hops was 0.5 ms of every Route.
+        #: is not reused while cached): (candidates, pool, hops); and the hop lists' masks and
+        #: native slots. Splitting a 1,024-worker pool and masking its hops was 0.5 ms of every Route.
         self._cache_gen = -1
         self._splits: dict[int, tuple[list[Worker], list[Worker], tuple[list[Worker], list[Worker]] | None]] = {}
-        self._scans: dict[int, tuple[list[Worker], int, object]] = {}
+        self._scans = ListScans()
 
     def _cached(self) -> None:
         generation = self._shared.workers.generation
         if self._cache_gen != generation:
             self._splits.clear()
-            self._scans.clear()
             self._cache_gen = generation
 
     def active(self) -> bool:
@@ -200,14 +193,7 @@ class Disaggregation:
         shared = self._shared
         slots = None
         if not mask:  # a hop's workers (``split``): their mask and native slots, once per membership
-            self._cached()
-            hit = self._scans.get(id(workers))
-            if hit is None or hit[0] is not workers:
-                if len(self._scans) >= MAX_CACHED_LISTS:
-                    self._scans.clear()
-                slots = native.module.CandidateSlots(workers) if native.module is not None else None
-                hit = self._scans[id(workers)] = (workers, routing_mask(workers), slots)
-            mask, slots = hit[1], hit[2]
+            mask, slots = self._scans.of(workers, shared.workers.generation)
         match = shared.index.match(req.keys, mask)
         claimed = self._speculative.claimed(workers, req.keys, match.overlaps) if self._speculative.live else None
         return RoutingContext(req, workers, match, shared.block_size, now, shared.index, explain, claimed, slots)

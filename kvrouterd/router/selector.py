@@ -29,7 +29,7 @@ from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index import native
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
-from ..index.workers import MAX_WORKERS, Worker, routing_mask
+from ..index.workers import MAX_WORKERS, ListScans, Worker, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
 from .disagg import PREFILL_HOP_PREFIX, Disaggregation
@@ -62,6 +62,9 @@ class Selector:
         self._candidate_slots: object = None
         #: ``Disaggregation.active()`` for this membership: read with the eligible workers
         self._pd_active = False
+        #: the native slots of the lists a model's pool or an adapter narrows the eligible
+        #: workers to (``Pools`` keeps each per membership)
+        self._narrowed = ListScans()
 
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
@@ -151,8 +154,12 @@ class Selector:
         else:
             match = shared.index.match(req.keys, mask)
             claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
-            # the eligible workers' slots, read once per membership, when no filter narrowed them
-            slots = self._candidate_slots if candidates is self._candidates else None
+            # the candidates' slots, read once per membership: the eligible workers, or a list
+            # a pool or an adapter narrowed them to; a list of named candidates is the Route's own
+            if candidates is self._candidates:
+                slots = self._candidate_slots
+            else:
+                slots = None if req.candidate_workers else self._narrowed.of(candidates, shared.workers.generation)[1]
             ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed, slots)
             decision = policy.select(ctx)
         decision.pool = pool

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvrouterd.index import native
 from kvrouterd.index.radix import RadixIndex
-from kvrouterd.index.workers import WorkerRegistry, WorkerSpec
+from kvrouterd.index.workers import ListScans, WorkerRegistry, WorkerSpec
 from kvrouterd.policies._scan import (
     ANY_DEPTH,
     fewest_counted_at_load,
@@ -224,3 +224,28 @@ def test_scan_by_slots_finds_the_deepest_from_the_walks_last_entries(n, depths, 
                 assert (tied_candidates(candidates, overlaps, "inflight_requests", start, depth, load, slots)
                         == tied_candidates_py(candidates, reference, "inflight_requests", start, depth, load))
 
+
+def test_list_scans_answer_for_the_list_as_it_is_at_each_membership():
+    """A pool's list comes back Route after Route: its mask and slots are made once per
+    membership, and made again once the generation moves (a worker moved to another slot),
+    or for another list, even one equal to it."""
+    reg = WorkerRegistry()
+    workers = [reg.add(_spec(i), 0.0) for i in range(6)]
+    pool = workers[1:4]
+    scans = ListScans()
+    mask, slots = scans.of(pool, reg.generation)
+    assert mask == sum(w.bit for w in pool)
+    assert scans.of(pool, reg.generation)[1] is slots  # kept
+    assert scans.of(list(pool), reg.generation)[1] is not slots or slots is None  # another list
+    reg.move(pool[0], reg.next_slot())
+    moved_mask, moved_slots = scans.of(pool, reg.generation)
+    assert moved_mask == sum(w.bit for w in pool) != mask
+    if native.module is not None:
+        assert moved_slots is not slots
+        index = RadixIndex()
+        for w in workers:
+            index.add_slot(w.slot)
+        overlaps = index.match([1, 2], moved_mask).overlaps
+        pool[0].inflight_requests, pool[1].inflight_requests = 5, 0  # read through the new slots
+        pool[2].inflight_requests = 1
+        assert scan_candidates(pool, overlaps, "inflight_requests", moved_slots) == (1, 0, 1, 0, 5)

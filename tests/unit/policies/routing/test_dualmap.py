@@ -15,7 +15,7 @@ from kvrouterd.index.keys import block_keys
 from kvrouterd.index.workers import Worker, WorkerSpec
 from kvrouterd.policies import registry
 from kvrouterd.policies.routing.dualmap import DualMapPolicy
-from kvrouterd.policies.routing.hash_ring import DualHashRing
+from kvrouterd.policies.routing.hash_ring import DualHashRing, _Ring
 
 from .helpers import BLOCK, complete, make_router, prompt, request
 
@@ -374,3 +374,36 @@ def test_the_ring_kept_through_changes_is_the_ring_built_from_its_members(ops: l
         else:
             with pytest.raises(LookupError):
                 ring.pair(key)
+
+
+class _CrowdedRing(_Ring):
+    """A ring whose workers' points land on four positions: every point is shared."""
+
+    __slots__ = ()
+
+    def positions(self, worker_id: str) -> list[int]:
+        return [(p % 4) << 62 for p in super().positions(worker_id)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=30),
+       keys=st.lists(st.sampled_from([0, 1, 2**62, 2**62 + 1, 2**63, 3 << 62, 2**64 - 1]), min_size=1, max_size=7))
+def test_workers_whose_points_collide_are_walked_in_id_order(ops: list[tuple[bool, int]], keys: list[int]) -> None:
+    # two workers on one point (a 64-bit collision: rare, but replicas must still agree) are
+    # reached in id order, both of them, and a removal takes only its own worker off the point
+    ring = _CrowdedRing(seed=1, virtual_nodes=3)
+    members: set[str] = set()
+    for step, (adding, n) in enumerate(ops):
+        wid = f"gpu-{n}"
+        if adding:
+            ring.add(wid)
+            members.add(wid)
+        else:
+            ring.remove(wid)
+            members.discard(wid)
+        if step % 2 == 0:
+            list(ring.walk(keys[0]))  # the flat copy made between changes
+    expected = sorted((p, w) for w in members for p in ring.positions(w))
+    for key in keys:
+        cut = bisect_left(expected, (key,))
+        assert list(ring.walk(key)) == [w for _, w in expected[cut:] + expected[:cut]]

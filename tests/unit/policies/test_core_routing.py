@@ -134,6 +134,25 @@ def test_cache_aware_spreads_an_idle_fleets_cold_requests_by_requests_sent():
         assert picked == [f"w{i % n}" for i in range(2 * n + 1)]
 
 
+def test_cache_aware_counts_requests_sent_through_membership_changes_and_reloads():
+    # the count of requests sent is per worker: one that leaves and registers again starts from
+    # none (and catches up first), and a policy rebuilt by a reload counts afresh
+    router = fleet({"name": "cache_aware"}, n=3)
+
+    def cold(i):
+        res = router.route(prompt(router, list(range(i * 1000, i * 1000 + 2 * BS))))
+        router.complete_anywhere(Completion(request_id=res.request.request_id, ttft_ms=1.0, e2e_ms=2.0))
+        return res.worker.id
+
+    assert [cold(i) for i in range(6)] == ["w0", "w1", "w2"] * 2
+    router.remove_worker("w1")
+    router.add_worker(WorkerSpec("w1", "h1:1", mode=CacheMode.EVENTS))
+    assert router.workers.get("w1").slot == 1  # its slot again, a new Worker
+    assert [cold(i) for i in range(6, 10)] == ["w1", "w1", "w0", "w1"]
+    assert router.reload_routing({"name": "cache_aware", "balance_abs_threshold": 31}) == ["cache_aware"]
+    assert [cold(i) for i in range(10, 16)] == ["w0", "w1", "w2"] * 2
+
+
 def test_cache_aware_imbalance_overrides_affinity():
     router = fleet({"name": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
     tokens = list(range(10 * BS))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from kvrouterd.errors import ConfigError
 from kvrouterd.index.keys import block_keys
 from kvrouterd.index.workers import Worker, WorkerSpec
 from kvrouterd.policies import registry
+from kvrouterd.policies.routing import hash_ring
 from kvrouterd.policies.routing.dualmap import DualMapPolicy
 from kvrouterd.policies.routing.hash_ring import DualHashRing, _Ring
 
@@ -340,13 +343,32 @@ def test_counters_report_how_often_the_decode_bottleneck_rule_fired_and_moved_a_
     assert router.policy_counters() == {"dualmap_paper": policy.counters()}
 
 
+#: a ring's changes merged into its lists always (0), past its own threshold, or sorted whole always
+_MERGES = st.sampled_from([0, hash_ring._WHOLE_SORT, 10**9])
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 11)), max_size=40),
-       keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20))
+       keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20), whole_sort=_MERGES)
 def test_the_ring_kept_through_changes_is_the_ring_built_from_its_members(ops: list[tuple[bool, int]],
-                                                                          keys: list[int]) -> None:
-    # points go in and out as workers come and go (lookups read a flat copy made after a change):
+                                                                          keys: list[int], whole_sort: int) -> None:
+    # points go in and out as workers come and go (merged into the lists at the next lookup):
     # after any history, every walk and pair is that of a ring built afresh from the members
+    with _whole_sort(whole_sort):
+        _check_ring_history(ops, keys)
+
+
+@contextmanager
+def _whole_sort(threshold: int) -> Iterator[None]:
+    kept = hash_ring._WHOLE_SORT
+    hash_ring._WHOLE_SORT = threshold
+    try:
+        yield
+    finally:
+        hash_ring._WHOLE_SORT = kept
+
+
+def _check_ring_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
     ring = DualHashRing(virtual_nodes=8)
     members: set[str] = set()
     for step, (adding, n) in enumerate(ops):
@@ -387,10 +409,17 @@ class _CrowdedRing(_Ring):
 
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=30),
-       keys=st.lists(st.sampled_from([0, 1, 2**62, 2**62 + 1, 2**63, 3 << 62, 2**64 - 1]), min_size=1, max_size=7))
-def test_workers_whose_points_collide_are_walked_in_id_order(ops: list[tuple[bool, int]], keys: list[int]) -> None:
+       keys=st.lists(st.sampled_from([0, 1, 2**62, 2**62 + 1, 2**63, 3 << 62, 2**64 - 1]), min_size=1, max_size=7),
+       whole_sort=_MERGES)
+def test_workers_whose_points_collide_are_walked_in_id_order(ops: list[tuple[bool, int]], keys: list[int],
+                                                             whole_sort: int) -> None:
     # two workers on one point (a 64-bit collision: rare, but replicas must still agree) are
     # reached in id order, both of them, and a removal takes only its own worker off the point
+    with _whole_sort(whole_sort):
+        _check_crowded_history(ops, keys)
+
+
+def _check_crowded_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
     ring = _CrowdedRing(seed=1, virtual_nodes=3)
     members: set[str] = set()
     for step, (adding, n) in enumerate(ops):

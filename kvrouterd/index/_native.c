@@ -5504,6 +5504,31 @@ static PyObject *
 ties_by_slots(const CandidateSlotsObject *c, const OverlapsObject *by_slot, Py_ssize_t start, long long want_depth,
               long long want_load);
 
+/* The arguments prefix_ties and fewest_counted_at_load share, checked: load_name (args[2]) a
+ * str, start (args[3]) an index >= 0 into *start, and the optional slots (args[6]) a
+ * CandidateSlots or None into *slots. 0, or -1 with the error set. */
+static int
+tie_args(PyObject *const *args, Py_ssize_t nargs, PyObject **slots, Py_ssize_t *start)
+{
+    *slots = nargs == 7 ? args[6] : Py_None;
+    if (*slots != Py_None && !Py_IS_TYPE(*slots, &CandidateSlotsType)) {
+        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+        return -1;
+    }
+    if (!PyUnicode_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
+        return -1;
+    }
+    *start = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (*start == -1 && PyErr_Occurred())
+        return -1;
+    if (*start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return -1;
+    }
+    return 0;
+}
+
 /* prefix_ties(candidates, overlaps, load_name, start, depth, load) -> [i, ...]
  *
  * The indices from `start` on of the candidates whose cached prefix is `depth` (any, for a
@@ -5524,23 +5549,10 @@ prefix_ties(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "prefix_ties(candidates, overlaps, load_name, start, depth, load, slots=None) takes 6 or 7 arguments");
         return NULL;
     }
-    PyObject *slots = nargs == 7 ? args[6] : Py_None;
-    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
-        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+    PyObject *slots, *overlaps = args[1], *load_name = args[2];
+    Py_ssize_t start;
+    if (tie_args(args, nargs, &slots, &start) < 0)
         return NULL;
-    }
-    PyObject *overlaps = args[1], *load_name = args[2];
-    if (!PyUnicode_Check(load_name)) {
-        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
-        return NULL;
-    }
-    Py_ssize_t start = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
-    if (start == -1 && PyErr_Occurred())
-        return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
     OverlapsObject *by_slot;
     if (scan_overlaps(overlaps, &by_slot) || !PyLong_CheckExact(args[4]) || !PyLong_CheckExact(args[5]))
         Py_RETURN_NOTIMPLEMENTED;
@@ -5612,23 +5624,10 @@ fewest_counted_at_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                         "takes 6 or 7 arguments");
         return NULL;
     }
-    PyObject *slots = nargs == 7 ? args[6] : Py_None;
-    if (slots != Py_None && !Py_IS_TYPE(slots, &CandidateSlotsType)) {
-        PyErr_SetString(PyExc_TypeError, "slots must be a CandidateSlots or None");
+    PyObject *slots, *overlaps = args[1], *load_name = args[2], *counts = args[5];
+    Py_ssize_t start;
+    if (tie_args(args, nargs, &slots, &start) < 0)
         return NULL;
-    }
-    PyObject *overlaps = args[1], *load_name = args[2], *counts = args[5];
-    if (!PyUnicode_Check(load_name)) {
-        PyErr_SetString(PyExc_TypeError, "load_name must be a str");
-        return NULL;
-    }
-    Py_ssize_t start = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
-    if (start == -1 && PyErr_Occurred())
-        return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
     OverlapsObject *by_slot;
     long long want_load;
     if (scan_overlaps(overlaps, &by_slot) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &want_load)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -368,8 +368,10 @@ def _whole_sort(threshold: int) -> Iterator[None]:
         hash_ring._WHOLE_SORT = kept
 
 
-def _check_ring_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
-    ring = DualHashRing(virtual_nodes=8)
+def _history(ring: DualHashRing | _Ring, ops: list[tuple[bool, int]], lookup: Callable[[], object],
+             every: int) -> set[str]:
+    """Workers ``gpu-N`` added and removed as ``ops`` say, with a lookup after every ``every``-th
+    change (changes go into the ring's lists at the next lookup); returns the members left."""
     members: set[str] = set()
     for step, (adding, n) in enumerate(ops):
         wid = f"gpu-{n}"
@@ -379,8 +381,14 @@ def _check_ring_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
         else:
             ring.remove(wid)
             members.discard(wid)
-        if step % 3 == 0 and members:  # lookups between changes, so the flat copy is redone
-            ring.pair(keys[0])
+        if step % every == 0 and members:
+            lookup()
+    return members
+
+
+def _check_ring_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
+    ring = DualHashRing(virtual_nodes=8)
+    members = _history(ring, ops, lambda: ring.pair(keys[0]), 3)
     fresh = DualHashRing(virtual_nodes=8)
     for wid in sorted(members):
         fresh.add(wid)
@@ -421,17 +429,7 @@ def test_workers_whose_points_collide_are_walked_in_id_order(ops: list[tuple[boo
 
 def _check_crowded_history(ops: list[tuple[bool, int]], keys: list[int]) -> None:
     ring = _CrowdedRing(seed=1, virtual_nodes=3)
-    members: set[str] = set()
-    for step, (adding, n) in enumerate(ops):
-        wid = f"gpu-{n}"
-        if adding:
-            ring.add(wid)
-            members.add(wid)
-        else:
-            ring.remove(wid)
-            members.discard(wid)
-        if step % 2 == 0:
-            list(ring.walk(keys[0]))  # the flat copy made between changes
+    members = _history(ring, ops, lambda: list(ring.walk(keys[0])), 2)
     expected = sorted((p, w) for w in members for p in ring.positions(w))
     for key in keys:
         cut = bisect_left(expected, (key,))

@@ -7,8 +7,9 @@ C, reading each candidate's load by slot from its registry's array (``index.work
 given the candidates' ``CandidateSlots``, their slots from one array too. This module's
 ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
 and load, ``prefix_ties``; ``fewest_counted_at_load_py``, the least loaded counted fewest,
-``fewest_counted_at_load``) is the reference: tests hold the two to identical results, and it runs wherever the extension is
-not built or declines (``NotImplemented``: a depth or load that is not a 64-bit int).
+``fewest_counted_at_load``) is the reference: tests hold the two to identical results, and it
+runs wherever the extension is not built or declines (``NotImplemented``: a depth or load that is
+not a 64-bit int).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 from ..index import native
 
-__all__ = ["ANY_DEPTH", "fewest_counted_at_load", "fewest_counted_at_load_py", "fewest_counted_py", "scan_candidates", "scan_candidates_py",
-           "tied_candidates", "tied_candidates_py"]
+__all__ = ["ANY_DEPTH", "fewest_counted_at_load", "fewest_counted_at_load_py", "fewest_counted_py", "scan_candidates",
+           "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
 Scan = tuple[int, int, int, int, int]

@@ -92,7 +92,6 @@ def cache_unknown(worker: Worker) -> bool:
     return worker.mode is CacheMode.EVENTS and not worker.batches_applied
 
 
-
 class Disaggregation:
     """Splits a P/D pool into its hops and decides them (see the module docstring)."""
 

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
-from ..index import native
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, ListScans, Worker, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
@@ -62,9 +61,9 @@ class Selector:
         self._candidate_slots: object = None
         #: ``Disaggregation.active()`` for this membership: read with the eligible workers
         self._pd_active = False
-        #: the native slots of the lists a model's pool or an adapter narrows the eligible
-        #: workers to (``Pools`` keeps each per membership)
-        self._narrowed = ListScans()
+        #: the masks and native slots of the eligible workers and of the lists a model's pool or
+        #: an adapter narrows them to (``Pools`` keeps each per membership)
+        self._scans = ListScans()
 
     def keys_for_tokens(self, tokens: bytes | Sequence[int], model: str = "", lora: str = "", salt: str = "") -> array:
         """Block keys of a prompt given as token ids (a sequence or little-endian uint32 bytes),
@@ -80,8 +79,7 @@ class Selector:
         workers = self._shared.workers
         if self._candidates_gen != workers.generation:
             self._candidates = sorted((w for w in workers if w.eligible), key=lambda w: w.slot)
-            self._candidates_mask = routing_mask(self._candidates)
-            self._candidate_slots = native.module.CandidateSlots(self._candidates) if native.module is not None else None
+            self._candidates_mask, self._candidate_slots = self._scans.of(self._candidates, workers.generation)
             self._pd_active = self._disagg.active()
             self._candidates_gen = workers.generation
         return self._candidates, self._candidates_mask
@@ -159,7 +157,7 @@ class Selector:
             if candidates is self._candidates:
                 slots = self._candidate_slots
             else:
-                slots = None if req.candidate_workers else self._narrowed.of(candidates, shared.workers.generation)[1]
+                slots = None if req.candidate_workers else self._scans.of(candidates, shared.workers.generation)[1]
             ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed, slots)
             decision = policy.select(ctx)
         decision.pool = pool

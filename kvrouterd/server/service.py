@@ -368,19 +368,22 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         reply = pb.RouteStreamResponse()
         answers = reply.batch.items
         queued = self.waiting_admission is not None
+        add = answers.add
         for place, item in enumerate(items):
             kind = item.WhichOneof("kind")
+            if kind == "route" and queued:
+                admit_later(item, prompts.get(place))
+                continue
+            answer = add()
+            answer.id = item.id  # not ``add(id=...)``: its keywords took 0.2 us more per item
             if kind == "route":
-                if queued:
-                    admit_later(item, prompts.get(place))
-                else:
-                    self._stream_route(item, answers.add(id=item.id), prompts.get(place), client)
+                self._stream_route(item, answer, prompts.get(place), client)
             elif kind == "complete":
-                self._stream_complete(item, answers.add(id=item.id))
+                self._stream_complete(item, answer)
             elif kind == "batch":
-                self._stream_invalid(answers.add(id=item.id), "a batch item cannot itself be a batch")
+                self._stream_invalid(answer, "a batch item cannot itself be a batch")
             else:
-                self._stream_invalid(answers.add(id=item.id), "message carries neither route nor complete")
+                self._stream_invalid(answer, "message carries neither route nor complete")
         return reply if len(answers) else None
 
     def _stream_route(

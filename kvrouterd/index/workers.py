@@ -380,14 +380,20 @@ class WorkerRegistry:
 
     def commit(self, entry: InFlight) -> None:
         """Charge a routed request to its worker until ``release``."""
-        if entry.request_id in self._inflight:
-            raise Conflict(f"request {entry.request_id!r} is already in flight")
-        worker = self._workers[entry.worker_id]
+        self.charge(self._workers[entry.worker_id], entry.request_id, entry.prefill_tokens, entry.prompt_tokens,
+                    entry.overlap_blocks, entry.started_at, entry.policy)
+
+    def charge(self, worker: Worker, request_id: str, prefill_tokens: int, prompt_tokens: int, overlap_blocks: int,
+               started_at: float, policy: str) -> None:
+        """``commit`` of an ``InFlight`` with these fields, routed to ``worker`` (registered
+        here): the ledger's every Route, without building the InFlight to take it apart."""
+        if request_id in self._inflight:
+            raise Conflict(f"request {request_id!r} is already in flight")
+        kept: Entry = (str(request_id), str(worker.id), int(prefill_tokens), int(prompt_tokens), int(overlap_blocks),
+                       float(started_at), str(policy))
         worker.inflight_requests += 1
-        worker.pending_prefill_tokens += entry.prefill_tokens
-        kept: Entry = (str(entry.request_id), str(entry.worker_id), int(entry.prefill_tokens), int(entry.prompt_tokens),
-                       int(entry.overlap_blocks), float(entry.started_at), str(entry.policy))
-        self._inflight[entry.request_id] = kept
+        worker.pending_prefill_tokens += kept[2]
+        self._inflight[request_id] = kept
         self._inflight_order.append(kept)
 
     def release(self, request_id: str) -> InFlight:

@@ -121,8 +121,6 @@ _TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
 #: Route that matched), every field given in declaration order; the last one's default is this
 _new_access_info = native.positional_constructor(AccessInfo)
 _DECODE_FROM_NONE = AccessInfo().decode_from_block
-#: InFlight built without the dataclass ``__init__`` (0.44 us with keywords, on every Route)
-_new_inflight = native.positional_constructor(InFlight)
 
 
 @dataclass(slots=True)
@@ -244,11 +242,9 @@ class LoadLedger:
         overlap = ctx.overlap(worker)
         decision.overlap_blocks = overlap
         self._count_prefix_hit(decision.policy, overlap, len(ctx.match.path))
-        # request_id, worker_id, prefill_tokens, prompt_tokens, overlap_blocks, started_at, policy;
         # a disaggregated request's decode worker receives its KV: it prefills nothing
-        shared.workers.commit(_new_inflight(req.request_id, worker.id,
-                                            0 if decision.prefill is not None else ctx.uncached_tokens(worker),
-                                            req.prompt_tokens, overlap, ctx.now, decision.policy))
+        shared.workers.charge(worker, req.request_id, 0 if decision.prefill is not None else ctx.uncached_tokens(worker),
+                              req.prompt_tokens, overlap, ctx.now, decision.policy)
         self._keep(req)
         evicted = self._record_access(worker, req, ctx, overlap)
         policy.on_dispatch(decision, ctx)

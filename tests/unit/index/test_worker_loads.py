@@ -249,3 +249,17 @@ def test_list_scans_answer_for_the_list_as_it_is_at_each_membership():
         pool[0].inflight_requests, pool[1].inflight_requests = 5, 0  # read through the new slots
         pool[2].inflight_requests = 1
         assert scan_candidates(pool, overlaps, "inflight_requests", moved_slots) == (1, 0, 1, 0, 5)
+
+
+def test_a_charge_that_does_not_convert_leaves_the_worker_as_it_was():
+    """``WorkerRegistry.commit``/``charge`` convert the entry before its worker's counts move:
+    a field that is not a number raises and charges nothing."""
+    from kvrouterd.index.workers import InFlight
+
+    reg = WorkerRegistry()
+    w = reg.add(_spec(0), 0.0)
+    with pytest.raises((TypeError, ValueError)):
+        reg.commit(InFlight("r1", w.id, "many", 100, 0, 0.0, "p"))  # type: ignore[arg-type]
+    assert (w.inflight_requests, w.pending_prefill_tokens, reg.inflight_count) == (0, 0, 0)
+    reg.charge(w, "r1", 40, 100, 0, 0.0, "p")
+    assert (w.inflight_requests, w.pending_prefill_tokens, reg.inflight("r1")) == (1, 40, InFlight("r1", w.id, 40, 100, 0, 0.0, "p"))

@@ -89,13 +89,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .bounds import MAX_LATENCY_MS
 from .errors import ConfigError, SloUnreachable
+from .index import native
 from .policies.latency import LatencyModel, LatencyParams
 
 if TYPE_CHECKING:
@@ -136,6 +137,11 @@ Queued = Callable[[str], tuple[int, int]]
 #: and its wait for KV room, model ms). Valid for that step only: any dispatch, completion or
 #: load report in between changes what it priced.
 Pricing = tuple["Worker", float, int, int, float, float]
+#: what ``_kv_wait`` reads besides the worker, as ``check`` hands it to the native verdict:
+#: (hold_ms, its spread, the router's block size, MAX_LATENCY_MS, uncached tokens and count of
+#: the requests waiting per worker, and each worker's flight)
+KvInputs = tuple[float, float, int, float, dict[str, int], dict[str, int],
+                 dict[str, OrderedDict[str, tuple[float, float, int, float]]]]
 
 
 def _nothing_queued(_: str) -> tuple[int, int]:
@@ -462,27 +468,51 @@ class DeadlineGuard:
         every such worker has work queued. Refusing it for its size would refuse it at any
         load, for ever; letting it queue like the rest spends seconds of GPU on a request
         that misses its SLO whatever happens, ahead of requests that could have met theirs."""
+        args = self._verdict_args(ctx, chosen_id, slo_ms, queued)
+        priced = NotImplemented if native.module is None else native.module.deadline_verdict(*args)
+        if priced is NotImplemented:
+            priced = self._verdict_py(*args)
+        predicted, best, budget, meets = priced
+        return Verdict(slo_ms, predicted, best, budget, tuple(meets))
+
+    def _verdict_args(self, ctx: RoutingContext, chosen_id: str, slo_ms: float, queued: Queued) -> tuple[Any, ...]:
+        """``_verdict_py``'s arguments (the native ``deadline_verdict``'s) for ``check``."""
+        prompt_tokens = ctx.request.prompt_tokens
+        # a worker holding none of the prompt, with nothing speculative, prefills all of it
+        own_bare = self.prefill_ms(max(0, prompt_tokens), 0)
+        # _kv_wait's inputs; it is 0 until a Complete taught the decode time
+        kv = ((self.hold_ms, self._hold_spread(), self.block_size, MAX_LATENCY_MS, self._waiting_tokens,
+               self._waiting_count, self._flight) if self.hold_ms else None)
+        # most workers share an overlap (none, or the fleet-wide system prompt): their own
+        # prefill is priced once per check, memoised by (uncached, cached) tokens in the new dict
+        return (ctx.candidates, ctx.match.overlaps, ctx.claimed, prompt_tokens, ctx.block_size, ctx.now, chosen_id,
+                slo_ms, self._margin, self._levels, own_bare, {}, self.prefill_ms, self._backlog, self._anchored,
+                self._anchor, None if queued is _nothing_queued else queued, self.latency.ttft_ms, kv)
+
+    def _verdict_py(self, candidates: Sequence[Worker], overlaps: Mapping[int, int], claimed: Mapping[int, int],
+                    prompt_tokens: int, block_size: int, now: float, chosen_id: str, slo_ms: float, margin: float,
+                    levels: list[tuple[float, float]], own_bare: float, own_by_tokens: dict[tuple[int, int], float],
+                    prefill: Callable[[int, int], float], backlog: dict[str, tuple[float, float]],
+                    anchored: dict[str, float], anchor: Callable[[Worker], None], queued: Queued | None,
+                    queue_ttft: Callable[[int, int, int], float],
+                    kv: KvInputs | None) -> tuple[float, float, float, list[str]]:
+        """``check``'s pass over the eligible workers: ``(predicted, best, budget, meets)``, the
+        chosen worker's prediction, the least overshoot's prediction and budget, and the ids of
+        the workers that meet theirs. The reference of the native ``deadline_verdict``
+        (``index/_native.c``), which takes the same arguments and runs wherever the extension
+        is built: past capacity every Route's chosen worker misses, so every Route prices every
+        eligible worker, and at 1,024 workers this loop was ~1.3 ms of each. ``anchor``,
+        ``prefill``, ``queued`` and ``queue_ttft`` are the guard's own (``_anchor``,
+        ``prefill_ms``, the admission queues' count, ``latency.ttft_ms``); ``kv``: None until a
+        Complete taught the decode time, else ``_kv_wait``'s inputs (read here through it)."""
         predicted = best = math.inf
         budget = slo_ms
-        margin = self._margin
         meets: list[str] = []
-        now, block_size = ctx.now, ctx.block_size
-        # most workers share an overlap (none, or the fleet-wide system prompt): their own
-        # prefill is priced once (at 1,024 workers, once per worker was most of a check)
-        own_by_tokens: dict[tuple[int, int], float] = {}
-        levels = self._levels
-        # the loop runs for every eligible worker of a Route whose chosen worker misses its SLO,
-        # which past capacity is every Route: ``uncached_tokens``, ``ahead_ms`` and the load
-        # level are written out in it (their calls were 2.8 of the 3.4 us per worker)
-        overlaps, claimed, prompt_tokens = ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens
-        backlog, anchored = self._backlog, self._anchored
-        kv_modelled = bool(self.hold_ms)  # _kv_wait is 0 until a Complete taught the decode time
-        asks_queue = queued is not _nothing_queued
-        top_level = _LOAD_LEVELS - 1
-        # a worker holding none of the prompt, with nothing speculative, prefills all of it
+        top_level = len(levels) - 1
         bare = max(0, prompt_tokens)
-        own_bare = self.prefill_ms(bare, 0)
-        for w in ctx.candidates:
+        # ``uncached_tokens``, ``ahead_ms`` and the load level are written out in the loop
+        # (their calls were 2.8 of the 3.4 us per worker)
+        for w in candidates:
             wid, slot = w.id, w.slot
             overlap = overlaps.get(slot, 0)
             if overlap or claimed:
@@ -491,22 +521,22 @@ class DeadlineGuard:
                 tokens = (uncached, overlap * block_size)
                 own = own_by_tokens.get(tokens)
                 if own is None:
-                    own = own_by_tokens[tokens] = self.prefill_ms(*tokens)
+                    own = own_by_tokens[tokens] = prefill(*tokens)
             else:
                 uncached, own = bare, own_bare
             scale, tail = levels[min(w.reported_running.bit_length(), top_level)]
             ahead = 0.0  # ahead_ms's
             if w.inflight_requests:
                 if w.reported_at > anchored.get(wid, 0.0):  # _sync's
-                    self._anchor(w)
+                    anchor(w)
                 ms, at = backlog.get(wid, (0.0, now))
                 ahead = max(0.0, ms - (now - at) * 1000.0 / scale)
-                if kv_modelled:
+                if kv is not None:
                     ahead = max(ahead, self._kv_wait(w, now, uncached) / scale)
-            if asks_queue:
+            if queued is not None:
                 waiting = queued(wid)
                 if waiting[1]:
-                    ahead += self.latency.ttft_ms(waiting[1], 0, waiting[0] - 1)
+                    ahead += queue_ttft(waiting[1], 0, waiting[0] - 1)
             tail *= margin
             t = (ahead + own) * tail  # the prediction (ahead + own) * scale, at the quantile
             allowed = max(slo_ms, own * tail)
@@ -516,7 +546,7 @@ class DeadlineGuard:
                 best, budget = t, allowed
             if t <= allowed:
                 meets.append(wid)
-        return Verdict(slo_ms, predicted, best, budget, tuple(meets))
+        return predicted, best, budget, meets
 
     def refusal(self, verdict: Verdict) -> SloUnreachable:
         """The error a shed request ends with (counted here)."""

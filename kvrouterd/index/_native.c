@@ -7633,6 +7633,399 @@ BlockTable_store_events(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ---- deadline_verdict: deadline admission's price of every eligible worker ---------------------
+ *
+ * deadline_verdict(candidates, overlaps, claimed, prompt_tokens, block_size, now, chosen_id, slo_ms,
+ *                  margin, levels, own_bare, own_by_tokens, prefill, backlog, anchored, anchor, queued,
+ *                  queue_ttft, kv) -> (predicted, best, budget, meets) | NotImplemented
+ *
+ * The loop of deadline.py: DeadlineGuard.check, whose reference is DeadlineGuard._verdict_py (tests
+ * hold the two to identical results): each candidate's predicted TTFT at the quantile against its
+ * budget, the chosen one's prediction, the one overshooting least, and the ids of those that meet
+ * theirs. Past capacity every Route's chosen worker misses its SLO, so every Route prices every
+ * eligible worker: at 1,024 workers the bytecode loop was ~1.3 ms of each Route (kvrouterd bench
+ * --only fleet, past_capacity). The rare steps stay in Python, called from here: `anchor(worker)`
+ * when a load report came since the worker's books were anchored, `prefill(uncached, cached)` for
+ * a prefix not priced yet this check (memoised in `own_by_tokens`), and `queued(id)` with
+ * `queue_ttft(tokens, 0, requests - 1)` when the router keeps admission queues (`queued` None:
+ * it does not). `kv` is None until a Complete taught the decode time, else (hold_ms, spread,
+ * block_size, max_ms, waiting_tokens, waiting_count, flight): DeadlineGuard._kv_wait's inputs,
+ * worked out here as there. NotImplemented (the caller runs the reference) when a value read is
+ * not of the type the books keep: an int where ints are kept, an int or float for times. */
+static PyObject *reported_running_name, *reported_at_name, *inflight_requests_name, *spec_name, *kv_utilization_name,
+    *capacity_blocks_name, *block_size_name, *values_name;
+
+typedef struct {
+    double hold_ms, spread, max_ms;
+    long long block_size;
+    PyObject *waiting_tokens, *waiting_count, *flight; /* dicts, borrowed */
+} VerdictKv;
+
+/* `v`, an exact int or float, as a double: 0, or 1 when it is neither or too big */
+static inline int
+verdict_double(PyObject *v, double *out)
+{
+    if (PyFloat_CheckExact(v)) {
+        *out = PyFloat_AS_DOUBLE(v);
+        return 0;
+    }
+    if (PyLong_CheckExact(v)) {
+        long long n;
+        if (exact_long(v, &n))
+            return 1;
+        *out = (double)n;
+        return 0;
+    }
+    return 1;
+}
+
+/* obj.<name> as a long long (an exact int): 0, 1 when it is not one (NotImplemented), -1 on error */
+static inline int
+verdict_attr_long(PyObject *obj, PyObject *name, long long *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int r = !PyLong_CheckExact(v) || exact_long(v, out);
+    Py_DECREF(v);
+    return r;
+}
+
+/* obj.<name> as a double (an exact int or float): 0, 1, -1 as verdict_attr_long */
+static inline int
+verdict_attr_double(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int r = verdict_double(v, out);
+    Py_DECREF(v);
+    return r;
+}
+
+/* dict[key] as a long long, `fallback` when absent: 0, 1 (not an exact int), -1 on error */
+static inline int
+verdict_dict_long(PyObject *dict, PyObject *key, long long fallback, long long *out)
+{
+    PyObject *v = PyDict_GetItemWithError(dict, key); /* borrowed */
+    if (v == NULL) {
+        *out = fallback;
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    return !PyLong_CheckExact(v) || exact_long(v, out);
+}
+
+static inline double verdict_max(double a, double b) { return b > a ? b : a; } /* Python's max(a, b) */
+static inline double verdict_min(double a, double b) { return b < a ? b : a; } /* Python's min(a, b) */
+
+/* DeadlineGuard._kv_wait(worker, now, tokens) into *out: 0, 1 (NotImplemented), -1 on error */
+static int
+verdict_kv_wait(const VerdictKv *kv, PyObject *worker, PyObject *wid, double now, long long tokens, double *out)
+{
+    *out = 0.0;
+    PyObject *spec = PyObject_GetAttr(worker, spec_name);
+    if (spec == NULL)
+        return -1;
+    long long bs, blocks;
+    int r = verdict_attr_long(spec, block_size_name, &bs);
+    if (r == 0)
+        r = verdict_attr_long(spec, capacity_blocks_name, &blocks);
+    Py_DECREF(spec);
+    if (r != 0)
+        return r;
+    if (!bs)
+        bs = kv->block_size;
+    long long capacity = blocks * bs;
+    double used;
+    if ((r = verdict_attr_double(worker, kv_utilization_name, &used)) != 0)
+        return r;
+    if (!capacity || !kv->hold_ms || used <= 0.0)
+        return 0;
+    long long waiting;
+    if ((r = verdict_dict_long(kv->waiting_tokens, wid, 0, &waiting)) != 0)
+        return r;
+    double deficit = (double)(waiting + tokens) - (1.0 - used) * (double)capacity;
+    if (deficit <= 0)
+        return 0;
+    double turnover = verdict_min(deficit / (used * (double)capacity) * kv->hold_ms, kv->max_ms);
+    if (kv->spread >= 1.0) {
+        *out = turnover;
+        return 0;
+    }
+    PyObject *flight = PyDict_GetItemWithError(kv->flight, wid); /* borrowed */
+    if (flight == NULL && PyErr_Occurred())
+        return -1;
+    long long running = 0;
+    if (flight != NULL) {
+        Py_ssize_t size = PyObject_Length(flight);
+        if (size < 0)
+            return -1;
+        long long counted;
+        if ((r = verdict_dict_long(kv->waiting_count, wid, 0, &counted)) != 0)
+            return r;
+        running = size > 0 && size - counted > 0 ? size - counted : 0;
+    }
+    double oldest_first = kv->hold_ms; /* more than every running request holds: a full turnover at least */
+    if (running > 0) {
+        Py_INCREF(flight);
+        PyObject *values = PyObject_CallMethodNoArgs(flight, values_name);
+        Py_DECREF(flight);
+        PyObject *it = values == NULL ? NULL : PyObject_GetIter(values);
+        Py_XDECREF(values);
+        if (it == NULL)
+            return -1;
+        long long freed = 0;
+        PyObject *entry;
+        r = 0;
+        for (long long taken = 0; taken < running && (entry = PyIter_Next(it)) != NULL; taken++) {
+            /* (own ms, dispatched at, uncached tokens held, first token at or 0) */
+            long long held;
+            double dispatched_at, first_at;
+            if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 2))
+                || exact_long(PyTuple_GET_ITEM(entry, 2), &held) || verdict_double(PyTuple_GET_ITEM(entry, 1), &dispatched_at)
+                || verdict_double(PyTuple_GET_ITEM(entry, 3), &first_at)) {
+                Py_DECREF(entry);
+                r = 1;
+                break;
+            }
+            Py_DECREF(entry);
+            freed += held;
+            if ((double)freed >= deficit) {
+                double from = first_at != 0.0 ? first_at : dispatched_at;
+                oldest_first = verdict_min(verdict_max(0.0, from * 1000.0 + kv->hold_ms - now * 1000.0), kv->max_ms);
+                break;
+            }
+        }
+        Py_DECREF(it);
+        if (r != 0 || PyErr_Occurred())
+            return PyErr_Occurred() ? -1 : r;
+    }
+    *out = kv->spread * turnover + (1.0 - kv->spread) * oldest_first;
+    return 0;
+}
+
+/* prefill(uncached, cached) of a prefix, memoised in own_by_tokens under (uncached, cached): 0,
+ * 1 (NotImplemented: it priced a non-number), -1 on error */
+static int
+verdict_own(PyObject *own_by_tokens, PyObject *prefill, long long uncached, long long cached, double *out)
+{
+    PyObject *key = Py_BuildValue("(LL)", uncached, cached);
+    if (key == NULL)
+        return -1;
+    PyObject *own = PyDict_GetItemWithError(own_by_tokens, key); /* borrowed */
+    if (own != NULL) {
+        Py_DECREF(key);
+        return verdict_double(own, out);
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return -1;
+    }
+    own = PyObject_Call(prefill, key, NULL);
+    int r = own == NULL ? -1 : PyDict_SetItem(own_by_tokens, key, own);
+    Py_DECREF(key);
+    if (r == 0)
+        r = verdict_double(own, out);
+    Py_XDECREF(own);
+    return r;
+}
+
+#define VERDICT_LEVELS 64
+
+static PyObject *
+deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "deadline_verdict takes 19 arguments (see DeadlineGuard._verdict_py)");
+        return NULL;
+    }
+    PyObject *overlaps = args[1], *claimed = args[2], *chosen_id = args[6], *levels = args[9];
+    PyObject *own_by_tokens = args[11], *prefill = args[12], *backlog = args[13], *anchored = args[14];
+    PyObject *anchor = args[15], *queued = args[16], *queue_ttft = args[17], *kv_args = args[18];
+    OverlapsObject *by_slot;
+    long long prompt_tokens, block_size;
+    double now, slo_ms, margin, own_bare;
+    Py_ssize_t claim_count = PyObject_Length(claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
+    if (claim_count < 0)
+        return NULL;
+    if (scan_overlaps(overlaps, &by_slot) || (claim_count && !PyDict_Check(claimed)) || !PyLong_CheckExact(args[3])
+        || exact_long(args[3], &prompt_tokens) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &block_size)
+        || verdict_double(args[5], &now) || !PyUnicode_CheckExact(chosen_id) || verdict_double(args[7], &slo_ms)
+        || verdict_double(args[8], &margin) || verdict_double(args[10], &own_bare) || !PyDict_CheckExact(own_by_tokens)
+        || !PyDict_CheckExact(backlog) || !PyDict_CheckExact(anchored) || !PyList_CheckExact(levels)
+        || PyList_GET_SIZE(levels) < 1 || PyList_GET_SIZE(levels) > VERDICT_LEVELS)
+        Py_RETURN_NOTIMPLEMENTED;
+    /* (scale, tail) per load level, read once */
+    double scales[VERDICT_LEVELS], tails[VERDICT_LEVELS];
+    Py_ssize_t top_level = PyList_GET_SIZE(levels) - 1;
+    for (Py_ssize_t l = 0; l <= top_level; l++) {
+        PyObject *pair = PyList_GET_ITEM(levels, l);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || verdict_double(PyTuple_GET_ITEM(pair, 0), &scales[l])
+            || verdict_double(PyTuple_GET_ITEM(pair, 1), &tails[l]))
+            Py_RETURN_NOTIMPLEMENTED;
+    }
+    VerdictKv kv = {0.0, 1.0, 0.0, 0, NULL, NULL, NULL};
+    int kv_modelled = kv_args != Py_None;
+    if (kv_modelled) {
+        if (!PyTuple_CheckExact(kv_args) || PyTuple_GET_SIZE(kv_args) != 7 || verdict_double(PyTuple_GET_ITEM(kv_args, 0), &kv.hold_ms)
+            || verdict_double(PyTuple_GET_ITEM(kv_args, 1), &kv.spread) || !PyLong_CheckExact(PyTuple_GET_ITEM(kv_args, 2))
+            || exact_long(PyTuple_GET_ITEM(kv_args, 2), &kv.block_size) || verdict_double(PyTuple_GET_ITEM(kv_args, 3), &kv.max_ms)
+            || !PyDict_CheckExact(PyTuple_GET_ITEM(kv_args, 4)) || !PyDict_CheckExact(PyTuple_GET_ITEM(kv_args, 5))
+            || !PyDict_CheckExact(PyTuple_GET_ITEM(kv_args, 6)))
+            Py_RETURN_NOTIMPLEMENTED;
+        kv.waiting_tokens = PyTuple_GET_ITEM(kv_args, 4);
+        kv.waiting_count = PyTuple_GET_ITEM(kv_args, 5);
+        kv.flight = PyTuple_GET_ITEM(kv_args, 6);
+    }
+    int claims = claim_count > 0;
+    long long bare = prompt_tokens > 0 ? prompt_tokens : 0;
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *meets = PyList_New(0);
+    if (meets == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    double predicted = Py_HUGE_VAL, best = Py_HUGE_VAL, budget = slo_ms;
+    PyObject *w = NULL, *wid = NULL, *slot = NULL;
+    int r = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        w = Py_NewRef(PySequence_Fast_ITEMS(seq)[i]); /* a callback may drop the list's reference */
+        wid = PyObject_GetAttr(w, id_name);
+        slot = wid == NULL ? NULL : PyObject_GetAttr(w, slot_name);
+        if (slot == NULL) {
+            r = -1;
+            break;
+        }
+        long long s, overlap = 0;
+        if (!PyUnicode_CheckExact(wid) || !PyLong_CheckExact(slot) || exact_long(slot, &s)) {
+            r = 1;
+            break;
+        }
+        if (by_slot != NULL) {
+            overlap = overlaps_depth(by_slot, s);
+        } else if ((r = verdict_dict_long(overlaps, slot, 0, &overlap)) != 0) {
+            break;
+        }
+        long long uncached = bare;
+        double own = own_bare;
+        if (overlap || claims) {
+            long long held_back = 0;
+            if (claims && (r = verdict_dict_long(claimed, slot, 0, &held_back)) != 0)
+                break;
+            long long cached = overlap - held_back;
+            uncached = prompt_tokens - cached * block_size;
+            if (uncached < 0)
+                uncached = 0;
+            if ((r = verdict_own(own_by_tokens, prefill, uncached, overlap * block_size, &own)) != 0)
+                break;
+        }
+        long long running, inflight;
+        if ((r = verdict_attr_long(w, reported_running_name, &running)) != 0
+            || (r = verdict_attr_long(w, inflight_requests_name, &inflight)) != 0 || running == LLONG_MIN)
+            break;
+        unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
+        Py_ssize_t level = magnitude ? 64 - __builtin_clzll(magnitude) : 0;
+        if (level > top_level)
+            level = top_level;
+        double scale = scales[level], tail = tails[level];
+        double ahead = 0.0;
+        if (inflight) {
+            double reported_at, at_anchor = 0.0;
+            if ((r = verdict_attr_double(w, reported_at_name, &reported_at)) != 0)
+                break;
+            PyObject *a = PyDict_GetItemWithError(anchored, wid); /* borrowed */
+            if (a == NULL && PyErr_Occurred()) {
+                r = -1;
+                break;
+            }
+            if (a != NULL && verdict_double(a, &at_anchor)) {
+                r = 1;
+                break;
+            }
+            if (reported_at > at_anchor) { /* _sync's */
+                PyObject *done = PyObject_CallOneArg(anchor, w);
+                if (done == NULL) {
+                    r = -1;
+                    break;
+                }
+                Py_DECREF(done);
+            }
+            double ms = 0.0, at = now;
+            PyObject *books = PyDict_GetItemWithError(backlog, wid); /* borrowed */
+            if (books == NULL && PyErr_Occurred()) {
+                r = -1;
+                break;
+            }
+            if (books != NULL && (!PyTuple_CheckExact(books) || PyTuple_GET_SIZE(books) != 2
+                                  || verdict_double(PyTuple_GET_ITEM(books, 0), &ms)
+                                  || verdict_double(PyTuple_GET_ITEM(books, 1), &at))) {
+                r = 1;
+                break;
+            }
+            ahead = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
+            if (kv_modelled) {
+                double wait;
+                if ((r = verdict_kv_wait(&kv, w, wid, now, uncached, &wait)) != 0)
+                    break;
+                ahead = verdict_max(ahead, wait / scale);
+            }
+        }
+        if (queued != Py_None) {
+            PyObject *waiting = PyObject_CallOneArg(queued, wid);
+            PyObject *requests = waiting == NULL ? NULL : PySequence_GetItem(waiting, 0);
+            PyObject *tokens = requests == NULL ? NULL : PySequence_GetItem(waiting, 1);
+            Py_XDECREF(waiting);
+            int some = tokens == NULL ? -1 : PyObject_IsTrue(tokens);
+            if (some > 0) {
+                PyObject *before = PyNumber_Subtract(requests, one);
+                PyObject *ms = before == NULL ? NULL : PyObject_CallFunctionObjArgs(queue_ttft, tokens, zero, before, NULL);
+                Py_XDECREF(before);
+                double queue_ms = 0.0;
+                some = ms == NULL ? -1 : verdict_double(ms, &queue_ms) ? 2 : 0;
+                Py_XDECREF(ms);
+                ahead += queue_ms;
+            }
+            Py_XDECREF(requests);
+            Py_XDECREF(tokens);
+            if (some < 0 || some == 2) {
+                r = some < 0 ? -1 : 1;
+                break;
+            }
+        }
+        tail *= margin;
+        double t = (ahead + own) * tail; /* the prediction (ahead + own) * scale, at the quantile */
+        double allowed = verdict_max(slo_ms, own * tail);
+        int chosen = wid == chosen_id || PyUnicode_Compare(wid, chosen_id) == 0;
+        if (chosen)
+            predicted = (ahead + own) * scale;
+        if (t - allowed < best - budget) {
+            best = t;
+            budget = allowed;
+        }
+        if (t <= allowed && PyList_Append(meets, wid) < 0) {
+            r = -1;
+            break;
+        }
+        Py_CLEAR(w);
+        Py_CLEAR(wid);
+        Py_CLEAR(slot);
+    }
+    Py_XDECREF(w);
+    Py_XDECREF(wid);
+    Py_XDECREF(slot);
+    Py_DECREF(seq);
+    if (r != 0) {
+        Py_DECREF(meets);
+        if (r < 0)
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *result = Py_BuildValue("(dddN)", predicted, best, budget, meets);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -7657,6 +8050,10 @@ static PyMethodDef native_methods[] = {
     {"fewest_counted_at_load", (PyCFunction)(void (*)(void))fewest_counted_at_load, METH_FASTCALL,
      "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None) -> i | NotImplemented: "
      "of the candidates from start at that load, the first whose id counts fewest"},
+    {"deadline_verdict", (PyCFunction)(void (*)(void))deadline_verdict, METH_FASTCALL,
+     "deadline_verdict(candidates, overlaps, claimed, prompt_tokens, block_size, now, chosen_id, slo_ms, margin, "
+     "levels, own_bare, own_by_tokens, prefill, backlog, anchored, anchor, queued, queue_ttft, kv) -> "
+     "(predicted, best, budget, meets) | NotImplemented: DeadlineGuard._verdict_py's pass over the candidates"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "
@@ -7690,6 +8087,17 @@ PyInit__native(void)
     slot_name = PyUnicode_InternFromString("slot");
     slot_loads_name = PyUnicode_InternFromString("slot_loads");
     id_name = PyUnicode_InternFromString("id");
+    reported_running_name = PyUnicode_InternFromString("reported_running");
+    reported_at_name = PyUnicode_InternFromString("reported_at");
+    inflight_requests_name = PyUnicode_InternFromString("inflight_requests");
+    spec_name = PyUnicode_InternFromString("spec");
+    kv_utilization_name = PyUnicode_InternFromString("kv_utilization");
+    capacity_blocks_name = PyUnicode_InternFromString("capacity_blocks");
+    block_size_name = PyUnicode_InternFromString("block_size");
+    values_name = PyUnicode_InternFromString("values");
+    if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
+        || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
+        return NULL;
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);

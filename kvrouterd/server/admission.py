@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..admission import AdmissionQueues, Migration, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..config import AdmissionConfig
-from ..deadline import DeadlineGuard, Pricing, admit_priced
+from ..deadline import DeadlineGuard, Pricing, admit_priced, nothing_queued
 from ..errors import InvalidRequest, KVRouterError, NoEligibleWorker, Overloaded
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Completion, Decision, Dispatch, RouteRequest
@@ -90,7 +90,8 @@ class AdmissionGate:
             return decided, None
         slo_ms = req.ttft_slo_ms or router.settings.default_ttft_slo_ms
         refuse = req.ttft_slo_ms > 0 or self.config.shed_without_slo
-        return admit_priced(self.guard, router, req, decided, slo_ms, self._queued, refuse)
+        queued = self._queued if self.queues is not None else nothing_queued
+        return admit_priced(self.guard, router, req, decided, slo_ms, queued, refuse)
 
     async def route(self, req: RouteRequest, timeout_s: float | None, explain: bool) -> RouteResult:
         """Decide (shedding what cannot meet its SLO); dispatch now if the worker has room,

@@ -37,7 +37,7 @@ import xxhash
 from ..admission import AdmissionQueues, Waiting, plan_hotspot_migration, policy_slo_ms
 from ..clock import ManualClock
 from ..config import Config
-from ..deadline import DEADLINE_MODES, DeadlineGuard, Pricing, admit_priced
+from ..deadline import DEADLINE_MODES, DeadlineGuard, Pricing, admit_priced, nothing_queued
 from ..errors import ConfigError, NotFound, SloUnreachable
 from ..index.keys import ROOT_SEED
 from ..index.workers import WorkerSpec
@@ -322,7 +322,8 @@ class Simulation:
         priced = None
         if self.guard is not None:
             try:
-                decided, priced = admit_priced(self.guard, router, rr, decided, self.slo_ms, self._queued)
+                queued = self._queued if queues is not None else nothing_queued
+                decided, priced = admit_priced(self.guard, router, rr, decided, self.slo_ms, queued)
             except SloUnreachable:
                 self.shed.add(n)
                 if self.log is not None:

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from kvrouterd.clock import ManualClock
-from kvrouterd.deadline import _LOAD_LEVELS, DeadlineGuard, Verdict, _load_level, _nothing_queued
+from kvrouterd.deadline import _LOAD_LEVELS, DeadlineGuard, Verdict, _load_level, nothing_queued
 from kvrouterd.index._walk import MatchResult
 from kvrouterd.index.workers import Worker, WorkerSpec
 from kvrouterd.policies.base import RoutingContext
@@ -82,7 +82,7 @@ def _check_verdicts(guard: DeadlineGuard, router: Router, rng: random.Random, no
     ctx = RoutingContext(req, candidates, MatchResult({k: v for k, v in overlaps.items() if v}, []), BS, now,
                          router.index, False, claimed)
     waiting = {w.id: (rng.randrange(0, 3), rng.choice((0, 0, 200, 3_000))) for w in candidates}
-    for queued in (_nothing_queued, waiting.__getitem__):
+    for queued in (nothing_queued, waiting.__getitem__):
         for slo_ms in (50.0, 500.0, 5_000.0):
             chosen = rng.choice(candidates).id
             assert guard.check(ctx, chosen, slo_ms, queued) == _verdict_by_definition(guard, ctx, chosen, slo_ms, queued)

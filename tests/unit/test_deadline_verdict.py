@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvrouterd.clock import ManualClock
-from kvrouterd.deadline import DeadlineGuard, _nothing_queued
+from kvrouterd.deadline import DeadlineGuard, nothing_queued
 from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.base import RoutingContext
@@ -110,7 +110,7 @@ def test_native_verdict_answers_as_the_reference(seed: int) -> None:
         if n % 6:
             continue
         ctx, waiting = fleet.probe()
-        for queued in (_nothing_queued, waiting.__getitem__):
+        for queued in (nothing_queued, waiting.__getitem__):
             for slo_ms in (50.0, 500.0, 5_000.0):
                 chosen = fleet.rng.choice(ctx.candidates).id
                 pending = fleet.anchors_pending()
@@ -155,7 +155,7 @@ def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
     slot = ctx.candidates[1].slot
     claimed = RoutingContext(ctx.request, ctx.candidates, ctx.match, BS, ctx.now, ctx.index, False,
                              MappingProxyType({slot: 1}))
-    args = guard._verdict_args(claimed, chosen, 500.0, _nothing_queued)
+    args = guard._verdict_args(claimed, chosen, 500.0, nothing_queued)
     assert native.module.deadline_verdict(*args) is NotImplemented
     verdict = guard.check(claimed, chosen, 500.0)
     assert (verdict.predicted_ms, verdict.best_ms, verdict.budget_ms, list(verdict.meets)) == guard._verdict_py(*args)

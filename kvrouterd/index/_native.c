@@ -8026,6 +8026,117 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* named_among(candidates, wanted) -> (named, mask) | NotImplemented
+ *
+ * The candidates (in order) whose id is in the set `wanted`, and their routing mask (bit `slot`
+ * of each); the reference is index/workers.py: named_among_py. A Route naming many candidate
+ * workers (a gateway's endpoint subset; deadline admission's reroute among the ~900 of 1,024
+ * workers that meet the SLO) is narrowed to them by this pass: as a list comprehension and an
+ * or of 1,024-bit ints it was ~100 us of each such Route at 1,024 workers. NotImplemented (the
+ * caller runs the reference) for a `wanted` that is not a set or frozenset, an id that is not a
+ * str, or a slot that is not an int in [0, 2**24). */
+#define NAMED_MAX_SLOT (1 << 24)
+
+static PyObject *
+named_among(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "named_among(candidates, wanted) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *wanted = args[1];
+    if (!PyAnySet_CheckExact(wanted))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *named = PyList_New(0);
+    unsigned char *bits = NULL;
+    size_t width = 0; /* bytes of `bits` */
+    PyTypeObject *known = NULL;
+    Py_ssize_t id_at = -1, slot_at = -1;
+    int declined = 0;
+    if (named == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_ITEMS(seq)[i]); /* a getter may drop the list's */
+        if (Py_TYPE(item) != known) {
+            known = Py_TYPE(item);
+            id_at = member_offset(known, id_name);
+            slot_at = member_offset(known, slot_name);
+        }
+        PyObject *id = member_get(item, id_at, id_name);
+        if (id == NULL) {
+            Py_DECREF(item);
+            goto error;
+        }
+        if (!PyUnicode_CheckExact(id)) { /* its __hash__/__eq__ could be anything */
+            Py_DECREF(id);
+            Py_DECREF(item);
+            declined = 1;
+            break;
+        }
+        int in = PySet_Contains(wanted, id);
+        Py_DECREF(id);
+        if (in <= 0) {
+            Py_DECREF(item);
+            if (in < 0)
+                goto error;
+            continue;
+        }
+        PyObject *slot = member_get(item, slot_at, slot_name);
+        long long s;
+        if (slot == NULL) {
+            Py_DECREF(item);
+            goto error;
+        }
+        if (!PyLong_CheckExact(slot) || exact_long(slot, &s) || s < 0 || s >= NAMED_MAX_SLOT) {
+            Py_DECREF(slot);
+            Py_DECREF(item);
+            declined = 1;
+            break;
+        }
+        Py_DECREF(slot);
+        if ((size_t)(s >> 3) >= width) {
+            size_t grown = width ? width : 64;
+            while (grown <= (size_t)(s >> 3))
+                grown *= 2;
+            unsigned char *more = PyMem_Realloc(bits, grown);
+            if (more == NULL) {
+                Py_DECREF(item);
+                PyErr_NoMemory();
+                goto error;
+            }
+            memset(more + width, 0, grown - width);
+            bits = more;
+            width = grown;
+        }
+        bits[s >> 3] |= (unsigned char)(1u << (s & 7));
+        int appended = PyList_Append(named, item);
+        Py_DECREF(item);
+        if (appended < 0)
+            goto error;
+    }
+    Py_DECREF(seq);
+    if (declined) {
+        PyMem_Free(bits);
+        Py_DECREF(named);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *mask = width ? _PyLong_FromByteArray(bits, width, 1, 0) : PyLong_FromLong(0);
+    PyMem_Free(bits);
+    if (mask == NULL) {
+        Py_DECREF(named);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", named, mask);
+error:
+    Py_DECREF(seq);
+    Py_XDECREF(named);
+    PyMem_Free(bits);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -8050,6 +8161,9 @@ static PyMethodDef native_methods[] = {
     {"fewest_counted_at_load", (PyCFunction)(void (*)(void))fewest_counted_at_load, METH_FASTCALL,
      "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None) -> i | NotImplemented: "
      "of the candidates from start at that load, the first whose id counts fewest"},
+    {"named_among", (PyCFunction)(void (*)(void))named_among, METH_FASTCALL,
+     "named_among(candidates, wanted) -> (named, mask) | NotImplemented: the candidates whose id is in the set "
+     "wanted, in order, and their routing mask"},
     {"deadline_verdict", (PyCFunction)(void (*)(void))deadline_verdict, METH_FASTCALL,
      "deadline_verdict(candidates, overlaps, claimed, prompt_tokens, block_size, now, chosen_id, slo_ms, margin, "
      "levels, own_bare, own_by_tokens, prefill, backlog, anchored, anchor, queued, queue_ttft, kv) -> "

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
-from ..index.workers import MAX_WORKERS, ListScans, Worker, routing_mask
+from ..index.workers import MAX_WORKERS, ListScans, Worker, named_among, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
 from ..protocols import Decision, RouteRequest
 from .disagg import PREFILL_HOP_PREFIX, Disaggregation
@@ -202,10 +202,9 @@ class Selector:
                     if w is not None and mask >> w.slot & 1:  # one of ``candidates``: their bits are ``mask``
                         picked[w.slot] = w
                 candidates = [picked[slot] for slot in sorted(picked)]  # slot order, as policies see candidates
+                mask = routing_mask(candidates)
             else:
-                wanted = set(named)
-                candidates = [w for w in candidates if w.id in wanted]
-            mask = routing_mask(candidates)
+                candidates, mask = named_among(candidates, set(named))
         if not candidates:
             if req.candidate_workers:
                 serving = f" and serves model {quote(req.model)}" if pool else ""

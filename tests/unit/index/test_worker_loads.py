@@ -263,3 +263,41 @@ def test_a_charge_that_does_not_convert_leaves_the_worker_as_it_was():
     assert (w.inflight_requests, w.pending_prefill_tokens, reg.inflight_count) == (0, 0, 0)
     reg.charge(w, "r1", 40, 100, 0, 0.0, "p")
     assert (w.inflight_requests, w.pending_prefill_tokens, reg.inflight("r1")) == (1, 40, InFlight("r1", w.id, 40, 100, 0, 0.0, "p"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 300), moves=st.lists(st.integers(0, 299), max_size=20),
+       wanted=st.sets(st.integers(0, 320)), kind=st.sampled_from((set, frozenset)))
+def test_the_named_candidates_and_their_mask_are_the_references(n, moves, wanted, kind):
+    """Workers of a registry, some moved to fresh slots past 300, narrowed to the ids a Route
+    names (some naming no worker): the native pass keeps what the reference keeps, in order,
+    with the same routing mask."""
+    from kvrouterd.index.workers import named_among, named_among_py, routing_mask
+
+    reg = WorkerRegistry()
+    workers = [reg.add(_spec(i), 0.0) for i in range(n)]
+    for m in moves:
+        if m < n:
+            reg.move(workers[m], reg.next_slot())
+    candidates = sorted(workers, key=lambda w: w.slot)
+    names = kind(f"w{i}" for i in wanted)
+    named, mask = named_among(candidates, names)
+    assert (named, mask) == named_among_py(candidates, names)
+    assert named == [w for w in candidates if w.id in names] and mask == routing_mask(named)
+
+
+@native_only
+def test_native_named_candidates_decline_what_they_cannot_read_exactly():
+    class Oddly:
+        def __init__(self, wid: object, slot: object) -> None:
+            self.id, self.slot = wid, slot
+
+    module = native.module
+    assert module.named_among([Oddly("a", 1)], ["a"]) is NotImplemented  # not a set
+    assert module.named_among([Oddly(("a",), 1)], {("a",)}) is NotImplemented  # an id that is not a str
+    assert module.named_among([Oddly("a", 1.0)], {"a"}) is NotImplemented  # a slot that is not an int
+    assert module.named_among([Oddly("a", -1)], {"a"}) is NotImplemented
+    assert module.named_among([Oddly("b", 1.0)], {"a"}) == ([], 0)  # a slot is read only for a named worker
+    assert module.named_among([Oddly("a", 5), Oddly("b", 70)], {"a", "b"})[1] == (1 << 5) | (1 << 70)
+    with pytest.raises(AttributeError):
+        module.named_among([object()], {"a"})

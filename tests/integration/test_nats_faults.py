@@ -70,18 +70,22 @@ class Replica:
                 assert time.monotonic() < deadline, "replica not SERVING in time"
                 time.sleep(0.05)
 
-    def stub(self) -> router_pb2_grpc.KVRouterStub:
-        return router_pb2_grpc.KVRouterStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+    def channel(self) -> grpc.Channel:
+        """A channel to the replica, held (``with``) for its calls and closed after, as
+        ``wait_serving``'s is: the stubs were made over channels nobody held or closed."""
+        return grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def engine_hashes(self) -> dict[str, list[int]]:
         """Per worker, the engine hash of every block the replica holds (ExportIndex), unsorted."""
         out: dict[str, list[int]] = {w: [] for w in WORKERS}
-        for chunk in self.stub().ExportIndex(pb.ExportIndexRequest(), timeout=10):
-            out[chunk.worker.id] += list(chunk.engine_hashes)
+        with self.channel() as ch:
+            for chunk in router_pb2_grpc.KVRouterStub(ch).ExportIndex(pb.ExportIndexRequest(), timeout=10):
+                out[chunk.worker.id] += list(chunk.engine_hashes)
         return out
 
     def stats(self) -> pb.GetStatsResponse:
-        return self.stub().GetStats(pb.GetStatsRequest(), timeout=5)
+        with self.channel() as ch:
+            return router_pb2_grpc.KVRouterStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
 
     def logs(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]

@@ -50,6 +50,14 @@ class _Fleet:
         self.keys = list(range(1, PROMPT_BLOCKS + 1))
         self.anchored_in_a_pass = 0
 
+    @classmethod
+    def after(cls, seed: int, steps: int) -> _Fleet:
+        """A fleet ``steps`` random steps into its life."""
+        fleet = cls(seed)
+        for n in range(steps):
+            fleet.step(n)
+        return fleet
+
     def step(self, n: int) -> None:
         rng, router, guard = self.rng, self.router, self.guard
         self.clock.advance(rng.choice((0.0, 0.0005, 0.003, 0.02)))
@@ -137,9 +145,7 @@ def test_native_verdict_answers_as_the_reference(seed: int) -> None:
 
 
 def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
-    fleet = _Fleet(7)
-    for n in range(400):
-        fleet.step(n)
+    fleet = _Fleet.after(7, 400)
     guard = fleet.guard
     ctx, waiting = fleet.probe()
     chosen = ctx.candidates[0].id
@@ -162,9 +168,7 @@ def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
 
 
 def test_native_verdict_raises_what_its_callbacks_raise_and_survives_a_shrinking_list() -> None:
-    fleet = _Fleet(3)
-    for n in range(300):
-        fleet.step(n)
+    fleet = _Fleet.after(3, 300)
     guard = fleet.guard
     ctx, _ = fleet.probe()
 

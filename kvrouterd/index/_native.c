@@ -7659,7 +7659,30 @@ typedef struct {
     double hold_ms, spread, max_ms;
     long long block_size;
     PyObject *waiting_tokens, *waiting_count, *flight; /* dicts, borrowed */
+    PyTypeObject *spec_type;                          /* the class spec_*_at were found in */
+    Py_ssize_t spec_block_size_at, spec_capacity_at;
 } VerdictKv;
+
+/* Where a candidate's class keeps what the pass reads: member offsets (-1: the generic lookup),
+ * found once per class, as prefix_scan finds them; a Worker's in-flight count is a SlotLoad,
+ * read by slot (`scan`). Read in place, the six attributes were most of the pass's time. */
+typedef struct {
+    PyTypeObject *type;
+    ScanMembers scan;
+    Py_ssize_t id_at, running_at, reported_at_at, kv_at, spec_at;
+} VerdictMembers;
+
+static void
+verdict_members(VerdictMembers *m, PyTypeObject *type)
+{
+    m->type = type;
+    scan_members(&m->scan, type, inflight_requests_name);
+    m->id_at = member_offset(type, id_name);
+    m->running_at = member_offset(type, reported_running_name);
+    m->reported_at_at = member_offset(type, reported_at_name);
+    m->kv_at = member_offset(type, kv_utilization_name);
+    m->spec_at = member_offset(type, spec_name);
+}
 
 /* `v`, an exact int or float, as a double: 0, or 1 when it is neither or too big */
 static inline int
@@ -7679,11 +7702,12 @@ verdict_double(PyObject *v, double *out)
     return 1;
 }
 
-/* obj.<name> as a long long (an exact int): 0, 1 when it is not one (NotImplemented), -1 on error */
+/* obj.<name> (its member at `at`, see member_get) as a long long (an exact int): 0, 1 when it
+ * is not one (NotImplemented), -1 on error */
 static inline int
-verdict_attr_long(PyObject *obj, PyObject *name, long long *out)
+verdict_attr_long(PyObject *obj, Py_ssize_t at, PyObject *name, long long *out)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = member_get(obj, at, name);
     if (v == NULL)
         return -1;
     int r = !PyLong_CheckExact(v) || exact_long(v, out);
@@ -7693,9 +7717,9 @@ verdict_attr_long(PyObject *obj, PyObject *name, long long *out)
 
 /* obj.<name> as a double (an exact int or float): 0, 1, -1 as verdict_attr_long */
 static inline int
-verdict_attr_double(PyObject *obj, PyObject *name, double *out)
+verdict_attr_double(PyObject *obj, Py_ssize_t at, PyObject *name, double *out)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = member_get(obj, at, name);
     if (v == NULL)
         return -1;
     int r = verdict_double(v, out);
@@ -7720,16 +7744,22 @@ static inline double verdict_min(double a, double b) { return b < a ? b : a; } /
 
 /* DeadlineGuard._kv_wait(worker, now, tokens) into *out: 0, 1 (NotImplemented), -1 on error */
 static int
-verdict_kv_wait(const VerdictKv *kv, PyObject *worker, PyObject *wid, double now, long long tokens, double *out)
+verdict_kv_wait(VerdictKv *kv, const VerdictMembers *m, PyObject *worker, PyObject *wid, double now, long long tokens,
+                double *out)
 {
     *out = 0.0;
-    PyObject *spec = PyObject_GetAttr(worker, spec_name);
+    PyObject *spec = member_get(worker, m->spec_at, spec_name);
     if (spec == NULL)
         return -1;
+    if (Py_TYPE(spec) != kv->spec_type) {
+        kv->spec_type = Py_TYPE(spec);
+        kv->spec_block_size_at = member_offset(kv->spec_type, block_size_name);
+        kv->spec_capacity_at = member_offset(kv->spec_type, capacity_blocks_name);
+    }
     long long bs, blocks;
-    int r = verdict_attr_long(spec, block_size_name, &bs);
+    int r = verdict_attr_long(spec, kv->spec_block_size_at, block_size_name, &bs);
     if (r == 0)
-        r = verdict_attr_long(spec, capacity_blocks_name, &blocks);
+        r = verdict_attr_long(spec, kv->spec_capacity_at, capacity_blocks_name, &blocks);
     Py_DECREF(spec);
     if (r != 0)
         return r;
@@ -7737,7 +7767,7 @@ verdict_kv_wait(const VerdictKv *kv, PyObject *worker, PyObject *wid, double now
         bs = kv->block_size;
     long long capacity = blocks * bs;
     double used;
-    if ((r = verdict_attr_double(worker, kv_utilization_name, &used)) != 0)
+    if ((r = verdict_attr_double(worker, m->kv_at, kv_utilization_name, &used)) != 0)
         return r;
     if (!capacity || !kv->hold_ms || used <= 0.0)
         return 0;
@@ -7864,7 +7894,8 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             || verdict_double(PyTuple_GET_ITEM(pair, 1), &tails[l]))
             Py_RETURN_NOTIMPLEMENTED;
     }
-    VerdictKv kv = {0.0, 1.0, 0.0, 0, NULL, NULL, NULL};
+    VerdictKv kv = {0.0, 1.0, 0.0, 0, NULL, NULL, NULL, NULL, -1, -1};
+    VerdictMembers members = {NULL, {NULL, -1, -1, -1, 0}, -1, -1, -1, -1, -1};
     int kv_modelled = kv_args != Py_None;
     if (kv_modelled) {
         if (!PyTuple_CheckExact(kv_args) || PyTuple_GET_SIZE(kv_args) != 7 || verdict_double(PyTuple_GET_ITEM(kv_args, 0), &kv.hold_ms)
@@ -7892,8 +7923,10 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int r = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         w = Py_NewRef(PySequence_Fast_ITEMS(seq)[i]); /* a callback may drop the list's reference */
-        wid = PyObject_GetAttr(w, id_name);
-        slot = wid == NULL ? NULL : PyObject_GetAttr(w, slot_name);
+        if (Py_TYPE(w) != members.type)
+            verdict_members(&members, Py_TYPE(w));
+        wid = member_get(w, members.id_at, id_name);
+        slot = wid == NULL ? NULL : member_get(w, members.scan.slot_at, slot_name);
         if (slot == NULL) {
             r = -1;
             break;
@@ -7921,9 +7954,17 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if ((r = verdict_own(own_by_tokens, prefill, uncached, overlap * block_size, &own)) != 0)
                 break;
         }
-        long long running, inflight;
-        if ((r = verdict_attr_long(w, reported_running_name, &running)) != 0
-            || (r = verdict_attr_long(w, inflight_requests_name, &inflight)) != 0 || running == LLONG_MIN)
+        long long running, inflight, at_slot;
+        if ((r = verdict_attr_long(w, members.running_at, reported_running_name, &running)) != 0)
+            break;
+        if (running == LLONG_MIN) { /* no magnitude below */
+            r = 1;
+            break;
+        }
+        /* a Worker's in-flight count is its SlotLoad's, read by slot; anything else by its attribute */
+        if ((members.scan.slot_at < 0 || members.scan.loads_at < 0
+             || slot_member_load(w, &members.scan, &at_slot, &inflight) != 0)
+            && (r = verdict_attr_long(w, -1, inflight_requests_name, &inflight)) != 0)
             break;
         unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
         Py_ssize_t level = magnitude ? 64 - __builtin_clzll(magnitude) : 0;
@@ -7933,7 +7974,7 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         double ahead = 0.0;
         if (inflight) {
             double reported_at, at_anchor = 0.0;
-            if ((r = verdict_attr_double(w, reported_at_name, &reported_at)) != 0)
+            if ((r = verdict_attr_double(w, members.reported_at_at, reported_at_name, &reported_at)) != 0)
                 break;
             PyObject *a = PyDict_GetItemWithError(anchored, wid); /* borrowed */
             if (a == NULL && PyErr_Occurred()) {
@@ -7967,7 +8008,7 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             ahead = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
             if (kv_modelled) {
                 double wait;
-                if ((r = verdict_kv_wait(&kv, w, wid, now, uncached, &wait)) != 0)
+                if ((r = verdict_kv_wait(&kv, &members, w, wid, now, uncached, &wait)) != 0)
                     break;
                 ahead = verdict_max(ahead, wait / scale);
             }

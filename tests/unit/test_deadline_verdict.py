@@ -144,6 +144,46 @@ def test_native_verdict_answers_as_the_reference(seed: int) -> None:
     assert compared > 1_000 and kv_modelled > compared // 2 and anchored > 20 and split > 50
 
 
+class _Viewed:
+    """A Worker seen through properties: the native pass reads each through the generic lookup,
+    where it reads a Worker's members in place."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+
+    def __getattr__(self, name: str) -> Any:  # what the guard's anchoring reads besides
+        return getattr(self._worker, name)
+
+    id = property(lambda self: self._worker.id)
+    slot = property(lambda self: self._worker.slot)
+    reported_running = property(lambda self: self._worker.reported_running)
+    reported_at = property(lambda self: self._worker.reported_at)
+    inflight_requests = property(lambda self: self._worker.inflight_requests)
+    kv_utilization = property(lambda self: self._worker.kv_utilization)
+    spec = property(lambda self: self._worker.spec)
+
+
+def test_native_verdict_reads_other_classes_as_the_reference_does() -> None:
+    """Candidates of two classes in turn (Workers, and Workers behind properties): each class's
+    attributes are found again where the class changes."""
+    fleet = _Fleet(11)
+    guard = fleet.guard
+    compared = 0
+    for n in range(900):
+        fleet.step(n)
+        if n % 9:
+            continue
+        ctx, waiting = fleet.probe()
+        mixed = [_Viewed(w) if i % 3 else w for i, w in enumerate(ctx.candidates)]
+        viewed = RoutingContext(ctx.request, mixed, ctx.match, BS, ctx.now, ctx.index, False, ctx.claimed)
+        for queued in (nothing_queued, waiting.__getitem__):
+            chosen = fleet.rng.choice(ctx.candidates).id
+            native_answer = native.module.deadline_verdict(*guard._verdict_args(viewed, chosen, 500.0, queued))
+            assert native_answer == guard._verdict_py(*guard._verdict_args(ctx, chosen, 500.0, queued))
+            compared += 1
+    assert compared > 150 and guard.hold_ms > 0
+
+
 def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
     fleet = _Fleet.after(7, 400)
     guard = fleet.guard

@@ -184,6 +184,12 @@ def test_native_verdict_reads_other_classes_as_the_reference_does() -> None:
     assert compared > 150 and guard.hold_ms > 0
 
 
+def _assert_check_is_the_reference(guard: DeadlineGuard, ctx: RoutingContext, chosen: str, queued: Any) -> None:
+    verdict = guard.check(ctx, chosen, 500.0, queued)
+    want = guard._verdict_py(*guard._verdict_args(ctx, chosen, 500.0, queued))
+    assert (verdict.predicted_ms, verdict.best_ms, verdict.budget_ms, list(verdict.meets)) == want
+
+
 def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
     fleet = _Fleet.after(7, 400)
     guard = fleet.guard
@@ -193,9 +199,12 @@ def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
     ctx.candidates[3].reported_running = True
     args = guard._verdict_args(ctx, chosen, 500.0, waiting.__getitem__)
     assert native.module.deadline_verdict(*args) is NotImplemented
-    verdict = guard.check(ctx, chosen, 500.0, waiting.__getitem__)
-    want = guard._verdict_py(*guard._verdict_args(ctx, chosen, 500.0, waiting.__getitem__))
-    assert (verdict.predicted_ms, verdict.best_ms, verdict.budget_ms, list(verdict.meets)) == want
+    _assert_check_is_the_reference(guard, ctx, chosen, waiting.__getitem__)
+    # a load level with no magnitude in 64 bits (Python reads its bit length, 64)
+    ctx.candidates[3].reported_running = -(2**63)
+    args = guard._verdict_args(ctx, chosen, 500.0, waiting.__getitem__)
+    assert native.module.deadline_verdict(*args) is NotImplemented
+    _assert_check_is_the_reference(guard, ctx, chosen, waiting.__getitem__)
     ctx.candidates[3].reported_running = 1
     # speculative claims in a mapping that is not a dict
     slot = ctx.candidates[1].slot
@@ -203,8 +212,7 @@ def test_check_takes_the_reference_where_the_native_pass_declines() -> None:
                              MappingProxyType({slot: 1}))
     args = guard._verdict_args(claimed, chosen, 500.0, nothing_queued)
     assert native.module.deadline_verdict(*args) is NotImplemented
-    verdict = guard.check(claimed, chosen, 500.0)
-    assert (verdict.predicted_ms, verdict.best_ms, verdict.budget_ms, list(verdict.meets)) == guard._verdict_py(*args)
+    _assert_check_is_the_reference(guard, claimed, chosen, nothing_queued)
 
 
 def test_native_verdict_raises_what_its_callbacks_raise_and_survives_a_shrinking_list() -> None:

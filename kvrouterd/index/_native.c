@@ -7936,11 +7936,8 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             r = 1;
             break;
         }
-        if (by_slot != NULL) {
-            overlap = overlaps_depth(by_slot, s);
-        } else if ((r = verdict_dict_long(overlaps, slot, 0, &overlap)) != 0) {
+        if ((r = scan_depth(overlaps, by_slot, slot, &overlap)) != 0)
             break;
-        }
         long long uncached = bare;
         double own = own_bare;
         if (overlap || claims) {

@@ -53,6 +53,21 @@ def test_least_loaded_picks_fewest_pending_prefill_tokens():
     assert router.route(prompt(router, list(range(50)))).worker.id == "w1"
 
 
+def test_least_loaded_breaks_ties_by_inflight_then_reported_queue_then_slot():
+    router = fleet({"name": "least_loaded"}, 4)
+    held = list(range(4 * BS))
+    cache(router, "w0", held)
+    # w0 holds the whole prompt: one request in flight there, no prefill pending
+    first = router.route(prompt(router, held))
+    assert first.worker.id == "w0" and first.worker.pending_prefill_tokens == 0
+    router.report_load("w1", 3, 0, 0.0)  # w1's engine has three requests queued
+    # no prefill pending anywhere else: w0 has a request in flight, w1 a queue; w2 then w3
+    picked = [router.route(prompt(router, list(range(9000 + i, 9100 + i)))).worker.id for i in range(2)]
+    assert picked == ["w2", "w3"]
+    # w2 and w3 now prefill: of w0 and w1 (none pending), fewer in flight wins over a shorter queue
+    assert router.route(prompt(router, list(range(500, 600)))).worker.id == "w1"
+
+
 def test_cache_aware_prefers_the_prefix_holder_above_the_threshold():
     router = fleet({"name": "cache_aware", "cache_threshold": 0.5})
     tokens = list(range(10 * BS))

@@ -153,8 +153,11 @@ class PowerLaw:
         """Tokens one request prefills within ``budget_ms`` (the inverse at batch 1)."""
         if budget_ms <= 0:
             return 0
-        # in logs, capped: an online fit can drive c towards 0, where the power overflows
-        return int(math.exp(min(math.log(budget_ms / self.a_ms) / self.c, _LOG_MAX_TOKENS)))
+        # in logs, capped: an online fit can drive c towards 0, where the power overflows; the
+        # logs taken apart where the ratio underflows to 0.0 (a subnormal budget: a domain error)
+        ratio = budget_ms / self.a_ms
+        log_ratio = math.log(ratio) if ratio > 0.0 else math.log(budget_ms) - math.log(self.a_ms)
+        return int(math.exp(min(log_ratio / self.c, _LOG_MAX_TOKENS)))
 
 
 def power_law_ms(a_ms: float, b: float, c: float, tokens: float, batch: int) -> float:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvrouterd.bounds import MAX_LATENCY_MS
 from kvrouterd.errors import InvalidRequest
 from kvrouterd.policies.eviction.tlru import MAX_TAIL_BLOCKS, TLRUParams, trim_tail
-from kvrouterd.policies.latency import LatencyModel, LatencyParams, RecursiveLeastSquares
+from kvrouterd.policies.latency import LatencyModel, LatencyParams, PowerLaw, RecursiveLeastSquares
 from kvrouterd.protocols import Completion
 
 from .routing.helpers import make_router, prompt, request
@@ -62,6 +62,12 @@ def test_latency_model_estimates_stay_finite_after_any_samples(model, samples, b
     within = m.tokens_within(budget)
     assert isinstance(within, int) and 0 <= within <= math.exp(40)
     assert 1 <= m.prefill_rate() <= math.exp(40)
+
+
+def test_a_subnormal_budget_buys_no_tokens_instead_of_a_domain_error() -> None:
+    """The fuzzer's sample: 5e-324 ms over a = 3 ms underflowed to 0.0, whose log raised."""
+    assert PowerLaw(2.999344215015449, 0.991, 1.018).tokens_within(5e-324) == 0
+    assert PowerLaw(3.0, 1.0, 1.0).tokens_within(3.0) == 1  # the inverse where nothing underflows
 
 
 def test_one_huge_ttft_moves_the_linear_fit_only_within_its_bounds() -> None:

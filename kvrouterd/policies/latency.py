@@ -358,6 +358,11 @@ class LatencyModel:
         self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
+        #: ``prefill_rate()`` and the fit's sample count it was worked out at: the fit changes
+        #: only by a sample, and a policy pricing the fleet (DualMap's cold placement, min_ttft)
+        #: asked for it once per worker (~1.5 us each, 1,024 a Route at 1,024 workers)
+        self._rate = 0.0
+        self._rate_at = -1
 
     # ---- coefficients -----------------------------------------------------------------
     @property
@@ -434,7 +439,10 @@ class LatencyModel:
     # ---- pending prefill ----------------------------------------------------------------
     def prefill_rate(self) -> float:
         """Prefill tokens per second one worker computes, under the current coefficients."""
-        return float(max(self.tokens_within(1000.0), 1))
+        samples = self._fit.samples
+        if self._rate_at != samples:
+            self._rate, self._rate_at = float(max(self.tokens_within(1000.0), 1)), samples
+        return self._rate
 
     def pending_tokens(self, worker: Worker, now: float) -> int:
         """Prefill tokens still ahead on ``worker`` at ``now``.
@@ -448,7 +456,7 @@ class LatencyModel:
         return self._pending(worker, now, worker.pending_prefill_tokens)
 
     def _pending(self, worker: Worker, now: float, committed: int) -> int:
-        if self.params.pending_model == "inflight":
+        if self.params.pending_model == "inflight" or committed <= 0:  # nothing committed: none drains
             return committed
         tokens, at = self._backlog.get(worker.id, (0.0, now))
         left = tokens - self.prefill_rate() * max(0.0, now - at)

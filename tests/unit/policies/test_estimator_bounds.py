@@ -70,6 +70,18 @@ def test_a_subnormal_budget_buys_no_tokens_instead_of_a_domain_error() -> None:
     assert PowerLaw(3.0, 1.0, 1.0).tokens_within(3.0) == 1  # the inverse where nothing underflows
 
 
+@pytest.mark.parametrize("model", ["linear", "power_law"])
+def test_the_prefill_rate_follows_every_calibration_sample(model: str) -> None:
+    """``prefill_rate`` is kept between samples: each one that moves the fit moves it."""
+    m = LatencyModel(LatencyParams(prefill_model=model, calibration_min_samples=1))
+    rates = [m.prefill_rate()]
+    for ttft_ms in (400.0, 90.0, 900.0):
+        m.observe(8000, 1, ttft_ms)
+        assert m.prefill_rate() == float(max(m.tokens_within(1000.0), 1))
+        rates.append(m.prefill_rate())
+    assert len(set(rates)) == len(rates)  # the samples moved it each time
+
+
 def test_one_huge_ttft_moves_the_linear_fit_only_within_its_bounds() -> None:
     """The fuzzer's sample: what made ``int(inf)`` in tokens_within now leaves a usable model."""
     m = LatencyModel(LatencyParams(calibration_min_samples=1))

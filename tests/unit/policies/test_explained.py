@@ -97,3 +97,23 @@ def test_listing_fewer_never_changes_the_choice():
         quiet, _, _ = build(trial).decide(prompt(build(trial)), explain=False)
         assert (loud.worker_id, loud.reason, loud.overlap_blocks) == (quiet.worker_id, quiet.reason, quiet.overlap_blocks)
         assert loud.worker_id in [c.worker_id for c in loud.candidates]
+
+
+
+def test_dualmap_places_a_cold_prompt_alike_explained_or_not():
+    """A cold placement prices the whole fleet: the record sorts every view, an unrecorded
+    decision keeps the best two; both choose the same worker and the same alternative."""
+    router = fleet({"name": "dualmap"}, 40)
+    for wid, requests in (("w0", 3), ("w1", 1), ("w5", 2), ("w6", 1)):
+        load(router, wid, requests)  # routed to each by name: their prefill is pending there
+    idle = ["w2", "w3", "w4", "w7", "w8", "w9"]
+    for n in range(5):
+        tokens = [10**6 + 100 * n + t for t in range(4 * BS)]  # a prompt nobody holds
+        req = RouteRequest("", router.keys_for_tokens(tokens), len(tokens))
+        explained, _, _ = router.decide(req, explain=True)
+        quiet, _, _ = router.decide(req, explain=False)
+        assert explained.reason == quiet.reason == "cold_fleet"
+        assert (quiet.worker_id, quiet.alternative_worker_id) == (explained.worker_id, explained.alternative_worker_id)
+        # an idle worker's TTFT is the prompt's own prefill: the lowest idle slot, then the next
+        assert (quiet.worker_id, quiet.alternative_worker_id) == (idle[n], idle[n + 1])
+        assert router.route(req).worker.id == idle[n]  # in flight there now: the next moves on

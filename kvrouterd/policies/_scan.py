@@ -88,18 +88,22 @@ def fewest_counted_py(candidates: Sequence[Any], ties: list[int], counts: Mappin
 
 
 def fewest_counted_at_load_py(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
-                              load: int, counts: Mapping[str, int], slots: Any = None) -> int:
+                              load: int, counts: Mapping[str, int], slots: Any = None, slot_counts: Any = None,
+                              slot_owners: Any = None) -> int:
     """Of the candidates from ``start`` on whose load (attribute ``load_attr``) is ``load``, the
     first whose id has the fewest ``counts``: the ties on load alone (``tied_candidates_py``),
     then the one of them counted fewest. ValueError when none is at that load. ``slots`` as for
-    ``tied_candidates_py``: not read here."""
+    ``tied_candidates_py``, and ``slot_counts`` / ``slot_owners`` (the same counts kept by slot,
+    equal to ``counts[w.id]`` wherever ``slot_owners[slot]`` is ``w``, which the native pass
+    reads instead of looking ids up) never change the answer: not read here."""
     return fewest_counted_py(candidates, tied_candidates_py(candidates, overlaps, load_attr, start, ANY_DEPTH, load),
                              counts)
 
 
 def _fewest_counted_at_load_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
-                                   load: int, counts: Mapping[str, int], slots: Any = None) -> int:
-    result = _native_fewest(candidates, overlaps, load_attr, start, load, counts, slots)
+                                   load: int, counts: Mapping[str, int], slots: Any = None, slot_counts: Any = None,
+                                   slot_owners: Any = None) -> int:
+    result = _native_fewest(candidates, overlaps, load_attr, start, load, counts, slots, slot_counts, slot_owners)
     if result is NotImplemented:
         return fewest_counted_at_load_py(candidates, overlaps, load_attr, start, load, counts)
     return result  # type: ignore[no-any-return]

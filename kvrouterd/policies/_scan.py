@@ -7,9 +7,10 @@ C, reading each candidate's load by slot from its registry's array (``index.work
 given the candidates' ``CandidateSlots``, their slots from one array too. This module's
 ``scan_candidates_py`` (and ``tied_candidates_py``, the candidates tied with the best on prefix
 and load, ``prefix_ties``; ``fewest_counted_at_load_py``, the least loaded counted fewest,
-``fewest_counted_at_load``) is the reference: tests hold the two to identical results, and it
-runs wherever the extension is not built or declines (``NotImplemented``: a depth or load that is
-not a 64-bit int).
+``fewest_counted_at_load``; ``least_loaded_index_py``, least_loaded's choice,
+``least_loaded_pick``) is the reference: tests hold the two to identical results, and it runs
+wherever the extension is not built or declines (``NotImplemented``: a depth or load that is not
+a 64-bit int).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 
 from ..index import native
 
-__all__ = ["ANY_DEPTH", "fewest_counted_at_load", "fewest_counted_at_load_py", "fewest_counted_py", "scan_candidates",
-           "scan_candidates_py", "tied_candidates", "tied_candidates_py"]
+__all__ = ["ANY_DEPTH", "fewest_counted_at_load", "fewest_counted_at_load_py", "fewest_counted_py",
+           "least_loaded_index", "least_loaded_index_py", "scan_candidates", "scan_candidates_py", "tied_candidates",
+           "tied_candidates_py"]
 
 #: (best_i, best_depth, min_i, min_load, max_load)
 Scan = tuple[int, int, int, int, int]
@@ -100,6 +102,26 @@ def fewest_counted_at_load_py(candidates: Sequence[Any], overlaps: Mapping[int, 
                              counts)
 
 
+#: least_loaded's order of preference, its tuples built in C
+_LEAST_LOADED_ORDER = attrgetter("pending_prefill_tokens", "inflight_requests", "reported_queue", "slot")
+
+
+def least_loaded_index_py(candidates: Sequence[Any], slots: Any = None) -> int:
+    """The index of least_loaded's choice: the fewest pending prefill tokens, then in-flight
+    requests, then engine-reported queued requests, then the lowest slot (the first of equals).
+    ``candidates`` must not be empty. ``slots`` (their ``CandidateSlots``, which the native pass
+    reads the loads by) never changes the answer: not read here."""
+    keys = list(map(_LEAST_LOADED_ORDER, candidates))
+    return keys.index(min(keys))
+
+
+def _least_loaded_index_native(candidates: Sequence[Any], slots: Any = None) -> int:
+    result = _native_least_loaded(candidates, slots) if slots is not None else NotImplemented
+    if result is NotImplemented:
+        return least_loaded_index_py(candidates)
+    return result  # type: ignore[no-any-return]
+
+
 def _fewest_counted_at_load_native(candidates: Sequence[Any], overlaps: Mapping[int, int], load_attr: str, start: int,
                                    load: int, counts: Mapping[str, int], slots: Any = None, slot_counts: Any = None,
                                    slot_owners: Any = None) -> int:
@@ -129,10 +151,13 @@ if native.module is not None:
     _native_scan = native.module.prefix_scan
     _native_ties = native.module.prefix_ties
     _native_fewest = native.module.fewest_counted_at_load
+    _native_least_loaded = native.module.least_loaded_pick
     scan_candidates = _scan_candidates_native
     tied_candidates = _tied_candidates_native
     fewest_counted_at_load = _fewest_counted_at_load_native
+    least_loaded_index = _least_loaded_index_native
 else:
     scan_candidates = scan_candidates_py
     tied_candidates = tied_candidates_py
     fewest_counted_at_load = fewest_counted_at_load_py
+    least_loaded_index = least_loaded_index_py

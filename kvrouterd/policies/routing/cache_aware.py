@@ -244,7 +244,12 @@ class CacheAwarePolicy(RoutingPolicyBase):
         count = self._processed[worker_id] = self._processed.get(worker_id, 0) + 1
         chosen = self._chosen
         if chosen is not None and chosen.id == worker_id:
-            self._keep_by_slot(chosen, count)
+            slot = chosen.slot
+            owners = self._processed_owner
+            if slot < len(owners) and owners[slot] is chosen:  # kept there already: the common case
+                self._processed_by_slot[slot] = count
+            else:
+                self._keep_by_slot(chosen, count)
         else:  # chosen elsewhere (a prefill hop's context): its slot's copy is stale now
             self._drop_by_slot(worker_id)
 

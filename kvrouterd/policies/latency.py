@@ -363,6 +363,8 @@ class LatencyModel:
         #: asked for it once per worker (~1.5 us each, 1,024 a Route at 1,024 workers)
         self._rate = 0.0
         self._rate_at = -1
+        self._calibrated_cost = self._prior_cost
+        self._cost_at = -1
 
     # ---- coefficients -----------------------------------------------------------------
     @property
@@ -399,8 +401,15 @@ class LatencyModel:
                            p.attention_context_tokens)
 
     def cost(self) -> PrefillCost:
-        """The prefill cost function under the current coefficients."""
-        return self._cost(self.coefficients()) if self.calibrated else self._prior_cost
+        """The prefill cost function under the current coefficients (kept from one calibration
+        sample to the next, as ``prefill_rate``: every estimate asks for it, and building it was
+        most of what a calibrated estimate cost)."""
+        if not self.calibrated:
+            return self._prior_cost
+        samples = self._fit.samples
+        if self._cost_at != samples:
+            self._calibrated_cost, self._cost_at = self._cost(self.coefficients()), samples
+        return self._calibrated_cost
 
     # ---- estimates --------------------------------------------------------------------
     def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:

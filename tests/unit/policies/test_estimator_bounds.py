@@ -71,15 +71,18 @@ def test_a_subnormal_budget_buys_no_tokens_instead_of_a_domain_error() -> None:
 
 
 @pytest.mark.parametrize("model", ["linear", "power_law"])
-def test_the_prefill_rate_follows_every_calibration_sample(model: str) -> None:
-    """``prefill_rate`` is kept between samples: each one that moves the fit moves it."""
+def test_the_prefill_rate_and_cost_follow_every_calibration_sample(model: str) -> None:
+    """``prefill_rate`` and ``cost`` are kept between samples: each one that moves the fit moves them."""
     m = LatencyModel(LatencyParams(prefill_model=model, calibration_min_samples=1))
-    rates = [m.prefill_rate()]
+    rates, costs = [m.prefill_rate()], [m.cost()]
     for ttft_ms in (400.0, 90.0, 900.0):
         m.observe(8000, 1, ttft_ms)
         assert m.prefill_rate() == float(max(m.tokens_within(1000.0), 1))
+        assert m.cost() == m._cost(m.coefficients())
+        assert m.ttft_ms(4000, 2000, 3) == m._cost(m.coefficients()).ms(6000, 4)
         rates.append(m.prefill_rate())
-    assert len(set(rates)) == len(rates)  # the samples moved it each time
+        costs.append(m.cost())
+    assert len(set(rates)) == len(rates) and len(set(costs)) == len(costs)  # the samples moved them each time
 
 
 def test_one_huge_ttft_moves_the_linear_fit_only_within_its_bounds() -> None:

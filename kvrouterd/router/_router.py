@@ -225,15 +225,19 @@ class Router:
     def validate_request(self, req: RouteRequest) -> None:
         self._selector.validate_request(req)
 
-    def decide(self, req: RouteRequest, explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+    def decide(self, req: RouteRequest, explain: bool = True, *,
+               validated: bool = False) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``route`` and dry runs).
 
         ``explain=False`` lets policies skip listing every candidate (see RoutingContext.explain).
         Speculative blocks past their TTL leave the index first, so the match sees none.
+        ``validated``: ``req`` passed this router's checks in a decision of this same step, and
+        only its ``candidate_workers`` changed since, to workers the router named itself
+        (deadline admission's reroute, ``admit_priced``), so they are not checked again.
         """
         now = self._shared.clock.now()
         self._speculative.expire(now)
-        return self._selector.decide(req, now, explain)
+        return self._selector.decide(req, now, explain, validated)
 
     def destinations(self, req: RouteRequest) -> tuple[list[Worker], str]:
         """``(workers, pool)`` a request without a prompt may go to: the eligible workers of its

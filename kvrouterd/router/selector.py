@@ -127,16 +127,17 @@ class Selector:
         if len(workers) and not any(workers.find(c) is not None for c in candidate_workers):
             raise NotFound(f"candidate_workers names no registered worker: {_shown(candidate_workers)}")
 
-    def decide(self, req: RouteRequest, now: float,
-               explain: bool = True) -> tuple[Decision, RoutingContext, RoutingPolicy]:
+    def decide(self, req: RouteRequest, now: float, explain: bool = True,
+               validated: bool = False) -> tuple[Decision, RoutingContext, RoutingPolicy]:
         """Select a worker without committing anything (used by ``Router.route`` and dry runs).
 
         ``now``: the decision's time, as the router read it to expire speculative blocks (one
         reading of the clock per decision). ``explain=False`` lets policies skip listing every
-        candidate (see RoutingContext.explain).
+        candidate (see RoutingContext.explain). ``validated``: as ``Router.decide``'s.
         """
         shared = self._shared
-        self.validate_request(req)
+        if not validated:
+            self.validate_request(req)
         policy = shared.policies.routing_policy(req.policy)
         candidates, mask = self._eligible()
         if req.candidate_workers or req.model or req.lora or not candidates:

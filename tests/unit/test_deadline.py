@@ -430,6 +430,33 @@ def test_requests_ending_before_any_load_report_leave_the_kv_wait_defined() -> N
     assert 0.0 <= guard.kv_wait_ms(worker, clock.now(), 1_000) <= MAX_LATENCY_MS
 
 
+def _past_the_slo_on_its_prefix(max_inflight_bytes: int) -> tuple[Router, DeadlineGuard, RouteRequest, list[str]]:
+    """A Route whose prefix lies on a worker 6 s of prefill behind (past the 5 s SLO), among 200
+    idle pods with long names: deadline admission reroutes it by naming the pods."""
+    router = Router(RouterSettings(block_size=BS, max_inflight_bytes=max_inflight_bytes), ManualClock(), random.Random(0))
+    pods = [f"vllm-decode-{i:03d}-7f9c8d6b5-abcde" for i in range(200)]
+    for wid in ("busy", *pods):
+        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=CacheMode.EVENTS))
+    guard = DeadlineGuard("shed", MS_PER_TOKEN)
+    tokens = list(range(100, 2_100))
+    router.apply(EventBatch("busy", 0, (Stored(tuple(tokens), None),)))
+    load(router, guard, "busy", 6_000, "busy-1")
+    return router, guard, RouteRequest("moved", router.keys_for_tokens(tokens), len(tokens), ttft_slo_ms=SLO), pods
+
+
+def test_a_reroute_is_not_refused_for_the_bytes_of_the_names_it_is_narrowed_to() -> None:
+    # the names a reroute narrows to are the router's own and never kept (the test below): the
+    # request was checked against limits.max_inflight_bytes as its client sent it, and a
+    # re-decision among ~900 names at 1,024 workers re-checked them (~40 us) and could refuse it
+    router, guard, req, _ = _past_the_slo_on_its_prefix(1 << 30)
+    room = router.inflight_bytes + request_bytes(req) + 1_000  # the request fits, its 200 names (18 kB) do not
+    router, guard, req, pods = _past_the_slo_on_its_prefix(room)
+    (decision, ctx, policy), _ = admit_priced(guard, router, req, router.decide(req), SLO)
+    assert guard.rerouted == 1 and decision.worker_id in pods
+    router.commit(decision, ctx, policy)
+    assert router.inflight_bytes <= room
+
+
 def test_a_rerouted_request_is_kept_and_charged_with_the_candidates_its_client_sent() -> None:
     # deadline admission narrows a reroute to the workers meeting the SLO by naming them; at
     # fleet scale that is hundreds of names, which the in-flight table must not keep and

@@ -461,16 +461,7 @@ def test_a_rerouted_request_is_kept_and_charged_with_the_candidates_its_client_s
     # deadline admission narrows a reroute to the workers meeting the SLO by naming them; at
     # fleet scale that is hundreds of names, which the in-flight table must not keep and
     # charge against limits.max_inflight_bytes for every rerouted request
-    clock = ManualClock()
-    router = Router(RouterSettings(block_size=BS, max_inflight_bytes=1 << 30), clock, random.Random(0))
-    pods = [f"vllm-decode-{i:03d}-7f9c8d6b5-abcde" for i in range(200)]
-    for wid in ("busy", *pods):
-        router.add_worker(WorkerSpec(id=wid, address=f"{wid}:1", mode=CacheMode.EVENTS))
-    guard = DeadlineGuard("shed", MS_PER_TOKEN)
-    tokens = list(range(100, 2_100))
-    router.apply(EventBatch("busy", 0, (Stored(tuple(tokens), None),)))
-    load(router, guard, "busy", 6_000, "busy-1")  # 6 s of prefill ahead: past the 5 s SLO
-    req = RouteRequest("moved", router.keys_for_tokens(tokens), len(tokens), ttft_slo_ms=SLO)
+    router, guard, req, pods = _past_the_slo_on_its_prefix(1 << 30)
     decided = router.decide(req)
     assert decided[0].worker_id == "busy"  # the policy follows the prefix
     held = router.inflight_bytes

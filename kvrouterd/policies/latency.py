@@ -358,13 +358,10 @@ class LatencyModel:
         self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
-        #: ``prefill_rate()`` and the fit's sample count it was worked out at: the fit changes
-        #: only by a sample, and a policy pricing the fleet (DualMap's cold placement, min_ttft)
-        #: asked for it once per worker (~1.5 us each, 1,024 a Route at 1,024 workers)
-        self._rate = 0.0
-        self._rate_at = -1
-        self._calibrated_cost = self._prior_cost
-        self._cost_at = -1
+        #: ``(cost(), prefill_rate())`` and the fit's sample count they were worked out at
+        #: (``_per_sample``)
+        self._kept: tuple[PrefillCost, float] = (self._prior_cost, 0.0)
+        self._kept_at = -1
 
     # ---- coefficients -----------------------------------------------------------------
     @property
@@ -401,15 +398,19 @@ class LatencyModel:
                            p.attention_context_tokens)
 
     def cost(self) -> PrefillCost:
-        """The prefill cost function under the current coefficients (kept from one calibration
-        sample to the next, as ``prefill_rate``: every estimate asks for it, and building it was
-        most of what a calibrated estimate cost)."""
-        if not self.calibrated:
-            return self._prior_cost
+        """The prefill cost function under the current coefficients."""
+        return self._per_sample()[0]
+
+    def _per_sample(self) -> tuple[PrefillCost, float]:
+        """``(cost(), prefill_rate())``, worked out once per calibration sample: the fit changes
+        only by a sample, and every estimate asks for the cost (building it was most of what a
+        calibrated estimate cost), a policy pricing the fleet (DualMap's cold placement,
+        min_ttft) for the rate once per worker (~1.5 us each)."""
         samples = self._fit.samples
-        if self._cost_at != samples:
-            self._calibrated_cost, self._cost_at = self._cost(self.coefficients()), samples
-        return self._calibrated_cost
+        if self._kept_at != samples:
+            cost = self._cost(self.coefficients()) if self.calibrated else self._prior_cost
+            self._kept, self._kept_at = (cost, float(max(self.tokens_within(1000.0), 1))), samples
+        return self._kept
 
     # ---- estimates --------------------------------------------------------------------
     def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
@@ -448,10 +449,7 @@ class LatencyModel:
     # ---- pending prefill ----------------------------------------------------------------
     def prefill_rate(self) -> float:
         """Prefill tokens per second one worker computes, under the current coefficients."""
-        samples = self._fit.samples
-        if self._rate_at != samples:
-            self._rate, self._rate_at = float(max(self.tokens_within(1000.0), 1)), samples
-        return self._rate
+        return self._per_sample()[1]
 
     def pending_tokens(self, worker: Worker, now: float) -> int:
         """Prefill tokens still ahead on ``worker`` at ``now``.

@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <math.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -8317,6 +8318,236 @@ error:
     return NULL;
 }
 
+/* min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost)
+ *     -> (i, ttft_ms, pending_tokens) | NotImplemented
+ *
+ * min_ttft's choice (policies/routing/min_ttft.py, DualMap Eq. 7): the candidate with the lowest
+ * estimated TTFT, ties to fewer pending prefill tokens, then the lowest slot, the first of
+ * equals; its TTFT and pending tokens. The reference is the policy's explained pass, which
+ * prices every candidate through policies/latency.py (LatencyModel.pending_tokens, ttft_ms,
+ * PrefillCost.ms), and the tests hold the two to identical answers. That pass is ~2 us a
+ * worker, ~2 ms a Route at 1,024 workers; here the pending tokens and in-flight requests are
+ * read by slot from the registry's loads through the candidates' CandidateSlots, and a Worker's
+ * id only where its backlog drains.
+ *
+ * backlog: LatencyModel's drained backlog (id -> (tokens, as of time)), None where the pending
+ * model counts the tokens in flight as they are; rate: its prefill tokens a second; cost:
+ * (linear, ms_per_1k, intercept_ms, a_ms, b, c, pair_ms, chunk), PrefillCost's coefficients,
+ * chunk 0 when the attention term is off (LatencyModel.pricing_inputs). The arithmetic is the
+ * reference's, operation for operation (the extension builds with -ffp-contract=off, so no
+ * multiply-add fuses its rounding). NotImplemented where a value read is not what the books keep
+ * or a count leaves the range where C's arithmetic is Python's (2^53 tokens, 2^31 uncached). */
+#define TTFT_EXACT_TOKENS (1LL << 53)
+
+typedef struct {
+    int linear;
+    double ms_per_1k, intercept_ms, a_ms, b, c, pair_ms;
+    long long chunk;
+} TtftCost;
+
+/* a coefficient, an exact float: 0, or 1 (NotImplemented). An int coefficient (a LatencyParams
+ * built in code; the config's are floats) makes Python's int arithmetic exact where C's would
+ * round, so such a cost is left to the reference */
+static inline int
+ttft_float(PyObject *v, double *out)
+{
+    if (!PyFloat_CheckExact(v))
+        return 1;
+    *out = PyFloat_AS_DOUBLE(v);
+    return 0;
+}
+
+/* PrefillCost.ms(tokens, batch, attended) */
+static inline double
+ttft_cost_ms(const TtftCost *cost, long long tokens, long long batch, long long attended)
+{
+    if (tokens <= 0)
+        return 0.0;
+    double base;
+    if (cost->linear) {
+        base = cost->intercept_ms + cost->ms_per_1k * (double)tokens / 1000.0;
+    } else {
+        if (batch < 1)
+            batch = 1;
+        base = cost->a_ms * pow((double)batch, cost->b) * pow((double)tokens / (double)batch, cost->c);
+    }
+    return attended > 0 ? base + cost->pair_ms * (double)attended : base;
+}
+
+/* attended_pairs(new_tokens, 0, chunk): the pairs a prompt's chunks attend to before their own */
+static inline long long
+ttft_attended(long long new_tokens, long long chunk)
+{
+    if (new_tokens <= 0 || chunk <= 0)
+        return 0;
+    long long full = new_tokens / chunk, rest = new_tokens % chunk;
+    return chunk * chunk * full * (full - 1) / 2 + rest * full * chunk;
+}
+
+/* LatencyModel._pending: the committed tokens left after the backlog drained at `rate` since it
+ * was last set: 0, 1 (NotImplemented), -1 on error */
+static int
+ttft_pending(PyObject *backlog, PyObject *item, Py_ssize_t id_at, double now, double rate, long long committed,
+             long long *out)
+{
+    *out = committed;
+    if (backlog == Py_None || committed <= 0)
+        return 0;
+    if (committed >= TTFT_EXACT_TOKENS) /* compared with a double below */
+        return 1;
+    Py_INCREF(item); /* a getter run on it may drop the list's reference */
+    PyObject *id = member_get(item, id_at, id_name);
+    Py_DECREF(item);
+    if (id == NULL)
+        return -1;
+    PyObject *kept = PyDict_GetItemWithError(backlog, id); /* borrowed */
+    Py_DECREF(id);
+    double tokens = 0.0, at = now;
+    if (kept == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+    } else if (!PyTuple_CheckExact(kept) || PyTuple_GET_SIZE(kept) != 2
+               || verdict_double(PyTuple_GET_ITEM(kept, 0), &tokens) || verdict_double(PyTuple_GET_ITEM(kept, 1), &at)) {
+        return 1;
+    }
+    double left = tokens - rate * verdict_max(0.0, now - at);
+    if (!isfinite(left)) /* round() raises there: the reference says how */
+        return 1;
+    double rounded = nearbyint(left); /* round(): to nearest, ties to even, as the default mode */
+    *out = rounded <= 0.0 ? 0 : (rounded >= (double)committed ? committed : (long long)rounded);
+    return 0;
+}
+
+static PyObject *
+min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, "
+                        "rate, cost) takes 10 arguments");
+        return NULL;
+    }
+    PyObject *overlaps = args[2], *claimed = args[3], *backlog = args[7], *cost_args = args[9];
+    OverlapsObject *by_slot;
+    long long prompt_tokens, block_size, chunk = 0;
+    double now, rate;
+    TtftCost cost;
+    Py_ssize_t claim_count = PyObject_Length(claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
+    if (claim_count < 0)
+        return NULL;
+    if (!Py_IS_TYPE(args[1], &CandidateSlotsType) || scan_overlaps(overlaps, &by_slot)
+        || (claim_count && !PyDict_Check(claimed)) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &prompt_tokens)
+        || !PyLong_CheckExact(args[5]) || exact_long(args[5], &block_size) || verdict_double(args[6], &now)
+        || (backlog != Py_None && !PyDict_CheckExact(backlog)) || verdict_double(args[8], &rate)
+        || !PyTuple_CheckExact(cost_args) || PyTuple_GET_SIZE(cost_args) != 8
+        || !PyBool_Check(PyTuple_GET_ITEM(cost_args, 0)) || ttft_float(PyTuple_GET_ITEM(cost_args, 1), &cost.ms_per_1k)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 2), &cost.intercept_ms) || ttft_float(PyTuple_GET_ITEM(cost_args, 3), &cost.a_ms)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 4), &cost.b) || ttft_float(PyTuple_GET_ITEM(cost_args, 5), &cost.c)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 6), &cost.pair_ms) || !PyLong_CheckExact(PyTuple_GET_ITEM(cost_args, 7)) || exact_long(PyTuple_GET_ITEM(cost_args, 7), &chunk)
+        || prompt_tokens >= TTFT_EXACT_TOKENS || block_size < 0 || block_size >= (1LL << 31))
+        Py_RETURN_NOTIMPLEMENTED;
+    cost.linear = PyTuple_GET_ITEM(cost_args, 0) == Py_True;
+    cost.chunk = chunk;
+    const CandidateSlotsObject *c = (const CandidateSlotsObject *)args[1];
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    ScanMembers pending_members, inflight_members;
+    if (n == 0 || Py_SIZE(c) != n)
+        goto not_mine;
+    scan_members(&pending_members, c->cls, pending_prefill_tokens_name);
+    scan_members(&inflight_members, c->cls, inflight_requests_name);
+    if (pending_members.loads_at < 0 || inflight_members.loads_at < 0)
+        goto not_mine;
+    Py_ssize_t id_at = member_offset(c->cls, id_name);
+    const SlotLoadsObject *store = c->loads;
+    const int64_t *pendings = store->values + pending_members.column * store->capacity;
+    const int64_t *inflights = store->values + inflight_members.column * store->capacity;
+    size_t capacity = (size_t)store->capacity;
+    Py_ssize_t best_i = -1;
+    double best_ttft = 0.0;
+    long long best_pending = 0, attended_for = -1, attended = 0;
+    uint32_t best_slot = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_ITEMS(seq)[i];
+        if (Py_TYPE(item) != c->cls)
+            goto not_mine;
+        uint32_t slot = c->slots[i];
+        long long cached = 0;
+        if (by_slot != NULL) {
+            cached = overlaps_depth(by_slot, slot);
+        } else if (PyDict_GET_SIZE(overlaps) || claim_count) {
+            PyObject *key = PyLong_FromUnsignedLong(slot);
+            if (key == NULL)
+                goto error;
+            int r = scan_depth(overlaps, NULL, key, &cached);
+            Py_DECREF(key);
+            if (r < 0)
+                goto error;
+            if (r > 0)
+                goto not_mine;
+        }
+        if (claim_count) {
+            PyObject *key = PyLong_FromUnsignedLong(slot);
+            if (key == NULL)
+                goto error;
+            long long held_back;
+            int r = verdict_dict_long(claimed, key, 0, &held_back);
+            Py_DECREF(key);
+            if (r < 0)
+                goto error;
+            if (r > 0 || held_back < -(1LL << 31) || held_back > (1LL << 31))
+                goto not_mine;
+            cached -= held_back;
+        }
+        if (cached < -(1LL << 31) || cached > (1LL << 31))
+            goto not_mine;
+        long long uncached = prompt_tokens - cached * block_size;
+        if (uncached < 0)
+            uncached = 0;
+        if (uncached >= (1LL << 31))
+            goto not_mine;
+        long long committed = slot < capacity ? pendings[slot] : 0, inflight = slot < capacity ? inflights[slot] : 0;
+        long long pending;
+        int r = ttft_pending(backlog, item, id_at, now, rate, committed, &pending);
+        if (r < 0)
+            goto error;
+        if (r > 0 || pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS)
+            goto not_mine;
+        if (uncached != attended_for) { /* most candidates share an overlap: none, or a system prompt */
+            attended_for = uncached;
+            attended = ttft_attended(uncached, cost.chunk);
+        }
+        double ttft = ttft_cost_ms(&cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, attended);
+        /* min() of (ttft, pending, slot): the first element that differs decides, NaN never less */
+        int better;
+        if (best_i < 0)
+            better = 1;
+        else if (ttft != best_ttft)
+            better = ttft < best_ttft;
+        else if (pending != best_pending)
+            better = pending < best_pending;
+        else
+            better = slot < best_slot;
+        if (better) {
+            best_i = i;
+            best_ttft = ttft;
+            best_pending = pending;
+            best_slot = slot;
+        }
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(ndL)", best_i, best_ttft, best_pending);
+not_mine:
+    Py_DECREF(seq);
+    Py_RETURN_NOTIMPLEMENTED;
+error:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -8342,6 +8573,9 @@ static PyMethodDef native_methods[] = {
      "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None, slot_counts=None, "
      "slot_owners=None) -> i | NotImplemented: "
      "of the candidates from start at that load, the first whose id counts fewest"},
+    {"min_ttft_pick", (PyCFunction)(void (*)(void))min_ttft_pick, METH_FASTCALL,
+     "min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost) -> "
+     "(i, ttft_ms, pending_tokens) | NotImplemented: min_ttft's choice, priced from the loads by slot."},
     {"least_loaded_pick", (PyCFunction)(void (*)(void))least_loaded_pick, METH_FASTCALL,
      "least_loaded_pick(candidates, slots) -> i | NotImplemented: least_loaded's choice, the fewest pending prefill "
      "tokens, then in-flight requests, then reported queue, then the lowest slot, its loads read by slot"},

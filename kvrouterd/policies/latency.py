@@ -217,6 +217,16 @@ class PrefillCost:
         return base + self._pair_ms * attended if attended > 0 else base
 
 
+#: ``PrefillCost``'s coefficients as a native pass reads them: (linear, ms_per_1k, intercept_ms,
+#: a_ms, b, c, pair_ms, chunk), chunk the prompt's chunk tokens where the attention term is on, else 0
+PricedCost = tuple[bool, float, float, float, float, float, float, int]
+
+
+def _priced(cost: PrefillCost, params: LatencyParams) -> PricedCost:
+    chunk = max(params.prefill_chunk_tokens, 1) if params.attention_context_tokens > 0 else 0
+    return (cost.model == "linear", cost.ms_per_1k, cost.intercept_ms, cost.a_ms, cost.b, cost.c, cost._pair_ms, chunk)
+
+
 def attended_pairs(new_tokens: int, context_tokens: int, chunk_tokens: int) -> int:
     """(new token, earlier token) pairs outside a chunk when ``new_tokens`` are prefilled after
     ``context_tokens`` already in the cache, ``chunk_tokens`` at a time: every new token attends
@@ -358,9 +368,9 @@ class LatencyModel:
         self._prior_cost = self._cost(self.coefficients())
         self._tracked: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._backlog: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of time)
-        #: ``(cost(), prefill_rate())`` and the fit's sample count they were worked out at
-        #: (``_per_sample``)
-        self._kept: tuple[PrefillCost, float] = (self._prior_cost, 0.0)
+        #: ``(cost(), prefill_rate(), pricing_inputs()'s cost)`` and the fit's sample count they
+        #: were worked out at (``_per_sample``)
+        self._kept: tuple[PrefillCost, float, PricedCost] = (self._prior_cost, 0.0, _priced(self._prior_cost, params))
         self._kept_at = -1
 
     # ---- coefficients -----------------------------------------------------------------
@@ -401,16 +411,25 @@ class LatencyModel:
         """The prefill cost function under the current coefficients."""
         return self._per_sample()[0]
 
-    def _per_sample(self) -> tuple[PrefillCost, float]:
-        """``(cost(), prefill_rate())``, worked out once per calibration sample: the fit changes
-        only by a sample, and every estimate asks for the cost (building it was most of what a
-        calibrated estimate cost), a policy pricing the fleet (DualMap's cold placement,
-        min_ttft) for the rate once per worker (~1.5 us each)."""
+    def _per_sample(self) -> tuple[PrefillCost, float, PricedCost]:
+        """``(cost(), prefill_rate(), the cost as pricing_inputs() gives it)``, worked out once
+        per calibration sample: the fit changes only by a sample, and every estimate asks for the
+        cost (building it was most of what a calibrated estimate cost), a policy pricing the
+        fleet (DualMap's cold placement, min_ttft) for the rate once per worker (~1.5 us each)."""
         samples = self._fit.samples
         if self._kept_at != samples:
             cost = self._cost(self.coefficients()) if self.calibrated else self._prior_cost
-            self._kept, self._kept_at = (cost, float(max(self.tokens_within(1000.0), 1))), samples
+            rate = float(max(self.tokens_within(1000.0), 1))
+            self._kept, self._kept_at = (cost, rate, _priced(cost, self.params)), samples
         return self._kept
+
+    def pricing_inputs(self) -> tuple[dict[str, tuple[float, float]] | None, float, PricedCost]:
+        """What a native pass pricing the fleet (``index/_native.c``: ``min_ttft_pick``) needs
+        to work out ``pending_tokens`` and ``ttft_ms`` as this model does: the drained backlog
+        (None where the pending model counts the tokens in flight as they are), the prefill
+        rate, and the cost's coefficients with the attention term's chunk (0: no term)."""
+        _, rate, priced = self._per_sample()
+        return (None if self.params.pending_model == "inflight" else self._backlog), rate, priced
 
     # ---- estimates --------------------------------------------------------------------
     def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:

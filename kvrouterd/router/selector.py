@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from ..bounds import MAX_OUTPUT_TOKENS, check_range
 from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quote
+from ..index import native
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, ListScans, Worker, named_among, routing_mask
 from ..policies.base import RoutingContext, RoutingPolicy
@@ -154,11 +155,16 @@ class Selector:
             match = shared.index.match(req.keys, mask)
             claimed = self._speculative.claimed(candidates, req.keys, match.overlaps) if self._speculative.live else None
             # the candidates' slots, read once per membership: the eligible workers, or a list
-            # a pool or an adapter narrowed them to; a list of named candidates is the Route's own
+            # a pool or an adapter narrowed them to; a list of named candidates is the Route's
+            # own, its slots read for it alone (~7 ns a worker), or the scans and the native
+            # passes that take them read each Worker instead, or decline (a reroute past
+            # capacity names every worker that meets the SLO: hundreds at 1,024)
             if candidates is self._candidates:
                 slots = self._candidate_slots
+            elif req.candidate_workers:
+                slots = native.module.CandidateSlots(candidates) if native.module is not None else None
             else:
-                slots = None if req.candidate_workers else self._scans.of(candidates, shared.workers.generation)[1]
+                slots = self._scans.of(candidates, shared.workers.generation)[1]
             ctx = RoutingContext(req, candidates, match, shared.block_size, now, shared.index, explain, claimed, slots)
             decision = policy.select(ctx)
         decision.pool = pool

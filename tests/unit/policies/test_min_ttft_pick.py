@@ -71,7 +71,10 @@ def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, 
     if removed is not None:  # a freed slot, then a worker that takes it: slots out of registration order
         router.remove_worker(f"w{removed}")
         router.add_worker(WorkerSpec("late", "late:1", mode=CacheMode.EVENTS))
-    req = RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))
+    ids = sorted(w.id for w in router.workers)
+    # or among named workers, as deadline admission reroutes past capacity: their slots read for the Route
+    named = tuple(data.draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))) if data.draw(st.booleans()) else ()
+    req = RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS), candidate_workers=named)
     _, ctx, _ = router.decide(req, explain=False)
     backlog, rate, cost = model.pricing_inputs()
     picked = native.module.min_ttft_pick(ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed,

@@ -8418,6 +8418,147 @@ ttft_pending(PyObject *backlog, PyObject *item, Py_ssize_t id_at, double now, do
     return 0;
 }
 
+/* What min_ttft_pick and dualmap_cold_pick read alike: the first ten arguments, parsed once */
+typedef struct {
+    PyObject *seq, *overlaps, *claimed, *backlog;
+    OverlapsObject *by_slot;
+    Py_ssize_t claim_count, n, id_at;
+    long long prompt_tokens, block_size;
+    double now, rate;
+    TtftCost cost;
+    const CandidateSlotsObject *c;
+    const int64_t *pendings, *inflights;
+    size_t capacity;
+    long long attended_for, attended; /* the attention pairs of the last uncached count priced */
+} TtftPass;
+
+/* parse (candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate,
+ * cost): 0 (p->seq a new reference), 1 (NotImplemented), -1 on error */
+static int
+ttft_pass_init(TtftPass *p, PyObject *const *args)
+{
+    PyObject *cost_args = args[9];
+    long long chunk = 0;
+    p->seq = NULL;
+    p->overlaps = args[2];
+    p->claimed = args[3];
+    p->backlog = args[7];
+    p->attended_for = -1;
+    p->attended = 0;
+    p->claim_count = PyObject_Length(p->claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
+    if (p->claim_count < 0)
+        return -1;
+    if (!Py_IS_TYPE(args[1], &CandidateSlotsType) || scan_overlaps(p->overlaps, &p->by_slot)
+        || (p->claim_count && !PyDict_Check(p->claimed)) || !PyLong_CheckExact(args[4])
+        || exact_long(args[4], &p->prompt_tokens) || !PyLong_CheckExact(args[5]) || exact_long(args[5], &p->block_size)
+        || verdict_double(args[6], &p->now) || (p->backlog != Py_None && !PyDict_CheckExact(p->backlog))
+        || verdict_double(args[8], &p->rate) || !PyTuple_CheckExact(cost_args) || PyTuple_GET_SIZE(cost_args) != 8
+        || !PyBool_Check(PyTuple_GET_ITEM(cost_args, 0)) || ttft_float(PyTuple_GET_ITEM(cost_args, 1), &p->cost.ms_per_1k)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 2), &p->cost.intercept_ms)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 3), &p->cost.a_ms) || ttft_float(PyTuple_GET_ITEM(cost_args, 4), &p->cost.b)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 5), &p->cost.c)
+        || ttft_float(PyTuple_GET_ITEM(cost_args, 6), &p->cost.pair_ms) || !PyLong_CheckExact(PyTuple_GET_ITEM(cost_args, 7))
+        || exact_long(PyTuple_GET_ITEM(cost_args, 7), &chunk) || p->prompt_tokens >= TTFT_EXACT_TOKENS
+        || p->block_size < 0 || p->block_size >= (1LL << 31))
+        return 1;
+    p->cost.linear = PyTuple_GET_ITEM(cost_args, 0) == Py_True;
+    p->cost.chunk = chunk;
+    p->c = (const CandidateSlotsObject *)args[1];
+    p->seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (p->seq == NULL)
+        return -1;
+    p->n = PySequence_Fast_GET_SIZE(p->seq);
+    ScanMembers pending_members, inflight_members;
+    if (p->n == 0 || Py_SIZE(p->c) != p->n)
+        return 1;
+    scan_members(&pending_members, p->c->cls, pending_prefill_tokens_name);
+    scan_members(&inflight_members, p->c->cls, inflight_requests_name);
+    if (pending_members.loads_at < 0 || inflight_members.loads_at < 0)
+        return 1;
+    p->id_at = member_offset(p->c->cls, id_name);
+    const SlotLoadsObject *store = p->c->loads;
+    p->pendings = store->values + pending_members.column * store->capacity;
+    p->inflights = store->values + inflight_members.column * store->capacity;
+    p->capacity = (size_t)store->capacity;
+    return 0;
+}
+
+/* candidate i's uncached prompt tokens (RoutingContext.uncached_tokens), pending prefill tokens
+ * (LatencyModel.pending_tokens), in-flight requests and the attention pairs of its uncached
+ * tokens: 0, 1 (NotImplemented), -1 on error */
+static int
+ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *uncached_out, long long *pending_out, long long *inflight_out)
+{
+    PyObject *item = PySequence_Fast_ITEMS(p->seq)[i];
+    if (Py_TYPE(item) != p->c->cls)
+        return 1;
+    uint32_t slot = p->c->slots[i];
+    long long cached = 0;
+    if (p->by_slot != NULL) {
+        cached = overlaps_depth(p->by_slot, slot);
+    } else if (PyDict_GET_SIZE(p->overlaps)) {
+        PyObject *key = PyLong_FromUnsignedLong(slot);
+        if (key == NULL)
+            return -1;
+        int r = scan_depth(p->overlaps, NULL, key, &cached);
+        Py_DECREF(key);
+        if (r != 0)
+            return r;
+    }
+    if (p->claim_count) {
+        PyObject *key = PyLong_FromUnsignedLong(slot);
+        if (key == NULL)
+            return -1;
+        long long held_back;
+        int r = verdict_dict_long(p->claimed, key, 0, &held_back);
+        Py_DECREF(key);
+        if (r != 0)
+            return r;
+        if (held_back < -(1LL << 31) || held_back > (1LL << 31))
+            return 1;
+        cached -= held_back;
+    }
+    if (cached < -(1LL << 31) || cached > (1LL << 31))
+        return 1;
+    long long uncached = p->prompt_tokens - cached * p->block_size;
+    if (uncached < 0)
+        uncached = 0;
+    if (uncached >= (1LL << 31))
+        return 1;
+    long long committed = slot < p->capacity ? p->pendings[slot] : 0;
+    long long inflight = slot < p->capacity ? p->inflights[slot] : 0;
+    long long pending;
+    int r = ttft_pending(p->backlog, item, p->id_at, p->now, p->rate, committed, &pending);
+    if (r != 0)
+        return r;
+    if (pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS)
+        return 1;
+    if (uncached != p->attended_for) { /* most candidates share an overlap: none, or a system prompt */
+        p->attended_for = uncached;
+        p->attended = ttft_attended(uncached, p->cost.chunk);
+    }
+    *uncached_out = uncached;
+    *pending_out = pending;
+    *inflight_out = inflight;
+    return 0;
+}
+
+/* ends a pass: its result, or NotImplemented (r 1), or NULL (r -1) */
+static PyObject *
+ttft_pass_end(TtftPass *p, int r, PyObject *result)
+{
+    Py_XDECREF(p->seq);
+    if (r < 0) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    if (r > 0) {
+        Py_XDECREF(result);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    return result;
+}
+
 static PyObject *
 min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -8428,99 +8569,18 @@ min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "rate, cost) takes 10 arguments");
         return NULL;
     }
-    PyObject *overlaps = args[2], *claimed = args[3], *backlog = args[7], *cost_args = args[9];
-    OverlapsObject *by_slot;
-    long long prompt_tokens, block_size, chunk = 0;
-    double now, rate;
-    TtftCost cost;
-    Py_ssize_t claim_count = PyObject_Length(claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
-    if (claim_count < 0)
-        return NULL;
-    if (!Py_IS_TYPE(args[1], &CandidateSlotsType) || scan_overlaps(overlaps, &by_slot)
-        || (claim_count && !PyDict_Check(claimed)) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &prompt_tokens)
-        || !PyLong_CheckExact(args[5]) || exact_long(args[5], &block_size) || verdict_double(args[6], &now)
-        || (backlog != Py_None && !PyDict_CheckExact(backlog)) || verdict_double(args[8], &rate)
-        || !PyTuple_CheckExact(cost_args) || PyTuple_GET_SIZE(cost_args) != 8
-        || !PyBool_Check(PyTuple_GET_ITEM(cost_args, 0)) || ttft_float(PyTuple_GET_ITEM(cost_args, 1), &cost.ms_per_1k)
-        || ttft_float(PyTuple_GET_ITEM(cost_args, 2), &cost.intercept_ms) || ttft_float(PyTuple_GET_ITEM(cost_args, 3), &cost.a_ms)
-        || ttft_float(PyTuple_GET_ITEM(cost_args, 4), &cost.b) || ttft_float(PyTuple_GET_ITEM(cost_args, 5), &cost.c)
-        || ttft_float(PyTuple_GET_ITEM(cost_args, 6), &cost.pair_ms) || !PyLong_CheckExact(PyTuple_GET_ITEM(cost_args, 7)) || exact_long(PyTuple_GET_ITEM(cost_args, 7), &chunk)
-        || prompt_tokens >= TTFT_EXACT_TOKENS || block_size < 0 || block_size >= (1LL << 31))
-        Py_RETURN_NOTIMPLEMENTED;
-    cost.linear = PyTuple_GET_ITEM(cost_args, 0) == Py_True;
-    cost.chunk = chunk;
-    const CandidateSlotsObject *c = (const CandidateSlotsObject *)args[1];
-    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    ScanMembers pending_members, inflight_members;
-    if (n == 0 || Py_SIZE(c) != n)
-        goto not_mine;
-    scan_members(&pending_members, c->cls, pending_prefill_tokens_name);
-    scan_members(&inflight_members, c->cls, inflight_requests_name);
-    if (pending_members.loads_at < 0 || inflight_members.loads_at < 0)
-        goto not_mine;
-    Py_ssize_t id_at = member_offset(c->cls, id_name);
-    const SlotLoadsObject *store = c->loads;
-    const int64_t *pendings = store->values + pending_members.column * store->capacity;
-    const int64_t *inflights = store->values + inflight_members.column * store->capacity;
-    size_t capacity = (size_t)store->capacity;
+    TtftPass p;
+    int r = ttft_pass_init(&p, args);
     Py_ssize_t best_i = -1;
     double best_ttft = 0.0;
-    long long best_pending = 0, attended_for = -1, attended = 0;
+    long long best_pending = 0;
     uint32_t best_slot = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_ITEMS(seq)[i];
-        if (Py_TYPE(item) != c->cls)
-            goto not_mine;
-        uint32_t slot = c->slots[i];
-        long long cached = 0;
-        if (by_slot != NULL) {
-            cached = overlaps_depth(by_slot, slot);
-        } else if (PyDict_GET_SIZE(overlaps) || claim_count) {
-            PyObject *key = PyLong_FromUnsignedLong(slot);
-            if (key == NULL)
-                goto error;
-            int r = scan_depth(overlaps, NULL, key, &cached);
-            Py_DECREF(key);
-            if (r < 0)
-                goto error;
-            if (r > 0)
-                goto not_mine;
-        }
-        if (claim_count) {
-            PyObject *key = PyLong_FromUnsignedLong(slot);
-            if (key == NULL)
-                goto error;
-            long long held_back;
-            int r = verdict_dict_long(claimed, key, 0, &held_back);
-            Py_DECREF(key);
-            if (r < 0)
-                goto error;
-            if (r > 0 || held_back < -(1LL << 31) || held_back > (1LL << 31))
-                goto not_mine;
-            cached -= held_back;
-        }
-        if (cached < -(1LL << 31) || cached > (1LL << 31))
-            goto not_mine;
-        long long uncached = prompt_tokens - cached * block_size;
-        if (uncached < 0)
-            uncached = 0;
-        if (uncached >= (1LL << 31))
-            goto not_mine;
-        long long committed = slot < capacity ? pendings[slot] : 0, inflight = slot < capacity ? inflights[slot] : 0;
-        long long pending;
-        int r = ttft_pending(backlog, item, id_at, now, rate, committed, &pending);
-        if (r < 0)
-            goto error;
-        if (r > 0 || pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS)
-            goto not_mine;
-        if (uncached != attended_for) { /* most candidates share an overlap: none, or a system prompt */
-            attended_for = uncached;
-            attended = ttft_attended(uncached, cost.chunk);
-        }
-        double ttft = ttft_cost_ms(&cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, attended);
+    for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
+        long long uncached, pending, inflight;
+        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+            break;
+        double ttft = ttft_cost_ms(&p.cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, p.attended);
+        uint32_t slot = p.c->slots[i];
         /* min() of (ttft, pending, slot): the first element that differs decides, NaN never less */
         int better;
         if (best_i < 0)
@@ -8538,14 +8598,119 @@ min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             best_slot = slot;
         }
     }
-    Py_DECREF(seq);
-    return Py_BuildValue("(ndL)", best_i, best_ttft, best_pending);
-not_mine:
-    Py_DECREF(seq);
-    Py_RETURN_NOTIMPLEMENTED;
-error:
-    Py_DECREF(seq);
-    return NULL;
+    return ttft_pass_end(&p, r, r == 0 ? Py_BuildValue("(ndL)", best_i, best_ttft, best_pending) : NULL);
+}
+
+/* dualmap_cold_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost,
+ *                   slo_ms, threshold, stall) -> (first, second) | NotImplemented
+ *
+ * DualMap's fleet-wide (cold) placement (policies/routing/dualmap.py, section 3.2's cold start):
+ * the indices of the best two candidates in _cold_order, not overloaded, then the lowest TTFT,
+ * the least load, the lowest slot (second -1 for one candidate). The reference is the policy's
+ * explained placement, which builds every candidate's _View (DualMapPolicy._view) and sorts
+ * them; the tests hold the two to the same workers. Each view priced in Python was ~2 us, a
+ * cold Route ~2.2 ms at 1,024 workers. The first ten arguments are min_ttft_pick's; slo_ms the
+ * Route's SLO; threshold the static threshold's tokens, or -1 where the SLO test prices the TTFT
+ * (slo_test "ttft"); stall: A.7's interval for a worker (DualMapPolicy.bottleneck_ms), called
+ * only where it can be non-zero (requests in flight and a queue waiting: the engine's reported
+ * or the router's), or None where A.7 is off. */
+static PyObject *queued_prefill_tokens_name, *queued_requests_name; /* interned */
+
+/* (overloaded, ttft, load, slot) of a view, as _cold_order compares them */
+typedef struct {
+    Py_ssize_t i;
+    int overloaded;
+    double ttft;
+    long long load;
+    uint32_t slot;
+} ColdView;
+
+/* whether view a comes before view b in _cold_order (tuples: the first element that differs decides) */
+static inline int
+cold_before(const ColdView *a, const ColdView *b)
+{
+    if (a->overloaded != b->overloaded)
+        return a->overloaded < b->overloaded;
+    if (a->ttft != b->ttft)
+        return a->ttft < b->ttft;
+    if (a->load != b->load)
+        return a->load < b->load;
+    return a->slot < b->slot;
+}
+
+static PyObject *
+dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError,
+                        "dualmap_cold_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, "
+                        "rate, cost, slo_ms, threshold, stall) takes 13 arguments");
+        return NULL;
+    }
+    double slo_ms;
+    long long threshold;
+    PyObject *stall = args[12];
+    if (verdict_double(args[10], &slo_ms) || !PyLong_CheckExact(args[11]) || exact_long(args[11], &threshold)
+        || (stall != Py_None && !PyCallable_Check(stall)))
+        Py_RETURN_NOTIMPLEMENTED;
+    TtftPass p;
+    int r = ttft_pass_init(&p, args);
+    Py_ssize_t queued_tokens_at = -1, queued_requests_at = -1, queue_at = -1;
+    if (r == 0) {
+        queued_tokens_at = member_offset(p.c->cls, queued_prefill_tokens_name);
+        queued_requests_at = member_offset(p.c->cls, queued_requests_name);
+        queue_at = member_offset(p.c->cls, reported_queue_name);
+    }
+    ColdView best = {-1, 0, 0.0, 0, 0}, second = {-1, 0, 0.0, 0, 0};
+    double own_ms = 0.0;
+    long long own_for = -1; /* the idle TTFT (the request's own prefill) of that many uncached tokens */
+    for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
+        long long uncached, pending, inflight, queued_tokens, queued_requests, queue = 0;
+        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+            break;
+        PyObject *item = Py_NewRef(PySequence_Fast_ITEMS(p.seq)[i]); /* the stall callback may drop the list's */
+        r = verdict_attr_long(item, queued_tokens_at, queued_prefill_tokens_name, &queued_tokens);
+        if (r == 0)
+            r = verdict_attr_long(item, queued_requests_at, queued_requests_name, &queued_requests);
+        if (r == 0 && stall != Py_None && inflight > 0 && queued_requests <= 0)
+            r = verdict_attr_long(item, queue_at, reported_queue_name, &queue);
+        if (r == 0 && (queued_tokens < 0 || queued_tokens >= TTFT_EXACT_TOKENS - pending - uncached || queued_requests < 0
+                       || queued_requests >= TTFT_EXACT_TOKENS - inflight))
+            r = 1;
+        double stall_ms = 0.0;
+        /* DecodeBottleneck.stall_ms is 0 without requests in flight and a queue waiting */
+        if (r == 0 && stall != Py_None && inflight > 0 && (queue > 0 || queued_requests > 0)) {
+            PyObject *ms = PyObject_CallFunctionObjArgs(stall, item, args[6], NULL);
+            r = ms == NULL ? -1 : !PyFloat_CheckExact(ms);
+            if (r == 0)
+                stall_ms = PyFloat_AS_DOUBLE(ms);
+            Py_XDECREF(ms);
+        }
+        Py_DECREF(item);
+        if (r != 0)
+            break;
+        long long load = pending + queued_tokens, requests = inflight + queued_requests;
+        if (uncached != own_for) {
+            own_for = uncached;
+            own_ms = ttft_cost_ms(&p.cost, uncached, 1, p.attended);
+        }
+        double ttft = (load == 0 && requests == 0 ? own_ms : ttft_cost_ms(&p.cost, load + uncached, (requests > 0 ? requests : 0) + 1, p.attended))
+                      + stall_ms;
+        if (isnan(ttft)) { /* no order: the reference's sort says where it goes */
+            r = 1;
+            break;
+        }
+        int over = threshold >= 0 ? load + uncached > threshold : ttft - stall_ms > slo_ms;
+        ColdView view = {i, over || stall_ms > 0, ttft, load, p.c->slots[i]};
+        if (best.i < 0 || cold_before(&view, &best)) {
+            second = best;
+            best = view;
+        } else if (second.i < 0 || cold_before(&view, &second)) {
+            second = view;
+        }
+    }
+    return ttft_pass_end(&p, r, r == 0 ? Py_BuildValue("(nn)", best.i, second.i) : NULL);
 }
 
 static PyMethodDef native_methods[] = {
@@ -8573,6 +8738,9 @@ static PyMethodDef native_methods[] = {
      "fewest_counted_at_load(candidates, overlaps, load_name, start, load, counts, slots=None, slot_counts=None, "
      "slot_owners=None) -> i | NotImplemented: "
      "of the candidates from start at that load, the first whose id counts fewest"},
+    {"dualmap_cold_pick", (PyCFunction)(void (*)(void))dualmap_cold_pick, METH_FASTCALL,
+     "dualmap_cold_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost, "
+     "slo_ms, threshold, stall) -> (first, second) | NotImplemented: DualMap's fleet-wide placement, its best two."},
     {"min_ttft_pick", (PyCFunction)(void (*)(void))min_ttft_pick, METH_FASTCALL,
      "min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost) -> "
      "(i, ttft_ms, pending_tokens) | NotImplemented: min_ttft's choice, priced from the loads by slot."},
@@ -8629,7 +8797,10 @@ PyInit__native(void)
     values_name = PyUnicode_InternFromString("values");
     pending_prefill_tokens_name = PyUnicode_InternFromString("pending_prefill_tokens");
     reported_queue_name = PyUnicode_InternFromString("reported_queue");
-    if (pending_prefill_tokens_name == NULL || reported_queue_name == NULL)
+    queued_prefill_tokens_name = PyUnicode_InternFromString("queued_prefill_tokens");
+    queued_requests_name = PyUnicode_InternFromString("queued_requests");
+    if (pending_prefill_tokens_name == NULL || reported_queue_name == NULL || queued_prefill_tokens_name == NULL
+        || queued_requests_name == NULL)
         return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)

@@ -109,6 +109,7 @@ from dataclasses import dataclass, replace
 from heapq import nsmallest
 
 from ...bounds import MAX_LATENCY_MS
+from ...index import native
 from ...index.workers import Worker
 from ...protocols import Completion, Decision, RouteRequest
 from ..base import RoutingContext, RoutingPolicyBase
@@ -267,6 +268,18 @@ class DualMapPolicy(RoutingPolicyBase):
         path = self.key_path(ctx.request.keys, ctx.block_size)
         how, pair = self._plan(ctx, by_id, path)
         if how == "cold":
+            if not ctx.explain and native.module is not None:
+                # one native pass over the loads by slot (~2 us a view here: ~2 ms at 1,024
+                # workers); the explained placement below, which lists every view, is its reference
+                backlog, rate, cost = self.latency.pricing_inputs()
+                picked = native.module.dualmap_cold_pick(
+                    ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens,
+                    ctx.block_size, ctx.now, backlog, rate, cost, slo,
+                    threshold if self.params.slo_test == "static_threshold" else -1,
+                    self.bottleneck_ms if self.a7.limit_s > 0 else None)
+                if picked is not NotImplemented and picked[1] >= 0:  # a cold plan has two workers at least
+                    best, other = (self._view(ctx, ctx.candidates[i], slo, threshold) for i in picked)
+                    return self._decision(ctx, best, other, "cold_fleet", [best, other], path, slo, threshold, how)
             owns: dict[int, float] = {}
             priced = (self._view(ctx, w, slo, threshold, owns) for w in ctx.candidates)
             # the record lists every view in order; unrecorded, only the best two are read, and

@@ -1,0 +1,158 @@
+"""DualMap's fleet-wide (cold) placement in one native pass (``dualmap_cold_pick``) against its
+explained placement, which builds and sorts every worker's view and is its reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.index import native
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
+from kvrouterd.router import Router, RouterSettings
+
+BS = 16
+PROMPT = 8 * BS
+#: short segments, so an 8-block prompt has a key to hash
+SHORT = {"segment_tokens": 2 * BS, "base_segments": 2}
+
+needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
+
+
+def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, routing={"name": "dualmap", **SHORT, **params}), clock,
+                    random.Random(0))
+    for i in range(size):
+        router.add_worker(WorkerSpec(f"w{i}", f"w{i}:1", mode=CacheMode.EVENTS))
+    return router, clock
+
+
+def _cold(n: int, candidate_workers: tuple[str, ...] = ()) -> RouteRequest:
+    tokens = [10**6 + 1000 * n + t for t in range(PROMPT)]  # a prompt nobody holds
+    return RouteRequest("", tokens_keys(tokens), PROMPT, candidate_workers=candidate_workers)
+
+
+def tokens_keys(tokens: list[int]) -> list[int]:
+    return _ROUTER_KEYS.keys_for_tokens(tokens)
+
+
+_ROUTER_KEYS = Router(RouterSettings(block_size=BS), ManualClock(), random.Random(0))
+
+
+def _alike(router: Router, req: RouteRequest) -> tuple[str, str]:
+    """The unexplained placement's two workers, held to the explained one's, the rest of the
+    decision with them."""
+    quiet, ctx, _ = router.decide(req, explain=False)
+    explained, _, _ = router.decide(req, explain=True)
+    assert quiet.reason == explained.reason == "cold_fleet"
+    assert (quiet.worker_id, quiet.alternative_worker_id) == (explained.worker_id, explained.alternative_worker_id)
+    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms
+    assert quiet.attributes == explained.attributes
+    return quiet.worker_id, quiet.alternative_worker_id
+
+
+_PARAMS = st.fixed_dictionaries({
+    "slo_test": st.sampled_from(["static_threshold", "latency_model"]),
+    "decode_bottleneck_s": st.sampled_from([0.0, 1.0]),
+    "decode_bottleneck_gate": st.sampled_from(["paper", "guarded"]),
+    "prefill_model": st.sampled_from(["linear", "power_law"]),
+    "pending_model": st.sampled_from(["drain", "inflight"]),
+    "attention_context_tokens": st.sampled_from([0.0, 4096.0]),
+    "default_ttft_slo_ms": st.sampled_from([5.0, 50.0, 5000.0]),
+    "slo_threshold_tokens": st.sampled_from([0, 100, 5000]),
+})
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(2, 30), params=_PARAMS, data=st.data())
+def test_the_native_placement_is_the_explained_one(size, params, data):
+    router, clock = _fleet(size, params)
+    policy = router.routing_policy("dualmap")
+    clock.advance(data.draw(st.floats(0.0, 30.0)))
+    few = st.integers(0, 3)  # few values: ties on every key, down to the slot
+    for w in router.workers:
+        w.pending_prefill_tokens = data.draw(few | st.integers(0, 100_000))
+        w.inflight_requests = data.draw(few)
+        w.queued_requests = data.draw(few)
+        w.queued_prefill_tokens = data.draw(few | st.integers(0, 50_000))
+        w.reported_queue = data.draw(few)
+        w.kv_utilization = data.draw(st.sampled_from([0.0, 0.5, 0.99]))
+        if data.draw(st.booleans()):  # busy a while, no prefill since: A.7 may flag it
+            policy.a7._busy_since[w.id] = clock.now() - data.draw(st.floats(0.0, 10.0))
+        if data.draw(st.booleans()):
+            policy.latency._backlog[w.id] = (float(data.draw(st.integers(0, 200_000))),
+                                             clock.now() - data.draw(st.floats(0.0, 5.0)))
+    ids = sorted(w.id for w in router.workers)
+    named = tuple(data.draw(st.lists(st.sampled_from(ids), min_size=2, unique=True))) if data.draw(st.booleans()) else ()
+    req = _cold(data.draw(st.integers(0, 10**6)), named)
+    _, ctx, _ = router.decide(req, explain=False)
+    backlog, rate, cost = policy.latency.pricing_inputs()
+    slo = policy.slo_ms(req)
+    threshold = policy.threshold_tokens(slo)
+    picked = native.module.dualmap_cold_pick(
+        ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens, ctx.block_size,
+        ctx.now, backlog, rate, cost, slo, threshold if params["slo_test"] == "static_threshold" else -1,
+        policy.bottleneck_ms if policy.a7.limit_s > 0 else None)
+    assert picked is not NotImplemented
+    _alike(router, req)
+
+
+@needs_native
+def test_a_cold_prompt_skips_the_loaded_and_the_stalled():
+    router, clock = _fleet(6, {"decode_bottleneck_s": 1.0})
+    policy = router.routing_policy("dualmap")
+    workers = sorted(router.workers, key=lambda w: w.slot)
+    workers[0].queued_prefill_tokens = 10_000  # prefill waiting for it in the router's queue
+    workers[0].queued_requests = 2
+    stalled = workers[1]  # busy for 5 s, no prefill finished, its engine reports a queue: A.7
+    stalled.inflight_requests, stalled.reported_queue = 1, 3
+    policy.a7._busy_since[stalled.id] = clock.now() - 5.0
+    assert _alike(router, _cold(1)) == ("w2", "w3")
+
+
+@needs_native
+def test_the_native_placement_declines_what_it_cannot_price_exactly():
+    router, _ = _fleet(4, {})
+    policy = router.routing_policy("dualmap")
+    _, ctx, _ = router.decide(_cold(2), explain=False)
+    backlog, rate, cost = policy.latency.pricing_inputs()
+    args = [ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens,
+            ctx.block_size, ctx.now, backlog, rate, cost, 5000.0, 1000, None]
+    pick = native.module.dualmap_cold_pick
+    assert pick(*args) == (0, 1)
+    workers = sorted(router.workers, key=lambda w: w.slot)
+    workers[0].queued_requests = 2**64  # past 64 bits: the reference adds it exactly
+    assert pick(*args) is NotImplemented
+    workers[0].queued_requests = 0
+    workers[1].inflight_requests, workers[1].reported_queue = 1, 1
+    assert pick(*args[:12], lambda w, now: 1) is NotImplemented  # a stall that is not a float
+    assert pick(*args[:12], lambda w, now: 0.0) == (0, 1)  # w1 is asked, and not stalled
+    assert pick(*args[:12], lambda w, now: 5.0) == (0, 2)  # w1 stalled: overloaded, last
+    with pytest.raises(ZeroDivisionError):
+        pick(*args[:12], lambda w, now: 1 / 0)
+    with pytest.raises(TypeError):
+        pick(*args[:10])
+
+
+@needs_native
+def test_views_alike_in_overload_and_ttft_go_to_the_less_loaded_before_the_lower_slot():
+    """A cost of 1 ms a token makes a stall of 10 ms cost what 10 tokens queued cost: w1 (stalled,
+    nothing queued) and w0 (10 tokens queued) tie on the TTFT, every view is over a threshold
+    of 0 tokens, and the less loaded goes first."""
+    router, _ = _fleet(4, {})
+    _, ctx, _ = router.decide(_cold(3), explain=False)
+    w0, w1, w2, w3 = sorted(router.workers, key=lambda w: w.slot)
+    w0.queued_prefill_tokens = 10
+    w1.inflight_requests, w1.reported_queue = 1, 1
+    w2.queued_prefill_tokens = w3.queued_prefill_tokens = 100
+    one_ms_a_token = (True, 1000.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0)
+    picked = native.module.dualmap_cold_pick(
+        ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens, ctx.block_size,
+        ctx.now, None, 1.0, one_ms_a_token, 5000.0, 0, lambda w, now: 10.0 if w is w1 else 0.0)
+    assert [ctx.candidates[i] for i in picked] == [w1, w0]

@@ -8713,6 +8713,168 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return ttft_pass_end(&p, r, r == 0 ? Py_BuildValue("(nn)", best.i, second.i) : NULL);
 }
 
+/* lbgr_pick(candidates, slots, overlaps, prompt_tokens, block_size, loads, factor, per_hit, per_miss,
+ *           load_unit_ms, features, learners, fleet_theta, low, high) -> (i, estimate_ms) | NotImplemented
+ *
+ * LBGR's choice (policies/routing/lbgr.py, section 4.2, Eq. 4-6): the candidate with the lowest
+ * estimate E_i = Cost_i + P_i + theta_i . phi_i, ties to the lower slot, the first of equals.
+ * The reference is the policy's explained pass (LBGRPolicy.estimates, then min()), and the tests
+ * hold the two to the same worker and estimate to the bit. That pass is ~1.5 us a worker, ~1.6
+ * ms a Route at 1,024 workers. loads: P_i by worker id (ms, before decay), factor: the decay
+ * since; per_hit, per_miss: Cost's ms per cached and uncached token; load_unit_ms: the load
+ * feature's unit; features: the indices of (hit, miss, load, bias) the residual reads;
+ * learners: the residual models by worker id (a model's `theta`), or None where there is one for
+ * the fleet (fleet_theta, None before its first sample) or none at all; low, high: the residual's
+ * range. NotImplemented where C's arithmetic could differ from the reference's: a value not a
+ * float where the books keep floats, a prompt past 2^53 tokens, and on Python 3.12 and later,
+ * whose sum() compensates its rounding, a residual of more than one feature. */
+static PyObject *theta_name; /* interned "theta" */
+
+/* theta . phi as the reference's sum() adds it (Python 3.11: left to right from 0), clipped to
+ * [low, high] as _clip does (NaN to low): 0, or 1 (NotImplemented) */
+static inline int
+lbgr_residual(PyObject *theta, const double *phi, Py_ssize_t n, double low, double high, double *out)
+{
+    if (!PyList_CheckExact(theta))
+        return 1;
+    Py_ssize_t m = PyList_GET_SIZE(theta) < n ? PyList_GET_SIZE(theta) : n;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (m > 1)
+        return 1;
+#endif
+    double sum = 0.0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        PyObject *t = PyList_GET_ITEM(theta, k);
+        if (!PyFloat_CheckExact(t))
+            return 1;
+        sum += PyFloat_AS_DOUBLE(t) * phi[k];
+    }
+    *out = low <= sum && sum <= high ? sum : (sum > high ? high : low);
+    return 0;
+}
+
+static PyObject *
+lbgr_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError,
+                        "lbgr_pick(candidates, slots, overlaps, prompt_tokens, block_size, loads, factor, per_hit, "
+                        "per_miss, load_unit_ms, features, learners, fleet_theta, low, high) takes 15 arguments");
+        return NULL;
+    }
+    PyObject *overlaps = args[2], *loads = args[5], *features = args[10], *learners = args[11], *fleet_theta = args[12];
+    OverlapsObject *by_slot;
+    long long prompt_tokens, block_size;
+    double factor, per_hit, per_miss, unit, low, high;
+    if (!Py_IS_TYPE(args[1], &CandidateSlotsType) || scan_overlaps(overlaps, &by_slot) || !PyLong_CheckExact(args[3])
+        || exact_long(args[3], &prompt_tokens) || !PyLong_CheckExact(args[4]) || exact_long(args[4], &block_size)
+        || !PyDict_CheckExact(loads) || ttft_float(args[6], &factor) || ttft_float(args[7], &per_hit)
+        || ttft_float(args[8], &per_miss) || ttft_float(args[9], &unit) || !PyTuple_CheckExact(features)
+        || PyTuple_GET_SIZE(features) < 1 || PyTuple_GET_SIZE(features) > 4
+        || (learners != Py_None && !PyDict_CheckExact(learners)) || ttft_float(args[13], &low)
+        || ttft_float(args[14], &high) || prompt_tokens < 0 || prompt_tokens >= TTFT_EXACT_TOKENS || block_size < 0
+        || block_size >= (1LL << 31))
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t n_features = PyTuple_GET_SIZE(features);
+    int feature_at[4];
+    for (Py_ssize_t k = 0; k < n_features; k++) {
+        long long f;
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(features, k)) || exact_long(PyTuple_GET_ITEM(features, k), &f) || f < 0
+            || f > 3)
+            Py_RETURN_NOTIMPLEMENTED;
+        feature_at[k] = (int)f;
+    }
+    const CandidateSlotsObject *c = (const CandidateSlotsObject *)args[1];
+    PyObject *seq = PySequence_Fast(args[0], "candidates must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), best_i = -1;
+    int r = n == 0 || Py_SIZE(c) != n;
+    Py_ssize_t id_at = r ? -1 : member_offset(c->cls, id_name);
+    double best = 0.0;
+    uint32_t best_slot = 0;
+    int fleet_learned = learners == Py_None && fleet_theta != Py_None;
+    for (Py_ssize_t i = 0; r == 0 && i < n; i++) {
+        PyObject *item = PySequence_Fast_ITEMS(seq)[i];
+        if (Py_TYPE(item) != c->cls) {
+            r = 1;
+            break;
+        }
+        uint32_t slot = c->slots[i];
+        long long overlap = 0;
+        if (by_slot != NULL) {
+            overlap = overlaps_depth(by_slot, slot);
+        } else if (PyDict_GET_SIZE(overlaps)) {
+            PyObject *key = PyLong_FromUnsignedLong(slot);
+            if (key == NULL) {
+                r = -1;
+                break;
+            }
+            r = scan_depth(overlaps, NULL, key, &overlap);
+            Py_DECREF(key);
+            if (r != 0)
+                break;
+        }
+        if (overlap < 0 || overlap >= (1LL << 31)) {
+            r = 1;
+            break;
+        }
+        long long hit = overlap * block_size < prompt_tokens ? overlap * block_size : prompt_tokens;
+        long long miss = prompt_tokens - hit;
+        Py_INCREF(item); /* a getter run on it may drop the list's reference */
+        PyObject *id = member_get(item, id_at, id_name);
+        Py_DECREF(item);
+        if (id == NULL) {
+            r = -1;
+            break;
+        }
+        double load = 0.0, residual = 0.0;
+        PyObject *kept = PyDict_GetItemWithError(loads, id); /* borrowed */
+        if (kept != NULL)
+            r = ttft_float(kept, &load);
+        else if (PyErr_Occurred())
+            r = -1;
+        load *= factor;
+        double phi[4] = {0.0, 0.0, 0.0, 0.0};
+        if (r == 0 && (learners != Py_None || fleet_learned)) {
+            double values[4] = {(double)hit / 1000.0, (double)miss / 1000.0, load / unit, 1.0};
+            for (Py_ssize_t k = 0; k < n_features; k++)
+                phi[k] = values[feature_at[k]];
+            if (fleet_learned) {
+                r = lbgr_residual(fleet_theta, phi, n_features, low, high, &residual);
+            } else {
+                PyObject *learner = PyDict_GetItemWithError(learners, id); /* borrowed */
+                if (learner != NULL) {
+                    Py_INCREF(learner);
+                    PyObject *theta = PyObject_GetAttr(learner, theta_name);
+                    Py_DECREF(learner);
+                    r = theta == NULL ? -1 : lbgr_residual(theta, phi, n_features, low, high, &residual);
+                    Py_XDECREF(theta);
+                } else if (PyErr_Occurred()) {
+                    r = -1;
+                }
+            }
+        }
+        Py_DECREF(id);
+        if (r != 0)
+            break;
+        double total = per_hit * (double)hit + per_miss * (double)miss + load + residual;
+        /* min() of (total, slot): the first element that differs decides, NaN never less */
+        if (best_i < 0 || (total != best ? total < best : slot < best_slot)) {
+            best_i = i;
+            best = total;
+            best_slot = slot;
+        }
+    }
+    Py_DECREF(seq);
+    if (r < 0)
+        return NULL;
+    if (r > 0)
+        Py_RETURN_NOTIMPLEMENTED;
+    return Py_BuildValue("(nd)", best_i, best);
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -8741,6 +8903,9 @@ static PyMethodDef native_methods[] = {
     {"dualmap_cold_pick", (PyCFunction)(void (*)(void))dualmap_cold_pick, METH_FASTCALL,
      "dualmap_cold_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost, "
      "slo_ms, threshold, stall) -> (first, second) | NotImplemented: DualMap's fleet-wide placement, its best two."},
+    {"lbgr_pick", (PyCFunction)(void (*)(void))lbgr_pick, METH_FASTCALL,
+     "lbgr_pick(candidates, slots, overlaps, prompt_tokens, block_size, loads, factor, per_hit, per_miss, "
+     "load_unit_ms, features, learners, fleet_theta, low, high) -> (i, estimate_ms) | NotImplemented: LBGR's choice."},
     {"min_ttft_pick", (PyCFunction)(void (*)(void))min_ttft_pick, METH_FASTCALL,
      "min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost) -> "
      "(i, ttft_ms, pending_tokens) | NotImplemented: min_ttft's choice, priced from the loads by slot."},
@@ -8799,8 +8964,9 @@ PyInit__native(void)
     reported_queue_name = PyUnicode_InternFromString("reported_queue");
     queued_prefill_tokens_name = PyUnicode_InternFromString("queued_prefill_tokens");
     queued_requests_name = PyUnicode_InternFromString("queued_requests");
+    theta_name = PyUnicode_InternFromString("theta");
     if (pending_prefill_tokens_name == NULL || reported_queue_name == NULL || queued_prefill_tokens_name == NULL
-        || queued_requests_name == NULL)
+        || queued_requests_name == NULL || theta_name == NULL)
         return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)

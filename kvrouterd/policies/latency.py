@@ -539,7 +539,7 @@ class CalibratedRoutingPolicy(RoutingPolicyBase):
     latency: LatencyModel
 
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
-        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        worker = self.dispatched_worker(decision, ctx)
         if worker is not None:
             self.latency.on_dispatch(worker, ctx.request.request_id, ctx.uncached_tokens(worker), ctx.now)
 

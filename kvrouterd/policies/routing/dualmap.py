@@ -386,7 +386,7 @@ class DualMapPolicy(RoutingPolicyBase):
 
     # ---- hooks --------------------------------------------------------------------------
     def on_dispatch(self, decision: Decision, ctx: RoutingContext) -> None:
-        worker = next((w for w in ctx.candidates if w.id == decision.worker_id), None)
+        worker = self.dispatched_worker(decision, ctx)
         if worker is None:
             return
         a = decision.attributes

@@ -289,9 +289,9 @@ class LBGRPolicy(RoutingPolicyBase):
         return out
 
     def _pick(self, ctx: RoutingContext) -> Worker | None:
-        """The candidate with the lowest estimate, from one native pass over the loads by slot
+        """The candidate with the lowest estimate, from one native pass over the candidates
         (``index/_native.c``: ``lbgr_pick``), or None where it declines or is not built.
-        ``estimates`` over every candidate, ~1.5 us each (~1.6 ms a Route at 1,024 workers), is
+        ``estimates`` over every candidate, ~1.5 us each (1.6 ms a Route at 1,024 workers), is
         its reference."""
         if native.module is None:
             return None

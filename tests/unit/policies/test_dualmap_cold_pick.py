@@ -3,17 +3,16 @@ explained placement, which builds and sorts every worker's view and is its refer
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
-from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router, RouterSettings
+from kvrouterd.protocols import RouteRequest
+from kvrouterd.router import Router
+
+from .fleets import policy_fleet
 
 BS = 16
 PROMPT = 8 * BS
@@ -24,30 +23,18 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    clock = ManualClock()
-    router = Router(RouterSettings(block_size=BS, routing={"name": "dualmap", **SHORT, **params}), clock,
-                    random.Random(0))
-    for i in range(size):
-        router.add_worker(WorkerSpec(f"w{i}", f"w{i}:1", mode=CacheMode.EVENTS))
-    return router, clock
+    return policy_fleet({"name": "dualmap", **SHORT, **params}, size, BS)
 
 
-def _cold(n: int, candidate_workers: tuple[str, ...] = ()) -> RouteRequest:
+def _cold(router: Router, n: int, candidate_workers: tuple[str, ...] = ()) -> RouteRequest:
     tokens = [10**6 + 1000 * n + t for t in range(PROMPT)]  # a prompt nobody holds
-    return RouteRequest("", tokens_keys(tokens), PROMPT, candidate_workers=candidate_workers)
-
-
-def tokens_keys(tokens: list[int]) -> list[int]:
-    return _ROUTER_KEYS.keys_for_tokens(tokens)
-
-
-_ROUTER_KEYS = Router(RouterSettings(block_size=BS), ManualClock(), random.Random(0))
+    return RouteRequest("", router.keys_for_tokens(tokens), PROMPT, candidate_workers=candidate_workers)
 
 
 def _alike(router: Router, req: RouteRequest) -> tuple[str, str]:
     """The unexplained placement's two workers, held to the explained one's, the rest of the
     decision with them."""
-    quiet, ctx, _ = router.decide(req, explain=False)
+    quiet, _, _ = router.decide(req, explain=False)
     explained, _, _ = router.decide(req, explain=True)
     assert quiet.reason == explained.reason == "cold_fleet"
     assert (quiet.worker_id, quiet.alternative_worker_id) == (explained.worker_id, explained.alternative_worker_id)
@@ -90,7 +77,7 @@ def test_the_native_placement_is_the_explained_one(size, params, data):
                                              clock.now() - data.draw(st.floats(0.0, 5.0)))
     ids = sorted(w.id for w in router.workers)
     named = tuple(data.draw(st.lists(st.sampled_from(ids), min_size=2, unique=True))) if data.draw(st.booleans()) else ()
-    req = _cold(data.draw(st.integers(0, 10**6)), named)
+    req = _cold(router, data.draw(st.integers(0, 10**6)), named)
     _, ctx, _ = router.decide(req, explain=False)
     backlog, rate, cost = policy.latency.pricing_inputs()
     slo = policy.slo_ms(req)
@@ -113,14 +100,14 @@ def test_a_cold_prompt_skips_the_loaded_and_the_stalled():
     stalled = workers[1]  # busy for 5 s, no prefill finished, its engine reports a queue: A.7
     stalled.inflight_requests, stalled.reported_queue = 1, 3
     policy.a7._busy_since[stalled.id] = clock.now() - 5.0
-    assert _alike(router, _cold(1)) == ("w2", "w3")
+    assert _alike(router, _cold(router, 1)) == ("w2", "w3")
 
 
 @needs_native
 def test_the_native_placement_declines_what_it_cannot_price_exactly():
     router, _ = _fleet(4, {})
     policy = router.routing_policy("dualmap")
-    _, ctx, _ = router.decide(_cold(2), explain=False)
+    _, ctx, _ = router.decide(_cold(router, 2), explain=False)
     backlog, rate, cost = policy.latency.pricing_inputs()
     args = [ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens,
             ctx.block_size, ctx.now, backlog, rate, cost, 5000.0, 1000, None]
@@ -146,7 +133,7 @@ def test_views_alike_in_overload_and_ttft_go_to_the_less_loaded_before_the_lower
     nothing queued) and w0 (10 tokens queued) tie on the TTFT, every view is over a threshold
     of 0 tokens, and the less loaded goes first."""
     router, _ = _fleet(4, {})
-    _, ctx, _ = router.decide(_cold(3), explain=False)
+    _, ctx, _ = router.decide(_cold(router, 3), explain=False)
     w0, w1, w2, w3 = sorted(router.workers, key=lambda w: w.slot)
     w0.queued_prefill_tokens = 10
     w1.inflight_requests, w1.reported_queue = 1, 1

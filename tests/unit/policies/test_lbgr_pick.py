@@ -3,7 +3,6 @@ every worker (``LBGRPolicy.estimates``) and is its reference."""
 
 from __future__ import annotations
 
-import random
 import sys
 
 import pytest
@@ -12,9 +11,10 @@ from hypothesis import strategies as st
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
-from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router, RouterSettings
+from kvrouterd.protocols import Completion, EventBatch, RouteRequest, Stored
+from kvrouterd.router import Router
+
+from .fleets import policy_fleet
 
 BS = 16
 TOKENS = list(range(8 * BS))
@@ -23,11 +23,7 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    clock = ManualClock()
-    router = Router(RouterSettings(block_size=BS, routing={"name": "lbgr", **params}), clock, random.Random(0))
-    for i in range(size):
-        router.add_worker(WorkerSpec(f"w{i}", f"w{i}:1", mode=CacheMode.EVENTS))
-    return router, clock
+    return policy_fleet({"name": "lbgr", **params}, size, BS)
 
 
 def _alike(router: Router, req: RouteRequest) -> str:

@@ -3,8 +3,6 @@ prices every worker through the latency model and is its reference."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +11,9 @@ from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router, RouterSettings
+from kvrouterd.router import Router
+
+from .fleets import policy_fleet
 
 BS = 16
 TOKENS = list(range(8 * BS))
@@ -22,16 +22,12 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    clock = ManualClock()
-    router = Router(RouterSettings(block_size=BS, routing={"name": "min_ttft", **params}), clock, random.Random(0))
-    for i in range(size):
-        router.add_worker(WorkerSpec(f"w{i}", f"w{i}:1", mode=CacheMode.EVENTS))
-    return router, clock
+    return policy_fleet({"name": "min_ttft", **params}, size, BS)
 
 
 def _alike(router: Router, req: RouteRequest) -> tuple[str, float, dict]:
     """The unexplained decision's worker, TTFT and terms, held to the explained one's."""
-    quiet, ctx, _ = router.decide(req, explain=False)
+    quiet, _, _ = router.decide(req, explain=False)
     explained, _, _ = router.decide(req, explain=True)
     assert quiet.worker_id == explained.worker_id
     assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms  # to the bit: the same arithmetic
@@ -107,9 +103,9 @@ def test_the_native_pick_declines_what_it_cannot_price_exactly():
     backlog, rate, cost = model.pricing_inputs()
 
     def pick(**changed):
-        args = dict(candidates=ctx.candidates, slots=ctx.candidate_slots, overlaps=ctx.match.overlaps,
-                    claimed=ctx.claimed, prompt_tokens=ctx.request.prompt_tokens, block_size=ctx.block_size,
-                    now=ctx.now, backlog=backlog, rate=rate, cost=cost) | changed
+        args = {"candidates": ctx.candidates, "slots": ctx.candidate_slots, "overlaps": ctx.match.overlaps,
+                "claimed": ctx.claimed, "prompt_tokens": ctx.request.prompt_tokens, "block_size": ctx.block_size,
+                "now": ctx.now, "backlog": backlog, "rate": rate, "cost": cost} | changed
         return native.module.min_ttft_pick(*args.values())
 
     assert pick()[0] == 0

@@ -24,9 +24,11 @@ admission, commit) then its Complete, untraced, with a fresh 4,000-token prompt'
 
 Each (path, width) cell runs in a fresh process, as the sizing grid's do: in the bench's own
 process, after the decision stage's 10^6-block routers, the collector's passes over their
-leftovers doubled some cells. One cell alone, one JSON line:
+leftovers doubled some cells. One cell alone, one JSON line, optionally with every Route naming a routing policy (the
+per-policy table in docs/operations/performance.md):
 
     python -m kvrouterd.benchmarks.fleet_paths --cell past_capacity 1024
+    python -m kvrouterd.benchmarks.fleet_paths --cell plain 1024 --policy lbgr
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 from ..clock import ManualClock
 from ..config import Config
+from ..errors import UnknownPolicy
 from ..index.workers import WorkerSpec
 from ..protocols import CacheMode, Completion, EventBatch, RouteRequest, Stored, WorkerRole
 from ..router import Router
@@ -106,8 +109,10 @@ def _past_capacity(router: Router, gate: AdmissionGate, prompt: bytes) -> float:
     return _SLO_PREFILLS * guard.prefill_ms(PROMPT_TOKENS, 0)
 
 
-def fleet_path_cost(path: str, workers: int, repeats: int = 300) -> dict[str, Any]:
-    """Median and p90 microseconds of one Route + Complete along ``path`` over ``workers``."""
+def fleet_path_cost(path: str, workers: int, repeats: int = 300, policy: str = "") -> dict[str, Any]:
+    """Median and p90 microseconds of one Route + Complete along ``path`` over ``workers``, each
+    Route naming ``policy`` ("": the default, cache_aware): a fleet that routes with another
+    policy pays that policy's own cost per worker."""
     router, gate, request = _fleet(path, workers)
     rng = random.Random(11)
     prompt = rng.randbytes(PROMPT_TOKENS * 4)
@@ -128,6 +133,7 @@ def fleet_path_cost(path: str, workers: int, repeats: int = 300) -> dict[str, An
     for n, k in enumerate(keys):
         req = request(n, k)
         req.ttft_slo_ms = slo
+        req.policy = policy
         t0 = clock()
         result = gate.route_now(req, False)
         done = Completion(result.request.request_id)
@@ -145,6 +151,7 @@ def fleet_path_cost(path: str, workers: int, repeats: int = 300) -> dict[str, An
     return {
         "path": path,
         "workers": workers,
+        "policy": router.routing_policy(policy).name,
         "us_median": statistics.median(samples) * 1e6,
         "us_p90": samples[int(0.9 * (len(samples) - 1))] * 1e6,
         "reasons": reasons,
@@ -190,11 +197,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cell", nargs=2, metavar=("PATH", "WORKERS"), required=True,
                         help=f"time one path ({', '.join(PATHS)}) over WORKERS and print it as one JSON line")
     parser.add_argument("--repeats", type=int, default=300, help="Routes timed (default 300)")
+    parser.add_argument("--policy", default="", metavar="NAME",
+                        help="the routing policy every Route names (default: the router's, cache_aware)")
     args = parser.parse_args(argv)
     path, workers = args.cell[0], int(args.cell[1])
     if path not in PATHS:
         parser.error(f"unknown path {path!r}; choose from {', '.join(PATHS)}")
-    print(json.dumps(fleet_path_cost(path, workers, args.repeats)))
+    try:
+        print(json.dumps(fleet_path_cost(path, workers, args.repeats, args.policy)))
+    except UnknownPolicy as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

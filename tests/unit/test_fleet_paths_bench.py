@@ -25,3 +25,12 @@ def test_each_path_routes_as_it_says_and_leaves_nothing_in_flight(path: str) -> 
         assert r["workers_chosen"] <= 8
     if path == "lora":  # loaded on the four workers the fleet reported it on
         assert r["workers_chosen"] <= 4
+
+
+@pytest.mark.parametrize(("policy", "reason"), [("lbgr", "min_estimate"), ("min_ttft", "min_ttft"),
+                                                ("dualmap", "cold_fleet"), ("least_loaded", "min_pending_prefill")])
+def test_a_cell_routes_every_route_with_the_policy_it_names(policy: str, reason: str) -> None:
+    r = fleet_path_cost("plain", 64, REPEATS, policy)
+    assert r["policy"] == policy
+    assert r["reasons"] == {reason: REPEATS} and r["left_in_flight"] == 0
+    assert fleet_path_cost("plain", 64, REPEATS)["policy"] == "cache_aware"

@@ -8601,6 +8601,90 @@ min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return ttft_pass_end(&p, r, r == 0 ? Py_BuildValue("(ndL)", best_i, best_ttft, best_pending) : NULL);
 }
 
+/* preble_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost,
+ *             hit_threshold) -> (i, load_cost_ms, best_hit, prefix_hit) | NotImplemented
+ *
+ * Preble's rule (policies/routing/preble.py, DualMap sections 2.2 and B): each candidate's
+ * prefix hit rate min(1, cached tokens / prompt tokens) and load cost, its TTFT as min_ttft
+ * prices it; above hit_threshold the best hit wins (ties to the lower cost, then slot),
+ * otherwise the lowest cost (ties to the slot), the first of equals. The first ten arguments are
+ * min_ttft_pick's. The reference is the policy's explained pass, which prices every candidate
+ * in Python; the tests hold the two to the same worker, cost and hit rate. */
+typedef struct {
+    Py_ssize_t i;
+    double cost;
+    uint32_t slot;
+} PrebleRow;
+
+/* whether (cost, slot) of a comes before b's in min(): the first element that differs decides */
+static inline int
+preble_before(const PrebleRow *a, const PrebleRow *b)
+{
+    return b->i < 0 || (a->cost != b->cost ? a->cost < b->cost : a->slot < b->slot);
+}
+
+static PyObject *
+preble_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError,
+                        "preble_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, "
+                        "rate, cost, hit_threshold) takes 11 arguments");
+        return NULL;
+    }
+    double threshold;
+    if (verdict_double(args[10], &threshold))
+        Py_RETURN_NOTIMPLEMENTED;
+    TtftPass p;
+    int r = ttft_pass_init(&p, args);
+    PrebleRow by_cost = {-1, 0.0, 0}, by_hit = {-1, 0.0, 0};
+    double best_hit = 0.0;
+    long long prompt = p.prompt_tokens > 1 ? p.prompt_tokens : 1;
+    for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
+        long long uncached, pending, inflight;
+        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+            break;
+        uint32_t slot = p.c->slots[i];
+        long long held = 0;
+        if (p.by_slot != NULL) {
+            held = overlaps_depth(p.by_slot, slot);
+        } else { /* a dict of overlaps: read again, as ttft_pass_read did */
+            PyObject *key = PyLong_FromUnsignedLong(slot);
+            if (key == NULL) {
+                r = -1;
+                break;
+            }
+            r = scan_depth(p.overlaps, NULL, key, &held);
+            Py_DECREF(key);
+            if (r != 0)
+                break;
+        }
+        /* overlap * block_size / prompt, as Python divides two ints: exact below 2^53 */
+        if (held < 0 || held >= (1LL << 31) || held * p.block_size >= TTFT_EXACT_TOKENS) {
+            r = 1;
+            break;
+        }
+        double hit = (double)(held * p.block_size) / (double)prompt;
+        if (!(hit < 1.0))
+            hit = 1.0;
+        PrebleRow row = {i, ttft_cost_ms(&p.cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, p.attended),
+                         slot};
+        if (preble_before(&row, &by_cost))
+            by_cost = row;
+        if (by_hit.i < 0 || hit > best_hit) {
+            best_hit = hit;
+            by_hit = row;
+        } else if (hit == best_hit && preble_before(&row, &by_hit)) {
+            by_hit = row;
+        }
+    }
+    int prefix_hit = best_hit > threshold;
+    const PrebleRow *chosen = prefix_hit ? &by_hit : &by_cost;
+    return ttft_pass_end(&p, r, r == 0 ? Py_BuildValue("(nddO)", chosen->i, chosen->cost, best_hit,
+                                                       prefix_hit ? Py_True : Py_False) : NULL);
+}
+
 /* dualmap_cold_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost,
  *                   slo_ms, threshold, stall) -> (first, second) | NotImplemented
  *
@@ -8906,6 +8990,9 @@ static PyMethodDef native_methods[] = {
     {"lbgr_pick", (PyCFunction)(void (*)(void))lbgr_pick, METH_FASTCALL,
      "lbgr_pick(candidates, slots, overlaps, prompt_tokens, block_size, loads, factor, per_hit, per_miss, "
      "load_unit_ms, features, learners, fleet_theta, low, high) -> (i, estimate_ms) | NotImplemented: LBGR's choice."},
+    {"preble_pick", (PyCFunction)(void (*)(void))preble_pick, METH_FASTCALL,
+     "preble_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost, "
+     "hit_threshold) -> (i, load_cost_ms, best_hit, prefix_hit) | NotImplemented: Preble's choice."},
     {"min_ttft_pick", (PyCFunction)(void (*)(void))min_ttft_pick, METH_FASTCALL,
      "min_ttft_pick(candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate, cost) -> "
      "(i, ttft_ms, pending_tokens) | NotImplemented: min_ttft's choice, priced from the loads by slot."},

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...protocols import Decision
+from ...index import native
+from ...index.workers import Worker
+from ...protocols import CandidateScore, Decision
 from ..base import RoutingContext
 from ..latency import CalibratedRoutingPolicy, LatencyModel, LatencyParams
 
@@ -43,6 +45,17 @@ class PreblePolicy(CalibratedRoutingPolicy):
 
     def select(self, ctx: RoutingContext) -> Decision:
         model = self.latency
+        if not getattr(ctx, "explain", True) and native.module is not None:
+            # one native pass over the loads by slot (index/_native.c: preble_pick): pricing
+            # every worker here is ~2 us each; this loop, which lists each one, is its reference
+            backlog, rate, priced = model.pricing_inputs()
+            picked = native.module.preble_pick(ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed,
+                                               ctx.request.prompt_tokens, ctx.block_size, ctx.now, backlog, rate,
+                                               priced, self.params.hit_threshold)
+            if picked is not NotImplemented:
+                index, cost, best_hit, prefix_hit = picked
+                return self._decided(ctx, ctx.candidates[index], "prefix_hit" if prefix_hit else "load_cost",
+                                     [], best_hit, cost)
         prompt = max(ctx.prompt_tokens, 1)
         rows = []
         for w in ctx.candidates:
@@ -59,6 +72,10 @@ class PreblePolicy(CalibratedRoutingPolicy):
         scored = []
         if getattr(ctx, "explain", True):
             scored = [ctx.candidate(w, h, hit_rate=round(h, 4), load_cost_ms=round(c, 3)) for h, c, w in rows]
+        return self._decided(ctx, chosen, reason, scored, best_hit, cost)
+
+    def _decided(self, ctx: RoutingContext, chosen: Worker, reason: str, scored: list[CandidateScore],
+                 best_hit: float, cost: float) -> Decision:
         decision = self.decide(ctx, chosen, reason, scored, hit_rate=round(best_hit, 4), load_cost_ms=round(cost, 3))
         decision.estimated_ttft_ms = cost
         return decision

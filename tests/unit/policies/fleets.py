@@ -1,4 +1,5 @@
-"""A fleet for a policy's tests: a router of event-driven workers on a manual clock."""
+"""A fleet for a policy's tests (a router of event-driven workers on a manual clock), and the
+check the native passes' tests share: a decision made unexplained is the explained one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 from kvrouterd.clock import ManualClock
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode
+from kvrouterd.protocols import CacheMode, Decision, RouteRequest
 from kvrouterd.router import Router, RouterSettings
 
 
@@ -17,3 +18,17 @@ def policy_fleet(routing: dict, size: int, block_size: int) -> tuple[Router, Man
     for i in range(size):
         router.add_worker(WorkerSpec(f"w{i}", f"w{i}:1", mode=CacheMode.EVENTS))
     return router, clock
+
+
+def decided_alike(router: Router, req: RouteRequest) -> Decision:
+    """``req``'s unexplained decision (where a policy's native pass decides), held to its
+    explained one (where the policy's Python pass, the reference, prices every worker): the same
+    worker, alternative and reason, the estimate to the bit (the same arithmetic), the same
+    attributes."""
+    quiet, _, _ = router.decide(req, explain=False)
+    explained, _, _ = router.decide(req, explain=True)
+    assert (quiet.worker_id, quiet.alternative_worker_id, quiet.reason) == (
+        explained.worker_id, explained.alternative_worker_id, explained.reason)
+    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms
+    assert quiet.attributes == explained.attributes
+    return quiet

@@ -12,7 +12,7 @@ from kvrouterd.index import native
 from kvrouterd.protocols import RouteRequest
 from kvrouterd.router import Router
 
-from .fleets import policy_fleet
+from .fleets import decided_alike, policy_fleet
 
 BS = 16
 PROMPT = 8 * BS
@@ -32,15 +32,10 @@ def _cold(router: Router, n: int, candidate_workers: tuple[str, ...] = ()) -> Ro
 
 
 def _alike(router: Router, req: RouteRequest) -> tuple[str, str]:
-    """The unexplained placement's two workers, held to the explained one's, the rest of the
-    decision with them."""
-    quiet, _, _ = router.decide(req, explain=False)
-    explained, _, _ = router.decide(req, explain=True)
-    assert quiet.reason == explained.reason == "cold_fleet"
-    assert (quiet.worker_id, quiet.alternative_worker_id) == (explained.worker_id, explained.alternative_worker_id)
-    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms
-    assert quiet.attributes == explained.attributes
-    return quiet.worker_id, quiet.alternative_worker_id
+    """The two workers of a cold placement decided unexplained, as explained."""
+    decision = decided_alike(router, req)
+    assert decision.reason == "cold_fleet"
+    return decision.worker_id, decision.alternative_worker_id
 
 
 _PARAMS = st.fixed_dictionaries({

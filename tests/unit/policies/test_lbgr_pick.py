@@ -14,7 +14,7 @@ from kvrouterd.index import native
 from kvrouterd.protocols import Completion, EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router
 
-from .fleets import policy_fleet
+from .fleets import decided_alike, policy_fleet
 
 BS = 16
 TOKENS = list(range(8 * BS))
@@ -24,16 +24,6 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
     return policy_fleet({"name": "lbgr", **params}, size, BS)
-
-
-def _alike(router: Router, req: RouteRequest) -> str:
-    """The unexplained decision's worker, held to the explained one's, estimate and terms too."""
-    quiet, _, _ = router.decide(req, explain=False)
-    explained, _, _ = router.decide(req, explain=True)
-    assert quiet.worker_id == explained.worker_id
-    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms
-    assert quiet.attributes == explained.attributes
-    return quiet.worker_id
 
 
 _PARAMS = st.fixed_dictionaries({
@@ -69,7 +59,7 @@ def test_the_native_pick_chooses_as_the_explained_pass(size, params, data):
             router.complete(Completion(routed.request.request_id, ttft_ms=ms, e2e_ms=ms + 100.0))
     clock.advance(data.draw(st.floats(0.0, 0.5)))  # the loads decay until the decision
     named = tuple(data.draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))) if data.draw(st.booleans()) else ()
-    _alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS), candidate_workers=named))
+    decided_alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS), candidate_workers=named))
 
 
 @needs_native
@@ -81,7 +71,7 @@ def test_a_worker_that_learned_it_is_slow_loses_the_tie_it_would_win_on_its_slot
         routed = router.route(RouteRequest(f"r{n}", router.keys_for_tokens(tokens), len(tokens),
                                            candidate_workers=(w0.id,)))
         router.complete(Completion(routed.request.request_id, ttft_ms=2000.0, e2e_ms=2100.0))
-    assert _alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))) == "w1"
+    assert decided_alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))).worker_id == "w1"
 
 
 @needs_native

@@ -13,7 +13,7 @@ from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router
 
-from .fleets import policy_fleet
+from .fleets import decided_alike, policy_fleet
 
 BS = 16
 TOKENS = list(range(8 * BS))
@@ -23,16 +23,6 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
     return policy_fleet({"name": "min_ttft", **params}, size, BS)
-
-
-def _alike(router: Router, req: RouteRequest) -> tuple[str, float, dict]:
-    """The unexplained decision's worker, TTFT and terms, held to the explained one's."""
-    quiet, _, _ = router.decide(req, explain=False)
-    explained, _, _ = router.decide(req, explain=True)
-    assert quiet.worker_id == explained.worker_id
-    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms  # to the bit: the same arithmetic
-    assert quiet.attributes == explained.attributes
-    return quiet.worker_id, quiet.estimated_ttft_ms, quiet.attributes
 
 
 _PARAMS = st.fixed_dictionaries({
@@ -80,7 +70,7 @@ def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, 
              model.pending_tokens(w, ctx.now), w.slot, i) for i, w in enumerate(ctx.candidates)]
     ttft, pending, _, index = min(rows)
     assert picked == (index, ttft, pending)
-    _alike(router, req)
+    decided_alike(router, req)
 
 
 @needs_native
@@ -90,9 +80,9 @@ def test_a_cold_prompt_goes_to_the_idle_worker_and_a_cached_one_where_it_is_chea
         tokens = [2 * 10**6 + 10**4 * n + t for t in range(125 * BS)]
         router.route(RouteRequest("", router.keys_for_tokens(tokens), len(tokens), candidate_workers=(wid,)))
     cold = RouteRequest("", router.keys_for_tokens([10**6 + t for t in range(8 * BS)]), 8 * BS)
-    assert _alike(router, cold)[0] == "w2"  # the lowest idle slot
+    assert decided_alike(router, cold).worker_id == "w2"  # the lowest idle slot
     router.apply(EventBatch("w4", 0, (Stored(tuple(TOKENS), None),)))
-    assert _alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)))[0] == "w4"  # nothing to prefill
+    assert decided_alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))).worker_id == "w4"  # nothing to prefill
 
 
 @needs_native
@@ -144,4 +134,4 @@ def test_a_tie_on_the_ttft_goes_to_the_fewer_pending_tokens_before_the_slot(pref
     w0, w1 = sorted(router.workers, key=lambda w: w.slot)
     router.apply(EventBatch(w0.id, 0, (Stored(tuple(TOKENS[:BS]), None),)))
     w0.pending_prefill_tokens = BS
-    assert _alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)))[0] == w1.id
+    assert decided_alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))).worker_id == w1.id

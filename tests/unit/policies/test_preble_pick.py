@@ -12,7 +12,7 @@ from kvrouterd.index import native
 from kvrouterd.protocols import EventBatch, RouteRequest, Stored
 from kvrouterd.router import Router
 
-from .fleets import policy_fleet
+from .fleets import decided_alike, policy_fleet
 
 BS = 16
 TOKENS = list(range(8 * BS))
@@ -22,17 +22,6 @@ needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
     return policy_fleet({"name": "preble", **params}, size, BS)
-
-
-def _alike(router: Router, req: RouteRequest) -> tuple[str, str]:
-    """The unexplained decision's worker and reason, held to the explained one's, with its cost
-    and hit rate."""
-    quiet, _, _ = router.decide(req, explain=False)
-    explained, _, _ = router.decide(req, explain=True)
-    assert (quiet.worker_id, quiet.reason) == (explained.worker_id, explained.reason)
-    assert quiet.estimated_ttft_ms == explained.estimated_ttft_ms  # to the bit: the same arithmetic
-    assert quiet.attributes == explained.attributes
-    return quiet.worker_id, quiet.reason
 
 
 _PARAMS = st.fixed_dictionaries({
@@ -69,7 +58,7 @@ def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, 
     assert native.module.preble_pick(ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed,
                                       ctx.request.prompt_tokens, ctx.block_size, ctx.now, backlog, rate, cost,
                                       params["hit_threshold"]) is not NotImplemented
-    _alike(router, req)
+    decided_alike(router, req)
 
 
 @needs_native
@@ -79,10 +68,12 @@ def test_a_held_prefix_wins_above_the_threshold_and_load_below_it():
     router.apply(EventBatch(w1.id, 0, (Stored(tuple(TOKENS[: 6 * BS]), None),)))  # 6 of 8 blocks
     router.apply(EventBatch(w2.id, 0, (Stored(tuple(TOKENS[: 6 * BS]), None),)))
     w1.pending_prefill_tokens, w1.inflight_requests = 500, 1  # w2 holds as much and is idle
-    assert _alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS))) == (w2.id, "prefix_hit")
+    decision = decided_alike(router, RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)))
+    assert (decision.worker_id, decision.reason) == (w2.id, "prefix_hit")
     longer = TOKENS + list(range(10**6, 10**6 + 8 * BS))  # 6 of 16 blocks: below the threshold
     w0.inflight_requests = 1
-    assert _alike(router, RouteRequest("", router.keys_for_tokens(longer), len(longer))) == (w2.id, "load_cost")
+    decision = decided_alike(router, RouteRequest("", router.keys_for_tokens(longer), len(longer)))
+    assert (decision.worker_id, decision.reason) == (w2.id, "load_cost")
 
 
 @needs_native

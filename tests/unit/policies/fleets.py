@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvrouterd.clock import ManualClock
+from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, Decision, RouteRequest
 from kvrouterd.router import Router, RouterSettings
 
+#: the block size of these fleets, and a prompt of 8 full blocks
+BS = 16
+TOKENS = list(range(8 * BS))
 
-def policy_fleet(routing: dict, size: int, block_size: int) -> tuple[Router, ManualClock]:
+needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
+
+
+def policy_fleet(routing: dict, size: int, block_size: int = BS) -> tuple[Router, ManualClock]:
     """``size`` workers w0, w1, ... in slot order, routed by ``routing`` (a policy's config)."""
     clock = ManualClock()
     router = Router(RouterSettings(block_size=block_size, routing=routing), clock, random.Random(0))

@@ -12,15 +12,11 @@ from kvrouterd.index import native
 from kvrouterd.protocols import RouteRequest
 from kvrouterd.router import Router
 
-from .fleets import decided_alike, policy_fleet
+from .fleets import BS, decided_alike, needs_native, policy_fleet
 
-BS = 16
 PROMPT = 8 * BS
 #: short segments, so an 8-block prompt has a key to hash
 SHORT = {"segment_tokens": 2 * BS, "base_segments": 2}
-
-needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
-
 
 def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
     return policy_fleet({"name": "dualmap", **SHORT, **params}, size, BS)

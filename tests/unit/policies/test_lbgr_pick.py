@@ -9,22 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
 from kvrouterd.protocols import Completion, EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router
 
-from .fleets import decided_alike, policy_fleet
-
-BS = 16
-TOKENS = list(range(8 * BS))
-
-needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
-
-
-def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    return policy_fleet({"name": "lbgr", **params}, size, BS)
-
+from .fleets import BS, TOKENS, decided_alike, needs_native, policy_fleet
 
 _PARAMS = st.fixed_dictionaries({
     "learning_rule": st.sampled_from(["rls", "nlms", "none"]),
@@ -42,7 +30,7 @@ _PARAMS = st.fixed_dictionaries({
 @settings(max_examples=150, deadline=None)
 @given(size=st.integers(1, 24), params=_PARAMS, data=st.data())
 def test_the_native_pick_chooses_as_the_explained_pass(size, params, data):
-    router, clock = _fleet(size, params)
+    router, clock = policy_fleet({"name": "lbgr", **params}, size)
     for w in router.workers:
         held = data.draw(st.integers(0, 8))
         if held:
@@ -64,7 +52,7 @@ def test_the_native_pick_chooses_as_the_explained_pass(size, params, data):
 
 @needs_native
 def test_a_worker_that_learned_it_is_slow_loses_the_tie_it_would_win_on_its_slot():
-    router, _ = _fleet(3, {"learning_rule": "rls", "engine_ms_per_1k": 40.0})
+    router, _ = policy_fleet({"name": "lbgr", "learning_rule": "rls", "engine_ms_per_1k": 40.0}, 3)
     w0 = min(router.workers, key=lambda w: w.slot)
     for n in range(20):  # w0 keeps taking far longer than its estimate
         tokens = [10**6 + 1000 * n + t for t in range(4 * BS)]
@@ -76,7 +64,7 @@ def test_a_worker_that_learned_it_is_slow_loses_the_tie_it_would_win_on_its_slot
 
 @needs_native
 def test_the_native_pick_declines_what_it_cannot_estimate_exactly():
-    router, _ = _fleet(3, {})
+    router, _ = policy_fleet({"name": "lbgr"}, 3)
     policy = router.routing_policy("lbgr")
     _, ctx, _ = router.decide(RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)), explain=False)
     args = [ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.prompt_tokens, ctx.block_size, {}, 1.0,

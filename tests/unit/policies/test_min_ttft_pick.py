@@ -7,23 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.protocols import CacheMode, EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router
 
-from .fleets import decided_alike, policy_fleet
-
-BS = 16
-TOKENS = list(range(8 * BS))
-
-needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
-
-
-def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    return policy_fleet({"name": "min_ttft", **params}, size, BS)
-
+from .fleets import BS, TOKENS, decided_alike, needs_native, policy_fleet
 
 _PARAMS = st.fixed_dictionaries({
     "prefill_model": st.sampled_from(["linear", "power_law"]),
@@ -37,7 +25,7 @@ _PARAMS = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None)
 @given(size=st.integers(1, 30), params=_PARAMS, data=st.data())
 def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, data):
-    router, clock = _fleet(size, params)
+    router, clock = policy_fleet({"name": "min_ttft", **params}, size)
     model = router.routing_policy("min_ttft").latency
     for _ in range(data.draw(st.integers(0, 40))):  # calibrated or not: the coefficients move
         model.observe(data.draw(st.integers(1, 50_000)), data.draw(st.integers(1, 8)), data.draw(st.floats(0.5, 5_000.0)))
@@ -75,7 +63,7 @@ def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, 
 
 @needs_native
 def test_a_cold_prompt_goes_to_the_idle_worker_and_a_cached_one_where_it_is_cheaper():
-    router, _ = _fleet(6, {})
+    router, _ = policy_fleet({"name": "min_ttft"}, 6)
     for n, wid in enumerate(("w0", "w1", "w0")):  # routed to each by name: prefill queued there
         tokens = [2 * 10**6 + 10**4 * n + t for t in range(125 * BS)]
         router.route(RouteRequest("", router.keys_for_tokens(tokens), len(tokens), candidate_workers=(wid,)))
@@ -87,7 +75,7 @@ def test_a_cold_prompt_goes_to_the_idle_worker_and_a_cached_one_where_it_is_chea
 
 @needs_native
 def test_the_native_pick_declines_what_it_cannot_price_exactly():
-    router, _ = _fleet(4, {})
+    router, _ = policy_fleet({"name": "min_ttft"}, 4)
     model = router.routing_policy("min_ttft").latency
     _, ctx, _ = router.decide(RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)), explain=False)
     backlog, rate, cost = model.pricing_inputs()
@@ -113,7 +101,7 @@ def test_the_native_pick_declines_what_it_cannot_price_exactly():
 @pytest.mark.parametrize("left, pending", [(1003.5, 1004), (1002.5, 1002), (1002.4, 1002), (-0.5, 0), (7e9, 5000)])
 def test_a_draining_backlog_is_rounded_as_the_model_rounds_it(left, pending):
     """round(): to the nearest, ties to even, then held between 0 and what is committed."""
-    router, clock = _fleet(1, {})
+    router, clock = policy_fleet({"name": "min_ttft"}, 1)
     model = router.routing_policy("min_ttft").latency
     worker = next(iter(router.workers))
     worker.pending_prefill_tokens = 5000
@@ -130,7 +118,7 @@ def test_a_draining_backlog_is_rounded_as_the_model_rounds_it(left, pending):
 def test_a_tie_on_the_ttft_goes_to_the_fewer_pending_tokens_before_the_slot(prefill_model):
     """w0 holds a block of the prompt and has a block's worth of prefill pending: the same work
     as w1's whole prompt, so the same TTFT; the one with less queued goes first."""
-    router, _ = _fleet(2, {"prefill_model": prefill_model, "pending_model": "inflight"})
+    router, _ = policy_fleet({"name": "min_ttft", "prefill_model": prefill_model, "pending_model": "inflight"}, 2)
     w0, w1 = sorted(router.workers, key=lambda w: w.slot)
     router.apply(EventBatch(w0.id, 0, (Stored(tuple(TOKENS[:BS]), None),)))
     w0.pending_prefill_tokens = BS

@@ -7,22 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
 from kvrouterd.protocols import EventBatch, RouteRequest, Stored
-from kvrouterd.router import Router
 
-from .fleets import decided_alike, policy_fleet
-
-BS = 16
-TOKENS = list(range(8 * BS))
-
-needs_native = pytest.mark.skipif(native.module is None, reason=native.status)
-
-
-def _fleet(size: int, params: dict) -> tuple[Router, ManualClock]:
-    return policy_fleet({"name": "preble", **params}, size, BS)
-
+from .fleets import BS, TOKENS, decided_alike, needs_native, policy_fleet
 
 _PARAMS = st.fixed_dictionaries({
     "hit_threshold": st.sampled_from([0.0, 0.3, 0.5, 1.0]),
@@ -36,7 +24,7 @@ _PARAMS = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None)
 @given(size=st.integers(1, 30), params=_PARAMS, data=st.data())
 def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, data):
-    router, clock = _fleet(size, params)
+    router, clock = policy_fleet({"name": "preble", **params}, size)
     model = router.routing_policy("preble").latency
     clock.advance(data.draw(st.floats(0.0, 30.0)))
     few = st.integers(0, 3) | st.sampled_from([BS, 2 * BS])  # ties on the cost, down to the slot
@@ -63,7 +51,7 @@ def test_the_native_pick_chooses_and_prices_as_the_explained_pass(size, params, 
 
 @needs_native
 def test_a_held_prefix_wins_above_the_threshold_and_load_below_it():
-    router, _ = _fleet(4, {"hit_threshold": 0.5, "pending_model": "inflight"})
+    router, _ = policy_fleet({"name": "preble", "hit_threshold": 0.5, "pending_model": "inflight"}, 4)
     w0, w1, w2, _ = sorted(router.workers, key=lambda w: w.slot)
     router.apply(EventBatch(w1.id, 0, (Stored(tuple(TOKENS[: 6 * BS]), None),)))  # 6 of 8 blocks
     router.apply(EventBatch(w2.id, 0, (Stored(tuple(TOKENS[: 6 * BS]), None),)))
@@ -78,7 +66,7 @@ def test_a_held_prefix_wins_above_the_threshold_and_load_below_it():
 
 @needs_native
 def test_the_native_pick_declines_what_it_cannot_price_exactly():
-    router, _ = _fleet(3, {})
+    router, _ = policy_fleet({"name": "preble"}, 3)
     model = router.routing_policy("preble").latency
     router.apply(EventBatch("w2", 0, (Stored(tuple(TOKENS[: 2 * BS]), None),)))
     _, ctx, _ = router.decide(RouteRequest("", router.keys_for_tokens(TOKENS), len(TOKENS)), explain=False)

@@ -5774,6 +5774,31 @@ static PyObject *pending_prefill_tokens_name; /* interned "pending_prefill_token
 static PyObject *reported_queue_name;         /* interned "reported_queue" */
 static PyObject *inflight_requests_name;      /* interned "inflight_requests" (set with the verdict's names) */
 
+/* The pending prefill and in-flight columns of the registry's loads, by slot, for `n` candidates
+ * whose CandidateSlots `c` is: 0, or 1 (NotImplemented: `c` is not of `n` candidates, or their
+ * class keeps those loads elsewhere than in SlotLoads) */
+typedef struct {
+    const int64_t *pendings, *inflights;
+    size_t capacity;
+} CandidateLoads;
+
+static int
+candidate_loads(const CandidateSlotsObject *c, Py_ssize_t n, CandidateLoads *out)
+{
+    ScanMembers pending, inflight;
+    if (n == 0 || Py_SIZE(c) != n)
+        return 1;
+    scan_members(&pending, c->cls, pending_prefill_tokens_name);
+    scan_members(&inflight, c->cls, inflight_requests_name);
+    if (pending.loads_at < 0 || inflight.loads_at < 0)
+        return 1;
+    const SlotLoadsObject *store = c->loads;
+    out->pendings = store->values + pending.column * store->capacity;
+    out->inflights = store->values + inflight.column * store->capacity;
+    out->capacity = (size_t)store->capacity;
+    return 0;
+}
+
 static PyObject *
 least_loaded_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -5789,22 +5814,14 @@ least_loaded_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    ScanMembers pending, inflight;
-    if (n == 0 || Py_SIZE(c) != n) {
-        Py_DECREF(seq);
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    scan_members(&pending, c->cls, pending_prefill_tokens_name);
-    scan_members(&inflight, c->cls, inflight_requests_name);
-    if (pending.loads_at < 0 || inflight.loads_at < 0) {
+    CandidateLoads loads;
+    if (candidate_loads(c, n, &loads)) {
         Py_DECREF(seq);
         Py_RETURN_NOTIMPLEMENTED;
     }
     Py_ssize_t queue_at = member_offset(c->cls, reported_queue_name);
-    const SlotLoadsObject *store = c->loads;
-    const int64_t *pendings = store->values + pending.column * store->capacity;
-    const int64_t *inflights = store->values + inflight.column * store->capacity;
-    size_t capacity = (size_t)store->capacity;
+    const int64_t *pendings = loads.pendings, *inflights = loads.inflights;
+    size_t capacity = loads.capacity;
     Py_ssize_t best_i = -1;
     long long best_pending = 0, best_inflight = 0, best_queue = 0;
     uint32_t best_slot = 0;
@@ -8418,7 +8435,8 @@ ttft_pending(PyObject *backlog, PyObject *item, Py_ssize_t id_at, double now, do
     return 0;
 }
 
-/* What min_ttft_pick and dualmap_cold_pick read alike: the first ten arguments, parsed once */
+/* What min_ttft_pick, preble_pick and dualmap_cold_pick read alike: the first ten arguments,
+ * parsed once */
 typedef struct {
     PyObject *seq, *overlaps, *claimed, *backlog;
     OverlapsObject *by_slot;
@@ -8427,9 +8445,10 @@ typedef struct {
     double now, rate;
     TtftCost cost;
     const CandidateSlotsObject *c;
-    const int64_t *pendings, *inflights;
-    size_t capacity;
-    long long attended_for, attended; /* the attention pairs of the last uncached count priced */
+    CandidateLoads loads;
+    long long attended_for, attended; /* the attention pairs of the last uncached count read */
+    long long idle_for;               /* ... and the idle TTFT (the request's own prefill) of the */
+    double idle_ms;                   /* last uncached count priced idle */
 } TtftPass;
 
 /* parse (candidates, slots, overlaps, claimed, prompt_tokens, block_size, now, backlog, rate,
@@ -8443,8 +8462,9 @@ ttft_pass_init(TtftPass *p, PyObject *const *args)
     p->overlaps = args[2];
     p->claimed = args[3];
     p->backlog = args[7];
-    p->attended_for = -1;
+    p->attended_for = p->idle_for = -1;
     p->attended = 0;
+    p->idle_ms = 0.0;
     p->claim_count = PyObject_Length(p->claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
     if (p->claim_count < 0)
         return -1;
@@ -8468,49 +8488,55 @@ ttft_pass_init(TtftPass *p, PyObject *const *args)
     if (p->seq == NULL)
         return -1;
     p->n = PySequence_Fast_GET_SIZE(p->seq);
-    ScanMembers pending_members, inflight_members;
-    if (p->n == 0 || Py_SIZE(p->c) != p->n)
-        return 1;
-    scan_members(&pending_members, p->c->cls, pending_prefill_tokens_name);
-    scan_members(&inflight_members, p->c->cls, inflight_requests_name);
-    if (pending_members.loads_at < 0 || inflight_members.loads_at < 0)
+    if (candidate_loads(p->c, p->n, &p->loads))
         return 1;
     p->id_at = member_offset(p->c->cls, id_name);
-    const SlotLoadsObject *store = p->c->loads;
-    p->pendings = store->values + pending_members.column * store->capacity;
-    p->inflights = store->values + inflight_members.column * store->capacity;
-    p->capacity = (size_t)store->capacity;
     return 0;
 }
 
-/* candidate i's uncached prompt tokens (RoutingContext.uncached_tokens), pending prefill tokens
- * (LatencyModel.pending_tokens), in-flight requests and the attention pairs of its uncached
- * tokens: 0, 1 (NotImplemented), -1 on error */
+/* The prefix `slot` holds (RoutingContext.overlap): from the walk's Overlaps (`by_slot`), or
+ * looked up in a dict of them: 0, 1 (NotImplemented: not an int of 64 bits), -1 on error */
 static int
-ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *uncached_out, long long *pending_out, long long *inflight_out)
+slot_depth(PyObject *overlaps, OverlapsObject *by_slot, uint32_t slot, long long *depth)
+{
+    *depth = 0;
+    if (by_slot != NULL) {
+        *depth = overlaps_depth(by_slot, slot);
+        return 0;
+    }
+    if (!PyDict_GET_SIZE(overlaps))
+        return 0;
+    PyObject *key = PyLong_FromUnsignedLong(slot);
+    if (key == NULL)
+        return -1;
+    int r = scan_depth(overlaps, NULL, key, depth);
+    Py_DECREF(key);
+    return r;
+}
+
+/* candidate i's prefix held (RoutingContext.overlap), uncached prompt tokens
+ * (RoutingContext.uncached_tokens), pending prefill tokens (LatencyModel.pending_tokens),
+ * in-flight requests, and the attention pairs of its uncached tokens (p->attended): 0, 1
+ * (NotImplemented), -1 on error */
+static int
+ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *overlap_out, long long *uncached_out, long long *pending_out,
+               long long *inflight_out)
 {
     PyObject *item = PySequence_Fast_ITEMS(p->seq)[i];
     if (Py_TYPE(item) != p->c->cls)
         return 1;
     uint32_t slot = p->c->slots[i];
-    long long cached = 0;
-    if (p->by_slot != NULL) {
-        cached = overlaps_depth(p->by_slot, slot);
-    } else if (PyDict_GET_SIZE(p->overlaps)) {
-        PyObject *key = PyLong_FromUnsignedLong(slot);
-        if (key == NULL)
-            return -1;
-        int r = scan_depth(p->overlaps, NULL, key, &cached);
-        Py_DECREF(key);
-        if (r != 0)
-            return r;
-    }
+    long long overlap;
+    int r = slot_depth(p->overlaps, p->by_slot, slot, &overlap);
+    if (r != 0)
+        return r;
+    long long cached = overlap;
     if (p->claim_count) {
         PyObject *key = PyLong_FromUnsignedLong(slot);
         if (key == NULL)
             return -1;
         long long held_back;
-        int r = verdict_dict_long(p->claimed, key, 0, &held_back);
+        r = verdict_dict_long(p->claimed, key, 0, &held_back);
         Py_DECREF(key);
         if (r != 0)
             return r;
@@ -8525,10 +8551,11 @@ ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *uncached_out, long long *pe
         uncached = 0;
     if (uncached >= (1LL << 31))
         return 1;
-    long long committed = slot < p->capacity ? p->pendings[slot] : 0;
-    long long inflight = slot < p->capacity ? p->inflights[slot] : 0;
+    const CandidateLoads *loads = &p->loads;
+    long long committed = slot < loads->capacity ? loads->pendings[slot] : 0;
+    long long inflight = slot < loads->capacity ? loads->inflights[slot] : 0;
     long long pending;
-    int r = ttft_pending(p->backlog, item, p->id_at, p->now, p->rate, committed, &pending);
+    r = ttft_pending(p->backlog, item, p->id_at, p->now, p->rate, committed, &pending);
     if (r != 0)
         return r;
     if (pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS)
@@ -8537,10 +8564,27 @@ ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *uncached_out, long long *pe
         p->attended_for = uncached;
         p->attended = ttft_attended(uncached, p->cost.chunk);
     }
+    *overlap_out = overlap;
     *uncached_out = uncached;
     *pending_out = pending;
     *inflight_out = inflight;
     return 0;
+}
+
+/* LatencyModel.ttft_ms(uncached, tokens_ahead, requests_ahead) of the candidate ttft_pass_read
+ * read last (its attention pairs): with nothing ahead, the request's own prefill, priced once
+ * per uncached count (most candidates share one: none of the prompt held, or a system prompt) */
+static inline double
+ttft_pass_ms(TtftPass *p, long long uncached, long long tokens_ahead, long long requests_ahead)
+{
+    if (tokens_ahead == 0 && requests_ahead <= 0) {
+        if (uncached != p->idle_for) {
+            p->idle_for = uncached;
+            p->idle_ms = ttft_cost_ms(&p->cost, uncached, 1, p->attended);
+        }
+        return p->idle_ms;
+    }
+    return ttft_cost_ms(&p->cost, tokens_ahead + uncached, (requests_ahead > 0 ? requests_ahead : 0) + 1, p->attended);
 }
 
 /* ends a pass: its result, or NotImplemented (r 1), or NULL (r -1) */
@@ -8576,10 +8620,10 @@ min_ttft_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long long best_pending = 0;
     uint32_t best_slot = 0;
     for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
-        long long uncached, pending, inflight;
-        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+        long long overlap, uncached, pending, inflight;
+        if ((r = ttft_pass_read(&p, i, &overlap, &uncached, &pending, &inflight)) != 0)
             break;
-        double ttft = ttft_cost_ms(&p.cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, p.attended);
+        double ttft = ttft_pass_ms(&p, uncached, pending, inflight);
         uint32_t slot = p.c->slots[i];
         /* min() of (ttft, pending, slot): the first element that differs decides, NaN never less */
         int better;
@@ -8642,24 +8686,10 @@ preble_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double best_hit = 0.0;
     long long prompt = p.prompt_tokens > 1 ? p.prompt_tokens : 1;
     for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
-        long long uncached, pending, inflight;
-        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+        long long held, uncached, pending, inflight;
+        if ((r = ttft_pass_read(&p, i, &held, &uncached, &pending, &inflight)) != 0)
             break;
         uint32_t slot = p.c->slots[i];
-        long long held = 0;
-        if (p.by_slot != NULL) {
-            held = overlaps_depth(p.by_slot, slot);
-        } else { /* a dict of overlaps: read again, as ttft_pass_read did */
-            PyObject *key = PyLong_FromUnsignedLong(slot);
-            if (key == NULL) {
-                r = -1;
-                break;
-            }
-            r = scan_depth(p.overlaps, NULL, key, &held);
-            Py_DECREF(key);
-            if (r != 0)
-                break;
-        }
         /* overlap * block_size / prompt, as Python divides two ints: exact below 2^53 */
         if (held < 0 || held >= (1LL << 31) || held * p.block_size >= TTFT_EXACT_TOKENS) {
             r = 1;
@@ -8668,8 +8698,7 @@ preble_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         double hit = (double)(held * p.block_size) / (double)prompt;
         if (!(hit < 1.0))
             hit = 1.0;
-        PrebleRow row = {i, ttft_cost_ms(&p.cost, pending + uncached, (inflight > 0 ? inflight : 0) + 1, p.attended),
-                         slot};
+        PrebleRow row = {i, ttft_pass_ms(&p, uncached, pending, inflight), slot};
         if (preble_before(&row, &by_cost))
             by_cost = row;
         if (by_hit.i < 0 || hit > best_hit) {
@@ -8747,11 +8776,9 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         queue_at = member_offset(p.c->cls, reported_queue_name);
     }
     ColdView best = {-1, 0, 0.0, 0, 0}, second = {-1, 0, 0.0, 0, 0};
-    double own_ms = 0.0;
-    long long own_for = -1; /* the idle TTFT (the request's own prefill) of that many uncached tokens */
     for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
-        long long uncached, pending, inflight, queued_tokens, queued_requests, queue = 0;
-        if ((r = ttft_pass_read(&p, i, &uncached, &pending, &inflight)) != 0)
+        long long overlap, uncached, pending, inflight, queued_tokens, queued_requests, queue = 0;
+        if ((r = ttft_pass_read(&p, i, &overlap, &uncached, &pending, &inflight)) != 0)
             break;
         PyObject *item = Py_NewRef(PySequence_Fast_ITEMS(p.seq)[i]); /* the stall callback may drop the list's */
         r = verdict_attr_long(item, queued_tokens_at, queued_prefill_tokens_name, &queued_tokens);
@@ -8775,12 +8802,7 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (r != 0)
             break;
         long long load = pending + queued_tokens, requests = inflight + queued_requests;
-        if (uncached != own_for) {
-            own_for = uncached;
-            own_ms = ttft_cost_ms(&p.cost, uncached, 1, p.attended);
-        }
-        double ttft = (load == 0 && requests == 0 ? own_ms : ttft_cost_ms(&p.cost, load + uncached, (requests > 0 ? requests : 0) + 1, p.attended))
-                      + stall_ms;
+        double ttft = ttft_pass_ms(&p, uncached, load, requests) + stall_ms;
         if (isnan(ttft)) { /* no order: the reference's sort says where it goes */
             r = 1;
             break;
@@ -8886,20 +8908,9 @@ lbgr_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         uint32_t slot = c->slots[i];
-        long long overlap = 0;
-        if (by_slot != NULL) {
-            overlap = overlaps_depth(by_slot, slot);
-        } else if (PyDict_GET_SIZE(overlaps)) {
-            PyObject *key = PyLong_FromUnsignedLong(slot);
-            if (key == NULL) {
-                r = -1;
-                break;
-            }
-            r = scan_depth(overlaps, NULL, key, &overlap);
-            Py_DECREF(key);
-            if (r != 0)
-                break;
-        }
+        long long overlap;
+        if ((r = slot_depth(overlaps, by_slot, slot, &overlap)) != 0)
+            break;
         if (overlap < 0 || overlap >= (1LL << 31)) {
             r = 1;
             break;

@@ -100,7 +100,9 @@ async def _one_stream(service: Any, route_item: Callable[[int], bytes], complete
     return routes
 
 
-async def _measure(mode: str, workers: int, blocks: int, prompt: Sequence[int], messages: int) -> list[float]:
+async def _measure(mode: str, workers: int, blocks: int, prompt: Sequence[int], messages: int,
+                   timed_runs: int = RUNS) -> list[float]:
+    """``timed_runs`` timed runs after one warming up (0: the warm-up alone, as ``instructions`` counts it)."""
     daemon = Daemon(parse_config(daemon_settings(mode)))
     populate(daemon.router, workers, blocks)
     await daemon.start()
@@ -108,7 +110,7 @@ async def _measure(mode: str, workers: int, blocks: int, prompt: Sequence[int], 
     try:
         request = pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes())
         route_item, complete_item = stream_items(request, reported=mode == "observed")
-        for run in range(RUNS + 1):
+        for run in range(timed_runs + 1):
             client_cpu = [0.0]
             started = time.thread_time()
             routes = await asyncio.gather(*(_one_stream(daemon.service, route_item, complete_item, messages, client_cpu)

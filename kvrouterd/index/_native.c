@@ -5820,17 +5820,18 @@ least_loaded_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     }
     Py_ssize_t queue_at = member_offset(c->cls, reported_queue_name);
-    const int64_t *pendings = loads.pendings, *inflights = loads.inflights;
-    size_t capacity = loads.capacity;
     Py_ssize_t best_i = -1;
     long long best_pending = 0, best_inflight = 0, best_queue = 0;
     uint32_t best_slot = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(seq)) /* a getter run below shrank the list */
+            goto not_mine;
         PyObject *item = PySequence_Fast_ITEMS(seq)[i];
         if (Py_TYPE(item) != c->cls)
             goto not_mine;
         uint32_t slot = c->slots[i];
-        long long p = slot < capacity ? pendings[slot] : 0, f = slot < capacity ? inflights[slot] : 0;
+        long long p = slot < loads.capacity ? loads.pendings[slot] : 0;
+        long long f = slot < loads.capacity ? loads.inflights[slot] : 0;
         if (best_i >= 0 && (p > best_pending || (p == best_pending && f > best_inflight)))
             continue;
         Py_INCREF(item); /* a getter run on it may drop the list's reference */
@@ -5839,6 +5840,10 @@ least_loaded_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (queued == NULL) {
             Py_DECREF(seq);
             return NULL;
+        }
+        if (queue_at < 0 && candidate_loads(c, n, &loads)) { /* the getter may have grown (moved) the loads */
+            Py_DECREF(queued);
+            goto not_mine;
         }
         long long q = 0;
         int exact = PyLong_CheckExact(queued) && !exact_long(queued, &q);
@@ -8465,6 +8470,7 @@ ttft_pass_init(TtftPass *p, PyObject *const *args)
     p->attended_for = p->idle_for = -1;
     p->attended = 0;
     p->idle_ms = 0.0;
+    p->prompt_tokens = 0; /* read by preble_pick even where this declines */
     p->claim_count = PyObject_Length(p->claimed); /* ctx.claimed: a dict, or the empty MappingProxyType */
     if (p->claim_count < 0)
         return -1;
@@ -8478,7 +8484,7 @@ ttft_pass_init(TtftPass *p, PyObject *const *args)
         || ttft_float(PyTuple_GET_ITEM(cost_args, 3), &p->cost.a_ms) || ttft_float(PyTuple_GET_ITEM(cost_args, 4), &p->cost.b)
         || ttft_float(PyTuple_GET_ITEM(cost_args, 5), &p->cost.c)
         || ttft_float(PyTuple_GET_ITEM(cost_args, 6), &p->cost.pair_ms) || !PyLong_CheckExact(PyTuple_GET_ITEM(cost_args, 7))
-        || exact_long(PyTuple_GET_ITEM(cost_args, 7), &chunk) || p->prompt_tokens >= TTFT_EXACT_TOKENS
+        || exact_long(PyTuple_GET_ITEM(cost_args, 7), &chunk) || p->prompt_tokens < 0 || p->prompt_tokens >= TTFT_EXACT_TOKENS
         || p->block_size < 0 || p->block_size >= (1LL << 31))
         return 1;
     p->cost.linear = PyTuple_GET_ITEM(cost_args, 0) == Py_True;
@@ -8522,6 +8528,8 @@ static int
 ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *overlap_out, long long *uncached_out, long long *pending_out,
                long long *inflight_out)
 {
+    if (i >= PySequence_Fast_GET_SIZE(p->seq)) /* Python code the pass ran shrank the list */
+        return 1;
     PyObject *item = PySequence_Fast_ITEMS(p->seq)[i];
     if (Py_TYPE(item) != p->c->cls)
         return 1;
@@ -8530,6 +8538,8 @@ ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *overlap_out, long long *unc
     int r = slot_depth(p->overlaps, p->by_slot, slot, &overlap);
     if (r != 0)
         return r;
+    if (overlap < -(1LL << 31) || overlap > (1LL << 31)) /* before a claim is taken from it */
+        return 1;
     long long cached = overlap;
     if (p->claim_count) {
         PyObject *key = PyLong_FromUnsignedLong(slot);
@@ -8558,7 +8568,8 @@ ttft_pass_read(TtftPass *p, Py_ssize_t i, long long *overlap_out, long long *unc
     r = ttft_pending(p->backlog, item, p->id_at, p->now, p->rate, committed, &pending);
     if (r != 0)
         return r;
-    if (pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS)
+    if (pending >= TTFT_EXACT_TOKENS - uncached || inflight >= TTFT_EXACT_TOKENS || pending <= -TTFT_EXACT_TOKENS
+        || inflight <= -TTFT_EXACT_TOKENS)
         return 1;
     if (uncached != p->attended_for) { /* most candidates share an overlap: none, or a system prompt */
         p->attended_for = uncached;
@@ -8775,6 +8786,8 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         queued_requests_at = member_offset(p.c->cls, queued_requests_name);
         queue_at = member_offset(p.c->cls, reported_queue_name);
     }
+    /* a load read through a getter (not a slot member) is Python code, as the stall callback is */
+    int getters = queued_tokens_at < 0 || queued_requests_at < 0 || queue_at < 0;
     ColdView best = {-1, 0, 0.0, 0, 0}, second = {-1, 0, 0.0, 0, 0};
     for (Py_ssize_t i = 0; r == 0 && i < p.n; i++) {
         long long overlap, uncached, pending, inflight, queued_tokens, queued_requests, queue = 0;
@@ -8790,6 +8803,7 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                        || queued_requests >= TTFT_EXACT_TOKENS - inflight))
             r = 1;
         double stall_ms = 0.0;
+        int getters_ran = getters;
         /* DecodeBottleneck.stall_ms is 0 without requests in flight and a queue waiting */
         if (r == 0 && stall != Py_None && inflight > 0 && (queue > 0 || queued_requests > 0)) {
             PyObject *ms = PyObject_CallFunctionObjArgs(stall, item, args[6], NULL);
@@ -8797,7 +8811,10 @@ dualmap_cold_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (r == 0)
                 stall_ms = PyFloat_AS_DOUBLE(ms);
             Py_XDECREF(ms);
+            getters_ran = 1;
         }
+        if (r == 0 && getters_ran) /* Python code run on the worker may have grown (moved) the loads' array */
+            r = candidate_loads(p.c, p.n, &p.loads);
         Py_DECREF(item);
         if (r != 0)
             break;
@@ -8902,6 +8919,10 @@ lbgr_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint32_t best_slot = 0;
     int fleet_learned = learners == Py_None && fleet_theta != Py_None;
     for (Py_ssize_t i = 0; r == 0 && i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(seq)) { /* a theta getter shrank the list */
+            r = 1;
+            break;
+        }
         PyObject *item = PySequence_Fast_ITEMS(seq)[i];
         if (Py_TYPE(item) != c->cls) {
             r = 1;

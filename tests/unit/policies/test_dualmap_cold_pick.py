@@ -114,6 +114,10 @@ def test_the_native_placement_declines_what_it_cannot_price_exactly():
     assert pick(*args[:12], lambda w, now: 5.0) == (0, 2)  # w1 stalled: overloaded, last
     with pytest.raises(ZeroDivisionError):
         pick(*args[:12], lambda w, now: 1 / 0)
+    # the stall callback is Python: what it changes is read afresh, or declined
+    shrunk = list(ctx.candidates)
+    assert pick(shrunk, *args[1:12], lambda w, now: shrunk.clear() or 0.0) is NotImplemented
+    assert pick(*args[:12], lambda w, now: workers[0].slot_loads.move(5000, 5000) or 0.0) == (0, 1)
     with pytest.raises(TypeError):
         pick(*args[:10])
 

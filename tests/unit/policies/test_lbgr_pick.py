@@ -85,6 +85,15 @@ def test_the_native_pick_declines_what_it_cannot_estimate_exactly():
     assert pick(*args[:5], {"w0": 100.0, "w1": 60.0}, 0.5, *args[7:]) == (2, float(len(TOKENS)))
     assert pick(*args[:5], {"w0": 100.0, "w1": 60.0, "w2": 70.0}, 0.5, *args[7:]) == (1, len(TOKENS) + 30.0)
     assert pick(*args[:3], 2**53, *args[4:]) is NotImplemented
+    shrunk = list(ctx.candidates)  # a learner's theta is Python: a getter that empties the list is declined
+
+    class Shrinking:
+        @property
+        def theta(self) -> list[float]:
+            shrunk.clear()
+            return [0.0]
+
+    assert pick(shrunk, *args[1:11], {w.id: Shrinking() for w in shrunk}, *args[12:]) is NotImplemented
     assert pick(ctx.candidates, None, *args[2:]) is NotImplemented
     with pytest.raises(TypeError):
         pick(*args[:14])

@@ -93,6 +93,12 @@ def test_the_native_pick_declines_what_it_cannot_price_exactly():
     ctx.candidates[1].pending_prefill_tokens = 5
     assert pick(backlog={"w1": (3, "soon")}) is NotImplemented  # a backlog the model does not keep
     assert pick(backlog={"w1": (float("inf"), 0.0)}) is NotImplemented  # round() raises there
+    # past what int64 arithmetic holds (the Python pass's ints do not overflow)
+    assert pick(prompt_tokens=-2**63) is NotImplemented
+    w0 = ctx.candidates[0]
+    assert pick(overlaps={w0.slot: -2**63}, claimed={w0.slot: 1}) is NotImplemented
+    w0.pending_prefill_tokens = -2**63
+    assert pick() is NotImplemented
     with pytest.raises(TypeError):
         native.module.min_ttft_pick(ctx.candidates)
 

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 LISTEN ?= 127.0.0.1:50051
 CONFIG ?=
 
-.PHONY: run test bench reproduce proto constraints lint clean
+.PHONY: run test bench sanitize reproduce proto constraints lint clean
 
 # the C fast path is compiled by the install: a changed source re-installs. The daemon's
 # dependencies come at the versions constraints.txt pins (what the image installs), so tests
@@ -24,6 +24,27 @@ test: $(VENV)/.installed  ## the whole test suite
 
 bench: $(VENV)/.installed  ## in-process and gRPC benchmarks (reports, never asserts)
 	$(VENV)/bin/kvrouterd bench
+
+# the C extension rebuilt with AddressSanitizer and UBSan in build/sanitize beside a copy of the
+# package (the installed build is untouched), and the tests that drive it run against that copy:
+# a read past an array or a signed overflow the tests reach stops the run with its stack. Needs
+# gcc with libasan and libubsan; Python itself is not instrumented, so leaks are not checked.
+SAN := build/sanitize
+SAN_CFLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined -ffp-contract=off
+SAN_TESTS ?= tests/unit/index tests/unit/policies
+sanitize: $(VENV)/.installed  ## the C extension's tests (SAN_TESTS) against an ASan + UBSan build of it (gcc)
+	rm -rf $(SAN) && mkdir -p $(SAN)/clients/python
+	cp -r kvrouterd tests pyproject.toml $(SAN)/ && cp -r clients/python/kvrouter_client $(SAN)/clients/python/
+	gcc -shared -fPIC $(SAN_CFLAGS) -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	  -Ikvrouterd/index/_vendor/xxhash kvrouterd/index/_native.c \
+	  -o "$(SAN)/kvrouterd/index/_native$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+	# run inside the copy: the working directory comes first on sys.path
+	cd $(SAN) && export LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  PYTHONPATH=$(abspath $(SAN)):$(abspath $(SAN))/clients/python && \
+	$(abspath $(PY)) -c "import sys, kvrouterd.index.native as n; f = getattr(n.module, '__file__', ''); \
+	  sys.exit(0 if f.startswith('$(abspath $(SAN))/') else f'not the sanitized build: {f or n.module}')" && \
+	$(abspath $(PY)) -m pytest -q -p no:cacheprovider -p no:faulthandler --capture=sys $(SAN_TESTS) -k "not built_by_the_install"
 
 reproduce: $(VENV)/.installed  ## regenerate every table of docs/results.md into docs/results/reproduce (sim reproduce)
 	$(VENV)/bin/kvrouterd sim reproduce --jobs 2 --out docs/results/reproduce

@@ -10,18 +10,23 @@ per stream, and divides the difference in instructions by the difference in Rout
 imports and the index's population cancel out. ``client`` is the same load against an in-process
 handler that answers every item with a constant (``grpc_bench.TrivialService``): the bench's own
 side of the loop (cutting messages, reading answers) and the deserializing and serialising any
-handler pays, so ``daemon - client`` is what the daemon's code costs.
+handler pays, so ``daemon - client`` is what the daemon's code costs. ``floor`` is the load
+against ``grpc_bench.FloorService``, the floor of any Python router (hash, walk, pick, answer),
+so ``daemon - floor`` is what validation, deadline admission, the ledger, the eviction model and
+metrics cost.
 
 Callgrind counts instructions, not time: a cache miss counts as one instruction, and a copy
 ``rep movsb`` makes counts one per byte, so glibc's ``memcpy`` is told to use its vector loop at
 every size (``GLIBC_TUNABLES``), where a 16 kB prompt's copy would otherwise read as 16k
-instructions.
+instructions. Counts of one tree still move by up to ~2% between runs: under callgrind the clock
+runs ~50x slower, so what drains with time (deadline admission's backlog, recency) is read at
+other values.
 
-    python -m kvrouterd.benchmarks.instructions                # daemon, deadline_off, client
+    python -m kvrouterd.benchmarks.instructions                # daemon, deadline_off, floor, client
     python -m kvrouterd.benchmarks.instructions --modes daemon --json
 
 Needs valgrind on PATH (``apt-get install valgrind``); without it says so and exits 2. Each mode
-takes ~2 minutes (two runs under callgrind, ~50x slower than native).
+takes ~1.5 minutes (two runs under callgrind, ~50x slower than native).
 """
 
 from __future__ import annotations
@@ -44,39 +49,47 @@ SHORT, LONG = 20, 60
 #: 10^6 blocks, which would take callgrind minutes to populate: a Route's walk reads 250 blocks
 #: either way)
 WORKERS, BLOCKS = 64, 10_000
-MODES = ("daemon", "deadline_off", "client")
+MODES = ("daemon", "deadline_off", "floor", "client")
 #: glibc's memcpy without ``rep movsb``, which callgrind counts byte by byte
 _NO_REP_MOVSB = "glibc.cpu.x86_rep_movsb_threshold=4294967295"
 
 
-async def _drive_client(prompt: list[int], messages: int) -> None:
-    from .._generated.kvrouter.v1 import router_pb2 as pb
-    from .grpc_bench import TrivialService, stream_items
-    from .stream_inprocess import STREAMS, _one_stream
-
-    class Constant(TrivialService):
-        """The trivial server's answers with what ``_one_stream`` reads of the daemon's service."""
-
-        stream_batch_bytes = 64 << 20  # what TrivialService advertises
-        route_stream_message = staticmethod(pb.RouteStreamRequest.FromString)
-
+async def _drive_service(service_class: type, prompt: list[int], messages: int, *args: Any) -> None:
+    """The streamed load against ``service_class(*args)``, a ``grpc_bench`` servicer, given what
+    ``_one_stream`` reads of the daemon's service: the batch size it advertises and its deserializer."""
     import asyncio
 
+    from .._generated.kvrouter.v1 import router_pb2 as pb
+    from .grpc_bench import stream_items
+    from .stream_inprocess import STREAMS, _one_stream
+
+    class InProcess(service_class):  # type: ignore[valid-type, misc]
+        stream_batch_bytes = 64 << 20  # what grpc_bench's servicers advertise
+        route_stream_message = staticmethod(pb.RouteStreamRequest.FromString)
+
+    service = InProcess(*args)
     route_item, complete_item = stream_items(pb.RouteRequest(token_ids_le32=array("I", prompt).tobytes()))
-    await asyncio.gather(*(_one_stream(Constant(), route_item, complete_item, messages, [0.0]) for _ in range(STREAMS)))
+    await asyncio.gather(*(_one_stream(service, route_item, complete_item, messages, [0.0]) for _ in range(STREAMS)))
 
 
 def drive(mode: str, messages: int) -> int:
-    """Run the streamed load once in this process (``mode``: a ``grpc_bench.daemon_settings`` mode,
-    or "client"); returns the Routes it sent."""
+    """Run the streamed load once in this process (``mode``: one of ``MODES``); returns the
+    Routes it sent."""
     import uvloop
 
+    from ..config import parse_config
+    from ..server.app import Daemon
+    from .grpc_bench import FloorService, TrivialService, daemon_settings
     from .stream_inprocess import PER_STREAM, STREAMS, _measure
-    from .workload import build_router
+    from .workload import build_router, populate
 
     _, prompt = build_router(1, 1000)
     if mode == "client":
-        uvloop.run(_drive_client(prompt, messages))
+        uvloop.run(_drive_service(TrivialService, prompt, messages))
+    elif mode == "floor":  # over a daemon's index populated as for "daemon", as grpc_bench serves it
+        router = Daemon(parse_config(daemon_settings(mode))).router
+        populate(router, WORKERS, BLOCKS)
+        uvloop.run(_drive_service(FloorService, prompt, messages, router))
     else:
         uvloop.run(_measure(mode, WORKERS, BLOCKS, prompt, messages, timed_runs=0))
     return STREAMS * PER_STREAM * messages
@@ -135,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'instructions per streamed Route + Complete':<44} {'count':>10}")
     for key, value in result.items():
         print(f"{key.removeprefix('handler_instructions_per_route_'):<44} {value:>10,.0f}")
-    if "daemon" in modes and "client" in modes:
-        own = result["handler_instructions_per_route_daemon"] - result["handler_instructions_per_route_client"]
-        print(f"{'daemon - client: the daemon code alone':<44} {own:>10,.0f}")
+    for other, label in (("client", "daemon - client: the daemon's code"),
+                         ("floor", "daemon - floor: what it does past the floor")):
+        if "daemon" in modes and other in modes:
+            gap = result["handler_instructions_per_route_daemon"] - result[f"handler_instructions_per_route_{other}"]
+            print(f"{label:<44} {gap:>10,.0f}")
     return 0
 
 

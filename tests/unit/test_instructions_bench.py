@@ -15,7 +15,7 @@ from kvrouterd.benchmarks import instructions
 from kvrouterd.benchmarks.stream_inprocess import PER_STREAM, STREAMS
 
 
-@pytest.mark.parametrize("mode", ["daemon", "client"])
+@pytest.mark.parametrize("mode", ["daemon", "floor", "client"])
 def test_the_driven_load_sends_every_stream_its_routes(mode: str) -> None:
     assert instructions.drive(mode, 2) == STREAMS * PER_STREAM * 2
 

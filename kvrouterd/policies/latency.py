@@ -431,6 +431,14 @@ class LatencyModel:
         _, rate, priced = self._per_sample()
         return (None if self.params.pending_model == "inflight" else self._backlog), rate, priced
 
+    def pricing_args(self, ctx: RoutingContext) -> tuple[object, ...]:
+        """The arguments every native pass pricing ``ctx``'s candidates takes first
+        (``index/_native.c``: ``TtftPass``, read by ``min_ttft_pick``, ``preble_pick`` and
+        ``dualmap_cold_pick``): the candidates, their slots, the walk, the claimed blocks, the
+        prompt, the block size and the time, then ``pricing_inputs()``."""
+        return (ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens,
+                ctx.block_size, ctx.now, *self.pricing_inputs())
+
     # ---- estimates --------------------------------------------------------------------
     def prefill_ms(self, tokens: float, batch: int = 1, attended: float = 0.0) -> float:
         """Time to prefill ``tokens`` tokens as one batch of ``batch`` requests whose tokens

@@ -285,11 +285,8 @@ class DualMapPolicy(RoutingPolicyBase):
             if not ctx.explain and native.module is not None:
                 # one native pass over the loads by slot (~2 us a view here: ~2 ms at 1,024
                 # workers); the explained placement below, which lists every view, is its reference
-                backlog, rate, cost = self.latency.pricing_inputs()
                 picked = native.module.dualmap_cold_pick(
-                    ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed, ctx.request.prompt_tokens,
-                    ctx.block_size, ctx.now, backlog, rate, cost, slo,
-                    threshold if self.params.slo_test == "static_threshold" else -1,
+                    *self.latency.pricing_args(ctx), slo, threshold if self.params.slo_test == "static_threshold" else -1,
                     self.bottleneck_ms if self.a7.limit_s > 0 else None)
                 if picked is not NotImplemented and picked[1] >= 0:  # a cold plan has two workers at least
                     best, other = (self._view(ctx, ctx.candidates[i], slo, threshold) for i in picked)

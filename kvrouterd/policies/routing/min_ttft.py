@@ -31,9 +31,7 @@ class MinTTFTPolicy(CalibratedRoutingPolicy):
         if not getattr(ctx, "explain", True) and native.module is not None:
             # one native pass over the loads by slot: pricing every worker here is ~2 us each,
             # ~2 ms a Route at 1,024 workers; this loop, which lists each one's price, is its reference
-            backlog, rate, cost = model.pricing_inputs()
-            picked = native.module.min_ttft_pick(ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed,
-                                                 ctx.request.prompt_tokens, ctx.block_size, ctx.now, backlog, rate, cost)
+            picked = native.module.min_ttft_pick(*model.pricing_args(ctx))
             if picked is not NotImplemented:
                 index, ttft, pending = picked
                 chosen = ctx.candidates[index]

@@ -48,10 +48,7 @@ class PreblePolicy(CalibratedRoutingPolicy):
         if not getattr(ctx, "explain", True) and native.module is not None:
             # one native pass over the loads by slot (index/_native.c: preble_pick): pricing
             # every worker here is ~2 us each; this loop, which lists each one, is its reference
-            backlog, rate, priced = model.pricing_inputs()
-            picked = native.module.preble_pick(ctx.candidates, ctx.candidate_slots, ctx.match.overlaps, ctx.claimed,
-                                               ctx.request.prompt_tokens, ctx.block_size, ctx.now, backlog, rate,
-                                               priced, self.params.hit_threshold)
+            picked = native.module.preble_pick(*model.pricing_args(ctx), self.params.hit_threshold)
             if picked is not NotImplemented:
                 index, cost, best_hit, prefix_hit = picked
                 return self._decided(ctx, ctx.candidates[index], "prefix_hit" if prefix_hit else "load_cost",

@@ -155,6 +155,11 @@ def _load_level(worker: Worker) -> int:
     return min(worker.reported_running.bit_length(), _LOAD_LEVELS - 1)
 
 
+if native.module is not None:  # what the native passes of a Route's books (deadline_price, ...) read
+    native.module.deadline_constants(_SCALE_WEIGHT, _LOG_SCALE_RANGE, _TAIL_STEP, _MARGIN_STEP, _HOLD_WEIGHT,
+                                     _MIN_SAMPLE_MS, MAX_LATENCY_MS, _MAX_TRACKED, _LOAD_LEVELS)
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """What deadline admission found for one decision."""
@@ -444,7 +449,16 @@ class DeadlineGuard:
         decision), None when it does not. The common case, answered without pricing every
         eligible worker, which at 1,024 workers would cost the decision a millisecond."""
         uncached, cached = ctx.uncached_tokens(chosen), ctx.overlap(chosen) * ctx.block_size
-        now = ctx.now
+        if queued is nothing_queued and native.module is not None:
+            priced = native.module.deadline_price(self, chosen, uncached, cached, ctx.now, slo_ms)
+            if priced is not NotImplemented:
+                return priced
+        return self._price_py(chosen, uncached, cached, ctx.now, slo_ms, queued)
+
+    def _price_py(self, chosen: Worker, uncached: int, cached: int, now: float, slo_ms: float,
+                  queued: Queued) -> Pricing | None:
+        """``price_chosen`` once the prompt's tokens on ``chosen`` are known: the reference of
+        the native ``deadline_price`` (``index/_native.c``), which runs it with nothing queued."""
         drained = waited = 0.0
         level = _load_level(chosen)
         if chosen.inflight_requests:  # ahead_ms's, its two parts kept
@@ -587,6 +601,13 @@ class DeadlineGuard:
                     cached_tokens: int = 0, priced: Pricing | None = None) -> None:
         """A request was committed to ``worker`` (after the router charged it); ``priced``:
         what admission priced there for it in this same step (``price_chosen``), if it did."""
+        if native.module is None or native.module.deadline_dispatch(
+                self, worker, request_id, uncached_tokens, now, cached_tokens, priced) is NotImplemented:
+            self._dispatch_py(worker, request_id, uncached_tokens, now, cached_tokens, priced)
+
+    def _dispatch_py(self, worker: Worker, request_id: str, uncached_tokens: int, now: float, cached_tokens: int,
+                     priced: Pricing | None) -> None:
+        """``on_dispatch``'s reference, of the native ``deadline_dispatch``."""
         self._sync(worker)  # before counting this request among those waiting
         # the worker's in-flight count already includes it: a first request finds no backlog
         first = worker.inflight_requests <= 1
@@ -645,6 +666,12 @@ class DeadlineGuard:
         """A completion: its observed TTFT corrects the prediction (``_learn``) unless its first
         token already did, its time after the first token moves ``hold_ms``, and it leaves
         the backlog's bookkeeping."""
+        if native.module is None or native.module.deadline_complete(self, request_id, ttft_ms, now,
+                                                                    e2e_ms) is NotImplemented:
+            self._complete_py(request_id, ttft_ms, now, e2e_ms)
+
+    def _complete_py(self, request_id: str, ttft_ms: float, now: float | None, e2e_ms: float) -> None:
+        """``on_complete``'s reference, of the native ``deadline_complete``."""
         self._forget(request_id)
         self._learn(request_id, ttft_ms, now)
         if 0 < ttft_ms and ttft_ms + 1.0 <= e2e_ms <= MAX_LATENCY_MS:  # a decode of 1 ms or more:

@@ -8229,6 +8229,665 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ---- deadline admission's books, one Route at a time ------------------------------------------
+ *
+ * deadline_price(guard, chosen, uncached, cached, now, slo_ms) -> Pricing | None | NotImplemented
+ * deadline_dispatch(guard, worker, request_id, uncached, now, cached, priced) -> None | NotImplemented
+ * deadline_complete(guard, request_id, ttft_ms, now, e2e_ms) -> None | NotImplemented
+ *
+ * What deadline.py's DeadlineGuard does for every Route and Complete: price_chosen with nothing
+ * queued, on_dispatch and on_complete. Their references are _price_py, _dispatch_py and
+ * _complete_py there; tests hold the two to the same answers and the same books over random
+ * sequences of calls. In bytecode the three were ~9 us of the ~76 a streamed Route + Complete
+ * takes in process (kvrouterd bench --only grpc, deadline_off by difference): ~20 dict and
+ * OrderedDict steps, a few logs and exps, a dozen small calls. The books stay the guard's own
+ * dicts, read and written here through its attributes, so the reference, the native verdict
+ * (deadline_verdict) and everything else that reads them see one state. The rare steps call the
+ * guard's own methods: _anchor after a load report, prefill_ms for a prompt not priced last,
+ * _forget when the tracked requests overflow. NotImplemented (the caller runs the reference)
+ * when a value read is not of the type the books keep; it is decided before any of the books is
+ * written, though it may leave behind what the reference's own first steps would: a worker
+ * re-anchored to its load report, the prefill memo. */
+static PyObject *dl_levels_name, *dl_margin_name, *dl_anchored_name, *dl_backlog_name, *dl_hold_ms_name,
+    *dl_hold_sq_name, *dl_waiting_tokens_name, *dl_waiting_count_name, *dl_flight_name, *dl_last_prefill_name,
+    *dl_prefill_ms_name, *dl_anchor_name, *dl_predicted_name, *dl_where_name, *dl_forget_name, *dl_judged_name,
+    *dl_quantile_name, *dl_log_margin_name, *dl_samples_name, *dl_scales_name, *dl_tails_name, *dl_popitem_name;
+
+/* deadline.py's constants, handed over once at its import (deadline_constants) */
+static struct {
+    double scale_weight, log_scale_range, tail_step, margin_step, hold_weight, min_sample_ms, max_latency_ms;
+    long long max_tracked, load_levels;
+    int set;
+} dl_k;
+
+static PyObject *
+deadline_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "deadline_constants takes 9 arguments (see deadline.py)");
+        return NULL;
+    }
+    double d[7];
+    long long tracked, levels;
+    for (int i = 0; i < 7; i++)
+        if (verdict_double(args[i], &d[i])) {
+            PyErr_SetString(PyExc_TypeError, "deadline_constants: the first 7 must be numbers");
+            return NULL;
+        }
+    if (!PyLong_CheckExact(args[7]) || exact_long(args[7], &tracked) || !PyLong_CheckExact(args[8])
+        || exact_long(args[8], &levels) || tracked < 1 || levels < 1 || levels > VERDICT_LEVELS) {
+        PyErr_SetString(PyExc_ValueError, "deadline_constants: max_tracked >= 1, load_levels in [1, 64]");
+        return NULL;
+    }
+    dl_k.scale_weight = d[0];
+    dl_k.log_scale_range = d[1];
+    dl_k.tail_step = d[2];
+    dl_k.margin_step = d[3];
+    dl_k.hold_weight = d[4];
+    dl_k.min_sample_ms = d[5];
+    dl_k.max_latency_ms = d[6];
+    dl_k.max_tracked = tracked;
+    dl_k.load_levels = levels;
+    dl_k.set = 1;
+    Py_RETURN_NONE;
+}
+
+/* What a Route's pricing reads of a worker, found per class (VerdictMembers), with its id */
+typedef struct {
+    VerdictMembers m;
+    PyObject *wid; /* new reference */
+    long long inflight, level;
+} DlWorker;
+
+/* `w`'s id, in-flight count and load level (levels 0..top): 0, 1 (NotImplemented), -1 */
+static int
+dl_worker(DlWorker *d, PyObject *w, Py_ssize_t top)
+{
+    verdict_members(&d->m, Py_TYPE(w));
+    d->wid = member_get(w, d->m.id_at, id_name);
+    if (d->wid == NULL)
+        return -1;
+    if (!PyUnicode_CheckExact(d->wid))
+        return 1;
+    long long at_slot, running;
+    int r;
+    if ((d->m.scan.slot_at < 0 || d->m.scan.loads_at < 0 || slot_member_load(w, &d->m.scan, &at_slot, &d->inflight) != 0)
+        && (r = verdict_attr_long(w, -1, inflight_requests_name, &d->inflight)) != 0)
+        return r;
+    if ((r = verdict_attr_long(w, d->m.running_at, reported_running_name, &running)) != 0)
+        return r;
+    if (running == LLONG_MIN)
+        return 1;
+    unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
+    d->level = magnitude ? 64 - __builtin_clzll(magnitude) : 0; /* int.bit_length() */
+    if (d->level > top)
+        d->level = top;
+    return 0;
+}
+
+/* DeadlineGuard._sync(w): its _anchor called when a load report came since: 0, 1, -1 */
+static int
+dl_sync(PyObject *guard, DlWorker *d, PyObject *w)
+{
+    PyObject *anchored = PyObject_GetAttr(guard, dl_anchored_name);
+    if (anchored == NULL)
+        return -1;
+    double reported_at, at_anchor = 0.0;
+    int r = PyDict_CheckExact(anchored) ? verdict_attr_double(w, d->m.reported_at_at, reported_at_name, &reported_at) : 1;
+    if (r == 0) {
+        PyObject *a = PyDict_GetItemWithError(anchored, d->wid); /* borrowed */
+        if (a == NULL && PyErr_Occurred())
+            r = -1;
+        else if (a != NULL && verdict_double(a, &at_anchor))
+            r = 1;
+    }
+    Py_DECREF(anchored);
+    if (r == 0 && reported_at > at_anchor) {
+        PyObject *done = PyObject_CallMethodOneArg(guard, dl_anchor_name, w);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+    }
+    return r;
+}
+
+/* guard.<name> as a double: 0, 1 (not an int or float), -1 */
+static int
+dl_attr_double(PyObject *guard, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(guard, name);
+    if (v == NULL)
+        return -1;
+    int r = verdict_double(v, out);
+    Py_DECREF(v);
+    return r;
+}
+
+/* (scale, tail) of load level `level` in the guard's _levels, and the top level: 0, 1, -1 */
+static int
+dl_level(PyObject *guard, Py_ssize_t *top, long long level, double *scale, double *tail)
+{
+    PyObject *levels = PyObject_GetAttr(guard, dl_levels_name);
+    if (levels == NULL)
+        return -1;
+    int r = 1;
+    if (PyList_CheckExact(levels) && PyList_GET_SIZE(levels) == dl_k.load_levels) {
+        *top = PyList_GET_SIZE(levels) - 1;
+        if (level < 0)
+            r = 0; /* the caller asks only for the top */
+        else if (level <= *top) {
+            PyObject *pair = PyList_GET_ITEM(levels, level);
+            r = !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || verdict_double(PyTuple_GET_ITEM(pair, 0), scale)
+                || verdict_double(PyTuple_GET_ITEM(pair, 1), tail);
+        }
+    }
+    Py_DECREF(levels);
+    return r;
+}
+
+/* DeadlineGuard._waits(w, now, tokens, scale) of a worker with requests in flight, its books
+ * synced: its backlog drained to now, and the larger of that and its wait for KV room: 0, 1, -1 */
+static int
+dl_waits(PyObject *guard, DlWorker *d, PyObject *w, double now, long long tokens, double scale, double *drained,
+         double *waited)
+{
+    PyObject *backlog = PyObject_GetAttr(guard, dl_backlog_name);
+    if (backlog == NULL)
+        return -1;
+    double ms = 0.0, at = now;
+    int r = !PyDict_CheckExact(backlog);
+    if (r == 0) {
+        PyObject *books = PyDict_GetItemWithError(backlog, d->wid); /* borrowed */
+        if (books == NULL && PyErr_Occurred())
+            r = -1;
+        else if (books != NULL && (!PyTuple_CheckExact(books) || PyTuple_GET_SIZE(books) != 2
+                                   || verdict_double(PyTuple_GET_ITEM(books, 0), &ms)
+                                   || verdict_double(PyTuple_GET_ITEM(books, 1), &at)))
+            r = 1;
+    }
+    Py_DECREF(backlog);
+    if (r != 0)
+        return r;
+    *drained = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
+    /* _kv_wait's inputs, as DeadlineGuard._verdict_args hands them to deadline_verdict */
+    VerdictKv kv = {0.0, 1.0, dl_k.max_latency_ms, 0, NULL, NULL, NULL, NULL, -1, -1};
+    double hold_sq = 0.0, wait = 0.0;
+    PyObject *block_size = NULL;
+    if ((r = dl_attr_double(guard, dl_hold_ms_name, &kv.hold_ms)) != 0)
+        return r;
+    if (kv.hold_ms) {
+        if ((r = dl_attr_double(guard, dl_hold_sq_name, &hold_sq)) != 0)
+            return r;
+        kv.spread = verdict_min(1.0, verdict_max(0.0, hold_sq / (kv.hold_ms * kv.hold_ms) - 1.0)); /* _hold_spread */
+        block_size = PyObject_GetAttr(guard, block_size_name);
+        kv.waiting_tokens = block_size == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_tokens_name);
+        kv.waiting_count = kv.waiting_tokens == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_count_name);
+        kv.flight = kv.waiting_count == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
+        if (kv.flight == NULL)
+            r = -1;
+        else if (!PyLong_CheckExact(block_size) || exact_long(block_size, &kv.block_size)
+                 || !PyDict_CheckExact(kv.waiting_tokens) || !PyDict_CheckExact(kv.waiting_count)
+                 || !PyDict_CheckExact(kv.flight))
+            r = 1;
+        else
+            r = verdict_kv_wait(&kv, &d->m, w, d->wid, now, tokens, &wait);
+        Py_XDECREF(block_size);
+        Py_XDECREF(kv.waiting_tokens);
+        Py_XDECREF(kv.waiting_count);
+        Py_XDECREF(kv.flight);
+        if (r != 0)
+            return r;
+    }
+    *waited = verdict_max(*drained, wait / scale);
+    return 0;
+}
+
+/* guard.prefill_ms(uncached, cached): its memo (_last_prefill) read here, else the method called */
+static int
+dl_prefill(PyObject *guard, long long uncached, long long cached, double *out)
+{
+    PyObject *last = PyObject_GetAttr(guard, dl_last_prefill_name);
+    if (last == NULL)
+        return -1;
+    if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2) {
+        PyObject *tokens = PyTuple_GET_ITEM(last, 0);
+        long long u, c;
+        if (PyTuple_CheckExact(tokens) && PyTuple_GET_SIZE(tokens) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(tokens, 0))
+            && PyLong_CheckExact(PyTuple_GET_ITEM(tokens, 1)) && !exact_long(PyTuple_GET_ITEM(tokens, 0), &u)
+            && !exact_long(PyTuple_GET_ITEM(tokens, 1), &c) && u == uncached && c == cached) {
+            int r = verdict_double(PyTuple_GET_ITEM(last, 1), out);
+            Py_DECREF(last);
+            return r;
+        }
+    }
+    Py_DECREF(last);
+    PyObject *u = PyLong_FromLongLong(uncached), *c = u == NULL ? NULL : PyLong_FromLongLong(cached);
+    PyObject *ms = c == NULL ? NULL : PyObject_CallMethodObjArgs(guard, dl_prefill_ms_name, u, c, NULL);
+    Py_XDECREF(u);
+    Py_XDECREF(c);
+    if (ms == NULL)
+        return -1;
+    int r = verdict_double(ms, out);
+    Py_DECREF(ms);
+    return r;
+}
+
+/* a tuple of `n` new references, stolen (NULL where one could not be made: then NULL) */
+static PyObject *
+dl_tuple(Py_ssize_t n, PyObject **items)
+{
+    PyObject *t = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (items[i] == NULL)
+            goto fail;
+    if ((t = PyTuple_New(n)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(t, i, items[i]);
+    return t;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XDECREF(items[i]);
+    return NULL;
+}
+
+/* an exact int argument as a long long: 0, or 1 */
+static inline int
+dl_long_arg(PyObject *v, long long *out)
+{
+    return !PyLong_CheckExact(v) || exact_long(v, out);
+}
+
+static PyObject *
+deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "deadline_price takes 6 arguments (see DeadlineGuard._price_py)");
+        return NULL;
+    }
+    PyObject *guard = args[0], *chosen = args[1];
+    long long uncached, cached;
+    double now, slo_ms, margin, scale = 1.0, tail = 1.0;
+    if (!dl_k.set || dl_long_arg(args[2], &uncached) || dl_long_arg(args[3], &cached) || verdict_double(args[4], &now)
+        || verdict_double(args[5], &slo_ms))
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t top = 0;
+    DlWorker d = {.wid = NULL};
+    int r = dl_level(guard, &top, -1, &scale, &tail);
+    if (r == 0)
+        r = dl_worker(&d, chosen, top);
+    double drained = 0.0, waited = 0.0;
+    if (r == 0 && d.inflight) {
+        if ((r = dl_sync(guard, &d, chosen)) == 0 && (r = dl_level(guard, &top, d.level, &scale, &tail)) == 0)
+            r = dl_waits(guard, &d, chosen, now, uncached, scale, &drained, &waited);
+    }
+    Py_XDECREF(d.wid);
+    double own = 0.0;
+    int meets = 1;
+    if (r == 0 && !(waited <= 0.0)) { /* something ahead of it: check's rule for one worker */
+        if ((r = dl_prefill(guard, uncached, cached, &own)) == 0 && (r = dl_level(guard, &top, d.level, &scale, &tail)) == 0
+            && (r = dl_attr_double(guard, dl_margin_name, &margin)) == 0) {
+            tail *= margin;
+            meets = (waited + own) * tail <= verdict_max(slo_ms, own * tail);
+        }
+    }
+    if (r != 0) {
+        if (r < 0)
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!meets)
+        Py_RETURN_NONE;
+    PyObject *priced[] = {Py_NewRef(chosen), Py_NewRef(args[4]), Py_NewRef(args[2]), Py_NewRef(args[3]),
+                          PyFloat_FromDouble(drained), PyFloat_FromDouble(waited)};
+    return dl_tuple(6, priced);
+}
+
+/* dict[key] = value (a new reference, stolen): 0, or -1 */
+static int
+dl_set_new(PyObject *dict, PyObject *key, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int r = PyObject_SetItem(dict, key, value); /* an OrderedDict's own, keeping its order */
+    Py_DECREF(value);
+    return r;
+}
+
+static PyObject *
+deadline_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "deadline_dispatch takes 7 arguments (see DeadlineGuard._dispatch_py)");
+        return NULL;
+    }
+    PyObject *guard = args[0], *worker = args[1], *request_id = args[2], *now_obj = args[4], *priced = args[6];
+    long long uncached, cached;
+    double now, scale = 1.0, tail = 1.0;
+    if (!dl_k.set || !PyUnicode_CheckExact(request_id) || dl_long_arg(args[3], &uncached) || verdict_double(now_obj, &now)
+        || dl_long_arg(args[5], &cached) || (priced != Py_None && !(PyTuple_CheckExact(priced) && PyTuple_GET_SIZE(priced) == 6)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *backlog = NULL, *waiting_tokens = NULL, *waiting_count = NULL, *predicted_d = NULL, *flight_d = NULL;
+    PyObject *where = NULL, *flight = NULL;
+    Py_ssize_t top = 0;
+    DlWorker d = {.wid = NULL};
+    int r = dl_level(guard, &top, -1, &scale, &tail);
+    if (r == 0)
+        r = dl_worker(&d, worker, top);
+    /* the books written below, checked before anything runs that writes (a re-anchor, the prefill memo) */
+    if (r == 0) {
+        backlog = PyObject_GetAttr(guard, dl_backlog_name);
+        waiting_tokens = backlog == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_tokens_name);
+        waiting_count = waiting_tokens == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_count_name);
+        predicted_d = waiting_count == NULL ? NULL : PyObject_GetAttr(guard, dl_predicted_name);
+        flight_d = predicted_d == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
+        where = flight_d == NULL ? NULL : PyObject_GetAttr(guard, dl_where_name);
+        if (where == NULL)
+            r = -1;
+        else if (!PyDict_CheckExact(backlog) || !PyDict_CheckExact(waiting_tokens) || !PyDict_CheckExact(waiting_count)
+                 || !PyODict_CheckExact(predicted_d) || !PyDict_CheckExact(flight_d) || !PyDict_CheckExact(where))
+            r = 1;
+    }
+    if (r == 0)
+        r = dl_sync(guard, &d, worker); /* before counting this request among those waiting */
+    /* the worker's in-flight count already includes it: a first request finds no backlog */
+    int first = d.inflight <= 1;
+    double own = 0.0, predicted = 0.0, queued_ms = 0.0;
+    if (r == 0)
+        r = dl_prefill(guard, uncached, cached, &own);
+    if (r == 0 && first)
+        predicted = queued_ms = own;
+    else if (r == 0) {
+        long long pu, pc;
+        double pnow, pdrained, pwaited;
+        if (priced != Py_None && PyTuple_CheckExact(priced) && PyTuple_GET_SIZE(priced) == 6
+            && PyTuple_GET_ITEM(priced, 0) == worker && !verdict_double(PyTuple_GET_ITEM(priced, 1), &pnow) && pnow == now
+            && !dl_long_arg(PyTuple_GET_ITEM(priced, 2), &pu) && pu == uncached
+            && !dl_long_arg(PyTuple_GET_ITEM(priced, 3), &pc) && pc == cached
+            && !verdict_double(PyTuple_GET_ITEM(priced, 4), &pdrained)
+            && !verdict_double(PyTuple_GET_ITEM(priced, 5), &pwaited)) {
+            /* ahead_ms (nothing queued) and backlog_ms as admission found them */
+            queued_ms = pdrained + own;
+            predicted = pwaited + own;
+        }
+        else if ((r = dl_level(guard, &top, d.level, &scale, &tail)) == 0
+                 && (r = dl_waits(guard, &d, worker, now, uncached, scale, &pdrained, &pwaited)) == 0) {
+            queued_ms = pdrained + own;
+            predicted = pwaited + own;
+        }
+    }
+    /* everything written below is read and checked first (these, as _anchor left them) */
+    long long tokens_before = 0, count_before = 0;
+    if (r == 0) {
+        if (!first && ((r = verdict_dict_long(waiting_tokens, d.wid, 0, &tokens_before)) != 0
+                       || (r = verdict_dict_long(waiting_count, d.wid, 0, &count_before)) != 0))
+            ;
+        else if (__builtin_add_overflow(tokens_before, uncached, &tokens_before)
+                 || __builtin_add_overflow(count_before, 1, &count_before))
+            r = 1;
+        else if (PyUnicode_GET_LENGTH(request_id)) {
+            flight = PyDict_GetItemWithError(flight_d, d.wid); /* borrowed */
+            if (flight == NULL && PyErr_Occurred())
+                r = -1;
+            else if (flight != NULL && !PyODict_CheckExact(flight))
+                r = 1;
+            Py_XINCREF(flight);
+        }
+    }
+    PyObject *books[] = {NULL, NULL};
+    if (r == 0) {
+        books[0] = PyFloat_FromDouble(queued_ms);
+        books[1] = Py_NewRef(now_obj);
+    }
+    if (r == 0 && (dl_set_new(backlog, d.wid, dl_tuple(2, books)) < 0
+                   || dl_set_new(waiting_tokens, d.wid, PyLong_FromLongLong(tokens_before)) < 0
+                   || dl_set_new(waiting_count, d.wid, PyLong_FromLongLong(count_before)) < 0))
+        r = -1;
+    if (r == 0 && PyUnicode_GET_LENGTH(request_id)) { /* in model ms: what `scale` compares the observed TTFT with */
+        PyObject *dispatched[] = {PyFloat_FromDouble(predicted), PyLong_FromLongLong(d.level)};
+        if (dl_set_new(predicted_d, request_id, dl_tuple(2, dispatched)) < 0)
+            r = -1;
+        else if (PyDict_GET_SIZE(predicted_d) > dl_k.max_tracked) {
+            PyObject *gone = PyObject_CallMethodOneArg(predicted_d, dl_popitem_name, Py_False);
+            r = gone == NULL ? -1 : 0;
+            Py_XDECREF(gone);
+        }
+        if (r == 0 && flight == NULL) {
+            flight = PyODict_New();
+            if (flight == NULL || PyDict_SetItem(flight_d, d.wid, flight) < 0)
+                r = -1;
+        }
+        PyObject *entry[] = {NULL, NULL, NULL, NULL};
+        if (r == 0) {
+            entry[0] = PyFloat_FromDouble(own);
+            entry[1] = Py_NewRef(now_obj);
+            entry[2] = Py_NewRef(args[3]);
+            entry[3] = Py_NewRef(float_zero);
+        }
+        if (r == 0 && (dl_set_new(flight, request_id, dl_tuple(4, entry)) < 0
+                       || PyDict_SetItem(where, request_id, d.wid) < 0))
+            r = -1;
+        if (r == 0 && PyDict_GET_SIZE(where) > dl_k.max_tracked) {
+            Py_ssize_t pos = 0;
+            PyObject *oldest, *value;
+            if (PyDict_Next(where, &pos, &oldest, &value)) {
+                Py_INCREF(oldest);
+                PyObject *done = PyObject_CallMethodOneArg(guard, dl_forget_name, oldest);
+                Py_DECREF(oldest);
+                r = done == NULL ? -1 : 0;
+                Py_XDECREF(done);
+            }
+        }
+    }
+    Py_XDECREF(d.wid);
+    Py_XDECREF(backlog);
+    Py_XDECREF(waiting_tokens);
+    Py_XDECREF(waiting_count);
+    Py_XDECREF(predicted_d);
+    Py_XDECREF(flight_d);
+    Py_XDECREF(where);
+    Py_XDECREF(flight);
+    if (r != 0) {
+        if (r < 0)
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    Py_RETURN_NONE;
+}
+
+/* a float attribute written: 0, or -1 */
+static int
+dl_set_double(PyObject *guard, PyObject *name, double value)
+{
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_SetAttr(guard, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static inline double dl_clamp(double x, double range) { return verdict_min(verdict_max(x, -range), range); }
+
+static PyObject *
+deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "deadline_complete takes 5 arguments (see DeadlineGuard._complete_py)");
+        return NULL;
+    }
+    PyObject *guard = args[0], *request_id = args[1];
+    double ttft, now = 0.0, e2e;
+    int timed = args[3] != Py_None;
+    if (!dl_k.set || !PyUnicode_CheckExact(request_id) || verdict_double(args[2], &ttft) || verdict_double(args[4], &e2e)
+        || (timed && verdict_double(args[3], &now)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *where = NULL, *flight_d = NULL, *judged_d = NULL, *predicted_d = NULL, *levels = NULL, *samples = NULL;
+    PyObject *scales = NULL, *tails = NULL;
+    where = PyObject_GetAttr(guard, dl_where_name);
+    flight_d = where == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
+    judged_d = flight_d == NULL ? NULL : PyObject_GetAttr(guard, dl_judged_name);
+    predicted_d = judged_d == NULL ? NULL : PyObject_GetAttr(guard, dl_predicted_name);
+    int r = predicted_d == NULL ? -1 : 0;
+    if (r == 0 && (!PyDict_CheckExact(where) || !PyDict_CheckExact(flight_d) || !PyODict_CheckExact(judged_d)
+                   || !PyODict_CheckExact(predicted_d)))
+        r = 1;
+    /* _forget's: the worker the request went to and its flight */
+    PyObject *wid = NULL, *flight = NULL, *judged = NULL, *dispatched = NULL; /* borrowed */
+    if (r == 0 && (wid = PyDict_GetItemWithError(where, request_id)) == NULL && PyErr_Occurred())
+        r = -1;
+    if (r == 0 && wid != NULL) {
+        if (!PyUnicode_CheckExact(wid))
+            r = 1;
+        else if ((flight = PyDict_GetItemWithError(flight_d, wid)) == NULL && PyErr_Occurred())
+            r = -1;
+        else if (flight != NULL && !PyODict_CheckExact(flight))
+            r = 1;
+    }
+    /* _learn's: the margin's step, then the corrections' */
+    double quantile = 0.0, log_margin = 0.0, judged_slo = 0.0, judged_at = 0.0, predicted = 0.0;
+    int margin_moves = 0, sample = 0;
+    long long level = 0;
+    if (r == 0 && (judged = PyDict_GetItemWithError(judged_d, request_id)) == NULL && PyErr_Occurred())
+        r = -1;
+    if (r == 0 && (dispatched = PyDict_GetItemWithError(predicted_d, request_id)) == NULL && PyErr_Occurred())
+        r = -1;
+    if (r == 0 && (judged != NULL || dispatched != NULL))
+        r = dl_attr_double(guard, dl_quantile_name, &quantile);
+    int timely = 0 < ttft && ttft <= dl_k.max_latency_ms;
+    if (r == 0 && judged != NULL) {
+        if (!PyTuple_CheckExact(judged) || PyTuple_GET_SIZE(judged) != 2 || verdict_double(PyTuple_GET_ITEM(judged, 0), &judged_slo)
+            || verdict_double(PyTuple_GET_ITEM(judged, 1), &judged_at))
+            r = 1;
+        else if (timed && timely && (now - judged_at) * 1000.0 <= 2.0 * judged_slo) {
+            margin_moves = 1;
+            r = dl_attr_double(guard, dl_log_margin_name, &log_margin);
+        }
+    }
+    double scale = 1.0, tail = 1.0;
+    if (r == 0 && dispatched != NULL) {
+        if (!PyTuple_CheckExact(dispatched) || PyTuple_GET_SIZE(dispatched) != 2
+            || verdict_double(PyTuple_GET_ITEM(dispatched, 0), &predicted) || dl_long_arg(PyTuple_GET_ITEM(dispatched, 1), &level))
+            r = 1;
+        else if (predicted >= dl_k.min_sample_ms && timely) {
+            sample = 1;
+            levels = PyObject_GetAttr(guard, dl_levels_name);
+            samples = levels == NULL ? NULL : PyObject_GetAttr(guard, dl_samples_name);
+            scales = samples == NULL ? NULL : PyObject_GetAttr(guard, dl_scales_name);
+            tails = scales == NULL ? NULL : PyObject_GetAttr(guard, dl_tails_name);
+            long long count;
+            if (tails == NULL)
+                r = -1;
+            else if (!PyList_CheckExact(levels) || !PyList_CheckExact(samples) || !PyList_CheckExact(scales)
+                     || !PyList_CheckExact(tails) || PyList_GET_SIZE(levels) != dl_k.load_levels
+                     || PyList_GET_SIZE(samples) != dl_k.load_levels || PyList_GET_SIZE(scales) != dl_k.load_levels
+                     || PyList_GET_SIZE(tails) != dl_k.load_levels || level < 0 || level >= dl_k.load_levels)
+                r = 1;
+            else {
+                PyObject *pair = PyList_GET_ITEM(levels, level);
+                r = !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
+                    || verdict_double(PyTuple_GET_ITEM(pair, 0), &scale) || verdict_double(PyTuple_GET_ITEM(pair, 1), &tail)
+                    || !(scale > 0.0) || !(tail > 0.0);
+                for (Py_ssize_t at = 0; r == 0 && at < dl_k.load_levels; at++) /* _relevel reads their truth */
+                    r = dl_long_arg(PyList_GET_ITEM(samples, at), &count) || count == LLONG_MAX;
+            }
+        }
+    }
+    double hold_ms = 0.0, hold_sq = 0.0;
+    int holds = 0 < ttft && ttft + 1.0 <= e2e && e2e <= dl_k.max_latency_ms; /* a decode of 1 ms or more */
+    if (r == 0 && holds && (r = dl_attr_double(guard, dl_hold_ms_name, &hold_ms)) == 0)
+        r = dl_attr_double(guard, dl_hold_sq_name, &hold_sq);
+    /* checked: now the writes, in the reference's order */
+    if (r == 0 && wid != NULL) {
+        Py_INCREF(wid);
+        Py_XINCREF(flight);
+        if (PyDict_DelItem(where, request_id) < 0)
+            r = -1;
+        else if (flight != NULL && PyDict_GetItemWithError(flight, request_id) != NULL && PyObject_DelItem(flight, request_id) < 0)
+            r = -1;
+        else if (PyErr_Occurred())
+            r = -1;
+        Py_DECREF(wid);
+        Py_XDECREF(flight);
+    }
+    if (r == 0 && judged != NULL) {
+        if (PyObject_DelItem(judged_d, request_id) < 0)
+            r = -1;
+        else if (margin_moves) {
+            double missed = ttft > judged_slo ? 1.0 : 0.0;
+            log_margin = verdict_min(verdict_max(log_margin + dl_k.margin_step * (missed - (1.0 - quantile)), 0.0),
+                                     dl_k.log_scale_range);
+            if (dl_set_double(guard, dl_log_margin_name, log_margin) < 0 || dl_set_double(guard, dl_margin_name, exp(log_margin)) < 0)
+                r = -1;
+        }
+    }
+    if (r == 0 && dispatched != NULL) {
+        if (PyObject_DelItem(predicted_d, request_id) < 0)
+            r = -1;
+        else if (sample) {
+            long long count;
+            exact_long(PyList_GET_ITEM(samples, level), &count);
+            double log_ratio = dl_clamp(log(ttft) - log(predicted), dl_k.log_scale_range);
+            double log_scale = log(scale) + dl_k.scale_weight * (log_ratio - log(scale));
+            double log_tail = log(tail);
+            log_tail += dl_k.tail_step * (quantile - (log_ratio <= log_tail ? 1.0 : 0.0));
+            PyObject *new_scale = PyFloat_FromDouble(exp(dl_clamp(log_scale, dl_k.log_scale_range)));
+            PyObject *new_tail = PyFloat_FromDouble(exp(dl_clamp(log_tail, dl_k.log_scale_range)));
+            PyObject *corrected = new_scale == NULL || new_tail == NULL ? NULL : PyTuple_Pack(2, new_scale, new_tail);
+            PyObject *relevelled = corrected == NULL ? NULL : PyList_GetSlice(levels, 0, dl_k.load_levels);
+            PyObject *counted = relevelled == NULL ? NULL : PyLong_FromLongLong(count + 1);
+            if (counted == NULL)
+                r = -1;
+            else { /* in range, checked above: the three cannot fail */
+                PyList_SetItem(samples, level, counted);
+                PyList_SetItem(scales, level, Py_NewRef(new_scale));
+                PyList_SetItem(tails, level, Py_NewRef(new_tail));
+            }
+            /* _relevel: the levels that read this one (itself and the unsampled ones above it) */
+            for (long long at = level; r == 0 && at < dl_k.load_levels; at++) {
+                long long seen;
+                exact_long(PyList_GET_ITEM(samples, at), &seen);
+                if (at > level && seen)
+                    break;
+                PyList_SetItem(relevelled, at, Py_NewRef(corrected));
+            }
+            if (r == 0 && PyObject_SetAttr(guard, dl_levels_name, relevelled) < 0)
+                r = -1;
+            Py_XDECREF(new_scale);
+            Py_XDECREF(new_tail);
+            Py_XDECREF(corrected);
+            Py_XDECREF(relevelled);
+        }
+    }
+    if (r == 0 && holds) {
+        double held = e2e - ttft;
+        if (!hold_ms) {
+            hold_ms = held;
+            hold_sq = held * held;
+        }
+        else {
+            hold_ms += dl_k.hold_weight * (held - hold_ms);
+            hold_sq += dl_k.hold_weight * (held * held - hold_sq);
+        }
+        if (dl_set_double(guard, dl_hold_ms_name, hold_ms) < 0 || dl_set_double(guard, dl_hold_sq_name, hold_sq) < 0)
+            r = -1;
+    }
+    Py_XDECREF(where);
+    Py_XDECREF(flight_d);
+    Py_XDECREF(judged_d);
+    Py_XDECREF(predicted_d);
+    Py_XDECREF(levels);
+    Py_XDECREF(samples);
+    Py_XDECREF(scales);
+    Py_XDECREF(tails);
+    if (r != 0) {
+        if (r < 0)
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    Py_RETURN_NONE;
+}
+
 /* named_among(candidates, wanted) -> (named, mask) | NotImplemented
  *
  * The candidates (in order) whose id is in the set `wanted`, and their routing mask (bit `slot`
@@ -9038,6 +9697,17 @@ static PyMethodDef native_methods[] = {
      "deadline_verdict(candidates, overlaps, claimed, prompt_tokens, block_size, now, chosen_id, slo_ms, margin, "
      "levels, own_bare, own_by_tokens, prefill, backlog, anchored, anchor, queued, queue_ttft, kv) -> "
      "(predicted, best, budget, meets) | NotImplemented: DeadlineGuard._verdict_py's pass over the candidates"},
+    {"deadline_constants", (PyCFunction)(void (*)(void))deadline_constants, METH_FASTCALL,
+     "deadline_constants(scale_weight, log_scale_range, tail_step, margin_step, hold_weight, min_sample_ms, "
+     "max_latency_ms, max_tracked, load_levels): deadline.py's, for the three passes below"},
+    {"deadline_price", (PyCFunction)(void (*)(void))deadline_price, METH_FASTCALL,
+     "deadline_price(guard, chosen, uncached, cached, now, slo_ms) -> Pricing | None | NotImplemented: "
+     "DeadlineGuard._price_py with nothing queued"},
+    {"deadline_dispatch", (PyCFunction)(void (*)(void))deadline_dispatch, METH_FASTCALL,
+     "deadline_dispatch(guard, worker, request_id, uncached, now, cached, priced) -> None | NotImplemented: "
+     "DeadlineGuard._dispatch_py"},
+    {"deadline_complete", (PyCFunction)(void (*)(void))deadline_complete, METH_FASTCALL,
+     "deadline_complete(guard, request_id, ttft_ms, now, e2e_ms) -> None | NotImplemented: DeadlineGuard._complete_py"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "
@@ -9079,6 +9749,28 @@ PyInit__native(void)
     capacity_blocks_name = PyUnicode_InternFromString("capacity_blocks");
     block_size_name = PyUnicode_InternFromString("block_size");
     values_name = PyUnicode_InternFromString("values");
+    dl_levels_name = PyUnicode_InternFromString("_levels");
+    dl_margin_name = PyUnicode_InternFromString("_margin");
+    dl_anchored_name = PyUnicode_InternFromString("_anchored");
+    dl_backlog_name = PyUnicode_InternFromString("_backlog");
+    dl_hold_ms_name = PyUnicode_InternFromString("hold_ms");
+    dl_hold_sq_name = PyUnicode_InternFromString("_hold_sq_ms");
+    dl_waiting_tokens_name = PyUnicode_InternFromString("_waiting_tokens");
+    dl_waiting_count_name = PyUnicode_InternFromString("_waiting_count");
+    dl_flight_name = PyUnicode_InternFromString("_flight");
+    dl_last_prefill_name = PyUnicode_InternFromString("_last_prefill");
+    dl_prefill_ms_name = PyUnicode_InternFromString("prefill_ms");
+    dl_anchor_name = PyUnicode_InternFromString("_anchor");
+    dl_predicted_name = PyUnicode_InternFromString("_predicted");
+    dl_where_name = PyUnicode_InternFromString("_where");
+    dl_forget_name = PyUnicode_InternFromString("_forget");
+    dl_judged_name = PyUnicode_InternFromString("_judged");
+    dl_quantile_name = PyUnicode_InternFromString("quantile");
+    dl_log_margin_name = PyUnicode_InternFromString("_log_margin");
+    dl_samples_name = PyUnicode_InternFromString("_samples");
+    dl_scales_name = PyUnicode_InternFromString("_scales");
+    dl_tails_name = PyUnicode_InternFromString("_tails");
+    dl_popitem_name = PyUnicode_InternFromString("popitem");
     pending_prefill_tokens_name = PyUnicode_InternFromString("pending_prefill_tokens");
     reported_queue_name = PyUnicode_InternFromString("reported_queue");
     queued_prefill_tokens_name = PyUnicode_InternFromString("queued_prefill_tokens");
@@ -9087,6 +9779,14 @@ PyInit__native(void)
     if (pending_prefill_tokens_name == NULL || reported_queue_name == NULL || queued_prefill_tokens_name == NULL
         || queued_requests_name == NULL || theta_name == NULL)
         return NULL;
+    PyObject *dl_names[] = {dl_levels_name, dl_margin_name, dl_anchored_name, dl_backlog_name, dl_hold_ms_name,
+                            dl_hold_sq_name, dl_waiting_tokens_name, dl_waiting_count_name, dl_flight_name,
+                            dl_last_prefill_name, dl_prefill_ms_name, dl_anchor_name, dl_predicted_name, dl_where_name,
+                            dl_forget_name, dl_judged_name, dl_quantile_name, dl_log_margin_name, dl_samples_name,
+                            dl_scales_name, dl_tails_name, dl_popitem_name};
+    for (size_t i = 0; i < sizeof dl_names / sizeof dl_names[0]; i++)
+        if (dl_names[i] == NULL)
+            return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
         return NULL;

@@ -300,11 +300,11 @@ class LoadLedger:
         shared = self._shared
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
-        slot = worker.slot
+        slot, mode = worker.slot, worker.mode  # a property: read once, not three times
         uncached = overlap < len(req.keys)
-        modelled = worker.mode is CacheMode.APPROXIMATE
+        modelled = mode is CacheMode.APPROXIMATE
         approximate = modelled and uncached
-        speculative = uncached and worker.mode is CacheMode.EVENTS and self._speculative.enabled
+        speculative = uncached and mode is CacheMode.EVENTS and self._speculative.enabled
         info = None
         if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = _new_access_info(req.session_id, int(req.task), req.prompt_tokens, 0, _DECODE_FROM_NONE)
@@ -314,7 +314,7 @@ class LoadLedger:
             matched = path if overlap == len(path) else path[:overlap]
             index.touch_path(slot, matched, now)
             eviction.on_accessed(index, slot, matched, info, now)
-        if worker.mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
+        if mode is CacheMode.EVENTS and getattr(eviction, "wants_request_info", False):
             self._recent.remember(req)
         if speculative:
             assert info is not None

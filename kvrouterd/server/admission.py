@@ -238,7 +238,8 @@ class AdmissionGate:
         it, calibrates deadline admission's model)."""
         if self.guard is not None and completion is not None:
             self.guard.on_complete(completion.request_id, completion.ttft_ms, self.router.clock.now(), completion.e2e_ms)
-        self._admit_all((worker_id,))
+        if self.queues is not None:  # the room it freed goes to the worker's queue
+            self._admit_all((worker_id,))
 
     def on_expired(self, request_id: str) -> None:
         """A routed request was released after ``inflight_timeout_s`` without its Complete

@@ -17,18 +17,16 @@ from typing import Any
 
 import pytest
 
-from kvrouterd.clock import ManualClock
 from kvrouterd.deadline import DeadlineGuard, nothing_queued
 from kvrouterd.index import native
-from kvrouterd.index.workers import WorkerSpec
 from kvrouterd.policies.base import RoutingContext
 from kvrouterd.policies.latency import LatencyParams
-from kvrouterd.protocols import CacheMode, Completion, RouteRequest
-from kvrouterd.router import Router, RouterSettings
+from kvrouterd.protocols import Completion, RouteRequest
+
+from .policies.fleets import BS, deadline_fleet
 
 pytestmark = pytest.mark.skipif(native.module is None, reason=native.status)
 
-BS = 16
 WORKERS = 24
 PROMPT_BLOCKS = 40
 
@@ -38,13 +36,7 @@ class _Fleet:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.clock = ManualClock()
-        self.router = Router(RouterSettings(block_size=BS, routing={"name": "least_loaded"}), self.clock,
-                             random.Random(seed))
-        for i in range(WORKERS):
-            self.router.add_worker(WorkerSpec(id=f"w{i}", address=f"w{i}:1", mode=CacheMode.EVENTS,
-                                              capacity_blocks=self.rng.choice((0, 60, 400)),
-                                              block_size=self.rng.choice((0, BS))))
+        self.router, self.clock = deadline_fleet(seed, WORKERS, self.rng)
         self.guard = DeadlineGuard("shed", LatencyParams(prefill_ms_per_1k_tokens=40.0, calibrate=False), 0.9, BS)
         self.in_flight: list[str] = []
         self.keys = list(range(1, PROMPT_BLOCKS + 1))

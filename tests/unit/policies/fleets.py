@@ -29,6 +29,17 @@ def policy_fleet(routing: dict, size: int, block_size: int = BS) -> tuple[Router
     return router, clock
 
 
+def deadline_fleet(seed: int, size: int, rng: random.Random) -> tuple[Router, ManualClock]:
+    """What deadline admission's tests price: ``size`` least-loaded workers w0, w1, ... whose KV
+    capacity (none, small, large) and own block size (the router's, or none given) ``rng`` draws."""
+    clock = ManualClock()
+    router = Router(RouterSettings(block_size=BS, routing={"name": "least_loaded"}), clock, random.Random(seed))
+    for i in range(size):
+        router.add_worker(WorkerSpec(id=f"w{i}", address=f"w{i}:1", mode=CacheMode.EVENTS,
+                                     capacity_blocks=rng.choice((0, 60, 400)), block_size=rng.choice((0, BS))))
+    return router, clock
+
+
 def decided_alike(router: Router, req: RouteRequest) -> Decision:
     """``req``'s unexplained decision (where a policy's native pass decides), held to its
     explained one (where the policy's Python pass, the reference, prices every worker): the same

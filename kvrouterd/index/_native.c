@@ -8027,6 +8027,69 @@ verdict_own(PyObject *own_by_tokens, PyObject *prefill, long long uncached, long
 
 #define VERDICT_LEVELS 64
 
+/* `w`'s in-flight count and load level (its reported running requests in powers of two, at most
+ * `top`: deadline.py's _load_level): 0, 1 (NotImplemented), -1. A Worker's in-flight count is its
+ * SlotLoad's, read by slot; anything else's by its attribute. */
+static int
+verdict_load(PyObject *w, const VerdictMembers *m, Py_ssize_t top, long long *inflight, Py_ssize_t *level)
+{
+    long long running, at_slot;
+    int r = verdict_attr_long(w, m->running_at, reported_running_name, &running);
+    if (r != 0)
+        return r;
+    if (running == LLONG_MIN) /* no magnitude below */
+        return 1;
+    if ((m->scan.slot_at < 0 || m->scan.loads_at < 0 || slot_member_load(w, &m->scan, &at_slot, inflight) != 0)
+        && (r = verdict_attr_long(w, -1, inflight_requests_name, inflight)) != 0)
+        return r;
+    unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
+    *level = magnitude ? 64 - __builtin_clzll(magnitude) : 0; /* int.bit_length() */
+    if (*level > top)
+        *level = top;
+    return 0;
+}
+
+/* DeadlineGuard._sync(w): `anchor(w)` when a load report came since `w`'s books were anchored
+ * (in `anchored`, a dict); `anchor` NULL: the guard's own _anchor. 0, 1 (NotImplemented), -1 */
+static PyObject *dl_anchor_name;
+
+static int
+verdict_sync(PyObject *anchored, PyObject *anchor, PyObject *guard, const VerdictMembers *m, PyObject *w, PyObject *wid)
+{
+    double reported_at, at_anchor = 0.0;
+    int r = verdict_attr_double(w, m->reported_at_at, reported_at_name, &reported_at);
+    if (r != 0)
+        return r;
+    PyObject *a = PyDict_GetItemWithError(anchored, wid); /* borrowed */
+    if (a == NULL && PyErr_Occurred())
+        return -1;
+    if (a != NULL && verdict_double(a, &at_anchor))
+        return 1;
+    if (reported_at > at_anchor) {
+        PyObject *done = anchor != NULL ? PyObject_CallOneArg(anchor, w) : PyObject_CallMethodOneArg(guard, dl_anchor_name, w);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+    }
+    return 0;
+}
+
+/* DeadlineGuard._drained: the backlog `backlog` (a dict) keeps for `wid`, drained to `now` at
+ * `scale`: 0, 1 (NotImplemented), -1 */
+static int
+verdict_drained(PyObject *backlog, PyObject *wid, double now, double scale, double *out)
+{
+    double ms = 0.0, at = now;
+    PyObject *books = PyDict_GetItemWithError(backlog, wid); /* borrowed */
+    if (books == NULL && PyErr_Occurred())
+        return -1;
+    if (books != NULL && (!PyTuple_CheckExact(books) || PyTuple_GET_SIZE(books) != 2
+                          || verdict_double(PyTuple_GET_ITEM(books, 0), &ms) || verdict_double(PyTuple_GET_ITEM(books, 1), &at)))
+        return 1;
+    *out = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
+    return 0;
+}
+
 static PyObject *
 deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -8116,58 +8179,16 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if ((r = verdict_own(own_by_tokens, prefill, uncached, overlap * block_size, &own)) != 0)
                 break;
         }
-        long long running, inflight, at_slot;
-        if ((r = verdict_attr_long(w, members.running_at, reported_running_name, &running)) != 0)
+        long long inflight;
+        Py_ssize_t level;
+        if ((r = verdict_load(w, &members, top_level, &inflight, &level)) != 0)
             break;
-        if (running == LLONG_MIN) { /* no magnitude below */
-            r = 1;
-            break;
-        }
-        /* a Worker's in-flight count is its SlotLoad's, read by slot; anything else by its attribute */
-        if ((members.scan.slot_at < 0 || members.scan.loads_at < 0
-             || slot_member_load(w, &members.scan, &at_slot, &inflight) != 0)
-            && (r = verdict_attr_long(w, -1, inflight_requests_name, &inflight)) != 0)
-            break;
-        unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
-        Py_ssize_t level = magnitude ? 64 - __builtin_clzll(magnitude) : 0;
-        if (level > top_level)
-            level = top_level;
         double scale = scales[level], tail = tails[level];
         double ahead = 0.0;
         if (inflight) {
-            double reported_at, at_anchor = 0.0;
-            if ((r = verdict_attr_double(w, members.reported_at_at, reported_at_name, &reported_at)) != 0)
+            if ((r = verdict_sync(anchored, anchor, NULL, &members, w, wid)) != 0
+                || (r = verdict_drained(backlog, wid, now, scale, &ahead)) != 0)
                 break;
-            PyObject *a = PyDict_GetItemWithError(anchored, wid); /* borrowed */
-            if (a == NULL && PyErr_Occurred()) {
-                r = -1;
-                break;
-            }
-            if (a != NULL && verdict_double(a, &at_anchor)) {
-                r = 1;
-                break;
-            }
-            if (reported_at > at_anchor) { /* _sync's */
-                PyObject *done = PyObject_CallOneArg(anchor, w);
-                if (done == NULL) {
-                    r = -1;
-                    break;
-                }
-                Py_DECREF(done);
-            }
-            double ms = 0.0, at = now;
-            PyObject *books = PyDict_GetItemWithError(backlog, wid); /* borrowed */
-            if (books == NULL && PyErr_Occurred()) {
-                r = -1;
-                break;
-            }
-            if (books != NULL && (!PyTuple_CheckExact(books) || PyTuple_GET_SIZE(books) != 2
-                                  || verdict_double(PyTuple_GET_ITEM(books, 0), &ms)
-                                  || verdict_double(PyTuple_GET_ITEM(books, 1), &at))) {
-                r = 1;
-                break;
-            }
-            ahead = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
             if (kv_modelled) {
                 double wait;
                 if ((r = verdict_kv_wait(&kv, &members, w, wid, now, uncached, &wait)) != 0)
@@ -8250,7 +8271,7 @@ deadline_verdict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * re-anchored to its load report, the prefill memo. */
 static PyObject *dl_levels_name, *dl_margin_name, *dl_anchored_name, *dl_backlog_name, *dl_hold_ms_name,
     *dl_hold_sq_name, *dl_waiting_tokens_name, *dl_waiting_count_name, *dl_flight_name, *dl_last_prefill_name,
-    *dl_prefill_ms_name, *dl_anchor_name, *dl_predicted_name, *dl_where_name, *dl_forget_name, *dl_judged_name,
+    *dl_prefill_ms_name, *dl_predicted_name, *dl_where_name, *dl_forget_name, *dl_judged_name,
     *dl_quantile_name, *dl_log_margin_name, *dl_samples_name, *dl_scales_name, *dl_tails_name, *dl_popitem_name;
 
 /* deadline.py's constants, handed over once at its import (deadline_constants) */
@@ -8259,6 +8280,13 @@ static struct {
     long long max_tracked, load_levels;
     int set;
 } dl_k;
+
+/* an exact int as a long long: 0, or 1 */
+static inline int
+dl_long_arg(PyObject *v, long long *out)
+{
+    return !PyLong_CheckExact(v) || exact_long(v, out);
+}
 
 static PyObject *
 deadline_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -8274,8 +8302,7 @@ deadline_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "deadline_constants: the first 7 must be numbers");
             return NULL;
         }
-    if (!PyLong_CheckExact(args[7]) || exact_long(args[7], &tracked) || !PyLong_CheckExact(args[8])
-        || exact_long(args[8], &levels) || tracked < 1 || levels < 1 || levels > VERDICT_LEVELS) {
+    if (dl_long_arg(args[7], &tracked) || dl_long_arg(args[8], &levels) || tracked < 1 || levels < 1 || levels > VERDICT_LEVELS) {
         PyErr_SetString(PyExc_ValueError, "deadline_constants: max_tracked >= 1, load_levels in [1, 64]");
         return NULL;
     }
@@ -8296,12 +8323,13 @@ deadline_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 typedef struct {
     VerdictMembers m;
     PyObject *wid; /* new reference */
-    long long inflight, level;
+    long long inflight;
+    Py_ssize_t level;
 } DlWorker;
 
-/* `w`'s id, in-flight count and load level (levels 0..top): 0, 1 (NotImplemented), -1 */
+/* `w`'s id, in-flight count and load level (of the guard's load_levels): 0, 1 (NotImplemented), -1 */
 static int
-dl_worker(DlWorker *d, PyObject *w, Py_ssize_t top)
+dl_worker(DlWorker *d, PyObject *w)
 {
     verdict_members(&d->m, Py_TYPE(w));
     d->wid = member_get(w, d->m.id_at, id_name);
@@ -8309,77 +8337,33 @@ dl_worker(DlWorker *d, PyObject *w, Py_ssize_t top)
         return -1;
     if (!PyUnicode_CheckExact(d->wid))
         return 1;
-    long long at_slot, running;
-    int r;
-    if ((d->m.scan.slot_at < 0 || d->m.scan.loads_at < 0 || slot_member_load(w, &d->m.scan, &at_slot, &d->inflight) != 0)
-        && (r = verdict_attr_long(w, -1, inflight_requests_name, &d->inflight)) != 0)
-        return r;
-    if ((r = verdict_attr_long(w, d->m.running_at, reported_running_name, &running)) != 0)
-        return r;
-    if (running == LLONG_MIN)
-        return 1;
-    unsigned long long magnitude = running < 0 ? (unsigned long long)(-running) : (unsigned long long)running;
-    d->level = magnitude ? 64 - __builtin_clzll(magnitude) : 0; /* int.bit_length() */
-    if (d->level > top)
-        d->level = top;
-    return 0;
+    return verdict_load(w, &d->m, (Py_ssize_t)dl_k.load_levels - 1, &d->inflight, &d->level);
 }
 
-/* DeadlineGuard._sync(w): its _anchor called when a load report came since: 0, 1, -1 */
+/* DeadlineGuard._sync(w), the guard's books read through its attributes: 0, 1, -1 */
 static int
 dl_sync(PyObject *guard, DlWorker *d, PyObject *w)
 {
     PyObject *anchored = PyObject_GetAttr(guard, dl_anchored_name);
     if (anchored == NULL)
         return -1;
-    double reported_at, at_anchor = 0.0;
-    int r = PyDict_CheckExact(anchored) ? verdict_attr_double(w, d->m.reported_at_at, reported_at_name, &reported_at) : 1;
-    if (r == 0) {
-        PyObject *a = PyDict_GetItemWithError(anchored, d->wid); /* borrowed */
-        if (a == NULL && PyErr_Occurred())
-            r = -1;
-        else if (a != NULL && verdict_double(a, &at_anchor))
-            r = 1;
-    }
+    int r = PyDict_CheckExact(anchored) ? verdict_sync(anchored, NULL, guard, &d->m, w, d->wid) : 1;
     Py_DECREF(anchored);
-    if (r == 0 && reported_at > at_anchor) {
-        PyObject *done = PyObject_CallMethodOneArg(guard, dl_anchor_name, w);
-        if (done == NULL)
-            return -1;
-        Py_DECREF(done);
-    }
     return r;
 }
 
-/* guard.<name> as a double: 0, 1 (not an int or float), -1 */
+/* (scale, tail) of load level `level` in the guard's _levels (load_levels of them): 0, 1, -1 */
 static int
-dl_attr_double(PyObject *guard, PyObject *name, double *out)
-{
-    PyObject *v = PyObject_GetAttr(guard, name);
-    if (v == NULL)
-        return -1;
-    int r = verdict_double(v, out);
-    Py_DECREF(v);
-    return r;
-}
-
-/* (scale, tail) of load level `level` in the guard's _levels, and the top level: 0, 1, -1 */
-static int
-dl_level(PyObject *guard, Py_ssize_t *top, long long level, double *scale, double *tail)
+dl_level(PyObject *guard, Py_ssize_t level, double *scale, double *tail)
 {
     PyObject *levels = PyObject_GetAttr(guard, dl_levels_name);
     if (levels == NULL)
         return -1;
     int r = 1;
-    if (PyList_CheckExact(levels) && PyList_GET_SIZE(levels) == dl_k.load_levels) {
-        *top = PyList_GET_SIZE(levels) - 1;
-        if (level < 0)
-            r = 0; /* the caller asks only for the top */
-        else if (level <= *top) {
-            PyObject *pair = PyList_GET_ITEM(levels, level);
-            r = !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || verdict_double(PyTuple_GET_ITEM(pair, 0), scale)
-                || verdict_double(PyTuple_GET_ITEM(pair, 1), tail);
-        }
+    if (PyList_CheckExact(levels) && PyList_GET_SIZE(levels) == dl_k.load_levels && level < dl_k.load_levels) {
+        PyObject *pair = PyList_GET_ITEM(levels, level);
+        r = !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || verdict_double(PyTuple_GET_ITEM(pair, 0), scale)
+            || verdict_double(PyTuple_GET_ITEM(pair, 1), tail);
     }
     Py_DECREF(levels);
     return r;
@@ -8394,29 +8378,18 @@ dl_waits(PyObject *guard, DlWorker *d, PyObject *w, double now, long long tokens
     PyObject *backlog = PyObject_GetAttr(guard, dl_backlog_name);
     if (backlog == NULL)
         return -1;
-    double ms = 0.0, at = now;
-    int r = !PyDict_CheckExact(backlog);
-    if (r == 0) {
-        PyObject *books = PyDict_GetItemWithError(backlog, d->wid); /* borrowed */
-        if (books == NULL && PyErr_Occurred())
-            r = -1;
-        else if (books != NULL && (!PyTuple_CheckExact(books) || PyTuple_GET_SIZE(books) != 2
-                                   || verdict_double(PyTuple_GET_ITEM(books, 0), &ms)
-                                   || verdict_double(PyTuple_GET_ITEM(books, 1), &at)))
-            r = 1;
-    }
+    int r = PyDict_CheckExact(backlog) ? verdict_drained(backlog, d->wid, now, scale, drained) : 1;
     Py_DECREF(backlog);
     if (r != 0)
         return r;
-    *drained = verdict_max(0.0, ms - (now - at) * 1000.0 / scale);
     /* _kv_wait's inputs, as DeadlineGuard._verdict_args hands them to deadline_verdict */
     VerdictKv kv = {0.0, 1.0, dl_k.max_latency_ms, 0, NULL, NULL, NULL, NULL, -1, -1};
     double hold_sq = 0.0, wait = 0.0;
     PyObject *block_size = NULL;
-    if ((r = dl_attr_double(guard, dl_hold_ms_name, &kv.hold_ms)) != 0)
+    if ((r = verdict_attr_double(guard, -1, dl_hold_ms_name, &kv.hold_ms)) != 0)
         return r;
     if (kv.hold_ms) {
-        if ((r = dl_attr_double(guard, dl_hold_sq_name, &hold_sq)) != 0)
+        if ((r = verdict_attr_double(guard, -1, dl_hold_sq_name, &hold_sq)) != 0)
             return r;
         kv.spread = verdict_min(1.0, verdict_max(0.0, hold_sq / (kv.hold_ms * kv.hold_ms) - 1.0)); /* _hold_spread */
         block_size = PyObject_GetAttr(guard, block_size_name);
@@ -8452,9 +8425,8 @@ dl_prefill(PyObject *guard, long long uncached, long long cached, double *out)
     if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2) {
         PyObject *tokens = PyTuple_GET_ITEM(last, 0);
         long long u, c;
-        if (PyTuple_CheckExact(tokens) && PyTuple_GET_SIZE(tokens) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(tokens, 0))
-            && PyLong_CheckExact(PyTuple_GET_ITEM(tokens, 1)) && !exact_long(PyTuple_GET_ITEM(tokens, 0), &u)
-            && !exact_long(PyTuple_GET_ITEM(tokens, 1), &c) && u == uncached && c == cached) {
+        if (PyTuple_CheckExact(tokens) && PyTuple_GET_SIZE(tokens) == 2 && !dl_long_arg(PyTuple_GET_ITEM(tokens, 0), &u)
+            && !dl_long_arg(PyTuple_GET_ITEM(tokens, 1), &c) && u == uncached && c == cached) {
             int r = verdict_double(PyTuple_GET_ITEM(last, 1), out);
             Py_DECREF(last);
             return r;
@@ -8491,13 +8463,6 @@ fail:
     return NULL;
 }
 
-/* an exact int argument as a long long: 0, or 1 */
-static inline int
-dl_long_arg(PyObject *v, long long *out)
-{
-    return !PyLong_CheckExact(v) || exact_long(v, out);
-}
-
 static PyObject *
 deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -8511,22 +8476,20 @@ deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!dl_k.set || dl_long_arg(args[2], &uncached) || dl_long_arg(args[3], &cached) || verdict_double(args[4], &now)
         || verdict_double(args[5], &slo_ms))
         Py_RETURN_NOTIMPLEMENTED;
-    Py_ssize_t top = 0;
     DlWorker d = {.wid = NULL};
-    int r = dl_level(guard, &top, -1, &scale, &tail);
-    if (r == 0)
-        r = dl_worker(&d, chosen, top);
+    int r = dl_worker(&d, chosen);
     double drained = 0.0, waited = 0.0;
     if (r == 0 && d.inflight) {
-        if ((r = dl_sync(guard, &d, chosen)) == 0 && (r = dl_level(guard, &top, d.level, &scale, &tail)) == 0)
+        if ((r = dl_sync(guard, &d, chosen)) == 0 && (r = dl_level(guard, d.level, &scale, &tail)) == 0)
             r = dl_waits(guard, &d, chosen, now, uncached, scale, &drained, &waited);
     }
     Py_XDECREF(d.wid);
     double own = 0.0;
     int meets = 1;
-    if (r == 0 && !(waited <= 0.0)) { /* something ahead of it: check's rule for one worker */
-        if ((r = dl_prefill(guard, uncached, cached, &own)) == 0 && (r = dl_level(guard, &top, d.level, &scale, &tail)) == 0
-            && (r = dl_attr_double(guard, dl_margin_name, &margin)) == 0) {
+    /* something ahead of it (only with requests in flight: `tail` was read with them): check's rule for one worker */
+    if (r == 0 && !(waited <= 0.0)) {
+        if ((r = dl_prefill(guard, uncached, cached, &own)) == 0
+            && (r = verdict_attr_double(guard, -1, dl_margin_name, &margin)) == 0) {
             tail *= margin;
             meets = (waited + own) * tail <= verdict_max(slo_ms, own * tail);
         }
@@ -8569,11 +8532,8 @@ deadline_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *backlog = NULL, *waiting_tokens = NULL, *waiting_count = NULL, *predicted_d = NULL, *flight_d = NULL;
     PyObject *where = NULL, *flight = NULL;
-    Py_ssize_t top = 0;
     DlWorker d = {.wid = NULL};
-    int r = dl_level(guard, &top, -1, &scale, &tail);
-    if (r == 0)
-        r = dl_worker(&d, worker, top);
+    int r = dl_worker(&d, worker);
     /* the books written below, checked before anything runs that writes (a re-anchor, the prefill memo) */
     if (r == 0) {
         backlog = PyObject_GetAttr(guard, dl_backlog_name);
@@ -8610,7 +8570,7 @@ deadline_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             queued_ms = pdrained + own;
             predicted = pwaited + own;
         }
-        else if ((r = dl_level(guard, &top, d.level, &scale, &tail)) == 0
+        else if ((r = dl_level(guard, d.level, &scale, &tail)) == 0
                  && (r = dl_waits(guard, &d, worker, now, uncached, scale, &pdrained, &pwaited)) == 0) {
             queued_ms = pdrained + own;
             predicted = pwaited + own;
@@ -8753,7 +8713,7 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (r == 0 && (dispatched = PyDict_GetItemWithError(predicted_d, request_id)) == NULL && PyErr_Occurred())
         r = -1;
     if (r == 0 && (judged != NULL || dispatched != NULL))
-        r = dl_attr_double(guard, dl_quantile_name, &quantile);
+        r = verdict_attr_double(guard, -1, dl_quantile_name, &quantile);
     int timely = 0 < ttft && ttft <= dl_k.max_latency_ms;
     if (r == 0 && judged != NULL) {
         if (!PyTuple_CheckExact(judged) || PyTuple_GET_SIZE(judged) != 2 || verdict_double(PyTuple_GET_ITEM(judged, 0), &judged_slo)
@@ -8761,7 +8721,7 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             r = 1;
         else if (timed && timely && (now - judged_at) * 1000.0 <= 2.0 * judged_slo) {
             margin_moves = 1;
-            r = dl_attr_double(guard, dl_log_margin_name, &log_margin);
+            r = verdict_attr_double(guard, -1, dl_log_margin_name, &log_margin);
         }
     }
     double scale = 1.0, tail = 1.0;
@@ -8795,8 +8755,8 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     double hold_ms = 0.0, hold_sq = 0.0;
     int holds = 0 < ttft && ttft + 1.0 <= e2e && e2e <= dl_k.max_latency_ms; /* a decode of 1 ms or more */
-    if (r == 0 && holds && (r = dl_attr_double(guard, dl_hold_ms_name, &hold_ms)) == 0)
-        r = dl_attr_double(guard, dl_hold_sq_name, &hold_sq);
+    if (r == 0 && holds && (r = verdict_attr_double(guard, -1, dl_hold_ms_name, &hold_ms)) == 0)
+        r = verdict_attr_double(guard, -1, dl_hold_sq_name, &hold_sq);
     /* checked: now the writes, in the reference's order */
     if (r == 0 && wid != NULL) {
         Py_INCREF(wid);

@@ -9610,6 +9610,249 @@ lbgr_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nd)", best_i, best);
 }
 
+
+/* ---- the in-flight table: a routed request kept, a completed one forgotten ------------------
+ *
+ * ledger_constants(entry_bytes, candidate_bytes) -> None
+ * ledger_keep(ledger, req) -> None | NotImplemented
+ * ledger_forget(ledger, request_id) -> PackedRequest | None | NotImplemented
+ *
+ * router/ledger.py's LoadLedger._keep and forget_request, whose references are _keep_py and
+ * _forget_py there; a test holds the two to the same tables over random requests. Every Route
+ * puts its request in the table as one flat tuple (pack_request) with what it costs
+ * (request_bytes), every Complete takes it out: in bytecode the pair was ~16k of the ~314k
+ * instructions a streamed Route + Complete takes (callgrind, the two switched off). The tables
+ * stay the ledger's own dict and ints, so everything else that reads them sees one state.
+ * NotImplemented (the caller runs the reference) for what only the reference handles: keys
+ * that are not an array('Q') (a list is packed key by key), a field not of its exact type (the
+ * reference converts it with str(), int() or float()), tables not of theirs; decided before
+ * anything is written. */
+static PyObject *lg_requests_name, *lg_by_client_name, *lg_inflight_bytes_name, *lg_request_id_name, *lg_keys_name,
+    *lg_prompt_tokens_name, *lg_session_id_name, *lg_task_name, *lg_ttft_slo_ms_name, *lg_output_name,
+    *lg_policy_name, *lg_candidates_name, *lg_model_name, *lg_lora_name, *lg_client_name;
+
+/* ledger.py's constants, handed over once at its import (ledger_constants) */
+static struct {
+    long long entry_bytes, candidate_bytes;
+    int set;
+} lg_k;
+
+/* the packed request's fields (ledger.py's pack_request) before its candidate workers */
+enum { LG_CLIENT = 10, LG_SIZE = 11, LG_CANDIDATES = 13 };
+
+/* Where the request's class keeps the twelve fields read (member_offset), found once per class
+ * and version of it (a class changed since has another version tag): read in place, they were
+ * ~2.5k instructions a Route through the generic lookup */
+enum { LG_FIELDS = 12 };
+static struct {
+    PyTypeObject *type; /* a strong reference */
+    unsigned int tag;
+    Py_ssize_t at[LG_FIELDS];
+} lg_req;
+
+static PyObject *
+ledger_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long entry, candidate;
+    if (nargs != 2 || dl_long_arg(args[0], &entry) || dl_long_arg(args[1], &candidate) || entry < 0 || candidate < 0) {
+        PyErr_SetString(PyExc_TypeError, "ledger_constants takes 2 ints >= 0 (see ledger.py)");
+        return NULL;
+    }
+    lg_k.entry_bytes = entry;
+    lg_k.candidate_bytes = candidate;
+    lg_k.set = 1;
+    Py_RETURN_NONE;
+}
+
+/* `table`'s int under `key` plus `delta` into *out (the absent key counts 0 when `absent_ok`):
+ * 0, -1 with an error, 1 when it holds no exact int there (or is absent and may not be) */
+static int
+lg_count_plus(PyObject *table, PyObject *key, long long delta, int absent_ok, long long *out)
+{
+    PyObject *count = PyDict_GetItemWithError(table, key);
+    long long n = 0;
+    if (count == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        if (!absent_ok)
+            return 1;
+    }
+    else if (dl_long_arg(count, &n))
+        return 1;
+    *out = n + delta;
+    return 0;
+}
+
+static PyObject *
+ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "ledger_keep takes 2 arguments (see LoadLedger._keep_py)");
+        return NULL;
+    }
+    if (!lg_k.set)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *ledger = args[0], *req = args[1];
+    /* the request's fields in pack_request's order, the candidates last; then the tables */
+    PyObject *const names[] = {lg_request_id_name, lg_keys_name, lg_prompt_tokens_name, lg_session_id_name, lg_task_name,
+                               lg_ttft_slo_ms_name, lg_output_name, lg_policy_name, lg_model_name, lg_lora_name,
+                               lg_client_name, lg_candidates_name, lg_requests_name, lg_by_client_name,
+                               lg_inflight_bytes_name};
+    enum { N = sizeof names / sizeof names[0], CANDIDATES = 11, REQUESTS = LG_FIELDS, BY_CLIENT = 13, BYTES = 14 };
+    PyObject *v[N] = {NULL};
+    PyObject *kept = NULL, *task = NULL, *packed = NULL, *bytes = NULL, *clients = NULL, *size_obj = NULL;
+    PyObject *result = NULL;
+    int r = 0;
+    PyTypeObject *type = Py_TYPE(req);
+    if (type != lg_req.type || !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) || type->tp_version_tag != lg_req.tag) {
+        for (int i = 0; i < LG_FIELDS; i++)
+            lg_req.at[i] = member_offset(type, names[i]);
+        Py_XSETREF(lg_req.type, (PyTypeObject *)Py_NewRef(type));
+        lg_req.tag = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
+    }
+    for (int i = 0; i < N && r == 0; i++)
+        if ((v[i] = i < LG_FIELDS ? member_get(req, lg_req.at[i], names[i]) : PyObject_GetAttr(ledger, names[i])) == NULL)
+            r = -1;
+    if (r == 0) {
+        static const int strs[] = {0, 3, 7, 8, 9, 10};
+        for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
+            if (!PyUnicode_CheckExact(v[strs[i]]))
+                r = 1;
+        if (!Py_IS_TYPE(v[1], Py_TYPE(array_q_zero)) || !PyLong_CheckExact(v[2]) || !PyLong_Check(v[4])
+            || !PyFloat_CheckExact(v[5]) || !PyLong_CheckExact(v[6]) || !PyTuple_CheckExact(v[CANDIDATES])
+            || !PyDict_CheckExact(v[REQUESTS]) || !PyDict_CheckExact(v[BY_CLIENT]) || !PyLong_CheckExact(v[BYTES]))
+            r = 1;
+    }
+    /* request_bytes: 8 bytes a key of an array('Q'), the strings' characters, each candidate's
+     * name and tuple slot */
+    Py_ssize_t n_candidates = r == 0 ? PyTuple_GET_SIZE(v[CANDIDATES]) : 0;
+    long long size = lg_k.entry_bytes;
+    for (Py_ssize_t i = 0; i < n_candidates && r == 0; i++) {
+        PyObject *name = PyTuple_GET_ITEM(v[CANDIDATES], i);
+        if (!PyUnicode_CheckExact(name))
+            r = 1;
+        else
+            size += PyUnicode_GET_LENGTH(name) + lg_k.candidate_bytes;
+    }
+    if (r == 0) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(v[1], &view, PyBUF_FORMAT) < 0)
+            r = -1;
+        else {
+            if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0)
+                r = 1; /* another typecode: listed, as pack_request does */
+            else if ((kept = PyBytes_FromStringAndSize(view.buf, view.len)) == NULL)
+                r = -1;
+            else
+                size += view.len;
+            PyBuffer_Release(&view);
+        }
+    }
+    if (r == 0) {
+        static const int strs[] = {0, 3, 7, 8, 9, 10};
+        for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
+            size += PyUnicode_GET_LENGTH(v[strs[i]]);
+        /* int(req.task): a TaskCategory is an IntEnum, kept as its int */
+        if ((task = PyNumber_Long(v[4])) == NULL)
+            r = -1;
+    }
+    long long held = 0;
+    if (r == 0 && dl_long_arg(v[BYTES], &held))
+        r = 1;
+    int has_client = r == 0 && PyUnicode_GET_LENGTH(v[LG_CLIENT]) > 0;
+    long long count = 0;
+    if (has_client && (r = lg_count_plus(v[BY_CLIENT], v[LG_CLIENT], 1, 1, &count)) == 0
+        && (clients = PyLong_FromLongLong(count)) == NULL)
+        r = -1;
+    if (r == 0 && ((size_obj = PyLong_FromLongLong(size)) == NULL || (bytes = PyLong_FromLongLong(held + size)) == NULL))
+        r = -1;
+    if (r == 0 && (packed = PyTuple_New(LG_CANDIDATES + n_candidates)) == NULL)
+        r = -1;
+    if (r == 0) {
+        PyObject *fields[LG_CANDIDATES] = {v[0], kept, v[2], v[3], task, v[5], v[6], v[7], v[8], v[9], v[10], size_obj, Py_False};
+        for (int i = 0; i < LG_CANDIDATES; i++)
+            PyTuple_SET_ITEM(packed, i, Py_NewRef(fields[i]));
+        for (Py_ssize_t i = 0; i < n_candidates; i++)
+            PyTuple_SET_ITEM(packed, LG_CANDIDATES + i, Py_NewRef(PyTuple_GET_ITEM(v[CANDIDATES], i)));
+        /* _keep_py's order: the table, its bytes, the client's count */
+        if (PyDict_SetItem(v[REQUESTS], v[0], packed) < 0 || PyObject_SetAttr(ledger, lg_inflight_bytes_name, bytes) < 0
+            || (has_client && PyDict_SetItem(v[BY_CLIENT], v[LG_CLIENT], clients) < 0))
+            r = -1;
+    }
+    if (r == 0)
+        result = Py_NewRef(Py_None);
+    else if (r > 0)
+        result = Py_NewRef(Py_NotImplemented);
+    for (int i = 0; i < N; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(kept);
+    Py_XDECREF(task);
+    Py_XDECREF(packed);
+    Py_XDECREF(bytes);
+    Py_XDECREF(clients);
+    Py_XDECREF(size_obj);
+    return result;
+}
+
+static PyObject *
+ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "ledger_forget takes 2 arguments (see LoadLedger._forget_py)");
+        return NULL;
+    }
+    PyObject *ledger = args[0], *request_id = args[1];
+    if (!PyUnicode_CheckExact(request_id))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *requests = NULL, *by_client = NULL, *held_obj = NULL, *bytes = NULL, *left = NULL, *result = NULL;
+    PyObject *packed = NULL; /* borrowed from the table until it leaves it */
+    int r = (requests = PyObject_GetAttr(ledger, lg_requests_name)) == NULL ? -1 : 0;
+    if (r == 0 && !PyDict_CheckExact(requests))
+        r = 1;
+    if (r == 0 && (packed = PyDict_GetItemWithError(requests, request_id)) == NULL) {
+        Py_DECREF(requests);
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE; /* not in flight: nothing changes */
+    }
+    long long size = 0, held = 0;
+    PyObject *client = NULL;
+    if (r == 0 && (!PyTuple_CheckExact(packed) || PyTuple_GET_SIZE(packed) < LG_CANDIDATES
+                   || !PyLong_CheckExact(PyTuple_GET_ITEM(packed, LG_SIZE)) || dl_long_arg(PyTuple_GET_ITEM(packed, LG_SIZE), &size)
+                   || !PyUnicode_CheckExact(client = PyTuple_GET_ITEM(packed, LG_CLIENT))))
+        r = 1;
+    if (r == 0 && ((by_client = PyObject_GetAttr(ledger, lg_by_client_name)) == NULL
+                   || (held_obj = PyObject_GetAttr(ledger, lg_inflight_bytes_name)) == NULL))
+        r = -1;
+    if (r == 0 && (!PyDict_CheckExact(by_client) || !PyLong_CheckExact(held_obj) || dl_long_arg(held_obj, &held)))
+        r = 1;
+    int has_client = r == 0 && PyUnicode_GET_LENGTH(client) > 0;
+    long long count = 0;
+    /* a client the count does not know: the reference raises its KeyError */
+    if (has_client && (r = lg_count_plus(by_client, client, -1, 0, &count)) == 0 && count
+        && (left = PyLong_FromLongLong(count)) == NULL)
+        r = -1;
+    if (r == 0 && (bytes = PyLong_FromLongLong(held - size)) == NULL)
+        r = -1;
+    if (r == 0) {
+        /* _forget_py's order: out of the table, its bytes, the client's count */
+        result = Py_NewRef(packed);
+        if (PyDict_DelItem(requests, request_id) < 0 || PyObject_SetAttr(ledger, lg_inflight_bytes_name, bytes) < 0
+            || (has_client && (left != NULL ? PyDict_SetItem(by_client, client, left)
+                                            : PyDict_DelItem(by_client, client)) < 0))
+            Py_CLEAR(result);
+    }
+    else if (r > 0)
+        result = Py_NewRef(Py_NotImplemented);
+    Py_XDECREF(requests);
+    Py_XDECREF(by_client);
+    Py_XDECREF(held_obj);
+    Py_XDECREF(bytes);
+    Py_XDECREF(left);
+    return result;
+}
+
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -9668,6 +9911,12 @@ static PyMethodDef native_methods[] = {
      "DeadlineGuard._dispatch_py"},
     {"deadline_complete", (PyCFunction)(void (*)(void))deadline_complete, METH_FASTCALL,
      "deadline_complete(guard, request_id, ttft_ms, now, e2e_ms) -> None | NotImplemented: DeadlineGuard._complete_py"},
+    {"ledger_constants", (PyCFunction)(void (*)(void))ledger_constants, METH_FASTCALL,
+     "ledger_constants(entry_bytes, candidate_bytes): ledger.py's, once at its import"},
+    {"ledger_keep", (PyCFunction)(void (*)(void))ledger_keep, METH_FASTCALL,
+     "ledger_keep(ledger, req) -> None | NotImplemented: LoadLedger._keep_py"},
+    {"ledger_forget", (PyCFunction)(void (*)(void))ledger_forget, METH_FASTCALL,
+     "ledger_forget(ledger, request_id) -> the packed request | None | NotImplemented: LoadLedger._forget_py"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "
@@ -9750,6 +9999,25 @@ PyInit__native(void)
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
         return NULL;
+    lg_requests_name = PyUnicode_InternFromString("requests");
+    lg_by_client_name = PyUnicode_InternFromString("by_client");
+    lg_inflight_bytes_name = PyUnicode_InternFromString("inflight_bytes");
+    lg_request_id_name = PyUnicode_InternFromString("request_id");
+    lg_keys_name = PyUnicode_InternFromString("keys");
+    lg_prompt_tokens_name = PyUnicode_InternFromString("prompt_tokens");
+    lg_session_id_name = PyUnicode_InternFromString("session_id");
+    lg_task_name = PyUnicode_InternFromString("task");
+    lg_ttft_slo_ms_name = PyUnicode_InternFromString("ttft_slo_ms");
+    lg_output_name = PyUnicode_InternFromString("expected_output_tokens");
+    lg_policy_name = PyUnicode_InternFromString("policy");
+    lg_candidates_name = PyUnicode_InternFromString("candidate_workers");
+    lg_model_name = PyUnicode_InternFromString("model");
+    lg_lora_name = PyUnicode_InternFromString("lora");
+    lg_client_name = PyUnicode_InternFromString("client");
+    PyObject *lg_names[] = {lg_requests_name, lg_by_client_name, lg_inflight_bytes_name, lg_request_id_name, lg_keys_name, lg_prompt_tokens_name, lg_session_id_name, lg_task_name, lg_ttft_slo_ms_name, lg_output_name, lg_policy_name, lg_candidates_name, lg_model_name, lg_lora_name, lg_client_name};
+    for (size_t i = 0; i < sizeof lg_names / sizeof lg_names[0]; i++)
+        if (lg_names[i] == NULL)
+            return NULL;
     float_zero = PyFloat_FromDouble(0.0);
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);

@@ -58,6 +58,9 @@ INFLIGHT_ENTRY_BYTES = 512
 #: what a block key costs kept as a Python int in a list (in an ``array('Q')``: 8 bytes)
 _LIST_KEY_BYTES = 40
 
+#: what a candidate worker's name costs beside its characters (its str and tuple slot)
+_CANDIDATE_BYTES = 56
+
 
 def request_bytes(req: RouteRequest) -> int:
     """What ``req`` costs in the in-flight table: keys as stored (8 bytes in an ``array('Q')``,
@@ -69,7 +72,7 @@ def request_bytes(req: RouteRequest) -> int:
             + len(req.model) + len(req.lora) + len(req.policy) + len(req.client))
     candidates = req.candidate_workers
     if candidates:  # each name and its tuple slot; summed in C (a deadline reroute names ~every worker)
-        size += sum(map(len, candidates)) + 56 * len(candidates)
+        size += sum(map(len, candidates)) + _CANDIDATE_BYTES * len(candidates)
     return size
 
 
@@ -116,6 +119,9 @@ def unpack_request(packed: PackedRequest) -> RouteRequest:
 
 #: a task category by number (kept as an int: an enum member is an object the collector tracks)
 _TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
+
+if native.module is not None:  # what the native in-flight table (ledger_keep) charges a request
+    native.module.ledger_constants(INFLIGHT_ENTRY_BYTES, _CANDIDATE_BYTES)
 
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
@@ -483,6 +489,12 @@ class LoadLedger:
 
     def _keep(self, req: RouteRequest) -> None:
         """Put a routed request in the table (packed), counting its bytes and its client's requests."""
+        if native.module is None or native.module.ledger_keep(self, req) is NotImplemented:
+            self._keep_py(req)
+
+    def _keep_py(self, req: RouteRequest) -> None:
+        """``_keep``'s reference, of the native ``ledger_keep`` (``index/_native.c``), which
+        handles a request whose keys are an ``array('Q')`` and whose fields are of their exact types."""
         size = request_bytes(req)
         self.requests[req.request_id] = pack_request(req, size)
         self.inflight_bytes += size
@@ -493,6 +505,14 @@ class LoadLedger:
         """Drop a request from the table, its bytes from ``inflight_bytes`` and it from its
         client's count; returns it as kept (``unpack_request`` makes it a RouteRequest again:
         ~1 us, paid only where it is read)."""
+        if native.module is not None:
+            packed = native.module.ledger_forget(self, request_id)
+            if packed is not NotImplemented:
+                return packed
+        return self._forget_py(request_id)
+
+    def _forget_py(self, request_id: str) -> PackedRequest | None:
+        """``forget_request``'s reference, of the native ``ledger_forget``."""
         packed = self.requests.pop(request_id, None)
         if packed is None:
             return None

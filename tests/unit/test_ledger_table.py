@@ -1,0 +1,176 @@
+"""The in-flight table: the native passes keep a routed request, and forget it, as the reference.
+
+Every Route puts its request in the ledger's table, packed, with what it costs, and counts it
+against its client (``LoadLedger._keep``); every Complete takes it out (``forget_request``).
+Where the extension is built those are ``ledger_keep`` and ``ledger_forget``
+(``index/_native.c``), and ``_keep_py`` and ``_forget_py`` are their references. Two ledgers
+over one random life of requests, one driven through each, must hold equal tables (entries,
+their order, bytes, clients' counts) after every step, and answer a forget alike. Also what
+the native passes decline (leaving the tables as they were) and what they raise.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Any
+
+import pytest
+
+from kvrouterd.clock import ManualClock
+from kvrouterd.index import native
+from kvrouterd.protocols import RouteRequest, TaskCategory
+from kvrouterd.router import Router, RouterSettings, request_bytes
+from kvrouterd.router.ledger import LoadLedger, unpack_request
+
+pytestmark = pytest.mark.skipif(native.module is None, reason=native.status)
+
+
+def table(ledger: LoadLedger) -> tuple[Any, ...]:
+    """Everything the table keeps between calls, orders included."""
+    return list(ledger.requests.items()), list(ledger.by_client.items()), ledger.inflight_bytes
+
+
+def ledgers() -> tuple[LoadLedger, LoadLedger]:
+    """Two ledgers over one router's parts: only their tables are compared."""
+    parts = Router(RouterSettings(block_size=16), ManualClock())._ledger
+    return (LoadLedger(parts._shared, parts._recent, parts._speculative),
+            LoadLedger(parts._shared, parts._recent, parts._speculative))
+
+
+class StrId(str):
+    """A str subclass: the reference keeps ``str(value)``, the native passes decline it."""
+
+
+def random_request(rng: random.Random, n: int) -> RouteRequest:
+    keys: Any = array("Q", (rng.getrandbits(64) for _ in range(rng.randrange(0, 40))))
+    roll = rng.random()
+    if roll < 0.05:
+        keys = keys.tolist()  # packed key by key: declined
+    elif roll < 0.08:
+        keys = array("q", (k >> 1 for k in keys))  # another typecode: kept as a list, declined
+    client = rng.choice(("", "", "ipv4:127.0.0.1:5000", "ipv6:[::1]:6000", "çlient-é"))
+    request_id = rng.choice((f"r{n}", f"rq-é{n}", f"r{n}" * 30))
+    task: Any = rng.choice(list(TaskCategory))
+    slo: Any = rng.choice((0.0, 250.5, 1e4))
+    if rng.random() < 0.05:
+        request_id = StrId(request_id)
+    if rng.random() < 0.05:
+        slo = 300  # an int: float() in the reference, declined natively
+    if rng.random() < 0.05:
+        task = int(task)  # an int is kept as it is
+    candidates = tuple(rng.sample([f"w{i}" for i in range(12)] + ["wörker-ü"], rng.choice((0, 0, 1, 5))))
+    return RouteRequest(request_id, keys, rng.randrange(1, 5_000), rng.choice(("", "s1", "sess-ø")), task, slo,
+                        rng.randrange(0, 900), rng.choice(("", "cache_aware", "lbgr")), candidates,
+                        rng.choice(("", "llama")), rng.choice(("", "ad-1")), client)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_native_passes_keep_the_table_as_the_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    fast, ref = ledgers()
+    in_flight: list[str] = []
+    declined = kept = forgotten = 0
+    for n in range(1_500):
+        if rng.random() < 0.55 or not in_flight:
+            req = random_request(rng, n)
+            if req.request_id in fast.requests:
+                continue
+            answer = native.module.ledger_keep(fast, req)
+            if answer is NotImplemented:
+                declined += 1
+                assert table(fast) == table(ref), "a decline wrote the table"
+                fast._keep_py(req)
+            else:
+                assert answer is None
+                kept += 1
+            ref._keep_py(req)
+            in_flight.append(req.request_id)
+            got = fast.requests[req.request_id]
+            assert got == ref.requests[req.request_id]
+            assert [type(v) for v in got] == [type(v) for v in ref.requests[req.request_id]]
+            assert unpack_request(got) == unpack_request(ref.requests[req.request_id])
+            assert got[11] == request_bytes(req)
+        else:
+            rid = in_flight.pop(rng.randrange(len(in_flight))) if rng.random() < 0.9 else f"gone-{n}"
+            assert fast.forget_request(rid) == ref._forget_py(rid)
+            forgotten += 1
+        assert table(fast) == table(ref)
+    # every path ran: kept natively, declined to the reference, forgotten, unknown ids
+    assert kept > 300 and declined > 20 and forgotten > 300
+
+
+def test_a_kept_request_reads_back_equal_and_costs_what_request_bytes_says() -> None:
+    fast, _ = ledgers()
+    req = RouteRequest("r1", array("Q", [1, 2, 2**64 - 1]), 48, "s", TaskCategory.AGENTIC, 120.0, 7, "lbgr",
+                       ("w1", "wö"), "m", "l", "c1")
+    assert native.module.ledger_keep(fast, req) is None
+    assert unpack_request(fast.requests["r1"]) == req
+    assert fast.inflight_bytes == request_bytes(req) and fast.by_client == {"c1": 1}
+    assert fast.forget_request("r1") is not None
+    assert (fast.requests, fast.by_client, fast.inflight_bytes) == ({}, {}, 0)
+    assert fast.forget_request("r1") is None
+
+
+def test_what_the_native_passes_decline_leaves_the_table_as_it_was() -> None:
+    fast, _ = ledgers()
+    req = RouteRequest("r1", array("Q", [1, 2]), 32, client="c")
+    fast._keep_py(req)
+    before = table(fast)
+    declined = [
+        RouteRequest("r2", [1, 2], 32),  # a list of keys
+        RouteRequest("r2", array("Q", [1]), 32, ttft_slo_ms=5),  # an int where a float is kept
+        RouteRequest(StrId("r2"), array("Q", [1]), 32),
+        RouteRequest("r2", array("Q", [1]), 32, candidate_workers=("w1", StrId("w2"))),
+        RouteRequest("r2", array("Q", [1]), 32, candidate_workers=["w1"]),  # type: ignore[arg-type]
+        RouteRequest("r2", array("Q", [1]), 32, task="chat"),  # type: ignore[arg-type]
+    ]
+    for bad in declined:
+        assert native.module.ledger_keep(fast, bad) is NotImplemented
+        assert table(fast) == before
+    fast.by_client["c"] = 1.0  # a count that is no int: the reference's arithmetic, not ours
+    assert native.module.ledger_keep(fast, RouteRequest("r3", array("Q"), 16, client="c")) is NotImplemented
+    assert native.module.ledger_forget(fast, "r1") is NotImplemented
+    assert native.module.ledger_forget(fast, StrId("r1")) is NotImplemented
+    assert "r1" in fast.requests
+    fast.by_client.clear()  # a client the count lost: the reference raises its KeyError
+    assert native.module.ledger_forget(fast, "r1") is NotImplemented
+    with pytest.raises(KeyError):
+        fast._forget_py("r1")
+
+
+def test_the_native_passes_raise_what_reading_the_request_raises() -> None:
+    fast, _ = ledgers()
+
+    class Broken:
+        """A request whose adapter cannot be read."""
+
+        request_id, keys, prompt_tokens, session_id, task = "r1", array("Q", [1]), 16, "", 0
+        ttft_slo_ms, expected_output_tokens, policy, candidate_workers, model, client = 0.0, 0, "", (), "", ""
+
+        @property
+        def lora(self) -> str:
+            raise RuntimeError("lora unreadable")
+
+    with pytest.raises(RuntimeError, match="lora unreadable"):
+        native.module.ledger_keep(fast, Broken())
+    assert table(fast) == ([], [], 0)
+    class Later(RouteRequest):
+        """A request class changed after the native pass read it: its fields are found again."""
+
+        __slots__ = ()
+
+    first, second = Later("r2", array("Q", [1]), 16), Later("r3", array("Q", [1]), 16)
+    assert native.module.ledger_keep(fast, first) is None
+
+    def unreadable(self: Later) -> str:
+        raise RuntimeError("lora unreadable")
+
+    Later.lora = property(unreadable)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="lora unreadable"):
+        native.module.ledger_keep(fast, second)
+    assert list(fast.requests) == ["r2"]
+    with pytest.raises(TypeError, match="2 arguments"):
+        native.module.ledger_keep(fast)
+    with pytest.raises(TypeError, match="2 arguments"):
+        native.module.ledger_forget(fast, "r1", "r2")

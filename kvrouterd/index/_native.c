@@ -4183,15 +4183,17 @@ leaf_prio_arg(PyObject *obj, double *p)
     return *p == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* RadixIndex.recency(index, b, slot) for the usual end of a stored chain, without the call (a
- * Python call per stored event was a tenth of the hook's cost): a block with no children and
- * no accesses pending on it (index._pending, read once a call into *pending) was last used when
- * its own last_access says. 1 with *p; 0 when the Python method must answer (children, pending
- * accesses, a last_access not a float); -1 on error. radix.py's method is the reference. */
+/* RadixIndex.recency(index, b, slot) for a leaf, without the call (a Python call per stored
+ * event was a tenth of the hook's cost; per Route, ~2k instructions of the access record): when
+ * the slot last stored or used b, its own last_access or an access pending on it (index._pending,
+ * read once a call into *pending), whichever is later. `leaf`: b has no child the slot holds (the
+ * caller checked), so no access pending below it counts; else a block with children is left to
+ * the method. 1 with *p; 0 when the Python method must answer (a child held or not known to be,
+ * a last_access or pending time not a float); -1 on error. radix.py's method is the reference. */
 static int
-leaf_recency(PyObject *index, BlockObject *b, PyObject *slotobj, PyObject **pending, double *p)
+leaf_recency(PyObject *index, BlockObject *b, PyObject *slotobj, int leaf, PyObject **pending, double *p)
 {
-    if (b->children != Py_None)
+    if (b->children != Py_None && !leaf)
         return 0;
     PyObject *la = b->state->last_access;
     if (PyDict_CheckExact(la) && (la = PyDict_GetItemWithError(la, slotobj)) == NULL)
@@ -4202,13 +4204,20 @@ leaf_recency(PyObject *index, BlockObject *b, PyObject *slotobj, PyObject **pend
         return -1;
     if (!PyDict_CheckExact(*pending))
         return 0;
-    if (PyDict_GET_SIZE(*pending)) {
-        if (PyDict_GetItemWithError(*pending, (PyObject *)b) != NULL)
-            return 0;
-        if (PyErr_Occurred())
-            return -1;
-    }
     *p = PyFloat_AS_DOUBLE(la);
+    if (!PyDict_GET_SIZE(*pending))
+        return 1;
+    /* a block one slot holds keeps (time, hits) there, a shared one a dict of them by slot */
+    PyObject *up = PyDict_GetItemWithError(*pending, (PyObject *)b);
+    if (up != NULL && PyDict_CheckExact(up))
+        up = PyDict_GetItemWithError(up, slotobj);
+    if (up == NULL)
+        return PyErr_Occurred() ? -1 : 1;
+    if (!PyTuple_CheckExact(up) || PyTuple_GET_SIZE(up) < 1 || !PyFloat_CheckExact(PyTuple_GET_ITEM(up, 0)))
+        return 0;
+    double t = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(up, 0));
+    if (t > *p) /* as `up[0] > la` compares: a NaN is never later */
+        *p = t;
     return 1;
 }
 
@@ -4397,6 +4406,43 @@ leaf_is_leaf(BlockObject *b, int slot, PyObject *bit)
     return 1;
 }
 
+/* accessed(index, slot, block, priority): a Route reused the slot's chain ending at block; a
+ * leaf here is re-scored at priority(index, block, slot) (SortedLeaves.accessed; PyLeafOrder's
+ * is the reference), RadixIndex.recency without the call where leaf_recency can answer */
+static PyObject *
+LeafOrder_accessed(LeafOrder *o, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "accessed(index, slot, block, priority)");
+        return NULL;
+    }
+    PyObject *index = args[0], *slotobj = args[1], *block = args[2], *priority = args[3];
+    double p;
+    if (!IS_BLOCK(block) || !lo_get(o, BLOCK(block), &p))
+        Py_RETURN_NONE; /* no leaf here, as holds() answers */
+    BlockObject *b = (BlockObject *)Py_NewRef(block); /* the priority is Python code */
+    PyObject *pending = NULL, *bit = NULL;
+    int overflow = 0, r = 0;
+    long long slot = PyLong_CheckExact(slotobj) ? PyLong_AsLongLongAndOverflow(slotobj, &overflow) : -1;
+    if (priority == leaf_recency_ref && !overflow && slot >= 0 && slot <= INT_MAX) {
+        int leaf = slot < 64 || (bit = PyNumber_Lshift(one, slotobj)) != NULL ? leaf_is_leaf(b, (int)slot, bit) : -1;
+        r = leaf < 0 ? -1 : leaf_recency(index, b, slotobj, leaf, &pending, &p);
+    }
+    if (r == 0) {
+        PyObject *call[3] = {index, block, slotobj};
+        PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
+        r = prio == NULL ? -1 : leaf_prio_arg(prio, &p);
+        Py_XDECREF(prio);
+    }
+    Py_XDECREF(pending);
+    Py_XDECREF(bit);
+    r = r < 0 ? -1 : lo_put(o, b, p);
+    Py_DECREF(b);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* stored(index, slot, blocks, priority): the leaf tracker's hook for a chain the slot just stored
  * (SortedLeaves.stored; PyLeafOrder.stored is the reference). A block the chain continues from
  * (its successor is its child) has a held child now: dropped. The chain's parent, its last block
@@ -4484,7 +4530,7 @@ lo_stored(LeafOrder *o, PyObject *index, PyObject *slotobj, PyObject *blocks, Py
             continue;
         }
         double p;
-        int r = priority == leaf_recency_ref ? leaf_recency(index, b, slotobj, &pending, &p) : 0;
+        int r = priority == leaf_recency_ref ? leaf_recency(index, b, slotobj, 1, &pending, &p) : 0;
         if (r == 0) {
             PyObject *call[3] = {index, (PyObject *)b, slotobj};
             PyObject *prio = PyObject_Vectorcall(priority, call, 3, NULL);
@@ -4572,6 +4618,8 @@ static PyMethodDef LeafOrder_methods[] = {
      "put(block, priority): block is a leaf at priority (a real number; re-scored if it was one)"},
     {"drop", (PyCFunction)LeafOrder_drop, METH_O, "drop(block): block is no leaf (nothing if it was none)"},
     {"holds", (PyCFunction)LeafOrder_holds, METH_O, "holds(block) -> bool: whether block is a leaf here"},
+    {"accessed", (PyCFunction)(void (*)(void))LeafOrder_accessed, METH_FASTCALL,
+     "accessed(index, slot, block, priority): a leaf here re-scored at priority(index, block, slot)"},
     {"get", (PyCFunction)(void (*)(void))LeafOrder_get, METH_FASTCALL, "get(block, default=None): its priority"},
     {"part", (PyCFunction)(void (*)(void))LeafOrder_part, METH_FASTCALL,
      "part(after, n) -> list: up to n entries (priority, key, block) above after ((priority, key) or None)"},
@@ -7224,6 +7272,74 @@ u64_array(PyObject *module, PyObject *values)
     }
     PyBuffer_Release(&view);
     return packed;
+}
+
+/* (now, hits + 1) of a pending access `up` ((time, hits), or NULL: none yet) as a new reference;
+ * None (borrowed) when `up` is not such a pair, NULL with an error */
+static PyObject *
+touched_pending(PyObject *up, PyObject *now)
+{
+    long long hits = 0;
+    if (up != NULL && (!PyTuple_CheckExact(up) || PyTuple_GET_SIZE(up) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(up, 1))
+                       || exact_long(PyTuple_GET_ITEM(up, 1), &hits) || hits == LLONG_MAX))
+        return Py_None;
+    PyObject *count = PyLong_FromLongLong(hits + 1);
+    if (count == NULL)
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, now, count);
+    Py_DECREF(count);
+    return pair;
+}
+
+/* touch_pending(pending, slot, node, now) -> None | NotImplemented: RadixIndex.touch_path's
+ * access of the matched path's last block `node` by `slot`, kept pending in index._pending
+ * (`pending`) on it (RadixIndex._touch_py is the reference): (now, hits + 1) there for a block
+ * only `slot` holds, under the slot in a dict of them for a shared one, nothing for a block the
+ * slot does not hold. NotImplemented for what the reference must do: a Python block, holders or
+ * a slot not a non-negative int, an entry there not of the shape it keeps. */
+static PyObject *
+touch_pending(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "touch_pending takes 4 arguments (see RadixIndex._touch_py)");
+        return NULL;
+    }
+    PyObject *table = args[0], *slotobj = args[1], *node = args[2], *now = args[3];
+    long long slot;
+    int has, holders;
+    if (!PyDict_CheckExact(table) || !IS_BLOCK(node) || !PyLong_CheckExact(slotobj) || exact_long(slotobj, &slot)
+        || slot < 0 || (holders = holders_read(BLOCK(node)->state->holders, (Py_ssize_t)slot, &has)) < 0)
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!has)
+        Py_RETURN_NONE;
+    PyObject *up = PyDict_GetItemWithError(table, node); /* borrowed */
+    if (up == NULL && PyErr_Occurred())
+        return NULL;
+    PyObject *into = table, *key = node, *inner = NULL, *value;
+    if (holders == 2) { /* shared: the slot's own entry in the block's dict */
+        if (up == NULL)
+            into = inner = PyDict_New();
+        else if (!PyDict_CheckExact(up))
+            Py_RETURN_NOTIMPLEMENTED;
+        else
+            into = up;
+        if (into == NULL)
+            return NULL;
+        key = slotobj;
+        up = inner != NULL ? NULL : PyDict_GetItemWithError(up, slotobj);
+        if (up == NULL && PyErr_Occurred())
+            return NULL;
+    }
+    if ((value = touched_pending(up, now)) == Py_None) {
+        Py_XDECREF(inner);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    int r = value == NULL || PyDict_SetItem(into, key, value) < 0 || (inner != NULL && PyDict_SetItem(table, node, inner) < 0);
+    Py_XDECREF(value);
+    Py_XDECREF(inner);
+    if (r)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* set_leaf_recency(fn): `fn` is RadixIndex.recency (radix.py registers it), the priority
@@ -9928,6 +10044,8 @@ static PyMethodDef native_methods[] = {
      "set_event_types(Stored, Removed, Cleared): the core event classes events_plain and BlockTable.store_events read"},
     {"events_plain", (PyCFunction)(void (*)(void))events_plain, METH_FASTCALL,
      "events_plain(events, page, block_size, max_groups) -> bool: every event passes EventApplier's check as it is"},
+    {"touch_pending", (PyCFunction)(void (*)(void))touch_pending, METH_FASTCALL,
+     "touch_pending(pending, slot, node, now) -> None | NotImplemented: RadixIndex._touch_py"},
     {"set_leaf_recency", (PyCFunction)set_leaf_recency, METH_O,
      "set_leaf_recency(fn): fn is RadixIndex.recency, which LeafOrder.stored then computes itself where it can"},
     {"u64_array", (PyCFunction)u64_array, METH_O,

@@ -63,6 +63,8 @@ __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pen
 
 #: the native engine-hash map, which BlockTable.store_hashed fills itself (None: no extension)
 _U64Map = None if native.module is None else native.module.U64Map
+#: ``touch_path``'s one step in C (None: no extension)
+_touch_pending = None if native.module is None else native.module.touch_pending
 
 
 def _held_child(node: Block, bit: int) -> bool:
@@ -284,9 +286,12 @@ class RadixIndex:
         block is a root or has a parent ``slot`` does not hold: a matched prefix. The access is
         kept pending on the last block and reaches the others when they are read
         (``recency``/``hits``), exactly as if each had been touched."""
-        if not path:
-            return
-        node = path[-1]
+        if path and (_touch_pending is None or _touch_pending(self._pending, slot, path[-1], now) is NotImplemented):
+            self._touch_py(slot, path[-1], now)
+
+    def _touch_py(self, slot: int, node: Block, now: float) -> None:
+        """``touch_path``'s access of the path's last block ``node``: the reference of the native
+        ``touch_pending`` (``_native.c``), which takes native Blocks."""
         holders = node.holders
         table = self._pending
         if holders == 1 << slot:

@@ -315,6 +315,11 @@ class PyLeafOrder(SortedList):
     def holds(self, block: Block) -> bool:
         return block in self.prio
 
+    def accessed(self, index: RadixIndex, slot: int, block: Block, priority: Priority) -> None:
+        """A Route reused ``slot``'s chain ending at ``block``: a leaf here is re-scored."""
+        if block in self.prio:
+            self.put(block, priority(index, block, slot))
+
     def get(self, block: Block, default: Any = None) -> Any:
         """``block``'s priority."""
         return self.prio.get(block, default)
@@ -426,11 +431,8 @@ class SortedLeaves:
         """``blocks`` is a chain the slot holds (``EvictionPolicy.on_accessed``): only its last
         block can be a leaf, and only leaves' priorities are kept."""
         s = self._slots.get(slot)
-        if s is None or not blocks:
-            return
-        b = blocks[-1]
-        if s.holds(b):
-            s.put(b, self.priority(index, b, slot))
+        if s is not None and blocks:
+            s.accessed(index, slot, blocks[-1], self.priority)
 
     def removed(self, index: RadixIndex, slot: int, block: Block) -> None:
         """Called before the index drops ``block`` from ``slot``."""

@@ -670,6 +670,61 @@ def test_remove_held_leaves_all_but_a_lone_leaf_to_python():
         table.remove_held(PyBlock(5, None), 1, leaves, pending)
 
 
+def test_touch_pending_keeps_an_access_as_the_python_step_does_and_declines_what_it_does_not_know():
+    """RadixIndex.touch_path's step in C (touch_pending) against _touch_py, its reference: one
+    holder's pair, a shared block's dict by slot, nothing for a slot that does not hold it."""
+    fast, ref = RadixIndex(), RadixIndex(pure=True)
+    for index in (fast, ref):
+        for s in (0, 1, 70):
+            index.add_slot(s)
+        index.store(0, None, [1, 2], 1.0)
+        index.store(70, None, [1], 1.0)
+    for slot, key, now in ((0, 2, 2.0), (0, 2, 3.0), (0, 1, 4.0), (70, 1, 5.0), (1, 1, 6.0), (70, 1, 7.0)):
+        assert native.module.touch_pending(fast._pending, slot, fast.get(key), now) is None
+        ref._touch_py(slot, ref.get(key), now)
+        assert {b.key: p for b, p in fast._pending.items()} == {b.key: p for b, p in ref._pending.items()}
+    assert {b.key: p for b, p in fast._pending.items()} == {2: (3.0, 2), 1: {0: (4.0, 1), 70: (7.0, 2)}}
+    b, a = fast.get(2), fast.get(1)
+    for pending, slot, node in (({b: (1.0,)}, 0, b), ({b: (1.0, 1.5)}, 0, b), ({a: (1.0, 1)}, 0, a),
+                                ({a: {0: [1.0, 1]}}, 0, a), ({}, -1, b), ({}, 0, PyBlock(9, None)), ([], 0, b)):
+        before = repr(pending)
+        assert native.module.touch_pending(pending, slot, node, 9.0) is NotImplemented
+        assert repr(pending) == before
+    with pytest.raises(TypeError, match="4 arguments"):
+        native.module.touch_pending({}, 0, b)
+
+
+def test_a_leaf_order_rescores_an_accessed_leaf_as_holds_and_put_do():
+    """LeafOrder.accessed: a leaf's recency read in C where it can be (its own access pending,
+    or none; shared stats), else the priority called; a block that is no leaf here is left."""
+    index = RadixIndex()
+    for s in (0, 1):
+        index.add_slot(s)
+    a, b = index.store(0, None, [1, 2], 1.0)
+    index.store(1, None, [1, 2, 3], 2.0)  # b: a leaf of slot 0 with a child slot 1 holds
+    order = native.module.LeafOrder()
+    order.put(b, 0.0)
+    calls = []
+
+    def counted(index: RadixIndex, block: Block, slot: int) -> float:
+        calls.append(block.key)
+        return RadixIndex.recency(index, block, slot)
+
+    index.touch_path(0, [a, b], 5.0)
+    order.accessed(index, 0, b, RadixIndex.recency)
+    assert order.get(b) == 5.0 == index.recency(b, 0) and not calls
+    order.accessed(index, 0, a, RadixIndex.recency)  # no leaf here: nothing
+    assert not order.holds(a)
+    order.accessed(index, 0, b, counted)
+    assert calls == [2] and order.get(b) == 5.0
+    index.store(0, 2, [3], 6.0)  # b has a held child now: the method answers, folding its accesses
+    index.touch_path(0, [a, b, index.get(3)], 7.0)
+    order.accessed(index, 0, b, RadixIndex.recency)
+    assert order.get(b) == index.recency(b, 0) == 7.0
+    with pytest.raises(TypeError, match="accessed"):
+        order.accessed(index, 0, b)
+
+
 def test_removing_one_of_many_children_makes_the_parent_a_leaf_only_when_no_other_child_is_held():
     # the native check reads a parent's children in place (no snapshot of every child per
     # removal: 0.6 ms under 65,536 children); it must still find a held child wherever it is

@@ -9756,15 +9756,29 @@ static struct {
 /* the packed request's fields (ledger.py's pack_request) before its candidate workers */
 enum { LG_CLIENT = 10, LG_SIZE = 11, LG_CANDIDATES = 13 };
 
-/* Where the request's class keeps the twelve fields read (member_offset), found once per class
- * and version of it (a class changed since has another version tag): read in place, they were
- * ~2.5k instructions a Route through the generic lookup */
+/* Where a class keeps the fields a pass reads (member_offset), found once per class and version
+ * of it (a class changed since has another version tag): read in place, a RouteRequest's twelve
+ * were ~2.5k instructions a Route through the generic lookup */
 enum { LG_FIELDS = 12 };
-static struct {
+typedef struct {
     PyTypeObject *type; /* a strong reference */
     unsigned int tag;
     Py_ssize_t at[LG_FIELDS];
-} lg_req;
+} FieldOffsets;
+
+/* `f` made current for `type`, whose fields `names[0:n]` (n <= LG_FIELDS) are read */
+static inline void
+field_offsets(FieldOffsets *f, PyTypeObject *type, PyObject *const *names, int n)
+{
+    if (type == f->type && PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) && type->tp_version_tag == f->tag)
+        return;
+    for (int i = 0; i < n; i++)
+        f->at[i] = member_offset(type, names[i]);
+    Py_XSETREF(f->type, (PyTypeObject *)Py_NewRef(type));
+    f->tag = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
+}
+
+static FieldOffsets lg_req;
 
 static PyObject *
 ledger_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -9819,13 +9833,7 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *kept = NULL, *task = NULL, *packed = NULL, *bytes = NULL, *clients = NULL, *size_obj = NULL;
     PyObject *result = NULL;
     int r = 0;
-    PyTypeObject *type = Py_TYPE(req);
-    if (type != lg_req.type || !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) || type->tp_version_tag != lg_req.tag) {
-        for (int i = 0; i < LG_FIELDS; i++)
-            lg_req.at[i] = member_offset(type, names[i]);
-        Py_XSETREF(lg_req.type, (PyTypeObject *)Py_NewRef(type));
-        lg_req.tag = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
-    }
+    field_offsets(&lg_req, Py_TYPE(req), names, LG_FIELDS);
     for (int i = 0; i < N && r == 0; i++)
         if ((v[i] = i < LG_FIELDS ? member_get(req, lg_req.at[i], names[i]) : PyObject_GetAttr(ledger, names[i])) == NULL)
             r = -1;
@@ -9969,6 +9977,109 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 
+/* ---- a Route's own checks, passed or not -----------------------------------------------------
+ *
+ * route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix) -> None
+ * route_checked(req, max_prompt_tokens, block_size, max_id_length) -> bool
+ *
+ * router/selector.py's Selector.validate_request runs its checks of the request itself (its
+ * prompt's size, its SLO and output, its ids' lengths, its candidates) on every Route, before
+ * the ledger's; in bytecode ~5k instructions. route_checked answers True when the request
+ * passes every one of them with fields of their exact types, so the reference (_validate_py)
+ * would raise nothing; False for anything else, and the caller runs the reference, which raises
+ * the first failing check's error, or passes a request of types read only there (a float
+ * expected_output_tokens, keys of another sequence type). tests/unit/test_route_checks.py holds
+ * it to the reference over random requests, valid and each way invalid. */
+static struct {
+    double max_ttft_slo_ms;
+    long long max_output_tokens, max_workers;
+    Py_UCS4 hop_prefix;
+    int set;
+} rc_k;
+
+static FieldOffsets rc_req;
+
+static PyObject *
+route_check_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    double ttft;
+    long long output, workers;
+    if (nargs != 4 || verdict_double(args[0], &ttft) || dl_long_arg(args[1], &output) || dl_long_arg(args[2], &workers)
+        || !PyUnicode_CheckExact(args[3]) || PyUnicode_GET_LENGTH(args[3]) < 1) {
+        PyErr_SetString(PyExc_TypeError, "route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, "
+                                         "hop_prefix) (see selector.py)");
+        return NULL;
+    }
+    rc_k.max_ttft_slo_ms = ttft;
+    rc_k.max_output_tokens = output;
+    rc_k.max_workers = workers;
+    rc_k.hop_prefix = PyUnicode_READ_CHAR(args[3], 0);
+    rc_k.set = 1;
+    Py_RETURN_NONE;
+}
+
+/* a sequence's length when reading it runs no Python code (a list, a tuple, an array): 0, or 1 */
+static inline int
+rc_length(PyObject *keys, Py_ssize_t *n)
+{
+    if (PyList_CheckExact(keys) || PyTuple_CheckExact(keys) || Py_IS_TYPE(keys, Py_TYPE(array_q_zero))) {
+        *n = PyObject_Size(keys);
+        return *n < 0;
+    }
+    return 1;
+}
+
+static PyObject *
+route_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long max_prompt, block_size, limit;
+    if (nargs != 4 || dl_long_arg(args[1], &max_prompt) || dl_long_arg(args[2], &block_size)
+        || dl_long_arg(args[3], &limit)) {
+        PyErr_SetString(PyExc_TypeError, "route_checked(req, max_prompt_tokens, block_size, max_id_length): ints");
+        return NULL;
+    }
+    if (!rc_k.set || block_size <= 0)
+        Py_RETURN_FALSE;
+    PyObject *req = args[0];
+    /* the fields read, the five ids first */
+    PyObject *const names[] = {lg_request_id_name, lg_session_id_name, lg_model_name, lg_policy_name, lg_lora_name,
+                               lg_prompt_tokens_name, lg_keys_name, lg_ttft_slo_ms_name, lg_output_name,
+                               lg_candidates_name};
+    enum { N = sizeof names / sizeof names[0], IDS = 5, PROMPT = 5, KEYS, SLO, OUTPUT, CANDIDATES };
+    PyObject *v[N] = {NULL};
+    field_offsets(&rc_req, Py_TYPE(req), names, N);
+    int r = 1; /* 1 while every check passes, 0 once one does not, -1 on error */
+    for (int i = 0; i < N && r == 1; i++)
+        if ((v[i] = member_get(req, rc_req.at[i], names[i])) == NULL)
+            r = -1;
+    long long prompt = 0, output = 0;
+    double slo = 0.0;
+    Py_ssize_t n_keys = 0;
+    if (r == 1 && (!PyLong_CheckExact(v[PROMPT]) || dl_long_arg(v[PROMPT], &prompt) || prompt <= 0 || prompt > max_prompt
+                   || rc_length(v[KEYS], &n_keys) || n_keys > prompt / block_size || verdict_double(v[SLO], &slo)
+                   || !(0.0 <= slo && slo <= rc_k.max_ttft_slo_ms) || !PyLong_CheckExact(v[OUTPUT])
+                   || dl_long_arg(v[OUTPUT], &output) || output < 0 || output > rc_k.max_output_tokens))
+        r = PyErr_Occurred() ? -1 : 0;
+    for (int i = 0; i < IDS && r == 1; i++)
+        if (!PyUnicode_CheckExact(v[i]) || PyUnicode_GET_LENGTH(v[i]) > limit)
+            r = 0;
+    if (r == 1 && PyUnicode_GET_LENGTH(v[0]) && PyUnicode_READ_CHAR(v[0], 0) == rc_k.hop_prefix)
+        r = 0; /* the ledger's prefill-hop ids start so */
+    if (r == 1) {
+        PyObject *c = v[CANDIDATES];
+        if (!PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) > rc_k.max_workers)
+            r = 0;
+        for (Py_ssize_t i = 0; r == 1 && i < PyTuple_GET_SIZE(c); i++)
+            if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(c, i)) || PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(c, i)) > limit)
+                r = 0;
+    }
+    for (int i = 0; i < N; i++)
+        Py_XDECREF(v[i]);
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -10033,6 +10144,10 @@ static PyMethodDef native_methods[] = {
      "ledger_keep(ledger, req) -> None | NotImplemented: LoadLedger._keep_py"},
     {"ledger_forget", (PyCFunction)(void (*)(void))ledger_forget, METH_FASTCALL,
      "ledger_forget(ledger, request_id) -> the packed request | None | NotImplemented: LoadLedger._forget_py"},
+    {"route_check_constants", (PyCFunction)(void (*)(void))route_check_constants, METH_FASTCALL,
+     "route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix): selector.py's, at its import"},
+    {"route_checked", (PyCFunction)(void (*)(void))route_checked, METH_FASTCALL,
+     "route_checked(req, max_prompt_tokens, block_size, max_id_length) -> bool: Selector._validate_py passes it"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
      "read_event_batch(data, max_events, max_id_length, new_batch, new_stored, new_removed, new_cleared, max_blocks, "
      "block_size, event_blocks) -> "

@@ -43,6 +43,11 @@ __all__ = ["MAX_TTFT_SLO_MS", "Selector"]
 #: largest TTFT objective a request may set, ms (a day; inf, NaN and 1e308 overflowed policies' maths)
 MAX_TTFT_SLO_MS = 86_400_000.0
 
+#: ``Selector._validate_py``'s checks in one native call where the extension is built
+_route_checked = None if native.module is None else native.module.route_checked
+if native.module is not None:
+    native.module.route_check_constants(MAX_TTFT_SLO_MS, MAX_OUTPUT_TOKENS, MAX_WORKERS, PREFILL_HOP_PREFIX)
+
 
 class Selector:
     """Validates requests and asks the policy; keeps the eligible workers, sorted by slot with
@@ -86,6 +91,17 @@ class Selector:
         return self._candidates, self._candidates_mask
 
     def validate_request(self, req: RouteRequest) -> None:
+        """The request's own checks (``_validate_py``; natively ``route_checked`` passes what they
+        pass), then the ledger's."""
+        s = self._shared.settings
+        if _route_checked is None or not _route_checked(req, s.max_prompt_tokens, self._shared.block_size,
+                                                         s.max_id_length):
+            self._validate_py(req)
+        self._ledger.check_admissible(req)
+
+    def _validate_py(self, req: RouteRequest) -> None:
+        """The request's own checks, in order: the first that fails raises. The reference of
+        the native ``route_checked`` (``index/_native.c``)."""
         s = self._shared.settings
         block_size = self._shared.block_size
         if req.prompt_tokens <= 0:
@@ -119,7 +135,6 @@ class Selector:
                 for c in req.candidate_workers:
                     if len(c) > limit:
                         raise InvalidRequest(f"candidate worker {quote(c)} is longer than limits.max_id_length={limit}")
-        self._ledger.check_admissible(req)
 
     def _check_some_known(self, candidate_workers: Sequence[str]) -> None:
         workers = self._shared.workers

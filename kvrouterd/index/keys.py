@@ -95,15 +95,15 @@ def chain_keys_py(token_bytes: bytes, block_size: int, seed: int, limit: int | N
 
 
 _native_chain = native.module.chain_keys if native.module is not None else None
-_native_packed = native.module.chain_keys_packed if native.module is not None else None
+_native_array = native.module.chain_keys_array if native.module is not None else None
 
 
 def chain_keys_array(token_bytes: bytes, block_size: int, seed: int) -> array:
     """``chain_keys`` as an ``array('Q')``: what Route hashes prompts into. It holds a prompt's
     keys in 8 bytes each instead of an int object each (2 KB instead of ~10 KB for 4,000 tokens,
     kept while the request is in flight) and the native match walk reads it in place."""
-    if _native_packed is not None:
-        return array("Q", _native_packed(token_bytes, block_size, seed, -1))  # bytes: frombytes
+    if _native_array is not None:
+        return _native_array(token_bytes, block_size, seed, -1)
     return array("Q", chain_keys_py(token_bytes, block_size, seed))
 
 

@@ -63,6 +63,8 @@ def test_native_chain_keys_equal_python(data, block_size, seed, limit):
     packed = array("Q")
     packed.frombytes(native.module.chain_keys_packed(data, block_size, seed, cap))
     assert packed.tolist() == expected
+    keys = native.module.chain_keys_array(data, block_size, seed, cap)
+    assert type(keys) is array and keys.typecode == "Q" and keys.tolist() == expected
 
 
 def test_route_keys_are_an_array_of_the_same_keys():

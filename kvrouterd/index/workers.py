@@ -297,6 +297,9 @@ class InFlight:
 #: ms at 60k, against 0.7 ms with none (issue #28 item 6).
 Entry = tuple[str, str, int, int, int, float, str]
 
+#: an InFlight from its Entry without the dataclass ``__init__`` (seven stores, on every Complete)
+_new_inflight = native.positional_constructor(InFlight)
+
 
 class WorkerRegistry:
     """Workers by id, their slots, and the requests routed to them and not yet completed."""
@@ -386,7 +389,7 @@ class WorkerRegistry:
     # ---- load ----------------------------------------------------------------------
     def inflight(self, request_id: str) -> InFlight | None:
         entry = self._inflight.get(request_id)
-        return None if entry is None else InFlight(*entry)
+        return None if entry is None else _new_inflight(*entry)
 
     def inflight_worker(self, request_id: str) -> str | None:
         """The worker a request in flight was routed to (None: not in flight)."""
@@ -423,7 +426,7 @@ class WorkerRegistry:
         if worker is not None:
             worker.inflight_requests -= 1
             worker.pending_prefill_tokens -= entry[2]
-        return InFlight(*entry)
+        return _new_inflight(*entry)
 
     def expire(self, older_than: float) -> list[InFlight]:
         """Release requests started before ``older_than`` that never completed."""

@@ -145,6 +145,11 @@ class RouteResult:
     prefill_evicted: Sequence[int] = ()
 
 
+#: RouteResult built without the dataclass ``__init__`` (seven stores, on every Route), every
+#: field given in declaration order
+_new_route_result = native.positional_constructor(RouteResult)
+
+
 @dataclass(slots=True)
 class PrefixHits:
     """How close one policy's decisions came to the best cached prefix among their candidates.
@@ -257,7 +262,7 @@ class LoadLedger:
         shared.counters["decisions"] += 1
         self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
         alternative = shared.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
-        return RouteResult(decision, worker, req, alternative, evicted)
+        return _new_route_result(decision, worker, req, alternative, evicted, None, ())
 
     def announce(self, result: RouteResult) -> None:
         """Replica sync: hand a committed request, both hops charged, to ``on_committed``

@@ -7691,12 +7691,11 @@ events_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* An unsalted-or-not chain's seed from the root (keys.namespace_seed): 1 with *seed; 0 when the
- * model, lora or salt is not a str UTF-8 encodes (the Python then raises what it raises). */
+/* A chain's seed from the root for (model, lora, salt) (keys.namespace_seed): 1 with *seed; 0
+ * when one is not a str UTF-8 encodes (the Python then raises what it raises). */
 static int
-ev_root_seed(PyObject *ev, uint64_t *seed)
+namespace_seed_of(PyObject *model, PyObject *lora, PyObject *salt, uint64_t *seed)
 {
-    PyObject *model = ev_field(ev, EV_MODEL), *lora = ev_field(ev, EV_LORA), *salt = ev_field(ev, EV_SALT);
     if (model == NULL || lora == NULL || salt == NULL || !PyUnicode_CheckExact(model) || !PyUnicode_CheckExact(lora)
         || !PyUnicode_CheckExact(salt))
         return 0;
@@ -7729,6 +7728,13 @@ ev_root_seed(PyObject *ev, uint64_t *seed)
     if (buf != stack)
         PyMem_Free(buf);
     return 1;
+}
+
+/* An event's chain seed from the root (namespace_seed_of its model, lora and salt) */
+static int
+ev_root_seed(PyObject *ev, uint64_t *seed)
+{
+    return namespace_seed_of(ev_field(ev, EV_MODEL), ev_field(ev, EV_LORA), ev_field(ev, EV_SALT), seed);
 }
 
 /* a buffer of uint64s as store_run reads keys (never opened or closed: no export to release) */
@@ -10102,6 +10108,112 @@ route_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(r);
 }
 
+
+/* ---- a Route's request from its message, the prompt packed ------------------------------------
+ *
+ * route_request_packed(msg, new_request, tasks, adapter_bases, max_id_length, max_prompt_tokens,
+ *                      block_size, client) -> RouteRequest | NotImplemented
+ *
+ * server/convert.py's route_request for the form gateways and the SDK send: the prompt as
+ * token_ids_le32 (no token_ids, no block_keys), a known task, ids within max_id_length, the
+ * prompt within max_prompt_tokens. Its reference is convert._route_request_py, which answers
+ * everything else (the other forms, and the errors, in its order of checks). What it reads of the
+ * message it reads once (the Python read model, lora and cache_salt twice), and the prompt is
+ * keyed as Selector.keys_for_tokens keys it: an adapter named in `model` under its base from
+ * `adapter_bases()` (called only then), salted by namespace_seed_of, hashed into an array('Q').
+ * The request is built by `new_request` (convert._new_route_request) from `tasks` (number ->
+ * TaskCategory). tests/unit/server/test_route_conversion.py holds the two to equal requests. */
+static PyObject *rr_token_ids_name, *rr_block_keys_name, *rr_le32_name, *rr_cache_salt_name;
+
+static PyObject *
+route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long limit, max_prompt, block_size;
+    if (nargs != 8 || dl_long_arg(args[4], &limit) || dl_long_arg(args[5], &max_prompt)
+        || dl_long_arg(args[6], &block_size) || !PyDict_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "route_request_packed(msg, new_request, tasks, adapter_bases, max_id_length, "
+                                         "max_prompt_tokens, block_size, client)");
+        return NULL;
+    }
+    PyObject *msg = args[0], *new_request = args[1], *tasks = args[2], *adapter_bases = args[3], *client = args[7];
+    if (block_size <= 0)
+        Py_RETURN_NOTIMPLEMENTED;
+    /* the prompt's forms, the task, the three names that key it, then the rest */
+    PyObject *const names[] = {rr_le32_name, rr_token_ids_name, rr_block_keys_name, lg_task_name, lg_model_name,
+                               lg_lora_name, rr_cache_salt_name, lg_request_id_name, lg_session_id_name,
+                               lg_ttft_slo_ms_name, lg_output_name, lg_policy_name, lg_candidates_name};
+    enum { N = sizeof names / sizeof names[0], LE32 = 0, TOKENS, KEYS, TASK, MODEL, LORA, SALT, RID, SESSION, SLO,
+           OUTPUT, POLICY, CANDIDATES };
+    PyObject *v[N] = {NULL};
+    PyObject *keys = NULL, *candidates = NULL, *prompt = NULL, *result = NULL, *bases = NULL;
+    PyObject *model, *lora; /* borrowed: v[MODEL], v[LORA] or the adapter's base and name */
+    int r = 0;
+    Py_ssize_t n_bytes = 0;
+    for (int i = 0; i < N && r == 0; i++) {
+        if ((v[i] = PyObject_GetAttr(msg, names[i])) == NULL)
+            r = -1;
+        else if (i == LE32)
+            r = !PyBytes_CheckExact(v[i]) || (n_bytes = PyBytes_GET_SIZE(v[i])) == 0 || n_bytes % 4;
+        else if (i == TOKENS || i == KEYS) {
+            Py_ssize_t n = PyObject_Size(v[i]);
+            r = n < 0 ? -1 : n > 0; /* the other forms, or more than one: the reference answers */
+        }
+        else if (i == MODEL || i == LORA || i == SALT)
+            r = !PyUnicode_CheckExact(v[i]) || PyUnicode_GET_LENGTH(v[i]) > limit;
+    }
+    PyObject *task = NULL; /* borrowed from `tasks` */
+    long long n_tokens = n_bytes / 4;
+    if (r == 0 && ((task = PyDict_GetItemWithError(tasks, v[TASK])) == NULL || n_tokens > max_prompt))
+        r = PyErr_Occurred() ? -1 : 1;
+    model = v[MODEL];
+    lora = v[LORA];
+    if (r == 0 && PyUnicode_GET_LENGTH(model) && !PyUnicode_GET_LENGTH(lora)) {
+        /* keys.key_namespace: an adapter named in `model` is keyed as its engine stores it */
+        PyObject *base = NULL;
+        if ((bases = PyObject_CallNoArgs(adapter_bases)) == NULL)
+            r = -1;
+        else if (!PyDict_CheckExact(bases))
+            r = 1;
+        else if ((base = PyDict_GetItemWithError(bases, model)) == NULL)
+            r = PyErr_Occurred() ? -1 : 0;
+        else {
+            lora = model;
+            model = base;
+        }
+    }
+    uint64_t seed = 0;
+    if (r == 0 && !namespace_seed_of(model, lora, v[SALT], &seed))
+        r = 1;
+    Py_buffer into;
+    Py_ssize_t count = (Py_ssize_t)(n_tokens / block_size);
+    if (r == 0 && ((keys = PySequence_Repeat(array_q_zero, count)) == NULL
+                   || PyObject_GetBuffer(keys, &into, PyBUF_WRITABLE) < 0))
+        r = -1;
+    else if (r == 0) {
+        chain_into(PyBytes_AS_STRING(v[LE32]), (Py_ssize_t)(block_size * 4), count, seed, (uint64_t *)into.buf);
+        PyBuffer_Release(&into);
+    }
+    Py_ssize_t n_candidates = r == 0 ? PyObject_Size(v[CANDIDATES]) : 0;
+    if (r == 0 && (n_candidates < 0 || (prompt = PyLong_FromLongLong(n_tokens)) == NULL
+                   || (candidates = n_candidates ? PySequence_Tuple(v[CANDIDATES]) : PyTuple_New(0)) == NULL))
+        r = -1;
+    if (r == 0) {
+        /* every field in declaration order (convert._new_route_request) */
+        PyObject *fields[] = {v[RID], keys, prompt, v[SESSION], task, v[SLO], v[OUTPUT], v[POLICY], candidates,
+                              v[MODEL], v[LORA], client};
+        result = PyObject_Vectorcall(new_request, fields, sizeof fields / sizeof fields[0], NULL);
+    }
+    else if (r > 0)
+        result = Py_NewRef(Py_NotImplemented);
+    for (int i = 0; i < N; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(keys);
+    Py_XDECREF(candidates);
+    Py_XDECREF(prompt);
+    Py_XDECREF(bases);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -10170,6 +10282,9 @@ static PyMethodDef native_methods[] = {
      "ledger_forget(ledger, request_id) -> the packed request | None | NotImplemented: LoadLedger._forget_py"},
     {"route_check_constants", (PyCFunction)(void (*)(void))route_check_constants, METH_FASTCALL,
      "route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix): selector.py's, at its import"},
+    {"route_request_packed", (PyCFunction)(void (*)(void))route_request_packed, METH_FASTCALL,
+     "route_request_packed(msg, new_request, tasks, adapter_bases, max_id_length, max_prompt_tokens, block_size, "
+     "client) -> RouteRequest | NotImplemented: convert._route_request_py for a packed prompt"},
     {"route_checked", (PyCFunction)(void (*)(void))route_checked, METH_FASTCALL,
      "route_checked(req, max_prompt_tokens, block_size, max_id_length) -> bool: Selector._validate_py passes it"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
@@ -10271,6 +10386,12 @@ PyInit__native(void)
     lg_model_name = PyUnicode_InternFromString("model");
     lg_lora_name = PyUnicode_InternFromString("lora");
     lg_client_name = PyUnicode_InternFromString("client");
+    rr_token_ids_name = PyUnicode_InternFromString("token_ids");
+    rr_block_keys_name = PyUnicode_InternFromString("block_keys");
+    rr_le32_name = PyUnicode_InternFromString("token_ids_le32");
+    rr_cache_salt_name = PyUnicode_InternFromString("cache_salt");
+    if (rr_token_ids_name == NULL || rr_block_keys_name == NULL || rr_le32_name == NULL || rr_cache_salt_name == NULL)
+        return NULL;
     PyObject *lg_names[] = {lg_requests_name, lg_by_client_name, lg_inflight_bytes_name, lg_request_id_name, lg_keys_name, lg_prompt_tokens_name, lg_session_id_name, lg_task_name, lg_ttft_slo_ms_name, lg_output_name, lg_policy_name, lg_candidates_name, lg_model_name, lg_lora_name, lg_client_name};
     for (size_t i = 0; i < sizeof lg_names / sizeof lg_names[0]; i++)
         if (lg_names[i] == NULL)

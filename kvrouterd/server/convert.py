@@ -163,10 +163,28 @@ class HashedPrompt:
 _new_route_request = native.positional_constructor(RouteRequest)
 
 
+#: ``_route_request_py`` for a prompt sent packed, in one native call (None: no extension)
+_route_request_packed = native.module.route_request_packed if native.module is not None else None
+
+
 def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
                   client: str = "") -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
-    names who sent it (the gRPC peer: ``RouteRequest.client``).
+    names who sent it (the gRPC peer: ``RouteRequest.client``). See ``_route_request_py``; a
+    prompt sent as ``token_ids_le32`` (what the SDK and ext_proc send) that passes every check
+    is converted natively (``route_request_packed``), the same request."""
+    if hashed is None and _route_request_packed is not None:
+        settings = router.settings
+        req = _route_request_packed(msg, _new_route_request, _TASKS, router.adapter_bases, settings.max_id_length,
+                                    settings.max_prompt_tokens, router.block_size, client)
+        if req is not NotImplemented:
+            return req  # type: ignore[no-any-return]
+    return _route_request_py(msg, router, hashed, client)
+
+
+def _route_request_py(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+                      client: str = "") -> RouteRequest:
+    """``route_request``'s reference, of the native ``route_request_packed`` (``index/_native.c``).
 
     Checks run in this order (the first failing one answers): exactly one prompt form, a known
     task, the prompt-size limit. The limit is checked before hashing so an oversized prompt

@@ -10214,6 +10214,63 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+
+/* ---- a Complete's completion from its message ------------------------------------------------
+ *
+ * completion_of(msg, new_completion, max_id_length, limits) -> Completion | NotImplemented
+ *
+ * server/convert.py's completion for a Complete every check passes: an id of at most
+ * max_id_length characters (0: unchecked), each reported number within its bound (`limits`:
+ * bounds.py's MAX_LATENCY_MS, MAX_OUTPUT_TOKENS, MAX_CACHED_TOKENS; check_completion's test
+ * written out, a NaN never in range), built by `new_completion` (convert._new_completion) from
+ * the ten fields in declaration order. Anything else goes to convert._completion_py, its
+ * reference, which raises the first failing check's error as before. */
+static PyObject *cp_names[10];
+
+static PyObject *
+completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long limit;
+    double max_latency;
+    long long max_output, max_cached;
+    if (nargs != 4 || dl_long_arg(args[2], &limit) || !PyTuple_CheckExact(args[3]) || PyTuple_GET_SIZE(args[3]) != 3
+        || verdict_double(PyTuple_GET_ITEM(args[3], 0), &max_latency) || dl_long_arg(PyTuple_GET_ITEM(args[3], 1), &max_output)
+        || dl_long_arg(PyTuple_GET_ITEM(args[3], 2), &max_cached)) {
+        PyErr_SetString(PyExc_TypeError, "completion_of(msg, new_completion, max_id_length, (max_latency_ms, "
+                                         "max_output_tokens, max_cached_tokens))");
+        return NULL;
+    }
+    /* Completion's fields in declaration order: the id, four latencies at 1, 2, 7, 8, the two
+     * token counts at 3 (cached, -1 = unknown) and 4 */
+    enum { N = 10, CACHED = 3, OUTPUT = 4 };
+    static const int latencies[] = {1, 2, 7, 8};
+    PyObject *v[N] = {NULL}, *result = NULL;
+    int r = 0;
+    for (int i = 0; i < N && r == 0; i++)
+        if ((v[i] = PyObject_GetAttr(args[0], cp_names[i])) == NULL)
+            r = -1;
+    if (r == 0 && (!PyUnicode_CheckExact(v[0]) || PyUnicode_GET_LENGTH(v[0]) == 0
+                   || (limit && PyUnicode_GET_LENGTH(v[0]) > limit)))
+        r = 1;
+    for (size_t i = 0; r == 0 && i < sizeof latencies / sizeof latencies[0]; i++) {
+        PyObject *ms = v[latencies[i]];
+        if (!PyFloat_CheckExact(ms) || !(0.0 <= PyFloat_AS_DOUBLE(ms) && PyFloat_AS_DOUBLE(ms) <= max_latency))
+            r = 1;
+    }
+    long long cached = 0, output = 0;
+    if (r == 0 && (!PyLong_CheckExact(v[CACHED]) || dl_long_arg(v[CACHED], &cached) || cached < -1 || cached > max_cached
+                   || !PyLong_CheckExact(v[OUTPUT]) || dl_long_arg(v[OUTPUT], &output) || output < 0
+                   || output > max_output))
+        r = 1;
+    if (r == 0)
+        result = PyObject_Vectorcall(args[1], v, N, NULL);
+    else if (r > 0)
+        result = Py_NewRef(Py_NotImplemented);
+    for (int i = 0; i < N; i++)
+        Py_XDECREF(v[i]);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -10285,6 +10342,9 @@ static PyMethodDef native_methods[] = {
     {"route_request_packed", (PyCFunction)(void (*)(void))route_request_packed, METH_FASTCALL,
      "route_request_packed(msg, new_request, tasks, adapter_bases, max_id_length, max_prompt_tokens, block_size, "
      "client) -> RouteRequest | NotImplemented: convert._route_request_py for a packed prompt"},
+    {"completion_of", (PyCFunction)(void (*)(void))completion_of, METH_FASTCALL,
+     "completion_of(msg, new_completion, max_id_length, limits) -> Completion | NotImplemented: "
+     "convert._completion_py for a Complete that passes its checks"},
     {"route_checked", (PyCFunction)(void (*)(void))route_checked, METH_FASTCALL,
      "route_checked(req, max_prompt_tokens, block_size, max_id_length) -> bool: Selector._validate_py passes it"},
     {"read_event_batch", (PyCFunction)(void (*)(void))read_event_batch, METH_FASTCALL,
@@ -10386,6 +10446,12 @@ PyInit__native(void)
     lg_model_name = PyUnicode_InternFromString("model");
     lg_lora_name = PyUnicode_InternFromString("lora");
     lg_client_name = PyUnicode_InternFromString("client");
+    static const char *const completion_fields[] = {"request_id", "ttft_ms", "e2e_ms", "cached_tokens",
+                                                    "output_tokens", "success", "session_ended", "prefill_ms",
+                                                    "kv_transfer_ms", "prefill_done"};
+    for (int i = 0; i < 10; i++)
+        if ((cp_names[i] = PyUnicode_InternFromString(completion_fields[i])) == NULL)
+            return NULL;
     rr_token_ids_name = PyUnicode_InternFromString("token_ids");
     rr_block_keys_name = PyUnicode_InternFromString("block_keys");
     rr_le32_name = PyUnicode_InternFromString("token_ids_le32");

@@ -26,7 +26,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
-from ..bounds import check_completion
+from ..bounds import MAX_CACHED_TOKENS, MAX_LATENCY_MS, MAX_OUTPUT_TOKENS, check_completion
 from ..errors import InvalidRequest, Overloaded, quote
 from ..index import native
 from ..index.workers import Worker, WorkerSpec
@@ -277,8 +277,24 @@ def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse 
 _new_completion = native.positional_constructor(Completion)
 
 
+#: ``_completion_py`` for a Complete that passes its checks, in one native call (None: no extension)
+_completion_of = native.module.completion_of if native.module is not None else None
+_COMPLETION_LIMITS = (MAX_LATENCY_MS, MAX_OUTPUT_TOKENS, MAX_CACHED_TOKENS)
+
+
 def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
-    """``max_id_length`` 0: unchecked (a replica's load delta, checked where the call came in)."""
+    """``max_id_length`` 0: unchecked (a replica's load delta, checked where the call came in).
+    See ``_completion_py``; natively ``completion_of`` builds the same Completion for one that
+    passes every check."""
+    if _completion_of is not None:
+        done = _completion_of(msg, _new_completion, max_id_length, _COMPLETION_LIMITS)
+        if done is not NotImplemented:
+            return done  # type: ignore[no-any-return]
+    return _completion_py(msg, max_id_length)
+
+
+def _completion_py(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
+    """``completion``'s reference, of the native ``completion_of`` (``index/_native.c``)."""
     if not msg.request_id:
         raise InvalidRequest("request_id is required")
     if max_id_length:

@@ -178,7 +178,7 @@ def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | N
         req = _route_request_packed(msg, _new_route_request, _TASKS, router.adapter_bases, settings.max_id_length,
                                     settings.max_prompt_tokens, router.block_size, client)
         if req is not NotImplemented:
-            return req  # type: ignore[no-any-return]
+            return req
     return _route_request_py(msg, router, hashed, client)
 
 
@@ -289,7 +289,7 @@ def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
     if _completion_of is not None:
         done = _completion_of(msg, _new_completion, max_id_length, _COMPLETION_LIMITS)
         if done is not NotImplemented:
-            return done  # type: ignore[no-any-return]
+            return done
     return _completion_py(msg, max_id_length)
 
 

@@ -184,6 +184,10 @@ class LoadLedger:
         #: ids are as much memory as an in-flight request's, so they count against the same budget
         self.waiting_bytes = 0
         self._request_counter = 0
+        #: a prefill hop was charged here once (``commit_prefill_hop``, ``apply_dispatch``): until
+        #: then no Complete has a hop to release, and ``_finish`` does not look one up (~2k
+        #: instructions a Complete, in fleets that never disaggregate)
+        self._hops_charged = False
         #: replica sync (``events.replica_sync``): the host publishes every local commit and
         #: completion through these and applies the other replicas' with ``apply_dispatch`` /
         #: ``apply_completion``. None (the default): this router is alone.
@@ -280,6 +284,7 @@ class LoadLedger:
         hop = result.decision.prefill
         assert hop is not None
         req = ctx.request
+        self._hops_charged = True
         self._shared.workers.commit(InFlight(
             request_id=req.request_id, worker_id=worker.id, prefill_tokens=hop.uncached_tokens,
             prompt_tokens=req.prompt_tokens, overlap_blocks=hop.overlap_blocks, started_at=ctx.now,
@@ -472,7 +477,8 @@ class LoadLedger:
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
         entry = shared.workers.release(completion.request_id)
-        self._release_hop(completion)
+        if self._hops_charged:
+            self._release_hop(completion)
         packed = self.forget_request(completion.request_id)
         worker = shared.workers.find(entry.worker_id)
         now = shared.clock.now()
@@ -598,6 +604,7 @@ class LoadLedger:
                 shared.counters["remote_late_dispatches"] += 1
                 late = True
             elif shared.workers.inflight(rid) is None:
+                self._hops_charged |= hop
                 shared.workers.commit(InFlight(
                     request_id=rid, worker_id=worker.id, prefill_tokens=dispatch.prefill_tokens,
                     prompt_tokens=dispatch.prompt_tokens, overlap_blocks=dispatch.overlap_blocks,

@@ -131,24 +131,34 @@ chain_keys_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
-/* chain_keys_array(data, block_size, seed, limit) -> array('Q'): the same keys hashed into the
- * array a Route keeps them in, without array()'s argument parsing and copy of packed bytes
- * (~1,600 instructions a Route, keys.chain_keys_array's array("Q", bytes)) */
+/* A new array('Q') of the `count` keys of `data` chained from `seed` (chain_into), hashed into
+ * the array itself: array's own repeat makes it without array()'s argument parsing */
+static PyObject *
+chain_array(const char *data, Py_ssize_t step, Py_ssize_t count, uint64_t seed)
+{
+    Py_buffer into;
+    PyObject *out = PySequence_Repeat(array_q_zero, count);
+    if (out == NULL || PyObject_GetBuffer(out, &into, PyBUF_WRITABLE) < 0) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    chain_into(data, step, count, seed, (uint64_t *)into.buf);
+    PyBuffer_Release(&into);
+    return out;
+}
+
+/* chain_keys_array(data, block_size, seed, limit) -> array('Q'): the same keys in the array a
+ * Route keeps them in, without a bytes object parsed and copied into one (~1,600 instructions a
+ * Route, keys.chain_keys_array's array("Q", bytes)) */
 static PyObject *
 chain_keys_array(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer view, into;
+    Py_buffer view;
     Py_ssize_t step, count;
     uint64_t seed;
     if (chain_args(args, nargs, &view, &step, &count, &seed) < 0)
         return NULL;
-    PyObject *out = PySequence_Repeat(array_q_zero, count);
-    if (out != NULL && PyObject_GetBuffer(out, &into, PyBUF_WRITABLE) < 0)
-        Py_CLEAR(out);
-    if (out != NULL) {
-        chain_into((const char *)view.buf, step, count, seed, (uint64_t *)into.buf);
-        PyBuffer_Release(&into);
-    }
+    PyObject *out = chain_array((const char *)view.buf, step, count, seed);
     PyBuffer_Release(&view);
     return out;
 }
@@ -9857,6 +9867,7 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                lg_client_name, lg_candidates_name, lg_requests_name, lg_by_client_name,
                                lg_inflight_bytes_name};
     enum { N = sizeof names / sizeof names[0], CANDIDATES = 11, REQUESTS = LG_FIELDS, BY_CLIENT = 13, BYTES = 14 };
+    static const int strs[] = {0, 3, 7, 8, 9, 10}; /* the six ids, exact strs, each counted by its length */
     PyObject *v[N] = {NULL};
     PyObject *kept = NULL, *task = NULL, *packed = NULL, *bytes = NULL, *clients = NULL, *size_obj = NULL;
     PyObject *result = NULL;
@@ -9866,7 +9877,6 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if ((v[i] = i < LG_FIELDS ? member_get(req, lg_req.at[i], names[i]) : PyObject_GetAttr(ledger, names[i])) == NULL)
             r = -1;
     if (r == 0) {
-        static const int strs[] = {0, 3, 7, 8, 9, 10};
         for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
             if (!PyUnicode_CheckExact(v[strs[i]]))
                 r = 1;
@@ -9901,7 +9911,6 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (r == 0) {
-        static const int strs[] = {0, 3, 7, 8, 9, 10};
         for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
             size += PyUnicode_GET_LENGTH(v[strs[i]]);
         /* int(req.task): a TaskCategory is an IntEnum, kept as its int */
@@ -10184,15 +10193,9 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t seed = 0;
     if (r == 0 && !namespace_seed_of(model, lora, v[SALT], &seed))
         r = 1;
-    Py_buffer into;
-    Py_ssize_t count = (Py_ssize_t)(n_tokens / block_size);
-    if (r == 0 && ((keys = PySequence_Repeat(array_q_zero, count)) == NULL
-                   || PyObject_GetBuffer(keys, &into, PyBUF_WRITABLE) < 0))
+    if (r == 0 && (keys = chain_array(PyBytes_AS_STRING(v[LE32]), (Py_ssize_t)(block_size * 4),
+                                      (Py_ssize_t)(n_tokens / block_size), seed)) == NULL)
         r = -1;
-    else if (r == 0) {
-        chain_into(PyBytes_AS_STRING(v[LE32]), (Py_ssize_t)(block_size * 4), count, seed, (uint64_t *)into.buf);
-        PyBuffer_Release(&into);
-    }
     Py_ssize_t n_candidates = r == 0 ? PyObject_Size(v[CANDIDATES]) : 0;
     if (r == 0 && (n_candidates < 0 || (prompt = PyLong_FromLongLong(n_tokens)) == NULL
                    || (candidates = n_candidates ? PySequence_Tuple(v[CANDIDATES]) : PyTuple_New(0)) == NULL))

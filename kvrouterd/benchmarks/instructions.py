@@ -15,12 +15,17 @@ against ``grpc_bench.FloorService``, the floor of any Python router (hash, walk,
 so ``daemon - floor`` is what validation, deadline admission, the ledger, the eviction model and
 metrics cost.
 
+Only the main thread is counted (callgrind's ``--separate-threads``): it runs the load and
+every handler. The daemon's other threads (the event loop's watchdog, metric readers) work by
+the clock, not by the Route, and under callgrind, where the clock runs ~50x slower, their
+instructions made most of the difference between two runs of one tree (at b98c82d, per Route
++ Complete: 285.6k and 283.6k over every thread, 284.2k and 284.0k over the main thread).
+
 Callgrind counts instructions, not time: a cache miss counts as one instruction, and a copy
 ``rep movsb`` makes counts one per byte, so glibc's ``memcpy`` is told to use its vector loop at
 every size (``GLIBC_TUNABLES``), where a 16 kB prompt's copy would otherwise read as 16k
-instructions. Counts of one tree still move by up to ~2% between runs: under callgrind the clock
-runs ~50x slower, so what drains with time (deadline admission's backlog, recency) is read at
-other values.
+instructions. What drains with time (deadline admission's backlog, recency) is still read at
+other values from run to run.
 
     python -m kvrouterd.benchmarks.instructions                # daemon, deadline_off, floor, client
     python -m kvrouterd.benchmarks.instructions --modes daemon --json
@@ -96,18 +101,20 @@ def drive(mode: str, messages: int) -> int:
 
 
 def _counted(mode: str, messages: int, valgrind: str, workdir: str) -> tuple[int, int]:
-    """(instructions, Routes) of one run of ``drive`` under callgrind."""
+    """(instructions of the main thread, Routes) of one run of ``drive`` under callgrind."""
     out = os.path.join(workdir, f"callgrind.{mode}.{messages}")
     env = {**os.environ, "PYTHONHASHSEED": "0", "GLIBC_TUNABLES": _NO_REP_MOVSB}
-    run = subprocess.run([valgrind, "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
-                          "kvrouterd.benchmarks.instructions", "--drive", mode, str(messages)], env=env, capture_output=True, text=True, check=False)
+    run = subprocess.run([valgrind, "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
+                          sys.executable, "-m", "kvrouterd.benchmarks.instructions", "--drive", mode, str(messages)],
+                         env=env, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise RuntimeError(f"callgrind run of {mode} ({messages} messages) failed:\n{run.stderr[-2000:]}")
     routes = int(run.stdout.split()[-1])
-    with open(out) as f:
+    main_thread = f"{out}-01"  # callgrind numbers a process's threads from 1, in the order they started
+    with open(main_thread) as f:
         totals = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.MULTILINE)
     if totals is None:
-        raise RuntimeError(f"no totals in {out}")
+        raise RuntimeError(f"no totals in {main_thread}")
     return int(totals.group(1)), routes
 
 

@@ -58,10 +58,10 @@ COMPLETION_BOUNDS: tuple[tuple[str, float, float], ...] = (
 def check_completion(done: Completion) -> None:
     """A completion's reported numbers, each within its bound (``COMPLETION_BOUNDS``;
     ``cached_tokens`` -1 = unknown)."""
-    # every Complete is checked twice (at the edge and in the Router): all in range is one test,
-    # written out (a loop over the table cost as much as the six calls did), and only a completion
-    # that fails it pays for finding which field to name. tests/unit/test_bounds.py holds this
-    # test to the table at every edge.
+    # every Complete is checked, at the edge (``convert.completion``) or in the Router: all in
+    # range is one test, written out (a loop over the table cost as much as the six calls did),
+    # and only a completion that fails it pays for finding which field to name.
+    # tests/unit/test_bounds.py holds this test to the table at every edge.
     if (0.0 <= done.ttft_ms <= MAX_LATENCY_MS and 0.0 <= done.e2e_ms <= MAX_LATENCY_MS
             and 0.0 <= done.prefill_ms <= MAX_LATENCY_MS and 0.0 <= done.kv_transfer_ms <= MAX_LATENCY_MS
             and 0 <= done.output_tokens <= MAX_OUTPUT_TOKENS and -1 <= done.cached_tokens <= MAX_CACHED_TOKENS):

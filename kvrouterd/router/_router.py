@@ -337,9 +337,10 @@ class Router:
         check cannot see their caches (``router.disagg``)."""
         return sum(1 for w in self.workers if w.spec.role is WorkerRole.DECODE and cache_unknown(w))
 
-    def complete_anywhere(self, completion: Completion) -> InFlight | None:
-        """``complete`` for replicas sharing load (``LoadLedger.complete_anywhere``)."""
-        return self._ledger.complete_anywhere(completion)
+    def complete_anywhere(self, completion: Completion, checked: bool = False) -> InFlight | None:
+        """``complete`` for replicas sharing load (``LoadLedger.complete_anywhere``; ``checked``:
+        ``completion`` passed ``bounds.check_completion`` where it was made)."""
+        return self._ledger.complete_anywhere(completion, checked)
 
     def request(self, request_id: str) -> RouteRequest | None:
         return self._ledger.request(request_id)

@@ -407,14 +407,17 @@ class LoadLedger:
             self.on_completed(completion)
         return entry
 
-    def complete_anywhere(self, completion: Completion) -> InFlight | None:
+    def complete_anywhere(self, completion: Completion, checked: bool = False) -> InFlight | None:
         """``complete`` for replicas sharing load, where a Complete may reach this replica
         before the Dispatch of the replica that routed it (the gateway is faster than the
         bus). An id not in flight here is remembered, so its Dispatch charges nothing when it
         comes, and published like any completion (None is returned); an id that already
-        completed raises NotFound, as a second Complete does on one replica."""
+        completed raises NotFound, as a second Complete does on one replica. ``checked``: the
+        caller made ``completion`` with ``check_completion``'s checks passed (the server's
+        ``convert.completion``), and a Completion does not change, so they are not run again."""
         rid = completion.request_id
-        check_completion(completion)
+        if not checked:
+            check_completion(completion)
         if self.on_completed is None or self._shared.workers.inflight(rid) is not None:
             return self._complete_checked(completion)
         if rid in self._completed:
@@ -480,16 +483,16 @@ class LoadLedger:
         if self._hops_charged:
             self._release_hop(completion)
         packed = self.forget_request(completion.request_id)
-        worker = shared.workers.find(entry.worker_id)
-        now = shared.clock.now()
         self._speculative.ended(completion.request_id, completion.success)
         policy = shared.policies.routing.get(entry.policy)
         # most policies (cache_aware, the default, among them) keep nothing per request: their
-        # on_complete is the base class's, and the request is not unpacked for them
+        # on_complete is the base class's, and neither the request is unpacked for them nor
+        # its worker looked up
         hears = policy is not None and type(policy).on_complete is not RoutingPolicyBase.on_complete
         req = unpack_request(packed) if packed is not None and (hears or completion.session_ended) else None
         if hears:
-            policy.on_complete(worker, req, completion, now)  # type: ignore[union-attr]
+            policy.on_complete(shared.workers.find(entry.worker_id), req, completion,  # type: ignore[union-attr]
+                               shared.clock.now())
         if completion.session_ended and req is not None and req.session_id:
             # end-aware eviction (T-LRU section 4): a finished conversation's tail goes first
             for eviction in shared.policies.eviction_by_name.values():

@@ -302,7 +302,7 @@ def _completion_py(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completio
     # every field, in declaration order (see _new_completion)
     done = _new_completion(msg.request_id, msg.ttft_ms, msg.e2e_ms, msg.cached_tokens, msg.output_tokens, msg.success,
                            msg.session_ended, msg.prefill_ms, msg.kv_transfer_ms, msg.prefill_done)
-    check_completion(done)  # the Router checks again; a replica's delta is refused here, at its edge
+    check_completion(done)  # a replica's delta is refused here, at its edge
     return done
 
 

@@ -248,7 +248,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             if self.admission is not None:
                 self.admission.on_first_token(completion)
             return
-        entry = self.router.complete_anywhere(completion)
+        entry = self.router.complete_anywhere(completion, checked=True)  # convert.completion checked it
         if entry is None:
             # replica sync: routed by another replica whose Dispatch has not arrived yet; the
             # completion is published, so every replica releases the load when the Dispatch

@@ -146,13 +146,14 @@ def test_tlru_tail_of_a_subnormal_alpha_is_the_bound_not_an_overflow() -> None:
     ({"cached_tokens": 2**63 - 1}, "cached_tokens"), ({"cached_tokens": -7}, "cached_tokens"),
 ])
 @pytest.mark.parametrize("policy", ["min_ttft", "preble"])
-def test_the_router_refuses_absurd_completions_and_routing_goes_on(policy, fields, named) -> None:
+@pytest.mark.parametrize("call", ["complete", "complete_anywhere"])
+def test_the_router_refuses_absurd_completions_and_routing_goes_on(policy, call, fields, named) -> None:
     router, clock = make_router({"name": policy}, 2)
     for i in range(8):
         req = request(prompt(i, 64, i), rid=f"p{i}")
         router.route(req)
         with pytest.raises(InvalidRequest, match=named):
-            router.complete(Completion(req.request_id, **{"ttft_ms": 50.0, **fields}))
+            getattr(router, call)(Completion(req.request_id, **{"ttft_ms": 50.0, **fields}))
         assert router.request(req.request_id) is not None  # refused: still in flight, nothing learned
     result = router.route(request(prompt(1, 64, 77)))
     assert math.isfinite(result.decision.estimated_ttft_ms)

@@ -10014,6 +10014,175 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 
+/* ---- the in-flight table: a Route's charge, a Complete's release ----------------------------
+ *
+ * registry_charge(registry, worker, request_id, prefill_tokens, prompt_tokens, overlap_blocks,
+ *                 started_at, policy) -> None | NotImplemented
+ * registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented
+ *
+ * index/workers.py's WorkerRegistry.charge and .release, on every Route and every Complete: the
+ * request's seven-field entry in the table (`_inflight` by id, `_inflight_order` oldest first)
+ * and its worker's load in the worker's SlotLoads (SlotLoad above). Each does what its
+ * reference (_charge_py, _release_py) does, for arguments of their exact types, where the
+ * reference's conversions to str, int and float hand back the very objects; for anything else,
+ * a request already in flight (charge) or not in flight (release), NotImplemented before
+ * anything changes, and the reference runs (raising its Conflict or NotFound). In bytecode the
+ * two were ~110 opcodes, seven conversions and four SlotLoad reads and writes a Route +
+ * Complete. tests/unit/test_inflight_table.py holds them to the references. */
+static PyObject *wr_inflight_name, *wr_order_name, *wr_workers_name, *wr_append_name;
+static PyTypeObject *wr_deque_type; /* collections.deque */
+static FieldOffsets wr_worker; /* a Worker's id, slot and slot_loads, read in place */
+
+/* `worker`'s id (borrowed), store (borrowed) and slot: 0; 1 when it has not those members of
+ * their exact types, or a slot out of the stores' range */
+static int
+wr_worker_fields(PyObject *worker, PyObject **id, SlotLoadsObject **loads, Py_ssize_t *slot)
+{
+    PyObject *const names[] = {id_name, slot_name, slot_loads_name};
+    field_offsets(&wr_worker, Py_TYPE(worker), names, 3);
+    PyObject *values[3];
+    for (int i = 0; i < 3; i++) {
+        if (wr_worker.at[i] < 0 || (values[i] = *(PyObject **)((char *)worker + wr_worker.at[i])) == NULL)
+            return 1;
+    }
+    long long n;
+    if (!PyUnicode_CheckExact(values[0]) || dl_long_arg(values[1], &n) || n < 0 || n >= SLOT_LOADS_MAX
+        || !Py_IS_TYPE(values[2], &SlotLoadsType))
+        return 1;
+    *id = values[0];
+    *loads = (SlotLoadsObject *)values[2];
+    *slot = (Py_ssize_t)n;
+    return 0;
+}
+
+/* registry.<name> as an exact dict (a new reference): NULL with an error, or NULL without one
+ * when it is anything else */
+static PyObject *
+wr_dict(PyObject *registry, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttr(registry, name);
+    if (d != NULL && !PyDict_CheckExact(d))
+        Py_CLEAR(d);
+    return d;
+}
+
+static PyObject *
+registry_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "registry_charge takes 8 arguments (see WorkerRegistry._charge_py)");
+        return NULL;
+    }
+    PyObject *registry = args[0], *worker = args[1], *request_id = args[2], *policy = args[7];
+    long long prefill, prompt, overlap;
+    PyObject *worker_id;
+    SlotLoadsObject *loads;
+    Py_ssize_t slot;
+    if (!PyUnicode_CheckExact(request_id) || dl_long_arg(args[3], &prefill) || dl_long_arg(args[4], &prompt)
+        || dl_long_arg(args[5], &overlap) || !PyFloat_CheckExact(args[6]) || !PyUnicode_CheckExact(policy)
+        || wr_worker_fields(worker, &worker_id, &loads, &slot))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *inflight = wr_dict(registry, wr_inflight_name);
+    if (inflight == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_NotImplemented);
+    /* ours: the tuple below may run a collection, whose finalizers could replace the members */
+    Py_INCREF(worker_id);
+    Py_INCREF(loads);
+    PyObject *order = PyObject_GetAttr(registry, wr_order_name), *kept = NULL, *result = NULL;
+    /* made first: the one allocation that may run a collection (and its finalizers), before
+     * the table and the loads are read */
+    if (order == NULL || slot_loads_reserve(loads, slot) < 0
+        || (kept = PyTuple_Pack(7, request_id, worker_id, args[3], args[4], args[5], args[6], policy)) == NULL)
+        goto done;
+    int held = PyDict_Contains(inflight, request_id);
+    if (held < 0)
+        goto done;
+    /* the worker's loads after this request, which the reference's ints would hold too */
+    int64_t requests = slot_load(loads, 0, slot), tokens = slot_load(loads, 1, slot);
+    if (held || !Py_IS_TYPE(order, wr_deque_type) || __builtin_add_overflow(requests, 1, &requests)
+        || __builtin_add_overflow(tokens, (int64_t)prefill, &tokens)) {
+        result = Py_NewRef(Py_NotImplemented); /* in flight: the reference's Conflict */
+        goto done;
+    }
+    if (PyDict_SetItem(inflight, request_id, kept) < 0)
+        goto done;
+    PyObject *appended = PyObject_CallMethodOneArg(order, wr_append_name, kept);
+    if (appended == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PyDict_DelItem(inflight, request_id) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        goto done;
+    }
+    Py_DECREF(appended);
+    loads->values[slot] = requests; /* column 0: requests in flight; column 1: prefill tokens */
+    loads->values[loads->capacity + slot] = tokens;
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(inflight);
+    Py_DECREF(worker_id);
+    Py_DECREF(loads);
+    Py_XDECREF(order);
+    Py_XDECREF(kept);
+    return result;
+}
+
+static PyObject *
+registry_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "registry_release takes 3 arguments (see WorkerRegistry._release_py)");
+        return NULL;
+    }
+    PyObject *registry = args[0], *request_id = args[1], *new_inflight = args[2];
+    if (!PyUnicode_CheckExact(request_id))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *inflight = wr_dict(registry, wr_inflight_name), *workers = NULL, *entry = NULL, *result = NULL;
+    if (inflight == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_NotImplemented);
+    if ((workers = wr_dict(registry, wr_workers_name)) == NULL) {
+        if (!PyErr_Occurred())
+            result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    entry = PyDict_GetItemWithError(inflight, request_id);
+    long long tokens;
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 7
+        || !PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 1)) || dl_long_arg(PyTuple_GET_ITEM(entry, 2), &tokens)) {
+        entry = NULL;
+        if (!PyErr_Occurred()) /* not in flight: the reference's NotFound */
+            result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    Py_INCREF(entry); /* ours: it leaves the table */
+    PyObject *worker = PyDict_GetItemWithError(workers, PyTuple_GET_ITEM(entry, 1)); /* borrowed */
+    PyObject *worker_id; /* read with the loads, not needed: the entry names the worker */
+    SlotLoadsObject *loads = NULL;
+    Py_ssize_t slot = 0;
+    int64_t requests = 0, pending = 0;
+    if (worker == NULL && PyErr_Occurred())
+        goto done;
+    if (worker != NULL && (wr_worker_fields(worker, &worker_id, &loads, &slot)
+                           || __builtin_sub_overflow(slot_load(loads, 0, slot), 1, &requests)
+                           || __builtin_sub_overflow(slot_load(loads, 1, slot), (int64_t)tokens, &pending))) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if ((loads != NULL && slot_loads_reserve(loads, slot) < 0) || PyDict_DelItem(inflight, request_id) < 0)
+        goto done;
+    if (loads != NULL) {
+        loads->values[slot] = requests;
+        loads->values[loads->capacity + slot] = pending;
+    }
+    result = PyObject_Vectorcall(new_inflight, &PyTuple_GET_ITEM(entry, 0), 7, NULL);
+done:
+    Py_DECREF(inflight);
+    Py_XDECREF(workers);
+    Py_XDECREF(entry);
+    return result;
+}
+
 /* ---- a Route's own checks, passed or not -----------------------------------------------------
  *
  * route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix) -> None
@@ -10338,6 +10507,11 @@ static PyMethodDef native_methods[] = {
      "ledger_constants(entry_bytes, candidate_bytes): ledger.py's, once at its import"},
     {"ledger_keep", (PyCFunction)(void (*)(void))ledger_keep, METH_FASTCALL,
      "ledger_keep(ledger, req) -> None | NotImplemented: LoadLedger._keep_py"},
+    {"registry_charge", (PyCFunction)(void (*)(void))registry_charge, METH_FASTCALL,
+     "registry_charge(registry, worker, request_id, prefill, prompt, overlap, started_at, policy) -> None | "
+     "NotImplemented: WorkerRegistry._charge_py"},
+    {"registry_release", (PyCFunction)(void (*)(void))registry_release, METH_FASTCALL,
+     "registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented: WorkerRegistry._release_py"},
     {"ledger_forget", (PyCFunction)(void (*)(void))ledger_forget, METH_FASTCALL,
      "ledger_forget(ledger, request_id) -> the packed request | None | NotImplemented: LoadLedger._forget_py"},
     {"route_check_constants", (PyCFunction)(void (*)(void))route_check_constants, METH_FASTCALL,
@@ -10433,6 +10607,19 @@ PyInit__native(void)
             return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
+        return NULL;
+    wr_inflight_name = PyUnicode_InternFromString("_inflight");
+    wr_order_name = PyUnicode_InternFromString("_inflight_order");
+    wr_workers_name = PyUnicode_InternFromString("_workers");
+    wr_append_name = PyUnicode_InternFromString("append");
+    if (wr_inflight_name == NULL || wr_order_name == NULL || wr_workers_name == NULL || wr_append_name == NULL)
+        return NULL;
+    PyObject *collections = PyImport_ImportModule("collections");
+    if (collections == NULL)
+        return NULL;
+    wr_deque_type = (PyTypeObject *)PyObject_GetAttrString(collections, "deque");
+    Py_DECREF(collections);
+    if (wr_deque_type == NULL || !PyType_Check(wr_deque_type))
         return NULL;
     lg_requests_name = PyUnicode_InternFromString("requests");
     lg_by_client_name = PyUnicode_InternFromString("by_client");

@@ -300,6 +300,10 @@ Entry = tuple[str, str, int, int, int, float, str]
 #: an InFlight from its Entry without the dataclass ``__init__`` (seven stores, on every Complete)
 _new_inflight = native.positional_constructor(InFlight)
 
+#: ``WorkerRegistry.charge`` and ``.release`` in one native call each (None: no extension)
+_registry_charge = native.module.registry_charge if native.module is not None else None
+_registry_release = native.module.registry_release if native.module is not None else None
+
 
 class WorkerRegistry:
     """Workers by id, their slots, and the requests routed to them and not yet completed."""
@@ -409,6 +413,14 @@ class WorkerRegistry:
                started_at: float, policy: str) -> None:
         """``commit`` of an ``InFlight`` with these fields, routed to ``worker`` (registered
         here): the ledger's every Route, without building the InFlight to take it apart."""
+        if _registry_charge is None or _registry_charge(self, worker, request_id, prefill_tokens, prompt_tokens,
+                                                        overlap_blocks, started_at, policy) is NotImplemented:
+            self._charge_py(worker, request_id, prefill_tokens, prompt_tokens, overlap_blocks, started_at, policy)
+
+    def _charge_py(self, worker: Worker, request_id: str, prefill_tokens: int, prompt_tokens: int,
+                   overlap_blocks: int, started_at: float, policy: str) -> None:
+        """``charge``'s reference, of the native ``registry_charge`` (``_native.c``), which
+        handles arguments of their exact types."""
         if request_id in self._inflight:
             raise Conflict(f"request {request_id!r} is already in flight")
         kept: Entry = (str(request_id), str(worker.id), int(prefill_tokens), int(prompt_tokens), int(overlap_blocks),
@@ -419,6 +431,15 @@ class WorkerRegistry:
         self._inflight_order.append(kept)
 
     def release(self, request_id: str) -> InFlight:
+        """Stop charging ``request_id`` to its worker; raises NotFound for one not in flight."""
+        if _registry_release is not None:
+            released = _registry_release(self, request_id, _new_inflight)
+            if released is not NotImplemented:
+                return released  # type: ignore[no-any-return]
+        return self._release_py(request_id)
+
+    def _release_py(self, request_id: str) -> InFlight:
+        """``release``'s reference, of the native ``registry_release`` (``_native.c``)."""
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             raise NotFound(f"request {quote(request_id)} is not in flight (unknown, completed or expired)")

@@ -97,6 +97,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .bounds import MAX_LATENCY_MS
 from .errors import ConfigError, SloUnreachable
 from .index import native
+from .policies.base import _NONE_CLAIMED
 from .policies.latency import LatencyModel, LatencyParams
 
 if TYPE_CHECKING:
@@ -158,6 +159,9 @@ def _load_level(worker: Worker) -> int:
 if native.module is not None:  # what the native passes of a Route's books (deadline_price, ...) read
     native.module.deadline_constants(_SCALE_WEIGHT, _LOG_SCALE_RANGE, _TAIL_STEP, _MARGIN_STEP, _HOLD_WEIGHT,
                                      _MIN_SAMPLE_MS, MAX_LATENCY_MS, _MAX_TRACKED, _LOAD_LEVELS)
+
+#: ``DeadlineGuard.admit_chosen`` in one native call (None: no extension)
+_deadline_admit = native.module.deadline_admit if native.module is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,6 +458,24 @@ class DeadlineGuard:
             if priced is not NotImplemented:
                 return priced
         return self._price_py(chosen, uncached, cached, ctx.now, slo_ms, queued)
+
+    def admit_chosen(self, ctx: RoutingContext, chosen: Worker, request_id: str, slo_ms: float,
+                     queued: Queued = nothing_queued) -> Pricing | None:
+        """``price_chosen``, and ``on_admitted`` for a choice that meets the SLO: natively
+        ``deadline_admit`` in one call with nothing queued (``_admit_py``, its reference)."""
+        if queued is nothing_queued and _deadline_admit is not None:
+            priced = _deadline_admit(self, ctx, chosen, request_id, slo_ms, _NONE_CLAIMED)
+            if priced is not NotImplemented:
+                return priced  # type: ignore[no-any-return]
+        return self._admit_py(ctx, chosen, request_id, slo_ms, queued)
+
+    def _admit_py(self, ctx: RoutingContext, chosen: Worker, request_id: str, slo_ms: float,
+                  queued: Queued = nothing_queued) -> Pricing | None:
+        """``admit_chosen``'s reference, of the native ``deadline_admit`` (``index/_native.c``)."""
+        priced = self.price_chosen(ctx, chosen, slo_ms, queued)
+        if priced is not None:
+            self.on_admitted(request_id, slo_ms, ctx.now)
+        return priced
 
     def _price_py(self, chosen: Worker, uncached: int, cached: int, now: float, slo_ms: float,
                   queued: Queued) -> Pricing | None:
@@ -789,9 +811,8 @@ def admit_priced(guard: DeadlineGuard, router: Router, req: RouteRequest,
     decision, ctx, _ = decided
     chosen = router.workers.find(decision.worker_id)
     if chosen is not None:
-        priced = guard.price_chosen(ctx, chosen, slo_ms, queued)
+        priced = guard.admit_chosen(ctx, chosen, req.request_id, slo_ms, queued)
         if priced is not None:
-            guard.on_admitted(req.request_id, slo_ms, ctx.now)
             return decided, priced
     verdict = guard.check(ctx, decision.worker_id, slo_ms, queued)
     if verdict.shed:

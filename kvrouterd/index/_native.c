@@ -8617,19 +8617,13 @@ fail:
     return NULL;
 }
 
+/* price_chosen's answer for `chosen` (deadline_price below; the objects are the numbers as the
+ * reference's Pricing holds them): a Pricing, None, NotImplemented, or NULL with an error */
 static PyObject *
-deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+dl_price(PyObject *guard, PyObject *chosen, long long uncached, long long cached, double now, double slo_ms,
+         PyObject *now_obj, PyObject *uncached_obj, PyObject *cached_obj)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "deadline_price takes 6 arguments (see DeadlineGuard._price_py)");
-        return NULL;
-    }
-    PyObject *guard = args[0], *chosen = args[1];
-    long long uncached, cached;
-    double now, slo_ms, margin, scale = 1.0, tail = 1.0;
-    if (!dl_k.set || dl_long_arg(args[2], &uncached) || dl_long_arg(args[3], &cached) || verdict_double(args[4], &now)
-        || verdict_double(args[5], &slo_ms))
-        Py_RETURN_NOTIMPLEMENTED;
+    double margin, scale = 1.0, tail = 1.0;
     DlWorker d = {.wid = NULL};
     int r = dl_worker(&d, chosen);
     double drained = 0.0, waited = 0.0;
@@ -8655,9 +8649,24 @@ deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!meets)
         Py_RETURN_NONE;
-    PyObject *priced[] = {Py_NewRef(chosen), Py_NewRef(args[4]), Py_NewRef(args[2]), Py_NewRef(args[3]),
+    PyObject *priced[] = {Py_NewRef(chosen), Py_NewRef(now_obj), Py_NewRef(uncached_obj), Py_NewRef(cached_obj),
                           PyFloat_FromDouble(drained), PyFloat_FromDouble(waited)};
     return dl_tuple(6, priced);
+}
+
+static PyObject *
+deadline_price(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "deadline_price takes 6 arguments (see DeadlineGuard._price_py)");
+        return NULL;
+    }
+    long long uncached, cached;
+    double now, slo_ms;
+    if (!dl_k.set || dl_long_arg(args[2], &uncached) || dl_long_arg(args[3], &cached) || verdict_double(args[4], &now)
+        || verdict_double(args[5], &slo_ms))
+        Py_RETURN_NOTIMPLEMENTED;
+    return dl_price(args[0], args[1], uncached, cached, now, slo_ms, args[4], args[2], args[3]);
 }
 
 /* dict[key] = value (a new reference, stolen): 0, or -1 */
@@ -10014,6 +10023,95 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 
+/* deadline_admit(guard, ctx, chosen, request_id, slo_ms, none_claimed) -> Pricing | None | NotImplemented
+ *
+ * DeadlineGuard.admit_chosen (deadline.py), on every Route under deadline admission: the prompt's
+ * tokens on `chosen` read from the RoutingContext `ctx` as its uncached_tokens and overlap do,
+ * deadline_price's answer for them, and for a choice that meets the SLO on_admitted's record of
+ * the request. Its reference is price_chosen then on_admitted (_admit_py); `none_claimed` is
+ * policies.base._NONE_CLAIMED, the claims of a context with no speculative blocks. Declines
+ * (NotImplemented, nothing changed) what it does not read: a context or worker of other types,
+ * claims in anything but a dict, books that are not an OrderedDict. tests/unit/test_deadline_books.py
+ * holds it to the reference. */
+static FieldOffsets da_ctx, da_req, da_worker;
+static PyObject *da_overlaps_name, *da_claimed_name, *da_request_name, *da_now_name;
+
+static PyObject *
+deadline_admit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "deadline_admit takes 6 arguments (see DeadlineGuard._admit_py)");
+        return NULL;
+    }
+    PyObject *guard = args[0], *ctx = args[1], *chosen = args[2], *request_id = args[3], *slo_obj = args[4];
+    double slo_ms, now;
+    if (!dl_k.set || !PyUnicode_CheckExact(request_id) || verdict_double(slo_obj, &slo_ms))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *const ctx_names[] = {da_overlaps_name, da_claimed_name, da_request_name, block_size_name, da_now_name};
+    field_offsets(&da_ctx, Py_TYPE(ctx), ctx_names, 5);
+    PyObject *v[5];
+    for (int i = 0; i < 5; i++)
+        if (da_ctx.at[i] < 0 || (v[i] = *(PyObject **)((char *)ctx + da_ctx.at[i])) == NULL)
+            Py_RETURN_NOTIMPLEMENTED;
+    PyObject *overlaps = v[0], *claimed = v[1], *req = v[2], *now_obj = v[4];
+    PyObject *const req_names[] = {lg_prompt_tokens_name};
+    field_offsets(&da_req, Py_TYPE(req), req_names, 1);
+    PyObject *const worker_names[] = {slot_name};
+    field_offsets(&da_worker, Py_TYPE(chosen), worker_names, 1);
+    PyObject *prompt_obj = da_req.at[0] < 0 ? NULL : *(PyObject **)((char *)req + da_req.at[0]);
+    PyObject *slot_obj = da_worker.at[0] < 0 ? NULL : *(PyObject **)((char *)chosen + da_worker.at[0]);
+    long long block_size, prompt, slot, overlap = 0, held = 0;
+    if (prompt_obj == NULL || slot_obj == NULL || dl_long_arg(v[3], &block_size) || verdict_double(now_obj, &now)
+        || dl_long_arg(prompt_obj, &prompt) || dl_long_arg(slot_obj, &slot))
+        Py_RETURN_NOTIMPLEMENTED;
+    /* ctx.overlap(chosen), and the speculative blocks it claims there (uncached_tokens) */
+    int r = 0;
+    if (Py_IS_TYPE(overlaps, &OverlapsType))
+        overlap = overlaps_depth((OverlapsObject *)overlaps, slot);
+    else
+        r = PyDict_CheckExact(overlaps) ? scan_depth(overlaps, NULL, slot_obj, &overlap) : 1;
+    if (r == 0 && claimed != args[5])
+        r = PyDict_CheckExact(claimed) ? scan_depth(claimed, NULL, slot_obj, &held) : 1;
+    long long cached_blocks, uncached, cached;
+    if (r == 0 && (__builtin_sub_overflow(overlap, held, &cached_blocks)
+                   || __builtin_mul_overflow(cached_blocks, block_size, &uncached)
+                   || __builtin_sub_overflow(prompt, uncached, &uncached) || __builtin_mul_overflow(overlap, block_size, &cached)))
+        r = 1;
+    if (r != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    if (uncached < 0)
+        uncached = 0;
+    /* the record's book, checked before pricing changes anything (a re-anchor, the prefill memo) */
+    PyObject *judged = NULL, *uncached_obj = NULL, *cached_obj = NULL, *priced = NULL;
+    int records = PyUnicode_GET_LENGTH(request_id) > 0;
+    if (records && (judged = PyObject_GetAttr(guard, dl_judged_name)) == NULL)
+        return NULL;
+    if (records && !PyODict_CheckExact(judged)) {
+        priced = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if ((uncached_obj = PyLong_FromLongLong(uncached)) == NULL || (cached_obj = PyLong_FromLongLong(cached)) == NULL)
+        goto done;
+    priced = dl_price(guard, chosen, uncached, cached, now, slo_ms, now_obj, uncached_obj, cached_obj);
+    if (priced == NULL || !PyTuple_CheckExact(priced) || !records)
+        goto done;
+    /* on_admitted: its outcome will move the margin */
+    PyObject *admitted[] = {Py_NewRef(slo_obj), Py_NewRef(now_obj)};
+    if (dl_set_new(judged, request_id, dl_tuple(2, admitted)) < 0)
+        Py_CLEAR(priced);
+    else if (PyDict_GET_SIZE(judged) > dl_k.max_tracked) {
+        PyObject *gone = PyObject_CallMethodOneArg(judged, dl_popitem_name, Py_False);
+        if (gone == NULL)
+            Py_CLEAR(priced);
+        Py_XDECREF(gone);
+    }
+done:
+    Py_XDECREF(judged);
+    Py_XDECREF(uncached_obj);
+    Py_XDECREF(cached_obj);
+    return priced;
+}
+
 /* ---- the in-flight table: a Route's charge, a Complete's release ----------------------------
  *
  * registry_charge(registry, worker, request_id, prefill_tokens, prompt_tokens, overlap_blocks,
@@ -10512,6 +10610,9 @@ static PyMethodDef native_methods[] = {
      "NotImplemented: WorkerRegistry._charge_py"},
     {"registry_release", (PyCFunction)(void (*)(void))registry_release, METH_FASTCALL,
      "registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented: WorkerRegistry._release_py"},
+    {"deadline_admit", (PyCFunction)(void (*)(void))deadline_admit, METH_FASTCALL,
+     "deadline_admit(guard, ctx, chosen, request_id, slo_ms, none_claimed) -> Pricing | None | NotImplemented: "
+     "DeadlineGuard._admit_py"},
     {"ledger_forget", (PyCFunction)(void (*)(void))ledger_forget, METH_FASTCALL,
      "ledger_forget(ledger, request_id) -> the packed request | None | NotImplemented: LoadLedger._forget_py"},
     {"route_check_constants", (PyCFunction)(void (*)(void))route_check_constants, METH_FASTCALL,
@@ -10607,6 +10708,12 @@ PyInit__native(void)
             return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
+        return NULL;
+    da_overlaps_name = PyUnicode_InternFromString("_overlaps");
+    da_claimed_name = PyUnicode_InternFromString("claimed");
+    da_request_name = PyUnicode_InternFromString("request");
+    da_now_name = PyUnicode_InternFromString("now");
+    if (da_overlaps_name == NULL || da_claimed_name == NULL || da_request_name == NULL || da_now_name == NULL)
         return NULL;
     wr_inflight_name = PyUnicode_InternFromString("_inflight");
     wr_order_name = PyUnicode_InternFromString("_inflight_order");

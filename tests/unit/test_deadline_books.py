@@ -1,10 +1,11 @@
 """Deadline admission's books, one Route at a time: the native passes keep them as the reference.
 
-Every Route that deadline admission admits is priced on its worker (``price_chosen``), then
-dispatched there (``on_dispatch``), and every Complete leaves the books (``on_complete``). Where
-the extension is built those are ``deadline_price``, ``deadline_dispatch`` and
-``deadline_complete`` (``index/_native.c``), and ``_price_py``, ``_dispatch_py`` and
-``_complete_py`` are their references. Two guards over one random fleet's life, one driven
+Every Route that deadline admission admits is priced on its worker and recorded as admitted
+(``admit_chosen``, or ``price_chosen`` and ``on_admitted``), then dispatched there
+(``on_dispatch``), and every Complete leaves the books (``on_complete``). Where the extension is
+built those are ``deadline_admit``, ``deadline_price``, ``deadline_dispatch`` and
+``deadline_complete`` (``index/_native.c``), and ``_admit_py``, ``_price_py``, ``_dispatch_py``
+and ``_complete_py`` are their references. Two guards over one random fleet's life, one driven
 through each, must answer alike and keep equal books (backlogs, flights in order, predictions,
 judged requests, learned corrections, margin, decode time) after every step: Routes priced before
 their commit as the admission gate does, with admission's pricing handed on, stale or absent;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from kvrouterd import deadline
 from kvrouterd.bounds import MAX_LATENCY_MS
 from kvrouterd.deadline import DeadlineGuard, nothing_queued
 from kvrouterd.index import native
+from kvrouterd.policies.base import _NONE_CLAIMED, RoutingContext
 from kvrouterd.policies.latency import LatencyParams
 from kvrouterd.protocols import Completion, RouteRequest
 
@@ -56,7 +59,7 @@ class _Twins:
         self.python = DeadlineGuard("shed", params, 0.9, BS)
         self.in_flight: list[str] = []
         self.keys = list(range(1, PROMPT_BLOCKS + 1))
-        self.seen = {"priced": 0, "shed": 0, "handed_on": 0, "stale": 0, "kv": 0, "learned": 0, "margin": 0,
+        self.seen = {"admit": 0, "priced": 0, "shed": 0, "handed_on": 0, "stale": 0, "kv": 0, "learned": 0, "margin": 0,
                      "anchored": 0, "complete": 0}
 
     def step(self, n: int) -> None:
@@ -96,13 +99,23 @@ class _Twins:
         worker = router.workers.get(decision.worker_id)
         uncached, cached = ctx.uncached_tokens(worker), ctx.overlap(worker) * BS
         slo_ms = rng.choice((20.0, 300.0, 3_000.0))
-        priced = native.module.deadline_price(self.native, worker, uncached, cached, now, slo_ms)
-        assert priced == self.python._price_py(worker, uncached, cached, now, slo_ms, nothing_queued)
+        if rng.random() < 0.5:  # priced and recorded as admitted in one pass (admit_chosen)
+            admitted = ctx
+            if rng.random() < 0.3:  # some of its prompt claimed there by speculative blocks
+                admitted = RoutingContext(req, ctx.candidates, ctx.match, BS, now, ctx.index, False,
+                                          {worker.slot: rng.randrange(0, 3), 99: 1}, ctx.candidate_slots)
+            name = rng.choice((rid, ""))  # an unnamed request is priced, not recorded
+            priced = native.module.deadline_admit(self.native, admitted, worker, name, slo_ms, _NONE_CLAIMED)
+            assert priced == self.python._admit_py(admitted, worker, name, slo_ms)
+            self.seen["admit"] += 1
+        else:
+            priced = native.module.deadline_price(self.native, worker, uncached, cached, now, slo_ms)
+            assert priced == self.python._price_py(worker, uncached, cached, now, slo_ms, nothing_queued)
+            if priced is not None and rng.random() < 0.7:
+                for guard in (self.native, self.python):
+                    guard.on_admitted(rid, slo_ms, now)
         self.seen["priced" if priced is not None else "shed"] += 1
         self.seen["kv"] += self.native.hold_ms > 0 and worker.inflight_requests > 0
-        if priced is not None and rng.random() < 0.7:
-            for guard in (self.native, self.python):
-                guard.on_admitted(rid, slo_ms, now)
         router.commit(decision, ctx, policy)
         handed = rng.random()
         if handed < 0.6:  # what admission priced, as the gate hands it on
@@ -140,7 +153,7 @@ def test_native_books_are_the_references(seed: int) -> None:
         assert books(twins.native) == books(twins.python), f"step {n}"
     seen = twins.seen
     # the life reached every branch the passes take
-    assert seen["priced"] > 100 and seen["shed"] > 10 and seen["handed_on"] > 50 and seen["stale"] > 20
+    assert seen["admit"] > 200 and seen["priced"] > 100 and seen["shed"] > 10 and seen["handed_on"] > 50 and seen["stale"] > 20
     assert seen["kv"] > 50 and seen["learned"] > 10 and seen["margin"] > 10 and seen["anchored"] > 20
 
 
@@ -194,6 +207,18 @@ def test_guard_methods_take_the_reference_where_the_native_passes_decline() -> N
     assert native.module.deadline_price(twins.native, worker, 32, 0, twins.clock.now(), 300.0) is NotImplemented
     worker.reported_running = 1
     assert native.module.deadline_price(twins.native, worker, 32, 0, "now", 300.0) is NotImplemented
+    # claims in a mapping that is not a dict, and judged requests not in an OrderedDict
+    req = RouteRequest("y", twins.keys[:8], 8 * BS)
+    _, ctx, _ = twins.router.decide(req, explain=False)
+    claimed = RoutingContext(req, ctx.candidates, ctx.match, BS, ctx.now, ctx.index, False,
+                             MappingProxyType({worker.slot: 1}), ctx.candidate_slots)
+    before = books(twins.native)
+    assert native.module.deadline_admit(twins.native, claimed, worker, "y", 300.0, _NONE_CLAIMED) is NotImplemented
+    twins.native._judged = dict(twins.native._judged)
+    assert native.module.deadline_admit(twins.native, ctx, worker, "y", 300.0, _NONE_CLAIMED) is NotImplemented
+    assert books(twins.native) == before
+    assert twins.native.admit_chosen(ctx, worker, "y", 300.0) == twins.python._admit_py(ctx, worker, "y", 300.0)
+    assert books(twins.native) == books(twins.python)
 
 
 def test_native_dispatch_raises_what_pricing_raises_and_writes_nothing() -> None:

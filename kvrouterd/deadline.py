@@ -195,6 +195,14 @@ class DeadlineGuard:
     ``AdmissionQueues.drop_late`` dropped (``late_refusal`` counts one).
     """
 
+    # members, not a dict: the native passes (index/_native.c, attr_get) read and write them
+    # in place, where the generic lookup was ~190 instructions each
+    __slots__ = (
+        "_anchored", "_backlog", "_flight", "_hold_sq_ms", "_judged", "_last_prefill", "_levels", "_log_margin",
+        "_margin", "_predicted", "_samples", "_scales", "_tails", "_waiting_count", "_waiting_tokens", "_where",
+        "block_size", "expired", "hold_ms", "latency", "mode", "quantile", "rerouted", "shed", "spared",
+    )
+
     def __init__(self, mode: DeadlineMode, params: LatencyParams | None = None, quantile: float = DEFAULT_QUANTILE,
                  block_size: int = 0) -> None:
         if mode not in DEADLINE_MODES:

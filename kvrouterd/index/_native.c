@@ -4714,6 +4714,56 @@ member_get(PyObject *obj, Py_ssize_t offset, PyObject *name)
     return PyObject_GetAttr(obj, name);
 }
 
+/* Where a class keeps an attribute the native passes read on the router's own Python objects
+ * (the deadline guard, the ledger, the worker registry: classes with __slots__), found once per
+ * class, name and version of the class (member_offset) and kept in a small direct-mapped cache:
+ * read through the generic lookup, each was ~190 instructions, ~30 of them a Route + Complete.
+ * A class without such a member (or without a valid version tag) is read the generic way. The
+ * cache holds its classes (a strong reference), so an address is never another class's. */
+typedef struct {
+    PyTypeObject *type;
+    PyObject *name; /* an interned name of this module's, alive as long as it is */
+    unsigned int tag;
+    Py_ssize_t at;
+} AttrPlace;
+#define ATTR_PLACES 128
+static AttrPlace attr_places[ATTR_PLACES];
+
+/* the member offset of obj.<name>, or -1 (read it the generic way) */
+static inline Py_ssize_t
+attr_place(PyObject *obj, PyObject *name)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    if (!PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+        return member_offset(type, name);
+    AttrPlace *p = &attr_places[(((uintptr_t)type >> 4) * 31 + ((uintptr_t)name >> 4)) & (ATTR_PLACES - 1)];
+    if (p->type != type || p->name != name || p->tag != type->tp_version_tag) {
+        p->at = member_offset(type, name);
+        Py_XSETREF(p->type, (PyTypeObject *)Py_NewRef(type));
+        p->name = name;
+        p->tag = type->tp_version_tag;
+    }
+    return p->at;
+}
+
+/* obj.<name> (a new reference), through its member where its class has one */
+static inline PyObject *
+attr_get(PyObject *obj, PyObject *name)
+{
+    return member_get(obj, attr_place(obj, name), name);
+}
+
+/* obj.<name> = value (value not NULL): 0, or -1 with an error */
+static inline int
+attr_set(PyObject *obj, PyObject *name, PyObject *value)
+{
+    Py_ssize_t at = attr_place(obj, name);
+    if (at < 0)
+        return PyObject_SetAttr(obj, name, value);
+    Py_XSETREF(*(PyObject **)((char *)obj + at), Py_NewRef(value)); /* a __slots__ member's own store */
+    return 0;
+}
+
 /* The exact int `v` as a long long into *out: 0, or 1 when it does not fit. A candidate's slot
  * and load are nearly always one digit, read here without a call (a third of the scan's time
  * over 1,024 candidates went to the three conversions). */
@@ -8498,7 +8548,7 @@ dl_worker(DlWorker *d, PyObject *w)
 static int
 dl_sync(PyObject *guard, DlWorker *d, PyObject *w)
 {
-    PyObject *anchored = PyObject_GetAttr(guard, dl_anchored_name);
+    PyObject *anchored = attr_get(guard, dl_anchored_name);
     if (anchored == NULL)
         return -1;
     int r = PyDict_CheckExact(anchored) ? verdict_sync(anchored, NULL, guard, &d->m, w, d->wid) : 1;
@@ -8510,7 +8560,7 @@ dl_sync(PyObject *guard, DlWorker *d, PyObject *w)
 static int
 dl_level(PyObject *guard, Py_ssize_t level, double *scale, double *tail)
 {
-    PyObject *levels = PyObject_GetAttr(guard, dl_levels_name);
+    PyObject *levels = attr_get(guard, dl_levels_name);
     if (levels == NULL)
         return -1;
     int r = 1;
@@ -8529,7 +8579,7 @@ static int
 dl_waits(PyObject *guard, DlWorker *d, PyObject *w, double now, long long tokens, double scale, double *drained,
          double *waited)
 {
-    PyObject *backlog = PyObject_GetAttr(guard, dl_backlog_name);
+    PyObject *backlog = attr_get(guard, dl_backlog_name);
     if (backlog == NULL)
         return -1;
     int r = PyDict_CheckExact(backlog) ? verdict_drained(backlog, d->wid, now, scale, drained) : 1;
@@ -8540,16 +8590,16 @@ dl_waits(PyObject *guard, DlWorker *d, PyObject *w, double now, long long tokens
     VerdictKv kv = {0.0, 1.0, dl_k.max_latency_ms, 0, NULL, NULL, NULL, NULL, -1, -1};
     double hold_sq = 0.0, wait = 0.0;
     PyObject *block_size = NULL;
-    if ((r = verdict_attr_double(guard, -1, dl_hold_ms_name, &kv.hold_ms)) != 0)
+    if ((r = verdict_attr_double(guard, attr_place(guard, dl_hold_ms_name), dl_hold_ms_name, &kv.hold_ms)) != 0)
         return r;
     if (kv.hold_ms) {
-        if ((r = verdict_attr_double(guard, -1, dl_hold_sq_name, &hold_sq)) != 0)
+        if ((r = verdict_attr_double(guard, attr_place(guard, dl_hold_sq_name), dl_hold_sq_name, &hold_sq)) != 0)
             return r;
         kv.spread = verdict_min(1.0, verdict_max(0.0, hold_sq / (kv.hold_ms * kv.hold_ms) - 1.0)); /* _hold_spread */
-        block_size = PyObject_GetAttr(guard, block_size_name);
-        kv.waiting_tokens = block_size == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_tokens_name);
-        kv.waiting_count = kv.waiting_tokens == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_count_name);
-        kv.flight = kv.waiting_count == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
+        block_size = attr_get(guard, block_size_name);
+        kv.waiting_tokens = block_size == NULL ? NULL : attr_get(guard, dl_waiting_tokens_name);
+        kv.waiting_count = kv.waiting_tokens == NULL ? NULL : attr_get(guard, dl_waiting_count_name);
+        kv.flight = kv.waiting_count == NULL ? NULL : attr_get(guard, dl_flight_name);
         if (kv.flight == NULL)
             r = -1;
         else if (!PyLong_CheckExact(block_size) || exact_long(block_size, &kv.block_size)
@@ -8573,7 +8623,7 @@ dl_waits(PyObject *guard, DlWorker *d, PyObject *w, double now, long long tokens
 static int
 dl_prefill(PyObject *guard, long long uncached, long long cached, double *out)
 {
-    PyObject *last = PyObject_GetAttr(guard, dl_last_prefill_name);
+    PyObject *last = attr_get(guard, dl_last_prefill_name);
     if (last == NULL)
         return -1;
     if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2) {
@@ -8637,7 +8687,7 @@ dl_price(PyObject *guard, PyObject *chosen, long long uncached, long long cached
     /* something ahead of it (only with requests in flight: `tail` was read with them): check's rule for one worker */
     if (r == 0 && !(waited <= 0.0)) {
         if ((r = dl_prefill(guard, uncached, cached, &own)) == 0
-            && (r = verdict_attr_double(guard, -1, dl_margin_name, &margin)) == 0) {
+            && (r = verdict_attr_double(guard, attr_place(guard, dl_margin_name), dl_margin_name, &margin)) == 0) {
             tail *= margin;
             meets = (waited + own) * tail <= verdict_max(slo_ms, own * tail);
         }
@@ -8699,12 +8749,12 @@ deadline_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int r = dl_worker(&d, worker);
     /* the books written below, checked before anything runs that writes (a re-anchor, the prefill memo) */
     if (r == 0) {
-        backlog = PyObject_GetAttr(guard, dl_backlog_name);
-        waiting_tokens = backlog == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_tokens_name);
-        waiting_count = waiting_tokens == NULL ? NULL : PyObject_GetAttr(guard, dl_waiting_count_name);
-        predicted_d = waiting_count == NULL ? NULL : PyObject_GetAttr(guard, dl_predicted_name);
-        flight_d = predicted_d == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
-        where = flight_d == NULL ? NULL : PyObject_GetAttr(guard, dl_where_name);
+        backlog = attr_get(guard, dl_backlog_name);
+        waiting_tokens = backlog == NULL ? NULL : attr_get(guard, dl_waiting_tokens_name);
+        waiting_count = waiting_tokens == NULL ? NULL : attr_get(guard, dl_waiting_count_name);
+        predicted_d = waiting_count == NULL ? NULL : attr_get(guard, dl_predicted_name);
+        flight_d = predicted_d == NULL ? NULL : attr_get(guard, dl_flight_name);
+        where = flight_d == NULL ? NULL : attr_get(guard, dl_where_name);
         if (where == NULL)
             r = -1;
         else if (!PyDict_CheckExact(backlog) || !PyDict_CheckExact(waiting_tokens) || !PyDict_CheckExact(waiting_count)
@@ -8825,7 +8875,7 @@ dl_set_double(PyObject *guard, PyObject *name, double value)
     PyObject *v = PyFloat_FromDouble(value);
     if (v == NULL)
         return -1;
-    int r = PyObject_SetAttr(guard, name, v);
+    int r = attr_set(guard, name, v);
     Py_DECREF(v);
     return r;
 }
@@ -8847,10 +8897,10 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *where = NULL, *flight_d = NULL, *judged_d = NULL, *predicted_d = NULL, *levels = NULL, *samples = NULL;
     PyObject *scales = NULL, *tails = NULL;
-    where = PyObject_GetAttr(guard, dl_where_name);
-    flight_d = where == NULL ? NULL : PyObject_GetAttr(guard, dl_flight_name);
-    judged_d = flight_d == NULL ? NULL : PyObject_GetAttr(guard, dl_judged_name);
-    predicted_d = judged_d == NULL ? NULL : PyObject_GetAttr(guard, dl_predicted_name);
+    where = attr_get(guard, dl_where_name);
+    flight_d = where == NULL ? NULL : attr_get(guard, dl_flight_name);
+    judged_d = flight_d == NULL ? NULL : attr_get(guard, dl_judged_name);
+    predicted_d = judged_d == NULL ? NULL : attr_get(guard, dl_predicted_name);
     int r = predicted_d == NULL ? -1 : 0;
     if (r == 0 && (!PyDict_CheckExact(where) || !PyDict_CheckExact(flight_d) || !PyODict_CheckExact(judged_d)
                    || !PyODict_CheckExact(predicted_d)))
@@ -8876,7 +8926,7 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (r == 0 && (dispatched = PyDict_GetItemWithError(predicted_d, request_id)) == NULL && PyErr_Occurred())
         r = -1;
     if (r == 0 && (judged != NULL || dispatched != NULL))
-        r = verdict_attr_double(guard, -1, dl_quantile_name, &quantile);
+        r = verdict_attr_double(guard, attr_place(guard, dl_quantile_name), dl_quantile_name, &quantile);
     int timely = 0 < ttft && ttft <= dl_k.max_latency_ms;
     if (r == 0 && judged != NULL) {
         if (!PyTuple_CheckExact(judged) || PyTuple_GET_SIZE(judged) != 2 || verdict_double(PyTuple_GET_ITEM(judged, 0), &judged_slo)
@@ -8884,7 +8934,7 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             r = 1;
         else if (timed && timely && (now - judged_at) * 1000.0 <= 2.0 * judged_slo) {
             margin_moves = 1;
-            r = verdict_attr_double(guard, -1, dl_log_margin_name, &log_margin);
+            r = verdict_attr_double(guard, attr_place(guard, dl_log_margin_name), dl_log_margin_name, &log_margin);
         }
     }
     double scale = 1.0, tail = 1.0;
@@ -8894,10 +8944,10 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             r = 1;
         else if (predicted >= dl_k.min_sample_ms && timely) {
             sample = 1;
-            levels = PyObject_GetAttr(guard, dl_levels_name);
-            samples = levels == NULL ? NULL : PyObject_GetAttr(guard, dl_samples_name);
-            scales = samples == NULL ? NULL : PyObject_GetAttr(guard, dl_scales_name);
-            tails = scales == NULL ? NULL : PyObject_GetAttr(guard, dl_tails_name);
+            levels = attr_get(guard, dl_levels_name);
+            samples = levels == NULL ? NULL : attr_get(guard, dl_samples_name);
+            scales = samples == NULL ? NULL : attr_get(guard, dl_scales_name);
+            tails = scales == NULL ? NULL : attr_get(guard, dl_tails_name);
             long long count;
             if (tails == NULL)
                 r = -1;
@@ -8918,8 +8968,8 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     double hold_ms = 0.0, hold_sq = 0.0;
     int holds = 0 < ttft && ttft + 1.0 <= e2e && e2e <= dl_k.max_latency_ms; /* a decode of 1 ms or more */
-    if (r == 0 && holds && (r = verdict_attr_double(guard, -1, dl_hold_ms_name, &hold_ms)) == 0)
-        r = verdict_attr_double(guard, -1, dl_hold_sq_name, &hold_sq);
+    if (r == 0 && holds && (r = verdict_attr_double(guard, attr_place(guard, dl_hold_ms_name), dl_hold_ms_name, &hold_ms)) == 0)
+        r = verdict_attr_double(guard, attr_place(guard, dl_hold_sq_name), dl_hold_sq_name, &hold_sq);
     /* checked: now the writes, in the reference's order */
     if (r == 0 && wid != NULL) {
         Py_INCREF(wid);
@@ -8974,7 +9024,7 @@ deadline_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     break;
                 PyList_SetItem(relevelled, at, Py_NewRef(corrected));
             }
-            if (r == 0 && PyObject_SetAttr(guard, dl_levels_name, relevelled) < 0)
+            if (r == 0 && attr_set(guard, dl_levels_name, relevelled) < 0)
                 r = -1;
             Py_XDECREF(new_scale);
             Py_XDECREF(new_tail);
@@ -9883,7 +9933,7 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int r = 0;
     field_offsets(&lg_req, Py_TYPE(req), names, LG_FIELDS);
     for (int i = 0; i < N && r == 0; i++)
-        if ((v[i] = i < LG_FIELDS ? member_get(req, lg_req.at[i], names[i]) : PyObject_GetAttr(ledger, names[i])) == NULL)
+        if ((v[i] = i < LG_FIELDS ? member_get(req, lg_req.at[i], names[i]) : attr_get(ledger, names[i])) == NULL)
             r = -1;
     if (r == 0) {
         for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
@@ -9945,7 +9995,7 @@ ledger_keep(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t i = 0; i < n_candidates; i++)
             PyTuple_SET_ITEM(packed, LG_CANDIDATES + i, Py_NewRef(PyTuple_GET_ITEM(v[CANDIDATES], i)));
         /* _keep_py's order: the table, its bytes, the client's count */
-        if (PyDict_SetItem(v[REQUESTS], v[0], packed) < 0 || PyObject_SetAttr(ledger, lg_inflight_bytes_name, bytes) < 0
+        if (PyDict_SetItem(v[REQUESTS], v[0], packed) < 0 || attr_set(ledger, lg_inflight_bytes_name, bytes) < 0
             || (has_client && PyDict_SetItem(v[BY_CLIENT], v[LG_CLIENT], clients) < 0))
             r = -1;
     }
@@ -9976,7 +10026,7 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *requests = NULL, *by_client = NULL, *held_obj = NULL, *bytes = NULL, *left = NULL, *result = NULL;
     PyObject *packed = NULL; /* borrowed from the table until it leaves it */
-    int r = (requests = PyObject_GetAttr(ledger, lg_requests_name)) == NULL ? -1 : 0;
+    int r = (requests = attr_get(ledger, lg_requests_name)) == NULL ? -1 : 0;
     if (r == 0 && !PyDict_CheckExact(requests))
         r = 1;
     if (r == 0 && (packed = PyDict_GetItemWithError(requests, request_id)) == NULL) {
@@ -9991,8 +10041,8 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                    || !PyLong_CheckExact(PyTuple_GET_ITEM(packed, LG_SIZE)) || dl_long_arg(PyTuple_GET_ITEM(packed, LG_SIZE), &size)
                    || !PyUnicode_CheckExact(client = PyTuple_GET_ITEM(packed, LG_CLIENT))))
         r = 1;
-    if (r == 0 && ((by_client = PyObject_GetAttr(ledger, lg_by_client_name)) == NULL
-                   || (held_obj = PyObject_GetAttr(ledger, lg_inflight_bytes_name)) == NULL))
+    if (r == 0 && ((by_client = attr_get(ledger, lg_by_client_name)) == NULL
+                   || (held_obj = attr_get(ledger, lg_inflight_bytes_name)) == NULL))
         r = -1;
     if (r == 0 && (!PyDict_CheckExact(by_client) || !PyLong_CheckExact(held_obj) || dl_long_arg(held_obj, &held)))
         r = 1;
@@ -10007,7 +10057,7 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (r == 0) {
         /* _forget_py's order: out of the table, its bytes, the client's count */
         result = Py_NewRef(packed);
-        if (PyDict_DelItem(requests, request_id) < 0 || PyObject_SetAttr(ledger, lg_inflight_bytes_name, bytes) < 0
+        if (PyDict_DelItem(requests, request_id) < 0 || attr_set(ledger, lg_inflight_bytes_name, bytes) < 0
             || (has_client && (left != NULL ? PyDict_SetItem(by_client, client, left)
                                             : PyDict_DelItem(by_client, client)) < 0))
             Py_CLEAR(result);
@@ -10084,7 +10134,7 @@ deadline_admit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* the record's book, checked before pricing changes anything (a re-anchor, the prefill memo) */
     PyObject *judged = NULL, *uncached_obj = NULL, *cached_obj = NULL, *priced = NULL;
     int records = PyUnicode_GET_LENGTH(request_id) > 0;
-    if (records && (judged = PyObject_GetAttr(guard, dl_judged_name)) == NULL)
+    if (records && (judged = attr_get(guard, dl_judged_name)) == NULL)
         return NULL;
     if (records && !PyODict_CheckExact(judged)) {
         priced = Py_NewRef(Py_NotImplemented);
@@ -10158,7 +10208,7 @@ wr_worker_fields(PyObject *worker, PyObject **id, SlotLoadsObject **loads, Py_ss
 static PyObject *
 wr_dict(PyObject *registry, PyObject *name)
 {
-    PyObject *d = PyObject_GetAttr(registry, name);
+    PyObject *d = attr_get(registry, name);
     if (d != NULL && !PyDict_CheckExact(d))
         Py_CLEAR(d);
     return d;
@@ -10186,7 +10236,7 @@ registry_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* ours: the tuple below may run a collection, whose finalizers could replace the members */
     Py_INCREF(worker_id);
     Py_INCREF(loads);
-    PyObject *order = PyObject_GetAttr(registry, wr_order_name), *kept = NULL, *result = NULL;
+    PyObject *order = attr_get(registry, wr_order_name), *kept = NULL, *result = NULL;
     /* made first: the one allocation that may run a collection (and its finalizers), before
      * the table and the loads are read */
     if (order == NULL || slot_loads_reserve(loads, slot) < 0

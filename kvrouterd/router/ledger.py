@@ -169,6 +169,14 @@ class PrefixHits:
 class LoadLedger:
     """In-flight requests and their bytes, completions, and what routing commits."""
 
+    # members, not a dict: the native passes (index/_native.c, attr_get) read and write them
+    # in place, where the generic lookup was ~190 instructions each
+    __slots__ = (
+        "_completed", "_hops_charged", "_recent", "_request_counter", "_shared", "_speculative", "by_client",
+        "decisions_by_policy", "inflight_bytes", "on_committed", "on_completed", "prefix_hits", "requests",
+        "waiting_bytes",
+    )
+
     def __init__(self, shared: Shared, recent: RecentAccess, speculative: SpeculativeBlocks) -> None:
         self._shared = shared
         self._recent = recent

@@ -260,12 +260,14 @@ async def test_response_path_completes_with_timings_from_routing(envoy):
 
 @pytest.mark.parametrize("daemon_extra", [
     {"admission": {"deadline": "shed", "latency": {"prefill_ms_per_1k_tokens": 1000.0, "calibrate": False}}}])
-async def test_the_first_response_chunk_teaches_deadline_admission_its_ttft(envoy):
+async def test_the_first_response_chunk_teaches_deadline_admission_its_ttft(envoy, monkeypatch):
     """The first streamed chunk is the first token: deadline admission learns the TTFT then,
     a whole decode before the stream ends."""
     s, header, _ = await route_chat(envoy, "hi " * 400, extra=[("x-request-id", "r-first")])
     learned = []
-    envoy.daemon.admission.guard.on_first_token = lambda rid, ttft, now: learned.append((rid, ttft))
+    # on the class: a guard keeps its attributes in __slots__, none of its own to replace
+    monkeypatch.setattr(type(envoy.daemon.admission.guard), "on_first_token",
+                        lambda self, rid, ttft, now: learned.append((rid, ttft)))
     envoy.clock.advance(0.4)
     await s.send(response_headers_msg(200, served=header.split(",")[0]), expect=1)
     await s.send(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: {}\n\n")), expect=1)

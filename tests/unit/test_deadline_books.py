@@ -15,6 +15,7 @@ and the tracked requests overflowing. Also what the native passes decline, and w
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from types import MappingProxyType
@@ -221,18 +222,59 @@ def test_guard_methods_take_the_reference_where_the_native_passes_decline() -> N
     assert books(twins.native) == books(twins.python)
 
 
-def test_native_dispatch_raises_what_pricing_raises_and_writes_nothing() -> None:
+def test_native_dispatch_raises_what_pricing_raises_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     twins = _Twins(9)
     for n in range(200):
         twins.step(n)
     guard = twins.native
     worker = twins.router.workers.get("w3")
 
-    def broken(uncached: int, cached: int = 0) -> float:
+    def broken(self: DeadlineGuard, uncached: int, cached: int = 0) -> float:
         raise RuntimeError("latency model unreadable")
 
-    guard.prefill_ms = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(DeadlineGuard, "prefill_ms", broken)  # a guard keeps no attribute of its own
     before = books(guard)
     with pytest.raises(RuntimeError, match="latency model unreadable"):
         native.module.deadline_dispatch(guard, worker, "y", 12_345, twins.clock.now(), 7, None)
     assert books(guard) == before
+
+
+class ObservedGuard(DeadlineGuard):
+    """A guard whose margin is a property: the native passes find no member for it in this class
+    and must read it the generic way, while they read the base class's from its member."""
+
+    __slots__ = ("margin_reads", "_kept_margin")
+
+    @property  # type: ignore[override]
+    def _margin(self) -> float:
+        self.margin_reads += 1
+        return self._kept_margin
+
+    @_margin.setter
+    def _margin(self, value: float) -> None:
+        self._kept_margin = value
+
+
+def test_each_class_is_read_where_it_keeps_its_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
+    twins = _Twins(13)
+    for n in range(300):
+        twins.step(n)
+    observed = ObservedGuard("shed", twins.native.latency.params, 0.9, BS)
+    observed.margin_reads = 0
+    for name in DeadlineGuard.__slots__:
+        setattr(observed, name, copy.deepcopy(getattr(twins.python, name)))
+    DeadlineGuard._margin.__set__(observed, 99.0)  # the base class's member, hidden by the property: never read
+    busy = [w for w in twins.router.workers if w.inflight_requests > 1]
+    assert busy
+    now, sheds = twins.clock.now(), 0
+    for i in range(60):  # the two classes alternate through the passes' cache of where attributes are
+        worker = busy[i % len(busy)]
+        uncached, slo_ms = 64 * (1 + i % 5), 20.0 * 3.0 ** (i % 7)
+        want = twins.python._price_py(worker, uncached, 0, now, slo_ms, nothing_queued)
+        assert native.module.deadline_price(twins.native, worker, uncached, 0, now, slo_ms) == want
+        assert native.module.deadline_price(observed, worker, uncached, 0, now, slo_ms) == want
+        sheds += want is None
+        if i == 20:  # a class changed since it was read has its places found again
+            monkeypatch.setattr(DeadlineGuard, "_unused_marker", 1, raising=False)
+    assert observed.margin_reads > 0 and sheds
+    assert books(twins.native) == books(twins.python) == books(observed)

@@ -131,11 +131,12 @@ def test_an_entry_naming_no_registered_worker_is_released_from_the_table_alone()
     assert state(fast) == state(ref) and not fast._inflight
 
 
-def test_charge_and_release_take_the_native_passes_and_keep_the_loads() -> None:
+def test_charge_and_release_take_the_native_passes_and_keep_the_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     registry = fleet()
     worker = registry.get("w3")
     # the references would fail the test if called: the public methods must answer natively
-    registry._charge_py = registry._release_py = None  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(WorkerRegistry, "_charge_py", None)
+    monkeypatch.setattr(WorkerRegistry, "_release_py", None)
     registry.charge(worker, "a", 120, 300, 2, 10.0, "cache_aware")
     registry.charge(worker, "b", 30, 90, 1, 11.0, "cache_aware")
     assert (worker.inflight_requests, worker.pending_prefill_tokens) == (2, 150)

@@ -243,7 +243,7 @@ class ObservedGuard(DeadlineGuard):
     """A guard whose margin is a property: the native passes find no member for it in this class
     and must read it the generic way, while they read the base class's from its member."""
 
-    __slots__ = ("margin_reads", "_kept_margin")
+    __slots__ = ("_kept_margin", "margin_reads")
 
     @property  # type: ignore[override]
     def _margin(self) -> float:

@@ -10451,6 +10451,134 @@ route_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * TaskCategory). tests/unit/server/test_route_conversion.py holds the two to equal requests. */
 static PyObject *rr_token_ids_name, *rr_block_keys_name, *rr_le32_name, *rr_cache_salt_name;
 
+/* ---- a message's fields in one call -----------------------------------------------------------
+ *
+ * message_layouts(route_request_class, complete_request_class) -> None
+ *
+ * route_request_packed and completion_of read 13 and 10 fields of a protobuf message; by name,
+ * each was ~430 instructions of upb's lookup (a name hashed, its field found, its value made).
+ * A Route sets one or two of them and a Complete a few, so both take the message's
+ * ListFields() (the fields set, with their descriptors) and the default of each field left
+ * out, from a layout made once per message class: its fields' descriptors -> their places in
+ * the pass's list, and what an unset field reads as (a repeated field's default is an empty
+ * tuple: the passes take its length, or a tuple of it). A message of another class is read by
+ * name. server/convert.py hands the classes over at its import; None clears a layout. */
+typedef struct {
+    PyTypeObject *type;  /* the message class (a strong reference), NULL: no layout */
+    PyObject *places;    /* dict: FieldDescriptor -> its place (an int) in the pass's list */
+    PyObject *defaults;  /* tuple: what each place reads as when its field is not set */
+} MessageLayout;
+static MessageLayout rr_layout, cp_layout;
+static PyObject *cp_names[10]; /* CompleteRequest's fields, as completion_of reads them */
+static PyObject *list_fields_name, *descriptor_name, *fields_by_name_name;
+#define RR_FIELDS {rr_le32_name, rr_token_ids_name, rr_block_keys_name, lg_task_name, lg_model_name, lg_lora_name, \
+                   rr_cache_salt_name, lg_request_id_name, lg_session_id_name, lg_ttft_slo_ms_name, lg_output_name, \
+                   lg_policy_name, lg_candidates_name}
+
+/* `l` made for the message class `cls` (or cleared, for None), its fields `names[0:n]`: 0, or -1 */
+static int
+message_layout(MessageLayout *l, PyObject *cls, PyObject *const *names, int n)
+{
+    if (cls == Py_None) {
+        Py_CLEAR(l->type);
+        Py_CLEAR(l->places);
+        Py_CLEAR(l->defaults);
+        return 0;
+    }
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "message_layouts takes message classes (or None)");
+        return -1;
+    }
+    PyObject *descriptor = PyObject_GetAttr(cls, descriptor_name);
+    PyObject *by_name = descriptor == NULL ? NULL : PyObject_GetAttr(descriptor, fields_by_name_name);
+    PyObject *blank = by_name == NULL ? NULL : PyObject_CallNoArgs(cls);
+    PyObject *places = blank == NULL ? NULL : PyDict_New();
+    PyObject *defaults = places == NULL ? NULL : PyTuple_New(n);
+    int r = defaults == NULL ? -1 : 0;
+    for (int i = 0; i < n && r == 0; i++) {
+        PyObject *field = PyObject_GetItem(by_name, names[i]);
+        PyObject *place = field == NULL ? NULL : PyLong_FromLong(i);
+        PyObject *value = place == NULL ? NULL : PyObject_GetAttr(blank, names[i]);
+        if (value == NULL || PyDict_SetItem(places, field, place) < 0)
+            r = -1;
+        else {
+            if (!PyUnicode_Check(value) && !PyBytes_Check(value) && !PyLong_Check(value) && !PyFloat_Check(value))
+                Py_SETREF(value, PyTuple_New(0)); /* a repeated field */
+            if (value == NULL)
+                r = -1;
+            else
+                PyTuple_SET_ITEM(defaults, i, Py_NewRef(value));
+        }
+        Py_XDECREF(field);
+        Py_XDECREF(place);
+        Py_XDECREF(value);
+    }
+    if (r == 0) {
+        Py_XSETREF(l->type, (PyTypeObject *)Py_NewRef(cls));
+        Py_XSETREF(l->places, Py_NewRef(places));
+        Py_XSETREF(l->defaults, Py_NewRef(defaults));
+    }
+    Py_XDECREF(descriptor);
+    Py_XDECREF(by_name);
+    Py_XDECREF(blank);
+    Py_XDECREF(places);
+    Py_XDECREF(defaults);
+    return r;
+}
+
+static PyObject *
+message_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "message_layouts(route_request_class, complete_request_class)");
+        return NULL;
+    }
+    PyObject *const route[] = RR_FIELDS;
+    if (message_layout(&rr_layout, args[0], route, (int)(sizeof route / sizeof route[0])) < 0
+        || message_layout(&cp_layout, args[1], cp_names, 10) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* `msg`'s fields by `l` into v[0:n] (new references; v all NULL before): 0; 1 when `l` is not
+ * for msg's class (v untouched: read them by name); -1 with an error (v all NULL again) */
+static int
+message_fields(const MessageLayout *l, PyObject *msg, PyObject **v)
+{
+    if (l->type == NULL || !Py_IS_TYPE(msg, l->type))
+        return 1;
+    PyObject *listed = PyObject_CallMethodNoArgs(msg, list_fields_name);
+    if (listed == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(l->defaults);
+    int r = PyList_CheckExact(listed) ? 0 : -1;
+    for (Py_ssize_t i = 0; r == 0 && i < PyList_GET_SIZE(listed); i++) {
+        PyObject *item = PyList_GET_ITEM(listed, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) {
+            r = -1;
+            break;
+        }
+        PyObject *place = PyDict_GetItemWithError(l->places, PyTuple_GET_ITEM(item, 0)); /* borrowed */
+        if (place == NULL) {
+            r = PyErr_Occurred() ? -1 : 0; /* a field this pass does not read */
+            continue;
+        }
+        long at = PyLong_AsLong(place);
+        if (at >= 0 && at < n && v[at] == NULL)
+            v[at] = Py_NewRef(PyTuple_GET_ITEM(item, 1));
+    }
+    Py_DECREF(listed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (r < 0)
+            Py_CLEAR(v[i]);
+        else if (v[i] == NULL)
+            v[i] = Py_NewRef(PyTuple_GET_ITEM(l->defaults, i));
+    }
+    if (r < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "ListFields() answered something other than (field, value) pairs");
+    return r;
+}
+
 static PyObject *
 route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -10465,9 +10593,7 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (block_size <= 0)
         Py_RETURN_NOTIMPLEMENTED;
     /* the prompt's forms, the task, the three names that key it, then the rest */
-    PyObject *const names[] = {rr_le32_name, rr_token_ids_name, rr_block_keys_name, lg_task_name, lg_model_name,
-                               lg_lora_name, rr_cache_salt_name, lg_request_id_name, lg_session_id_name,
-                               lg_ttft_slo_ms_name, lg_output_name, lg_policy_name, lg_candidates_name};
+    PyObject *const names[] = RR_FIELDS;
     enum { N = sizeof names / sizeof names[0], LE32 = 0, TOKENS, KEYS, TASK, MODEL, LORA, SALT, RID, SESSION, SLO,
            OUTPUT, POLICY, CANDIDATES };
     PyObject *v[N] = {NULL};
@@ -10475,8 +10601,11 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *model, *lora; /* borrowed: v[MODEL], v[LORA] or the adapter's base and name */
     int r = 0;
     Py_ssize_t n_bytes = 0;
+    int by_name = message_fields(&rr_layout, msg, v); /* 0: all read at once */
+    if (by_name < 0)
+        r = -1;
     for (int i = 0; i < N && r == 0; i++) {
-        if ((v[i] = PyObject_GetAttr(msg, names[i])) == NULL)
+        if (by_name && (v[i] = PyObject_GetAttr(msg, names[i])) == NULL)
             r = -1;
         else if (i == LE32)
             r = !PyBytes_CheckExact(v[i]) || (n_bytes = PyBytes_GET_SIZE(v[i])) == 0 || n_bytes % 4;
@@ -10545,7 +10674,6 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * written out, a NaN never in range), built by `new_completion` (convert._new_completion) from
  * the ten fields in declaration order. Anything else goes to convert._completion_py, its
  * reference, which raises the first failing check's error as before. */
-static PyObject *cp_names[10];
 
 static PyObject *
 completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -10566,7 +10694,10 @@ completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     static const int latencies[] = {1, 2, 7, 8};
     PyObject *v[N] = {NULL}, *result = NULL;
     int r = 0;
-    for (int i = 0; i < N && r == 0; i++)
+    int by_name = message_fields(&cp_layout, args[0], v); /* 0: all read at once */
+    if (by_name < 0)
+        r = -1;
+    for (int i = 0; by_name > 0 && i < N && r == 0; i++)
         if ((v[i] = PyObject_GetAttr(args[0], cp_names[i])) == NULL)
             r = -1;
     if (r == 0 && (!PyUnicode_CheckExact(v[0]) || PyUnicode_GET_LENGTH(v[0]) == 0
@@ -10660,6 +10791,9 @@ static PyMethodDef native_methods[] = {
      "NotImplemented: WorkerRegistry._charge_py"},
     {"registry_release", (PyCFunction)(void (*)(void))registry_release, METH_FASTCALL,
      "registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented: WorkerRegistry._release_py"},
+    {"message_layouts", (PyCFunction)(void (*)(void))message_layouts, METH_FASTCALL,
+     "message_layouts(route_request_class, complete_request_class) -> None: how route_request_packed and "
+     "completion_of read those messages (None: by name)"},
     {"deadline_admit", (PyCFunction)(void (*)(void))deadline_admit, METH_FASTCALL,
      "deadline_admit(guard, ctx, chosen, request_id, slo_ms, none_claimed) -> Pricing | None | NotImplemented: "
      "DeadlineGuard._admit_py"},
@@ -10758,6 +10892,11 @@ PyInit__native(void)
             return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
+        return NULL;
+    list_fields_name = PyUnicode_InternFromString("ListFields");
+    descriptor_name = PyUnicode_InternFromString("DESCRIPTOR");
+    fields_by_name_name = PyUnicode_InternFromString("fields_by_name");
+    if (list_fields_name == NULL || descriptor_name == NULL || fields_by_name_name == NULL)
         return NULL;
     da_overlaps_name = PyUnicode_InternFromString("_overlaps");
     da_claimed_name = PyUnicode_InternFromString("claimed");

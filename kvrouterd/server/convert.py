@@ -165,6 +165,8 @@ _new_route_request = native.positional_constructor(RouteRequest)
 
 #: ``_route_request_py`` for a prompt sent packed, in one native call (None: no extension)
 _route_request_packed = native.module.route_request_packed if native.module is not None else None
+if native.module is not None:  # the native passes read these messages' set fields in one call
+    native.module.message_layouts(pb.RouteRequest, pb.CompleteRequest)
 
 
 def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,

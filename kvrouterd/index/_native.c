@@ -9846,7 +9846,7 @@ static PyObject *lg_requests_name, *lg_by_client_name, *lg_inflight_bytes_name, 
 
 /* ledger.py's constants, handed over once at its import (ledger_constants) */
 static struct {
-    long long entry_bytes, candidate_bytes;
+    long long entry_bytes, candidate_bytes, list_key_bytes;
     int set;
 } lg_k;
 
@@ -9880,13 +9880,15 @@ static FieldOffsets lg_req;
 static PyObject *
 ledger_constants(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long entry, candidate;
-    if (nargs != 2 || dl_long_arg(args[0], &entry) || dl_long_arg(args[1], &candidate) || entry < 0 || candidate < 0) {
-        PyErr_SetString(PyExc_TypeError, "ledger_constants takes 2 ints >= 0 (see ledger.py)");
+    long long entry, candidate, list_key;
+    if (nargs != 3 || dl_long_arg(args[0], &entry) || dl_long_arg(args[1], &candidate) || dl_long_arg(args[2], &list_key)
+        || entry < 0 || candidate < 0 || list_key < 0) {
+        PyErr_SetString(PyExc_TypeError, "ledger_constants takes 3 ints >= 0 (see ledger.py)");
         return NULL;
     }
     lg_k.entry_bytes = entry;
     lg_k.candidate_bytes = candidate;
+    lg_k.list_key_bytes = list_key;
     lg_k.set = 1;
     Py_RETURN_NONE;
 }
@@ -10072,6 +10074,83 @@ ledger_forget(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+
+/* ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, max_id_length) -> bool
+ *
+ * router/ledger.py's LoadLedger.check_admissible on every Route, for a request it admits
+ * without counting its bytes: True when its id is not in flight, its client has room, and
+ * even at the most a request validated so far can cost (_check_admissible_py's `most`) the
+ * table stays within max_inflight_bytes. False for anything else (a request near a limit, one
+ * naming candidates, fields of other types), and the reference answers, raising its error or
+ * counting the request's bytes exactly. tests/unit/test_ledger_table.py holds it to the
+ * reference. */
+static PyObject *la_waiting_bytes_name; /* the ledger's bytes held by requests waiting for admission */
+
+static PyObject *
+ledger_admissible(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long per_client, byte_limit, max_id;
+    if (nargs != 5 || dl_long_arg(args[2], &per_client) || dl_long_arg(args[3], &byte_limit)
+        || dl_long_arg(args[4], &max_id)) {
+        PyErr_SetString(PyExc_TypeError, "ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, "
+                                         "max_id_length)");
+        return NULL;
+    }
+    if (!lg_k.set)
+        Py_RETURN_FALSE;
+    PyObject *ledger = args[0], *req = args[1];
+    PyObject *rid = NULL, *client = NULL, *keys = NULL, *candidates = NULL, *table = NULL, *held_obj = NULL;
+    PyObject *waiting_obj = NULL, *result = NULL;
+    int r = (rid = attr_get(req, lg_request_id_name)) == NULL || (client = attr_get(req, lg_client_name)) == NULL ? -1 : 0;
+    if (r == 0 && (!PyUnicode_CheckExact(rid) || !PyUnicode_CheckExact(client)))
+        r = 1;
+    if (r == 0 && PyUnicode_GET_LENGTH(rid)) { /* not in flight already */
+        if ((table = attr_get(ledger, lg_requests_name)) == NULL)
+            r = -1;
+        else if (!PyDict_CheckExact(table))
+            r = 1;
+        else if ((r = PyDict_Contains(table, rid)) > 0)
+            r = 1;
+        Py_CLEAR(table);
+    }
+    if (r == 0 && per_client && PyUnicode_GET_LENGTH(client)) { /* the client's requests in flight */
+        long long count = 0;
+        if ((table = attr_get(ledger, lg_by_client_name)) == NULL)
+            r = -1;
+        else if (!PyDict_CheckExact(table))
+            r = 1;
+        else if ((r = lg_count_plus(table, client, 0, 1, &count)) == 0 && count >= per_client)
+            r = 1;
+        Py_CLEAR(table);
+    }
+    if (r == 0 && byte_limit) { /* the most such a request costs, beside what is held */
+        long long held, waiting, most;
+        Py_ssize_t n_keys;
+        if ((held_obj = attr_get(ledger, lg_inflight_bytes_name)) == NULL
+            || (waiting_obj = attr_get(ledger, la_waiting_bytes_name)) == NULL || (keys = attr_get(req, lg_keys_name)) == NULL
+            || (candidates = attr_get(req, lg_candidates_name)) == NULL)
+            r = -1;
+        else if (dl_long_arg(held_obj, &held) || dl_long_arg(waiting_obj, &waiting) || !PyTuple_CheckExact(candidates)
+                 || PyTuple_GET_SIZE(candidates))
+            r = 1;
+        else if ((n_keys = PyObject_Size(keys)) < 0)
+            r = -1;
+        else if (__builtin_mul_overflow((long long)n_keys, lg_k.list_key_bytes, &most)
+                 || __builtin_add_overflow(most, lg_k.entry_bytes + 5 * max_id + PyUnicode_GET_LENGTH(client), &most)
+                 || __builtin_add_overflow(most, held, &most) || __builtin_add_overflow(most, waiting, &most)
+                 || most > byte_limit)
+            r = 1;
+    }
+    if (r >= 0)
+        result = Py_NewRef(r == 0 ? Py_True : Py_False);
+    Py_XDECREF(rid);
+    Py_XDECREF(client);
+    Py_XDECREF(keys);
+    Py_XDECREF(candidates);
+    Py_XDECREF(held_obj);
+    Py_XDECREF(waiting_obj);
+    return result;
+}
 
 /* deadline_admit(guard, ctx, chosen, request_id, slo_ms, none_claimed) -> Pricing | None | NotImplemented
  *
@@ -10791,6 +10870,9 @@ static PyMethodDef native_methods[] = {
      "NotImplemented: WorkerRegistry._charge_py"},
     {"registry_release", (PyCFunction)(void (*)(void))registry_release, METH_FASTCALL,
      "registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented: WorkerRegistry._release_py"},
+    {"ledger_admissible", (PyCFunction)(void (*)(void))ledger_admissible, METH_FASTCALL,
+     "ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, max_id_length) -> bool: True when "
+     "LoadLedger._check_admissible_py admits req without counting its bytes"},
     {"message_layouts", (PyCFunction)(void (*)(void))message_layouts, METH_FASTCALL,
      "message_layouts(route_request_class, complete_request_class) -> None: how route_request_packed and "
      "completion_of read those messages (None: by name)"},
@@ -10892,6 +10974,9 @@ PyInit__native(void)
             return NULL;
     if (reported_running_name == NULL || reported_at_name == NULL || inflight_requests_name == NULL || spec_name == NULL
         || kv_utilization_name == NULL || capacity_blocks_name == NULL || block_size_name == NULL || values_name == NULL)
+        return NULL;
+    la_waiting_bytes_name = PyUnicode_InternFromString("waiting_bytes");
+    if (la_waiting_bytes_name == NULL)
         return NULL;
     list_fields_name = PyUnicode_InternFromString("ListFields");
     descriptor_name = PyUnicode_InternFromString("DESCRIPTOR");

@@ -121,7 +121,10 @@ def unpack_request(packed: PackedRequest) -> RouteRequest:
 _TASKS: dict[int, TaskCategory] = {int(t): t for t in TaskCategory}
 
 if native.module is not None:  # what the native in-flight table (ledger_keep) charges a request
-    native.module.ledger_constants(INFLIGHT_ENTRY_BYTES, _CANDIDATE_BYTES)
+    native.module.ledger_constants(INFLIGHT_ENTRY_BYTES, _CANDIDATE_BYTES, _LIST_KEY_BYTES)
+
+#: ``LoadLedger.check_admissible`` for a request admitted without counting its bytes (None: no extension)
+_ledger_admissible = native.module.ledger_admissible if native.module is not None else None
 
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
@@ -217,7 +220,15 @@ class LoadLedger:
 
     def check_admissible(self, req: RouteRequest) -> None:
         """The ledger's part of validating a request: its id is not in flight, and its bytes
-        fit ``limits.max_inflight_bytes`` beside those in flight and waiting."""
+        fit ``limits.max_inflight_bytes`` beside those in flight and waiting (natively
+        ``ledger_admissible`` admits most requests; ``_check_admissible_py``, its reference)."""
+        s = self._shared.settings
+        if _ledger_admissible is None or not _ledger_admissible(self, req, s.max_inflight_per_client,
+                                                                s.max_inflight_bytes, s.max_id_length):
+            self._check_admissible_py(req)
+
+    def _check_admissible_py(self, req: RouteRequest) -> None:
+        """``check_admissible``'s reference."""
         s = self._shared.settings
         if req.request_id and req.request_id in self.requests:
             raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")

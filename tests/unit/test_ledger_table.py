@@ -6,11 +6,14 @@ Where the extension is built those are ``ledger_keep`` and ``ledger_forget``
 (``index/_native.c``), and ``_keep_py`` and ``_forget_py`` are their references. Two ledgers
 over one random life of requests, one driven through each, must hold equal tables (entries,
 their order, bytes, clients' counts) after every step, and answer a forget alike. Also what
-the native passes decline (leaving the tables as they were) and what they raise.
+the native passes decline (leaving the tables as they were) and what they raise; and the check
+before a Route (``check_admissible``): natively ``ledger_admissible`` admits only what its
+reference, ``_check_admissible_py``, admits, and through the method the two answer alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from array import array
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 
 from kvrouterd.clock import ManualClock
+from kvrouterd.errors import KVRouterError
 from kvrouterd.index import native
 from kvrouterd.protocols import RouteRequest, TaskCategory
 from kvrouterd.router import Router, RouterSettings, request_bytes
@@ -174,3 +178,44 @@ def test_the_native_passes_raise_what_reading_the_request_raises() -> None:
         native.module.ledger_keep(fast)
     with pytest.raises(TypeError, match="2 arguments"):
         native.module.ledger_forget(fast, "r1", "r2")
+
+
+def admitted(ledger: LoadLedger, req: RouteRequest) -> str:
+    """What the reference answers: "" when it admits ``req``, else its error."""
+    try:
+        ledger._check_admissible_py(req)
+    except KVRouterError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_admission_check_admits_only_what_the_reference_admits(seed: int) -> None:
+    rng = random.Random(seed)
+    fast, _ = ledgers()
+    base = fast._shared.settings
+    answered = refused = 0
+    for n in range(1_500):
+        req = random_request(rng, n)
+        per_client, byte_limit = rng.choice((0, 0, 2, 5)), rng.choice((0, 20_000, 60_000, 10**9))
+        settings = fast._shared.settings = dataclasses.replace(base, max_inflight_per_client=per_client,
+                                                               max_inflight_bytes=byte_limit)
+        if rng.random() < 0.1 and fast.requests:
+            req.request_id = rng.choice(list(fast.requests))  # already in flight
+        fast.waiting_bytes = rng.choice((0, 0, 5_000))
+        want = admitted(fast, req)
+        if native.module.ledger_admissible(fast, req, per_client, byte_limit, settings.max_id_length):
+            assert want == ""  # admitted natively: the reference admits it too
+            answered += 1
+        refused += want != ""
+        try:
+            fast.check_admissible(req)
+            got = ""
+        except KVRouterError as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        assert got == want
+        if want == "" and rng.random() < 0.6 and native.module.ledger_keep(fast, req) is NotImplemented:
+            fast._keep_py(req)
+        if fast.requests and rng.random() < 0.3:
+            fast.forget_request(rng.choice(list(fast.requests)))
+    assert answered > 300 and refused > 100

@@ -17,6 +17,7 @@ from operator import attrgetter, itemgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from ..index import native
 from ..index.radix import Block, MatchResult, RadixIndex
 from ..index.workers import Worker
 from ..protocols import CandidateScore, Completion, Decision, RouteRequest
@@ -150,6 +151,17 @@ class RoutingContext:
             score=score,
             terms=terms,
         )
+
+
+#: ``RoutingContext(request, candidates, match, block_size, now, index, explain, claimed,
+#: candidate_slots)`` for the router's own decisions (``Selector.decide``), built natively
+#: without ``__init__``: given its members in this order, the last two ``claimed or
+#: _NONE_CLAIMED`` and ``match.overlaps``, as ``__init__`` stores them, it is the same object
+#: (~1 us less a Route of argument binding and stores). None without the extension.
+CONTEXT_MEMBERS = ("request", "candidates", "match", "block_size", "now", "index", "explain", "candidate_slots",
+                   "claimed", "_overlaps")
+fill_routing_context: Callable[..., RoutingContext] | None = (
+    native.module.slots_filler(RoutingContext, CONTEXT_MEMBERS) if native.module is not None else None)
 
 
 @runtime_checkable

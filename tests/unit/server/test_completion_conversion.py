@@ -9,7 +9,6 @@ failing check's error. Over random messages at and past every bound the two answ
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,18 +42,6 @@ def outcome(convert_: Any, msg: pb.CompleteRequest, limit: int) -> Any:
     except KVRouterError as exc:
         return f"{type(exc).__name__}: {exc}"
     return done, [type(getattr(done, name)) for name in done.__slots__]
-
-
-@pytest.fixture(params=["listed", "by_name"])
-def read_as(request: pytest.FixtureRequest) -> Iterator[str]:
-    """How the native pass reads the message: its set fields in one call (the layout
-    ``convert`` hands over at import), or each field by name (no layout)."""
-    if request.param == "by_name":
-        native.module.message_layouts(None, None)
-    try:
-        yield request.param
-    finally:
-        native.module.message_layouts(pb.RouteRequest, pb.CompleteRequest)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -79,18 +78,6 @@ def outcome(convert_: Any, msg: pb.RouteRequest, r: Router, client: str) -> Any:
     fields = {name: getattr(req, name) for name in req.__slots__}
     fields["keys"] = (type(req.keys), req.keys.typecode, req.keys.tolist())
     return fields, [type(v) for v in fields.values()]
-
-
-@pytest.fixture(params=["listed", "by_name"])
-def read_as(request: pytest.FixtureRequest) -> Iterator[str]:
-    """How the native pass reads the message: its set fields in one call (the layout
-    ``convert`` hands over at import), or each field by name (no layout)."""
-    if request.param == "by_name":
-        native.module.message_layouts(None, None)
-    try:
-        yield request.param
-    finally:
-        native.module.message_layouts(pb.RouteRequest, pb.CompleteRequest)
 
 
 @pytest.mark.parametrize("seed", range(3))

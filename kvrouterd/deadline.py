@@ -97,7 +97,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .bounds import MAX_LATENCY_MS
 from .errors import ConfigError, SloUnreachable
 from .index import native
-from .policies.base import _NONE_CLAIMED
+from .policies.base import NONE_CLAIMED
 from .policies.latency import LatencyModel, LatencyParams
 
 if TYPE_CHECKING:
@@ -472,7 +472,7 @@ class DeadlineGuard:
         """``price_chosen``, and ``on_admitted`` for a choice that meets the SLO: natively
         ``deadline_admit`` in one call with nothing queued (``_admit_py``, its reference)."""
         if queued is nothing_queued and _deadline_admit is not None:
-            priced = _deadline_admit(self, ctx, chosen, request_id, slo_ms, _NONE_CLAIMED)
+            priced = _deadline_admit(self, ctx, chosen, request_id, slo_ms, NONE_CLAIMED)
             if priced is not NotImplemented:
                 return priced  # type: ignore[no-any-return]
         return self._admit_py(ctx, chosen, request_id, slo_ms, queued)

@@ -10158,7 +10158,7 @@ ledger_admissible(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * tokens on `chosen` read from the RoutingContext `ctx` as its uncached_tokens and overlap do,
  * deadline_price's answer for them, and for a choice that meets the SLO on_admitted's record of
  * the request. Its reference is price_chosen then on_admitted (_admit_py); `none_claimed` is
- * policies.base._NONE_CLAIMED, the claims of a context with no speculative blocks. Declines
+ * policies.base.NONE_CLAIMED, the claims of a context with no speculative blocks. Declines
  * (NotImplemented, nothing changed) what it does not read: a context or worker of other types,
  * claims in anything but a dict, books that are not an OrderedDict. tests/unit/test_deadline_books.py
  * holds it to the reference. */

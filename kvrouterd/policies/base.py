@@ -23,7 +23,9 @@ from ..index.workers import Worker
 from ..protocols import CandidateScore, Completion, Decision, RouteRequest
 
 __all__ = [
+    "CONTEXT_MEMBERS",
     "EXPLAINED_CANDIDATES",
+    "NONE_CLAIMED",
     "AccessInfo",
     "EvictionContext",
     "EvictionPolicy",
@@ -33,12 +35,13 @@ __all__ = [
     "RoutingPolicy",
     "RoutingPolicyBase",
     "drop_blocks",
+    "fill_routing_context",
 ]
 
 
 #: ``RoutingContext.claimed`` when nothing is speculative: one shared, read-only empty map, not
 #: a new dict per decision
-_NONE_CLAIMED: Mapping[int, int] = MappingProxyType({})
+NONE_CLAIMED: Mapping[int, int] = MappingProxyType({})
 
 #: candidates an explained Decision (a traced one) lists at most (``RoutingContext.explained``);
 #: ``Decision.candidate_count`` says how many there were. Listing every one made a traced Route
@@ -88,7 +91,7 @@ class RoutingContext:
         #: slot -> blocks at the end of its overlap that are only speculative (``router.speculative``):
         #: the prompt that will store them is still being prefilled, so they show where the prefix
         #: is going (``overlap``) but a request admitted meanwhile computes them again (``uncached_tokens``)
-        self.claimed: Mapping[int, int] = claimed or _NONE_CLAIMED
+        self.claimed: Mapping[int, int] = claimed or NONE_CLAIMED
         #: the candidates' slots as a native ``CandidateSlots`` (made with them, when membership
         #: last changed), or None: the native candidate scan reads it instead of every worker
         #: (``policies._scan``); it never changes an answer
@@ -156,7 +159,7 @@ class RoutingContext:
 #: ``RoutingContext(request, candidates, match, block_size, now, index, explain, claimed,
 #: candidate_slots)`` for the router's own decisions (``Selector.decide``), built natively
 #: without ``__init__``: given its members in this order, the last two ``claimed or
-#: _NONE_CLAIMED`` and ``match.overlaps``, as ``__init__`` stores them, it is the same object
+#: NONE_CLAIMED`` and ``match.overlaps``, as ``__init__`` stores them, it is the same object
 #: (~1 us less a Route of argument binding and stores). None without the extension.
 CONTEXT_MEMBERS = ("request", "candidates", "match", "block_size", "now", "index", "explain", "candidate_slots",
                    "claimed", "_overlaps")

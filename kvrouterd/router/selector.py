@@ -30,7 +30,7 @@ from ..errors import InvalidRequest, NoEligibleWorker, NotFound, Overloaded, quo
 from ..index import native
 from ..index.keys import ROOT_SEED, chain_keys_array, key_namespace, namespace_seed, tokens_to_bytes
 from ..index.workers import MAX_WORKERS, ListScans, Worker, named_among, routing_mask
-from ..policies.base import _NONE_CLAIMED, RoutingContext, RoutingPolicy, fill_routing_context
+from ..policies.base import NONE_CLAIMED, RoutingContext, RoutingPolicy, fill_routing_context
 from ..protocols import Decision, RouteRequest
 from .disagg import PREFILL_HOP_PREFIX, Disaggregation
 from .ledger import LoadLedger
@@ -185,7 +185,7 @@ class Selector:
                                      slots)
             else:  # the same context, without __init__ (policies.base.fill_routing_context)
                 ctx = fill_routing_context(req, candidates, match, shared.block_size, now, shared.index, explain, slots,
-                                           claimed or _NONE_CLAIMED, match.overlaps)
+                                           claimed or NONE_CLAIMED, match.overlaps)
             decision = policy.select(ctx)
         decision.pool = pool
         decision.candidate_count = len(ctx.candidates)

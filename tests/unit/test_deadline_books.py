@@ -27,7 +27,7 @@ from kvrouterd import deadline
 from kvrouterd.bounds import MAX_LATENCY_MS
 from kvrouterd.deadline import DeadlineGuard, nothing_queued
 from kvrouterd.index import native
-from kvrouterd.policies.base import _NONE_CLAIMED, RoutingContext
+from kvrouterd.policies.base import NONE_CLAIMED, RoutingContext
 from kvrouterd.policies.latency import LatencyParams
 from kvrouterd.protocols import Completion, RouteRequest
 
@@ -106,7 +106,7 @@ class _Twins:
                 admitted = RoutingContext(req, ctx.candidates, ctx.match, BS, now, ctx.index, False,
                                           {worker.slot: rng.randrange(0, 3), 99: 1}, ctx.candidate_slots)
             name = rng.choice((rid, ""))  # an unnamed request is priced, not recorded
-            priced = native.module.deadline_admit(self.native, admitted, worker, name, slo_ms, _NONE_CLAIMED)
+            priced = native.module.deadline_admit(self.native, admitted, worker, name, slo_ms, NONE_CLAIMED)
             assert priced == self.python._admit_py(admitted, worker, name, slo_ms)
             self.seen["admit"] += 1
         else:
@@ -214,9 +214,9 @@ def test_guard_methods_take_the_reference_where_the_native_passes_decline() -> N
     claimed = RoutingContext(req, ctx.candidates, ctx.match, BS, ctx.now, ctx.index, False,
                              MappingProxyType({worker.slot: 1}), ctx.candidate_slots)
     before = books(twins.native)
-    assert native.module.deadline_admit(twins.native, claimed, worker, "y", 300.0, _NONE_CLAIMED) is NotImplemented
+    assert native.module.deadline_admit(twins.native, claimed, worker, "y", 300.0, NONE_CLAIMED) is NotImplemented
     twins.native._judged = dict(twins.native._judged)
-    assert native.module.deadline_admit(twins.native, ctx, worker, "y", 300.0, _NONE_CLAIMED) is NotImplemented
+    assert native.module.deadline_admit(twins.native, ctx, worker, "y", 300.0, NONE_CLAIMED) is NotImplemented
     assert books(twins.native) == before
     assert twins.native.admit_chosen(ctx, worker, "y", 300.0) == twins.python._admit_py(ctx, worker, "y", 300.0)
     assert books(twins.native) == books(twins.python)

@@ -1,5 +1,5 @@
 """The router's own decisions build their RoutingContext without ``__init__``
-(``base.fill_routing_context``, given ``claimed or _NONE_CLAIMED`` and ``match.overlaps``): the
+(``base.fill_routing_context``, given ``claimed or NONE_CLAIMED`` and ``match.overlaps``): the
 context must be the one ``__init__`` builds, member by member, and answer alike, or a policy
 would see another overlap, other claims or other candidates' slots."""
 
@@ -13,7 +13,7 @@ import pytest
 from kvrouterd.clock import ManualClock
 from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.policies.base import _NONE_CLAIMED, CONTEXT_MEMBERS, RoutingContext, fill_routing_context
+from kvrouterd.policies.base import CONTEXT_MEMBERS, NONE_CLAIMED, RoutingContext, fill_routing_context
 from kvrouterd.protocols import RouteRequest
 from kvrouterd.router import Router, RouterSettings
 
@@ -39,7 +39,7 @@ def test_the_filled_context_is_the_one_init_builds() -> None:
         args = (req, candidates, match, 16, rng.random(), router.index, rng.random() < 0.5)
         slots = rng.choice((None, object()))
         built = RoutingContext(*args, claimed, slots)
-        filled = fill_routing_context(*args, slots, claimed or _NONE_CLAIMED, match.overlaps)
+        filled = fill_routing_context(*args, slots, claimed or NONE_CLAIMED, match.overlaps)
         assert type(filled) is RoutingContext
         for name in RoutingContext.__slots__:
             assert getattr(filled, name) is getattr(built, name), name

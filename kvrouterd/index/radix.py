@@ -50,7 +50,7 @@ import itertools
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from . import native
 from ._walk import MatchResult, match_walk
@@ -89,7 +89,10 @@ class RadixIndex:
         self._block: Any = PyBlock if pure else Block
         self._leaves: dict[int, set[Block]] = {}
         self._counts: dict[int, int] = {}
-        self._counts_view: Mapping[int, int] = MappingProxyType(self._counts)
+        #: slot -> ``count``, a live read-only view: for a caller reading several slots at
+        #: once, where a call per slot costs more than the reading (an attribute: a property's
+        #: read is a Python call, ~600 instructions, on every decision that breaks a tie)
+        self.counts: Final[Mapping[int, int]] = MappingProxyType(self._counts)
         #: slot bit (1 << slot) -> blocks that slot alone holds: what leaves the routable index at
         #: once when the slot is retired (``count_alone``); kept where a block gains or loses a
         #: holder (``store``, ``_release``), keyed by bit as a lone holder's bit is its holders
@@ -135,12 +138,6 @@ class RadixIndex:
 
     def count(self, slot: int) -> int:
         return self._counts[slot]
-
-    @property
-    def counts(self) -> Mapping[int, int]:
-        """Slot -> ``count``, a live read-only view: for a caller reading several slots at
-        once, where a call per slot costs more than the reading."""
-        return self._counts_view
 
     @property
     def unheld(self) -> int:

@@ -15,7 +15,7 @@ import dataclasses
 import random
 from array import array
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from ..clock import Clock
 from ..index.radix import RadixIndex
@@ -61,6 +61,14 @@ class Router:
         workers = WorkerRegistry()
         self._policies = PolicyTable(settings, rng, workers)
         self._shared = shared = Shared(settings, clock, rng, index, workers, self._policies)
+        # what the parts share and never replace, as attributes: a property's read is a Python
+        # call (~600 instructions, callgrind), and the server reads these on every Route and
+        # Complete (the settings and the index are replaced: properties, below)
+        self.clock: Final[Clock] = clock
+        self.rng: Final[random.Random] = rng
+        self.block_size: Final[int] = shared.block_size
+        self.workers: Final[WorkerRegistry] = workers
+        self.counters: Final[dict[str, int]] = shared.counters
         recent = RecentAccess(settings.block_size)
         self._engine_hashes = EngineHashMaps()
         self._slots = RetiredSlots(shared)
@@ -83,32 +91,12 @@ class Router:
         self._shared.settings = settings
 
     @property
-    def clock(self) -> Clock:
-        return self._shared.clock
-
-    @property
-    def rng(self) -> random.Random:
-        return self._shared.rng
-
-    @property
-    def block_size(self) -> int:
-        return self._shared.block_size
-
-    @property
     def index(self) -> RadixIndex:
         return self._shared.index
 
     @index.setter
     def index(self, index: RadixIndex) -> None:
         self._shared.index = index
-
-    @property
-    def workers(self) -> WorkerRegistry:
-        return self._shared.workers
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self._shared.counters
 
     # ---- policies (``policy_table``) -------------------------------------------------
     @property

@@ -335,7 +335,7 @@ class LoadLedger:
         shared = self._shared
         index, eviction = shared.index, shared.policies.eviction
         now = ctx.now
-        slot, mode = worker.slot, worker.mode  # a property: read once, not three times
+        slot, mode = worker.slot, worker.spec.mode  # ``Worker.mode`` is a property: a Python call
         uncached = overlap < len(req.keys)
         modelled = mode is CacheMode.APPROXIMATE
         approximate = modelled and uncached

@@ -252,7 +252,7 @@ def route_response(result: RouteResult, block_size: int, into: pb.RouteResponse 
     msg = pb.RouteResponse() if into is None else into
     msg.request_id = result.request.request_id
     msg.worker_id = worker.id
-    msg.worker_address = worker.address
+    msg.worker_address = worker.spec.address  # not the ``address`` property: a Python call a Route
     msg.matched_blocks = overlap
     msg.matched_tokens = overlap * block_size
     msg.prompt_blocks = len(result.request.keys)

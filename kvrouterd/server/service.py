@@ -255,8 +255,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             # comes (the completion's TTFT and e2e are then in no replica's histograms)
             return
         self.metrics.completed(entry, completion, model or "", self.router.block_size)
-        if self.admission is not None:
-            self.admission.on_complete(entry.worker_id, completion)
+        admission = self._admission  # not the property: a Python call a Complete
+        if admission is not None:
+            admission.on_complete(entry.worker_id, completion)
 
     @property
     def admission(self) -> AdmissionGate | None:

@@ -9,6 +9,7 @@ same results by tests. The native one answers with an ``Overlaps`` mapping inste
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import native
@@ -62,17 +63,15 @@ else:
     match_walk = match_walk_py
 
 
+@dataclass(slots=True, eq=False)
 class MatchResult:
     """Longest cached prefix per worker slot, found in one walk."""
 
-    __slots__ = ("overlaps", "path")
-
-    def __init__(self, overlaps: Mapping[int, int], path: list[Block]) -> None:
-        #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
-        #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
-        self.overlaps = overlaps
-        #: the request's blocks present in the index, up to the deepest match
-        self.path = path
+    #: slot -> number of leading request blocks that slot holds (only slots > 0): a dict, or
+    #: the native walk's read-only ``Overlaps`` mapping equal to it (``index._walk``)
+    overlaps: Mapping[int, int]
+    #: the request's blocks present in the index, up to the deepest match
+    path: list[Block]
 
     def overlap(self, slot: int) -> int:
         return self.overlaps.get(slot, 0)

@@ -65,6 +65,8 @@ __all__ = ["Block", "MatchResult", "Pending", "PyBlock", "RadixIndex", "fold_pen
 _U64Map = None if native.module is None else native.module.U64Map
 #: ``touch_path``'s one step in C (None: no extension)
 _touch_pending = None if native.module is None else native.module.touch_pending
+#: a walk's MatchResult without a call of ``__init__`` (a Python frame on every decision)
+_new_match_result = native.positional_constructor(MatchResult)
 
 
 def _held_child(node: Block, bit: int) -> bool:
@@ -174,7 +176,7 @@ class RadixIndex:
     def match(self, keys: Sequence[int], slots_mask: int) -> MatchResult:
         """Per-slot longest prefix of ``keys`` held, for the slots in ``slots_mask``."""
         overlaps, path = match_walk(self._blocks, keys, slots_mask)
-        return MatchResult(overlaps, path)
+        return _new_match_result(overlaps, path)
 
     # ---- per-(slot, block) statistics ------------------------------------------------
     # A block's true stats for a slot: its own (set when stored, bumped by ``touch``) folded

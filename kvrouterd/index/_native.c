@@ -10162,8 +10162,58 @@ ledger_admissible(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * (NotImplemented, nothing changed) what it does not read: a context or worker of other types,
  * claims in anything but a dict, books that are not an OrderedDict. tests/unit/test_deadline_books.py
  * holds it to the reference. */
-static FieldOffsets da_ctx, da_req, da_worker;
 static PyObject *da_overlaps_name, *da_claimed_name, *da_request_name, *da_now_name;
+static FieldOffsets ctx_fields, ctx_req, ctx_worker;
+
+/* What RoutingContext `ctx` (policies/base.py) says of the prompt on `worker`: overlap(worker)
+ * blocks, uncached_tokens(worker) and the cached tokens (overlap * block_size), and the
+ * context's request and now (borrowed). `none_claimed`: policies.base.NONE_CLAIMED, the claims
+ * of a context with no speculative blocks. 0; 1 when the context or the worker is not of the
+ * types read here (claims in anything but a dict, overlaps in neither a dict nor Overlaps);
+ * -1 with an error. */
+static int
+ctx_prompt_on(PyObject *ctx, PyObject *worker, PyObject *none_claimed, long long *overlap_out, long long *uncached_out,
+              long long *cached_out, PyObject **req_out, PyObject **now_out)
+{
+    PyObject *const ctx_names[] = {da_overlaps_name, da_claimed_name, da_request_name, block_size_name, da_now_name};
+    field_offsets(&ctx_fields, Py_TYPE(ctx), ctx_names, 5);
+    PyObject *v[5];
+    for (int i = 0; i < 5; i++)
+        if (ctx_fields.at[i] < 0 || (v[i] = *(PyObject **)((char *)ctx + ctx_fields.at[i])) == NULL)
+            return 1;
+    PyObject *overlaps = v[0], *claimed = v[1], *req = v[2];
+    PyObject *const req_names[] = {lg_prompt_tokens_name};
+    field_offsets(&ctx_req, Py_TYPE(req), req_names, 1);
+    PyObject *const worker_names[] = {slot_name};
+    field_offsets(&ctx_worker, Py_TYPE(worker), worker_names, 1);
+    PyObject *prompt_obj = ctx_req.at[0] < 0 ? NULL : *(PyObject **)((char *)req + ctx_req.at[0]);
+    PyObject *slot_obj = ctx_worker.at[0] < 0 ? NULL : *(PyObject **)((char *)worker + ctx_worker.at[0]);
+    long long block_size, prompt, slot, overlap = 0, held = 0;
+    if (prompt_obj == NULL || slot_obj == NULL || dl_long_arg(v[3], &block_size) || dl_long_arg(prompt_obj, &prompt)
+        || dl_long_arg(slot_obj, &slot))
+        return 1;
+    /* ctx.overlap(worker), and the speculative blocks it claims there (uncached_tokens) */
+    int r = 0;
+    if (Py_IS_TYPE(overlaps, &OverlapsType))
+        overlap = overlaps_depth((OverlapsObject *)overlaps, slot);
+    else
+        r = PyDict_CheckExact(overlaps) ? scan_depth(overlaps, NULL, slot_obj, &overlap) : 1;
+    if (r == 0 && claimed != none_claimed)
+        r = PyDict_CheckExact(claimed) ? scan_depth(claimed, NULL, slot_obj, &held) : 1;
+    long long cached_blocks, uncached, cached;
+    if (r == 0 && (__builtin_sub_overflow(overlap, held, &cached_blocks)
+                   || __builtin_mul_overflow(cached_blocks, block_size, &uncached)
+                   || __builtin_sub_overflow(prompt, uncached, &uncached) || __builtin_mul_overflow(overlap, block_size, &cached)))
+        r = 1;
+    if (r != 0)
+        return r;
+    *overlap_out = overlap;
+    *uncached_out = uncached < 0 ? 0 : uncached;
+    *cached_out = cached;
+    *req_out = req;
+    *now_out = v[4];
+    return 0;
+}
 
 static PyObject *
 deadline_admit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -10176,40 +10226,13 @@ deadline_admit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double slo_ms, now;
     if (!dl_k.set || !PyUnicode_CheckExact(request_id) || verdict_double(slo_obj, &slo_ms))
         Py_RETURN_NOTIMPLEMENTED;
-    PyObject *const ctx_names[] = {da_overlaps_name, da_claimed_name, da_request_name, block_size_name, da_now_name};
-    field_offsets(&da_ctx, Py_TYPE(ctx), ctx_names, 5);
-    PyObject *v[5];
-    for (int i = 0; i < 5; i++)
-        if (da_ctx.at[i] < 0 || (v[i] = *(PyObject **)((char *)ctx + da_ctx.at[i])) == NULL)
-            Py_RETURN_NOTIMPLEMENTED;
-    PyObject *overlaps = v[0], *claimed = v[1], *req = v[2], *now_obj = v[4];
-    PyObject *const req_names[] = {lg_prompt_tokens_name};
-    field_offsets(&da_req, Py_TYPE(req), req_names, 1);
-    PyObject *const worker_names[] = {slot_name};
-    field_offsets(&da_worker, Py_TYPE(chosen), worker_names, 1);
-    PyObject *prompt_obj = da_req.at[0] < 0 ? NULL : *(PyObject **)((char *)req + da_req.at[0]);
-    PyObject *slot_obj = da_worker.at[0] < 0 ? NULL : *(PyObject **)((char *)chosen + da_worker.at[0]);
-    long long block_size, prompt, slot, overlap = 0, held = 0;
-    if (prompt_obj == NULL || slot_obj == NULL || dl_long_arg(v[3], &block_size) || verdict_double(now_obj, &now)
-        || dl_long_arg(prompt_obj, &prompt) || dl_long_arg(slot_obj, &slot))
-        Py_RETURN_NOTIMPLEMENTED;
-    /* ctx.overlap(chosen), and the speculative blocks it claims there (uncached_tokens) */
-    int r = 0;
-    if (Py_IS_TYPE(overlaps, &OverlapsType))
-        overlap = overlaps_depth((OverlapsObject *)overlaps, slot);
-    else
-        r = PyDict_CheckExact(overlaps) ? scan_depth(overlaps, NULL, slot_obj, &overlap) : 1;
-    if (r == 0 && claimed != args[5])
-        r = PyDict_CheckExact(claimed) ? scan_depth(claimed, NULL, slot_obj, &held) : 1;
-    long long cached_blocks, uncached, cached;
-    if (r == 0 && (__builtin_sub_overflow(overlap, held, &cached_blocks)
-                   || __builtin_mul_overflow(cached_blocks, block_size, &uncached)
-                   || __builtin_sub_overflow(prompt, uncached, &uncached) || __builtin_mul_overflow(overlap, block_size, &cached)))
+    long long overlap, uncached, cached;
+    PyObject *req, *now_obj;
+    int r = ctx_prompt_on(ctx, chosen, args[5], &overlap, &uncached, &cached, &req, &now_obj);
+    if (r == 0 && verdict_double(now_obj, &now))
         r = 1;
     if (r != 0)
         return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
-    if (uncached < 0)
-        uncached = 0;
     /* the record's book, checked before pricing changes anything (a re-anchor, the prefill memo) */
     PyObject *judged = NULL, *uncached_obj = NULL, *cached_obj = NULL, *priced = NULL;
     int records = PyUnicode_GET_LENGTH(request_id) > 0;
@@ -10407,6 +10430,131 @@ done:
     Py_DECREF(inflight);
     Py_XDECREF(workers);
     Py_XDECREF(entry);
+    return result;
+}
+
+/* ---- what a commit charges and counts --------------------------------------------------------
+ *
+ * ledger_commit(ledger, decision, ctx, worker, registry, counters, none_claimed) -> None | NotImplemented
+ *
+ * router/ledger.py's LoadLedger.commit, on every Route, charges and counts the decision it commits
+ * (its reference, _commit_py): the decision's overlap on `worker` (ctx.overlap), the policy's
+ * prefix-hit record (_count_prefix_hit), the charge to the worker (registry_charge: its uncached
+ * tokens, none for a disaggregated decision's decode hop), the request kept in the table
+ * (ledger_keep, or where that declines _keep_py) and the decision counted (counters["decisions"],
+ * decisions_by_policy). In bytecode that was ~130 opcodes and five Python calls a Route. Declines
+ * (NotImplemented, before anything is written) what the reference answers itself: a policy
+ * without its PrefixHits yet (the reference makes it), counts that are not exact ints, a
+ * context registry_charge or ctx_prompt_on does not read, a request already in flight (the
+ * reference's Conflict). tests/unit/test_ledger_table.py holds it to the reference. */
+static PyObject *lc_prefix_hits_name, *lc_by_policy_name, *lc_overlap_blocks_name, *lc_prefill_name, *lc_match_name,
+    *lc_path_name, *lc_decisions_key, *lc_keep_py_name;
+enum { LC_BEST, LC_WORSE, LC_NO_PREFIX, LC_ACHIEVED, LC_REACHABLE, LC_HITS };
+static PyObject *lc_hit_names[LC_HITS];
+
+static PyObject *
+ledger_commit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "ledger_commit takes 7 arguments (see LoadLedger._commit_py)");
+        return NULL;
+    }
+    PyObject *ledger = args[0], *decision = args[1], *ctx = args[2], *worker = args[3], *registry = args[4],
+             *counters = args[5];
+    long long overlap, uncached, cached;
+    PyObject *req, *now_obj;
+    int r = ctx_prompt_on(ctx, worker, args[6], &overlap, &uncached, &cached, &req, &now_obj);
+    if (r != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    /* every read first, each a new reference; then the new counts, made before anything is written */
+    enum { POLICY, PREFILL, MATCH, PATH, HITS_TABLE, BY_POLICY, REQUEST_ID, PROMPT, HITS, READ };
+    PyObject *v[READ] = {NULL}, *hit[LC_HITS] = {NULL}, *now_hit[LC_HITS] = {NULL};
+    PyObject *overlap_obj = NULL, *prefill_obj = NULL, *decided_obj = NULL, *by_policy_obj = NULL, *result = NULL;
+    if ((v[POLICY] = attr_get(decision, lg_policy_name)) == NULL || (v[PREFILL] = attr_get(decision, lc_prefill_name)) == NULL
+        || (v[MATCH] = attr_get(ctx, lc_match_name)) == NULL || (v[PATH] = attr_get(v[MATCH], lc_path_name)) == NULL
+        || (v[HITS_TABLE] = attr_get(ledger, lc_prefix_hits_name)) == NULL
+        || (v[BY_POLICY] = attr_get(ledger, lc_by_policy_name)) == NULL
+        || (v[REQUEST_ID] = attr_get(req, lg_request_id_name)) == NULL || (v[PROMPT] = attr_get(req, lg_prompt_tokens_name)) == NULL)
+        r = -1;
+    else if (!PyUnicode_CheckExact(v[POLICY]) || !PyList_CheckExact(v[PATH]) || !PyDict_CheckExact(v[HITS_TABLE])
+             || !PyDict_CheckExact(v[BY_POLICY]) || !PyDict_CheckExact(counters) || !PyFloat_CheckExact(now_obj))
+        r = 1;
+    else if ((v[HITS] = Py_XNewRef(PyDict_GetItemWithError(v[HITS_TABLE], v[POLICY]))) == NULL)
+        r = PyErr_Occurred() ? -1 : 1; /* the policy's first decision: the reference makes its record */
+    long long n[LC_HITS], reachable = r == 0 ? PyList_GET_SIZE(v[PATH]) : 0, decided = 0, by_policy = 0;
+    for (int i = 0; i < LC_HITS && r == 0; i++) {
+        if ((hit[i] = attr_get(v[HITS], lc_hit_names[i])) == NULL)
+            r = -1;
+        else if (dl_long_arg(hit[i], &n[i]))
+            r = 1;
+    }
+    /* _count_prefix_hit: no prefix anywhere, or the chosen worker's share of the longest */
+    int changed[LC_HITS] = {0};
+    if (r == 0 && !reachable) {
+        if (__builtin_add_overflow(n[LC_NO_PREFIX], 1, &n[LC_NO_PREFIX]))
+            r = 1;
+        changed[LC_NO_PREFIX] = 1;
+    }
+    else if (r == 0) {
+        int which = overlap >= reachable ? LC_BEST : LC_WORSE;
+        if (__builtin_add_overflow(n[which], 1, &n[which]) || __builtin_add_overflow(n[LC_ACHIEVED], overlap, &n[LC_ACHIEVED])
+            || __builtin_add_overflow(n[LC_REACHABLE], reachable, &n[LC_REACHABLE]))
+            r = 1;
+        changed[which] = changed[LC_ACHIEVED] = changed[LC_REACHABLE] = 1;
+    }
+    if (r == 0)
+        r = lg_count_plus(counters, lc_decisions_key, 1, 0, &decided);
+    if (r == 0)
+        r = lg_count_plus(v[BY_POLICY], v[POLICY], 1, 1, &by_policy);
+    for (int i = 0; i < LC_HITS && r == 0; i++)
+        if (changed[i] && (now_hit[i] = PyLong_FromLongLong(n[i])) == NULL)
+            r = -1;
+    if (r == 0 && ((overlap_obj = PyLong_FromLongLong(overlap)) == NULL
+                   || (prefill_obj = PyLong_FromLongLong(v[PREFILL] == Py_None ? uncached : 0)) == NULL
+                   || (decided_obj = PyLong_FromLongLong(decided)) == NULL
+                   || (by_policy_obj = PyLong_FromLongLong(by_policy)) == NULL))
+        r = -1;
+    if (r != 0) {
+        if (r > 0)
+            result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    /* the charge, which declines a request in flight before it changes anything */
+    PyObject *charge[] = {registry, worker, v[REQUEST_ID], prefill_obj, v[PROMPT], overlap_obj, now_obj, v[POLICY]};
+    PyObject *charged = registry_charge(module, charge, 8);
+    if (charged == NULL || charged == Py_NotImplemented) {
+        result = charged;
+        goto done;
+    }
+    Py_DECREF(charged);
+    PyObject *keep[] = {ledger, req};
+    PyObject *kept = ledger_keep(module, keep, 2);
+    if (kept == Py_NotImplemented) {
+        Py_DECREF(kept);
+        kept = PyObject_CallMethodOneArg(ledger, lc_keep_py_name, req);
+    }
+    if (kept == NULL)
+        goto done;
+    Py_DECREF(kept);
+    if (attr_set(decision, lc_overlap_blocks_name, overlap_obj) < 0)
+        goto done;
+    for (int i = 0; i < LC_HITS; i++)
+        if (now_hit[i] != NULL && attr_set(v[HITS], lc_hit_names[i], now_hit[i]) < 0)
+            goto done;
+    if (PyDict_SetItem(counters, lc_decisions_key, decided_obj) < 0 || PyDict_SetItem(v[BY_POLICY], v[POLICY], by_policy_obj) < 0)
+        goto done;
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < READ; i++)
+        Py_XDECREF(v[i]);
+    for (int i = 0; i < LC_HITS; i++) {
+        Py_XDECREF(hit[i]);
+        Py_XDECREF(now_hit[i]);
+    }
+    Py_XDECREF(overlap_obj);
+    Py_XDECREF(prefill_obj);
+    Py_XDECREF(decided_obj);
+    Py_XDECREF(by_policy_obj);
     return result;
 }
 
@@ -10870,6 +11018,9 @@ static PyMethodDef native_methods[] = {
      "NotImplemented: WorkerRegistry._charge_py"},
     {"registry_release", (PyCFunction)(void (*)(void))registry_release, METH_FASTCALL,
      "registry_release(registry, request_id, new_inflight) -> InFlight | NotImplemented: WorkerRegistry._release_py"},
+    {"ledger_commit", (PyCFunction)(void (*)(void))ledger_commit, METH_FASTCALL,
+     "ledger_commit(ledger, decision, ctx, worker, registry, counters, none_claimed) -> None | NotImplemented: "
+     "LoadLedger._commit_py"},
     {"ledger_admissible", (PyCFunction)(void (*)(void))ledger_admissible, METH_FASTCALL,
      "ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, max_id_length) -> bool: True when "
      "LoadLedger._check_admissible_py admits req without counting its bytes"},
@@ -10988,6 +11139,21 @@ PyInit__native(void)
     da_request_name = PyUnicode_InternFromString("request");
     da_now_name = PyUnicode_InternFromString("now");
     if (da_overlaps_name == NULL || da_claimed_name == NULL || da_request_name == NULL || da_now_name == NULL)
+        return NULL;
+    lc_prefix_hits_name = PyUnicode_InternFromString("prefix_hits");
+    lc_by_policy_name = PyUnicode_InternFromString("decisions_by_policy");
+    lc_overlap_blocks_name = PyUnicode_InternFromString("overlap_blocks");
+    lc_prefill_name = PyUnicode_InternFromString("prefill");
+    lc_match_name = PyUnicode_InternFromString("match");
+    lc_path_name = PyUnicode_InternFromString("path");
+    lc_decisions_key = PyUnicode_InternFromString("decisions");
+    lc_keep_py_name = PyUnicode_InternFromString("_keep_py");
+    static const char *const hit_fields[LC_HITS] = {"best", "worse", "no_prefix", "achieved_blocks", "reachable_blocks"};
+    for (int i = 0; i < LC_HITS; i++)
+        if ((lc_hit_names[i] = PyUnicode_InternFromString(hit_fields[i])) == NULL)
+            return NULL;
+    if (lc_prefix_hits_name == NULL || lc_by_policy_name == NULL || lc_overlap_blocks_name == NULL || lc_prefill_name == NULL
+        || lc_match_name == NULL || lc_path_name == NULL || lc_decisions_key == NULL || lc_keep_py_name == NULL)
         return NULL;
     wr_inflight_name = PyUnicode_InternFromString("_inflight");
     wr_order_name = PyUnicode_InternFromString("_inflight_order");

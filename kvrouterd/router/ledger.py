@@ -33,7 +33,8 @@ from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index import native
 from ..index.radix import Block
 from ..index.workers import InFlight, Worker
-from ..policies.base import AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, RoutingPolicyBase, drop_blocks
+from ..policies.base import (NONE_CLAIMED, AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, RoutingPolicyBase,
+                             drop_blocks)
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
 from .disagg import PREFILL_HOP_PREFIX, prefill_hop_id
@@ -125,6 +126,8 @@ if native.module is not None:  # what the native in-flight table (ledger_keep) c
 
 #: ``LoadLedger.check_admissible`` for a request admitted without counting its bytes (None: no extension)
 _ledger_admissible = native.module.ledger_admissible if native.module is not None else None
+#: ``LoadLedger._commit_py`` in one native call (None: no extension)
+_ledger_commit = native.module.ledger_commit if native.module is not None else None
 
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
@@ -273,6 +276,20 @@ class LoadLedger:
         if not req.request_id:
             req.request_id = self.new_request_id()
         worker = shared.workers.get(decision.worker_id)
+        if _ledger_commit is None or _ledger_commit(self, decision, ctx, worker, shared.workers, shared.counters,
+                                                    NONE_CLAIMED) is NotImplemented:
+            self._commit_py(decision, ctx, worker)
+        evicted = self._record_access(worker, req, ctx, decision.overlap_blocks)
+        policy.on_dispatch(decision, ctx)
+        alternative = shared.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
+        return _new_route_result(decision, worker, req, alternative, evicted, None, ())
+
+    def _commit_py(self, decision: Decision, ctx: RoutingContext, worker: Worker) -> None:
+        """What ``commit`` charges and counts for ``decision``: its overlap, the policy's prefix
+        hit, the charge to ``worker``, the request kept, the decision counted. The reference of
+        the native ``ledger_commit`` (``index/_native.c``)."""
+        shared = self._shared
+        req = ctx.request
         overlap = ctx.overlap(worker)
         decision.overlap_blocks = overlap
         self._count_prefix_hit(decision.policy, overlap, len(ctx.match.path))
@@ -280,12 +297,8 @@ class LoadLedger:
         shared.workers.charge(worker, req.request_id, 0 if decision.prefill is not None else ctx.uncached_tokens(worker),
                               req.prompt_tokens, overlap, ctx.now, decision.policy)
         self._keep(req)
-        evicted = self._record_access(worker, req, ctx, overlap)
-        policy.on_dispatch(decision, ctx)
         shared.counters["decisions"] += 1
         self.decisions_by_policy[decision.policy] = self.decisions_by_policy.get(decision.policy, 0) + 1
-        alternative = shared.workers.find(decision.alternative_worker_id) if decision.alternative_worker_id else None
-        return _new_route_result(decision, worker, req, alternative, evicted, None, ())
 
     def announce(self, result: RouteResult) -> None:
         """Replica sync: hand a committed request, both hops charged, to ``on_committed``

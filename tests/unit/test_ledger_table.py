@@ -9,6 +9,8 @@ their order, bytes, clients' counts) after every step, and answer a forget alike
 the native passes decline (leaving the tables as they were) and what they raise; and the check
 before a Route (``check_admissible``): natively ``ledger_admissible`` admits only what its
 reference, ``_check_admissible_py``, admits, and through the method the two answer alike.
+And a Route's commit (``LoadLedger.commit``): natively ``ledger_commit`` charges and counts
+what ``_commit_py`` does, two routers over one random life of Routes and Completes.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import pytest
 from kvrouterd.clock import ManualClock
 from kvrouterd.errors import KVRouterError
 from kvrouterd.index import native
-from kvrouterd.protocols import RouteRequest, TaskCategory
+from kvrouterd.index.workers import WorkerSpec
+from kvrouterd.policies.base import NONE_CLAIMED
+from kvrouterd.protocols import CacheMode, Completion, RouteRequest, TaskCategory, WorkerRole
 from kvrouterd.router import Router, RouterSettings, request_bytes
-from kvrouterd.router.ledger import LoadLedger, unpack_request
+from kvrouterd.router import ledger as ledger_module
+from kvrouterd.router.ledger import LoadLedger, PrefixHits, unpack_request
+from kvrouterd.router.settings import DisaggregationSettings
 
 pytestmark = pytest.mark.skipif(native.module is None, reason=native.status)
 
@@ -219,3 +225,105 @@ def test_the_native_admission_check_admits_only_what_the_reference_admits(seed: 
         if fast.requests and rng.random() < 0.3:
             fast.forget_request(rng.choice(list(fast.requests)))
     assert answered > 300 and refused > 100
+
+
+# ---- a commit's books: ledger_commit against _commit_py -----------------------------------
+
+def fleet(kind: str) -> Router:
+    """A router over five workers: events-mode with speculative blocks, approximate-mode with a
+    small capacity, or a prefill/decode pool (two hops, the decode hop charged no prefill)."""
+    pd = DisaggregationSettings(mode="conditional", local_prefill_max_uncached_tokens=32)
+    settings = {"events": RouterSettings(block_size=16, speculative_ttl_s=5.0),
+                "approximate": RouterSettings(block_size=16, approximate_capacity_blocks=40),
+                "disaggregated": RouterSettings(block_size=16, disaggregation=pd)}[kind]
+    router = Router(settings, ManualClock())
+    for i in range(5):
+        role = (WorkerRole.PREFILL if i < 2 else WorkerRole.DECODE) if kind == "disaggregated" else WorkerRole.BOTH
+        mode = CacheMode.EVENTS if kind == "events" else CacheMode.APPROXIMATE
+        router.add_worker(WorkerSpec(f"w{i}", f"h{i}:1", mode=mode, role=role))
+    return router
+
+
+def books(router: Router) -> tuple[Any, ...]:
+    """What commits write: the ledger's table and counts, the registry's table and loads."""
+    ledger, registry = router._ledger, router.workers
+    return (table(ledger), dict(ledger.prefix_hits), dict(ledger.decisions_by_policy), dict(router.counters),
+            list(registry._inflight.items()), [(w.id, w.inflight_requests, w.pending_prefill_tokens) for w in registry])
+
+
+def routed(call: Any, req: RouteRequest) -> Any:
+    try:
+        result = call(req)
+    except KVRouterError as exc:
+        return type(exc), str(exc)
+    d = result.decision
+    return (result.worker.id, d.overlap_blocks, d.reason, d.policy, result.evicted,
+            result.prefill_worker.id if result.prefill_worker is not None else None)
+
+
+@pytest.mark.parametrize("kind", ["events", "approximate", "disaggregated"])
+def test_the_native_commit_charges_and_counts_as_the_reference(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routers over one random life of Routes (shared prefixes, several policies, ids
+    reused while in flight) and Completes: one commits through ``ledger_commit``, the other
+    through ``_commit_py``; their answers and everything a commit writes stay equal."""
+    rng = random.Random(7)
+    fast, ref = fleet(kind), fleet(kind)
+    native_commit = native.module.ledger_commit
+    answered = declined = 0
+
+    def counted(*args: Any) -> Any:
+        nonlocal answered, declined
+        out = native_commit(*args)
+        if out is NotImplemented:
+            declined += 1
+        else:
+            answered += 1
+        return out
+
+    prefixes = [list(range(p * 1_000, p * 1_000 + 16 * rng.randrange(1, 6))) for p in range(4)]
+    in_flight: list[str] = []
+    for n in range(600):
+        if rng.random() < 0.6 or not in_flight:
+            tokens = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(16 * rng.randrange(0, 3))]
+            rid = rng.choice(in_flight) if in_flight and rng.random() < 0.05 else rng.choice((f"r{n}", ""))
+            policy = rng.choice(("", "", "cache_aware", "least_loaded", "lbgr"))
+            twins = [RouteRequest(rid, r.keys_for_tokens(tokens), len(tokens), policy=policy) for r in (fast, ref)]
+            monkeypatch.setattr(ledger_module, "_ledger_commit", counted)
+            got = routed(fast.route, twins[0])
+            monkeypatch.setattr(ledger_module, "_ledger_commit", None)
+            want = routed(ref.route, twins[1])
+            assert got == want
+            if not isinstance(got[0], type):
+                in_flight.append(twins[0].request_id)
+                assert twins[0].request_id == twins[1].request_id  # an unnamed one's, from equal rngs
+        else:
+            done = Completion(in_flight.pop(rng.randrange(len(in_flight))), ttft_ms=rng.uniform(1, 50), e2e_ms=100.0,
+                              success=rng.random() < 0.9)
+            fast.complete(done)
+            ref.complete(done)
+        assert books(fast) == books(ref)
+    # the native pass answered most commits; a policy's first decision and ids in flight declined
+    assert answered > 250 and declined >= 3
+
+
+def test_what_the_native_commit_declines_is_left_as_it_was() -> None:
+    router = fleet("events")
+    decision, ctx, _ = router.decide(RouteRequest("r1", router.keys_for_tokens(list(range(64))), 64))
+    worker = router.workers.get(decision.worker_id)
+    ledger = router._ledger
+    args = (decision, ctx, worker, router.workers, router.counters, NONE_CLAIMED)
+    before = books(router), decision.overlap_blocks
+    # the policy's first decision: no prefix-hit record yet, the reference makes it
+    assert native.module.ledger_commit(ledger, *args) is NotImplemented
+    assert (books(router), decision.overlap_blocks) == before
+    ledger.prefix_hits[decision.policy] = PrefixHits()
+    router.counters["decisions"] = 1.0  # type: ignore[assignment]  # a count that is no int
+    before = books(router), decision.overlap_blocks
+    assert native.module.ledger_commit(ledger, *args) is NotImplemented
+    assert (books(router), decision.overlap_blocks) == before
+    router.counters["decisions"] = 0
+    ledger._commit_py(dataclasses.replace(decision), ctx, worker)  # r1 in flight now
+    before = books(router), decision.overlap_blocks
+    # in flight already: the reference raises its Conflict
+    assert native.module.ledger_commit(ledger, *args) is NotImplemented
+    assert (books(router), decision.overlap_blocks) == before

@@ -10558,6 +10558,59 @@ done:
     return result;
 }
 
+/* ledger_finish(ledger, registry, request_id, success, speculative, new_inflight)
+ *     -> (InFlight, PackedRequest | None) | NotImplemented
+ *
+ * What every Complete releases (LoadLedger._finish; its reference, _finish_py): the request's
+ * charge to its worker (registry_release), its entry in the table (ledger_forget, or where that
+ * declines _forget_py) and, where it holds speculative blocks, their end
+ * (SpeculativeBlocks.ended, called only for a request it has claims of). Three Python calls
+ * and ~60 bytecodes a Complete. Declines (NotImplemented, nothing changed) what registry_release
+ * declines: a request not in flight (the reference's NotFound), arguments not of its types. */
+static PyObject *lf_by_request_name, *lf_ended_name, *lf_forget_py_name;
+
+static PyObject *
+ledger_finish(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "ledger_finish takes 6 arguments (see LoadLedger._finish_py)");
+        return NULL;
+    }
+    PyObject *ledger = args[0], *request_id = args[2], *success = args[3], *speculative = args[4];
+    PyObject *claims = attr_get(speculative, lf_by_request_name);
+    if (claims == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(claims)) {
+        Py_DECREF(claims);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *release[] = {args[1], request_id, args[5]};
+    PyObject *entry = registry_release(module, release, 3), *packed = NULL, *result = NULL;
+    if (entry == NULL || entry == Py_NotImplemented) {
+        Py_DECREF(claims);
+        return entry;
+    }
+    PyObject *forget[] = {ledger, request_id};
+    packed = ledger_forget(module, forget, 2);
+    if (packed == Py_NotImplemented) {
+        Py_DECREF(packed);
+        packed = PyObject_CallMethodOneArg(ledger, lf_forget_py_name, request_id);
+    }
+    int claimed = packed == NULL ? -1 : PyDict_Contains(claims, request_id);
+    if (claimed > 0) {
+        PyObject *ended = PyObject_CallMethodObjArgs(speculative, lf_ended_name, request_id, success, NULL);
+        if (ended == NULL)
+            claimed = -1;
+        Py_XDECREF(ended);
+    }
+    if (claimed >= 0)
+        result = PyTuple_Pack(2, entry, packed);
+    Py_DECREF(claims);
+    Py_DECREF(entry);
+    Py_XDECREF(packed);
+    return result;
+}
+
 /* ---- a Route's own checks, passed or not -----------------------------------------------------
  *
  * route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix) -> None
@@ -11021,6 +11074,9 @@ static PyMethodDef native_methods[] = {
     {"ledger_commit", (PyCFunction)(void (*)(void))ledger_commit, METH_FASTCALL,
      "ledger_commit(ledger, decision, ctx, worker, registry, counters, none_claimed) -> None | NotImplemented: "
      "LoadLedger._commit_py"},
+    {"ledger_finish", (PyCFunction)(void (*)(void))ledger_finish, METH_FASTCALL,
+     "ledger_finish(ledger, registry, request_id, success, speculative, new_inflight) -> (InFlight, PackedRequest | None) "
+     "| NotImplemented: LoadLedger._finish_py"},
     {"ledger_admissible", (PyCFunction)(void (*)(void))ledger_admissible, METH_FASTCALL,
      "ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, max_id_length) -> bool: True when "
      "LoadLedger._check_admissible_py admits req without counting its bytes"},
@@ -11154,6 +11210,11 @@ PyInit__native(void)
             return NULL;
     if (lc_prefix_hits_name == NULL || lc_by_policy_name == NULL || lc_overlap_blocks_name == NULL || lc_prefill_name == NULL
         || lc_match_name == NULL || lc_path_name == NULL || lc_decisions_key == NULL || lc_keep_py_name == NULL)
+        return NULL;
+    lf_by_request_name = PyUnicode_InternFromString("_by_request");
+    lf_ended_name = PyUnicode_InternFromString("ended");
+    lf_forget_py_name = PyUnicode_InternFromString("_forget_py");
+    if (lf_by_request_name == NULL || lf_ended_name == NULL || lf_forget_py_name == NULL)
         return NULL;
     wr_inflight_name = PyUnicode_InternFromString("_inflight");
     wr_order_name = PyUnicode_InternFromString("_inflight_order");

@@ -34,7 +34,7 @@ from .native import u64_map
 from .pages import PageChains
 
 __all__ = ["MAX_LORAS", "MAX_POOL_NAMES", "MAX_WORKERS", "Entry", "InFlight", "Worker", "WorkerRegistry", "WorkerSpec",
-           "is_host_port", "named_among", "named_among_py", "routing_mask"]
+           "is_host_port", "named_among", "named_among_py", "new_inflight", "routing_mask"]
 
 #: Upper bound on simultaneously registered workers; slots index a bitmask, so this is a
 #: sanity limit rather than a data-structure one.
@@ -297,8 +297,9 @@ class InFlight:
 #: ms at 60k, against 0.7 ms with none (issue #28 item 6).
 Entry = tuple[str, str, int, int, int, float, str]
 
-#: an InFlight from its Entry without the dataclass ``__init__`` (seven stores, on every Complete)
-_new_inflight = native.positional_constructor(InFlight)
+#: an InFlight from its Entry without the dataclass ``__init__`` (seven stores, on every Complete);
+#: the ledger's native ``ledger_finish`` releases through ``registry_release`` with it too
+new_inflight = native.positional_constructor(InFlight)
 
 #: ``WorkerRegistry.charge`` and ``.release`` in one native call each (None: no extension)
 _registry_charge = native.module.registry_charge if native.module is not None else None
@@ -397,7 +398,7 @@ class WorkerRegistry:
     # ---- load ----------------------------------------------------------------------
     def inflight(self, request_id: str) -> InFlight | None:
         entry = self._inflight.get(request_id)
-        return None if entry is None else _new_inflight(*entry)
+        return None if entry is None else new_inflight(*entry)
 
     def inflight_worker(self, request_id: str) -> str | None:
         """The worker a request in flight was routed to (None: not in flight)."""
@@ -437,7 +438,7 @@ class WorkerRegistry:
     def release(self, request_id: str) -> InFlight:
         """Stop charging ``request_id`` to its worker; raises NotFound for one not in flight."""
         if _registry_release is not None:
-            released = _registry_release(self, request_id, _new_inflight)
+            released = _registry_release(self, request_id, new_inflight)
             if released is not NotImplemented:
                 return released  # type: ignore[no-any-return]
         return self._release_py(request_id)
@@ -451,7 +452,7 @@ class WorkerRegistry:
         if worker is not None:
             worker.inflight_requests -= 1
             worker.pending_prefill_tokens -= entry[2]
-        return _new_inflight(*entry)
+        return new_inflight(*entry)
 
     def expire(self, older_than: float) -> list[InFlight]:
         """Release requests started before ``older_than`` that never completed."""

@@ -32,7 +32,7 @@ from ..bounds import check_completion
 from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index import native
 from ..index.radix import Block
-from ..index.workers import InFlight, Worker
+from ..index.workers import InFlight, Worker, new_inflight
 from ..policies.base import (NONE_CLAIMED, AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, RoutingPolicyBase,
                              drop_blocks)
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
@@ -128,6 +128,8 @@ if native.module is not None:  # what the native in-flight table (ledger_keep) c
 _ledger_admissible = native.module.ledger_admissible if native.module is not None else None
 #: ``LoadLedger._commit_py`` in one native call (None: no extension)
 _ledger_commit = native.module.ledger_commit if native.module is not None else None
+#: ``LoadLedger._finish_py`` in one native call (None: no extension)
+_ledger_finish = native.module.ledger_finish if native.module is not None else None
 
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
@@ -450,7 +452,9 @@ class LoadLedger:
         rid = completion.request_id
         if not checked:
             check_completion(completion)
-        if self.on_completed is None or self._shared.workers.inflight(rid) is not None:
+        if self.on_completed is None:  # alone: nothing to publish, no Dispatch to wait for
+            return self._finish(completion)
+        if self._shared.workers.inflight(rid) is not None:
             return self._complete_checked(completion)
         if rid in self._completed:
             raise NotFound(f"request {rid!r} already completed")
@@ -511,11 +515,9 @@ class LoadLedger:
 
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
-        entry = shared.workers.release(completion.request_id)
-        if self._hops_charged:
-            self._release_hop(completion)
-        packed = self.forget_request(completion.request_id)
-        self._speculative.ended(completion.request_id, completion.success)
+        released = NotImplemented if self._hops_charged or _ledger_finish is None else _ledger_finish(
+            self, shared.workers, completion.request_id, completion.success, self._speculative, new_inflight)
+        entry, packed = self._finish_py(completion) if released is NotImplemented else released
         policy = shared.policies.routing.get(entry.policy)
         # most policies (cache_aware, the default, among them) keep nothing per request: their
         # on_complete is the base class's, and neither the request is unpacked for them nor
@@ -532,6 +534,18 @@ class LoadLedger:
                 if end_session is not None:
                     end_session(req.session_id)
         return entry
+
+    def _finish_py(self, completion: Completion) -> tuple[InFlight, PackedRequest | None]:
+        """What a completion releases: its charge (and its prefill hop's), its entry in the
+        table, its speculative blocks' claims. The reference of the native ``ledger_finish``
+        (``index/_native.c``), which runs it where no prefill hop was ever charged."""
+        shared = self._shared
+        entry = shared.workers.release(completion.request_id)
+        if self._hops_charged:
+            self._release_hop(completion)
+        packed = self.forget_request(completion.request_id)
+        self._speculative.ended(completion.request_id, completion.success)
+        return entry, packed
 
     def _keep(self, req: RouteRequest) -> None:
         """Put a routed request in the table (packed), counting its bytes and its client's requests."""

@@ -19,7 +19,7 @@ import pytest
 
 from kvrouterd.errors import Conflict, NotFound
 from kvrouterd.index import native
-from kvrouterd.index.workers import Worker, WorkerRegistry, WorkerSpec, _new_inflight
+from kvrouterd.index.workers import Worker, WorkerRegistry, WorkerSpec, new_inflight
 
 pytestmark = pytest.mark.skipif(native.module is None, reason=native.status)
 
@@ -103,7 +103,7 @@ def test_the_native_passes_charge_and_release_as_the_reference(seed: int) -> Non
         else:
             rid = rng.choice(ids) if rng.random() < 0.9 else f"never-{n}"
             before = state(fast)
-            answer = native.module.registry_release(fast, rid, _new_inflight)
+            answer = native.module.registry_release(fast, rid, new_inflight)
             if answer is NotImplemented:
                 declined += 1
                 assert state(fast) == before
@@ -126,7 +126,7 @@ def test_an_entry_naming_no_registered_worker_is_released_from_the_table_alone()
     for registry in (fast, ref):
         registry.charge(registry.get("w1"), "r1", 300, 400, 6, 1.5, "cache_aware")
         del registry._workers["w1"]
-    released = native.module.registry_release(fast, "r1", _new_inflight)
+    released = native.module.registry_release(fast, "r1", new_inflight)
     assert released == ref._release_py("r1") and released.worker_id == "w1"
     assert state(fast) == state(ref) and not fast._inflight
 

@@ -9,8 +9,9 @@ their order, bytes, clients' counts) after every step, and answer a forget alike
 the native passes decline (leaving the tables as they were) and what they raise; and the check
 before a Route (``check_admissible``): natively ``ledger_admissible`` admits only what its
 reference, ``_check_admissible_py``, admits, and through the method the two answer alike.
-And a Route's commit (``LoadLedger.commit``): natively ``ledger_commit`` charges and counts
-what ``_commit_py`` does, two routers over one random life of Routes and Completes.
+And a Route's commit and a Complete's release (``LoadLedger.commit``, ``_finish``): natively
+``ledger_commit`` and ``ledger_finish`` write what ``_commit_py`` and ``_finish_py`` do, two
+routers over one random life of Routes and Completes.
 """
 
 from __future__ import annotations
@@ -245,40 +246,48 @@ def fleet(kind: str) -> Router:
 
 
 def books(router: Router) -> tuple[Any, ...]:
-    """What commits write: the ledger's table and counts, the registry's table and loads."""
+    """What commits and completions write: the ledger's table and counts, the registry's table
+    and loads, the speculative blocks' claims."""
     ledger, registry = router._ledger, router.workers
     return (table(ledger), dict(ledger.prefix_hits), dict(ledger.decisions_by_policy), dict(router.counters),
-            list(registry._inflight.items()), [(w.id, w.inflight_requests, w.pending_prefill_tokens) for w in registry])
+            list(registry._inflight.items()), [(w.id, w.inflight_requests, w.pending_prefill_tokens) for w in registry],
+            router.speculative.live, dict(router.speculative.outcomes))
 
 
-def routed(call: Any, req: RouteRequest) -> Any:
+def settled(call: Any, arg: Any) -> Any:
+    """A Route's or a Complete's answer, or the error it raised (type and message)."""
     try:
-        result = call(req)
+        result = call(arg)
     except KVRouterError as exc:
         return type(exc), str(exc)
-    d = result.decision
-    return (result.worker.id, d.overlap_blocks, d.reason, d.policy, result.evicted,
-            result.prefill_worker.id if result.prefill_worker is not None else None)
+    if hasattr(result, "decision"):
+        d = result.decision
+        return (result.worker.id, d.overlap_blocks, d.reason, d.policy, result.evicted,
+                result.prefill_worker.id if result.prefill_worker is not None else None)
+    return result
 
 
 @pytest.mark.parametrize("kind", ["events", "approximate", "disaggregated"])
-def test_the_native_commit_charges_and_counts_as_the_reference(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_native_commit_and_finish_keep_the_books_as_the_references(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two routers over one random life of Routes (shared prefixes, several policies, ids
-    reused while in flight) and Completes: one commits through ``ledger_commit``, the other
-    through ``_commit_py``; their answers and everything a commit writes stay equal."""
+    reused while in flight) and Completes (some failed, some of ids not in flight): one commits
+    through ``ledger_commit`` and finishes through ``ledger_finish``, the other through
+    ``_commit_py`` and ``_finish_py``; their answers and everything they write stay equal."""
     rng = random.Random(7)
     fast, ref = fleet(kind), fleet(kind)
-    native_commit = native.module.ledger_commit
-    answered = declined = 0
+    answered: dict[str, int] = {"commit": 0, "finish": 0}
+    declined: dict[str, int] = {"commit": 0, "finish": 0}
 
-    def counted(*args: Any) -> Any:
-        nonlocal answered, declined
-        out = native_commit(*args)
-        if out is NotImplemented:
-            declined += 1
-        else:
-            answered += 1
-        return out
+    def counted(name: str) -> Any:
+        def call(*args: Any) -> Any:
+            out = getattr(native.module, f"ledger_{name}")(*args)
+            (declined if out is NotImplemented else answered)[name] += 1
+            return out
+        return call
+
+    def through(native_passes: bool) -> None:
+        for name in ("commit", "finish"):
+            monkeypatch.setattr(ledger_module, f"_ledger_{name}", counted(name) if native_passes else None)
 
     prefixes = [list(range(p * 1_000, p * 1_000 + 16 * rng.randrange(1, 6))) for p in range(4)]
     in_flight: list[str] = []
@@ -288,22 +297,28 @@ def test_the_native_commit_charges_and_counts_as_the_reference(kind: str, monkey
             rid = rng.choice(in_flight) if in_flight and rng.random() < 0.05 else rng.choice((f"r{n}", ""))
             policy = rng.choice(("", "", "cache_aware", "least_loaded", "lbgr"))
             twins = [RouteRequest(rid, r.keys_for_tokens(tokens), len(tokens), policy=policy) for r in (fast, ref)]
-            monkeypatch.setattr(ledger_module, "_ledger_commit", counted)
-            got = routed(fast.route, twins[0])
-            monkeypatch.setattr(ledger_module, "_ledger_commit", None)
-            want = routed(ref.route, twins[1])
-            assert got == want
+            through(True)
+            got = settled(fast.route, twins[0])
+            through(False)
+            assert got == settled(ref.route, twins[1])
             if not isinstance(got[0], type):
-                in_flight.append(twins[0].request_id)
                 assert twins[0].request_id == twins[1].request_id  # an unnamed one's, from equal rngs
+                in_flight.append(twins[0].request_id)
         else:
-            done = Completion(in_flight.pop(rng.randrange(len(in_flight))), ttft_ms=rng.uniform(1, 50), e2e_ms=100.0,
-                              success=rng.random() < 0.9)
-            fast.complete(done)
-            ref.complete(done)
+            rid = in_flight.pop(rng.randrange(len(in_flight))) if rng.random() < 0.95 else f"gone-{n}"
+            done = Completion(rid, ttft_ms=rng.uniform(1, 50), e2e_ms=100.0, success=rng.random() < 0.9)
+            through(True)
+            got = settled(fast.complete, done)
+            through(False)
+            assert got == settled(ref.complete, done)
         assert books(fast) == books(ref)
-    # the native pass answered most commits; a policy's first decision and ids in flight declined
-    assert answered > 250 and declined >= 3
+    # the native passes answered most; a policy's first decision, ids in flight and unknown
+    # ids declined to the references; a P/D pool's Completes (hops charged) run the reference
+    assert answered["commit"] > 250 and declined["commit"] >= 3
+    if kind == "disaggregated":
+        assert answered["finish"] == 0
+    else:
+        assert answered["finish"] > 100 and declined["finish"] >= 3
 
 
 def test_what_the_native_commit_declines_is_left_as_it_was() -> None:

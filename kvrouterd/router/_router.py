@@ -63,12 +63,13 @@ class Router:
         self._shared = shared = Shared(settings, clock, rng, index, workers, self._policies)
         # what the parts share and never replace, as attributes: a property's read is a Python
         # call (~600 instructions, callgrind), and the server reads these on every Route and
-        # Complete (the settings and the index are replaced: properties, below)
+        # Complete (the index is replaced: a property, below)
         self.clock: Final[Clock] = clock
         self.rng: Final[random.Random] = rng
         self.block_size: Final[int] = shared.block_size
         self.workers: Final[WorkerRegistry] = workers
         self.counters: Final[dict[str, int]] = shared.counters
+        self.settings: RouterSettings = settings  # and ``Shared.settings`` (``__setattr__``)
         recent = RecentAccess(settings.block_size)
         self._engine_hashes = EngineHashMaps()
         self._slots = RetiredSlots(shared)
@@ -82,13 +83,13 @@ class Router:
         self._selector = Selector(shared, self._ledger, self._pools, self._disagg, self._speculative)
 
     # ---- what the parts share -----------------------------------------------------------
-    @property
-    def settings(self) -> RouterSettings:
-        return self._shared.settings
-
-    @settings.setter
-    def settings(self, settings: RouterSettings) -> None:
-        self._shared.settings = settings
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``settings`` is a plain attribute, read on every Route and Complete without a
+        # property's Python call (~600 instructions), and the parts read it from ``Shared``:
+        # replacing it (``reload_routing``, a host adopting new limits) replaces both
+        if name == "settings":
+            self._shared.settings = value
+        object.__setattr__(self, name, value)
 
     @property
     def index(self) -> RadixIndex:

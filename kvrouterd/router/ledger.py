@@ -354,7 +354,8 @@ class LoadLedger:
         uncached = overlap < len(req.keys)
         modelled = mode is CacheMode.APPROXIMATE
         approximate = modelled and uncached
-        speculative = uncached and mode is CacheMode.EVENTS and self._speculative.enabled
+        # ``SpeculativeBlocks.enabled``, read without the property's Python call
+        speculative = uncached and mode is CacheMode.EVENTS and shared.settings.speculative_ttl_s > 0
         info = None
         if overlap or approximate or speculative:  # a frozen dataclass costs a few us: only when a hook gets it
             info = _new_access_info(req.session_id, int(req.task), req.prompt_tokens, 0, _DECODE_FROM_NONE)

@@ -33,6 +33,7 @@ static PyObject *holders_name; /* interned "holders" */
 static PyObject *float_zero;   /* 0.0: a new Block's last_access */
 static PyObject *zero;         /* 0: a new Block's hits */
 static PyObject *one;          /* 1: a touch's hits */
+static PyObject *empty_str;    /* "": a Decision's unset names */
 static PyObject *minus_one;    /* -1: chain_keys_packed's "no limit" */
 static PyObject *array_q_zero; /* array('Q', [0]): u64_array repeats it into its result */
 static PyObject *pending_name; /* interned "_pending" */
@@ -10611,6 +10612,211 @@ ledger_finish(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ---- cache_aware's pick -----------------------------------------------------------------------
+ *
+ * cache_aware_pick(policy, ctx, overlap_rule, abs_threshold, rel_threshold, cache_threshold,
+ *                  load_name, new_decision, name) -> Decision | NotImplemented
+ *
+ * policies/routing/cache_aware.py's CacheAwarePolicy.select for a decision nobody will read the
+ * record of (ctx.explain false) with the KV-use triggers off, the router's default policy on
+ * every such Route; its reference is _select_py there. The caller works out the match rule
+ * (`overlap_rule`: "overlap", else "threshold") and hands the parameters. One pass: the
+ * candidates' scan (prefix_scan), the load spread, then the least loaded (fewest_counted_at_load),
+ * the most cached blocks (prefix_ties, then the smaller cache) or the longest match above the
+ * threshold, and the Decision made with `new_decision` (the dataclass's slots filler), the
+ * choice kept as policy._chosen for on_dispatch. In bytecode: ~170 opcodes and four Python calls
+ * a Route. NotImplemented (nothing changed) where a pass it runs declines, or for loads past
+ * 2^53 (the reference compares them with floats exactly); tests/unit/policies/test_cache_aware_pick.py
+ * holds it to the reference. */
+static PyObject *ca_candidates_name, *ca_slots_name, *ca_index_name, *ca_counts_name, *ca_processed_name,
+    *ca_by_slot_name, *ca_owner_name, *ca_chosen_name, *ca_reasons[4];
+enum { CA_IMBALANCED, CA_PREFIX_MATCH, CA_NO_OVERLAP, CA_LOW_MATCH };
+
+/* the chosen index out of an answer of fewest_counted_at_load: 0, 1 to decline, -1 */
+static int
+ca_index_of(PyObject *answer, Py_ssize_t n, Py_ssize_t *i)
+{
+    if (answer == NULL)
+        return -1;
+    long long v;
+    int r = answer == Py_NotImplemented || dl_long_arg(answer, &v) || v < 0 || v >= n;
+    if (r == 0)
+        *i = (Py_ssize_t)v;
+    Py_DECREF(answer);
+    return r;
+}
+
+static PyObject *
+cache_aware_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "cache_aware_pick takes 9 arguments (see CacheAwarePolicy._select_py)");
+        return NULL;
+    }
+    PyObject *policy = args[0], *ctx = args[1], *load_name = args[6];
+    int overlap_rule = PyObject_IsTrue(args[2]);
+    double abs_t, rel_t, cache_t;
+    if (overlap_rule < 0)
+        return NULL;
+    if (verdict_double(args[3], &abs_t) || verdict_double(args[4], &rel_t) || verdict_double(args[5], &cache_t)
+        || !PyUnicode_CheckExact(load_name))
+        Py_RETURN_NOTIMPLEMENTED;
+    enum { CANDIDATES, OVERLAPS, SLOTS, REQUEST, BLOCK_SIZE, PROMPT, PROCESSED, BY_SLOT, OWNERS, SCAN, READ };
+    PyObject *v[READ] = {NULL}, *result = NULL;
+    if ((v[CANDIDATES] = attr_get(ctx, ca_candidates_name)) == NULL || (v[OVERLAPS] = attr_get(ctx, da_overlaps_name)) == NULL
+        || (v[SLOTS] = attr_get(ctx, ca_slots_name)) == NULL || (v[REQUEST] = attr_get(ctx, da_request_name)) == NULL
+        || (v[BLOCK_SIZE] = attr_get(ctx, block_size_name)) == NULL
+        || (v[PROMPT] = attr_get(v[REQUEST], lg_prompt_tokens_name)) == NULL
+        || (v[PROCESSED] = attr_get(policy, ca_processed_name)) == NULL || (v[BY_SLOT] = attr_get(policy, ca_by_slot_name)) == NULL
+        || (v[OWNERS] = attr_get(policy, ca_owner_name)) == NULL)
+        goto done;
+    long long block_size, prompt;
+    if (!PyList_CheckExact(v[CANDIDATES]) || !PyList_GET_SIZE(v[CANDIDATES]) || dl_long_arg(v[BLOCK_SIZE], &block_size)
+        || dl_long_arg(v[PROMPT], &prompt)) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *candidates = v[CANDIDATES];
+    Py_ssize_t n = PyList_GET_SIZE(candidates);
+    PyObject *scan_args[] = {candidates, v[OVERLAPS], load_name, v[SLOTS]};
+    if ((v[SCAN] = prefix_scan(module, scan_args, 4)) == NULL)
+        goto done;
+    Py_ssize_t best_i, min_i, i = -1;
+    long long scanned[5], best_depth, min_load, max_load; /* best_i, best_depth, min_i, min_load, max_load */
+    int unread = v[SCAN] == Py_NotImplemented || !PyTuple_CheckExact(v[SCAN]) || PyTuple_GET_SIZE(v[SCAN]) != 5;
+    for (int k = 0; k < 5 && !unread; k++)
+        unread = dl_long_arg(PyTuple_GET_ITEM(v[SCAN], k), &scanned[k]);
+    if (unread || scanned[0] < 0 || scanned[0] >= n || scanned[2] < 0 || scanned[2] >= n
+        || llabs(scanned[3]) >= (1LL << 53) || llabs(scanned[4]) >= (1LL << 53)) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    best_i = (Py_ssize_t)scanned[0], best_depth = scanned[1], min_i = (Py_ssize_t)scanned[2];
+    min_load = scanned[3], max_load = scanned[4];
+    /* the candidates' slots where the selector made them (a snapshot of this very list) */
+    const CandidateSlotsObject *slots = Py_IS_TYPE(v[SLOTS], &CandidateSlotsType) && Py_SIZE(v[SLOTS]) == n
+        ? (const CandidateSlotsObject *)v[SLOTS] : NULL;
+    int reason, r = 0;
+    /* SGLang's is_imbalanced: both spreads past their thresholds (the reference's int-float
+     * comparisons, exact for loads below 2^53) */
+    int imbalanced = (double)(max_load - min_load) > abs_t && (double)max_load > rel_t * (double)min_load;
+    if (!imbalanced && overlap_rule && best_depth > 0) {
+        /* score_overlap: the most cached blocks, then the lower load, then the smaller cache */
+        reason = CA_PREFIX_MATCH;
+        PyObject *load = PyObject_GetAttr(PyList_GET_ITEM(candidates, best_i), load_name), *ties = NULL, *start = NULL,
+                 *depth = NULL, *counts = NULL, *index = NULL;
+        if (load == NULL || (start = PyLong_FromSsize_t(best_i + 1)) == NULL || (depth = PyLong_FromLongLong(best_depth)) == NULL)
+            r = -1;
+        else {
+            PyObject *tie_args_[] = {candidates, v[OVERLAPS], load_name, start, depth, load, v[SLOTS]};
+            ties = prefix_ties(module, tie_args_, 7);
+            if (ties == NULL)
+                r = -1;
+            else if (ties == Py_NotImplemented || !PyList_CheckExact(ties))
+                r = 1;
+        }
+        if (r == 0 && PyList_GET_SIZE(ties)) {
+            if ((index = PyObject_GetAttr(ctx, ca_index_name)) == NULL || (counts = PyObject_GetAttr(index, ca_counts_name)) == NULL)
+                r = -1;
+        }
+        /* the first of the smallest caches, in candidate order */
+        long long fewest = 0;
+        i = best_i;
+        for (Py_ssize_t t = -1; r == 0 && t < (ties == NULL ? 0 : PyList_GET_SIZE(ties)); t++) {
+            if (t < 0 && counts == NULL)
+                break; /* no ties: the best is chosen without reading its cache */
+            long long at;
+            if (t >= 0 && (dl_long_arg(PyList_GET_ITEM(ties, t), &at) || at < 0 || at >= n)) {
+                r = 1;
+                break;
+            }
+            Py_ssize_t c = t < 0 ? best_i : (Py_ssize_t)at;
+            PyObject *slot = slots != NULL ? PyLong_FromUnsignedLong(slots->slots[c])
+                                           : PyObject_GetAttr(PyList_GET_ITEM(candidates, c), slot_name), *cached = NULL;
+            long long size;
+            if (slot == NULL || (cached = PyObject_GetItem(counts, slot)) == NULL)
+                r = -1;
+            else if (dl_long_arg(cached, &size))
+                r = 1;
+            else if (t < 0 || size < fewest) {
+                fewest = size;
+                i = c;
+            }
+            Py_XDECREF(slot);
+            Py_XDECREF(cached);
+        }
+        Py_XDECREF(load);
+        Py_XDECREF(ties);
+        Py_XDECREF(start);
+        Py_XDECREF(depth);
+        Py_XDECREF(counts);
+        Py_XDECREF(index);
+    }
+    else if (!imbalanced && !overlap_rule
+             && (prompt < 1 ? fmin(1.0, (double)(best_depth * block_size)) : fmin(1.0, (double)(best_depth * block_size) / (double)prompt)) > cache_t) {
+        reason = CA_PREFIX_MATCH;
+        i = best_i;
+    }
+    else {
+        /* min_load_idx: fewest in flight, then fewest sent here, then the lower slot */
+        reason = imbalanced ? CA_IMBALANCED : overlap_rule ? CA_NO_OVERLAP : CA_LOW_MATCH;
+        PyObject *start = PyLong_FromSsize_t(min_i), *load = start == NULL ? NULL : PyLong_FromLongLong(min_load);
+        if (load == NULL)
+            r = -1;
+        else {
+            PyObject *fewest_args[] = {candidates, v[OVERLAPS], load_name, start, load, v[PROCESSED], v[SLOTS],
+                                       v[BY_SLOT], v[OWNERS]};
+            r = ca_index_of(fewest_counted_at_load(module, fewest_args, 9), n, &i);
+        }
+        Py_XDECREF(start);
+        Py_XDECREF(load);
+    }
+    if (r != 0) {
+        if (r > 0)
+            result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *chosen = PyList_GET_ITEM(candidates, i), *id = NULL, *slot = NULL, *listed = NULL, *attributes = NULL;
+    long long overlap = 0;
+    Py_INCREF(chosen);
+    if ((id = PyObject_GetAttr(chosen, id_name)) == NULL
+        || (slot = slots != NULL ? PyLong_FromUnsignedLong(slots->slots[i]) : PyObject_GetAttr(chosen, slot_name)) == NULL)
+        r = -1;
+    else if (Py_IS_TYPE(v[OVERLAPS], &OverlapsType)) {
+        long long s;
+        if (dl_long_arg(slot, &s))
+            r = 1;
+        else
+            overlap = overlaps_depth((OverlapsObject *)v[OVERLAPS], s);
+    }
+    else
+        r = PyDict_CheckExact(v[OVERLAPS]) ? scan_depth(v[OVERLAPS], NULL, slot, &overlap) : 1;
+    PyObject *overlap_obj = NULL;
+    if (r == 0 && ((listed = PyList_New(0)) == NULL || (attributes = PyDict_New()) == NULL
+                   || (overlap_obj = PyLong_FromLongLong(overlap)) == NULL))
+        r = -1;
+    if (r == 0) {
+        /* Decision's fields in declaration order, as the reference's _new_decision call */
+        PyObject *fields[] = {id, args[8], ca_reasons[reason], listed, overlap_obj, empty_str, float_zero, attributes,
+                              empty_str, empty_str, Py_None, empty_str, zero, zero};
+        result = PyObject_Vectorcall(args[7], fields, 14, NULL);
+        if (result != NULL && attr_set(policy, ca_chosen_name, chosen) < 0)
+            Py_CLEAR(result);
+    }
+    else if (r > 0)
+        result = Py_NewRef(Py_NotImplemented);
+    Py_DECREF(chosen);
+    Py_XDECREF(id);
+    Py_XDECREF(slot);
+    Py_XDECREF(listed);
+    Py_XDECREF(attributes);
+    Py_XDECREF(overlap_obj);
+done:
+    for (int k = 0; k < READ; k++)
+        Py_XDECREF(v[k]);
+    return result;
+}
+
 /* ---- a Route's own checks, passed or not -----------------------------------------------------
  *
  * route_check_constants(max_ttft_slo_ms, max_output_tokens, max_workers, hop_prefix) -> None
@@ -11077,6 +11283,9 @@ static PyMethodDef native_methods[] = {
     {"ledger_finish", (PyCFunction)(void (*)(void))ledger_finish, METH_FASTCALL,
      "ledger_finish(ledger, registry, request_id, success, speculative, new_inflight) -> (InFlight, PackedRequest | None) "
      "| NotImplemented: LoadLedger._finish_py"},
+    {"cache_aware_pick", (PyCFunction)(void (*)(void))cache_aware_pick, METH_FASTCALL,
+     "cache_aware_pick(policy, ctx, overlap_rule, abs_threshold, rel_threshold, cache_threshold, load_name, "
+     "new_decision, name) -> Decision | NotImplemented: CacheAwarePolicy._select_py, unexplained, KV triggers off"},
     {"ledger_admissible", (PyCFunction)(void (*)(void))ledger_admissible, METH_FASTCALL,
      "ledger_admissible(ledger, req, max_inflight_per_client, max_inflight_bytes, max_id_length) -> bool: True when "
      "LoadLedger._check_admissible_py admits req without counting its bytes"},
@@ -11216,6 +11425,21 @@ PyInit__native(void)
     lf_forget_py_name = PyUnicode_InternFromString("_forget_py");
     if (lf_by_request_name == NULL || lf_ended_name == NULL || lf_forget_py_name == NULL)
         return NULL;
+    ca_candidates_name = PyUnicode_InternFromString("candidates");
+    ca_slots_name = PyUnicode_InternFromString("candidate_slots");
+    ca_index_name = PyUnicode_InternFromString("index");
+    ca_counts_name = PyUnicode_InternFromString("counts");
+    ca_processed_name = PyUnicode_InternFromString("_processed");
+    ca_by_slot_name = PyUnicode_InternFromString("_processed_by_slot");
+    ca_owner_name = PyUnicode_InternFromString("_processed_owner");
+    ca_chosen_name = PyUnicode_InternFromString("_chosen");
+    static const char *const reasons[4] = {"imbalanced", "prefix_match", "no_overlap", "low_match"};
+    for (int i = 0; i < 4; i++)
+        if ((ca_reasons[i] = PyUnicode_InternFromString(reasons[i])) == NULL)
+            return NULL;
+    if (ca_candidates_name == NULL || ca_slots_name == NULL || ca_index_name == NULL || ca_counts_name == NULL
+        || ca_processed_name == NULL || ca_by_slot_name == NULL || ca_owner_name == NULL || ca_chosen_name == NULL)
+        return NULL;
     wr_inflight_name = PyUnicode_InternFromString("_inflight");
     wr_order_name = PyUnicode_InternFromString("_inflight_order");
     wr_workers_name = PyUnicode_InternFromString("_workers");
@@ -11261,6 +11485,7 @@ PyInit__native(void)
         if (lg_names[i] == NULL)
             return NULL;
     float_zero = PyFloat_FromDouble(0.0);
+    empty_str = PyUnicode_FromString("");
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);
     minus_one = PyLong_FromLong(-1);
@@ -11269,7 +11494,7 @@ PyInit__native(void)
         return NULL;
     array_q_zero = PyObject_CallMethod(array_module, "array", "s[i]", "Q", 0);
     Py_DECREF(array_module);
-    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || slot_loads_name == NULL || id_name == NULL || float_zero == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
+    if (array_q_zero == NULL || minus_one == NULL || holders_name == NULL || pending_name == NULL || slot_name == NULL || slot_loads_name == NULL || id_name == NULL || float_zero == NULL || empty_str == NULL || zero == NULL || one == NULL || PyType_Ready(&U64MapType) < 0
         || PyType_Ready(&BlockStateType) < 0 || PyType_Ready(&BlockType) < 0 || PyType_Ready(&BlockTableType) < 0
         || PyType_Ready(&SlotsFillerType) < 0 || PyType_Ready(&OverlapsType) < 0 || PyType_Ready(&LeafOrderType) < 0 || PyType_Ready(&LeafOrderIterType) < 0
         || PyType_Ready(&SlotLoadsType) < 0 || PyType_Ready(&SlotLoadType) < 0

@@ -11405,41 +11405,26 @@ PyInit__native(void)
     da_now_name = PyUnicode_InternFromString("now");
     if (da_overlaps_name == NULL || da_claimed_name == NULL || da_request_name == NULL || da_now_name == NULL)
         return NULL;
-    lc_prefix_hits_name = PyUnicode_InternFromString("prefix_hits");
-    lc_by_policy_name = PyUnicode_InternFromString("decisions_by_policy");
-    lc_overlap_blocks_name = PyUnicode_InternFromString("overlap_blocks");
-    lc_prefill_name = PyUnicode_InternFromString("prefill");
-    lc_match_name = PyUnicode_InternFromString("match");
-    lc_path_name = PyUnicode_InternFromString("path");
-    lc_decisions_key = PyUnicode_InternFromString("decisions");
-    lc_keep_py_name = PyUnicode_InternFromString("_keep_py");
-    static const char *const hit_fields[LC_HITS] = {"best", "worse", "no_prefix", "achieved_blocks", "reachable_blocks"};
-    for (int i = 0; i < LC_HITS; i++)
-        if ((lc_hit_names[i] = PyUnicode_InternFromString(hit_fields[i])) == NULL)
+    /* the commit's, the finish's and cache_aware's pick's names */
+    static const struct {
+        PyObject **name;
+        const char *text;
+    } pass_names[] = {
+        {&lc_prefix_hits_name, "prefix_hits"}, {&lc_by_policy_name, "decisions_by_policy"},
+        {&lc_overlap_blocks_name, "overlap_blocks"}, {&lc_prefill_name, "prefill"}, {&lc_match_name, "match"},
+        {&lc_path_name, "path"}, {&lc_decisions_key, "decisions"}, {&lc_keep_py_name, "_keep_py"},
+        {&lf_by_request_name, "_by_request"}, {&lf_ended_name, "ended"}, {&lf_forget_py_name, "_forget_py"},
+        {&ca_candidates_name, "candidates"}, {&ca_slots_name, "candidate_slots"}, {&ca_index_name, "index"},
+        {&ca_counts_name, "counts"}, {&ca_processed_name, "_processed"}, {&ca_by_slot_name, "_processed_by_slot"},
+        {&ca_owner_name, "_processed_owner"}, {&ca_chosen_name, "_chosen"},
+        {&lc_hit_names[LC_BEST], "best"}, {&lc_hit_names[LC_WORSE], "worse"}, {&lc_hit_names[LC_NO_PREFIX], "no_prefix"},
+        {&lc_hit_names[LC_ACHIEVED], "achieved_blocks"}, {&lc_hit_names[LC_REACHABLE], "reachable_blocks"},
+        {&ca_reasons[CA_IMBALANCED], "imbalanced"}, {&ca_reasons[CA_PREFIX_MATCH], "prefix_match"},
+        {&ca_reasons[CA_NO_OVERLAP], "no_overlap"}, {&ca_reasons[CA_LOW_MATCH], "low_match"},
+    };
+    for (size_t i = 0; i < sizeof pass_names / sizeof pass_names[0]; i++)
+        if ((*pass_names[i].name = PyUnicode_InternFromString(pass_names[i].text)) == NULL)
             return NULL;
-    if (lc_prefix_hits_name == NULL || lc_by_policy_name == NULL || lc_overlap_blocks_name == NULL || lc_prefill_name == NULL
-        || lc_match_name == NULL || lc_path_name == NULL || lc_decisions_key == NULL || lc_keep_py_name == NULL)
-        return NULL;
-    lf_by_request_name = PyUnicode_InternFromString("_by_request");
-    lf_ended_name = PyUnicode_InternFromString("ended");
-    lf_forget_py_name = PyUnicode_InternFromString("_forget_py");
-    if (lf_by_request_name == NULL || lf_ended_name == NULL || lf_forget_py_name == NULL)
-        return NULL;
-    ca_candidates_name = PyUnicode_InternFromString("candidates");
-    ca_slots_name = PyUnicode_InternFromString("candidate_slots");
-    ca_index_name = PyUnicode_InternFromString("index");
-    ca_counts_name = PyUnicode_InternFromString("counts");
-    ca_processed_name = PyUnicode_InternFromString("_processed");
-    ca_by_slot_name = PyUnicode_InternFromString("_processed_by_slot");
-    ca_owner_name = PyUnicode_InternFromString("_processed_owner");
-    ca_chosen_name = PyUnicode_InternFromString("_chosen");
-    static const char *const reasons[4] = {"imbalanced", "prefix_match", "no_overlap", "low_match"};
-    for (int i = 0; i < 4; i++)
-        if ((ca_reasons[i] = PyUnicode_InternFromString(reasons[i])) == NULL)
-            return NULL;
-    if (ca_candidates_name == NULL || ca_slots_name == NULL || ca_index_name == NULL || ca_counts_name == NULL
-        || ca_processed_name == NULL || ca_by_slot_name == NULL || ca_owner_name == NULL || ca_chosen_name == NULL)
-        return NULL;
     wr_inflight_name = PyUnicode_InternFromString("_inflight");
     wr_order_name = PyUnicode_InternFromString("_inflight_order");
     wr_workers_name = PyUnicode_InternFromString("_workers");

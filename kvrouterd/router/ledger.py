@@ -130,6 +130,8 @@ _ledger_admissible = native.module.ledger_admissible if native.module is not Non
 _ledger_commit = native.module.ledger_commit if native.module is not None else None
 #: ``LoadLedger._finish_py`` in one native call (None: no extension)
 _ledger_finish = native.module.ledger_finish if native.module is not None else None
+#: ``LoadLedger._new_request_id_py`` in one native call (None: no extension)
+_ledger_request_id = native.module.ledger_request_id if native.module is not None else None
 
 #: AccessInfo built without its frozen ``__init__`` (~0.8 us of ``object.__setattr__`` on every
 #: Route that matched), every field given in declaration order; the last one's default is this
@@ -220,6 +222,16 @@ class LoadLedger:
         self.prefix_hits: dict[str, PrefixHits] = {}
 
     def new_request_id(self) -> str:
+        """An id for a Route that came without one: this ledger's count in hex and 32 random
+        bits, so ids stay unguessable across clients (natively ``ledger_request_id``)."""
+        if _ledger_request_id is not None:
+            made = _ledger_request_id(self, self._shared.rng)
+            if made is not NotImplemented:
+                return made  # type: ignore[no-any-return]
+        return self._new_request_id_py()
+
+    def _new_request_id_py(self) -> str:
+        """``new_request_id``'s reference, of the native ``ledger_request_id``."""
         self._request_counter += 1
         return f"kvr-{self._request_counter:x}-{self._shared.rng.getrandbits(32):08x}"
 

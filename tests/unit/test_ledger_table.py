@@ -342,3 +342,23 @@ def test_what_the_native_commit_declines_is_left_as_it_was() -> None:
     # in flight already: the reference raises its Conflict
     assert native.module.ledger_commit(ledger, *args) is NotImplemented
     assert (books(router), decision.overlap_blocks) == before
+
+
+def test_the_native_request_id_is_the_references() -> None:
+    """``ledger_request_id`` makes the id ``_new_request_id_py`` makes, from equal counters and
+    rngs, moving both alike; a counter it cannot read it leaves to the reference."""
+    fast, ref = fleet("events"), fleet("events")
+    for start in (0, 15, 2**32 - 2, 2**62):
+        fast._ledger._request_counter = ref._ledger._request_counter = start
+        for _ in range(50):
+            made = native.module.ledger_request_id(fast._ledger, fast.rng)
+            assert made == ref._ledger._new_request_id_py()
+            assert fast._ledger._request_counter == ref._ledger._request_counter
+        assert fast.rng.getstate() == ref.rng.getstate()
+    assert made.startswith(f"kvr-{2**62 + 50:x}-") and len(made.rsplit("-", 1)[1]) == 8
+    for unread in (2**63 - 1, 2**64, 3.0):
+        fast._ledger._request_counter = unread  # type: ignore[assignment]
+        assert native.module.ledger_request_id(fast._ledger, fast.rng) is NotImplemented
+        assert fast._ledger._request_counter == unread
+    fast._ledger._request_counter = 2**63 - 1  # past what the native pass reads: the reference's
+    assert fast._ledger.new_request_id().startswith(f"kvr-{2**63:x}-")

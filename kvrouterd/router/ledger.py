@@ -33,8 +33,15 @@ from ..errors import InvalidRequest, NotFound, Overloaded
 from ..index import native
 from ..index.radix import Block
 from ..index.workers import InFlight, Worker, new_inflight
-from ..policies.base import (NONE_CLAIMED, AccessInfo, EvictionContext, RoutingContext, RoutingPolicy, RoutingPolicyBase,
-                             drop_blocks)
+from ..policies.base import (
+    NONE_CLAIMED,
+    AccessInfo,
+    EvictionContext,
+    RoutingContext,
+    RoutingPolicy,
+    RoutingPolicyBase,
+    drop_blocks,
+)
 from ..protocols import CacheMode, Completion, Decision, Dispatch, RouteRequest, TaskCategory
 from .access import RecentAccess
 from .disagg import PREFILL_HOP_PREFIX, prefill_hop_id

@@ -10467,6 +10467,9 @@ ledger_commit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int r = ctx_prompt_on(ctx, worker, args[6], &overlap, &uncached, &cached, &req, &now_obj);
     if (r != 0)
         return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    /* ours: the charge and the keep below may run Python code (a collection, _keep_py) */
+    Py_INCREF(req);
+    Py_INCREF(now_obj);
     /* every read first, each a new reference; then the new counts, made before anything is written */
     enum { POLICY, PREFILL, MATCH, PATH, HITS_TABLE, BY_POLICY, REQUEST_ID, PROMPT, HITS, READ };
     PyObject *v[READ] = {NULL}, *hit[LC_HITS] = {NULL}, *now_hit[LC_HITS] = {NULL};
@@ -10556,6 +10559,8 @@ done:
     Py_XDECREF(prefill_obj);
     Py_XDECREF(decided_obj);
     Py_XDECREF(by_policy_obj);
+    Py_DECREF(req);
+    Py_DECREF(now_obj);
     return result;
 }
 
@@ -10816,6 +10821,10 @@ cache_aware_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (r != 0) {
         if (r > 0)
             result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if (i >= PyList_GET_SIZE(candidates)) { /* a getter above shrank the list: the reference reads it again */
+        result = Py_NewRef(Py_NotImplemented);
         goto done;
     }
     PyObject *chosen = PyList_GET_ITEM(candidates, i), *id = NULL, *slot = NULL, *listed = NULL, *attributes = NULL;

@@ -257,6 +257,73 @@ async def test_a_router_without_route_stream_is_called_unary(fake_server):
     assert [c.request_id for c in fake_server.fake.completes] == ["b"]
 
 
+class _WritesFailAsCoreDoes:
+    """RouteStream calls whose first ``failing`` writes fail as gRPC's core fails a message it
+    could not send (the call had already ended): INTERNAL "Internal error from Core", which
+    replaces the status the router ended the call with, and the message never leaves."""
+
+    def __init__(self, method, failing: int) -> None:
+        self.method, self.failing, self.calls = method, failing, 0
+
+    def __call__(self):
+        call = self.method()
+        self.calls += 1
+        if self.failing <= 0:
+            return call
+        self.failing -= 1
+
+        async def write(message):
+            call.cancel()  # the call is over: its reader ends too
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Internal error from Core")
+
+        call.write = write
+        return call
+
+
+def _fail_writes(client: RouterClient, failing: int) -> _WritesFailAsCoreDoes:
+    pool = client._streams
+    pool._method = _WritesFailAsCoreDoes(pool._method, failing)
+    return pool._method
+
+
+async def test_a_message_the_stream_could_not_send_goes_once_more_on_a_new_stream(fake_server):
+    """A write that fails never reached the router: the call goes again on a new stream, and
+    the router sees it once, not twice."""
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        calls = _fail_writes(client, 1)
+        routed = await client.route([1] * 16, request_id="a")
+        assert (routed.request_id, routed.fallback, calls.calls) == ("a", False, 2)
+        assert [m.route.request_id for m in fake_server.fake.stream_messages] == ["a"]
+        assert await client.complete(routed)
+
+
+async def test_a_router_without_route_stream_is_found_when_the_first_write_fails(fake_server):
+    """Against a router without RouteStream, gRPC's core may fail the first write INTERNAL
+    in place of the router's UNIMPLEMENTED (~1% of first calls on loopback): the call goes
+    again, learns UNIMPLEMENTED, and is answered by the unary Route."""
+    fake_server.fake.streams_supported = False
+    async with RouterClient(fake_server.target, timeout=2.0) as client:
+        _fail_writes(client, 1)
+        routed = await client.route([1] * 16, request_id="a")
+        assert await client.complete(routed)
+    assert (routed.request_id, routed.fallback) == ("a", False)
+    assert [r.request_id for r in fake_server.fake.routes] == ["a"]
+    assert [c.request_id for c in fake_server.fake.completes] == ["a"]
+
+
+async def test_a_message_that_cannot_be_sent_twice_fails_open_after_one_more_try(fake_server):
+    async with RouterClient(fake_server.target, timeout=2.0, streams=2, fallback=lambda r: ("f", "f:1")) as client:
+        calls = _fail_writes(client, 5)
+        assert (await client.route([1] * 16)).fallback
+        assert calls.calls == 2  # tried, then once more: never a loop
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        _fail_writes(client, 5)
+        with pytest.raises(RouterUnavailable, match="Internal error from Core"):
+            await client.route([1] * 16)
+    assert fake_server.fake.stream_messages == [] and fake_server.fake.routes == []
+
+
 async def test_streams_zero_uses_unary_calls_only(fake_server):
     async with RouterClient(fake_server.target, timeout=2.0, streams=0) as client:
         assert await client.complete(await client.route([1] * 16))

@@ -76,6 +76,15 @@ class StreamsUnsupported(Exception):
     """The router has no RouteStream (UNIMPLEMENTED); the caller should use unary calls."""
 
 
+class _NeverSent(Exception):
+    """The stream failed (``failure``) before this message left the client: it was still queued,
+    or the write carrying it failed. The router never saw it, so it may go again on a new stream."""
+
+    def __init__(self, failure: BaseException) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 def _varint(n: int) -> bytes:
     if n < 0x80:  # a tag, a small id: one byte, on every call
         return _ONE_BYTE[n]
@@ -239,8 +248,9 @@ class _Stream:
                         self._release(answer.route.request_id)
         except grpc.RpcError as exc:
             failure = _stream_failure(exc)
-        except asyncio.CancelledError:
-            failure = RouterUnavailable("RouteStream: the client was closed", grpc.StatusCode.CANCELLED)
+        except asyncio.CancelledError:  # closed: nothing goes again
+            self._fail(RouterUnavailable("RouteStream: the client was closed", grpc.StatusCode.CANCELLED), closed=True)
+            return
         self._fail(failure)
 
     def _release(self, request_id: str) -> None:
@@ -258,29 +268,45 @@ class _Stream:
         if self.writer is None:
             self.writer = self.loop.create_task(self._write())
 
-    def _fail(self, failure: BaseException) -> None:
+    def _fail(self, failure: BaseException, unsent: Sequence[int] = (), closed: bool = False) -> None:
+        """Fail every call waiting on the stream with ``failure``; unless the client ``closed``
+        it, those whose messages never left (still queued, or ``unsent``: in the write that
+        failed) with it as ``_NeverSent``, so they may go again."""
         if self.failure is None:
             self.failure = failure
+        never_sent = set() if closed else {n for n, _ in self.queue}.union(unsent)
         waiting, self.waiting = self.waiting, {}
         self.releases = set()
         self.queue = []
-        for future in waiting.values():
+        for n, future in waiting.items():
             if not future.done():
-                future.set_exception(self.failure)
+                future.set_exception(_NeverSent(self.failure) if n in never_sent else self.failure)
 
     async def _write(self) -> None:
         """Send the queue until it is empty: messages queued while a write is under way go in
         the next one, together when the router takes batches."""
         write = self.call.write
+        live: list[tuple[int, bytes]] = []
+        sent = 0
         try:
             while self.queue and self.failure is None:
                 queued, self.queue = self.queue, []
                 # a caller that gave up (deadline) before its message left costs the router nothing
-                payloads = [payload for n, payload in queued if n in self.waiting or n in self.releases]
-                for message, _ in wire_messages(payloads, self.batch_limit):
+                live = [item for item in queued if item[0] in self.waiting or item[0] in self.releases]
+                sent = 0
+                for message, count in wire_messages([payload for _, payload in live], self.batch_limit):
                     await write(message)
-        except grpc.RpcError as exc:  # the write found the call finished
-            self._fail(_stream_failure(exc))
+                    sent += count
+        except grpc.RpcError as exc:
+            # the write found the call finished. gRPC's core fails a message it could not send
+            # as INTERNAL "Internal error from Core" and that status replaces the one the router
+            # ended the call with (an UNIMPLEMENTED from a router without RouteStream, ~1% of
+            # first calls on loopback): the messages of this write never left, so they go again
+            self._fail(_stream_failure(exc), [n for n, _ in live[sent:]])
+        except asyncio.InvalidStateError:
+            # the call had ended before this write began: the reader is about to fail the stream
+            # with the router's own status, and the messages it finds queued as never sent
+            self.queue[:0] = live[sent:]
         finally:
             self.writer = None
 
@@ -297,10 +323,10 @@ class _Stream:
             self.writer = self.loop.create_task(self._write())
         return future
 
-    def expire_at(self, n: int, timeout: float, what: str) -> asyncio.TimerHandle | None:
-        """Fail call ``n`` with DEADLINE_EXCEEDED if it is still waiting ``timeout`` s from now.
-        Returns the timer the caller must cancel when done, if the call needed one of its own."""
-        when = self.loop.time() + timeout
+    def expire_at(self, n: int, when: float, what: str, timeout: float) -> asyncio.TimerHandle | None:
+        """Fail call ``n`` with DEADLINE_EXCEEDED if it is still waiting at ``when`` (the loop's
+        clock), ``timeout`` s after it was made. Returns the timer the caller must cancel when
+        done, if the call needed one of its own."""
         deadlines, waiting = self.deadlines, self.waiting
         while deadlines and deadlines[0][1] not in waiting:  # answered (calls finish about in order)
             deadlines.popleft()
@@ -382,17 +408,20 @@ class RouteStreams:
 
     async def exchange(
         self, kind: int, body: Sequence[bytes | memoryview] | Callable[[int], Sequence[bytes | memoryview]],
-        timeout: float, what: str,
+        timeout: float, what: str, resent: bool = False,
     ) -> pb.RouteStreamResponse:
         """Send one message of ``kind`` (ROUTE or COMPLETE) carrying the serialised request
         ``body`` (its parts, joined once: see ``stream_item``) and wait at most ``timeout`` s
         for its answer. A callable ``body`` is given the block size the stream's router
         advertised (0: none) and makes the parts (a Route's block keys, or its token ids).
+        A message the stream failed before sending goes once more on a new stream (``resent``
+        marks that second try), within the same ``timeout``.
 
         Raises RouterUnavailable (stream broken, router unreachable, deadline passed),
         StreamsUnsupported, or the error the router answered this message with."""
         if timeout <= 0:  # past its deadline before it leaves: the router never sees it
             raise _deadline_exceeded(what, timeout)
+        request = body
         stream = self._filling
         if stream is None or not stream.queue or not stream.batch_limit or stream.failure is not None:
             # no batch forming: the next stream in turn (calls made together join the batch the
@@ -409,19 +438,31 @@ class RouteStreams:
             body = body(stream.block_size)
         item = stream_item(n, kind, body, timeout * 1000.0)
         timer: asyncio.TimerHandle | None = None
+        when = stream.loop.time() + timeout
         try:
             future = stream.submit(n, item)
             # the deadline fails the future itself: cheaper than wait_for's wrapping future and
             # callbacks, and a cancelled caller still cancels the future it awaits
-            timer = stream.expire_at(n, timeout, what)
+            timer = stream.expire_at(n, when, what, timeout)
             reply = await future
         except StreamsUnsupported:
             self.unsupported = True
             raise
+        except _NeverSent as unsent:
+            failure = unsent.failure
+            if isinstance(failure, StreamsUnsupported):
+                self.unsupported = True
+                raise failure from None
+            left = when - stream.loop.time()
+            if resent or left <= 0:
+                raise failure from None
+            reply = None  # the router never saw it: once more, on a new stream
         finally:
             if timer is not None:
                 timer.cancel()
             stream.waiting.pop(n, None)
+        if reply is None:
+            return await self.exchange(kind, request, left, what, resent=True)
         if reply.WhichOneof("kind") == "error":
             raise _reply_error(reply.error, what)
         return reply

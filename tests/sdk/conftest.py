@@ -41,6 +41,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.fail_streams: list[grpc.StatusCode] = []
         #: RouteStream calls to end with these codes (whole-call, as gRPC's core ends a broken one)
         self.fail_route_streams: list[grpc.StatusCode] = []
+        #: RouteStream calls to end with these codes as soon as they open, before any message
+        self.end_route_streams_at_open: list[grpc.StatusCode] = []
         #: False plays a router that predates RouteStream (UNIMPLEMENTED)
         self.streams_supported = True
         #: RouteStream calls opened (including refused ones)
@@ -80,6 +82,8 @@ class FakeRouter(router_pb2_grpc.KVRouterServicer):
         self.streams_opened += 1
         if not self.streams_supported:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if self.end_route_streams_at_open:
+            await context.abort(self.end_route_streams_at_open.pop(0), "the router is going away")
         if self.fail_route_streams:
             await request_iterator.__anext__()  # a message is under way when the call breaks
             await context.abort(self.fail_route_streams.pop(0), "Internal error from Core")

@@ -250,10 +250,13 @@ async def test_a_router_without_route_stream_is_called_unary(fake_server):
     fake_server.fake.streams_supported = False
     async with RouterClient(fake_server.target, timeout=2.0) as client:
         first = await client.route([1] * 16, request_id="a")
+        # asked once; twice when gRPC's core hid the first UNIMPLEMENTED behind a failed write
+        # (~1% of runs: test_a_router_without_route_stream_is_found_when_the_first_write_fails)
+        asked = fake_server.fake.streams_opened
         second = await client.route([1] * 16, request_id="b")
         assert await client.complete(second)
     assert (first.request_id, second.request_id) == ("a", "b") and not first.fallback
-    assert fake_server.fake.streams_opened == 1  # asked once, then unary only
+    assert asked in (1, 2) and fake_server.fake.streams_opened == asked  # then unary only
     assert [c.request_id for c in fake_server.fake.completes] == ["b"]
 
 
@@ -310,6 +313,31 @@ async def test_a_router_without_route_stream_is_found_when_the_first_write_fails
     assert (routed.request_id, routed.fallback) == ("a", False)
     assert [r.request_id for r in fake_server.fake.routes] == ["a"]
     assert [c.request_id for c in fake_server.fake.completes] == ["a"]
+
+
+async def test_a_message_queued_on_a_stream_that_ended_goes_on_a_new_one(fake_server):
+    """The router ended the stream before the client wrote to it (gRPC then refuses the write
+    outright): the queued message never left, so it goes on a new stream."""
+    fake_server.fake.end_route_streams_at_open = [grpc.StatusCode.UNAVAILABLE]
+    async with RouterClient(fake_server.target, timeout=2.0, streams=1) as client:
+        pool = client._streams
+        method = pool._method
+
+        def opened():
+            call = method()
+            write = call.write
+            if fake_server.fake.end_route_streams_at_open:
+                async def write_after_the_end(message):
+                    await call.code()  # the router has ended it
+                    await write(message)
+                call.write = write_after_the_end
+            return call
+
+        pool._method = opened
+        routed = await client.route([1] * 16, request_id="a")
+        assert (routed.request_id, routed.fallback) == ("a", False)
+    assert [m.route.request_id for m in fake_server.fake.stream_messages] == ["a"]
+    assert fake_server.fake.streams_opened == 2
 
 
 async def test_a_message_that_cannot_be_sent_twice_fails_open_after_one_more_try(fake_server):

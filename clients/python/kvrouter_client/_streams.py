@@ -209,6 +209,10 @@ class _Stream:
         #: (id, serialised message) not yet written; one writer task at a time sends them
         self.queue: list[tuple[int, bytes]] = []
         self.writer: asyncio.Task[None] | None = None
+        #: the messages the writer took from the queue and has not yet written; ``writing``
+        #: while a write of the first of them is under way
+        self.sending: list[tuple[int, bytes]] = []
+        self.writing = False
         #: bytes a batch may have; 0 = one message per call (no advertisement seen, or not yet)
         self.batch_limit = 0
         #: the block size the router keys prompts with; 0 = not advertised (or not yet): token ids
@@ -268,45 +272,64 @@ class _Stream:
         if self.writer is None:
             self.writer = self.loop.create_task(self._write())
 
-    def _fail(self, failure: BaseException, unsent: Sequence[int] = (), closed: bool = False) -> None:
+    def _fail(self, failure: BaseException, closed: bool = False) -> None:
         """Fail every call waiting on the stream with ``failure``; unless the client ``closed``
-        it, those whose messages never left (still queued, or ``unsent``: in the write that
-        failed) with it as ``_NeverSent``, so they may go again."""
+        it, those whose messages never left (still queued, or taken by a write that failed)
+        with it as ``_NeverSent``, so they may go again. A write under way holds its messages:
+        whether they left is known when it returns, and ``_write`` settles them then."""
         if self.failure is None:
             self.failure = failure
-        never_sent = set() if closed else {n for n, _ in self.queue}.union(unsent)
+        held = () if closed or not self.writing else {n for n, _ in self.sending}
+        never_sent = set() if closed else {n for n, _ in self.queue}.union(n for n, _ in self.sending)
         waiting, self.waiting = self.waiting, {}
         self.releases = set()
         self.queue = []
+        if not held:
+            self.sending = []
         for n, future in waiting.items():
-            if not future.done():
+            if n in held:
+                self.waiting[n] = future
+            elif not future.done():
                 future.set_exception(_NeverSent(self.failure) if n in never_sent else self.failure)
 
     async def _write(self) -> None:
         """Send the queue until it is empty: messages queued while a write is under way go in
         the next one, together when the router takes batches."""
         write = self.call.write
-        live: list[tuple[int, bytes]] = []
-        sent = 0
         try:
             while self.queue and self.failure is None:
                 queued, self.queue = self.queue, []
                 # a caller that gave up (deadline) before its message left costs the router nothing
-                live = [item for item in queued if item[0] in self.waiting or item[0] in self.releases]
-                sent = 0
-                for message, count in wire_messages([payload for _, payload in live], self.batch_limit):
-                    await write(message)
-                    sent += count
+                self.sending = [item for item in queued if item[0] in self.waiting or item[0] in self.releases]
+                for message, count in wire_messages([payload for _, payload in self.sending], self.batch_limit):
+                    self.writing = True
+                    try:
+                        await write(message)
+                    finally:
+                        self.writing = False
+                    if self.failure is not None:  # the stream failed during the write: these left
+                        written, self.sending = self.sending[:count], self.sending[count:]
+                        for n, _ in written:
+                            future = self.waiting.pop(n, None)
+                            if future is not None and not future.done():
+                                future.set_exception(self.failure)
+                        self._fail(self.failure)  # the rest never left
+                        return
+                    del self.sending[:count]
         except grpc.RpcError as exc:
             # the write found the call finished. gRPC's core fails a message it could not send
             # as INTERNAL "Internal error from Core" and that status replaces the one the router
             # ended the call with (an UNIMPLEMENTED from a router without RouteStream, ~1% of
             # first calls on loopback): the messages of this write never left, so they go again
-            self._fail(_stream_failure(exc), [n for n, _ in live[sent:]])
+            self._fail(_stream_failure(exc))
         except asyncio.InvalidStateError:
-            # the call had ended before this write began: the reader is about to fail the stream
-            # with the router's own status, and the messages it finds queued as never sent
-            self.queue[:0] = live[sent:]
+            # the call had ended before this write began; its status is the router's own, which
+            # the reader fails the stream with (the messages it finds queued as never sent)
+            if self.failure is not None:
+                self._fail(self.failure)
+            else:
+                self.queue[:0] = self.sending
+                self.sending = []
         finally:
             self.writer = None
 

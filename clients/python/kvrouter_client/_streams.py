@@ -444,7 +444,6 @@ class RouteStreams:
         StreamsUnsupported, or the error the router answered this message with."""
         if timeout <= 0:  # past its deadline before it leaves: the router never sees it
             raise _deadline_exceeded(what, timeout)
-        request = body
         stream = self._filling
         if stream is None or not stream.queue or not stream.batch_limit or stream.failure is not None:
             # no batch forming: the next stream in turn (calls made together join the batch the
@@ -457,9 +456,8 @@ class RouteStreams:
                 stream = self._streams[slot] = _Stream(self._method, self)
             self._filling = stream
         n = next(self.ids)
-        if callable(body):
-            body = body(stream.block_size)
-        item = stream_item(n, kind, body, timeout * 1000.0)
+        parts = body(stream.block_size) if callable(body) else body
+        item = stream_item(n, kind, parts, timeout * 1000.0)
         timer: asyncio.TimerHandle | None = None
         when = stream.loop.time() + timeout
         try:
@@ -485,7 +483,7 @@ class RouteStreams:
                 timer.cancel()
             stream.waiting.pop(n, None)
         if reply is None:
-            return await self.exchange(kind, request, left, what, resent=True)
+            return await self.exchange(kind, body, left, what, resent=True)
         if reply.WhichOneof("kind") == "error":
             raise _reply_error(reply.error, what)
         return reply

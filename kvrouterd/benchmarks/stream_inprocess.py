@@ -29,6 +29,7 @@ from typing import Any
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..config import parse_config
 from ..server.app import Daemon
+from ..server.stream_answers import passes_bytes
 from .grpc_bench import daemon_settings, stream_items
 from .workload import populate
 
@@ -44,12 +45,13 @@ class _Call:
 
     def __init__(self) -> None:
         self.replies: list[bytes] = []
+        self._serialize = passes_bytes(pb.RouteStreamResponse.SerializeToString)  # the daemon registers it
 
     async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
         pass
 
-    async def write(self, reply: pb.RouteStreamResponse) -> None:
-        self.replies.append(reply.SerializeToString())  # gRPC serialises on the handler's thread
+    async def write(self, reply: pb.RouteStreamResponse | bytes) -> None:
+        self.replies.append(self._serialize(reply))  # gRPC serialises on the handler's thread
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:50000"

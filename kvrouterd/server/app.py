@@ -58,6 +58,7 @@ from .reload import ConfigReloader
 from .security import CertificateFiles, build_interceptors, client_token, server_credentials
 from .service import KVRouterService
 from .snapshot import encode_snapshot_aside, restore_snapshot, snapshot_position, warm_from_peer
+from .stream_answers import passes_bytes
 
 __all__ = ["Daemon", "add_arguments", "run"]
 
@@ -172,7 +173,10 @@ class Daemon:
         safe = SafeRegistrar(server, self.service.call_errors,
                              {"/kvrouter.v1.KVRouter/Route": self.service.route_message,
                               "/kvrouter.v1.KVRouter/RouteStream": self.service.route_stream_message,
-                              "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message})
+                              "/kvrouter.v1.KVRouter/PublishEvents": self.service.event_batch_message},
+                             # RouteStream's batch answers are made as wire bytes (stream_answers)
+                             {"/kvrouter.v1.KVRouter/RouteStream":
+                                  passes_bytes(router_pb2.RouteStreamResponse.SerializeToString)})
         router_pb2_grpc.add_KVRouterServicer_to_server(self.service, safe)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, safe)
         served = [KVROUTER_SERVICE]

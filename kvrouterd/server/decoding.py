@@ -92,16 +92,17 @@ def _type_name(deserializer: Callable[[bytes], Any] | None) -> str:
 
 def wrap_handler(
     handler: grpc.RpcMethodHandler, errors: CallErrors, method: str,
-    deserializer: Callable[[bytes], Any] | None = None,
+    deserializer: Callable[[bytes], Any] | None = None, serializer: Callable[[Any], bytes] | None = None,
 ) -> grpc.RpcMethodHandler:
     """The same handler, answering INVALID_ARGUMENT for request messages that do not parse and
     INTERNAL for an unexpected exception, and reporting every failed call of ``method`` (its full
     name, ``/package.Service/Method``) to ``errors``. ``deserializer`` replaces the handler's own
-    (Route's splits huge prompts: ``off_loop.route_message``)."""
+    (Route's splits huge prompts: ``off_loop.route_message``), and ``serializer`` its response
+    serializer (RouteStream's sends answers made as bytes as they are: ``stream_answers``)."""
     name = _type_name(handler.request_deserializer)
     deserializer = deserializer or handler.request_deserializer
     calls = _Calls(errors, method.rsplit("/", 1)[-1])
-    serializer = handler.response_serializer
+    serializer = serializer or handler.response_serializer
     if not handler.request_streaming:
         safe = _safe_unary_deserializer(deserializer, name) if deserializer is not None else None
         if handler.response_streaming:
@@ -207,9 +208,10 @@ class _Calls:
 
 class _SafeGenericHandler(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler, deserializers: Mapping[str, Callable[[bytes], Any]],
-                 errors: CallErrors) -> None:
+                 serializers: Mapping[str, Callable[[Any], bytes]], errors: CallErrors) -> None:
         self._inner = inner
         self._deserializers = deserializers
+        self._serializers = serializers
         self._errors = errors
         self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
 
@@ -217,7 +219,8 @@ class _SafeGenericHandler(grpc.GenericRpcHandler):
         method = handler_call_details.method
         if method not in self._wrapped:
             handler = self._inner.service(handler_call_details)
-            self._wrapped[method] = (wrap_handler(handler, self._errors, method, self._deserializers.get(method))
+            self._wrapped[method] = (wrap_handler(handler, self._errors, method, self._deserializers.get(method),
+                                                  self._serializers.get(method))
                                      if handler is not None else None)
         return self._wrapped[method]
 
@@ -226,19 +229,22 @@ class SafeRegistrar:
     """Pass as the ``server`` to ``add_*_to_server`` functions: registers on ``server`` with
     every method handler wrapped (see the module docstring), reporting to ``errors``.
     ``deserializers`` maps a method's full name (``/package.Service/Method``) to a deserializer
-    used instead of its generated one."""
+    used instead of its generated one, ``serializers`` to a response serializer."""
 
     def __init__(self, server: grpc.aio.Server, errors: CallErrors,
-                 deserializers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
+                 deserializers: Mapping[str, Callable[[bytes], Any]] | None = None,
+                 serializers: Mapping[str, Callable[[Any], bytes]] | None = None) -> None:
         self._server = server
         self._errors = errors
         self._deserializers = dict(deserializers or {})
+        self._serializers = dict(serializers or {})
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._server.add_generic_rpc_handlers(
-            tuple(_SafeGenericHandler(h, self._deserializers, self._errors) for h in handlers))
+            tuple(_SafeGenericHandler(h, self._deserializers, self._serializers, self._errors) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
         self._server.add_registered_method_handlers(service, {
-            m: wrap_handler(h, self._errors, f"/{service}/{m}", self._deserializers.get(f"/{service}/{m}"))
+            m: wrap_handler(h, self._errors, f"/{service}/{m}", self._deserializers.get(f"/{service}/{m}"),
+                            self._serializers.get(f"/{service}/{m}"))
             for m, h in handlers.items()})

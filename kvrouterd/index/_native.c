@@ -10654,9 +10654,20 @@ ledger_request_id(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(bits);
     if (b == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    char text[64];
-    int len = snprintf(text, sizeof text, "kvr-%llx-%08llx", (unsigned long long)n + 1, b);
-    return PyUnicode_FromStringAndSize(text, len);
+    /* written out: snprintf's format parsing was ~2.7k of the id's ~3.1k instructions */
+    static const char hex[] = "0123456789abcdef";
+    char text[4 + 16 + 1 + 8];
+    unsigned long long count = (unsigned long long)n + 1;
+    int digits = 1;
+    while (digits < 16 && (count >> (4 * digits)) != 0)
+        digits++;
+    memcpy(text, "kvr-", 4);
+    for (int i = 0; i < digits; i++)
+        text[4 + i] = hex[(count >> (4 * (digits - 1 - i))) & 0xf];
+    text[4 + digits] = '-';
+    for (int i = 0; i < 8; i++) /* 32 bits, as the reference's :08x of getrandbits(32) */
+        text[5 + digits + i] = hex[(b >> (4 * (7 - i))) & 0xf];
+    return PyUnicode_FromStringAndSize(text, 13 + digits);
 }
 
 /* ---- cache_aware's pick -----------------------------------------------------------------------

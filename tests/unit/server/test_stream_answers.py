@@ -24,6 +24,7 @@ from kvrouterd.index.workers import Worker, WorkerSpec
 from kvrouterd.protocols import Decision, PrefillHop, RouteRequest
 from kvrouterd.router import RouteResult
 from kvrouterd.server import stream_answers
+from kvrouterd.server.convert import route_response
 from kvrouterd.server.stream_answers import (
     _complete_answer_py,
     _route_answer_py,
@@ -116,8 +117,6 @@ def test_a_batch_answer_is_the_message_the_handler_used_to_build() -> None:
             result.decision.pd_reason = ""
             answer = expected.batch.items.add()
             answer.id = n
-            from kvrouterd.server.convert import route_response
-
             route_response(result, block_size, into=answer.route)
             items.append(route_answer(n, result, block_size))
         elif n % 2:

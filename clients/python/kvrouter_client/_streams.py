@@ -307,15 +307,12 @@ class _Stream:
                         await write(message)
                     finally:
                         self.writing = False
-                    if self.failure is not None:  # the stream failed during the write: these left
-                        written, self.sending = self.sending[:count], self.sending[count:]
-                        for n, _ in written:
-                            future = self.waiting.pop(n, None)
-                            if future is not None and not future.done():
-                                future.set_exception(self.failure)
-                        self._fail(self.failure)  # the rest never left
-                        return
                     del self.sending[:count]
+                    if self.failure is not None:
+                        # the stream failed during the write: the calls it wrote fail with the
+                        # stream (``_fail`` kept them waiting), the rest never left
+                        self._fail(self.failure)
+                        return
         except grpc.RpcError as exc:
             # the write found the call finished. gRPC's core fails a message it could not send
             # as INTERNAL "Internal error from Core" and that status replaces the one the router

@@ -11343,6 +11343,18 @@ answer_count(PyObject *value, uint64_t *out)
     return 0;
 }
 
+/* an answer's item id (RouteStreamResponse.id, a uint64) into *out: 0; -1 with an error */
+static int
+answer_id(PyObject *value, unsigned long long *out)
+{
+    if (!PyLong_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "an answer's item id must be an int");
+        return -1;
+    }
+    *out = PyLong_AsUnsignedLongLong(value);
+    return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* the bytes of a length-delimited string field (tag one byte), 0 when the string is empty */
 static inline Py_ssize_t
 text_field_size(const AnswerText *t)
@@ -11398,12 +11410,11 @@ route_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     long long block_size;
     unsigned long long item_id;
-    if (nargs != 3 || !PyLong_CheckExact(args[0]) || dl_long_arg(args[2], &block_size)) {
+    if (nargs != 3 || dl_long_arg(args[2], &block_size)) {
         PyErr_SetString(PyExc_TypeError, "route_answer(item_id, result, block_size)");
         return NULL;
     }
-    item_id = PyLong_AsUnsignedLongLong(args[0]);
-    if (item_id == (unsigned long long)-1 && PyErr_Occurred())
+    if (answer_id(args[0], &item_id) < 0)
         return NULL;
     enum { REQUEST, DECISION, WORKER, ALTERNATIVE };
     enum { OVERLAP, POLICY, REASON, TTFT, PD_REASON };
@@ -11497,12 +11508,8 @@ route_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 complete_answer(PyObject *module, PyObject *arg)
 {
-    unsigned long long item_id = PyLong_CheckExact(arg) ? PyLong_AsUnsignedLongLong(arg) : 0;
-    if (!PyLong_CheckExact(arg)) {
-        PyErr_SetString(PyExc_TypeError, "complete_answer(item_id): an int");
-        return NULL;
-    }
-    if (item_id == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long item_id;
+    if (answer_id(arg, &item_id) < 0)
         return NULL;
     unsigned char *p;
     return framed_answer(item_id, 0x1a, 0, &p); /* RouteStreamResponse.complete, empty */

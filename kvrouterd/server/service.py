@@ -376,21 +376,21 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                     continue
                 decided = self._stream_decided(item, prompts.get(place), client)
                 if type(decided) is pb.RouteStreamResponse:  # refused
-                    parts.append(stream_answers.error_answer(decided))
+                    parts.append(stream_answers.message_answer(decided))
                     continue
                 try:
                     parts.append(stream_answers.route_answer(item.id, decided, block_size))
                 except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
-                    parts.append(stream_answers.error_answer(
+                    parts.append(stream_answers.message_answer(
                         self._stream_internal(pb.RouteStreamResponse(id=item.id), exc)))
             elif kind == "complete":
                 refused = self._stream_completed(item)
                 parts.append(stream_answers.complete_answer(item.id) if refused is None
-                             else stream_answers.error_answer(refused))
+                             else stream_answers.message_answer(refused))
             else:
                 why = ("a batch item cannot itself be a batch" if kind == "batch"
                        else "message carries neither route nor complete")
-                parts.append(stream_answers.error_answer(self._stream_invalid(pb.RouteStreamResponse(id=item.id), why)))
+                parts.append(stream_answers.message_answer(self._stream_invalid(pb.RouteStreamResponse(id=item.id), why)))
         return stream_answers.batch_answer(parts) if parts else None
 
     def _stream_route(self, msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None = None,

@@ -22,7 +22,7 @@ from ..router import RouteResult
 from .convert import route_response
 from .wire import length_delimited
 
-__all__ = ["batch_answer", "complete_answer", "error_answer", "passes_bytes", "route_answer"]
+__all__ = ["batch_answer", "complete_answer", "message_answer", "passes_bytes", "route_answer"]
 
 #: RouteStreamResponseBatch.items and RouteStreamResponse.batch: the fields an item and the batch go in
 _ITEMS_FIELD = 1
@@ -30,11 +30,6 @@ _BATCH_FIELD = 5
 
 _route_answer = native.module.route_answer if native.module is not None else None
 _complete_answer = native.module.complete_answer if native.module is not None else None
-
-
-def _item(reply: pb.RouteStreamResponse) -> bytes:
-    """``reply`` as one framed element of a batch's items."""
-    return length_delimited(_ITEMS_FIELD, reply.SerializeToString())
 
 
 def route_answer(item_id: int, result: RouteResult, block_size: int) -> bytes:
@@ -52,7 +47,7 @@ def _route_answer_py(item_id: int, result: RouteResult, block_size: int) -> byte
     """``route_answer``'s reference, of the native ``route_answer``."""
     reply = pb.RouteStreamResponse(id=item_id)
     route_response(result, block_size, into=reply.route)
-    return _item(reply)
+    return message_answer(reply)
 
 
 def complete_answer(item_id: int) -> bytes:
@@ -63,14 +58,15 @@ def complete_answer(item_id: int) -> bytes:
 
 
 def _complete_answer_py(item_id: int) -> bytes:
+    """``complete_answer``'s reference, of the native ``complete_answer``."""
     reply = pb.RouteStreamResponse(id=item_id)
     reply.complete.SetInParent()
-    return _item(reply)
+    return message_answer(reply)
 
 
-def error_answer(reply: pb.RouteStreamResponse) -> bytes:
-    """The batch item of an answer already written as a message (an error, chiefly)."""
-    return _item(reply)
+def message_answer(reply: pb.RouteStreamResponse) -> bytes:
+    """The batch item of an answer written as a message (an error, or a reference's answer)."""
+    return length_delimited(_ITEMS_FIELD, reply.SerializeToString())
 
 
 def batch_answer(items: list[bytes]) -> bytes:

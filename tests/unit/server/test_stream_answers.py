@@ -30,7 +30,7 @@ from kvrouterd.server.stream_answers import (
     _route_answer_py,
     batch_answer,
     complete_answer,
-    error_answer,
+    message_answer,
     route_answer,
 )
 
@@ -125,7 +125,7 @@ def test_a_batch_answer_is_the_message_the_handler_used_to_build() -> None:
         else:
             refused = pb.RouteStreamResponse(id=n, error=pb.StreamError(code=3, message="no"))
             expected.batch.items.add().CopyFrom(refused)
-            items.append(error_answer(refused))
+            items.append(message_answer(refused))
     assert batch_answer(items) == expected.SerializeToString()
 
 

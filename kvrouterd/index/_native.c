@@ -6165,7 +6165,8 @@ slots_filler(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * that is not one of the schema's with its wire type (unknown fields, an AllBlocksCleared with
  * any, unpacked repeated scalars, groups); a field given twice where protobuf would merge or keep
  * the last (a singular field, a packed field in two runs, a CacheEvent with two of its oneof); a
- * malformed or cut varint or length; a string that is not strict UTF-8; what convert refuses (an
+ * malformed or cut varint or length, a tag or length of more than five bytes (which upb refuses
+ * even when its value fits); a string that is not strict UTF-8; what convert refuses (an
  * empty or too long worker_id, a sequence above 2**63-1, more than max_events events, a
  * CacheEvent with no event, a stored event with both token fields, a token_ids_le32 whose length
  * is not a multiple of 4); a stored event with neither token field (convert's empty tokens, which
@@ -6199,12 +6200,15 @@ wire_varint(WireReader *w, uint64_t *out)
     return -1;
 }
 
-/* A length-delimited payload into `out`; -1 when its length is malformed or past the end. */
+/* A length-delimited payload into `out`; -1 when its length is malformed, of more than five
+ * bytes (upb refuses a longer one, as a tag: WIRE_MOST_SIZE_BYTES) or past the end. */
+enum { WIRE_MOST_SIZE_BYTES = 5 };
 static inline int
 wire_bytes(WireReader *w, WireReader *out)
 {
     uint64_t n;
-    if (wire_varint(w, &n) < 0 || n > (uint64_t)(w->end - w->p))
+    const unsigned char *start = w->p;
+    if (wire_varint(w, &n) < 0 || w->p - start > WIRE_MOST_SIZE_BYTES || n > (uint64_t)(w->end - w->p))
         return -1;
     out->p = w->p;
     out->end = w->p + n;
@@ -6212,12 +6216,14 @@ wire_bytes(WireReader *w, WireReader *out)
     return 0;
 }
 
-/* A field's tag: its number and wire type; -1 when malformed or number 0. */
+/* A field's tag: its number and wire type; -1 when malformed, of more than five bytes (upb
+ * refuses a longer one even when its value fits) or number 0. */
 static inline int
 wire_tag(WireReader *w, uint32_t *field, unsigned *type)
 {
     uint64_t tag;
-    if (wire_varint(w, &tag) < 0 || tag > 0xffffffffu || (tag >> 3) == 0)
+    const unsigned char *start = w->p;
+    if (wire_varint(w, &tag) < 0 || w->p - start > WIRE_MOST_SIZE_BYTES || tag > 0xffffffffu || (tag >> 3) == 0)
         return -1;
     *field = (uint32_t)(tag >> 3);
     *type = (unsigned)(tag & 7);

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from array import array
 
+import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,7 @@ from kvrouterd.index import native
 from kvrouterd.protocols import EventBatch
 from kvrouterd.server import convert
 from kvrouterd.server.convert import pb
-from tests.wire import length_delimited, varint, varint_field
+from tests.wire import CORRUPT_FIELDS, length_delimited, varint, varint_field
 
 MAX_EVENTS, MAX_ID = 6, 12
 #: small enough that drawn batches go over it (each event counts at least convert.EVENT_BLOCKS = 8)
@@ -161,6 +162,17 @@ def test_what_convert_refuses_is_left_to_it():
         except DecodeError:
             continue
         assert type(got) is pb.EventBatch
+
+
+def test_framing_upb_refuses_is_refused_wherever_it_stands():
+    # a tag or a length of six bytes whose value fits is still refused by upb: so by the reader
+    stored = pb.StoredBlocks(token_ids_le32=bytes(8), model="m").SerializeToString()
+    for corrupt in CORRUPT_FIELDS:
+        for data in (length_delimited(1, b"w") + corrupt,
+                     length_delimited(1, b"w") + length_delimited(3, length_delimited(1, stored + corrupt))):
+            assert reference(data) is DecodeError, corrupt
+            with pytest.raises(DecodeError):
+                convert.event_batch_message(data, LIMITS)
 
 
 def test_a_token_id_past_32_bits_is_left_to_protobuf():

@@ -11155,14 +11155,34 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *model, *lora; /* borrowed: v[MODEL], v[LORA] or the adapter's base and name */
     int r = 0;
     Py_ssize_t n_bytes = 0;
-    int by_name = message_fields(&rr_layout, msg, v); /* 0: all read at once */
-    if (by_name < 0)
+    const char *packed = NULL; /* the prompt's bytes: v[LE32]'s, or its view's */
+    Py_buffer view = {NULL};
+    int by_name = 0;
+    if (PyTuple_CheckExact(msg) && PyTuple_GET_SIZE(msg) != N + 3) /* stream_batch_items' Route for the reference */
+        Py_RETURN_NOTIMPLEMENTED;
+    if (PyTuple_CheckExact(msg)) /* stream_batch_items' fields, then where the Route's bytes are */
+        for (int i = 0; i < N; i++)
+            v[i] = Py_NewRef(PyTuple_GET_ITEM(msg, i));
+    else if ((by_name = message_fields(&rr_layout, msg, v)) < 0) /* 0: all read at once */
         r = -1;
     for (int i = 0; i < N && r == 0; i++) {
         if (by_name && (v[i] = PyObject_GetAttr(msg, names[i])) == NULL)
             r = -1;
-        else if (i == LE32)
-            r = !PyBytes_CheckExact(v[i]) || (n_bytes = PyBytes_GET_SIZE(v[i])) == 0 || n_bytes % 4;
+        else if (i == LE32) {
+            if (PyBytes_CheckExact(v[i])) {
+                packed = PyBytes_AS_STRING(v[i]);
+                n_bytes = PyBytes_GET_SIZE(v[i]);
+            }
+            else if (PyMemoryView_Check(v[i])) {
+                if (PyObject_GetBuffer(v[i], &view, PyBUF_SIMPLE) < 0)
+                    r = -1;
+                else {
+                    packed = view.buf;
+                    n_bytes = view.len;
+                }
+            }
+            r = r ? r : packed == NULL || n_bytes == 0 || n_bytes % 4;
+        }
         else if (i == TOKENS || i == KEYS) {
             Py_ssize_t n = PyObject_Size(v[i]);
             r = n < 0 ? -1 : n > 0; /* the other forms, or more than one: the reference answers */
@@ -11193,7 +11213,7 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t seed = 0;
     if (r == 0 && !namespace_seed_of(model, lora, v[SALT], &seed))
         r = 1;
-    if (r == 0 && (keys = chain_array(PyBytes_AS_STRING(v[LE32]), (Py_ssize_t)(block_size * 4),
+    if (r == 0 && (keys = chain_array(packed, (Py_ssize_t)(block_size * 4),
                                       (Py_ssize_t)(n_tokens / block_size), seed)) == NULL)
         r = -1;
     Py_ssize_t n_candidates = r == 0 ? PyObject_Size(v[CANDIDATES]) : 0;
@@ -11214,6 +11234,8 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(candidates);
     Py_XDECREF(prompt);
     Py_XDECREF(bases);
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
     return result;
 }
 
@@ -11248,8 +11270,13 @@ completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     static const int latencies[] = {1, 2, 7, 8};
     PyObject *v[N] = {NULL}, *result = NULL;
     int r = 0;
-    int by_name = message_fields(&cp_layout, args[0], v); /* 0: all read at once */
-    if (by_name < 0)
+    int by_name = 0;
+    if (PyTuple_CheckExact(args[0]) && PyTuple_GET_SIZE(args[0]) != N + 3)
+        Py_RETURN_NOTIMPLEMENTED;
+    if (PyTuple_CheckExact(args[0])) /* stream_batch_items' fields, then where the Complete's bytes are */
+        for (int i = 0; i < N; i++)
+            v[i] = Py_NewRef(PyTuple_GET_ITEM(args[0], i));
+    else if ((by_name = message_fields(&cp_layout, args[0], v)) < 0) /* 0: all read at once */
         r = -1;
     for (int i = 0; by_name > 0 && i < N && r == 0; i++)
         if ((v[i] = PyObject_GetAttr(args[0], cp_names[i])) == NULL)
@@ -11274,6 +11301,337 @@ completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (int i = 0; i < N; i++)
         Py_XDECREF(v[i]);
     return result;
+}
+
+/* ---- a RouteStream batch read from its wire bytes ---------------------------------------------
+ *
+ * stream_batch_items(data, max_items) -> list[(item_id, kind, fields)] | None
+ *
+ * server/stream_wire.py's reader of a RouteStreamRequest that is a batch of 1 to max_items
+ * Routes and Completes. Parsed by upb, each item's fields were then read back by
+ * route_request_packed and completion_of through ListFields, and the items themselves through
+ * attribute and oneof lookups, the prompt copied into a new bytes on the way: read here, the
+ * daemon's code per streamed Route + Complete is 126k instructions, not 145k. Here each item
+ * is read straight from the bytes into the tuple those passes take in place of a message: a
+ * Route's 13 fields in RR_FIELDS order (its prompt a memoryview of `data`, not a copy; token_ids
+ * and block_keys empty), a Complete's 10 in declaration order, each followed by where the
+ * item's own message (a RouteRequest, a CompleteRequest) is: `data`, its start and its end,
+ * which upb parses when a pass declines the item (convert.route_request, convert.completion;
+ * as ints, not a view: a memoryview slice costs ~1k instructions). A Route with its prompt in
+ * another form (token_ids, block_keys), which the packed pass leaves to the reference anyway,
+ * is those three alone. kind: "route" or "complete".
+ *
+ * As read_event_batch, only the plain form that encoders write is read, and None leaves
+ * everything else to upb, so where this answers it answers as upb does: a field that is not
+ * the schema's or not with its wire type (unknown fields, groups, an item that is itself a
+ * batch), any field given twice but candidate_workers, token_ids and block_keys (protobuf merges
+ * a message, keeps the last scalar, and a oneof's last member), an item with neither route nor
+ * complete, a malformed or cut varint or length, a tag or length of more than five bytes, a
+ * string that is not strict UTF-8, a varint out of its field's range (upb keeps a uint32's low
+ * 32 bits, an int32's low 32 bits, any non-zero bool as true), and a batch of no items or of
+ * more than max_items, which the handler refuses whole under the batch's id as before.
+ * tests/unit/server/test_stream_wire.py holds it to upb. */
+static PyObject *sb_kind_route, *sb_kind_complete;
+
+/* a fixed64 field's payload as a double: 0, or -1 when cut short */
+static inline int
+wire_double(WireReader *w, double *out)
+{
+    if (w->end - w->p < 8)
+        return -1;
+    uint64_t bits = 0;
+    for (int i = 7; i >= 0; i--)
+        bits = bits << 8 | w->p[i];
+    memcpy(out, &bits, sizeof bits);
+    w->p += 8;
+    return 0;
+}
+
+/* The batch being read: its bytes (`data`, from `base`) and a memoryview of them (`whole`) */
+typedef struct {
+    PyObject *data, *whole;
+    const unsigned char *base;
+} SbBatch;
+
+/* The memoryview of the batch's bytes over `part` (a slice of `whole`: ~1k instructions) */
+static inline PyObject *
+sb_view(const SbBatch *b, WireReader part)
+{
+    return PySequence_GetSlice(b->whole, part.p - b->base, part.end - b->base);
+}
+
+/* `part`, a message of the batch, as the last three places of `out` from `at`: the batch's
+ * bytes and the message's start and end in them (stream_wire.own_bytes makes its view) */
+static inline int
+sb_own(const SbBatch *b, WireReader part, PyObject *out, Py_ssize_t at)
+{
+    PyObject *start = PyLong_FromSsize_t(part.p - b->base), *end = PyLong_FromSsize_t(part.end - b->base);
+    if (start == NULL || end == NULL) {
+        Py_XDECREF(start);
+        Py_XDECREF(end);
+        return -1;
+    }
+    PyTuple_SET_ITEM(out, at, Py_NewRef(b->data));
+    PyTuple_SET_ITEM(out, at + 1, start);
+    PyTuple_SET_ITEM(out, at + 2, end);
+    return 0;
+}
+
+/* A string field's payload into *slot: 0; 1 when not strict UTF-8; -1 with an error set */
+static inline int
+sb_str(WireReader payload, PyObject **slot)
+{
+    int plain = 1;
+    *slot = wire_str(payload, &plain);
+    return *slot != NULL ? 0 : plain ? -1 : 1;
+}
+
+/* Route's and Complete's fields, by field number: where the pass reads each (a place in its
+ * tuple; SB_IGNORED: read and checked, not kept; SB_DECLINED: left to upb; SB_REFERENCE: a
+ * prompt form the passes leave to the reference, checked as upb checks it, the Route then read
+ * as its bytes alone) and its wire type */
+enum { SB_IGNORED = -1, SB_DECLINED = -2, SB_REFERENCE = -3, SB_U32 = 8, SB_I32, SB_I64, SB_BOOL };
+typedef struct {
+    signed char place;
+    unsigned char type; /* WIRE_VARINT, WIRE_FIXED64, WIRE_LEN */
+    unsigned char range; /* a varint's: SB_U32, SB_I32, SB_I64 or SB_BOOL */
+} SbField;
+
+/* A Route's or Complete's fields from `w` (its message's bytes) as the tuple of `n` places then
+ * where the message is (sb_own), by `layout` (field numbers 1 to n_fields), with what an unset
+ * field reads as (`defaults`, n of them); `repeated`: the one field that may come more than
+ * once, a string collected into a tuple in order (0: none). Returns the tuple, or where the
+ * message is alone for one with an SB_REFERENCE field; Py_None to leave the batch to upb; NULL
+ * with an error set. */
+static PyObject *
+sb_fields(WireReader w, const SbBatch *b, const SbField *layout, uint32_t n_fields,
+          PyObject *const *defaults, int n, uint32_t repeated)
+{
+    PyObject *v[16] = {NULL}, *listed = NULL;
+    int r = 0; /* 0: plain so far, 1: left to upb, -1: an error */
+    int reference = 0; /* an SB_REFERENCE field was read */
+    uint32_t seen = 0;
+    WireReader own = w;
+    while (r == 0 && w.p < w.end) {
+        uint32_t field;
+        unsigned type;
+        if (wire_tag(&w, &field, &type) < 0 || field > n_fields || layout[field].place == SB_DECLINED) {
+            r = 1;
+            break;
+        }
+        if (layout[field].place == SB_REFERENCE) {
+            /* token_ids (2: uint32 varints) or block_keys (3: fixed64s), packed in any number of
+             * runs or each on its own, as upb reads them all */
+            WireReader payload;
+            uint64_t x;
+            double d;
+            reference = 1;
+            if (type == WIRE_LEN && wire_bytes(&w, &payload) == 0) {
+                if (field == 3)
+                    r = (payload.end - payload.p) % 8 != 0;
+                while (field == 2 && r == 0 && payload.p < payload.end)
+                    r = wire_varint(&payload, &x) < 0;
+            }
+            else if (!((field == 2 && type == WIRE_VARINT && wire_varint(&w, &x) == 0)
+                       || (field == 3 && type == WIRE_FIXED64 && wire_double(&w, &d) == 0)))
+                r = 1;
+            continue;
+        }
+        if (type != layout[field].type || (field != repeated && (seen >> field & 1))) {
+            r = 1;
+            break;
+        }
+        seen |= 1u << field;
+        int at = layout[field].place;
+        PyObject *value = NULL;
+        if (type == WIRE_VARINT) {
+            uint64_t x;
+            unsigned range = layout[field].range;
+            if (wire_varint(&w, &x) < 0 || (range == SB_U32 && x > 0xffffffffu) || (range == SB_BOOL && x > 1)
+                || (range == SB_I32 && x > 0x7fffffffu && x < 0xffffffff80000000ull))
+                r = 1;
+            else if (at == SB_IGNORED)
+                continue;
+            else if (range == SB_BOOL)
+                value = Py_NewRef(x ? Py_True : Py_False);
+            else if (range == SB_I32)
+                value = PyLong_FromLong((long)(int32_t)(uint32_t)x);
+            else if (range == SB_I64)
+                value = PyLong_FromLongLong((long long)x);
+            else
+                value = PyLong_FromUnsignedLongLong(x);
+        }
+        else if (type == WIRE_FIXED64) {
+            double d;
+            if (wire_double(&w, &d) < 0)
+                r = 1;
+            else
+                value = PyFloat_FromDouble(d);
+        }
+        else {
+            WireReader payload;
+            if (wire_bytes(&w, &payload) < 0)
+                r = 1;
+            else if (defaults[at] != NULL && PyBytes_CheckExact(defaults[at]))
+                value = sb_view(b, payload);
+            else
+                r = sb_str(payload, &value);
+        }
+        if (r == 0 && value == NULL)
+            r = -1;
+        if (r != 0)
+            break;
+        if (field == repeated) {
+            if (listed == NULL && (listed = PyList_New(0)) == NULL)
+                r = -1;
+            else if (PyList_Append(listed, value) < 0)
+                r = -1;
+            Py_DECREF(value);
+        }
+        else
+            v[at] = value;
+    }
+    PyObject *out = NULL;
+    if (r == 0 && reference) {
+        if ((out = PyTuple_New(3)) != NULL && sb_own(b, own, out, 0) < 0)
+            Py_CLEAR(out);
+    }
+    else if (r == 0 && (out = PyTuple_New(n + 3)) != NULL) {
+        for (int i = 0; i < n; i++) {
+            PyObject *value = v[i];
+            v[i] = NULL;
+            if (value == NULL) {
+                value = defaults[i] != NULL ? Py_NewRef(defaults[i]) /* NULL: the repeated field */
+                        : listed != NULL ? PyList_AsTuple(listed) : PyTuple_New(0);
+            }
+            if (value == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyTuple_SET_ITEM(out, i, value);
+        }
+        if (out != NULL && sb_own(b, own, out, n) < 0)
+            Py_CLEAR(out);
+    }
+    else if (r > 0)
+        out = Py_NewRef(Py_None);
+    for (int i = 0; i < n; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(listed);
+    return out;
+}
+
+/* RouteRequest's fields 1-14 -> RR_FIELDS' places (prompt_tokens is read and left out, as the
+ * packed pass ignores it; token_ids and block_keys make the Route the reference's) */
+enum { RR_LE32, RR_TOKENS, RR_KEYS, RR_TASK, RR_MODEL, RR_LORA, RR_SALT, RR_RID, RR_SESSION, RR_SLO, RR_OUTPUT,
+       RR_POLICY, RR_CANDIDATES, RR_N };
+static const SbField sb_route_layout[15] = {
+    {SB_DECLINED, 0, 0},           {RR_RID, WIRE_LEN, 0},         {SB_REFERENCE, 0, 0},
+    {SB_REFERENCE, 0, 0},          {SB_IGNORED, WIRE_VARINT, SB_U32}, {RR_MODEL, WIRE_LEN, 0},
+    {RR_LORA, WIRE_LEN, 0},        {RR_SESSION, WIRE_LEN, 0},     {RR_TASK, WIRE_VARINT, SB_I32},
+    {RR_SLO, WIRE_FIXED64, 0},     {RR_OUTPUT, WIRE_VARINT, SB_U32}, {RR_POLICY, WIRE_LEN, 0},
+    {RR_CANDIDATES, WIRE_LEN, 0},  {RR_SALT, WIRE_LEN, 0},        {RR_LE32, WIRE_LEN, 0},
+};
+/* CompleteRequest's fields 1-10, each at its place (its number less one) */
+static const SbField sb_complete_layout[11] = {
+    {SB_DECLINED, 0, 0},     {0, WIRE_LEN, 0},        {1, WIRE_FIXED64, 0},    {2, WIRE_FIXED64, 0},
+    {3, WIRE_VARINT, SB_I64}, {4, WIRE_VARINT, SB_U32}, {5, WIRE_VARINT, SB_BOOL}, {6, WIRE_VARINT, SB_BOOL},
+    {7, WIRE_FIXED64, 0},    {8, WIRE_FIXED64, 0},    {9, WIRE_VARINT, SB_BOOL},
+};
+/* what unset fields read as (NULL: the repeated field, an empty tuple when absent), made at import */
+static PyObject *sb_route_defaults[RR_N], *sb_complete_defaults[10];
+
+/* One batch item (a RouteStreamRequest) from `w`: its (item_id, kind, fields); Py_None to leave
+ * the batch to upb; NULL with an error set */
+static PyObject *
+sb_item(WireReader w, const SbBatch *b)
+{
+    uint64_t item_id = 0;
+    uint32_t seen = 0;
+    WireReader body = {NULL, NULL};
+    while (w.p < w.end) {
+        uint32_t field;
+        unsigned type;
+        uint64_t x;
+        double d;
+        if (wire_tag(&w, &field, &type) < 0 || field > 4 || (seen >> field & 1) || (field == 3 && (seen >> 2 & 1))
+            || (field == 2 && (seen >> 3 & 1)))
+            Py_RETURN_NONE;
+        seen |= 1u << field;
+        if (field == 1 && type == WIRE_VARINT && wire_varint(&w, &x) == 0)
+            item_id = x;
+        else if (field == 4 && type == WIRE_FIXED64 && wire_double(&w, &d) == 0)
+            continue; /* timeout_ms: it bounds only a Route's wait in an admission queue */
+        else if ((field == 2 || field == 3) && type == WIRE_LEN && wire_bytes(&w, &body) == 0)
+            continue;
+        else
+            Py_RETURN_NONE;
+    }
+    PyObject *fields;
+    int route = seen >> 2 & 1;
+    if (route)
+        fields = sb_fields(body, b, sb_route_layout, 14, sb_route_defaults, RR_N, 12);
+    else if (seen >> 3 & 1)
+        fields = sb_fields(body, b, sb_complete_layout, 10, sb_complete_defaults, 10, 0);
+    else
+        Py_RETURN_NONE; /* neither: the handler's answer to that comes from the message path */
+    if (fields == NULL || fields == Py_None)
+        return fields;
+    PyObject *id = PyLong_FromUnsignedLongLong(item_id);
+    PyObject *out = id == NULL ? NULL : PyTuple_Pack(3, id, route ? sb_kind_route : sb_kind_complete, fields);
+    Py_XDECREF(id);
+    Py_DECREF(fields);
+    return out;
+}
+
+static PyObject *
+stream_batch_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long max_items;
+    if (nargs != 2 || !PyBytes_CheckExact(args[0]) || dl_long_arg(args[1], &max_items)) {
+        PyErr_SetString(PyExc_TypeError, "stream_batch_items(data: bytes, max_items: int)");
+        return NULL;
+    }
+    const unsigned char *base = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    WireReader w = {base, base + PyBytes_GET_SIZE(args[0])}, batch = {NULL, NULL};
+    uint32_t seen = 0;
+    while (w.p < w.end) { /* RouteStreamRequest: id, timeout_ms, and the batch, once each */
+        uint32_t field;
+        unsigned type;
+        uint64_t x;
+        double d;
+        if (wire_tag(&w, &field, &type) < 0 || (seen >> (field & 31) & 1))
+            Py_RETURN_NONE;
+        seen |= 1u << (field & 31);
+        if (!((field == 1 && type == WIRE_VARINT && wire_varint(&w, &x) == 0)
+              || (field == 4 && type == WIRE_FIXED64 && wire_double(&w, &d) == 0)
+              || (field == 5 && type == WIRE_LEN && wire_bytes(&w, &batch) == 0)))
+            Py_RETURN_NONE;
+    }
+    if (batch.p == NULL || batch.p == batch.end)
+        Py_RETURN_NONE;
+    SbBatch b = {args[0], PyMemoryView_FromObject(args[0]), base};
+    PyObject *items = b.whole == NULL ? NULL : PyList_New(0);
+    while (items != NULL && batch.p < batch.end) { /* RouteStreamRequestBatch: its items */
+        uint32_t field;
+        unsigned type;
+        WireReader item;
+        PyObject *read = NULL;
+        if (wire_tag(&batch, &field, &type) < 0 || field != 1 || type != WIRE_LEN || wire_bytes(&batch, &item) < 0
+            || PyList_GET_SIZE(items) >= max_items)
+            Py_SETREF(items, Py_NewRef(Py_None));
+        else if ((read = sb_item(item, &b)) == NULL)
+            Py_CLEAR(items);
+        else if (read == Py_None)
+            Py_SETREF(items, Py_NewRef(Py_None));
+        else if (PyList_Append(items, read) < 0)
+            Py_CLEAR(items);
+        Py_XDECREF(read);
+        if (items == Py_None)
+            break;
+    }
+    Py_XDECREF(b.whole);
+    return items;
 }
 
 /* ---- RouteStream batch answers ------------------------------------------------------------
@@ -11621,6 +11979,9 @@ static PyMethodDef native_methods[] = {
      "route_answer(item_id, result, block_size) -> bytes | NotImplemented: convert._route_answer_py"},
     {"complete_answer", (PyCFunction)complete_answer, METH_O,
      "complete_answer(item_id) -> bytes: convert._complete_answer_py"},
+    {"stream_batch_items", (PyCFunction)(void (*)(void))stream_batch_items, METH_FASTCALL,
+     "stream_batch_items(data, max_items) -> list[(item_id, kind, fields)] | None: a RouteStreamRequest batch's "
+     "items read from its bytes, or None for upb to parse it"},
     {"completion_of", (PyCFunction)(void (*)(void))completion_of, METH_FASTCALL,
      "completion_of(msg, new_completion, max_id_length, limits) -> Completion | NotImplemented: "
      "convert._completion_py for a Complete that passes its checks"},
@@ -11796,6 +12157,26 @@ PyInit__native(void)
             return NULL;
     if ((ra_address_name = PyUnicode_InternFromString("address")) == NULL)
         return NULL;
+    sb_kind_route = PyUnicode_InternFromString("route");
+    sb_kind_complete = PyUnicode_InternFromString("complete");
+    PyObject *no_text = PyUnicode_New(0, 0), *no_number = PyLong_FromLong(0), *no_ms = PyFloat_FromDouble(0.0);
+    PyObject *no_bytes = PyBytes_FromStringAndSize(NULL, 0), *none_repeated = PyTuple_New(0);
+    if (sb_kind_route == NULL || sb_kind_complete == NULL || no_text == NULL || no_number == NULL || no_ms == NULL
+        || no_bytes == NULL || none_repeated == NULL)
+        return NULL;
+    PyObject *const route_defaults[RR_N] = {no_bytes, none_repeated, none_repeated, no_number, no_text, no_text,
+                                            no_text, no_text, no_text, no_ms, no_number, no_text, NULL};
+    PyObject *const complete_defaults[10] = {no_text, no_ms, no_ms, no_number, no_number, Py_False, Py_False, no_ms,
+                                             no_ms, Py_False};
+    for (int i = 0; i < RR_N; i++) /* kept for the process's life, as the interned names */
+        sb_route_defaults[i] = Py_XNewRef(route_defaults[i]);
+    for (int i = 0; i < 10; i++)
+        sb_complete_defaults[i] = Py_NewRef(complete_defaults[i]);
+    Py_DECREF(no_text);
+    Py_DECREF(no_number);
+    Py_DECREF(no_ms);
+    Py_DECREF(no_bytes);
+    Py_DECREF(none_repeated);
     rr_token_ids_name = PyUnicode_InternFromString("token_ids");
     rr_block_keys_name = PyUnicode_InternFromString("block_keys");
     rr_le32_name = PyUnicode_InternFromString("token_ids_le32");

@@ -46,6 +46,7 @@ from ..protocols import (
     WorkerState,
 )
 from ..router import Router, RouteResult, prefill_hop_id
+from .stream_wire import WireComplete, WireRoute, own_bytes
 from .wire import WirePrompt
 
 __all__ = [
@@ -169,19 +170,22 @@ if native.module is not None:  # the native passes read these messages' set fiel
     native.module.message_layouts(pb.RouteRequest, pb.CompleteRequest)
 
 
-def route_request(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
+def route_request(msg: pb.RouteRequest | WireRoute, router: Router, hashed: HashedPrompt | None = None,
                   client: str = "") -> RouteRequest:
     """A RouteRequest with block keys, from token ids or from caller-computed keys; ``client``
     names who sent it (the gRPC peer: ``RouteRequest.client``). See ``_route_request_py``; a
     prompt sent as ``token_ids_le32`` (what the SDK and ext_proc send) that passes every check
-    is converted natively (``route_request_packed``), the same request."""
+    is converted natively (``route_request_packed``), the same request. ``msg`` may be a
+    RouteStream batch's Route as read from its bytes (``stream_wire``), which the reference
+    reads parsed from the Route's own bytes."""
     if hashed is None and _route_request_packed is not None:
         settings = router.settings
         req = _route_request_packed(msg, _new_route_request, _TASKS, router.adapter_bases, settings.max_id_length,
                                     settings.max_prompt_tokens, router.block_size, client)
         if req is not NotImplemented:
             return req
-    return _route_request_py(msg, router, hashed, client)
+    parsed = pb.RouteRequest.FromString(own_bytes(msg)) if isinstance(msg, tuple) else msg
+    return _route_request_py(parsed, router, hashed, client)
 
 
 def _route_request_py(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
@@ -284,15 +288,17 @@ _completion_of = native.module.completion_of if native.module is not None else N
 _COMPLETION_LIMITS = (MAX_LATENCY_MS, MAX_OUTPUT_TOKENS, MAX_CACHED_TOKENS)
 
 
-def completion(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:
+def completion(msg: pb.CompleteRequest | WireComplete, max_id_length: int = 0) -> Completion:
     """``max_id_length`` 0: unchecked (a replica's load delta, checked where the call came in).
     See ``_completion_py``; natively ``completion_of`` builds the same Completion for one that
-    passes every check."""
+    passes every check. ``msg`` may be a RouteStream batch's Complete as read from its bytes
+    (``stream_wire``), which the reference reads parsed from the Complete's own bytes."""
     if _completion_of is not None:
         done = _completion_of(msg, _new_completion, max_id_length, _COMPLETION_LIMITS)
         if done is not NotImplemented:
             return done
-    return _completion_py(msg, max_id_length)
+    parsed = pb.CompleteRequest.FromString(own_bytes(msg)) if isinstance(msg, tuple) else msg
+    return _completion_py(parsed, max_id_length)
 
 
 def _completion_py(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:

@@ -24,6 +24,7 @@ from ..index.keys import chain_keys_array, key_namespace, namespace_seed
 from ..protocols import RouteRequest
 from ..router import Router
 from .convert import HashedPrompt, check_split, le_u32, pb, route_request
+from .stream_wire import WireRoute
 from .wire import STREAM_ROUTE, TOKEN_IDS_FIELD, Unsplittable, WirePrompt, length_delimited, split_route, split_stream
 
 __all__ = [
@@ -255,10 +256,11 @@ def refusal(data: bytes, prompts: Iterable[WirePrompt], message: type[pb.RouteRe
     raise AssertionError("upb accepted a stand-in built to be refused")
 
 
-def split_route_request(msg: pb.RouteRequest, router: Router, prompt: StreamPrompt | None,
+def split_route_request(msg: pb.RouteRequest | WireRoute, router: Router, prompt: StreamPrompt | None,
                         client: str = "") -> RouteRequest:
-    """``route_request`` of a RouteStream Route (``msg``) sent by ``client``, with its prompt
-    from ``hash_stream`` when its message was split (None: parsed whole)."""
+    """``route_request`` of a RouteStream Route (``msg``: a message, or a batch's Route as read
+    from its bytes) sent by ``client``, with its prompt from ``hash_stream`` when its message
+    was split (None: parsed whole or read)."""
     if prompt is None:
         return route_request(msg, router, client=client)
     hashed = prompt.hashed

@@ -13,7 +13,8 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import NoReturn
+from functools import partial
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,7 +30,7 @@ from ..protocols import CacheMode, RouteRequest
 from ..router import DRAIN_STEP_BLOCKS, Router, RouteResult
 from ..telemetry.metrics import Metrics
 from ..telemetry.tracing import annotate_decision, decision_span
-from . import convert, off_loop, stream_answers
+from . import convert, off_loop, stream_answers, stream_wire
 from .admission import AdmissionGate
 from .call_errors import CallErrors
 from .convert import pb
@@ -110,7 +111,8 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         #: which kv_events_endpoints RegisterWorker may name (the daemon sets events.allowed_endpoints)
         self.allowed_endpoints = EndpointAllowList()
         self.route_message: Callable[[bytes], pb.RouteRequest | off_loop.SplitRoute | off_loop.Refused]
-        self.route_stream_message: Callable[[bytes], pb.RouteStreamRequest | off_loop.SplitStream | off_loop.Refused]
+        self.route_stream_message: Callable[
+            [bytes], pb.RouteStreamRequest | stream_wire.WireBatch | off_loop.SplitStream | off_loop.Refused]
         self.off_loop_prompt_bytes = 0  # sets the two
         #: what that thread runs (a test wraps it to see the loop serve calls meanwhile)
         self.hash_prompt: off_loop.HashPrompt = off_loop.hash_wire_prompt
@@ -132,7 +134,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         #: RouteStream's: a huge message's Routes' prompts stay wire bytes (``SplitStream``),
         #: hashed off the loop by ``RouteStream``
         self.route_stream_message = off_loop.deserializer(
-            pb.RouteStreamRequest.FromString, off_loop.route_stream_message, value)
+            partial(stream_wire.stream_message, max_items=MAX_STREAM_BATCH_ITEMS), off_loop.route_stream_message, value)
 
     @property
     def stream_batch_bytes(self) -> int:
@@ -213,10 +215,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
     async def _reject(
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, exc: KVRouterError, span: trace.Span | None
     ) -> NoReturn:
-        self._note_rejection(request, exc, span)
+        self._note_rejection(exc, span)
         await abort(context, exc)
 
-    def _note_rejection(self, request: pb.RouteRequest, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
+    def _note_rejection(self, exc: KVRouterError, span: trace.Span | None) -> grpc.StatusCode:
         """Count a refused Route; its log line is the call's (``call_errors``, sampled)."""
         code = status_code(exc)
         self.metrics.route_errors.add(1, {"code": code.name})
@@ -237,10 +239,10 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             await abort(context, exc)
         return pb.CompleteResponse()
 
-    def _complete(self, request: pb.CompleteRequest) -> None:
-        # the model labels the Complete's metrics alone: looked up only while they are recorded
-        model = self.router.request_model(request.request_id) if self.metrics.recording_completions else ""
+    def _complete(self, request: pb.CompleteRequest | stream_wire.WireComplete) -> None:
         completion = convert.completion(request, self.router.settings.max_id_length)
+        # the model labels the Complete's metrics alone: looked up only while they are recorded
+        model = self.router.request_model(completion.request_id) if self.metrics.recording_completions else ""
         if completion.prefill_done:
             # the prefill hop alone (router.disagg), or the first token of any request (with
             # its TTFT, which deadline admission learns from); the request's own Complete follows
@@ -308,14 +310,20 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         try:
             async for msg in request_iterator:
                 prompts = _NO_PROMPTS
-                if type(msg) is not pb.RouteStreamRequest:  # huge: split or refused (off_loop.route_stream_message)
-                    if type(msg) is off_loop.Refused:
+                if type(msg) is not pb.RouteStreamRequest:
+                    if type(msg) is stream_wire.WireBatch:  # a batch read from its bytes
+                        if self.waiting_admission is None:
+                            await answer(self._stream_wire_batch(msg, client))
+                            continue
+                        msg = msg.message()  # queued Routes wait as messages
+                    elif type(msg) is off_loop.Refused:  # huge, in an encoding the split does not read
                         self._note_refused(msg)
                         if msg.id is None:  # no id to answer it under: the stream ends, as for bytes that do not parse
                             raise UndecodableMessage(msg.message)
                         await answer(self._stream_invalid(pb.RouteStreamResponse(id=msg.id), msg.message))
                         continue
-                    msg, prompts = await self._hash_stream_off_loop(msg)
+                    else:  # huge: split (off_loop.route_stream_message)
+                        msg, prompts = await self._hash_stream_off_loop(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "route":
                     if self.waiting_admission is None:
@@ -366,37 +374,50 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
         self.metrics.stream_batches.add(1)
         self.metrics.stream_batch_items.add(len(items))
         queued = self.waiting_admission is not None
-        block_size = self.router.block_size
         parts: list[bytes] = []  # the answers, as wire bytes (stream_answers)
         for place, item in enumerate(items):
             kind = item.WhichOneof("kind")
-            if kind == "route":
-                if queued:
-                    admit_later(item, prompts.get(place))
-                    continue
-                decided = self._stream_decided(item, prompts.get(place), client)
-                if type(decided) is pb.RouteStreamResponse:  # refused
-                    parts.append(stream_answers.message_answer(decided))
-                    continue
-                try:
-                    parts.append(stream_answers.route_answer(item.id, decided, block_size))
-                except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
-                    parts.append(stream_answers.message_answer(
-                        self._stream_internal(pb.RouteStreamResponse(id=item.id), exc)))
-            elif kind == "complete":
-                refused = self._stream_completed(item)
-                parts.append(stream_answers.complete_answer(item.id) if refused is None
-                             else stream_answers.message_answer(refused))
+            if kind == "route" and queued:
+                admit_later(item, prompts.get(place))
             else:
-                why = ("a batch item cannot itself be a batch" if kind == "batch"
-                       else "message carries neither route nor complete")
-                parts.append(stream_answers.message_answer(self._stream_invalid(pb.RouteStreamResponse(id=item.id), why)))
+                parts.append(self._stream_item(item.id, kind, getattr(item, kind) if kind is not None else None,
+                                               prompts.get(place), client))
         return stream_answers.batch_answer(parts) if parts else None
+
+    def _stream_wire_batch(self, batch: stream_wire.WireBatch, client: str) -> bytes:
+        """``_stream_batch`` of a batch read from its bytes (``stream_wire``; never with admission
+        queues): each item's fields go to the native passes as read, the same answers."""
+        items = batch.items
+        self.metrics.stream_batches.add(1)
+        self.metrics.stream_batch_items.add(len(items))
+        return stream_answers.batch_answer([self._stream_item(item_id, kind, fields, None, client)
+                                            for item_id, kind, fields in items])
+
+    def _stream_item(self, item_id: int, kind: str | None, payload: Any, prompt: off_loop.StreamPrompt | None,
+                     client: str) -> bytes:
+        """The answer to one batch item, as wire bytes: ``payload`` is its Route or Complete
+        (a message or, read from the batch's bytes, its fields: ``stream_wire``) by ``kind``."""
+        if kind == "route":
+            decided = self._stream_decided(item_id, payload, prompt, client)
+            if type(decided) is pb.RouteStreamResponse:  # refused
+                return stream_answers.message_answer(decided)
+            try:
+                return stream_answers.route_answer(item_id, decided, self.router.block_size)
+            except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
+                return stream_answers.message_answer(self._stream_internal(pb.RouteStreamResponse(id=item_id), exc))
+        if kind == "complete":
+            refused = self._stream_completed(item_id, payload)
+            if refused is None:
+                return stream_answers.complete_answer(item_id)
+            return stream_answers.message_answer(refused)
+        why = ("a batch item cannot itself be a batch" if kind == "batch"
+               else "message carries neither route nor complete")
+        return stream_answers.message_answer(self._stream_invalid(pb.RouteStreamResponse(id=item_id), why))
 
     def _stream_route(self, msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None = None,
                       client: str = "") -> pb.RouteStreamResponse:
         """The answer to a stream message that is one Route (``_stream_decided``), as a message."""
-        decided = self._stream_decided(msg, prompt, client)
+        decided = self._stream_decided(msg.id, msg.route, prompt, client)
         if type(decided) is pb.RouteStreamResponse:
             return decided
         reply = pb.RouteStreamResponse(id=msg.id)
@@ -406,12 +427,14 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             return self._stream_internal(reply, exc)
         return reply
 
-    def _stream_decided(self, msg: pb.RouteStreamRequest, prompt: off_loop.StreamPrompt | None = None,
-                        client: str = "") -> RouteResult | pb.RouteStreamResponse:
-        """Decide ``msg``'s Route: its result, or the answer refusing it (``msg.id``'s error);
-        ``prompt``: its prompt when the message was split (``_hash_stream_off_loop``)."""
+    def _stream_decided(
+        self, item_id: int, request: pb.RouteRequest | stream_wire.WireRoute,
+        prompt: off_loop.StreamPrompt | None = None, client: str = "",
+    ) -> RouteResult | pb.RouteStreamResponse:
+        """Decide stream message ``item_id``'s Route (a message, or its fields as read from a
+        batch's bytes: ``stream_wire``): its result, or the answer refusing it (``item_id``'s
+        error); ``prompt``: its prompt when the message was split (``_hash_stream_off_loop``)."""
         started = _perf_counter() if prompt is None else _perf_counter() - prompt.seconds
-        request = msg.route
         router = self.router
         try:
             if self.tracing:
@@ -421,7 +444,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                         req = off_loop.split_route_request(request, router, prompt, client)
                         result = self.route_now(req, recording)
                     except KVRouterError as exc:
-                        return self._stream_route_error(msg, exc, span, pb.RouteStreamResponse(id=msg.id))
+                        return self._stream_route_error(exc, span, pb.RouteStreamResponse(id=item_id))
                     if recording:
                         annotate_decision(span, result, router.block_size)
             else:
@@ -430,11 +453,11 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             d = result.decision
             self.metrics.route_decided(d.policy, d.reason, _perf_counter() - started, d.pool, d.pd_reason)
             if self.stored_namespaces and (not d.overlap_blocks or result.worker.mode is CacheMode.EVENTS):
-                self._check_namespace(request)
+                self._check_namespace(req)
         except KVRouterError as exc:
-            return self._stream_route_error(msg, exc, None, pb.RouteStreamResponse(id=msg.id))
+            return self._stream_route_error(exc, None, pb.RouteStreamResponse(id=item_id))
         except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
-            return self._stream_internal(pb.RouteStreamResponse(id=msg.id), exc)
+            return self._stream_internal(pb.RouteStreamResponse(id=item_id), exc)
         return result
 
     def _stream_internal(self, reply: pb.RouteStreamResponse, exc: Exception) -> pb.RouteStreamResponse:
@@ -469,7 +492,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
                     req = off_loop.split_route_request(request, router, prompt, client)
                     result = await asyncio.wait_for(self.waiting_admission.route(req, timeout, recording), timeout)
                 except KVRouterError as exc:
-                    await answer(self._stream_route_error(msg, exc, span if self.tracing else None, reply))
+                    await answer(self._stream_route_error(exc, span if self.tracing else None, reply))
                     return
                 except TimeoutError:
                     # what a unary caller's expired deadline would have ended with; the queue entry is gone
@@ -491,7 +514,7 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             self._stream_internal(reply, exc)
         await answer(reply)
 
-    def _check_namespace(self, request: pb.RouteRequest) -> None:
+    def _check_namespace(self, request: pb.RouteRequest | RouteRequest) -> None:
         """A Route that matched nothing, under a model/LoRA no engine ever stored blocks for while
         others did: almost surely the gateway and the engines name the model differently (keys are
         salted with both), a silent 0% hit rate. Counted every time, logged once per namespace.
@@ -511,9 +534,9 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
             )
 
     def _stream_route_error(
-        self, msg: pb.RouteStreamRequest, exc: KVRouterError, span: trace.Span | None, reply: pb.RouteStreamResponse
+        self, exc: KVRouterError, span: trace.Span | None, reply: pb.RouteStreamResponse
     ) -> pb.RouteStreamResponse:
-        code = self._note_rejection(msg.route, exc, span)
+        code = self._note_rejection(exc, span)
         reply.error.code = code.value[0]
         reply.error.message = status_message(exc)
         self.call_errors.rejected("RouteStream", code.name, reply.error.message)
@@ -521,26 +544,28 @@ class KVRouterService(EngineCalls, router_pb2_grpc.KVRouterServicer):
 
     def _stream_complete(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
         """The answer to a stream message that is one Complete (``_stream_completed``), as a message."""
-        refused = self._stream_completed(msg)
+        refused = self._stream_completed(msg.id, msg.complete)
         if refused is not None:
             return refused
         reply = pb.RouteStreamResponse(id=msg.id)
         reply.complete.SetInParent()
         return reply
 
-    def _stream_completed(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse | None:
-        """Apply ``msg``'s Complete: None, or the answer refusing it (``msg.id``'s error)."""
+    def _stream_completed(self, item_id: int, request: pb.CompleteRequest | stream_wire.WireComplete
+                          ) -> pb.RouteStreamResponse | None:
+        """Apply stream message ``item_id``'s Complete (a message, or its fields as read from a
+        batch's bytes: ``stream_wire``): None, or the answer refusing it (``item_id``'s error)."""
         try:
-            self._complete(msg.complete)
+            self._complete(request)
         except KVRouterError as exc:
-            reply = pb.RouteStreamResponse(id=msg.id)
+            reply = pb.RouteStreamResponse(id=item_id)
             code = status_code(exc)
             reply.error.code = code.value[0]
             reply.error.message = status_message(exc)
             self.call_errors.rejected("RouteStream", code.name, reply.error.message)
             return reply
         except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
-            return self._stream_internal(pb.RouteStreamResponse(id=msg.id), exc)
+            return self._stream_internal(pb.RouteStreamResponse(id=item_id), exc)
         return None
 
     # ---- control plane ------------------------------------------------------------------

@@ -252,8 +252,15 @@ def server_grpc_experiments() -> str:
     return grpc_runtime.server_experiments(os.environ.get(grpc_runtime.ENV, ""))
 
 
+#: the directory this ``kvrouterd`` package is in: a server started with ``python -m`` from there
+#: imports this package (``-m`` puts the working directory first on ``sys.path``, before
+#: ``PYTHONPATH`` and site-packages), not whichever ``kvrouterd`` the caller's directory holds
+_PACKAGE_HOME = Path(__file__).resolve().parents[2]
+
+
 class ServerProcess:
-    """A benchmark server in a child process; ``port`` is known once it is listening."""
+    """A benchmark server in a child process, running the code this process runs (started from
+    ``_PACKAGE_HOME``); ``port`` is known once it is listening."""
 
     def __init__(self, mode: str, workers: int = 0, blocks: int = 0) -> None:
         self._tmp = tempfile.NamedTemporaryFile(suffix=".port", delete=False)
@@ -262,7 +269,7 @@ class ServerProcess:
         env = {**os.environ, grpc_runtime.ENV: server_grpc_experiments()}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrouterd.benchmarks.grpc_bench", "serve", mode, str(workers), str(blocks), self._tmp.name],
-            env=env,
+            env=env, cwd=_PACKAGE_HOME,
         )
         deadline = time.time() + 300
         while not os.path.exists(self._tmp.name) or not Path(self._tmp.name).read_text():

@@ -6232,6 +6232,20 @@ wire_tag(WireReader *w, uint32_t *field, unsigned *type)
 
 enum { WIRE_VARINT = 0, WIRE_FIXED64 = 1, WIRE_LEN = 2 };
 
+/* a fixed64 field's payload as a double: 0, or -1 when cut short */
+static inline int
+wire_double(WireReader *w, double *out)
+{
+    if (w->end - w->p < 8)
+        return -1;
+    uint64_t bits = 0;
+    for (int i = 7; i >= 0; i--)
+        bits = bits << 8 | w->p[i];
+    memcpy(out, &bits, sizeof bits);
+    w->p += 8;
+    return 0;
+}
+
 /* The packed uint64s of `w`, n of them (its count_varints, which the caller counted against the
  * batch's budget, >= 0), as a tuple of ints (NULL with an error set), or Py_None with *plain
  * cleared when a varint is malformed. An empty payload is an empty tuple. */
@@ -6497,9 +6511,9 @@ read_event_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto other;
         }
         else { /* 4: timestamp, a double, informational */
-            if (type != WIRE_FIXED64 || w.end - w.p < 8)
+            double timestamp;
+            if (type != WIRE_FIXED64 || wire_double(&w, &timestamp) < 0)
                 goto other;
-            w.p += 8;
         }
     }
     if (worker.p == worker.end || sequence > (uint64_t)INT64_MAX)
@@ -11333,20 +11347,6 @@ completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * tests/unit/server/test_stream_wire.py holds it to upb. */
 static PyObject *sb_kind_route, *sb_kind_complete;
 
-/* a fixed64 field's payload as a double: 0, or -1 when cut short */
-static inline int
-wire_double(WireReader *w, double *out)
-{
-    if (w->end - w->p < 8)
-        return -1;
-    uint64_t bits = 0;
-    for (int i = 7; i >= 0; i--)
-        bits = bits << 8 | w->p[i];
-    memcpy(out, &bits, sizeof bits);
-    w->p += 8;
-    return 0;
-}
-
 /* The batch being read: its bytes (`data`, from `base`) and a memoryview of them (`whole`) */
 typedef struct {
     PyObject *data, *whole;
@@ -11375,15 +11375,6 @@ sb_own(const SbBatch *b, WireReader part, PyObject *out, Py_ssize_t at)
     PyTuple_SET_ITEM(out, at + 1, start);
     PyTuple_SET_ITEM(out, at + 2, end);
     return 0;
-}
-
-/* A string field's payload into *slot: 0; 1 when not strict UTF-8; -1 with an error set */
-static inline int
-sb_str(WireReader payload, PyObject **slot)
-{
-    int plain = 1;
-    *slot = wire_str(payload, &plain);
-    return *slot != NULL ? 0 : plain ? -1 : 1;
 }
 
 /* Route's and Complete's fields, by field number: where the pass reads each (a place in its
@@ -11474,8 +11465,11 @@ sb_fields(WireReader w, const SbBatch *b, const SbField *layout, uint32_t n_fiel
                 r = 1;
             else if (defaults[at] != NULL && PyBytes_CheckExact(defaults[at]))
                 value = sb_view(b, payload);
-            else
-                r = sb_str(payload, &value);
+            else {
+                int plain = 1; /* cleared: not strict UTF-8, which upb refuses */
+                value = wire_str(payload, &plain);
+                r = plain ? 0 : 1;
+            }
         }
         if (r == 0 && value == NULL)
             r = -1;

@@ -35,7 +35,7 @@ SAN_TESTS ?= tests/unit/index tests/unit/policies tests/unit/test_deadline_verdi
   tests/unit/test_ledger_table.py tests/unit/test_inflight_table.py tests/unit/test_route_checks.py \
   tests/unit/server/test_route_conversion.py tests/unit/server/test_completion_conversion.py \
   tests/unit/server/test_stream_answers.py tests/unit/server/test_event_batch_reader.py \
-  tests/unit/server/test_stream_wire.py
+  tests/unit/server/test_stream_wire.py tests/unit/server/test_stream_complete.py
 sanitize: $(VENV)/.installed  ## the C extension's tests (SAN_TESTS) against an ASan + UBSan build of it (gcc)
 	rm -rf $(SAN) && mkdir -p $(SAN)/clients/python
 	cp -r kvrouterd tests pyproject.toml $(SAN)/ && cp -r clients/python/kvrouter_client $(SAN)/clients/python/

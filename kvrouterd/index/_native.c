@@ -11873,6 +11873,96 @@ complete_answer(PyObject *module, PyObject *arg)
     return framed_answer(item_id, 0x1a, 0, &p); /* RouteStreamResponse.complete, empty */
 }
 
+/* ---- a streamed Complete in one call ----------------------------------------------------------
+ *
+ * stream_complete(plan, item_id, msg) -> bytes | NotImplemented
+ *
+ * A RouteStream batch's Complete (`msg`: its message, or its fields as stream_batch_items read
+ * them), applied and answered: what GatewayCalls._stream_item's Complete does through
+ * convert.completion, Router.complete_anywhere, LoadLedger._finish, AdmissionGate.on_complete
+ * and DeadlineGuard.on_complete, stream_answers.complete_answer, as the natives those end in
+ * (completion_of, ledger_finish, deadline_complete, complete_answer) called one after the other.
+ * Live, the ~12 Python frames between them cost a streamed Route + Complete more than the
+ * natives themselves. `plan` (GatewayCalls._complete_plan, read once a batch):
+ * (new_completion, max_id_length, limits, ledger, registry, speculative, new_inflight, routing,
+ * routing_size, guard | None, now). The caller vouches for what a batch cannot change: nothing
+ * records completions, no admission queue waits, no routing policy hears its completions (its
+ * on_complete is the base class's); this checks per Complete what one may change (another
+ * replica's hook, a prefill hop charged, a policy built since the plan was read).
+ *
+ * NotImplemented, before anything changed, where the Python path does more (a prefill hop's
+ * Complete, a session's end, replica sync, a charged hop) or decides otherwise (a Complete the
+ * natives leave to their references, one not in flight: that path raises its NotFound); an
+ * error as that path raises it. DeadlineGuard.on_complete's own fallback is kept: a guard
+ * deadline_complete declines runs _complete_py. */
+static PyObject *sc_on_completed_name, *sc_hops_charged_name, *sc_complete_py_name;
+
+static PyObject *
+stream_complete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    enum { NEW_COMPLETION, MAX_ID, LIMITS, LEDGER, REGISTRY, SPECULATIVE, NEW_INFLIGHT, ROUTING, ROUTING_SIZE, GUARD,
+           NOW, PLAN };
+    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != PLAN) {
+        PyErr_SetString(PyExc_TypeError, "stream_complete(plan, item_id, msg): plan is GatewayCalls._complete_plan's");
+        return NULL;
+    }
+    PyObject *const *plan = &PyTuple_GET_ITEM(args[0], 0);
+    long long routing_size;
+    if (!PyDict_CheckExact(plan[ROUTING]) || dl_long_arg(plan[ROUTING_SIZE], &routing_size)
+        || PyDict_GET_SIZE(plan[ROUTING]) != routing_size)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *of[] = {args[2], plan[NEW_COMPLETION], plan[MAX_ID], plan[LIMITS]};
+    PyObject *completion = completion_of(module, of, 4);
+    if (completion == NULL || completion == Py_NotImplemented)
+        return completion;
+    enum { ID = 0, TTFT = 1, E2E = 2, SUCCESS = 5, SESSION_ENDED = 6, PREFILL_DONE = 9 };
+    static const int read[] = {ID, TTFT, E2E, SUCCESS, SESSION_ENDED, PREFILL_DONE};
+    PyObject *v[10] = {NULL}, *hook = NULL, *charged = NULL, *released = NULL, *out = NULL;
+    int r = 0;
+    for (size_t i = 0; i < sizeof read / sizeof read[0] && r == 0; i++)
+        if ((v[read[i]] = attr_get(completion, cp_names[read[i]])) == NULL)
+            r = -1;
+    if (r == 0 && ((hook = attr_get(plan[LEDGER], sc_on_completed_name)) == NULL
+                   || (charged = attr_get(plan[LEDGER], sc_hops_charged_name)) == NULL))
+        r = -1;
+    if (r == 0 && (v[SESSION_ENDED] != Py_False || v[PREFILL_DONE] != Py_False || hook != Py_None || charged != Py_False))
+        r = 1;
+    if (r == 0) {
+        PyObject *finish[] = {plan[LEDGER], plan[REGISTRY], v[ID], v[SUCCESS], plan[SPECULATIVE], plan[NEW_INFLIGHT]};
+        if ((released = ledger_finish(module, finish, 6)) == NULL)
+            r = -1;
+        else if (released == Py_NotImplemented) /* nothing released: the Python path decides */
+            r = 1;
+    }
+    /* released: the rest of _finish has nothing to do (no policy hears, no session ended) */
+    if (r == 0 && plan[GUARD] != Py_None) {
+        PyObject *now = PyObject_CallNoArgs(plan[NOW]);
+        PyObject *learned = NULL;
+        if (now != NULL) {
+            PyObject *complete[] = {plan[GUARD], v[ID], v[TTFT], now, v[E2E]};
+            learned = deadline_complete(module, complete, 5);
+            if (learned == Py_NotImplemented) {
+                Py_DECREF(learned);
+                learned = PyObject_CallMethodObjArgs(plan[GUARD], sc_complete_py_name, v[ID], v[TTFT], now, v[E2E], NULL);
+            }
+        }
+        r = learned == NULL ? -1 : 0;
+        Py_XDECREF(learned);
+        Py_XDECREF(now);
+    }
+    if (r == 0)
+        out = complete_answer(module, args[1]);
+    else if (r > 0)
+        out = Py_NewRef(Py_NotImplemented);
+    for (int i = 0; i < 10; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(hook);
+    Py_XDECREF(charged);
+    Py_XDECREF(released);
+    Py_DECREF(completion);
+    return out;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "chain_keys(data, block_size, seed, limit) -> list[int]: chained xxh3-64 keys of the full blocks."},
@@ -11973,6 +12063,9 @@ static PyMethodDef native_methods[] = {
      "route_answer(item_id, result, block_size) -> bytes | NotImplemented: convert._route_answer_py"},
     {"complete_answer", (PyCFunction)complete_answer, METH_O,
      "complete_answer(item_id) -> bytes: convert._complete_answer_py"},
+    {"stream_complete", (PyCFunction)(void (*)(void))stream_complete, METH_FASTCALL,
+     "stream_complete(plan, item_id, msg) -> bytes | NotImplemented: a RouteStream batch's Complete applied and "
+     "answered in one call (GatewayCalls._complete_plan)."},
     {"stream_batch_items", (PyCFunction)(void (*)(void))stream_batch_items, METH_FASTCALL,
      "stream_batch_items(data, max_items) -> list[(item_id, kind, fields)] | None: a RouteStreamRequest batch's "
      "items read from its bytes, or None for upb to parse it"},
@@ -12096,6 +12189,8 @@ PyInit__native(void)
         {&ca_reasons[CA_IMBALANCED], "imbalanced"}, {&ca_reasons[CA_PREFIX_MATCH], "prefix_match"},
         {&ca_reasons[CA_NO_OVERLAP], "no_overlap"}, {&ca_reasons[CA_LOW_MATCH], "low_match"},
         {&lr_counter_name, "_request_counter"}, {&lr_getrandbits_name, "getrandbits"},
+        {&sc_on_completed_name, "on_completed"}, {&sc_hops_charged_name, "_hops_charged"},
+        {&sc_complete_py_name, "_complete_py"},
     };
     for (size_t i = 0; i < sizeof pass_names / sizeof pass_names[0]; i++)
         if ((*pass_names[i].name = PyUnicode_InternFromString(pass_names[i].text)) == NULL)

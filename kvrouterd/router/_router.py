@@ -331,6 +331,11 @@ class Router:
         ``completion`` passed ``bounds.check_completion`` where it was made)."""
         return self._ledger.complete_anywhere(completion, checked)
 
+    def finish_plan(self) -> tuple[Any, ...] | None:
+        """What a streamed Complete's native pass reads in place of ``complete_anywhere``
+        (``LoadLedger.finish_plan``); None when that pass must not run."""
+        return self._ledger.finish_plan()
+
     def request(self, request_id: str) -> RouteRequest | None:
         return self._ledger.request(request_id)
 

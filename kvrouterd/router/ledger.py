@@ -533,6 +533,19 @@ class LoadLedger:
                                shared.clock.now())
         return hop
 
+    def finish_plan(self) -> tuple[Any, ...] | None:
+        """What the native ``stream_complete`` reads to release a completed request in place of
+        ``complete_anywhere`` (this ledger, the workers, the speculative claims, the in-flight
+        entry's constructor, the routing policies and their count): None while a routing policy
+        hears its completions (an ``on_complete`` of its own), which ``_finish`` calls and the
+        native pass does not. Read once per batch: the pass declines a Complete once the
+        policies' count changed (one built since)."""
+        routing = self._shared.policies.routing
+        for policy in routing.values():
+            if type(policy).on_complete is not RoutingPolicyBase.on_complete:
+                return None
+        return (self, self._shared.workers, self._speculative, new_inflight, routing, len(routing))
+
     def _finish(self, completion: Completion) -> InFlight:
         shared = self._shared
         released = NotImplemented if self._hops_charged or _ledger_finish is None else _ledger_finish(

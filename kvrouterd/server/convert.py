@@ -21,6 +21,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -299,6 +300,12 @@ def completion(msg: pb.CompleteRequest | WireComplete, max_id_length: int = 0) -
             return done
     parsed = pb.CompleteRequest.FromString(own_bytes(msg)) if isinstance(msg, tuple) else msg
     return _completion_py(parsed, max_id_length)
+
+
+def completion_reading(max_id_length: int) -> tuple[Any, int, tuple[float, int, int]]:
+    """What the native passes that build a Completion read (``completion_of``'s arguments
+    after the message): the constructor, ``max_id_length`` and the checks' bounds."""
+    return _new_completion, max_id_length, _COMPLETION_LIMITS
 
 
 def _completion_py(msg: pb.CompleteRequest, max_id_length: int = 0) -> Completion:

@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from ..bounds import MAX_LATENCY_MS, check_range
 from ..errors import KVRouterError
+from ..index import native
 from ..protocols import CacheMode, RouteRequest
 from ..router import Router, RouteResult
 from ..telemetry.metrics import Metrics
@@ -45,6 +46,8 @@ __all__ = ["MAX_STREAM_BATCH_ITEMS", "STREAM_BATCH_METADATA", "STREAM_BLOCK_SIZE
 log = logging.getLogger("kvrouterd.server")
 
 _perf_counter = time.perf_counter
+#: a batch's Complete applied and answered in one native call (``_complete_plan``)
+_native_stream_complete = native.module.stream_complete if native.module is not None else None
 
 
 #: RouteStream's initial response metadata: this router takes batched stream messages (the
@@ -340,6 +343,7 @@ class GatewayCalls:
         self.metrics.stream_batches.add(1)
         self.metrics.stream_batch_items.add(len(items))
         queued = self.waiting_admission is not None
+        plan = self._complete_plan()
         parts: list[bytes] = []  # the answers, as wire bytes (stream_answers)
         for place, item in enumerate(items):
             kind = item.WhichOneof("kind")
@@ -347,7 +351,7 @@ class GatewayCalls:
                 admit_later(item, prompts.get(place))
             else:
                 parts.append(self._stream_item(item.id, kind, getattr(item, kind) if kind is not None else None,
-                                               prompts.get(place), client))
+                                               prompts.get(place), client, plan))
         return stream_answers.batch_answer(parts) if parts else None
 
     def _stream_wire_batch(self, batch: stream_wire.WireBatch, client: str) -> bytes:
@@ -356,13 +360,30 @@ class GatewayCalls:
         items = batch.items
         self.metrics.stream_batches.add(1)
         self.metrics.stream_batch_items.add(len(items))
-        return stream_answers.batch_answer([self._stream_item(item_id, kind, fields, None, client)
+        plan = self._complete_plan()
+        return stream_answers.batch_answer([self._stream_item(item_id, kind, fields, None, client, plan)
                                             for item_id, kind, fields in items])
 
+    def _complete_plan(self) -> tuple[Any, ...] | None:
+        """What the native ``stream_complete`` reads to apply and answer a batch's Complete in
+        one call, read once per batch; None where its Completes take the Python path: without
+        the native module, with admission queues (a Complete admits what waits), while
+        completions are recorded (``Metrics.recording_completions``), or while a routing
+        policy hears them (``Router.finish_plan``)."""
+        if _native_stream_complete is None or self.waiting_admission is not None or self.metrics.recording_completions:
+            return None
+        router = self.router
+        finish = router.finish_plan()
+        if finish is None:
+            return None
+        guard = self._admission.guard if self._admission is not None else None
+        return (*convert.completion_reading(router.settings.max_id_length), *finish, guard, router.clock.now)
+
     def _stream_item(self, item_id: int, kind: str | None, payload: Any, prompt: off_loop.StreamPrompt | None,
-                     client: str) -> bytes:
+                     client: str, complete_plan: tuple[Any, ...] | None = None) -> bytes:
         """The answer to one batch item, as wire bytes: ``payload`` is its Route or Complete
-        (a message or, read from the batch's bytes, its fields: ``stream_wire``) by ``kind``."""
+        (a message or, read from the batch's bytes, its fields: ``stream_wire``) by ``kind``;
+        ``complete_plan``: the batch's ``_complete_plan``."""
         if kind == "route":
             decided = self._stream_decided(item_id, payload, prompt, client)
             if type(decided) is pb.RouteStreamResponse:  # refused
@@ -372,10 +393,12 @@ class GatewayCalls:
             except Exception as exc:  # noqa: BLE001 - a bug fails this item only, the stream goes on
                 return stream_answers.message_answer(self._stream_internal(pb.RouteStreamResponse(id=item_id), exc))
         if kind == "complete":
-            refused = self._stream_completed(item_id, payload)
-            if refused is None:
+            done = self._stream_completed(item_id, payload, complete_plan)
+            if done is None:
                 return stream_answers.complete_answer(item_id)
-            return stream_answers.message_answer(refused)
+            if isinstance(done, bytes):  # applied and answered natively
+                return done
+            return stream_answers.message_answer(done)
         why = ("a batch item cannot itself be a batch" if kind == "batch"
                else "message carries neither route nor complete")
         return stream_answers.message_answer(self._stream_invalid(pb.RouteStreamResponse(id=item_id), why))
@@ -510,18 +533,24 @@ class GatewayCalls:
 
     def _stream_complete(self, msg: pb.RouteStreamRequest) -> pb.RouteStreamResponse:
         """The answer to a stream message that is one Complete (``_stream_completed``), as a message."""
-        refused = self._stream_completed(msg.id, msg.complete)
-        if refused is not None:
+        refused = self._stream_completed(msg.id, msg.complete)  # no plan: never bytes
+        if isinstance(refused, pb.RouteStreamResponse):
             return refused
         reply = pb.RouteStreamResponse(id=msg.id)
         reply.complete.SetInParent()
         return reply
 
-    def _stream_completed(self, item_id: int, request: pb.CompleteRequest | stream_wire.WireComplete
-                          ) -> pb.RouteStreamResponse | None:
+    def _stream_completed(self, item_id: int, request: pb.CompleteRequest | stream_wire.WireComplete,
+                          plan: tuple[Any, ...] | None = None) -> pb.RouteStreamResponse | bytes | None:
         """Apply stream message ``item_id``'s Complete (a message, or its fields as read from a
-        batch's bytes: ``stream_wire``): None, or the answer refusing it (``item_id``'s error)."""
+        batch's bytes: ``stream_wire``): None, or the answer refusing it (``item_id``'s error);
+        with its batch's ``plan`` (``_complete_plan``) natively where it can, answered then
+        (its bytes), else as ``_complete`` applies it."""
         try:
+            if plan is not None:
+                answered = _native_stream_complete(plan, item_id, request)  # type: ignore[misc]
+                if answered is not NotImplemented:
+                    return answered  # type: ignore[no-any-return]
             self._complete(request)
         except KVRouterError as exc:
             reply = pb.RouteStreamResponse(id=item_id)

@@ -6,7 +6,8 @@ and ``DeadlineGuard.on_complete`` end in, called in one pass. Two daemons' Route
 one of them without the plan (every Complete through ``_complete``), are fed the same batches:
 Routes, and Completes of what they routed, of what they never routed, of what completed already,
 with reported latencies that teach deadline admission and ones out of bounds, ending sessions,
-prefill hops done, and policies that hear their completions. They must write the same answers
+prefill hops done, policies that hear their completions, replica sync, and a disaggregated fleet
+whose prefill hops, once charged, take every Complete to the Python path. They must write the same answers
 byte for byte and keep the same router, ledger and deadline-admission books; and the native pass
 must have answered most Completes, so the comparison is not of the Python path with itself.
 """
@@ -28,7 +29,7 @@ from kvrouterd.clock import ManualClock
 from kvrouterd.config import AdmissionConfig
 from kvrouterd.index import native
 from kvrouterd.index.workers import WorkerSpec
-from kvrouterd.protocols import CacheMode
+from kvrouterd.protocols import CacheMode, WorkerRole
 from kvrouterd.router import Router, RouterSettings
 from kvrouterd.server import gateway_calls, stream_wire
 from kvrouterd.server.admission import AdmissionGate
@@ -42,14 +43,16 @@ pytestmark = pytest.mark.skipif(native.module is None, reason=native.status)
 BS = 16
 
 
-def _daemon(policy: str, deadline: bool, native_completes: bool,
-            published: list[Any] | None = None) -> tuple[KVRouterService, Router]:
+def _daemon(policy: str, deadline: bool, native_completes: bool, published: list[Any] | None = None,
+            disaggregated: bool = False) -> tuple[KVRouterService, Router]:
     clock = ManualClock()
     # T-LRU hears a Complete that ends its session (end-aware eviction), through the Python path
     settings = RouterSettings(block_size=BS, max_id_length=64, routing={"name": policy}, eviction={"name": "tlru"})
     router = Router(settings, clock, random.Random(3))
     for i in range(4):
-        router.add_worker(WorkerSpec(id=f"w{i}", address=f"w{i}:1",
+        # disaggregated: two prefill and two decode workers, so long prompts charge a prefill hop
+        role = (WorkerRole.PREFILL if i < 2 else WorkerRole.DECODE) if disaggregated else WorkerRole.BOTH
+        router.add_worker(WorkerSpec(id=f"w{i}", address=f"w{i}:1", role=role,
                                      mode=CacheMode.APPROXIMATE if i % 2 else CacheMode.EVENTS))
     service = KVRouterService(router, None, Metrics(MeterProvider(), lambda: len(router.index), lambda: ()), 65536)
     if deadline:
@@ -124,12 +127,15 @@ def _run(service: KVRouterService, batches: list[bytes], parsed: bool) -> list[b
     return call.replies
 
 
-@pytest.mark.parametrize("policy, deadline, parsed, synced", [
-    ("cache_aware", True, False, False), ("cache_aware", False, False, False), ("cache_aware", True, True, False),
-    ("least_loaded", True, False, False), ("lbgr", True, False, False), ("cache_aware", True, False, True),
+@pytest.mark.parametrize("policy, deadline, parsed, synced, disaggregated", [
+    ("cache_aware", True, False, False, False), ("cache_aware", False, False, False, False),
+    ("cache_aware", True, True, False, False), ("least_loaded", True, False, False, False),
+    ("lbgr", True, False, False, False), ("cache_aware", True, False, True, False),
+    ("cache_aware", True, False, False, True),
 ])
 def test_a_complete_applied_natively_is_the_one_the_python_path_applies(
-        policy: str, deadline: bool, parsed: bool, synced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        policy: str, deadline: bool, parsed: bool, synced: bool, disaggregated: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     answered = []
     real = gateway_calls._native_stream_complete
 
@@ -142,12 +148,15 @@ def test_a_complete_applied_natively_is_the_one_the_python_path_applies(
     for seed in range(3):
         batches = _batches(seed)
         published: tuple[list[Any], list[Any]] | tuple[None, None] = ([], []) if synced else (None, None)
-        (fast, fast_router), (slow, slow_router) = (_daemon(policy, deadline, on, sent)
+        (fast, fast_router), (slow, slow_router) = (_daemon(policy, deadline, on, sent, disaggregated)
                                                     for on, sent in zip((True, False), published, strict=True))
         assert _run(fast, batches, parsed) == _run(slow, batches, parsed)
         assert _state(fast_router, fast) == _state(slow_router, slow)
         assert published[0] == published[1] and (not synced or published[0])
+        assert fast_router._ledger._hops_charged is disaggregated  # prefill hops were charged
     if policy == "lbgr" or synced:  # it hears its completions / each is published: the Python path's
         assert not any(answered)
+    elif disaggregated:  # until the first prefill hop is charged; its release is the Python path's after
+        assert any(answered) and not all(answered)
     else:
         assert sum(answered) > 100 and not all(answered)  # most natively, some left to the Python path

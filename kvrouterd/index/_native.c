@@ -11882,8 +11882,8 @@ complete_answer(PyObject *module, PyObject *arg)
  * convert.completion, Router.complete_anywhere, LoadLedger._finish, AdmissionGate.on_complete
  * and DeadlineGuard.on_complete, stream_answers.complete_answer, as the natives those end in
  * (completion_of, ledger_finish, deadline_complete, complete_answer) called one after the other.
- * Live, the ~12 Python frames between them cost a streamed Route + Complete more than the
- * natives themselves. `plan` (GatewayCalls._complete_plan, read once a batch):
+ * The ~12 Python frames between them cost about what the natives do (a Complete in a hot loop:
+ * 1.9 us through them, 1.1 in this pass). `plan` (GatewayCalls._complete_plan, read once a batch):
  * (new_completion, max_id_length, limits, ledger, registry, speculative, new_inflight, routing,
  * routing_size, guard | None, now). The caller vouches for what a batch cannot change: nothing
  * records completions, no admission queue waits, no routing policy hears its completions (its

@@ -331,6 +331,17 @@ async def test_a_worker_an_operator_deregistered_stays_deregistered(port):
         await d.stop(grace=0)
 
 
+def errors(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    """The ERROR records, less one that no code of this test makes: grpc.aio's process-wide poller
+    handing a completion of an earlier test's gRPC object to that test's event loop, closed since
+    (asyncio logs "Exception in callback PollerCompletionQueue._handle_events" with "Event loop is
+    closed" on the loop running now). Seen once in CI's pure-Python pass (2026-11-30)."""
+    def foreign(r: logging.LogRecord) -> bool:
+        return (r.name == "asyncio" and "PollerCompletionQueue._handle_events" in r.getMessage()
+                and r.exc_info is not None and "Event loop is closed" in str(r.exc_info[1]))
+    return [r for r in records if r.levelno >= logging.ERROR and not foreign(r)]
+
+
 async def served_blocks(port: int, worker_id: str) -> tuple[int, int]:
     """(state, cached blocks) of a worker, as ListWorkers tells any client."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -382,7 +393,7 @@ async def test_a_killed_router_is_a_broken_connection_not_a_rejection_and_its_su
         ready_s = time.monotonic() - serving
         print(f"READY with {engine.blocks} blocks {ready_s:.2f}s after SERVING")  # the report's number
         assert pub.stats.rejected == 0 and pub.stats.events_dropped == 0 and pub.stats.overflows == 0
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        assert not errors(caplog.records), caplog.text
         assert pub.stats.router_restarts == 1 and pub.stats.resyncs_requested == 1
         assert await pub.flush(timeout=10)
         await route_matches(port, engine, "gpu")

@@ -113,6 +113,12 @@ def pack_request(req: RouteRequest, size: int) -> PackedRequest:
             str(req.lora), str(req.client), size, listed, *map(str, req.candidate_workers))
 
 
+def hears_completions(policy: RoutingPolicy) -> bool:
+    """Whether ``policy`` keeps anything per request (an ``on_complete`` of its own; the base
+    class's does nothing), so a completion must reach it (``LoadLedger._finish``)."""
+    return type(policy).on_complete is not RoutingPolicyBase.on_complete
+
+
 def unpack_request(packed: PackedRequest) -> RouteRequest:
     rid, keys, prompt, session, task, slo, output, policy, model, lora, client, _, listed = packed[:_CANDIDATES]
     if type(keys) is bytes:
@@ -541,9 +547,8 @@ class LoadLedger:
         native pass does not. Read once per batch: the pass declines a Complete once the
         policies' count changed (one built since)."""
         routing = self._shared.policies.routing
-        for policy in routing.values():
-            if type(policy).on_complete is not RoutingPolicyBase.on_complete:
-                return None
+        if any(map(hears_completions, routing.values())):
+            return None
         return (self, self._shared.workers, self._speculative, new_inflight, routing, len(routing))
 
     def _finish(self, completion: Completion) -> InFlight:
@@ -552,10 +557,9 @@ class LoadLedger:
             self, shared.workers, completion.request_id, completion.success, self._speculative, new_inflight)
         entry, packed = self._finish_py(completion) if released is NotImplemented else released
         policy = shared.policies.routing.get(entry.policy)
-        # most policies (cache_aware, the default, among them) keep nothing per request: their
-        # on_complete is the base class's, and neither the request is unpacked for them nor
-        # its worker looked up
-        hears = policy is not None and type(policy).on_complete is not RoutingPolicyBase.on_complete
+        # most policies (cache_aware, the default, among them) keep nothing per request: neither
+        # the request is unpacked for them nor its worker looked up
+        hears = policy is not None and hears_completions(policy)
         req = unpack_request(packed) if packed is not None and (hears or completion.session_ended) else None
         if hears:
             policy.on_complete(shared.workers.find(entry.worker_id), req, completion,  # type: ignore[union-attr]

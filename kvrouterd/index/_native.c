@@ -11361,7 +11361,7 @@ sb_view(const SbBatch *b, WireReader part)
 }
 
 /* `part`, a message of the batch, as the last three places of `out` from `at`: the batch's
- * bytes and the message's start and end in them (stream_wire.own_bytes makes its view) */
+ * bytes and the message's start and end in them (stream_wire.as_message parses them) */
 static inline int
 sb_own(const SbBatch *b, WireReader part, PyObject *out, Py_ssize_t at)
 {

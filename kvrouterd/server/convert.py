@@ -47,7 +47,7 @@ from ..protocols import (
     WorkerState,
 )
 from ..router import Router, RouteResult, prefill_hop_id
-from .stream_wire import WireComplete, WireRoute, own_bytes
+from .stream_wire import WireComplete, WireRoute, as_message
 from .wire import WirePrompt
 
 __all__ = [
@@ -185,8 +185,7 @@ def route_request(msg: pb.RouteRequest | WireRoute, router: Router, hashed: Hash
                                     settings.max_prompt_tokens, router.block_size, client)
         if req is not NotImplemented:
             return req
-    parsed = pb.RouteRequest.FromString(own_bytes(msg)) if isinstance(msg, tuple) else msg
-    return _route_request_py(parsed, router, hashed, client)
+    return _route_request_py(as_message(msg, pb.RouteRequest), router, hashed, client)
 
 
 def _route_request_py(msg: pb.RouteRequest, router: Router, hashed: HashedPrompt | None = None,
@@ -298,8 +297,7 @@ def completion(msg: pb.CompleteRequest | WireComplete, max_id_length: int = 0) -
         done = _completion_of(msg, _new_completion, max_id_length, _COMPLETION_LIMITS)
         if done is not NotImplemented:
             return done
-    parsed = pb.CompleteRequest.FromString(own_bytes(msg)) if isinstance(msg, tuple) else msg
-    return _completion_py(parsed, max_id_length)
+    return _completion_py(as_message(msg, pb.CompleteRequest), max_id_length)
 
 
 def completion_reading(max_id_length: int) -> tuple[Any, int, tuple[float, int, int]]:

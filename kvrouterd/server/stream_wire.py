@@ -15,21 +15,25 @@ pass declines is parsed by upb from its own bytes (``convert.route_request``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
 
 from .._generated.kvrouter.v1 import router_pb2 as pb
 from ..index import native
 
-__all__ = ["WireBatch", "WireComplete", "WireItem", "WireRoute", "own_bytes", "stream_message"]
+__all__ = ["WireBatch", "WireComplete", "WireItem", "WireRoute", "as_message", "stream_message"]
 
 #: A Route's fields as ``route_request_packed`` reads them (``RR_FIELDS``' order), then where the
-#: RouteRequest's own bytes are (``own_bytes``: ``convert.route_request`` parses them when the
+#: RouteRequest's own bytes are (``as_message``: ``convert.route_request`` parses them when the
 #: pass declines); that alone for a prompt sent as token_ids or block_keys (the reference's forms)
 WireRoute = tuple[Any, ...]
 #: A Complete's ten fields in declaration order, then where the CompleteRequest's own bytes are
 WireComplete = tuple[Any, ...]
 #: (item id, "route" or "complete", its fields)
 WireItem = tuple[int, str, Any]
+
+_M = TypeVar("_M", bound=Message)
 
 _read_items = native.module.stream_batch_items if native.module is not None else None
 
@@ -48,11 +52,14 @@ class WireBatch:
         return pb.RouteStreamRequest.FromString(self.data)
 
 
-def own_bytes(fields: WireRoute | WireComplete) -> memoryview:
-    """The Route's or Complete's own message bytes, as read into ``fields`` (its batch's bytes,
-    its start and end in them, the last three places): what upb parses for the reference."""
-    data, start, end = fields[-3:]
-    return memoryview(data)[start:end]
+def as_message(msg: _M | WireRoute | WireComplete, message: type[_M]) -> _M:
+    """``msg`` as a ``message``: itself, or (a batch's Route or Complete as read into its
+    fields) upb's parse of its own bytes, which the fields end with (its batch's bytes, its
+    start and end in them): what the references of the native passes read."""
+    if not isinstance(msg, tuple):
+        return msg
+    data, start, end = msg[-3:]
+    return message.FromString(memoryview(data)[start:end])
 
 
 def stream_message(data: bytes, max_items: int) -> pb.RouteStreamRequest | WireBatch:

@@ -161,7 +161,7 @@ def read_alike(data: bytes) -> str:
         assert (item_id, kind) == (item.id, item.WhichOneof("kind"))
         msg = getattr(item, kind)
         assert fields[-3] is data
-        assert type(msg).FromString(stream_wire.own_bytes(fields)) == msg  # the item's own bytes, for the reference
+        assert stream_wire.as_message(fields, type(msg)) == msg  # the item's own bytes, for the reference
         if len(fields) == 3:  # a prompt in the reference's forms: where the Route is, alone
             assert kind == "route" and (len(msg.token_ids) or len(msg.block_keys))
             continue

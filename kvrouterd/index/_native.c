@@ -11147,6 +11147,23 @@ message_fields(const MessageLayout *l, PyObject *msg, PyObject **v)
     return r;
 }
 
+/* `msg`'s first n fields into v[0:n] (new references; v all NULL before): a message's as
+ * message_fields reads them (its answers), or a batch item's as stream_batch_items read them (its
+ * n fields, then where its own bytes are: 0); ITEM_FOR_REFERENCE for an item read as those three
+ * alone (a prompt in the reference's forms) or of another size, which the reference parses */
+enum { ITEM_FOR_REFERENCE = 2 };
+static int
+item_fields(const MessageLayout *l, PyObject *msg, PyObject **v, int n)
+{
+    if (!PyTuple_CheckExact(msg))
+        return message_fields(l, msg, v);
+    if (PyTuple_GET_SIZE(msg) != n + 3)
+        return ITEM_FOR_REFERENCE;
+    for (int i = 0; i < n; i++)
+        v[i] = Py_NewRef(PyTuple_GET_ITEM(msg, i));
+    return 0;
+}
+
 static PyObject *
 route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -11171,13 +11188,10 @@ route_request_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n_bytes = 0;
     const char *packed = NULL; /* the prompt's bytes: v[LE32]'s, or its view's */
     Py_buffer view = {NULL};
-    int by_name = 0;
-    if (PyTuple_CheckExact(msg) && PyTuple_GET_SIZE(msg) != N + 3) /* stream_batch_items' Route for the reference */
+    int by_name = item_fields(&rr_layout, msg, v, N); /* 0: all read at once */
+    if (by_name == ITEM_FOR_REFERENCE)
         Py_RETURN_NOTIMPLEMENTED;
-    if (PyTuple_CheckExact(msg)) /* stream_batch_items' fields, then where the Route's bytes are */
-        for (int i = 0; i < N; i++)
-            v[i] = Py_NewRef(PyTuple_GET_ITEM(msg, i));
-    else if ((by_name = message_fields(&rr_layout, msg, v)) < 0) /* 0: all read at once */
+    if (by_name < 0)
         r = -1;
     for (int i = 0; i < N && r == 0; i++) {
         if (by_name && (v[i] = PyObject_GetAttr(msg, names[i])) == NULL)
@@ -11284,13 +11298,10 @@ completion_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     static const int latencies[] = {1, 2, 7, 8};
     PyObject *v[N] = {NULL}, *result = NULL;
     int r = 0;
-    int by_name = 0;
-    if (PyTuple_CheckExact(args[0]) && PyTuple_GET_SIZE(args[0]) != N + 3)
+    int by_name = item_fields(&cp_layout, args[0], v, N); /* 0: all read at once */
+    if (by_name == ITEM_FOR_REFERENCE)
         Py_RETURN_NOTIMPLEMENTED;
-    if (PyTuple_CheckExact(args[0])) /* stream_batch_items' fields, then where the Complete's bytes are */
-        for (int i = 0; i < N; i++)
-            v[i] = Py_NewRef(PyTuple_GET_ITEM(args[0], i));
-    else if ((by_name = message_fields(&cp_layout, args[0], v)) < 0) /* 0: all read at once */
+    if (by_name < 0)
         r = -1;
     for (int i = 0; by_name > 0 && i < N && r == 0; i++)
         if ((v[i] = PyObject_GetAttr(args[0], cp_names[i])) == NULL)
